@@ -1,0 +1,31 @@
+"""The errors graphopt reports to people, each tied to an exit code (see DESIGN.md)."""
+
+from __future__ import annotations
+
+
+class GraphoptError(Exception):
+    """Base class; ``exit_code`` is what the CLI returns for it."""
+
+    exit_code = 3
+
+
+class InputError(GraphoptError):
+    """Bad usage or bad input: the message names the file and what is wrong (exit 2)."""
+
+    exit_code = 2
+
+
+class CheckFailed(GraphoptError):
+    """A numerics check or a gate failed (exit 1)."""
+
+    exit_code = 1
+
+
+class PassError(GraphoptError):
+    """A pass raised; carries the pass name (exit 3 under --strict)."""
+
+    exit_code = 3
+
+    def __init__(self, pass_name: str, message: str) -> None:
+        super().__init__(f"pass {pass_name!r} failed: {message}")
+        self.pass_name = pass_name

@@ -1,0 +1,38 @@
+"""Reading and writing models: ONNX protobuf and graphopt's JSON form."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from graphopt.errors import InputError
+from graphopt.ir import Model
+
+
+def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Model:
+    """Load a model, choosing the format by extension (.json, else ONNX)."""
+    if Path(path).suffix.lower() == ".json":
+        from graphopt.io import json_io
+
+        return json_io.load(path, independent_dims=independent_dims)
+    from graphopt.io import onnx_io
+
+    return onnx_io.load(path, independent_dims=independent_dims)
+
+
+def save(model: Model, path: str | os.PathLike[str], **options: object) -> None:
+    """Save a model atomically, choosing the format by extension."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".json":
+        from graphopt.io import json_io
+
+        json_io.save(model, path)
+        return
+    if suffix not in (".onnx", ".pb", ""):
+        raise InputError(f"{path}: unknown output format {suffix!r} (use .onnx or .json)")
+    from graphopt.io import onnx_io
+
+    onnx_io.save(model, path, **options)  # type: ignore[arg-type]
+
+
+__all__ = ["load", "save"]

@@ -1,0 +1,698 @@
+"""ONNX protobuf <-> IR. The only module (with json_io) that knows the file formats.
+
+Round trips are lossless up to these normalizations:
+
+- nodes are written in a topological order (the stored order whenever it already is one);
+- ``value_info`` lists the typed intermediate values in node order, and drops entries for
+  names that no node defines;
+- dimension denotations and NodeProto.device_configurations are not kept;
+- repeated keys in ``metadata_props`` keep their last value;
+- an attribute without a declared type gets the type of the field that is set.
+
+Tensors are not decoded on load: an in-file tensor keeps its parsed TensorProto and is
+written back as it came unless a pass replaced it; external data is memory-mapped and
+copied in chunks on save, so a model larger than memory (or than protobuf's 2 GB limit)
+goes through with bounded RAM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import numpy_helper
+
+from graphopt.errors import InputError
+from graphopt.ir import (
+    Attr,
+    AttrKind,
+    DataType,
+    Dim,
+    ExternalSource,
+    Function,
+    Graph,
+    GraphError,
+    MapType,
+    Model,
+    Node,
+    OpaqueType,
+    OptionalType,
+    SequenceType,
+    SparseTensor,
+    SparseTensorType,
+    Sym,
+    Tensor,
+    TensorType,
+    Type,
+    Value,
+    parse_dim,
+)
+
+__all__ = ["ProtoSource", "from_proto", "load", "save", "to_proto"]
+
+# Tensors at least this large go to the external-data file when one is written.
+EXTERNAL_THRESHOLD = 1024
+# Above this many tensor bytes a model cannot be one protobuf message.
+PROTOBUF_LIMIT = 2**31 - 2**26
+_CHUNK = 64 * 2**20
+
+
+@dataclass
+class ProtoSource:
+    """Values still inside the TensorProto they were parsed from."""
+
+    proto: onnx.TensorProto
+
+    def read(self) -> np.ndarray:
+        return numpy_helper.to_array(self.proto)
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Model:
+    """Read an ONNX file. External data is mapped, not read. Raises InputError on bad input."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    proto = onnx.ModelProto()
+    try:
+        with path.open("rb") as handle:
+            proto.ParseFromString(handle.read())
+    except (DecodeError, RuntimeError, ValueError) as err:
+        raise InputError(f"{path}: not a valid ONNX protobuf ({_first_line(err)})") from None
+    if not proto.HasField("graph") or proto.ir_version <= 0:
+        raise InputError(f"{path}: not an ONNX model (no graph or no ir_version)")
+    try:
+        return from_proto(proto, base_dir=path.parent, independent_dims=independent_dims)
+    except (InputError, GraphError) as err:
+        raise InputError(f"{path}: {err}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def from_proto(
+    proto: onnx.ModelProto, *, base_dir: Path | None = None, independent_dims: bool = False
+) -> Model:
+    reader = _Reader(base_dir or Path.cwd(), independent_dims)
+    graph = reader.graph(proto.graph, [])
+    graph.topological()  # a cycle is bad input, found now rather than in a pass
+    model = Model(
+        graph=graph,
+        opset_imports={o.domain: o.version for o in proto.opset_import},
+        ir_version=proto.ir_version,
+        producer_name=proto.producer_name,
+        producer_version=proto.producer_version,
+        domain=proto.domain,
+        model_version=proto.model_version,
+        doc_string=proto.doc_string,
+        metadata_props={p.key: p.value for p in proto.metadata_props},
+        functions=[reader.function(f) for f in proto.functions],
+    )
+    for field_name in ("training_info", "configuration"):
+        items = getattr(proto, field_name)
+        if len(items):
+            model.opaque_fields[field_name] = [item.SerializeToString() for item in items]
+    return model
+
+
+class _Reader:
+    def __init__(self, base_dir: Path, independent_dims: bool) -> None:
+        self.base_dir = base_dir
+        self.independent_dims = independent_dims
+        self.uids = itertools.count(1)
+
+    # types
+    def dim(self, proto: onnx.TensorShapeProto.Dimension) -> Dim:
+        which = proto.WhichOneof("value")
+        if which == "dim_value":
+            return int(proto.dim_value)
+        if which == "dim_param":
+            dim = parse_dim(proto.dim_param)
+            if self.independent_dims and isinstance(dim, Sym):
+                return Sym(dim.name, next(self.uids))
+            return dim
+        return None
+
+    def type(self, proto: onnx.TypeProto) -> Type | None:
+        which = proto.WhichOneof("value")
+        denotation = proto.denotation
+        if which == "tensor_type" or which == "sparse_tensor_type":
+            tensor = proto.tensor_type if which == "tensor_type" else proto.sparse_tensor_type
+            shape = tuple(self.dim(d) for d in tensor.shape.dim) if tensor.HasField("shape") else None
+            dtype = _dtype(tensor.elem_type, "a value type")
+            cls = TensorType if which == "tensor_type" else SparseTensorType
+            return cls(dtype, shape, denotation)
+        if which == "sequence_type":
+            return SequenceType(self.type(proto.sequence_type.elem_type), denotation)
+        if which == "map_type":
+            key = _dtype(proto.map_type.key_type, "a map key")
+            return MapType(key, self.type(proto.map_type.value_type), denotation)
+        if which == "optional_type":
+            return OptionalType(self.type(proto.optional_type.elem_type), denotation)
+        if which == "opaque_type":
+            return OpaqueType(proto.opaque_type.domain, proto.opaque_type.name, denotation)
+        return None
+
+    # tensors
+    def tensor(self, proto: onnx.TensorProto) -> Tensor:
+        dtype = _dtype(proto.data_type, f"tensor {proto.name!r}")
+        shape = tuple(int(d) for d in proto.dims)
+        if any(d < 0 for d in shape):
+            raise InputError(f"tensor {proto.name!r} has a negative dimension {shape}")
+        source: Any
+        if proto.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in proto.external_data}
+            location = info.get("location", "")
+            file = self.base_dir / location
+            if not location or not file.is_file():
+                raise InputError(f"tensor {proto.name!r}: external data file {str(file)!r} is missing")
+            offset = int(info.get("offset", 0))
+            length = int(info["length"]) if "length" in info else None
+            needed = (int(np.prod(shape)) * dtype.itemsize_bits + 7) // 8
+            if offset + (length if length is not None else needed) > file.stat().st_size:
+                raise InputError(f"tensor {proto.name!r}: external data file {str(file)!r} is too short")
+            source = ExternalSource(file, offset, length, dtype, shape)
+        else:
+            source = ProtoSource(proto)
+        return Tensor(
+            proto.name,
+            dtype,
+            shape,
+            source,
+            doc_string=proto.doc_string,
+            metadata_props={p.key: p.value for p in proto.metadata_props},
+        )
+
+    def sparse(self, proto: onnx.SparseTensorProto) -> SparseTensor:
+        return SparseTensor(self.tensor(proto.values), self.tensor(proto.indices), tuple(proto.dims))
+
+    # attributes
+    def attribute(self, proto: onnx.AttributeProto, scope: list[dict[str, Value]]) -> Attr:
+        kind = AttrKind(proto.type) if proto.type else _infer_attr_kind(proto)
+        value: Any
+        if proto.ref_attr_name:
+            value = None
+        elif kind == AttrKind.FLOAT:
+            value = float(proto.f)
+        elif kind == AttrKind.INT:
+            value = int(proto.i)
+        elif kind == AttrKind.STRING:
+            value = bytes(proto.s)
+        elif kind == AttrKind.TENSOR:
+            value = self.tensor(proto.t)
+        elif kind == AttrKind.GRAPH:
+            value = self.graph(proto.g, scope)
+        elif kind == AttrKind.SPARSE_TENSOR:
+            value = self.sparse(proto.sparse_tensor)
+        elif kind == AttrKind.TYPE_PROTO:
+            value = self.type(proto.tp)
+        elif kind == AttrKind.FLOATS:
+            value = [float(x) for x in proto.floats]
+        elif kind == AttrKind.INTS:
+            value = [int(x) for x in proto.ints]
+        elif kind == AttrKind.STRINGS:
+            value = [bytes(x) for x in proto.strings]
+        elif kind == AttrKind.TENSORS:
+            value = [self.tensor(t) for t in proto.tensors]
+        elif kind == AttrKind.GRAPHS:
+            value = [self.graph(g, scope) for g in proto.graphs]
+        elif kind == AttrKind.SPARSE_TENSORS:
+            value = [self.sparse(t) for t in proto.sparse_tensors]
+        elif kind == AttrKind.TYPE_PROTOS:
+            value = [self.type(t) for t in proto.type_protos]
+        else:
+            value = None
+        return Attr(proto.name, kind, value, proto.ref_attr_name, proto.doc_string)
+
+    # graphs
+    def graph(self, proto: onnx.GraphProto, scope: list[dict[str, Value]]) -> Graph:
+        local: dict[str, Value] = {}
+        where = f"graph {proto.name!r}" if proto.name else "the graph"
+
+        def define(value: Value) -> Value:
+            if value.name and value.name in local:
+                raise InputError(f"{where}: value {value.name!r} is defined twice")
+            if value.name:
+                local[value.name] = value
+            return value
+
+        annotations = {vi.name: vi for vi in proto.value_info}
+        initializers: list[Value] = []
+        for tensor_proto in proto.initializer:
+            tensor = self.tensor(tensor_proto)
+            initializers.append(define(Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)))
+        for sparse_proto in proto.sparse_initializer:
+            sparse = self.sparse(sparse_proto)
+            initializers.append(
+                define(Value(sparse.name, SparseTensorType(sparse.values.dtype, sparse.dims), sparse))
+            )
+        inputs: list[Value] = []
+        for vi in proto.input:
+            # Before IR version 4 initializers were also listed as inputs: one value, two roles.
+            value = local.get(vi.name) or define(Value(vi.name))
+            self._annotate(value, vi)
+            inputs.append(value)
+        # Outputs first, inputs second: a graph whose nodes are out of order still loads.
+        outputs_of: list[list[Value]] = []
+        for node_proto in proto.node:
+            outputs = [define(Value(name)) for name in node_proto.output]
+            for value in outputs:
+                if value.name in annotations:
+                    self._annotate(value, annotations[value.name])
+            outputs_of.append(outputs)
+        inner_scope = [*scope, local]
+
+        def resolve(name: str, reader: str) -> Value:
+            for frame in reversed(inner_scope):
+                if name in frame:
+                    return frame[name]
+            raise InputError(f"{where}: {reader} reads {name!r}, which nothing defines")
+
+        nodes = []
+        for node_proto, outputs in zip(proto.node, outputs_of):
+            label = f"node {node_proto.name or node_proto.op_type!r}"
+            node = Node(
+                node_proto.op_type,
+                [resolve(n, label) if n else None for n in node_proto.input],
+                outputs,
+                [self.attribute(a, inner_scope) for a in node_proto.attribute],
+                domain=node_proto.domain,
+                name=node_proto.name,
+                overload=node_proto.overload,
+            )
+            node.doc_string = node_proto.doc_string
+            node.metadata_props = {p.key: p.value for p in node_proto.metadata_props}
+            nodes.append(node)
+        graph_outputs = []
+        for vi in proto.output:
+            value = resolve(vi.name, "a graph output")
+            self._annotate(value, vi)
+            graph_outputs.append(value)
+        graph = Graph(inputs, graph_outputs, nodes, initializers, name=proto.name)
+        graph.doc_string = proto.doc_string
+        graph.metadata_props = {p.key: p.value for p in proto.metadata_props}
+        graph.quantization_annotation = [
+            (a.tensor_name, {p.key: p.value for p in a.quant_parameter_tensor_names})
+            for a in proto.quantization_annotation
+        ]
+        return graph
+
+    def _annotate(self, value: Value, vi: onnx.ValueInfoProto) -> None:
+        if vi.HasField("type"):
+            value.type = self.type(vi.type) or value.type
+        value.doc_string = vi.doc_string or value.doc_string
+        value.metadata_props.update({p.key: p.value for p in vi.metadata_props})
+
+    def function(self, proto: onnx.FunctionProto) -> Function:
+        body_proto = onnx.GraphProto(node=proto.node, value_info=proto.value_info, name=proto.name)
+        body_proto.input.extend(onnx.ValueInfoProto(name=n) for n in proto.input)
+        body_proto.output.extend(onnx.ValueInfoProto(name=n) for n in proto.output)
+        body = self.graph(body_proto, [])
+        return Function(
+            domain=proto.domain,
+            name=proto.name,
+            body=body,
+            attributes=list(proto.attribute),
+            attribute_defaults={a.name: self.attribute(a, []) for a in proto.attribute_proto},
+            opset_imports={o.domain: o.version for o in proto.opset_import},
+            overload=proto.overload,
+            doc_string=proto.doc_string,
+            metadata_props={p.key: p.value for p in proto.metadata_props},
+        )
+
+
+def _dtype(code: int, what: str) -> DataType:
+    try:
+        return DataType(code)
+    except ValueError:
+        raise InputError(f"{what} has an unknown element type {code}") from None
+
+
+_ATTR_FIELDS = [
+    ("graphs", AttrKind.GRAPHS),
+    ("tensors", AttrKind.TENSORS),
+    ("sparse_tensors", AttrKind.SPARSE_TENSORS),
+    ("type_protos", AttrKind.TYPE_PROTOS),
+    ("strings", AttrKind.STRINGS),
+    ("ints", AttrKind.INTS),
+    ("floats", AttrKind.FLOATS),
+]
+
+
+def _infer_attr_kind(proto: onnx.AttributeProto) -> AttrKind:
+    for single, kind in [("g", AttrKind.GRAPH), ("t", AttrKind.TENSOR), ("sparse_tensor", AttrKind.SPARSE_TENSOR), ("tp", AttrKind.TYPE_PROTO)]:
+        if proto.HasField(single):
+            return kind
+    for repeated, kind in _ATTR_FIELDS:
+        if len(getattr(proto, repeated)):
+            return kind
+    for single, kind in [("s", AttrKind.STRING), ("i", AttrKind.INT), ("f", AttrKind.FLOAT)]:
+        if proto.HasField(single):
+            return kind
+    return AttrKind.UNDEFINED
+
+
+# -- saving -------------------------------------------------------------------------------
+
+
+def save(
+    model: Model,
+    path: str | os.PathLike[str],
+    *,
+    external_data: bool | None = None,
+    location: str | None = None,
+) -> None:
+    """Write ``model`` atomically. ``external_data=None`` keeps external data when the model
+    was loaded with it or when it would not fit in one protobuf message."""
+    path = Path(path)
+    tensors = list(_all_tensors(model))
+    if external_data is None:
+        external_data = any(isinstance(t.source, ExternalSource) for t in tensors) or (
+            sum(t.nbytes for t in tensors) > PROTOBUF_LIMIT
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_name = location or f"{path.name}.data"
+    data_tmp: Path | None = None
+    writer: _ExternalWriter | None = None
+    if external_data:
+        handle, tmp = tempfile.mkstemp(prefix=f".{data_name}.", dir=path.parent)
+        os.close(handle)
+        data_tmp = Path(tmp)
+        writer = _ExternalWriter(data_tmp, data_name)
+    try:
+        proto = to_proto(model, writer)
+        if writer is not None:
+            writer.close()
+        _atomic_write(path, proto.SerializeToString())
+        if data_tmp is not None:
+            os.replace(data_tmp, path.parent / data_name)
+            data_tmp = None
+    finally:
+        if writer is not None:
+            writer.close()
+        if data_tmp is not None:
+            data_tmp.unlink(missing_ok=True)
+
+
+def _atomic_write(path: Path, payload: bytes) -> None:
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(payload)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _all_tensors(model: Model) -> Iterable[Tensor]:
+    for graph in model.all_graphs():
+        for value in graph.initializers.values():
+            if isinstance(value.const, Tensor):
+                yield value.const
+            elif isinstance(value.const, SparseTensor):
+                yield value.const.values
+                yield value.const.indices
+        for node in graph:
+            for attr in node.attributes.values():
+                if attr.kind == AttrKind.TENSOR and attr.value is not None:
+                    yield attr.value
+                elif attr.kind == AttrKind.TENSORS:
+                    yield from attr.value
+
+
+class _ExternalWriter:
+    """Appends tensor bytes to one data file, aligned, chunk by chunk."""
+
+    def __init__(self, file: Path, location: str) -> None:
+        self.location = location
+        self.out = file.open("wb")
+        self.offset = 0
+
+    def write(self, tensor: Tensor, proto: onnx.TensorProto) -> None:
+        aligned = (self.offset + 4095) // 4096 * 4096
+        self.out.write(b"\0" * (aligned - self.offset))
+        start = aligned
+        if isinstance(tensor.source, ExternalSource):
+            raw = tensor.source.raw()
+            for begin in range(0, len(raw), _CHUNK):
+                self.out.write(raw[begin : begin + _CHUNK])
+            length = len(raw)
+        else:
+            payload = _raw_bytes(tensor)
+            self.out.write(payload)
+            length = len(payload)
+        self.offset = start + length
+        proto.data_location = onnx.TensorProto.EXTERNAL
+        del proto.external_data[:]
+        for key, value in (("location", self.location), ("offset", str(start)), ("length", str(length))):
+            proto.external_data.add(key=key, value=value)
+
+    def close(self) -> None:
+        if not self.out.closed:
+            self.out.close()
+
+
+def _raw_bytes(tensor: Tensor) -> bytes:
+    source = tensor.source
+    if isinstance(source, ProtoSource) and source.proto.HasField("raw_data"):
+        return source.proto.raw_data
+    return _tensor_proto_from_array(tensor, source.read()).raw_data
+
+
+def _tensor_proto_from_array(tensor: Tensor, array: np.ndarray) -> onnx.TensorProto:
+    if tensor.dtype in (DataType.STRING,) or array.dtype == np.dtype(object):
+        return numpy_helper.from_array(array, tensor.name)
+    proto = onnx.TensorProto(name=tensor.name, data_type=int(tensor.dtype), dims=list(tensor.shape))
+    proto.raw_data = np.ascontiguousarray(array).tobytes()
+    return proto
+
+
+def to_proto(model: Model, external: _ExternalWriter | None = None) -> onnx.ModelProto:
+    writer = _Writer(external)
+    proto = onnx.ModelProto(
+        **_given(
+            ir_version=model.ir_version,
+            producer_name=model.producer_name,
+            producer_version=model.producer_version,
+            domain=model.domain,
+            model_version=model.model_version,
+            doc_string=model.doc_string,
+        )
+    )
+    for domain, version in model.opset_imports.items():
+        proto.opset_import.add(domain=domain, version=version)
+    _props(proto.metadata_props, model.metadata_props)
+    proto.graph.CopyFrom(writer.graph(model.graph))
+    for function in model.functions:
+        proto.functions.append(writer.function(function))
+    for field_name, items in model.opaque_fields.items():
+        container = getattr(proto, field_name)
+        for item in items:
+            container.add().ParseFromString(item)
+    return proto
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The fields that differ from their default: empty strings and zeros are not written."""
+    return {key: value for key, value in fields.items() if value}
+
+
+def _props(container: Any, props: dict[str, str]) -> None:
+    for key, value in props.items():
+        container.add(key=key, value=value)
+
+
+def _format_dim(dim: Dim, proto: onnx.TensorShapeProto.Dimension) -> None:
+    if isinstance(dim, int):
+        proto.dim_value = dim
+    elif dim is not None:
+        proto.dim_param = str(dim)
+
+
+class _Writer:
+    def __init__(self, external: _ExternalWriter | None) -> None:
+        self.external = external
+
+    def type(self, value_type: Type | None, proto: onnx.TypeProto) -> None:
+        if value_type is None:
+            return
+        if value_type.denotation:
+            proto.denotation = value_type.denotation
+        if isinstance(value_type, (TensorType, SparseTensorType)):
+            tensor = proto.tensor_type if isinstance(value_type, TensorType) else proto.sparse_tensor_type
+            tensor.elem_type = int(value_type.dtype)
+            if value_type.shape is not None:
+                tensor.shape.SetInParent()
+                for dim in value_type.shape:
+                    _format_dim(dim, tensor.shape.dim.add())
+        elif isinstance(value_type, SequenceType):
+            proto.sequence_type.SetInParent()
+            self.type(value_type.element, proto.sequence_type.elem_type)
+        elif isinstance(value_type, MapType):
+            proto.map_type.key_type = int(value_type.key)
+            self.type(value_type.value, proto.map_type.value_type)
+        elif isinstance(value_type, OptionalType):
+            proto.optional_type.SetInParent()
+            self.type(value_type.element, proto.optional_type.elem_type)
+        elif isinstance(value_type, OpaqueType):
+            proto.opaque_type.SetInParent()
+            proto.opaque_type.domain = value_type.domain
+            proto.opaque_type.name = value_type.name
+
+    def value_info(self, value: Value, name: str | None = None) -> onnx.ValueInfoProto:
+        proto = onnx.ValueInfoProto(**_given(name=value.name if name is None else name, doc_string=value.doc_string))
+        if value.type is not None:
+            self.type(value.type, proto.type)
+        _props(proto.metadata_props, value.metadata_props)
+        return proto
+
+    def tensor(self, tensor: Tensor, allow_external: bool = True) -> onnx.TensorProto:
+        source = tensor.source
+        if isinstance(source, ProtoSource):
+            proto = onnx.TensorProto()
+            proto.CopyFrom(source.proto)
+            proto.name = tensor.name
+        elif isinstance(source, ExternalSource):
+            proto = onnx.TensorProto(name=tensor.name, data_type=int(tensor.dtype), dims=list(tensor.shape))
+        else:
+            proto = _tensor_proto_from_array(tensor, source.read())
+        if tensor.doc_string:
+            proto.doc_string = tensor.doc_string
+        del proto.metadata_props[:]
+        _props(proto.metadata_props, tensor.metadata_props)
+        if (
+            allow_external
+            and self.external is not None
+            and tensor.dtype != DataType.STRING
+            and tensor.nbytes >= EXTERNAL_THRESHOLD
+        ):
+            _clear_data_fields(proto)
+            self.external.write(tensor, proto)
+        elif isinstance(source, ExternalSource):
+            proto.raw_data = bytes(source.raw())
+        return proto
+
+    def sparse(self, sparse: SparseTensor) -> onnx.SparseTensorProto:
+        proto = onnx.SparseTensorProto(dims=list(sparse.dims))
+        proto.values.CopyFrom(self.tensor(sparse.values))
+        proto.indices.CopyFrom(self.tensor(sparse.indices))
+        return proto
+
+    def attribute(self, attr: Attr) -> onnx.AttributeProto:
+        proto = onnx.AttributeProto(**_given(name=attr.name, type=int(attr.kind), doc_string=attr.doc_string))
+        if attr.ref_attr_name:
+            proto.ref_attr_name = attr.ref_attr_name
+            return proto
+        kind, value = attr.kind, attr.value
+        if kind == AttrKind.FLOAT:
+            proto.f = value
+        elif kind == AttrKind.INT:
+            proto.i = value
+        elif kind == AttrKind.STRING:
+            proto.s = value
+        elif kind == AttrKind.TENSOR:
+            proto.t.CopyFrom(self.tensor(value))
+        elif kind == AttrKind.GRAPH:
+            proto.g.CopyFrom(self.graph(value))
+        elif kind == AttrKind.SPARSE_TENSOR:
+            proto.sparse_tensor.CopyFrom(self.sparse(value))
+        elif kind == AttrKind.TYPE_PROTO:
+            self.type(value, proto.tp)
+        elif kind == AttrKind.FLOATS:
+            proto.floats.extend(value)
+        elif kind == AttrKind.INTS:
+            proto.ints.extend(value)
+        elif kind == AttrKind.STRINGS:
+            proto.strings.extend(value)
+        elif kind == AttrKind.TENSORS:
+            proto.tensors.extend(self.tensor(t) for t in value)
+        elif kind == AttrKind.GRAPHS:
+            proto.graphs.extend(self.graph(g) for g in value)
+        elif kind == AttrKind.SPARSE_TENSORS:
+            proto.sparse_tensors.extend(self.sparse(t) for t in value)
+        elif kind == AttrKind.TYPE_PROTOS:
+            for item in value:
+                self.type(item, proto.type_protos.add())
+        return proto
+
+    def node(self, node: Node) -> onnx.NodeProto:
+        proto = onnx.NodeProto(
+            input=[v.name if v is not None else "" for v in node.inputs],
+            output=[v.name for v in node.outputs],
+            **_given(
+                op_type=node.op_type,
+                domain=node.domain,
+                name=node.name,
+                doc_string=node.doc_string,
+                overload=node.overload,
+            ),
+        )
+        proto.attribute.extend(self.attribute(a) for a in node.attributes.values())
+        _props(proto.metadata_props, node.metadata_props)
+        return proto
+
+    def graph(self, graph: Graph) -> onnx.GraphProto:
+        proto = onnx.GraphProto(**_given(name=graph.name, doc_string=graph.doc_string))
+        for value in graph.initializers.values():
+            if isinstance(value.const, SparseTensor):
+                proto.sparse_initializer.append(self.sparse(value.const))
+            elif isinstance(value.const, Tensor):
+                tensor_proto = self.tensor(value.const)
+                tensor_proto.name = value.name
+                proto.initializer.append(tensor_proto)
+        proto.input.extend(self.value_info(v) for v in graph.inputs)
+        nodes = graph.topological()
+        proto.node.extend(self.node(n) for n in nodes)
+        proto.output.extend(self.value_info(v) for v in graph.outputs)
+        boundary = {id(v) for v in [*graph.inputs, *graph.outputs]}
+        for node in nodes:
+            for value in node.outputs:
+                if value.name and id(value) not in boundary and (value.type is not None or value.doc_string or value.metadata_props):
+                    proto.value_info.append(self.value_info(value))
+        _props(proto.metadata_props, graph.metadata_props)
+        for tensor_name, params in graph.quantization_annotation:
+            annotation = proto.quantization_annotation.add(tensor_name=tensor_name)
+            _props(annotation.quant_parameter_tensor_names, params)
+        return proto
+
+    def function(self, function: Function) -> onnx.FunctionProto:
+        body = self.graph(function.body)
+        proto = onnx.FunctionProto(
+            input=[v.name for v in function.body.inputs],
+            output=[v.name for v in function.body.outputs],
+            attribute=function.attributes,
+            node=body.node,
+            value_info=body.value_info,
+            **_given(
+                domain=function.domain,
+                name=function.name,
+                doc_string=function.doc_string,
+                overload=function.overload,
+            ),
+        )
+        proto.attribute_proto.extend(self.attribute(a) for a in function.attribute_defaults.values())
+        for domain, version in function.opset_imports.items():
+            proto.opset_import.add(domain=domain, version=version)
+        _props(proto.metadata_props, function.metadata_props)
+        return proto
+
+
+def _clear_data_fields(proto: onnx.TensorProto) -> None:
+    for name in ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data"):
+        proto.ClearField(name)  # type: ignore[arg-type]
+    proto.ClearField("raw_data")
+    del proto.external_data[:]
+

@@ -1,0 +1,312 @@
+"""Graphs: inputs, initializers, nodes and outputs, with order and levels on demand."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Iterator, Sequence
+
+from graphopt.ir.node import Node
+from graphopt.ir.value import Use, Value
+
+__all__ = ["Graph", "GraphError"]
+
+
+class GraphError(ValueError):
+    """The graph breaks an invariant: a cycle, a duplicate name, a dangling value."""
+
+
+class Graph:
+    """A main graph or a subgraph body (``parent`` is then the node that owns it).
+
+    Every mutation goes through methods here or on :class:`Node`, so use lists stay
+    exact and the cached topological order and levels are dropped when they go stale.
+    """
+
+    def __init__(
+        self,
+        inputs: Sequence[Value] = (),
+        outputs: Sequence[Value] = (),
+        nodes: Iterable[Node] = (),
+        initializers: Iterable[Value] = (),
+        name: str = "",
+    ) -> None:
+        self.name = name
+        self.doc_string = ""
+        self.metadata_props: dict[str, str] = {}
+        self.quantization_annotation: list[tuple[str, dict[str, str]]] = []
+        self.parent: Node | None = None
+        self._nodes: list[Node] = []
+        self._inputs: list[Value] = []
+        self._outputs: list[Value] = []
+        self.initializers: dict[str, Value] = {}
+        self._version = 0
+        self._cache: dict[str, tuple[int, object]] = {}
+        self.inputs = list(inputs)
+        for value in initializers:
+            self.add_initializer(value)
+        for node in nodes:
+            self.append(node)
+        self.outputs = list(outputs)
+
+    # -- iteration and lookup -------------------------------------------------
+    def __iter__(self) -> Iterator[Node]:
+        return iter(list(self._nodes))
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def nodes(self) -> list[Node]:
+        return list(self._nodes)
+
+    def all_nodes(self) -> Iterator[Node]:
+        """Every node, including those in subgraph bodies (depth first)."""
+        for node in self._nodes:
+            yield node
+            for body in node.subgraphs():
+                yield from body.all_nodes()
+
+    def subgraphs(self) -> Iterator[Graph]:
+        """Every body graph nested anywhere below this one."""
+        for node in self._nodes:
+            for body in node.subgraphs():
+                yield body
+                yield from body.subgraphs()
+
+    def values(self) -> Iterator[Value]:
+        """Every value defined in this graph (inputs, initializers, node outputs)."""
+        seen: set[int] = set()
+        for value in [*self._inputs, *self.initializers.values()]:
+            if id(value) not in seen:
+                seen.add(id(value))
+                yield value
+        for node in self._nodes:
+            yield from node.outputs
+
+    def enclosing(self) -> Iterator[Graph]:
+        """This graph, then each graph around it out to the main graph."""
+        graph: Graph | None = self
+        while graph is not None:
+            yield graph
+            graph = graph.parent.graph if graph.parent is not None else None
+
+    # -- inputs, outputs, initializers ------------------------------------------
+    @property
+    def inputs(self) -> list[Value]:
+        return list(self._inputs)
+
+    @inputs.setter
+    def inputs(self, values: Sequence[Value]) -> None:
+        for value in values:
+            value.graph = self
+        self._inputs = list(values)
+        self._touch()
+
+    @property
+    def outputs(self) -> list[Value]:
+        return list(self._outputs)
+
+    @outputs.setter
+    def outputs(self, values: Sequence[Value]) -> None:
+        for value in self._outputs:
+            value._count_output(self, -1)
+        self._outputs = list(values)
+        for value in self._outputs:
+            value._count_output(self, +1)
+        self._touch()
+
+    def add_initializer(self, value: Value) -> Value:
+        if value.const is None:
+            raise GraphError(f"initializer {value.name!r} has no data")
+        value.graph = self
+        self.initializers[value.name] = value
+        self._touch()
+        return value
+
+    def remove_initializer(self, value: Value) -> None:
+        if value.is_used():
+            raise GraphError(f"initializer {value.name!r} is still used")
+        self.initializers.pop(value.name, None)
+        self._touch()
+
+    # -- nodes ----------------------------------------------------------------
+    def append(self, node: Node) -> Node:
+        return self.insert(len(self._nodes), node)
+
+    def insert_before(self, anchor: Node, node: Node) -> Node:
+        return self.insert(self._nodes.index(anchor), node)
+
+    def insert(self, position: int, node: Node) -> Node:
+        if node.graph is not None:
+            raise GraphError(f"{node} already belongs to a graph")
+        node.graph = self
+        for value in node.outputs:
+            value.graph = self
+        node._register_uses()
+        for value, use in _capture_uses(node):
+            value._add_use(use)
+        self._nodes.insert(position, node)
+        self._touch()
+        return node
+
+    def remove(self, nodes: Node | Iterable[Node], *, safe: bool = True) -> None:
+        """Detach nodes. With ``safe``, first verify no surviving reader needs their outputs."""
+        doomed = [nodes] if isinstance(nodes, Node) else list(nodes)
+        doomed_ids = {id(n) for n in doomed}
+        for node in doomed:
+            if node.graph is not self:
+                raise GraphError(f"{node} is not in this graph")
+            if safe:
+                for value in node.outputs:
+                    if value.is_graph_output:
+                        raise GraphError(f"cannot remove {node}: {value.name!r} is a graph output")
+                    if any(id(u.node) not in doomed_ids and not _inside(u.node, doomed_ids) for u in value.uses()):
+                        raise GraphError(f"cannot remove {node}: {value.name!r} is still used")
+        for node in doomed:
+            node._unregister_uses()
+            for value, use in _capture_uses(node):
+                value._remove_use(use)
+            node.graph = None
+        self._nodes = [n for n in self._nodes if id(n) not in doomed_ids]
+        self._touch()
+
+    # -- derived orders -------------------------------------------------------
+    def _touch(self) -> None:
+        self._version += 1
+        parent = self.parent
+        if parent is not None and parent.graph is not None:
+            parent.graph._touch()
+
+    def _cached(self, key: str) -> object | None:
+        hit = self._cache.get(key)
+        return hit[1] if hit is not None and hit[0] == self._version else None
+
+    def _dependencies(self, node: Node) -> list[Node]:
+        """Nodes of this graph that must run before ``node`` (captures included)."""
+        deps: list[Node] = []
+        values = [v for v in node.inputs if v is not None]
+        if any(True for _ in node.subgraphs()):
+            values += node.captures()
+        for value in values:
+            producer = value.producer
+            if producer is not None:
+                local = _ancestor_in(producer, self)
+                if local is not None and local is not node:
+                    deps.append(local)
+        return deps
+
+    def topological(self) -> list[Node]:
+        """A topological order that keeps the stored order wherever it is already valid."""
+        cached = self._cached("topo")
+        if cached is not None:
+            return list(cached)  # type: ignore[call-overload]
+        position = {id(n): i for i, n in enumerate(self._nodes)}
+        consumers: dict[int, list[Node]] = {}
+        pending: dict[int, int] = {}
+        for node in self._nodes:
+            deps = {id(d) for d in self._dependencies(node)}
+            pending[id(node)] = len(deps)
+            for dep in deps:
+                consumers.setdefault(dep, []).append(node)
+        ready = [(position[id(n)], n) for n in self._nodes if pending[id(n)] == 0]
+        heapq.heapify(ready)
+        order: list[Node] = []
+        while ready:
+            _, node = heapq.heappop(ready)
+            order.append(node)
+            for consumer in consumers.get(id(node), ()):
+                pending[id(consumer)] -= 1
+                if pending[id(consumer)] == 0:
+                    heapq.heappush(ready, (position[id(consumer)], consumer))
+        if len(order) != len(self._nodes):
+            stuck = [n for n in self._nodes if pending[id(n)] > 0]
+            raise GraphError(f"the graph has a cycle through {len(stuck)} nodes, e.g. {stuck[0].name or stuck[0].op_type!r}")
+        self._cache["topo"] = (self._version, order)
+        return list(order)
+
+    def sort(self) -> None:
+        """Store the nodes in topological order."""
+        self._nodes = self.topological()
+        self._touch()
+
+    def levels(self) -> list[list[Node]]:
+        """ASAP levels: level 0 reads only inputs and constants; level k's inputs come from < k."""
+        cached = self._cached("levels")
+        if cached is not None:
+            return [list(level) for level in cached]  # type: ignore[attr-defined]
+        level_of: dict[int, int] = {}
+        levels: list[list[Node]] = []
+        for node in self.topological():
+            level = 1 + max((level_of[id(d)] for d in self._dependencies(node)), default=-1)
+            level_of[id(node)] = level
+            while len(levels) <= level:
+                levels.append([])
+            levels[level].append(node)
+        self._cache["levels"] = (self._version, levels)
+        return [list(level) for level in levels]
+
+    # -- invariants -----------------------------------------------------------
+    def verify(self) -> None:
+        """Raise :class:`GraphError` if names repeat, a value dangles or uses are inexact."""
+        defined: dict[str, Value] = {}
+        for value in self.values():
+            if value.name in defined and defined[value.name] is not value:
+                raise GraphError(f"duplicate value name {value.name!r}")
+            defined[value.name] = value
+        visible = {id(v) for g in self.enclosing() for v in g.values()}
+        for node in self._nodes:
+            if node.graph is not self:
+                raise GraphError(f"{node} does not know it belongs to this graph")
+            for index, value in enumerate(node.inputs):
+                if value is None:
+                    continue
+                if id(value) not in visible:
+                    raise GraphError(f"{node} reads {value.name!r}, which is not defined in scope")
+                if Use(node, index) not in value._uses:
+                    raise GraphError(f"use of {value.name!r} by {node} is not recorded")
+            for body in node.subgraphs():
+                if body.parent is not node:
+                    raise GraphError(f"a body of {node} does not point back to it")
+                body.verify()
+        for value in defined.values():
+            for use in value.uses():
+                if use.node.graph is None or use.index >= len(use.node.inputs) or use.node.inputs[use.index] is not value:
+                    raise GraphError(f"stale use of {value.name!r} by {use.node}")
+        for value in self._outputs:
+            if id(value) not in visible:
+                raise GraphError(f"graph output {value.name!r} is not defined in scope")
+        self.topological()
+
+
+def _ancestor_in(node: Node, graph: Graph) -> Node | None:
+    """``node`` itself if it is in ``graph``, else the node of ``graph`` whose body holds it."""
+    current: Node | None = node
+    while current is not None and current.graph is not None:
+        if current.graph is graph:
+            return current
+        current = current.graph.parent
+    return None
+
+
+def _inside(node: Node, owner_ids: set[int]) -> bool:
+    """Whether ``node`` sits in the body of one of the nodes whose ids are given."""
+    graph = node.graph
+    while graph is not None and graph.parent is not None:
+        if id(graph.parent) in owner_ids:
+            return True
+        graph = graph.parent.graph
+    return False
+
+
+def _capture_uses(node: Node) -> list[tuple[Value, Use]]:
+    """The uses by nodes in ``node``'s bodies of values defined outside ``node``."""
+    captured = {id(v) for v in node.captures()}
+    if not captured:
+        return []
+    uses: list[tuple[Value, Use]] = []
+    for body in node.subgraphs():
+        for inner in body.all_nodes():
+            for index, value in enumerate(inner.inputs):
+                if value is not None and id(value) in captured:
+                    uses.append((value, Use(inner, index)))
+    return uses

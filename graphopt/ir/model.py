@@ -1,0 +1,64 @@
+"""The model: opsets, metadata, local functions and the main graph."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from graphopt.ir.graph import Graph
+from graphopt.ir.node import Attr, Node
+
+__all__ = ["Function", "Model"]
+
+
+@dataclass(eq=False)
+class Function:
+    """A model-local function; its body's inputs and outputs are untyped values."""
+
+    domain: str
+    name: str
+    body: Graph
+    attributes: list[str] = field(default_factory=list)
+    attribute_defaults: dict[str, Attr] = field(default_factory=dict)
+    opset_imports: dict[str, int] = field(default_factory=dict)
+    overload: str = ""
+    doc_string: str = ""
+    metadata_props: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.domain, self.name, self.overload)
+
+
+@dataclass(eq=False)
+class Model:
+    graph: Graph
+    opset_imports: dict[str, int] = field(default_factory=lambda: {"": 21})
+    ir_version: int = 10
+    producer_name: str = ""
+    producer_version: str = ""
+    domain: str = ""
+    model_version: int = 0
+    doc_string: str = ""
+    metadata_props: dict[str, str] = field(default_factory=dict)
+    functions: list[Function] = field(default_factory=list)
+    # Fields graphopt does not model (training_info, configuration), kept verbatim by io/
+    # as serialized bytes so a round trip does not lose them.
+    opaque_fields: dict[str, list[bytes]] = field(default_factory=dict)
+
+    @property
+    def opset(self) -> int:
+        """The default-domain opset version."""
+        return self.opset_imports.get("", self.opset_imports.get("ai.onnx", 1))
+
+    def all_graphs(self) -> Iterator[Graph]:
+        """The main graph, every nested body, and every function body."""
+        yield self.graph
+        yield from self.graph.subgraphs()
+        for function in self.functions:
+            yield function.body
+            yield from function.body.subgraphs()
+
+    def all_nodes(self) -> Iterator[Node]:
+        for graph in self.all_graphs():
+            yield from graph

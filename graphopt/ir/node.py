@@ -1,0 +1,174 @@
+"""Nodes (operator applications) and their typed attributes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+from graphopt.ir.types import Type
+from graphopt.ir.value import Use, Value
+
+if TYPE_CHECKING:
+    from graphopt.ir.graph import Graph
+
+__all__ = ["Attr", "AttrKind", "Node"]
+
+
+class AttrKind(IntEnum):
+    """Attribute kinds, numbered as in the ONNX standard."""
+
+    UNDEFINED = 0
+    FLOAT = 1
+    INT = 2
+    STRING = 3
+    TENSOR = 4
+    GRAPH = 5
+    FLOATS = 6
+    INTS = 7
+    STRINGS = 8
+    TENSORS = 9
+    GRAPHS = 10
+    SPARSE_TENSOR = 11
+    SPARSE_TENSORS = 12
+    TYPE_PROTO = 13
+    TYPE_PROTOS = 14
+
+
+@dataclass
+class Attr:
+    """One attribute. Strings are ``bytes`` (ONNX strings are byte strings); a ``GRAPH``
+    value is a :class:`~graphopt.ir.graph.Graph`. Inside a function body an attribute
+    may instead refer to one of the function's own attributes (``ref_attr_name``)."""
+
+    name: str
+    kind: AttrKind
+    value: Any
+    ref_attr_name: str = ""
+    doc_string: str = ""
+
+    def graphs(self) -> list[Graph]:
+        if self.kind == AttrKind.GRAPH and self.value is not None:
+            return [self.value]
+        if self.kind == AttrKind.GRAPHS:
+            return list(self.value)
+        return []
+
+
+class Node:
+    """An operator application. Inputs may be ``None`` for omitted optional inputs.
+
+    Uses are registered while the node belongs to a graph: constructing a node does not
+    touch its inputs' use lists, adding it to a graph does, and removing it undoes that.
+    """
+
+    def __init__(
+        self,
+        op_type: str,
+        inputs: Sequence[Value | None] = (),
+        outputs: int | Sequence[str | Value] = 1,
+        attributes: Iterable[Attr] = (),
+        *,
+        domain: str = "",
+        name: str = "",
+        overload: str = "",
+    ) -> None:
+        self.op_type = op_type
+        self.domain = domain
+        self.name = name
+        self.overload = overload
+        self.doc_string = ""
+        self.metadata_props: dict[str, str] = {}
+        self.attributes: dict[str, Attr] = {a.name: a for a in attributes}
+        self.graph: Graph | None = None
+        self._inputs: list[Value | None] = list(inputs)
+        if isinstance(outputs, int):
+            outputs = [""] * outputs
+        self._outputs: list[Value] = [v if isinstance(v, Value) else Value(v) for v in outputs]
+        for index, value in enumerate(self._outputs):
+            value._set_producer(self, index)
+        for attr in self.attributes.values():
+            for body in attr.graphs():
+                body.parent = self
+
+    def __repr__(self) -> str:
+        label = f"{self.domain}::{self.op_type}" if self.domain else self.op_type
+        return f"Node({label}, {self.name!r})"
+
+    @property
+    def inputs(self) -> tuple[Value | None, ...]:
+        return tuple(self._inputs)
+
+    @property
+    def outputs(self) -> tuple[Value, ...]:
+        return tuple(self._outputs)
+
+    def set_input(self, index: int, value: Value | None) -> None:
+        old = self._inputs[index]
+        if old is value:
+            return
+        if self.graph is not None:
+            if old is not None:
+                old._remove_use(Use(self, index))
+            if value is not None:
+                value._add_use(Use(self, index))
+            self.graph._touch()
+        self._inputs[index] = value
+
+    def set_inputs(self, values: Sequence[Value | None]) -> None:
+        attached = self.graph
+        if attached is not None:
+            self._unregister_uses()
+        self._inputs = list(values)
+        if attached is not None:
+            self._register_uses()
+            attached._touch()
+
+    def add_output(self, name: str = "", type: Type | None = None) -> Value:
+        value = Value(name, type)
+        value._set_producer(self, len(self._outputs))
+        value.graph = self.graph
+        self._outputs.append(value)
+        return value
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        attr = self.attributes.get(name)
+        return default if attr is None else attr.value
+
+    def subgraphs(self) -> Iterator[Graph]:
+        for attr in self.attributes.values():
+            yield from attr.graphs()
+
+    def captures(self) -> list[Value]:
+        """Values defined outside this node that its subgraphs (at any depth) read."""
+        inside: set[int] = set()
+        found: dict[Value, None] = {}
+
+        def visit(graph: Graph) -> None:
+            inside.add(id(graph))
+            for node in graph:
+                for value in node._inputs:
+                    if value is not None and id(value.graph) not in inside:
+                        found[value] = None
+                for body in node.subgraphs():
+                    visit(body)
+            for value in graph.outputs:
+                if id(value.graph) not in inside:
+                    found[value] = None
+
+        for body in self.subgraphs():
+            visit(body)
+        # A value defined in a nested body is "inside" only once that body was visited;
+        # drop anything whose owning graph turned out to be one of ours.
+        return [v for v in found if id(v.graph) not in inside]
+
+    def _register_uses(self) -> None:
+        for index, value in enumerate(self._inputs):
+            if value is not None:
+                value._add_use(Use(self, index))
+
+    def _unregister_uses(self) -> None:
+        for index, value in enumerate(self._inputs):
+            if value is not None:
+                value._remove_use(Use(self, index))

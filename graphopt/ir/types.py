@@ -1,0 +1,179 @@
+"""Element types and value types (tensor, sequence, map, optional, sparse tensor, opaque)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Union
+
+import numpy as np
+
+from graphopt.ir.dims import Dim, format_dim
+
+__all__ = [
+    "DataType",
+    "MapType",
+    "OpaqueType",
+    "OptionalType",
+    "SequenceType",
+    "SparseTensorType",
+    "TensorType",
+    "Type",
+]
+
+
+class DataType(IntEnum):
+    """Element types, numbered as in the ONNX standard so files map one to one."""
+
+    UNDEFINED = 0
+    FLOAT = 1
+    UINT8 = 2
+    INT8 = 3
+    UINT16 = 4
+    INT16 = 5
+    INT32 = 6
+    INT64 = 7
+    STRING = 8
+    BOOL = 9
+    FLOAT16 = 10
+    DOUBLE = 11
+    UINT32 = 12
+    UINT64 = 13
+    COMPLEX64 = 14
+    COMPLEX128 = 15
+    BFLOAT16 = 16
+    FLOAT8E4M3FN = 17
+    FLOAT8E4M3FNUZ = 18
+    FLOAT8E5M2 = 19
+    FLOAT8E5M2FNUZ = 20
+    UINT4 = 21
+    INT4 = 22
+    FLOAT4E2M1 = 23
+    FLOAT8E8M0 = 24
+    UINT2 = 25
+    INT2 = 26
+    FLOAT6E2M3 = 27
+    FLOAT6E3M2 = 28
+
+    @property
+    def itemsize_bits(self) -> int:
+        return _BITS.get(self, 8 * _NUMPY.get(self, np.dtype(np.uint8)).itemsize)
+
+    def numpy(self) -> np.dtype:
+        """The numpy dtype graphopt computes with (exotic floats are stored as raw bytes)."""
+        try:
+            return _NUMPY[self]
+        except KeyError:
+            raise TypeError(f"no numpy dtype for {self.name}") from None
+
+    @classmethod
+    def from_numpy(cls, dtype: np.dtype) -> DataType:
+        for data_type, np_dtype in _NUMPY.items():
+            if np_dtype == dtype:
+                return data_type
+        raise TypeError(f"no ONNX element type for numpy dtype {dtype}")
+
+
+_NUMPY: dict[DataType, np.dtype] = {
+    DataType.FLOAT: np.dtype(np.float32),
+    DataType.UINT8: np.dtype(np.uint8),
+    DataType.INT8: np.dtype(np.int8),
+    DataType.UINT16: np.dtype(np.uint16),
+    DataType.INT16: np.dtype(np.int16),
+    DataType.INT32: np.dtype(np.int32),
+    DataType.INT64: np.dtype(np.int64),
+    DataType.STRING: np.dtype(object),
+    DataType.BOOL: np.dtype(np.bool_),
+    DataType.FLOAT16: np.dtype(np.float16),
+    DataType.DOUBLE: np.dtype(np.float64),
+    DataType.UINT32: np.dtype(np.uint32),
+    DataType.UINT64: np.dtype(np.uint64),
+    DataType.COMPLEX64: np.dtype(np.complex64),
+    DataType.COMPLEX128: np.dtype(np.complex128),
+}
+
+_BITS: dict[DataType, int] = {
+    DataType.BFLOAT16: 16,
+    DataType.FLOAT8E4M3FN: 8,
+    DataType.FLOAT8E4M3FNUZ: 8,
+    DataType.FLOAT8E5M2: 8,
+    DataType.FLOAT8E5M2FNUZ: 8,
+    DataType.FLOAT8E8M0: 8,
+    DataType.UINT4: 4,
+    DataType.INT4: 4,
+    DataType.FLOAT4E2M1: 4,
+    DataType.UINT2: 2,
+    DataType.INT2: 2,
+    DataType.FLOAT6E2M3: 6,
+    DataType.FLOAT6E3M2: 6,
+    DataType.STRING: 0,
+}
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """A dense tensor; ``shape`` is ``None`` when even the rank is unknown."""
+
+    dtype: DataType
+    shape: tuple[Dim, ...] | None = None
+    denotation: str = ""
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.shape is None else len(self.shape)
+
+    def __str__(self) -> str:
+        if self.shape is None:
+            return f"{self.dtype.name.lower()}[*]"
+        return f"{self.dtype.name.lower()}[{', '.join(format_dim(d) for d in self.shape)}]"
+
+
+@dataclass(frozen=True)
+class SparseTensorType:
+    dtype: DataType
+    shape: tuple[Dim, ...] | None = None
+    denotation: str = ""
+
+    def __str__(self) -> str:
+        return f"sparse {TensorType(self.dtype, self.shape)}"
+
+
+@dataclass(frozen=True)
+class SequenceType:
+    element: Type | None
+    denotation: str = ""
+
+    def __str__(self) -> str:
+        return f"seq({self.element})"
+
+
+@dataclass(frozen=True)
+class MapType:
+    key: DataType
+    value: Type | None
+    denotation: str = ""
+
+    def __str__(self) -> str:
+        return f"map({self.key.name.lower()}, {self.value})"
+
+
+@dataclass(frozen=True)
+class OptionalType:
+    element: Type | None
+    denotation: str = ""
+
+    def __str__(self) -> str:
+        return f"optional({self.element})"
+
+
+@dataclass(frozen=True)
+class OpaqueType:
+    domain: str = ""
+    name: str = ""
+    denotation: str = ""
+
+    def __str__(self) -> str:
+        return f"opaque({self.domain}.{self.name})"
+
+
+Type = Union[TensorType, SparseTensorType, SequenceType, MapType, OptionalType, OpaqueType]

@@ -1,0 +1,117 @@
+"""Values: the edges of a graph, with their producer and an exact list of uses."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from graphopt.ir.tensor import SparseTensor, Tensor
+from graphopt.ir.types import Type
+
+if TYPE_CHECKING:
+    from graphopt.ir.graph import Graph
+    from graphopt.ir.node import Node
+
+__all__ = ["Use", "Value"]
+
+
+class Use(NamedTuple):
+    node: Node
+    index: int
+
+
+class Value:
+    """One named tensor (or sequence, map, ...) flowing through a graph.
+
+    A value is defined exactly once: as a graph input, an initializer (``const`` is set),
+    or an output of a node (``producer`` is set). Its uses are maintained by the mutation
+    API of :class:`~graphopt.ir.node.Node` and :class:`~graphopt.ir.graph.Graph`; a node
+    inside a subgraph that reads this value is a use like any other, which is how the IR
+    makes outer-scope captures visible to every pass. Being a graph output counts as a use.
+    """
+
+    __slots__ = (
+        "_output_of",
+        "_producer",
+        "_uses",
+        "const",
+        "doc_string",
+        "graph",
+        "index",
+        "metadata_props",
+        "name",
+        "type",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        type: Type | None = None,
+        const: Tensor | SparseTensor | None = None,
+    ) -> None:
+        self.name = name
+        self.type = type
+        self.const = const
+        self.doc_string = ""
+        self.metadata_props: dict[str, str] = {}
+        self.graph: Graph | None = None
+        self.index = 0
+        self._producer: Node | None = None
+        self._uses: dict[Use, None] = {}
+        self._output_of: dict[Graph, int] = {}
+
+    def __repr__(self) -> str:
+        return f"Value({self.name!r}, {self.type})"
+
+    @property
+    def producer(self) -> Node | None:
+        return self._producer
+
+    def uses(self) -> list[Use]:
+        """A copy of the uses, so callers may rewire while they iterate."""
+        return list(self._uses)
+
+    @property
+    def is_graph_output(self) -> bool:
+        return bool(self._output_of)
+
+    def output_of(self) -> list[Graph]:
+        """The graphs (this one or subgraph bodies) that return this value."""
+        return list(self._output_of)
+
+    def is_used(self) -> bool:
+        return bool(self._uses) or bool(self._output_of)
+
+    @property
+    def is_initializer(self) -> bool:
+        return self.const is not None
+
+    @property
+    def is_graph_input(self) -> bool:
+        return self.graph is not None and self._producer is None and any(v is self for v in self.graph.inputs)
+
+    def replace_all_uses_with(self, other: Value) -> None:
+        """Point every reader of this value, graph outputs included, at ``other``."""
+        if other is self:
+            return
+        for use in self.uses():
+            use.node.set_input(use.index, other)
+        for graph in self.output_of():
+            graph.outputs = [other if v is self else v for v in graph.outputs]
+
+    # Private mutators: only Node and Graph call these, so the use lists stay exact.
+    def _add_use(self, use: Use) -> None:
+        self._uses[use] = None
+
+    def _remove_use(self, use: Use) -> None:
+        self._uses.pop(use, None)
+
+    def _set_producer(self, node: Node | None, index: int) -> None:
+        self._producer = node
+        self.index = index
+
+    def _count_output(self, graph: Graph, delta: int) -> None:
+        count = self._output_of.get(graph, 0) + delta
+        if count:
+            self._output_of[graph] = count
+        else:
+            self._output_of.pop(graph, None)

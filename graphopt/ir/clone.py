@@ -1,0 +1,103 @@
+"""Structural copies of models, sharing tensor data.
+
+Tensor data is treated as immutable (a pass that changes a constant installs a new
+:class:`~graphopt.ir.tensor.Tensor`), so a copy only duplicates the graph structure. The
+pipeline uses this to restore the model when a pass fails half way.
+"""
+
+from __future__ import annotations
+
+from graphopt.ir.graph import Graph
+from graphopt.ir.model import Function, Model
+from graphopt.ir.node import Attr, AttrKind, Node
+from graphopt.ir.value import Value
+
+__all__ = ["clone_graph", "clone_model"]
+
+
+def _clone_value(value: Value) -> Value:
+    copy = Value(value.name, value.type, value.const)
+    copy.doc_string = value.doc_string
+    copy.metadata_props = dict(value.metadata_props)
+    return copy
+
+
+def clone_graph(graph: Graph, outer: dict[int, Value] | None = None) -> Graph:
+    """Copy ``graph``; ``outer`` maps ids of values from enclosing scopes to their copies."""
+    mapping: dict[int, Value] = dict(outer or {})
+
+    def copy_of(value: Value) -> Value:
+        if id(value) not in mapping:
+            mapping[id(value)] = _clone_value(value)
+        return mapping[id(value)]
+
+    inputs = [copy_of(v) for v in graph.inputs]
+    initializers = [copy_of(v) for v in graph.initializers.values()]
+    nodes = []
+    for node in graph:
+        outputs = [copy_of(v) for v in node.outputs]
+        for value in outputs:
+            mapping[id(value)] = value
+    for node in graph:
+        # Inputs may refer to values defined later in the stored order or outside the graph.
+        inputs_copy = [None if v is None else mapping.get(id(v), v) for v in node.inputs]
+        attributes = [_clone_attr(a, mapping) for a in node.attributes.values()]
+        copy = Node(
+            node.op_type,
+            inputs_copy,
+            [mapping[id(v)] for v in node.outputs],
+            attributes,
+            domain=node.domain,
+            name=node.name,
+            overload=node.overload,
+        )
+        copy.doc_string = node.doc_string
+        copy.metadata_props = dict(node.metadata_props)
+        nodes.append(copy)
+    outputs = [mapping.get(id(v), v) for v in graph.outputs]
+    copy_graph = Graph(inputs, outputs, nodes, initializers, name=graph.name)
+    copy_graph.doc_string = graph.doc_string
+    copy_graph.metadata_props = dict(graph.metadata_props)
+    copy_graph.quantization_annotation = [(n, dict(p)) for n, p in graph.quantization_annotation]
+    return copy_graph
+
+
+def _clone_attr(attr: Attr, mapping: dict[int, Value]) -> Attr:
+    value = attr.value
+    if attr.kind == AttrKind.GRAPH and value is not None:
+        value = clone_graph(value, mapping)
+    elif attr.kind == AttrKind.GRAPHS:
+        value = [clone_graph(g, mapping) for g in value]
+    elif isinstance(value, list):
+        value = list(value)
+    return Attr(attr.name, attr.kind, value, attr.ref_attr_name, attr.doc_string)
+
+
+def clone_model(model: Model) -> Model:
+    functions = [
+        Function(
+            domain=f.domain,
+            name=f.name,
+            body=clone_graph(f.body),
+            attributes=list(f.attributes),
+            attribute_defaults=dict(f.attribute_defaults),
+            opset_imports=dict(f.opset_imports),
+            overload=f.overload,
+            doc_string=f.doc_string,
+            metadata_props=dict(f.metadata_props),
+        )
+        for f in model.functions
+    ]
+    return Model(
+        graph=clone_graph(model.graph),
+        opset_imports=dict(model.opset_imports),
+        ir_version=model.ir_version,
+        producer_name=model.producer_name,
+        producer_version=model.producer_version,
+        domain=model.domain,
+        model_version=model.model_version,
+        doc_string=model.doc_string,
+        metadata_props=dict(model.metadata_props),
+        functions=functions,
+        opaque_fields={k: list(v) for k, v in model.opaque_fields.items()},
+    )

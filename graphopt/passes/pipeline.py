@@ -1,0 +1,285 @@
+"""Pipelines: passes and groups run in order, each group repeated to a fixpoint.
+
+A pipeline is read from a config (a TOML or JSON file, see schemas/pipeline.schema.json)
+or from a comma list of names (``--passes shape-infer,cleanup``). A group's name may
+stand for the group in a comma list. Every pass run is recorded for the report; a pass
+that raises is rolled back (the IR is restored from a structural copy taken before it
+ran) and the pipeline goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graphopt.errors import InputError
+from graphopt.ir import Model
+from graphopt.ir.clone import clone_model
+from graphopt.ir.stats import ModelStats, model_stats
+from graphopt.passes.base import Pass, PassContext, get_pass
+
+__all__ = [
+    "DEFAULT_PIPELINE",
+    "Group",
+    "PassRun",
+    "Pipeline",
+    "PipelineRun",
+    "Step",
+    "load_pipeline_config",
+    "pipeline_from_config",
+    "pipeline_from_names",
+]
+
+DEFAULT_MAX_STEPS = 8
+
+# The default pipeline: every pass that exists, in the order the design gives.
+DEFAULT_PIPELINE: list[dict[str, Any]] = [
+    {"pass": "shape-infer"},
+    {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
+]
+
+
+@dataclass
+class Group:
+    name: str
+    steps: list[Step]
+    max_steps: int = DEFAULT_MAX_STEPS
+
+    def describe(self) -> dict[str, Any]:
+        return {"group": self.name, "max_steps": self.max_steps, "steps": [_describe(s) for s in self.steps]}
+
+
+Step = Pass | Group
+
+
+def _describe(step: Step) -> dict[str, Any]:
+    if isinstance(step, Group):
+        return step.describe()
+    options = {k: v for k, v in vars(step.options).items()}
+    return {"pass": step.name, **({"options": options} if options else {})}
+
+
+@dataclass
+class PassRun:
+    """One execution of one pass, as the report shows it."""
+
+    name: str
+    group: str | None
+    iteration: int
+    seconds: float
+    before: ModelStats
+    after: ModelStats
+    changed: bool
+    details: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    traceback: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        ops = set(self.before.ops) | set(self.after.ops)
+        delta = {op: self.after.ops.get(op, 0) - self.before.ops.get(op, 0) for op in sorted(ops)}
+        record: dict[str, Any] = {
+            "pass": self.name,
+            "group": self.group,
+            "iteration": self.iteration,
+            "seconds": round(self.seconds, 6),
+            "changed": self.changed,
+            "nodes": [self.before.nodes, self.after.nodes],
+            "initializers": [self.before.initializers, self.after.initializers],
+            "bytes": [self.before.initializer_bytes, self.after.initializer_bytes],
+            "op_delta": {op: d for op, d in delta.items() if d},
+            "details": self.details,
+        }
+        if self.error is not None:
+            record["error"] = self.error
+        return record
+
+
+@dataclass
+class PipelineRun:
+    runs: list[PassRun] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[PassRun]:
+        return [r for r in self.runs if r.error is not None]
+
+
+@dataclass
+class Pipeline:
+    steps: list[Step]
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [_describe(s) for s in self.steps]
+
+    def pass_names(self) -> list[str]:
+        names: list[str] = []
+
+        def walk(steps: Sequence[Step]) -> None:
+            for step in steps:
+                if isinstance(step, Group):
+                    walk(step.steps)
+                else:
+                    names.append(step.name)
+
+        walk(self.steps)
+        return names
+
+    def run(
+        self,
+        model: Model,
+        ctx: PassContext | None = None,
+        *,
+        on_pass: Callable[[PassRun], None] | None = None,
+        stop_after: int | None = None,
+    ) -> PipelineRun:
+        """Run every step on ``model`` in place. ``stop_after`` ends the run after that many
+        pass executions (used to find the first pass that broke numerics)."""
+        ctx = ctx or PassContext()
+        record = PipelineRun()
+        budget = [stop_after if stop_after is not None else sys.maxsize]
+
+        def run_step(step: Step, group: str | None, iteration: int) -> bool:
+            if isinstance(step, Group):
+                return run_group(step)
+            if budget[0] <= 0:
+                return False
+            budget[0] -= 1
+            result = _run_pass(step, model, ctx, group, iteration)
+            record.runs.append(result)
+            if on_pass is not None:
+                on_pass(result)
+            return result.changed
+
+        def run_group(group: Group) -> bool:
+            changed_any = False
+            for iteration in range(group.max_steps):
+                changed = False
+                for step in group.steps:
+                    changed |= run_step(step, group.name, iteration)
+                changed_any |= changed
+                if not changed or budget[0] <= 0:
+                    break
+            return changed_any
+
+        for step in self.steps:
+            run_step(step, None, 0)
+        return record
+
+
+def _run_pass(step: Pass, model: Model, ctx: PassContext, group: str | None, iteration: int) -> PassRun:
+    before = model_stats(model)
+    snapshot = clone_model(model)
+    start = time.perf_counter()
+    try:
+        result = step.run(model, ctx)
+    except Exception as err:  # a failing pass must not end the run: restore and report
+        seconds = time.perf_counter() - start
+        _restore(model, snapshot)
+        message = f"{type(err).__name__}: {err}"
+        return PassRun(
+            step.name, group, iteration, seconds, before, before, False,
+            error=message, traceback=traceback.format_exc(),
+        )
+    seconds = time.perf_counter() - start
+    return PassRun(step.name, group, iteration, seconds, before, model_stats(model), result.changed, result.details)
+
+
+def _restore(model: Model, snapshot: Model) -> None:
+    for name in vars(snapshot):
+        setattr(model, name, getattr(snapshot, name))
+
+
+# -- building pipelines ---------------------------------------------------------------------
+
+
+def _build_step(entry: Any, where: str) -> Step:
+    if not isinstance(entry, Mapping):
+        raise InputError(f"{where}: a step is a table with 'pass' or 'group', not {entry!r}")
+    if "pass" in entry:
+        extra = set(entry) - {"pass", "options"}
+        if extra:
+            raise InputError(f"{where}: unknown key(s) {', '.join(sorted(extra))} in pass step")
+        options = entry.get("options", {})
+        if not isinstance(options, Mapping):
+            raise InputError(f"{where}: 'options' must be a table")
+        return get_pass(str(entry["pass"])).from_config(options)
+    if "group" in entry:
+        extra = set(entry) - {"group", "steps", "max_steps"}
+        if extra:
+            raise InputError(f"{where}: unknown key(s) {', '.join(sorted(extra))} in group step")
+        steps = entry.get("steps")
+        if not isinstance(steps, list) or not steps:
+            raise InputError(f"{where}: group {entry['group']!r} needs a non-empty 'steps' list")
+        max_steps = entry.get("max_steps", DEFAULT_MAX_STEPS)
+        if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
+            raise InputError(f"{where}: max_steps must be a positive integer")
+        name = str(entry["group"])
+        return Group(name, [_build_step(s, f"{where}.{name}[{i}]") for i, s in enumerate(steps)], max_steps)
+    raise InputError(f"{where}: a step needs 'pass' or 'group'")
+
+
+def _with_max_steps(steps: list[Step], max_steps: int | None) -> list[Step]:
+    if max_steps is None:
+        return steps
+    for step in steps:
+        if isinstance(step, Group):
+            step.max_steps = max_steps
+            _with_max_steps(step.steps, max_steps)
+    return steps
+
+
+def pipeline_from_config(config: Any, *, max_steps: int | None = None, where: str = "pipeline") -> Pipeline:
+    if isinstance(config, Mapping):
+        config = config.get("pipeline")
+    if not isinstance(config, list) or not config:
+        raise InputError(f"{where}: expected a non-empty 'pipeline' list of steps")
+    steps = [_build_step(entry, f"{where}[{i}]") for i, entry in enumerate(config)]
+    return Pipeline(_with_max_steps(steps, max_steps))
+
+
+def default_pipeline(max_steps: int | None = None) -> Pipeline:
+    return pipeline_from_config(DEFAULT_PIPELINE, max_steps=max_steps)
+
+
+def _default_groups() -> dict[str, dict[str, Any]]:
+    return {entry["group"]: entry for entry in DEFAULT_PIPELINE if "group" in entry}
+
+
+def pipeline_from_names(names: str, *, max_steps: int | None = None) -> Pipeline:
+    """``"shape-infer,cleanup,dce"``: pass names, or names of the default pipeline's groups."""
+    groups = _default_groups()
+    entries: list[Any] = []
+    for name in (n.strip() for n in names.split(",")):
+        if not name:
+            continue
+        entries.append(groups[name] if name in groups else {"pass": name})
+    if not entries:
+        raise InputError("--passes: no pass names given")
+    return pipeline_from_config(entries, max_steps=max_steps, where="--passes")
+
+
+def load_pipeline_config(path: str | Path, *, max_steps: int | None = None) -> Pipeline:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such config file")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() == ".toml":
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # pragma: no cover - exercised on 3.10 only
+                import tomli as tomllib
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except ValueError as err:
+        raise InputError(f"{path}: not valid {path.suffix.lstrip('.').upper() or 'JSON'}: {err}") from None
+    from graphopt.schemas import validate
+
+    validate(data, "pipeline", str(path))
+    return pipeline_from_config(data, max_steps=max_steps, where=str(path))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 CORPUS_BUILDER = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "build.py"
+WORKSPACE_BUILDER = Path("/work/shared/corpus/build.py")
 CORPUS_MODELS = [
     "bert_small",
     "bert_fp16_weights",
@@ -23,7 +24,10 @@ CORPUS_MODELS = [
 
 def _corpus_builder() -> Path:
     override = os.environ.get("GRAPHOPT_CORPUS_BUILDER")
-    return Path(override) if override else CORPUS_BUILDER
+    if override:
+        return Path(override)
+    # A clone made elsewhere (CI, a temp dir) falls back to the workspace's shared folder.
+    return next((p for p in (CORPUS_BUILDER, WORKSPACE_BUILDER) if p.is_file()), CORPUS_BUILDER)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,43 @@
+# graphopt: `make run` optimizes a sample model, `make test` runs the tests, `make lint` checks style and types.
+# Every target creates .venv and installs the package (with its dev tools) on first use.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-dev
+
+.PHONY: install run test test-all lint bench samples clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+samples: $(STAMP)
+	$(PY) samples/build_samples.py
+
+run: samples
+	$(VENV)/bin/graphopt run samples/tiny_encoder.onnx -o samples/tiny_encoder.opt.onnx --report samples/report.json
+	@echo "optimized model: samples/tiny_encoder.opt.onnx   report: samples/report.json"
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2
+
+# The slow suites too (the whole ONNX node test suite through the default pipeline).
+test-all: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m ''
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check graphopt tests benchmarks samples
+	$(VENV)/bin/ruff format --check graphopt tests benchmarks samples
+	$(VENV)/bin/mypy graphopt
+
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache samples/*.onnx samples/*.json

@@ -1,0 +1,271 @@
+"""The Python API: everything the CLI does, a call away.
+
+    import graphopt
+    result = graphopt.optimize("model.onnx", passes="shape-infer,cleanup")
+    graphopt.save(result.model, "model.opt.onnx")
+    print(result.report["passes"])
+
+The CLI is a thin layer over :func:`optimize_file`, which adds what a file-to-file run
+needs: atomic writes, the numerics check and the report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graphopt import __version__
+from graphopt.errors import InputError, PassError
+from graphopt.io import load, save
+from graphopt.ir import Model
+from graphopt.ir.stats import model_stats
+from graphopt.passes.base import PassContext
+from graphopt.passes.pipeline import (
+    PassRun,
+    Pipeline,
+    PipelineRun,
+    default_pipeline,
+    load_pipeline_config,
+    pipeline_from_names,
+)
+
+__all__ = ["Result", "RunOptions", "check", "load", "optimize", "optimize_file", "resolve_pipeline", "save"]
+
+
+@dataclass
+class Result:
+    """An optimized model and the report of how it got there."""
+
+    model: Model
+    report: dict[str, Any]
+    pipeline_run: PipelineRun
+
+
+def resolve_pipeline(
+    passes: str | Pipeline | None = None, config: str | os.PathLike[str] | None = None, max_steps: int | None = None
+) -> Pipeline:
+    if isinstance(passes, Pipeline):
+        return passes
+    if passes is not None and config is not None:
+        raise InputError("give either a pass list or a config file, not both")
+    if config is not None:
+        return load_pipeline_config(config, max_steps=max_steps)
+    if passes is not None:
+        return pipeline_from_names(passes, max_steps=max_steps)
+    return default_pipeline(max_steps)
+
+
+def optimize(
+    model: Model | str | os.PathLike[str],
+    passes: str | Pipeline | None = None,
+    *,
+    config: str | os.PathLike[str] | None = None,
+    max_steps: int | None = None,
+    independent_dims: bool = False,
+    strict: bool = False,
+    on_pass: Callable[[PassRun], None] | None = None,
+    stop_after: int | None = None,
+) -> Result:
+    """Optimize an IR model in place (or load one from a path) with a pipeline."""
+    if not isinstance(model, Model):
+        model = load(model, independent_dims=independent_dims)
+    pipeline = resolve_pipeline(passes, config, max_steps)
+    before = model_stats(model)
+    start = time.perf_counter()
+    run = pipeline.run(model, PassContext(independent_dims=independent_dims), on_pass=on_pass, stop_after=stop_after)
+    seconds = time.perf_counter() - start
+    if strict and run.failures:
+        failure = run.failures[0]
+        raise PassError(failure.name, failure.error or "")
+    report = {
+        "pipeline": pipeline.describe(),
+        "passes": [r.as_dict() for r in run.runs],
+        "failures": [{"pass": r.name, "error": r.error} for r in run.failures],
+        "summary": {"before": before.as_dict(), "after": model_stats(model).as_dict()},
+        "seconds": {"optimize": round(seconds, 6)},
+    }
+    return Result(model, report, run)
+
+
+def check(original: str | os.PathLike[str], optimized: str | os.PathLike[str], **options: Any) -> Any:
+    """Compare two model files in onnxruntime (see graphopt.check.check_models)."""
+    from graphopt.check import check_models
+
+    return check_models(original, optimized, **options)
+
+
+# -- file to file ------------------------------------------------------------------------
+
+
+@dataclass
+class RunOptions:
+    output: Path | None = None
+    passes: str | None = None
+    config: Path | None = None
+    max_steps: int | None = None
+    check: bool = True
+    dims: dict[str, int] = field(default_factory=dict)
+    inputs: Path | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    keep_failed: bool = False
+    blame: bool = False
+    strict: bool = False
+    in_place: bool = False
+    independent_dims: bool = False
+    external_data: bool | None = None
+
+
+def default_output(path: Path) -> Path:
+    return path.with_name(f"{path.stem}.opt{path.suffix or '.onnx'}")
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    entry: dict[str, Any] = {"path": str(path), "sha256": file_digest(path), "bytes": path.stat().st_size}
+    data = path.with_name(path.name + ".data")
+    if data.is_file():
+        entry["external_data"] = {"path": str(data), "sha256": file_digest(data), "bytes": data.stat().st_size}
+    return entry
+
+
+def _as_onnx(path: Path, workdir: Path) -> Path:
+    """An ONNX file for onnxruntime: the path itself, or a conversion of a JSON graph."""
+    if path.suffix.lower() != ".json":
+        return path
+    converted = workdir / f"{path.stem}.original.onnx"
+    save(load(path), converted)
+    return converted
+
+
+def optimize_file(
+    source: Path, options: RunOptions, on_pass: Callable[[PassRun], None] | None = None
+) -> tuple[dict[str, Any], int]:
+    """Optimize one file into ``options.output``; returns the report and the exit code.
+
+    The optimized model is written to a private temporary folder beside the destination,
+    checked there, and moved into place only when everything passed: a failed run leaves
+    no file behind (unless ``keep_failed``).
+    """
+    source = Path(source)
+    output = options.output or (source if options.in_place else default_output(source))
+    if output.resolve() == source.resolve() and not options.in_place:
+        raise InputError(f"{output}: refusing to overwrite the input (use --in-place)")
+    started = time.perf_counter()
+    load_start = time.perf_counter()
+    model = load(source, independent_dims=options.independent_dims)
+    load_seconds = time.perf_counter() - load_start
+    result = optimize(
+        model,
+        options.passes,
+        config=options.config,
+        max_steps=options.max_steps,
+        independent_dims=options.independent_dims,
+        strict=options.strict,
+        on_pass=on_pass,
+    )
+    report: dict[str, Any] = {"graphopt_version": __version__, "input": _file_entry(source), **result.report}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=".graphopt-", dir=output.parent))
+    exit_code = 0
+    try:
+        staged = workdir / output.name
+        save_start = time.perf_counter()
+        save_options: dict[str, Any] = {}
+        if staged.suffix.lower() != ".json":
+            save_options["external_data"] = options.external_data
+        save(result.model, staged, **save_options)
+        report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
+        report["seconds"]["load"] = round(load_seconds, 6)
+        if options.check:
+            check_start = time.perf_counter()
+            from graphopt.check import check_models
+
+            outcome = check_models(
+                _as_onnx(source, workdir),
+                _as_onnx(staged, workdir),
+                dims=options.dims or None,
+                inputs=options.inputs,
+                atol=options.atol,
+                rtol=options.rtol,
+            )
+            report["numerics"] = outcome.as_dict()
+            report["seconds"]["check"] = round(time.perf_counter() - check_start, 6)
+            if outcome.status == "failed":
+                exit_code = 1
+                if options.blame:
+                    report["blame"] = blame(source, options, workdir)
+        else:
+            report["numerics"] = {"status": "skipped", "reason": "--no-check"}
+        if exit_code == 0 or options.keep_failed:
+            _move_into_place(staged, output)
+            report["output"] = _file_entry(output)
+        else:
+            report["output"] = None
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report["seconds"]["total"] = round(time.perf_counter() - started, 6)
+    report["status"] = "ok" if exit_code == 0 else "check failed"
+    report["exit_code"] = exit_code
+    return report, exit_code
+
+
+def _move_into_place(staged: Path, output: Path) -> None:
+    for sidecar in sorted(staged.parent.glob(f"{staged.name}*")):
+        if sidecar != staged:
+            os.replace(sidecar, output.with_name(output.name + sidecar.name[len(staged.name) :]))
+    os.replace(staged, output)
+
+
+def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
+    """Rerun the pipeline one pass execution longer each time; name the first that breaks numerics."""
+    from graphopt.check import check_models
+
+    reference = _as_onnx(source, workdir)
+    total = len(optimize(source, options.passes, config=options.config, max_steps=options.max_steps).pipeline_run.runs)
+    for count in range(1, total + 1):
+        partial = optimize(
+            load(source, independent_dims=options.independent_dims),
+            options.passes,
+            config=options.config,
+            max_steps=options.max_steps,
+            independent_dims=options.independent_dims,
+            stop_after=count,
+        )
+        candidate = workdir / f"blame-{count}.onnx"
+        save(partial.model, candidate)
+        outcome = check_models(reference, candidate, dims=options.dims or None, inputs=options.inputs,
+                               atol=options.atol, rtol=options.rtol)
+        if outcome.status == "failed":
+            culprit = partial.pipeline_run.runs[-1]
+            return {"pass": culprit.name, "execution": count, "group": culprit.group, "iteration": culprit.iteration}
+    return {"pass": None, "reason": "no single pass prefix reproduced the failure"}
+
+
+def is_optimized(source: Path, options: RunOptions) -> dict[str, Any]:
+    """The CI gate: would the pipeline still change this model? Writes nothing."""
+    from graphopt.io.onnx_io import to_proto
+
+    model = load(source, independent_dims=options.independent_dims)
+    before = to_proto(model).SerializeToString(deterministic=True)
+    result = optimize(model, options.passes, config=options.config, max_steps=options.max_steps,
+                      independent_dims=options.independent_dims)
+    after = to_proto(result.model).SerializeToString(deterministic=True)
+    changed = [r["pass"] for r in result.report["passes"] if r["changed"]]
+    optimized = before == after
+    reason = None if optimized else "changed by " + ", ".join(dict.fromkeys(changed) or ["the pipeline"])
+    return {"path": str(source), "optimized": optimized, "reason": reason}

@@ -1,0 +1,169 @@
+"""Comparing one output of the original model (a) with the same output of the optimized one (b).
+
+Metrics, all over the positions where both are finite, in float64:
+
+- max abs error ``max |a - b|``; max relative error ``max |a - b| / |a|`` (huge where a is 0:
+  reported, never judged);
+- relative L2 error ``||a - b|| / ||a||`` and cosine similarity ``<a, b> / (||a|| ||b||)``
+  (1.0 when both are all zero). Both are computed on a and b divided by their largest
+  magnitude, so float64 squares cannot overflow.
+
+The default criterion judges the whole tensor (relative L2 <= 1e-4 and cosine >= 0.9999): a
+deep network's rounding moves near-zero activations by far more than an element-wise rtol
+allows while the tensor as a whole is unchanged, which is where onnxsim's allclose gives false
+alarms (USERS.md, need 1). ``atol``/``rtol`` switch to element-wise ``|a - b| <= atol + rtol |a|``.
+
+A NaN in b where a has NaN is a match, as is an Inf of the same sign; every other disagreement
+about non-finite values (a new NaN or Inf, or one the optimized model lost) fails. Integer,
+bool and string outputs must be exactly equal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Criterion", "OutputComparison", "compare_output"]
+
+_TINY = float(np.finfo(np.float64).tiny)
+
+
+@dataclass
+class OutputComparison:
+    name: str
+    max_abs: float
+    max_rel: float
+    rel_l2: float
+    cosine: float
+    passed: bool
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """The default whole-tensor criterion, or element-wise allclose when ``atol``/``rtol`` are set."""
+
+    rel_l2: float = 1e-4
+    cosine: float = 0.9999
+    atol: float | None = None
+    rtol: float | None = None
+
+    @classmethod
+    def make(cls, atol: float | None, rtol: float | None) -> Criterion:
+        if atol is None and rtol is None:
+            return cls()
+        # The one left out takes numpy's default, the value people know from np.allclose.
+        return cls(atol=1e-8 if atol is None else atol, rtol=1e-5 if rtol is None else rtol)
+
+    @property
+    def elementwise(self) -> bool:
+        return self.atol is not None
+
+    def as_dict(self) -> dict[str, object]:
+        exact = "integer, bool and string outputs: exact equality"
+        if self.elementwise:
+            return {"kind": "allclose", "atol": self.atol, "rtol": self.rtol, "exact": exact}
+        return {"kind": "rel_l2_cosine", "rel_l2_max": self.rel_l2, "cosine_min": self.cosine, "exact": exact}
+
+
+def compare_output(name: str, a: np.ndarray, b: np.ndarray, criterion: Criterion) -> OutputComparison:
+    """Judge b (optimized) against a (original)."""
+    if a.dtype != b.dtype:
+        return _failed(name, f"dtype {a.dtype} != {b.dtype}")
+    if a.shape != b.shape:
+        return _failed(name, f"shape {a.shape} != {b.shape}")
+    if a.dtype.kind in "OUS":
+        equal = bool(np.array_equal(a, b))
+        return OutputComparison(
+            name,
+            0.0 if equal else math.nan,
+            0.0 if equal else math.nan,
+            0.0,
+            1.0,
+            equal,
+            None if equal else f"strings differ at {int(np.sum(a != b))} positions",
+        )
+    if a.dtype.kind in "biu":
+        x, y = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+        result = _metrics(name, x, y)
+        differ = int(np.count_nonzero(x != y))
+        result.passed = differ == 0
+        result.reason = None if differ == 0 else f"values differ at {differ} of {x.size} positions"
+        return result
+    x, y = _as_float64(a), _as_float64(b)
+    reason = _nonfinite_reason(x, y)
+    finite = np.isfinite(x) & np.isfinite(y)
+    x, y = x[finite], y[finite]
+    result = _metrics(name, x, y)
+    if reason is None:
+        reason = _judge(result, x, y, criterion)
+    result.passed = reason is None
+    result.reason = reason
+    return result
+
+
+def _failed(name: str, reason: str) -> OutputComparison:
+    return OutputComparison(name, math.nan, math.nan, math.nan, math.nan, False, reason)
+
+
+def _as_float64(array: np.ndarray) -> np.ndarray:
+    if array.dtype.kind == "c":
+        # Complex outputs are compared as (real, imag) pairs.
+        return np.stack([array.real, array.imag], axis=-1).astype(np.float64).ravel()
+    return array.astype(np.float64).ravel()
+
+
+def _nonfinite_reason(x: np.ndarray, y: np.ndarray) -> str | None:
+    nan_x, nan_y = np.isnan(x), np.isnan(y)
+    inf_x, inf_y = np.isinf(x), np.isinf(y)
+    checks = (
+        ("new NaN", nan_y & ~nan_x),
+        ("new Inf", inf_y & ~inf_x),
+        ("NaN in the original is not NaN in the optimized model", nan_x & ~nan_y),
+        ("Inf in the original is not the same Inf in the optimized model", inf_x & (x != y)),
+    )
+    for label, where in checks:
+        count = int(np.count_nonzero(where))
+        if count:
+            first = int(np.flatnonzero(where)[0])
+            return f"{label} at {count} of {x.size} positions (first at flat index {first})"
+    return None
+
+
+def _metrics(name: str, x: np.ndarray, y: np.ndarray) -> OutputComparison:
+    if x.size == 0:
+        return OutputComparison(name, 0.0, 0.0, 0.0, 1.0, True)
+    diff = np.abs(x - y)
+    max_abs = float(diff.max())
+    with np.errstate(over="ignore"):
+        max_rel = float((diff / np.maximum(np.abs(x), _TINY)).max())
+    scale = max(float(np.abs(x).max()), float(np.abs(y).max()))
+    if scale == 0.0:
+        return OutputComparison(name, max_abs, max_rel, 0.0, 1.0, True)
+    xs, ys = x / scale, y / scale
+    norm_x, norm_y = float(np.linalg.norm(xs)), float(np.linalg.norm(ys))
+    rel_l2 = float(np.linalg.norm(xs - ys)) / max(norm_x, _TINY)
+    denominator = norm_x * norm_y
+    cosine = 0.0 if denominator == 0.0 else min(1.0, max(-1.0, float(np.dot(xs, ys)) / denominator))
+    return OutputComparison(name, max_abs, max_rel, rel_l2, cosine, True)
+
+
+def _judge(result: OutputComparison, x: np.ndarray, y: np.ndarray, criterion: Criterion) -> str | None:
+    if criterion.elementwise:
+        assert criterion.atol is not None and criterion.rtol is not None
+        bad = np.abs(x - y) > criterion.atol + criterion.rtol * np.abs(x)
+        count = int(np.count_nonzero(bad))
+        if count:
+            return (
+                f"{count} of {x.size} elements exceed atol {criterion.atol:g} + rtol {criterion.rtol:g}"
+                f" (max abs {result.max_abs:.3g})"
+            )
+        return None
+    problems = []
+    if not result.rel_l2 <= criterion.rel_l2:
+        problems.append(f"rel L2 {result.rel_l2:.3g} > {criterion.rel_l2:g}")
+    if not result.cosine >= criterion.cosine:
+        problems.append(f"cosine {result.cosine:.6f} < {criterion.cosine:g}")
+    return "; ".join(problems) or None

@@ -1,0 +1,287 @@
+"""Prove with onnxruntime that an optimized model computes what the original did.
+
+Both files are run by onnxruntime's CPU provider on the same seeded inputs at two or more
+bindings of the dynamic dims (see inputs.py), and every output is compared (see compare.py).
+
+onnxruntime runs both models with its graph optimizations off (ORT_DISABLE_ALL): the original
+is then evaluated op by op as written, and a difference can only come from graphopt's rewrite,
+never from onnxruntime's own fusions, which have disagreed numerically between levels
+(microsoft/onnxruntime #20321) and could rewrite both models alike and hide a bug. One intra-op
+and one inter-op thread make every run repeatable.
+
+The original runs first (all bindings), then its session is freed before the optimized one is
+built, so only one model is resident at a time. Outcomes:
+
+- "not checked": onnxruntime cannot load the original, it fails at every binding tried, an
+  input has a type the check cannot generate, or time ran out before a comparison was made.
+  Never "passed".
+- "failed": the inputs or outputs of the two models differ in names or types, an output
+  differs, or the optimized model cannot be loaded or run where the original could (a model
+  that onnxruntime ran before optimizing and rejects after is a broken model, not an
+  unverifiable one).
+- "passed": every output of every binding that ran met the criterion.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import onnxruntime as ort
+
+from graphopt.check.compare import Criterion, OutputComparison, compare_output
+from graphopt.check.inputs import (
+    ModelSpec,
+    bind_dims,
+    candidate_count,
+    load_npz,
+    make_inputs,
+    read_spec,
+)
+from graphopt.errors import InputError
+
+__all__ = ["BindingResult", "CheckResult", "check_models"]
+
+Status = Literal["passed", "failed", "not checked"]
+
+
+@dataclass
+class BindingResult:
+    dims: dict[str, int]
+    outputs: list[OutputComparison]
+    passed: bool
+
+
+@dataclass
+class CheckResult:
+    status: Status
+    reason: str | None
+    criterion: dict[str, Any]
+    bindings: list[BindingResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: non-finite floats become the strings "nan", "inf" and "-inf"."""
+        result: dict[str, Any] = _finite(asdict(self))
+        return result
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
+
+
+class _OrtError(Exception):
+    """onnxruntime refused: the message is the first line of its error."""
+
+
+class _Deadline:
+    """The check's time budget; ``run`` aborts a session run through RunOptions.terminate."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.end = None if seconds is None else time.monotonic() + seconds
+
+    def expired(self) -> bool:
+        return self.end is not None and time.monotonic() >= self.end
+
+    def run(self, session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        options = ort.RunOptions()
+        options.log_severity_level = 4
+        timer = None
+        if self.end is not None:
+            timer = threading.Timer(max(0.0, self.end - time.monotonic()), lambda: setattr(options, "terminate", True))
+            timer.start()
+        try:
+            return [np.asarray(out) for out in session.run(None, dict(feeds), options)]
+        except Exception as exc:
+            if self.expired():
+                raise TimeoutError from None
+            raise _OrtError(_first_line(exc)) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _session(path: Path, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Fatal only: a failing run is reported in the result, onnxruntime need not print it too.
+    options.log_severity_level = 4
+    try:
+        # A path, not bytes: external data then loads from beside the file.
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise _OrtError(_first_line(exc)) from None
+
+
+def _dims_text(dims: Mapping[str, int]) -> str:
+    return "{" + ", ".join(f"{name}={value}" for name, value in dims.items()) + "}"
+
+
+def check_models(
+    original: str | os.PathLike[str],
+    optimized: str | os.PathLike[str],
+    *,
+    dims: dict[str, int] | None = None,
+    inputs: str | os.PathLike[str] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    seed: int = 0,
+    bindings: int = 2,
+    timeout: float | None = None,
+    threads: int = 1,
+) -> CheckResult:
+    """Run both model files in onnxruntime on the same inputs and compare every output.
+
+    Args:
+        original: the reference model file.
+        optimized: the model file to judge.
+        dims: values for named dynamic dims, used in every binding (``--dim NAME=VALUE``).
+        inputs: an .npz of arrays by input name, fed as is for one binding.
+        atol, rtol: switch to element-wise allclose (the other defaults to numpy's value).
+        seed: the seed for the generated inputs.
+        bindings: how many dim bindings to compare (each with its own data).
+        timeout: seconds for the whole check; a run in progress is aborted when they are up.
+        threads: onnxruntime intra-op threads (1 keeps runs repeatable).
+
+    Raises:
+        InputError: a file cannot be read, the .npz does not fit the model, or ``dims`` names
+            a dim the model does not have.
+    """
+    started = time.perf_counter()
+    criterion = Criterion.make(atol, rtol)
+    criterion_dict: dict[str, Any] = {
+        **criterion.as_dict(),
+        "seed": seed,
+        "onnxruntime": ort.__version__,
+        "graph_optimization_level": "ORT_DISABLE_ALL",
+    }
+
+    def result(status: Status, reason: str | None, done: list[BindingResult] | None = None) -> CheckResult:
+        return CheckResult(status, reason, criterion_dict, done or [], time.perf_counter() - started)
+
+    original, optimized = Path(original), Path(optimized)
+    spec_a, spec_b = read_spec(original), read_spec(optimized)
+    _check_dim_names(spec_a, dims or {})
+    mismatch = _signature_mismatch(spec_a, spec_b)
+    if mismatch:
+        return result("failed", mismatch)
+    feeds: Iterator[tuple[dict[str, int], dict[str, np.ndarray]]]
+    if inputs is not None:
+        arrays, npz_dims = load_npz(Path(inputs), spec_a.inputs)
+        feeds, wanted = iter([(npz_dims, arrays)]), 1
+    else:
+        unsupported = next((r for r in (s.unsupported() for s in spec_a.inputs) if r), None)
+        if unsupported:
+            return result("not checked", f"{unsupported}; pass --inputs data.npz")
+        feeds, wanted = _generated(spec_a, dims or {}, seed, bindings), max(1, bindings)
+    deadline = _Deadline(timeout)
+
+    try:
+        session = _session(original, threads)
+    except _OrtError as exc:
+        return result("not checked", f"onnxruntime cannot load the original model: {exc}")
+    ran: list[tuple[dict[str, int], dict[str, np.ndarray], list[np.ndarray]]] = []
+    skipped: list[str] = []
+    for binding_dims, feed in feeds:
+        if len(ran) == wanted:
+            break
+        try:
+            ran.append((binding_dims, feed, deadline.run(session, feed)))
+        except _OrtError as exc:
+            skipped.append(f"the original model failed at {_dims_text(binding_dims)}: {exc}")
+        except TimeoutError:
+            skipped.append(f"timed out at {_dims_text(binding_dims)} after {timeout:g} s")
+            break
+    del session
+    if not ran:
+        return result("not checked", "; ".join(skipped))
+
+    try:
+        session = _session(optimized, threads)
+    except _OrtError as exc:
+        return result("failed", f"onnxruntime cannot load the optimized model: {exc}")
+    done: list[BindingResult] = []
+    failure: str | None = None
+    for binding_dims, feed, expected in ran:
+        try:
+            actual = deadline.run(session, feed)
+        except _OrtError as exc:
+            failure = f"the optimized model failed to run at {_dims_text(binding_dims)}: {exc}"
+            break
+        except TimeoutError:
+            break
+        outputs = [compare_output(n, a, b, criterion) for n, a, b in zip(spec_a.outputs, expected, actual, strict=True)]
+        done.append(BindingResult(binding_dims, outputs, all(o.passed for o in outputs)))
+    del session
+
+    notes = list(skipped)
+    if failure is None and any(not b.passed for b in done):
+        failure = _first_failure(done)
+    if failure is not None:
+        return result("failed", "; ".join([failure, *notes]), done)
+    if not done:
+        return result("not checked", "; ".join([f"timed out after {timeout:g} s", *notes]), done)
+    if len(done) < wanted:
+        notes.insert(0, f"{len(done)} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
+    return result("passed", "; ".join(notes) or None, done)
+
+
+def _generated(
+    spec: ModelSpec, fixed: Mapping[str, int], seed: int, bindings: int
+) -> Iterator[tuple[dict[str, int], dict[str, np.ndarray]]]:
+    """Candidate bindings with their data: the requested number, then up to three fallbacks."""
+    for k in range(max(bindings, 1) + max(3, candidate_count() - bindings)):
+        binding_dims = bind_dims(spec.inputs, k, fixed)
+        rng = np.random.default_rng([seed, k])
+        yield binding_dims, make_inputs(spec.inputs, binding_dims, rng)
+
+
+def _check_dim_names(spec: ModelSpec, fixed: Mapping[str, int]) -> None:
+    names = {d for s in spec.inputs for d in (s.shape or ()) if isinstance(d, str)}
+    unknown = sorted(set(fixed) - names)
+    if unknown:
+        have = ", ".join(sorted(names)) or "none"
+        raise InputError(f"--dim {', '.join(unknown)}: the model has no such dynamic input dim (it has: {have})")
+
+
+def _signature_mismatch(a: ModelSpec, b: ModelSpec) -> str | None:
+    sig_a, sig_b = a.signature(), b.signature()
+    if sig_a != sig_b:
+        parts = []
+        for name in sorted(set(sig_a) | set(sig_b)):
+            ta, tb = sig_a.get(name, "absent"), sig_b.get(name, "absent")
+            if ta != tb:
+                parts.append(f"{name}: {ta} != {tb}")
+        return "inputs differ: " + ", ".join(parts)
+    if a.outputs != b.outputs:
+        return f"outputs differ: {list(a.outputs)} != {list(b.outputs)}"
+    return None
+
+
+def _first_failure(done: list[BindingResult]) -> str:
+    for binding in done:
+        for output in binding.outputs:
+            if not output.passed:
+                return f"output {output.name!r} at {_dims_text(binding.dims)}: {output.reason}"
+    raise AssertionError("no failing output")

@@ -1,0 +1,329 @@
+"""The numerics check: real onnxruntime runs of small models written to temporary files."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.check import CheckResult, check_models
+from graphopt.check.compare import Criterion, compare_output
+from graphopt.errors import InputError
+from graphopt.schemas import schema
+
+FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
+
+
+def _model(
+    nodes: list[onnx.NodeProto],
+    inputs: list[tuple[str, int, list[int | str | None]]],
+    outputs: list[tuple[str, int, list[int | str | None] | None]],
+    initializers: dict[str, np.ndarray] | None = None,
+    domains: tuple[str, ...] = (),
+) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
+        [numpy_helper.from_array(a, n) for n, a in (initializers or {}).items()],
+    )
+    opsets = [helper.make_opsetid("", 17), *(helper.make_opsetid(d, 1) for d in domains)]
+    # onnxruntime 1.31 reads IR versions up to 13; onnx 1.23 would write 14.
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def _save(tmp_path: Path, name: str, model: onnx.ModelProto) -> Path:
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def _linear(weight: np.ndarray, bias: np.ndarray | None = None) -> onnx.ModelProto:
+    """y[batch, n] = x[batch, k] @ weight (+ bias)."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm" if bias is not None else "y"])]
+    inits = {"w": weight}
+    if bias is not None:
+        nodes.append(helper.make_node("Add", ["mm", "b"], ["y"]))
+        inits["b"] = bias
+    return _model(nodes, [("x", FLOAT, ["batch", weight.shape[0]])], [("y", FLOAT, ["batch", weight.shape[1]])], inits)
+
+
+def _weight(seed: int = 0, shape: tuple[int, int] = (8, 4), scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def _json(result: CheckResult) -> dict:
+    data = result.as_dict()
+    text = json.dumps(data, allow_nan=False)
+    report = schema("report")
+    jsonschema.validate(data, {"$schema": report["$schema"], "$defs": report["$defs"], "$ref": "#/$defs/numerics"})
+    loaded: dict = json.loads(text)
+    return loaded
+
+
+def test_identical_models_pass(tmp_path: Path) -> None:
+    a = _save(tmp_path, "a", _linear(_weight()))
+    b = _save(tmp_path, "b", _linear(_weight()))
+    result = check_models(a, b)
+    assert result.status == "passed", result.reason
+    assert len(result.bindings) == 2
+    assert all(o.rel_l2 == 0.0 and o.cosine == pytest.approx(1.0) for bd in result.bindings for o in bd.outputs)
+
+
+def test_changed_weight_fails_naming_the_output(tmp_path: Path) -> None:
+    weight = _weight()
+    changed = weight.copy()
+    changed[3, 1] += 0.5
+    result = check_models(_save(tmp_path, "a", _linear(weight)), _save(tmp_path, "b", _linear(changed)))
+    assert result.status == "failed"
+    assert result.reason is not None and "'y'" in result.reason and "rel L2" in result.reason
+    assert not result.bindings[0].outputs[0].passed
+    assert _json(result)["status"] == "failed"
+
+
+def test_new_nan_fails_and_shared_nan_passes(tmp_path: Path) -> None:
+    weight = _weight()
+    bias = np.zeros(4, np.float32)
+    nan_bias = bias.copy()
+    nan_bias[2] = np.nan
+    clean = _save(tmp_path, "clean", _linear(weight, bias))
+    with_nan = _save(tmp_path, "nan", _linear(weight, nan_bias))
+    result = check_models(clean, with_nan)
+    assert result.status == "failed"
+    assert result.reason is not None and "new NaN" in result.reason
+
+    # The same NaN through a different graph (Add with its operands swapped) is a match.
+    swapped = _linear(weight, nan_bias)
+    swapped.graph.node[1].input[:] = ["b", "mm"]
+    result = check_models(with_nan, _save(tmp_path, "swapped", swapped))
+    assert result.status == "passed", result.reason
+    assert all(np.isfinite(o.rel_l2) for bd in result.bindings for o in bd.outputs)
+
+    # A NaN the optimized model lost is a change too.
+    result = check_models(with_nan, clean)
+    assert result.status == "failed" and "NaN in the original" in (result.reason or "")
+
+
+def test_nonfinite_rules() -> None:
+    crit = Criterion()
+    a = np.array([1.0, np.inf, -np.inf, np.nan], np.float32)
+    assert compare_output("y", a, a.copy(), crit).passed
+    new_inf = np.array([1.0, np.inf, -np.inf, np.inf], np.float32)
+    assert compare_output("y", new_inf, new_inf * np.array([np.inf, 1, 1, 1], np.float32), crit).reason.startswith(
+        "new Inf"
+    )
+    flipped = np.array([1.0, -np.inf, -np.inf, np.nan], np.float32)
+    assert "Inf in the original" in (compare_output("y", a, flipped, crit).reason or "")
+    zeros = np.zeros(5, np.float32)
+    same = compare_output("y", zeros, zeros, crit)
+    assert same.passed and same.cosine == 1.0 and same.rel_l2 == 0.0
+    assert not compare_output("y", zeros, zeros + 1e-3, crit).passed
+
+
+def test_deep_net_noise_passes_rel_l2_where_allclose_fails(tmp_path: Path) -> None:
+    # Large weights with a 1e-6 relative perturbation: the output moves by ~1e-6 of its norm,
+    # but the many outputs that cancel to near zero move by far more than rtol 1e-5 of themselves.
+    weight = _weight(1, (64, 64), scale=1000.0)
+    noise = 1 + 1e-6 * np.random.default_rng(2).standard_normal(weight.shape)
+    a = _save(tmp_path, "a", _linear(weight))
+    b = _save(tmp_path, "b", _linear((weight * noise).astype(np.float32)))
+    robust = check_models(a, b)
+    assert robust.status == "passed", robust.reason
+    assert all(o.rel_l2 < 1e-5 and o.max_rel > 1e-5 for bd in robust.bindings for o in bd.outputs)
+    strict = check_models(a, b, rtol=1e-5)
+    assert strict.status == "failed"
+    assert strict.criterion["kind"] == "allclose" and strict.criterion["atol"] == 1e-8
+    assert "exceed atol" in (strict.reason or "")
+
+
+def _ids_model(offset: int, table_rows: int = 5) -> onnx.ModelProto:
+    """Ids flattened, looked up in a small table, and the ids plus ``offset`` as an int output."""
+    nodes = [
+        helper.make_node("Reshape", ["ids", "flat"], ["ids_flat"]),
+        helper.make_node("Gather", ["table", "ids_flat"], ["emb"]),
+        helper.make_node("Add", ["ids", "offset"], ["shifted"]),
+    ]
+    inits = {
+        "flat": np.array([-1], np.int64),
+        "table": _weight(3, (table_rows, 4)),
+        "offset": np.array(offset, np.int64),
+    }
+    return _model(
+        nodes,
+        [("ids", INT64, ["batch", "sequence"])],
+        [("emb", FLOAT, None), ("shifted", INT64, ["batch", "sequence"])],
+        inits,
+    )
+
+
+def test_integer_outputs_exact_and_ids_fit_the_table(tmp_path: Path) -> None:
+    original = _save(tmp_path, "a", _ids_model(1))
+    # Ids up to 99 would index past the 5-row table and onnxruntime would refuse every binding.
+    same = check_models(original, _save(tmp_path, "b", _ids_model(1)))
+    assert same.status == "passed", same.reason
+    off_by_one = check_models(original, _save(tmp_path, "c", _ids_model(2)))
+    assert off_by_one.status == "failed"
+    shifted = off_by_one.bindings[0].outputs[1]
+    assert shifted.name == "shifted" and shifted.max_abs == 1.0
+    assert shifted.reason is not None and "values differ" in shifted.reason
+    assert off_by_one.bindings[0].outputs[0].passed
+
+
+def _two_input_model() -> onnx.ModelProto:
+    """a[batch, seq] + b[batch, seq] (needs one binding for both), and c[n] summed."""
+    nodes = [
+        helper.make_node("Add", ["a", "b"], ["ab"]),
+        helper.make_node("ReduceSum", ["c"], ["c_sum"], keepdims=0),
+        helper.make_node("Add", ["ab", "c_sum"], ["y"]),
+    ]
+    return _model(
+        nodes,
+        [("a", FLOAT, ["batch", "seq"]), ("b", FLOAT, ["batch", "seq"]), ("c", FLOAT, ["n"])],
+        [("y", FLOAT, ["batch", "seq"])],
+    )
+
+
+def test_dynamic_dims_bound_by_name_at_two_bindings(tmp_path: Path) -> None:
+    path = _save(tmp_path, "m", _two_input_model())
+    result = check_models(path, path)
+    assert result.status == "passed", result.reason
+    assert [bd.dims for bd in result.bindings] == [{"batch": 1, "seq": 8, "n": 2}, {"batch": 3, "seq": 17, "n": 5}]
+    fixed = check_models(path, path, dims={"batch": 4})
+    assert [bd.dims["batch"] for bd in fixed.bindings] == [4, 4]
+    assert fixed.bindings[0].dims["seq"] != fixed.bindings[1].dims["seq"]
+    with pytest.raises(InputError, match="batchsize"):
+        check_models(path, path, dims={"batchsize": 4})
+
+
+def test_binding_rejected_by_the_original_is_replaced(tmp_path: Path) -> None:
+    # Reshape to [-1, 4] needs seq to be a multiple of 4: 17 fails, the fallback 12 runs.
+    model = _model(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])],
+        [("x", FLOAT, ["seq"])],
+        [("y", FLOAT, [None, 4])],
+        {"shape": np.array([-1, 4], np.int64)},
+    )
+    path = _save(tmp_path, "m", model)
+    result = check_models(path, path)
+    assert result.status == "passed"
+    assert [bd.dims for bd in result.bindings] == [{"seq": 8}, {"seq": 12}]
+    assert result.reason is not None and "{seq=17}" in result.reason
+
+
+def test_unnamed_dims_share_a_value(tmp_path: Path) -> None:
+    model = _model(
+        [helper.make_node("Add", ["a", "b"], ["y"])],
+        [("a", FLOAT, [None, 3]), ("b", FLOAT, [None, 3])],
+        [("y", FLOAT, [None, 3])],
+    )
+    path = _save(tmp_path, "m", model)
+    result = check_models(path, path)
+    assert result.status == "passed", result.reason
+    assert [bd.dims for bd in result.bindings] == [{"a[0]": 1, "b[0]": 1}, {"a[0]": 2, "b[0]": 2}]
+
+
+def test_npz_inputs_are_used_as_given(tmp_path: Path) -> None:
+    path = _save(tmp_path, "m", _two_input_model())
+    data = tmp_path / "inputs.npz"
+    arrays = {"a": np.ones((2, 5), np.float32), "b": np.ones((2, 5), np.float32), "c": np.ones(7, np.float32)}
+    np.savez(data, **arrays)
+    result = check_models(path, path, inputs=data)
+    assert result.status == "passed", result.reason
+    assert [bd.dims for bd in result.bindings] == [{"batch": 2, "seq": 5, "n": 7}]
+
+    np.savez(data, a=arrays["a"], b=arrays["b"])
+    with pytest.raises(InputError, match="missing c"):
+        check_models(path, path, inputs=data)
+    np.savez(data, **{**arrays, "c": np.ones(7, np.float64)})
+    with pytest.raises(InputError, match="float64"):
+        check_models(path, path, inputs=data)
+
+
+def test_model_onnxruntime_cannot_run_is_not_checked(tmp_path: Path) -> None:
+    custom = _model(
+        [helper.make_node("Frobnicate", ["x"], ["y"], domain="com.example")],
+        [("x", FLOAT, [2])],
+        [("y", FLOAT, [2])],
+        domains=("com.example",),
+    )
+    path = _save(tmp_path, "custom", custom)
+    result = check_models(path, path)
+    assert result.status == "not checked"
+    assert result.reason is not None and "cannot load the original" in result.reason and "\n" not in result.reason
+    assert _json(result)["status"] == "not checked"
+
+
+def test_optimized_model_that_onnxruntime_rejects_fails(tmp_path: Path) -> None:
+    original = _save(tmp_path, "a", _linear(_weight()))
+    broken = _linear(_weight())
+    broken.graph.node[0].input[1] = "w_missing"
+    result = check_models(original, _save(tmp_path, "b", broken))
+    assert result.status == "failed"
+    assert result.reason is not None and "cannot load the optimized" in result.reason
+
+
+def test_shape_dtype_and_input_mismatches_fail(tmp_path: Path) -> None:
+    identity = _model([helper.make_node("Identity", ["x"], ["y"])], [("x", FLOAT, [2, 3])], [("y", FLOAT, None)])
+    doubled = _model(
+        [helper.make_node("Concat", ["x", "x"], ["y"], axis=1)], [("x", FLOAT, [2, 3])], [("y", FLOAT, None)]
+    )
+    as_double = _model(
+        [helper.make_node("Cast", ["x"], ["y"], to=TensorProto.DOUBLE)],
+        [("x", FLOAT, [2, 3])],
+        [("y", TensorProto.DOUBLE, None)],
+    )
+    renamed = _model([helper.make_node("Identity", ["z"], ["y"])], [("z", FLOAT, [2, 3])], [("y", FLOAT, None)])
+    a = _save(tmp_path, "a", identity)
+    shape = check_models(a, _save(tmp_path, "b", doubled))
+    assert shape.status == "failed" and "shape (2, 3) != (2, 6)" in (shape.reason or "")
+    assert _json(shape)["bindings"][0]["outputs"][0]["rel_l2"] == "nan"
+    dtype = check_models(a, _save(tmp_path, "c", as_double))
+    assert dtype.status == "failed" and "dtype float32 != float64" in (dtype.reason or "")
+    inputs = check_models(a, _save(tmp_path, "d", renamed))
+    assert inputs.status == "failed" and inputs.reason is not None and inputs.reason.startswith("inputs differ")
+    assert inputs.bindings == []
+
+
+def test_external_data_loads_from_beside_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    inline = _save(tmp_path, "inline", _linear(_weight(), np.ones(4, np.float32)))
+    folder = tmp_path / "external"
+    folder.mkdir()
+    external = folder / "model.onnx"
+    onnx.save(
+        _linear(_weight(), np.ones(4, np.float32)),
+        str(external),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="model.data",
+        size_threshold=0,
+    )
+    assert (folder / "model.data").is_file()
+    monkeypatch.chdir(tmp_path)
+    result = check_models(inline, external)
+    assert result.status == "passed", result.reason
+
+
+def test_timeout_is_not_checked(tmp_path: Path) -> None:
+    path = _save(tmp_path, "m", _linear(_weight()))
+    result = check_models(path, path, timeout=0.0)
+    assert result.status == "not checked"
+    assert "timed out" in (result.reason or "")
+
+
+def test_bert_small_against_itself(corpus_dir: Path) -> None:
+    path = corpus_dir / "bert_small.onnx"
+    started = time.perf_counter()
+    result = check_models(path, path)
+    seconds = time.perf_counter() - started
+    assert result.status == "passed", result.reason
+    assert len(result.bindings) == 2
+    assert result.bindings[0].dims != result.bindings[1].dims
+    assert {o.name for o in result.bindings[0].outputs} == {"last_hidden_state", "pooler_output"}
+    assert seconds < 30, f"bert_small check took {seconds:.1f} s"

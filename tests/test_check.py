@@ -177,7 +177,7 @@ def test_integer_outputs_exact_and_ids_fit_the_table(tmp_path: Path) -> None:
 
 
 def _two_input_model() -> onnx.ModelProto:
-    """a[batch, seq] + b[batch, seq] (needs one binding for both), and c[n] summed."""
+    """a[batch, seq] + b[batch, seq] (needs one binding for both), and c[width] summed."""
     nodes = [
         helper.make_node("Add", ["a", "b"], ["ab"]),
         helper.make_node("ReduceSum", ["c"], ["c_sum"], keepdims=0),
@@ -185,7 +185,7 @@ def _two_input_model() -> onnx.ModelProto:
     ]
     return _model(
         nodes,
-        [("a", FLOAT, ["batch", "seq"]), ("b", FLOAT, ["batch", "seq"]), ("c", FLOAT, ["n"])],
+        [("a", FLOAT, ["batch", "seq"]), ("b", FLOAT, ["batch", "seq"]), ("c", FLOAT, ["width"])],
         [("y", FLOAT, ["batch", "seq"])],
     )
 
@@ -194,7 +194,10 @@ def test_dynamic_dims_bound_by_name_at_two_bindings(tmp_path: Path) -> None:
     path = _save(tmp_path, "m", _two_input_model())
     result = check_models(path, path)
     assert result.status == "passed", result.reason
-    assert [bd.dims for bd in result.bindings] == [{"batch": 1, "seq": 8, "n": 2}, {"batch": 3, "seq": 17, "n": 5}]
+    assert [bd.dims for bd in result.bindings] == [
+        {"batch": 1, "seq": 8, "width": 2},
+        {"batch": 3, "seq": 17, "width": 5},
+    ]
     fixed = check_models(path, path, dims={"batch": 4})
     assert [bd.dims["batch"] for bd in fixed.bindings] == [4, 4]
     assert fixed.bindings[0].dims["seq"] != fixed.bindings[1].dims["seq"]
@@ -236,7 +239,7 @@ def test_npz_inputs_are_used_as_given(tmp_path: Path) -> None:
     np.savez(data, **arrays)
     result = check_models(path, path, inputs=data)
     assert result.status == "passed", result.reason
-    assert [bd.dims for bd in result.bindings] == [{"batch": 2, "seq": 5, "n": 7}]
+    assert [bd.dims for bd in result.bindings] == [{"batch": 2, "seq": 5, "width": 7}]
 
     np.savez(data, a=arrays["a"], b=arrays["b"])
     with pytest.raises(InputError, match="missing c"):

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.check import CheckResult, check_models
 from graphopt.check.compare import Criterion, compare_output
+from graphopt.check.inputs import bind_dims, make_inputs, read_spec
 from graphopt.errors import InputError
 from graphopt.schemas import schema
 
@@ -177,7 +178,7 @@ def test_integer_outputs_exact_and_ids_fit_the_table(tmp_path: Path) -> None:
 
 
 def _two_input_model() -> onnx.ModelProto:
-    """a[batch, seq] + b[batch, seq] (needs one binding for both), and c[width] summed."""
+    """a[batch, seq] + b[batch, seq] (needs one binding for both), and c[height, width] summed."""
     nodes = [
         helper.make_node("Add", ["a", "b"], ["ab"]),
         helper.make_node("ReduceSum", ["c"], ["c_sum"], keepdims=0),
@@ -185,7 +186,7 @@ def _two_input_model() -> onnx.ModelProto:
     ]
     return _model(
         nodes,
-        [("a", FLOAT, ["batch", "seq"]), ("b", FLOAT, ["batch", "seq"]), ("c", FLOAT, ["width"])],
+        [("a", FLOAT, ["batch", "seq"]), ("b", FLOAT, ["batch", "seq"]), ("c", FLOAT, ["height", "width"])],
         [("y", FLOAT, ["batch", "seq"])],
     )
 
@@ -195,8 +196,8 @@ def test_dynamic_dims_bound_by_name_at_two_bindings(tmp_path: Path) -> None:
     result = check_models(path, path)
     assert result.status == "passed", result.reason
     assert [bd.dims for bd in result.bindings] == [
-        {"batch": 1, "seq": 8, "width": 2},
-        {"batch": 3, "seq": 17, "width": 5},
+        {"batch": 1, "seq": 8, "height": 2, "width": 3},
+        {"batch": 3, "seq": 17, "height": 5, "width": 6},
     ]
     fixed = check_models(path, path, dims={"batch": 4})
     assert [bd.dims["batch"] for bd in fixed.bindings] == [4, 4]
@@ -220,6 +221,23 @@ def test_binding_rejected_by_the_original_is_replaced(tmp_path: Path) -> None:
     assert result.reason is not None and "{seq=17}" in result.reason
 
 
+def test_two_names_for_one_dim_fall_back_to_shared_values(tmp_path: Path) -> None:
+    # Distinct names get distinct values first (8 and 9 do not broadcast), then share one.
+    model = _model(
+        [helper.make_node("Add", ["a", "b"], ["y"])],
+        [("a", FLOAT, ["batch", "seq"]), ("b", FLOAT, ["batch", "seq_mask"])],
+        [("y", FLOAT, ["batch", "seq"])],
+    )
+    path = _save(tmp_path, "m", model)
+    result = check_models(path, path)
+    assert result.status == "passed", result.reason
+    assert [bd.dims for bd in result.bindings] == [
+        {"batch": 3, "seq": 17, "seq_mask": 17},
+        {"batch": 1, "seq": 16, "seq_mask": 16},
+    ]
+    assert result.reason is not None and result.reason.count("the original model failed") == 3
+
+
 def test_unnamed_dims_share_a_value(tmp_path: Path) -> None:
     model = _model(
         [helper.make_node("Add", ["a", "b"], ["y"])],
@@ -235,16 +253,16 @@ def test_unnamed_dims_share_a_value(tmp_path: Path) -> None:
 def test_npz_inputs_are_used_as_given(tmp_path: Path) -> None:
     path = _save(tmp_path, "m", _two_input_model())
     data = tmp_path / "inputs.npz"
-    arrays = {"a": np.ones((2, 5), np.float32), "b": np.ones((2, 5), np.float32), "c": np.ones(7, np.float32)}
+    arrays = {"a": np.ones((2, 5), np.float32), "b": np.ones((2, 5), np.float32), "c": np.ones((7, 4), np.float32)}
     np.savez(data, **arrays)
     result = check_models(path, path, inputs=data)
     assert result.status == "passed", result.reason
-    assert [bd.dims for bd in result.bindings] == [{"batch": 2, "seq": 5, "width": 7}]
+    assert [bd.dims for bd in result.bindings] == [{"batch": 2, "seq": 5, "height": 7, "width": 4}]
 
     np.savez(data, a=arrays["a"], b=arrays["b"])
     with pytest.raises(InputError, match="missing c"):
         check_models(path, path, inputs=data)
-    np.savez(data, **{**arrays, "c": np.ones(7, np.float64)})
+    np.savez(data, **{**arrays, "c": np.ones((7, 4), np.float64)})
     with pytest.raises(InputError, match="float64"):
         check_models(path, path, inputs=data)
 
@@ -330,3 +348,48 @@ def test_bert_small_against_itself(corpus_dir: Path) -> None:
     assert result.bindings[0].dims != result.bindings[1].dims
     assert {o.name for o in result.bindings[0].outputs} == {"last_hidden_state", "pooler_output"}
     assert seconds < 30, f"bert_small check took {seconds:.1f} s"
+
+
+def test_optimized_model_that_froze_a_dynamic_dim_fails(tmp_path: Path) -> None:
+    original = _save(tmp_path, "a", _linear(_weight()))
+    frozen = _linear(_weight())
+    frozen.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1
+    result = check_models(original, _save(tmp_path, "b", frozen))
+    assert result.status == "failed"
+    assert result.reason is not None and "optimized model failed to run at {batch=3}" in result.reason
+    assert [bd.passed for bd in result.bindings] == [True]
+
+
+def test_generated_inputs(tmp_path: Path) -> None:
+    model = _model(
+        [helper.make_node("Gather", ["table", "token_type_ids"], ["y"])],
+        [
+            ("token_type_ids", INT64, ["batch", "sequence"]),
+            ("attention_mask", INT64, ["batch", "sequence"]),
+            ("flags", TensorProto.BOOL, ["batch"]),
+            ("pixels", TensorProto.FLOAT16, ["batch", 3]),
+        ],
+        [("y", FLOAT, None)],
+        {"table": _weight(0, (2, 4))},
+    )
+    spec = read_spec(_save(tmp_path, "m", model))
+    dims = bind_dims(spec.inputs, 1, {})
+    feeds = make_inputs(spec.inputs, dims, np.random.default_rng(0))
+    assert dims == {"batch": 3, "sequence": 17}
+    assert feeds["token_type_ids"].shape == (3, 17) and set(np.unique(feeds["token_type_ids"])) == {0, 1}
+    assert feeds["attention_mask"].dtype == np.int64 and (feeds["attention_mask"] == 1).all()
+    assert feeds["flags"].dtype == np.bool_ and feeds["pixels"].dtype == np.float16
+
+
+def test_a_rewrite_that_confuses_two_dims_fails(tmp_path: Path) -> None:
+    # The output is the size of dim `width`; the "optimized" model reads `height` instead.
+    def size_of(axis: int) -> onnx.ModelProto:
+        return _model(
+            [helper.make_node("Shape", ["x"], ["y"], start=axis, end=axis + 1)],
+            [("x", FLOAT, ["height", "width"])],
+            [("y", INT64, [1])],
+        )
+
+    result = check_models(_save(tmp_path, "a", size_of(1)), _save(tmp_path, "b", size_of(0)))
+    assert result.status == "failed"
+    assert result.reason is not None and "values differ" in result.reason

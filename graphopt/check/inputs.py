@@ -6,11 +6,15 @@ as they were written.
 
 Dynamic dims are bound by name, so ``batch`` has one value across every input of a binding.
 Each binding draws its value for a dim from the dim's class (batch-like, sequence-like, other,
-unnamed); the first two candidates differ in every class, so two bindings exercise two shapes,
-and the later candidates are fallbacks for models whose original rejects a binding (a Reshape
-that needs a multiple, a position table shorter than the sequence). Unnamed dims (no
-``dim_param``) all share one value per binding: an exporter that left the batch dim unnamed on
-two inputs still needs the two to agree, and 1 broadcasts against anything.
+unnamed), and different names of one class get different values (the second "other" dim is
+one more than the first), so a rewrite that takes two unknown dims for one (onnxscript #2577)
+computes on the wrong shapes and is caught. The first two candidates differ in every class, so
+two bindings exercise two shapes; the later ones are fallbacks for models whose original
+rejects a binding: other values (a Reshape that needs a multiple of 4, a position table shorter
+than the sequence), then shared values per class (an exporter that gave one dim two names),
+then all ones. Unnamed dims (no ``dim_param``) all share one value per binding: an exporter
+that left the batch dim unnamed on two inputs still needs the two to agree, and 1 broadcasts
+against anything.
 """
 
 from __future__ import annotations
@@ -36,13 +40,15 @@ __all__ = [
     "unnamed_key",
 ]
 
-# Values per candidate binding, by dim class; candidate k takes column k.
+# Base values by dim class, one column each ...
 _DIM_TABLE: dict[str, tuple[int, ...]] = {
     "batch": (1, 3, 2, 1, 1),
     "seq": (8, 17, 12, 16, 1),
     "other": (2, 5, 3, 4, 1),
     "unnamed": (1, 2, 3, 1, 1),
 }
+# ... and the candidate bindings: (column, whether names of one class get distinct values).
+_CANDIDATES: tuple[tuple[int, bool], ...] = ((0, True), (1, True), (2, True), (1, False), (3, False), (4, False))
 _SEQ_WORDS = ("seq", "len", "sequence", "token", "time", "step")
 # Integer inputs are ids drawn from [0, _MAX_ID) unless the graph shows a smaller table.
 _MAX_ID = 100
@@ -181,7 +187,7 @@ def unnamed_key(input_name: str, axis: int) -> str:
 
 
 def candidate_count() -> int:
-    return len(_DIM_TABLE["batch"])
+    return len(_CANDIDATES)
 
 
 def bind_dims(specs: tuple[InputSpec, ...], k: int, fixed: Mapping[str, int]) -> dict[str, int]:
@@ -189,12 +195,16 @@ def bind_dims(specs: tuple[InputSpec, ...], k: int, fixed: Mapping[str, int]) ->
 
     ``fixed`` (the user's ``--dim NAME=VALUE``) wins in every binding.
     """
-    column = k % candidate_count()
+    column, distinct = _CANDIDATES[k % len(_CANDIDATES)]
     dims: dict[str, int] = {}
+    seen_in_class: dict[str, int] = {}
     for spec in specs:
         for axis, dim in enumerate(spec.shape or ()):
-            if isinstance(dim, str):
-                dims[dim] = fixed.get(dim, _DIM_TABLE[_dim_class(dim)][column])
+            if isinstance(dim, str) and dim not in dims:
+                kind = _dim_class(dim)
+                offset = seen_in_class.get(kind, 0)
+                seen_in_class[kind] = offset + 1
+                dims[dim] = fixed.get(dim, _DIM_TABLE[kind][column] + (offset if distinct else 0))
             elif dim is None:
                 dims[unnamed_key(spec.name, axis)] = _DIM_TABLE["unnamed"][column]
     return dims

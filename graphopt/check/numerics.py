@@ -97,6 +97,8 @@ class _Deadline:
         return self.end is not None and time.monotonic() >= self.end
 
     def run(self, session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        if self.expired():
+            raise TimeoutError
         options = ort.RunOptions()
         options.log_severity_level = 4
         timer = None
@@ -204,14 +206,14 @@ def check_models(
     ran: list[tuple[dict[str, int], dict[str, np.ndarray], list[np.ndarray]]] = []
     skipped: list[str] = []
     for binding_dims, feed in feeds:
-        if len(ran) == wanted:
-            break
         try:
             ran.append((binding_dims, feed, deadline.run(session, feed)))
         except _OrtError as exc:
             skipped.append(f"the original model failed at {_dims_text(binding_dims)}: {exc}")
         except TimeoutError:
             skipped.append(f"timed out at {_dims_text(binding_dims)} after {timeout:g} s")
+            break
+        if len(ran) == wanted:
             break
     del session
     if not ran:

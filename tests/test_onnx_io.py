@@ -1,0 +1,285 @@
+"""ONNX I/O: lossless round trips, external data, lazy tensors, and bad input."""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.errors import InputError
+from graphopt.io import onnx_io
+from graphopt.ir import ExternalSource
+from tests.conftest import CORPUS_MODELS
+from tests.protocompare import first_difference
+
+ort.set_default_logger_severity(4)
+
+
+def _roundtrip(source: Path, target: Path, **options: Any) -> None:
+    onnx_io.save(onnx_io.load(source), target, **options)
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """Bit-identical outputs (NaN payloads included), for tensors, sequences and maps."""
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return bool(a == b)
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == object:
+        return a.shape == b.shape and a.tolist() == b.tolist()
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _node_cases() -> list[Any]:
+    from onnx.backend.test.case.node import collect_testcases
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return list(collect_testcases(None))
+
+
+def test_node_suite_round_trip_is_lossless_and_runs_identically(tmp_path: Path) -> None:
+    """Every model of the ONNX node test suite: equal protos, checker-clean, identical outputs."""
+    counts: collections.Counter[str] = collections.Counter()
+    differences = []
+    source, target = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    for case in _node_cases():
+        onnx.save(case.model, source)
+        _roundtrip(source, target)
+        difference = first_difference(onnx.load(source), onnx.load(target))
+        if difference:
+            differences.append(f"{case.name}: {difference}")
+            continue
+        onnx.checker.check_model(str(target))
+        try:
+            original = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
+        except Exception:
+            counts["onnxruntime cannot load the original"] += 1
+            continue
+        if not case.data_sets:
+            counts["no test data"] += 1
+            continue
+        inputs, _ = case.data_sets[0]
+        feeds = dict(zip([i.name for i in original.get_inputs()], inputs))
+        try:
+            expected = original.run(None, feeds)
+        except Exception:
+            counts["onnxruntime cannot run the original"] += 1
+            continue
+        actual = ort.InferenceSession(str(target), providers=["CPUExecutionProvider"]).run(None, feeds)
+        if all(_identical(e, a) for e, a in zip(expected, actual)):
+            counts["identical"] += 1
+        else:
+            differences.append(f"{case.name}: outputs differ")
+    assert not differences, differences[:10]
+    assert counts["identical"] > 1300, counts
+
+
+@pytest.mark.parametrize("name", CORPUS_MODELS)
+def test_corpus_round_trip_is_lossless(corpus_dir: Path, tmp_path: Path, name: str) -> None:
+    source = corpus_dir / f"{name}.onnx"
+    _roundtrip(source, tmp_path / "out.onnx")
+    assert first_difference(onnx.load(source), onnx.load(tmp_path / "out.onnx")) is None
+
+
+def test_corpus_model_runs_bit_identically(corpus_dir: Path, tmp_path: Path) -> None:
+    source = corpus_dir / "wide_ensemble.onnx"
+    _roundtrip(source, tmp_path / "out.onnx")
+    sessions = [
+        ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (source, tmp_path / "out.onnx")
+    ]
+    rng = np.random.default_rng(0)
+    feeds = {
+        i.name: rng.standard_normal([d if isinstance(d, int) else 2 for d in i.shape]).astype(np.float32)
+        for i in sessions[0].get_inputs()
+    }
+    expected, actual = (s.run(None, feeds) for s in sessions)
+    assert all(_identical(e, a) for e, a in zip(expected, actual))
+
+
+def _rich_model() -> onnx.ModelProto:
+    """Sparse initializers, a local function, metadata, doc strings, an If with captures."""
+    weight = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "weight")
+    sparse = helper.make_sparse_tensor(
+        numpy_helper.from_array(np.array([5.0], np.float32), "sparse_w"),
+        numpy_helper.from_array(np.array([1], np.int64), "sparse_w_idx"),
+        [3],
+    )
+    function = helper.make_function(
+        "custom.fn",
+        "Double",
+        ["a"],
+        ["b"],
+        [helper.make_node("Add", ["a", "a"], ["b"])],
+        [helper.make_opsetid("", 17)],
+        doc_string="doubles",
+    )
+    then_graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "weight"], ["then_y"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("then_y", TensorProto.FLOAT, ["batch", 3])],
+    )
+    else_graph = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["neg"]), helper.make_node("MatMul", ["neg", "weight"], ["else_y"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("else_y", TensorProto.FLOAT, ["batch", 3])],
+    )
+    nodes = [
+        helper.make_node("If", ["cond"], ["y0"], then_branch=then_graph, else_branch=else_graph, doc_string="branch"),
+        helper.make_node("Double", ["y0"], ["y1"], domain="custom.fn"),
+        helper.make_node("Add", ["y1", "sparse_w"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "rich",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2]),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [weight],
+        doc_string="a graph",
+        sparse_initializer=[sparse],
+        value_info=[helper.make_tensor_value_info("y0", TensorProto.FLOAT, ["batch", "seq + 1"])],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("custom.fn", 1)],
+        functions=[function],
+        doc_string="model doc",
+    )
+    helper.set_model_props(model, {"author": "graphopt", "license": "apache"})
+    return model
+
+
+def test_round_trip_keeps_functions_sparse_metadata_and_docs(tmp_path: Path) -> None:
+    source = tmp_path / "rich.onnx"
+    onnx.save(_rich_model(), source)
+    model = onnx_io.load(source)
+    (if_node,) = [n for n in model.graph if n.op_type == "If"]
+    assert {v.name for v in if_node.captures()} == {"x", "weight"}
+    _roundtrip(source, tmp_path / "out.onnx")
+    assert first_difference(onnx.load(source), onnx.load(tmp_path / "out.onnx")) is None
+    onnx.checker.check_model(str(tmp_path / "out.onnx"))
+
+
+def _big_model(path: Path) -> None:
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    onnx.save_model(model, path, save_as_external_data=True, location="weights.bin", size_threshold=0)
+
+
+def test_external_data_is_mapped_and_kept(tmp_path: Path) -> None:
+    source = tmp_path / "ext.onnx"
+    _big_model(source)
+    model = onnx_io.load(source)
+    tensor = model.graph.initializers["w"].const
+    assert isinstance(tensor.source, ExternalSource)  # type: ignore[union-attr]
+    out = tmp_path / "out" / "ext.onnx"
+    onnx_io.save(model, out)
+    assert (out.parent / "ext.onnx.data").is_file()
+    assert out.stat().st_size < 10_000
+    reloaded = onnx.load(out)
+    np.testing.assert_array_equal(
+        numpy_helper.to_array(reloaded.graph.initializer[0]),
+        onnx.numpy_helper.to_array(onnx.load(source).graph.initializer[0]),
+    )
+    x = np.ones((1, 256), np.float32)
+    expected = ort.InferenceSession(str(source)).run(None, {"x": x})[0]
+    actual = ort.InferenceSession(str(out)).run(None, {"x": x})[0]
+    assert expected.tobytes() == actual.tobytes()
+
+
+def test_models_over_the_protobuf_limit_save_with_external_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A real 2 GB model is the big-model benchmark's job; here the limit is lowered instead.
+    source = tmp_path / "in.onnx"
+    _big_model(source)
+    onnx.save(onnx.load(source), tmp_path / "inline.onnx")
+    monkeypatch.setattr(onnx_io, "PROTOBUF_LIMIT", 1000)
+    onnx_io.save(onnx_io.load(tmp_path / "inline.onnx"), tmp_path / "out.onnx")
+    assert (tmp_path / "out.onnx.data").stat().st_size >= 256 * 256 * 4
+    onnx.checker.check_model(str(tmp_path / "out.onnx"))
+
+
+def test_saving_in_memory_with_no_external_data_flag(tmp_path: Path) -> None:
+    source = tmp_path / "in.onnx"
+    _big_model(source)
+    onnx_io.save(onnx_io.load(source), tmp_path / "inline.onnx", external_data=False)
+    assert not (tmp_path / "inline.onnx.data").exists()
+    assert (tmp_path / "inline.onnx").stat().st_size > 256 * 256 * 4
+
+
+def _write(path: Path, model: onnx.ModelProto) -> Path:
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def _simple_graph(nodes: list[onnx.NodeProto], inputs: list[str] = ["x"]) -> onnx.ModelProto:  # noqa: B006
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in inputs],
+        [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, [2])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+BAD_MODELS = {
+    "truncated": lambda tmp: (tmp / "t.onnx").write_bytes(
+        _simple_graph([helper.make_node("Relu", ["x"], ["y"])]).SerializeToString()[:-7]
+    ),
+    "garbage": lambda tmp: (tmp / "t.onnx").write_bytes(b"\x00\xff" * 100),
+    "text file": lambda tmp: (tmp / "t.onnx").write_text("hello, this is not a model\n"),
+    "empty file": lambda tmp: (tmp / "t.onnx").write_bytes(b""),
+    "duplicate names": lambda tmp: _write(
+        tmp / "t.onnx", _simple_graph([helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Neg", ["x"], ["y"])])
+    ),
+    "dangling input": lambda tmp: _write(
+        tmp / "t.onnx", _simple_graph([helper.make_node("Add", ["x", "nowhere"], ["y"])])
+    ),
+    "cycle": lambda tmp: _write(
+        tmp / "t.onnx",
+        _simple_graph([helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Relu", ["a"], ["b"])]),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MODELS))
+def test_bad_models_raise_one_line_input_errors(tmp_path: Path, case: str) -> None:
+    BAD_MODELS[case](tmp_path)
+    with pytest.raises(InputError) as raised:
+        onnx_io.load(tmp_path / "t.onnx")
+    message = str(raised.value)
+    assert "\n" not in message and "t.onnx" in message
+
+
+def test_unknown_dtype_and_missing_external_data(tmp_path: Path) -> None:
+    model = _simple_graph([helper.make_node("Relu", ["x"], ["y"])])
+    model.graph.input[0].type.tensor_type.elem_type = 99
+    _write(tmp_path / "t.onnx", model)
+    with pytest.raises(InputError, match="unknown element type 99"):
+        onnx_io.load(tmp_path / "t.onnx")
+    _big_model(tmp_path / "ext.onnx")
+    (tmp_path / "weights.bin").unlink()
+    with pytest.raises(InputError, match="external data file .* is missing"):
+        onnx_io.load(tmp_path / "ext.onnx")

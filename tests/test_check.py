@@ -393,3 +393,19 @@ def test_a_rewrite_that_confuses_two_dims_fails(tmp_path: Path) -> None:
     result = check_models(_save(tmp_path, "a", size_of(1)), _save(tmp_path, "b", size_of(0)))
     assert result.status == "failed"
     assert result.reason is not None and "values differ" in result.reason
+
+
+def test_bert_small_fused_by_onnxruntime(corpus_dir: Path, tmp_path: Path) -> None:
+    # onnxruntime's own fusions (LayerNorm, GELU, attention) as a stand-in optimizer: outputs
+    # move by ~1e-6 relative L2, which passes, while element-wise rtol 1e-5 raises a false alarm.
+    import onnxruntime as ort
+
+    original = corpus_dir / "bert_small.onnx"
+    fused = tmp_path / "bert_fused.onnx"
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(fused)
+    ort.InferenceSession(str(original), options, providers=["CPUExecutionProvider"])
+    robust = check_models(original, fused)
+    assert robust.status == "passed", robust.reason
+    assert check_models(original, fused, atol=0.0, rtol=1e-5).status == "failed"

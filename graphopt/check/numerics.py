@@ -252,7 +252,7 @@ def check_models(
 def _generated(
     spec: ModelSpec, fixed: Mapping[str, int], seed: int, bindings: int
 ) -> Iterator[tuple[dict[str, int], dict[str, np.ndarray]]]:
-    """Candidate bindings with their data: the requested number, then up to three fallbacks."""
+    """Candidate bindings with their data: the requested number, then the fallbacks (at least three)."""
     for k in range(max(bindings, 1) + max(3, candidate_count() - bindings)):
         binding_dims = bind_dims(spec.inputs, k, fixed)
         rng = np.random.default_rng([seed, k])

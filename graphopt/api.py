@@ -56,7 +56,7 @@ def resolve_pipeline(
     if passes is not None and config is not None:
         raise InputError("give either a pass list or a config file, not both")
     if config is not None:
-        return load_pipeline_config(config, max_steps=max_steps)
+        return load_pipeline_config(Path(config), max_steps=max_steps)
     if passes is not None:
         return pipeline_from_names(passes, max_steps=max_steps)
     return default_pipeline(max_steps)
@@ -248,8 +248,9 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
         )
         candidate = workdir / f"blame-{count}.onnx"
         save(partial.model, candidate)
-        outcome = check_models(reference, candidate, dims=options.dims or None, inputs=options.inputs,
-                               atol=options.atol, rtol=options.rtol)
+        outcome = check_models(
+            reference, candidate, dims=options.dims or None, inputs=options.inputs, atol=options.atol, rtol=options.rtol
+        )
         if outcome.status == "failed":
             culprit = partial.pipeline_run.runs[-1]
             return {"pass": culprit.name, "execution": count, "group": culprit.group, "iteration": culprit.iteration}
@@ -262,8 +263,13 @@ def is_optimized(source: Path, options: RunOptions) -> dict[str, Any]:
 
     model = load(source, independent_dims=options.independent_dims)
     before = to_proto(model).SerializeToString(deterministic=True)
-    result = optimize(model, options.passes, config=options.config, max_steps=options.max_steps,
-                      independent_dims=options.independent_dims)
+    result = optimize(
+        model,
+        options.passes,
+        config=options.config,
+        max_steps=options.max_steps,
+        independent_dims=options.independent_dims,
+    )
     after = to_proto(result.model).SerializeToString(deterministic=True)
     changed = [r["pass"] for r in result.report["passes"] if r["changed"]]
     optimized = before == after

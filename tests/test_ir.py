@@ -83,7 +83,7 @@ def test_uses_follow_mutations() -> None:
 
 
 def test_replace_all_uses_includes_graph_outputs() -> None:
-    graph, x, relu, neg = _chain()
+    graph, _x, relu, neg = _chain()
     neg.outputs[0].replace_all_uses_with(relu.outputs[0])
     assert graph.outputs == [relu.outputs[0]]
     assert not neg.outputs[0].is_used()

@@ -137,20 +137,30 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
     except GraphoptError as err:
         return {"input": {"path": str(source)}, "error": str(err), "exit_code": err.exit_code}, err.exit_code
     except Exception as err:
-        return {"input": {"path": str(source)}, "error": f"internal error: {type(err).__name__}: {err}", "exit_code": 3}, 3
+        return {
+            "input": {"path": str(source)},
+            "error": f"internal error: {type(err).__name__}: {err}",
+            "exit_code": 3,
+        }, 3
 
 
 @cli.command(epilog=EXIT_CODES)
 @click.argument("models", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Output file (one model) or folder (several).")
 @click.option("--passes", help="Comma list of passes or groups, e.g. 'shape-infer,cleanup'. See `graphopt passes`.")
-@click.option("--config", type=click.Path(path_type=Path), help="Pipeline config, TOML or JSON (schemas/pipeline.schema.json).")
+@click.option(
+    "--config", type=click.Path(path_type=Path), help="Pipeline config, TOML or JSON (schemas/pipeline.schema.json)."
+)
 @click.option("--max-steps", type=click.IntRange(min=1), help="Most iterations of each group (default 8).")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--check/--no-check", default=True, show_default=True, help="Compare outputs in onnxruntime.")
-@click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim for the check (repeatable).")
-@click.option("--inputs", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Check with these inputs (.npz).")
+@click.option(
+    "--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim for the check (repeatable)."
+)
+@click.option(
+    "--inputs", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Check with these inputs (.npz)."
+)
 @click.option("--atol", type=float, help="Element-wise check: absolute tolerance (with --rtol).")
 @click.option("--rtol", type=float, help="Element-wise check: relative tolerance (with --atol).")
 @click.option("--keep-failed", is_flag=True, help="Write the output even when the check fails.")
@@ -159,8 +169,17 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
 @click.option("--in-place", is_flag=True, help="Overwrite the input model.")
 @click.option("--independent-dims", is_flag=True, help="Treat every occurrence of a dim name as its own variable.")
 @click.option("--external-data/--no-external-data", default=None, help="Force weights into (or out of) a .data file.")
-@click.option("--check-optimized", is_flag=True, help="Write nothing; exit 1 if the pipeline would still change the model.")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Worker processes for several models.")
+@click.option(
+    "--check-optimized", is_flag=True, help="Write nothing; exit 1 if the pipeline would still change the model."
+)
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes for several models.",
+)
 @click.option("--shard", help="Process only shard i of n of the models (i/n, 1-based), for CI matrices.")
 @_guarded
 def run(
@@ -385,7 +404,9 @@ def validate(files: tuple[Path, ...]) -> None:
 @click.argument("original", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.argument("optimized", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim (repeatable).")
-@click.option("--inputs", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Inputs (.npz by input name).")
+@click.option(
+    "--inputs", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Inputs (.npz by input name)."
+)
 @click.option("--atol", type=float, help="Element-wise check: absolute tolerance (with --rtol).")
 @click.option("--rtol", type=float, help="Element-wise check: relative tolerance (with --atol).")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON on stdout.")
@@ -436,7 +457,10 @@ def check(
 def _render_numerics(outcome: dict[str, Any]) -> None:
     console = _stderr()
     colour = {"passed": "green", "failed": "red"}.get(outcome["status"], "yellow")
-    console.print(f"numerics: [{colour}]{outcome['status']}[/{colour}]" + (f" ({outcome['reason']})" if outcome.get("reason") else ""))
+    console.print(
+        f"numerics: [{colour}]{outcome['status']}[/{colour}]"
+        + (f" ({outcome['reason']})" if outcome.get("reason") else "")
+    )
     for binding in outcome.get("bindings", []):
         for entry in binding["outputs"]:
             mark = "ok" if entry["passed"] else f"[red]{entry.get('reason') or 'differs'}[/red]"

@@ -102,9 +102,7 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def from_proto(
-    proto: onnx.ModelProto, *, base_dir: Path | None = None, independent_dims: bool = False
-) -> Model:
+def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None, independent_dims: bool = False) -> Model:
     reader = _Reader(base_dir or Path.cwd(), independent_dims)
     graph = reader.graph(proto.graph, [])
     graph.topological()  # a cycle is bad input, found now rather than in a pass
@@ -255,9 +253,7 @@ class _Reader:
             initializers.append(define(Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)))
         for sparse_proto in proto.sparse_initializer:
             sparse = self.sparse(sparse_proto)
-            initializers.append(
-                define(Value(sparse.name, SparseTensorType(sparse.values.dtype, sparse.dims), sparse))
-            )
+            initializers.append(define(Value(sparse.name, SparseTensorType(sparse.values.dtype, sparse.dims), sparse)))
         inputs: list[Value] = []
         for vi in proto.input:
             # Before IR version 4 initializers were also listed as inputs: one value, two roles.
@@ -352,7 +348,12 @@ _ATTR_FIELDS = [
 
 
 def _infer_attr_kind(proto: onnx.AttributeProto) -> AttrKind:
-    for single, kind in [("g", AttrKind.GRAPH), ("t", AttrKind.TENSOR), ("sparse_tensor", AttrKind.SPARSE_TENSOR), ("tp", AttrKind.TYPE_PROTO)]:
+    for single, kind in [
+        ("g", AttrKind.GRAPH),
+        ("t", AttrKind.TENSOR),
+        ("sparse_tensor", AttrKind.SPARSE_TENSOR),
+        ("tp", AttrKind.TYPE_PROTO),
+    ]:
         if proto.HasField(single):
             return kind
     for repeated, kind in _ATTR_FIELDS:
@@ -660,7 +661,11 @@ class _Writer:
         boundary = {id(v) for v in [*graph.inputs, *graph.outputs]}
         for node in nodes:
             for value in node.outputs:
-                if value.name and id(value) not in boundary and (value.type is not None or value.doc_string or value.metadata_props):
+                if (
+                    value.name
+                    and id(value) not in boundary
+                    and (value.type is not None or value.doc_string or value.metadata_props)
+                ):
                     proto.value_info.append(self.value_info(value))
         _props(proto.metadata_props, graph.metadata_props)
         for tensor_name, params in graph.quantization_annotation:
@@ -695,4 +700,3 @@ def _clear_data_fields(proto: onnx.TensorProto) -> None:
         proto.ClearField(name)  # type: ignore[arg-type]
     proto.ClearField("raw_data")
     del proto.external_data[:]
-

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Union
 
 __all__ = [
     "Dim",
@@ -57,7 +56,7 @@ class FloorDiv:
         return f"({self.numerator}) // {self.divisor}"
 
 
-Atom = Union[Sym, FloorDiv]
+Atom = Sym | FloorDiv
 Monomial = tuple[Atom, ...]
 
 
@@ -115,7 +114,7 @@ class Expr:
         return " ".join(parts) if parts else "0"
 
 
-Dim = Union[int, Sym, Expr, None]
+Dim = int | Sym | Expr | None
 Poly = dict[Monomial, int]
 
 

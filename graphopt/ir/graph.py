@@ -220,7 +220,9 @@ class Graph:
                     heapq.heappush(ready, (position[id(consumer)], consumer))
         if len(order) != len(self._nodes):
             stuck = [n for n in self._nodes if pending[id(n)] > 0]
-            raise GraphError(f"the graph has a cycle through {len(stuck)} nodes, e.g. {stuck[0].name or stuck[0].op_type!r}")
+            raise GraphError(
+                f"the graph has a cycle through {len(stuck)} nodes, e.g. {stuck[0].name or stuck[0].op_type!r}"
+            )
         self._cache["topo"] = (self._version, order)
         return list(order)
 
@@ -250,6 +252,8 @@ class Graph:
         """Raise :class:`GraphError` if names repeat, a value dangles or uses are inexact."""
         defined: dict[str, Value] = {}
         for value in self.values():
+            if not value.name:
+                continue
             if value.name in defined and defined[value.name] is not value:
                 raise GraphError(f"duplicate value name {value.name!r}")
             defined[value.name] = value
@@ -257,20 +261,24 @@ class Graph:
         for node in self._nodes:
             if node.graph is not self:
                 raise GraphError(f"{node} does not know it belongs to this graph")
-            for index, value in enumerate(node.inputs):
-                if value is None:
+            for index, read in enumerate(node.inputs):
+                if read is None:
                     continue
-                if id(value) not in visible:
-                    raise GraphError(f"{node} reads {value.name!r}, which is not defined in scope")
-                if Use(node, index) not in value._uses:
-                    raise GraphError(f"use of {value.name!r} by {node} is not recorded")
+                if id(read) not in visible:
+                    raise GraphError(f"{node} reads {read.name!r}, which is not defined in scope")
+                if Use(node, index) not in read._uses:
+                    raise GraphError(f"use of {read.name!r} by {node} is not recorded")
             for body in node.subgraphs():
                 if body.parent is not node:
                     raise GraphError(f"a body of {node} does not point back to it")
                 body.verify()
         for value in defined.values():
             for use in value.uses():
-                if use.node.graph is None or use.index >= len(use.node.inputs) or use.node.inputs[use.index] is not value:
+                if (
+                    use.node.graph is None
+                    or use.index >= len(use.node.inputs)
+                    or use.node.inputs[use.index] is not value
+                ):
                     raise GraphError(f"stale use of {value.name!r} by {use.node}")
         for value in self._outputs:
             if id(value) not in visible:

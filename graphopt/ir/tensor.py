@@ -56,7 +56,8 @@ class ExternalSource:
         size = self.length if self.length is not None else self.path.stat().st_size - self.offset
         if size == 0:
             return memoryview(b"")
-        return memoryview(np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(size,)))
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(size,))
+        return memoryview(mapped)  # type: ignore[arg-type]
 
 
 @dataclass(eq=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Union
 
 import numpy as np
 
@@ -176,4 +175,4 @@ class OpaqueType:
         return f"opaque({self.domain}.{self.name})"
 
 
-Type = Union[TensorType, SparseTensorType, SequenceType, MapType, OptionalType, OpaqueType]
+Type = TensorType | SparseTensorType | SequenceType | MapType | OptionalType | OpaqueType

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from graphopt.ir.tensor import SparseTensor, Tensor
 from graphopt.ir.types import Type
@@ -14,7 +15,10 @@ if TYPE_CHECKING:
 __all__ = ["Use", "Value"]
 
 
-class Use(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Use:
+    """``node`` reads the value as its input number ``index``."""
+
     node: Node
     index: int
 

@@ -86,7 +86,7 @@ def register(cls: P) -> P:
 
 def _load_builtin_passes() -> None:
     # Importing the families runs their @register decorators.
-    import graphopt.passes.cleanup  # noqa: F401
+    import graphopt.passes.cleanup
     import graphopt.passes.shapes  # noqa: F401
 
 
@@ -148,7 +148,9 @@ def _parse_options(cls: type[Pass], config: Mapping[str, Any]) -> Any:
     known = {f.name for f in dataclasses.fields(cls.Options)}
     for key, value in config.items():
         if key not in known:
-            hint = f"; options of {cls.name!r}: {', '.join(sorted(known))}" if known else f"; {cls.name!r} has no options"
+            hint = (
+                f"; options of {cls.name!r}: {', '.join(sorted(known))}" if known else f"; {cls.name!r} has no options"
+            )
             raise InputError(f"unknown option {key!r} for pass {cls.name!r}{hint}")
         if not _accepts(hints[key], value):
             raise InputError(f"option {key!r} of pass {cls.name!r} must be {_type_name(hints[key])}, not {value!r}")

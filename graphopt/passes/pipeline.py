@@ -182,8 +182,15 @@ def _run_pass(step: Pass, model: Model, ctx: PassContext, group: str | None, ite
         _restore(model, snapshot)
         message = f"{type(err).__name__}: {err}"
         return PassRun(
-            step.name, group, iteration, seconds, before, before, False,
-            error=message, traceback=traceback.format_exc(),
+            step.name,
+            group,
+            iteration,
+            seconds,
+            before,
+            before,
+            False,
+            error=message,
+            traceback=traceback.format_exc(),
         )
     seconds = time.perf_counter() - start
     return PassRun(step.name, group, iteration, seconds, before, model_stats(model), result.changed, result.details)
@@ -257,7 +264,7 @@ def pipeline_from_names(names: str, *, max_steps: int | None = None) -> Pipeline
     for name in (n.strip() for n in names.split(",")):
         if not name:
             continue
-        entries.append(groups[name] if name in groups else {"pass": name})
+        entries.append(groups.get(name, {"pass": name}))
     if not entries:
         raise InputError("--passes: no pass names given")
     return pipeline_from_config(entries, max_steps=max_steps, where="--passes")

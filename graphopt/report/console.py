@@ -31,11 +31,14 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         delta = ", ".join(f"{op} {d:+d}" for op, d in sorted(run["op_delta"].items(), key=lambda kv: kv[1]))
         if "error" in run:
             delta = f"[red]failed, rolled back: {escape(run['error'])}[/red]"
-        table.add_row(label, _arrow(run["nodes"]), _arrow(run["initializers"]), f"{run['seconds'] * 1000:.0f} ms", delta)
+        table.add_row(
+            label, _arrow(run["nodes"]), _arrow(run["initializers"]), f"{run['seconds'] * 1000:.0f} ms", delta
+        )
     console.print(table)
     before, after = report["summary"]["before"], report["summary"]["after"]
     console.print(
-        f"nodes {before['nodes']} -> {after['nodes']}, initializers {before['initializers']} -> {after['initializers']},"
+        f"nodes {before['nodes']} -> {after['nodes']},"
+        f" initializers {before['initializers']} -> {after['initializers']},"
         f" weights {_megabytes(before['initializer_bytes'])} -> {_megabytes(after['initializer_bytes'])}"
     )
     numerics = report.get("numerics", {})
@@ -86,7 +89,9 @@ def render_passes(console: Console, passes: list[dict[str, Any]]) -> None:
 
 
 def render_inspection(console: Console, info: dict[str, Any]) -> None:
-    console.print(f"[bold]{escape(info['path'])}[/bold]  ir_version {info['ir_version']}, producer {info['producer']!r}")
+    console.print(
+        f"[bold]{escape(info['path'])}[/bold]  ir_version {info['ir_version']}, producer {info['producer']!r}"
+    )
     console.print("opsets: " + ", ".join(f"{d or 'ai.onnx'} {v}" for d, v in info["opsets"].items()))
     io_table = Table(title="inputs and outputs", title_justify="left")
     io_table.add_column("kind")
@@ -103,7 +108,8 @@ def render_inspection(console: Console, info: dict[str, Any]) -> None:
         ops.add_row(op, str(count))
     console.print(ops)
     console.print(
-        f"parameters: {info['parameters']:,} in {info['initializers']} initializers ({_megabytes(info['parameter_bytes'])})"
+        f"parameters: {info['parameters']:,} in {info['initializers']} initializers"
+        f" ({_megabytes(info['parameter_bytes'])})"
     )
     if info["subgraphs"]:
         console.print(f"subgraphs: {info['subgraphs']} (in {', '.join(sorted(set(info['subgraph_owners'])))})")

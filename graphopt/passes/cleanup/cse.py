@@ -1,0 +1,220 @@
+"""Common subexpression elimination: compute each distinct thing once.
+
+Two nodes compute the same values when they apply the same operator (domain, op type,
+overload) with equal attributes to the very same input values and ask for as many
+outputs. Visiting a graph in topological order and keying each node by exactly that
+merges whole duplicate chains in one pass: once the first pair is merged, their
+consumers read identical inputs and match in turn.
+
+Equal attributes means equal by value: floats compare by their bits (so ``-0.0`` and
+``0.0`` differ and a NaN matches itself), tensors by element type, shape and a digest of
+their bytes. Nodes that own a subgraph are never merged (bodies are not compared), nor
+are non-deterministic operators (two RandomNormal draws are two different samples) or
+calls to local functions that use one.
+
+Constants are merged the same way across their two spellings: initializers and
+``Constant`` nodes with equal element type, shape and bytes become one value. Tensors
+are grouped by type and shape first, so only tensors that could be equal are read and
+hashed. An initializer that is also a graph input can be fed by the caller and is never
+merged; when both duplicates are graph outputs both stay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter, defaultdict
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from graphopt.ir import Attr, AttrKind, Graph, Model, Node, SparseTensor, Tensor, Value
+from graphopt.passes.base import Pass, PassContext, PassResult, register
+from graphopt.passes.cleanup._common import DEFAULT_DOMAINS, can_replace, replace
+
+__all__ = ["CommonSubexpressionElimination"]
+
+NONDETERMINISTIC_OPS = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
+)
+
+FunctionKey = tuple[str, str, str]
+
+
+@register
+class CommonSubexpressionElimination(Pass):
+    name = "cse"
+    description = "Merge nodes and constants that compute the same values"
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        random_functions = _nondeterministic_functions(model)
+        nodes: Counter[str] = Counter()
+        constants = 0
+        for graph in list(model.all_graphs()):
+            constants += _merge_constants(graph, nodes)
+            _merge_nodes(graph, random_functions, nodes)
+        details = {"nodes": dict(sorted(nodes.items())), "constants": constants}
+        return PassResult(bool(nodes or constants), details)
+
+
+# -- constants ----------------------------------------------------------------------------
+
+
+def _merge_constants(graph: Graph, merged_nodes: Counter[str]) -> int:
+    """Merge equal initializers and Constant tensors of ``graph``; return how many went."""
+    candidates: dict[tuple[Any, ...], list[Value]] = defaultdict(list)
+    for value in graph.initializers.values():
+        if isinstance(value.const, Tensor) and not value.is_graph_input:
+            candidates[(value.const.dtype, value.const.shape)].append(value)
+    for node in graph.topological():
+        tensor = _constant_tensor(node)
+        if tensor is not None:
+            candidates[(tensor.dtype, tensor.shape)].append(node.outputs[0])
+    merged = 0
+    for group in candidates.values():
+        if len(group) < 2:
+            continue
+        first: dict[bytes, Value] = {}
+        for value in group:
+            digest = _digest(_tensor_of(value))
+            if digest is None:
+                continue
+            kept = first.setdefault(digest, value)
+            if kept is value or not can_replace(value, kept):
+                continue
+            replace(value, kept)
+            producer = value.producer
+            if producer is None:
+                graph.remove_initializer(value)
+            else:
+                graph.remove(producer)
+                merged_nodes[producer.op_type] += 1
+            merged += 1
+    return merged
+
+
+def _constant_tensor(node: Node) -> Tensor | None:
+    attr = node.attributes.get("value")
+    if node.op_type != "Constant" or node.domain not in DEFAULT_DOMAINS or len(node.attributes) != 1 or attr is None:
+        return None
+    return attr.value if isinstance(attr.value, Tensor) else None
+
+
+def _tensor_of(value: Value) -> Tensor:
+    if isinstance(value.const, Tensor):
+        return value.const
+    assert value.producer is not None
+    tensor = _constant_tensor(value.producer)
+    assert tensor is not None
+    return tensor
+
+
+def _digest(tensor: Tensor) -> bytes | None:
+    """A digest of the tensor's type, shape and bytes; None if its values cannot be read."""
+    try:
+        array = tensor.numpy()
+    except (TypeError, ValueError):
+        return None
+    digest = hashlib.blake2b(digest_size=32)
+    digest.update(repr((int(tensor.dtype), tensor.shape)).encode())
+    if array.dtype == object:  # strings: length-prefixed, so ["ab", "c"] != ["a", "bc"]
+        for item in array.ravel():
+            data = item if isinstance(item, bytes) else str(item).encode()
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+    else:
+        digest.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    return digest.digest()
+
+
+# -- nodes --------------------------------------------------------------------------------
+
+
+def _merge_nodes(graph: Graph, random_functions: set[FunctionKey], merged: Counter[str]) -> None:
+    seen: dict[Hashable, Node] = {}
+    for node in graph.topological():
+        key = _node_key(node, random_functions)
+        if key is None:
+            continue
+        kept = seen.setdefault(key, node)
+        if kept is node:
+            continue
+        pairs = list(zip(node.outputs, kept.outputs, strict=True))
+        if not all(can_replace(old, new) for old, new in pairs):
+            continue
+        for old, new in pairs:
+            replace(old, new)
+        graph.remove(node)
+        merged[node.op_type] += 1
+
+
+def _node_key(node: Node, random_functions: set[FunctionKey]) -> Hashable | None:
+    """What makes two nodes compute the same values, or None if ``node`` must stay apart."""
+    if not node.outputs or any(True for _ in node.subgraphs()):
+        return None
+    if _is_nondeterministic(node, random_functions):
+        return None
+    attributes = []
+    for name in sorted(node.attributes):
+        attr = node.attributes[name]
+        value = ("ref", attr.ref_attr_name) if attr.ref_attr_name else _attr_key(attr)
+        if value is None:
+            return None
+        attributes.append((name, int(attr.kind), value))
+    return (node.domain, node.op_type, node.overload, node.inputs, len(node.outputs), tuple(attributes))
+
+
+def _attr_key(attr: Attr) -> Hashable | None:
+    kind, value = attr.kind, attr.value
+    if kind == AttrKind.FLOAT:
+        return _float_bits(value)
+    if kind == AttrKind.FLOATS:
+        return tuple(_float_bits(v) for v in value)
+    if kind in (AttrKind.INT, AttrKind.STRING):
+        return value
+    if kind in (AttrKind.INTS, AttrKind.STRINGS, AttrKind.TYPE_PROTOS):
+        return tuple(value)
+    if kind == AttrKind.TYPE_PROTO:
+        return value
+    if kind == AttrKind.TENSOR:
+        return _digest(value)
+    if kind == AttrKind.TENSORS:
+        return _all_or_none([_digest(t) for t in value])
+    if kind == AttrKind.SPARSE_TENSOR:
+        return _sparse_key(value)
+    if kind == AttrKind.SPARSE_TENSORS:
+        return _all_or_none([_sparse_key(t) for t in value])
+    return None  # graphs and undefined kinds are never compared
+
+
+def _float_bits(value: float) -> bytes:
+    return struct.pack("<d", value)
+
+
+def _sparse_key(tensor: SparseTensor) -> Hashable | None:
+    values, indices = _digest(tensor.values), _digest(tensor.indices)
+    return None if values is None or indices is None else (values, indices, tensor.dims)
+
+
+def _all_or_none(keys: list[Hashable | None]) -> tuple[Hashable, ...] | None:
+    return None if any(k is None for k in keys) else tuple(keys)
+
+
+def _is_nondeterministic(node: Node, random_functions: set[FunctionKey]) -> bool:
+    if node.domain in DEFAULT_DOMAINS and node.op_type in NONDETERMINISTIC_OPS:
+        return True
+    return (node.domain, node.op_type, node.overload) in random_functions
+
+
+def _nondeterministic_functions(model: Model) -> set[FunctionKey]:
+    """Local functions that draw random numbers, directly or through other functions."""
+    found: set[FunctionKey] = set()
+    grew = True
+    while grew:
+        grew = False
+        for function in model.functions:
+            if function.key not in found and any(_is_nondeterministic(n, found) for n in function.body.all_nodes()):
+                found.add(function.key)
+                grew = True
+    return found

@@ -49,9 +49,11 @@ def _fail(message: str, code: int) -> None:
 
 
 def _guarded(func: F) -> F:
-    """Turn every failure into one line and the documented exit code."""
+    """Add --quiet/--debug to a command and turn every failure into one line and its exit code."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: Any, quiet: bool = False, debug: bool = False, **kwargs: Any) -> Any:
+        _State.quiet = _State.quiet or quiet
+        _State.debug = _State.debug or debug
         try:
             return func(*args, **kwargs)
         except click.exceptions.Exit:
@@ -71,6 +73,8 @@ def _guarded(func: F) -> F:
 
     wrapper.__name__ = func.__name__
     wrapper.__doc__ = func.__doc__
+    wrapper = click.option("--debug", is_flag=True, help="Show tracebacks of internal errors.")(wrapper)
+    wrapper = click.option("-q", "--quiet", is_flag=True, help="Print nothing on stderr except errors.")(wrapper)
     return wrapper  # type: ignore[return-value]
 
 

@@ -1,0 +1,211 @@
+"""The command line end to end: exit codes, files written (or not), reports, stdout/stderr."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner, Result
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.cli import cli
+from graphopt.ir import Model, Tensor
+from graphopt.passes.base import Pass, PassContext, PassResult, register
+from graphopt.schemas import schema
+from samples.build_samples import tiny_encoder
+
+
+@register
+class _Explodes(Pass):
+    name = "test-explodes"
+    description = "Removes a node, then raises (tests the rollback)"
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        model.graph.remove(model.graph.nodes[0], safe=False)
+        raise RuntimeError("boom")
+
+
+@register
+class _BreaksNumerics(Pass):
+    name = "test-breaks-numerics"
+    description = "Doubles every float initializer (a wrong optimization)"
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        for value in model.graph.initializers.values():
+            if isinstance(value.const, Tensor) and value.const.numpy().dtype == np.float32:
+                value.const = Tensor.from_array(value.const.numpy() * 2, value.name)
+        return PassResult(True)
+
+
+def invoke(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.fixture
+def sample(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.onnx"
+    onnx.save(tiny_encoder(), path)
+    return path
+
+
+def _one_line_error(result: Result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphopt: error:"), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def test_run_writes_model_and_a_valid_report(sample: Path, tmp_path: Path) -> None:
+    out, report_path = tmp_path / "out.onnx", tmp_path / "report.json"
+    result = invoke("run", sample, "-o", out, "--report", report_path, "--json")
+    assert result.exit_code == 0, result.stderr
+    onnx.checker.check_model(str(out))
+    report = json.loads(result.stdout)
+    assert report == json.loads(report_path.read_text())
+    jsonschema.validate(report, schema("report"))
+    assert report["numerics"]["status"] == "passed"
+    assert len(report["numerics"]["bindings"]) >= 2
+    assert report["output"]["path"] == str(out)
+    assert report["summary"]["after"]["nodes"] <= report["summary"]["before"]["nodes"]
+
+
+def test_default_output_name_and_no_overwrite(sample: Path) -> None:
+    assert invoke("run", sample, "--no-check", "-q").exit_code == 0
+    assert sample.with_name("tiny.opt.onnx").is_file()
+    before = sample.read_bytes()
+    result = invoke("run", sample, "-o", sample, "--no-check")
+    assert result.exit_code == 2 and "--in-place" in _one_line_error(result)
+    assert sample.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [(b"garbage\x00\xff", "not a valid ONNX"), (b"", "not an ONNX model")],
+)
+def test_bad_model_exits_2_and_writes_nothing(tmp_path: Path, content: bytes, expected: str) -> None:
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(content)
+    result = invoke("run", bad, "-o", tmp_path / "out.onnx")
+    assert result.exit_code == 2
+    assert expected in _one_line_error(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.onnx"]
+
+
+def test_unknown_pass_and_option_are_usage_errors(sample: Path, tmp_path: Path) -> None:
+    result = invoke("run", sample, "--passes", "dce,no-such-pass")
+    assert result.exit_code == 2 and "no-such-pass" in _one_line_error(result)
+    config = tmp_path / "pipeline.toml"
+    config.write_text('[[pipeline]]\npass = "shape-infer"\noptions = { no_such_option = 1 }\n')
+    result = invoke("run", sample, "--config", config)
+    assert result.exit_code == 2 and "no_such_option" in _one_line_error(result)
+    config.write_text('[[pipeline]]\npasses = "dce"\n')
+    result = invoke("run", sample, "--config", config)
+    assert result.exit_code == 2 and "$.pipeline[0]" in _one_line_error(result)
+
+
+def test_failing_pass_is_rolled_back_and_reported(sample: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.onnx"
+    result = invoke("run", sample, "--passes", "test-explodes,shape-infer", "-o", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["failures"] == [{"pass": "test-explodes", "error": "RuntimeError: boom"}]
+    assert report["summary"]["after"]["nodes"] == report["summary"]["before"]["nodes"]
+    assert report["numerics"]["status"] == "passed"
+    strict = invoke("run", sample, "--passes", "test-explodes", "-o", tmp_path / "strict.onnx", "--strict")
+    assert strict.exit_code == 3
+    assert "test-explodes" in _one_line_error(strict)
+
+
+def test_broken_numerics_exit_1_write_nothing_and_blame(sample: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.onnx"
+    result = invoke("run", sample, "--passes", "shape-infer,test-breaks-numerics", "-o", out, "--blame", "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert report["numerics"]["status"] == "failed"
+    assert report["blame"]["pass"] == "test-breaks-numerics"
+    assert report["output"] is None and not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny.onnx"]
+    kept = invoke("run", sample, "--passes", "test-breaks-numerics", "-o", out, "--keep-failed")
+    assert kept.exit_code == 1 and out.is_file()
+
+
+def test_check_command_compares_two_models(sample: Path, tmp_path: Path) -> None:
+    assert invoke("check", sample, sample).exit_code == 0
+    model = tiny_encoder()
+    weight = model.graph.initializer[0]
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) + 1, weight.name))
+    onnx.save(model, tmp_path / "changed.onnx")
+    result = invoke("check", sample, tmp_path / "changed.onnx", "--json")
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["status"] == "failed"
+
+
+def test_convert_inspect_and_validate(sample: Path, tmp_path: Path) -> None:
+    as_json = tmp_path / "tiny.json"
+    assert invoke("convert", sample, as_json).exit_code == 0
+    assert invoke("convert", as_json, tmp_path / "back.onnx").exit_code == 0
+    assert invoke("validate", tmp_path / "back.onnx", as_json).exit_code == 0
+    result = invoke("inspect", sample, "--json")
+    info = json.loads(result.stdout)
+    assert info["inputs"] == [{"name": "x", "type": "float[batch, seq, 32]"}]
+    assert info["ops"]["Identity"] == 3 and info["parameters"] == 32 * 64 + 64 + 64 * 32
+    broken = tmp_path / "broken.onnx"
+    model = tiny_encoder()
+    model.graph.node[0].op_type = "NoSuchOp"
+    broken.write_bytes(model.SerializeToString())
+    result = invoke("validate", broken)
+    assert result.exit_code == 2 and "checker" in _one_line_error(result)
+
+
+def test_passes_lists_registry_with_options() -> None:
+    result = invoke("passes", "--json")
+    assert result.exit_code == 0
+    listing = json.loads(result.stdout)
+    names = {p["name"] for p in listing["passes"]}
+    assert {"shape-infer", "dce", "cse", "noop"} <= names
+    for entry in listing["default_pipeline"]:
+        assert "pass" in entry or "group" in entry
+
+
+def test_help_texts_teach_with_examples() -> None:
+    for command in ("run", "convert", "inspect", "validate", "check", "passes"):
+        result = invoke(command, "--help")
+        assert result.exit_code == 0 and "Examples:" in result.output and "Exit codes" in result.output
+    assert "0.1.0" in invoke("--version").output
+
+
+def _mlp(path: Path, scale: float) -> None:
+    weight = numpy_helper.from_array(np.full((4, 4), scale, np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Identity", ["h"], ["y"])],
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [weight],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
+
+
+def test_batch_mode_over_a_folder_with_shards(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    for i in range(3):
+        _mlp(models / f"m{i}.onnx", i + 1.0)
+    (models / "bad.onnx").write_bytes(b"junk")
+    out = tmp_path / "out"
+    result = invoke("run", models, "-o", out, "-j", "2", "--json")
+    report = json.loads(result.stdout)
+    jsonschema.validate(report, schema("report"))
+    assert result.exit_code == 2  # one bad model among good ones
+    rows = {Path(r["input"]["path"]).name: r for r in report["models"]}
+    assert "not a valid ONNX" in rows["bad.onnx"]["error"]
+    assert all(rows[f"m{i}.onnx"]["numerics"]["status"] == "passed" for i in range(3))
+    assert sorted(p.name for p in out.iterdir()) == ["m0.onnx", "m1.onnx", "m2.onnx"]
+    shards = [json.loads(invoke("run", models, "-o", out, "--shard", f"{i}/2", "--json").stdout) for i in (1, 2)]
+    names = [sorted(Path(r["input"]["path"]).name for r in s["models"]) for s in shards]
+    assert names == [["bad.onnx", "m1.onnx"], ["m0.onnx", "m2.onnx"]]
+    assert invoke("run", models, "--shard", "3/2").exit_code == 2

@@ -345,7 +345,7 @@ def test_noop_reads_attribute_operands_of_old_opsets(tmp_path: Path) -> None:
 
 def test_noop_does_not_treat_fed_initializer_as_constant(tmp_path: Path) -> None:
     # An initializer listed as a graph input is a default the caller may override.
-    nodes = [helper.make_node("Add", ["x", "z"], ["y"])]
+    nodes = [helper.make_node("Add", ["x", "z"], ["t"]), helper.make_node("Relu", ["t"], ["y"])]
     path = write(tmp_path, nodes, [info("x"), info("z", shape=[5])], initializers=[tensor("z", np.zeros(5))])
     model = load(path)
     assert run_passes(model, ["noop"])["noop"].changed is False
@@ -461,6 +461,18 @@ def test_cse_merges_duplicate_chains(tmp_path: Path) -> None:
     model, results, _ = optimize(write(tmp_path, nodes, initializers=[tensor("w", 1.5)]), "cse")
     assert results["cse"].details["nodes"] == {"Add": 1, "Transpose": 1}
     assert ops(model) == {"Add": 1, "Transpose": 1, "Sub": 1}
+
+
+@pytest.mark.parametrize(("op", "merged"), [("Add", True), ("Mul", True), ("Sub", False), ("Max", False)])
+def test_cse_swaps_operands_of_commutative_ops_only(tmp_path: Path, op: str, merged: bool) -> None:
+    nodes = [
+        helper.make_node(op, ["x", "w"], ["a"]),
+        helper.make_node(op, ["w", "x"], ["b"]),
+        helper.make_node("Concat", ["a", "b"], ["y"], axis=0),
+    ]
+    model, results, _ = optimize(write(tmp_path, nodes, initializers=[tensor("w", [1.0, 2.0, 3.0, 4.0, 5.0])]), "cse")
+    assert results["cse"].changed is merged
+    assert ops(model)[op] == (1 if merged else 2)
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,11 @@
 """Common subexpression elimination: compute each distinct thing once.
 
 Two nodes compute the same values when they apply the same operator (domain, op type,
-overload) with equal attributes to the very same input values and ask for as many
-outputs. Visiting a graph in topological order and keying each node by exactly that
-merges whole duplicate chains in one pass: once the first pair is merged, their
-consumers read identical inputs and match in turn.
+overload) with equal attributes to the very same input values (in either order for a
+binary commutative operator) and ask for as many outputs. Visiting a graph in
+topological order and keying each node by exactly that merges whole duplicate chains
+in one pass: once the first pair is merged, their consumers read identical inputs and
+match in turn.
 
 Equal attributes means equal by value: floats compare by their bits (so ``-0.0`` and
 ``0.0`` differ and a NaN matches itself), tensors by element type, shape and a digest of
@@ -37,6 +38,14 @@ __all__ = ["CommonSubexpressionElimination"]
 
 NONDETERMINISTIC_OPS = frozenset(
     {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
+)
+
+# Binary operators whose operands may swap: the results are bit for bit the same (IEEE
+# addition and multiplication commute). Max and Min are left out: implementations differ
+# in which operand wins when one is NaN. Variadic Sum and Mean commute only with two
+# operands; with more, a different order rounds differently.
+COMMUTATIVE_OPS = frozenset(
+    {"Add", "Mul", "Sum", "Mean", "And", "Or", "Xor", "Equal", "BitwiseAnd", "BitwiseOr", "BitwiseXor"}
 )
 
 FunctionKey = tuple[str, str, str]
@@ -151,9 +160,7 @@ def _merge_nodes(graph: Graph, random_functions: set[FunctionKey], merged: Count
 
 def _node_key(node: Node, random_functions: set[FunctionKey]) -> Hashable | None:
     """What makes two nodes compute the same values, or None if ``node`` must stay apart."""
-    if not node.outputs or any(True for _ in node.subgraphs()):
-        return None
-    if _is_nondeterministic(node, random_functions):
+    if not node.outputs or _is_nondeterministic(node, random_functions):
         return None
     attributes = []
     for name in sorted(node.attributes):
@@ -162,7 +169,10 @@ def _node_key(node: Node, random_functions: set[FunctionKey]) -> Hashable | None
         if value is None:
             return None
         attributes.append((name, int(attr.kind), value))
-    return (node.domain, node.op_type, node.overload, node.inputs, len(node.outputs), tuple(attributes))
+    inputs = node.inputs
+    if node.domain in DEFAULT_DOMAINS and node.op_type in COMMUTATIVE_OPS and len(inputs) == 2:
+        inputs = tuple(sorted(inputs, key=id))
+    return (node.domain, node.op_type, node.overload, inputs, len(node.outputs), tuple(attributes))
 
 
 def _attr_key(attr: Attr) -> Hashable | None:
@@ -185,7 +195,7 @@ def _attr_key(attr: Attr) -> Hashable | None:
         return _sparse_key(value)
     if kind == AttrKind.SPARSE_TENSORS:
         return _all_or_none([_sparse_key(t) for t in value])
-    return None  # graphs and undefined kinds are never compared
+    return None  # bodies are never compared, so a node that owns one is never merged
 
 
 def _float_bits(value: float) -> bytes:

@@ -227,7 +227,8 @@ def test_many_ops_agree_with_onnxruntime(tmp_path: Path) -> None:
         helper.make_node("Resize", ["image", "", "scales"], ["resized"], mode="nearest"),
         helper.make_node("Transpose", ["image"], ["nhwc"], perm=[0, 2, 3, 1]),
         helper.make_node("Slice", ["seq", "s_start", "s_end", "s_axes"], ["sliced"]),
-        helper.make_node("Slice", ["seq", "neg_start", "to_end", "axis1"], ["last2"]),
+        helper.make_node("Slice", ["seq", "neg_start", "to_end", "axis1"], ["last"]),
+        helper.make_node("Slice", ["seq", "zero1", "two", "axis1"], ["window"]),
         helper.make_node("Split", ["seq"], ["half_a", "half_b"], axis=2, num_outputs=2),
         helper.make_node("Tile", ["seq", "reps"], ["tiled"]),
         helper.make_node("ReduceSum", ["seq", "axis1"], ["summed"], keepdims=0),
@@ -264,7 +265,9 @@ def test_many_ops_agree_with_onnxruntime(tmp_path: Path) -> None:
         _ints("s_start", [1]),
         _ints("s_end", [-1]),
         _ints("s_axes", [1]),
-        _ints("neg_start", [-2]),
+        _ints("neg_start", [-1]),
+        _ints("zero1", [0]),
+        _ints("two", [2]),
         _ints("to_end", [2**63 - 1]),
         _ints("axis1", [1]),
         _ints("reps", [1, 2, 1]),
@@ -293,6 +296,10 @@ def test_many_ops_agree_with_onnxruntime(tmp_path: Path) -> None:
     assert str(types["conv"]) == "float[N, 4, (H - 1) // 2 + 1, (W - 1) // 2 + 1]"
     assert str(types["positions"]) == "int64[sequence]"
     assert str(types["nonzero"]) == "int64[1, ?]"
+    assert str(types["sliced"]) == "float[batch, sequence - 2, 6]"
+    assert str(types["last"]) == "float[batch, 1, 6]"
+    # min(sequence, 2): a window of a symbolic dim has no concrete length to claim.
+    assert str(types["window"]) == "float[batch, ?, 6]"
 
 
 # -- ops graphopt (and onnx) know nothing about -------------------------------------------------

@@ -258,6 +258,9 @@ class _Inference:
         Returns the carried values' types after the loop.
         """
         snapshot = {v: v.type for v in _body_values(body)}
+        for value in snapshot:
+            # onnx types a body from the entry types alone, too narrow for a dim that changes.
+            self.seeds.pop(id(value), None)
         carried_in = body.inputs[first_carried : first_carried + n_carried]
         carried_out = body.outputs[first_result : first_result + n_carried]
         for round_number in range(_MAX_BODY_ROUNDS):

@@ -420,11 +420,17 @@ def split(op: Op) -> Outputs:
 
 
 def slice_dim(dim: Dim, start: Dim, end: Dim, step: int) -> Dim:
-    """The length of ``dim[start:end:step]``; symbolic bounds are taken as in range."""
+    """The length of ``dim[start:end:step]``; symbolic bounds are taken as in range.
+
+    A fixed-size window of a symbolic dim (``x[:, :8]``, ``x[:, -2:]``) has a concrete
+    length only if the dim is large enough, so it stays unknown; the first or last
+    element alone is kept (dims are at least 1).
+    """
     if isinstance(dim, int) and isinstance(start, int) and isinstance(end, int):
         return len(range(*slice(start, end, step).indices(dim)))
     if step < 0:
         return None
+    first_or_last = (start == 0 and end == 1) or (start == -1 and isinstance(end, int) and end >= _TO_END)
     if isinstance(start, int):
         start = d_add(dim, start) if start < 0 else start
         if isinstance(dim, int) and isinstance(start, int):
@@ -437,8 +443,11 @@ def slice_dim(dim: Dim, start: Dim, end: Dim, step: int) -> Dim:
         elif isinstance(dim, int):
             end = min(end, dim)
     length = d_sub(end, start)
-    if isinstance(length, int) and length < 0:
-        return 0
+    if isinstance(length, int):
+        if length <= 0:
+            return 0
+        if not isinstance(dim, int) and not first_or_last:
+            return None
     return length if step == 1 else d_div(d_add(length, step - 1), step)
 
 

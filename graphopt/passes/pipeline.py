@@ -10,6 +10,7 @@ ran) and the pipeline goes on.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 import traceback
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_STEPS = 8
+logger = logging.getLogger(__name__)
 
 # The default pipeline: every pass that exists, in the order the design gives.
 DEFAULT_PIPELINE: list[dict[str, Any]] = [
@@ -181,6 +183,7 @@ def _run_pass(step: Pass, model: Model, ctx: PassContext, group: str | None, ite
         seconds = time.perf_counter() - start
         _restore(model, snapshot)
         message = f"{type(err).__name__}: {err}"
+        logger.debug("pass %s failed and was rolled back:\n%s", step.name, traceback.format_exc())
         return PassRun(
             step.name,
             group,

@@ -510,6 +510,19 @@ def test_cse_merges_equal_constants_in_both_spellings(tmp_path: Path) -> None:
     assert ops(model) == {"Constant": 1, "Cast": 1, "Mul": 1, "Sum": 1}
 
 
+def test_cse_compares_large_tensors_whole(tmp_path: Path) -> None:
+    # w3 differs from w1 in one element that the probe slices (start, middle, end) skip.
+    base = np.arange(10_000, dtype=np.float32)
+    changed = base.copy()
+    changed[3000] = -1.0
+    nodes = [helper.make_node("Sum", ["w1", "w2", "w3"], ["s"]), helper.make_node("Mul", ["x", "s"], ["y"])]
+    initializers = [tensor("w1", base), tensor("w2", base), tensor("w3", changed)]
+    inputs = [info("x", shape=[10_000])]
+    model, results, _ = optimize(write(tmp_path, nodes, inputs, initializers=initializers), "cse")
+    assert results["cse"].details["constants"] == 1
+    assert sorted(model.graph.initializers) == ["w1", "w3"]
+
+
 def test_cse_never_merges_random_ops(tmp_path: Path) -> None:
     nodes = [
         helper.make_node("RandomNormalLike", ["x"], ["r1"], seed=1.0),

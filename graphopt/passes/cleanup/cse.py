@@ -15,9 +15,10 @@ calls to local functions that use one.
 
 Constants are merged the same way across their two spellings: initializers and
 ``Constant`` nodes with equal element type, shape and bytes become one value. Tensors
-are grouped by type and shape first, so only tensors that could be equal are read and
-hashed. An initializer that is also a graph input can be fed by the caller and is never
-merged; when both duplicates are graph outputs both stay.
+are grouped by type and shape first, then by a digest of three small slices, so a large
+tensor is hashed whole only when another one agrees with it on all of that. An
+initializer that is also a graph input can be fed by the caller and is never merged;
+when both duplicates are graph outputs both stay.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter, defaultdict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,9 @@ COMMUTATIVE_OPS = frozenset(
 
 FunctionKey = tuple[str, str, str]
 
+# How many bytes each of the three probe slices of a large tensor reads.
+_PROBE_BYTES = 4096
+
 
 @register
 class CommonSubexpressionElimination(Pass):
@@ -72,35 +76,45 @@ class CommonSubexpressionElimination(Pass):
 
 def _merge_constants(graph: Graph, merged_nodes: Counter[str]) -> int:
     """Merge equal initializers and Constant tensors of ``graph``; return how many went."""
-    candidates: dict[tuple[Any, ...], list[Value]] = defaultdict(list)
+    candidates: dict[tuple[Any, ...], list[tuple[Value, Tensor]]] = defaultdict(list)
     for value in graph.initializers.values():
         if isinstance(value.const, Tensor) and not value.is_graph_input:
-            candidates[(value.const.dtype, value.const.shape)].append(value)
+            candidates[(value.const.dtype, value.const.shape)].append((value, value.const))
     for node in graph.topological():
         tensor = _constant_tensor(node)
         if tensor is not None:
-            candidates[(tensor.dtype, tensor.shape)].append(node.outputs[0])
+            candidates[(tensor.dtype, tensor.shape)].append((node.outputs[0], tensor))
     merged = 0
     for group in candidates.values():
-        if len(group) < 2:
-            continue
-        first: dict[bytes, Value] = {}
-        for value in group:
-            digest = _digest(_tensor_of(value))
-            if digest is None:
-                continue
-            kept = first.setdefault(digest, value)
-            if kept is value or not can_replace(value, kept):
-                continue
-            replace(value, kept)
-            producer = value.producer
-            if producer is None:
-                graph.remove_initializer(value)
-            else:
-                graph.remove(producer)
-                merged_nodes[producer.op_type] += 1
-            merged += 1
+        # A probe of a few slices tells most same-shaped weights apart without reading them
+        # whole; only tensors the probe cannot separate are hashed in full.
+        for probed in _split(group, _probe):
+            for (kept, _), *duplicates in _split(probed, _digest):
+                for value, _ in duplicates:
+                    if not can_replace(value, kept):
+                        continue
+                    replace(value, kept)
+                    producer = value.producer
+                    if producer is None:
+                        graph.remove_initializer(value)
+                    else:
+                        graph.remove(producer)
+                        merged_nodes[producer.op_type] += 1
+                    merged += 1
     return merged
+
+
+def _split(
+    group: list[tuple[Value, Tensor]], key: Callable[[Tensor], bytes | None]
+) -> list[list[tuple[Value, Tensor]]]:
+    """The sublists (two or more long, first-seen order kept) of tensors with equal keys."""
+    buckets: dict[bytes, list[tuple[Value, Tensor]]] = defaultdict(list)
+    if len(group) > 1:
+        for item in group:
+            found = key(item[1])
+            if found is not None:
+                buckets[found].append(item)
+    return [bucket for bucket in buckets.values() if len(bucket) > 1]
 
 
 def _constant_tensor(node: Node) -> Tensor | None:
@@ -110,17 +124,13 @@ def _constant_tensor(node: Node) -> Tensor | None:
     return attr.value if isinstance(attr.value, Tensor) else None
 
 
-def _tensor_of(value: Value) -> Tensor:
-    if isinstance(value.const, Tensor):
-        return value.const
-    assert value.producer is not None
-    tensor = _constant_tensor(value.producer)
-    assert tensor is not None
-    return tensor
+def _probe(tensor: Tensor) -> bytes | None:
+    return _digest(tensor, probe=True)
 
 
-def _digest(tensor: Tensor) -> bytes | None:
-    """A digest of the tensor's type, shape and bytes; None if its values cannot be read."""
+def _digest(tensor: Tensor, *, probe: bool = False) -> bytes | None:
+    """A digest of the tensor's type, shape and bytes (with ``probe``, of a few slices of
+    them only); None if its values cannot be read."""
     try:
         array = tensor.numpy()
     except (TypeError, ValueError):
@@ -132,8 +142,14 @@ def _digest(tensor: Tensor) -> bytes | None:
             data = item if isinstance(item, bytes) else str(item).encode()
             digest.update(len(data).to_bytes(8, "little"))
             digest.update(data)
-    else:
-        digest.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        return digest.digest()
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    parts = [flat]
+    if probe and flat.size > 3 * _PROBE_BYTES:
+        middle = flat.size // 2
+        parts = [flat[:_PROBE_BYTES], flat[middle : middle + _PROBE_BYTES], flat[-_PROBE_BYTES:]]
+    for part in parts:
+        digest.update(part.data)
     return digest.digest()
 
 

@@ -7,6 +7,8 @@ pipeline uses this to restore the model when a pass fails half way.
 
 from __future__ import annotations
 
+from copy import deepcopy
+
 from graphopt.ir.graph import Graph
 from graphopt.ir.model import Function, Model
 from graphopt.ir.node import Attr, AttrKind, Node
@@ -100,4 +102,5 @@ def clone_model(model: Model) -> Model:
         metadata_props=dict(model.metadata_props),
         functions=functions,
         opaque_fields={k: list(v) for k, v in model.opaque_fields.items()},
+        extensions=deepcopy(model.extensions),
     )

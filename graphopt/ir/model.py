@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from graphopt.ir.graph import Graph
 from graphopt.ir.node import Attr, Node
@@ -45,6 +46,9 @@ class Model:
     # Fields graphopt does not model (training_info, configuration), kept verbatim by io/
     # as serialized bytes so a round trip does not lose them.
     opaque_fields: dict[str, list[bytes]] = field(default_factory=dict)
+    # Free-form JSON sections that later passes attach (the unwind pass's layout problem);
+    # kept by the JSON form, ignored by ONNX.
+    extensions: dict[str, Any] = field(default_factory=dict)
 
     @property
     def opset(self) -> int:

@@ -1,0 +1,903 @@
+"""graphopt's JSON form of a model: readable, diffable, and lossless against the IR.
+
+The layout (schemas/graph.schema.json is the full contract)::
+
+    {"format": "graphopt-graph", "format_version": 1, "ir_version": 10, "opsets": {"": 21},
+     "dims": ["batch", "seq", "seq + 1"],
+     "graph": {"inputs": [{"name": "x", "type": "float32[batch, seq]"}],
+               "outputs": [...], "initializers": [...], "value_info": [...],
+               "nodes": [{"op": "Add", "inputs": ["x", "b"], "outputs": ["y"],
+                          "attributes": {"axis": {"int": 1}}}]},
+     "functions": [...], "extensions": {}}
+
+- Symbolic dims are declared once in ``dims``; a type names them by their text (``seq + 1``
+  is parsed back into an expression), also inside subgraph and function signatures.
+- A type is a string such as ``float32[batch, 3]``, ``seq(int64[?])`` or ``float32[*]``
+  (unknown rank); when a string cannot say it (a denotation, an opaque type, a dim whose
+  name is not a plain word or expression) the type is an object with ``kind`` instead.
+- Attributes name their kind: ``{"floats": [0.5, 1.0]}``; FLOAT values are written as the
+  shortest text that reads back to the same float32, so they round-trip bit for bit.
+- A tensor carries exactly one data field: ``data`` (nested lists, only when they read
+  back to the same bytes), ``base64`` (raw little-endian bytes, as ONNX's raw_data),
+  ``file`` (a sidecar .npy next to the JSON, for tensors above :data:`SIDECAR_THRESHOLD`
+  bytes, memory-mapped on load), or the ONNX typed field it came in (``float_data``,
+  ``int32_data``, ...), so a tensor written by ``make_tensor`` comes back the same way.
+- Fields equal to their default (empty strings, empty lists, zeros) are left out.
+
+ONNX -> JSON -> ONNX is exact up to the normalizations of :mod:`graphopt.io.onnx_io`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from graphopt.errors import InputError
+from graphopt.io.onnx_io import ProtoSource
+from graphopt.ir import (
+    Attr,
+    AttrKind,
+    DataType,
+    Dim,
+    ExternalSource,
+    Function,
+    Graph,
+    GraphError,
+    MapType,
+    Model,
+    Node,
+    OpaqueType,
+    OptionalType,
+    SequenceType,
+    SparseTensor,
+    SparseTensorType,
+    Sym,
+    Tensor,
+    TensorType,
+    Type,
+    Value,
+    parse_dim,
+)
+from graphopt.schemas import validate
+
+__all__ = ["FORMAT_VERSION", "SIDECAR_THRESHOLD", "NpySource", "load", "save"]
+
+FORMAT_VERSION = 1
+# Tensors larger than this many bytes go to a sidecar .npy file instead of the JSON text.
+SIDECAR_THRESHOLD = 4096
+# Objects and lists whose one-line form fits go on one line; the rest one item a line.
+_WIDTH = 120
+
+_DTYPE_NAMES: dict[DataType, str] = {
+    d: {DataType.FLOAT: "float32", DataType.DOUBLE: "float64"}.get(d, d.name.lower()) for d in DataType
+}
+_DTYPES = {name: d for d, name in _DTYPE_NAMES.items()}
+
+# ONNX typed data fields and the element type each is stored as on the wire.
+_FIELDS: dict[str, np.dtype] = {
+    "float_data": np.dtype("<f4"),
+    "int32_data": np.dtype("<i4"),
+    "int64_data": np.dtype("<i8"),
+    "double_data": np.dtype("<f8"),
+    "uint64_data": np.dtype("<u8"),
+}
+_DATA_KEYS = ("data", "base64", "file", "string_data", *_FIELDS)
+_NON_FINITE = {"nan": math.nan, "-nan": -math.nan, "inf": math.inf, "-inf": -math.inf}
+
+_ATTR_KEYS: dict[AttrKind, str] = {kind: kind.name.lower() for kind in AttrKind}
+_ATTR_KINDS = {key: kind for kind, key in _ATTR_KEYS.items()}
+
+
+# -- tensor storage -----------------------------------------------------------------------
+
+
+def _storage_dtype(dtype: DataType) -> np.dtype | None:
+    """The numpy dtype a sidecar stores ``dtype`` as: itself, or an unsigned int of its width
+    for bfloat16 and the float8 types; None for strings and sub-byte types (kept inline)."""
+    if dtype == DataType.STRING:
+        return None
+    try:
+        return dtype.numpy()
+    except TypeError:
+        bits = dtype.itemsize_bits
+        return np.dtype(f"<u{bits // 8}") if bits in (8, 16) and dtype != DataType.UNDEFINED else None
+
+
+@dataclass
+class NpySource:
+    """Tensor values in a sidecar .npy file, memory-mapped when read."""
+
+    path: Path
+    dtype: DataType
+    shape: tuple[int, ...]
+
+    def read(self) -> np.ndarray:
+        array = np.load(self.path, mmap_mode="r")
+        if _numpy_or_none(self.dtype) is None:
+            # bfloat16 / float8 are stored as same-width uints; view them as onnx does.
+            return array.view(helper.tensor_dtype_to_np_dtype(int(self.dtype)))
+        return array
+
+
+def _numpy_or_none(dtype: DataType) -> np.dtype | None:
+    try:
+        return dtype.numpy()
+    except TypeError:
+        return None
+
+
+def _raw_buffer(tensor: Tensor) -> memoryview:
+    """The tensor's bytes as ONNX raw_data holds them, without a copy where possible."""
+    source = tensor.source
+    if isinstance(source, ProtoSource) and source.proto.HasField("raw_data"):
+        return memoryview(source.proto.raw_data)
+    if isinstance(source, ExternalSource):
+        return source.raw()
+    return np.ascontiguousarray(source.read()).reshape(-1).view(np.uint8).data
+
+
+def _typed_field(proto: onnx.TensorProto) -> str | None:
+    """The ONNX typed field holding a parsed tensor's values, or None for raw_data."""
+    if proto.HasField("raw_data"):
+        return None
+    for name in ("string_data", *_FIELDS):
+        if len(getattr(proto, name)):
+            return name
+    return "string_data" if proto.data_type == DataType.STRING else None
+
+
+def _text_or_base64(data: bytes) -> str | dict[str, str]:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(data).decode("ascii")}
+
+
+def _number(x: float) -> float | str:
+    if math.isfinite(x):
+        return x
+    if math.isnan(x):
+        return "-nan" if math.copysign(1.0, x) < 0 else "nan"
+    return "inf" if x > 0 else "-inf"
+
+
+def _short_floats(array: np.ndarray) -> list[float | str]:
+    """Values of a float array as JSON numbers, in the shortest text that reads back exactly
+    in the array's own precision (``0.1`` rather than ``0.10000000149011612`` for float32)."""
+    if array.dtype.itemsize < 8:
+        return [_number(float(str(x))) for x in array.ravel()]
+    return [_number(x) for x in array.ravel().tolist()]
+
+
+def _nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return flat
+    step = math.prod(shape[1:])
+    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+def save(model: Model, path: str | os.PathLike[str]) -> None:
+    """Write ``model`` as JSON, large tensors as sidecar .npy files; all or nothing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = _Writer(path)
+    tmp_json: str | None = None
+    try:
+        text = _dump(writer.model(model)) + "\n"
+        handle, tmp_json = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        for tmp, final, _ in writer.sidecars:
+            os.replace(tmp, final)
+        os.replace(tmp_json, path)
+        tmp_json = None
+    finally:
+        if tmp_json is not None:
+            for tmp, _, _ in writer.sidecars:
+                Path(tmp).unlink(missing_ok=True)
+            Path(tmp_json).unlink(missing_ok=True)
+    # A tensor read lazily from an older sidecar of this name would now see another
+    # tensor's file; point such tensors at the file just written with their own values.
+    for _, final, tensor in writer.sidecars:
+        if isinstance(tensor.source, NpySource):
+            tensor.source = NpySource(final, tensor.dtype, tensor.shape)
+
+
+class _Writer:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.dims: dict[str, None] = {}
+        self.sidecars: list[tuple[str, Path, Tensor]] = []
+
+    def model(self, model: Model) -> dict[str, Any]:
+        graph = self.graph(model.graph)
+        functions = [self.function(f) for f in model.functions]
+        opaque = {k: [base64.b64encode(b).decode("ascii") for b in v] for k, v in model.opaque_fields.items()}
+        head = {"format": "graphopt-graph", "format_version": FORMAT_VERSION, "ir_version": model.ir_version}
+        return (
+            head
+            | _given(
+                producer=_given(name=model.producer_name, version=model.producer_version),
+                domain=model.domain,
+                model_version=model.model_version,
+                doc_string=model.doc_string,
+                metadata_props=dict(model.metadata_props),
+            )
+            | {"opsets": dict(model.opset_imports)}
+            | _given(dims=list(self.dims))
+            | {"graph": graph}
+            | _given(
+                functions=functions,
+                opaque_fields=opaque,
+                extensions=dict(model.extensions),
+            )
+        )
+
+    # types
+    def dim(self, dim: Dim) -> int | str | None:
+        if dim is None or isinstance(dim, int):
+            return dim
+        text = str(dim)
+        self.dims[text] = None
+        return text
+
+    def type(self, value_type: Type | None) -> Any:
+        structured = self._structured(value_type)
+        text = _type_text(structured)
+        return text if text is not None and _parse_type_text(text) == structured else structured
+
+    def _structured(self, value_type: Type | None) -> Any:
+        if value_type is None:
+            return None
+        fields: dict[str, Any]
+        if isinstance(value_type, (TensorType, SparseTensorType)):
+            kind = "tensor" if isinstance(value_type, TensorType) else "sparse_tensor"
+            fields = {"kind": kind, "dtype": _DTYPE_NAMES[value_type.dtype]}
+            if value_type.shape is not None:
+                fields["shape"] = [self.dim(d) for d in value_type.shape]
+        elif isinstance(value_type, SequenceType):
+            fields = {"kind": "sequence", "element": self._structured(value_type.element)}
+        elif isinstance(value_type, OptionalType):
+            fields = {"kind": "optional", "element": self._structured(value_type.element)}
+        elif isinstance(value_type, MapType):
+            fields = {"kind": "map", "key": _DTYPE_NAMES[value_type.key], "value": self._structured(value_type.value)}
+        else:
+            fields = {"kind": "opaque", "domain": value_type.domain, "name": value_type.name}
+        if value_type.denotation:
+            fields["denotation"] = value_type.denotation
+        return fields
+
+    def value(self, value: Value) -> str | dict[str, Any]:
+        entry = _given(
+            name=value.name,
+            type=self.type(value.type),
+            doc_string=value.doc_string,
+            metadata_props=dict(value.metadata_props),
+        )
+        return value.name if list(entry) == ["name"] else {"name": value.name, **entry}
+
+    # tensors
+    def tensor(self, tensor: Tensor, name: bool = True) -> dict[str, Any]:
+        entry: dict[str, Any] = _given(name=tensor.name if name else "")
+        entry["dtype"] = _DTYPE_NAMES[tensor.dtype]
+        entry["shape"] = list(tensor.shape)
+        entry.update(self._tensor_data(tensor))
+        entry.update(_given(doc_string=tensor.doc_string, metadata_props=dict(tensor.metadata_props)))
+        return entry
+
+    def _tensor_data(self, tensor: Tensor) -> dict[str, Any]:
+        source = tensor.source
+        field = _typed_field(source.proto) if isinstance(source, ProtoSource) else None
+        if field is None and tensor.dtype == DataType.STRING:
+            field = "string_data"
+        if field == "string_data":
+            if isinstance(source, ProtoSource):
+                items = list(source.proto.string_data)
+            else:
+                items = [x if isinstance(x, bytes) else str(x).encode("utf-8") for x in source.read().ravel()]
+            return {"string_data": [_text_or_base64(bytes(x)) for x in items]}
+        if field is not None:
+            assert isinstance(source, ProtoSource)
+            contents = np.array(getattr(source.proto, field), dtype=_FIELDS[field])
+            listed = _exact_list(contents)
+            return {field: listed if listed is not None else base64.b64encode(contents.tobytes()).decode("ascii")}
+        storage = _storage_dtype(tensor.dtype)
+        if storage is not None and tensor.nbytes > SIDECAR_THRESHOLD:
+            return {"file": self._sidecar(tensor)}
+        raw = _raw_buffer(tensor).tobytes()
+        native = _numpy_or_none(tensor.dtype)
+        if native is not None and native.kind in "biuf" and len(raw) == tensor.size * native.itemsize:
+            values = _exact_list(np.frombuffer(raw, dtype=native))
+            if values is not None:
+                return {"data": _nest(values, tensor.shape)}
+        return {"base64": base64.b64encode(raw).decode("ascii")}
+
+    def _sidecar(self, tensor: Tensor) -> str:
+        name = f"{self.path.stem}.{len(self.sidecars)}.npy"
+        handle, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.path.parent)
+        self.sidecars.append((tmp, self.path.parent / name, tensor))
+        with os.fdopen(handle, "wb") as out:
+            array = np.frombuffer(_raw_buffer(tensor), dtype=_storage_dtype(tensor.dtype)).reshape(tensor.shape)
+            np.lib.format.write_array(out, array, allow_pickle=False)
+        return name
+
+    def sparse(self, sparse: SparseTensor, name: str | None = None) -> dict[str, Any]:
+        head = {"name": name} if name is not None else {}
+        return {
+            **head,
+            "dims": list(sparse.dims),
+            "values": self.tensor(sparse.values, name=name is None),
+            "indices": self.tensor(sparse.indices),
+        }
+
+    # attributes, nodes, graphs
+    def attribute(self, attr: Attr) -> dict[str, Any]:
+        if attr.ref_attr_name:
+            entry: dict[str, Any] = {"ref_attr_name": attr.ref_attr_name, "kind": _ATTR_KEYS[attr.kind]}
+        else:
+            entry = {_ATTR_KEYS[attr.kind]: self._attr_value(attr.kind, attr.value)}
+        return entry | _given(doc_string=attr.doc_string)
+
+    def _attr_value(self, kind: AttrKind, value: Any) -> Any:
+        if kind == AttrKind.FLOAT:
+            return _short_floats(np.array([value], dtype=np.float32))[0]
+        if kind == AttrKind.FLOATS:
+            return _short_floats(np.array(value, dtype=np.float32))
+        if kind in (AttrKind.INT, AttrKind.INTS, AttrKind.UNDEFINED):
+            return value
+        if kind == AttrKind.STRING:
+            return _text_or_base64(value)
+        if kind == AttrKind.STRINGS:
+            return [_text_or_base64(v) for v in value]
+        one: dict[AttrKind, Callable[[Any], Any]] = {
+            AttrKind.TENSOR: self.tensor,
+            AttrKind.GRAPH: self.graph,
+            AttrKind.SPARSE_TENSOR: self.sparse,
+            AttrKind.TYPE_PROTO: self.type,
+        }
+        many = {AttrKind.TENSORS: AttrKind.TENSOR, AttrKind.GRAPHS: AttrKind.GRAPH}
+        many |= {AttrKind.SPARSE_TENSORS: AttrKind.SPARSE_TENSOR, AttrKind.TYPE_PROTOS: AttrKind.TYPE_PROTO}
+        if kind in many:
+            return [one[many[kind]](v) for v in value]
+        return one[kind](value)
+
+    def node(self, node: Node) -> dict[str, Any]:
+        return _given(
+            op=node.op_type,
+            domain=node.domain,
+            overload=node.overload,
+            name=node.name,
+            inputs=[v.name if v is not None else "" for v in node.inputs],
+            outputs=[v.name for v in node.outputs],
+            attributes={name: self.attribute(a) for name, a in node.attributes.items()},
+            doc_string=node.doc_string,
+            metadata_props=dict(node.metadata_props),
+        )
+
+    def graph(self, graph: Graph) -> dict[str, Any]:
+        initializers: list[dict[str, Any]] = []
+        for value in graph.initializers.values():
+            if isinstance(value.const, SparseTensor):
+                initializers.append(self.sparse(value.const, value.name))
+            elif isinstance(value.const, Tensor):
+                initializers.append({"name": value.name, **self.tensor(value.const, name=False)})
+        nodes = graph.topological()
+        boundary = {id(v) for v in [*graph.inputs, *graph.outputs]}
+        value_info = [
+            self.value(v)
+            for node in nodes
+            for v in node.outputs
+            if v.name and id(v) not in boundary and (v.type is not None or v.doc_string or v.metadata_props)
+        ]
+        return _given(
+            name=graph.name,
+            doc_string=graph.doc_string,
+            inputs=[self.value(v) for v in graph.inputs],
+            outputs=[self.value(v) for v in graph.outputs],
+            initializers=initializers,
+            nodes=[self.node(n) for n in nodes],
+            value_info=value_info,
+            metadata_props=dict(graph.metadata_props),
+            quantization_annotation=[{"tensor": t, "params": dict(p)} for t, p in graph.quantization_annotation],
+        )
+
+    def function(self, function: Function) -> dict[str, Any]:
+        body = self.graph(function.body)
+        return _given(
+            domain=function.domain,
+            name=function.name,
+            overload=function.overload,
+            doc_string=function.doc_string,
+            opsets=dict(function.opset_imports),
+            attributes=list(function.attributes),
+            attribute_defaults={n: self.attribute(a) for n, a in function.attribute_defaults.items()},
+            inputs=body.get("inputs", []),
+            outputs=body.get("outputs", []),
+            nodes=body.get("nodes", []),
+            value_info=body.get("value_info", []),
+            metadata_props=dict(function.metadata_props),
+        )
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The fields that differ from their default: empty strings, lists, dicts and zeros go."""
+    return {key: value for key, value in fields.items() if value or value is False}
+
+
+def _exact_list(array: np.ndarray) -> list[Any] | None:
+    """``array`` as JSON numbers when they read back to the very same bytes, else None."""
+    if array.dtype.kind == "f":
+        values: list[Any] = _short_floats(array)
+    elif array.dtype.kind in "biu":
+        values = array.tolist()
+    else:
+        return None
+    try:
+        back = _decode_numbers(values, array.dtype, "")
+    except InputError:
+        return None
+    return values if back.tobytes() == array.tobytes() else None
+
+
+# -- JSON text --------------------------------------------------------------------------------
+
+
+def _dump(value: Any, indent: int = 0) -> str:
+    """Pretty JSON: a list or object goes on one line when it fits, else one item a line."""
+    if isinstance(value, dict):
+        items = [f"{json.dumps(k, ensure_ascii=False)}: {_dump(v, indent + 1)}" for k, v in value.items()]
+        return _wrap("{", items, "}", indent)
+    if isinstance(value, list):
+        items = [_dump(v, indent + 1) for v in value]
+        if all(not isinstance(v, (dict, list)) for v in value):
+            return "[" + ", ".join(items) + "]"
+        return _wrap("[", items, "]", indent)
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def _wrap(opening: str, items: list[str], closing: str, indent: int) -> str:
+    if not items:
+        return opening + closing
+    flat = opening + ", ".join(items) + closing
+    if len(flat) + 2 * indent <= _WIDTH and "\n" not in flat:
+        return flat
+    pad = "  " * (indent + 1)
+    return opening + "\n" + ",\n".join(pad + item for item in items) + "\n" + "  " * indent + closing
+
+
+# -- type strings ----------------------------------------------------------------------------
+
+_TENSOR_TEXT = re.compile(r"([a-z0-9_]+)\[(.*)\]", re.DOTALL)
+_INT_TEXT = re.compile(r"-?[0-9]+")
+
+
+def _type_text(structured: Any) -> str | None:
+    """The string form of a structured type, or None when only the object form can say it."""
+    if not isinstance(structured, dict) or "denotation" in structured:
+        return None
+    kind = structured["kind"]
+    if kind in ("tensor", "sparse_tensor"):
+        shape = structured.get("shape")
+        body = "*" if shape is None else ", ".join("?" if d is None else str(d) for d in shape)
+        text = f"{structured['dtype']}[{body}]"
+        return text if kind == "tensor" else f"sparse {text}"
+    if kind in ("sequence", "optional"):
+        inner = _type_text(structured["element"])
+        return None if inner is None else f"{'seq' if kind == 'sequence' else 'optional'}({inner})"
+    if kind == "map":
+        inner = _type_text(structured["value"])
+        return None if inner is None else f"map({structured['key']}, {inner})"
+    return None
+
+
+def _parse_type_text(text: str) -> dict[str, Any]:
+    """Read ``float32[batch, 3]``, ``sparse ...``, ``seq(...)``, ``optional(...)``, ``map(k, ...)``."""
+    text = text.strip()
+    for prefix, kind in (("seq(", "sequence"), ("optional(", "optional")):
+        if text.startswith(prefix) and text.endswith(")"):
+            return {"kind": kind, "element": _parse_type_text(text[len(prefix) : -1])}
+    if text.startswith("map(") and text.endswith(")"):
+        key, _, rest = text[4:-1].partition(",")
+        return {"kind": "map", "key": key.strip(), "value": _parse_type_text(rest)}
+    kind = "tensor"
+    if text.startswith("sparse "):
+        kind, text = "sparse_tensor", text[len("sparse ") :].strip()
+    match = _TENSOR_TEXT.fullmatch(text)
+    if match is None:
+        raise ValueError(f"cannot read type {text!r} (expected e.g. 'float32[batch, 3]')")
+    structured: dict[str, Any] = {"kind": kind, "dtype": match.group(1)}
+    body = match.group(2).strip()
+    if body != "*":
+        structured["shape"] = [_parse_dim_text(d) for d in _split_top_level(body)] if body else []
+    return structured
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts]
+
+
+def _parse_dim_text(text: str) -> int | str | None:
+    if text == "?":
+        return None
+    return int(text) if _INT_TEXT.fullmatch(text) else text
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Model:
+    """Read a JSON model; sidecar tensors are memory-mapped on first use. Raises InputError."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path}: invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
+    validate(data, "graph", str(path))
+    try:
+        model = _Reader(path, independent_dims).model(data)
+        for graph in model.all_graphs():
+            graph.topological()
+    except (InputError, GraphError) as err:
+        raise InputError(f"{path}: {err}") from None
+    return model
+
+
+class _Reader:
+    def __init__(self, path: Path, independent_dims: bool) -> None:
+        self.path = path
+        self.independent_dims = independent_dims
+        self.uids = itertools.count(1)
+        self.dims: set[str] = set()
+
+    def model(self, data: dict[str, Any]) -> Model:
+        version = data["format_version"]
+        if version > FORMAT_VERSION:
+            raise InputError(f"$.format_version: {version} is newer than this graphopt reads ({FORMAT_VERSION})")
+        self.dims = set(data.get("dims", []))
+        producer = data.get("producer", {})
+        opaque: dict[str, list[bytes]] = {}
+        for key, items in data.get("opaque_fields", {}).items():
+            opaque[key] = [_b64(item, f"$.opaque_fields.{key}[{i}]") for i, item in enumerate(items)]
+        return Model(
+            graph=self.graph(data["graph"], [], "$.graph"),
+            opset_imports=dict(data["opsets"]),
+            ir_version=data["ir_version"],
+            producer_name=producer.get("name", ""),
+            producer_version=producer.get("version", ""),
+            domain=data.get("domain", ""),
+            model_version=data.get("model_version", 0),
+            doc_string=data.get("doc_string", ""),
+            metadata_props=dict(data.get("metadata_props", {})),
+            functions=[self.function(f, f"$.functions[{i}]") for i, f in enumerate(data.get("functions", []))],
+            opaque_fields=opaque,
+            extensions=dict(data.get("extensions", {})),
+        )
+
+    # types
+    def dim(self, text: int | str | None, at: str) -> Dim:
+        if text is None or isinstance(text, int):
+            return text
+        if text not in self.dims:
+            raise InputError(f"{at}: dim {text!r} is not declared in $.dims")
+        dim = parse_dim(text)
+        if self.independent_dims and isinstance(dim, Sym):
+            return Sym(dim.name, next(self.uids))
+        return dim
+
+    def dtype(self, name: str, at: str) -> DataType:
+        try:
+            return _DTYPES[name]
+        except KeyError:
+            raise InputError(f"{at}: unknown dtype {name!r}") from None
+
+    def type(self, data: Any, at: str) -> Type | None:
+        if data is None:
+            return None
+        if isinstance(data, str):
+            try:
+                data = _parse_type_text(data)
+            except ValueError as err:
+                raise InputError(f"{at}: {err}") from None
+        kind, denotation = data.get("kind", "tensor"), data.get("denotation", "")
+        if kind in ("tensor", "sparse_tensor"):
+            dtype = self.dtype(data["dtype"], at)
+            shape = data.get("shape")
+            dims = None if shape is None else tuple(self.dim(d, at) for d in shape)
+            return (TensorType if kind == "tensor" else SparseTensorType)(dtype, dims, denotation)
+        if kind == "sequence":
+            return SequenceType(self.type(data.get("element"), at), denotation)
+        if kind == "optional":
+            return OptionalType(self.type(data.get("element"), at), denotation)
+        if kind == "map":
+            return MapType(self.dtype(data["key"], at), self.type(data.get("value"), at), denotation)
+        if kind == "opaque":
+            return OpaqueType(data.get("domain", ""), data.get("name", ""), denotation)
+        raise InputError(f"{at}: unknown type kind {kind!r}")
+
+    # tensors
+    def tensor(self, data: dict[str, Any], at: str, name: str | None = None) -> Tensor:
+        dtype = self.dtype(data["dtype"], f"{at}.dtype")
+        shape = tuple(data.get("shape", []))
+        name = data.get("name", "") if name is None else name
+        keys = [k for k in _DATA_KEYS if k in data]
+        if len(keys) != 1:
+            raise InputError(f"{at}: a tensor needs exactly one of {', '.join(_DATA_KEYS)} (has {keys or 'none'})")
+        (key,) = keys
+        source: Any
+        if key == "file":
+            source = self._sidecar(data["file"], dtype, shape, f"{at}.file")
+        else:
+            proto = onnx.TensorProto(name=name, data_type=int(dtype), dims=shape)
+            self._fill(proto, key, data[key], dtype, shape, f"{at}.{key}")
+            source = ProtoSource(proto)
+        return Tensor(
+            name,
+            dtype,
+            shape,
+            source,
+            doc_string=data.get("doc_string", ""),
+            metadata_props=dict(data.get("metadata_props", {})),
+        )
+
+    def _fill(self, proto: onnx.TensorProto, key: str, value: Any, dtype: DataType, shape: tuple[int, ...], at: str):
+        if key == "string_data":
+            proto.string_data.extend(_bytes(v, f"{at}[{i}]") for i, v in enumerate(value))
+        elif key in _FIELDS:
+            element = _FIELDS[key]
+            if isinstance(value, str):
+                raw = _b64(value, at)
+                if len(raw) % element.itemsize:
+                    raise InputError(f"{at}: {len(raw)} bytes is not a whole number of {element} values")
+                array = np.frombuffer(raw, dtype=element)
+            else:
+                array = _decode_numbers(value, element, at)
+            getattr(proto, key).extend(array.tolist())
+        elif key == "base64":
+            proto.raw_data = _b64(value, at)
+            expected = (math.prod(shape) * dtype.itemsize_bits + 7) // 8
+            if len(proto.raw_data) != expected:
+                raise InputError(f"{at}: {len(proto.raw_data)} bytes of data, a {list(shape)} tensor needs {expected}")
+        else:
+            native = _numpy_or_none(dtype)
+            if native is None or native.kind not in "biuf":
+                raise InputError(f"{at}: {_DTYPE_NAMES[dtype]} tensors cannot be given as a number list; use base64")
+            array = _decode_numbers(value, native, at)
+            if array.shape != shape:
+                raise InputError(f"{at}: data has shape {list(array.shape)}, the tensor {list(shape)}")
+            proto.raw_data = array.tobytes()
+
+    def _sidecar(self, name: str, dtype: DataType, shape: tuple[int, ...], at: str) -> NpySource:
+        file = self.path.parent / name
+        storage = _storage_dtype(dtype)
+        if storage is None:
+            raise InputError(f"{at}: {_DTYPE_NAMES[dtype]} tensors cannot live in a .npy sidecar")
+        if not file.is_file():
+            raise InputError(f"{at}: sidecar file {str(file)!r} is missing")
+        try:
+            with file.open("rb") as handle:
+                major, _ = np.lib.format.read_magic(handle)
+                read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                found_shape, _, found_dtype = read_header(handle)
+        except (ValueError, OSError) as err:
+            raise InputError(f"{at}: {str(file)!r} is not a .npy file ({err})") from None
+        if tuple(found_shape) != shape or found_dtype != storage:
+            raise InputError(
+                f"{at}: {str(file)!r} holds {found_dtype}{list(found_shape)}, expected {storage}{list(shape)}"
+            )
+        return NpySource(file, dtype, shape)
+
+    def sparse(self, data: dict[str, Any], at: str, name: str | None = None) -> SparseTensor:
+        return SparseTensor(
+            self.tensor(data["values"], f"{at}.values", name),
+            self.tensor(data["indices"], f"{at}.indices"),
+            tuple(data.get("dims", [])),
+        )
+
+    # attributes
+    def attribute(self, name: str, data: dict[str, Any], scope: list[dict[str, Value]], at: str) -> Attr:
+        doc = data.get("doc_string", "")
+        if "ref_attr_name" in data:
+            kind = _ATTR_KINDS[data.get("kind", "undefined")]
+            return Attr(name, kind, None, data["ref_attr_name"], doc)
+        keys = [k for k in data if k in _ATTR_KINDS]
+        if len(keys) != 1:
+            raise InputError(f"{at}: an attribute needs exactly one kind key such as 'int' or 'floats' (has {keys})")
+        (key,) = keys
+        kind, value, at = _ATTR_KINDS[key], data[key], f"{at}.{key}"
+        return Attr(name, kind, self._attr_value(kind, value, scope, at), "", doc)
+
+    def _attr_value(self, kind: AttrKind, value: Any, scope: list[dict[str, Value]], at: str) -> Any:
+        if kind == AttrKind.FLOAT:
+            return float(_decode_numbers(value, np.dtype(np.float32), at))
+        if kind == AttrKind.FLOATS:
+            return _decode_numbers(value, np.dtype(np.float32), at).tolist()
+        if kind in (AttrKind.INT, AttrKind.INTS, AttrKind.UNDEFINED):
+            return value
+        if kind == AttrKind.STRING:
+            return _bytes(value, at)
+        if kind == AttrKind.STRINGS:
+            return [_bytes(v, f"{at}[{i}]") for i, v in enumerate(value)]
+        one: dict[AttrKind, Callable[[Any, str], Any]] = {
+            AttrKind.TENSOR: self.tensor,
+            AttrKind.GRAPH: lambda data, where: self.graph(data, scope, where),
+            AttrKind.SPARSE_TENSOR: self.sparse,
+            AttrKind.TYPE_PROTO: self.type,
+        }
+        many = {AttrKind.TENSORS: AttrKind.TENSOR, AttrKind.GRAPHS: AttrKind.GRAPH}
+        many |= {AttrKind.SPARSE_TENSORS: AttrKind.SPARSE_TENSOR, AttrKind.TYPE_PROTOS: AttrKind.TYPE_PROTO}
+        if kind in many:
+            return [one[many[kind]](v, f"{at}[{i}]") for i, v in enumerate(value)]
+        return one[kind](value, at)
+
+    # graphs
+    def graph(self, data: dict[str, Any], scope: list[dict[str, Value]], at: str) -> Graph:
+        local: dict[str, Value] = {}
+
+        def define(value: Value, where: str) -> Value:
+            if value.name and value.name in local:
+                raise InputError(f"{where}: value {value.name!r} is defined twice")
+            if value.name:
+                local[value.name] = value
+            return value
+
+        initializers: list[Value] = []
+        for i, entry in enumerate(data.get("initializers", [])):
+            where = f"{at}.initializers[{i}]"
+            if "indices" in entry:
+                sparse = self.sparse(entry, where, entry["name"])
+                value = Value(entry["name"], SparseTensorType(sparse.values.dtype, sparse.dims), sparse)
+            else:
+                tensor = self.tensor(entry, where)
+                value = Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)
+            initializers.append(define(value, where))
+        inputs: list[Value] = []
+        for i, entry in enumerate(data.get("inputs", [])):
+            where = f"{at}.inputs[{i}]"
+            name = _name(entry)
+            # Before IR version 4 initializers were also listed as inputs: one value, two roles.
+            value = local.get(name) or define(Value(name), where)
+            self._annotate(value, entry, where)
+            inputs.append(value)
+        annotations = {_name(e): (e, f"{at}.value_info[{i}]") for i, e in enumerate(data.get("value_info", []))}
+        outputs_of: list[list[Value]] = []
+        for i, node_data in enumerate(data.get("nodes", [])):
+            outputs = [define(Value(n), f"{at}.nodes[{i}].outputs") for n in node_data.get("outputs", [])]
+            for value in outputs:
+                if value.name in annotations:
+                    self._annotate(value, *annotations.pop(value.name))
+            outputs_of.append(outputs)
+        for name, (_, where) in annotations.items():
+            raise InputError(f"{where}: value_info names {name!r}, which no node of this graph defines")
+        inner_scope = [*scope, local]
+
+        def resolve(name: str, where: str) -> Value:
+            for frame in reversed(inner_scope):
+                if name in frame:
+                    return frame[name]
+            raise InputError(f"{where} reads {name!r}, which nothing defines")
+
+        nodes = []
+        for i, (node_data, outputs) in enumerate(zip(data.get("nodes", []), outputs_of)):
+            where = f"{at}.nodes[{i}]"
+            label = f"{where} ({node_data['op']} {node_data['name']!r})" if node_data.get("name") else where
+            attributes = [
+                self.attribute(name, a, inner_scope, f"{where}.attributes.{name}")
+                for name, a in node_data.get("attributes", {}).items()
+            ]
+            node = Node(
+                node_data["op"],
+                [resolve(n, label) if n else None for n in node_data.get("inputs", [])],
+                outputs,
+                attributes,
+                domain=node_data.get("domain", ""),
+                name=node_data.get("name", ""),
+                overload=node_data.get("overload", ""),
+            )
+            node.doc_string = node_data.get("doc_string", "")
+            node.metadata_props = dict(node_data.get("metadata_props", {}))
+            nodes.append(node)
+        graph_outputs = []
+        for i, entry in enumerate(data.get("outputs", [])):
+            where = f"{at}.outputs[{i}]"
+            value = resolve(_name(entry), where)
+            self._annotate(value, entry, where)
+            graph_outputs.append(value)
+        graph = Graph(inputs, graph_outputs, nodes, initializers, name=data.get("name", ""))
+        graph.doc_string = data.get("doc_string", "")
+        graph.metadata_props = dict(data.get("metadata_props", {}))
+        annotations_data = data.get("quantization_annotation", [])
+        graph.quantization_annotation = [(q["tensor"], dict(q.get("params", {}))) for q in annotations_data]
+        return graph
+
+    def _annotate(self, value: Value, entry: str | dict[str, Any], at: str) -> None:
+        if isinstance(entry, str):
+            return
+        value.type = self.type(entry.get("type"), f"{at}.type") or value.type
+        value.doc_string = entry.get("doc_string", "") or value.doc_string
+        value.metadata_props.update(entry.get("metadata_props", {}))
+
+    def function(self, data: dict[str, Any], at: str) -> Function:
+        defaults = {
+            n: self.attribute(n, a, [], f"{at}.attribute_defaults.{n}")
+            for n, a in data.get("attribute_defaults", {}).items()
+        }
+        return Function(
+            domain=data.get("domain", ""),
+            name=data["name"],
+            body=self.graph(data, [], at),
+            attributes=list(data.get("attributes", [])),
+            attribute_defaults=defaults,
+            opset_imports=dict(data.get("opsets", {})),
+            overload=data.get("overload", ""),
+            doc_string=data.get("doc_string", ""),
+            metadata_props=dict(data.get("metadata_props", {})),
+        )
+
+
+def _name(entry: str | dict[str, Any]) -> str:
+    return entry if isinstance(entry, str) else str(entry["name"])
+
+
+def _b64(text: str, at: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except binascii.Error as err:
+        raise InputError(f"{at}: not valid base64 ({err})") from None
+
+
+def _bytes(value: str | dict[str, str], at: str) -> bytes:
+    return value.encode("utf-8") if isinstance(value, str) else _b64(value["base64"], at)
+
+
+def _decode_numbers(values: Any, dtype: np.dtype, at: str) -> np.ndarray:
+    """JSON numbers (nested lists; "nan", "inf" for floats) as an array of ``dtype``, exactly."""
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, list):
+            return [walk(x) for x in item]
+        if dtype.kind == "f":
+            if isinstance(item, str) and item in _NON_FINITE:
+                return _NON_FINITE[item]
+            if isinstance(item, (int, float)) and not isinstance(item, bool):
+                return item
+        elif dtype.kind == "b":
+            if isinstance(item, bool):
+                return item
+        elif isinstance(item, int) and not isinstance(item, bool):
+            return item
+        raise InputError(f"{at}: {item!r} is not a {dtype} value")
+
+    try:
+        return np.array(walk(values), dtype=dtype)
+    except (OverflowError, ValueError) as err:
+        raise InputError(f"{at}: cannot read the numbers as {dtype} ({err})") from None

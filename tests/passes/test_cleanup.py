@@ -584,6 +584,34 @@ def test_cse_keeps_nodes_with_subgraphs_and_fed_initializers(tmp_path: Path) -> 
     assert ops(model)["If"] == 2 and sorted(model.graph.initializers) == ["w1", "w2"]
 
 
+def test_cleanup_inside_a_loop_body(tmp_path: Path) -> None:
+    # The body reads the outer x and w; it holds an Identity, a duplicate Mul and a dead Neg.
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["x"], ["xi"]),
+            helper.make_node("Mul", ["xi", "w"], ["m1"]),
+            helper.make_node("Mul", ["x", "w"], ["m2"]),
+            helper.make_node("Neg", ["m1"], ["dead"]),
+            helper.make_node("Add", ["m1", "m2"], ["s"]),
+            helper.make_node("Add", ["acc", "s"], ["acc_out"]),
+            helper.make_node("Identity", ["cond"], ["cond_out"]),
+        ],
+        "body",
+        [info("i", I64, []), info("cond", TensorProto.BOOL, []), info("acc")],
+        [info("cond_out", TensorProto.BOOL, []), info("acc_out")],
+    )
+    nodes = [
+        const("n", 3, np.int64),
+        const("c", True, np.bool_),
+        helper.make_node("Loop", ["n", "c", "x"], ["y"], body=body),
+    ]
+    model, results, _ = optimize(write(tmp_path, nodes, initializers=[tensor("w", 0.5)]), "noop", "dce", "cse")
+    assert results["noop"].details["removed"] == {"identity": 1}  # cond_out is a body output
+    assert results["dce"].details["nodes"] == {"Neg": 1}
+    assert results["cse"].details["nodes"] == {"Mul": 1}
+    assert ops(model) == {"Constant": 2, "Loop": 1, "Mul": 1, "Add": 2, "Identity": 1}
+
+
 # -- all three on the corpus -----------------------------------------------------------------
 
 
@@ -594,7 +622,12 @@ def cleanup_to_fixpoint(model: Model, max_rounds: int = 8) -> int:
     raise AssertionError(f"cleanup did not settle in {max_rounds} rounds")
 
 
-@pytest.mark.parametrize("name", ["bert_small", "gpt2_small", "inception_v1"])
+# Node counts after noop + dce + cse, measured when the passes were written: the original
+# counts are 478, 549 and 144; onnxsim, which also folds constants, gets 303, 336 and 142.
+CLEANED_NODES = {"bert_small": 338, "gpt2_small": 371, "inception_v1": 142}
+
+
+@pytest.mark.parametrize("name", sorted(CLEANED_NODES))
 def test_cleanup_on_corpus(corpus_dir: Path, tmp_path: Path, name: str) -> None:
     source = corpus_dir / f"{name}.onnx"
     model = load(source)
@@ -602,7 +635,7 @@ def test_cleanup_on_corpus(corpus_dir: Path, tmp_path: Path, name: str) -> None:
     rounds = cleanup_to_fixpoint(model)
     after = model_stats(model).nodes
     print(f"{name}: {before} -> {after} nodes in {rounds} rounds")
-    assert after < before
+    assert after <= CLEANED_NODES[name] < before
     out = tmp_path / f"{name}.onnx"
     save(model, out)
     assert_same_outputs(source, out)

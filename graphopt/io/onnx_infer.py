@@ -33,8 +33,8 @@ def infer_types(model: Model) -> dict[int, Type]:
     then whatever it could give, possibly nothing.
     """
     light = clone_model(model)
-    for graph in light.all_graphs():
-        _weights_to_inputs(graph)
+    # Only the main graph: a body's inputs are fixed by its op (If has none, Loop's are positional).
+    _weights_to_inputs(light.graph)
     try:
         proto = to_proto(light)
         inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
@@ -55,7 +55,9 @@ def _weights_to_inputs(graph: Graph) -> None:
         stand_in = Value(value.name, value.type)
         value.replace_all_uses_with(stand_in)
         graph.remove_initializer(value)
-        graph.inputs = [*graph.inputs, stand_in]
+        # Before IR version 4 an initializer could also be listed as an input.
+        listed = any(v is value for v in graph.inputs)
+        graph.inputs = [stand_in if v is value else v for v in graph.inputs] + ([] if listed else [stand_in])
 
 
 def _collect(graph: Graph, proto: onnx.GraphProto, reader: _Reader, found: dict[int, Type]) -> None:

@@ -529,3 +529,18 @@ def test_independent_dims_loop_body_does_not_equate_carried_and_captured_dims() 
     infer(model, independent_dims=True)
     types = {v.name: str(v.type) for v in node_outputs(model)}
     assert types["v_out"] == types["v_final"] == "float[?, 4]"
+
+
+@pytest.mark.parametrize("use_onnx", [True, False])
+def test_onnx_inference_fills_ops_without_a_rule(use_onnx: bool) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 3])
+    nodes = [helper.make_node("Det", ["x"], ["det"]), helper.make_node("Unsqueeze", ["det", "axes"], ["col"])]
+    outputs = [helper.make_tensor_value_info("col", TensorProto.FLOAT, None)]
+    model = onnx_io.from_proto(make_model(nodes, [x], outputs, initializer=[_ints("axes", [1])]))
+    result = infer(model, use_onnx=use_onnx)
+    types = {v.name: str(v.type) for v in node_outputs(model)}
+    if use_onnx:
+        assert types == {"det": "float[batch]", "col": "float[batch, 1]"}
+        assert result.details["onnx_seeded"] == 2
+    else:
+        assert types == {"det": "None", "col": "float[*]"}  # the graph output declares its element type

@@ -34,6 +34,8 @@ __all__ = [
     "broadcast",
     "merge_dims",
     "norm_axis",
+    "tensor",
+    "tensor_of",
 ]
 
 Shape = tuple[Dim, ...]

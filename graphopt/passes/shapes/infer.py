@@ -74,7 +74,7 @@ class ShapeInference(Pass):
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         before = _census(model)
         seeds: dict[int, Type] = {}
-        n_nodes = sum(1 for _ in model.all_nodes())
+        n_nodes = sum(1 for _ in model.graph.all_nodes())
         if self.options.use_onnx and n_nodes <= self.options.onnx_max_nodes:
             from graphopt.io.onnx_infer import infer_types
 
@@ -376,9 +376,12 @@ class _Census:
 
 
 def _census(model: Model) -> _Census:
-    """How many node outputs have a type (a known rank) and how many have every dim known."""
+    """How many node outputs have a type (a known rank) and how many have every dim known.
+
+    Function bodies are left out: their inputs have no types until a call site is inlined.
+    """
     census = _Census()
-    for node in model.all_nodes():
+    for node in model.graph.all_nodes():
         for value in node.outputs:
             census.total += 1
             kind = value.type

@@ -5,14 +5,16 @@ output, or None when the node does real work or the IR does not know enough to b
 The rules are a table indexed by op type; one driver applies them to every graph in
 topological order, so chains such as ``Identity(Identity(x))`` go in one sweep.
 
-Knowledge rules rely on:
+What the rules rely on:
 
 - element types and shapes come from the IR's value types, which may be missing (then a
   rule that needs them does not fire); a symbolic dim is never assumed to equal an int;
 - constants are initializers or ``Constant`` nodes; an initializer that is also a graph
   input is not a constant, the caller may feed it;
 - a node with outputs besides the first (Dropout's mask) is removed only when nothing
-  reads those.
+  reads those;
+- a node inside a function body whose attribute refers to the function's own attributes
+  is left alone: its value is known only at the call site.
 
 Removing a node whose output is a graph output keeps that output's name (see
 ``_common.replace``); when the input cannot take the name over, the node stays.
@@ -277,6 +279,8 @@ class NoopElimination(Pass):
 def _bypass(node: Node, opset: int) -> str | None:
     """Rewire the readers of ``node``'s output to its replacement; return the rule's name."""
     if node.domain not in DEFAULT_DOMAINS or not node.outputs or not node.inputs:
+        return None
+    if any(attr.ref_attr_name for attr in node.attributes.values()):
         return None
     out = node.outputs[0]
     if any(v.is_used() for v in node.outputs[1:]):

@@ -425,18 +425,28 @@ def test_dce_counts_nodes_inside_a_dead_branch_owner(tmp_path: Path) -> None:
 
 def test_dce_drops_functions_nothing_calls(tmp_path: Path) -> None:
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid("local", 1)]
-    used = helper.make_function("local", "Used", ["a"], ["b"], [helper.make_node("Neg", ["a"], ["b"])], opsets)
     inner = helper.make_function("local", "Inner", ["a"], ["b"], [helper.make_node("Abs", ["a"], ["b"])], opsets)
     outer = helper.make_function(
         "local", "Outer", ["a"], ["b"], [helper.make_node("Inner", ["a"], ["b"], domain="local")], opsets
     )
-    # "Outer" is called only by a dead node, so "Inner" (called only by "Outer") goes as well.
+    # "Outer" is called only by a dead node, so "Inner" (called only by "Outer") goes as
+    # well; "Used" calls "Dead" from a dead node of its own.
+    used = helper.make_function(
+        "local",
+        "Used",
+        ["a"],
+        ["b"],
+        [helper.make_node("Dead", ["a"], ["unused"], domain="local"), helper.make_node("Neg", ["a"], ["b"])],
+        opsets,
+    )
+    dead = helper.make_function("local", "Dead", ["a"], ["b"], [helper.make_node("Exp", ["a"], ["b"])], opsets)
     nodes = [
         helper.make_node("Outer", ["x"], ["dead"], domain="local"),
         helper.make_node("Used", ["x"], ["y"], domain="local"),
     ]
-    model, results, _ = optimize(write(tmp_path, nodes, functions=[used, inner, outer]), "dce")
-    assert results["dce"].details["functions"] == ["local::Inner", "local::Outer"]
+    model, results, _ = optimize(write(tmp_path, nodes, functions=[used, inner, outer, dead]), "dce")
+    assert results["dce"].details["functions"] == ["local::Inner", "local::Outer", "local::Dead"]
+    assert results["dce"].details["nodes"] == {"Outer": 1, "Dead": 1}
     assert [f.name for f in model.functions] == ["Used"]
 
 

@@ -41,9 +41,8 @@ class DeadCodeElimination(Pass):
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         keep = set(self.options.keep_ops)
         nodes: Counter[str] = Counter()
-        for body in [model.graph, *(f.body for f in model.functions)]:
-            _sweep(body, keep, nodes)
-        functions = _drop_unused_functions(model)
+        _sweep(model.graph, keep, nodes)
+        functions = _sweep_called_functions(model, keep, nodes)
         initializers = 0
         for graph in model.all_graphs():
             for value in list(graph.initializers.values()):
@@ -71,8 +70,9 @@ def _is_dead(node: Node, keep: set[str]) -> bool:
     return bool(node.outputs) and node.op_type not in keep and not any(v.is_used() for v in node.outputs)
 
 
-def _drop_unused_functions(model: Model) -> list[str]:
-    """Remove the local functions no node reaches from the main graph; return their names."""
+def _sweep_called_functions(model: Model, keep: set[str], removed: Counter[str]) -> list[str]:
+    """Sweep every local function a live node calls (from the main graph or from such a
+    function); remove the others and return their names."""
     by_key = {f.key: f for f in model.functions}
     reached: set[tuple[str, str, str]] = set()
     pending = [model.graph]
@@ -81,7 +81,9 @@ def _drop_unused_functions(model: Model) -> list[str]:
             key = (node.domain, node.op_type, node.overload)
             if key in by_key and key not in reached:
                 reached.add(key)
-                pending.append(by_key[key].body)
+                body = by_key[key].body
+                _sweep(body, keep, removed)  # before its calls are followed: dead calls do not count
+                pending.append(body)
     dropped = [f for f in model.functions if f.key not in reached]
     model.functions = [f for f in model.functions if f.key in reached]
     return [f"{f.domain}::{f.name}" if f.domain else f.name for f in dropped]

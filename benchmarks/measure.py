@@ -1,0 +1,113 @@
+"""What the bench measures on a written model: node counts, bytes on disk, onnxruntime latency.
+
+Latency is measured for many models at once, interleaved run by run (each round runs every
+session once, starting at a different one each round), so a burst of machine noise lands on
+all of them rather than on whichever model happened to be running.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from graphopt.check.inputs import bind_dims, make_inputs, read_spec
+
+# onnxruntime's own op domains: nodes only onnxruntime can run.
+CONTRIB_DOMAINS = frozenset({"com.microsoft", "com.microsoft.nchwc", "com.microsoft.internal.nhwc"})
+SEQ_DIM_LENGTH = 64
+# Named dims that mean a sequence length get SEQ_DIM_LENGTH; every other dynamic dim is 1 (batch).
+_SEQ_WORDS = ("seq", "len", "token", "time", "step")
+LEVELS = ("ORT_ENABLE_ALL", "ORT_DISABLE_ALL")
+
+
+@dataclass(frozen=True)
+class NodeCount:
+    total: int
+    contrib: int
+
+
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _graphs(sub)
+
+
+def node_count(path: Path) -> NodeCount:
+    """Nodes in the model, subgraph bodies included; ``contrib`` counts onnxruntime-only ones."""
+    model = onnx.load(str(path), load_external_data=False)
+    nodes = [node for graph in _graphs(model.graph) for node in graph.node]
+    return NodeCount(len(nodes), sum(node.domain in CONTRIB_DOMAINS for node in nodes))
+
+
+def output_bytes(path: Path) -> int:
+    """The model file plus every external-data file it names."""
+    model = onnx.load(str(path), load_external_data=False)
+    locations = {
+        entry.value
+        for graph in _graphs(model.graph)
+        for tensor in graph.initializer
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    return path.stat().st_size + sum((path.parent / loc).stat().st_size for loc in locations)
+
+
+def latency_dims(path: Path, given: dict[str, int]) -> dict[str, int]:
+    """A value for every named dynamic dim: ``given``, else SEQ_DIM_LENGTH for sequence-like names, else 1."""
+    named = {d for spec in read_spec(path).inputs for d in spec.shape or () if isinstance(d, str)}
+    guessed = {d: SEQ_DIM_LENGTH if any(w in d.lower() for w in _SEQ_WORDS) else 1 for d in named}
+    return guessed | {k: v for k, v in given.items() if k in named}
+
+
+def latency_feeds(path: Path, dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs at ``dims`` (see latency_dims), drawn the way graphopt's check draws them."""
+    specs = read_spec(path).inputs
+    dims = bind_dims(specs, 0, dims)
+    return make_inputs(specs, dims, np.random.default_rng(seed))
+
+
+def interleaved_latency(
+    models: dict[str, Path], feeds: dict[str, np.ndarray], level: str, *, runs: int, warmup: int
+) -> dict[str, float | str]:
+    """Median seconds of one run of each model at ``level`` (or the error that stopped it)."""
+    import onnxruntime as ort
+
+    sessions: dict[str, ort.InferenceSession] = {}
+    results: dict[str, float | str] = {}
+    for key, path in models.items():
+        options = ort.SessionOptions()
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        try:
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            wanted = {i.name for i in session.get_inputs()}
+            session.run(None, {k: v for k, v in feeds.items() if k in wanted})
+        except Exception as err:
+            results[key] = f"error: {str(err).strip().splitlines()[0][:200]}"
+            continue
+        sessions[key] = session
+    order = list(sessions)
+    inputs = {key: {i.name: feeds[i.name] for i in s.get_inputs() if i.name in feeds} for key, s in sessions.items()}
+    samples: dict[str, list[float]] = {key: [] for key in order}
+    for round_index in range(warmup + runs):
+        shift = round_index % max(len(order), 1)
+        for key in order[shift:] + order[:shift]:
+            start = time.perf_counter()
+            sessions[key].run(None, inputs[key])
+            if round_index >= warmup:
+                samples[key].append(time.perf_counter() - start)
+    results.update({key: statistics.median(values) for key, values in samples.items()})
+    return results

@@ -1,0 +1,55 @@
+"""The bench harness still runs: wide_ensemble through graphopt alone, a few latency runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_bench_runs_graphopt_on_wide_ensemble(corpus_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nkept text\n\n<!-- bench-corpus:start -->\nold figures\n<!-- bench-corpus:end -->\n")
+    cmd = [sys.executable, str(BENCHMARKS / "bench.py"), "--corpus", str(corpus_dir), "--models", "wide_ensemble"]
+    cmd += ["--tools", "graphopt", "--quick", "--json-out", str(out), "--markdown", str(md)]
+    cmd += ["--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+    (entry,) = json.loads(out.read_text())["models"]
+    assert entry["model"] == "wide_ensemble"
+    assert entry["original"]["nodes"] == 69
+    cell = entry["tools"]["graphopt"]
+    assert cell["error"] is None, cell["error"]
+    assert cell["check"] == "passed"
+    assert 0 < cell["nodes"] <= 69
+    assert cell["seconds"] > 0 and cell["peak_rss_mb"] > 0 and cell["bytes"] > 0
+    for level in ("ORT_ENABLE_ALL", "ORT_DISABLE_ALL"):
+        assert entry["latency"][level]["original"] > 0
+        assert entry["latency"][level]["graphopt"] > 0
+    # No peer ran, so there is nothing to compare with.
+    assert entry["ratios"]["nodes"] is None
+
+    text = md.read_text()
+    assert "kept text" in text and "old figures" not in text
+    assert text.count("<!-- bench-corpus:start -->") == 1
+    assert "| wide_ensemble | 69 |" in text
+
+
+def test_a_tool_that_fails_is_an_error_cell_not_a_crash(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from tools import run_tool
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a model")
+
+    run = run_tool("graphopt", broken, tmp_path / "out" / "broken.onnx", timeout=120, check=False)
+
+    assert run.error is not None and "broken.onnx" in run.error
+    assert run.output is None

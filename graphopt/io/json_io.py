@@ -146,7 +146,7 @@ def _raw_buffer(tensor: Tensor) -> memoryview:
     if isinstance(source, ProtoSource) and source.proto.HasField("raw_data"):
         return memoryview(source.proto.raw_data)
     if isinstance(source, ExternalSource):
-        return source.raw()
+        return memoryview(source.raw())
     return np.ascontiguousarray(source.read()).reshape(-1).view(np.uint8).data
 
 
@@ -200,21 +200,20 @@ def save(model: Model, path: str | os.PathLike[str]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = _Writer(path)
-    tmp_json: str | None = None
+    staged = writer.staged
     try:
         text = _dump(writer.model(model)) + "\n"
         handle, tmp_json = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        staged.append(tmp_json)
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)
         for tmp, final, _ in writer.sidecars:
             os.replace(tmp, final)
         os.replace(tmp_json, path)
-        tmp_json = None
-    finally:
-        if tmp_json is not None:
-            for tmp, _, _ in writer.sidecars:
-                Path(tmp).unlink(missing_ok=True)
-            Path(tmp_json).unlink(missing_ok=True)
+    except BaseException:
+        for tmp in staged:
+            Path(tmp).unlink(missing_ok=True)
+        raise
     # A tensor read lazily from an older sidecar of this name would now see another
     # tensor's file; point such tensors at the file just written with their own values.
     for _, final, tensor in writer.sidecars:
@@ -227,6 +226,8 @@ class _Writer:
         self.path = path
         self.dims: dict[str, None] = {}
         self.sidecars: list[tuple[str, Path, Tensor]] = []
+        # Temporary files written so far, removed again if the save fails.
+        self.staged: list[str] = []
 
     def model(self, model: Model) -> dict[str, Any]:
         graph = self.graph(model.graph)
@@ -325,7 +326,8 @@ class _Writer:
             return {"file": self._sidecar(tensor)}
         raw = _raw_buffer(tensor).tobytes()
         native = _numpy_or_none(tensor.dtype)
-        if native is not None and native.kind in "biuf" and len(raw) == tensor.size * native.itemsize:
+        # An empty tensor's shape cannot be read off nested lists, so it stays base64 ("").
+        if native is not None and native.kind in "biuf" and tensor.size and len(raw) == tensor.size * native.itemsize:
             values = _exact_list(np.frombuffer(raw, dtype=native))
             if values is not None:
                 return {"data": _nest(values, tensor.shape)}
@@ -334,6 +336,7 @@ class _Writer:
     def _sidecar(self, tensor: Tensor) -> str:
         name = f"{self.path.stem}.{len(self.sidecars)}.npy"
         handle, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.path.parent)
+        self.staged.append(tmp)
         self.sidecars.append((tmp, self.path.parent / name, tensor))
         with os.fdopen(handle, "wb") as out:
             array = np.frombuffer(_raw_buffer(tensor), dtype=_storage_dtype(tensor.dtype)).reshape(tensor.shape)

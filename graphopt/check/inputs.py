@@ -19,6 +19,7 @@ against anything.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ _SEQ_WORDS = ("seq", "len", "sequence", "token", "time", "step")
 # Integer inputs are ids drawn from [0, _MAX_ID) unless the graph shows a smaller table.
 _MAX_ID = 100
 # Ops that pass ids through unchanged on the way to the Gather that uses them.
+# The check does not generate an input larger than this (a declared dim of 2**40 is valid ONNX).
+_MAX_INPUT_BYTES = 2**30
 _ID_PASSTHROUGH = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
 Dim = int | str | None
@@ -79,6 +82,9 @@ class InputSpec:
             return f"input {self.name!r} has type {self.type_text}, which the check cannot generate"
         if self.shape is None:
             return f"input {self.name!r} has no known rank"
+        static = math.prod(d for d in self.shape if isinstance(d, int)) * self.dtype.itemsize
+        if static > _MAX_INPUT_BYTES:
+            return f"input {self.name!r} would take {static} bytes or more ({self.type_text}{list(self.shape)})"
         return None
 
 

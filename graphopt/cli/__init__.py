@@ -255,6 +255,8 @@ def run(
         index, count = selected
         sources = [s for i, s in enumerate(sources) if i % count == index - 1]
     single = len(models) == 1 and not models[0].is_dir() and selected is None
+    if not sources:
+        raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and *.json)")
 
     if check_optimized:
         rows = [is_optimized(s, options) for s in sources]
@@ -276,8 +278,6 @@ def run(
             _fail(f"pass {report['failures'][0]['pass']!r} failed: {report['failures'][0]['error']}", 3)
         sys.exit(code)
 
-    if not sources:
-        raise InputError("no models found (looked for *.onnx and *.json)")
     if output is not None and output.suffix.lower() in (".onnx", ".json"):
         raise InputError(f"{output}: with several models, -o names a folder")
     if in_place and output is not None:

@@ -11,13 +11,21 @@ from graphopt.ir import Model
 
 def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Model:
     """Load a model, choosing the format by extension (.json, else ONNX)."""
+    from graphopt.io.sanity import check_model
+
     if Path(path).suffix.lower() == ".json":
         from graphopt.io import json_io
 
-        return json_io.load(path, independent_dims=independent_dims)
-    from graphopt.io import onnx_io
+        model = json_io.load(path, independent_dims=independent_dims)
+    else:
+        from graphopt.io import onnx_io
 
-    return onnx_io.load(path, independent_dims=independent_dims)
+        model = onnx_io.load(path, independent_dims=independent_dims)
+    try:
+        check_model(model)
+    except InputError as err:
+        raise InputError(f"{path}: {err}") from None
+    return model
 
 
 def save(model: Model, path: str | os.PathLike[str], **options: object) -> None:

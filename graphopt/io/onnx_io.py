@@ -18,6 +18,7 @@ goes through with bounded RAM.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import tempfile
 from collections.abc import Iterable
@@ -183,6 +184,7 @@ class _Reader:
                 raise InputError(f"tensor {proto.name!r}: external data file {str(file)!r} is too short")
             source = ExternalSource(file, offset, length, dtype, shape)
         else:
+            _check_inline_size(proto, dtype, shape)
             source = ProtoSource(proto)
         return Tensor(
             proto.name,
@@ -255,7 +257,11 @@ class _Reader:
             sparse = self.sparse(sparse_proto)
             initializers.append(define(Value(sparse.name, SparseTensorType(sparse.values.dtype, sparse.dims), sparse)))
         inputs: list[Value] = []
+        listed: set[str] = set()
         for vi in proto.input:
+            if vi.name in listed:
+                raise InputError(f"{where}: graph input {vi.name!r} is listed twice")
+            listed.add(vi.name)
             # Before IR version 4 initializers were also listed as inputs: one value, two roles.
             value = local.get(vi.name) or define(Value(vi.name))
             self._annotate(value, vi)
@@ -327,6 +333,19 @@ class _Reader:
             doc_string=proto.doc_string,
             metadata_props={p.key: p.value for p in proto.metadata_props},
         )
+
+
+_TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
+
+
+def _check_inline_size(proto: onnx.TensorProto, dtype: DataType, shape: tuple[int, ...]) -> None:
+    """Data that does not fit the declared shape is bad input, found now rather than when a pass reads it."""
+    if proto.HasField("raw_data") and dtype != DataType.STRING:
+        needed = (math.prod(shape) * dtype.itemsize_bits + 7) // 8
+        if len(proto.raw_data) != needed:
+            raise InputError(f"tensor {proto.name!r} of shape {shape} holds {len(proto.raw_data)} bytes, not {needed}")
+    elif math.prod(shape) and not any(len(getattr(proto, name)) for name in _TYPED_FIELDS):
+        raise InputError(f"tensor {proto.name!r} of shape {shape} holds no data")
 
 
 def _dtype(code: int, what: str) -> DataType:
@@ -696,7 +715,7 @@ class _Writer:
 
 
 def _clear_data_fields(proto: onnx.TensorProto) -> None:
-    for name in ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data"):
+    for name in _TYPED_FIELDS:
         proto.ClearField(name)  # type: ignore[arg-type]
     proto.ClearField("raw_data")
     del proto.external_data[:]

@@ -1,0 +1,106 @@
+"""Sanity on load, beyond what the formats check: opsets and tensor sizes.
+
+A model that names an ONNX op at an opset where it does not exist, or declares a tensor no
+machine could hold, is bad input: onnxruntime would refuse it and a pass would reason about
+an op at the wrong version, so the run stops with one line instead of a "not checked" report.
+
+- Every ONNX domain the model imports must be at a version this onnx package knows (>= 1).
+- Every node in an ONNX domain needs that domain imported, and an op ONNX defines must
+  exist, undeprecated, at the imported version (Gelu at opset 13, Scatter at opset 17 fail).
+  An op name ONNX does not define at all is a custom op, even in the default domain (legacy
+  exporters write such ops): the passes keep it untouched. Function bodies are checked
+  against their own imports.
+- A declared tensor type (graph input or output, annotated value, initializer) must take
+  fewer than 2**63 bytes, the int64 limit of ONNX dims and of every runtime's byte counts.
+  Anything smaller is valid; whether the numerics check can afford to feed it is the
+  check's business.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx.defs
+from onnx.onnx_cpp2py_export.defs import schema_version_map
+
+from graphopt.errors import InputError
+from graphopt.ir import Graph, Model, TensorType
+
+__all__ = ["check_model"]
+
+_MAX_BYTES = 2**63
+
+_ALIASES = {"ai.onnx": ""}
+
+
+def _domain_text(domain: str) -> str:
+    return repr(domain) if domain else "the default domain"
+
+
+def check_model(model: Model) -> None:
+    """Raise InputError naming the first opset import, node or tensor type that cannot be."""
+    _check_opsets(model)
+    _check_sizes(model)
+
+
+def _check_sizes(model: Model) -> None:
+    for graph in model.all_graphs():
+        for value in [*graph.values(), *graph.outputs]:
+            if isinstance(value.type, TensorType) and value.type.shape is not None:
+                static = [d for d in value.type.shape if isinstance(d, int)]
+                nbytes = (math.prod(static) * value.type.dtype.itemsize_bits + 7) // 8
+                if nbytes >= _MAX_BYTES:
+                    raise InputError(f"value {value.name!r} declares {value.type}, over 2**63 bytes")
+
+
+def _check_opsets(model: Model) -> None:
+    known = schema_version_map()
+    imports = _normalized(model.opset_imports)
+    for domain, version in imports.items():
+        if domain in known:
+            low, high = known[domain]
+            if not low <= version <= high:
+                known_range = f"onnx {onnx.__version__} knows {low}..{high}"
+                raise InputError(f"opset {version} of {_domain_text(domain)} does not exist ({known_range})")
+    graphs = [(model.graph, imports)]
+    graphs += [(f.body, _normalized(f.opset_imports)) for f in model.functions]
+    local_functions = {f.domain for f in model.functions}
+    for root, scope in graphs:
+        for graph in [root, *root.subgraphs()]:
+            _check_nodes(graph, scope, known, local_functions)
+
+
+def _normalized(imports: dict[str, int]) -> dict[str, int]:
+    return {_ALIASES.get(domain, domain): version for domain, version in imports.items()}
+
+
+def _check_nodes(graph: Graph, imports: dict[str, int], known: dict[str, tuple[int, int]], functions: set[str]) -> None:
+    for node in graph:
+        domain = _ALIASES.get(node.domain, node.domain)
+        label = f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
+        if domain not in imports:
+            if domain in functions:
+                continue
+            raise InputError(f"{label} is in {_domain_text(domain)}, which the model does not import")
+        if domain not in known or not onnx.defs.has(node.op_type, domain):
+            continue
+        version = imports[domain]
+        try:
+            schema = onnx.defs.get_schema(node.op_type, version, domain)
+        except onnx.defs.SchemaError:
+            first = _first_version(node.op_type, domain, known[domain][1])
+            raise InputError(
+                f"{label} does not exist at opset {version} of {_domain_text(domain)} (it appears at opset {first})"
+            ) from None
+        if schema.deprecated:
+            raise InputError(f"{label} is deprecated (removed) at opset {version} of {_domain_text(domain)}")
+
+
+def _first_version(op_type: str, domain: str, newest: int) -> int:
+    since = onnx.defs.get_schema(op_type, newest, domain).since_version
+    while since > 1:
+        try:
+            since = onnx.defs.get_schema(op_type, since - 1, domain).since_version
+        except onnx.defs.SchemaError:
+            break
+    return since

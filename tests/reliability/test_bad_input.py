@@ -1,0 +1,159 @@
+"""Bad input through the command line: exit 2, one line on stderr, no traceback, nothing written.
+
+Each builder in builders.BAD_INPUTS is a way users really break a model (a truncated
+download, a PNG with the wrong extension, an op at an opset where it does not exist, a
+hand-edited JSON graph). The valid-but-unusual models (custom ops, zero-sized tensors,
+NaN weights, dims too large to feed) must optimize instead, without allocating what they
+declare.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import onnx
+import pytest
+from click.testing import CliRunner, Result
+
+from graphopt.cli import cli
+from tests.reliability import builders
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def invoke(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every path below ``folder`` with its content: what "nothing was written" compares."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
+
+
+def assert_one_line_error(result: Result, code: int = 2) -> str:
+    assert result.exit_code == code, (result.exit_code, result.stderr, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
+    assert "Traceback" not in result.stderr and not result.stdout
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", sorted(builders.BAD_INPUTS))
+def test_run_rejects_bad_input_and_writes_nothing(tmp_path: Path, case: str) -> None:
+    source = builders.BAD_INPUTS[case](tmp_path)
+    before = snapshot(tmp_path)
+    result = invoke("run", source, "-o", tmp_path / "out" / "model.opt.onnx", "--report", tmp_path / "report.json")
+    line = assert_one_line_error(result)
+    assert source.name in line  # names the file
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("case", sorted(builders.BAD_INPUTS))
+def test_check_optimized_rejects_bad_input(tmp_path: Path, case: str) -> None:
+    source = builders.BAD_INPUTS[case](tmp_path)
+    before = snapshot(tmp_path)
+    assert_one_line_error(invoke("run", source, "--check-optimized"))
+    assert snapshot(tmp_path) == before
+
+
+SPOT_CHECKS = [
+    "truncated protobuf",
+    "png named .onnx",
+    "directory named .onnx",
+    "missing external data",
+    "op newer than the opset",
+    "opset 99",
+    "cycle",
+    "duplicate node outputs",
+    "declared dim of 2**62",
+    "json: node without op",
+    "json: unparsable type",
+]
+
+
+@pytest.mark.parametrize("case", SPOT_CHECKS)
+def test_inspect_convert_validate_reject_bad_input(tmp_path: Path, case: str) -> None:
+    source = builders.BAD_INPUTS[case](tmp_path)
+    before = snapshot(tmp_path)
+    assert_one_line_error(invoke("inspect", source))
+    assert_one_line_error(invoke("inspect", source, "--json"))
+    assert_one_line_error(invoke("convert", source, tmp_path / "converted.json"))
+    assert_one_line_error(invoke("convert", source, tmp_path / "converted.onnx"))
+    assert_one_line_error(invoke("validate", source))
+    assert snapshot(tmp_path) == before
+
+
+def test_batch_run_reports_each_bad_model_and_writes_only_good_ones(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    for i, case in enumerate(["truncated protobuf", "cycle", "opset 99", "json: unknown key"]):
+        folder = tmp_path / f"case{i}"
+        folder.mkdir()
+        built = builders.BAD_INPUTS[case](folder)
+        built.rename(models / f"bad{i}{built.suffix}")
+    builders.write(builders.base_model(), models, "good.onnx")
+    out = tmp_path / "out"
+    result = invoke("run", models, "-o", out, "--json", "-q")
+    assert result.exit_code == 2
+    rows = json.loads(result.stdout)["models"]
+    assert sorted(row.get("exit_code", 0) for row in rows) == [0, 2, 2, 2, 2]
+    assert sorted(p.name for p in out.iterdir()) == ["good.onnx"]
+
+
+# -- valid but unusual: optimize, exit 0 ---------------------------------------------------
+
+
+def run_json(tmp_path: Path, proto: onnx.ModelProto) -> tuple[dict, onnx.ModelProto]:
+    source = builders.write(proto, tmp_path)
+    out = tmp_path / "out.onnx"
+    result = invoke("run", source, "-o", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout), onnx.load(str(out))
+
+
+@pytest.mark.parametrize("make", [builders.custom_domain_op, builders.custom_default_domain_op])
+def test_custom_ops_survive_and_the_rest_is_optimized(tmp_path: Path, make: object) -> None:
+    original = make()  # type: ignore[operator]
+    report, optimized = run_json(tmp_path, original)
+    custom = [n for n in optimized.graph.node if n.op_type in ("Mystery", "MyLegacyOp")]
+    assert len(custom) == 1
+    (before,) = [n for n in original.graph.node if n.op_type == custom[0].op_type]
+    assert custom[0].domain == before.domain and list(custom[0].attribute) == list(before.attribute)
+    assert [o.name for o in optimized.graph.output] == ["z"]
+    ops = [n.op_type for n in optimized.graph.node]
+    assert "Identity" not in ops and ops.count("Relu") == 1  # noop and cse still ran around it
+    assert report["numerics"]["status"] == "not checked"
+    assert "onnxruntime cannot load" in report["numerics"]["reason"]
+    assert report["failures"] == []
+
+
+def test_zero_sized_tensors_optimize_and_check(tmp_path: Path) -> None:
+    report, optimized = run_json(tmp_path, builders.zero_sized())
+    assert report["numerics"]["status"] == "passed"
+    assert "Identity" not in [n.op_type for n in optimized.graph.node]
+    assert report["failures"] == []
+
+
+def test_nan_and_inf_weights_optimize_and_compare_nan_aware(tmp_path: Path) -> None:
+    report, optimized = run_json(tmp_path, builders.nan_inf_weights())
+    assert report["numerics"]["status"] == "passed"
+    assert len(optimized.graph.node) < len(builders.nan_inf_weights().graph.node)
+    weight = onnx.numpy_helper.to_array(next(i for i in optimized.graph.initializer if i.name == "w"))
+    assert weight[0, 0] != weight[0, 0] and weight[1, 1] == float("inf")
+
+
+@pytest.mark.parametrize(
+    "make", [builders.huge_valid_dim, builders.huge_reshape, builders.huge_constant_of_shape], ids=lambda f: f.__name__
+)
+def test_huge_shapes_do_not_allocate(tmp_path: Path, make: object) -> None:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    report, _ = run_json(tmp_path, make())  # type: ignore[operator]
+    assert time.perf_counter() - started < 30
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+    assert grown_mb < 512, f"peak memory grew by {grown_mb:.0f} MB"
+    assert report["numerics"]["status"] == "not checked"
+    assert report["failures"] == []

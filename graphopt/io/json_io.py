@@ -100,6 +100,12 @@ _NON_FINITE = {"nan": math.nan, "-nan": -math.nan, "inf": math.inf, "-inf": -mat
 
 _ATTR_KEYS: dict[AttrKind, str] = {kind: kind.name.lower() for kind in AttrKind}
 _ATTR_KINDS = {key: kind for kind, key in _ATTR_KEYS.items()}
+_ELEMENT_KIND = {
+    AttrKind.TENSORS: AttrKind.TENSOR,
+    AttrKind.GRAPHS: AttrKind.GRAPH,
+    AttrKind.SPARSE_TENSORS: AttrKind.SPARSE_TENSOR,
+    AttrKind.TYPE_PROTOS: AttrKind.TYPE_PROTO,
+}
 
 
 # -- tensor storage -----------------------------------------------------------------------
@@ -178,9 +184,15 @@ def _number(x: float) -> float | str:
 def _short_floats(array: np.ndarray) -> list[float | str]:
     """Values of a float array as JSON numbers, in the shortest text that reads back exactly
     in the array's own precision (``0.1`` rather than ``0.10000000149011612`` for float32)."""
-    if array.dtype.itemsize < 8:
-        return [_number(float(str(x))) for x in array.ravel()]
-    return [_number(x) for x in array.ravel().tolist()]
+    if array.dtype.itemsize == 8:
+        return [_number(x) for x in array.ravel().tolist()]
+    values: list[float | str] = []
+    for x in array.ravel():
+        exact = float(x)
+        short = float(str(x)) if math.isfinite(exact) else exact
+        # Parsing goes through float64, so check the short text survives the second rounding.
+        values.append(_number(short if array.dtype.type(short) == x else exact))
+    return values
 
 
 def _nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
@@ -377,10 +389,8 @@ class _Writer:
             AttrKind.SPARSE_TENSOR: self.sparse,
             AttrKind.TYPE_PROTO: self.type,
         }
-        many = {AttrKind.TENSORS: AttrKind.TENSOR, AttrKind.GRAPHS: AttrKind.GRAPH}
-        many |= {AttrKind.SPARSE_TENSORS: AttrKind.SPARSE_TENSOR, AttrKind.TYPE_PROTOS: AttrKind.TYPE_PROTO}
-        if kind in many:
-            return [one[many[kind]](v) for v in value]
+        if kind in _ELEMENT_KIND:
+            return [one[_ELEMENT_KIND[kind]](v) for v in value]
         return one[kind](value)
 
     def node(self, node: Node) -> dict[str, Any]:
@@ -756,10 +766,8 @@ class _Reader:
             AttrKind.SPARSE_TENSOR: self.sparse,
             AttrKind.TYPE_PROTO: self.type,
         }
-        many = {AttrKind.TENSORS: AttrKind.TENSOR, AttrKind.GRAPHS: AttrKind.GRAPH}
-        many |= {AttrKind.SPARSE_TENSORS: AttrKind.SPARSE_TENSOR, AttrKind.TYPE_PROTOS: AttrKind.TYPE_PROTO}
-        if kind in many:
-            return [one[many[kind]](v, f"{at}[{i}]") for i, v in enumerate(value)]
+        if kind in _ELEMENT_KIND:
+            return [one[_ELEMENT_KIND[kind]](v, f"{at}[{i}]") for i, v in enumerate(value)]
         return one[kind](value, at)
 
     # graphs

@@ -283,3 +283,19 @@ def test_unknown_dtype_and_missing_external_data(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").unlink()
     with pytest.raises(InputError, match="external data file .* is missing"):
         onnx_io.load(tmp_path / "ext.onnx")
+
+
+def test_inline_weights_are_mapped_from_the_model_file_and_streamed_back(tmp_path: Path) -> None:
+    source = tmp_path / "inline.onnx"
+    _big_model(tmp_path / "ext.onnx")
+    onnx.save(onnx.load(tmp_path / "ext.onnx"), source)  # weights inside the model file
+    model = onnx_io.load(source)
+    tensor = model.graph.initializers["w"].const
+    assert isinstance(tensor.source, ExternalSource) and tensor.source.inline  # type: ignore[union-attr]
+    assert tensor.source.path == source  # type: ignore[union-attr]
+    onnx_io.save(model, tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx.data").exists()
+    assert first_difference(onnx.load(source), onnx.load(tmp_path / "out.onnx")) is None
+    x = np.ones((1, 256), np.float32)
+    expected = ort.InferenceSession(str(source)).run(None, {"x": x})[0]
+    assert ort.InferenceSession(str(tmp_path / "out.onnx")).run(None, {"x": x})[0].tobytes() == expected.tobytes()

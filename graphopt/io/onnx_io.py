@@ -21,10 +21,10 @@ import itertools
 import math
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import onnx
@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 
 from graphopt.errors import InputError
+from graphopt.io import wire
 from graphopt.ir import (
     Attr,
     AttrKind,
@@ -63,7 +64,6 @@ __all__ = ["ProtoSource", "from_proto", "load", "save", "to_proto"]
 EXTERNAL_THRESHOLD = 1024
 # Above this many tensor bytes a model cannot be one protobuf message.
 PROTOBUF_LIMIT = 2**31 - 2**26
-_CHUNK = 64 * 2**20
 
 
 @dataclass
@@ -86,9 +86,13 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
         raise InputError(f"{path}: no such file")
     proto = onnx.ModelProto()
     try:
-        with path.open("rb") as handle:
-            proto.ParseFromString(handle.read())
-    except (DecodeError, RuntimeError, ValueError) as err:
+        # Large inline weights stay in the file, mapped on demand (see io/wire.py).
+        payload = wire.split_inline_weights(path)
+        if payload is None:
+            payload = path.read_bytes()
+        proto.ParseFromString(payload)
+        del payload
+    except (DecodeError, RuntimeError, ValueError, IndexError) as err:
         raise InputError(f"{path}: not a valid ONNX protobuf ({_first_line(err)})") from None
     if not proto.HasField("graph") or proto.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph or no ir_version)")
@@ -173,6 +177,7 @@ class _Reader:
         source: Any
         if proto.data_location == onnx.TensorProto.EXTERNAL:
             info = {e.key: e.value for e in proto.external_data}
+            inline = wire.INLINE_KEY in info
             location = info.get("location", "")
             file = self.base_dir / location
             if not location or not file.is_file():
@@ -182,7 +187,7 @@ class _Reader:
             needed = (int(np.prod(shape)) * dtype.itemsize_bits + 7) // 8
             if offset + (length if length is not None else needed) > file.stat().st_size:
                 raise InputError(f"tensor {proto.name!r}: external data file {str(file)!r} is too short")
-            source = ExternalSource(file, offset, length, dtype, shape)
+            source = ExternalSource(file, offset, length, dtype, shape, inline=inline)
         else:
             _check_inline_size(proto, dtype, shape)
             source = ProtoSource(proto)
@@ -399,7 +404,7 @@ def save(
     path = Path(path)
     tensors = list(_all_tensors(model))
     if external_data is None:
-        external_data = any(isinstance(t.source, ExternalSource) for t in tensors) or (
+        external_data = any(isinstance(t.source, ExternalSource) and not t.source.inline for t in tensors) or (
             sum(t.nbytes for t in tensors) > PROTOBUF_LIMIT
         )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -412,10 +417,12 @@ def save(
         data_tmp = Path(tmp)
         writer = _ExternalWriter(data_tmp, data_name)
     try:
-        proto = to_proto(model, writer)
         if writer is not None:
+            proto = to_proto(model, writer)
             writer.close()
-        _atomic_write(path, proto.SerializeToString())
+            _atomic_write(path, proto.SerializeToString())
+        else:
+            _atomic_write_streaming(path, model)
         if data_tmp is not None:
             os.replace(data_tmp, path.parent / data_name)
             data_tmp = None
@@ -427,14 +434,28 @@ def save(
 
 
 def _atomic_write(path: Path, payload: bytes) -> None:
+    _atomic_write_with(path, lambda out: out.write(payload))
+
+
+def _atomic_write_with(path: Path, write: Callable[[BinaryIO], object]) -> None:
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as out:
-            out.write(payload)
+            write(out)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _atomic_write_streaming(path: Path, model: Model) -> None:
+    """One protobuf file, its main-graph initializers streamed rather than held in memory."""
+    writer = _Writer(None, stream_initializers=True)
+    proto = to_proto(model, writer=writer)
+    graph = proto.graph.SerializeToString()
+    proto.ClearField("graph")
+    head = proto.SerializeToString()
+    _atomic_write_with(path, lambda out: wire.write_streaming_model(out, head, graph, writer.streamed))
 
 
 def _all_tensors(model: Model) -> Iterable[Tensor]:
@@ -466,10 +487,10 @@ class _ExternalWriter:
         self.out.write(b"\0" * (aligned - self.offset))
         start = aligned
         if isinstance(tensor.source, ExternalSource):
-            raw = tensor.source.raw()
-            for begin in range(0, len(raw), _CHUNK):
-                self.out.write(raw[begin : begin + _CHUNK])
-            length = len(raw)
+            length = 0
+            for chunk in tensor.source.chunks():
+                self.out.write(chunk)
+                length += len(chunk)
         else:
             payload = _raw_bytes(tensor)
             self.out.write(payload)
@@ -492,16 +513,26 @@ def _raw_bytes(tensor: Tensor) -> bytes:
     return _tensor_proto_from_array(tensor, source.read()).raw_data
 
 
+def _raw_layout(tensor: Tensor) -> bool:
+    """Whether raw_data is the array's memory as numpy holds it (not strings, not packed 4-bit)."""
+    return tensor.dtype != DataType.STRING and tensor.dtype.itemsize_bits % 8 == 0
+
+
 def _tensor_proto_from_array(tensor: Tensor, array: np.ndarray) -> onnx.TensorProto:
-    if tensor.dtype in (DataType.STRING,) or array.dtype == np.dtype(object):
-        return numpy_helper.from_array(array, tensor.name)
+    if not _raw_layout(tensor) or array.dtype == np.dtype(object):
+        proto = numpy_helper.from_array(array, tensor.name)
+        proto.data_type = int(tensor.dtype)
+        return proto
     proto = onnx.TensorProto(name=tensor.name, data_type=int(tensor.dtype), dims=list(tensor.shape))
     proto.raw_data = np.ascontiguousarray(array).tobytes()
     return proto
 
 
-def to_proto(model: Model, external: _ExternalWriter | None = None) -> onnx.ModelProto:
-    writer = _Writer(external)
+def to_proto(
+    model: Model, external: _ExternalWriter | None = None, *, writer: _Writer | None = None
+) -> onnx.ModelProto:
+    """The model as one ModelProto (tensor data included unless ``external`` or ``writer`` take it)."""
+    writer = writer or _Writer(external)
     proto = onnx.ModelProto(
         **_given(
             ir_version=model.ir_version,
@@ -515,7 +546,7 @@ def to_proto(model: Model, external: _ExternalWriter | None = None) -> onnx.Mode
     for domain, version in model.opset_imports.items():
         proto.opset_import.add(domain=domain, version=version)
     _props(proto.metadata_props, model.metadata_props)
-    proto.graph.CopyFrom(writer.graph(model.graph))
+    proto.graph.CopyFrom(writer.graph(model.graph, main=True))
     for function in model.functions:
         proto.functions.append(writer.function(function))
     for field_name, items in model.opaque_fields.items():
@@ -543,8 +574,13 @@ def _format_dim(dim: Dim, proto: onnx.TensorShapeProto.Dimension) -> None:
 
 
 class _Writer:
-    def __init__(self, external: _ExternalWriter | None) -> None:
+    def __init__(self, external: _ExternalWriter | None, *, stream_initializers: bool = False) -> None:
         self.external = external
+        # With stream_initializers, the main graph's dense initializers are collected here
+        # (for io/wire.py to write) instead of being put into the GraphProto.
+        self.stream_initializers = stream_initializers
+        self.streamed: list[wire.StreamedTensor] = []
+        self.main_graph_done = False
 
     def type(self, value_type: Type | None, proto: onnx.TypeProto) -> None:
         if value_type is None:
@@ -602,8 +638,26 @@ class _Writer:
             _clear_data_fields(proto)
             self.external.write(tensor, proto)
         elif isinstance(source, ExternalSource):
-            proto.raw_data = bytes(source.raw())
+            proto.raw_data = source.raw()
         return proto
+
+    def streamed_tensor(self, name: str, tensor: Tensor) -> wire.StreamedTensor:
+        """The tensor as a data-less header plus its bytes, for the streaming writer."""
+        source = tensor.source
+        header = onnx.TensorProto(name=name, data_type=int(tensor.dtype), dims=list(tensor.shape))
+        if tensor.doc_string:
+            header.doc_string = tensor.doc_string
+        _props(header.metadata_props, tensor.metadata_props)
+        if isinstance(source, ExternalSource):
+            return wire.StreamedTensor(header.SerializeToString(), source.size, source.chunks())
+        if not isinstance(source, ProtoSource) and _raw_layout(tensor):
+            array = np.ascontiguousarray(source.read())
+            # A byte view, since exotic dtypes (bfloat16, float8) do not export a buffer.
+            data = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+            return wire.StreamedTensor(header.SerializeToString(), array.nbytes, [data])
+        full = self.tensor(tensor, allow_external=False)
+        full.name = name
+        return wire.StreamedTensor(full.SerializeToString(), 0, [])
 
     def sparse(self, sparse: SparseTensor) -> onnx.SparseTensorProto:
         proto = onnx.SparseTensorProto(dims=list(sparse.dims))
@@ -664,11 +718,13 @@ class _Writer:
         _props(proto.metadata_props, node.metadata_props)
         return proto
 
-    def graph(self, graph: Graph) -> onnx.GraphProto:
+    def graph(self, graph: Graph, *, main: bool = False) -> onnx.GraphProto:
         proto = onnx.GraphProto(**_given(name=graph.name, doc_string=graph.doc_string))
         for value in graph.initializers.values():
             if isinstance(value.const, SparseTensor):
                 proto.sparse_initializer.append(self.sparse(value.const))
+            elif isinstance(value.const, Tensor) and main and self.stream_initializers:
+                self.streamed.append(self.streamed_tensor(value.name, value.const))
             elif isinstance(value.const, Tensor):
                 tensor_proto = self.tensor(value.const)
                 tensor_proto.name = value.name

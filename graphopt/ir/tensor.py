@@ -9,6 +9,7 @@ no more than its structure until something calls :meth:`Tensor.numpy`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -36,13 +37,16 @@ class ArraySource:
 
 @dataclass
 class ExternalSource:
-    """Bytes at ``offset`` in a file, viewed through a memory map (no copy, no read-ahead)."""
+    """Bytes at ``offset`` of a file: an external-data file, or (``inline``) the model file
+    itself. Values are viewed through a memory map; copies stream through a small buffer,
+    so writing a model does not make its weights resident."""
 
     path: Path
     offset: int
     length: int | None
     dtype: DataType
     shape: tuple[int, ...]
+    inline: bool = False
 
     def read(self) -> np.ndarray:
         np_dtype = self.dtype.numpy()
@@ -51,13 +55,24 @@ class ExternalSource:
             return np.zeros(self.shape, dtype=np_dtype)
         return np.memmap(self.path, dtype=np_dtype, mode="r", offset=self.offset, shape=self.shape)
 
-    def raw(self) -> memoryview:
-        """The stored bytes, for copying into another file chunk by chunk."""
-        size = self.length if self.length is not None else self.path.stat().st_size - self.offset
-        if size == 0:
-            return memoryview(b"")
-        mapped = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(size,))
-        return memoryview(mapped)  # type: ignore[arg-type]
+    @property
+    def size(self) -> int:
+        return self.length if self.length is not None else self.path.stat().st_size - self.offset
+
+    def raw(self) -> bytes:
+        return b"".join(self.chunks())
+
+    def chunks(self, chunk_size: int = 16 * 2**20) -> Iterator[bytes]:
+        """The stored bytes, in order, read with plain file reads."""
+        remaining = self.size
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            while remaining > 0:
+                chunk = handle.read(min(chunk_size, remaining))
+                if not chunk:
+                    raise OSError(f"{self.path}: ends before the tensor data does")
+                remaining -= len(chunk)
+                yield chunk
 
 
 @dataclass(eq=False)

@@ -1,0 +1,191 @@
+"""Protobuf wire-format surgery on ONNX files, so big weights never pass through memory.
+
+Parsing a 100 MB model with protobuf costs the file's bytes twice (the file read and the
+parsed message); serializing it back costs them twice more. Instead:
+
+- :func:`split_inline_weights` scans a model file's top-level fields and its graph's
+  initializers without decoding them, and returns the model with every large
+  ``raw_data`` replaced by a reference to its byte range in the file itself. io/ maps
+  such ranges lazily, exactly like external data.
+- :class:`StreamingModelWriter` writes a model whose initializers are serialized one at a
+  time, their bytes copied from wherever they live in chunks, with the lengths that
+  protobuf's framing needs computed up front.
+
+Only ModelProto.graph (7), GraphProto.initializer (5) and TensorProto.raw_data (9) are
+touched; every other byte is copied through verbatim.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["INLINE_KEY", "StreamedTensor", "split_inline_weights", "write_streaming_model"]
+
+MODEL_GRAPH = 7
+GRAPH_INITIALIZER = 5
+TENSOR_RAW_DATA = 9
+TENSOR_EXTERNAL_DATA = 13
+TENSOR_DATA_LOCATION = 14
+LENGTH_DELIMITED = 2
+
+# The external_data key that marks a byte range inside the model file itself.
+INLINE_KEY = "graphopt.inline"
+# Smaller weights are cheaper to parse than to map.
+SPLIT_THRESHOLD = 4096
+
+
+def _varint(buffer: bytes | mmap.mmap, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = buffer[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("malformed varint")
+
+
+def encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _key(field: int, wire_type: int) -> bytes:
+    return encode_varint(field << 3 | wire_type)
+
+
+@dataclass(frozen=True)
+class _Field:
+    number: int
+    wire_type: int
+    start: int  # first byte of the field's key
+    value_start: int  # first byte of the payload (after the length for LEN fields)
+    end: int
+
+
+def _fields(buffer: bytes | mmap.mmap, start: int, end: int) -> Iterator[_Field]:
+    pos = start
+    while pos < end:
+        key, value_pos = _varint(buffer, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, next_pos = _varint(buffer, value_pos)
+        elif wire_type == 1:
+            next_pos = value_pos + 8
+        elif wire_type == LENGTH_DELIMITED:
+            length, value_pos = _varint(buffer, value_pos)
+            next_pos = value_pos + length
+        elif wire_type == 5:
+            next_pos = value_pos + 4
+        else:
+            raise ValueError(f"unsupported wire type {wire_type}")
+        if next_pos > end:
+            raise ValueError("truncated message")
+        yield _Field(number, wire_type, pos, value_pos, next_pos)
+        pos = next_pos
+
+
+def _length_field(number: int, payload: bytes) -> bytes:
+    return _key(number, LENGTH_DELIMITED) + encode_varint(len(payload)) + payload
+
+
+def _inline_reference(location: str, offset: int, length: int) -> bytes:
+    """TensorProto fields saying: the raw bytes are at ``offset`` of the model file."""
+    entries = b""
+    for key, value in ((INLINE_KEY, "1"), ("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = _length_field(1, key.encode()) + _length_field(2, value.encode())
+        entries += _length_field(TENSOR_EXTERNAL_DATA, entry)
+    return entries + _key(TENSOR_DATA_LOCATION, 0) + encode_varint(1)
+
+
+def split_inline_weights(path: Path) -> bytes | None:
+    """The model's bytes with large initializer ``raw_data`` replaced by in-file references.
+
+    Returns None when nothing is worth splitting (the caller then parses the file as is).
+    Raises ValueError on a malformed file.
+    """
+    with path.open("rb") as handle:
+        size = path.stat().st_size
+        if size == 0:
+            return None
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            parts: list[bytes] = []
+            split_any = False
+            for field in _fields(data, 0, size):
+                if field.number != MODEL_GRAPH or field.wire_type != LENGTH_DELIMITED:
+                    parts.append(data[field.start : field.end])
+                    continue
+                graph_parts: list[bytes] = []
+                for inner in _fields(data, field.value_start, field.end):
+                    if inner.number == GRAPH_INITIALIZER and inner.wire_type == LENGTH_DELIMITED:
+                        tensor = _split_tensor(data, inner, path.name)
+                        if tensor is not None:
+                            split_any = True
+                            graph_parts.append(_length_field(GRAPH_INITIALIZER, tensor))
+                            continue
+                    graph_parts.append(data[inner.start : inner.end])
+                parts.append(_length_field(MODEL_GRAPH, b"".join(graph_parts)))
+            return b"".join(parts) if split_any else None
+
+
+def _split_tensor(data: mmap.mmap, field: _Field, location: str) -> bytes | None:
+    kept: list[bytes] = []
+    raw: _Field | None = None
+    for inner in _fields(data, field.value_start, field.end):
+        if inner.number == TENSOR_RAW_DATA and inner.wire_type == LENGTH_DELIMITED:
+            raw = inner
+        elif inner.number in (TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION):
+            return None  # already external: leave it to the normal path
+        else:
+            kept.append(data[inner.start : inner.end])
+    if raw is None or raw.end - raw.value_start < SPLIT_THRESHOLD:
+        return None
+    return b"".join(kept) + _inline_reference(location, raw.value_start, raw.end - raw.value_start)
+
+
+@dataclass
+class StreamedTensor:
+    """An initializer to stream: its TensorProto bytes without data, then ``size`` data bytes."""
+
+    header: bytes
+    size: int
+    chunks: Iterable[bytes | memoryview]
+
+
+def write_streaming_model(
+    out: BinaryIO, model_without_graph: bytes, graph: bytes, tensors: list[StreamedTensor]
+) -> None:
+    """Write ModelProto = model fields + graph (graph fields, then each initializer in order)."""
+    data_key = _key(TENSOR_RAW_DATA, LENGTH_DELIMITED)
+    framed: list[tuple[bytes, int]] = []
+    graph_size = len(graph)
+    for tensor in tensors:
+        data_prefix = data_key + encode_varint(tensor.size) if tensor.size else b""
+        tensor_size = len(tensor.header) + len(data_prefix) + (tensor.size if tensor.size else 0)
+        prefix = _key(GRAPH_INITIALIZER, LENGTH_DELIMITED) + encode_varint(tensor_size) + tensor.header + data_prefix
+        framed.append((prefix, tensor.size))
+        graph_size += len(prefix) + tensor.size
+    out.write(model_without_graph)
+    out.write(_key(MODEL_GRAPH, LENGTH_DELIMITED) + encode_varint(graph_size))
+    out.write(graph)
+    for (prefix, size), tensor in zip(framed, tensors):
+        out.write(prefix)
+        written = 0
+        for chunk in tensor.chunks:
+            out.write(chunk)
+            written += len(chunk)
+        if written != size:
+            raise ValueError(f"tensor data is {written} bytes, expected {size}")

@@ -20,7 +20,7 @@ The layout (schemas/graph.schema.json is the full contract)::
 - A tensor carries exactly one data field: ``data`` (nested lists, only when they read
   back to the same bytes), ``base64`` (raw little-endian bytes, as ONNX's raw_data),
   ``file`` (a sidecar .npy next to the JSON, for tensors above :data:`SIDECAR_THRESHOLD`
-  bytes, memory-mapped on load), or the ONNX typed field it came in (``float_data``,
+  bytes, named ``<json stem>.<n>.npy`` and memory-mapped on load), or the ONNX typed field it came in (``float_data``,
   ``int32_data``, ...), so a tensor written by ``make_tensor`` comes back the same way.
 - Fields equal to their default (empty strings, empty lists, zeros) are left out.
 

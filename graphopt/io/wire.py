@@ -147,6 +147,8 @@ def _split_tensor(data: mmap.mmap, field: _Field, location: str) -> bytes | None
     for inner in _fields(data, field.value_start, field.end):
         if inner.number == TENSOR_RAW_DATA and inner.wire_type == LENGTH_DELIMITED:
             raw = inner
+        elif inner.number == TENSOR_DATA_LOCATION and _varint(data, inner.value_start)[0] == 0:
+            continue  # an explicit DEFAULT location; the reference below sets its own
         elif inner.number in (TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION):
             return None  # already external: leave it to the normal path
         else:

@@ -11,6 +11,7 @@ needs: atomic writes, the numerics check and the report.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -144,10 +145,11 @@ def _file_entry(path: Path) -> dict[str, Any]:
 
 
 def _as_onnx(path: Path, workdir: Path) -> Path:
-    """An ONNX file for onnxruntime: the path itself, or a conversion of a JSON graph."""
+    """An ONNX file for onnxruntime: the path itself, or a conversion of a JSON graph into ``workdir``
+    (one folder per model: two JSON graphs of one name must not convert onto each other)."""
     if path.suffix.lower() != ".json":
         return path
-    converted = workdir / f"{path.stem}.original.onnx"
+    converted = workdir / f"{path.stem}.onnx"
     save(load(path), converted)
     return converted
 
@@ -179,11 +181,13 @@ def optimize_file(
         on_pass=on_pass,
     )
     report: dict[str, Any] = {"graphopt_version": __version__, "input": _file_entry(source), **result.report}
+    created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=".graphopt-", dir=output.parent))
     exit_code = 0
     try:
-        staged = workdir / output.name
+        # The output and its sidecars (.data, .npy) alone in one folder: they move into place together.
+        staged = workdir / "output" / output.name
         save_start = time.perf_counter()
         save_options: dict[str, Any] = {}
         if staged.suffix.lower() != ".json":
@@ -196,8 +200,8 @@ def optimize_file(
             from graphopt.check import check_models
 
             outcome = check_models(
-                _as_onnx(source, workdir),
-                _as_onnx(staged, workdir),
+                _as_onnx(source, workdir / "original"),
+                _as_onnx(staged, workdir / "optimized"),
                 dims=options.dims or None,
                 inputs=options.inputs,
                 atol=options.atol,
@@ -214,10 +218,14 @@ def optimize_file(
         if exit_code == 0 or options.keep_failed:
             _move_into_place(staged, output)
             report["output"] = _file_entry(output)
+            created = []
         else:
             report["output"] = None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        for folder in created:  # innermost first; only the folders this run made, and only if empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     report["seconds"]["total"] = round(time.perf_counter() - started, 6)
     report["status"] = "ok" if exit_code == 0 else "check failed"
     report["exit_code"] = exit_code
@@ -225,17 +233,50 @@ def optimize_file(
 
 
 def _move_into_place(staged: Path, output: Path) -> None:
-    for sidecar in sorted(staged.parent.glob(f"{staged.name}*")):
-        if sidecar != staged:
-            os.replace(sidecar, output.with_name(output.name + sidecar.name[len(staged.name) :]))
-    os.replace(staged, output)
+    """Rename the staged model and its sidecars into place, all or none.
+
+    Sidecars go first and the model last, so a reader never sees the new model with old
+    weights. A destination that exists is first hard-linked into the staging folder, so a
+    failure part way puts every file back; a ``.data`` beside the output that the new model
+    does not use is removed with the same guarantee.
+    """
+    staging = staged.parent
+    moves: list[tuple[Path | None, Path]] = [
+        (p, output.parent / p.name) for p in sorted(staging.iterdir()) if p != staged
+    ]
+    moves.append((staged, output))
+    stale = output.with_name(output.name + ".data")
+    if stale.is_file() and not (staging / stale.name).exists():
+        moves.insert(0, (None, stale))
+    backups: list[tuple[Path, Path]] = []
+    done: list[Path] = []
+    try:
+        for i, (source, target) in enumerate(moves):
+            if target.is_file():
+                backup = staging.parent / f"previous-{i}"
+                try:
+                    os.link(target, backup)
+                except OSError:  # no hard links on this file system
+                    shutil.copy2(target, backup)
+                backups.append((backup, target))
+            if source is None:
+                target.unlink()
+            else:
+                os.replace(source, target)
+                done.append(target)
+    except BaseException:
+        for target in done:
+            target.unlink(missing_ok=True)
+        for backup, target in backups:
+            os.replace(backup, target)
+        raise
 
 
 def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
     """Rerun the pipeline one pass execution longer each time; name the first that breaks numerics."""
     from graphopt.check import check_models
 
-    reference = _as_onnx(source, workdir)
+    reference = _as_onnx(source, workdir / "original")
     total = len(optimize(source, options.passes, config=options.config, max_steps=options.max_steps).pipeline_run.runs)
     for count in range(1, total + 1):
         partial = optimize(

@@ -444,8 +444,8 @@ def check(
         raise InputError("--atol and --rtol go together (element-wise check)")
     with tempfile.TemporaryDirectory() as workdir:
         result = check_models(
-            _as_onnx(original, Path(workdir)),
-            _as_onnx(optimized, Path(workdir)),
+            _as_onnx(original, Path(workdir) / "original"),
+            _as_onnx(optimized, Path(workdir) / "optimized"),
             dims=_parse_dims(dims) or None,
             inputs=inputs,
             atol=atol,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -131,9 +132,11 @@ def bench_model(src: Path, tools: list[str], args: argparse.Namespace, console: 
     feeds = measure.latency_feeds(src, dims)
     paths = {"original": src} | {t: Path(c["output"]) for t, c in entry["tools"].items() if c["output"]}
     entry["latency"] = {}
+    entry["load_average"] = [os.getloadavg()[0]]
     for level in measure.LEVELS:
         console.print(f"  {name}: latency at {level}, {len(paths)} models x {args.runs} runs ...")
         entry["latency"][level] = measure.interleaved_latency(paths, feeds, level, runs=args.runs, warmup=args.warmup)
+        entry["load_average"].append(os.getloadavg()[0])
     if not args.keep:
         shutil.rmtree(args.work_dir / name, ignore_errors=True)
     return entry
@@ -156,8 +159,9 @@ LABELS = {
 def value(entry: dict[str, Any], tool: str, metric: str) -> float | None:
     """The tool's figure for ``metric`` on this model, or None (error, not measured)."""
     if metric.startswith("latency:"):
+        # Relative to the original, paired round by round (see measure.py); 1.0 for the original.
         got = entry["latency"][metric.split(":", 1)[1]].get(tool)
-        return got if isinstance(got, float) else None
+        return got.get("paired") if isinstance(got, dict) else None
     cell = entry["original"] if tool == "original" else entry["tools"].get(tool)
     if cell is None or cell.get("error"):
         return None
@@ -229,9 +233,10 @@ def cell_text(entry: dict[str, Any], tool: str, metric: str) -> str:
         text = f"{v:.2f}"
     elif metric == "peak_rss_mb":
         text = f"{v:.0f}"
+    elif tool == "original":
+        text = f"{entry['latency'][metric.split(':', 1)[1]]['original']['median_s'] * 1e3:.3g} ms"
     else:
-        base = value(entry, "original", metric)
-        text = f"{v * 1e3:.3g} ms" if tool == "original" or not base else f"{v / base:.3f}"
+        text = f"{v:.3f}"
     if tool != "original":
         check = entry["tools"][tool].get("check")
         text += "" if check == "passed" else " (wrong)" if check == "failed" else " (unchecked)"
@@ -243,8 +248,8 @@ TABLE_TITLES = {
     "bytes": "Output size, MB (external data included)",
     "seconds": "Seconds inside the tool, file to file (load + optimize + save, after imports)",
     "peak_rss_mb": "Peak RSS of the tool's process, MB",
-    "latency:ORT_ENABLE_ALL": "Latency at ORT_ENABLE_ALL: original in ms, outputs relative to it",
-    "latency:ORT_DISABLE_ALL": "Latency at ORT_DISABLE_ALL: original in ms, outputs relative to it",
+    "latency:ORT_ENABLE_ALL": "Latency at ORT_ENABLE_ALL: original's median in ms, outputs relative to it",
+    "latency:ORT_DISABLE_ALL": "Latency at ORT_DISABLE_ALL: original's median in ms, outputs relative to it",
 }
 
 
@@ -309,13 +314,21 @@ def notes(entries: list[dict[str, Any]]) -> list[str]:
     return found
 
 
+def load_text(entries: list[dict[str, Any]]) -> str:
+    loads = [load for e in entries for load in e["load_average"]]
+    return f"{min(loads):.1f} to {max(loads):.1f}" if loads else "-"
+
+
 def markdown(result: dict[str, Any]) -> str:
     entries, tools = result["models"], result["tools"]
     parts = [
         "## The corpus against the peers (`make bench`)",
         report.describe_context(result["context"]),
-        f"Latency: median of {result['runs']} interleaved runs after {result['warmup']} warm-up rounds, "
-        "intra_op_num_threads=1, batch 1, sequence 64. Ratios are graphopt / the best portable peer whose output "
+        f"Latency: {result['runs']} interleaved rounds after {result['warmup']} warm-up rounds, "
+        "intra_op_num_threads=1, batch 1, sequence 64 (image models: the sizes in bench.py's MODEL_DIMS); an output's "
+        "latency is the median over rounds of its time / the original's time in the same round. "
+        f"1-minute load average during the latency runs: {load_text(entries)} (the machine is shared; above 1 "
+        "another process competed for the second core). Ratios are graphopt / the best portable peer whose output "
         "passed the numerics check (onnxsim, onnxslim, onnxoptimizer, onnxscript, ort_basic); below 1 is better. "
         "ort_extended writes onnxruntime-only contrib ops and is shown for reference only. "
         f"Latencies within {LATENCY_NOISE:.0%} of the best peer count as meeting the target (run-to-run noise).",
@@ -357,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": entries,
     }
     print_tables(entries, tools, console)
+    console.print(f"load average during the latency runs: {load_text(entries)}")
     for line in notes(entries):
         console.print(f"note: {line}")
     args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,10 @@
 
 Latency is measured for many models at once, interleaved run by run (each round runs every
 session once, starting at a different one each round), so a burst of machine noise lands on
-all of them rather than on whichever model happened to be running.
+all of them rather than on whichever model happened to be running. Each model's time is
+also divided by the reference model's time in the same round and the median of those
+paired ratios kept: on a shared machine the load drifts over a run, and a ratio taken
+within one round cancels the drift that a ratio of two medians keeps.
 """
 
 from __future__ import annotations
@@ -79,12 +82,13 @@ def latency_feeds(path: Path, dims: dict[str, int], seed: int = 0) -> dict[str, 
 
 def interleaved_latency(
     models: dict[str, Path], feeds: dict[str, np.ndarray], level: str, *, runs: int, warmup: int
-) -> dict[str, float | str]:
-    """Median seconds of one run of each model at ``level`` (or the error that stopped it)."""
+) -> dict[str, dict[str, float] | str]:
+    """Per model at ``level``: median and min seconds of one run, and the median ratio to the
+    first model's run of the same round (``paired``); or the error that stopped the model."""
     import onnxruntime as ort
 
     sessions: dict[str, ort.InferenceSession] = {}
-    results: dict[str, float | str] = {}
+    results: dict[str, dict[str, float] | str] = {}
     for key, path in models.items():
         options = ort.SessionOptions()
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
@@ -109,5 +113,10 @@ def interleaved_latency(
             sessions[key].run(None, inputs[key])
             if round_index >= warmup:
                 samples[key].append(time.perf_counter() - start)
-    results.update({key: statistics.median(values) for key, values in samples.items()})
+    reference = samples.get(next(iter(models), ""), [])
+    for key, values in samples.items():
+        stats = {"median_s": statistics.median(values), "min_s": min(values)}
+        if reference:
+            stats["paired"] = statistics.median(v / r for v, r in zip(values, reference, strict=True))
+        results[key] = stats
     return results

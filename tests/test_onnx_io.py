@@ -299,3 +299,11 @@ def test_inline_weights_are_mapped_from_the_model_file_and_streamed_back(tmp_pat
     x = np.ones((1, 256), np.float32)
     expected = ort.InferenceSession(str(source)).run(None, {"x": x})[0]
     assert ort.InferenceSession(str(tmp_path / "out.onnx")).run(None, {"x": x})[0].tobytes() == expected.tobytes()
+
+
+def test_external_data_file_only_when_something_goes_in_it(tmp_path: Path) -> None:
+    model = _simple_graph([helper.make_node("Relu", ["x"], ["y"])])
+    _write(tmp_path / "small.onnx", model)
+    onnx_io.save(onnx_io.load(tmp_path / "small.onnx"), tmp_path / "out.onnx", external_data=True)
+    assert not (tmp_path / "out.onnx.data").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

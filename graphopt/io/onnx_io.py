@@ -184,7 +184,7 @@ class _Reader:
                 raise InputError(f"tensor {proto.name!r}: external data file {str(file)!r} is missing")
             offset = int(info.get("offset", 0))
             length = int(info["length"]) if "length" in info else None
-            needed = (int(np.prod(shape)) * dtype.itemsize_bits + 7) // 8
+            needed = (math.prod(shape) * dtype.itemsize_bits + 7) // 8
             if offset + (length if length is not None else needed) > file.stat().st_size:
                 raise InputError(f"tensor {proto.name!r}: external data file {str(file)!r} is too short")
             source = ExternalSource(file, offset, length, dtype, shape, inline=inline)
@@ -423,7 +423,7 @@ def save(
             _atomic_write(path, proto.SerializeToString())
         else:
             _atomic_write_streaming(path, model)
-        if data_tmp is not None:
+        if data_tmp is not None and writer is not None and writer.offset > 0:
             os.replace(data_tmp, path.parent / data_name)
             data_tmp = None
     finally:

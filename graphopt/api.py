@@ -154,6 +154,24 @@ def _as_onnx(path: Path, workdir: Path) -> Path:
     return converted
 
 
+def _optimize_with(
+    model: Model,
+    options: RunOptions,
+    on_pass: Callable[[PassRun], None] | None = None,
+    stop_after: int | None = None,
+) -> Result:
+    return optimize(
+        model,
+        options.passes,
+        config=options.config,
+        max_steps=options.max_steps,
+        independent_dims=options.independent_dims,
+        strict=options.strict,
+        on_pass=on_pass,
+        stop_after=stop_after,
+    )
+
+
 def optimize_file(
     source: Path, options: RunOptions, on_pass: Callable[[PassRun], None] | None = None
 ) -> tuple[dict[str, Any], int]:
@@ -171,15 +189,7 @@ def optimize_file(
     load_start = time.perf_counter()
     model = load(source, independent_dims=options.independent_dims)
     load_seconds = time.perf_counter() - load_start
-    result = optimize(
-        model,
-        options.passes,
-        config=options.config,
-        max_steps=options.max_steps,
-        independent_dims=options.independent_dims,
-        strict=options.strict,
-        on_pass=on_pass,
-    )
+    result = _optimize_with(model, options, on_pass)
     report: dict[str, Any] = {"graphopt_version": __version__, "input": _file_entry(source), **result.report}
     created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -277,16 +287,9 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
     from graphopt.check import check_models
 
     reference = _as_onnx(source, workdir / "original")
-    total = len(optimize(source, options.passes, config=options.config, max_steps=options.max_steps).pipeline_run.runs)
+    total = len(_optimize_with(load(source, independent_dims=options.independent_dims), options).pipeline_run.runs)
     for count in range(1, total + 1):
-        partial = optimize(
-            load(source, independent_dims=options.independent_dims),
-            options.passes,
-            config=options.config,
-            max_steps=options.max_steps,
-            independent_dims=options.independent_dims,
-            stop_after=count,
-        )
+        partial = _optimize_with(load(source, independent_dims=options.independent_dims), options, stop_after=count)
         candidate = workdir / f"blame-{count}.onnx"
         save(partial.model, candidate)
         outcome = check_models(
@@ -300,18 +303,12 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
 
 def is_optimized(source: Path, options: RunOptions) -> dict[str, Any]:
     """The CI gate: would the pipeline still change this model? Writes nothing."""
-    from graphopt.io.onnx_io import to_proto
+    from graphopt.io.onnx_io import digest
 
     model = load(source, independent_dims=options.independent_dims)
-    before = to_proto(model).SerializeToString(deterministic=True)
-    result = optimize(
-        model,
-        options.passes,
-        config=options.config,
-        max_steps=options.max_steps,
-        independent_dims=options.independent_dims,
-    )
-    after = to_proto(result.model).SerializeToString(deterministic=True)
+    before = digest(model)
+    result = _optimize_with(model, options)
+    after = digest(result.model)
     changed = [r["pass"] for r in result.report["passes"] if r["changed"]]
     optimized = before == after
     reason = None if optimized else "changed by " + ", ".join(dict.fromkeys(changed) or ["the pipeline"])

@@ -17,6 +17,8 @@ goes through with bounded RAM.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import itertools
 import math
 import os
@@ -58,7 +60,7 @@ from graphopt.ir import (
     parse_dim,
 )
 
-__all__ = ["ProtoSource", "from_proto", "load", "save", "to_proto"]
+__all__ = ["ProtoSource", "digest", "from_proto", "load", "save", "to_proto"]
 
 # Tensors at least this large go to the external-data file when one is written.
 EXTERNAL_THRESHOLD = 1024
@@ -448,14 +450,33 @@ def _atomic_write_with(path: Path, write: Callable[[BinaryIO], object]) -> None:
         raise
 
 
-def _atomic_write_streaming(path: Path, model: Model) -> None:
-    """One protobuf file, its main-graph initializers streamed rather than held in memory."""
+def _write_streaming(out: BinaryIO, model: Model) -> None:
+    """One protobuf message, its main-graph initializers streamed rather than held in memory."""
     writer = _Writer(None, stream_initializers=True)
     proto = to_proto(model, writer=writer)
     graph = proto.graph.SerializeToString()
     proto.ClearField("graph")
-    head = proto.SerializeToString()
-    _atomic_write_with(path, lambda out: wire.write_streaming_model(out, head, graph, writer.streamed))
+    wire.write_streaming_model(out, proto.SerializeToString(), graph, writer.streamed)
+
+
+def _atomic_write_streaming(path: Path, model: Model) -> None:
+    _atomic_write_with(path, lambda out: _write_streaming(out, model))
+
+
+class _HashingSink(io.RawIOBase):
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return len(data)
+
+
+def digest(model: Model) -> str:
+    """sha256 of the bytes ``save`` would write as one file, computed without holding them."""
+    sink = _HashingSink()
+    _write_streaming(sink, model)  # type: ignore[arg-type]
+    return sink.digest.hexdigest()
 
 
 def _all_tensors(model: Model) -> Iterable[Tensor]:

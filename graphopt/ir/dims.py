@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 __all__ = [
     "Dim",
@@ -53,6 +54,10 @@ class FloorDiv:
     divisor: int
 
     def __str__(self) -> str:
+        return self.text
+
+    @cached_property
+    def text(self) -> str:
         return f"({self.numerator}) // {self.divisor}"
 
 
@@ -96,10 +101,13 @@ class Expr:
         return found
 
     def __str__(self) -> str:
-        if self.spelling is not None:
-            return self.spelling
+        return self.spelling if self.spelling is not None else self.text
+
+    @cached_property
+    def text(self) -> str:
+        """The canonical spelling (terms are stored sorted, largest monomials first)."""
         parts: list[str] = []
-        for monomial, coeff in sorted(self.terms, key=lambda t: _monomial_key(t[0])):
+        for monomial, coeff in self.terms:
             body = "*".join(str(a) for a in monomial)
             if not body:
                 text = str(abs(coeff))

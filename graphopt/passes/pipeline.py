@@ -144,59 +144,99 @@ class Pipeline:
         ctx = ctx or PassContext()
         record = PipelineRun()
         budget = [stop_after if stop_after is not None else sys.maxsize]
+        current = [model_stats(model)]  # the stats after the last pass, reused as the next "before"
 
-        def run_step(step: Step, group: str | None, iteration: int) -> bool:
-            if isinstance(step, Group):
-                return run_group(step)
+        def run_pass(step: Pass, group: str | None, iteration: int, snapshot: Model | None) -> PassRun | None:
+            """Run one pass; without a ``snapshot`` from the caller, take (and restore) one here."""
             if budget[0] <= 0:
-                return False
+                return None
             budget[0] -= 1
-            result = _run_pass(step, model, ctx, group, iteration)
-            record.runs.append(result)
+            before = current[0]
+            own_snapshot = clone_model(model) if snapshot is None else None
+            start = time.perf_counter()
+            try:
+                result = step.run(model, ctx)
+            except Exception as err:  # a failing pass must not end the run: restore and report
+                seconds = time.perf_counter() - start
+                logger.debug("pass %s failed and was rolled back:\n%s", step.name, traceback.format_exc())
+                if own_snapshot is not None:
+                    _restore(model, own_snapshot)
+                run = PassRun(
+                    step.name,
+                    group,
+                    iteration,
+                    seconds,
+                    before,
+                    before,
+                    False,
+                    error=f"{type(err).__name__}: {err}",
+                    traceback=traceback.format_exc(),
+                )
+            else:
+                seconds = time.perf_counter() - start
+                current[0] = model_stats(model)
+                run = PassRun(step.name, group, iteration, seconds, before, current[0], result.changed, result.details)
+            record.runs.append(run)
             if on_pass is not None:
-                on_pass(result)
-            return result.changed
+                on_pass(run)
+            return run
 
         def run_group(group: Group) -> bool:
             changed_any = False
             for iteration in range(group.max_steps):
-                changed = False
-                for step in group.steps:
-                    changed |= run_step(step, group.name, iteration)
+                changed = _run_iteration(group, iteration)
                 changed_any |= changed
                 if not changed or budget[0] <= 0:
                     break
             return changed_any
 
+        def _run_iteration(group: Group, iteration: int) -> bool:
+            # One structural copy per iteration rather than per pass: when a pass fails, the
+            # model goes back to the iteration's start and the passes that succeeded before it
+            # run again (passes are deterministic), then the iteration carries on after it.
+            snapshot = clone_model(model)
+            failed: set[int] = set()
+            changed = False
+            for index, step in enumerate(group.steps):
+                if isinstance(step, Group):
+                    changed |= run_group(step)
+                    continue
+                run = run_pass(step, group.name, iteration, snapshot)
+                if run is None:
+                    break
+                if run.error is None:
+                    changed |= run.changed
+                    continue
+                failed.add(index)
+                _restore(model, snapshot)
+                snapshot = clone_model(model)
+                if not _replay(group.steps[:index], failed):
+                    _restore(model, snapshot)
+                    snapshot = clone_model(model)
+                    changed = False
+                current[0] = model_stats(model)
+            return changed
+
+        def _replay(steps: Sequence[Step], skip: set[int]) -> bool:
+            try:
+                for index, step in enumerate(steps):
+                    if index in skip:
+                        continue
+                    if isinstance(step, Group):
+                        Pipeline([step]).run(model, ctx)
+                    else:
+                        step.run(model, ctx)
+            except Exception:
+                logger.debug("replaying the passes before a failed one failed:\n%s", traceback.format_exc())
+                return False
+            return True
+
         for step in self.steps:
-            run_step(step, None, 0)
+            if isinstance(step, Group):
+                run_group(step)
+            else:
+                run_pass(step, None, 0, None)
         return record
-
-
-def _run_pass(step: Pass, model: Model, ctx: PassContext, group: str | None, iteration: int) -> PassRun:
-    before = model_stats(model)
-    snapshot = clone_model(model)
-    start = time.perf_counter()
-    try:
-        result = step.run(model, ctx)
-    except Exception as err:  # a failing pass must not end the run: restore and report
-        seconds = time.perf_counter() - start
-        _restore(model, snapshot)
-        message = f"{type(err).__name__}: {err}"
-        logger.debug("pass %s failed and was rolled back:\n%s", step.name, traceback.format_exc())
-        return PassRun(
-            step.name,
-            group,
-            iteration,
-            seconds,
-            before,
-            before,
-            False,
-            error=message,
-            traceback=traceback.format_exc(),
-        )
-    seconds = time.perf_counter() - start
-    return PassRun(step.name, group, iteration, seconds, before, model_stats(model), result.changed, result.details)
 
 
 def _restore(model: Model, snapshot: Model) -> None:

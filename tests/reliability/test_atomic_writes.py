@@ -152,8 +152,17 @@ def test_without_in_place_the_input_is_never_overwritten(tmp_path: Path) -> None
     assert snapshot(tmp_path) == before
 
 
+def _model_with_a_64x64_weight() -> onnx.ModelProto:
+    proto = builders.base_model(np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64))
+    for info in (proto.graph.input[0], proto.graph.output[0]):
+        info.type.tensor_type.shape.dim[1].dim_value = 64
+    proto.graph.initializer[1].CopyFrom(onnx.numpy_helper.from_array(np.ones(64, np.float32), "b"))
+    return proto
+
+
 def test_external_data_output_matches_its_model_and_the_report(tmp_path: Path) -> None:
-    source = builders.write(builders.base_model(), tmp_path)
+    # The weight is over the 1 KiB threshold, so --external-data has something to move out.
+    source = builders.write(_model_with_a_64x64_weight(), tmp_path)
     out = tmp_path / "out" / "model.onnx"
     stale = tmp_path / "out" / "model.onnx.data"
     for flag in ("--external-data", "--no-external-data"):
@@ -174,11 +183,7 @@ def test_external_data_output_matches_its_model_and_the_report(tmp_path: Path) -
 
 
 def test_json_output_keeps_its_sidecars(tmp_path: Path) -> None:
-    proto = builders.base_model(np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64))
-    for info in (proto.graph.input[0], proto.graph.output[0]):
-        info.type.tensor_type.shape.dim[1].dim_value = 64
-    proto.graph.initializer[1].CopyFrom(onnx.numpy_helper.from_array(np.ones(64, np.float32), "b"))
-    source = builders.write(proto, tmp_path)
+    source = builders.write(_model_with_a_64x64_weight(), tmp_path)
     as_json = tmp_path / "model.json"
     assert invoke("convert", source, as_json).exit_code == 0
     out = tmp_path / "out" / "model.json"

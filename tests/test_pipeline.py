@@ -1,0 +1,129 @@
+"""The pipeline: configs, groups to a fixpoint, max_steps, and rollback of failing passes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from graphopt.errors import InputError
+from graphopt.ir import DataType, Graph, Model, Node, TensorType, Value
+from graphopt.passes.base import Pass, PassContext, PassResult, get_pass, option_specs, register
+from graphopt.passes.pipeline import Group, Pipeline, load_pipeline_config, pipeline_from_names
+
+
+def _relu_chain(length: int) -> Model:
+    x = Value("x", TensorType(DataType.FLOAT, (2,)))
+    nodes, current = [], x
+    for i in range(length):
+        node = Node("Relu", [current], [f"r{i}"])
+        nodes.append(node)
+        current = node.outputs[0]
+    return Model(Graph([x], [current], nodes))
+
+
+@register
+class _PopOne(Pass):
+    """Removes the last node, one per run (a pass that needs several group iterations)."""
+
+    name = "test-pop-one"
+    description = "Bypass the last Relu"
+
+    @dataclass
+    class Options:
+        keep: int = field(default=1, metadata={"help": "Relus to keep"})
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        graph = model.graph
+        if len(graph) <= self.options.keep:
+            return PassResult(False)
+        last = graph.topological()[-1]
+        last.outputs[0].replace_all_uses_with(last.inputs[0])  # type: ignore[arg-type]
+        graph.remove(last)
+        return PassResult(True, {"removed": 1})
+
+
+@register
+class _Vandal(Pass):
+    name = "test-vandal"
+    description = "Wrecks the graph, then raises"
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        model.graph.remove(model.graph.nodes, safe=False)
+        model.graph.outputs = []
+        raise ValueError("vandalized")
+
+
+def test_group_iterates_to_a_fixpoint_within_max_steps() -> None:
+    model = _relu_chain(6)
+    pipeline = Pipeline([Group("g", [get_pass("test-pop-one")()], max_steps=3)])
+    run = pipeline.run(model)
+    assert len(model.graph) == 3 and [r.iteration for r in run.runs] == [0, 1, 2]
+    run = pipeline.run(model)
+    assert len(model.graph) == 1
+    assert [r.changed for r in run.runs] == [True, True, False]
+
+
+def test_failing_pass_in_a_group_keeps_the_others_work() -> None:
+    model = _relu_chain(4)
+    pipeline = pipeline_from_names("test-pop-one,test-vandal,test-pop-one")
+    pipeline = Pipeline([Group("g", pipeline.steps, max_steps=8)])
+    run = pipeline.run(model)
+    model.graph.verify()
+    assert len(model.graph) == 1 and model.graph.outputs[0].name == "r0"
+    assert {r.error for r in run.failures} == {"ValueError: vandalized"}
+    # Every recorded before/after matches the model the next pass saw.
+    for earlier, later in zip(run.runs, run.runs[1:]):
+        assert earlier.after.nodes == later.before.nodes
+
+
+def test_top_level_failure_is_rolled_back() -> None:
+    model = _relu_chain(3)
+    run = pipeline_from_names("test-vandal").run(model)
+    assert len(model.graph) == 3 and run.failures[0].name == "test-vandal"
+    model.graph.verify()
+
+
+def test_stop_after_counts_pass_executions() -> None:
+    model = _relu_chain(5)
+    run = Pipeline([Group("g", [get_pass("test-pop-one")()])]).run(model, stop_after=2)
+    assert len(run.runs) == 2 and len(model.graph) == 3
+
+
+def test_configs_in_toml_and_json(tmp_path: Path) -> None:
+    toml = tmp_path / "p.toml"
+    toml.write_text(
+        '[[pipeline]]\npass = "shape-infer"\n\n[[pipeline]]\ngroup = "g"\nmax_steps = 2\n'
+        'steps = [{ pass = "test-pop-one", options = { keep = 2 } }, { pass = "dce" }]\n'
+    )
+    pipeline = load_pipeline_config(toml)
+    assert pipeline.pass_names() == ["shape-infer", "test-pop-one", "dce"]
+    assert pipeline.describe()[1]["steps"][0] == {"pass": "test-pop-one", "options": {"keep": 2}}
+    as_json = tmp_path / "p.json"
+    as_json.write_text(json.dumps({"pipeline": pipeline.describe()}))
+    assert load_pipeline_config(as_json, max_steps=5).describe()[1]["max_steps"] == 5
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[[pipeline]]\npass = "test-pop-one"\noptions = { keep = "two" }\n', "must be int"),
+        ('[[pipeline]]\npass = "test-pop-one"\noptions = { kept = 1 }\n', "unknown option 'kept'"),
+        ('[[pipeline]]\ngroup = "g"\nsteps = []\n', "$.pipeline[0]"),
+        ("pipeline = 3\n", "$.pipeline"),
+        ("not toml at all [", "not valid TOML"),
+    ],
+)
+def test_bad_configs_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
+    config = tmp_path / "p.toml"
+    config.write_text(text)
+    with pytest.raises(InputError) as raised:
+        load_pipeline_config(config)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_options_are_listed_with_help() -> None:
+    (spec,) = option_specs(get_pass("test-pop-one"))
+    assert (spec.name, spec.type, spec.default, spec.help) == ("keep", "int", 1, "Relus to keep")

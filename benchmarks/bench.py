@@ -69,11 +69,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one tool may take on one model")
     ap.add_argument("--json-out", type=Path, default=report.ROOT / "bench-results" / "bench.json")
-    ap.add_argument("--markdown", type=Path, default=report.BENCHMARKS_MD, help="file whose corpus section to rewrite")
-    ap.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
+    ap.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="file whose corpus section to rewrite (default: BENCHMARKS.md, after a full run only: "
+        "no --quick, --models or --tools)",
+    )
+    ap.add_argument("--no-markdown", action="store_true", help="write no markdown at all")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/graphopt-bench"), help="where outputs are written")
     ap.add_argument("--keep", action="store_true", help="keep the optimized models in --work-dir")
     args = ap.parse_args(argv)
+    full_run = not (args.quick or args.models or args.tools != ",".join(TOOLS))
+    if args.markdown is None and full_run:
+        args.markdown = report.BENCHMARKS_MD
     args.dims = {k: int(v) for k, v in (item.split("=", 1) for item in args.dim)}
     if args.quick:
         args.runs, args.warmup = 5, 1
@@ -376,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps(result, indent=1), encoding="utf-8")
     console.print(f"results: {args.json_out}")
-    if not args.no_markdown:
+    if args.markdown and not args.no_markdown:
         report.write_section("bench-corpus", markdown(result), args.markdown)
         console.print(f"updated: {args.markdown}")
     return 0

@@ -297,8 +297,8 @@ def _big_md(big: dict[str, Any]) -> list[str]:
         report.md_table(header, rows),
         report.md_table(["", "ratio", "target", "met"], targets),
         f"graphopt phases: {phases}; output {_fmt(big['output_mb'], '.0f')} MB; "
-        f"{g['touched_tensors']} tensors touched. The seconds graphopt spends outside load, optimize and save "
-        "(total minus the three) go mostly to the report's sha256 of the input and output files, external data included. "
+        f"{g['touched_tensors']} tensors touched. Total minus the three phases is what optimize_file does besides "
+        "(on 2026-11-22 mostly the report's sha256 of the input and output files, external data included). "
         f"Tensor bytes read, by the pass code that read them (repeated reads count again): {reads}.",
     ]
     if g["missing_passes"]:

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,11 +137,19 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _file_entry(path: Path) -> dict[str, Any]:
-    entry: dict[str, Any] = {"path": str(path), "sha256": file_digest(path), "bytes": path.stat().st_size}
+def _file_entry(path: Path, known: dict[str, str] | None = None) -> dict[str, Any]:
+    """Path, sha256 and size of a model file and its .data; ``known`` digests by file name
+    (computed while writing) spare reading the files again."""
+    known = known or {}
+
+    def describe(file: Path) -> dict[str, Any]:
+        digest = known.get(file.name) or file_digest(file)
+        return {"path": str(file), "sha256": digest, "bytes": file.stat().st_size}
+
+    entry = describe(path)
     data = path.with_name(path.name + ".data")
     if data.is_file():
-        entry["external_data"] = {"path": str(data), "sha256": file_digest(data), "bytes": data.stat().st_size}
+        entry["external_data"] = describe(data)
     return entry
 
 
@@ -185,12 +194,25 @@ def optimize_file(
     output = options.output or (source if options.in_place else default_output(source))
     if output.resolve() == source.resolve() and not options.in_place:
         raise InputError(f"{output}: refusing to overwrite the input (use --in-place)")
+    # The input's digest is read beside the real work: hashing releases the GIL.
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+        input_entry = hasher.submit(_file_entry, source)
+        return _optimize_file(source, output, options, on_pass, input_entry)
+
+
+def _optimize_file(
+    source: Path,
+    output: Path,
+    options: RunOptions,
+    on_pass: Callable[[PassRun], None] | None,
+    input_entry: Future[dict[str, Any]],
+) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
     load_start = time.perf_counter()
     model = load(source, independent_dims=options.independent_dims)
     load_seconds = time.perf_counter() - load_start
     result = _optimize_with(model, options, on_pass)
-    report: dict[str, Any] = {"graphopt_version": __version__, "input": _file_entry(source), **result.report}
+    report: dict[str, Any] = {"graphopt_version": __version__, "input": None, **result.report}
     created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=".graphopt-", dir=output.parent))
@@ -202,8 +224,9 @@ def optimize_file(
         save_options: dict[str, Any] = {}
         if staged.suffix.lower() != ".json":
             save_options["external_data"] = options.external_data
-        save(result.model, staged, **save_options)
+        written = save(result.model, staged, **save_options)
         report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
+        report["input"] = input_entry.result()
         report["seconds"]["load"] = round(load_seconds, 6)
         if options.check:
             check_start = time.perf_counter()
@@ -227,7 +250,7 @@ def optimize_file(
             report["numerics"] = {"status": "skipped", "reason": "--no-check"}
         if exit_code == 0 or options.keep_failed:
             _move_into_place(staged, output)
-            report["output"] = _file_entry(output)
+            report["output"] = _file_entry(output, written)
             created = []
         else:
             report["output"] = None

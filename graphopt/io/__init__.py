@@ -28,19 +28,20 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
     return model
 
 
-def save(model: Model, path: str | os.PathLike[str], **options: object) -> None:
-    """Save a model atomically, choosing the format by extension."""
+def save(model: Model, path: str | os.PathLike[str], **options: object) -> dict[str, str]:
+    """Save a model atomically, choosing the format by extension. Returns the sha256 of the
+    files written, by name, where the writer hashed them on the way out (ONNX)."""
     suffix = Path(path).suffix.lower()
     if suffix == ".json":
         from graphopt.io import json_io
 
         json_io.save(model, path)
-        return
+        return {}
     if suffix not in (".onnx", ".pb", ""):
         raise InputError(f"{path}: unknown output format {suffix!r} (use .onnx or .json)")
     from graphopt.io import onnx_io
 
-    onnx_io.save(model, path, **options)  # type: ignore[arg-type]
+    return onnx_io.save(model, path, **options)  # type: ignore[arg-type]
 
 
 __all__ = ["load", "save"]

@@ -400,9 +400,12 @@ def save(
     *,
     external_data: bool | None = None,
     location: str | None = None,
-) -> None:
+) -> dict[str, str]:
     """Write ``model`` atomically. ``external_data=None`` keeps external data when the model
-    was loaded with it or when it would not fit in one protobuf message."""
+    was loaded with it or when it would not fit in one protobuf message.
+
+    Returns the sha256 of every file written, by file name, computed as the bytes went out
+    (so a report need not read a multi-gigabyte output again)."""
     path = Path(path)
     tensors = list(_all_tensors(model))
     if external_data is None:
@@ -418,36 +421,59 @@ def save(
         os.close(handle)
         data_tmp = Path(tmp)
         writer = _ExternalWriter(data_tmp, data_name)
+    digests: dict[str, str] = {}
     try:
         if writer is not None:
             proto = to_proto(model, writer)
             writer.close()
-            _atomic_write(path, proto.SerializeToString())
+            digests[path.name] = _atomic_write(path, proto.SerializeToString())
         else:
-            _atomic_write_streaming(path, model)
+            digests[path.name] = _atomic_write_streaming(path, model)
         if data_tmp is not None and writer is not None and writer.offset > 0:
             os.replace(data_tmp, path.parent / data_name)
+            digests[data_name] = writer.digest.hexdigest()
             data_tmp = None
     finally:
         if writer is not None:
             writer.close()
         if data_tmp is not None:
             data_tmp.unlink(missing_ok=True)
+    return digests
 
 
-def _atomic_write(path: Path, payload: bytes) -> None:
-    _atomic_write_with(path, lambda out: out.write(payload))
+def _atomic_write(path: Path, payload: bytes) -> str:
+    return _atomic_write_with(path, lambda out: out.write(payload))
 
 
-def _atomic_write_with(path: Path, write: Callable[[BinaryIO], object]) -> None:
+class _HashingFile(io.RawIOBase):
+    """A write-only file that also hashes what goes through it (with no file: hashes only)."""
+
+    def __init__(self, out: BinaryIO | None = None) -> None:
+        self.out = out
+        self.digest = hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        if self.out is not None:
+            self.out.write(data)
+        return len(data)
+
+
+def _atomic_write_with(path: Path, write: Callable[[BinaryIO], object]) -> str:
+    """Write through ``write`` into a temporary file, rename it to ``path``; return its sha256."""
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as out:
-            write(out)
+            hashing = _HashingFile(out)
+            write(hashing)  # type: ignore[arg-type]
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return hashing.digest.hexdigest()
 
 
 def _write_streaming(out: BinaryIO, model: Model) -> None:
@@ -459,22 +485,13 @@ def _write_streaming(out: BinaryIO, model: Model) -> None:
     wire.write_streaming_model(out, proto.SerializeToString(), graph, writer.streamed)
 
 
-def _atomic_write_streaming(path: Path, model: Model) -> None:
-    _atomic_write_with(path, lambda out: _write_streaming(out, model))
-
-
-class _HashingSink(io.RawIOBase):
-    def __init__(self) -> None:
-        self.digest = hashlib.sha256()
-
-    def write(self, data: Any) -> int:
-        self.digest.update(data)
-        return len(data)
+def _atomic_write_streaming(path: Path, model: Model) -> str:
+    return _atomic_write_with(path, lambda out: _write_streaming(out, model))
 
 
 def digest(model: Model) -> str:
     """sha256 of the bytes ``save`` would write as one file, computed without holding them."""
-    sink = _HashingSink()
+    sink = _HashingFile()
     _write_streaming(sink, model)  # type: ignore[arg-type]
     return sink.digest.hexdigest()
 
@@ -500,7 +517,9 @@ class _ExternalWriter:
 
     def __init__(self, file: Path, location: str) -> None:
         self.location = location
-        self.out = file.open("wb")
+        self.file = file.open("wb")
+        self.out = _HashingFile(self.file)  # type: ignore[arg-type]
+        self.digest = self.out.digest
         self.offset = 0
 
     def write(self, tensor: Tensor, proto: onnx.TensorProto) -> None:
@@ -523,8 +542,8 @@ class _ExternalWriter:
             proto.external_data.add(key=key, value=value)
 
     def close(self) -> None:
-        if not self.out.closed:
-            self.out.close()
+        if not self.file.closed:
+            self.file.close()
 
 
 def _raw_bytes(tensor: Tensor) -> bytes:

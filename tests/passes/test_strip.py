@@ -1,0 +1,37 @@
+"""strip-value-info: intermediate types leave the file, custom ops' and graph outputs' stay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, helper
+
+from graphopt import io
+from graphopt.api import optimize
+
+
+def test_strips_standard_intermediates_only(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x"], ["a"]),
+            helper.make_node("Magic", ["a"], ["b"], domain="com.example"),
+            helper.make_node("Neg", ["b"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+        value_info=[helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n", 4])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)], ir_version=10
+    )
+    onnx.save(model, tmp_path / "in.onnx")
+    inferred = optimize(io.load(tmp_path / "in.onnx"), "shape-infer")
+    assert inferred.model.graph.nodes[0].outputs[0].type is not None
+    result = optimize(inferred.model, "strip-value-info")
+    assert result.report["passes"][0]["details"] == {"stripped": 1}
+    io.save(result.model, tmp_path / "out.onnx")
+    saved = onnx.load(tmp_path / "out.onnx")
+    assert [v.name for v in saved.graph.value_info] == ["b"]
+    assert saved.graph.output[0].type.tensor_type.shape.dim[0].dim_param == "n"

@@ -14,7 +14,7 @@ from pathlib import Path
 import onnx
 
 from graphopt.io.onnx_io import _Reader, to_proto
-from graphopt.ir import DataType, Graph, Model, Tensor, Type, Value
+from graphopt.ir import DataType, Graph, Model, Node, Tensor, TensorType, Type, Value
 from graphopt.ir.clone import clone_model
 
 __all__ = ["infer_types"]
@@ -47,10 +47,14 @@ def infer_types(model: Model) -> dict[int, Type]:
     return found
 
 
+def _is_shape_data(tensor: Tensor) -> bool:
+    return tensor.dtype in _INT_TYPES and tensor.size <= _KEEP_INT_ELEMENTS
+
+
 def _weights_to_inputs(graph: Graph) -> None:
     for value in list(graph.initializers.values()):
         tensor = value.const
-        if isinstance(tensor, Tensor) and tensor.dtype in _INT_TYPES and tensor.size <= _KEEP_INT_ELEMENTS:
+        if isinstance(tensor, Tensor) and _is_shape_data(tensor):
             continue
         stand_in = Value(value.name, value.type)
         value.replace_all_uses_with(stand_in)
@@ -58,17 +62,28 @@ def _weights_to_inputs(graph: Graph) -> None:
         # Before IR version 4 an initializer could also be listed as an input.
         listed = any(v is value for v in graph.inputs)
         graph.inputs = [stand_in if v is value else v for v in graph.inputs] + ([] if listed else [stand_in])
+    # Weights held in Constant nodes (as paddle2onnx writes them) become typed inputs read
+    # through an Identity, which onnx infers to the same type.
+    for node in graph:
+        tensor = node.attr("value") if node.op_type == "Constant" and node.domain in ("", "ai.onnx") else None
+        if not isinstance(tensor, Tensor) or _is_shape_data(tensor):
+            continue
+        stand_in = Value(f"{node.outputs[0].name}.weights", TensorType(tensor.dtype, tensor.shape))
+        graph.inputs = [*graph.inputs, stand_in]
+        replacement = Node("Identity", [stand_in], [Value(node.outputs[0].name)])
+        node.outputs[0].replace_all_uses_with(replacement.outputs[0])
+        graph.insert_before(node, replacement)
+        graph.remove(node)
 
 
 def _collect(graph: Graph, proto: onnx.GraphProto, reader: _Reader, found: dict[int, Type]) -> None:
-    """Pair ``graph``'s nodes with ``proto``'s (both in the same topological order)."""
+    """Pair ``graph``'s nodes with ``proto``'s by their outputs' names (unique in a graph)."""
     types = {vi.name: vi.type for vi in [*proto.value_info, *proto.output]}
-    nodes = graph.topological()
-    if len(nodes) != len(proto.node):
-        return
-    for node, node_proto in zip(nodes, proto.node, strict=False):
-        if node.op_type != node_proto.op_type:
-            return
+    protos = {n.output[0]: n for n in proto.node if n.output and n.output[0]}
+    for node in graph.topological():
+        node_proto = protos.get(node.outputs[0].name) if node.outputs else None
+        if node_proto is None:
+            continue
         for value in node.outputs:
             type_proto = types.get(value.name)
             kind = reader.type(type_proto) if type_proto is not None else None

@@ -586,9 +586,9 @@ def to_proto(
     for domain, version in model.opset_imports.items():
         proto.opset_import.add(domain=domain, version=version)
     _props(proto.metadata_props, model.metadata_props)
-    proto.graph.CopyFrom(writer.graph(model.graph, main=True))
+    writer.graph(model.graph, proto.graph, main=True)
     for function in model.functions:
-        proto.functions.append(writer.function(function))
+        writer.function(function, proto.functions.add())
     for field_name, items in model.opaque_fields.items():
         container = getattr(proto, field_name)
         for item in items:
@@ -599,6 +599,11 @@ def to_proto(
 def _given(**fields: Any) -> dict[str, Any]:
     """The fields that differ from their default: empty strings and zeros are not written."""
     return {key: value for key, value in fields.items() if value}
+
+
+def _set(proto: Any, **fields: Any) -> None:
+    for key, value in _given(**fields).items():
+        setattr(proto, key, value)
 
 
 def _props(container: Any, props: dict[str, str]) -> None:
@@ -620,7 +625,6 @@ class _Writer:
         # (for io/wire.py to write) instead of being put into the GraphProto.
         self.stream_initializers = stream_initializers
         self.streamed: list[wire.StreamedTensor] = []
-        self.main_graph_done = False
 
     def type(self, value_type: Type | None, proto: onnx.TypeProto) -> None:
         if value_type is None:
@@ -648,26 +652,27 @@ class _Writer:
             proto.opaque_type.domain = value_type.domain
             proto.opaque_type.name = value_type.name
 
-    def value_info(self, value: Value, name: str | None = None) -> onnx.ValueInfoProto:
-        proto = onnx.ValueInfoProto(**_given(name=value.name if name is None else name, doc_string=value.doc_string))
+    # Every method fills a message in place: building sub-messages and copying them into
+    # their parents would copy each weight once per level of nesting.
+    def value_info(self, value: Value, proto: onnx.ValueInfoProto) -> None:
+        _set(proto, name=value.name, doc_string=value.doc_string)
         if value.type is not None:
             self.type(value.type, proto.type)
         _props(proto.metadata_props, value.metadata_props)
-        return proto
 
-    def tensor(self, tensor: Tensor, allow_external: bool = True) -> onnx.TensorProto:
+    def tensor(self, tensor: Tensor, proto: onnx.TensorProto, allow_external: bool = True) -> None:
         source = tensor.source
         if isinstance(source, ProtoSource):
-            proto = onnx.TensorProto()
             proto.CopyFrom(source.proto)
             proto.name = tensor.name
+            del proto.metadata_props[:]
         elif isinstance(source, ExternalSource):
-            proto = onnx.TensorProto(name=tensor.name, data_type=int(tensor.dtype), dims=list(tensor.shape))
+            _set(proto, name=tensor.name, data_type=int(tensor.dtype))
+            proto.dims.extend(tensor.shape)
         else:
-            proto = _tensor_proto_from_array(tensor, source.read())
+            proto.CopyFrom(_tensor_proto_from_array(tensor, source.read()))
         if tensor.doc_string:
             proto.doc_string = tensor.doc_string
-        del proto.metadata_props[:]
         _props(proto.metadata_props, tensor.metadata_props)
         if (
             allow_external
@@ -679,7 +684,6 @@ class _Writer:
             self.external.write(tensor, proto)
         elif isinstance(source, ExternalSource):
             proto.raw_data = source.raw()
-        return proto
 
     def streamed_tensor(self, name: str, tensor: Tensor) -> wire.StreamedTensor:
         """The tensor as a data-less header plus its bytes, for the streaming writer."""
@@ -695,21 +699,21 @@ class _Writer:
             # A byte view, since exotic dtypes (bfloat16, float8) do not export a buffer.
             data = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
             return wire.StreamedTensor(header.SerializeToString(), array.nbytes, [data])
-        full = self.tensor(tensor, allow_external=False)
+        full = onnx.TensorProto()
+        self.tensor(tensor, full, allow_external=False)
         full.name = name
         return wire.StreamedTensor(full.SerializeToString(), 0, [])
 
-    def sparse(self, sparse: SparseTensor) -> onnx.SparseTensorProto:
-        proto = onnx.SparseTensorProto(dims=list(sparse.dims))
-        proto.values.CopyFrom(self.tensor(sparse.values))
-        proto.indices.CopyFrom(self.tensor(sparse.indices))
-        return proto
+    def sparse(self, sparse: SparseTensor, proto: onnx.SparseTensorProto) -> None:
+        proto.dims.extend(sparse.dims)
+        self.tensor(sparse.values, proto.values)
+        self.tensor(sparse.indices, proto.indices)
 
-    def attribute(self, attr: Attr) -> onnx.AttributeProto:
-        proto = onnx.AttributeProto(**_given(name=attr.name, type=int(attr.kind), doc_string=attr.doc_string))
+    def attribute(self, attr: Attr, proto: onnx.AttributeProto) -> None:
+        _set(proto, name=attr.name, type=int(attr.kind), doc_string=attr.doc_string)
         if attr.ref_attr_name:
             proto.ref_attr_name = attr.ref_attr_name
-            return proto
+            return
         kind, value = attr.kind, attr.value
         if kind == AttrKind.FLOAT:
             proto.f = value
@@ -718,11 +722,11 @@ class _Writer:
         elif kind == AttrKind.STRING:
             proto.s = value
         elif kind == AttrKind.TENSOR:
-            proto.t.CopyFrom(self.tensor(value))
+            self.tensor(value, proto.t)
         elif kind == AttrKind.GRAPH:
-            proto.g.CopyFrom(self.graph(value))
+            self.graph(value, proto.g)
         elif kind == AttrKind.SPARSE_TENSOR:
-            proto.sparse_tensor.CopyFrom(self.sparse(value))
+            self.sparse(value, proto.sparse_tensor)
         elif kind == AttrKind.TYPE_PROTO:
             self.type(value, proto.tp)
         elif kind == AttrKind.FLOATS:
@@ -732,82 +736,86 @@ class _Writer:
         elif kind == AttrKind.STRINGS:
             proto.strings.extend(value)
         elif kind == AttrKind.TENSORS:
-            proto.tensors.extend(self.tensor(t) for t in value)
+            for item in value:
+                self.tensor(item, proto.tensors.add())
         elif kind == AttrKind.GRAPHS:
-            proto.graphs.extend(self.graph(g) for g in value)
+            for item in value:
+                self.graph(item, proto.graphs.add())
         elif kind == AttrKind.SPARSE_TENSORS:
-            proto.sparse_tensors.extend(self.sparse(t) for t in value)
+            for item in value:
+                self.sparse(item, proto.sparse_tensors.add())
         elif kind == AttrKind.TYPE_PROTOS:
             for item in value:
                 self.type(item, proto.type_protos.add())
-        return proto
 
-    def node(self, node: Node) -> onnx.NodeProto:
-        proto = onnx.NodeProto(
-            input=[v.name if v is not None else "" for v in node.inputs],
-            output=[v.name for v in node.outputs],
-            **_given(
-                op_type=node.op_type,
-                domain=node.domain,
-                name=node.name,
-                doc_string=node.doc_string,
-                overload=node.overload,
-            ),
+    def node(self, node: Node, proto: onnx.NodeProto) -> None:
+        proto.input.extend(v.name if v is not None else "" for v in node.inputs)
+        proto.output.extend(v.name for v in node.outputs)
+        _set(
+            proto,
+            op_type=node.op_type,
+            domain=node.domain,
+            name=node.name,
+            doc_string=node.doc_string,
+            overload=node.overload,
         )
-        proto.attribute.extend(self.attribute(a) for a in node.attributes.values())
+        for attr in node.attributes.values():
+            self.attribute(attr, proto.attribute.add())
         _props(proto.metadata_props, node.metadata_props)
-        return proto
 
-    def graph(self, graph: Graph, *, main: bool = False) -> onnx.GraphProto:
-        proto = onnx.GraphProto(**_given(name=graph.name, doc_string=graph.doc_string))
-        for value in graph.initializers.values():
-            if isinstance(value.const, SparseTensor):
-                proto.sparse_initializer.append(self.sparse(value.const))
-            elif isinstance(value.const, Tensor) and main and self.stream_initializers:
-                self.streamed.append(self.streamed_tensor(value.name, value.const))
-            elif isinstance(value.const, Tensor):
-                tensor_proto = self.tensor(value.const)
-                tensor_proto.name = value.name
-                proto.initializer.append(tensor_proto)
-        proto.input.extend(self.value_info(v) for v in graph.inputs)
-        nodes = graph.topological()
-        proto.node.extend(self.node(n) for n in nodes)
-        proto.output.extend(self.value_info(v) for v in graph.outputs)
+    def body(self, graph: Graph, nodes: Any, value_info: Any) -> None:
+        """A graph's nodes (in topological order) and the value_info of its intermediate values."""
+        order = graph.topological()
+        for node in order:
+            self.node(node, nodes.add())
         boundary = {id(v) for v in [*graph.inputs, *graph.outputs]}
-        for node in nodes:
+        for node in order:
             for value in node.outputs:
                 if (
                     value.name
                     and id(value) not in boundary
                     and (value.type is not None or value.doc_string or value.metadata_props)
                 ):
-                    proto.value_info.append(self.value_info(value))
+                    self.value_info(value, value_info.add())
+
+    def graph(self, graph: Graph, proto: onnx.GraphProto, *, main: bool = False) -> None:
+        _set(proto, name=graph.name, doc_string=graph.doc_string)
+        for value in graph.initializers.values():
+            if isinstance(value.const, SparseTensor):
+                self.sparse(value.const, proto.sparse_initializer.add())
+            elif isinstance(value.const, Tensor) and main and self.stream_initializers:
+                self.streamed.append(self.streamed_tensor(value.name, value.const))
+            elif isinstance(value.const, Tensor):
+                tensor_proto = proto.initializer.add()
+                self.tensor(value.const, tensor_proto)
+                tensor_proto.name = value.name
+        for value in graph.inputs:
+            self.value_info(value, proto.input.add())
+        for value in graph.outputs:
+            self.value_info(value, proto.output.add())
+        self.body(graph, proto.node, proto.value_info)
         _props(proto.metadata_props, graph.metadata_props)
         for tensor_name, params in graph.quantization_annotation:
             annotation = proto.quantization_annotation.add(tensor_name=tensor_name)
             _props(annotation.quant_parameter_tensor_names, params)
-        return proto
 
-    def function(self, function: Function) -> onnx.FunctionProto:
-        body = self.graph(function.body)
-        proto = onnx.FunctionProto(
-            input=[v.name for v in function.body.inputs],
-            output=[v.name for v in function.body.outputs],
-            attribute=function.attributes,
-            node=body.node,
-            value_info=body.value_info,
-            **_given(
-                domain=function.domain,
-                name=function.name,
-                doc_string=function.doc_string,
-                overload=function.overload,
-            ),
+    def function(self, function: Function, proto: onnx.FunctionProto) -> None:
+        proto.input.extend(v.name for v in function.body.inputs)
+        proto.output.extend(v.name for v in function.body.outputs)
+        proto.attribute.extend(function.attributes)
+        self.body(function.body, proto.node, proto.value_info)
+        _set(
+            proto,
+            domain=function.domain,
+            name=function.name,
+            doc_string=function.doc_string,
+            overload=function.overload,
         )
-        proto.attribute_proto.extend(self.attribute(a) for a in function.attribute_defaults.values())
+        for attr in function.attribute_defaults.values():
+            self.attribute(attr, proto.attribute_proto.add())
         for domain, version in function.opset_imports.items():
             proto.opset_import.add(domain=domain, version=version)
         _props(proto.metadata_props, function.metadata_props)
-        return proto
 
 
 def _clear_data_fields(proto: onnx.TensorProto) -> None:

@@ -115,30 +115,38 @@ def split_inline_weights(path: Path) -> bytes | None:
     """The model's bytes with large initializer ``raw_data`` replaced by in-file references.
 
     Returns None when nothing is worth splitting (the caller then parses the file as is).
-    Raises ValueError on a malformed file.
+    Raises ValueError on a malformed file. Only field headers are read; the pieces that
+    are kept are views of the mapped file until the one final copy.
     """
-    with path.open("rb") as handle:
-        size = path.stat().st_size
-        if size == 0:
-            return None
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            parts: list[bytes] = []
+    size = path.stat().st_size
+    if size == 0:
+        return None
+    with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        view = memoryview(data)
+        try:
+            parts: list[bytes | memoryview] = []
             split_any = False
             for field in _fields(data, 0, size):
                 if field.number != MODEL_GRAPH or field.wire_type != LENGTH_DELIMITED:
-                    parts.append(data[field.start : field.end])
+                    parts.append(view[field.start : field.end])
                     continue
-                graph_parts: list[bytes] = []
+                graph_parts: list[bytes | memoryview] = []
                 for inner in _fields(data, field.value_start, field.end):
+                    tensor = None
                     if inner.number == GRAPH_INITIALIZER and inner.wire_type == LENGTH_DELIMITED:
                         tensor = _split_tensor(data, inner, path.name)
-                        if tensor is not None:
-                            split_any = True
-                            graph_parts.append(_length_field(GRAPH_INITIALIZER, tensor))
-                            continue
-                    graph_parts.append(data[inner.start : inner.end])
-                parts.append(_length_field(MODEL_GRAPH, b"".join(graph_parts)))
+                    if tensor is None:
+                        graph_parts.append(view[inner.start : inner.end])
+                    else:
+                        split_any = True
+                        graph_parts.append(_length_field(GRAPH_INITIALIZER, tensor))
+                graph_size = sum(len(part) for part in graph_parts)
+                parts.append(_key(MODEL_GRAPH, LENGTH_DELIMITED) + encode_varint(graph_size))
+                parts.extend(graph_parts)
             return b"".join(parts) if split_any else None
+        finally:
+            parts = graph_parts = []  # drop the views so the map can close
+            view.release()
 
 
 def _split_tensor(data: mmap.mmap, field: _Field, location: str) -> bytes | None:

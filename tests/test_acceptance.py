@@ -8,7 +8,6 @@ check and gives a report that validates against schemas/report.schema.json.
 from __future__ import annotations
 
 import collections
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 from graphopt import io
 from graphopt.api import RunOptions, optimize, optimize_file
 from graphopt.schemas import schema
+from tests import node_suite
 from tests.conftest import CORPUS_MODELS
 
 ort.set_default_logger_severity(4)
@@ -44,25 +44,22 @@ def _close(expected: Any, actual: Any, rtol: float, atol: float) -> bool:
 
 
 def _node_suite(tmp_path: Path) -> tuple[collections.Counter[str], list[str]]:
-    from onnx.backend.test.case.node import collect_testcases
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cases = list(collect_testcases(None))
     counts: collections.Counter[str] = collections.Counter()
     broken: list[str] = []
     source, target = tmp_path / "in.onnx", tmp_path / "out.onnx"
-    for case in cases:
+    for case in node_suite.cases():
+        if not case.data_sets:
+            counts["skipped: no test data"] += 1
+            continue
         onnx.save(case.model, source)
         try:
-            session = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
+            session = node_suite.session(source)
         except Exception:
             counts["skipped: onnxruntime cannot load the original"] += 1
             continue
-        names = [i.name for i in session.get_inputs()]
-        inputs, expected = case.data_sets[0] if case.data_sets else ([], [])
+        feeds, expected = node_suite.feeds(case, session)
         try:
-            original = session.run(None, dict(zip(names, inputs)))
+            original = session.run(None, feeds)
         except Exception:
             counts["skipped: onnxruntime cannot run the original"] += 1
             continue
@@ -74,9 +71,7 @@ def _node_suite(tmp_path: Path) -> tuple[collections.Counter[str], list[str]]:
             broken.append(f"{case.name}: pass failed: {result.report['failures'][0]}")
         io.save(result.model, target)
         try:
-            outputs = ort.InferenceSession(str(target), providers=["CPUExecutionProvider"]).run(
-                None, dict(zip(names, inputs))
-            )
+            outputs = node_suite.session(target).run(None, feeds)
         except Exception as err:
             broken.append(f"{case.name}: the optimized model does not run: {str(err).splitlines()[0][:200]}")
             continue
@@ -91,7 +86,7 @@ def test_default_pipeline_on_the_node_suite(tmp_path: Path) -> None:
     counts, broken = _node_suite(tmp_path)
     print(dict(counts))
     assert not broken, broken[:20]
-    assert counts["equal to the expected outputs"] > 1300
+    assert counts["equal to the expected outputs"] > 1350
 
 
 @pytest.mark.parametrize("name", CORPUS_MODELS)

@@ -65,7 +65,7 @@ def _weights_to_inputs(graph: Graph) -> None:
     # Weights held in Constant nodes (as paddle2onnx writes them) become typed inputs read
     # through an Identity, which onnx infers to the same type.
     for node in graph:
-        tensor = node.attr("value") if node.op_type == "Constant" and node.domain in ("", "ai.onnx") else None
+        tensor = node.attr("value") if node.op_type == "Constant" and node.in_standard_domain else None
         if not isinstance(tensor, Tensor) or _is_shape_data(tensor):
             continue
         stand_in = Value(f"{node.outputs[0].name}.weights", TensorType(tensor.dtype, tensor.shape))

@@ -13,7 +13,10 @@ from graphopt.ir.value import Use, Value
 if TYPE_CHECKING:
     from graphopt.ir.graph import Graph
 
-__all__ = ["Attr", "AttrKind", "Node"]
+__all__ = ["STANDARD_DOMAINS", "Attr", "AttrKind", "Node"]
+
+# The ONNX standard's own domain, under both of its spellings.
+STANDARD_DOMAINS = ("", "ai.onnx")
 
 
 class AttrKind(IntEnum):
@@ -91,6 +94,10 @@ class Node:
         for attr in self.attributes.values():
             for body in attr.graphs():
                 body.parent = self
+
+    @property
+    def in_standard_domain(self) -> bool:
+        return self.domain in STANDARD_DOMAINS
 
     def __repr__(self) -> str:
         label = f"{self.domain}::{self.op_type}" if self.domain else self.op_type

@@ -40,7 +40,7 @@ def model_stats(model: Model) -> ModelStats:
             initializers += 1
             size += value.const.nbytes if value.const is not None else 0
         for node in graph:
-            ops[f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type] += 1
+            ops[f"{node.domain}::{node.op_type}" if not node.in_standard_domain else node.op_type] += 1
             for attr in node.attributes.values():
                 if attr.kind == AttrKind.TENSOR and isinstance(attr.value, Tensor):
                     size += attr.value.nbytes

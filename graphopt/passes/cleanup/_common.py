@@ -16,10 +16,9 @@ import numpy as np
 
 from graphopt.ir import Graph, Model, Node, Tensor, Value
 
-__all__ = ["DEFAULT_DOMAINS", "can_replace", "constant_array", "graphs_with_opset", "replace"]
+__all__ = ["can_replace", "constant_array", "graphs_with_opset", "replace"]
 
 # The domains of the standard operators a rule may reason about.
-DEFAULT_DOMAINS = ("", "ai.onnx")
 
 # Constants larger than this many elements are not read just to test a rule.
 _READ_LIMIT = 1 << 16
@@ -66,7 +65,7 @@ def constant_array(value: Value | None, limit: int = _READ_LIMIT) -> np.ndarray 
             return None
         return _read(value.const, limit)
     producer = value.producer
-    if producer is None or producer.op_type != "Constant" or producer.domain not in DEFAULT_DOMAINS:
+    if producer is None or producer.op_type != "Constant" or not producer.in_standard_domain:
         return None
     return _constant_node_array(producer, limit)
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from graphopt.ir import Attr, AttrKind, Graph, Model, Node, SparseTensor, Tensor, Value
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.cleanup._common import DEFAULT_DOMAINS, can_replace, replace
+from graphopt.passes.cleanup._common import can_replace, replace
 
 __all__ = ["CommonSubexpressionElimination"]
 
@@ -119,7 +119,7 @@ def _split(
 
 def _constant_tensor(node: Node) -> Tensor | None:
     attr = node.attributes.get("value")
-    if node.op_type != "Constant" or node.domain not in DEFAULT_DOMAINS or len(node.attributes) != 1 or attr is None:
+    if node.op_type != "Constant" or not node.in_standard_domain or len(node.attributes) != 1 or attr is None:
         return None
     return attr.value if isinstance(attr.value, Tensor) else None
 
@@ -186,7 +186,7 @@ def _node_key(node: Node, random_functions: set[FunctionKey]) -> Hashable | None
             return None
         attributes.append((name, int(attr.kind), value))
     inputs = node.inputs
-    if node.domain in DEFAULT_DOMAINS and node.op_type in COMMUTATIVE_OPS and len(inputs) == 2:
+    if node.in_standard_domain and node.op_type in COMMUTATIVE_OPS and len(inputs) == 2:
         inputs = tuple(sorted(inputs, key=id))
     return (node.domain, node.op_type, node.overload, inputs, len(node.outputs), tuple(attributes))
 
@@ -228,7 +228,7 @@ def _all_or_none(keys: list[Hashable | None]) -> tuple[Hashable, ...] | None:
 
 
 def _is_nondeterministic(node: Node, random_functions: set[FunctionKey]) -> bool:
-    if node.domain in DEFAULT_DOMAINS and node.op_type in NONDETERMINISTIC_OPS:
+    if node.in_standard_domain and node.op_type in NONDETERMINISTIC_OPS:
         return True
     return (node.domain, node.op_type, node.overload) in random_functions
 

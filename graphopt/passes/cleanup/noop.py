@@ -30,7 +30,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Dim, Model, Node, TensorType, Value
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.cleanup._common import DEFAULT_DOMAINS, can_replace, constant_array, graphs_with_opset, replace
+from graphopt.passes.cleanup._common import can_replace, constant_array, graphs_with_opset, replace
 
 __all__ = ["RULES", "NoopElimination", "Rule"]
 
@@ -278,7 +278,7 @@ class NoopElimination(Pass):
 
 def _bypass(node: Node, opset: int) -> str | None:
     """Rewire the readers of ``node``'s output to its replacement; return the rule's name."""
-    if node.domain not in DEFAULT_DOMAINS or not node.outputs or not node.inputs:
+    if not node.in_standard_domain or not node.outputs or not node.inputs:
         return None
     if any(attr.ref_attr_name for attr in node.attributes.values()):
         return None

@@ -166,7 +166,7 @@ def broadcast(shapes: Sequence[Shape | None]) -> Shape | None:
 def tensor_of(value: Value) -> np.ndarray | None:
     """The data of a small constant: an initializer or the output of a Constant node."""
     producer = value.producer
-    if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+    if producer is not None and producer.op_type == "Constant" and producer.in_standard_domain:
         return _constant_attr(producer)
     tensor = value.const
     if not isinstance(tensor, Tensor) or tensor.size > MAX_CONST_SIZE:

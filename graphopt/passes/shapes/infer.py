@@ -38,7 +38,6 @@ __all__ = ["ShapeInference"]
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 _SYMBOLIC_VALUE_TYPES = {
     DataType.INT64,
     DataType.INT32,
@@ -119,7 +118,7 @@ class _Inference:
     def node(self, node: Node) -> None:
         op = Op(node, self.model.opset, self.values)
         inferred: list[TensorType | None] = []
-        if node.domain not in _DEFAULT_DOMAINS:
+        if not node.in_standard_domain:
             for body in node.subgraphs():
                 self.graph(body)
         elif node.op_type == "If":
@@ -136,7 +135,7 @@ class _Inference:
                 inferred = self.apply(node, lambda: rule(op), [])
         for index, value in enumerate(node.outputs):
             self.assign(value, inferred[index] if index < len(inferred) else None)
-        value_rule = VALUE_RULES.get(node.op_type) if node.domain in _DEFAULT_DOMAINS else None
+        value_rule = VALUE_RULES.get(node.op_type) if node.in_standard_domain else None
         if value_rule is not None:
             found = self.apply(node, lambda: value_rule(op), [])
             for value, symbolic in zip(node.outputs, found, strict=False):

@@ -19,8 +19,6 @@ from graphopt.passes.base import Pass, PassContext, PassResult, register
 
 __all__ = ["StripValueInfo"]
 
-_STANDARD_DOMAINS = ("", "ai.onnx")
-
 
 @register
 class StripValueInfo(Pass):
@@ -37,7 +35,7 @@ class StripValueInfo(Pass):
         stripped = 0
         for graph in model.all_graphs():
             for node in graph:
-                if self.options.keep_custom and node.domain not in _STANDARD_DOMAINS:
+                if self.options.keep_custom and not node.in_standard_domain:
                     continue
                 for value in node.outputs:
                     if value.type is not None and not value.is_graph_output:

@@ -35,7 +35,6 @@ import itertools
 import json
 import math
 import os
-import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ import onnx
 from onnx import helper
 
 from graphopt.errors import InputError
+from graphopt.io.json_text import dump, parse_type_text, type_text
 from graphopt.io.onnx_io import ProtoSource
 from graphopt.ir import (
     Attr,
@@ -79,8 +79,6 @@ __all__ = ["FORMAT_VERSION", "SIDECAR_THRESHOLD", "NpySource", "load", "save"]
 FORMAT_VERSION = 1
 # Tensors larger than this many bytes go to a sidecar .npy file instead of the JSON text.
 SIDECAR_THRESHOLD = 4096
-# Objects and lists whose one-line form fits go on one line; the rest one item a line.
-_WIDTH = 120
 
 _DTYPE_NAMES: dict[DataType, str] = {
     d: {DataType.FLOAT: "float32", DataType.DOUBLE: "float64"}.get(d, d.name.lower()) for d in DataType
@@ -214,7 +212,7 @@ def save(model: Model, path: str | os.PathLike[str]) -> None:
     writer = _Writer(path)
     staged = writer.staged
     try:
-        text = _dump(writer.model(model)) + "\n"
+        text = dump(writer.model(model)) + "\n"
         handle, tmp_json = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         staged.append(tmp_json)
         with os.fdopen(handle, "w", encoding="utf-8") as out:
@@ -275,8 +273,8 @@ class _Writer:
 
     def type(self, value_type: Type | None) -> Any:
         structured = self._structured(value_type)
-        text = _type_text(structured)
-        return text if text is not None and _parse_type_text(text) == structured else structured
+        text = type_text(structured)
+        return text if text is not None and parse_type_text(text) == structured else structured
 
     def _structured(self, value_type: Type | None) -> Any:
         if value_type is None:
@@ -471,96 +469,6 @@ def _exact_list(array: np.ndarray) -> list[Any] | None:
     return values if back.tobytes() == array.tobytes() else None
 
 
-# -- JSON text --------------------------------------------------------------------------------
-
-
-def _dump(value: Any, indent: int = 0) -> str:
-    """Pretty JSON: a list or object goes on one line when it fits, else one item a line."""
-    if isinstance(value, dict):
-        items = [f"{json.dumps(k, ensure_ascii=False)}: {_dump(v, indent + 1)}" for k, v in value.items()]
-        return _wrap("{", items, "}", indent)
-    if isinstance(value, list):
-        items = [_dump(v, indent + 1) for v in value]
-        if all(not isinstance(v, (dict, list)) for v in value):
-            return "[" + ", ".join(items) + "]"
-        return _wrap("[", items, "]", indent)
-    return json.dumps(value, ensure_ascii=False, allow_nan=False)
-
-
-def _wrap(opening: str, items: list[str], closing: str, indent: int) -> str:
-    if not items:
-        return opening + closing
-    flat = opening + ", ".join(items) + closing
-    if len(flat) + 2 * indent <= _WIDTH and "\n" not in flat:
-        return flat
-    pad = "  " * (indent + 1)
-    return opening + "\n" + ",\n".join(pad + item for item in items) + "\n" + "  " * indent + closing
-
-
-# -- type strings ----------------------------------------------------------------------------
-
-_TENSOR_TEXT = re.compile(r"([a-z0-9_]+)\[(.*)\]", re.DOTALL)
-_INT_TEXT = re.compile(r"-?[0-9]+")
-
-
-def _type_text(structured: Any) -> str | None:
-    """The string form of a structured type, or None when only the object form can say it."""
-    if not isinstance(structured, dict) or "denotation" in structured:
-        return None
-    kind = structured["kind"]
-    if kind in ("tensor", "sparse_tensor"):
-        shape = structured.get("shape")
-        body = "*" if shape is None else ", ".join("?" if d is None else str(d) for d in shape)
-        text = f"{structured['dtype']}[{body}]"
-        return text if kind == "tensor" else f"sparse {text}"
-    if kind in ("sequence", "optional"):
-        inner = _type_text(structured["element"])
-        return None if inner is None else f"{'seq' if kind == 'sequence' else 'optional'}({inner})"
-    if kind == "map":
-        inner = _type_text(structured["value"])
-        return None if inner is None else f"map({structured['key']}, {inner})"
-    return None
-
-
-def _parse_type_text(text: str) -> dict[str, Any]:
-    """Read ``float32[batch, 3]``, ``sparse ...``, ``seq(...)``, ``optional(...)``, ``map(k, ...)``."""
-    text = text.strip()
-    for prefix, kind in (("seq(", "sequence"), ("optional(", "optional")):
-        if text.startswith(prefix) and text.endswith(")"):
-            return {"kind": kind, "element": _parse_type_text(text[len(prefix) : -1])}
-    if text.startswith("map(") and text.endswith(")"):
-        key, _, rest = text[4:-1].partition(",")
-        return {"kind": "map", "key": key.strip(), "value": _parse_type_text(rest)}
-    kind = "tensor"
-    if text.startswith("sparse "):
-        kind, text = "sparse_tensor", text[len("sparse ") :].strip()
-    match = _TENSOR_TEXT.fullmatch(text)
-    if match is None:
-        raise ValueError(f"cannot read type {text!r} (expected e.g. 'float32[batch, 3]')")
-    structured: dict[str, Any] = {"kind": kind, "dtype": match.group(1)}
-    body = match.group(2).strip()
-    if body != "*":
-        structured["shape"] = [_parse_dim_text(d) for d in _split_top_level(body)] if body else []
-    return structured
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, char in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p.strip() for p in parts]
-
-
-def _parse_dim_text(text: str) -> int | str | None:
-    if text == "?":
-        return None
-    return int(text) if _INT_TEXT.fullmatch(text) else text
-
-
 # -- reading -----------------------------------------------------------------------------------
 
 
@@ -638,7 +546,7 @@ class _Reader:
             return None
         if isinstance(data, str):
             try:
-                data = _parse_type_text(data)
+                data = parse_type_text(data)
             except ValueError as err:
                 raise InputError(f"{at}: {err}") from None
         kind, denotation = data.get("kind", "tensor"), data.get("denotation", "")

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.errors import InputError
 from graphopt.io import onnx_io
-from graphopt.ir import ExternalSource
+from graphopt.ir import ExternalSource, Tensor
 from tests import node_suite
 from tests.conftest import CORPUS_MODELS
 from tests.protocompare import first_difference
@@ -295,3 +295,29 @@ def test_external_data_file_only_when_something_goes_in_it(tmp_path: Path) -> No
     onnx_io.save(onnx_io.load(tmp_path / "small.onnx"), tmp_path / "out.onnx", external_data=True)
     assert not (tmp_path / "out.onnx.data").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_constant_node_weights_are_mapped_and_streamed(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    weight = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w_value")
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["w"], value=weight), helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+    )
+    source = tmp_path / "const.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), source)
+    model = onnx_io.load(source)
+    constant = model.graph.nodes[0].attr("value")
+    assert isinstance(constant.source, ExternalSource) and constant.source.inline
+    onnx_io.save(model, tmp_path / "same.onnx")
+    assert first_difference(onnx.load(source), onnx.load(tmp_path / "same.onnx")) is None
+    # A weight a pass computed streams from its array.
+    model.graph.nodes[0].attributes["value"].value = Tensor.from_array(constant.numpy() * 2, "w_value")
+    onnx_io.save(model, tmp_path / "doubled.onnx")
+    x = np.ones((1, 64), np.float32)
+    expected = ort.InferenceSession(str(source)).run(None, {"x": x})[0] * 2
+    np.testing.assert_allclose(
+        ort.InferenceSession(str(tmp_path / "doubled.onnx")).run(None, {"x": x})[0], expected, rtol=1e-5
+    )

@@ -23,7 +23,7 @@ import itertools
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -478,11 +478,11 @@ def _atomic_write_with(path: Path, write: Callable[[BinaryIO], object]) -> str:
 
 def _write_streaming(out: BinaryIO, model: Model) -> None:
     """One protobuf message, its main-graph initializers streamed rather than held in memory."""
-    writer = _Writer(None, stream_initializers=True)
+    writer = _Writer(None, stream=True)
     proto = to_proto(model, writer=writer)
     graph = proto.graph.SerializeToString()
     proto.ClearField("graph")
-    wire.write_streaming_model(out, proto.SerializeToString(), graph, writer.streamed)
+    wire.write_pieces(out, [proto.SerializeToString(), wire.Frame(wire.MODEL_GRAPH, [graph, *writer.streamed])])
 
 
 def _atomic_write_streaming(path: Path, model: Model) -> str:
@@ -553,6 +553,21 @@ def _raw_bytes(tensor: Tensor) -> bytes:
     return _tensor_proto_from_array(tensor, source.read()).raw_data
 
 
+def _streams_from_array(tensor: Tensor) -> bool:
+    return not isinstance(tensor.source, ProtoSource) and _raw_layout(tensor)
+
+
+def _streamable_attribute(attr: Attr) -> bool:
+    """A tensor attribute worth streaming: large, and not already bytes in a parsed proto."""
+    value = attr.value
+    return (
+        attr.kind == AttrKind.TENSOR
+        and isinstance(value, Tensor)
+        and value.nbytes >= wire.SPLIT_THRESHOLD
+        and (isinstance(value.source, ExternalSource) or _streams_from_array(value))
+    )
+
+
 def _raw_layout(tensor: Tensor) -> bool:
     """Whether raw_data is the array's memory as numpy holds it (not strings, not packed 4-bit)."""
     return tensor.dtype != DataType.STRING and tensor.dtype.itemsize_bits % 8 == 0
@@ -619,12 +634,13 @@ def _format_dim(dim: Dim, proto: onnx.TensorShapeProto.Dimension) -> None:
 
 
 class _Writer:
-    def __init__(self, external: _ExternalWriter | None, *, stream_initializers: bool = False) -> None:
+    def __init__(self, external: _ExternalWriter | None, *, stream: bool = False) -> None:
         self.external = external
-        # With stream_initializers, the main graph's dense initializers are collected here
-        # (for io/wire.py to write) instead of being put into the GraphProto.
-        self.stream_initializers = stream_initializers
-        self.streamed: list[wire.StreamedTensor] = []
+        # With ``stream``, the main graph's nodes and dense initializers are collected here as
+        # pieces for io/wire.py to write, their weights copied in chunks, instead of being
+        # put into the GraphProto.
+        self.stream = stream
+        self.streamed: list[wire.Piece] = []
 
     def type(self, value_type: Type | None, proto: onnx.TypeProto) -> None:
         if value_type is None:
@@ -685,24 +701,39 @@ class _Writer:
         elif isinstance(source, ExternalSource):
             proto.raw_data = source.raw()
 
-    def streamed_tensor(self, name: str, tensor: Tensor) -> wire.StreamedTensor:
-        """The tensor as a data-less header plus its bytes, for the streaming writer."""
+    def tensor_piece(self, number: int, name: str, tensor: Tensor) -> wire.Piece:
+        """The tensor as field ``number``: a data-less header, then its bytes in chunks."""
         source = tensor.source
         header = onnx.TensorProto(name=name, data_type=int(tensor.dtype), dims=list(tensor.shape))
         if tensor.doc_string:
             header.doc_string = tensor.doc_string
         _props(header.metadata_props, tensor.metadata_props)
         if isinstance(source, ExternalSource):
-            return wire.StreamedTensor(header.SerializeToString(), source.size, source.chunks())
-        if not isinstance(source, ProtoSource) and _raw_layout(tensor):
+            return wire.tensor_piece(number, header.SerializeToString(), source.size, source.chunks())
+        if _streams_from_array(tensor):
             array = np.ascontiguousarray(source.read())
             # A byte view, since exotic dtypes (bfloat16, float8) do not export a buffer.
             data = memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-            return wire.StreamedTensor(header.SerializeToString(), array.nbytes, [data])
+            return wire.tensor_piece(number, header.SerializeToString(), array.nbytes, [data])
         full = onnx.TensorProto()
         self.tensor(tensor, full, allow_external=False)
         full.name = name
-        return wire.StreamedTensor(full.SerializeToString(), 0, [])
+        return wire.length_field(number, full.SerializeToString())
+
+    def node_piece(self, node: Node) -> wire.Piece:
+        """A main-graph node; its large tensor attributes (Constant weights) stream."""
+        streamed = [a for a in node.attributes.values() if _streamable_attribute(a)]
+        proto = onnx.NodeProto()
+        self.node(node, proto, skip={a.name for a in streamed})
+        if not streamed:
+            return wire.length_field(wire.GRAPH_NODE, proto.SerializeToString())
+        pieces: list[wire.Piece] = [proto.SerializeToString()]
+        for attr in streamed:
+            header = onnx.AttributeProto()
+            _set(header, name=attr.name, type=int(attr.kind), doc_string=attr.doc_string)
+            tensor = self.tensor_piece(wire.ATTRIBUTE_TENSOR, attr.value.name, attr.value)
+            pieces.append(wire.Frame(wire.NODE_ATTRIBUTE, [header.SerializeToString(), tensor]))
+        return wire.Frame(wire.GRAPH_NODE, pieces)
 
     def sparse(self, sparse: SparseTensor, proto: onnx.SparseTensorProto) -> None:
         proto.dims.extend(sparse.dims)
@@ -748,7 +779,7 @@ class _Writer:
             for item in value:
                 self.type(item, proto.type_protos.add())
 
-    def node(self, node: Node, proto: onnx.NodeProto) -> None:
+    def node(self, node: Node, proto: onnx.NodeProto, skip: Collection[str] = ()) -> None:
         proto.input.extend(v.name if v is not None else "" for v in node.inputs)
         proto.output.extend(v.name for v in node.outputs)
         _set(
@@ -760,14 +791,19 @@ class _Writer:
             overload=node.overload,
         )
         for attr in node.attributes.values():
-            self.attribute(attr, proto.attribute.add())
+            if attr.name not in skip:
+                self.attribute(attr, proto.attribute.add())
         _props(proto.metadata_props, node.metadata_props)
 
-    def body(self, graph: Graph, nodes: Any, value_info: Any) -> None:
-        """A graph's nodes (in topological order) and the value_info of its intermediate values."""
+    def body(self, graph: Graph, nodes: Any, value_info: Any, *, streamed: bool = False) -> None:
+        """A graph's nodes (in topological order; with ``streamed``, as pieces) and the
+        value_info of its intermediate values."""
         order = graph.topological()
         for node in order:
-            self.node(node, nodes.add())
+            if streamed:
+                self.streamed.append(self.node_piece(node))
+            else:
+                self.node(node, nodes.add())
         boundary = {id(v) for v in [*graph.inputs, *graph.outputs]}
         for node in order:
             for value in node.outputs:
@@ -780,11 +816,12 @@ class _Writer:
 
     def graph(self, graph: Graph, proto: onnx.GraphProto, *, main: bool = False) -> None:
         _set(proto, name=graph.name, doc_string=graph.doc_string)
+        initializers: list[wire.Piece] = []
         for value in graph.initializers.values():
             if isinstance(value.const, SparseTensor):
                 self.sparse(value.const, proto.sparse_initializer.add())
-            elif isinstance(value.const, Tensor) and main and self.stream_initializers:
-                self.streamed.append(self.streamed_tensor(value.name, value.const))
+            elif isinstance(value.const, Tensor) and main and self.stream:
+                initializers.append(self.tensor_piece(wire.GRAPH_INITIALIZER, value.name, value.const))
             elif isinstance(value.const, Tensor):
                 tensor_proto = proto.initializer.add()
                 self.tensor(value.const, tensor_proto)
@@ -793,7 +830,9 @@ class _Writer:
             self.value_info(value, proto.input.add())
         for value in graph.outputs:
             self.value_info(value, proto.output.add())
-        self.body(graph, proto.node, proto.value_info)
+        # Streamed, nodes go before initializers: each repeated field keeps its own order.
+        self.body(graph, proto.node, proto.value_info, streamed=main and self.stream)
+        self.streamed.extend(initializers)
         _props(proto.metadata_props, graph.metadata_props)
         for tensor_name, params in graph.quantization_annotation:
             annotation = proto.quantization_annotation.add(tensor_name=tensor_name)

@@ -7,26 +7,39 @@ parsed message); serializing it back costs them twice more. Instead:
   initializers without decoding them, and returns the model with every large
   ``raw_data`` replaced by a reference to its byte range in the file itself. io/ maps
   such ranges lazily, exactly like external data.
-- :class:`StreamingModelWriter` writes a model whose initializers are serialized one at a
-  time, their bytes copied from wherever they live in chunks, with the lengths that
-  protobuf's framing needs computed up front.
+- :func:`write_pieces` writes a message as a tree of pieces (plain bytes, framed
+  sub-messages, fields copied from chunks), computing the lengths protobuf's framing needs
+  up front, so weights are copied from wherever they live without being held whole.
 
-Only ModelProto.graph (7), GraphProto.initializer (5) and TensorProto.raw_data (9) are
-touched; every other byte is copied through verbatim.
+Only ModelProto.graph (7), GraphProto.node (1) and .initializer (5), NodeProto.attribute
+(5), AttributeProto.t (5) and TensorProto.raw_data (9) are looked into; every other byte
+is copied through verbatim.
 """
 
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["INLINE_KEY", "StreamedTensor", "split_inline_weights", "write_streaming_model"]
+__all__ = [
+    "INLINE_KEY",
+    "Chunked",
+    "Frame",
+    "Piece",
+    "length_field",
+    "split_inline_weights",
+    "tensor_piece",
+    "write_pieces",
+]
 
 MODEL_GRAPH = 7
+GRAPH_NODE = 1
 GRAPH_INITIALIZER = 5
+NODE_ATTRIBUTE = 5
+ATTRIBUTE_TENSOR = 5
 TENSOR_RAW_DATA = 9
 TENSOR_EXTERNAL_DATA = 13
 TENSOR_DATA_LOCATION = 14
@@ -98,7 +111,7 @@ def _fields(buffer: bytes | mmap.mmap, start: int, end: int) -> Iterator[_Field]
         pos = next_pos
 
 
-def _length_field(number: int, payload: bytes) -> bytes:
+def length_field(number: int, payload: bytes) -> bytes:
     return _key(number, LENGTH_DELIMITED) + encode_varint(len(payload)) + payload
 
 
@@ -106,13 +119,14 @@ def _inline_reference(location: str, offset: int, length: int) -> bytes:
     """TensorProto fields saying: the raw bytes are at ``offset`` of the model file."""
     entries = b""
     for key, value in ((INLINE_KEY, "1"), ("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = _length_field(1, key.encode()) + _length_field(2, value.encode())
-        entries += _length_field(TENSOR_EXTERNAL_DATA, entry)
+        entry = length_field(1, key.encode()) + length_field(2, value.encode())
+        entries += length_field(TENSOR_EXTERNAL_DATA, entry)
     return entries + _key(TENSOR_DATA_LOCATION, 0) + encode_varint(1)
 
 
 def split_inline_weights(path: Path) -> bytes | None:
-    """The model's bytes with large initializer ``raw_data`` replaced by in-file references.
+    """The model's bytes with the large ``raw_data`` of the main graph's initializers and node
+    attributes (Constant weights) replaced by in-file references.
 
     Returns None when nothing is worth splitting (the caller then parses the file as is).
     Raises ValueError on a malformed file. Only field headers are read; the pieces that
@@ -132,14 +146,17 @@ def split_inline_weights(path: Path) -> bytes | None:
                     continue
                 graph_parts: list[bytes | memoryview] = []
                 for inner in _fields(data, field.value_start, field.end):
-                    tensor = None
-                    if inner.number == GRAPH_INITIALIZER and inner.wire_type == LENGTH_DELIMITED:
-                        tensor = _split_tensor(data, inner, path.name)
-                    if tensor is None:
+                    split = None
+                    if inner.wire_type == LENGTH_DELIMITED and inner.end - inner.value_start >= SPLIT_THRESHOLD:
+                        if inner.number == GRAPH_INITIALIZER:
+                            split = _split_tensor(data, inner, path.name)
+                        elif inner.number == GRAPH_NODE:
+                            split = _split_node(data, inner, path.name)
+                    if split is None:
                         graph_parts.append(view[inner.start : inner.end])
                     else:
                         split_any = True
-                        graph_parts.append(_length_field(GRAPH_INITIALIZER, tensor))
+                        graph_parts.append(length_field(inner.number, split))
                 graph_size = sum(len(part) for part in graph_parts)
                 parts.append(_key(MODEL_GRAPH, LENGTH_DELIMITED) + encode_varint(graph_size))
                 parts.extend(graph_parts)
@@ -147,6 +164,31 @@ def split_inline_weights(path: Path) -> bytes | None:
         finally:
             parts = graph_parts = []  # drop the views so the map can close
             view.release()
+
+
+def _split_node(data: mmap.mmap, field: _Field, location: str) -> bytes | None:
+    """A NodeProto whose large attribute tensors became in-file references, or None."""
+    return _split_nested(data, field, NODE_ATTRIBUTE, lambda inner: _split_attribute(data, inner, location))
+
+
+def _split_attribute(data: mmap.mmap, field: _Field, location: str) -> bytes | None:
+    return _split_nested(data, field, ATTRIBUTE_TENSOR, lambda inner: _split_tensor(data, inner, location))
+
+
+def _split_nested(data: mmap.mmap, field: _Field, number: int, split: Callable[[_Field], bytes | None]) -> bytes | None:
+    parts: list[bytes] = []
+    changed = False
+    for inner in _fields(data, field.value_start, field.end):
+        replaced = None
+        large = inner.end - inner.value_start >= SPLIT_THRESHOLD
+        if inner.number == number and inner.wire_type == LENGTH_DELIMITED and large:
+            replaced = split(inner)
+        if replaced is None:
+            parts.append(data[inner.start : inner.end])
+        else:
+            changed = True
+            parts.append(length_field(number, replaced))
+    return b"".join(parts) if changed else None
 
 
 def _split_tensor(data: mmap.mmap, field: _Field, location: str) -> bytes | None:
@@ -167,35 +209,56 @@ def _split_tensor(data: mmap.mmap, field: _Field, location: str) -> bytes | None
 
 
 @dataclass
-class StreamedTensor:
-    """An initializer to stream: its TensorProto bytes without data, then ``size`` data bytes."""
+class Chunked:
+    """A length-delimited field whose payload is copied from ``chunks`` (``size`` bytes)."""
 
-    header: bytes
+    number: int
     size: int
     chunks: Iterable[bytes | memoryview]
 
 
-def write_streaming_model(
-    out: BinaryIO, model_without_graph: bytes, graph: bytes, tensors: list[StreamedTensor]
-) -> None:
-    """Write ModelProto = model fields + graph (graph fields, then each initializer in order)."""
-    data_key = _key(TENSOR_RAW_DATA, LENGTH_DELIMITED)
-    framed: list[tuple[bytes, int]] = []
-    graph_size = len(graph)
-    for tensor in tensors:
-        data_prefix = data_key + encode_varint(tensor.size) if tensor.size else b""
-        tensor_size = len(tensor.header) + len(data_prefix) + (tensor.size if tensor.size else 0)
-        prefix = _key(GRAPH_INITIALIZER, LENGTH_DELIMITED) + encode_varint(tensor_size) + tensor.header + data_prefix
-        framed.append((prefix, tensor.size))
-        graph_size += len(prefix) + tensor.size
-    out.write(model_without_graph)
-    out.write(_key(MODEL_GRAPH, LENGTH_DELIMITED) + encode_varint(graph_size))
-    out.write(graph)
-    for (prefix, size), tensor in zip(framed, tensors):
-        out.write(prefix)
+@dataclass
+class Frame:
+    """A length-delimited field whose payload is a sequence of pieces, framed as written."""
+
+    number: int
+    pieces: list[Piece]
+
+
+Piece = bytes | Frame | Chunked
+
+
+def _payload_size(piece: Frame | Chunked) -> int:
+    return piece.size if isinstance(piece, Chunked) else sum(_size(p) for p in piece.pieces)
+
+
+def _size(piece: Piece) -> int:
+    if isinstance(piece, bytes):
+        return len(piece)
+    payload = _payload_size(piece)
+    return len(_key(piece.number, LENGTH_DELIMITED)) + len(encode_varint(payload)) + payload
+
+
+def tensor_piece(number: int, header: bytes, size: int, chunks: Iterable[bytes | memoryview]) -> Piece:
+    """A TensorProto field: its data-less ``header`` fields, then ``size`` bytes of raw_data."""
+    if not size:
+        return length_field(number, header)
+    return Frame(number, [header, Chunked(TENSOR_RAW_DATA, size, chunks)])
+
+
+def write_pieces(out: BinaryIO, pieces: Iterable[Piece]) -> None:
+    """Serialize pieces in order; lengths are computed up front, data is never held whole."""
+    for piece in pieces:
+        if isinstance(piece, bytes):
+            out.write(piece)
+            continue
+        out.write(_key(piece.number, LENGTH_DELIMITED) + encode_varint(_payload_size(piece)))
+        if isinstance(piece, Frame):
+            write_pieces(out, piece.pieces)
+            continue
         written = 0
-        for chunk in tensor.chunks:
+        for chunk in piece.chunks:
             out.write(chunk)
             written += len(chunk)
-        if written != size:
-            raise ValueError(f"tensor data is {written} bytes, expected {size}")
+        if written != piece.size:
+            raise ValueError(f"tensor data is {written} bytes, expected {piece.size}")

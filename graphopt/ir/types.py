@@ -10,6 +10,7 @@ import numpy as np
 from graphopt.ir.dims import Dim, format_dim
 
 __all__ = [
+    "INTEGER_TYPES",
     "DataType",
     "MapType",
     "OpaqueType",
@@ -174,5 +175,19 @@ class OpaqueType:
     def __str__(self) -> str:
         return f"opaque({self.domain}.{self.name})"
 
+
+# Element types of whole numbers (the dtypes of shapes, indices and axes among them).
+INTEGER_TYPES = frozenset(
+    {
+        DataType.INT8,
+        DataType.INT16,
+        DataType.INT32,
+        DataType.INT64,
+        DataType.UINT8,
+        DataType.UINT16,
+        DataType.UINT32,
+        DataType.UINT64,
+    }
+)
 
 Type = TensorType | SparseTensorType | SequenceType | MapType | OptionalType | OpaqueType

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from graphopt.ir import AttrKind, DataType, Dim, Expr, Node, Sym, Tensor, TensorType, Type, Value, dims
+from graphopt.ir.types import INTEGER_TYPES
 
 __all__ = [
     "MAX_VALUE_LEN",
@@ -45,15 +46,6 @@ SymValue = tuple[Dim, ...]
 MAX_VALUE_LEN = 64
 # Constants larger than this are not read (rules need shapes and small index lists only).
 MAX_CONST_SIZE = 4096
-_INT_TYPES = {
-    DataType.INT64,
-    DataType.INT32,
-    DataType.INT16,
-    DataType.INT8,
-    DataType.UINT8,
-    DataType.UINT16,
-    DataType.UINT32,
-}
 
 
 def d_add(a: Dim, b: Dim) -> Dim:
@@ -246,7 +238,7 @@ class Op:
         return self.node.attr(name, default)
 
     def is_int(self, index: int) -> bool:
-        return self.dtype(index) in _INT_TYPES
+        return self.dtype(index) in INTEGER_TYPES
 
     def axes(self, attr_before: int, index: int = 1) -> list[int] | None:
         """Axes given as an attribute (opsets below ``attr_before``) or as input ``index``."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from graphopt.ir import DataType, Dim, Expr, Graph, Model, Node, Sym, TensorType, Type, Value
+from graphopt.ir.types import INTEGER_TYPES
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.passes.shapes.context import MAX_VALUE_LEN, Op, SymValue, norm_axis
 from graphopt.passes.shapes.rules import RULES
@@ -38,17 +39,7 @@ __all__ = ["ShapeInference"]
 
 logger = logging.getLogger(__name__)
 
-_SYMBOLIC_VALUE_TYPES = {
-    DataType.INT64,
-    DataType.INT32,
-    DataType.INT16,
-    DataType.INT8,
-    DataType.UINT8,
-    DataType.UINT16,
-    DataType.UINT32,
-    DataType.UINT64,
-    DataType.BOOL,
-}
+_SYMBOLIC_VALUE_TYPES = INTEGER_TYPES | {DataType.BOOL}
 _REPORTED_UNKNOWN = 20
 # Rounds of "infer the body, generalize the carried types" before a loop body settles.
 _MAX_BODY_ROUNDS = 3

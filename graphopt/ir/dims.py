@@ -28,7 +28,6 @@ __all__ = [
     "add",
     "floordiv",
     "format_dim",
-    "is_static",
     "mul",
     "parse_dim",
     "sub",
@@ -86,9 +85,6 @@ class Expr:
 
     terms: tuple[tuple[Monomial, int], ...]
     spelling: str | None = field(default=None, compare=False)
-
-    def constant(self) -> int:
-        return dict(self.terms).get((), 0)
 
     def symbols(self) -> set[Sym]:
         found: set[Sym] = set()
@@ -178,10 +174,6 @@ def floordiv(a: int | Sym | Expr, divisor: int) -> int | Sym | Expr:
         return poly[()] // divisor
     # (n*d + r) // d == n + r // d only for a constant r; keep the rest as one atom.
     return _simplest({(FloorDiv(Expr(tuple(sorted(poly.items(), key=lambda t: _monomial_key(t[0])))), divisor),): 1})
-
-
-def is_static(dim: Dim) -> bool:
-    return isinstance(dim, int)
 
 
 # A small recursive-descent parser for dim_param strings such as "seq + 1" or "2*(n // 4)".

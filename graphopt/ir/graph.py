@@ -226,11 +226,6 @@ class Graph:
         self._cache["topo"] = (self._version, order)
         return list(order)
 
-    def sort(self) -> None:
-        """Store the nodes in topological order."""
-        self._nodes = self.topological()
-        self._touch()
-
     def levels(self) -> list[list[Node]]:
         """ASAP levels: level 0 reads only inputs and constants; level k's inputs come from < k."""
         cached = self._cached("levels")

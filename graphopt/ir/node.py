@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
-from graphopt.ir.types import Type
 from graphopt.ir.value import Use, Value
 
 if TYPE_CHECKING:
@@ -122,22 +121,6 @@ class Node:
                 value._add_use(Use(self, index))
             self.graph._touch()
         self._inputs[index] = value
-
-    def set_inputs(self, values: Sequence[Value | None]) -> None:
-        attached = self.graph
-        if attached is not None:
-            self._unregister_uses()
-        self._inputs = list(values)
-        if attached is not None:
-            self._register_uses()
-            attached._touch()
-
-    def add_output(self, name: str = "", type: Type | None = None) -> Value:
-        value = Value(name, type)
-        value._set_producer(self, len(self._outputs))
-        value.graph = self.graph
-        self._outputs.append(value)
-        return value
 
     def attr(self, name: str, default: Any = None) -> Any:
         attr = self.attributes.get(name)

@@ -86,10 +86,6 @@ class Value:
         return bool(self._uses) or bool(self._output_of)
 
     @property
-    def is_initializer(self) -> bool:
-        return self.const is not None
-
-    @property
     def is_graph_input(self) -> bool:
         return self.graph is not None and self._producer is None and any(v is self for v in self.graph.inputs)
 

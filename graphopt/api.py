@@ -56,7 +56,7 @@ def resolve_pipeline(
     if isinstance(passes, Pipeline):
         return passes
     if passes is not None and config is not None:
-        raise InputError("give either a pass list or a config file, not both")
+        raise InputError("give either --passes (a pass list) or --config (a file), not both")
     if config is not None:
         return load_pipeline_config(Path(config), max_steps=max_steps)
     if passes is not None:

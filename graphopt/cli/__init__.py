@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -222,7 +222,7 @@ def run(
     The default pipeline is every pass that exists (see `graphopt passes`). A pass that
     fails is rolled back and reported; the run goes on (--strict makes it exit 3).
     """
-    from graphopt.api import RunOptions, is_optimized, optimize_file
+    from graphopt.api import RunOptions, is_optimized, optimize_file, resolve_pipeline
 
     if (atol is None) != (rtol is None):
         raise InputError("--atol and --rtol go together (element-wise check)")
@@ -243,10 +243,6 @@ def run(
         independent_dims=independent_dims,
         external_data=external_data,
     )
-    if passes is not None and config is not None:
-        raise InputError("give either --passes or --config, not both")
-    from graphopt.api import resolve_pipeline
-
     resolve_pipeline(passes, config, max_steps)  # bad pipelines fail before any work
     console = _stderr()
     sources = _collect(models)
@@ -304,7 +300,7 @@ def run(
         else:
             with ProcessPoolExecutor(max_workers=jobs) as pool:
                 futures = {pool.submit(_run_one, s, o): i for i, (s, o) in enumerate(tasks)}
-                for future in _as_completed(futures):
+                for future in as_completed(futures):
                     rows_by_index[futures[future]], code = future.result()
                     worst = max(worst, code)
                     progress.advance(bar)
@@ -320,12 +316,6 @@ def run(
     if strict and any(row.get("failures") for row in report["models"]):
         worst = max(worst, 3)
     sys.exit(worst)
-
-
-def _as_completed(futures: dict[Any, int]) -> Any:
-    from concurrent.futures import as_completed
-
-    return as_completed(futures)
 
 
 def _emit(report: dict[str, Any], path: Path | None, as_json: bool) -> None:

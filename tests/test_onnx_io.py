@@ -321,3 +321,26 @@ def test_constant_node_weights_are_mapped_and_streamed(tmp_path: Path) -> None:
     np.testing.assert_allclose(
         ort.InferenceSession(str(tmp_path / "doubled.onnx")).run(None, {"x": x})[0], expected, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("location", ["../outside.bin", "/etc/hostname", "sub/../../x.bin"])
+def test_external_data_may_not_leave_the_model_folder(tmp_path: Path, location: str) -> None:
+    _big_model(tmp_path / "m.onnx")
+    model = onnx.load(tmp_path / "m.onnx", load_external_data=False)
+    for entry in model.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = location
+    _write(tmp_path / "bad.onnx", model)
+    with pytest.raises(InputError, match="leaves the model's folder"):
+        onnx_io.load(tmp_path / "bad.onnx")
+
+
+def test_external_data_offset_must_be_a_number(tmp_path: Path) -> None:
+    _big_model(tmp_path / "m.onnx")
+    model = onnx.load(tmp_path / "m.onnx", load_external_data=False)
+    for entry in model.graph.initializer[0].external_data:
+        if entry.key == "offset":
+            entry.value = "twelve"
+    _write(tmp_path / "bad.onnx", model)
+    with pytest.raises(InputError, match="not a number"):
+        onnx_io.load(tmp_path / "bad.onnx")

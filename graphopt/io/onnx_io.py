@@ -181,11 +181,19 @@ class _Reader:
             info = {e.key: e.value for e in proto.external_data}
             inline = wire.INLINE_KEY in info
             location = info.get("location", "")
+            # As onnx's own loader: external data lives beside the model, never elsewhere.
+            if Path(location).is_absolute() or ".." in Path(location).parts:
+                raise InputError(
+                    f"tensor {proto.name!r}: external data location {location!r} leaves the model's folder"
+                )
             file = self.base_dir / location
             if not location or not file.is_file():
                 raise InputError(f"tensor {proto.name!r}: external data file {str(file)!r} is missing")
-            offset = int(info.get("offset", 0))
-            length = int(info["length"]) if "length" in info else None
+            try:
+                offset = int(info.get("offset", 0))
+                length = int(info["length"]) if "length" in info else None
+            except ValueError:
+                raise InputError(f"tensor {proto.name!r}: external data offset or length is not a number") from None
             needed = (math.prod(shape) * dtype.itemsize_bits + 7) // 8
             if offset + (length if length is not None else needed) > file.stat().st_size:
                 raise InputError(f"tensor {proto.name!r}: external data file {str(file)!r} is too short")

@@ -236,8 +236,8 @@ def _data(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> 
     assert dtype is not None
     if "mask" in spec.name.lower() and dtype.kind in "biuf":
         return np.ones(shape, dtype=dtype)
-    if dtype.kind == "b":
-        return rng.random(shape) < 0.5
+    if dtype.kind == "b":  # a comparison of a rank-0 draw is a numpy scalar, which onnxruntime refuses
+        return np.asarray(rng.random(shape) < 0.5)
     if dtype.kind in "iu":
         high = min(_MAX_ID, spec.id_bound or _MAX_ID, int(np.iinfo(dtype).max))
         return rng.integers(0, max(high, 1), size=shape).astype(dtype)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
+from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 from graphopt.check import check_models
+from graphopt.cli import cli
 
 FLOAT, BOOL = TensorProto.FLOAT, TensorProto.BOOL
 
@@ -37,3 +39,26 @@ def test_check_feeds_a_scalar_bool_input(tmp_path: Path) -> None:
     )
     result = check_models(path, path)
     assert result.status == "passed", result.reason
+
+
+def _relu_model() -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", FLOAT, [2, 3])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def test_run_refuses_two_models_with_one_output_path(tmp_path: Path) -> None:
+    # `run a/m.onnx b/m.onnx -o out` wrote both to out/m.onnx: the second silently replaced the first.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = _save(_relu_model(), tmp_path / "a" / "m.onnx")
+    second = _save(_relu_model(), tmp_path / "b" / "m.onnx")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["run", str(first), str(second), "-o", str(out), "--no-check", "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert "m.onnx" in result.output and "Traceback" not in result.output
+    assert not out.exists()

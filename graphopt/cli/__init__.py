@@ -280,11 +280,15 @@ def run(
         raise InputError("--in-place and -o exclude each other")
     tasks = []
     roots = [m for m in models if m.is_dir()]
+    written: dict[Path, Path] = {}
     for source in sources:
         target = None
         if output is not None:
             root = next((r for r in roots if source.is_relative_to(r)), source.parent)
             target = output / source.relative_to(root)
+            if target in written:  # one result would silently replace the other
+                raise InputError(f"{source}: its output {target} is also the output of {written[target]}")
+            written[target] = source
         tasks.append((source, replace(options, output=target)))
     rows_by_index: dict[int, dict[str, Any]] = {}
     worst = 0

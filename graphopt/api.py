@@ -97,10 +97,10 @@ def optimize(
 
 
 def check(original: str | os.PathLike[str], optimized: str | os.PathLike[str], **options: Any) -> Any:
-    """Compare two model files in onnxruntime (see graphopt.check.check_models)."""
-    from graphopt.check import check_models
+    """Compare two model files in onnxruntime (graphopt.check.check_models, crashes contained)."""
+    from graphopt.check import check_models_isolated
 
-    return check_models(original, optimized, **options)
+    return check_models_isolated(original, optimized, **options)
 
 
 # -- file to file ------------------------------------------------------------------------
@@ -230,9 +230,9 @@ def _optimize_file(
         report["seconds"]["load"] = round(load_seconds, 6)
         if options.check:
             check_start = time.perf_counter()
-            from graphopt.check import check_models
+            from graphopt.check import check_models_isolated
 
-            outcome = check_models(
+            outcome = check_models_isolated(
                 _as_onnx(source, workdir / "original"),
                 _as_onnx(staged, workdir / "optimized"),
                 dims=options.dims or None,
@@ -307,7 +307,7 @@ def _move_into_place(staged: Path, output: Path) -> None:
 
 def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
     """Rerun the pipeline one pass execution longer each time; name the first that breaks numerics."""
-    from graphopt.check import check_models
+    from graphopt.check import check_models_isolated
 
     reference = _as_onnx(source, workdir / "original")
     total = len(_optimize_with(load(source, independent_dims=options.independent_dims), options).pipeline_run.runs)
@@ -315,7 +315,7 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
         partial = _optimize_with(load(source, independent_dims=options.independent_dims), options, stop_after=count)
         candidate = workdir / f"blame-{count}.onnx"
         save(partial.model, candidate)
-        outcome = check_models(
+        outcome = check_models_isolated(
             reference, candidate, dims=options.dims or None, inputs=options.inputs, atol=options.atol, rtol=options.rtol
         )
         if outcome.status == "failed":

@@ -432,12 +432,12 @@ def check(
     import tempfile
 
     from graphopt.api import _as_onnx
-    from graphopt.check import check_models
+    from graphopt.check import check_models_isolated
 
     if (atol is None) != (rtol is None):
         raise InputError("--atol and --rtol go together (element-wise check)")
     with tempfile.TemporaryDirectory() as workdir:
-        result = check_models(
+        result = check_models_isolated(
             _as_onnx(original, Path(workdir) / "original"),
             _as_onnx(optimized, Path(workdir) / "optimized"),
             dims=_parse_dims(dims) or None,

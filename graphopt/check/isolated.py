@@ -1,0 +1,71 @@
+"""The check in a child process: an onnxruntime crash becomes a result, not graphopt's end.
+
+onnxruntime is C++; some valid models crash it outright (1.31 segfaults on a Split whose
+middle output is omitted). In graphopt's own process that would kill the run with no
+message and no documented exit code. Here the child runs :func:`check_models`; if it dies,
+a second child runs the original against itself to find out which model crashed:
+
+- the original crashes too: "not checked" (onnxruntime cannot run this model at all);
+- only the optimized model crashes: "failed" (the optimization broke something).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from multiprocessing.connection import Connection
+from typing import Any
+
+from graphopt.check.numerics import CheckResult, check_models
+
+__all__ = ["check_models_isolated"]
+
+
+def _child(connection: Connection, original: Any, optimized: Any, options: dict[str, Any]) -> None:
+    try:
+        connection.send(check_models(original, optimized, **options))
+    except BaseException as err:  # handed to the parent, which raises it there
+        connection.send(err)
+    finally:
+        connection.close()
+
+
+def _run_in_child(original: Any, optimized: Any, options: dict[str, Any]) -> CheckResult | str:
+    """The check's result, or a description of how the child died."""
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(  # type: ignore[attr-defined]
+        target=_child, args=(sender, original, optimized, options), daemon=True
+    )
+    process.start()
+    sender.close()
+    try:
+        outcome = receiver.recv()
+    except EOFError:
+        outcome = None
+    finally:
+        receiver.close()
+        process.join()
+    if isinstance(outcome, BaseException):
+        raise outcome
+    if isinstance(outcome, CheckResult):
+        return outcome
+    code = process.exitcode or 0
+    if code < 0:
+        return f"onnxruntime crashed with {signal.Signals(-code).name}"
+    return f"the check's process ended with exit code {code}"
+
+
+def check_models_isolated(
+    original: str | os.PathLike[str], optimized: str | os.PathLike[str], **options: Any
+) -> CheckResult:
+    """:func:`check_models` (same arguments and errors), with onnxruntime crashes contained."""
+    outcome = _run_in_child(original, optimized, options)
+    if isinstance(outcome, CheckResult):
+        return outcome
+    alone = _run_in_child(original, original, options)
+    if isinstance(alone, CheckResult) and alone.status == "passed":
+        return CheckResult("failed", f"{outcome} running the optimized model", {})
+    return CheckResult("not checked", f"{outcome} running the original model", {})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import jsonschema
@@ -209,3 +211,17 @@ def test_batch_mode_over_a_folder_with_shards(tmp_path: Path) -> None:
     names = [sorted(Path(r["input"]["path"]).name for r in s["models"]) for s in shards]
     assert names == [["bad.onnx", "m1.onnx"], ["m0.onnx", "m2.onnx"]]
     assert invoke("run", models, "--shard", "3/2").exit_code == 2
+
+
+def test_outputs_get_the_permissions_of_a_plain_write(sample: Path, tmp_path: Path) -> None:
+    # Temporary files are private (0600); renamed into place they must not stay so.
+    out, report = tmp_path / "out.onnx", tmp_path / "report.json"
+    as_json = tmp_path / "model.json"
+    assert invoke("run", sample, "-o", out, "--report", report, "--external-data", "--no-check").exit_code == 0
+    assert invoke("convert", sample, as_json).exit_code == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    written = [out, report, as_json, *tmp_path.glob("*.data"), *tmp_path.glob("*.npy")]
+    assert len(written) >= 4
+    for path in written:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path

@@ -35,7 +35,6 @@ import itertools
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ import onnx
 from onnx import helper
 
 from graphopt.errors import InputError
+from graphopt.files import temporary_file
 from graphopt.io.json_text import dump, parse_type_text, type_text
 from graphopt.io.onnx_io import ProtoSource
 from graphopt.ir import (
@@ -213,8 +213,8 @@ def save(model: Model, path: str | os.PathLike[str]) -> None:
     staged = writer.staged
     try:
         text = dump(writer.model(model)) + "\n"
-        handle, tmp_json = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        staged.append(tmp_json)
+        handle, tmp_json = temporary_file(path.parent, path.name)
+        staged.append(str(tmp_json))
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)
         for tmp, final, _ in writer.sidecars:
@@ -345,7 +345,8 @@ class _Writer:
 
     def _sidecar(self, tensor: Tensor) -> str:
         name = f"{self.path.stem}.{len(self.sidecars)}.npy"
-        handle, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=self.path.parent)
+        handle, tmp_path = temporary_file(self.path.parent, name)
+        tmp = str(tmp_path)
         self.staged.append(tmp)
         self.sidecars.append((tmp, self.path.parent / name, tensor))
         with os.fdopen(handle, "wb") as out:

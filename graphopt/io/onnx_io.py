@@ -22,7 +22,6 @@ import io
 import itertools
 import math
 import os
-import tempfile
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 
 from graphopt.errors import InputError
+from graphopt.files import temporary_file
 from graphopt.io import wire
 from graphopt.ir import (
     Attr,
@@ -425,9 +425,8 @@ def save(
     data_tmp: Path | None = None
     writer: _ExternalWriter | None = None
     if external_data:
-        handle, tmp = tempfile.mkstemp(prefix=f".{data_name}.", dir=path.parent)
+        handle, data_tmp = temporary_file(path.parent, data_name)
         os.close(handle)
-        data_tmp = Path(tmp)
         writer = _ExternalWriter(data_tmp, data_name)
     digests: dict[str, str] = {}
     try:
@@ -472,14 +471,14 @@ class _HashingFile(io.RawIOBase):
 
 def _atomic_write_with(path: Path, write: Callable[[BinaryIO], object]) -> str:
     """Write through ``write`` into a temporary file, rename it to ``path``; return its sha256."""
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    handle, tmp = temporary_file(path.parent, path.name)
     try:
         with os.fdopen(handle, "wb") as out:
             hashing = _HashingFile(out)
             write(hashing)  # type: ignore[arg-type]
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return hashing.digest.hexdigest()
 

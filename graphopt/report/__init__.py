@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from graphopt.files import temporary_file
 
 __all__ = ["dumps", "without_timings", "write_report"]
 
@@ -23,13 +24,13 @@ def dumps(report: Any) -> str:
 def write_report(report: Any, path: Path) -> None:
     """Write atomically: a temporary file in the same folder, then a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    handle, tmp = temporary_file(path.parent, path.name)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(dumps(report))
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -16,8 +16,11 @@ def _arrow(pair: list[int]) -> str:
     return str(before) if before == after else f"{before} -> {after}"
 
 
-def _megabytes(count: int) -> str:
-    return f"{count / 1e6:.2f} MB"
+def _size(count: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{count} B"
 
 
 def render_report(console: Console, report: dict[str, Any]) -> None:
@@ -39,7 +42,7 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     console.print(
         f"nodes {before['nodes']} -> {after['nodes']},"
         f" initializers {before['initializers']} -> {after['initializers']},"
-        f" weights {_megabytes(before['initializer_bytes'])} -> {_megabytes(after['initializer_bytes'])}"
+        f" weights {_size(before['initializer_bytes'])} -> {_size(after['initializer_bytes'])}"
     )
     numerics = report.get("numerics", {})
     status = numerics.get("status", "skipped")
@@ -109,7 +112,7 @@ def render_inspection(console: Console, info: dict[str, Any]) -> None:
     console.print(ops)
     console.print(
         f"parameters: {info['parameters']:,} in {info['initializers']} initializers"
-        f" ({_megabytes(info['parameter_bytes'])})"
+        f" ({_size(info['parameter_bytes'])})"
     )
     if info["subgraphs"]:
         console.print(f"subgraphs: {info['subgraphs']} (in {', '.join(sorted(set(info['subgraph_owners'])))})")

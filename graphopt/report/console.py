@@ -111,8 +111,7 @@ def render_inspection(console: Console, info: dict[str, Any]) -> None:
         ops.add_row(op, str(count))
     console.print(ops)
     console.print(
-        f"parameters: {info['parameters']:,} in {info['initializers']} initializers"
-        f" ({_size(info['parameter_bytes'])})"
+        f"parameters: {info['parameters']:,} in {info['initializers']} initializers ({_size(info['parameter_bytes'])})"
     )
     if info["subgraphs"]:
         console.print(f"subgraphs: {info['subgraphs']} (in {', '.join(sorted(set(info['subgraph_owners'])))})")

@@ -35,17 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import measure
 import report
-from tools import GRAPHOPT, PEERS, PORTABLE_PEERS, TOOLS, run_tool
+from tools import BUILDER, GRAPHOPT, PEERS, PORTABLE_PEERS, TOOLS, run_tool
 
-# The workspace's shared/ folder sits beside the repository (a clone elsewhere falls back to /work).
-BUILDER = next(
-    (
-        p
-        for p in (Path(__file__).resolve().parents[2] / "shared/corpus/build.py", Path("/work/shared/corpus/build.py"))
-        if p.is_file()
-    ),
-    Path("/work/shared/corpus/build.py"),
-)
 DEFAULT_CORPUS = Path.home() / ".cache" / "graphopt-corpus"
 # Real image sizes for the models whose image dims are dynamic (a 1x1 image measures nothing,
 # and the detector needs sides that are multiples of 32); also used by the numerics check.

@@ -36,17 +36,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import report
-from tools import existing_default_pipeline, missing_passes, peak_rss_mb
+from tools import BUILDER, existing_default_pipeline, missing_passes, peak_rss_mb
 
-# The workspace's shared/ folder sits beside the repository (a clone elsewhere falls back to /work).
-BUILDER = next(
-    (
-        p
-        for p in (Path(__file__).resolve().parents[2] / "shared/corpus/build.py", Path("/work/shared/corpus/build.py"))
-        if p.is_file()
-    ),
-    Path("/work/shared/corpus/build.py"),
-)
 RSS_TARGET = 1.5
 TIME_TARGET = 3.0
 CONVERT_TARGET = 1.5

@@ -29,6 +29,16 @@ from pathlib import Path
 from typing import Any
 
 GRAPHOPT = "graphopt"
+
+# The workspace's shared/ folder sits beside the repository (a clone elsewhere falls back to /work).
+BUILDER = next(
+    (
+        p
+        for p in (Path(__file__).resolve().parents[2] / "shared/corpus/build.py", Path("/work/shared/corpus/build.py"))
+        if p.is_file()
+    ),
+    Path("/work/shared/corpus/build.py"),
+)
 # The peers, in table order. ort_extended writes onnxruntime's contrib ops, which only
 # onnxruntime can run, so it is shown beside the others but never counted as "best peer".
 PEERS = ["onnxsim", "onnxslim", "onnxoptimizer", "onnxscript", "ort_basic", "ort_extended"]

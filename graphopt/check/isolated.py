@@ -11,6 +11,7 @@ a second child runs the original against itself to find out which model crashed:
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import signal
@@ -23,6 +24,7 @@ __all__ = ["check_models_isolated"]
 
 
 def _child(connection: Connection, original: Any, optimized: Any, options: dict[str, Any]) -> None:
+    faulthandler.disable()  # the parent reports a crash in one line; no dump of this process's stack
     try:
         connection.send(check_models(original, optimized, **options))
     except BaseException as err:  # handed to the parent, which raises it there

@@ -10,12 +10,11 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 import graphopt.check.isolated as isolated
 from graphopt.check import check_models_isolated
-from graphopt.cli import cli
+from tests.cli_helpers import invoke
 
 
 def _model(path: Path, scale: float = 1.0) -> Path:
@@ -78,6 +77,6 @@ def test_run_survives_an_onnxruntime_segfault(tmp_path: Path) -> None:
     )
     source = tmp_path / "split.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), source)
-    result = CliRunner().invoke(cli, ["run", str(source), "-o", str(tmp_path / "out" / "split.onnx"), "--json"])
+    result = invoke("run", source, "-o", tmp_path / "out" / "split.onnx", "--json")
     assert result.exit_code in (0, 1), result.stderr
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".graphopt-")]

@@ -11,14 +11,14 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.cli import cli
-from graphopt.ir import Model, Tensor
+from graphopt.ir import Model
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.schemas import schema
 from samples.build_samples import tiny_encoder
+from tests.cli_helpers import invoke
 
 
 @register
@@ -29,22 +29,6 @@ class _Explodes(Pass):
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         model.graph.remove(model.graph.nodes[0], safe=False)
         raise RuntimeError("boom")
-
-
-@register
-class _BreaksNumerics(Pass):
-    name = "test-breaks-numerics"
-    description = "Doubles every float initializer (a wrong optimization)"
-
-    def run(self, model: Model, ctx: PassContext) -> PassResult:
-        for value in model.graph.initializers.values():
-            if isinstance(value.const, Tensor) and value.const.numpy().dtype == np.float32:
-                value.const = Tensor.from_array(value.const.numpy() * 2, value.name)
-        return PassResult(True)
-
-
-def invoke(*args: str | Path) -> Result:
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 @pytest.fixture

@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
-from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 from graphopt.check import check_models
-from graphopt.cli import cli
+from tests.cli_helpers import invoke
 
 FLOAT, BOOL = TensorProto.FLOAT, TensorProto.BOOL
 
@@ -58,7 +57,7 @@ def test_run_refuses_two_models_with_one_output_path(tmp_path: Path) -> None:
     first = _save(_relu_model(), tmp_path / "a" / "m.onnx")
     second = _save(_relu_model(), tmp_path / "b" / "m.onnx")
     out = tmp_path / "out"
-    result = CliRunner().invoke(cli, ["run", str(first), str(second), "-o", str(out), "--no-check", "--quiet"])
+    result = invoke("run", first, second, "-o", out, "--no-check", "--quiet")
     assert result.exit_code == 2, result.output
     assert "m.onnx" in result.output and "Traceback" not in result.output
     assert not out.exists()

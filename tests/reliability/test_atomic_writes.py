@@ -18,18 +18,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from click.testing import CliRunner, Result
 
-from graphopt.cli import cli
 from graphopt.io import onnx_io
-from graphopt.ir import Model, Tensor
-from graphopt.passes.base import Pass, PassContext, PassResult, register
+from tests.cli_helpers import BreaksNumerics, invoke
 from tests.reliability import builders
 from tests.reliability.test_bad_input import snapshot
-
-
-def invoke(*args: str | Path) -> Result:
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def with_external_data(folder: Path, name: str = "model.onnx") -> Path:
@@ -195,23 +188,11 @@ def test_json_output_keeps_its_sidecars(tmp_path: Path) -> None:
     np.testing.assert_allclose(run_model(back), run_model(source), rtol=1e-6)
 
 
-@register
-class _ShiftsOutputs(Pass):
-    name = "test-reliability-shift"
-    description = "Adds one to every float initializer (a wrong optimization)"
-
-    def run(self, model: Model, ctx: PassContext) -> PassResult:
-        for value in model.graph.initializers.values():
-            if isinstance(value.const, Tensor):
-                value.const = Tensor.from_array(value.const.numpy() + 1, value.name)
-        return PassResult(True)
-
-
 def test_a_failed_check_leaves_no_new_folder(tmp_path: Path) -> None:
     source = with_external_data(tmp_path)
     before = snapshot(tmp_path)
-    result = invoke("run", source, "-o", tmp_path / "new" / "deeper" / "out.onnx", "--passes", _ShiftsOutputs.name)
+    result = invoke("run", source, "-o", tmp_path / "new" / "deeper" / "out.onnx", "--passes", BreaksNumerics.name)
     assert result.exit_code == 1, result.stderr
     assert snapshot(tmp_path) == before
-    assert invoke("run", source, "--in-place", "--passes", _ShiftsOutputs.name).exit_code == 1
+    assert invoke("run", source, "--in-place", "--passes", BreaksNumerics.name).exit_code == 1
     assert snapshot(tmp_path) == before

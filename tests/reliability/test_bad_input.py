@@ -16,16 +16,12 @@ from pathlib import Path
 
 import onnx
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
 
-from graphopt.cli import cli
+from tests.cli_helpers import invoke
 from tests.reliability import builders
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-def invoke(*args: str | Path) -> Result:
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def snapshot(folder: Path) -> dict[str, bytes | None]:

@@ -15,17 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from click.testing import CliRunner, Result
-
-from graphopt.cli import cli
 from graphopt.report import without_timings
+from tests.cli_helpers import invoke
 from tests.reliability import builders
 
 BATCH = ["wide_ensemble", "tf_style_nhwc", "bert_fp16_weights"]
-
-
-def invoke(*args: str | Path) -> Result:
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def comparable(report: dict[str, Any], out: Path) -> str:

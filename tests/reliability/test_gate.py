@@ -11,16 +11,11 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
 
-from graphopt.cli import cli
+from tests.cli_helpers import invoke
 from tests.conftest import CORPUS_MODELS
 from tests.reliability import builders
 from tests.reliability.test_bad_input import snapshot
-
-
-def invoke(*args: str | Path) -> Result:
-    return CliRunner().invoke(cli, [str(a) for a in args])
 
 
 def gate(*models: Path) -> tuple[int, list[dict[str, object]]]:

@@ -8,9 +8,10 @@ pipeline uses this to restore the model when a pass fails half way.
 from __future__ import annotations
 
 from copy import deepcopy
+from dataclasses import replace
 
 from graphopt.ir.graph import Graph
-from graphopt.ir.model import Function, Model
+from graphopt.ir.model import Model
 from graphopt.ir.node import Attr, AttrKind, Node
 from graphopt.ir.value import Value
 
@@ -77,28 +78,21 @@ def _clone_attr(attr: Attr, mapping: dict[int, Value]) -> Attr:
 
 def clone_model(model: Model) -> Model:
     functions = [
-        Function(
-            domain=f.domain,
-            name=f.name,
+        replace(
+            f,
             body=clone_graph(f.body),
             attributes=list(f.attributes),
             attribute_defaults=dict(f.attribute_defaults),
             opset_imports=dict(f.opset_imports),
-            overload=f.overload,
-            doc_string=f.doc_string,
             metadata_props=dict(f.metadata_props),
         )
         for f in model.functions
     ]
-    return Model(
+    # Fields not named here are immutable values and are shared.
+    return replace(
+        model,
         graph=clone_graph(model.graph),
         opset_imports=dict(model.opset_imports),
-        ir_version=model.ir_version,
-        producer_name=model.producer_name,
-        producer_version=model.producer_version,
-        domain=model.domain,
-        model_version=model.model_version,
-        doc_string=model.doc_string,
         metadata_props=dict(model.metadata_props),
         functions=functions,
         opaque_fields={k: list(v) for k, v in model.opaque_fields.items()},

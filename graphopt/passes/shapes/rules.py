@@ -322,13 +322,17 @@ def depth_space(op: Op) -> Outputs:
 # -- shape manipulation ------------------------------------------------------------------
 
 
+def _unknown_dims_of_length(target_shape: tuple[Dim, ...] | None) -> tuple[Dim, ...] | None:
+    """A shape whose values are unknown still tells the rank: its own length."""
+    length = target_shape[0] if target_shape is not None and len(target_shape) == 1 else None
+    return (None,) * length if isinstance(length, int) else None
+
+
 @rule("Reshape")
 def reshape(op: Op) -> Outputs:
     target = op.sym(1)
     if target is None:
-        shape = op.shape(1)
-        length = shape[0] if shape is not None and len(shape) == 1 else None
-        return [_t(op.dtype(0), None if not isinstance(length, int) else (None,) * length)]
+        return [_t(op.dtype(0), _unknown_dims_of_length(op.shape(1)))]
     source = op.shape(0)
     allow_zero = op.attr("allowzero", 0)
     out: list[Dim] = []
@@ -539,9 +543,7 @@ def unsqueeze(op: Op) -> Outputs:
 def expand(op: Op) -> Outputs:
     target = op.sym(1)
     if target is None:
-        shape = op.shape(1)
-        length = shape[0] if shape is not None and len(shape) == 1 else None
-        return [_t(op.dtype(0), None if not isinstance(length, int) else (None,) * length)]
+        return [_t(op.dtype(0), _unknown_dims_of_length(op.shape(1)))]
     return [_t(op.dtype(0), broadcast([op.shape(0), target]))]
 
 

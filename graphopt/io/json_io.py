@@ -47,13 +47,12 @@ from onnx import helper
 from graphopt.errors import InputError
 from graphopt.files import temporary_file
 from graphopt.io.json_text import dump, parse_type_text, type_text
-from graphopt.io.onnx_io import ProtoSource
+from graphopt.io.onnx_io import ProtoSource, raw_buffer
 from graphopt.ir import (
     Attr,
     AttrKind,
     DataType,
     Dim,
-    ExternalSource,
     Function,
     Graph,
     GraphError,
@@ -142,16 +141,6 @@ def _numpy_or_none(dtype: DataType) -> np.dtype | None:
         return dtype.numpy()
     except TypeError:
         return None
-
-
-def _raw_buffer(tensor: Tensor) -> memoryview:
-    """The tensor's bytes as ONNX raw_data holds them, without a copy where possible."""
-    source = tensor.source
-    if isinstance(source, ProtoSource) and source.proto.HasField("raw_data"):
-        return memoryview(source.proto.raw_data)
-    if isinstance(source, ExternalSource):
-        return memoryview(source.raw())
-    return np.ascontiguousarray(source.read()).reshape(-1).view(np.uint8).data
 
 
 def _typed_field(proto: onnx.TensorProto) -> str | None:
@@ -334,7 +323,7 @@ class _Writer:
         storage = _storage_dtype(tensor.dtype)
         if storage is not None and tensor.nbytes > SIDECAR_THRESHOLD:
             return {"file": self._sidecar(tensor)}
-        raw = _raw_buffer(tensor).tobytes()
+        raw = raw_buffer(tensor).tobytes()
         native = _numpy_or_none(tensor.dtype)
         # An empty tensor's shape cannot be read off nested lists, so it stays base64 ("").
         if native is not None and native.kind in "biuf" and tensor.size and len(raw) == tensor.size * native.itemsize:
@@ -350,7 +339,7 @@ class _Writer:
         self.staged.append(tmp)
         self.sidecars.append((tmp, self.path.parent / name, tensor))
         with os.fdopen(handle, "wb") as out:
-            array = np.frombuffer(_raw_buffer(tensor), dtype=_storage_dtype(tensor.dtype)).reshape(tensor.shape)
+            array = np.frombuffer(raw_buffer(tensor), dtype=_storage_dtype(tensor.dtype)).reshape(tensor.shape)
             np.lib.format.write_array(out, array, allow_pickle=False)
         return name
 

@@ -60,7 +60,7 @@ from graphopt.ir import (
     parse_dim,
 )
 
-__all__ = ["ProtoSource", "digest", "from_proto", "load", "save", "to_proto"]
+__all__ = ["ProtoSource", "digest", "from_proto", "load", "raw_buffer", "save", "to_proto"]
 
 # Tensors at least this large go to the external-data file when one is written.
 EXTERNAL_THRESHOLD = 1024
@@ -539,7 +539,7 @@ class _ExternalWriter:
                 self.out.write(chunk)
                 length += len(chunk)
         else:
-            payload = _raw_bytes(tensor)
+            payload = raw_buffer(tensor)
             self.out.write(payload)
             length = len(payload)
         self.offset = start + length
@@ -553,11 +553,18 @@ class _ExternalWriter:
             self.file.close()
 
 
-def _raw_bytes(tensor: Tensor) -> bytes:
+def raw_buffer(tensor: Tensor) -> memoryview:
+    """The tensor's bytes as ONNX raw_data holds them (4-bit types packed), without a copy
+    where possible. Not for string tensors, which have no raw form."""
     source = tensor.source
     if isinstance(source, ProtoSource) and source.proto.HasField("raw_data"):
-        return source.proto.raw_data
-    return _tensor_proto_from_array(tensor, source.read()).raw_data
+        return memoryview(source.proto.raw_data)
+    if isinstance(source, ExternalSource):
+        return memoryview(source.raw())
+    array = source.read()
+    if _raw_layout(tensor) and array.dtype != np.dtype(object):
+        return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    return memoryview(_tensor_proto_from_array(tensor, array).raw_data)
 
 
 def _streams_from_array(tensor: Tensor) -> bool:

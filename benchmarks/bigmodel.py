@@ -99,7 +99,7 @@ def child_graphopt_load(src: Path) -> dict[str, Any]:
 
 def child_graphopt_run(src: Path, out: Path, passes: str | None) -> dict[str, Any]:
     """optimize_file, as `graphopt run --no-check` calls it, counting the tensors the passes touch."""
-    import graphopt.api as api
+    import graphopt.runner as runner
     from graphopt.ir.tensor import Tensor
 
     touched: dict[int, int] = {}
@@ -120,7 +120,7 @@ def child_graphopt_run(src: Path, out: Path, passes: str | None) -> dict[str, An
             touched[id(tensor)] = tensor.nbytes
         return tensor
 
-    optimize = api.optimize
+    optimize = runner.optimize
 
     def counting_optimize(*args: Any, **kwargs: Any) -> Any:
         active[0] = True
@@ -131,11 +131,11 @@ def child_graphopt_run(src: Path, out: Path, passes: str | None) -> dict[str, An
 
     Tensor.numpy = counting_read  # type: ignore[method-assign]
     Tensor.from_array = classmethod(counting_make)  # type: ignore[method-assign,assignment]
-    api.optimize = counting_optimize  # type: ignore[assignment]
+    runner.optimize = counting_optimize  # type: ignore[assignment]
     pipeline = passes if passes is not None else existing_default_pipeline()
     imported = _rss_now_mb()
     start = time.perf_counter()
-    result, _ = api.optimize_file(src, api.RunOptions(output=out, passes=pipeline, check=False))
+    result, _ = runner.optimize_file(src, runner.RunOptions(output=out, passes=pipeline, check=False))
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
@@ -263,7 +263,7 @@ def _big_md(big: dict[str, Any]) -> list[str]:
     g, o = big["graphopt"], big["onnx"]
     parts = [
         f"### {big['model']}: {big['disk_mb']:.0f} MB with external data, default pipeline end to end",
-        "`graphopt.api.optimize_file` with no check (what `graphopt run big.onnx -o out/big.onnx --no-check` does) "
+        "`graphopt.runner.optimize_file` with no check (what `graphopt run big.onnx -o out/big.onnx --no-check` does) "
         "against `onnx.load(load_external_data=True)` + `onnx.save_model(save_as_external_data=True)`. Tensors "
         "touched = bytes of the tensors the passes read (Tensor.numpy) or created (Tensor.from_array). Peak RSS "
         "includes the interpreter and its imports (import RSS shown apart).",

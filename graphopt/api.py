@@ -5,25 +5,19 @@
     graphopt.save(result.model, "model.opt.onnx")
     print(result.report["passes"])
 
-The CLI is a thin layer over :func:`optimize_file`, which adds what a file-to-file run
-needs: atomic writes, the numerics check and the report.
+The file-to-file run the CLI makes (atomic writes, the numerics check, the report, the CI
+gate, blame) lives beside this module, in :mod:`graphopt.runner`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from graphopt import __version__
 from graphopt.errors import InputError, PassError
 from graphopt.io import load, save
 from graphopt.ir import Model
@@ -38,7 +32,7 @@ from graphopt.passes.pipeline import (
     pipeline_from_names,
 )
 
-__all__ = ["Result", "RunOptions", "check", "load", "optimize", "optimize_file", "resolve_pipeline", "save"]
+__all__ = ["Result", "check", "load", "optimize", "resolve_pipeline", "save"]
 
 
 @dataclass
@@ -101,238 +95,3 @@ def check(original: str | os.PathLike[str], optimized: str | os.PathLike[str], *
     from graphopt.check import check_models_isolated
 
     return check_models_isolated(original, optimized, **options)
-
-
-# -- file to file ------------------------------------------------------------------------
-
-
-@dataclass
-class RunOptions:
-    output: Path | None = None
-    passes: str | None = None
-    config: Path | None = None
-    max_steps: int | None = None
-    check: bool = True
-    dims: dict[str, int] = field(default_factory=dict)
-    inputs: Path | None = None
-    atol: float | None = None
-    rtol: float | None = None
-    keep_failed: bool = False
-    blame: bool = False
-    strict: bool = False
-    in_place: bool = False
-    independent_dims: bool = False
-    external_data: bool | None = None
-
-
-def default_output(path: Path) -> Path:
-    return path.with_name(f"{path.stem}.opt{path.suffix or '.onnx'}")
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _file_entry(path: Path, known: dict[str, str] | None = None) -> dict[str, Any]:
-    """Path, sha256 and size of a model file and its .data; ``known`` digests by file name
-    (computed while writing) spare reading the files again."""
-    known = known or {}
-
-    def describe(file: Path) -> dict[str, Any]:
-        digest = known.get(file.name) or file_digest(file)
-        return {"path": str(file), "sha256": digest, "bytes": file.stat().st_size}
-
-    entry = describe(path)
-    data = path.with_name(path.name + ".data")
-    if data.is_file():
-        entry["external_data"] = describe(data)
-    return entry
-
-
-def _as_onnx(path: Path, workdir: Path) -> Path:
-    """An ONNX file for onnxruntime: the path itself, or a conversion of a JSON graph into ``workdir``
-    (one folder per model: two JSON graphs of one name must not convert onto each other)."""
-    if path.suffix.lower() != ".json":
-        return path
-    converted = workdir / f"{path.stem}.onnx"
-    save(load(path), converted)
-    return converted
-
-
-def _optimize_with(
-    model: Model,
-    options: RunOptions,
-    on_pass: Callable[[PassRun], None] | None = None,
-    stop_after: int | None = None,
-) -> Result:
-    return optimize(
-        model,
-        options.passes,
-        config=options.config,
-        max_steps=options.max_steps,
-        independent_dims=options.independent_dims,
-        strict=options.strict,
-        on_pass=on_pass,
-        stop_after=stop_after,
-    )
-
-
-def optimize_file(
-    source: Path, options: RunOptions, on_pass: Callable[[PassRun], None] | None = None
-) -> tuple[dict[str, Any], int]:
-    """Optimize one file into ``options.output``; returns the report and the exit code.
-
-    The optimized model is written to a private temporary folder beside the destination,
-    checked there, and moved into place only when everything passed: a failed run leaves
-    no file behind (unless ``keep_failed``).
-    """
-    source = Path(source)
-    output = options.output or (source if options.in_place else default_output(source))
-    if output.resolve() == source.resolve() and not options.in_place:
-        raise InputError(f"{output}: refusing to overwrite the input (use --in-place)")
-    # The input's digest is read beside the real work: hashing releases the GIL.
-    with ThreadPoolExecutor(max_workers=1) as hasher:
-        input_entry = hasher.submit(_file_entry, source)
-        return _optimize_file(source, output, options, on_pass, input_entry)
-
-
-def _optimize_file(
-    source: Path,
-    output: Path,
-    options: RunOptions,
-    on_pass: Callable[[PassRun], None] | None,
-    input_entry: Future[dict[str, Any]],
-) -> tuple[dict[str, Any], int]:
-    started = time.perf_counter()
-    load_start = time.perf_counter()
-    model = load(source, independent_dims=options.independent_dims)
-    load_seconds = time.perf_counter() - load_start
-    result = _optimize_with(model, options, on_pass)
-    report: dict[str, Any] = {"graphopt_version": __version__, "input": None, **result.report}
-    created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix=".graphopt-", dir=output.parent))
-    exit_code = 0
-    try:
-        # The output and its sidecars (.data, .npy) alone in one folder: they move into place together.
-        staged = workdir / "output" / output.name
-        save_start = time.perf_counter()
-        save_options: dict[str, Any] = {}
-        if staged.suffix.lower() != ".json":
-            save_options["external_data"] = options.external_data
-        written = save(result.model, staged, **save_options)
-        report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
-        report["input"] = input_entry.result()
-        report["seconds"]["load"] = round(load_seconds, 6)
-        if options.check:
-            check_start = time.perf_counter()
-            from graphopt.check import check_models_isolated
-
-            outcome = check_models_isolated(
-                _as_onnx(source, workdir / "original"),
-                _as_onnx(staged, workdir / "optimized"),
-                dims=options.dims or None,
-                inputs=options.inputs,
-                atol=options.atol,
-                rtol=options.rtol,
-            )
-            report["numerics"] = outcome.as_dict()
-            report["seconds"]["check"] = round(time.perf_counter() - check_start, 6)
-            if outcome.status == "failed":
-                exit_code = 1
-                if options.blame:
-                    report["blame"] = blame(source, options, workdir)
-        else:
-            report["numerics"] = {"status": "skipped", "reason": "--no-check"}
-        if exit_code == 0 or options.keep_failed:
-            _move_into_place(staged, output)
-            report["output"] = _file_entry(output, written)
-            created = []
-        else:
-            report["output"] = None
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        for folder in created:  # innermost first; only the folders this run made, and only if empty
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-    report["seconds"]["total"] = round(time.perf_counter() - started, 6)
-    report["status"] = "ok" if exit_code == 0 else "check failed"
-    report["exit_code"] = exit_code
-    return report, exit_code
-
-
-def _move_into_place(staged: Path, output: Path) -> None:
-    """Rename the staged model and its sidecars into place, all or none.
-
-    Sidecars go first and the model last, so a reader never sees the new model with old
-    weights. A destination that exists is first hard-linked into the staging folder, so a
-    failure part way puts every file back; a ``.data`` beside the output that the new model
-    does not use is removed with the same guarantee.
-    """
-    staging = staged.parent
-    moves: list[tuple[Path | None, Path]] = [
-        (p, output.parent / p.name) for p in sorted(staging.iterdir()) if p != staged
-    ]
-    moves.append((staged, output))
-    stale = output.with_name(output.name + ".data")
-    if stale.is_file() and not (staging / stale.name).exists():
-        moves.insert(0, (None, stale))
-    backups: list[tuple[Path, Path]] = []
-    done: list[Path] = []
-    try:
-        for i, (source, target) in enumerate(moves):
-            if target.is_file():
-                backup = staging.parent / f"previous-{i}"
-                try:
-                    os.link(target, backup)
-                except OSError:  # no hard links on this file system
-                    shutil.copy2(target, backup)
-                backups.append((backup, target))
-            if source is None:
-                target.unlink()
-            else:
-                os.replace(source, target)
-                done.append(target)
-    except BaseException:
-        for target in done:
-            target.unlink(missing_ok=True)
-        for backup, target in backups:
-            os.replace(backup, target)
-        raise
-
-
-def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
-    """Rerun the pipeline one pass execution longer each time; name the first that breaks numerics."""
-    from graphopt.check import check_models_isolated
-
-    reference = _as_onnx(source, workdir / "original")
-    total = len(_optimize_with(load(source, independent_dims=options.independent_dims), options).pipeline_run.runs)
-    for count in range(1, total + 1):
-        partial = _optimize_with(load(source, independent_dims=options.independent_dims), options, stop_after=count)
-        candidate = workdir / f"blame-{count}.onnx"
-        save(partial.model, candidate)
-        outcome = check_models_isolated(
-            reference, candidate, dims=options.dims or None, inputs=options.inputs, atol=options.atol, rtol=options.rtol
-        )
-        if outcome.status == "failed":
-            culprit = partial.pipeline_run.runs[-1]
-            return {"pass": culprit.name, "execution": count, "group": culprit.group, "iteration": culprit.iteration}
-    return {"pass": None, "reason": "no single pass prefix reproduced the failure"}
-
-
-def is_optimized(source: Path, options: RunOptions) -> dict[str, Any]:
-    """The CI gate: would the pipeline still change this model? Writes nothing."""
-    from graphopt.io.onnx_io import digest
-
-    model = load(source, independent_dims=options.independent_dims)
-    before = digest(model)
-    result = _optimize_with(model, options)
-    after = digest(result.model)
-    changed = [r["pass"] for r in result.report["passes"] if r["changed"]]
-    optimized = before == after
-    reason = None if optimized else "changed by " + ", ".join(dict.fromkeys(changed) or ["the pipeline"])
-    return {"path": str(source), "optimized": optimized, "reason": reason}

@@ -18,7 +18,8 @@ import onnxruntime as ort
 import pytest
 
 from graphopt import io
-from graphopt.api import RunOptions, optimize, optimize_file
+from graphopt.api import optimize
+from graphopt.runner import RunOptions, optimize_file
 from graphopt.schemas import schema
 from tests import node_suite
 from tests.conftest import CORPUS_MODELS

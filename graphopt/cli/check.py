@@ -1,0 +1,83 @@
+"""`graphopt check`: compare two models' outputs in onnxruntime."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from graphopt.cli.app import EXIT_CODES, cli, guarded, parse_dims, stderr
+from graphopt.errors import InputError
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.argument("original", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("optimized", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim (repeatable).")
+@click.option(
+    "--inputs", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Inputs (.npz by input name)."
+)
+@click.option("--atol", type=float, help="Element-wise check: absolute tolerance (with --rtol).")
+@click.option("--rtol", type=float, help="Element-wise check: relative tolerance (with --atol).")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON on stdout.")
+@guarded
+def check(
+    original: Path,
+    optimized: Path,
+    dims: tuple[str, ...],
+    inputs: Path | None,
+    atol: float | None,
+    rtol: float | None,
+    as_json: bool,
+) -> None:
+    """Compare two models' outputs in onnxruntime on the same seeded inputs.
+
+    By default each output must have relative L2 error <= 1e-4 and cosine similarity
+    >= 0.9999 (robust for deep networks); --atol/--rtol switch to element-wise allclose.
+    Dynamic dims are checked at two different bindings. Exit 1 when they differ.
+
+    \b
+    Examples:
+      graphopt check model.onnx model.opt.onnx
+      graphopt check a.onnx b.onnx --dim batch=2 --atol 1e-5 --rtol 1e-4
+    """
+    import tempfile
+
+    from graphopt.check import check_models_isolated
+    from graphopt.runner import as_onnx
+
+    if (atol is None) != (rtol is None):
+        raise InputError("--atol and --rtol go together (element-wise check)")
+    with tempfile.TemporaryDirectory() as workdir:
+        result = check_models_isolated(
+            as_onnx(original, Path(workdir) / "original"),
+            as_onnx(optimized, Path(workdir) / "optimized"),
+            dims=parse_dims(dims) or None,
+            inputs=inputs,
+            atol=atol,
+            rtol=rtol,
+        )
+    outcome = result.as_dict()
+    render_numerics(outcome)
+    if as_json:
+        sys.stdout.write(json.dumps(outcome, indent=2, allow_nan=False) + "\n")
+    sys.exit({"passed": 0, "failed": 1}.get(result.status, 1))
+
+
+def render_numerics(outcome: dict[str, Any]) -> None:
+    console = stderr()
+    colour = {"passed": "green", "failed": "red"}.get(outcome["status"], "yellow")
+    console.print(
+        f"numerics: [{colour}]{outcome['status']}[/{colour}]"
+        + (f" ({outcome['reason']})" if outcome.get("reason") else "")
+    )
+    for binding in outcome.get("bindings", []):
+        for entry in binding["outputs"]:
+            mark = "ok" if entry["passed"] else f"[red]{entry.get('reason') or 'differs'}[/red]"
+            console.print(
+                f"  {binding['dims']} {entry['name']}: rel L2 {entry['rel_l2']}, cosine {entry['cosine']}, "
+                f"max abs {entry['max_abs']} {mark}"
+            )

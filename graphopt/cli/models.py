@@ -1,0 +1,80 @@
+"""`graphopt convert`, `inspect` and `validate`: one model file at a time, no passes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr
+from graphopt.errors import InputError
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("destination", type=click.Path(path_type=Path))
+@click.option("--external-data/--no-external-data", default=None, help="Write ONNX weights to a .data file.")
+@guarded
+def convert(source: Path, destination: Path, external_data: bool | None) -> None:
+    """Convert between ONNX (.onnx) and graphopt's JSON form (.json), by extension.
+
+    \b
+    Examples:
+      graphopt convert model.onnx model.json      # readable, diffable; big weights in .npy files
+      graphopt convert model.json model.onnx
+    """
+    from graphopt.io import load, save
+
+    if destination.exists() and destination.resolve() == source.resolve():
+        raise InputError(f"{destination}: refusing to overwrite the input")
+    model = load(source)
+    options: dict[str, Any] = {}
+    if destination.suffix.lower() != ".json" and external_data is not None:
+        options["external_data"] = external_data
+    save(model, destination, **options)
+    stderr().print(f"wrote {destination}")
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the inspection as JSON on stdout.")
+@guarded
+def inspect(model: Path, as_json: bool) -> None:
+    """Show a model's inputs and outputs with dims, op histogram, parameters, opsets, subgraphs.
+
+    \b
+    Examples:
+      graphopt inspect model.onnx
+      graphopt inspect model.onnx --json | jq .ops
+    """
+    from graphopt.io import load
+    from graphopt.report.console import render_inspection
+    from graphopt.report.inspection import inspect_model
+
+    info = inspect_model(load(model), str(model))
+    if as_json:
+        sys.stdout.write(json.dumps(info, indent=2) + "\n")
+    else:
+        render_inspection(stderr(), info)
+
+
+@cli.command(epilog=EXIT_CODES)
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+@guarded
+def validate(files: tuple[Path, ...]) -> None:
+    """Validate models: JSON graphs against the schema, then everything with the ONNX checker.
+
+    \b
+    Examples:
+      graphopt validate model.onnx
+      graphopt validate graph.json
+    """
+    from graphopt.io.validation import validate_file
+
+    console = stderr()
+    for path in files:
+        validate_file(path)
+        console.print(f"{path}: [green]valid[/green]")

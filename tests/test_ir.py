@@ -82,9 +82,11 @@ def test_uses_follow_mutations() -> None:
     graph.verify()
 
 
-def test_replace_all_uses_includes_graph_outputs() -> None:
+def test_replace_all_uses_leaves_graph_outputs_unless_asked() -> None:
     graph, _x, relu, neg = _chain()
     neg.outputs[0].replace_all_uses_with(relu.outputs[0])
+    assert graph.outputs == [neg.outputs[0]]
+    neg.outputs[0].replace_all_uses_with(relu.outputs[0], outputs=True)
     assert graph.outputs == [relu.outputs[0]]
     assert not neg.outputs[0].is_used()
     graph.remove(neg)

@@ -40,7 +40,7 @@ class _PopOne(Pass):
         if len(graph) <= self.options.keep:
             return PassResult(False)
         last = graph.topological()[-1]
-        last.outputs[0].replace_all_uses_with(last.inputs[0])  # type: ignore[arg-type]
+        last.outputs[0].replace_all_uses_with(last.inputs[0], outputs=True)  # type: ignore[arg-type]
         graph.remove(last)
         return PassResult(True, {"removed": 1})
 

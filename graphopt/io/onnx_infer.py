@@ -57,7 +57,7 @@ def _weights_to_inputs(graph: Graph) -> None:
         if isinstance(tensor, Tensor) and _is_shape_data(tensor):
             continue
         stand_in = Value(value.name, value.type)
-        value.replace_all_uses_with(stand_in)
+        value.replace_all_uses_with(stand_in, outputs=True)
         graph.remove_initializer(value)
         # Before IR version 4 an initializer could also be listed as an input.
         listed = any(v is value for v in graph.inputs)
@@ -71,7 +71,7 @@ def _weights_to_inputs(graph: Graph) -> None:
         stand_in = Value(f"{node.outputs[0].name}.weights", TensorType(tensor.dtype, tensor.shape))
         graph.inputs = [*graph.inputs, stand_in]
         replacement = Node("Identity", [stand_in], [Value(node.outputs[0].name)])
-        node.outputs[0].replace_all_uses_with(replacement.outputs[0])
+        node.outputs[0].replace_all_uses_with(replacement.outputs[0], outputs=True)
         graph.insert_before(node, replacement)
         graph.remove(node)
 

@@ -35,8 +35,13 @@ class Graph:
         self.metadata_props: dict[str, str] = {}
         self.quantization_annotation: list[tuple[str, dict[str, str]]] = []
         self.parent: Node | None = None
-        self._nodes: list[Node] = []
+        # Nodes form a doubly linked list through Node._prev / Node._next, so inserting
+        # before an anchor and removing are O(1) however large the graph.
+        self._head: Node | None = None
+        self._tail: Node | None = None
+        self._count = 0
         self._inputs: list[Value] = []
+        self._input_ids: set[int] = set()
         self._outputs: list[Value] = []
         self.initializers: dict[str, Value] = {}
         self._version = 0
@@ -50,25 +55,31 @@ class Graph:
 
     # -- iteration and lookup -------------------------------------------------
     def __iter__(self) -> Iterator[Node]:
-        return iter(list(self._nodes))
+        return iter(self.nodes)
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return self._count
 
     @property
     def nodes(self) -> list[Node]:
-        return list(self._nodes)
+        """The nodes in stored order (a copy: callers may mutate the graph while they iterate)."""
+        found: list[Node] = []
+        node = self._head
+        while node is not None:
+            found.append(node)
+            node = node._next
+        return found
 
     def all_nodes(self) -> Iterator[Node]:
         """Every node, including those in subgraph bodies (depth first)."""
-        for node in self._nodes:
+        for node in self.nodes:
             yield node
             for body in node.subgraphs():
                 yield from body.all_nodes()
 
     def subgraphs(self) -> Iterator[Graph]:
         """Every body graph nested anywhere below this one."""
-        for node in self._nodes:
+        for node in self.nodes:
             for body in node.subgraphs():
                 yield body
                 yield from body.subgraphs()
@@ -80,7 +91,7 @@ class Graph:
             if id(value) not in seen:
                 seen.add(id(value))
                 yield value
-        for node in self._nodes:
+        for node in self.nodes:
             yield from node.outputs
 
     def enclosing(self) -> Iterator[Graph]:
@@ -100,7 +111,11 @@ class Graph:
         for value in values:
             value.graph = self
         self._inputs = list(values)
+        self._input_ids = {id(v) for v in self._inputs}
         self._touch()
+
+    def is_input(self, value: Value) -> bool:
+        return id(value) in self._input_ids
 
     @property
     def outputs(self) -> list[Value]:
@@ -118,6 +133,9 @@ class Graph:
     def add_initializer(self, value: Value) -> Value:
         if value.const is None:
             raise GraphError(f"initializer {value.name!r} has no data")
+        existing = self.initializers.get(value.name)
+        if existing is not None and existing is not value:
+            raise GraphError(f"an initializer named {value.name!r} already exists")
         value.graph = self
         self.initializers[value.name] = value
         self._touch()
@@ -131,21 +149,50 @@ class Graph:
 
     # -- nodes ----------------------------------------------------------------
     def append(self, node: Node) -> Node:
-        return self.insert(len(self._nodes), node)
+        return self._link(node, None)
 
     def insert_before(self, anchor: Node, node: Node) -> Node:
-        return self.insert(self._nodes.index(anchor), node)
+        if anchor.graph is not self:
+            raise GraphError(f"{anchor} is not in this graph")
+        return self._link(node, anchor)
 
     def insert(self, position: int, node: Node) -> Node:
+        """Insert at ``position`` of the stored order (O(position); prefer insert_before)."""
+        anchor = self._head
+        for _ in range(position):
+            if anchor is None:
+                break
+            anchor = anchor._next
+        return self._link(node, anchor)
+
+    def records_use_of(self, value: Value) -> bool:
+        """Whether a read of ``value`` by a node of this graph is recorded now. A read of a
+        value from outside an unattached body is recorded when the body's owner is inserted
+        (as a capture), so a body that is never used leaks no uses."""
+        return value.graph is None or any(g is value.graph for g in self.enclosing())
+
+    def _link(self, node: Node, anchor: Node | None) -> Node:
         if node.graph is not None:
             raise GraphError(f"{node} already belongs to a graph")
         node.graph = self
         for value in node.outputs:
             value.graph = self
-        node._register_uses()
+        for index, read in enumerate(node.inputs):
+            if read is not None and self.records_use_of(read):
+                read._add_use(Use(node, index))
         for value, use in _capture_uses(node):
             value._add_use(use)
-        self._nodes.insert(position, node)
+        before = anchor._prev if anchor is not None else self._tail
+        node._prev, node._next = before, anchor
+        if before is None:
+            self._head = node
+        else:
+            before._next = node
+        if anchor is None:
+            self._tail = node
+        else:
+            anchor._prev = node
+        self._count += 1
         self._touch()
         return node
 
@@ -167,7 +214,17 @@ class Graph:
             for value, use in _capture_uses(node):
                 value._remove_use(use)
             node.graph = None
-        self._nodes = [n for n in self._nodes if id(n) not in doomed_ids]
+            before, after = node._prev, node._next
+            if before is None:
+                self._head = after
+            else:
+                before._next = after
+            if after is None:
+                self._tail = before
+            else:
+                after._prev = before
+            node._prev = node._next = None
+            self._count -= 1
         self._touch()
 
     # -- derived orders -------------------------------------------------------
@@ -200,15 +257,16 @@ class Graph:
         cached = self._cached("topo")
         if cached is not None:
             return list(cached)  # type: ignore[call-overload]
-        position = {id(n): i for i, n in enumerate(self._nodes)}
+        stored = self.nodes
+        position = {id(n): i for i, n in enumerate(stored)}
         consumers: dict[int, list[Node]] = {}
         pending: dict[int, int] = {}
-        for node in self._nodes:
+        for node in stored:
             deps = {id(d) for d in self._dependencies(node)}
             pending[id(node)] = len(deps)
             for dep in deps:
                 consumers.setdefault(dep, []).append(node)
-        ready = [(position[id(n)], n) for n in self._nodes if pending[id(n)] == 0]
+        ready = [(position[id(n)], n) for n in stored if pending[id(n)] == 0]
         heapq.heapify(ready)
         order: list[Node] = []
         while ready:
@@ -218,42 +276,69 @@ class Graph:
                 pending[id(consumer)] -= 1
                 if pending[id(consumer)] == 0:
                     heapq.heappush(ready, (position[id(consumer)], consumer))
-        if len(order) != len(self._nodes):
-            stuck = [n for n in self._nodes if pending[id(n)] > 0]
+        if len(order) != len(stored):
+            stuck = [n for n in stored if pending[id(n)] > 0]
             raise GraphError(
                 f"the graph has a cycle through {len(stuck)} nodes, e.g. {stuck[0].name or stuck[0].op_type!r}"
             )
         self._cache["topo"] = (self._version, order)
         return list(order)
 
-    def levels(self) -> list[list[Node]]:
-        """ASAP levels: level 0 reads only inputs and constants; level k's inputs come from < k."""
-        cached = self._cached("levels")
+    def levels(self, *, ignore_constants: bool = False) -> list[list[Node]]:
+        """ASAP levels: level 0 reads only inputs and constants; level k's inputs come from < k.
+
+        With ``ignore_constants``, nodes that compute only from compile-time constants
+        (a Constant, a Transpose of a weight) are left out and do not count as a level, so
+        siblings whose weights are spelled differently still share a level.
+        """
+        key = "levels-ignoring-constants" if ignore_constants else "levels"
+        cached = self._cached(key)
         if cached is not None:
             return [list(level) for level in cached]  # type: ignore[attr-defined]
+        from graphopt.ir.constness import is_constant, is_deterministic
+
         level_of: dict[int, int] = {}
         levels: list[list[Node]] = []
+        constant: set[int] = set()
         for node in self.topological():
-            level = 1 + max((level_of[id(d)] for d in self._dependencies(node)), default=-1)
+            deps = [d for d in self._dependencies(node) if id(d) not in constant]
+            if (
+                ignore_constants
+                and not deps
+                and is_deterministic(node)
+                and not any(True for _ in node.subgraphs())
+                and all(v is None or is_constant(v) or id(v.producer) in constant for v in node.inputs)
+            ):
+                constant.add(id(node))
+                continue
+            level = 1 + max((level_of[id(d)] for d in deps), default=-1)
             level_of[id(node)] = level
             while len(levels) <= level:
                 levels.append([])
             levels[level].append(node)
-        self._cache["levels"] = (self._version, levels)
+        self._cache[key] = (self._version, levels)
         return [list(level) for level in levels]
 
     # -- invariants -----------------------------------------------------------
     def verify(self) -> None:
         """Raise :class:`GraphError` if names repeat, a value dangles or uses are inexact."""
         defined: dict[str, Value] = {}
+        outer = {v.name: v for g in list(self.enclosing())[1:] for v in g.values()}
         for value in self.values():
             if not value.name:
+                # ONNX spells an omitted optional output as ''; anything read needs a name.
+                if value.uses():
+                    raise GraphError(f"{value.uses()[0].node} reads a value that has no name")
+                if value.is_used() or value.producer is None:
+                    raise GraphError("a graph input, initializer or output has no name")
                 continue
-            if value.name in defined and defined[value.name] is not value:
+            if (value.name in defined and defined[value.name] is not value) or (
+                value.name in outer and outer[value.name] is not value
+            ):
                 raise GraphError(f"duplicate value name {value.name!r}")
             defined[value.name] = value
         visible = {id(v) for g in self.enclosing() for v in g.values()}
-        for node in self._nodes:
+        for node in self.nodes:
             if node.graph is not self:
                 raise GraphError(f"{node} does not know it belongs to this graph")
             for index, read in enumerate(node.inputs):

@@ -55,6 +55,21 @@ class Model:
         """The default-domain opset version."""
         return self.opset_imports.get("", self.opset_imports.get("ai.onnx", 1))
 
+    def opsets_of(self, graph: Graph) -> dict[str, int]:
+        """The opset imports that hold in ``graph``: its function's own, else the model's."""
+        top = list(graph.enclosing())[-1]
+        for function in self.functions:
+            if function.body is top:
+                return {**self.opset_imports, **function.opset_imports}
+        return dict(self.opset_imports)
+
+    def opset_in(self, graph: Graph, domain: str = "") -> int:
+        """The version of ``domain`` imported where ``graph`` is (0: not imported)."""
+        imports = self.opsets_of(graph)
+        if domain in ("", "ai.onnx"):
+            return imports.get("", imports.get("ai.onnx", 0))
+        return imports.get(domain, 0)
+
     def all_graphs(self) -> Iterator[Graph]:
         """The main graph, every nested body, and every function body."""
         yield self.graph

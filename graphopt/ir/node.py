@@ -84,6 +84,8 @@ class Node:
         self.metadata_props: dict[str, str] = {}
         self.attributes: dict[str, Attr] = {a.name: a for a in attributes}
         self.graph: Graph | None = None
+        self._prev: Node | None = None
+        self._next: Node | None = None
         self._inputs: list[Value | None] = list(inputs)
         if isinstance(outputs, int):
             outputs = [""] * outputs
@@ -117,7 +119,7 @@ class Node:
         if self.graph is not None:
             if old is not None:
                 old._remove_use(Use(self, index))
-            if value is not None:
+            if value is not None and self.graph.records_use_of(value):
                 value._add_use(Use(self, index))
             self.graph._touch()
         self._inputs[index] = value

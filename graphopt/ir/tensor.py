@@ -88,11 +88,17 @@ class Tensor:
 
     @classmethod
     def from_array(cls, array: np.ndarray, name: str = "") -> Tensor:
+        """A tensor over ``array``, which the tensor takes over: do not write to it afterwards."""
         array = np.asarray(array)
         return cls(name, DataType.from_numpy(array.dtype), tuple(array.shape), ArraySource(array))
 
     def numpy(self) -> np.ndarray:
-        return self.source.read()
+        """The values, read-only: rollback snapshots share tensors, so a write would corrupt them."""
+        array = self.source.read()
+        if array.flags.writeable:
+            array = array.view()
+            array.flags.writeable = False
+        return array
 
     @property
     def size(self) -> int:

@@ -87,16 +87,22 @@ class Value:
 
     @property
     def is_graph_input(self) -> bool:
-        return self.graph is not None and self._producer is None and any(v is self for v in self.graph.inputs)
+        return self.graph is not None and self._producer is None and self.graph.is_input(self)
 
-    def replace_all_uses_with(self, other: Value) -> None:
-        """Point every reader of this value, graph outputs included, at ``other``."""
+    def replace_all_uses_with(self, other: Value, *, outputs: bool = False) -> None:
+        """Point every node that reads this value at ``other``.
+
+        A graph output is part of the model's interface: it is redirected (and so renamed)
+        only with ``outputs=True``. Passes use :func:`graphopt.ir.rewrite.replace_value`,
+        which keeps output names.
+        """
         if other is self:
             return
         for use in self.uses():
             use.node.set_input(use.index, other)
-        for graph in self.output_of():
-            graph.outputs = [other if v is self else v for v in graph.outputs]
+        if outputs:
+            for graph in self.output_of():
+                graph.outputs = [other if v is self else v for v in graph.outputs]
 
     # Private mutators: only Node and Graph call these, so the use lists stay exact.
     def _add_use(self, use: Use) -> None:

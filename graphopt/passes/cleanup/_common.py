@@ -50,7 +50,7 @@ def replace(old: Value, new: Value) -> None:
         new.name = old.name
         new.type = old.type if old.type is not None else new.type
         new.doc_string = new.doc_string or old.doc_string
-    old.replace_all_uses_with(new)
+    old.replace_all_uses_with(new, outputs=True)
 
 
 def constant_array(value: Value | None, limit: int = _READ_LIMIT) -> np.ndarray | None:

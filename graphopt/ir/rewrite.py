@@ -1,0 +1,225 @@
+"""The rewrite toolkit: fresh names, a node builder, and replacements that keep the interface.
+
+    names = Namer(model)
+    b = Builder(graph, names, before=matmul, tag="matmul-add-to-gemm")
+    y = b.op("Gemm", a, w, bias, transB=0)          # attribute kinds follow the Python values
+    replace_nodes([matmul, add], {add.outputs[0]: y})
+
+Every output a builder creates gets a name unique in the whole model (subgraphs and
+functions included). :func:`replace_value` keeps graph-output names: the new value takes
+the old name over, or, where that would merge two outputs, an Identity carries it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from graphopt.ir.graph import Graph, GraphError
+from graphopt.ir.model import Model
+from graphopt.ir.node import Attr, AttrKind, Node
+from graphopt.ir.tensor import Tensor
+from graphopt.ir.types import TensorType
+from graphopt.ir.value import Value
+
+__all__ = ["PROVENANCE_KEY", "Builder", "Namer", "attribute", "replace_nodes", "replace_value"]
+
+# The metadata key under which a node records the rule or pass that made it.
+PROVENANCE_KEY = "graphopt.rule"
+
+
+class Namer:
+    """Names unique across a model: every value and node name of every graph is taken."""
+
+    def __init__(self, model: Model) -> None:
+        self._taken: set[str] = set()
+        for graph in model.all_graphs():
+            self._taken.update(v.name for v in graph.values())
+            self._taken.update(n.name for n in graph)
+        self._taken.update(v.name for v in model.graph.outputs)
+        self._counters: dict[str, int] = {}
+
+    def fresh(self, base: str) -> str:
+        """``base`` if it is free, else ``base_1``, ``base_2``, ... (the first free one)."""
+        base = base or "v"
+        name = base
+        count = self._counters.get(base, 0)
+        while name in self._taken:
+            count += 1
+            name = f"{base}_{count}"
+        self._counters[base] = count
+        self._taken.add(name)
+        return name
+
+    def take(self, name: str) -> None:
+        """Record a name made elsewhere (io, a user) so it is never handed out."""
+        self._taken.add(name)
+
+
+def attribute(name: str, value: Any) -> Attr:
+    """An attribute whose kind follows the Python value: int, float, str/bytes, array or
+    Tensor, Graph, or a non-empty list of one of those."""
+    if isinstance(value, Attr):
+        return value
+    kind, stored = _kind_of(value)
+    if kind is None:
+        raise TypeError(f"attribute {name!r}: cannot tell the ONNX kind of {value!r}")
+    return Attr(name, kind, stored)
+
+
+def _kind_of(value: Any) -> tuple[AttrKind | None, Any]:
+    if isinstance(value, (bool, int, np.integer)):
+        return AttrKind.INT, int(value)
+    if isinstance(value, (float, np.floating)):
+        return AttrKind.FLOAT, float(value)
+    if isinstance(value, str):
+        return AttrKind.STRING, value.encode()
+    if isinstance(value, bytes):
+        return AttrKind.STRING, value
+    if isinstance(value, np.ndarray):
+        return AttrKind.TENSOR, Tensor.from_array(value)
+    if isinstance(value, Tensor):
+        return AttrKind.TENSOR, value
+    if isinstance(value, Graph):
+        return AttrKind.GRAPH, value
+    if isinstance(value, (list, tuple)) and value:
+        kinds = {kind for kind, _ in map(_kind_of, value) if kind is not None}
+        if len(kinds) == 0 or any(_kind_of(v)[0] is None for v in value):
+            return None, None
+        plural = {
+            frozenset({AttrKind.INT}): AttrKind.INTS,
+            frozenset({AttrKind.FLOAT}): AttrKind.FLOATS,
+            frozenset({AttrKind.INT, AttrKind.FLOAT}): AttrKind.FLOATS,
+            frozenset({AttrKind.STRING}): AttrKind.STRINGS,
+            frozenset({AttrKind.TENSOR}): AttrKind.TENSORS,
+            frozenset({AttrKind.GRAPH}): AttrKind.GRAPHS,
+        }.get(frozenset(kinds))
+        if plural is None:
+            return None, None
+        singular = [_kind_of(v)[1] for v in value]
+        if plural == AttrKind.FLOATS:
+            singular = [float(v) for v in singular]
+        return plural, singular
+    return None, None
+
+
+class Builder:
+    """Creates nodes and constants in ``graph`` (before ``before``, or at the end).
+
+    ``typer`` gives new nodes their output types (the facts service's shape rules);
+    ``tag`` names the rule or pass that made them, written to each node's metadata when
+    ``provenance`` is on.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        names: Namer,
+        *,
+        before: Node | None = None,
+        tag: str = "",
+        provenance: bool = False,
+        typer: Callable[[Node], None] | None = None,
+    ) -> None:
+        self.graph = graph
+        self.names = names
+        self.before = before
+        self.tag = tag
+        self.provenance = provenance
+        self.typer = typer
+        self.created: list[Node] = []
+
+    def op(
+        self,
+        op_type: str,
+        *inputs: Value | None,
+        domain: str = "",
+        outputs: int | Sequence[str] = 1,
+        name: str = "",
+        **attributes: Any,
+    ) -> Value:
+        """Add one node; its first output (see :meth:`node` for all of them)."""
+        return self.node(op_type, *inputs, domain=domain, outputs=outputs, name=name, **attributes).outputs[0]
+
+    def node(
+        self,
+        op_type: str,
+        *inputs: Value | None,
+        domain: str = "",
+        outputs: int | Sequence[str] = 1,
+        name: str = "",
+        **attributes: Any,
+    ) -> Node:
+        hints = [f"{name or op_type}_out"] * outputs if isinstance(outputs, int) else list(outputs)
+        node = Node(
+            op_type,
+            list(inputs),
+            [Value(self.names.fresh(h)) for h in hints],
+            [attribute(k, v) for k, v in attributes.items()],
+            domain=domain,
+            name=self.names.fresh(name or op_type),
+        )
+        if self.provenance and self.tag:
+            node.metadata_props[PROVENANCE_KEY] = self.tag
+        if self.before is not None:
+            self.graph.insert_before(self.before, node)
+        else:
+            self.graph.append(node)
+        if self.typer is not None:
+            self.typer(node)
+        self.created.append(node)
+        return node
+
+    def constant(self, array: np.ndarray | Tensor, name: str = "const") -> Value:
+        """A new initializer holding ``array`` (its type follows the array)."""
+        tensor = array if isinstance(array, Tensor) else Tensor.from_array(array)
+        tensor.name = self.names.fresh(name)
+        value = Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)
+        return self.graph.add_initializer(value)
+
+
+def replace_value(old: Value, new: Value, names: Namer) -> None:
+    """Make every reader of ``old`` read ``new``; a model output keeps its name and type.
+
+    Where ``old`` is an output of a top-level graph (the model's or a function's), ``new``
+    takes the name over when it is a node output of that graph and not an output itself;
+    otherwise an Identity of ``new`` carries the name, so two outputs never merge into one.
+    Body outputs are positional and are simply redirected. The caller removes ``old``'s
+    producer afterwards.
+    """
+    if old is new:
+        return
+    old.replace_all_uses_with(new)
+    for graph in old.output_of():
+        carrier = new
+        if graph.parent is None:
+            if graph.is_input(old):
+                raise GraphError(f"cannot replace {old.name!r}: it is both an input and an output of the model")
+            name = old.name
+            if old.producer is not None:  # node outputs give the name up; initializers go with their entry
+                old.name = names.fresh(f"{name}_replaced")
+            if new.producer is not None and new.producer.graph is graph and not new.is_graph_output:
+                new.name = name
+            else:
+                identity = Node("Identity", [new], [Value(name)], name=names.fresh("Identity"))
+                graph.append(identity)
+                carrier = identity.outputs[0]
+            carrier.type = old.type if old.type is not None else new.type
+            carrier.doc_string = carrier.doc_string or old.doc_string
+        graph.outputs = [carrier if v is old else v for v in graph.outputs]
+
+
+def replace_nodes(old: Iterable[Node], replacements: Mapping[Value, Value], names: Namer) -> None:
+    """Replace each value of ``replacements`` (outputs of ``old``) by its new value, then remove
+    ``old``; an output of ``old`` not in ``replacements`` must be unused."""
+    doomed = list(old)
+    for before, after in replacements.items():
+        replace_value(before, after, names)
+    if not doomed:
+        return
+    graph = doomed[0].graph
+    if graph is None or any(n.graph is not graph for n in doomed):
+        raise GraphError("replace_nodes: the nodes must belong to one graph")
+    graph.remove(doomed)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from graphopt.errors import InputError, PassError
 from graphopt.io import load, save
 from graphopt.ir import Model
 from graphopt.ir.stats import model_stats
-from graphopt.passes.base import PassContext
+from graphopt.passes.base import Evaluator, PassContext
 from graphopt.passes.pipeline import (
     PassRun,
     Pipeline,
@@ -31,8 +31,9 @@ from graphopt.passes.pipeline import (
     load_pipeline_config,
     pipeline_from_names,
 )
+from graphopt.settings import Settings, settings_from
 
-__all__ = ["Result", "check", "load", "optimize", "resolve_pipeline", "save"]
+__all__ = ["Result", "check", "load", "optimize", "pass_context", "resolve_pipeline", "resolve_settings", "save"]
 
 
 @dataclass
@@ -58,24 +59,49 @@ def resolve_pipeline(
     return default_pipeline(max_steps)
 
 
+def pass_context(settings: Settings | None = None) -> PassContext:
+    """A pass context with the services that need io and onnxruntime (passes import neither)."""
+    from graphopt.io.onnx_infer import infer_types
+
+    return PassContext(settings or Settings(), onnx_types=infer_types, evaluator=_evaluator())
+
+
+def _evaluator() -> Evaluator | None:
+    try:
+        from graphopt.evaluate import Evaluator as NodeEvaluator
+    except ImportError:  # the evaluator lands with the constant-folding work
+        return None
+    return NodeEvaluator()
+
+
+def resolve_settings(pipeline: Pipeline, overrides: Mapping[str, Any]) -> Settings:
+    """The run's settings: a config's [settings], then ``overrides`` (API keywords, CLI options)."""
+    return settings_from({**pipeline.settings, **overrides}, "settings")
+
+
 def optimize(
     model: Model | str | os.PathLike[str],
     passes: str | Pipeline | None = None,
     *,
     config: str | os.PathLike[str] | None = None,
     max_steps: int | None = None,
-    independent_dims: bool = False,
     strict: bool = False,
     on_pass: Callable[[PassRun], None] | None = None,
     stop_after: int | None = None,
+    **settings: Any,
 ) -> Result:
-    """Optimize an IR model in place (or load one from a path) with a pipeline."""
-    if not isinstance(model, Model):
-        model = load(model, independent_dims=independent_dims)
+    """Optimize an IR model in place (or load one from a path) with a pipeline.
+
+    ``settings`` are the run settings of :class:`graphopt.settings.Settings` (e.g.
+    ``independent_dims=True``, ``provenance=True``); they override a config's [settings].
+    """
     pipeline = resolve_pipeline(passes, config, max_steps)
+    run_settings = resolve_settings(pipeline, settings)
+    if not isinstance(model, Model):
+        model = load(model, independent_dims=run_settings.independent_dims)
     before = model_stats(model)
     start = time.perf_counter()
-    run = pipeline.run(model, PassContext(independent_dims=independent_dims), on_pass=on_pass, stop_after=stop_after)
+    run = pipeline.run(model, pass_context(run_settings), on_pass=on_pass, stop_after=stop_after)
     seconds = time.perf_counter() - start
     if strict and run.failures:
         failure = run.failures[0]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from graphopt import __version__
-from graphopt.api import Result, optimize
+from graphopt.api import Result, optimize, resolve_pipeline, resolve_settings
 from graphopt.errors import InputError
 from graphopt.io import load, save
 from graphopt.ir import Model
@@ -44,8 +44,13 @@ class RunOptions:
     blame: bool = False
     strict: bool = False
     in_place: bool = False
-    independent_dims: bool = False
     external_data: bool | None = None
+    # Run settings given on the command line (graphopt.settings.Settings), over a config's.
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def load(self, source: Path) -> Model:
+        pipeline = resolve_pipeline(self.passes, self.config, self.max_steps)
+        return load(source, independent_dims=resolve_settings(pipeline, self.settings).independent_dims)
 
 
 def default_output(path: Path) -> Path:
@@ -97,10 +102,10 @@ def _optimize_with(
         options.passes,
         config=options.config,
         max_steps=options.max_steps,
-        independent_dims=options.independent_dims,
         strict=options.strict,
         on_pass=on_pass,
         stop_after=stop_after,
+        **options.settings,
     )
 
 
@@ -132,7 +137,7 @@ def _optimize_file(
 ) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
     load_start = time.perf_counter()
-    model = load(source, independent_dims=options.independent_dims)
+    model = options.load(source)
     load_seconds = time.perf_counter() - load_start
     result = _optimize_with(model, options, on_pass)
     report: dict[str, Any] = {"graphopt_version": __version__, "input": None, **result.report}
@@ -233,9 +238,9 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
     from graphopt.check import check_models_isolated
 
     reference = as_onnx(source, workdir / "original")
-    total = len(_optimize_with(load(source, independent_dims=options.independent_dims), options).pipeline_run.runs)
+    total = len(_optimize_with(options.load(source), options).pipeline_run.runs)
     for count in range(1, total + 1):
-        partial = _optimize_with(load(source, independent_dims=options.independent_dims), options, stop_after=count)
+        partial = _optimize_with(options.load(source), options, stop_after=count)
         candidate = workdir / f"blame-{count}.onnx"
         save(partial.model, candidate)
         outcome = check_models_isolated(
@@ -251,7 +256,7 @@ def is_optimized(source: Path, options: RunOptions) -> dict[str, Any]:
     """The CI gate: would the pipeline still change this model? Writes nothing."""
     from graphopt.io.onnx_io import digest
 
-    model = load(source, independent_dims=options.independent_dims)
+    model = options.load(source)
     before = digest(model)
     result = _optimize_with(model, options)
     after = digest(result.model)

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# Every pipeline the tests run verifies the IR after each pass (graphopt/settings.py).
+os.environ.setdefault("GRAPHOPT_VERIFY", "1")
+
 CORPUS_BUILDER = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "build.py"
 WORKSPACE_BUILDER = Path("/work/shared/corpus/build.py")
 CORPUS_MODELS = [

@@ -6,9 +6,12 @@ Exit codes (every command): 0 done; 1 a check or gate failed; 2 bad usage or bad
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import sys
 import traceback
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,6 +21,7 @@ from rich.console import Console
 
 from graphopt import __version__
 from graphopt.errors import GraphoptError, InputError
+from graphopt.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -92,6 +96,34 @@ def cli(debug: bool, quiet: bool) -> None:
     State.debug = debug
     State.quiet = quiet
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr)
+
+
+def with_settings(func: F) -> F:
+    """Add one option per run setting (graphopt.settings.Settings) and hand the command the
+    ones given as ``settings``, a dict; --debug turns on the verify setting."""
+    fields = dataclasses.fields(Settings)
+    hints = typing.get_type_hints(Settings)
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        given = {f.name: kwargs.pop(f.name) for f in fields}
+        chosen = {name: value for name, value in given.items() if value not in (None, ())}
+        if State.debug or kwargs.get("debug"):
+            chosen.setdefault("verify", True)
+        return func(*args, settings=chosen, **kwargs)
+
+    for option in reversed(fields):
+        flag = "--" + option.name.replace("_", "-")
+        help_text = option.metadata.get("help", "")
+        annotation = hints[option.name]
+        if annotation is bool:
+            decorator = click.option(f"{flag}/--no-{flag[2:]}", option.name, default=None, help=help_text)
+        elif typing.get_origin(annotation) is list:
+            decorator = click.option(flag, option.name, multiple=True, help=help_text + " (repeatable)")
+        else:
+            decorator = click.option(flag, option.name, type=annotation, default=None, help=help_text)
+        wrapper = decorator(wrapper)
+    return wrapper  # type: ignore[return-value]
 
 
 def parse_dims(values: Sequence[str]) -> dict[str, int]:

@@ -13,7 +13,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from graphopt import __version__
-from graphopt.cli.app import EXIT_CODES, cli, emit, fail, guarded, parse_dims, stderr
+from graphopt.cli.app import EXIT_CODES, cli, emit, fail, guarded, parse_dims, stderr, with_settings
 from graphopt.errors import GraphoptError, InputError
 
 
@@ -79,7 +79,6 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
 @click.option("--blame", is_flag=True, help="On a failed check, find the first pass that broke numerics.")
 @click.option("--strict", is_flag=True, help="Exit 3 when a pass fails (default: roll it back and go on).")
 @click.option("--in-place", is_flag=True, help="Overwrite the input model.")
-@click.option("--independent-dims", is_flag=True, help="Treat every occurrence of a dim name as its own variable.")
 @click.option("--external-data/--no-external-data", default=None, help="Force weights into (or out of) a .data file.")
 @click.option(
     "--check-optimized", is_flag=True, help="Write nothing; exit 1 if the pipeline would still change the model."
@@ -93,6 +92,7 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
     help="Worker processes for several models.",
 )
 @click.option("--shard", help="Process only shard i of n of the models (i/n, 1-based), for CI matrices.")
+@with_settings
 @guarded
 def run(
     models: tuple[Path, ...],
@@ -111,11 +111,11 @@ def run(
     blame: bool,
     strict: bool,
     in_place: bool,
-    independent_dims: bool,
     external_data: bool | None,
     check_optimized: bool,
     jobs: int,
     shard: str | None,
+    settings: dict[str, Any],
 ) -> None:
     """Optimize MODELS (files or folders), check numerics, write the result and a report.
 
@@ -130,7 +130,7 @@ def run(
     The default pipeline is every pass that exists (see `graphopt passes`). A pass that
     fails is rolled back and reported; the run goes on (--strict makes it exit 3).
     """
-    from graphopt.api import resolve_pipeline
+    from graphopt.api import resolve_pipeline, resolve_settings
     from graphopt.runner import RunOptions, is_optimized, optimize_file
 
     if (atol is None) != (rtol is None):
@@ -149,10 +149,10 @@ def run(
         blame=blame,
         strict=strict,
         in_place=in_place,
-        independent_dims=independent_dims,
         external_data=external_data,
+        settings=settings,
     )
-    resolve_pipeline(passes, config, max_steps)  # bad pipelines fail before any work
+    resolve_settings(resolve_pipeline(passes, config, max_steps), settings)  # bad pipelines fail before any work
     console = stderr()
     sources = _collect(models)
     selected = _parse_shard(shard)

@@ -24,7 +24,7 @@ from graphopt.ir.tensor import Tensor
 from graphopt.ir.types import TensorType
 from graphopt.ir.value import Value
 
-__all__ = ["PROVENANCE_KEY", "Builder", "Namer", "attribute", "replace_nodes", "replace_value"]
+__all__ = ["PROVENANCE_KEY", "Builder", "Namer", "attribute", "can_take_over", "replace_nodes", "replace_value"]
 
 # The metadata key under which a node records the rule or pass that made it.
 PROVENANCE_KEY = "graphopt.rule"
@@ -180,34 +180,44 @@ class Builder:
         return self.graph.add_initializer(value)
 
 
-def replace_value(old: Value, new: Value, names: Namer) -> None:
-    """Make every reader of ``old`` read ``new``; a model output keeps its name and type.
+def can_take_over(old: Value, new: Value) -> bool:
+    """Whether ``new`` can stand for ``old`` with no Identity: ``old`` is no graph output, or
+    ``new`` is a node output of the same graph that is not an output already."""
+    if not old.is_graph_output:
+        return True
+    producer = new.producer
+    return producer is not None and producer.graph is old.graph and not new.is_graph_output
 
-    Where ``old`` is an output of a top-level graph (the model's or a function's), ``new``
-    takes the name over when it is a node output of that graph and not an output itself;
-    otherwise an Identity of ``new`` carries the name, so two outputs never merge into one.
-    Body outputs are positional and are simply redirected. The caller removes ``old``'s
-    producer afterwards.
+
+def replace_value(old: Value, new: Value, names: Namer) -> None:
+    """Make every reader of ``old`` read ``new``; a graph output keeps its name and type.
+
+    Where ``old`` is a graph output, ``new`` takes its name over when :func:`can_take_over`
+    allows; otherwise an Identity of ``new`` carries the name, so two outputs never merge
+    into one and an input is never renamed. The caller removes ``old``'s producer after.
     """
     if old is new:
         return
     old.replace_all_uses_with(new)
-    for graph in old.output_of():
+    graphs = old.output_of()
+    if not graphs:
+        return
+    takes_over = can_take_over(old, new)
+    for graph in graphs:
+        if graph.is_input(old):
+            raise GraphError(f"cannot replace {old.name!r}: it is both an input and an output of its graph")
+        name = old.name
+        if old.producer is not None:  # a node output gives its name up; an initializer goes with its entry
+            old.name = names.fresh(f"{name}_replaced")
         carrier = new
-        if graph.parent is None:
-            if graph.is_input(old):
-                raise GraphError(f"cannot replace {old.name!r}: it is both an input and an output of the model")
-            name = old.name
-            if old.producer is not None:  # node outputs give the name up; initializers go with their entry
-                old.name = names.fresh(f"{name}_replaced")
-            if new.producer is not None and new.producer.graph is graph and not new.is_graph_output:
-                new.name = name
-            else:
-                identity = Node("Identity", [new], [Value(name)], name=names.fresh("Identity"))
-                graph.append(identity)
-                carrier = identity.outputs[0]
-            carrier.type = old.type if old.type is not None else new.type
-            carrier.doc_string = carrier.doc_string or old.doc_string
+        if takes_over:
+            new.name = name
+        else:
+            identity = Node("Identity", [new], [Value(name)], name=names.fresh("Identity"))
+            graph.append(identity)
+            carrier = identity.outputs[0]
+        carrier.type = old.type if old.type is not None else new.type
+        carrier.doc_string = carrier.doc_string or old.doc_string
         graph.outputs = [carrier if v is old else v for v in graph.outputs]
 
 

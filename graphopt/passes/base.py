@@ -16,16 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import numpy as np
 
 from graphopt.errors import InputError
-from graphopt.ir import Model
+from graphopt.facts import Facts, OnnxTypes
+from graphopt.ir import Graph, Model, Node, Value
+from graphopt.ir.rewrite import Builder, Namer
+from graphopt.options import coerce, type_name
+from graphopt.settings import Settings
 
 __all__ = [
+    "Evaluator",
     "NoOptions",
     "Pass",
     "PassContext",
@@ -43,12 +49,60 @@ class PassResult:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+class Evaluator(Protocol):
+    """Evaluates a region of nodes on given arrays (graphopt.evaluate provides it)."""
+
+    def can_evaluate(self, node: Node, opsets: Mapping[str, int]) -> bool: ...
+
+    def evaluate(
+        self,
+        nodes: Sequence[Node],
+        inputs: Mapping[Value, np.ndarray],
+        outputs: Sequence[Value],
+        opsets: Mapping[str, int],
+    ) -> dict[Value, np.ndarray]: ...
+
+
 @dataclass
 class PassContext:
-    """What every pass may consult: the run's global settings."""
+    """What every pass may consult: the run's settings and the rewrite services.
 
-    independent_dims: bool = False
+    The services that need io or onnxruntime (onnx's own type inference, the evaluator)
+    are handed in by whoever runs the pipeline (graphopt.api), so passes import neither.
+    """
+
+    settings: Settings = field(default_factory=Settings)
+    onnx_types: OnnxTypes | None = None
+    evaluator: Evaluator | None = None
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("graphopt.passes"))
+    _facts: dict[int, Facts] = field(default_factory=dict, repr=False)
+    _names: dict[int, Namer] = field(default_factory=dict, repr=False)
+
+    def facts(self, model: Model) -> Facts:
+        """The facts service for ``model`` (one per model object, kept across passes)."""
+        found = self._facts.get(id(model))
+        if found is None or found.model is not model:
+            found = Facts(model, independent_dims=self.settings.independent_dims, onnx_types=self.onnx_types)
+            self._facts[id(model)] = found
+        return found
+
+    def names(self, model: Model) -> Namer:
+        """Model-wide fresh names; names handed out once are never handed out again."""
+        found = self._names.get(id(model))
+        if found is None:
+            found = self._names[id(model)] = Namer(model)
+        return found
+
+    def builder(self, model: Model, graph: Graph, *, before: Node | None = None, tag: str = "") -> Builder:
+        """A node builder for ``graph``: fresh names, output types from the facts, provenance."""
+        return Builder(
+            graph,
+            self.names(model),
+            before=before,
+            tag=tag,
+            provenance=self.settings.provenance,
+            typer=self.facts(model).infer_node,
+        )
 
 
 @dataclass
@@ -80,6 +134,9 @@ P = TypeVar("P", bound=type[Pass])
 def register(cls: P) -> P:
     if not cls.name or cls.name in _REGISTRY:
         raise ValueError(f"pass name {cls.name!r} is empty or already registered")
+    hints = typing.get_type_hints(cls.Options)
+    for option in dataclasses.fields(cls.Options):
+        coerce(hints[option.name], None)  # an annotation options cannot carry raises TypeError here
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -110,10 +167,6 @@ class OptionSpec:
     help: str
 
 
-def _type_name(annotation: Any) -> str:
-    return getattr(annotation, "__name__", str(annotation))
-
-
 def option_specs(cls: type[Pass]) -> list[OptionSpec]:
     hints = typing.get_type_hints(cls.Options)
     specs = []
@@ -121,37 +174,21 @@ def option_specs(cls: type[Pass]) -> list[OptionSpec]:
         default = option.default if option.default is not dataclasses.MISSING else None
         if option.default_factory is not dataclasses.MISSING:
             default = option.default_factory()
-        specs.append(OptionSpec(option.name, _type_name(hints[option.name]), default, option.metadata.get("help", "")))
+        specs.append(OptionSpec(option.name, type_name(hints[option.name]), default, option.metadata.get("help", "")))
     return specs
-
-
-def _accepts(annotation: Any, value: Any) -> bool:
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_accepts(arg, value) for arg in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is list:
-        (item,) = typing.get_args(annotation)
-        return isinstance(value, list) and all(_accepts(item, v) for v in value)
-    if isinstance(annotation, type):
-        return isinstance(value, annotation)
-    return True
 
 
 def _parse_options(cls: type[Pass], config: Mapping[str, Any]) -> Any:
     hints = typing.get_type_hints(cls.Options)
     known = {f.name for f in dataclasses.fields(cls.Options)}
+    converted: dict[str, Any] = {}
     for key, value in config.items():
         if key not in known:
             hint = (
                 f"; options of {cls.name!r}: {', '.join(sorted(known))}" if known else f"; {cls.name!r} has no options"
             )
             raise InputError(f"unknown option {key!r} for pass {cls.name!r}{hint}")
-        if not _accepts(hints[key], value):
-            raise InputError(f"option {key!r} of pass {cls.name!r} must be {_type_name(hints[key])}, not {value!r}")
-    return cls.Options(**config)
+        fits, converted[key] = coerce(hints[key], value)
+        if not fits:
+            raise InputError(f"option {key!r} of pass {cls.name!r} must be {type_name(hints[key])}, not {value!r}")
+    return cls.Options(**converted)

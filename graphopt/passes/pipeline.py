@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.errors import InputError
-from graphopt.ir import Model
+from graphopt.ir import GraphError, Model
 from graphopt.ir.clone import clone_model
 from graphopt.ir.stats import ModelStats, model_stats
-from graphopt.passes.base import Pass, PassContext, get_pass
+from graphopt.passes.base import Pass, PassContext, PassResult, get_pass
+from graphopt.settings import settings_from
 
 __all__ = [
     "DEFAULT_PIPELINE",
@@ -115,6 +116,8 @@ class PipelineRun:
 @dataclass
 class Pipeline:
     steps: list[Step]
+    # Run settings a config file gave (its [settings] table), checked by name and type.
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> list[dict[str, Any]]:
         return [_describe(s) for s in self.steps]
@@ -157,6 +160,7 @@ class Pipeline:
             start = time.perf_counter()
             try:
                 result = step.run(model, ctx)
+                _check_result(model, result, ctx)
             except Exception as err:  # a failing pass must not end the run: restore and report
                 seconds = time.perf_counter() - start
                 logger.debug("pass %s failed and was rolled back:\n%s", step.name, traceback.format_exc())
@@ -240,6 +244,24 @@ class Pipeline:
         return record
 
 
+class PassBrokeIR(Exception):
+    """A pass left the IR invalid, or returned details that are not JSON."""
+
+
+def _check_result(model: Model, result: PassResult, ctx: PassContext) -> None:
+    """Catch a broken IR (with the verify setting) and non-JSON details at the pass that made them."""
+    try:
+        json.dumps(result.details, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise PassBrokeIR(f"its details are not JSON: {err}") from None
+    if ctx.settings.verify:
+        try:
+            for graph in [model.graph, *(f.body for f in model.functions)]:
+                graph.verify()
+        except GraphError as err:
+            raise PassBrokeIR(f"it left the IR invalid: {err}") from None
+
+
 def _restore(model: Model, snapshot: Model) -> None:
     for name in vars(snapshot):
         setattr(model, name, getattr(snapshot, name))
@@ -293,6 +315,12 @@ def pipeline_from_config(config: Any, *, max_steps: int | None = None, where: st
     return Pipeline(_with_max_steps(steps, max_steps))
 
 
+def _settings_table(data: Any, where: str) -> dict[str, Any]:
+    table = data.get("settings", {}) if isinstance(data, Mapping) else {}
+    settings_from(table, f"{where}: settings")  # bad names and types fail before any work
+    return dict(table)
+
+
 def default_pipeline(max_steps: int | None = None) -> Pipeline:
     return pipeline_from_config(DEFAULT_PIPELINE, max_steps=max_steps)
 
@@ -333,4 +361,6 @@ def load_pipeline_config(path: str | Path, *, max_steps: int | None = None) -> P
     from graphopt.schemas import validate
 
     validate(data, "pipeline", str(path))
-    return pipeline_from_config(data, max_steps=max_steps, where=str(path))
+    pipeline = pipeline_from_config(data, max_steps=max_steps, where=str(path))
+    pipeline.settings = _settings_table(data, str(path))
+    return pipeline

@@ -16,7 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 from graphopt.io.onnx_io import load, save
 from graphopt.ir import Model
 from graphopt.ir.stats import model_stats
-from graphopt.passes.base import PassContext, PassResult, get_pass
+from graphopt.api import pass_context
+from graphopt.passes.base import PassResult, get_pass
 from tests.numerics import assert_same_outputs
 
 F = TensorProto.FLOAT
@@ -65,7 +66,7 @@ def run_passes(model: Model, names: Sequence[str], **options: Any) -> dict[str, 
     for name in names:
         cls = get_pass(name)
         step = cls.from_config(options) if options else cls()
-        results[name] = step.run(model, PassContext())
+        results[name] = step.run(model, pass_context())
         model.graph.verify()
         for function in model.functions:
             function.body.verify()

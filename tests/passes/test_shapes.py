@@ -19,7 +19,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.io import onnx_io
 from graphopt.ir import DataType, Dim, Expr, FloorDiv, Model, Sym, TensorType, Value, mul
-from graphopt.passes import PassContext, PassResult, get_pass
+from graphopt.api import pass_context
+from graphopt.passes import PassResult, get_pass
+from graphopt.settings import Settings
 from tests.numerics import run_ort
 
 ort.set_default_logger_severity(3)
@@ -33,7 +35,8 @@ BINDINGS = [
 
 def infer(model: Model, *, independent_dims: bool = False, **options: Any) -> PassResult:
     shape_infer = get_pass("shape-infer")
-    result = shape_infer(shape_infer.Options(**options)).run(model, PassContext(independent_dims=independent_dims))
+    ctx = pass_context(Settings(independent_dims=independent_dims, verify=True))
+    result = shape_infer(shape_infer.Options(**options)).run(model, ctx)
     model.graph.verify()
     return result
 

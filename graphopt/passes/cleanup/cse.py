@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 
 from graphopt.ir import Attr, AttrKind, Graph, Model, Node, SparseTensor, Tensor, Value
+from graphopt.ir.constness import RANDOM_OPS, constant_node_tensor, constant_tensor
+from graphopt.ir.rewrite import Namer, can_take_over, replace_value
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.cleanup._common import can_replace, replace
 
 __all__ = ["CommonSubexpressionElimination"]
 
-NONDETERMINISTIC_OPS = frozenset(
-    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
-)
+# Two Dropouts in training mode draw two masks; merging them is never worth proving it safe.
+NONDETERMINISTIC_OPS = RANDOM_OPS | {"Dropout"}
 
 # Binary operators whose operands may swap: the results are bit for bit the same (IEEE
 # addition and multiplication commute). Max and Min are left out: implementations differ
@@ -62,11 +62,12 @@ class CommonSubexpressionElimination(Pass):
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         random_functions = _nondeterministic_functions(model)
+        names = ctx.names(model)
         nodes: Counter[str] = Counter()
         constants = 0
         for graph in list(model.all_graphs()):
-            constants += _merge_constants(graph, nodes)
-            _merge_nodes(graph, random_functions, nodes)
+            constants += _merge_constants(graph, nodes, names)
+            _merge_nodes(graph, random_functions, nodes, names)
         details = {"nodes": dict(sorted(nodes.items())), "constants": constants}
         return PassResult(bool(nodes or constants), details)
 
@@ -74,14 +75,15 @@ class CommonSubexpressionElimination(Pass):
 # -- constants ----------------------------------------------------------------------------
 
 
-def _merge_constants(graph: Graph, merged_nodes: Counter[str]) -> int:
+def _merge_constants(graph: Graph, merged_nodes: Counter[str], names: Namer) -> int:
     """Merge equal initializers and Constant tensors of ``graph``; return how many went."""
     candidates: dict[tuple[Any, ...], list[tuple[Value, Tensor]]] = defaultdict(list)
     for value in graph.initializers.values():
-        if isinstance(value.const, Tensor) and not value.is_graph_input:
-            candidates[(value.const.dtype, value.const.shape)].append((value, value.const))
+        tensor = constant_tensor(value)
+        if tensor is not None:
+            candidates[(tensor.dtype, tensor.shape)].append((value, tensor))
     for node in graph.topological():
-        tensor = _constant_tensor(node)
+        tensor = constant_node_tensor(node) if node.op_type == "Constant" and node.in_standard_domain else None
         if tensor is not None:
             candidates[(tensor.dtype, tensor.shape)].append((node.outputs[0], tensor))
     merged = 0
@@ -91,9 +93,9 @@ def _merge_constants(graph: Graph, merged_nodes: Counter[str]) -> int:
         for probed in _split(group, _probe):
             for (kept, _), *duplicates in _split(probed, _digest):
                 for value, _ in duplicates:
-                    if not can_replace(value, kept):
+                    if not can_take_over(value, kept):
                         continue
-                    replace(value, kept)
+                    replace_value(value, kept, names)
                     producer = value.producer
                     if producer is None:
                         graph.remove_initializer(value)
@@ -115,13 +117,6 @@ def _split(
             if found is not None:
                 buckets[found].append(item)
     return [bucket for bucket in buckets.values() if len(bucket) > 1]
-
-
-def _constant_tensor(node: Node) -> Tensor | None:
-    attr = node.attributes.get("value")
-    if node.op_type != "Constant" or not node.in_standard_domain or len(node.attributes) != 1 or attr is None:
-        return None
-    return attr.value if isinstance(attr.value, Tensor) else None
 
 
 def _probe(tensor: Tensor) -> bytes | None:
@@ -156,7 +151,7 @@ def _digest(tensor: Tensor, *, probe: bool = False) -> bytes | None:
 # -- nodes --------------------------------------------------------------------------------
 
 
-def _merge_nodes(graph: Graph, random_functions: set[FunctionKey], merged: Counter[str]) -> None:
+def _merge_nodes(graph: Graph, random_functions: set[FunctionKey], merged: Counter[str], names: Namer) -> None:
     seen: dict[Hashable, Node] = {}
     for node in graph.topological():
         key = _node_key(node, random_functions)
@@ -166,10 +161,10 @@ def _merge_nodes(graph: Graph, random_functions: set[FunctionKey], merged: Count
         if kept is node:
             continue
         pairs = list(zip(node.outputs, kept.outputs, strict=True))
-        if not all(can_replace(old, new) for old, new in pairs):
+        if not all(can_take_over(old, new) for old, new in pairs):
             continue
         for old, new in pairs:
-            replace(old, new)
+            replace_value(old, new, names)
         graph.remove(node)
         merged[node.op_type] += 1
 

@@ -17,7 +17,8 @@ What the rules rely on:
   is left alone: its value is known only at the call site.
 
 Removing a node whose output is a graph output keeps that output's name (see
-``_common.replace``); when the input cannot take the name over, the node stays.
+``graphopt.ir.rewrite.replace_value``); when the input cannot take the name over, the
+node stays.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphopt.ir import DataType, Dim, Model, Node, TensorType, Value
+from graphopt.ir.constness import constant_array
+from graphopt.ir.rewrite import Namer, can_take_over, replace_value
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.cleanup._common import can_replace, constant_array, graphs_with_opset, replace
 
 __all__ = ["RULES", "NoopElimination", "Rule"]
 
@@ -267,16 +269,18 @@ class NoopElimination(Pass):
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         removed: Counter[str] = Counter()
-        for graph, opset in graphs_with_opset(model):
+        names = ctx.names(model)
+        for graph in list(model.all_graphs()):
+            opset = model.opset_in(graph)
             for node in graph.topological():
-                rule = _bypass(node, opset)
+                rule = _bypass(node, opset, names)
                 if rule is not None:
                     graph.remove(node)
                     removed[rule] += 1
         return PassResult(bool(removed), {"removed": dict(sorted(removed.items()))})
 
 
-def _bypass(node: Node, opset: int) -> str | None:
+def _bypass(node: Node, opset: int, names: Namer) -> str | None:
     """Rewire the readers of ``node``'s output to its replacement; return the rule's name."""
     if not node.in_standard_domain or not node.outputs or not node.inputs:
         return None
@@ -287,7 +291,8 @@ def _bypass(node: Node, opset: int) -> str | None:
         return None
     for rule in _BY_OP.get(node.op_type, ()):
         value = rule.bypass(node, opset)
-        if value is not None and can_replace(out, value):
-            replace(out, value)
+        # An Identity to keep an output's name would only undo the removal: keep the node then.
+        if value is not None and can_take_over(out, value):
+            replace_value(out, value, names)
             return rule.name
     return None

@@ -1,5 +1,5 @@
-"""Shape inference: symbolic types for every value, dims kept as names and expressions."""
+"""Shape passes: ``shape-infer`` (over the facts service) and ``strip-value-info``."""
 
-from graphopt.passes.shapes import infer, rules, strip, values
+from graphopt.passes.shapes import infer, strip
 
-__all__ = ["infer", "rules", "strip", "values"]
+__all__ = ["infer", "strip"]

@@ -1,11 +1,12 @@
 """What a shape rule sees of one node, and the dim arithmetic the rules share.
 
 A rule gets an :class:`Op`: the node, its input types, the values of constant inputs and
-the *symbolic values* of small integer tensors. A symbolic value is the flattened content
+the *symbolic values* of small integer tensors (from the :class:`~graphopt.facts.Facts`
+service that made the Op). A symbolic value is the flattened content
 of a scalar or 1-D int tensor whose entries are dims, for example the output of
 ``Concat(Unsqueeze(Gather(Shape(x), 0)), [4], [64])`` is ``(batch, 4, 64)``; it is how
 ``Reshape`` learns ``[batch, seq, 4, 64]`` from shape plumbing. Symbolic values live in the
-pass's side table, never on the IR.
+facts service's memo, never on the IR.
 
 Unknown is ``None`` throughout: an unknown dim, an unknown shape, an unknown value. Dim
 arithmetic on ``None`` gives ``None``, so rules do not have to test every operand.
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from graphopt.ir import AttrKind, DataType, Dim, Expr, Node, Sym, Tensor, TensorType, Type, Value, dims
+from graphopt.ir import DataType, Dim, Expr, Node, Sym, TensorType, Type, Value, dims
+from graphopt.ir.constness import constant_array
 from graphopt.ir.types import INTEGER_TYPES
 
 __all__ = [
@@ -36,7 +38,6 @@ __all__ = [
     "merge_dims",
     "norm_axis",
     "tensor",
-    "tensor_of",
 ]
 
 Shape = tuple[Dim, ...]
@@ -46,6 +47,12 @@ SymValue = tuple[Dim, ...]
 MAX_VALUE_LEN = 64
 # Constants larger than this are not read (rules need shapes and small index lists only).
 MAX_CONST_SIZE = 4096
+
+
+class SymSource(Protocol):
+    """Where an Op finds the symbolic values of its inputs (the facts service)."""
+
+    def sym(self, value: Value) -> SymValue | None: ...
 
 
 def d_add(a: Dim, b: Dim) -> Dim:
@@ -155,39 +162,13 @@ def broadcast(shapes: Sequence[Shape | None]) -> Shape | None:
     return tuple(_broadcast_dim(column) for column in zip(*padded, strict=False))
 
 
-def tensor_of(value: Value) -> np.ndarray | None:
-    """The data of a small constant: an initializer or the output of a Constant node."""
-    producer = value.producer
-    if producer is not None and producer.op_type == "Constant" and producer.in_standard_domain:
-        return _constant_attr(producer)
-    tensor = value.const
-    if not isinstance(tensor, Tensor) or tensor.size > MAX_CONST_SIZE:
-        return None
-    try:
-        return tensor.numpy()
-    except (TypeError, ValueError):
-        return None
-
-
-def _constant_attr(node: Node) -> np.ndarray | None:
-    for attr in node.attributes.values():
-        if attr.name == "value" and attr.kind == AttrKind.TENSOR:
-            tensor: Tensor = attr.value
-            return tensor.numpy() if tensor.size <= MAX_CONST_SIZE else None
-        if attr.name in ("value_int", "value_ints"):
-            return np.array(attr.value, dtype=np.int64)
-        if attr.name in ("value_float", "value_floats"):
-            return np.array(attr.value, dtype=np.float32)
-    return None
-
-
 @dataclass
 class Op:
     """One node as its rules see it."""
 
     node: Node
     opset: int
-    values: dict[Value, SymValue]
+    facts: SymSource
 
     def input(self, index: int) -> Value | None:
         inputs = self.node.inputs
@@ -212,20 +193,12 @@ class Op:
         return None if found is None else found.shape
 
     def const(self, index: int) -> np.ndarray | None:
-        value = self.input(index)
-        return None if value is None else tensor_of(value)
+        return constant_array(self.input(index), MAX_CONST_SIZE)
 
     def sym(self, index: int) -> SymValue | None:
         """The symbolic value of input ``index`` if it is a small int tensor we can follow."""
         value = self.input(index)
-        if value is None:
-            return None
-        if value in self.values:
-            return self.values[value]
-        data = self.const(index)
-        if data is None or data.ndim > 1 or data.size > MAX_VALUE_LEN or data.dtype.kind not in "iub":
-            return None
-        return tuple(int(x) for x in data.ravel())
+        return None if value is None else self.facts.sym(value)
 
     def ints(self, index: int) -> list[int] | None:
         """Input ``index`` as a list of plain ints, when every entry is static."""

@@ -17,8 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from graphopt.ir import DataType, Dim, Tensor, TensorType
-from graphopt.passes.shapes.context import (
+from graphopt.facts.op import (
     Op,
     Shape,
     broadcast,
@@ -31,6 +30,7 @@ from graphopt.passes.shapes.context import (
     norm_axis,
     tensor,
 )
+from graphopt.ir import DataType, Dim, Tensor, TensorType
 
 __all__ = ["RULES", "Outputs", "Rule", "slice_dim"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from graphopt.facts.op import MAX_VALUE_LEN, Op, SymValue, d_add, d_div, d_mul, d_prod, d_sub
 from graphopt.ir import DataType, Dim, Tensor
-from graphopt.passes.shapes.context import MAX_VALUE_LEN, Op, SymValue, d_add, d_div, d_mul, d_prod, d_sub
 
 __all__ = ["VALUE_RULES", "ValueRule"]
 

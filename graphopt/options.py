@@ -1,0 +1,78 @@
+"""Typed options: validate a value from a config, the CLI or the API against its annotation.
+
+Pass options and run settings are dataclass fields. A value is checked against the field's
+annotation and converted where the annotation asks for it (an Enum from its value); an
+annotation this module does not know is a programming error, raised as TypeError, so a
+new option type cannot silently accept anything.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+import typing
+from typing import Any
+
+__all__ = ["coerce", "type_name"]
+
+_MISMATCH = object()
+
+
+def type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation))
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return " | ".join(repr(m.value) for m in annotation)
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def coerce(annotation: Any, value: Any) -> tuple[bool, Any]:
+    """``(True, converted)`` when ``value`` fits ``annotation``, else ``(False, None)``."""
+    converted = _coerce(annotation, value)
+    return (False, None) if converted is _MISMATCH else (True, converted)
+
+
+def _coerce(annotation: Any, value: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            converted = _coerce(arg, value)
+            if converted is not _MISMATCH:
+                return converted
+        return _MISMATCH
+    if origin is typing.Literal:
+        return value if any(value == a and type(value) is type(a) for a in args) else _MISMATCH
+    if origin is list:
+        (item,) = args
+        if not isinstance(value, (list, tuple)):
+            return _MISMATCH
+        items = [_coerce(item, v) for v in value]
+        return _MISMATCH if any(i is _MISMATCH for i in items) else items
+    if origin is dict:
+        key_type, value_type = args
+        if not isinstance(value, dict):
+            return _MISMATCH
+        pairs = [(_coerce(key_type, k), _coerce(value_type, v)) for k, v in value.items()]
+        return _MISMATCH if any(_MISMATCH in pair for pair in pairs) else dict(pairs)
+    if annotation is type(None):
+        return None if value is None else _MISMATCH
+    if annotation is bool:
+        return value if isinstance(value, bool) else _MISMATCH
+    if annotation is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _MISMATCH
+    if annotation is float:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else _MISMATCH
+    if annotation is str:
+        return value if isinstance(value, str) else _MISMATCH
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        if isinstance(value, annotation):
+            return value
+        for member in annotation:
+            if member.value == value:
+                return member
+        return _MISMATCH
+    raise TypeError(
+        f"options of type {annotation!r} are not supported; use bool, int, float, str, Literal, Enum, list or dict"
+    )

@@ -1,0 +1,56 @@
+"""The run's settings: declared once here, they reach the CLI, the Python API and configs.
+
+Each field is one setting. Its ``metadata["help"]`` is the help text everywhere; the CLI
+derives a ``graphopt run`` option from the field (``independent_dims`` becomes
+``--independent-dims``; a bool is a flag, a list a repeatable option), the Python API
+takes it as a keyword of :func:`graphopt.optimize`, and a pipeline config sets it in its
+``[settings]`` table. Passes read them from ``ctx.settings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphopt.errors import InputError
+from graphopt.options import coerce, type_name
+
+__all__ = ["Settings", "settings_from"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    independent_dims: bool = field(
+        default=False, metadata={"help": "Treat every occurrence of a dim name as its own variable."}
+    )
+    provenance: bool = field(
+        default=False, metadata={"help": "Record in each new node's metadata the rule or pass that made it."}
+    )
+    verify: bool = field(
+        default_factory=lambda: os.environ.get("GRAPHOPT_VERIFY", "") not in ("", "0"),
+        metadata={
+            "help": "Verify the IR after every pass; a pass that breaks it is rolled back "
+            "(on with --debug, or GRAPHOPT_VERIFY=1 as the tests set it)."
+        },
+    )
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def settings_from(values: Mapping[str, Any], where: str = "settings") -> Settings:
+    """Settings from a mapping (a config table, API keywords); unknown or mistyped is bad input."""
+    hints = typing.get_type_hints(Settings)
+    known = {f.name for f in dataclasses.fields(Settings)}
+    converted: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in known:
+            raise InputError(f"{where}: unknown setting {key!r}; settings: {', '.join(sorted(known))}")
+        fits, converted[key] = coerce(hints[key], value)
+        if not fits:
+            raise InputError(f"{where}: setting {key!r} must be {type_name(hints[key])}, not {value!r}")
+    return Settings(**converted)

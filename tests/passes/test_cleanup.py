@@ -13,10 +13,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.api import pass_context
 from graphopt.io.onnx_io import load, save
 from graphopt.ir import Model
 from graphopt.ir.stats import model_stats
-from graphopt.api import pass_context
 from graphopt.passes.base import PassResult, get_pass
 from tests.numerics import assert_same_outputs
 

@@ -17,9 +17,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.api import pass_context
 from graphopt.io import onnx_io
 from graphopt.ir import DataType, Dim, Expr, FloorDiv, Model, Sym, TensorType, Value, mul
-from graphopt.api import pass_context
 from graphopt.passes import PassResult, get_pass
 from graphopt.settings import Settings
 from tests.numerics import run_ort

@@ -86,14 +86,18 @@ class Facts:
                 continue
             node = current.producer
             rule = VALUE_RULES.get(node.op_type) if node is not None and node.in_standard_domain else None
-            if node is None or rule is None or current in visiting:
-                self._syms[current] = self._constant_sym(current) if node is None or rule is None else None
+            if node is None or rule is None:
+                self._syms[current] = self._constant_sym(current)
                 pending.pop()
                 continue
-            visiting.add(current)
             missing = [v for v in node.inputs if v is not None and v not in self._syms]
-            if missing:
+            if missing and current not in visiting:
+                visiting.add(current)
                 pending.extend(missing)
+                continue
+            if missing:  # still missing after a visit: the inputs depend on this value (a cycle)
+                self._syms[current] = None
+                pending.pop()
                 continue
             try:
                 found = rule(self.op(node))

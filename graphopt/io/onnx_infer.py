@@ -16,6 +16,7 @@ import onnx
 from graphopt.io.onnx_io import _Reader, to_proto
 from graphopt.ir import DataType, Graph, Model, Node, Tensor, TensorType, Type, Value
 from graphopt.ir.clone import clone_model
+from graphopt.ir.constness import constant_tensor
 
 __all__ = ["infer_types"]
 
@@ -53,8 +54,8 @@ def _is_shape_data(tensor: Tensor) -> bool:
 
 def _weights_to_inputs(graph: Graph) -> None:
     for value in list(graph.initializers.values()):
-        tensor = value.const
-        if isinstance(tensor, Tensor) and _is_shape_data(tensor):
+        tensor = constant_tensor(value)  # an initializer the caller may feed is no shape data
+        if tensor is not None and _is_shape_data(tensor):
             continue
         stand_in = Value(value.name, value.type)
         value.replace_all_uses_with(stand_in, outputs=True)

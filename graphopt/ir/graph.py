@@ -182,19 +182,22 @@ class Graph:
                 read._add_use(Use(node, index))
         for value, use in _capture_uses(node):
             value._add_use(use)
-        before = anchor._prev if anchor is not None else self._tail
-        node._prev, node._next = before, anchor
-        if before is None:
-            self._head = node
-        else:
-            before._next = node
-        if anchor is None:
-            self._tail = node
-        else:
-            anchor._prev = node
+        self._join(anchor._prev if anchor is not None else self._tail, node)
+        self._join(node, anchor)
         self._count += 1
         self._touch()
         return node
+
+    def _join(self, left: Node | None, right: Node | None) -> None:
+        """Make ``right`` follow ``left`` in the stored order (None: the list's ends)."""
+        if left is None:
+            self._head = right
+        else:
+            left._next = right
+        if right is None:
+            self._tail = left
+        else:
+            right._prev = left
 
     def remove(self, nodes: Node | Iterable[Node], *, safe: bool = True) -> None:
         """Detach nodes. With ``safe``, first verify no surviving reader needs their outputs."""
@@ -214,15 +217,7 @@ class Graph:
             for value, use in _capture_uses(node):
                 value._remove_use(use)
             node.graph = None
-            before, after = node._prev, node._next
-            if before is None:
-                self._head = after
-            else:
-                before._next = after
-            if after is None:
-                self._tail = before
-            else:
-                after._prev = before
+            self._join(node._prev, node._next)
             node._prev = node._next = None
             self._count -= 1
         self._touch()

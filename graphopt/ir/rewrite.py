@@ -12,7 +12,7 @@ the old name over, or, where that would merge two outputs, an Identity carries i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -189,8 +189,11 @@ def can_take_over(old: Value, new: Value) -> bool:
     return producer is not None and producer.graph is old.graph and not new.is_graph_output
 
 
-def replace_value(old: Value, new: Value, names: Namer) -> None:
+def replace_value(old: Value, new: Value, names: Namer, *, keep: Collection[Node] = ()) -> None:
     """Make every reader of ``old`` read ``new``; a graph output keeps its name and type.
+
+    Readers in ``keep`` go on reading ``old``: the nodes that compute ``new`` from it, when a
+    rewrite wraps a value (``x -> Mul(x, s)``).
 
     Where ``old`` is a graph output, ``new`` takes its name over when :func:`can_take_over`
     allows; otherwise an Identity of ``new`` carries the name, so two outputs never merge
@@ -198,7 +201,10 @@ def replace_value(old: Value, new: Value, names: Namer) -> None:
     """
     if old is new:
         return
-    old.replace_all_uses_with(new)
+    kept = {id(n) for n in keep}
+    for use in old.uses():
+        if id(use.node) not in kept:
+            use.node.set_input(use.index, new)
     graphs = old.output_of()
     if not graphs:
         return

@@ -1,5 +1,8 @@
 """Property-based: every registered pass, and the default pipeline, on random small valid graphs.
 
+Also: random rewrites made through the rewrite toolkit (builder, replace_value,
+replace_nodes) keep the IR valid and the numerics equal.
+
 For each drawn graph (random_graphs.py) and each pass: the pass does not fail (a rolled
 back failure counts as one), the graph still verifies and passes the ONNX checker, and
 either the model is byte-identical or onnxruntime computes the same outputs at two
@@ -12,9 +15,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from graphopt.api import optimize
+from graphopt.api import optimize, pass_context
 from graphopt.io.onnx_io import from_proto, to_proto
+from graphopt.ir import DataType, Model, TensorType
+from graphopt.ir.rewrite import replace_nodes, replace_value
 from graphopt.passes.base import all_passes
 from tests.numerics import assert_same_outputs
 from tests.reliability.random_graphs import random_models
@@ -86,3 +92,52 @@ def test_the_property_run_saw_every_pass_change_something() -> None:
 
     count()
     assert sorted(seen_changed) == PASSES, seen_changed
+
+
+def _rewrite_randomly(model: Model, data: st.DataObject) -> int:
+    """Rewrites that keep numerics, made through the toolkit: recreate a node with the builder
+    and replace it; wrap a value in Mul(x, 1) then Add(_, 0). Returns how many were made."""
+    ctx = pass_context()
+    names = ctx.names(model)
+    graph = model.graph
+    made = 0
+    for _ in range(data.draw(st.integers(1, 4), label="rewrites")):
+        nodes = graph.topological()
+        if not nodes:
+            break
+        node = data.draw(st.sampled_from(nodes), label="node")
+        out = node.outputs[0]
+        float_out = isinstance(out.type, TensorType) and out.type.dtype == DataType.FLOAT
+        b = ctx.builder(model, graph, before=node, tag="property")
+        if data.draw(st.booleans(), label="wrap") and float_out:
+            b.before = None
+            one = b.constant(np.ones((), np.float32), "one")
+            zero = b.constant(np.zeros((), np.float32), "zero")
+            scaled = b.op("Mul", out, one)
+            shifted = b.op("Add", scaled, zero)
+            replace_value(out, shifted, names, keep=[scaled.producer])  # type: ignore[list-item]
+        else:
+            twin = b.node(
+                node.op_type,
+                *node.inputs,
+                domain=node.domain,
+                outputs=len(node.outputs),
+                **{name: attr for name, attr in node.attributes.items()},
+            )
+            replace_nodes([node], dict(zip(node.outputs, twin.outputs, strict=True)), names)
+        graph.verify()
+        made += 1
+    return made
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_models(), st.data())
+def test_random_rewrites_through_the_builder_keep_numerics(proto: onnx.ModelProto, data: st.DataObject) -> None:
+    model = from_proto(proto)
+    optimize(model, "shape-infer")
+    assert _rewrite_randomly(model, data) > 0
+    after = to_proto(model)
+    onnx.checker.check_model(after, full_check=True)
+    assert [o.name for o in after.graph.output] == [o.name for o in proto.graph.output]
+    for n in (1, 5):
+        assert_same_outputs(proto, after, feeds_at(proto, n), rtol=1e-5, atol=1e-6)

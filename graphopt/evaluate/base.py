@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from graphopt.ir import AttrKind, DataType, Node, Tensor
+from graphopt.ir.types import INTEGER_TYPES
 
 __all__ = [
     "Call",
@@ -126,21 +127,7 @@ def same_dtype(*arrays: np.ndarray) -> np.dtype:
 
 # The element types numpy computes with exactly as ONNX does.
 _PLAIN = frozenset(
-    DataType(code).numpy()
-    for code in (
-        DataType.BOOL,
-        DataType.FLOAT16,
-        DataType.FLOAT,
-        DataType.DOUBLE,
-        DataType.INT8,
-        DataType.INT16,
-        DataType.INT32,
-        DataType.INT64,
-        DataType.UINT8,
-        DataType.UINT16,
-        DataType.UINT32,
-        DataType.UINT64,
-    )
+    t.numpy() for t in (*INTEGER_TYPES, DataType.BOOL, DataType.FLOAT16, DataType.FLOAT, DataType.DOUBLE)
 )
 
 

@@ -8,13 +8,13 @@ an integer ReduceMean divides its sum truncating toward zero as onnxruntime does
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from graphopt.evaluate.base import Call, Unsupported, kernel, numpy_dtype, same_dtype
 from graphopt.evaluate.elementwise import truncating_divide
-from graphopt.evaluate.shaping import axes_of, normalize_axis
+from graphopt.evaluate.shaping import axes_from, axes_of, normalize_axis
 
 __all__: list[str] = []
 
@@ -74,12 +74,7 @@ def _reduce(
     def run(call: Call, x: np.ndarray, axes_input: np.ndarray | None = None) -> np.ndarray:
         if numpy_dtype(x.dtype) == np.bool_ and not bools:
             raise Unsupported("an arithmetic reduction of bools")
-        if call.opset < axes_input_since:
-            axes = call.attr("axes")
-        elif axes_input is not None:
-            axes = [int(a) for a in axes_input.reshape(-1)]
-        else:
-            axes = None
+        axes: Sequence[int] | None = axes_from(call, axes_input, axes_input_since)
         if not axes:
             if call.attr("noop_with_empty_axes", 0):
                 return x
@@ -118,10 +113,12 @@ def _dequantize_linear(
         raise Unsupported("blocked dequantization")
     if zero_point is not None and zero_point.size != scale.size:
         raise ValueError("the zero point and the scale differ in size")
-    call.reserve(x.shape, scale.dtype)
-    shifted = x.astype(np.int64)
-    if zero_point is not None:
-        shifted = shifted - zero_point.astype(np.int64).reshape(shape)
     work = _accumulator(scale.dtype)
-    product = shifted.astype(work) * scale.astype(work).reshape(shape)
-    return product.astype(scale.dtype, copy=False)
+    call.reserve(x.shape, work)
+    # One array, updated in place: float32 holds every 8- and 16-bit difference exactly,
+    # and an int32 input has no zero point.
+    result = x.astype(work)
+    if zero_point is not None:
+        result -= zero_point.astype(work).reshape(shape)
+    result *= scale.astype(work).reshape(shape)
+    return result.astype(scale.dtype, copy=False)

@@ -61,6 +61,12 @@ def run_region(
     for value, result in zip(outputs, results):
         if not isinstance(result, np.ndarray):
             raise EvaluationError(f"{_label(nodes)}: {value.name!r} is a {type(result).__name__}, not a tensor")
+        try:
+            DataType.from_numpy(result.dtype)
+        except TypeError:
+            raise EvaluationError(
+                f"{_label(nodes)}: {value.name!r} has dtype {result.dtype}, not an ONNX one"
+            ) from None
     return [np.asarray(r) for r in results]
 
 

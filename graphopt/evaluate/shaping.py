@@ -1,10 +1,11 @@
 """Kernels for tensor plumbing: constants, shapes, reshapes, indexing and generators.
 
 Axes, starts and ends follow the ONNX rules rather than numpy's: a negative axis counts
-from the end and must still name an axis; Slice clamps its bounds (differently for negative
-steps) instead of wrapping them; Reshape's 0 copies the input's dimension unless
-``allowzero``. Every kernel that can make an output larger than its inputs reserves it
-against the byte budget before allocating.
+from the end and must still name an axis; Slice clamps its bounds (differently for
+negative steps) instead of wrapping them, except that an end of INT_MAX with a negative
+step runs through the first element, as in onnxruntime (the standard would stop short);
+Reshape's 0 copies the input's dimension unless ``allowzero``. Every kernel that can make
+an output larger than its inputs reserves it against the byte budget before allocating.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from graphopt.evaluate.base import Call, Unsupported, kernel, numpy_dtype, same_dtype, tensor_array
 
-__all__ = ["axes_of", "normalize_axis"]
+__all__ = ["axes_from", "axes_of", "normalize_axis"]
 
 
 def normalize_axis(axis: int, rank: int) -> int:
@@ -115,7 +116,7 @@ def _flatten(call: Call, x: np.ndarray) -> np.ndarray:
     return x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
 
 
-def _axes(call: Call, array: np.ndarray | None, input_since: int) -> list[int] | None:
+def axes_from(call: Call, array: np.ndarray | None, input_since: int) -> list[int] | None:
     """An op's axes: an attribute before opset ``input_since``, an input from then on."""
     if call.opset < input_since:
         if array is not None:
@@ -129,7 +130,7 @@ def _axes(call: Call, array: np.ndarray | None, input_since: int) -> list[int] |
 
 @kernel("Squeeze", attrs=("axes",))
 def _squeeze(call: Call, x: np.ndarray, axes_input: np.ndarray | None = None) -> np.ndarray:
-    axes = _axes(call, axes_input, 13)
+    axes = axes_from(call, axes_input, 13)
     if axes is None:
         found = [i for i, d in enumerate(x.shape) if d == 1]
     else:
@@ -141,7 +142,7 @@ def _squeeze(call: Call, x: np.ndarray, axes_input: np.ndarray | None = None) ->
 
 @kernel("Unsqueeze", attrs=("axes",))
 def _unsqueeze(call: Call, x: np.ndarray, axes_input: np.ndarray | None = None) -> np.ndarray:
-    axes = _axes(call, axes_input, 13)
+    axes = axes_from(call, axes_input, 13)
     if axes is None:
         raise ValueError("Unsqueeze needs axes")
     found = set(axes_of(axes, x.ndim + len(axes)))
@@ -241,16 +242,23 @@ def _slice(
     return x[tuple(index)]
 
 
+# The int32 and int64 maxima.
+_OPEN_ENDS = (2**31 - 1, 2**63 - 1)
+
+
 def _slice_of(start: int, end: int, step: int, dim: int) -> slice:
     """ONNX's bounds as a Python slice: negatives count from the end once, then clamp."""
     if step == 0:
         raise ValueError("a Slice step is 0")
+    if end in _OPEN_ENDS and step < 0:
+        # onnxruntime reads these ends as numpy's None: through the first element.
+        end = -dim - 1
     start, end = (b + dim if b < 0 else b for b in (start, end))
     if step > 0:
         return slice(min(max(start, 0), dim), min(max(end, 0), dim), step)
-    start, end = (min(max(b, -1), dim - 1) for b in (start, end))
-    if start < 0:
+    if dim == 0:
         return slice(0, 0)
+    start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
     # An end of -1 means "through index 0", which a Python slice spells None.
     return slice(start, None if end < 0 else end, step)
 

@@ -414,11 +414,17 @@ def test_body_captures_reach_the_session(sessions: list[object]) -> None:
     ]
     flag = Value("flag")
     choose = Node("If", [flag], ["chosen"], branches)
+    graph = Graph([x, flag], choose.outputs, [neg, choose])
+    uses_before = neg.outputs[0].uses()
     data = floats([4])
     for cond, expected in ((True, -data), (False, np.abs(data))):
         found = Evaluator().evaluate([choose, neg], {x: data, flag: np.array(cond)}, choose.outputs, {"": 21})
         assert_same(found[choose.outputs[0]], expected)
     assert len(sessions) == 2
+    # The sub-model is a copy: the graph evaluated from is untouched.
+    assert neg.outputs[0].uses() == uses_before
+    assert all(attr.value.parent is choose for attr in branches)
+    graph.verify()
 
 
 def test_unnamed_values_get_names_in_the_sub_model() -> None:
@@ -459,6 +465,18 @@ def test_op_of_a_domain_without_evaluator_is_never_evaluated(domain: str, sessio
     ):
         Evaluator().evaluate([node], {x: f32(1)}, node.outputs, opsets)
     assert sessions == []
+
+
+@pytest.mark.parametrize(
+    ("domain", "reason"),
+    [("com.microsoft", "onnxruntime has no CPU kernel for it"), ("", "opset 21 of the standard domain has no op")],
+)
+def test_unknown_op_is_never_evaluated(domain: str, reason: str) -> None:
+    node = Node("NoSuchOp", [], ["y"], domain=domain)
+    opsets = {"": 21, "com.microsoft": 1}
+    assert not Evaluator().can_evaluate(node, opsets)
+    with pytest.raises(EvaluationError, match=reason):
+        Evaluator().evaluate([node], {}, node.outputs, opsets)
 
 
 def _training_flag(value: bool, *, as_initializer: bool) -> tuple[Value, list[Node]]:

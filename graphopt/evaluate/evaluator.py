@@ -30,12 +30,10 @@ from graphopt.evaluate import elementwise, reduction, shaping  # noqa: F401
 from graphopt.evaluate.base import Call, EvaluationError, Kernel, Unsupported, describe, kernel_for
 from graphopt.evaluate.runtime import run_region
 from graphopt.ir import Node, Tensor, TensorType, Value
+from graphopt.ir.constness import is_deterministic
 
 __all__ = ["Evaluator"]
 
-_RANDOM_OPS = frozenset(
-    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
-)
 _CONTRIB_DOMAIN = "com.microsoft"
 _RANDOM_CONTRIB_OPS = frozenset({"Sampling", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
 
@@ -236,10 +234,8 @@ def _refusal(node: Node, opsets: Mapping[str, int]) -> str | None:
             return "the model imports no opset of the standard domain"
         if not _has_schema(node.op_type, opset):
             return f"opset {opset} of the standard domain has no op {node.op_type}"
-        if node.op_type in _RANDOM_OPS:
-            return "it is random"
-        if node.op_type == "Dropout" and _trains(node, opset):
-            return "training-mode Dropout is random"
+        if not is_deterministic(node, opset):
+            return "training-mode Dropout is random" if node.op_type == "Dropout" else "it is random"
     elif node.domain == _CONTRIB_DOMAIN:
         if opset is None:
             return f"the model imports no opset of {_CONTRIB_DOMAIN}"
@@ -257,28 +253,6 @@ def _refusal(node: Node, opsets: Mapping[str, int]) -> str | None:
             if reason is not None:
                 return f"its body holds a {describe(inner)}: {reason}"
     return None
-
-
-def _trains(node: Node, opset: int) -> bool:
-    """Whether a Dropout may run in training mode (where its output is random)."""
-    if opset < 7:
-        return not node.attr("is_test", 0)
-    flag = node.inputs[2] if opset >= 12 and len(node.inputs) > 2 else None
-    if flag is None:
-        return False
-    known = _constant_flag(flag)
-    return known is None or known
-
-
-def _constant_flag(value: Value) -> bool | None:
-    """A bool an initializer or a Constant node holds, or None if it is not known."""
-    tensor = value.const
-    producer = value.producer
-    if tensor is None and producer is not None and producer.op_type == "Constant":
-        tensor = producer.attr("value")
-    if not isinstance(tensor, Tensor) or tensor.size != 1:
-        return None
-    return bool(np.asarray(tensor.numpy()).reshape(-1)[0])
 
 
 @lru_cache(maxsize=4096)

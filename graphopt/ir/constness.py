@@ -54,14 +54,16 @@ def is_constant(value: Value | None) -> bool:
     return constant_tensor(value) is not None
 
 
-def is_deterministic(node: Node) -> bool:
+def is_deterministic(node: Node, opset: int | None = None) -> bool:
     """Whether ``node`` computes the same outputs from the same inputs on every run: not a
     random op, and not a Dropout that may be in training mode (a training_mode input that
-    is not the constant false)."""
+    is not the constant false; below opset 7, is_test not set)."""
     if not node.in_standard_domain:
         return True
     if node.op_type in RANDOM_OPS:
         return False
+    if node.op_type == "Dropout" and opset is not None and opset < 7:
+        return bool(node.attr("is_test", 0))
     if node.op_type == "Dropout":
         training = node.inputs[2] if len(node.inputs) > 2 else None
         if training is None:

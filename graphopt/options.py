@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-__all__ = ["coerce", "type_name"]
+__all__ = ["coerce", "plain", "type_name"]
 
 _MISMATCH = object()
 
@@ -25,6 +25,17 @@ def type_name(annotation: Any) -> str:
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return " | ".join(repr(m.value) for m in annotation)
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def plain(value: Any) -> Any:
+    """An option value as JSON sees it (an Enum by its value), for listings and reports."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
 
 
 def coerce(annotation: Any, value: Any) -> tuple[bool, Any]:

@@ -409,6 +409,7 @@ class _Corrupter(Pass):
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         node = model.graph.topological()[-1]
         node._inputs[0] = Value("ghost")  # bypasses the mutation API: reads a value defined nowhere
+        node._inputs_view = None
         return PassResult(True)
 
 

@@ -171,8 +171,7 @@ class Op:
     facts: SymSource
 
     def input(self, index: int) -> Value | None:
-        inputs = self.node.inputs
-        return inputs[index] if index < len(inputs) else None
+        return self.node.input(index)
 
     @property
     def n_inputs(self) -> int:

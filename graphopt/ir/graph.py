@@ -169,7 +169,8 @@ class Graph:
         """Whether a read of ``value`` by a node of this graph is recorded now. A read of a
         value from outside an unattached body is recorded when the body's owner is inserted
         (as a capture), so a body that is never used leaks no uses."""
-        return value.graph is None or any(g is value.graph for g in self.enclosing())
+        owner = value.graph
+        return owner is None or owner is self or any(g is owner for g in self.enclosing())
 
     def _link(self, node: Node, anchor: Node | None) -> Node:
         if node.graph is not None:

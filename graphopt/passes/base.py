@@ -27,7 +27,7 @@ from graphopt.errors import InputError
 from graphopt.facts import Facts, OnnxTypes
 from graphopt.ir import Graph, Model, Node, Value
 from graphopt.ir.rewrite import Builder, Namer
-from graphopt.options import coerce, type_name
+from graphopt.options import coerce, plain, type_name
 from graphopt.settings import Settings
 
 __all__ = [
@@ -174,7 +174,9 @@ def option_specs(cls: type[Pass]) -> list[OptionSpec]:
         default = option.default if option.default is not dataclasses.MISSING else None
         if option.default_factory is not dataclasses.MISSING:
             default = option.default_factory()
-        specs.append(OptionSpec(option.name, type_name(hints[option.name]), default, option.metadata.get("help", "")))
+        specs.append(
+            OptionSpec(option.name, type_name(hints[option.name]), plain(default), option.metadata.get("help", ""))
+        )
     return specs
 
 

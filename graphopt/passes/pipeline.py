@@ -24,6 +24,7 @@ from graphopt.ir import GraphError, Model
 from graphopt.ir.clone import clone_model
 from graphopt.ir.stats import ModelStats, model_stats
 from graphopt.passes.base import Pass, PassContext, PassResult, get_pass
+from graphopt.options import plain
 from graphopt.settings import settings_from
 
 __all__ = [
@@ -65,7 +66,7 @@ Step = Pass | Group
 def _describe(step: Step) -> dict[str, Any]:
     if isinstance(step, Group):
         return step.describe()
-    options = {k: v for k, v in vars(step.options).items()}
+    options = {k: plain(v) for k, v in vars(step.options).items()}
     return {"pass": step.name, **({"options": options} if options else {})}
 
 

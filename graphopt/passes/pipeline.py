@@ -23,8 +23,8 @@ from graphopt.errors import InputError
 from graphopt.ir import GraphError, Model
 from graphopt.ir.clone import clone_model
 from graphopt.ir.stats import ModelStats, model_stats
-from graphopt.passes.base import Pass, PassContext, PassResult, get_pass
 from graphopt.options import plain
+from graphopt.passes.base import Pass, PassContext, PassResult, get_pass
 from graphopt.settings import settings_from
 
 __all__ = [

@@ -17,7 +17,7 @@ import click
 from rich.console import Console
 
 from graphopt import __version__
-from graphopt.errors import GraphoptError, InputError
+from graphopt.errors import GraphoptError, InputError, bounded
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,7 +39,7 @@ def stderr() -> Console:
 
 
 def fail(message: str, code: int) -> None:
-    click.echo(f"graphopt: error: {message}", err=True)
+    click.echo(f"graphopt: error: {bounded(message)}", err=True)
     sys.exit(code)
 
 

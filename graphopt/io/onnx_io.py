@@ -117,7 +117,7 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
     if not proto.HasField("graph") or proto.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph or no ir_version)")
     try:
-        _check_text(proto, "the model")
+        _check_text(proto, "model")
         return from_proto(proto, base_dir=path.parent, independent_dims=independent_dims, model_file=path)
     except (InputError, GraphError) as err:
         raise InputError(f"{path}: {err}") from None
@@ -146,11 +146,10 @@ def _check_text(message: Any, where: str) -> None:
             for i, text in enumerate(items):
                 if not isinstance(text, str):
                     index = f"[{i}]" if field.is_repeated else ""
-                    at = f"{where}{_message_label(message)}: field {field.name}{index}"
-                    raise InputError(f"{at} is not valid UTF-8 text ({bytes(text[:40])!r})")
+                    raise InputError(f"{where}: field {field.name}{index} is not valid UTF-8 ({bytes(text[:40])!r})")
         elif field.name in messages:
             for item in items:
-                _check_text(item, f"{where} > {field.name}")
+                _check_text(item, f"{where} > {field.name}{_message_label(item)}")
 
 
 def _message_label(message: Any) -> str:
@@ -279,8 +278,9 @@ class _Reader:
         except ValueError:
             raise InputError(f"{what}: external data offset or length is not a number") from None
         needed = (math.prod(shape) * dtype.itemsize_bits + 7) // 8
-        if offset < 0 or (length is not None and length < 0):
-            raise InputError(f"{what}: external data offset {offset} or length {length} is negative")
+        for key, number in (("offset", offset), ("length", length)):
+            if number is not None and number < 0:
+                raise InputError(f"{what}: external data {key} {number} is negative")
         if length is not None and length != needed:
             raise InputError(f"{what}: external data length {length} is not the {needed} bytes its shape {shape} needs")
         if offset + needed > file.stat().st_size:

@@ -25,9 +25,9 @@ from tests.reliability import builders
 from tests.reliability.test_bad_input import snapshot
 
 
-def with_external_data(folder: Path, name: str = "model.onnx") -> Path:
-    """The base model widened to 64 features, its weights in ``name``.data."""
-    proto = builders.base_model(np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64))
+def with_external_data(folder: Path, name: str = "model.onnx", scale: float = 1.0) -> Path:
+    """The base model widened to 64 features (its weight times ``scale``), its weights in ``name``.data."""
+    proto = builders.base_model(scale * np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64))
     for info in (proto.graph.input[0], proto.graph.output[0]):
         info.type.tensor_type.shape.dim[1].dim_value = 64
     proto.graph.initializer[1].CopyFrom(onnx.numpy_helper.from_array(np.ones(64, np.float32), "b"))

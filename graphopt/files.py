@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import socket
@@ -41,6 +42,8 @@ __all__ = [
     "staging_folder",
     "temporary_file",
 ]
+
+_log = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".graphopt-"
 # Seconds a run waits for another run's commit into the same folder before giving up.
@@ -89,15 +92,13 @@ def staging_folder(folder: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def remove_stale_staging(folder: Path) -> list[Path]:
-    """Remove the staging folders in ``folder`` whose run is dead; return them."""
-    removed = []
+def remove_stale_staging(folder: Path) -> None:
+    """Remove the staging folders in ``folder`` whose run is dead."""
     with contextlib.suppress(OSError):
         for candidate in folder.iterdir():
             if candidate.name.startswith(STAGING_PREFIX) and candidate.is_dir() and _is_stale(candidate):
+                _log.info("removing %s, left by a graphopt run that is gone", candidate)
                 shutil.rmtree(candidate, ignore_errors=True)
-                removed.append(candidate)
-    return removed
 
 
 def _is_stale(staging: Path) -> bool:

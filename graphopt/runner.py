@@ -227,6 +227,7 @@ def _staging(stack: contextlib.ExitStack, folder: Path, output: Path) -> Path:
 
 
 _T = TypeVar("_T")
+_USER_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR)
 
 
 def _writing(target: Path, write: Callable[[], _T]) -> _T:
@@ -238,11 +239,12 @@ def _writing(target: Path, write: Callable[[], _T]) -> _T:
 
 
 def _write_error(err: OSError, target: Path, what: str) -> GraphoptError:
-    """Permissions and read-only file systems are the user's to fix (exit 2); a full disk or
-    an I/O error is not (exit 3). The message names ``target``, never a staging path."""
+    """Permissions, read-only file systems and a file where a folder should be are the
+    user's to fix (exit 2); a full disk or an I/O error is not (exit 3). The message names
+    ``target``, never a staging path."""
     named = err.filename is not None and not is_staging(Path(str(err.filename)))
     detail = f"{err.strerror or err}" + (f": {err.filename}" if named else "")
-    error_type = InputError if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else GraphoptError
+    error_type = InputError if err.errno in _USER_ERRNOS else GraphoptError
     return error_type(f"{target}: {what} ({detail})")
 
 

@@ -34,7 +34,9 @@ def _collect(sources: Sequence[Path]) -> list[Path]:
             found += sorted(
                 p
                 for p in source.rglob("*")
-                if p.suffix.lower() in (".onnx", ".json") and ".opt." not in p.name and not is_staging(p)
+                if p.suffix.lower() in (".onnx", ".json")
+                and ".opt." not in p.name
+                and not is_staging(p.relative_to(source))
             )
         elif source.exists():
             found.append(source)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["MESSAGE_LIMIT", "CheckFailed", "GraphoptError", "InputError", "PassError", "bounded"]
+
 
 class GraphoptError(Exception):
     """Base class; ``exit_code`` is what the CLI returns for it."""
@@ -29,3 +31,15 @@ class PassError(GraphoptError):
     def __init__(self, pass_name: str, message: str) -> None:
         super().__init__(f"pass {pass_name!r} failed: {message}")
         self.pass_name = pass_name
+
+
+# Longest message text shown or reported; onnxruntime can quote a million-element attribute.
+MESSAGE_LIMIT = 2000
+
+
+def bounded(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text``, or its head and tail around a note of how much was left out."""
+    if len(text) <= limit:
+        return text
+    keep = limit // 2
+    return f"{text[:keep]} [... {len(text) - 2 * keep} characters elided ...] {text[-keep:]}"

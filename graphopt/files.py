@@ -1,19 +1,60 @@
-"""Temporary files for atomic writes, with the permissions a plain ``open`` would give.
+"""The file system side of writing results: temporary files, staging folders, the commit.
 
-``tempfile.mkstemp`` creates files readable by their owner only; renamed into place they
-would keep that, and a model written for a shared folder or a container image would be
-unreadable to everyone else. The file is created the same way (unique, exclusive), then
-given 0o666 minus the process's umask.
+- :func:`temporary_file`: ``tempfile.mkstemp`` creates files readable by their owner only;
+  renamed into place they would keep that, and a model written for a shared folder or a
+  container image would be unreadable to everyone else. The file is created the same way
+  (unique, exclusive), then given 0o666 minus the process's umask.
+- :func:`staging_folder`: a private ``.graphopt-*`` folder beside the destination, marked
+  with its owner (host and process id) so that the next run into that folder can remove
+  what a killed run left behind.
+- :func:`folder_lock`: an exclusive ``flock`` on the destination folder for the commit, so
+  two runs writing the same output take turns instead of mixing their files; the kernel
+  drops the lock when its holder dies, so a killed run never blocks the next one.
+- :func:`commit`: rename staged files into place in order, all or none: a destination that
+  exists is first hard-linked into the staging folder and put back if a later rename fails.
+  Each new file keeps the permissions of the file it replaces (a read-only model stays
+  read-only).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
+import shutil
+import socket
 import tempfile
+import time
+from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
 
-__all__ = ["temporary_file"]
+from graphopt.errors import InputError
+
+__all__ = [
+    "LOCK_TIMEOUT",
+    "STAGING_PREFIX",
+    "commit",
+    "folder_lock",
+    "is_staging",
+    "remove_stale_staging",
+    "staging_folder",
+    "temporary_file",
+]
+
+_log = logging.getLogger(__name__)
+
+STAGING_PREFIX = ".graphopt-"
+# Seconds a run waits for another run's commit into the same folder before giving up.
+LOCK_TIMEOUT = 60.0
+# The file in a staging folder naming its owner: "<host> <pid>".
+_OWNER = "owner"
+# A staging folder without an owner file (killed between creating it and marking it)
+# is stale once it is this old.
+_UNMARKED_STALE_SECONDS = 3600.0
+# The staging folders of this process that are in use.
+_LIVE: set[Path] = set()
 
 
 @cache
@@ -28,3 +69,107 @@ def temporary_file(directory: Path, name: str) -> tuple[int, Path]:
     handle, path = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
     os.fchmod(handle, _default_mode())
     return handle, Path(path)
+
+
+def is_staging(path: Path) -> bool:
+    """Whether ``path`` lies in a staging folder (folder discovery must not take its files as models)."""
+    return any(part.startswith(STAGING_PREFIX) for part in path.parts)
+
+
+@contextlib.contextmanager
+def staging_folder(folder: Path) -> Iterator[Path]:
+    """A new private staging folder in ``folder``, marked with its owner and removed when
+    the block ends; stale ones of dead runs in ``folder`` are removed first."""
+    remove_stale_staging(folder)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=folder)).resolve()
+    # Registered before it is marked: another model of this process never takes it for stale.
+    _LIVE.add(staging)
+    try:
+        (staging / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n", encoding="utf-8")
+        yield staging
+    finally:
+        _LIVE.discard(staging)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def remove_stale_staging(folder: Path) -> None:
+    """Remove the staging folders in ``folder`` whose run is dead."""
+    with contextlib.suppress(OSError):
+        for candidate in folder.iterdir():
+            if candidate.name.startswith(STAGING_PREFIX) and candidate.is_dir() and _is_stale(candidate):
+                _log.info("removing %s, left by a graphopt run that is gone", candidate)
+                shutil.rmtree(candidate, ignore_errors=True)
+
+
+def _is_stale(staging: Path) -> bool:
+    try:
+        host, _, pid = (staging / _OWNER).read_text(encoding="utf-8").strip().partition(" ")
+    except (OSError, UnicodeDecodeError):
+        with contextlib.suppress(OSError):
+            return time.time() - staging.stat().st_mtime > _UNMARKED_STALE_SECONDS
+        return False
+    if host != socket.gethostname() or not pid.isdigit():
+        return False  # another machine's run (a shared folder): its liveness cannot be seen from here
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, owned by someone else
+        return False
+    return int(pid) == os.getpid() and staging.resolve() not in _LIVE  # a dead run's pid, reused by this process
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path, what: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder``; wait up to :data:`LOCK_TIMEOUT` seconds for it.
+
+    Raises InputError naming ``what`` when another run keeps the folder locked that long.
+    """
+    handle = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise InputError(
+                        f"{what}: another graphopt run is writing into {folder} (waited {LOCK_TIMEOUT:g} s); "
+                        "run again when it is done"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(handle)  # closing the descriptor releases the lock
+
+
+def commit(moves: Sequence[tuple[Path, Path]], backups: Path) -> None:
+    """Rename each staged file onto its target, in order, all or none.
+
+    A target that exists is hard-linked (or copied) into ``backups`` first and its
+    permissions given to the file replacing it; if a rename fails, the targets renamed so
+    far are put back as they were and the error is raised.
+    """
+    saved: list[tuple[Path, Path]] = []
+    done: list[Path] = []
+    try:
+        for i, (staged, target) in enumerate(moves):
+            if target.is_file():
+                backup = backups / f"previous-{i}"
+                try:
+                    os.link(target, backup)
+                except OSError:  # no hard links on this file system
+                    shutil.copy2(target, backup)
+                saved.append((backup, target))
+                os.chmod(staged, target.stat().st_mode & 0o7777)
+            os.replace(staged, target)
+            done.append(target)
+    except BaseException:
+        restored = {target for _, target in saved}
+        for target in done:
+            if target not in restored:
+                target.unlink(missing_ok=True)
+        for backup, target in saved:
+            os.replace(backup, target)
+        raise

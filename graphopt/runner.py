@@ -8,23 +8,25 @@ gate (would the pipeline still change this model?) and blame (which pass broke n
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from graphopt import __version__
 from graphopt.api import Result, optimize, resolve_pipeline, resolve_settings
-from graphopt.errors import InputError
-from graphopt.io import load, save
+from graphopt.errors import GraphoptError, InputError
+from graphopt.files import commit, folder_lock, is_staging, staging_folder
+from graphopt.io import data_files, load, save
+from graphopt.io.onnx_io import is_data_file_of
 from graphopt.ir import Model
 from graphopt.passes.pipeline import PassRun
+from graphopt.report import check_report_target, write_report
 
 __all__ = ["RunOptions", "as_onnx", "blame", "default_output", "file_digest", "is_optimized", "optimize_file"]
 
@@ -51,6 +53,8 @@ class RunOptions:
     def load(self, source: Path) -> Model:
         pipeline = resolve_pipeline(self.passes, self.config, self.max_steps)
         return load(source, independent_dims=resolve_settings(pipeline, self.settings).independent_dims)
+    # The JSON report, committed with the model.
+    report: Path | None = None
 
 
 def default_output(path: Path) -> Path:
@@ -65,9 +69,9 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _file_entry(path: Path, known: dict[str, str] | None = None) -> dict[str, Any]:
-    """Path, sha256 and size of a model file and its .data; ``known`` digests by file name
-    (computed while writing) spare reading the files again."""
+def _file_entry(path: Path, data: Path | None, known: dict[str, str] | None = None) -> dict[str, Any]:
+    """Path, sha256 and size of a model file and of its external data file; ``known``
+    digests by file name (computed while writing) spare reading the files again."""
     known = known or {}
 
     def describe(file: Path) -> dict[str, Any]:
@@ -75,8 +79,7 @@ def _file_entry(path: Path, known: dict[str, str] | None = None) -> dict[str, An
         return {"path": str(file), "sha256": digest, "bytes": file.stat().st_size}
 
     entry = describe(path)
-    data = path.with_name(path.name + ".data")
-    if data.is_file():
+    if data is not None:
         entry["external_data"] = describe(data)
     return entry
 
@@ -114,123 +117,212 @@ def optimize_file(
 ) -> tuple[dict[str, Any], int]:
     """Optimize one file into ``options.output``; returns the report and the exit code.
 
-    The optimized model is written to a private temporary folder beside the destination,
-    checked there, and moved into place only when everything passed: a failed run leaves
-    no file behind (unless ``keep_failed``).
+    The optimized model (and the report, with ``options.report``) is written to private
+    staging folders beside the destinations, checked there, and committed only when
+    everything passed: a failed run leaves no file behind (unless ``keep_failed``). See
+    :func:`_commit` for what the commit guarantees.
     """
     source = Path(source)
-    output = options.output or (source if options.in_place else default_output(source))
+    if options.in_place and options.output is None:
+        # Through a symbolic link to the file it names: the link stays a link.
+        output = source.resolve() if source.is_symlink() else source
+    else:
+        output = options.output or default_output(source)
+    if output.is_dir():
+        raise InputError(f"{output}: is a folder; -o needs a file name for one model")
     if output.resolve() == source.resolve() and not options.in_place:
         raise InputError(f"{output}: refusing to overwrite the input (use --in-place)")
+    if options.report is not None:
+        check_report_target(options.report, [source, output])
+    load_start = time.perf_counter()
+    model = options.load(source)
+    load_seconds = time.perf_counter() - load_start
+    data = data_files(model)
     # The input's digest is read beside the real work: hashing releases the GIL.
+    onnx_data = data[0] if data and source.suffix.lower() != ".json" else None
     with ThreadPoolExecutor(max_workers=1) as hasher:
-        input_entry = hasher.submit(_file_entry, source)
-        return _optimize_file(source, output, options, on_pass, input_entry)
+        input_entry = hasher.submit(_file_entry, source, onnx_data)
+        reads = {source: "the input model", **{file: _TENSOR_DATA for file in data}}
+        if options.inputs is not None:
+            reads[options.inputs] = "--inputs"
+        if options.config is not None:
+            reads[options.config] = "--config"
+        report, code = _optimize_file(source, output, model, reads, options, on_pass, input_entry)
+    report["seconds"]["load"] = round(load_seconds, 6)
+    return report, code
 
 
 def _optimize_file(
     source: Path,
     output: Path,
+    model: Model,
+    reads: dict[Path, str],
     options: RunOptions,
     on_pass: Callable[[PassRun], None] | None,
     input_entry: Future[dict[str, Any]],
 ) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
-    load_start = time.perf_counter()
-    model = options.load(source)
-    load_seconds = time.perf_counter() - load_start
     result = _optimize_with(model, options, on_pass)
     report: dict[str, Any] = {"graphopt_version": __version__, "input": None, **result.report}
-    created = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix=".graphopt-", dir=output.parent))
+    folders = [output.parent] + ([options.report.parent] if options.report is not None else [])
+    created = [p for folder in folders for p in [folder, *folder.parents] if not p.exists()]
     exit_code = 0
     try:
-        # The output and its sidecars (.data, .npy) alone in one folder: they move into place together.
-        staged = workdir / "output" / output.name
-        save_start = time.perf_counter()
-        save_options: dict[str, Any] = {}
-        if staged.suffix.lower() != ".json":
-            save_options["external_data"] = options.external_data
-        written = save(result.model, staged, **save_options)
-        report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
-        report["input"] = input_entry.result()
-        report["seconds"]["load"] = round(load_seconds, 6)
-        if options.check:
-            check_start = time.perf_counter()
-            from graphopt.check import check_models_isolated
+        with contextlib.ExitStack() as stack:
+            staging = {folder.resolve(): _staging(stack, folder, output) for folder in folders}
+            workdir = staging[output.parent.resolve()]
+            # The output and its sidecars (.data, .npy) alone in one folder: they are committed together.
+            staged = workdir / "output" / output.name
+            save_start = time.perf_counter()
+            save_options: dict[str, Any] = {}
+            if staged.suffix.lower() != ".json":
+                save_options = {"external_data": options.external_data, "content_addressed": True}
+            written = _writing(output, lambda: save(result.model, staged, **save_options))
+            report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
+            report["input"] = input_entry.result()
+            if options.check:
+                check_start = time.perf_counter()
+                from graphopt.check import check_models_isolated
 
-            outcome = check_models_isolated(
-                as_onnx(source, workdir / "original"),
-                as_onnx(staged, workdir / "optimized"),
-                dims=options.dims or None,
-                inputs=options.inputs,
-                atol=options.atol,
-                rtol=options.rtol,
-            )
-            report["numerics"] = outcome.as_dict()
-            report["seconds"]["check"] = round(time.perf_counter() - check_start, 6)
-            if outcome.status == "failed":
-                exit_code = 1
-                if options.blame:
-                    report["blame"] = blame(source, options, workdir)
-        else:
-            report["numerics"] = {"status": "skipped", "reason": "--no-check"}
-        if exit_code == 0 or options.keep_failed:
-            _move_into_place(staged, output)
-            report["output"] = _file_entry(output, written)
-            created = []
-        else:
+                outcome = check_models_isolated(
+                    as_onnx(source, workdir / "original"),
+                    as_onnx(staged, workdir / "optimized"),
+                    dims=options.dims or None,
+                    inputs=options.inputs,
+                    atol=options.atol,
+                    rtol=options.rtol,
+                )
+                report["numerics"] = outcome.as_dict()
+                report["seconds"]["check"] = round(time.perf_counter() - check_start, 6)
+                if outcome.status == "failed":
+                    exit_code = 1
+                    if options.blame:
+                        report["blame"] = blame(source, options, workdir)
+            else:
+                report["numerics"] = {"status": "skipped", "reason": "--no-check"}
+            moves: list[tuple[Path, Path]] = []
             report["output"] = None
+            if exit_code == 0 or options.keep_failed:
+                sidecars = sorted(p for p in staged.parent.iterdir() if p != staged)
+                moves = [(p, output.parent / p.name) for p in sidecars] + [(staged, output)]
+                weights = next((p for p in sidecars if p.suffix == ".data"), None)
+                report["output"] = _file_entry(staged, weights, written)
+                report["output"]["path"] = str(output)  # described before the commit, named as after it
+                if weights is not None:
+                    report["output"]["external_data"]["path"] = str(output.parent / weights.name)
+            report["seconds"]["total"] = round(time.perf_counter() - started, 6)
+            report["status"] = "ok" if exit_code == 0 else "check failed"
+            report["exit_code"] = exit_code
+            if options.report is not None:
+                staged_report = staging[options.report.parent.resolve()] / "report" / options.report.name
+                _writing(options.report, lambda: write_report(report, staged_report))
+                moves.append((staged_report, options.report))
+            _writing(output, lambda: _commit(source, output, moves, reads, options, workdir))
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        for folder in created:  # innermost first; only the folders this run made, and only if empty
-            with contextlib.suppress(OSError):
+        for folder in sorted(set(created), key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):  # only the folders this run made, and only if left empty
                 folder.rmdir()
-    report["seconds"]["total"] = round(time.perf_counter() - started, 6)
-    report["status"] = "ok" if exit_code == 0 else "check failed"
-    report["exit_code"] = exit_code
     return report, exit_code
 
 
-def _move_into_place(staged: Path, output: Path) -> None:
-    """Rename the staged model and its sidecars into place, all or none.
-
-    Sidecars go first and the model last, so a reader never sees the new model with old
-    weights. A destination that exists is first hard-linked into the staging folder, so a
-    failure part way puts every file back; a ``.data`` beside the output that the new model
-    does not use is removed with the same guarantee.
-    """
-    staging = staged.parent
-    moves: list[tuple[Path | None, Path]] = [
-        (p, output.parent / p.name) for p in sorted(staging.iterdir()) if p != staged
-    ]
-    moves.append((staged, output))
-    stale = output.with_name(output.name + ".data")
-    if stale.is_file() and not (staging / stale.name).exists():
-        moves.insert(0, (None, stale))
-    backups: list[tuple[Path, Path]] = []
-    done: list[Path] = []
+def _staging(stack: contextlib.ExitStack, folder: Path, output: Path) -> Path:
+    """A staging folder in ``folder`` (made if missing) until ``stack`` closes; a folder that
+    cannot be written is bad input."""
     try:
-        for i, (source, target) in enumerate(moves):
-            if target.is_file():
-                backup = staging.parent / f"previous-{i}"
-                try:
-                    os.link(target, backup)
-                except OSError:  # no hard links on this file system
-                    shutil.copy2(target, backup)
-                backups.append((backup, target))
-            if source is None:
-                target.unlink()
-            else:
-                os.replace(source, target)
-                done.append(target)
-    except BaseException:
-        for target in done:
-            target.unlink(missing_ok=True)
-        for backup, target in backups:
-            os.replace(backup, target)
-        raise
+        folder.mkdir(parents=True, exist_ok=True)
+        return stack.enter_context(staging_folder(folder))
+    except OSError as err:
+        raise _write_error(err, output, f"cannot write into {folder}") from None
+
+
+_T = TypeVar("_T")
+_USER_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR)
+
+
+def _writing(target: Path, write: Callable[[], _T]) -> _T:
+    """Run ``write``; an OSError becomes one line naming ``target`` (never a staging path)."""
+    try:
+        return write()
+    except OSError as err:
+        raise _write_error(err, target, "cannot write it") from None
+
+
+def _write_error(err: OSError, target: Path, what: str) -> GraphoptError:
+    """Permissions, read-only file systems and a file where a folder should be are the
+    user's to fix (exit 2); a full disk or an I/O error is not (exit 3). The message names
+    ``target``, never a staging path."""
+    named = err.filename is not None and not is_staging(Path(str(err.filename)))
+    detail = f"{err.strerror or err}" + (f": {err.filename}" if named else "")
+    error_type = InputError if err.errno in _USER_ERRNOS else GraphoptError
+    return error_type(f"{target}: {what} ({detail})")
+
+
+_TENSOR_DATA = "the input's tensor data"
+
+
+def _commit(
+    source: Path,
+    output: Path,
+    moves: list[tuple[Path, Path]],
+    reads: dict[Path, str],
+    options: RunOptions,
+    backups: Path,
+) -> None:
+    """Put the staged files in place, holding a lock on each destination folder.
+
+    - Before anything is written, every path the commit writes or removes is compared with
+      every file the run reads, symbolic links resolved: a clash is bad input (only
+      ``--in-place`` may replace the input and its weights).
+    - External data has a content-addressed name, so the new weights never replace the
+      file the old model reads: they go in first, the model is renamed over the old one
+      (one atomic rename switches from the old set to the new), the report after it, and
+      only then are the old model's weights removed. A kill at any moment leaves the old
+      set or the new one, loadable; a failed rename puts back what was renamed.
+    - Two runs writing into one folder take turns (the lock); each one's set is whole.
+    """
+    folders = sorted({t.parent.resolve() for _, t in moves})
+    with contextlib.ExitStack() as locks:
+        for folder in folders:
+            locks.enter_context(folder_lock(folder, output))
+        removals = _old_weights(output, moves)
+        # Weights of this content are already in place under their content-addressed name.
+        moves = [(s, t) for s, t in moves if not (is_data_file_of(output, t, hashed=True) and t.is_file())]
+        _refuse_clashes(source, output, [t for _, t in moves], removals, reads, options)
+        if output.is_file():  # the new weights keep the permissions of the model they replace
+            mode = output.stat().st_mode & 0o7777
+            for staged, target in moves:
+                if target not in (output, options.report):
+                    os.chmod(staged, mode)
+        commit(moves, backups)
+        for stale in removals:
+            with contextlib.suppress(OSError):  # an old weights file left behind is harmless
+                stale.unlink()
+
+
+def _old_weights(output: Path, moves: list[tuple[Path, Path]]) -> list[Path]:
+    """The external data files of the model at ``output`` that the new one does not use."""
+    if output.suffix.lower() == ".json" or all(t != output for _, t in moves):
+        return []
+    new = {t.name for _, t in moves}
+    return sorted(p for p in output.parent.iterdir() if is_data_file_of(output, p) and p.name not in new)
+
+
+def _refuse_clashes(
+    source: Path, output: Path, writes: list[Path], removals: list[Path], reads: dict[Path, str], options: RunOptions
+) -> None:
+    resolved = {path.resolve(): what for path, what in reads.items()}
+    replaceable = {"the input model", _TENSOR_DATA} if options.in_place else set()
+    for target in [*writes, *removals]:
+        what = resolved.get(target.resolve())
+        if what is not None and what not in replaceable:
+            verb = "remove" if target in removals else "replace"
+            raise InputError(f"{target}: this run reads it ({what}) and would {verb} it; choose another output")
+    parted = _TENSOR_DATA in reads.values() or any(t.parent == output.parent and t != output for t in writes)
+    if options.in_place and source.is_symlink() and source.parent.resolve() != output.parent.resolve() and parted:
+        raise InputError(
+            f"{source}: --in-place through a link into another folder would part the model from its "
+            "tensor data; run on the link's target instead"
+        )
 
 
 def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:

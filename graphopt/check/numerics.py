@@ -45,7 +45,7 @@ from graphopt.check.inputs import (
     make_inputs,
     read_spec,
 )
-from graphopt.errors import InputError
+from graphopt.errors import InputError, bounded
 
 __all__ = ["BindingResult", "CheckResult", "check_models"]
 
@@ -118,7 +118,7 @@ class _Deadline:
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return bounded(text.splitlines()[0]) if text else type(exc).__name__
 
 
 def _session(path: Path, threads: int) -> ort.InferenceSession:

@@ -20,7 +20,7 @@ import click
 from rich.console import Console
 
 from graphopt import __version__
-from graphopt.errors import GraphoptError, InputError
+from graphopt.errors import GraphoptError, InputError, bounded
 from graphopt.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -43,7 +43,7 @@ def stderr() -> Console:
 
 
 def fail(message: str, code: int) -> None:
-    click.echo(f"graphopt: error: {message}", err=True)
+    click.echo(f"graphopt: error: {bounded(message)}", err=True)
     sys.exit(code)
 
 

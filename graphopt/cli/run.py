@@ -14,7 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from graphopt import __version__
 from graphopt.cli.app import EXIT_CODES, cli, emit, fail, guarded, parse_dims, stderr, with_settings
-from graphopt.errors import GraphoptError, InputError
+from graphopt.errors import GraphoptError, InputError, bounded
+from graphopt.files import is_staging
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -31,7 +32,11 @@ def _collect(sources: Sequence[Path]) -> list[Path]:
     for source in sources:
         if source.is_dir():
             found += sorted(
-                p for p in source.rglob("*") if p.suffix.lower() in (".onnx", ".json") and ".opt." not in p.name
+                p
+                for p in source.rglob("*")
+                if p.suffix.lower() in (".onnx", ".json")
+                and ".opt." not in p.name
+                and not is_staging(p.relative_to(source))
             )
         elif source.exists():
             found.append(source)
@@ -47,11 +52,11 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
     try:
         return optimize_file(source, options)
     except GraphoptError as err:
-        return {"input": {"path": str(source)}, "error": str(err), "exit_code": err.exit_code}, err.exit_code
+        return {"input": {"path": str(source)}, "error": bounded(str(err)), "exit_code": err.exit_code}, err.exit_code
     except Exception as err:
         return {
             "input": {"path": str(source)},
-            "error": f"internal error: {type(err).__name__}: {err}",
+            "error": bounded(f"internal error: {type(err).__name__}: {err}"),
             "exit_code": 3,
         }, 3
 
@@ -131,6 +136,7 @@ def run(
     fails is rolled back and reported; the run goes on (--strict makes it exit 3).
     """
     from graphopt.api import resolve_pipeline, resolve_settings
+    from graphopt.report import check_report_target
     from graphopt.runner import RunOptions, is_optimized, optimize_file
 
     if (atol is None) != (rtol is None):
@@ -151,6 +157,7 @@ def run(
         in_place=in_place,
         external_data=external_data,
         settings=settings,
+        report=report_path,
     )
     resolve_settings(resolve_pipeline(passes, config, max_steps), settings)  # bad pipelines fail before any work
     console = stderr()
@@ -162,6 +169,8 @@ def run(
     single = len(models) == 1 and not models[0].is_dir() and selected is None
     if not sources:
         raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and *.json)")
+    if report_path is not None:
+        check_report_target(report_path, sources)
 
     if check_optimized:
         rows = [is_optimized(s, options) for s in sources]
@@ -178,7 +187,7 @@ def run(
         from graphopt.report.console import render_report
 
         render_report(console, report)
-        emit(report, report_path, as_json)
+        emit(report, None, as_json)  # the report file is committed with the model
         if strict and report["failures"]:
             fail(f"pass {report['failures'][0]['pass']!r} failed: {report['failures'][0]['error']}", 3)
         sys.exit(code)
@@ -198,7 +207,9 @@ def run(
             if target in written:  # one result would silently replace the other
                 raise InputError(f"{source}: its output {target} is also the output of {written[target]}")
             written[target] = source
-        tasks.append((source, replace(options, output=target)))
+        tasks.append((source, replace(options, output=target, report=None)))
+    if report_path is not None:
+        check_report_target(report_path, list(written))
     rows_by_index: dict[int, dict[str, Any]] = {}
     worst = 0
     with Progress(

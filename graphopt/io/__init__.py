@@ -28,6 +28,21 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
     return model
 
 
+def data_files(model: Model) -> list[Path]:
+    """The files other than the model file that ``model`` reads its tensors from (external
+    data, JSON sidecars), in order of first use."""
+    from graphopt.io.json_io import NpySource
+    from graphopt.io.onnx_io import all_tensors
+    from graphopt.ir import ExternalSource
+
+    files: dict[Path, None] = {}
+    for tensor in all_tensors(model):
+        source = tensor.source
+        if (isinstance(source, ExternalSource) and not source.inline) or isinstance(source, NpySource):
+            files[source.path] = None
+    return list(files)
+
+
 def save(model: Model, path: str | os.PathLike[str], **options: object) -> dict[str, str]:
     """Save a model atomically, choosing the format by extension. Returns the sha256 of the
     files written, by name, where the writer hashed them on the way out (ONNX)."""
@@ -44,4 +59,4 @@ def save(model: Model, path: str | os.PathLike[str], **options: object) -> dict[
     return onnx_io.save(model, path, **options)  # type: ignore[arg-type]
 
 
-__all__ = ["load", "save"]
+__all__ = ["data_files", "load", "save"]

@@ -46,6 +46,7 @@ from onnx import helper
 
 from graphopt.errors import InputError
 from graphopt.files import temporary_file
+from graphopt.io.external import external_file
 from graphopt.io.json_text import dump, parse_type_text, type_text
 from graphopt.io.onnx_io import ProtoSource, raw_buffer
 from graphopt.ir import (
@@ -608,12 +609,10 @@ class _Reader:
             proto.raw_data = array.tobytes()
 
     def _sidecar(self, name: str, dtype: DataType, shape: tuple[int, ...], at: str) -> NpySource:
-        file = self.path.parent / name
         storage = _storage_dtype(dtype)
         if storage is None:
             raise InputError(f"{at}: {_DTYPE_NAMES[dtype]} tensors cannot live in a .npy sidecar")
-        if not file.is_file():
-            raise InputError(f"{at}: sidecar file {str(file)!r} is missing")
+        file = external_file(self.path.parent, name, f"{at}: sidecar file")
         try:
             with file.open("rb") as handle:
                 major, _ = np.lib.format.read_magic(handle)

@@ -17,9 +17,11 @@ goes through with bounded RAM.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import itertools
+import logging
 import math
 import os
 from collections.abc import Callable, Collection, Iterable
@@ -32,9 +34,10 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 
-from graphopt.errors import InputError
+from graphopt.errors import InputError, bounded
 from graphopt.files import temporary_file
 from graphopt.io import wire
+from graphopt.io.external import external_file
 from graphopt.ir import (
     Attr,
     AttrKind,
@@ -60,7 +63,20 @@ from graphopt.ir import (
     parse_dim,
 )
 
-__all__ = ["ProtoSource", "digest", "from_proto", "load", "raw_buffer", "save", "to_proto"]
+__all__ = [
+    "ProtoSource",
+    "all_tensors",
+    "content_addressed_name",
+    "digest",
+    "from_proto",
+    "is_data_file_of",
+    "load",
+    "raw_buffer",
+    "save",
+    "to_proto",
+]
+
+_log = logging.getLogger(__name__)
 
 # Tensors at least this large go to the external-data file when one is written.
 EXTERNAL_THRESHOLD = 1024
@@ -94,25 +110,69 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
             payload = path.read_bytes()
         proto.ParseFromString(payload)
         del payload
+    except OSError as err:
+        raise InputError(f"{path}: cannot read it ({err.strerror or err})") from None
     except (DecodeError, RuntimeError, ValueError, IndexError) as err:
         raise InputError(f"{path}: not a valid ONNX protobuf ({_first_line(err)})") from None
     if not proto.HasField("graph") or proto.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph or no ir_version)")
     try:
-        return from_proto(proto, base_dir=path.parent, independent_dims=independent_dims)
+        _check_text(proto, "model")
+        return from_proto(proto, base_dir=path.parent, independent_dims=independent_dims, model_file=path)
     except (InputError, GraphError) as err:
         raise InputError(f"{path}: {err}") from None
 
 
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+    return bounded(text[0]) if text else type(err).__name__
 
 
-def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None, independent_dims: bool = False) -> Model:
-    reader = _Reader(base_dir or Path.cwd(), independent_dims)
+@functools.cache
+def _text_fields(descriptor: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """The names of a message type's string fields and of its message fields."""
+    strings = {f.name for f in descriptor.fields if f.type == f.TYPE_STRING}
+    messages = {f.name for f in descriptor.fields if f.type == f.TYPE_MESSAGE}
+    return frozenset(strings), frozenset(messages)
+
+
+def _check_text(message: Any, where: str) -> None:
+    """Every string field is valid UTF-8 (protobuf hands invalid ones over as bytes, which
+    would fail much later, at save): raise InputError naming the first that is not."""
+    strings, messages = _text_fields(message.DESCRIPTOR)
+    for field, value in message.ListFields():
+        items = value if field.is_repeated else [value]
+        if field.name in strings:
+            for i, text in enumerate(items):
+                if not isinstance(text, str):
+                    index = f"[{i}]" if field.is_repeated else ""
+                    raise InputError(f"{where}: field {field.name}{index} is not valid UTF-8 ({bytes(text[:40])!r})")
+        elif field.name in messages:
+            for item in items:
+                _check_text(item, f"{where} > {field.name}{_message_label(item)}")
+
+
+def _message_label(message: Any) -> str:
+    name = getattr(message, "name", "")
+    return f" {name!r}" if isinstance(name, str) and name else ""
+
+
+def from_proto(
+    proto: onnx.ModelProto,
+    *,
+    base_dir: Path | None = None,
+    independent_dims: bool = False,
+    model_file: Path | None = None,
+) -> Model:
+    """The IR of ``proto``; external data is read from ``base_dir`` (``model_file``, the
+    file the proto came from, holds the weights io/wire.py left inline)."""
+    reader = _Reader(base_dir or Path.cwd(), independent_dims, model_file)
     graph = reader.graph(proto.graph, [])
     graph.topological()  # a cycle is bad input, found now rather than in a pass
+    if reader.negative_dims:
+        name, dim = reader.negative_dims[0]
+        more = f" (and {len(reader.negative_dims) - 1} more)" if len(reader.negative_dims) > 1 else ""
+        _log.warning("value %r declares dim %d%s: read as an unknown dim", name, dim, more)
     model = Model(
         graph=graph,
         opset_imports={o.domain: o.version for o in proto.opset_import},
@@ -133,15 +193,23 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None, independ
 
 
 class _Reader:
-    def __init__(self, base_dir: Path, independent_dims: bool) -> None:
+    def __init__(self, base_dir: Path, independent_dims: bool, model_file: Path | None = None) -> None:
         self.base_dir = base_dir
         self.independent_dims = independent_dims
+        self.model_file = model_file
         self.uids = itertools.count(1)
+        # Declared dims below zero, read as unknown: (value name, dim).
+        self.negative_dims: list[tuple[str, int]] = []
+        self.annotating = ""
 
     # types
     def dim(self, proto: onnx.TensorShapeProto.Dimension) -> Dim:
         which = proto.WhichOneof("value")
         if which == "dim_value":
+            if proto.dim_value < 0:
+                # onnx's checker lets a negative dim pass; no tensor has one, so it says nothing.
+                self.negative_dims.append((self.annotating, int(proto.dim_value)))
+                return None
             return int(proto.dim_value)
         if which == "dim_param":
             dim = parse_dim(proto.dim_param)
@@ -178,26 +246,7 @@ class _Reader:
             raise InputError(f"tensor {proto.name!r} has a negative dimension {shape}")
         source: Any
         if proto.data_location == onnx.TensorProto.EXTERNAL:
-            info = {e.key: e.value for e in proto.external_data}
-            inline = wire.INLINE_KEY in info
-            location = info.get("location", "")
-            # As onnx's own loader: external data lives beside the model, never elsewhere.
-            if Path(location).is_absolute() or ".." in Path(location).parts:
-                raise InputError(
-                    f"tensor {proto.name!r}: external data location {location!r} leaves the model's folder"
-                )
-            file = self.base_dir / location
-            if not location or not file.is_file():
-                raise InputError(f"tensor {proto.name!r}: external data file {str(file)!r} is missing")
-            try:
-                offset = int(info.get("offset", 0))
-                length = int(info["length"]) if "length" in info else None
-            except ValueError:
-                raise InputError(f"tensor {proto.name!r}: external data offset or length is not a number") from None
-            needed = (math.prod(shape) * dtype.itemsize_bits + 7) // 8
-            if offset + (length if length is not None else needed) > file.stat().st_size:
-                raise InputError(f"tensor {proto.name!r}: external data file {str(file)!r} is too short")
-            source = ExternalSource(file, offset, length, dtype, shape, inline=inline)
+            source = self.external(proto, dtype, shape)
         else:
             _check_inline_size(proto, dtype, shape)
             source = ProtoSource(proto)
@@ -209,6 +258,34 @@ class _Reader:
             doc_string=proto.doc_string,
             metadata_props={p.key: p.value for p in proto.metadata_props},
         )
+
+    def external(self, proto: onnx.TensorProto, dtype: DataType, shape: tuple[int, ...]) -> ExternalSource:
+        """A tensor's bytes in another file, under onnx's rules (see io/external.py): inside
+        the model's folder, offset and length non-negative and within the file, and the
+        length exactly what the shape needs."""
+        info = {e.key: e.value for e in proto.external_data}
+        what = f"tensor {proto.name!r}"
+        inline = wire.INLINE_KEY in info
+        location = info.get("location", "")
+        if inline and self.model_file is not None and location == self.model_file.name:
+            file = self.model_file  # weights io/wire.py left in the model file itself
+        else:
+            inline = False
+            file = external_file(self.base_dir, location, f"{what}: external data file")
+        try:
+            offset = int(info.get("offset", 0))
+            length = int(info["length"]) if "length" in info else None
+        except ValueError:
+            raise InputError(f"{what}: external data offset or length is not a number") from None
+        needed = (math.prod(shape) * dtype.itemsize_bits + 7) // 8
+        for key, number in (("offset", offset), ("length", length)):
+            if number is not None and number < 0:
+                raise InputError(f"{what}: external data {key} {number} is negative")
+        if length is not None and length != needed:
+            raise InputError(f"{what}: external data length {length} is not the {needed} bytes its shape {shape} needs")
+        if offset + needed > file.stat().st_size:
+            raise InputError(f"{what}: external data file {str(file)!r} is too short")
+        return ExternalSource(file, offset, length, dtype, shape, inline=inline)
 
     def sparse(self, proto: onnx.SparseTensorProto) -> SparseTensor:
         return SparseTensor(self.tensor(proto.values), self.tensor(proto.indices), tuple(proto.dims))
@@ -327,6 +404,7 @@ class _Reader:
         return graph
 
     def _annotate(self, value: Value, vi: onnx.ValueInfoProto) -> None:
+        self.annotating = vi.name
         if vi.HasField("type"):
             value.type = self.type(vi.type) or value.type
         value.doc_string = vi.doc_string or value.doc_string
@@ -408,14 +486,20 @@ def save(
     *,
     external_data: bool | None = None,
     location: str | None = None,
+    content_addressed: bool = False,
 ) -> dict[str, str]:
     """Write ``model`` atomically. ``external_data=None`` keeps external data when the model
     was loaded with it or when it would not fit in one protobuf message.
 
+    The external data file is ``location`` (default ``<model file name>.data``); with
+    ``content_addressed`` it is named after its sha256, ``<model file name>.<16 hex>.data``,
+    so a new model's weights never take the name of the weights an older model at the same
+    path reads (see graphopt.runner: the model is renamed into place last).
+
     Returns the sha256 of every file written, by file name, computed as the bytes went out
     (so a report need not read a multi-gigabyte output again)."""
     path = Path(path)
-    tensors = list(_all_tensors(model))
+    tensors = list(all_tensors(model))
     if external_data is None:
         external_data = any(isinstance(t.source, ExternalSource) and not t.source.inline for t in tensors) or (
             sum(t.nbytes for t in tensors) > PROTOBUF_LIMIT
@@ -433,6 +517,9 @@ def save(
         if writer is not None:
             proto = to_proto(model, writer)
             writer.close()
+            if content_addressed:
+                data_name = content_addressed_name(path, writer.digest.hexdigest())
+                writer.relocate(data_name)
             digests[path.name] = _atomic_write(path, proto.SerializeToString())
         else:
             digests[path.name] = _atomic_write_streaming(path, model)
@@ -446,6 +533,23 @@ def save(
         if data_tmp is not None:
             data_tmp.unlink(missing_ok=True)
     return digests
+
+
+def content_addressed_name(path: Path, sha256: str) -> str:
+    """The name of the external data file of ``path`` whose bytes have this sha256."""
+    return f"{path.name}.{sha256[:16]}.data"
+
+
+def is_data_file_of(path: Path, candidate: Path, *, hashed: bool = False) -> bool:
+    """Whether ``candidate`` is named as the external data of ``path`` is: content-addressed
+    ``<name>.<16 hex>.data``, or (unless ``hashed``) ``<name>.data``."""
+    name, prefix = candidate.name, path.name + "."
+    if candidate.parent != path.parent or not name.startswith(prefix) or not name.endswith(".data"):
+        return False
+    middle = name[len(prefix) : -len(".data")]
+    if middle == "":
+        return not hashed
+    return len(middle) == 16 and all(c in "0123456789abcdef" for c in middle)
 
 
 def _atomic_write(path: Path, payload: bytes) -> str:
@@ -503,7 +607,8 @@ def digest(model: Model) -> str:
     return sink.digest.hexdigest()
 
 
-def _all_tensors(model: Model) -> Iterable[Tensor]:
+def all_tensors(model: Model) -> Iterable[Tensor]:
+    """Every dense tensor of the model: initializers (sparse ones as values and indices) and tensor attributes."""
     for graph in model.all_graphs():
         for value in graph.initializers.values():
             if isinstance(value.const, Tensor):
@@ -528,6 +633,8 @@ class _ExternalWriter:
         self.out = _HashingFile(self.file)  # type: ignore[arg-type]
         self.digest = self.out.digest
         self.offset = 0
+        # The tensors whose bytes went in, for relocate().
+        self.protos: list[onnx.TensorProto] = []
 
     def write(self, tensor: Tensor, proto: onnx.TensorProto) -> None:
         aligned = (self.offset + 4095) // 4096 * 4096
@@ -543,10 +650,19 @@ class _ExternalWriter:
             self.out.write(payload)
             length = len(payload)
         self.offset = start + length
+        self.protos.append(proto)
         proto.data_location = onnx.TensorProto.EXTERNAL
         del proto.external_data[:]
         for key, value in (("location", self.location), ("offset", str(start)), ("length", str(length))):
             proto.external_data.add(key=key, value=value)
+
+    def relocate(self, location: str) -> None:
+        """Name another file as the location of every tensor written so far."""
+        self.location = location
+        for proto in self.protos:
+            for entry in proto.external_data:
+                if entry.key == "location":
+                    entry.value = location
 
     def close(self) -> None:
         if not self.file.closed:

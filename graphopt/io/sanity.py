@@ -10,6 +10,7 @@ an op at the wrong version, so the run stops with one line instead of a "not che
   An op name ONNX does not define at all is a custom op, even in the default domain (legacy
   exporters write such ops): the passes keep it untouched. Function bodies are checked
   against their own imports.
+- No node reads its own output.
 - A declared tensor type (graph input or output, annotated value, initializer) must take
   fewer than 2**63 bytes, the int64 limit of ONNX dims and of every runtime's byte counts.
   Anything smaller is valid; whether the numerics check can afford to feed it is the
@@ -41,6 +42,19 @@ def check_model(model: Model) -> None:
     """Raise InputError naming the first opset import, node or tensor type that cannot be."""
     _check_opsets(model)
     _check_sizes(model)
+    _check_self_reads(model)
+
+
+def _check_self_reads(model: Model) -> None:
+    """A node that reads its own output is a cycle of length one (onnx's checker refuses it;
+    the IR's ordering, which looks only at edges between nodes, would not notice)."""
+    for graph in model.all_graphs():
+        for node in graph:
+            produced = {id(v) for v in node.outputs}
+            looped = next((v for v in node.inputs if v is not None and id(v) in produced), None)
+            if looped is not None:
+                label = f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
+                raise InputError(f"{label} reads its own output {looped.name!r} (a cycle)")
 
 
 def _check_sizes(model: Model) -> None:

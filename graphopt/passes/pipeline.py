@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from graphopt.errors import InputError
+from graphopt.errors import InputError, bounded
 from graphopt.ir import GraphError, Model
 from graphopt.ir.clone import clone_model
 from graphopt.ir.stats import ModelStats, model_stats
@@ -175,7 +175,7 @@ class Pipeline:
                     before,
                     before,
                     False,
-                    error=f"{type(err).__name__}: {err}",
+                    error=bounded(f"{type(err).__name__}: {err}"),
                     traceback=traceback.format_exc(),
                 )
             else:

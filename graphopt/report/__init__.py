@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from graphopt.errors import InputError
 from graphopt.files import temporary_file
 
-__all__ = ["dumps", "without_timings", "write_report"]
+__all__ = ["check_report_target", "dumps", "without_timings", "write_report"]
+
+# How every report graphopt writes begins (dumps keeps the key order).
+_REPORT_HEAD = b'{\n  "graphopt_version": '
 
 
 def dumps(report: Any) -> str:
@@ -32,6 +37,30 @@ def write_report(report: Any, path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def check_report_target(path: Path, models: Iterable[Path]) -> None:
+    """Refuse a --report that would replace something other than an earlier report: a
+    folder, one of ``models`` (read or written by the run), or any file that is not a report."""
+    if path.is_dir():
+        raise InputError(f"{path}: --report names a folder; give a file name")
+    if path.resolve() in {model.resolve() for model in models}:
+        raise InputError(f"{path}: --report names a model of this run; give another file name")
+    if path.exists():
+        try:
+            with path.open("rb") as existing:
+                head = existing.read(len(_REPORT_HEAD))
+        except OSError as err:
+            raise InputError(f"{path}: --report cannot replace it ({err.strerror or err})") from None
+        if head != _REPORT_HEAD:
+            raise InputError(f"{path}: exists and is not a graphopt report; --report will not replace it")
+    if path.parent.is_dir():  # found now, before any model is written, rather than after
+        try:
+            handle, probe = temporary_file(path.parent, path.name)
+            os.close(handle)
+            probe.unlink()
+        except OSError as err:
+            raise InputError(f"{path}: --report cannot write into {path.parent} ({err.strerror or err})") from None
 
 
 def without_timings(report: Any) -> Any:

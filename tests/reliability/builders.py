@@ -94,13 +94,23 @@ def directory(folder: Path) -> Path:
     return path
 
 
-def missing_external_data(folder: Path) -> Path:
+def external_model() -> onnx.ModelProto:
+    """The base model at 32 features: its weights are worth an external data file."""
     proto = base_model(np.ones((32, 32), np.float32))
     proto.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 32
     proto.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 32
     proto.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.ones(32, np.float32), "b"))
+    return proto
+
+
+def with_external_data(folder: Path) -> Path:
     path = folder / "model.onnx"
-    onnx.save(proto, path, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    onnx.save(external_model(), path, save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    return path
+
+
+def missing_external_data(folder: Path) -> Path:
+    path = with_external_data(folder)
     (folder / "model.onnx.data").unlink()
     return path
 
@@ -109,6 +119,78 @@ def short_external_data(folder: Path) -> Path:
     path = missing_external_data(folder)
     (folder / "model.onnx.data").write_bytes(b"\0" * 16)
     return path
+
+
+def _external_entry(path: Path, key: str, value: str) -> None:
+    """Set ``key`` of every external tensor's reference in the model at ``path``."""
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == key:
+                entry.value = value
+    path.write_bytes(proto.SerializeToString())
+
+
+def external_data_symlink(folder: Path) -> Path:
+    """The weights file is a link to a file outside the model's folder (a secret of the
+    right size): onnx refuses it, and so must graphopt."""
+    inside = folder / "model"
+    inside.mkdir()
+    path = with_external_data(inside)
+    (folder / "secret").write_bytes((inside / "model.onnx.data").read_bytes())
+    (inside / "model.onnx.data").unlink()
+    (inside / "model.onnx.data").symlink_to(folder / "secret")
+    return path
+
+
+def external_data_through_linked_folder(folder: Path) -> Path:
+    """The weights sit in ``weights/``, a link to a folder outside the model's folder."""
+    outside, inside = folder / "outside", folder / "model"
+    outside.mkdir()
+    inside.mkdir()
+    path = with_external_data(outside).rename(inside / "model.onnx")
+    (inside / "weights").symlink_to(outside)
+    _external_entry(path, "location", "weights/model.onnx.data")
+    return path
+
+
+def _external_data_with(key: str, value: str) -> Builder:
+    def build(folder: Path) -> Path:
+        path = with_external_data(folder)
+        _external_entry(path, key, value)
+        return path
+
+    return build
+
+
+def _invalid_utf8(make: Callable[[onnx.ModelProto], None]) -> Builder:
+    """A model where ``make`` set some string field to "@@@@", then those bytes replaced by
+    invalid UTF-8 of the same length (protobuf itself would not store them)."""
+
+    def build(folder: Path) -> Path:
+        path = with_external_data(folder)
+        proto = onnx.load(str(path), load_external_data=False)
+        make(proto)
+        payload = proto.SerializeToString()
+        assert payload.count(b"@@@@") == 1
+        path.write_bytes(payload.replace(b"@@@@", b"\xff\xfe\xfd\xfc"))
+        return path
+
+    return build
+
+
+def _set_location(proto: onnx.ModelProto) -> None:
+    for entry in proto.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = "@@@@"
+
+
+def reads_its_own_output() -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Add", ["x", "a"], ["a"], name="loop"),
+        helper.make_node("Relu", ["a"], ["y"], name="out"),
+    ]
+    return model(nodes, [float_info("x", [4])], [float_info("y", [4])])
 
 
 def _with_node(node: onnx.NodeProto, opsets: dict[str, int] | None = None) -> Callable[[], onnx.ModelProto]:
@@ -296,6 +378,13 @@ BAD_INPUTS: dict[str, Builder] = {
     "initializer of 2**40 floats without data": _proto(hollow_initializer),
     "negative initializer dim": _proto(negative_initializer_dim),
     "initializer data of the wrong size": _proto(initializer_size_mismatch),
+    "external data is a symlink": external_data_symlink,
+    "external data through a linked folder": external_data_through_linked_folder,
+    "external data length disagrees with the shape": _external_data_with("length", "12"),
+    "external data offset negative": _external_data_with("offset", "-4096"),
+    "external data location not UTF-8": _invalid_utf8(_set_location),
+    "node name not UTF-8": _invalid_utf8(lambda proto: setattr(proto.graph.node[0], "name", "@@@@")),
+    "node reads its own output": _proto(reads_its_own_output),
     "json: not json": bad_json_text,
     "json: missing graph": json_graph(lambda d: d.pop("graph")),
     "json: empty object": json_graph(lambda d: d.clear()),

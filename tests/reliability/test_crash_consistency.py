@@ -1,0 +1,115 @@
+"""A run killed at any write or rename leaves the destination loadable: the old set or the new.
+
+graphopt runs in a forked child whose file operations are counted; at the Nth one the child
+dies on the spot (``os._exit``: no exception handler, no ``finally``, as with kill -9). For
+every N until the run gets through, the destination model must load in onnxruntime with its
+external data and compute what the old model or the new one computes, never a mix; the next
+complete run removes the staging folders the killed ones left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from graphopt.cli import cli
+from graphopt.io import onnx_io
+from tests.reliability.test_atomic_writes import run_model, with_external_data
+
+# What a kill interrupts: every rename, link, removal and mode change, and every chunk of
+# model or weights written.
+OPERATIONS: list[tuple[Any, str]] = [
+    (os, "replace"),
+    (os, "rename"),
+    (os, "link"),
+    (os, "unlink"),
+    (os, "chmod"),
+    (shutil, "rmtree"),
+    (onnx_io._HashingFile, "write"),
+]
+KILLED = 137
+
+
+def run_killed_at(operation: int, args: list[str]) -> int:
+    """Run graphopt with ``args`` in a child killed at its ``operation``-th file operation;
+    its exit status (KILLED if it got there)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 99
+        try:
+            count = [0]
+
+            def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+                def operation_or_death(*a: Any, **k: Any) -> Any:
+                    count[0] += 1
+                    if count[0] == operation:
+                        os._exit(KILLED)
+                    return original(*a, **k)
+
+                return operation_or_death
+
+            for owner, name in OPERATIONS:
+                setattr(owner, name, counted(getattr(owner, name)))
+            code = CliRunner().invoke(cli, args).exit_code
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def outputs_of(path: Path) -> np.ndarray | None:
+    try:
+        return run_model(path)
+    except Exception:  # onnxruntime cannot load it: a broken set
+        return None
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["-o onto an older output", "--in-place"])
+def test_a_kill_at_any_write_or_rename_leaves_the_old_or_the_new_set(tmp_path: Path, in_place: bool) -> None:
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    source = with_external_data(pristine)
+    (pristine / "out").mkdir()
+    old = with_external_data(pristine / "out", scale=2.0)  # computes something else
+    expected_new = run_model(source)
+    expected_old = expected_new if in_place else run_model(old)
+    work = tmp_path / "work"
+    destination = work / "model.onnx" if in_place else work / "out" / "model.onnx"
+    where = ["--in-place"] if in_place else ["-o", str(destination)]
+    args = ["run", str(work / "model.onnx"), *where, "--no-check", "--external-data"]
+    args += ["--report", str(destination.parent / "report.json")]
+    outcomes = []
+    for operation in range(1, 500):
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(pristine, work, symlinks=True)
+        code = run_killed_at(operation, args)
+        found = outputs_of(destination)
+        assert found is not None, f"killed at operation {operation}: the destination does not load"
+        is_old = np.allclose(found, expected_old, rtol=1e-6)
+        is_new = np.allclose(found, expected_new, rtol=1e-6)
+        assert is_old or is_new, f"killed at operation {operation}: the destination computes something else"
+        outcomes.append("new" if is_new and not is_old else "old" if is_old and not is_new else "either")
+        if code != KILLED:
+            assert code == 0
+            break
+    else:
+        pytest.fail("the run never got through")
+    assert operation > 10  # the kills really hit the save and the commit
+    if not in_place:
+        assert outcomes[0] == "old" and outcomes[-1] == "new"
+    # The next complete run into that folder removes what the killed one left.
+    shutil.rmtree(work)
+    shutil.copytree(pristine, work, symlinks=True)
+    assert run_killed_at(8, args) == KILLED
+    assert [p for p in destination.parent.iterdir() if p.name.startswith(".graphopt-")]
+    assert run_killed_at(0, args) == 0
+    assert not [p for p in destination.parent.iterdir() if p.name.startswith(".graphopt-")]
+    weights = [p.name for p in destination.parent.iterdir() if p.name.endswith(".data")]
+    assert len(weights) == 1  # the old weights are gone, the new ones are the model's

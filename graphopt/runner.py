@@ -147,21 +147,20 @@ def optimize_file(
             reads[options.inputs] = "--inputs"
         if options.config is not None:
             reads[options.config] = "--config"
-        report, code = _optimize_file(source, output, model, reads, options, on_pass, input_entry)
-    report["seconds"]["load"] = round(load_seconds, 6)
-    return report, code
+        return _optimize_file(source, output, (model, load_seconds), reads, options, on_pass, input_entry)
 
 
 def _optimize_file(
     source: Path,
     output: Path,
-    model: Model,
+    loaded: tuple[Model, float],
     reads: dict[Path, str],
     options: RunOptions,
     on_pass: Callable[[PassRun], None] | None,
     input_entry: Future[dict[str, Any]],
 ) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
+    model, load_seconds = loaded
     result = _optimize_with(model, options, on_pass)
     report: dict[str, Any] = {"graphopt_version": __version__, "input": None, **result.report}
     folders = [output.parent] + ([options.report.parent] if options.report is not None else [])
@@ -180,6 +179,7 @@ def _optimize_file(
             written = _writing(output, lambda: save(result.model, staged, **save_options))
             report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
             report["input"] = input_entry.result()
+            report["seconds"]["load"] = round(load_seconds, 6)
             if options.check:
                 check_start = time.perf_counter()
                 from graphopt.check import check_models_isolated

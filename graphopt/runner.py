@@ -82,7 +82,7 @@ def as_onnx(path: Path, workdir: Path) -> Path:
     if path.suffix.lower() != ".json":
         return path
     converted = workdir / f"{path.stem}.onnx"
-    save(load(path), converted)
+    save(load(path, opaque_ops="quiet"), converted)
     return converted
 
 

@@ -91,7 +91,23 @@ def cli(debug: bool, quiet: bool) -> None:
     """
     State.debug = debug
     State.quiet = quiet
-    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr)
+    _log_to_stderr(logging.DEBUG if debug else logging.WARNING)
+
+
+class _StderrHandler(logging.Handler):
+    """Log records as ``graphopt: warning: ...`` lines on the stderr of the moment (click's,
+    so a test runner's capture sees them too)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"graphopt: {record.levelname.lower()}: {record.getMessage()}", err=True)
+
+
+def _log_to_stderr(level: int) -> None:
+    logger = logging.getLogger("graphopt")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+        logger.propagate = False
+    logger.setLevel(level)
 
 
 def parse_dims(values: Sequence[str]) -> dict[str, int]:

@@ -76,7 +76,8 @@ def render_numerics(outcome: dict[str, Any]) -> None:
     )
     for binding in outcome.get("bindings", []):
         for entry in binding["outputs"]:
-            mark = "ok" if entry["passed"] else f"[red]{entry.get('reason') or 'differs'}[/red]"
+            colour = "red" if entry["passed"] is False else "yellow"
+            mark = "ok" if entry["passed"] else f"[{colour}]{entry.get('reason') or 'differs'}[/{colour}]"
             console.print(
                 f"  {binding['dims']} {entry['name']}: rel L2 {entry['rel_l2']}, cosine {entry['cosine']}, "
                 f"max abs {entry['max_abs']} {mark}"

@@ -54,9 +54,10 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         worst = max((o["rel_l2"] for o in binding["outputs"] if o.get("rel_l2") is not None), default=0.0)
         line += f"\n  dims {binding['dims']}: worst relative L2 {worst:.2e}"
         for output in binding["outputs"]:
-            if not output["passed"]:
+            if output["passed"] is not True:
+                colour = "red" if output["passed"] is False else "yellow"
                 problem = f"output {output['name']}: {output.get('reason') or 'differs'}"
-                line += f"\n  [red]{escape(problem)}[/red]"
+                line += f"\n  [{colour}]{escape(problem)}[/{colour}]"
     console.print(line)
     if report.get("blame"):
         console.print(f"first pass that broke numerics: [bold]{report['blame'].get('pass')}[/bold]")

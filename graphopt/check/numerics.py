@@ -51,7 +51,7 @@ from graphopt.check.inputs import (
 )
 from graphopt.errors import InputError
 
-__all__ = ["BindingResult", "CheckResult", "check_models"]
+__all__ = ["BindingResult", "CheckResult", "check_models", "json_ready"]
 
 Status = Literal["passed", "failed", "not checked"]
 
@@ -73,17 +73,18 @@ class CheckResult:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite floats become the strings "nan", "inf" and "-inf"."""
-        result: dict[str, Any] = _finite(asdict(self))
+        result: dict[str, Any] = json_ready(asdict(self))
         return result
 
 
-def _finite(value: Any) -> Any:
+def json_ready(value: Any) -> Any:
+    """``value`` with non-finite floats as the strings "nan", "inf" and "-inf"."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {key: json_ready(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(item) for item in value]
+        return [json_ready(item) for item in value]
     return value
 
 

@@ -108,7 +108,7 @@ def _run_marked(
 
 
 def _external_locations(proto: onnx.ModelProto) -> set[str]:
-    found = set()
+    found: set[str] = set()
     for tensor in proto.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             found.update(entry.value for entry in tensor.external_data if entry.key == "location")

@@ -535,3 +535,42 @@ def test_a_model_that_is_only_random_is_not_checked(tmp_path: Path) -> None:
     result = check_models(path, path)
     assert result.status == "not checked"
     assert "nondeterministic (ops RandomNormalLike)" in (result.reason or "")
+
+
+# -- the same through the command line -----------------------------------------------------
+
+
+def test_cli_never_exits_1_for_a_nondeterministic_model(tmp_path: Path) -> None:
+    from tests.cli_helpers import invoke
+
+    source = _save(tmp_path, "dropout", _dropout_model())
+    run = invoke("run", source, "-o", tmp_path / "out.onnx", "--json")
+    assert run.exit_code == 0, run.stderr
+    numerics = json.loads(run.stdout)["numerics"]
+    assert numerics["status"] == "passed"
+    assert "output 'noisy' not checked: nondeterministic (ops Dropout)" in numerics["reason"]
+    assert "output noisy: not checked: nondeterministic" in " ".join(run.stderr.split())
+    nodes = [helper.make_node("RandomUniformLike", ["x"], ["y"])]
+    random_only = _save(tmp_path, "random", _model(nodes, [("x", FLOAT, ["batch", 8])], [("y", FLOAT, None)]))
+    check = invoke("check", random_only, random_only)
+    assert check.exit_code == 0
+    assert "graphopt: warning:" in check.stderr and "nondeterministic (ops RandomUniformLike)" in check.stderr
+
+
+def test_cli_check_tolerance_follows_precision(tmp_path: Path) -> None:
+    from tests.cli_helpers import invoke
+
+    weight = (np.random.default_rng(0).standard_normal((64, 32)) / 8).astype(np.float16)
+    nudged = weight.copy()
+    where = np.random.default_rng(1).random(weight.shape) < 0.05
+    nudged[where] = np.nextafter(weight[where], np.float16(np.inf))
+    half = _save(tmp_path, "half", _typed_linear(weight, TensorProto.FLOAT16))
+    assert (
+        invoke("check", half, _save(tmp_path, "half_nudged", _typed_linear(nudged, TensorProto.FLOAT16))).exit_code == 0
+    )
+    detection = _save(tmp_path, "map", _detection_map(False))
+    assert invoke("check", detection, _save(tmp_path, "map_reordered", _detection_map(True))).exit_code == 0
+    single = _save(tmp_path, "single", _typed_linear(_weight(0, (64, 32)), FLOAT))
+    off = _save(tmp_path, "off", _typed_linear(_weight(0, (64, 32)) * np.float32(1.001), FLOAT))
+    result = invoke("check", single, off)
+    assert result.exit_code == 1 and "numerics failed" in result.stderr

@@ -93,13 +93,17 @@ def guarded(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+# click >= 8.2 raises this for a bare `graphopt`; older versions print the help themselves.
+_NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class _Commands(click.Group):
     """The command group; click's usage errors end in the same one line as every other error."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:  # type: ignore[override]
         try:
             result = super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[call-overload]
-        except click.exceptions.NoArgsIsHelpError as err:  # bare `graphopt`: the help, as click shows it
+        except _NO_ARGS as err:  # bare `graphopt`: the help, as click shows it
             err.show()
             sys.exit(err.exit_code)
         except click.UsageError as err:

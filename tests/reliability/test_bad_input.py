@@ -14,6 +14,7 @@ import resource
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import Result
@@ -205,3 +206,20 @@ def test_no_shape_rule_through_an_opaque_op(tmp_path: Path) -> None:
     graphopt.optimize(current, "shape-infer")
     (node,) = [n for n in current.graph if n.op_type == "LayerNormalization"]
     assert not node.opaque and node.outputs[0].type is not None
+
+
+def test_nothing_is_folded_through_an_opaque_op(tmp_path: Path) -> None:
+    # Every input of the LayerNormalization is a constant: at opset 17 a folding pass could
+    # replace it by its value; at opset 12 it has no schema, so it must stay as it is.
+    proto = builders.layer_norm_at(12)
+    data = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(data, "table"))
+    proto.graph.node[1].input[0] = "table"
+    proto.graph.node.append(onnx.helper.make_node("Add", ["x", "y_table"], ["sum"], name="add"))
+    proto.graph.node[2].output[0] = "y_table"
+    del proto.graph.output[:]
+    proto.graph.output.append(builders.float_info("sum", [2, 8]))
+    proto.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+    report, optimized = run_json(tmp_path, proto)
+    assert "LayerNormalization" in [n.op_type for n in optimized.graph.node]
+    assert report["numerics"]["status"] == "passed"

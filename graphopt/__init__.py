@@ -9,10 +9,7 @@ graphopt.check("model.onnx", "model.opt.onnx")
 
 __version__ = "0.1.0"
 
-from importlib import import_module
-
-# The check subpackage first: imported later, it would replace the function graphopt.check.
-import_module("graphopt.check")
-from graphopt.api import Result, check, load, optimize, save  # noqa: E402
+from graphopt import check  # the subpackage, callable as graphopt.api.check (see its docstring)
+from graphopt.api import Result, load, optimize, save
 
 __all__ = ["Result", "__version__", "check", "load", "optimize", "save"]

@@ -9,6 +9,7 @@ graphopt.check("model.onnx", "model.opt.onnx")
 
 __version__ = "0.1.0"
 
-from graphopt.api import Result, check, load, optimize, save
+from graphopt import check  # the subpackage, callable as graphopt.api.check (see its docstring)
+from graphopt.api import Result, load, optimize, save
 
 __all__ = ["Result", "__version__", "check", "load", "optimize", "save"]

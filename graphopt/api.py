@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from graphopt.errors import InputError, PassError
+from graphopt.errors import CheckFailed, InputError, PassError
 from graphopt.io import load, save
 from graphopt.ir import Model
 from graphopt.ir.stats import model_stats
@@ -32,6 +32,9 @@ from graphopt.passes.pipeline import (
     pipeline_from_names,
 )
 from graphopt.settings import Settings, settings_from
+
+if TYPE_CHECKING:
+    from graphopt.check.numerics import CheckResult
 
 __all__ = ["Result", "check", "load", "optimize", "pass_context", "resolve_pipeline", "resolve_settings", "save"]
 
@@ -116,8 +119,24 @@ def optimize(
     return Result(model, report, run)
 
 
-def check(original: str | os.PathLike[str], optimized: str | os.PathLike[str], **options: Any) -> Any:
-    """Compare two model files in onnxruntime (graphopt.check.check_models, crashes contained)."""
-    from graphopt.check import check_models_isolated
+def check(
+    original: str | os.PathLike[str],
+    optimized: str | os.PathLike[str],
+    *,
+    raise_on_failure: bool = True,
+    **options: Any,
+) -> CheckResult:
+    """Compare two model files in onnxruntime; options as :func:`graphopt.check.check_models`.
 
-    return check_models_isolated(original, optimized, **options)
+    Returns the result ("passed", or "not checked" with the reason). When the outputs differ
+    it raises :class:`~graphopt.errors.CheckFailed` (the result is on its ``result``), unless
+    ``raise_on_failure=False`` asks for the result object instead. Two models whose inputs
+    differ cannot be compared: :class:`~graphopt.errors.InputError`, as for unreadable files.
+    An onnxruntime crash is contained in a child process and reported in the result.
+    """
+    from graphopt.check.isolated import check_models_isolated
+
+    result = check_models_isolated(original, optimized, refuse_other_inputs=True, **options)
+    if result.status == "failed" and raise_on_failure:
+        raise CheckFailed(f"{optimized}: numerics differ from {original}: {result.reason}", result)
+    return result

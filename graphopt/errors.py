@@ -18,9 +18,13 @@ class InputError(GraphoptError):
 
 
 class CheckFailed(GraphoptError):
-    """A numerics check or a gate failed (exit 1)."""
+    """A numerics check or a gate failed (exit 1); ``result`` is the check's result, if any."""
 
     exit_code = 1
+
+    def __init__(self, message: str, result: object = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class PassError(GraphoptError):

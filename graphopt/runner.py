@@ -50,9 +50,11 @@ class RunOptions:
     # Run settings given on the command line (graphopt.settings.Settings), over a config's.
     settings: dict[str, Any] = field(default_factory=dict)
 
-    def load(self, source: Path) -> Model:
+    def load(self, source: Path, **options: Any) -> Model:
+        """Load ``source`` as the run's settings ask (independent dims), with io's ``options``."""
         pipeline = resolve_pipeline(self.passes, self.config, self.max_steps)
-        return load(source, independent_dims=resolve_settings(pipeline, self.settings).independent_dims)
+        return load(source, independent_dims=resolve_settings(pipeline, self.settings).independent_dims, **options)
+
     # The JSON report, committed with the model.
     report: Path | None = None
 
@@ -90,7 +92,7 @@ def as_onnx(path: Path, workdir: Path) -> Path:
     if path.suffix.lower() != ".json":
         return path
     converted = workdir / f"{path.stem}.onnx"
-    save(load(path), converted)
+    save(load(path, opaque_ops="quiet"), converted)
     return converted
 
 
@@ -326,22 +328,60 @@ def _refuse_clashes(
 
 
 def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
-    """Rerun the pipeline one pass execution longer each time; name the first that breaks numerics."""
-    from graphopt.check import check_models_isolated
+    """Name the first pass execution that breaks numerics, then the first node that diverges.
 
+    The pipeline stopped after k pass executions gives a model; k = 0 (the original) passes
+    and k = all of them fails, so a bisection finds the first failing k in log2(n) reruns,
+    assuming a prefix that broke numerics stays broken. The models at k - 1 (last good) and
+    k (first bad) are then compared value by value (check.intermediates).
+    """
+    from graphopt.check import check_models_isolated
+    from graphopt.check.intermediates import first_divergence
+    from graphopt.check.isolated import run_isolated
+
+    check_options: dict[str, Any] = {
+        "dims": options.dims or None,
+        "inputs": options.inputs,
+        "atol": options.atol,
+        "rtol": options.rtol,
+    }
     reference = as_onnx(source, workdir / "original")
-    total = len(_optimize_with(options.load(source), options).pipeline_run.runs)
-    for count in range(1, total + 1):
-        partial = _optimize_with(options.load(source), options, stop_after=count)
-        candidate = workdir / f"blame-{count}.onnx"
-        save(partial.model, candidate)
-        outcome = check_models_isolated(
-            reference, candidate, dims=options.dims or None, inputs=options.inputs, atol=options.atol, rtol=options.rtol
-        )
-        if outcome.status == "failed":
-            culprit = partial.pipeline_run.runs[-1]
-            return {"pass": culprit.name, "execution": count, "group": culprit.group, "iteration": culprit.iteration}
-    return {"pass": None, "reason": "no single pass prefix reproduced the failure"}
+    runs = _optimize_with(options.load(source, opaque_ops="quiet"), options)
+    total = len(runs.pipeline_run.runs)
+    models: dict[int, Path] = {0: reference}
+
+    def model_after(count: int) -> Path:
+        if count not in models:
+            model = options.load(source, opaque_ops="quiet")
+            partial = _optimize_with(model, options, stop_after=count)
+            models[count] = workdir / "blame" / f"after-{count}" / "model.onnx"
+            save(partial.model, models[count])
+        return models[count]
+
+    good, bad, reruns = 0, total, 0
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        reruns += 1
+        if check_models_isolated(reference, model_after(middle), **check_options).status == "failed":
+            bad = middle
+        else:
+            good = middle
+    if total == 0:
+        return {"pass": None, "reruns": reruns, "reason": "the pipeline ran no pass"}
+    culprit = runs.pipeline_run.runs[bad - 1]
+    found: dict[str, Any] = {
+        "pass": culprit.name,
+        "execution": bad,
+        "group": culprit.group,
+        "iteration": culprit.iteration,
+        "reruns": reruns,
+        "executions": total,
+    }
+    divergence = run_isolated(
+        first_divergence, model_after(good), model_after(bad), workdir / "blame" / "marked", **check_options
+    )
+    found["divergence"] = divergence if isinstance(divergence, dict) else {"node": None, "reason": divergence}
+    return found
 
 
 def is_optimized(source: Path, options: RunOptions) -> dict[str, Any]:

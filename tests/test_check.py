@@ -409,3 +409,168 @@ def test_bert_small_fused_by_onnxruntime(corpus_dir: Path, tmp_path: Path) -> No
     robust = check_models(original, fused)
     assert robust.status == "passed", robust.reason
     assert check_models(original, fused, atol=0.0, rtol=1e-5).status == "failed"
+
+
+# -- tolerance by precision ----------------------------------------------------------------
+
+
+def _typed_linear(weight: np.ndarray, elem_type: int) -> onnx.ModelProto:
+    """y = Identity(x) @ weight, all in one element type."""
+    nodes = [helper.make_node("Identity", ["x"], ["i"]), helper.make_node("MatMul", ["i", "w"], ["y"])]
+    rows, cols = weight.shape
+    return _model(nodes, [("x", elem_type, ["batch", rows])], [("y", elem_type, ["batch", cols])], {"w": weight})
+
+
+def test_float16_rounding_noise_passes_at_float16_tolerance(tmp_path: Path) -> None:
+    # One float16 ulp on 5% of the weights: the output moves by ~1.8e-4 relative L2, what
+    # onnxruntime's own float16 accumulation does between runs, and over float32's 1e-4.
+    weight = (np.random.default_rng(0).standard_normal((64, 32)) / 8).astype(np.float16)
+    nudged = weight.copy()
+    where = np.random.default_rng(1).random(weight.shape) < 0.05
+    nudged[where] = np.nextafter(weight[where], np.float16(np.inf))
+    result = check_models(
+        _save(tmp_path, "a", _typed_linear(weight, TensorProto.FLOAT16)),
+        _save(tmp_path, "b", _typed_linear(nudged, TensorProto.FLOAT16)),
+    )
+    assert result.status == "passed", result.reason
+    outputs = [o for b in result.bindings for o in b.outputs]
+    assert all(1e-4 < o.rel_l2 <= 2.5e-4 for o in outputs)
+    assert all(o.precision == "float16" and o.limits and o.limits["rel_l2_max"] == 2.0**-11 for o in outputs)
+    assert _json(result)["bindings"][0]["outputs"][0]["precision"] == "float16"
+
+
+def test_float16_weights_cast_to_float32_keep_float32_tolerance(tmp_path: Path) -> None:
+    weight = _weight().astype(np.float16)
+    nodes = [helper.make_node("Cast", ["w16"], ["w"], to=FLOAT), helper.make_node("MatMul", ["x", "w"], ["y"])]
+    model = _model(nodes, [("x", FLOAT, ["batch", 8])], [("y", FLOAT, ["batch", 4])], {"w16": weight})
+    path = _save(tmp_path, "a", model)
+    assert read_spec(path).paths["y"].precision == "float32"
+
+
+@pytest.mark.parametrize(("elem_type", "error"), [(FLOAT, 1e-3), (TensorProto.FLOAT16, 1e-2)])
+def test_a_real_error_still_fails(tmp_path: Path, elem_type: int, error: float) -> None:
+    dtype = helper.tensor_dtype_to_np_dtype(elem_type)
+    weight = _weight(0, (64, 32), scale=1 / 8).astype(dtype)
+    result = check_models(
+        _save(tmp_path, "a", _typed_linear(weight, elem_type)),
+        _save(tmp_path, "b", _typed_linear((weight * (1 + error)).astype(dtype), elem_type)),
+    )
+    assert result.status == "failed"
+    assert "rel L2" in (result.reason or "") and "floor" in (result.reason or "")
+
+
+def _detection_map(sigmoid_of_negated: bool) -> onnx.ModelProto:
+    """A probability map ~1e-6 everywhere, as ppocr_v4_det's: Sigmoid of very negative logits,
+    or the same through 1 - Sigmoid(-z), which rounds at 1 and moves every value by up to 1 eps."""
+    nodes = [helper.make_node("Mul", ["x", "scale"], ["s"]), helper.make_node("Sub", ["s", "shift"], ["z"])]
+    if sigmoid_of_negated:
+        nodes += [
+            helper.make_node("Neg", ["z"], ["nz"]),
+            helper.make_node("Sigmoid", ["nz"], ["p"]),
+            helper.make_node("Sub", ["one", "p"], ["y"]),
+        ]
+    else:
+        nodes.append(helper.make_node("Sigmoid", ["z"], ["y"]))
+    inits = {
+        "scale": np.array(0.5, np.float32),
+        "shift": np.array(14.0, np.float32),
+        "one": np.array(1.0, np.float32),
+    }
+    return _model(nodes, [("x", FLOAT, ["batch", 64])], [("y", FLOAT, ["batch", 64])], inits)
+
+
+def test_tiny_outputs_pass_within_the_absolute_floor(tmp_path: Path) -> None:
+    result = check_models(_save(tmp_path, "a", _detection_map(False)), _save(tmp_path, "b", _detection_map(True)))
+    assert result.status == "passed", result.reason
+    outputs = [o for b in result.bindings for o in b.outputs]
+    assert all(o.rel_l2 > 1e-3 for o in outputs)  # the old criterion called this broken
+    assert all(o.limits and o.max_abs <= o.limits["abs_floor"] == 4 * 2.0**-23 for o in outputs)
+    # Doubling the map is a real change, floor or not.
+    doubled = _detection_map(False)
+    doubled.graph.node[-1].output[0] = "half"
+    doubled.graph.node.append(helper.make_node("Add", ["half", "half"], ["y"]))
+    assert check_models(tmp_path / "a.onnx", _save(tmp_path, "c", doubled)).status == "failed"
+
+
+def test_p99_of_the_absolute_error_is_reported(tmp_path: Path) -> None:
+    weight = _weight()
+    changed = weight.copy()
+    changed[3, 1] += 0.5
+    result = _json(check_models(_save(tmp_path, "a", _linear(weight)), _save(tmp_path, "b", _linear(changed))))
+    output = result["bindings"][0]["outputs"][0]
+    assert 0 < output["p99_abs"] <= output["max_abs"]
+    assert {"max_abs", "max_rel", "rel_l2", "cosine", "p99_abs"} <= set(output)
+
+
+# -- nondeterministic models ---------------------------------------------------------------
+
+
+def _dropout_model() -> onnx.ModelProto:
+    """'noisy' is training-mode Dropout (new mask every run), 'clean' a Relu of the same input."""
+    nodes = [
+        helper.make_node("Dropout", ["x", "ratio", "training"], ["noisy"]),
+        helper.make_node("Relu", ["x"], ["clean"]),
+    ]
+    inits = {"ratio": np.array(0.5, np.float32), "training": np.array(True)}
+    return _model(nodes, [("x", FLOAT, ["batch", 64])], [("noisy", FLOAT, None), ("clean", FLOAT, None)], inits)
+
+
+def test_nondeterministic_outputs_are_not_checked_the_rest_is(tmp_path: Path) -> None:
+    path = _save(tmp_path, "a", _dropout_model())
+    result = check_models(path, path)
+    assert result.status == "passed", result.reason
+    assert "output 'noisy' not checked: nondeterministic (ops Dropout)" in (result.reason or "")
+    for binding in _json(result)["bindings"]:
+        noisy, clean = binding["outputs"]
+        assert noisy["passed"] is None and "nondeterministic" in noisy["reason"]
+        assert clean["passed"] is True
+    broken = _dropout_model()
+    broken.graph.node[1].op_type = "Abs"
+    assert check_models(path, _save(tmp_path, "b", broken)).status == "failed"
+
+
+def test_a_model_that_is_only_random_is_not_checked(tmp_path: Path) -> None:
+    nodes = [helper.make_node("RandomNormalLike", ["x"], ["r"]), helper.make_node("Add", ["x", "r"], ["y"])]
+    path = _save(tmp_path, "a", _model(nodes, [("x", FLOAT, ["batch", 8])], [("y", FLOAT, None)]))
+    result = check_models(path, path)
+    assert result.status == "not checked"
+    assert "nondeterministic (ops RandomNormalLike)" in (result.reason or "")
+
+
+# -- the same through the command line -----------------------------------------------------
+
+
+def test_cli_never_exits_1_for_a_nondeterministic_model(tmp_path: Path) -> None:
+    from tests.cli_helpers import invoke
+
+    source = _save(tmp_path, "dropout", _dropout_model())
+    run = invoke("run", source, "-o", tmp_path / "out.onnx", "--json")
+    assert run.exit_code == 0, run.stderr
+    numerics = json.loads(run.stdout)["numerics"]
+    assert numerics["status"] == "passed"
+    assert "output 'noisy' not checked: nondeterministic (ops Dropout)" in numerics["reason"]
+    assert "output noisy: not checked: nondeterministic" in " ".join(run.stderr.split())
+    nodes = [helper.make_node("RandomUniformLike", ["x"], ["y"])]
+    random_only = _save(tmp_path, "random", _model(nodes, [("x", FLOAT, ["batch", 8])], [("y", FLOAT, None)]))
+    check = invoke("check", random_only, random_only)
+    assert check.exit_code == 0
+    assert "graphopt: warning:" in check.stderr and "nondeterministic (ops RandomUniformLike)" in check.stderr
+
+
+def test_cli_check_tolerance_follows_precision(tmp_path: Path) -> None:
+    from tests.cli_helpers import invoke
+
+    weight = (np.random.default_rng(0).standard_normal((64, 32)) / 8).astype(np.float16)
+    nudged = weight.copy()
+    where = np.random.default_rng(1).random(weight.shape) < 0.05
+    nudged[where] = np.nextafter(weight[where], np.float16(np.inf))
+    half = _save(tmp_path, "half", _typed_linear(weight, TensorProto.FLOAT16))
+    assert (
+        invoke("check", half, _save(tmp_path, "half_nudged", _typed_linear(nudged, TensorProto.FLOAT16))).exit_code == 0
+    )
+    detection = _save(tmp_path, "map", _detection_map(False))
+    assert invoke("check", detection, _save(tmp_path, "map_reordered", _detection_map(True))).exit_code == 0
+    single = _save(tmp_path, "single", _typed_linear(_weight(0, (64, 32)), FLOAT))
+    off = _save(tmp_path, "off", _typed_linear(_weight(0, (64, 32)) * np.float32(1.001), FLOAT))
+    result = invoke("check", single, off)
+    assert result.exit_code == 1 and "numerics failed" in result.stderr

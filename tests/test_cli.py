@@ -14,7 +14,7 @@ import pytest
 from click.testing import Result
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.ir import Model
+from graphopt.ir import Model, Tensor
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.schemas import schema
 from samples.build_samples import tiny_encoder
@@ -209,3 +209,55 @@ def test_outputs_get_the_permissions_of_a_plain_write(sample: Path, tmp_path: Pa
     assert len(written) >= 4
     for path in written:
         assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
+@register
+class _BreaksSecondWeight(Pass):
+    name = "test-breaks-w2"
+    description = "Scales the initializer 'w2' by 1.5 (a wrong optimization of one node)"
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        value = model.graph.initializers["w2"]
+        assert isinstance(value.const, Tensor)
+        value.const = Tensor.from_array(value.const.numpy() * 1.5, "w2")
+        return PassResult(True)
+
+
+def _two_layers(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="first"),
+        helper.make_node("Relu", ["h"], ["r"], name="act"),
+        helper.make_node("MatMul", ["r", "w2"], ["m"], name="second"),
+        helper.make_node("Add", ["m", "b"], ["y"], name="bias"),
+    ]
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "w2"),
+        numpy_helper.from_array(np.ones(4, np.float32), "b"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
+    return path
+
+
+def test_blame_bisects_and_names_the_first_diverging_node(tmp_path: Path) -> None:
+    source = _two_layers(tmp_path / "two.onnx")
+    passes = ["noop", "dce", "cse", "noop", "dce", "test-breaks-w2", "cse", "noop", "dce", "cse", "noop", "dce"]
+    result = invoke("run", source, "--passes", ",".join(passes), "-o", tmp_path / "out.onnx", "--blame", "--json")
+    assert result.exit_code == 1, result.stderr
+    blame = json.loads(result.stdout)["blame"]
+    assert blame["pass"] == "test-breaks-w2" and blame["execution"] == 6 and blame["executions"] == 12
+    assert blame["reruns"] <= 4  # ceil(log2(12)), not 12
+    divergence = blame["divergence"]
+    assert (divergence["node"], divergence["op_type"], divergence["output"]) == ("second", "MatMul", "m")
+    assert divergence["compared"] == 3  # 'h' and 'r' agreed before it
+    assert divergence["rel_l2"] > 0.1 and divergence["max_abs"] >= divergence["p99_abs"] > 0
+    assert "first diverging node: second (MatMul, output m)" in " ".join(result.stderr.split())
+    jsonschema.validate(json.loads(result.stdout), schema("report"))

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
+from graphopt.check.paths import OutputPath, output_paths
 from graphopt.errors import InputError
 
 __all__ = [
@@ -92,13 +93,14 @@ class InputSpec:
 class ModelSpec:
     inputs: tuple[InputSpec, ...]
     outputs: tuple[str, ...]
+    paths: Mapping[str, OutputPath] = field(default_factory=dict)
 
     def signature(self) -> dict[str, str]:
         return {spec.name: spec.type_text for spec in self.inputs}
 
 
 def read_spec(path: Path) -> ModelSpec:
-    """The inputs (without initializer-backed ones) and output names of the model at ``path``."""
+    """The inputs (without initializer-backed ones), output names and output paths of the model at ``path``."""
     try:
         model = onnx.load(str(path), load_external_data=False)
     except FileNotFoundError:
@@ -109,7 +111,7 @@ def read_spec(path: Path) -> ModelSpec:
     initialized = {init.name for init in graph.initializer}
     bounds = _id_bounds(graph)
     inputs = tuple(_input_spec(value, bounds.get(value.name)) for value in graph.input if value.name not in initialized)
-    return ModelSpec(inputs, tuple(value.name for value in graph.output))
+    return ModelSpec(inputs, tuple(value.name for value in graph.output), output_paths(graph))
 
 
 def _input_spec(value: onnx.ValueInfoProto, id_bound: int | None) -> InputSpec:

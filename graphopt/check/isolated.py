@@ -15,45 +15,52 @@ import faulthandler
 import multiprocessing
 import os
 import signal
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from graphopt.check.numerics import CheckResult, check_models
 
-__all__ = ["check_models_isolated"]
+__all__ = ["check_models_isolated", "run_isolated"]
+
+T = TypeVar("T")
 
 
-def _child(connection: Connection, original: Any, optimized: Any, options: dict[str, Any]) -> None:
+def _child(
+    connection: Connection, function: Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any]
+) -> None:
     faulthandler.disable()  # the parent reports a crash in one line; no dump of this process's stack
     try:
-        connection.send(check_models(original, optimized, **options))
+        connection.send(function(*args, **options))
     except BaseException as err:  # handed to the parent, which raises it there
         connection.send(err)
     finally:
         connection.close()
 
 
-def _run_in_child(original: Any, optimized: Any, options: dict[str, Any]) -> CheckResult | str:
-    """The check's result, or a description of how the child died."""
+def run_isolated(function: Callable[..., T], *args: Any, **options: Any) -> T | str:
+    """``function(*args, **options)`` in a child process: its result (its exception is raised
+    here), or a description of how the child died."""
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     receiver, sender = context.Pipe(duplex=False)
     process = context.Process(  # type: ignore[attr-defined]
-        target=_child, args=(sender, original, optimized, options), daemon=True
+        target=_child, args=(sender, function, args, options), daemon=True
     )
     process.start()
     sender.close()
     try:
         outcome = receiver.recv()
+        received = True
     except EOFError:
-        outcome = None
+        outcome, received = None, False
     finally:
         receiver.close()
         process.join()
     if isinstance(outcome, BaseException):
         raise outcome
-    if isinstance(outcome, CheckResult):
-        return outcome
+    if received:
+        return outcome  # type: ignore[no-any-return]
     code = process.exitcode or 0
     if code < 0:
         return f"onnxruntime crashed with {signal.Signals(-code).name}"
@@ -64,10 +71,10 @@ def check_models_isolated(
     original: str | os.PathLike[str], optimized: str | os.PathLike[str], **options: Any
 ) -> CheckResult:
     """:func:`check_models` (same arguments and errors), with onnxruntime crashes contained."""
-    outcome = _run_in_child(original, optimized, options)
+    outcome = run_isolated(check_models, original, optimized, **options)
     if isinstance(outcome, CheckResult):
         return outcome
-    alone = _run_in_child(original, original, options)
+    alone = run_isolated(check_models, original, original, **options)
     if isinstance(alone, CheckResult) and alone.status == "passed":
         return CheckResult("failed", f"{outcome} running the optimized model", {})
     return CheckResult("not checked", f"{outcome} running the original model", {})

@@ -10,7 +10,10 @@ never from onnxruntime's own fusions, which have disagreed numerically between l
 and one inter-op thread make every run repeatable.
 
 The original runs first (all bindings), then its session is freed before the optimized one is
-built, so only one model is resident at a time. Outcomes:
+built, so only one model is resident at a time. At the first binding it runs twice: an output
+on which it disagrees with itself (training-mode Dropout, Random* ops, a custom op that draws
+numbers) is "not checked: nondeterministic", and the other outputs are judged as usual. Such
+an output never fails the check. Outcomes:
 
 - "not checked": onnxruntime cannot load the original, it fails at every binding tried, an
   input has a type the check cannot generate, or time ran out before a comparison was made.
@@ -19,7 +22,8 @@ built, so only one model is resident at a time. Outcomes:
   differs, or the optimized model cannot be loaded or run where the original could (a model
   that onnxruntime ran before optimizing and rejects after is a broken model, not an
   unverifiable one).
-- "passed": every output of every binding that ran met the criterion.
+- "passed": every output of every binding that ran met the criterion (outputs that are not
+  checked are named in the reason).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from graphopt.check.inputs import (
 )
 from graphopt.errors import InputError, bounded
 
-__all__ = ["BindingResult", "CheckResult", "check_models"]
+__all__ = ["BindingResult", "CheckResult", "check_models", "json_ready"]
 
 Status = Literal["passed", "failed", "not checked"]
 
@@ -56,7 +60,7 @@ Status = Literal["passed", "failed", "not checked"]
 class BindingResult:
     dims: dict[str, int]
     outputs: list[OutputComparison]
-    passed: bool
+    passed: bool  # no output failed (outputs not judged do not count)
 
 
 @dataclass
@@ -69,17 +73,18 @@ class CheckResult:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite floats become the strings "nan", "inf" and "-inf"."""
-        result: dict[str, Any] = _finite(asdict(self))
+        result: dict[str, Any] = json_ready(asdict(self))
         return result
 
 
-def _finite(value: Any) -> Any:
+def json_ready(value: Any) -> Any:
+    """``value`` with non-finite floats as the strings "nan", "inf" and "-inf"."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {key: json_ready(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(item) for item in value]
+        return [json_ready(item) for item in value]
     return value
 
 
@@ -152,6 +157,7 @@ def check_models(
     bindings: int = 2,
     timeout: float | None = None,
     threads: int = 1,
+    refuse_other_inputs: bool = False,
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
 
@@ -165,10 +171,12 @@ def check_models(
         bindings: how many dim bindings to compare (each with its own data).
         timeout: seconds for the whole check; a run in progress is aborted when they are up.
         threads: onnxruntime intra-op threads (1 keeps runs repeatable).
+        refuse_other_inputs: two models whose inputs differ are bad input (comparing two
+            arbitrary files), not a failed check (an optimization that changed the interface).
 
     Raises:
-        InputError: a file cannot be read, the .npz does not fit the model, or ``dims`` names
-            a dim the model does not have.
+        InputError: a file cannot be read, the .npz does not fit the model, ``dims`` names
+            a dim the model does not have, or (``refuse_other_inputs``) the inputs differ.
     """
     started = time.perf_counter()
     criterion = Criterion.make(atol, rtol)
@@ -186,6 +194,8 @@ def check_models(
     spec_a, spec_b = read_spec(original), read_spec(optimized)
     _check_dim_names(spec_a, dims or {})
     mismatch = _signature_mismatch(spec_a, spec_b)
+    if mismatch and refuse_other_inputs and mismatch.startswith("inputs"):
+        raise InputError(f"{original} and {optimized} cannot be compared: their {mismatch}")
     if mismatch:
         return result("failed", mismatch)
     feeds: Iterator[tuple[dict[str, int], dict[str, np.ndarray]]]
@@ -205,9 +215,14 @@ def check_models(
         return result("not checked", f"onnxruntime cannot load the original model: {exc}")
     ran: list[tuple[dict[str, int], dict[str, np.ndarray], list[np.ndarray]]] = []
     skipped: list[str] = []
+    unstable: set[str] = set()
     for binding_dims, feed in feeds:
         try:
-            ran.append((binding_dims, feed, deadline.run(session, feed)))
+            expected = deadline.run(session, feed)
+            if not ran:
+                again = deadline.run(session, feed)
+                unstable = {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
+            ran.append((binding_dims, feed, expected))
         except _OrtError as exc:
             skipped.append(f"the original model failed at {_dims_text(binding_dims)}: {exc}")
         except TimeoutError:
@@ -233,20 +248,47 @@ def check_models(
             break
         except TimeoutError:
             break
-        outputs = [compare_output(n, a, b, criterion) for n, a, b in zip(spec_a.outputs, expected, actual, strict=True)]
-        done.append(BindingResult(binding_dims, outputs, all(o.passed for o in outputs)))
+        outputs = [
+            _compare(name, a, b, criterion, spec_a, name in unstable)
+            for name, a, b in zip(spec_a.outputs, expected, actual, strict=True)
+        ]
+        done.append(BindingResult(binding_dims, outputs, all(o.passed is not False for o in outputs)))
     del session
 
-    notes = list(skipped)
+    notes = [f"output {name!r} {_nondeterministic(spec_a, name)}" for name in spec_a.outputs if name in unstable]
+    notes += skipped
     if failure is None and any(not b.passed for b in done):
         failure = _first_failure(done)
     if failure is not None:
         return result("failed", "; ".join([failure, *notes]), done)
     if not done:
         return result("not checked", "; ".join([f"timed out after {timeout:g} s", *notes]), done)
+    if not any(o.passed for b in done for o in b.outputs) and unstable:
+        return result("not checked", "; ".join(notes), done)
     if len(done) < wanted:
         notes.insert(0, f"{len(done)} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
     return result("passed", "; ".join(notes) or None, done)
+
+
+def _identical(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+
+
+def _nondeterministic(spec: ModelSpec, name: str) -> str:
+    path = spec.paths.get(name)
+    ops = ", ".join(path.random_ops) if path is not None and path.random_ops else "unknown"
+    return f"not checked: nondeterministic (ops {ops}): the original model disagrees with itself"
+
+
+def _compare(
+    name: str, a: np.ndarray, b: np.ndarray, criterion: Criterion, spec: ModelSpec, unstable: bool
+) -> OutputComparison:
+    path = spec.paths.get(name)
+    comparison = compare_output(name, a, b, criterion, path.precision if path is not None else None)
+    if unstable:
+        comparison.passed = None
+        comparison.reason = _nondeterministic(spec, name)
+    return comparison
 
 
 def _generated(
@@ -284,6 +326,6 @@ def _signature_mismatch(a: ModelSpec, b: ModelSpec) -> str | None:
 def _first_failure(done: list[BindingResult]) -> str:
     for binding in done:
         for output in binding.outputs:
-            if not output.passed:
+            if output.passed is False:
                 return f"output {output.name!r} at {_dims_text(binding.dims)}: {output.reason}"
     raise AssertionError("no failing output")

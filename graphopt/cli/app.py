@@ -38,12 +38,32 @@ class State:
     quiet = False
 
 
+def _console(**options: Any) -> Console:
+    console = Console(highlight=False, **options)
+    if not console.is_terminal:
+        # A CI log or a pipe: one line per message, whatever its length (rich would wrap at 80).
+        console.soft_wrap = True
+        console.width = 1 << 15
+    return console
+
+
 def stderr() -> Console:
-    return Console(stderr=True, quiet=State.quiet, highlight=False)
+    """Where people read progress, tables and diagnostics (silenced by --quiet)."""
+    return _console(stderr=True, quiet=State.quiet)
+
+
+def stdout() -> Console:
+    """Where a listing command's product goes, so that it can be piped (never silenced)."""
+    return _console()
+
+
+def error_line(message: str) -> None:
+    """One diagnostic line on stderr, --quiet or not."""
+    click.echo(f"graphopt: error: {bounded(message)}", err=True)
 
 
 def fail(message: str, code: int) -> None:
-    click.echo(f"graphopt: error: {bounded(message)}", err=True)
+    error_line(message)
     sys.exit(code)
 
 
@@ -77,7 +97,33 @@ def guarded(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+# click >= 8.2 raises this for a bare `graphopt`; older versions print the help themselves.
+_NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+class _Commands(click.Group):
+    """The command group; click's usage errors end in the same one line as every other error."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:  # type: ignore[override]
+        try:
+            result = super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[call-overload]
+        except _NO_ARGS as err:  # bare `graphopt`: the help, as click shows it
+            err.show()
+            sys.exit(err.exit_code)
+        except click.UsageError as err:
+            command = " ".join(["graphopt", *(err.ctx.command_path.split()[1:] if err.ctx else [])])
+            message = " ".join(err.format_message().split())
+            fail(f"{message} (see '{command} --help')", 2)
+        except click.ClickException as err:
+            fail(" ".join(err.format_message().split()), err.exit_code)
+        except click.Abort:
+            fail("interrupted", 3)
+        if standalone_mode:
+            sys.exit(result if isinstance(result, int) else 0)
+        return result
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="graphopt")
 @click.option("--debug", is_flag=True, help="Show tracebacks of internal errors.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on stderr except errors.")
@@ -95,7 +141,23 @@ def cli(debug: bool, quiet: bool) -> None:
     """
     State.debug = debug
     State.quiet = quiet
-    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr)
+    _log_to_stderr(logging.DEBUG if debug else logging.WARNING)
+
+
+class _StderrHandler(logging.Handler):
+    """Log records as ``graphopt: warning: ...`` lines on the stderr of the moment (click's,
+    so a test runner's capture sees them too)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"graphopt: {record.levelname.lower()}: {record.getMessage()}", err=True)
+
+
+def _log_to_stderr(level: int) -> None:
+    logger = logging.getLogger("graphopt")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+        logger.propagate = False
+    logger.setLevel(level)
 
 
 def with_settings(func: F) -> F:
@@ -132,7 +194,10 @@ def parse_dims(values: Sequence[str]) -> dict[str, int]:
         name, sep, number = item.partition("=")
         if not sep or not name or not number.strip().isdigit() or int(number) < 1:
             raise InputError(f"--dim {item!r}: expected NAME=VALUE with a positive integer")
-        dims[name.strip()] = int(number)
+        name = name.strip()
+        if dims.get(name, int(number)) != int(number):
+            raise InputError(f"--dim {item!r}: {name} is already {dims[name]} (conflicting --dim options)")
+        dims[name] = int(number)
     return dims
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr
+from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr, stdout
 from graphopt.errors import InputError
 
 
@@ -58,7 +58,7 @@ def inspect(model: Path, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
     else:
-        render_inspection(stderr(), info)
+        render_inspection(stdout(), info)
 
 
 @cli.command(epilog=EXIT_CODES)

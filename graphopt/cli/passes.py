@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr
+from graphopt.cli.app import EXIT_CODES, cli, guarded, stdout
 
 
 @cli.command(epilog=EXIT_CODES)
@@ -36,6 +36,6 @@ def passes(as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps({"passes": registry, "default_pipeline": DEFAULT_PIPELINE}, indent=2) + "\n")
         return
-    console = stderr()
+    console = stdout()
     render_passes(console, registry)
     console.print("default pipeline: " + json.dumps(DEFAULT_PIPELINE))

@@ -1,21 +1,30 @@
-"""`graphopt run`: optimize models (files or folders), check them, write them and a report."""
+"""`graphopt run`: optimize models (files or folders), check them, write them and a report.
+
+Folder mode reads ``*.onnx`` files and graphopt's own JSON graphs (the ones with its format
+marker) and leaves out, with a note, other JSON files (a Hugging Face export's config.json
+and tokenizer files), hidden files and folders, the default outputs of earlier runs
+(``*.opt.*``) and everything inside the output folder, so that a second run reads what
+the first one read.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from graphopt import __version__
-from graphopt.cli.app import EXIT_CODES, cli, emit, fail, guarded, parse_dims, stderr, with_settings
+from graphopt.cli.app import EXIT_CODES, cli, emit, error_line, fail, guarded, parse_dims, stderr, with_settings
 from graphopt.errors import GraphoptError, InputError, bounded
-from graphopt.files import is_staging
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -27,22 +36,53 @@ def _parse_shard(text: str | None) -> tuple[int, int] | None:
     return int(index), int(count)
 
 
-def _collect(sources: Sequence[Path]) -> list[Path]:
-    found: list[Path] = []
+def _parse_output(text: str | None) -> tuple[Path | None, bool]:
+    """The -o path and whether it names a folder: one that exists, or any ending in a slash."""
+    if text is None:
+        return None, False
+    path = Path(text)
+    return path, text.endswith(("/", os.sep)) or path.is_dir()
+
+
+@dataclass
+class _Collected:
+    sources: list[Path] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+
+def _collect(sources: Sequence[Path], output_folder: Path | None) -> _Collected:
+    from graphopt.io.json_io import is_graph_file
+
+    found = _Collected()
     for source in sources:
-        if source.is_dir():
-            found += sorted(
-                p
-                for p in source.rglob("*")
-                if p.suffix.lower() in (".onnx", ".json")
-                and ".opt." not in p.name
-                and not is_staging(p.relative_to(source))
-            )
-        elif source.exists():
-            found.append(source)
-        else:
+        if not source.exists():
             raise InputError(f"{source}: no such file or directory")
+        if not source.is_dir():
+            found.sources.append(source)
+            continue
+        # An output folder inside this one holds the results of a run, not inputs (a folder
+        # written onto itself is left to the overwrite check).
+        excluded = output_folder.resolve() if output_folder is not None else None
+        if excluded == source.resolve():
+            excluded = None
+        for path in sorted(source.rglob("*")):
+            relative = path.relative_to(source)
+            if path.suffix.lower() not in (".onnx", ".json") or not path.is_file() or ".opt." in path.name:
+                continue
+            if any(part.startswith(".") for part in relative.parts):  # hidden, graphopt's staging folders too
+                continue
+            if excluded is not None and path.resolve().is_relative_to(excluded):
+                continue
+            if path.suffix.lower() == ".json" and not is_graph_file(path):
+                found.skipped.append({"path": str(path), "reason": "JSON that is not a graphopt graph"})
+                continue
+            found.sources.append(path)
     return found
+
+
+def _about(path: str, message: str) -> str:
+    """``message`` naming ``path`` once (most errors name their file already)."""
+    return message if message.startswith(path) else f"{path}: {message}"
 
 
 def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
@@ -63,7 +103,12 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
 
 @cli.command(epilog=EXIT_CODES)
 @click.argument("models", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Output file (one model) or folder (several).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(),
+    help="Output file (one model), or folder: several models, an existing folder, or a path ending in '/'.",
+)
 @click.option("--passes", help="Comma list of passes or groups, e.g. 'shape-infer,cleanup'. See `graphopt passes`.")
 @click.option(
     "--config", type=click.Path(path_type=Path), help="Pipeline config, TOML or JSON (schemas/pipeline.schema.json)."
@@ -101,7 +146,7 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
 @guarded
 def run(
     models: tuple[Path, ...],
-    output: Path | None,
+    output: str | None,
     passes: str | None,
     config: Path | None,
     max_steps: int | None,
@@ -137,12 +182,15 @@ def run(
     """
     from graphopt.api import resolve_pipeline, resolve_settings
     from graphopt.report import check_report_target
-    from graphopt.runner import RunOptions, is_optimized, optimize_file
+    from graphopt.runner import RunOptions
 
     if (atol is None) != (rtol is None):
         raise InputError("--atol and --rtol go together (element-wise check)")
+    if in_place and output is not None:
+        raise InputError("--in-place and -o exclude each other")
+    target, into_folder = _parse_output(output)
     options = RunOptions(
-        output=output,
+        output=target,
         passes=passes,
         config=config,
         max_steps=max_steps,
@@ -161,41 +209,104 @@ def run(
     )
     resolve_settings(resolve_pipeline(passes, config, max_steps), settings)  # bad pipelines fail before any work
     console = stderr()
-    sources = _collect(models)
+    single = len(models) == 1 and not models[0].is_dir() and shard is None
+    collected = _collect(models, target if (into_folder or not single) else None)
+    if collected.skipped:
+        listed = ", ".join(s["path"] for s in collected.skipped)
+        console.print(
+            escape(f"note: skipped {len(collected.skipped)} JSON files that are not graphopt graphs: {listed}")
+        )
+    if not collected.sources:
+        raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and graphopt *.json)")
+    sources = collected.sources
     selected = _parse_shard(shard)
     if selected is not None:
         index, count = selected
+        # A fixed CI matrix may have more jobs than models: the extra shards are empty, not errors.
         sources = [s for i, s in enumerate(sources) if i % count == index - 1]
-    single = len(models) == 1 and not models[0].is_dir() and selected is None
-    if not sources:
-        raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and *.json)")
     if report_path is not None:
         check_report_target(report_path, sources)
+    head: dict[str, Any] = {"graphopt_version": __version__}
+    if not single:
+        head |= {"shard": shard, "skipped": collected.skipped}
 
     if check_optimized:
-        rows = [is_optimized(s, options) for s in sources]
-        report: dict[str, Any] = {"graphopt_version": __version__, "check_optimized": rows}
-        for row in rows:
-            mark = "[green]optimized[/green]" if row["optimized"] else f"[red]not optimized[/red]: {row['reason']}"
-            console.print(f"{row['path']}: {mark}")
-        emit(report, report_path, as_json)
-        sys.exit(0 if all(r["optimized"] for r in rows) else 1)
-
+        _gate(console, sources, options, head, single, report_path, as_json)
     if single:
-        with console.status("optimizing", spinner="dots") as status:
-            report, code = optimize_file(sources[0], options, on_pass=lambda r: status.update(f"{r.name} done"))
-        from graphopt.report.console import render_report
+        if into_folder:
+            assert target is not None
+            options = replace(options, output=target / sources[0].name)
+        _single(console, sources[0], options, report_path, as_json)
+    if target is not None and not into_folder and target.suffix.lower() in (".onnx", ".json"):
+        raise InputError(f"{target}: with several models, -o names a folder")
+    _batch(console, models, sources, options, head, jobs, report_path, as_json)
 
-        render_report(console, report)
-        emit(report, None, as_json)  # the report file is committed with the model
-        if strict and report["failures"]:
-            fail(f"pass {report['failures'][0]['pass']!r} failed: {report['failures'][0]['error']}", 3)
-        sys.exit(code)
 
-    if output is not None and output.suffix.lower() in (".onnx", ".json"):
-        raise InputError(f"{output}: with several models, -o names a folder")
-    if in_place and output is not None:
-        raise InputError("--in-place and -o exclude each other")
+def _gate(
+    console: Console,
+    sources: list[Path],
+    options: Any,
+    head: dict[str, Any],
+    single: bool,
+    report_path: Path | None,
+    as_json: bool,
+) -> None:
+    """--check-optimized: exit 1 if the pipeline would still change a model; writes nothing."""
+    from graphopt.report import totals
+    from graphopt.runner import is_optimized
+
+    rows: list[dict[str, Any]] = []
+    for source in sources:
+        try:
+            row = is_optimized(source, options)
+        except GraphoptError as err:
+            if single:
+                raise
+            row = {"path": str(source), "optimized": False, "reason": str(err), "exit_code": err.exit_code}
+        rows.append(row)
+        mark = "[green]optimized[/green]" if row["optimized"] else f"[red]not optimized[/red]: {escape(row['reason'])}"
+        console.print(f"{escape(row['path'])}: {mark}")
+    report = head | {"check_optimized": rows}
+    if not single:
+        report["totals"] = totals(rows)
+    emit(report, report_path, as_json)
+    for row in rows:
+        if "exit_code" in row:
+            error_line(_about(row["path"], row["reason"]))
+        elif not row["optimized"]:
+            error_line(f"{row['path']}: not optimized: {row['reason']}")
+    sys.exit(max([row.get("exit_code", 0 if row["optimized"] else 1) for row in rows], default=0))
+
+
+def _single(console: Console, source: Path, options: Any, report_path: Path | None, as_json: bool) -> None:
+    from graphopt.report.console import render_report
+    from graphopt.runner import optimize_file
+
+    with console.status("optimizing", spinner="dots") as status:
+        report, code = optimize_file(source, options, on_pass=lambda r: status.update(f"{r.name} done"))
+    render_report(console, report)
+    emit(report, None, as_json)  # the report file is committed with the model
+    if options.strict and report["failures"]:
+        fail(f"pass {report['failures'][0]['pass']!r} failed: {report['failures'][0]['error']}", 3)
+    if code == 1:
+        fail(f"{source}: numerics failed: {report['numerics']['reason']}", 1)
+    sys.exit(code)
+
+
+def _batch(
+    console: Console,
+    models: Sequence[Path],
+    sources: list[Path],
+    options: Any,
+    head: dict[str, Any],
+    jobs: int,
+    report_path: Path | None,
+    as_json: bool,
+) -> None:
+    from graphopt.report import check_report_target, totals
+    from graphopt.report.console import render_batch
+
+    output = options.output
     tasks = []
     roots = [m for m in models if m.is_dir()]
     written: dict[Path, Path] = {}
@@ -228,15 +339,15 @@ def run(
                     rows_by_index[futures[future]], code = future.result()
                     worst = max(worst, code)
                     progress.advance(bar)
-    report = {
-        "graphopt_version": __version__,
-        "shard": shard,
-        "models": [rows_by_index[i] for i in range(len(tasks))],
-    }
-    from graphopt.report.console import render_batch
-
+    rows = [rows_by_index[i] for i in range(len(tasks))]
+    report = head | {"models": rows, "totals": totals(rows)}
     render_batch(console, report)
     emit(report, report_path, as_json)
-    if strict and any(row.get("failures") for row in report["models"]):
+    for row in rows:
+        if "error" in row:
+            error_line(_about(row["input"]["path"], row["error"]))
+        elif row["exit_code"] == 1:
+            error_line(f"{row['input']['path']}: numerics failed: {row['numerics']['reason']}")
+    if options.strict and any(row.get("failures") for row in rows):
         worst = max(worst, 3)
     sys.exit(worst)

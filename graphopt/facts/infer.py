@@ -100,6 +100,8 @@ class _Inference:
             self.node(node)
 
     def node(self, node: Node) -> None:
+        if node.opaque:  # no schema at this opset: its outputs keep their declared types
+            return
         op = self.facts.op(node)
         inferred: list[TensorType | None] = []
         if not node.in_standard_domain:

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+from typing import Literal
 
 from graphopt.errors import InputError
 from graphopt.ir import Model
 
+logger = logging.getLogger(__name__)
 
-def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Model:
-    """Load a model, choosing the format by extension (.json, else ONNX)."""
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    independent_dims: bool = False,
+    opaque_ops: Literal["warn", "quiet", "error"] = "warn",
+) -> Model:
+    """Load a model, choosing the format by extension (.json, else ONNX).
+
+    An op without a schema at the model's opset is kept opaque (see :mod:`graphopt.io.sanity`)
+    and logged as a warning; ``opaque_ops`` "quiet" (a file loaded again) says nothing,
+    "error" (``graphopt validate``) refuses it.
+    """
     from graphopt.io.sanity import check_model
 
     if Path(path).suffix.lower() == ".json":
@@ -22,9 +36,11 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
 
         model = onnx_io.load(path, independent_dims=independent_dims)
     try:
-        check_model(model)
+        warnings = check_model(model, strict=opaque_ops == "error")
     except InputError as err:
         raise InputError(f"{path}: {err}") from None
+    for warning in warnings if opaque_ops == "warn" else ():
+        logger.warning("%s: %s", path, warning)
     return model
 
 

@@ -35,6 +35,7 @@ import itertools
 import json
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,9 +75,12 @@ from graphopt.ir import (
 )
 from graphopt.schemas import validate
 
-__all__ = ["FORMAT_VERSION", "SIDECAR_THRESHOLD", "NpySource", "load", "save"]
+__all__ = ["FORMAT_MARKER", "FORMAT_VERSION", "SIDECAR_THRESHOLD", "NpySource", "is_graph_file", "load", "save"]
 
 FORMAT_VERSION = 1
+FORMAT_MARKER = "graphopt-graph"
+# How much of a .json file is read to tell a graphopt graph from other JSON (configs, tokenizers).
+_MARKER_WINDOW = 1 << 16
 # Tensors larger than this many bytes go to a sidecar .npy file instead of the JSON text.
 SIDECAR_THRESHOLD = 4096
 
@@ -195,6 +199,20 @@ def _nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
 # -- writing -------------------------------------------------------------------------------
 
 
+def is_graph_file(path: str | os.PathLike[str]) -> bool:
+    """Whether the file carries graphopt's format marker near its start (writers put it first).
+
+    A marker is enough: a damaged graph that has one is still reported as a bad graph, while
+    the other JSON files of a model folder (config.json, tokenizer_config.json) are not graphs.
+    """
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(_MARKER_WINDOW).decode("utf-8", errors="replace")
+    except OSError:
+        return False
+    return re.search(r'"format"\s*:\s*"' + FORMAT_MARKER + '"', head) is not None
+
+
 def save(model: Model, path: str | os.PathLike[str]) -> None:
     """Write ``model`` as JSON, large tensors as sidecar .npy files; all or nothing."""
     path = Path(path)
@@ -233,7 +251,7 @@ class _Writer:
         graph = self.graph(model.graph)
         functions = [self.function(f) for f in model.functions]
         opaque = {k: [base64.b64encode(b).decode("ascii") for b in v] for k, v in model.opaque_fields.items()}
-        head = {"format": "graphopt-graph", "format_version": FORMAT_VERSION, "ir_version": model.ir_version}
+        head = {"format": FORMAT_MARKER, "format_version": FORMAT_VERSION, "ir_version": model.ir_version}
         return (
             head
             | _given(

@@ -1,15 +1,18 @@
 """Sanity on load, beyond what the formats check: opsets and tensor sizes.
 
-A model that names an ONNX op at an opset where it does not exist, or declares a tensor no
-machine could hold, is bad input: onnxruntime would refuse it and a pass would reason about
-an op at the wrong version, so the run stops with one line instead of a "not checked" report.
+Refused (bad input, one line): an opset import no onnx version defines, a node in a
+domain the model does not import, a tensor no machine could hold.
 
 - Every ONNX domain the model imports must be at a version this onnx package knows (>= 1).
-- Every node in an ONNX domain needs that domain imported, and an op ONNX defines must
-  exist, undeprecated, at the imported version (Gelu at opset 13, Scatter at opset 17 fail).
-  An op name ONNX does not define at all is a custom op, even in the default domain (legacy
-  exporters write such ops): the passes keep it untouched. Function bodies are checked
-  against their own imports.
+- Every node in an ONNX domain needs that domain imported.
+- An op ONNX defines that does not exist, or is removed, at the imported version
+  (LayerNormalization at opset 12, Scatter at opset 17) is accepted with a warning and
+  marked opaque: onnxruntime runs such models (older exporters wrote them), and a pass
+  must not reason about an op at a version it has no schema for, so the passes keep the
+  node as it is. With ``strict`` (``graphopt validate``) it is an error instead. An op name
+  ONNX does not define at all is a custom op, even in the default domain (legacy exporters
+  write such ops): the passes keep it untouched too. Function bodies are checked against
+  their own imports.
 - No node reads its own output.
 - A declared tensor type (graph input or output, annotated value, initializer) must take
   fewer than 2**63 bytes, the int64 limit of ONNX dims and of every runtime's byte counts.
@@ -20,12 +23,14 @@ an op at the wrong version, so the run stops with one line instead of a "not che
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Iterator
 
 import onnx.defs
 from onnx.onnx_cpp2py_export.defs import schema_version_map
 
 from graphopt.errors import InputError
-from graphopt.ir import Graph, Model, TensorType
+from graphopt.ir import Graph, Model, Node, TensorType
 
 __all__ = ["check_model"]
 
@@ -38,11 +43,15 @@ def _domain_text(domain: str) -> str:
     return repr(domain) if domain else "the default domain"
 
 
-def check_model(model: Model) -> None:
-    """Raise InputError naming the first opset import, node or tensor type that cannot be."""
-    _check_opsets(model)
+def check_model(model: Model, *, strict: bool = False) -> list[str]:
+    """Raise InputError naming the first opset import, node or tensor type that cannot be.
+
+    Returns the warnings: one per op kept opaque (or, with ``strict``, raises for the first).
+    """
+    warnings = _check_opsets(model, strict)
     _check_sizes(model)
     _check_self_reads(model)
+    return warnings
 
 
 def _check_self_reads(model: Model) -> None:
@@ -67,7 +76,7 @@ def _check_sizes(model: Model) -> None:
                     raise InputError(f"value {value.name!r} declares {value.type}, over 2**63 bytes")
 
 
-def _check_opsets(model: Model) -> None:
+def _check_opsets(model: Model, strict: bool) -> list[str]:
     known = schema_version_map()
     imports = _normalized(model.opset_imports)
     for domain, version in imports.items():
@@ -79,23 +88,35 @@ def _check_opsets(model: Model) -> None:
     graphs = [(model.graph, imports)]
     graphs += [(f.body, _normalized(f.opset_imports)) for f in model.functions]
     local_functions = {f.domain for f in model.functions}
+    unknown: Counter[tuple[str, str]] = Counter()
     for root, scope in graphs:
         for graph in [root, *root.subgraphs()]:
-            _check_nodes(graph, scope, known, local_functions)
+            for node, problem in _check_nodes(graph, scope, known, local_functions):
+                if strict:
+                    raise InputError(f"{_label(node)} {problem}")
+                unknown[node.op_type, problem] += 1
+    kept = "kept as an opaque op, nothing is folded or inferred through it"
+    return [f"{op} ({count} node{'s' * (count > 1)}) {problem}: {kept}" for (op, problem), count in unknown.items()]
+
+
+def _label(node: Node) -> str:
+    return f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
 
 
 def _normalized(imports: dict[str, int]) -> dict[str, int]:
     return {_ALIASES.get(domain, domain): version for domain, version in imports.items()}
 
 
-def _check_nodes(graph: Graph, imports: dict[str, int], known: dict[str, tuple[int, int]], functions: set[str]) -> None:
+def _check_nodes(
+    graph: Graph, imports: dict[str, int], known: dict[str, tuple[int, int]], functions: set[str]
+) -> Iterator[tuple[Node, str]]:
+    """Raise for nodes that cannot be; mark ops without a schema at the opset opaque and yield why."""
     for node in graph:
         domain = _ALIASES.get(node.domain, node.domain)
-        label = f"node {node.name!r} ({node.op_type})" if node.name else f"a {node.op_type} node"
         if domain not in imports:
             if domain in functions:
                 continue
-            raise InputError(f"{label} is in {_domain_text(domain)}, which the model does not import")
+            raise InputError(f"{_label(node)} is in {_domain_text(domain)}, which the model does not import")
         if domain not in known or not onnx.defs.has(node.op_type, domain):
             continue
         version = imports[domain]
@@ -103,11 +124,12 @@ def _check_nodes(graph: Graph, imports: dict[str, int], known: dict[str, tuple[i
             schema = onnx.defs.get_schema(node.op_type, version, domain)
         except onnx.defs.SchemaError:
             first = _first_version(node.op_type, domain, known[domain][1])
-            raise InputError(
-                f"{label} does not exist at opset {version} of {_domain_text(domain)} (it appears at opset {first})"
-            ) from None
+            node.opaque = True
+            yield node, f"does not exist at opset {version} of {_domain_text(domain)} (it appears at opset {first})"
+            continue
         if schema.deprecated:
-            raise InputError(f"{label} is deprecated (removed) at opset {version} of {_domain_text(domain)}")
+            node.opaque = True
+            yield node, f"is deprecated (removed) at opset {version} of {_domain_text(domain)}"
 
 
 def _first_version(op_type: str, domain: str, newest: int) -> int:

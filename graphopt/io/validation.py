@@ -15,7 +15,8 @@ __all__ = ["validate_file"]
 
 def validate_file(path: Path) -> None:
     """Raise InputError with the first problem found: format, schema, graph invariants, checker."""
-    model = load(path)  # JSON schema, dangling values, cycles, duplicate names, dtypes
+    # JSON schema, dangling values, cycles, duplicate names, dtypes, ops missing at the opset
+    model = load(path, opaque_ops="error")
     with tempfile.TemporaryDirectory() as workdir:
         target = path
         if path.suffix.lower() == ".json":

@@ -56,6 +56,7 @@ def clone_graph(graph: Graph, outer: dict[int, Value] | None = None) -> Graph:
         )
         copy.doc_string = node.doc_string
         copy.metadata_props = dict(node.metadata_props)
+        copy.opaque = node.opaque
         nodes.append(copy)
     outputs = [mapping.get(id(v), v) for v in graph.outputs]
     copy_graph = Graph(inputs, outputs, nodes, initializers, name=graph.name)

@@ -63,6 +63,9 @@ class Node:
 
     Uses are registered while the node belongs to a graph: constructing a node does not
     touch its inputs' use lists, adding it to a graph does, and removing it undoes that.
+
+    ``opaque`` marks an op graphopt has no schema for at the model's opset (set on load):
+    passes keep it as it is and reason about nothing through it. It is never written out.
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class Node:
         self.overload = overload
         self.doc_string = ""
         self.metadata_props: dict[str, str] = {}
+        self.opaque = False
         self.attributes: dict[str, Attr] = {a.name: a for a in attributes}
         self.graph: Graph | None = None
         self._prev: Node | None = None

@@ -2,7 +2,8 @@
 
 The report is assembled from what the other parts hand over (pass runs, model stats,
 numerics); this module only writes it, validates it against schemas/report.schema.json,
-and strips the timings when two reports are compared for determinism.
+strips the timings when two reports are compared for determinism, adds up the totals of a
+batch and merges the reports of the shards of one CI matrix.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from graphopt.errors import InputError
 from graphopt.files import temporary_file
 
-__all__ = ["check_report_target", "dumps", "without_timings", "write_report"]
+__all__ = ["check_report_target", "dumps", "merge_reports", "totals", "without_timings", "write_report"]
 
 # How every report graphopt writes begins (dumps keeps the key order).
 _REPORT_HEAD = b'{\n  "graphopt_version": '
@@ -70,3 +71,37 @@ def without_timings(report: Any) -> Any:
     if isinstance(report, list):
         return [without_timings(v) for v in report]
     return report
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a batch amounts to: models, failures (exit code other than 0), and the nodes and
+    weight bytes before -> after of the models that were optimized (error rows have none)."""
+    summaries = [row["summary"] for row in rows if "summary" in row]
+    return {
+        "models": len(rows),
+        "failures": sum(1 for row in rows if _exit_code(row) != 0),
+        "nodes": [sum(s[side]["nodes"] for s in summaries) for side in ("before", "after")],
+        "initializer_bytes": [sum(s[side]["initializer_bytes"] for s in summaries) for side in ("before", "after")],
+    }
+
+
+def _exit_code(row: dict[str, Any]) -> int:
+    if "optimized" in row:  # a --check-optimized row
+        return int(row.get("exit_code", 0 if row["optimized"] else 1))
+    return int(row.get("exit_code", 0))
+
+
+def merge_reports(reports: list[dict[str, Any]], version: str) -> dict[str, Any]:
+    """One report of several batch (or --check-optimized) reports, rows sorted by path.
+
+    Raises ValueError when the reports are not of one kind.
+    """
+    kinds = {"check_optimized" if "check_optimized" in r else "models" for r in reports}
+    if len(kinds) != 1:
+        raise ValueError("cannot merge run reports with --check-optimized reports")
+    (kind,) = kinds
+    rows = [row for report in reports for row in report.get(kind, [report])]
+    rows.sort(key=lambda row: row["path"] if kind == "check_optimized" else row["input"]["path"])
+    skipped = sorted((s for r in reports for s in r.get("skipped", [])), key=lambda s: s["path"])
+    shards = sorted({r["shard"] for r in reports if r.get("shard")})
+    return {"graphopt_version": version, "shards": shards, kind: rows, "skipped": skipped, "totals": totals(rows)}

@@ -54,14 +54,43 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         worst = max((o["rel_l2"] for o in binding["outputs"] if o.get("rel_l2") is not None), default=0.0)
         line += f"\n  dims {binding['dims']}: worst relative L2 {worst:.2e}"
         for output in binding["outputs"]:
-            if not output["passed"]:
+            if output["passed"] is not True:
+                colour = "red" if output["passed"] is False else "yellow"
                 problem = f"output {output['name']}: {output.get('reason') or 'differs'}"
-                line += f"\n  [red]{escape(problem)}[/red]"
+                line += f"\n  [{colour}]{escape(problem)}[/{colour}]"
     console.print(line)
     if report.get("blame"):
-        console.print(f"first pass that broke numerics: [bold]{report['blame'].get('pass')}[/bold]")
+        _render_blame(console, report["blame"])
     if report.get("output"):
         console.print(escape(f"wrote {report['output']['path']}"))
+
+
+_FIGURES = (("rel_l2", "rel L2"), ("max_abs", "max abs"), ("p99_abs", "p99 abs"), ("cosine", "cosine"))
+
+
+def _figure(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _render_blame(console: Console, blame: dict[str, Any]) -> None:
+    if blame.get("pass") is None:
+        console.print(escape(f"blame: {blame.get('reason')}"))
+        return
+    console.print(
+        f"first pass that broke numerics: [bold]{escape(blame['pass'])}[/bold]"
+        f" (execution {blame['execution']} of {blame['executions']}, found in {blame['reruns']} reruns)"
+    )
+    divergence = blame.get("divergence") or {}
+    if divergence.get("node") is None:
+        console.print(escape(f"first diverging node: none named ({divergence.get('reason')})"))
+        return
+    console.print(
+        f"first diverging node: [bold]{escape(divergence['node'] or '(unnamed)')}[/bold]"
+        + escape(
+            f" ({divergence['op_type']}, output {divergence['output']}): "
+            + ", ".join(f"{label} {_figure(divergence[key])}" for key, label in _FIGURES)
+        )
+    )
 
 
 def render_batch(console: Console, report: dict[str, Any]) -> None:

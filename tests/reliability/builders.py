@@ -362,8 +362,6 @@ BAD_INPUTS: dict[str, Builder] = {
     "missing file": lambda folder: folder / "absent.onnx",
     "missing external data": missing_external_data,
     "short external data": short_external_data,
-    "op newer than the opset": unknown_op(13, "Gelu"),
-    "op removed at the opset": unknown_op(OPSET, "Scatter"),
     "opset 0": _proto(_opset(0)),
     "opset 99": _proto(_opset(99)),
     "no default-domain opset": _proto(no_default_opset),
@@ -399,8 +397,31 @@ BAD_INPUTS: dict[str, Builder] = {
     "json: dangling input": json_graph(lambda d: d["graph"]["nodes"][1]["inputs"].__setitem__(1, "nowhere")),
     "json: duplicate outputs": json_graph(lambda d: d["graph"]["nodes"][4]["outputs"].__setitem__(0, "r1")),
     "json: cycle": json_graph(lambda d: d["graph"]["nodes"][0]["inputs"].__setitem__(0, "y")),
+}
+
+# -- ops without a schema at the model's opset: accepted with a warning, kept opaque --------
+
+OPAQUE_OPS: dict[str, Builder] = {
+    "op newer than the opset": unknown_op(13, "Gelu"),
+    "op removed at the opset": unknown_op(OPSET, "Scatter"),
     "json: op newer than the opset": json_graph(lambda d: d["graph"]["nodes"][2].update(op="Gelu", name="g")),
 }
+
+
+def layer_norm_at(opset: int) -> onnx.ModelProto:
+    """LayerNormalization (ONNX opset 17) at an older opset, as older exporters wrote it and
+    onnxruntime runs it, between an Identity and a Relu that the passes may remove."""
+    nodes = [
+        helper.make_node("Identity", ["x"], ["i"], name="id"),
+        helper.make_node("LayerNormalization", ["i", "gamma", "beta"], ["n"], name="ln", axis=-1, epsilon=1e-5),
+        helper.make_node("Relu", ["n"], ["y"], name="relu"),
+    ]
+    inits = [
+        numpy_helper.from_array(np.linspace(0.5, 1.5, 8).astype(np.float32), "gamma"),
+        numpy_helper.from_array(np.full(8, 0.1, np.float32), "beta"),
+    ]
+    return model(nodes, [float_info("x", ["batch", 8])], [float_info("y", ["batch", 8])], inits, {"": opset})
+
 
 # -- valid but unusual: these must optimize (exit 0) --------------------------------------
 

@@ -14,6 +14,7 @@ import resource
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import Result
@@ -60,7 +61,6 @@ SPOT_CHECKS = [
     "png named .onnx",
     "directory named .onnx",
     "missing external data",
-    "op newer than the opset",
     "opset 99",
     "cycle",
     "node reads its own output",
@@ -157,3 +157,73 @@ def test_huge_shapes_do_not_allocate(tmp_path: Path, make: object) -> None:
     assert grown_mb < 512, f"peak memory grew by {grown_mb:.0f} MB"
     assert report["numerics"]["status"] == "not checked"
     assert report["failures"] == []
+
+
+# -- ops without a schema at the model's opset: a warning, an opaque node, exit 0 ----------
+
+
+@pytest.mark.parametrize("case", sorted(builders.OPAQUE_OPS))
+def test_op_missing_at_the_opset_is_a_warning_and_a_validate_error(tmp_path: Path, case: str) -> None:
+    source = builders.OPAQUE_OPS[case](tmp_path)
+    out = tmp_path / "out" / f"model.opt{source.suffix}"
+    result = invoke("run", source, "-o", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("graphopt: warning: ")]
+    assert len(warnings) == 1 and source.name in warnings[0] and "opaque" in warnings[0], result.stderr
+    op = "Gelu" if "Gelu" in warnings[0] else "Scatter"
+    assert op in warnings[0]
+    assert op in json.dumps(json.loads(result.stdout)["summary"]["after"])
+    assert out.is_file()
+    line = assert_one_line_error(invoke("validate", source))
+    assert op in line and "opaque" not in line
+
+
+@pytest.mark.parametrize("opset", [12, 14])
+def test_layer_norm_before_opset_17_is_opaque_and_checked(tmp_path: Path, opset: int) -> None:
+    original = builders.layer_norm_at(opset)
+    source = builders.write(original, tmp_path)
+    out = tmp_path / "out.onnx"
+    result = invoke("run", source, "-o", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert f"LayerNormalization (1 node) does not exist at opset {opset}" in result.stderr
+    report = json.loads(result.stdout)
+    assert report["numerics"]["status"] == "passed"  # onnxruntime runs it
+    optimized = onnx.load(str(out))
+    assert [n.op_type for n in optimized.graph.node] == ["LayerNormalization", "Relu"]  # the Identity went
+    (before,) = [n for n in original.graph.node if n.op_type == "LayerNormalization"]
+    (after,) = [n for n in optimized.graph.node if n.op_type == "LayerNormalization"]
+    assert list(after.attribute) == list(before.attribute)  # untouched, nothing of "opaque" written
+    assert "opaque" not in out.read_bytes().decode("latin-1")
+    assert [o.version for o in optimized.opset_import] == [opset]
+
+
+def test_no_shape_rule_through_an_opaque_op(tmp_path: Path) -> None:
+    import graphopt
+
+    source = builders.write(builders.layer_norm_at(12), tmp_path)
+    model = graphopt.load(source)
+    (node,) = [n for n in model.graph if n.op_type == "LayerNormalization"]
+    assert node.opaque
+    graphopt.optimize(model, "shape-infer")
+    assert node.outputs[0].type is None  # opset 17's rule would give float32[batch, 8]
+    current = graphopt.load(builders.write(builders.layer_norm_at(17), tmp_path, "current.onnx"))
+    graphopt.optimize(current, "shape-infer")
+    (node,) = [n for n in current.graph if n.op_type == "LayerNormalization"]
+    assert not node.opaque and node.outputs[0].type is not None
+
+
+def test_nothing_is_folded_through_an_opaque_op(tmp_path: Path) -> None:
+    # Every input of the LayerNormalization is a constant: at opset 17 a folding pass could
+    # replace it by its value; at opset 12 it has no schema, so it must stay as it is.
+    proto = builders.layer_norm_at(12)
+    data = np.linspace(-1, 1, 16, dtype=np.float32).reshape(2, 8)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(data, "table"))
+    proto.graph.node[1].input[0] = "table"
+    proto.graph.node.append(onnx.helper.make_node("Add", ["x", "y_table"], ["sum"], name="add"))
+    proto.graph.node[2].output[0] = "y_table"
+    del proto.graph.output[:]
+    proto.graph.output.append(builders.float_info("sum", [2, 8]))
+    proto.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+    report, optimized = run_json(tmp_path, proto)
+    assert "LayerNormalization" in [n.op_type for n in optimized.graph.node]
+    assert report["numerics"]["status"] == "passed"

@@ -282,7 +282,7 @@ class NoopElimination(Pass):
 
 def _bypass(node: Node, opset: int, names: Namer) -> str | None:
     """Rewire the readers of ``node``'s output to its replacement; return the rule's name."""
-    if not node.in_standard_domain or not node.outputs or not node.inputs:
+    if not node.in_standard_domain or node.opaque or not node.outputs or not node.inputs:
         return None
     if any(attr.ref_attr_name for attr in node.attributes.values()):
         return None

@@ -1,0 +1,173 @@
+"""What the check needs to know about each output's path through the original model.
+
+For every graph output: the lowest float precision computed on the way to it (the
+tolerance follows it, see compare.py) and the ops on the way that may draw random numbers
+(named when the original disagrees with itself).
+
+A value's float type is its declared type (graph inputs and outputs, value_info), else
+what its producer implies: Cast's ``to``, CastLike's second input, a Constant's tensor,
+nothing for ops whose outputs are never float (Shape, comparisons, ArgMax, ...), and
+otherwise the lowest precision among the producer's float inputs, which is what almost
+every ONNX op computes in. The path's precision is the lowest over the values computed on
+it and the graph inputs it reads; constants count only through the ops that read them (a
+float16 weight Cast to float32 is exact, a float16 MatMul is not). A body of an If, Loop
+or Scan counts with the lowest float type declared or cast to anywhere inside it.
+
+The walk follows the stored node order (ONNX requires a topological one); an input read
+before it is produced counts as unknown, never as an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import onnx
+
+from graphopt.ir.constness import RANDOM_OPS
+from graphopt.ir.node import STANDARD_DOMAINS
+
+__all__ = ["EPSILON", "OutputPath", "lowest", "output_paths", "precision_name"]
+
+# Machine epsilon (the gap between 1 and the next larger number) of each float type.
+EPSILON: dict[str, float] = {
+    "float64": 2.0**-52,
+    "float32": 2.0**-23,
+    "float16": 2.0**-10,
+    "bfloat16": 2.0**-7,
+    "float8e4m3fn": 2.0**-3,
+    "float8e4m3fnuz": 2.0**-3,
+    "float8e5m2": 2.0**-2,
+    "float8e5m2fnuz": 2.0**-2,
+    "float4e2m1": 2.0**-1,
+}
+_ALIASES = {"float": "float32", "double": "float64", "complex64": "float32", "complex128": "float64"}
+_NEVER_FLOAT = frozenset(
+    {
+        "Shape",
+        "Size",
+        "ArgMax",
+        "ArgMin",
+        "NonZero",
+        "Equal",
+        "Less",
+        "LessOrEqual",
+        "Greater",
+        "GreaterOrEqual",
+        "IsNaN",
+        "IsInf",
+        "And",
+        "Or",
+        "Xor",
+        "Not",
+        "StringNormalizer",
+    }
+)
+
+
+@dataclass(frozen=True)
+class OutputPath:
+    precision: str | None  # a key of EPSILON, or None: nothing float on the way
+    random_ops: tuple[str, ...]
+
+
+def precision_name(elem_type: int) -> str | None:
+    """The EPSILON key of an ONNX element type, or None for a type that is not float."""
+    try:
+        name = onnx.TensorProto.DataType.Name(elem_type).lower()
+    except ValueError:
+        return None
+    name = _ALIASES.get(name, name)
+    return name if name in EPSILON else None
+
+
+def lowest(precisions: Iterable[str | None]) -> str | None:
+    """The least precise of ``precisions`` (None entries ignored)."""
+    known = [p for p in precisions if p is not None]
+    return max(known, key=EPSILON.__getitem__) if known else None
+
+
+def output_paths(graph: onnx.GraphProto) -> dict[str, OutputPath]:
+    """Each graph output's path, by output name."""
+    types: dict[str, str | None] = {}
+    for info in [*graph.input, *graph.value_info, *graph.output]:
+        if info.type.WhichOneof("value") == "tensor_type" and info.type.tensor_type.elem_type:
+            types[info.name] = precision_name(info.type.tensor_type.elem_type)
+    constants = {init.name: precision_name(init.data_type) for init in graph.initializer}
+    producers: dict[str, onnx.NodeProto] = {}
+    for node in graph.node:
+        implied = _implied(node, lambda name: types.get(name, constants.get(name)))
+        for name in node.output:
+            if name:
+                producers[name] = node
+                types.setdefault(name, None if node.op_type == "Constant" else implied)
+                if node.op_type == "Constant":
+                    constants[name] = implied
+    return {output.name: _walk(output.name, producers, types, constants) for output in graph.output}
+
+
+def _implied(node: onnx.NodeProto, lookup: Callable[[str], str | None]) -> str | None:
+    attributes = {a.name: a for a in node.attribute}
+    if node.domain in STANDARD_DOMAINS:
+        if node.op_type in _NEVER_FLOAT:
+            return None
+        if node.op_type == "Cast" and "to" in attributes:
+            return precision_name(attributes["to"].i)
+        if node.op_type == "CastLike" and len(node.input) > 1:
+            return lookup(node.input[1])
+        if node.op_type == "Constant":
+            tensor = attributes.get("value")
+            return precision_name(tensor.t.data_type) if tensor is not None and tensor.t.data_type else None
+    inside = [_declared(body) for a in node.attribute for body in _bodies(a)]
+    return lowest([*(lookup(name) for name in node.input if name), *inside])
+
+
+def _bodies(attribute: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    if attribute.type == onnx.AttributeProto.GRAPH:
+        return [attribute.g]
+    return list(attribute.graphs) if attribute.type == onnx.AttributeProto.GRAPHS else []
+
+
+def _declared(graph: onnx.GraphProto) -> str | None:
+    """The lowest float type declared, initialized or cast to anywhere in ``graph``."""
+    found: list[str | None] = []
+    for info in [*graph.input, *graph.value_info, *graph.output]:
+        if info.type.WhichOneof("value") == "tensor_type":
+            found.append(precision_name(info.type.tensor_type.elem_type))
+    for node in graph.node:
+        for attribute in node.attribute:
+            if node.op_type == "Cast" and attribute.name == "to":
+                found.append(precision_name(attribute.i))
+            found.extend(_declared(body) for body in _bodies(attribute))
+    return lowest(found)
+
+
+def _walk(
+    output: str, producers: dict[str, onnx.NodeProto], types: dict[str, str | None], constants: dict[str, str | None]
+) -> OutputPath:
+    seen: set[str] = set()
+    precisions: list[str | None] = []
+    random_ops: dict[str, None] = {}
+    frontier = [output]
+    while frontier:
+        name = frontier.pop()
+        if name in seen or (name in constants and name not in producers):
+            continue
+        seen.add(name)
+        node = producers.get(name)
+        if node is None or node.op_type != "Constant":
+            precisions.append(types.get(name))
+        if node is None:
+            continue
+        random_ops.update(dict.fromkeys(_random_ops(node)))
+        frontier.extend(n for n in node.input if n)
+    return OutputPath(lowest(precisions), tuple(sorted(random_ops)))
+
+
+def _random_ops(node: onnx.NodeProto) -> Iterator[str]:
+    if node.domain in STANDARD_DOMAINS and (node.op_type in RANDOM_OPS or node.op_type == "Dropout"):
+        yield node.op_type
+    for attribute in node.attribute:
+        for body in _bodies(attribute):
+            for inner in body.node:
+                yield from _random_ops(inner)

@@ -77,6 +77,8 @@ class _Planner:
         self.holders: dict[Value, Value] = {}
         self.conversions: dict[tuple[int, Layout], Value] = {}
         self.relaid: dict[tuple[int, Layout], Value] = {}
+        # Constants some node stopped reading (re-laid out or renumbered axes).
+        self.replaced: dict[int, Value] = {}
         # Transposes the derivation could not read as views stay.
         kept = sum(1 for node in graph if node.op_type == "Transpose" and self._role(node).kind != "transpose")
         self.result = Plan(kept)
@@ -134,6 +136,7 @@ class _Planner:
             name = self._name(value.name or "constant")
             dtype = DataType.from_numpy(array.dtype)
             self.relaid[key] = Value(name, TensorType(dtype, array.shape), Tensor.from_array(array, name))
+            self.replaced[id(value)] = value
             self._edit(self.graph.add_initializer, self.relaid[key])
         return self.relaid[key]
 
@@ -180,10 +183,9 @@ class _Planner:
             self._edit(_restore_output, graph, value, self._holder(value), restored, current, self._name)
         for view in reversed(views):
             self._edit(_drop, view)
-        originals = {id(v): v for v in graph.initializers.values()}
-        for original_id, _ in self.relaid:
-            if original_id in originals:
-                self._edit(_drop_initializer, graph, originals[original_id])
+        for original in self.replaced.values():
+            if original.name in graph.initializers and graph.initializers[original.name] is original:
+                self._edit(_drop_initializer, graph, original)
         return result
 
     def _view(self, node: Node) -> None:
@@ -242,6 +244,9 @@ class _Planner:
                 axes = Value(name, TensorType(DataType.INT64, array.shape), Tensor.from_array(array, name))
                 self._edit(self.graph.add_initializer, axes)
                 self._edit(node.set_input, 1, axes)
+                original = node.inputs[1]
+                assert original is not None
+                self.replaced[id(original)] = original
         if role.keepdims:
             self._output_layout(node.outputs[0], source)
         else:

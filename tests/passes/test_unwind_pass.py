@@ -18,7 +18,7 @@ from graphopt.passes.base import PassContext, get_pass
 from graphopt.passes.pipeline import pipeline_from_names
 from tests.cli_helpers import invoke
 from tests.numerics import make_feeds, run_ort
-from tests.passes.test_unwind_problem import evaluation_json
+from tests.passes.test_unwind_problem import evaluation_json, graph_with_layout
 
 
 def transposes(model: onnx.ModelProto) -> int:
@@ -210,18 +210,7 @@ def test_transposes_that_cancel_around_elementwise_ops_go(tmp_path: Path) -> Non
 
 
 def test_run_reports_the_solution_of_a_json_graphs_layout_section(tmp_path: Path) -> None:
-    graph = {
-        "format": "graphopt-graph",
-        "format_version": 1,
-        "ir_version": 10,
-        "opsets": {"": 21},
-        "graph": {
-            "inputs": [{"name": "x", "type": "float32[2]"}],
-            "outputs": [{"name": "y", "type": "float32[2]"}],
-            "nodes": [{"op": "Relu", "inputs": ["x"], "outputs": ["y"]}],
-        },
-        "layout": evaluation_json(),
-    }
+    graph = graph_with_layout()
     path = tmp_path / "g.json"
     path.write_text(json.dumps(graph))
     report = tmp_path / "report.json"

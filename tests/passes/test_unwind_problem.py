@@ -268,6 +268,22 @@ def evaluation_json() -> dict:
     }
 
 
+def graph_with_layout() -> dict:
+    """A JSON graph (y = Relu(x)) whose `layout` section is the evaluation case."""
+    return {
+        "format": "graphopt-graph",
+        "format_version": 1,
+        "ir_version": 10,
+        "opsets": {"": 21},
+        "graph": {
+            "inputs": [{"name": "x", "type": "float32[2]"}],
+            "outputs": [{"name": "y", "type": "float32[2]"}],
+            "nodes": [{"op": "Relu", "inputs": ["x"], "outputs": ["y"]}],
+        },
+        "layout": evaluation_json(),
+    }
+
+
 def test_json_problem_solves_like_the_built_one() -> None:
     problem = problem_from_json(evaluation_json(), "p.json")
     assert solve(problem).objective == 85
@@ -308,14 +324,7 @@ def test_cli_prints_a_table_and_json(tmp_path: Path) -> None:
 
 
 def test_cli_reads_the_layout_section_of_a_json_graph(tmp_path: Path) -> None:
-    graph = {
-        "format": "graphopt-graph",
-        "format_version": 1,
-        "ir_version": 10,
-        "opsets": {"": 21},
-        "graph": {"inputs": [{"name": "x", "type": "float32[2]"}], "outputs": ["x"]},
-        "layout": evaluation_json(),
-    }
+    graph = graph_with_layout()
     path = tmp_path / "g.json"
     path.write_text(json.dumps(graph))
     result = invoke("unwind", path, "--json")
@@ -330,14 +339,7 @@ def test_cli_reads_the_layout_section_of_a_json_graph(tmp_path: Path) -> None:
 def test_the_layout_section_survives_a_json_round_trip(tmp_path: Path) -> None:
     from graphopt.io import json_io
 
-    graph = {
-        "format": "graphopt-graph",
-        "format_version": 1,
-        "ir_version": 10,
-        "opsets": {"": 21},
-        "graph": {"inputs": [{"name": "x", "type": "float32[2]"}], "outputs": ["x"]},
-        "layout": evaluation_json(),
-    }
+    graph = graph_with_layout()
     path = tmp_path / "g.json"
     path.write_text(json.dumps(graph))
     model = json_io.load(path)

@@ -8,7 +8,7 @@ The layout (schemas/graph.schema.json is the full contract)::
                "outputs": [...], "initializers": [...], "value_info": [...],
                "nodes": [{"op": "Add", "inputs": ["x", "b"], "outputs": ["y"],
                           "attributes": {"axis": {"int": 1}}}]},
-     "functions": [...], "extensions": {}}
+     "functions": [...], "layout": {...}, "extensions": {}}
 
 - Symbolic dims are declared once in ``dims``; a type names them by their text (``seq + 1``
   is parsed back into an expression), also inside subgraph and function signatures.
@@ -22,6 +22,8 @@ The layout (schemas/graph.schema.json is the full contract)::
   ``file`` (a sidecar .npy next to the JSON, for tensors above :data:`SIDECAR_THRESHOLD`
   bytes, named ``<json stem>.<n>.npy`` and memory-mapped on load), or the ONNX typed field it came in (``float_data``,
   ``int32_data``, ...), so a tensor written by ``make_tensor`` comes back the same way.
+- ``layout`` is a layout problem for the unwind pass (schemas/unwind.schema.json); the
+  IR keeps it as ``model.extensions["layout"]``.
 - Fields equal to their default (empty strings, empty lists, zeros) are left out.
 
 ONNX -> JSON -> ONNX is exact up to the normalizations of :mod:`graphopt.io.onnx_io`.
@@ -267,7 +269,8 @@ class _Writer:
             | _given(
                 functions=functions,
                 opaque_fields=opaque,
-                extensions=dict(model.extensions),
+                layout=model.extensions.get("layout"),
+                extensions={k: v for k, v in model.extensions.items() if k != "layout"},
             )
         )
 
@@ -530,7 +533,7 @@ class _Reader:
             metadata_props=dict(data.get("metadata_props", {})),
             functions=[self.function(f, f"$.functions[{i}]") for i, f in enumerate(data.get("functions", []))],
             opaque_fields=opaque,
-            extensions=dict(data.get("extensions", {})),
+            extensions=dict(data.get("extensions", {})) | ({"layout": data["layout"]} if "layout" in data else {}),
         )
 
     # types

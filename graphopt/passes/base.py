@@ -144,7 +144,8 @@ def register(cls: P) -> P:
 def _load_builtin_passes() -> None:
     # Importing the families runs their @register decorators.
     import graphopt.passes.cleanup
-    import graphopt.passes.shapes  # noqa: F401
+    import graphopt.passes.shapes
+    import graphopt.passes.unwind  # noqa: F401
 
 
 def all_passes() -> dict[str, type[Pass]]:

@@ -1,0 +1,86 @@
+"""The ``unwind`` pass: choose tensor layouts so the model needs the fewest Transposes.
+
+On an ONNX model it derives the layout problem (:mod:`onnx_layouts`), solves it
+(:mod:`solvers`) and writes the answer (:mod:`rewrite`), but only when that leaves fewer
+Transposes than the model has: a model without a layout problem comes out unchanged.
+A JSON graph may carry a layout problem of its own (its ``layout`` section); the pass
+solves that too and reports the solution. ``details`` holds the solution's summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphopt.errors import InputError
+from graphopt.ir import Model
+from graphopt.passes.base import Pass, PassContext, PassResult, register
+from graphopt.passes.unwind.onnx_layouts import PROFILES, derive
+from graphopt.passes.unwind.rewrite import plan
+from graphopt.passes.unwind.solvers import DEFAULT_TIME_BUDGET, SOLVERS, solve
+from graphopt.passes.unwind.spec import problem_from_json
+
+__all__ = ["Unwind"]
+
+
+@dataclass
+class UnwindOptions:
+    solver: str = field(default="default", metadata={"help": f"layout solver: {', '.join(SOLVERS)}"})
+    time_budget: float = field(default=DEFAULT_TIME_BUDGET, metadata={"help": "seconds the default solver may search"})
+    profile: str = field(
+        default="onnx",
+        metadata={"help": "layouts the target wants at Conv, pooling, MatMul, Gemm: onnx (NCHW, row-major) or nhwc"},
+    )
+    allow_input_relayout: bool = field(
+        default=False, metadata={"help": "let the pass change the layout (declared shape) of graph inputs"}
+    )
+
+
+@register
+class Unwind(Pass):
+    name = "unwind"
+    description = "Choose tensor layouts for the fewest Transposes (layout problem: unwinding)"
+    Options = UnwindOptions
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        options = self.options
+        if options.solver not in SOLVERS:
+            raise InputError(f"unwind: unknown solver {options.solver!r}; known: {', '.join(SOLVERS)}")
+        if options.profile not in PROFILES:
+            raise InputError(f"unwind: unknown profile {options.profile!r}; known: {', '.join(PROFILES)}")
+        details: dict[str, Any] = {}
+        if "layout" in model.extensions:
+            given = problem_from_json(model.extensions["layout"], "the model's layout section", "$.layout")
+            details["layout_solution"] = solve(given, options.solver, options.time_budget).as_dict()
+        graph = model.graph
+        before = sum(1 for node in graph if node.op_type == "Transpose")
+        if before == 0 and not options.allow_input_relayout:
+            return PassResult(False, details | {"transposes": [0, 0]})
+        derivation = derive(model, options.profile, options.allow_input_relayout)
+        solution = solve(derivation.problem, options.solver, options.time_budget)
+        rewrite = plan(graph, derivation, derivation.sink_layouts(solution), options.profile)
+        changed = rewrite.transposes < before
+        if changed:
+            rewrite.apply()
+        details |= {
+            "objective": solution.objective,
+            "upper_bound": solution.upper_bound,
+            "solver": solution.solver,
+            "exact": solution.exact,
+            "seconds": round(solution.seconds, 6),
+            "transposes": [before, rewrite.transposes if changed else before],
+        }
+        if changed and rewrite.relaid_inputs:
+            details["relaid_inputs"] = {
+                name: {"layout": list(layout), "shape": _shape_text(model, name)}
+                for name, layout in rewrite.relaid_inputs.items()
+            }
+        return PassResult(changed, details)
+
+
+def _shape_text(model: Model, name: str) -> list[Any]:
+    for value in model.graph.inputs:
+        if value.name == name and value.type is not None:
+            shape = getattr(value.type, "shape", None)
+            return [d if isinstance(d, int) or d is None else str(d) for d in shape] if shape is not None else []
+    return []

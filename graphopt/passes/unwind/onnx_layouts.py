@@ -1,0 +1,472 @@
+"""ONNX layouts as a layout problem.
+
+A tensor's *layout* is the memory order of its axes, a permutation ``L``: its data is
+stored as ``x.transpose(L)``. An element's mapping is its offset in that buffer, so two
+tensors of one shape agree element for element exactly when their layouts are equal.
+
+The problem works on *proxy* tensors: one of shape ``(2,) * rank`` per value, on which
+every permutation gives distinct mappings. The row-major layout of each rank is one
+shared source (``rowmajor<rank>``), so "row-major" means the same offsets wherever it
+appears, and layout ``L`` is that source unwound by a DimShuffle. Per node (main graph
+only; :func:`role` is the classification the rewrite shares):
+
+- ``Transpose`` is a DimShuffle: a view, free; it disappears from the rewritten model;
+- element-wise ops are SumLike, unwound through their first full-rank non-constant
+  input; another non-constant input is paired with it; constant operands are sinks
+  (re-laid out offline per use), tied to it or, when they broadcast, to a SumLikeReduce;
+- reductions with known axes (``keepdims=0``) slice their reduced axes away, so the
+  output's layout is the input's without them; with ``keepdims=1``, and for
+  Softmax-like ops and Concat (inputs paired), the output keeps the input's layout;
+- every other node (Conv, pooling, MatMul, Gemm, reshapes, anything unknown) is a
+  FixedPoint: its inputs are paired with the layout the target profile prescribes and
+  its outputs have that layout (``onnx``: row-major everywhere; ``nhwc``: channels last
+  for convolutions and pooling);
+- graph inputs are sources in row-major layout, or sinks with ``allow_input_relayout``;
+  an initializer read only by Transposes is a sink (re-laid out offline, once); graph
+  outputs are paired with row-major (their layout is the interface).
+
+Each pair is worth the value's element count (unknown dims count as 1), split over the
+proxy's elements: a failed pair is a Transpose in the rewritten model, so maximizing the
+objective minimizes the Transposes written, weighted by their size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from graphopt.ir import Graph, Model, Node, Tensor, TensorType, Value
+from graphopt.passes.unwind.problem import Problem
+from graphopt.passes.unwind.solution import Solution
+
+__all__ = ["Derivation", "Layout", "Role", "constant_array", "derive", "identity", "inverse", "role"]
+
+Layout = tuple[int, ...]
+MAX_RANK = 6
+
+UNARY = frozenset(
+    [
+        "Abs",
+        "Acos",
+        "Acosh",
+        "Asin",
+        "Asinh",
+        "Atan",
+        "Atanh",
+        "Cast",
+        "Ceil",
+        "Celu",
+        "Cos",
+        "Cosh",
+        "Elu",
+        "Erf",
+        "Exp",
+        "Floor",
+        "Gelu",
+        "HardSigmoid",
+        "HardSwish",
+        "Identity",
+        "IsInf",
+        "IsNaN",
+        "LeakyRelu",
+        "Log",
+        "Mish",
+        "Neg",
+        "Not",
+        "Reciprocal",
+        "Relu",
+        "Round",
+        "Selu",
+        "Sigmoid",
+        "Sign",
+        "Sin",
+        "Sinh",
+        "Softplus",
+        "Softsign",
+        "Sqrt",
+        "Tan",
+        "Tanh",
+        "ThresholdedRelu",
+    ]
+)
+BROADCASTING = frozenset(
+    [
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Max",
+        "Min",
+        "Sum",
+        "Mean",
+        "Equal",
+        "Less",
+        "Greater",
+        "LessOrEqual",
+        "GreaterOrEqual",
+        "And",
+        "Or",
+        "Xor",
+        "Mod",
+        "PRelu",
+        "Where",
+        "Clip",
+    ]
+)
+REDUCTIONS = frozenset(
+    [
+        "ReduceMean",
+        "ReduceSum",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceProd",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceSumSquare",
+    ]
+)
+# The opset from which each reduction reads its axes from an input rather than an attribute.
+_AXES_INPUT_FROM = {op: 13 if op == "ReduceSum" else 18 for op in REDUCTIONS}
+AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "Hardmax"})
+# Ops whose data input and output a channels-last profile prescribes as NHWC.
+SPATIAL = frozenset(
+    [
+        "Conv",
+        "ConvTranspose",
+        "MaxPool",
+        "AveragePool",
+        "LpPool",
+        "GlobalAveragePool",
+        "GlobalMaxPool",
+        "GlobalLpPool",
+        "BatchNormalization",
+        "InstanceNormalization",
+        "LRN",
+    ]
+)
+PROFILES = ("onnx", "nhwc")
+
+
+def identity(rank: int) -> Layout:
+    return tuple(range(rank))
+
+
+def inverse(layout: Layout) -> Layout:
+    result = [0] * len(layout)
+    for position, axis in enumerate(layout):
+        result[axis] = position
+    return tuple(result)
+
+
+@dataclass(frozen=True)
+class Role:
+    """How a node relates its inputs' layouts to its outputs' (see the module docstring).
+
+    ``kind`` is transpose, elementwise, reduce, axis, concat or fixed; ``unwind`` the
+    input whose layout an element-wise output takes; ``axes``/``keepdims`` a reduction's.
+    """
+
+    kind: str
+    unwind: int = 0
+    axes: tuple[int, ...] = ()
+    keepdims: bool = True
+
+
+def constant_array(value: Value | None) -> np.ndarray | None:
+    """The values of an initializer (not a graph input) or a ``Constant`` node's tensor."""
+    if value is None:
+        return None
+    if isinstance(value.const, Tensor) and not value.is_graph_input:
+        return value.const.numpy()
+    producer = value.producer
+    if producer is not None and producer.op_type == "Constant" and producer.in_standard_domain:
+        tensor = producer.attr("value")
+        return tensor.numpy() if isinstance(tensor, Tensor) and len(producer.attributes) == 1 else None
+    return None
+
+
+def rank_of(value: Value | None, ranks: dict[Value, int]) -> int | None:
+    if value is None:
+        return None
+    if value in ranks:
+        return ranks[value]
+    if isinstance(value.type, TensorType) and value.type.shape is not None:
+        return len(value.type.shape)
+    return None
+
+
+def role(node: Node, ranks: dict[Value, int], opset: int) -> Role:
+    """Classify ``node``; anything not understood exactly is ``fixed``."""
+    fixed = Role("fixed")
+    if not node.in_standard_domain or any(True for _ in node.subgraphs()):
+        return fixed
+    op = node.op_type
+    out_rank = rank_of(node.outputs[0], ranks) if len(node.outputs) == 1 else None
+    if out_rank is None or not 1 <= out_rank <= MAX_RANK:
+        return fixed
+    data = [v for v in node.inputs if v is not None]
+    if op == "Transpose":
+        return Role("transpose") if rank_of(node.inputs[0], ranks) == out_rank else fixed
+    if op in UNARY or op in BROADCASTING:
+        unwind = next(
+            (
+                index
+                for index, value in enumerate(node.inputs)
+                if value is not None and constant_array(value) is None and rank_of(value, ranks) == out_rank
+            ),
+            None,
+        )
+        if unwind is None:
+            return fixed
+        for value in data:
+            rank = rank_of(value, ranks)
+            if rank is None or (constant_array(value) is None and rank not in (0, out_rank)) or rank > out_rank:
+                return fixed
+        return Role("elementwise", unwind=unwind)
+    in_rank = rank_of(node.inputs[0], ranks) if node.inputs else None
+    if op in REDUCTIONS and in_rank is not None:
+        axes = _reduce_axes(node, opset, in_rank)
+        if axes is None:
+            return fixed
+        keepdims = bool(node.attr("keepdims", 1))
+        return (
+            Role("reduce", axes=axes, keepdims=keepdims)
+            if out_rank == (in_rank if keepdims else in_rank - len(axes))
+            else fixed
+        )
+    if op in AXIS_OPS and opset >= 13 and in_rank == out_rank:
+        return Role("axis")
+    if op == "Concat" and all(rank_of(v, ranks) == out_rank for v in data) and data:
+        return Role("concat")
+    return fixed
+
+
+def _reduce_axes(node: Node, opset: int, rank: int) -> tuple[int, ...] | None:
+    if opset >= _AXES_INPUT_FROM[node.op_type]:
+        if len(node.inputs) < 2 or node.inputs[1] is None:
+            return None  # all axes, or none with noop_with_empty_axes: leave it to the fixed path
+        array = constant_array(node.inputs[1])
+        if array is None:
+            return None
+        axes = [int(a) for a in array.ravel()]
+    else:
+        listed = node.attr("axes")
+        if listed is None:
+            return None
+        axes = [int(a) for a in listed]
+    if not axes or not all(-rank <= a < rank for a in axes):
+        return None
+    normalized = sorted({a % rank for a in axes})
+    return tuple(normalized) if len(normalized) == len(axes) else None
+
+
+def infer_ranks(graph: Graph) -> dict[Value, int]:
+    """Ranks of the values whose types leave them out, for the ops the derivation reads."""
+    ranks: dict[Value, int] = {}
+    for node in graph.topological():
+        rank = _output_rank(node, ranks)
+        for value in node.outputs[:1]:
+            if rank_of(value, ranks) is None and rank is not None:
+                ranks[value] = rank
+    return ranks
+
+
+def _output_rank(node: Node, ranks: dict[Value, int]) -> int | None:
+    if not node.in_standard_domain or not node.inputs:
+        return None
+    op = node.op_type
+    first = rank_of(node.inputs[0], ranks)
+    inputs = [rank_of(v, ranks) for v in node.inputs if v is not None]
+    if op in UNARY or op in BROADCASTING:
+        return None if any(r is None for r in inputs) else max(r for r in inputs if r is not None)
+    if op in SPATIAL or op in AXIS_OPS or op in ("Transpose", "Concat", "Dropout"):
+        return first
+    if op in REDUCTIONS and first is not None and not node.attr("keepdims", 1):
+        listed = node.attr("axes")
+        return first - len(listed) if listed is not None else None
+    if op in REDUCTIONS:
+        return first if node.attr("keepdims", 1) else None
+    if op == "MatMul" and None not in inputs and min(r for r in inputs if r is not None) >= 2:
+        return max(r for r in inputs if r is not None)
+    if op == "Gemm" or op == "Flatten":
+        return 2
+    return None
+
+
+def _elements(value: Value) -> int:
+    if isinstance(value.type, TensorType) and value.type.shape is not None:
+        return math.prod(d if isinstance(d, int) and d > 0 else 1 for d in value.type.shape)
+    return 1
+
+
+def prescribed(node: Node, rank: int, profile: str) -> Layout:
+    """The layout the profile wants for a fixed node's data input and outputs."""
+    if profile == "nhwc" and node.op_type in SPATIAL and rank >= 3:
+        return (0, *range(2, rank), 1)
+    return identity(rank)
+
+
+@dataclass
+class Derivation:
+    """The problem derived from a graph, and what the rewrite needs to read its answer."""
+
+    problem: Problem
+    ranks: dict[Value, int]
+    roles: dict[Node, Role]
+    # Graph inputs and initializers whose layout the solver chooses, by their problem tensor.
+    sinks: dict[Value, str] = field(default_factory=dict)
+
+    def sink_layouts(self, solution: Solution) -> dict[Value, Layout]:
+        """Each chosen sink's layout; a sink the solver left (partly) fresh stays row-major."""
+        labels = self.problem.labels_of(solution.labels)
+        layouts: dict[Value, Layout] = {}
+        for value, tensor in self.sinks.items():
+            rank = len(self.problem.shapes[tensor])
+            mapped = labels[self.problem.ref[tensor]]
+            layouts[value] = _layout_of(self.problem, mapped, rank) or identity(rank)
+        return layouts
+
+
+def _layout_of(problem: Problem, mapped: np.ndarray, rank: int) -> Layout | None:
+    """The layout whose mappings ``mapped`` are, or None if they are not one."""
+    base = problem.base.get(f"rowmajor{rank}")
+    if base is None:
+        return None
+    offsets = mapped - base
+    if offsets.min() < 0 or offsets.max() >= 2**rank:
+        return None
+    coordinates = np.array(np.unravel_index(offsets.ravel(), (2,) * rank)).T.reshape(*(2,) * rank, rank)
+    origin = coordinates[(0,) * rank]
+    taken: list[int] = []
+    for axis in range(rank):
+        step = coordinates[tuple(1 if k == axis else 0 for k in range(rank))] - origin
+        moved = np.nonzero(step)[0]
+        if len(moved) != 1 or step[moved[0]] != 1:
+            return None
+        taken.append(int(moved[0]))
+    if sorted(taken) != list(range(rank)):
+        return None
+    expected = np.arange(2**rank).reshape((2,) * rank).transpose(taken)
+    return inverse(tuple(taken)) if np.array_equal(offsets, expected) else None
+
+
+def derive(model: Model, profile: str = "onnx", allow_input_relayout: bool = False) -> Derivation:
+    graph = model.graph
+    ranks = infer_ranks(graph)
+    problem = Problem()
+    tensors: dict[Value, str] = {}
+    derivation = Derivation(problem, ranks, {})
+    names = iter(range(1 << 62))
+
+    def layout_tensor(layout: Layout) -> str:
+        rank = len(layout)
+        if f"rowmajor{rank}" not in problem.shapes:
+            problem.source((2,) * rank, f"rowmajor{rank}")
+        if layout == identity(rank):
+            return f"rowmajor{rank}"
+        name = f"layout{list(layout)}"
+        if name not in problem.shapes:
+            problem.dim_shuffle(f"rowmajor{rank}", inverse(layout), name)
+        return name
+
+    def fresh(label: str) -> str:
+        return f"{label}#{next(names)}"
+
+    def weight(value: Value) -> float:
+        return _elements(value) / 2 ** ranks_or(value)
+
+    def ranks_or(value: Value) -> int:
+        rank = rank_of(value, ranks)
+        assert rank is not None
+        return rank
+
+    def known(value: Value | None) -> str | None:
+        """The value's problem tensor, adding a row-major source for values from outside."""
+        if value is None:
+            return None
+        rank = rank_of(value, ranks)
+        if rank is None or not 1 <= rank <= MAX_RANK:
+            return None
+        if value not in tensors:
+            tensors[value] = problem.identity(layout_tensor(identity(rank)), fresh(value.name))
+        return tensors[value]
+
+    readers: dict[Value, set[str]] = {}
+    for node in graph:
+        for value in node.inputs:
+            if value is not None:
+                readers.setdefault(value, set()).add(node.op_type)
+    for value in graph.inputs:
+        rank = rank_of(value, ranks)
+        relayable = value.const is None and not value.is_graph_output
+        if allow_input_relayout and relayable and rank is not None and 2 <= rank <= MAX_RANK:
+            tensors[value] = problem.sink((2,) * rank, fresh(value.name))
+            derivation.sinks[value] = tensors[value]
+    for value in graph.initializers.values():
+        rank = rank_of(value, ranks)
+        only_transposed = readers.get(value) == {"Transpose"} and not value.is_graph_output
+        if only_transposed and rank is not None and 2 <= rank <= MAX_RANK and not value.is_graph_input:
+            tensors[value] = problem.sink((2,) * rank, fresh(value.name))
+            derivation.sinks[value] = tensors[value]
+
+    for node in graph.topological():
+        node_role = role(node, ranks, model.opset)
+        derivation.roles[node] = node_role
+        ins = [known(v) for v in node.inputs]
+        out = node.outputs[0] if node.outputs else None
+        if node_role.kind == "transpose" and ins[0] is not None and out is not None:
+            perm = node.attr("perm", list(reversed(range(ranks_or(out)))))
+            tensors[out] = problem.dim_shuffle(ins[0], perm, fresh(out.name))
+        elif node_role.kind == "elementwise" and out is not None:
+            main = ins[node_role.unwind]
+            assert main is not None
+            operands = [main]
+            for index, value in enumerate(node.inputs):
+                tensor = ins[index]
+                if index == node_role.unwind or tensor is None or value is None:
+                    continue
+                if constant_array(value) is None:
+                    problem.pair(tensor, main, weight(value))
+                    operands.append(tensor)
+                    continue
+                rank = ranks_or(value)
+                use = problem.sink((2,) * rank, fresh(f"{value.name}@{node.name or node.op_type}"))
+                tied = main if rank == ranks_or(out) else problem.sum_like_reduce(main, (2,) * rank, fresh("reduce"))
+                problem.pair(use, tied, weight(value))
+                operands.append(use)
+            tensors[out] = problem.sum_like(operands, 0, fresh(out.name))
+        elif node_role.kind == "reduce" and ins[0] is not None and out is not None:
+            rank = ranks_or(node.inputs[0]) if node.inputs[0] is not None else 0
+            if node_role.keepdims:
+                tensors[out] = problem.identity(ins[0], fresh(out.name))
+            else:
+                ends = [1 if axis in node_role.axes else 2 for axis in range(rank)]
+                kept = problem.slice(ins[0], [0] * rank, ends, None, fresh("kept"))
+                tensors[out] = problem.reshape(kept, (2,) * (rank - len(node_role.axes)), fresh(out.name))
+        elif node_role.kind in ("axis", "concat") and ins[0] is not None and out is not None:
+            first = ins[0]
+            for value, tensor in zip(node.inputs[1:], ins[1:]):
+                if tensor is not None and value is not None:
+                    problem.pair(tensor, first, weight(value))
+            tensors[out] = problem.identity(first, fresh(out.name))
+        else:
+            if node_role.kind != "fixed":
+                derivation.roles[node] = Role("fixed")
+            for index, (value, tensor) in enumerate(zip(node.inputs, ins)):
+                if tensor is not None and value is not None:
+                    want = prescribed(node, ranks_or(value), profile if index == 0 else "onnx")
+                    problem.pair(tensor, layout_tensor(want), weight(value))
+            for value in node.outputs:
+                rank = rank_of(value, ranks)
+                if rank is not None and 1 <= rank <= MAX_RANK:
+                    tensors[value] = problem.identity(layout_tensor(prescribed(node, rank, profile)), fresh(value.name))
+    for value in graph.outputs:
+        tensor = known(value)
+        if tensor is not None:
+            problem.pair(tensor, layout_tensor(identity(ranks_or(value))), weight(value))
+    return derivation

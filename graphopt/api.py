@@ -66,14 +66,12 @@ def pass_context(settings: Settings | None = None) -> PassContext:
     """A pass context with the services that need io and onnxruntime (passes import neither)."""
     from graphopt.io.onnx_infer import infer_types
 
-    return PassContext(settings or Settings(), onnx_types=infer_types, evaluator=_evaluator())
+    return PassContext(settings or Settings(), onnx_types=infer_types, evaluator_factory=_evaluator)
 
 
-def _evaluator() -> Evaluator | None:
-    try:
-        from graphopt.evaluate import Evaluator as NodeEvaluator
-    except ImportError:  # the evaluator lands with the constant-folding work
-        return None
+def _evaluator() -> Evaluator:
+    from graphopt.evaluate import Evaluator as NodeEvaluator
+
     return NodeEvaluator()
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -73,10 +73,20 @@ class PassContext:
 
     settings: Settings = field(default_factory=Settings)
     onnx_types: OnnxTypes | None = None
-    evaluator: Evaluator | None = None
+    # Made on first use: the evaluator imports onnxruntime, which most runs never need.
+    evaluator_factory: Callable[[], Evaluator] | None = None
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("graphopt.passes"))
     _facts: dict[int, Facts] = field(default_factory=dict, repr=False)
     _names: dict[int, Namer] = field(default_factory=dict, repr=False)
+
+    _evaluator: Evaluator | None = field(default=None, repr=False)
+
+    @property
+    def evaluator(self) -> Evaluator | None:
+        """Evaluates constant regions (graphopt.evaluate), or None when the run has none."""
+        if self._evaluator is None and self.evaluator_factory is not None:
+            self._evaluator = self.evaluator_factory()
+        return self._evaluator
 
     def facts(self, model: Model) -> Facts:
         """The facts service for ``model`` (one per model object, kept across passes)."""

@@ -22,7 +22,7 @@ from graphopt.errors import CheckFailed, InputError, PassError
 from graphopt.io import load, save
 from graphopt.ir import Model
 from graphopt.ir.stats import model_stats
-from graphopt.passes.base import Evaluator, PassContext
+from graphopt.passes.base import PassContext
 from graphopt.passes.pipeline import (
     PassRun,
     Pipeline,
@@ -35,6 +35,7 @@ from graphopt.settings import Settings, settings_from
 
 if TYPE_CHECKING:
     from graphopt.check.numerics import CheckResult
+    from graphopt.evaluate import Evaluator
 
 __all__ = ["Result", "check", "load", "optimize", "pass_context", "resolve_pipeline", "resolve_settings", "save"]
 
@@ -70,9 +71,9 @@ def pass_context(settings: Settings | None = None) -> PassContext:
 
 
 def _evaluator() -> Evaluator:
-    from graphopt.evaluate import Evaluator as NodeEvaluator
+    from graphopt.evaluate import Evaluator
 
-    return NodeEvaluator()
+    return Evaluator()
 
 
 def resolve_settings(pipeline: Pipeline, overrides: Mapping[str, Any]) -> Settings:

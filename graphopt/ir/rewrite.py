@@ -131,17 +131,9 @@ class Builder:
         self.typer = typer
         self.created: list[Node] = []
 
-    def op(
-        self,
-        op_type: str,
-        *inputs: Value | None,
-        domain: str = "",
-        outputs: int | Sequence[str] = 1,
-        name: str = "",
-        **attributes: Any,
-    ) -> Value:
-        """Add one node; its first output (see :meth:`node` for all of them)."""
-        return self.node(op_type, *inputs, domain=domain, outputs=outputs, name=name, **attributes).outputs[0]
+    def op(self, op_type: str, *inputs: Value | None, **spec: Any) -> Value:
+        """Add one node (keywords as for :meth:`node`); its first output."""
+        return self.node(op_type, *inputs, **spec).outputs[0]
 
     def node(
         self,
@@ -152,6 +144,8 @@ class Builder:
         name: str = "",
         **attributes: Any,
     ) -> Node:
+        """Add one node; keywords other than ``domain``, ``outputs`` (a count or name hints)
+        and ``name`` are its attributes."""
         hints = [f"{name or op_type}_out"] * outputs if isinstance(outputs, int) else list(outputs)
         node = Node(
             op_type,

@@ -17,21 +17,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypeVar
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from graphopt.errors import InputError
 from graphopt.facts import Facts, OnnxTypes
-from graphopt.ir import Graph, Model, Node, Value
+from graphopt.ir import Graph, Model, Node
 from graphopt.ir.rewrite import Builder, Namer
 from graphopt.options import coerce, plain, type_name
 from graphopt.settings import Settings
 
+if TYPE_CHECKING:  # passes reach the evaluator through the context, never by import
+    from graphopt.evaluate import Evaluator
+
 __all__ = [
-    "Evaluator",
     "NoOptions",
     "Pass",
     "PassContext",
@@ -47,20 +47,6 @@ __all__ = [
 class PassResult:
     changed: bool
     details: dict[str, Any] = field(default_factory=dict)
-
-
-class Evaluator(Protocol):
-    """Evaluates a region of nodes on given arrays (graphopt.evaluate provides it)."""
-
-    def can_evaluate(self, node: Node, opsets: Mapping[str, int]) -> bool: ...
-
-    def evaluate(
-        self,
-        nodes: Sequence[Node],
-        inputs: Mapping[Value, np.ndarray],
-        outputs: Sequence[Value],
-        opsets: Mapping[str, int],
-    ) -> dict[Value, np.ndarray]: ...
 
 
 @dataclass

@@ -31,6 +31,7 @@ from graphopt.facts.op import (
     tensor,
 )
 from graphopt.ir import DataType, Dim, Tensor, TensorType
+from graphopt.ir.constness import constant_node_tensor
 
 __all__ = ["RULES", "Outputs", "Rule", "slice_dim"]
 
@@ -628,22 +629,12 @@ def size(op: Op) -> Outputs:
 
 @rule("Constant")
 def constant(op: Op) -> Outputs:
-    for attr in op.node.attributes.values():
-        if isinstance(attr.value, Tensor):
-            return [_t(attr.value.dtype, attr.value.shape)]
-        kinds = {
-            "value_int": (DataType.INT64, False),
-            "value_ints": (DataType.INT64, True),
-            "value_float": (DataType.FLOAT, False),
-            "value_floats": (DataType.FLOAT, True),
-            "value_string": (DataType.STRING, False),
-            "value_strings": (DataType.STRING, True),
-        }
-        if attr.name in kinds:
-            dtype, is_list = kinds[attr.name]
-            return [_t(dtype, (len(attr.value),) if is_list else ())]
-        if attr.name == "sparse_value":
-            return [_t(attr.value.values.dtype, attr.value.dims)]
+    tensor = constant_node_tensor(op.node)
+    if tensor is not None:
+        return [_t(tensor.dtype, tensor.shape)]
+    sparse = op.attr("sparse_value")
+    if sparse is not None and len(op.node.attributes) == 1:
+        return [_t(sparse.values.dtype, sparse.dims)]
     return [None]
 
 

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,7 @@ from graphopt.passes.constcache.constants import (
 )
 from graphopt.passes.constcache.folding import Guards, RegionFolder
 from graphopt.passes.constcache.lattice import Rules, analyze
+from graphopt.passes.constcache.postpone import postpone_expansions
 from graphopt.passes.constcache.symbolic import fold_symbolic
 
 __all__ = ["ConstCache", "ConstCacheOptions"]
@@ -42,7 +45,10 @@ class ConstCacheOptions:
     )
     max_tensor_bytes: int = field(default=256 << 20, metadata={"help": "largest tensor a fold may create"})
     max_model_growth: float = field(
-        default=0.1, metadata={"help": "most the folds may grow the model's stored bytes, as a fraction"}
+        default=0.1,
+        metadata={
+            "help": "most the folds may grow the model's stored bytes, as a fraction (at least max_growth_bytes)"
+        },
     )
 
 
@@ -69,11 +75,18 @@ class ConstCache(Pass):
         if ctx.evaluator is not None:
             stored = model_stats(model).initializer_bytes
             baseline = self._baseline.setdefault(model, stored)
-            budget = int(baseline * (1 + self.options.max_model_growth)) - stored
+            # A small model may still grow by one region's worth.
+            allowed = max(int(baseline * self.options.max_model_growth), self.options.max_growth_bytes)
+            budget = baseline + allowed - stored
             guards = Guards(self.options.max_growth_bytes, self.options.max_tensor_bytes, budget)
             folder = RegionFolder(ctx.evaluator, guards, names, ctx.facts(model).infer_node)
             lattice = analyze(model, rules)
-            for graph in [model.graph, *model.graph.subgraphs()]:
+            graphs = [model.graph, *model.graph.subgraphs()]
+            postponed: Counter[str] = Counter()
+            for graph in graphs:
+                postponed += postpone_expansions(graph, lattice, functools.partial(make, graph))
+            details["postponed"] = dict(sorted(postponed.items()))
+            for graph in graphs:
                 if _attached(graph, model):
                     folder.graph(graph, lattice, model.opsets_of(graph))
             details["folded"] = {"regions": folder.folded_regions, "nodes": folder.folded_nodes}

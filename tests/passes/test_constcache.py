@@ -301,3 +301,129 @@ def test_transformers_lose_their_shape_plumbing(
     inputs = {i.name: [d.dim_param for d in i.type.tensor_type.shape.dim] for i in onnx.load(written).graph.input}
     assert all(all(inputs[k]) for k in inputs)
     assert_same_outputs(source, written)
+
+
+# -- runtime constants ----------------------------------------------------------------------
+
+
+def _mlp() -> onnx.ModelProto:
+    rng = np.random.default_rng(3)
+    w0, w1, w2 = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(3))
+    nodes = [helper.make_node("Constant", [], ["W0"], value=tensor("", w0))]
+    h = "x"
+    for i in range(3):
+        nodes += [
+            helper.make_node("Transpose", [f"W{i}"], [f"w{i}t"]),
+            helper.make_node("MatMul", [h, f"w{i}t"], [f"m{i}"]),
+            helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
+            helper.make_node("Relu", [f"a{i}"], [f"h{i}"]),
+        ]
+        h = f"h{i}"
+    inits = [tensor("W1", w1), *(tensor(f"b{i}", rng.standard_normal(8)) for i in range(3))]
+    inputs = [info("x", shape=["n", 8]), info("W2", shape=[8, 8])]
+    return model_proto(nodes, inputs, [info("h2", shape=["n", 8])], inits)
+
+
+def _functions(path: Path) -> dict[str, Counter[str]]:
+    return {f.name: Counter(n.op_type for n in f.node) for f in onnx.load(path).functions}
+
+
+def test_mlp_with_three_kinds_of_constant_weights(tmp_path: Path) -> None:
+    from graphopt.runtime import CachedSession
+
+    original, written, details = optimized(tmp_path, _mlp(), const_input=["W*"])
+    assert _functions(written) == {"runtime_fold": Counter({"Transpose": 1})}
+    entry = ops(written) - Counter({"runtime_fold": 1})
+    assert entry == Counter({"MatMul": 3, "Add": 3, "Relu": 3})
+    feeds = {"x": np.ones((2, 8), np.float32), "W2": np.eye(8, dtype=np.float32)}
+    expected = run_ort(original, feeds)["h2"]
+    session = CachedSession(written)
+    assert np.allclose(session.run(None, feeds)[0], expected, atol=1e-5)
+    assert session.folds == 1
+
+
+def test_bias_chain_on_a_runtime_constant_stores_nothing_of_size_n(tmp_path: Path) -> None:
+    b = np.random.default_rng(4).standard_normal((256, 1)).astype(np.float32)
+    nodes = [
+        helper.make_node("Transpose", ["b"], ["bt"]),
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Expand", ["bt", "s"], ["e"]),
+        helper.make_node("Cast", ["e"], ["h"], to=TensorProto.FLOAT16),
+        helper.make_node("Mul", ["h", "two"], ["m"]),
+        helper.make_node("Cast", ["m"], ["f"], to=F),
+        helper.make_node("Add", ["f", "x"], ["y"]),
+    ]
+    inputs = [info("x", shape=["N", 256]), info("b", shape=[256, 1])]
+    proto = model_proto(nodes, inputs, [info("y", shape=["N", 256])], [tensor("two", 2.0, np.float16)])
+    original, written, _ = optimized(tmp_path, proto, const_input=["b"])
+    assert ops(written) - Counter({"runtime_fold": 1}) <= Counter({"Add": 1, "Expand": 1, "Shape": 1})
+    assert set(_functions(written)["runtime_fold"]) <= {"Transpose", "Cast", "Mul"}
+    assert largest_initializer(written) <= 16
+    from graphopt.runtime import CachedSession
+
+    feeds = {"x": np.ones((5, 256), np.float32), "b": b}
+    assert np.allclose(CachedSession(written).run(None, feeds)[0], run_ort(original, feeds)["y"], atol=1e-2)
+
+
+def test_cached_session_folds_once_per_content_of_the_constant_inputs(tmp_path: Path) -> None:
+    from graphopt.runtime import CachedSession
+
+    nodes = [
+        helper.make_node("Add", ["a", "a"], ["aa"]),
+        helper.make_node("Add", ["b", "b"], ["bb"]),
+        helper.make_node("Add", ["aa", "bb"], ["ab"]),
+        helper.make_node("Add", ["ab", "c"], ["d"]),
+    ]
+    inputs = [info("a", shape=[4]), info("b", shape=[4]), info("c", shape=[4])]
+    original, written, _ = optimized(
+        tmp_path, model_proto(nodes, inputs, [info("d", shape=[4])]), const_input=["a", "b"]
+    )
+    assert ops(written) == Counter({"runtime_fold": 1, "Add": 1})
+    session = CachedSession(written)
+    feeds = {"a": np.ones(4, np.float32), "b": np.full(4, 2.0, np.float32), "c": np.arange(4, dtype=np.float32)}
+    assert np.array_equal(session.run(None, feeds)[0], run_ort(original, feeds)["d"])
+    assert session.folds == 1
+    feeds["c"] = feeds["c"] + 1
+    assert np.array_equal(session.run(None, feeds)[0], run_ort(original, feeds)["d"])
+    assert session.folds == 1
+    feeds["a"] = feeds["a"] * 3
+    assert np.array_equal(session.run(None, feeds)[0], run_ort(original, feeds)["d"])
+    assert session.folds == 2
+
+
+def test_cached_session_is_safe_across_threads_and_bounded_by_its_budget(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from graphopt.runtime import CachedSession
+
+    nodes = [helper.make_node("Mul", ["a", "a"], ["aa"]), helper.make_node("Add", ["aa", "c"], ["d"])]
+    inputs = [info("a", shape=[4]), info("c", shape=[4])]
+    _, written, _ = optimized(tmp_path, model_proto(nodes, inputs, [info("d", shape=[4])]), const_input=["a"])
+    session = CachedSession(written, cache_bytes=2 * 16)
+    c = np.zeros(4, np.float32)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(
+            pool.map(lambda k: session.run(None, {"a": np.full(4, k % 3, np.float32), "c": c})[0], range(30))
+        )
+    assert all(np.array_equal(r, np.full(4, (k % 3) ** 2)) for k, r in enumerate(results))
+    assert 3 <= session.folds <= 30
+
+
+def test_defer_growth_keeps_the_file_compact_and_matches_onnxruntime(corpus_dir: Path, tmp_path: Path) -> None:
+    from graphopt.runtime import CachedSession
+
+    source = corpus_dir / "bert_fp16_weights.onnx"
+    result = optimize(source, f"shape-infer,cleanup,{SIMPLIFY}", defer_growth=True)
+    written = tmp_path / "out.onnx"
+    save(result.model, written)
+    assert written.stat().st_size <= 1.1 * source.stat().st_size
+    assert ops(written)["Cast"] <= 2
+    feeds = make_feeds(source)
+    expected = run_ort(source, feeds)
+    session = CachedSession(written)
+    for _ in range(2):
+        got = session.run(None, feeds)
+        for name, array in zip(session.output_names, got, strict=True):
+            assert np.allclose(array, expected[name], atol=1e-4)
+    assert session.folds == 1
+    assert_same_outputs(source, written)

@@ -29,6 +29,7 @@ from graphopt.passes.constcache.constants import (
 from graphopt.passes.constcache.folding import Guards, RegionFolder
 from graphopt.passes.constcache.lattice import Rules, analyze
 from graphopt.passes.constcache.postpone import postpone_expansions
+from graphopt.passes.constcache.runtime import split_runtime
 from graphopt.passes.constcache.symbolic import fold_symbolic
 
 __all__ = ["ConstCache", "ConstCacheOptions"]
@@ -92,6 +93,9 @@ class ConstCache(Pass):
             details["folded"] = {"regions": folder.folded_regions, "nodes": folder.folded_nodes}
             details["refused"] = folder.refused
             details["ifs_inlined"] += inline_constant_ifs(model, names)
+            if settings.const_input or settings.defer_growth:
+                deferred = folder.grew if settings.defer_growth else []
+                details["runtime_fold"] = split_runtime(model, lattice, deferred, names)
         details["deduplicated"] = deduplicate_initializers(model, names)
         changed = any(
             details[k] for k in ("constants_to_initializers", "ifs_inlined", "deduplicated", "symbolic")

@@ -308,7 +308,7 @@ def test_transformers_lose_their_shape_plumbing(
 
 def _mlp() -> onnx.ModelProto:
     rng = np.random.default_rng(3)
-    w0, w1, w2 = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(3))
+    w0, w1 = (rng.standard_normal((8, 8)).astype(np.float32) for _ in range(2))
     nodes = [helper.make_node("Constant", [], ["W0"], value=tensor("", w0))]
     h = "x"
     for i in range(3):
@@ -331,7 +331,7 @@ def _functions(path: Path) -> dict[str, Counter[str]]:
 def test_mlp_with_three_kinds_of_constant_weights(tmp_path: Path) -> None:
     from graphopt.runtime import CachedSession
 
-    original, written, details = optimized(tmp_path, _mlp(), const_input=["W*"])
+    original, written, _ = optimized(tmp_path, _mlp(), const_input=["W*"])
     assert _functions(written) == {"runtime_fold": Counter({"Transpose": 1})}
     entry = ops(written) - Counter({"runtime_fold": 1})
     assert entry == Counter({"MatMul": 3, "Add": 3, "Relu": 3})

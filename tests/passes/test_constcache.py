@@ -427,3 +427,13 @@ def test_defer_growth_keeps_the_file_compact_and_matches_onnxruntime(corpus_dir:
             assert np.allclose(array, expected[name], atol=1e-4)
     assert session.folds == 1
     assert_same_outputs(source, written)
+
+
+def test_a_folded_graph_output_keeps_its_name_without_an_identity(tmp_path: Path) -> None:
+    nodes = [helper.make_node("Shape", ["e"], ["s"]), helper.make_node("Transpose", ["W"], ["wt"])]
+    outputs = [info("s", I64, [2]), info("wt", shape=[4, 3])]
+    proto = model_proto(nodes, [info("e", shape=[0, 3])], outputs, [tensor("W", np.ones((3, 4)))])
+    original, written, _ = optimized(tmp_path, proto)
+    assert ops(written) == Counter({"Constant": 2})
+    assert [o.name for o in onnx.load(written).graph.output] == ["s", "wt"]
+    assert_same_outputs(original, written)

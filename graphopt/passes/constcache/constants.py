@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from graphopt.ir import Graph, Model, Node, Value
+from graphopt.ir import Attr, AttrKind, Graph, Model, Node, Tensor, TensorType, Value
 from graphopt.ir.constness import constant_array, constant_node_tensor
 from graphopt.ir.rewrite import Namer, replace_value
 
-__all__ = ["constants_to_initializers", "deduplicate_initializers", "inline_constant_ifs"]
+__all__ = ["constants_to_initializers", "deduplicate_initializers", "inline_constant_ifs", "replace_by_constant"]
 
 
 def _graphs_with_initializers(model: Model) -> Iterator[Graph]:
@@ -46,6 +46,22 @@ def constants_to_initializers(model: Model, names: Namer) -> int:
             graph.remove(node)
             moved += 1
     return moved
+
+
+def replace_by_constant(value: Value, array: np.ndarray, names: Namer) -> None:
+    """Make ``value``'s readers read a constant holding ``array``: an initializer, or for a
+    graph output (whose name an initializer cannot take over) a ``Constant`` node."""
+    graph = value.graph
+    assert graph is not None
+    tensor = Tensor.from_array(array, names.fresh(value.name or "folded"))
+    if value.is_graph_output and value.producer is not None:
+        constant = Node("Constant", [], [Value(tensor.name, TensorType(tensor.dtype, tensor.shape))], name=tensor.name)
+        constant.attributes["value"] = Attr("value", AttrKind.TENSOR, tensor)
+        graph.insert_before(value.producer, constant)
+        replacement = constant.outputs[0]
+    else:
+        replacement = graph.add_initializer(Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor))
+    replace_value(value, replacement, names)
 
 
 def _signature(value: Value) -> tuple[int, tuple[int, ...], int] | None:

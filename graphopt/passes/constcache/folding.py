@@ -23,12 +23,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphopt.ir import Graph, Node, Tensor, TensorType, Value
-from graphopt.ir.rewrite import Namer, replace_value
+from graphopt.ir import Graph, Node, TensorType, Value
+from graphopt.ir.graph import ancestor_in
+from graphopt.ir.rewrite import Namer
 from graphopt.passes.base import Evaluator
+from graphopt.passes.constcache.constants import replace_by_constant
 from graphopt.passes.constcache.lattice import Constness, Lattice
 
-__all__ = ["Guards", "RegionFolder", "owner_in", "regions"]
+__all__ = ["Guards", "RegionFolder", "regions"]
 
 
 @dataclass
@@ -78,9 +80,7 @@ class RegionFolder:
             self.refused.append(_record(graph, region, 0, "a result differs from its declared type", {}))
             return
         for value in live:
-            tensor = Tensor.from_array(arrays[value], self.names.fresh(value.name or "folded"))
-            replacement = graph.add_initializer(Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor))
-            replace_value(value, replacement, self.names)
+            replace_by_constant(value, arrays[value], self.names)
         graph.remove(prefix)
         self.guards.budget -= scan.net(kept)
         self.folded_nodes += kept
@@ -116,16 +116,6 @@ def _fits_type(value: Value, array: Any) -> bool:
         return False
 
 
-def owner_in(node: Node, graph: Graph) -> Node | None:
-    """``node`` if it is in ``graph``, else the node of ``graph`` whose body holds it."""
-    current: Node | None = node
-    while current is not None and current.graph is not None:
-        if current.graph is graph:
-            return current
-        current = current.graph.parent
-    return None
-
-
 def regions(graph: Graph, lattice: Lattice, level: Constness = Constness.COMPILE_CONST) -> list[list[Node]]:
     """Connected sets of nodes of ``graph`` whose outputs are all at ``level``, each in
     topological order; a lone ``Constant`` is no region (it is one already)."""
@@ -142,7 +132,7 @@ def regions(graph: Graph, lattice: Lattice, level: Constness = Constness.COMPILE
     for node in order:
         for value in node.outputs:
             for use in value.uses():
-                reader = owner_in(use.node, graph)
+                reader = ancestor_in(use.node, graph)
                 if reader is not None and id(reader) in members:
                     parent[root(id(reader))] = root(id(node))
     grouped: dict[int, list[Node]] = {}
@@ -177,7 +167,7 @@ class _PrefixScan:
                     continue
                 readers: Counter[int] = Counter()
                 for use in value.uses():
-                    reader = owner_in(use.node, graph)
+                    reader = ancestor_in(use.node, graph)
                     index = position.get(id(reader)) if reader is not None else None
                     if index is None:
                         self._outside.add(value)

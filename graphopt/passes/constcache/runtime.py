@@ -20,9 +20,9 @@ from collections.abc import Collection
 from typing import Any
 
 from graphopt.ir import Graph, Model, Node, Value
+from graphopt.ir.graph import ancestor_in
 from graphopt.ir.model import Function
 from graphopt.ir.rewrite import Namer, replace_value
-from graphopt.passes.constcache.folding import owner_in
 from graphopt.passes.constcache.lattice import Constness, Lattice
 
 __all__ = ["RUNTIME_DOMAIN", "split_runtime"]
@@ -44,7 +44,7 @@ def split_runtime(model: Model, lattice: Lattice, deferred: Collection[Node], na
         v
         for n in region
         for v in n.outputs
-        if v.is_graph_output or any(id(owner_in(u.node, graph)) not in members for u in v.uses())
+        if v.is_graph_output or any(id(ancestor_in(u.node, graph)) not in members for u in v.uses())
     ]
     if not live:
         return {}

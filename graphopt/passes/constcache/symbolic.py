@@ -28,6 +28,7 @@ from graphopt.ir import DataType, Dim, Graph, Model, Node, TensorType, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder, Namer, replace_value
 from graphopt.ir.types import INTEGER_TYPES
+from graphopt.passes.constcache.constants import replace_by_constant
 
 __all__ = ["fold_symbolic"]
 
@@ -63,7 +64,7 @@ def fold_symbolic(model: Model, facts: Facts, make: MakeBuilder) -> Counter[str]
             kind = value.type
             assert isinstance(kind, TensorType) and value.graph is not None
             array = np.asarray(values, dtype=kind.dtype.numpy()).reshape(() if kind.rank == 0 else (-1,))
-            replace_value(value, make(value.graph, None).constant(array, value.name), make.names)
+            replace_by_constant(value, array, make.names)
             done["static_values"] += 1
     roots = _roots(model)
     plumbing = static.keys() | dynamic.keys()

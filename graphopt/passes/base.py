@@ -15,6 +15,7 @@ the IR in place and returns a :class:`PassResult`. Passes never see protobuf.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import typing
 from collections.abc import Mapping, Sequence
@@ -175,6 +176,8 @@ def option_specs(cls: type[Pass]) -> list[OptionSpec]:
         default = option.default if option.default is not dataclasses.MISSING else None
         if option.default_factory is not dataclasses.MISSING:
             default = option.default_factory()
+        if isinstance(default, enum.Enum):
+            default = default.value  # listed as a config would spell it (and JSON can hold it)
         specs.append(OptionSpec(option.name, type_name(hints[option.name]), default, option.metadata.get("help", "")))
     return specs
 

@@ -38,6 +38,25 @@ class Settings:
         },
     )
 
+    const_input: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Graph inputs (names or globs) a server feeds once per model, such as weights: "
+            "runtime constants that the const-cache pass folds into runtime_fold"
+        },
+    )
+    fold_qdq: bool = field(
+        default=False,
+        metadata={"help": "Let constant folding evaluate QuantizeLinear / DequantizeLinear of weights."},
+    )
+    defer_growth: bool = field(
+        default=False,
+        metadata={
+            "help": "Fold what would grow the file (float16 -> float32 weight Casts, weight "
+            "DequantizeLinear, tied weight Transposes) once per process in runtime_fold instead."
+        },
+    )
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -330,6 +330,13 @@ def test_typed_options_are_validated(config: dict[str, Any], message: str) -> No
         get_pass("test-typed-options").from_config(config)
 
 
+def test_passes_listing_shows_an_enum_default_by_its_value() -> None:
+    result = invoke("passes", "--json")
+    assert result.exit_code == 0, result.output
+    (typed,) = [p for p in json.loads(result.stdout)["passes"] if p["name"] == "test-typed-options"]
+    assert {o["name"]: o["default"] for o in typed["options"]}["flavour"] == "plain"
+
+
 def test_typed_options_convert_enums_from_config() -> None:
     step = get_pass("test-typed-options").from_config({"flavour": "spicy", "target": "ort", "caps": {"a": 1}})
     assert step.options.flavour is Flavour.SPICY and step.options.target == "ort"

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from graphopt.ir.node import Node
 from graphopt.ir.value import Use, Value
 
-__all__ = ["Graph", "GraphError"]
+__all__ = ["Graph", "GraphError", "ancestor_in"]
 
 
 class GraphError(ValueError):
@@ -243,7 +243,7 @@ class Graph:
         for value in values:
             producer = value.producer
             if producer is not None:
-                local = _ancestor_in(producer, self)
+                local = ancestor_in(producer, self)
                 if local is not None and local is not node:
                     deps.append(local)
         return deps
@@ -362,7 +362,7 @@ class Graph:
         self.topological()
 
 
-def _ancestor_in(node: Node, graph: Graph) -> Node | None:
+def ancestor_in(node: Node, graph: Graph) -> Node | None:
     """``node`` itself if it is in ``graph``, else the node of ``graph`` whose body holds it."""
     current: Node | None = node
     while current is not None and current.graph is not None:

@@ -140,6 +140,7 @@ def register(cls: P) -> P:
 def _load_builtin_passes() -> None:
     # Importing the families runs their @register decorators.
     import graphopt.passes.cleanup
+    import graphopt.passes.constcache
     import graphopt.passes.shapes
     import graphopt.passes.unwind  # noqa: F401
 

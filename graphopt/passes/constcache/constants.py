@@ -1,0 +1,140 @@
+"""Constants kept the way runtimes like them: as initializers, each content stored once.
+
+- ``Constant`` nodes become initializers of their graph, in bodies too (function bodies
+  have no initializers: their Constants stay).
+- Initializers with equal content are stored once; a body's copy of an outer
+  initializer reads the outer one. An initializer that is also a graph input is never
+  merged: the caller may feed it.
+- An ``If`` whose condition is a constant is replaced by the branch it takes, inlined.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+
+from graphopt.ir import Attr, AttrKind, Graph, Model, Node, Tensor, TensorType, Value
+from graphopt.ir.constness import constant_array, constant_node_tensor
+from graphopt.ir.rewrite import Namer, replace_value
+
+__all__ = ["constants_to_initializers", "deduplicate_initializers", "inline_constant_ifs", "replace_by_constant"]
+
+
+def _graphs_with_initializers(model: Model) -> Iterator[Graph]:
+    """The main graph and its bodies, outer graphs first (function bodies hold no initializers)."""
+    yield model.graph
+    yield from model.graph.subgraphs()
+
+
+def constants_to_initializers(model: Model, names: Namer) -> int:
+    """Turn every literal ``Constant`` node outside function bodies into an initializer."""
+    moved = 0
+    for graph in list(_graphs_with_initializers(model)):
+        for node in graph.nodes:
+            if node.op_type != "Constant" or not node.in_standard_domain:
+                continue
+            tensor = constant_node_tensor(node)
+            out = node.outputs[0]
+            if tensor is None or out.is_graph_output:
+                continue
+            value = Value(names.fresh(out.name or "const"), out.type, tensor)
+            graph.add_initializer(value)
+            replace_value(out, value, names)
+            graph.remove(node)
+            moved += 1
+    return moved
+
+
+def replace_by_constant(value: Value, array: np.ndarray, names: Namer) -> None:
+    """Make ``value``'s readers read a constant holding ``array``: an initializer, or for a
+    graph output (whose name an initializer cannot take over) a ``Constant`` node."""
+    graph = value.graph
+    assert graph is not None
+    tensor = Tensor.from_array(array, names.fresh(value.name or "folded"))
+    if value.is_graph_output and value.producer is not None:
+        constant = Node("Constant", [], [Value(tensor.name, TensorType(tensor.dtype, tensor.shape))], name=tensor.name)
+        constant.attributes["value"] = Attr("value", AttrKind.TENSOR, tensor)
+        graph.insert_before(value.producer, constant)
+        replacement = constant.outputs[0]
+    else:
+        replacement = graph.add_initializer(Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor))
+    replace_value(value, replacement, names)
+
+
+def _signature(value: Value) -> tuple[int, tuple[int, ...], int] | None:
+    tensor = value.const
+    if tensor is None or value.is_graph_input or not hasattr(tensor, "shape"):
+        return None
+    return (int(tensor.dtype), tuple(tensor.shape), tensor.nbytes)  # type: ignore[union-attr]
+
+
+def _digest(value: Value) -> bytes | None:
+    array = constant_array(value, limit=1 << 62)
+    if array is None or array.dtype == np.object_:
+        return None
+    return hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8).data, digest_size=20).digest()
+
+
+def deduplicate_initializers(model: Model, names: Namer) -> int:
+    """Make readers of a repeated initializer read its first copy; return how many went."""
+    graphs = list(_graphs_with_initializers(model))
+    # Only tensors whose dtype, shape and size occur twice are hashed.
+    counts = Counter(s for g in graphs for v in g.initializers.values() if (s := _signature(v)) is not None)
+    kept: dict[tuple[object, ...], Value] = {}
+    merged = 0
+    for graph in graphs:
+        for value in list(graph.initializers.values()):
+            signature = _signature(value)
+            if signature is None or counts[signature] < 2 or value.is_graph_output:
+                continue
+            digest = _digest(value)
+            if digest is None:
+                continue
+            first = kept.setdefault((signature, digest), value)
+            if first is value or first.graph is None or not _visible(first.graph, graph):
+                continue
+            replace_value(value, first, names)
+            graph.remove_initializer(value)
+            merged += 1
+    return merged
+
+
+def _visible(defining: Graph, reader: Graph) -> bool:
+    return any(g is defining for g in reader.enclosing())
+
+
+def inline_constant_ifs(model: Model, names: Namer) -> int:
+    """Replace each ``If`` with a constant condition by the nodes of the branch it takes."""
+    inlined = 0
+    for graph in list(model.all_graphs()):
+        for node in graph.topological():
+            if node.graph is not graph or node.op_type != "If" or not node.in_standard_domain:
+                continue
+            condition = constant_array(node.inputs[0], limit=1)
+            if condition is None or condition.size != 1:
+                continue
+            branch = node.attr("then_branch" if bool(condition.ravel()[0]) else "else_branch")
+            if branch is None or len(branch.outputs) != len(node.outputs):
+                continue
+            _inline(graph, node, branch, names)
+            inlined += 1
+    return inlined
+
+
+def _inline(graph: Graph, owner: Node, branch: Graph, names: Namer) -> None:
+    for value in list(branch.initializers.values()):
+        branch.initializers.pop(value.name)
+        graph.add_initializer(value)
+    results = branch.outputs
+    branch.outputs = []
+    for inner in branch.topological():
+        branch.remove(inner, safe=False)
+        graph.insert_before(owner, inner)
+    for old, new in zip(owner.outputs, results, strict=True):
+        if new.type is None:
+            new.type = old.type
+        replace_value(old, new, names)
+    graph.remove(owner)

@@ -1,0 +1,125 @@
+"""The ``const-cache`` pass (briefs/constcache.md): one run does, in order,
+
+1. Constant nodes -> initializers;
+2. symbolic shape folding (:mod:`.symbolic`): static plumbing values become constants,
+   Reshape / Expand / Tile targets become constants with 0, -1 or 1 for the dynamic dims;
+3. constness (:mod:`.lattice`), then postponing expanding ops (:mod:`.postpone`);
+4. folding of COMPILE_CONST regions under the size guards (:mod:`.folding`);
+5. If nodes with a constant condition inlined; equal initializers stored once;
+6. with runtime constants, the runtime_fold split (:mod:`.runtime`).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphopt.ir import Graph, Model, Node
+from graphopt.ir.rewrite import Builder
+from graphopt.ir.stats import model_stats
+from graphopt.passes.base import Pass, PassContext, PassResult, register
+from graphopt.passes.constcache.constants import (
+    constants_to_initializers,
+    deduplicate_initializers,
+    inline_constant_ifs,
+)
+from graphopt.passes.constcache.folding import Guards, RegionFolder
+from graphopt.passes.constcache.lattice import Rules, analyze
+from graphopt.passes.constcache.postpone import postpone_expansions
+from graphopt.passes.constcache.runtime import split_runtime
+from graphopt.passes.constcache.symbolic import fold_symbolic
+
+__all__ = ["ConstCache", "ConstCacheOptions"]
+
+
+@dataclass
+class ConstCacheOptions:
+    max_growth_bytes: int = field(
+        default=64 << 10,
+        metadata={
+            "help": "most bytes one folded region may add to the file (new tensors minus the ones that die); "
+            "the default keeps float16 weights from being stored again as float32"
+        },
+    )
+    max_tensor_bytes: int = field(default=256 << 20, metadata={"help": "largest tensor a fold may create"})
+    max_model_growth: float = field(
+        default=0.1,
+        metadata={
+            "help": "most the folds may grow the model's stored bytes, as a fraction (at least max_growth_bytes)"
+        },
+    )
+
+
+@register
+class ConstCache(Pass):
+    name = "const-cache"
+    description = "Fold constant regions under size guards, fold shape plumbing symbolically, cache runtime constants"
+    Options = ConstCacheOptions
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        # The stored bytes of each model when this pass first saw it: the growth budget's base.
+        self._baseline: weakref.WeakKeyDictionary[Model, int] = weakref.WeakKeyDictionary()
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        names = ctx.names(model)
+        settings = ctx.settings
+        details: dict[str, Any] = {}
+        details["constants_to_initializers"] = constants_to_initializers(model, names)
+        details["ifs_inlined"] = inline_constant_ifs(model, names)
+        make = _Make(model, ctx, self.name)
+        details["symbolic"] = dict(sorted(fold_symbolic(model, ctx.facts(model), make).items()))
+        rules = Rules(settings.const_input, settings.fold_qdq, settings.defer_growth, ctx.evaluator)
+        if ctx.evaluator is not None:
+            stored = model_stats(model).initializer_bytes
+            baseline = self._baseline.setdefault(model, stored)
+            # A small model may still grow by one region's worth.
+            allowed = max(int(baseline * self.options.max_model_growth), self.options.max_growth_bytes)
+            budget = baseline + allowed - stored
+            guards = Guards(self.options.max_growth_bytes, self.options.max_tensor_bytes, budget)
+            folder = RegionFolder(ctx.evaluator, guards, names, ctx.facts(model).infer_node)
+            lattice = analyze(model, rules)
+            graphs = [model.graph, *model.graph.subgraphs()]
+            postponed: Counter[str] = Counter()
+            for graph in graphs:
+                postponed += postpone_expansions(graph, lattice, functools.partial(make, graph))
+            details["postponed"] = dict(sorted(postponed.items()))
+            for graph in graphs:
+                if _attached(graph, model):
+                    folder.graph(graph, lattice, model.opsets_of(graph))
+            details["folded"] = {"regions": folder.folded_regions, "nodes": folder.folded_nodes}
+            details["refused"] = folder.refused
+            details["ifs_inlined"] += inline_constant_ifs(model, names)
+            if settings.const_input or settings.defer_growth:
+                deferred = folder.grew if settings.defer_growth else []
+                details["runtime_fold"] = split_runtime(model, lattice, deferred, names)
+        details["deduplicated"] = deduplicate_initializers(model, names)
+        changed = any(
+            details[k] for k in ("constants_to_initializers", "ifs_inlined", "deduplicated", "symbolic")
+        ) or bool(details.get("folded", {}).get("nodes"))
+        return PassResult(changed, details)
+
+
+def _attached(graph: Graph, model: Model) -> bool:
+    """Whether ``graph`` is still part of the model (an earlier fold may have removed its owner)."""
+    while graph.parent is not None:
+        if graph.parent.graph is None:
+            return False
+        graph = graph.parent.graph
+    return graph is model.graph
+
+
+class _Make:
+    """Builders from the pass context: fresh names, typed outputs, the pass's provenance tag."""
+
+    def __init__(self, model: Model, ctx: PassContext, tag: str) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.tag = tag
+        self.names = ctx.names(model)
+
+    def __call__(self, graph: Graph, before: Node | None) -> Builder:
+        return self.ctx.builder(self.model, graph, before=before, tag=self.tag)

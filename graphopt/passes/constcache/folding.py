@@ -21,14 +21,16 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphopt.ir import Graph, Node, TensorType, Value
 from graphopt.ir.graph import ancestor_in
 from graphopt.ir.rewrite import Namer
-from graphopt.passes.base import Evaluator
 from graphopt.passes.constcache.constants import replace_by_constant
 from graphopt.passes.constcache.lattice import Constness, Lattice
+
+if TYPE_CHECKING:  # the evaluator reaches passes through the context only
+    from graphopt.evaluate import Evaluator
 
 __all__ = ["Guards", "RegionFolder", "regions"]
 

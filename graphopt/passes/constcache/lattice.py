@@ -22,10 +22,13 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from graphopt.ir import Graph, Model, Node, TensorType, Value
 from graphopt.ir.constness import is_deterministic
-from graphopt.passes.base import Evaluator
+
+if TYPE_CHECKING:  # the evaluator reaches passes through the context only
+    from graphopt.evaluate import Evaluator
 
 __all__ = ["QDQ_OPS", "Constness", "Lattice", "analyze"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -33,6 +33,7 @@ from graphopt.settings import Settings
 __all__ = [
     "Evaluator",
     "NoOptions",
+    "OpsetConverter",
     "Pass",
     "PassContext",
     "PassResult",
@@ -63,6 +64,10 @@ class Evaluator(Protocol):
     ) -> dict[Value, np.ndarray]: ...
 
 
+# What io provides: a model converted to another default-domain opset (a new model).
+OpsetConverter = Callable[[Model, int], Model]
+
+
 @dataclass
 class PassContext:
     """What every pass may consult: the run's settings and the rewrite services.
@@ -74,6 +79,7 @@ class PassContext:
     settings: Settings = field(default_factory=Settings)
     onnx_types: OnnxTypes | None = None
     evaluator: Evaluator | None = None
+    opset_converter: OpsetConverter | None = None
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("graphopt.passes"))
     _facts: dict[int, Facts] = field(default_factory=dict, repr=False)
     _names: dict[int, Namer] = field(default_factory=dict, repr=False)
@@ -85,6 +91,18 @@ class PassContext:
             found = Facts(model, independent_dims=self.settings.independent_dims, onnx_types=self.onnx_types)
             self._facts[id(model)] = found
         return found
+
+    def convert_opset(self, model: Model, version: int) -> None:
+        """Convert ``model`` in place to default-domain opset ``version`` (onnx's version
+        converter, through io); the model's facts and names start afresh. A model that
+        cannot be converted is bad input (InputError naming the op)."""
+        if self.opset_converter is None:
+            raise RuntimeError("this pass context has no opset converter (graphopt.api.pass_context provides one)")
+        converted = self.opset_converter(model, version)
+        for name in vars(converted):
+            setattr(model, name, getattr(converted, name))
+        self._facts.pop(id(model), None)
+        self._names.pop(id(model), None)
 
     def names(self, model: Model) -> Namer:
         """Model-wide fresh names; names handed out once are never handed out again."""
@@ -144,6 +162,7 @@ def register(cls: P) -> P:
 def _load_builtin_passes() -> None:
     # Importing the families runs their @register decorators.
     import graphopt.passes.cleanup
+    import graphopt.passes.fuse
     import graphopt.passes.shapes  # noqa: F401
 
 

@@ -161,6 +161,8 @@ class Pipeline:
             try:
                 result = step.run(model, ctx)
                 _check_result(model, result, ctx)
+            except InputError:
+                raise  # bad input a pass found (a model it cannot convert): the user's to fix, not a pass failure
             except Exception as err:  # a failing pass must not end the run: restore and report
                 seconds = time.perf_counter() - start
                 logger.debug("pass %s failed and was rolled back:\n%s", step.name, traceback.format_exc())

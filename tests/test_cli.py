@@ -209,3 +209,11 @@ def test_outputs_get_the_permissions_of_a_plain_write(sample: Path, tmp_path: Pa
     assert len(written) >= 4
     for path in written:
         assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
+def test_passes_json_lists_an_enum_option_by_its_value() -> None:
+    import tests.test_toolkit  # noqa: F401  (registers a pass whose option is an Enum)
+
+    result = invoke("passes", "--json")
+    assert result.exit_code == 0, result.output
+    assert "flavour" in result.stdout.lower()

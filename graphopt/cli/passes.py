@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
 
@@ -34,8 +35,15 @@ def passes(as_json: bool) -> None:
         for name, cls in sorted(all_passes().items())
     ]
     if as_json:
-        sys.stdout.write(json.dumps({"passes": registry, "default_pipeline": DEFAULT_PIPELINE}, indent=2) + "\n")
+        sys.stdout.write(
+            json.dumps({"passes": registry, "default_pipeline": DEFAULT_PIPELINE}, indent=2, default=_plain) + "\n"
+        )
         return
     console = stderr()
     render_passes(console, registry)
     console.print("default pipeline: " + json.dumps(DEFAULT_PIPELINE))
+
+
+def _plain(value: object) -> object:
+    """An option default JSON cannot hold as is: an Enum by its value, anything else as text."""
+    return value.value if isinstance(value, enum.Enum) else str(value)

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PIPELINE: list[dict[str, Any]] = [
     {"pass": "shape-infer"},
     {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
+    {"group": "simplify", "steps": [{"pass": "fuse"}, {"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
     {"pass": "strip-value-info"},
 ]
 

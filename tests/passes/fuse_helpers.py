@@ -16,7 +16,10 @@ from graphopt.io.onnx_io import from_proto, to_proto
 F = TensorProto.FLOAT
 
 
-def init(name: str, values: Any, dtype: Any = np.float32) -> onnx.TensorProto:
+def init(name: str, values: Any, dtype: Any = None) -> onnx.TensorProto:
+    """An initializer; plain Python numbers become float32, arrays keep their dtype."""
+    if dtype is None and not isinstance(values, np.ndarray):
+        dtype = np.float32
     return numpy_helper.from_array(np.asarray(values, dtype=dtype), name)
 
 

@@ -61,6 +61,8 @@ Check = Callable[["Match", "Site"], "str | None"]
 MAX_BINDINGS = 64
 # Near misses kept per family in the report (the count covers all of them).
 MAX_NEAR_MISSES = 20
+# The most nodes of shape plumbing that may go with a match (see _outside_readers).
+MAX_FEEDERS = 64
 # Constant weights a rewrite may read (a Conv's weight, a MatMul's matrix).
 WEIGHT_READ_LIMIT = 1 << 28
 
@@ -110,9 +112,11 @@ class Match:
         self.rule = rule
         self.root = root
         self.bindings = bindings
-        order = {id(n): i for i, n in enumerate(root.graph.topological())} if root.graph is not None else {}
+        self.order = {id(n): i for i, n in enumerate(root.graph.topological())} if root.graph is not None else {}
         found = {id(v): v for v in bindings.values() if isinstance(v, Node)}
-        self.nodes: list[Node] = sorted(found.values(), key=lambda n: order.get(id(n), 0))
+        self.nodes: list[Node] = sorted(found.values(), key=lambda n: self.order.get(id(n), 0))
+        # Readers outside the match whose results feed only the match; they go with it.
+        self.feeders: list[Node] = []
 
     def __contains__(self, name: str) -> bool:
         return self.bindings.get(name) is not None
@@ -239,8 +243,15 @@ class RunStats:
 
 
 def _outside_readers(m: Match) -> str | None:
-    """Why an entry other than the root cannot go: a graph output, or a reader outside."""
+    """Why an entry other than the root cannot go: a graph output, or a reader outside.
+
+    A reader outside whose results, however far followed, feed only the match (shape
+    plumbing such as ``Shape(q) -> Gather -> Slice`` that builds a mask the match uses) is
+    no obstacle: it joins ``m.feeders`` and goes with the match; the rewrite must not read
+    its values (:func:`apply_match` checks).
+    """
     inside = {id(n) for n in m.nodes}
+    feeders: dict[int, Node] = {}
     for node in m.nodes:
         if node is m.root:
             continue
@@ -248,10 +259,32 @@ def _outside_readers(m: Match) -> str | None:
             if value.is_graph_output:
                 return f"{value.name!r} is a graph output"
             for use in value.uses():
-                if id(use.node) not in inside:
+                if id(use.node) not in inside and not _feeds_only(use.node, inside, feeders):
                     reader = use.node.name or use.node.op_type
                     return f"{value.name!r} is also read by {reader}"
+    m.feeders = sorted(feeders.values(), key=lambda n: m.order.get(id(n), 0))
     return None
+
+
+def _feeds_only(start: Node, inside: set[int], feeders: dict[int, Node]) -> bool:
+    """Whether everything ``start`` computes flows only into ``inside`` (collecting the nodes)."""
+    found: dict[int, Node] = {}
+    pending = [start]
+    while pending:
+        node = pending.pop()
+        if id(node) in found or id(node) in feeders:
+            continue
+        if len(found) > MAX_FEEDERS or any(True for _ in node.subgraphs()):
+            return False
+        found[id(node)] = node
+        for value in node.outputs:
+            if value.is_graph_output:
+                return False
+            for use in value.uses():
+                if id(use.node) not in inside:
+                    pending.append(use.node)
+    feeders.update(found)
+    return True
 
 
 def _candidates(rule: Rule, root: Node, site: Site) -> Iterator[Match]:
@@ -297,6 +330,8 @@ def find_matches(graph: Graph, rules: Sequence[Rule], site: Site, stats: RunStat
                 if reason is not None:
                     refusal = refusal or reason
                     continue
+                if any(id(n) in covered for n in m.feeders):
+                    continue
                 rank = (-len(m.nodes), index)
                 if best is None or rank < best[:2]:
                     best = (rank[0], rank[1], m)
@@ -305,7 +340,7 @@ def find_matches(graph: Graph, rules: Sequence[Rule], site: Site, stats: RunStat
             if refusal is not None:
                 misses.append((node, rule, node.name or node.outputs[0].name, refusal))
         if best is not None:
-            covered.update(id(n) for n in best[2].nodes)
+            covered.update(id(n) for n in [*best[2].nodes, *best[2].feeders])
             chosen.append(best[2])
     for node, rule, where, reason in misses:
         if id(node) not in covered:
@@ -326,10 +361,13 @@ def apply_match(m: Match, site: Site) -> bool:
     old = list(m.root.outputs)
     if len(new) > len(old) or any(v.is_used() for v in old[len(new) :]):
         raise ValueError(f"rule {m.rule.name}: the rewrite must stand for every used output of the root")
+    doomed = {id(n) for n in m.feeders}
+    if any(v is not None and id(v.producer) in doomed for n in builder.created for v in n.inputs):
+        raise ValueError(f"rule {m.rule.name}: the rewrite reads a value computed from the match's interior")
     for before, after in zip(old, new, strict=False):
         if after.type is None:
             after.type = before.type
-    replace_nodes(m.nodes, dict(zip(old, new, strict=False)), ctx.names(model))
+    replace_nodes([*m.feeders, *m.nodes], dict(zip(old, new, strict=False)), ctx.names(model))
     return True
 
 

@@ -74,3 +74,41 @@ for (_outer, _inner), (_result, _combine) in _CHAINS.items():
             doc=f"{_outer}({_inner}(x, a), b) -> {_result}(x, combined constant)",
         )
     )
+
+
+def _row(m: Match) -> int | None:
+    fill = m.node("fill").attr("value")
+    array = fill.numpy() if fill is not None else np.zeros(1, np.float32)
+    return int(array.ravel()[0]) if array.size == 1 and array.dtype.kind in "iu" else None
+
+
+def _check_gathered_row(m: Match, site: Site) -> str | None:
+    table = Site.array(m.value("table"))
+    row = _row(m)
+    if table is None or row is None or not 0 <= row < table.shape[0]:
+        return "the table or the filled index is not a readable constant"
+    if m.node("g").attr("axis", 0) != 0:
+        return "the Gather is not over rows"
+    e, g = site.shape(m.value("e")), site.shape(m.node("g").outputs[0])
+    if e is None or g is None or e != g or None in e:
+        return "the Add's operands do not provably have one shape"
+    return None
+
+
+def _rewrite_gathered_row(b: Builder, m: Match, site: Site) -> Value:
+    table, row = Site.array(m.value("table")), _row(m)
+    assert table is not None and row is not None
+    return b.op("Add", m.value("e"), b.constant(np.ascontiguousarray(table[row]), "row"))
+
+
+add_rule(
+    Rule(
+        "add-constant-row",
+        FAMILY,
+        op.Add(var("e"), op.Gather(const(name="table"), op.ConstantOfShape(var("shape"), name="fill"), name="g")),
+        _rewrite_gathered_row,
+        _check_gathered_row,
+        label="Add of a constant row",
+        doc="Add(e, Gather(T, ConstantOfShape(s, k))) -> Add(e, T[k]) when e has the gathered shape (BERT token types)",
+    )
+)

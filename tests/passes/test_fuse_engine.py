@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import graphopt
@@ -210,3 +211,16 @@ def test_the_readme_example_runs() -> None:
         assert_same_outputs(relu, out)
     finally:
         remove_rule("example-max-zero-relu")
+
+
+def test_a_leaf_computed_inside_the_match_blocks_it() -> None:
+    """Add(p, p) with p = MatMul(a, w): the bias is the product itself, so no Gemm."""
+    proto = model(
+        [node("MatMul", ["a", "w"], "p"), node("Add", ["p", "p"], "y")],
+        [info("a", [2, 3])],
+        ["y"],
+        [init("w", np.ones((3, 3), np.float32))],
+    )
+    out, details = fuse(proto)
+    assert details["applied"] == {} and ops(out) == {"MatMul": 1, "Add": 1}
+    assert_same_outputs(proto, out)

@@ -292,7 +292,10 @@ def _candidates(rule: Rule, root: Node, site: Site) -> Iterator[Match]:
     found = match(rule.pattern, root.outputs[index] if index < len(root.outputs) else None)
     for bindings in itertools.islice(found, MAX_BINDINGS):
         m = Match(rule, root, bindings)
-        if m.nodes and all(n.graph is root.graph for n in m.nodes) and root in m.nodes:
+        inside = {id(n) for n in m.nodes}
+        # A leaf computed inside the match (Add(p, p) for MatMul + bias) would outlive its producer.
+        leaves_outside = not any(isinstance(v, Value) and id(v.producer) in inside for v in bindings.values())
+        if m.nodes and leaves_outside and all(n.graph is root.graph for n in m.nodes) and root in m.nodes:
             yield m
 
 

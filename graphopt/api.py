@@ -66,8 +66,11 @@ def resolve_pipeline(
 def pass_context(settings: Settings | None = None) -> PassContext:
     """A pass context with the services that need io and onnxruntime (passes import neither)."""
     from graphopt.io.onnx_infer import infer_types
+    from graphopt.io.opset import convert_opset
 
-    return PassContext(settings or Settings(), onnx_types=infer_types, evaluator_factory=_evaluator)
+    return PassContext(
+        settings or Settings(), onnx_types=infer_types, evaluator_factory=_evaluator, opset_converter=convert_opset
+    )
 
 
 def _evaluator() -> Evaluator:

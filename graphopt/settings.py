@@ -14,7 +14,7 @@ import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from graphopt.errors import InputError
 from graphopt.options import coerce, type_name
@@ -29,6 +29,20 @@ class Settings:
     )
     provenance: bool = field(
         default=False, metadata={"help": "Record in each new node's metadata the rule or pass that made it."}
+    )
+    target: Literal["onnx", "ort"] = field(
+        default="onnx",
+        metadata={
+            "help": "What the output runs on: 'onnx' emits standard ops only; 'ort' may also emit "
+            "onnxruntime contrib ops its CPU provider implements (fuse pass)."
+        },
+    )
+    target_opset: int = field(
+        default=0,
+        metadata={
+            "help": "Default-domain opset of the output (0: the model's own). The fuse pass converts "
+            "the model with onnx's version converter, lowering ops the target lacks first."
+        },
     )
     verify: bool = field(
         default_factory=lambda: os.environ.get("GRAPHOPT_VERIFY", "") not in ("", "0"),

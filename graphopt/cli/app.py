@@ -180,6 +180,9 @@ def with_settings(func: F) -> F:
         annotation = hints[option.name]
         if annotation is bool:
             decorator = click.option(f"{flag}/--no-{flag[2:]}", option.name, default=None, help=help_text)
+        elif typing.get_origin(annotation) is typing.Literal:
+            choices = click.Choice([str(a) for a in typing.get_args(annotation)])
+            decorator = click.option(flag, option.name, type=choices, default=None, help=help_text)
         elif typing.get_origin(annotation) is list:
             decorator = click.option(flag, option.name, multiple=True, help=help_text + " (repeatable)")
         else:

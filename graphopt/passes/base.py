@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # passes reach the evaluator through the context, never by im
 
 __all__ = [
     "NoOptions",
+    "OpsetConverter",
     "Pass",
     "PassContext",
     "PassResult",
@@ -49,6 +50,10 @@ class PassResult:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+# What io provides: a model converted to another default-domain opset (a new model).
+OpsetConverter = Callable[[Model, int], Model]
+
+
 @dataclass
 class PassContext:
     """What every pass may consult: the run's settings and the rewrite services.
@@ -61,6 +66,7 @@ class PassContext:
     onnx_types: OnnxTypes | None = None
     # Made on first use: the evaluator imports onnxruntime, which most runs never need.
     evaluator_factory: Callable[[], Evaluator] | None = None
+    opset_converter: OpsetConverter | None = None
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("graphopt.passes"))
     _facts: dict[int, Facts] = field(default_factory=dict, repr=False)
     _names: dict[int, Namer] = field(default_factory=dict, repr=False)
@@ -81,6 +87,18 @@ class PassContext:
             found = Facts(model, independent_dims=self.settings.independent_dims, onnx_types=self.onnx_types)
             self._facts[id(model)] = found
         return found
+
+    def convert_opset(self, model: Model, version: int) -> None:
+        """Convert ``model`` in place to default-domain opset ``version`` (onnx's version
+        converter, through io); the model's facts and names start afresh. A model that
+        cannot be converted is bad input (InputError naming the op)."""
+        if self.opset_converter is None:
+            raise RuntimeError("this pass context has no opset converter (graphopt.api.pass_context provides one)")
+        converted = self.opset_converter(model, version)
+        for name in vars(converted):
+            setattr(model, name, getattr(converted, name))
+        self._facts.pop(id(model), None)
+        self._names.pop(id(model), None)
 
     def names(self, model: Model) -> Namer:
         """Model-wide fresh names; names handed out once are never handed out again."""
@@ -141,6 +159,7 @@ def _load_builtin_passes() -> None:
     # Importing the families runs their @register decorators.
     import graphopt.passes.cleanup
     import graphopt.passes.constcache
+    import graphopt.passes.fuse
     import graphopt.passes.shapes
     import graphopt.passes.unwind  # noqa: F401
 

@@ -46,7 +46,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_PIPELINE: list[dict[str, Any]] = [
     {"pass": "shape-infer"},
     {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
-    {"group": "simplify", "steps": [{"pass": "const-cache"}, {"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
+    {
+        "group": "simplify",
+        "steps": [{"pass": "const-cache"}, {"pass": "fuse"}, {"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}],
+    },
     {"pass": "strip-value-info"},
 ]
 
@@ -163,6 +166,8 @@ class Pipeline:
             try:
                 result = step.run(model, ctx)
                 _check_result(model, result, ctx)
+            except InputError:
+                raise  # bad input a pass found (a model it cannot convert): the user's to fix, not a pass failure
             except Exception as err:  # a failing pass must not end the run: restore and report
                 seconds = time.perf_counter() - start
                 logger.debug("pass %s failed and was rolled back:\n%s", step.name, traceback.format_exc())

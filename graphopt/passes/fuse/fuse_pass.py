@@ -1,0 +1,55 @@
+"""The ``fuse`` pass: shatter rules, then fuse rules, round after round (engine.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from graphopt.ir import Graph, Model
+from graphopt.passes.base import Pass, PassContext, PassResult, register
+from graphopt.passes.fuse.engine import RunStats, Site, run_round, select_rules
+
+__all__ = ["Fuse"]
+
+
+@dataclass
+class FuseOptions:
+    max_steps: int = field(default=5, metadata={"help": "Most rounds of shatter then fuse rules per run."})
+    enable: list[str] = field(
+        default_factory=list, metadata={"help": "Rules or families to run that are off by default."}
+    )
+    disable: list[str] = field(default_factory=list, metadata={"help": "Rules or families not to run."})
+
+
+@register
+class Fuse(Pass):
+    name = "fuse"
+    description = (
+        "Fuse op patterns into fused ops (LayerNorm, GELU, attention, Conv+BN, ...) and shatter what hides folding"
+    )
+    Options = FuseOptions
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        options: FuseOptions = self.options
+        target = ctx.settings.target
+        opset_before = model.opset
+        goal = ctx.settings.target_opset or model.opset
+        if goal > model.opset:
+            ctx.convert_opset(model, goal)  # upgrade first, so the newer fused ops become available
+        rules = select_rules(options.enable, options.disable, target)
+        shatter = [r for r in rules if r.kind == "shatter"]
+        fuse = [r for r in rules if r.kind == "fuse"]
+        stats = RunStats()
+
+        def site_for(graph: Graph) -> Site:
+            return Site(model, graph, min(model.opset_in(graph), goal), target, ctx)
+
+        rounds = 0
+        for _ in range(options.max_steps):
+            rounds += 1
+            if run_round(model, shatter, site_for, stats) + run_round(model, fuse, site_for, stats) == 0:
+                break
+        if goal < model.opset:
+            ctx.convert_opset(model, goal)  # after the shatter rules lowered the ops the goal lacks
+        changed = bool(stats.applied) or model.opset != opset_before
+        details = {"target": target, "opset": [opset_before, model.opset], "rounds": rounds, **stats.as_dict()}
+        return PassResult(changed, details)

@@ -1,0 +1,318 @@
+"""Patterns over the IR, written like the math they match, and the matcher.
+
+A pattern is a tree of entries read from the root backwards. ``op.Mul(x, const(0.5))``
+matches a Mul node whose inputs are the value bound to ``x`` and a compile-time constant
+equal to 0.5 (commutative ops try both input orders). Leaves are variables (:func:`var`),
+which bind any value, and constants (:func:`const`), which bind a compile-time constant;
+an entry may test attributes (keyword arguments, a value or a predicate) and the node
+itself (``where=``). Sub-patterns on inputs are nested entries: ``op.Gemm(a, op.Transpose(w))``
+says "input 1 is produced by a Transpose".
+
+Patterns are DAGs: a variable's name, or the same entry object used twice, binds one
+value or node, so LayerNorm's ``x - mean(x)`` and GELU's ``h * (1 + erf(h / sqrt 2))``
+name their shared leaf once. :func:`either` gives alternative spellings (``Pow(d, 2)`` or
+``Mul(d, d)``); :func:`optional` matches an input that may be omitted.
+
+The matcher is a generator of bindings, so alternatives and commuted orders backtrack
+without state on the pattern objects; patterns are immutable and shared between rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from graphopt.ir import Node, TensorType, Value
+from graphopt.ir.constness import constant_array, is_constant
+from graphopt.ir.node import STANDARD_DOMAINS
+
+__all__ = [
+    "COMMUTATIVE",
+    "Bindings",
+    "Const",
+    "Either",
+    "OpPattern",
+    "Optional",
+    "Pattern",
+    "Var",
+    "const",
+    "either",
+    "entries",
+    "match",
+    "op",
+    "optional",
+    "root_ops",
+    "scalar",
+    "var",
+]
+
+# Two-input ops whose inputs may be swapped.
+COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "And", "Or", "Xor", "Equal", "Sum"})
+
+Bindings = dict[Any, "Value | Node | None"]
+ValueTest = Callable[[Value], bool]
+ArrayTest = Callable[[np.ndarray], bool]
+
+
+class Pattern:
+    """A pattern entry; match it with :func:`match`."""
+
+    key: Any
+
+
+@dataclass(frozen=True, eq=False)
+class Var(Pattern):
+    """Any value; every use of the same name binds the same value."""
+
+    name: str
+    test: ValueTest | None = None
+
+    @property
+    def key(self) -> Any:
+        return self.name
+
+
+@dataclass(frozen=True, eq=False)
+class Const(Pattern):
+    """A compile-time constant (an initializer or a Constant node), optionally tested."""
+
+    name: str = ""
+    test: ArrayTest | None = None
+    rank: int | None = None
+
+    @property
+    def key(self) -> Any:
+        return self.name or id(self)
+
+
+@dataclass(frozen=True, eq=False)
+class Either(Pattern):
+    """The first alternative that matches (each tried in turn on backtracking)."""
+
+    alternatives: tuple[Pattern, ...]
+
+    @property
+    def key(self) -> Any:
+        return id(self)
+
+
+@dataclass(frozen=True, eq=False)
+class Optional(Pattern):
+    """An input that may be omitted (binds None) or matches ``pattern``."""
+
+    pattern: Pattern
+
+    @property
+    def key(self) -> Any:
+        return id(self)
+
+
+@dataclass(frozen=True, eq=False)
+class OpPattern(Pattern):
+    """A node of one of ``op_types`` in ``domain`` whose output ``output`` is matched."""
+
+    op_types: tuple[str, ...]
+    inputs: tuple[Pattern, ...]
+    domain: str = ""
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    name: str = ""
+    where: Callable[[Node], bool] | None = None
+    output: int = 0
+    commute: bool = True
+
+    @property
+    def key(self) -> Any:
+        return self.name or id(self)
+
+
+class _OpFactory:
+    """``op.Mul(a, b, name="scale", axis=-1)``: an :class:`OpPattern`; ``op("Add", "Sub", ...)``
+    for several op types. Reserved keywords: name, domain, where, output, commute."""
+
+    def __getattr__(self, op_type: str) -> Callable[..., OpPattern]:
+        if op_type.startswith("_"):
+            raise AttributeError(op_type)
+        return lambda *inputs, **kw: self.any_of((op_type,), *inputs, **kw)
+
+    def any_of(
+        self,
+        op_types: Sequence[str],
+        *inputs: Pattern,
+        name: str = "",
+        domain: str = "",
+        where: Callable[[Node], bool] | None = None,
+        output: int = 0,
+        commute: bool = True,
+        **attrs: Any,
+    ) -> OpPattern:
+        return OpPattern(tuple(op_types), tuple(inputs), domain, attrs, name, where, output, commute)
+
+
+op = _OpFactory()
+
+
+def var(name: str, test: ValueTest | None = None) -> Var:
+    return Var(name, test)
+
+
+def const(value: float | None = None, *, name: str = "", rank: int | None = None, tol: float = 1e-6) -> Const:
+    """A constant; with ``value``, every element must be within ``tol`` (relative) of it."""
+    return Const(name, None if value is None else scalar(value, tol), rank)
+
+
+def scalar(value: float, tol: float = 1e-6) -> ArrayTest:
+    """A test: every element of the array is ``value`` (within ``tol``, relative)."""
+
+    def test(array: np.ndarray) -> bool:
+        if array.size == 0 or array.dtype.kind not in "fiu":
+            return False
+        return bool(np.all(np.abs(array.astype(np.float64) - value) <= tol * max(1.0, abs(value))))
+
+    return test
+
+
+def either(*alternatives: Pattern) -> Either:
+    return Either(tuple(alternatives))
+
+
+def optional(pattern: Pattern) -> Optional:
+    return Optional(pattern)
+
+
+# -- matching ---------------------------------------------------------------------------------
+
+
+def match(pattern: Pattern, value: Value | None, bindings: Bindings | None = None) -> Iterator[Bindings]:
+    """Every way ``value`` matches ``pattern`` extending ``bindings`` (not mutated)."""
+    env: Bindings = {} if bindings is None else bindings
+    if isinstance(pattern, Optional):
+        if value is None:
+            yield env
+        else:
+            yield from match(pattern.pattern, value, env)
+        return
+    if value is None:
+        return
+    if isinstance(pattern, Either):
+        for alternative in pattern.alternatives:
+            yield from match(alternative, value, env)
+    elif isinstance(pattern, Var):
+        yield from _bind(env, pattern.key, value, lambda: pattern.test is None or pattern.test(value))
+    elif isinstance(pattern, Const):
+        yield from _bind(env, pattern.key, value, lambda: _const_fits(pattern, value))
+    elif isinstance(pattern, OpPattern):
+        yield from _match_op(pattern, value, env)
+    else:
+        raise TypeError(f"not a pattern: {pattern!r}")
+
+
+def _bind(env: Bindings, key: Any, value: Value, test: Callable[[], bool]) -> Iterator[Bindings]:
+    if key in env:
+        if env[key] is value:
+            yield env
+        return
+    if test():
+        yield {**env, key: value}
+
+
+def _const_fits(pattern: Const, value: Value) -> bool:
+    if not is_constant(value):
+        return False
+    if pattern.rank is not None:
+        kind = value.type
+        if not isinstance(kind, TensorType) or kind.rank != pattern.rank:
+            return False
+    if pattern.test is None:
+        return True
+    array = constant_array(value)
+    return array is not None and pattern.test(array)
+
+
+def _match_op(pattern: OpPattern, value: Value, env: Bindings) -> Iterator[Bindings]:
+    node = value.producer
+    if node is None or value.index != pattern.output or node.op_type not in pattern.op_types:
+        return
+    if pattern.domain in STANDARD_DOMAINS:
+        if not node.in_standard_domain:
+            return
+    elif node.domain != pattern.domain:
+        return
+    key = pattern.key
+    if key in env:
+        if env[key] is node:
+            yield env
+        return
+    if any(n is node for n in env.values()):
+        return  # two different entries never match one node (a shared entry is one object)
+    if not all(_attr_fits(node, name, want) for name, want in pattern.attrs.items()):
+        return
+    if pattern.where is not None and not pattern.where(node):
+        return
+    env = {**env, key: node}
+    actual = list(node.inputs)
+    wanted = list(pattern.inputs)
+    if len(actual) > len(wanted) and any(v is not None for v in actual[len(wanted) :]):
+        return
+    actual += [None] * (len(wanted) - len(actual))
+    orders: list[list[Value | None]] = [actual[: len(wanted)]]
+    if pattern.commute and len(wanted) == 2 and node.op_type in COMMUTATIVE:
+        orders.append([actual[1], actual[0]])
+    for order in orders:
+        yield from _match_inputs(wanted, order, env)
+
+
+def _match_inputs(wanted: list[Pattern], actual: list[Value | None], env: Bindings) -> Iterator[Bindings]:
+    if not wanted:
+        yield env
+        return
+    for extended in match(wanted[0], actual[0], env):
+        yield from _match_inputs(wanted[1:], actual[1:], extended)
+
+
+def _attr_fits(node: Node, name: str, want: Any) -> bool:
+    have = node.attr(name)
+    if callable(want):
+        return bool(want(have))
+    if have is None:
+        return want is None
+    if isinstance(want, (list, tuple)) and isinstance(have, (list, tuple)):
+        return len(want) == len(have) and all(a == b for a, b in zip(want, have, strict=True))
+    if isinstance(want, str) and isinstance(have, bytes):
+        return have.decode() == want
+    return bool(have == want)
+
+
+def entries(pattern: Pattern) -> Iterator[Pattern]:
+    """Every entry of ``pattern``, each once (a shared entry is listed the first time)."""
+    seen: set[int] = set()
+    pending = [pattern]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if isinstance(current, OpPattern):
+            pending.extend(reversed(current.inputs))
+        elif isinstance(current, Either):
+            pending.extend(reversed(current.alternatives))
+        elif isinstance(current, Optional):
+            pending.append(current.pattern)
+
+
+def root_ops(pattern: Pattern) -> frozenset[str] | None:
+    """The op types a root node may have (None: any node, for an Either of leaves)."""
+    if isinstance(pattern, OpPattern):
+        return frozenset(pattern.op_types)
+    if isinstance(pattern, Either):
+        found: set[str] = set()
+        for alternative in pattern.alternatives:
+            ops = root_ops(alternative)
+            if ops is None:
+                return None
+            found |= ops
+        return frozenset(found)
+    return None

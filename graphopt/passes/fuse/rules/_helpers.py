@@ -1,0 +1,82 @@
+"""Small helpers the rule families share: numerics of constants and broadcast shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from graphopt.ir import Node, Value
+from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.engine import Site
+
+__all__ = [
+    "FLOAT_KINDS",
+    "attrs_of",
+    "axes_of",
+    "float_array",
+    "is_float",
+    "new_const",
+    "static_shape",
+    "trailing_axes",
+]
+
+FLOAT_KINDS = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
+
+
+def is_float(value: Value | None) -> bool:
+    """Whether ``value`` is a tensor of float16, float32 or float64."""
+    dtype = Site.dtype(value)
+    if dtype is None:
+        return False
+    try:
+        return dtype.numpy() in FLOAT_KINDS
+    except TypeError:
+        return False
+
+
+def float_array(value: Value | None) -> np.ndarray | None:
+    """A float constant's values as float64 (None: not a float constant)."""
+    array = Site.array(value)
+    if array is None or array.dtype not in FLOAT_KINDS:
+        return None
+    return array.astype(np.float64)
+
+
+def static_shape(value: Value | None) -> tuple[int, ...] | None:
+    shape = Site.shape(value)
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+def axes_of(node: Node, site: Site, attr_before: int = 18) -> list[int] | None:
+    """A reduction's axes: the attribute below opset ``attr_before``, else input 1."""
+    if site.opset < attr_before or len(node.inputs) < 2 or node.inputs[1] is None:
+        found = node.attr("axes")
+        return None if found is None else [int(a) for a in found]
+    array = Site.array(node.inputs[1])
+    return None if array is None else [int(a) for a in array.ravel()]
+
+
+def trailing_axes(axes: list[int] | None, rank: int | None) -> int | None:
+    """The first axis when ``axes`` are exactly the last k axes of a rank-``rank`` tensor."""
+    if axes is None or rank is None or not axes:
+        return None
+    normal = sorted(a + rank if a < 0 else a for a in axes)
+    first = rank - len(normal)
+    return first if normal == list(range(first, rank)) else None
+
+
+def new_const(b: Builder, array: np.ndarray, like: Value | None, name: str) -> Value:
+    """A constant with ``array``'s values in ``like``'s element type."""
+    dtype = Site.dtype(like)
+    target: Any = dtype.numpy() if dtype is not None else array.dtype
+    return b.constant(np.ascontiguousarray(array.astype(target)), name)
+
+
+def attrs_of(node: Node, **overrides: Any) -> dict[str, Any]:
+    """``node``'s attributes as Builder keywords, with ``overrides`` (None drops one)."""
+    found: dict[str, Any] = dict(node.attributes)
+    found.update(overrides)
+    return {k: v for k, v in found.items() if v is not None}

@@ -1,0 +1,148 @@
+"""Activation family: decomposed GELU, HardSigmoid and HardSwish become one op.
+
+- erf GELU ``x * 0.5 * (1 + erf(x / sqrt 2))`` -> ``Gelu(x)`` (opset 20), operands in any
+  order and association, ``x / sqrt 2`` or ``x * (1 / sqrt 2)``.
+- tanh GELU ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` -> ``Gelu(x, approximate="tanh")``
+  (opset 20), ``x^3`` as ``Pow(x, 3)`` or products.
+- ``Clip(x + 3, 0, 6) / 6`` (or ``* 1/6``) -> ``HardSigmoid(x, 1/6, 0.5)``.
+- ``x * Clip(x + 3, 0, 6) / 6`` and ``x * HardSigmoid(x, 1/6, 0.5)`` -> ``HardSwish(x)`` (opset 14).
+
+With ``--target ort`` below opset 20 the GELUs become onnxruntime's ``Gelu`` / ``FastGelu``
+(com.microsoft), which its CPU provider implements.
+"""
+
+from __future__ import annotations
+
+import math
+
+from graphopt.ir import Node, Value
+from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
+from graphopt.passes.fuse.rules._helpers import is_float
+
+FAMILY = "activation"
+MS = "com.microsoft"
+
+
+def _products(x: Pattern, half: Pattern, rest: Pattern) -> Pattern:
+    """``x * half * rest`` in each association the exporters write."""
+    return either(op.Mul(op.Mul(x, rest), half), op.Mul(op.Mul(x, half), rest), op.Mul(x, op.Mul(rest, half)))
+
+
+_x = var("x")
+_ERF_GELU = _products(
+    _x,
+    const(0.5),
+    op.Add(op.Erf(either(op.Div(_x, const(math.sqrt(2))), op.Mul(_x, const(1 / math.sqrt(2))))), const(1.0)),
+)
+_CUBE = either(op.Pow(_x, const(3.0)), op.Mul(_x, op.Mul(_x, _x)), op.Mul(op.Mul(_x, _x), _x))
+_TANH_GELU = _products(
+    _x,
+    const(0.5),
+    op.Add(
+        op.Tanh(op.Mul(op.Add(_x, op.Mul(_CUBE, const(0.044715, tol=1e-4))), const(math.sqrt(2 / math.pi), tol=1e-5))),
+        const(1.0),
+    ),
+)
+
+
+def _float_x(m: Match, site: Site) -> str | None:
+    return None if is_float(m.value("x")) else "x is not a float tensor of known type"
+
+
+def _gelu(approximate: str) -> Rule:
+    def rewrite(b: Builder, m: Match, site: Site) -> Value:
+        if approximate == "tanh":
+            return b.op("Gelu", m.value("x"), approximate="tanh")
+        return b.op("Gelu", m.value("x"))
+
+    return Rule(
+        f"gelu-{approximate}",
+        FAMILY,
+        _TANH_GELU if approximate == "tanh" else _ERF_GELU,
+        rewrite,
+        _float_x,
+        min_opset=20,
+        label="GELU" if approximate == "none" else "tanh GELU",
+        doc=f"decomposed {'tanh' if approximate == 'tanh' else 'erf'} GELU -> Gelu (opset 20)",
+    )
+
+
+def _ort_gelu(approximate: str) -> Rule:
+    contrib = "FastGelu" if approximate == "tanh" else "Gelu"
+    return Rule(
+        f"ort-{contrib.lower()}",
+        FAMILY,
+        _TANH_GELU if approximate == "tanh" else _ERF_GELU,
+        lambda b, m, site: b.op(contrib, m.value("x"), domain=MS),
+        _float_x,
+        max_opset=19,
+        targets=frozenset({"ort"}),
+        label="GELU" if approximate == "none" else "tanh GELU",
+        doc=f"decomposed GELU -> com.microsoft {contrib} below opset 20 (target ort)",
+    )
+
+
+for _approximate in ("none", "tanh"):
+    add_rule(_gelu(_approximate))
+    add_rule(_ort_gelu(_approximate))
+
+
+def _clip_bounds(node: Node) -> tuple[float, float] | None:
+    if len(node.inputs) > 1:
+        low = Site.array(node.inputs[1]) if node.inputs[1] is not None else None
+        high = Site.array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
+        if low is None or high is None or low.size != 1 or high.size != 1:
+            return None
+        return float(low.ravel()[0]), float(high.ravel()[0])
+    low_attr, high_attr = node.attr("min"), node.attr("max")
+    return None if low_attr is None or high_attr is None else (float(low_attr), float(high_attr))
+
+
+_RELU6 = op.Clip(op.Add(_x, const(3.0)), optional(var("lo")), optional(var("hi")), name="clip")
+
+
+def _check_relu6(m: Match, site: Site) -> str | None:
+    if not is_float(m.value("x")):
+        return "x is not a float tensor of known type"
+    return None if _clip_bounds(m.node("clip")) == (0.0, 6.0) else "the Clip is not to [0, 6]"
+
+
+def _divided_by_six(inner: Pattern) -> Pattern:
+    return either(op.Div(inner, const(6.0)), op.Mul(inner, const(1 / 6, tol=1e-5)))
+
+
+add_rule(
+    Rule(
+        "hardsigmoid",
+        FAMILY,
+        _divided_by_six(_RELU6),
+        lambda b, m, site: b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5),
+        _check_relu6,
+        label="HardSigmoid",
+        doc="Clip(x + 3, 0, 6) / 6 -> HardSigmoid(x, alpha=1/6, beta=0.5)",
+    )
+)
+
+
+def _is_sixth_hardsigmoid(node: Node) -> bool:
+    return abs(float(node.attr("alpha", 0.2)) - 1 / 6) < 1e-5 and abs(float(node.attr("beta", 0.5)) - 0.5) < 1e-6
+
+
+add_rule(
+    Rule(
+        "hardswish",
+        FAMILY,
+        either(
+            _divided_by_six(op.Mul(_x, _RELU6)),
+            op.Mul(_x, _divided_by_six(_RELU6)),
+            op.Mul(_x, op.HardSigmoid(_x, where=_is_sixth_hardsigmoid)),
+        ),
+        lambda b, m, site: b.op("HardSwish", m.value("x")),
+        lambda m, site: _check_relu6(m, site) if "clip" in m.bindings else _float_x(m, site),
+        min_opset=14,
+        label="HardSwish",
+        doc="x * Clip(x + 3, 0, 6) / 6 or x * HardSigmoid(x, 1/6, 1/2) -> HardSwish(x) (opset 14)",
+    )
+)

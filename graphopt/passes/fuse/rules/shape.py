@@ -1,0 +1,232 @@
+"""Shape family: chains of layout ops collapse to one.
+
+- ``Transpose(Transpose(x, p), q) -> Transpose(x, p[q])``, or ``x`` when that is the identity;
+  a Transpose whose perm is the identity is ``x``.
+- ``Reshape(R(x), s) -> Reshape(x, s)`` for R any of Reshape / Flatten / Squeeze / Unsqueeze,
+  when ``s`` is a constant with no 0 entry (a 0 copies a dim of R's output, which x may
+  not have); -1 is computed from the element count, which R does not change.
+- ``R2(R1(x))`` for R1, R2 among Flatten / Squeeze / Unsqueeze / Reshape, when R2's output
+  shape is static: one Reshape to it.
+- ``Unsqueeze(Unsqueeze(x, a), b)`` -> one Unsqueeze (also with symbolic dims).
+- ``Cast(Cast(x, T1), T2) -> Cast(x, T2)`` when ``T0 -> T1`` is lossless (every value of T0
+  is exact in T1), and ``x`` itself when T2 is T0; a Cast to x's own type is ``x``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphopt.ir import DataType, Value
+from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.patterns import const, op, optional, var
+from graphopt.passes.fuse.rules._helpers import static_shape
+
+FAMILY = "shape"
+_LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _perm(m: Match, name: str, rank: int | None) -> list[int] | None:
+    perm = m.node(name).attr("perm")
+    if perm is None:
+        return None if rank is None else list(range(rank - 1, -1, -1))
+    return [int(p) for p in perm]
+
+
+def _composed(m: Match, site: Site) -> list[int] | None:
+    rank = site.rank(m.value("x"))
+    inner, outer = _perm(m, "inner", rank), _perm(m, "outer", rank)
+    if inner is None or outer is None or len(inner) != len(outer):
+        return None
+    return [inner[q] for q in outer]
+
+
+def _rewrite_transposes(b: Builder, m: Match, site: Site) -> Value:
+    perm = _composed(m, site)
+    assert perm is not None
+    if perm == list(range(len(perm))):
+        return m.value("x")
+    return b.op("Transpose", m.value("x"), perm=perm)
+
+
+add_rule(
+    Rule(
+        "transpose-transpose",
+        FAMILY,
+        op.Transpose(op.Transpose(var("x"), name="inner"), name="outer"),
+        _rewrite_transposes,
+        lambda m, site: None if _composed(m, site) is not None else "the rank is unknown",
+        label="Transpose pair",
+        doc="Transpose(Transpose(x, p), q) -> Transpose(x, p[q]) or x",
+    )
+)
+
+add_rule(
+    Rule(
+        "transpose-identity",
+        FAMILY,
+        op.Transpose(var("x"), name="t", where=lambda n: n.attr("perm") is not None),
+        lambda b, m, site: m.value("x"),
+        lambda m, site: (
+            None if list(m.node("t").attr("perm")) == list(range(len(m.node("t").attr("perm")))) else "not the identity"
+        ),
+        label="Transpose",
+        doc="Transpose(x, identity perm) -> x",
+    )
+)
+
+
+def _reshape_target(m: Match) -> np.ndarray | None:
+    shape = Site.array(m.value("shape"))
+    return None if shape is None or shape.ndim != 1 or bool(np.any(shape == 0)) else shape
+
+
+add_rule(
+    Rule(
+        "reshape-chain",
+        FAMILY,
+        op.Reshape(op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner"), var("shape"), name="outer"),
+        lambda b, m, site: b.op("Reshape", m.value("x"), m.value("shape")),
+        lambda m, site: None if _reshape_target(m) is not None else "the target shape is not a constant without 0",
+        label="Reshape chain",
+        doc="Reshape(Reshape|Flatten|Squeeze|Unsqueeze(x), s) -> Reshape(x, s)",
+    )
+)
+
+
+def _check_static_chain(m: Match, site: Site) -> str | None:
+    if static_shape(m.root.outputs[0]) is None:
+        return "the result shape is not static"
+    return None
+
+
+add_rule(
+    Rule(
+        "layout-chain-static",
+        FAMILY,
+        op.any_of(
+            ("Flatten", "Squeeze", "Unsqueeze"),
+            op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner"),
+            optional(var("_2")),
+            name="outer",
+        ),
+        lambda b, m, site: b.op(
+            "Reshape", m.value("x"), b.constant(np.array(static_shape(m.root.outputs[0]), np.int64), "shape")
+        ),
+        _check_static_chain,
+        label="Reshape chain",
+        doc="Flatten|Squeeze|Unsqueeze(Reshape-like(x)) with a static result -> Reshape(x, const)",
+    )
+)
+
+
+def _merged_axes(m: Match, site: Site) -> list[int] | None:
+    rank = site.rank(m.value("x"))
+    first = _unsqueeze_axes(m, "inner", site)
+    second = _unsqueeze_axes(m, "outer", site)
+    if rank is None or first is None or second is None:
+        return None
+    middle = rank + len(first)
+    first = sorted(a + middle if a < 0 else a for a in first)
+    final = rank + len(first) + len(second)
+    second = sorted(a + final if a < 0 else a for a in second)
+    # The first Unsqueeze's new dims sit among the second's output at the positions not inserted there.
+    kept = [i for i in range(final) if i not in second]
+    return sorted([kept[a] for a in first] + second)
+
+
+def _unsqueeze_axes(m: Match, name: str, site: Site) -> list[int] | None:
+    node = m.node(name)
+    if site.opset < 13:
+        found = node.attr("axes")
+        return None if found is None else [int(a) for a in found]
+    array = Site.array(node.inputs[1]) if len(node.inputs) > 1 else None
+    return None if array is None else [int(a) for a in array.ravel()]
+
+
+def _rewrite_unsqueezes(b: Builder, m: Match, site: Site) -> Value:
+    axes = _merged_axes(m, site)
+    assert axes is not None
+    if site.opset < 13:
+        return b.op("Unsqueeze", m.value("x"), axes=axes)
+    return b.op("Unsqueeze", m.value("x"), b.constant(np.array(axes, np.int64), "axes"))
+
+
+add_rule(
+    Rule(
+        "unsqueeze-unsqueeze",
+        FAMILY,
+        op.Unsqueeze(op.Unsqueeze(var("x"), optional(const()), name="inner"), optional(const()), name="outer"),
+        _rewrite_unsqueezes,
+        lambda m, site: None if _merged_axes(m, site) is not None else "the axes or the rank are unknown",
+        label="Unsqueeze pair",
+        doc="Unsqueeze(Unsqueeze(x, a), b) -> Unsqueeze(x, a and b)",
+    )
+)
+
+# Element types each type converts to exactly (every value survives the round trip).
+_FLOATS = (DataType.FLOAT16, DataType.FLOAT, DataType.DOUBLE)
+_LOSSLESS: dict[DataType, set[DataType]] = {
+    DataType.FLOAT16: {DataType.FLOAT, DataType.DOUBLE},
+    DataType.BFLOAT16: {DataType.FLOAT, DataType.DOUBLE},
+    DataType.FLOAT: {DataType.DOUBLE},
+    DataType.INT8: {DataType.INT16, DataType.INT32, DataType.INT64, *_FLOATS},
+    DataType.UINT8: {DataType.INT16, DataType.UINT16, DataType.INT32, DataType.UINT32, DataType.INT64, *_FLOATS},
+    DataType.INT16: {DataType.INT32, DataType.INT64, DataType.FLOAT, DataType.DOUBLE},
+    DataType.UINT16: {DataType.INT32, DataType.UINT32, DataType.INT64, DataType.FLOAT, DataType.DOUBLE},
+    DataType.INT32: {DataType.INT64, DataType.DOUBLE},
+    DataType.UINT32: {DataType.INT64, DataType.UINT64, DataType.DOUBLE},
+    DataType.BOOL: {
+        DataType.INT8,
+        DataType.UINT8,
+        DataType.INT16,
+        DataType.UINT16,
+        DataType.INT32,
+        DataType.UINT32,
+        DataType.INT64,
+        DataType.UINT64,
+        *_FLOATS,
+    },
+}
+
+
+def _check_casts(m: Match, site: Site) -> str | None:
+    source = site.dtype(m.value("x"))
+    middle = m.node("inner").attr("to")
+    if source is None:
+        return "the input type is unknown"
+    if middle not in _LOSSLESS.get(source, set()) and middle != source:
+        return f"{source.name} -> {DataType(middle).name} may lose values"
+    return None
+
+
+def _rewrite_casts(b: Builder, m: Match, site: Site) -> Value:
+    to = int(m.root.attr("to"))
+    if site.dtype(m.value("x")) == to:
+        return m.value("x")
+    return b.op("Cast", m.value("x"), to=to)
+
+
+add_rule(
+    Rule(
+        "cast-chain",
+        FAMILY,
+        op.Cast(op.Cast(var("x"), name="inner"), name="outer"),
+        _rewrite_casts,
+        _check_casts,
+        label="Cast chain",
+        doc="Cast(Cast(x, T1), T2) -> Cast(x, T2) (or x) when the first Cast is lossless",
+    )
+)
+
+add_rule(
+    Rule(
+        "cast-same-type",
+        FAMILY,
+        op.Cast(var("x"), name="cast"),
+        lambda b, m, site: m.value("x"),
+        lambda m, site: None if site.dtype(m.value("x")) == m.root.attr("to") else "a real conversion",
+        label="Cast",
+        doc="Cast(x, to=type of x) -> x",
+    )
+)

@@ -1,0 +1,62 @@
+"""Building small models for the fuse rules and running the fuse pass on them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.api import optimize
+from graphopt.io.onnx_io import from_proto, to_proto
+
+F = TensorProto.FLOAT
+
+
+def init(name: str, values: Any, dtype: Any = None) -> onnx.TensorProto:
+    """An initializer; plain Python numbers become float32, arrays keep their dtype."""
+    if dtype is None and not isinstance(values, np.ndarray):
+        dtype = np.float32
+    return numpy_helper.from_array(np.asarray(values, dtype=dtype), name)
+
+
+def info(name: str, shape: Sequence[int | str] | None, elem_type: int = F) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def node(op_type: str, inputs: Sequence[str], outputs: Sequence[str] | str, **attrs: Any) -> onnx.NodeProto:
+    outs = [outputs] if isinstance(outputs, str) else list(outputs)
+    domain = attrs.pop("domain", "")
+    return helper.make_node(op_type, list(inputs), outs, domain=domain, **attrs)
+
+
+def model(
+    nodes: Sequence[onnx.NodeProto],
+    inputs: Sequence[onnx.ValueInfoProto],
+    outputs: Sequence[str | onnx.ValueInfoProto],
+    initializers: Sequence[onnx.TensorProto] = (),
+    opset: int = 17,
+) -> onnx.ModelProto:
+    outs = [info(o, None) if isinstance(o, str) else o for o in outputs]
+    graph = helper.make_graph(list(nodes), "g", list(inputs), outs, list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+def fuse(proto: onnx.ModelProto, passes: str = "shape-infer,fuse", **settings: Any) -> tuple[onnx.ModelProto, dict]:
+    """Run ``passes`` on ``proto``; the result and the fuse runs' details merged."""
+    result = optimize(from_proto(proto), passes, strict=True, **settings)
+    applied: Counter[str] = Counter()
+    misses: dict[str, list[str]] = {}
+    for run in result.report["passes"]:
+        if run["pass"] == "fuse":
+            applied.update(run["details"]["applied"])
+            for family, found in run["details"]["near_misses"].items():
+                misses.setdefault(family, []).extend(found["examples"])
+    return to_proto(result.model), {"applied": dict(applied), "near_misses": misses}
+
+
+def ops(proto: onnx.ModelProto) -> Counter[str]:
+    return Counter(n.op_type for n in proto.graph.node)

@@ -1,0 +1,226 @@
+"""The fuse engine: DAG patterns, consumers, LARGEST_MATCH, the loop, user rules, reports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import graphopt
+from graphopt.io.onnx_io import from_proto
+from graphopt.ir import Value
+from graphopt.ir.rewrite import PROVENANCE_KEY, Builder
+from graphopt.passes.fuse import Match, Rule, Site, add_rule, const, either, op, remove_rule, var
+from graphopt.passes.fuse.engine import select_rules
+from graphopt.passes.fuse.patterns import match
+from graphopt.passes.pipeline import pipeline_from_config
+from tests.numerics import assert_same_outputs
+from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
+
+README = Path(__file__).resolve().parents[2] / "graphopt" / "passes" / "README.md"
+
+
+@pytest.fixture
+def user_rule() -> Iterator[list[str]]:
+    """Register rules for one test and remove them after."""
+    added: list[str] = []
+    yield added
+    for name in added:
+        remove_rule(name)
+
+
+def _neg_neg() -> Rule:
+    return Rule("test-neg-neg", "test", op.Neg(op.Neg(var("x"))), lambda b, m, site: m.value("x"), label="NegNeg")
+
+
+def test_a_user_rule_fires_through_optimize(user_rule: list[str]) -> None:
+    add_rule(_neg_neg())
+    user_rule.append("test-neg-neg")
+    proto = model(
+        [node("Neg", ["x"], "a"), node("Neg", ["a"], "b"), node("Relu", ["b"], "y")], [info("x", [2, 3])], ["y"]
+    )
+    result = graphopt.optimize(from_proto(proto), "fuse")
+    fused = next(r for r in result.report["passes"] if r["pass"] == "fuse")
+    assert fused["details"]["applied"] == {"test-neg-neg": 1}
+    assert [n.op_type for n in result.model.graph] == ["Relu"]
+
+
+def test_an_intermediate_read_elsewhere_blocks_the_match_and_is_a_near_miss(user_rule: list[str]) -> None:
+    add_rule(_neg_neg())
+    user_rule.append("test-neg-neg")
+    proto = model(
+        [node("Neg", ["x"], "a"), node("Neg", ["a"], "b"), node("Relu", ["a"], "c"), node("Add", ["b", "c"], "y")],
+        [info("x", [2, 3])],
+        ["y"],
+    )
+    out, details = fuse(proto, "fuse")
+    assert ops(out)["Neg"] == 2
+    assert details["near_misses"]["test"] == ["NegNeg at b: 'a' is also read by Relu"]
+
+
+def test_an_intermediate_graph_output_blocks_the_match(user_rule: list[str]) -> None:
+    add_rule(_neg_neg())
+    user_rule.append("test-neg-neg")
+    proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "y")], [info("x", [2, 3])], ["a", "y"])
+    out, details = fuse(proto, "fuse")
+    assert ops(out)["Neg"] == 2
+    assert "graph output" in details["near_misses"]["test"][0]
+
+
+def test_a_root_that_is_a_graph_output_keeps_its_name(user_rule: list[str]) -> None:
+    add_rule(_neg_neg())
+    user_rule.append("test-neg-neg")
+    proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "y")], [info("x", [2, 3])], ["y"])
+    out, _ = fuse(proto, "fuse")
+    assert [o.name for o in out.graph.output] == ["y"]
+    assert_same_outputs(proto, out)
+
+
+def test_shared_leaves_bind_one_value() -> None:
+    x = var("x")
+    pattern = op.Mul(x, op.Sigmoid(x))  # SiLU reads x twice
+    same = model([node("Sigmoid", ["x"], "s"), node("Mul", ["s", "x"], "y")], [info("x", [2])], ["y"])
+    other = model([node("Sigmoid", ["z"], "s"), node("Mul", ["s", "x"], "y")], [info("x", [2]), info("z", [2])], ["y"])
+    for proto, expected in ((same, 1), (other, 0)):
+        ir = from_proto(proto)
+        root = ir.graph.nodes[-1]
+        assert len(list(match(pattern, root.outputs[0]))) == expected
+
+
+def test_a_shared_entry_binds_one_node() -> None:
+    d = op.Sub(var("x"), var("m"))
+    pattern = op.Div(d, op.Sqrt(op.Mul(d, d)))
+    one = model(
+        [
+            node("Sub", ["x", "m"], "d"),
+            node("Mul", ["d", "d"], "sq"),
+            node("Sqrt", ["sq"], "s"),
+            node("Div", ["d", "s"], "y"),
+        ],
+        [info("x", [2]), info("m", [2])],
+        ["y"],
+    )
+    two = model(
+        [
+            node("Sub", ["x", "m"], "d"),
+            node("Sub", ["x", "m"], "d2"),
+            node("Mul", ["d2", "d2"], "sq"),
+            node("Sqrt", ["sq"], "s"),
+            node("Div", ["d", "s"], "y"),
+        ],
+        [info("x", [2]), info("m", [2])],
+        ["y"],
+    )
+    assert len(list(match(pattern, from_proto(one).graph.nodes[-1].outputs[0]))) >= 1
+    assert list(match(pattern, from_proto(two).graph.nodes[-1].outputs[0])) == []
+
+
+def test_commuted_inputs_and_alternatives_match() -> None:
+    pattern = op.Add(var("x"), either(const(1.0), const(2.0)))
+    proto = model([node("Add", ["c", "x"], "y")], [info("x", [2])], ["y"], [init("c", 2.0)])
+    assert len(list(match(pattern, from_proto(proto).graph.nodes[-1].outputs[0]))) == 1
+
+
+def test_largest_match_wins_and_ties_go_to_the_first_rule(user_rule: list[str]) -> None:
+    small = Rule("test-small", "test", op.Neg(var("x")), lambda b, m, s: b.op("Abs", m.value("x")))
+    large = Rule("test-large", "test", op.Neg(op.Relu(var("x"))), lambda b, m, s: b.op("Sigmoid", m.value("x")))
+    twin = Rule("test-twin", "test", op.Neg(op.Relu(var("x"))), lambda b, m, s: b.op("Tanh", m.value("x")))
+    for rule in (small, large, twin):
+        add_rule(rule)
+        user_rule.append(rule.name)
+    proto = model([node("Relu", ["x"], "r"), node("Neg", ["r"], "y")], [info("x", [2])], ["y"])
+    out, details = fuse(proto, "fuse")
+    assert details["applied"] == {"test-large": 1}
+    assert [n.op_type for n in out.graph.node] == ["Sigmoid"]
+
+
+def test_covered_nodes_keep_the_match_of_the_later_root(user_rule: list[str]) -> None:
+    """Walking from the outputs, Neg(Neg(Neg x)) fuses the last two first; one Neg stays."""
+    add_rule(_neg_neg())
+    user_rule.append("test-neg-neg")
+    proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "b"), node("Neg", ["b"], "y")], [info("x", [2])], ["y"])
+    out, details = fuse(proto, "fuse")
+    assert [n.input[0] for n in out.graph.node] == ["x"] and ops(out) == {"Neg": 1}
+    assert details["applied"] == {"test-neg-neg": 1}
+
+
+def test_rounds_run_to_a_fixpoint_within_max_steps(user_rule: list[str]) -> None:
+    """Relu(Relu(x)) -> Relu(x) halves a chain of eight per round: three rounds to one."""
+    add_rule(Rule("test-relu-relu", "test", op.Relu(op.Relu(var("x"))), lambda b, m, s: b.op("Relu", m.value("x"))))
+    user_rule.append("test-relu-relu")
+    nodes = [node("Relu", ["x" if i == 0 else f"n{i - 1}"], f"n{i}" if i < 7 else "y") for i in range(8)]
+    proto = model(nodes, [info("x", [2])], ["y"])
+    out, details = fuse(proto, "fuse")
+    assert ops(out) == {"Relu": 1} and details["applied"] == {"test-relu-relu": 7}
+    one_round = pipeline_from_config([{"pass": "fuse", "options": {"max_steps": 1}}])
+    result = graphopt.optimize(from_proto(proto), one_round)
+    assert sum(1 for n in result.model.graph if n.op_type == "Relu") == 4
+    assert_same_outputs(proto, out)
+
+
+def test_a_declining_rewrite_changes_nothing(user_rule: list[str]) -> None:
+    def decline(b: Builder, m: Match, site: Site) -> Value | None:
+        b.op("Abs", m.value("x"))
+        return None
+
+    add_rule(Rule("test-decline", "test", op.Neg(var("x")), decline))
+    user_rule.append("test-decline")
+    proto = model([node("Neg", ["x"], "y")], [info("x", [2])], ["y"])
+    out, details = fuse(proto, "fuse")
+    assert ops(out) == {"Neg": 1} and details["applied"] == {}
+
+
+def test_provenance_names_the_rule(user_rule: list[str]) -> None:
+    add_rule(_neg_neg())
+    user_rule.append("test-neg-neg")
+    proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "b"), node("Abs", ["b"], "y")], [info("x", [2])], ["y"])
+    add_rule(Rule("test-abs", "test", op.Abs(var("x")), lambda b, m, s: b.op("Relu", m.value("x"))))
+    user_rule.append("test-abs")
+    result = graphopt.optimize(from_proto(proto), "fuse", provenance=True)
+    (relu,) = [n for n in result.model.graph if n.op_type == "Relu"]
+    assert relu.metadata_props[PROVENANCE_KEY] == "test-abs"
+
+
+def test_rule_selection_by_name_and_family() -> None:
+    names = {r.name for r in select_rules([], ["conv"], "onnx")}
+    assert "conv-bn" not in names
+    with pytest.raises(graphopt.errors.InputError, match="unknown rule or family"):
+        select_rules(["no-such-rule"], [], "onnx")
+
+
+def test_duplicate_rule_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        add_rule(Rule("conv-bn", "conv", op.Neg(var("x")), lambda b, m, s: None))
+
+
+def test_the_readme_example_runs() -> None:
+    text = README.read_text(encoding="utf-8")
+    start = text.index("```python\nfrom graphopt.passes.fuse import")
+    code = text[start + len("```python\n") : text.index("```", start + 10)]
+    scope: dict[str, object] = {}
+    try:
+        exec(compile(code, str(README), "exec"), scope)
+        other = model([node("Max", ["x", "one"], "y")], [info("x", [2, 3])], ["y"], [init("one", 1.0)])
+        _, details = fuse(other, "fuse")
+        assert details["applied"] == {}
+        relu = model([node("Max", ["zero", "x"], "y")], [info("x", [2, 3])], ["y"], [init("zero", 0.0)])
+        out, details = fuse(relu, "fuse")
+        assert details["applied"] == {"example-max-zero-relu": 1} and ops(out) == {"Relu": 1}
+        assert_same_outputs(relu, out)
+    finally:
+        remove_rule("example-max-zero-relu")
+
+
+def test_a_leaf_computed_inside_the_match_blocks_it() -> None:
+    """Add(p, p) with p = MatMul(a, w): the bias is the product itself, so no Gemm."""
+    proto = model(
+        [node("MatMul", ["a", "w"], "p"), node("Add", ["p", "p"], "y")],
+        [info("a", [2, 3])],
+        ["y"],
+        [init("w", np.ones((3, 3), np.float32))],
+    )
+    out, details = fuse(proto)
+    assert details["applied"] == {} and ops(out) == {"MatMul": 1, "Add": 1}
+    assert_same_outputs(proto, out)

@@ -1,0 +1,395 @@
+"""The built-in fuse rules: each fires where it should (numerics equal in onnxruntime) and
+not where an extra reader, a graph output, a wrong attribute, an unprovable shape or a too
+low opset forbids it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+
+from graphopt.errors import InputError
+from tests.numerics import assert_same_outputs
+from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
+
+RNG = np.random.default_rng(0)
+
+
+def _fires(proto: onnx.ModelProto, rule: str, expected: dict[str, int], **settings: Any) -> onnx.ModelProto:
+    out, details = fuse(proto, **settings)
+    assert details["applied"].get(rule, 0) >= 1, details
+    assert dict(ops(out)) == expected
+    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
+    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+    return out
+
+
+def _refused(proto: onnx.ModelProto, rule: str, **settings: Any) -> dict[str, Any]:
+    out, details = fuse(proto, **settings)
+    assert rule not in details["applied"], details
+    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
+    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+    return details
+
+
+def _w(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+# -- conv ---------------------------------------------------------------------------------------
+
+
+def _conv_bn(extra: str = "", gamma_input: bool = False) -> onnx.ModelProto:
+    params = [init("w", _w(4, 3, 3, 3)), init("b", _w(4)), init("beta", _w(4)), init("mean", _w(4))]
+    params.append(init("var", np.abs(_w(4)) + 0.5))
+    inputs = [info("x", [1, 3, 8, 8])]
+    if gamma_input:
+        inputs.append(info("gamma", [4]))
+    else:
+        params.append(init("gamma", _w(4)))
+    nodes = [
+        node("Conv", ["x", "w", "b"], "c", pads=[1, 1, 1, 1]),
+        node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], "y", epsilon=1e-3),
+    ]
+    outputs: list[Any] = ["y"]
+    if extra == "reader":
+        nodes.append(node("Relu", ["c"], "r"))
+        outputs.append("r")
+    elif extra == "output":
+        outputs.append("c")
+    return model(nodes, inputs, outputs, params)
+
+
+def test_conv_bn_fuses() -> None:
+    _fires(_conv_bn(), "conv-bn", {"Conv": 1})
+
+
+@pytest.mark.parametrize("case", ["reader", "output", "gamma-input"])
+def test_conv_bn_refusals(case: str) -> None:
+    proto = _conv_bn(
+        extra=case if case in ("reader", "output") else "",
+        gamma_input=case == "gamma-input",
+    )
+    details = _refused(proto, "conv-bn")
+    if case == "gamma-input":
+        assert "not a constant vector" in details["near_misses"]["conv"][0]
+
+
+def _conv_channel(c: np.ndarray, op: str = "Mul", through_transpose: bool = True) -> onnx.ModelProto:
+    nodes = [node("Conv", ["x", "w", "b"], "c")]
+    src = "c"
+    if through_transpose:
+        nodes.append(node("Transpose", ["c"], "t", perm=[0, 2, 3, 1]))
+        src = "t"
+    nodes.append(node(op, [src, "k"], "y"))
+    return model(nodes, [info("x", [1, 3, 5, 5])], ["y"], [init("w", _w(4, 3, 1, 1)), init("b", _w(4)), init("k", c)])
+
+
+def test_conv_per_channel_mul_and_add_fuse_through_a_transpose() -> None:
+    _fires(_conv_channel(_w(4)), "conv-mul", {"Conv": 1, "Transpose": 1})
+    _fires(_conv_channel(_w(4), "Add"), "conv-add", {"Conv": 1, "Transpose": 1})
+    _fires(_conv_channel(_w(4, 1, 1), through_transpose=False), "conv-mul", {"Conv": 1})
+
+
+def test_conv_mul_refuses_an_operand_that_is_not_per_channel() -> None:
+    details = _refused(_conv_channel(_w(5, 1)), "conv-mul")
+    assert "not per-channel" in details["near_misses"]["conv"][0]
+
+
+# -- matmul -------------------------------------------------------------------------------------
+
+
+def _matmul_add(a_shape: list[Any], extra_reader: bool = False) -> onnx.ModelProto:
+    nodes = [node("MatMul", ["a", "w"], "p"), node("Add", ["p", "b"], "y")]
+    outputs: list[Any] = ["y"]
+    if extra_reader:
+        nodes.append(node("Relu", ["p"], "r"))
+        outputs.append("r")
+    return model(nodes, [info("a", a_shape)], outputs, [init("w", _w(3, 4)), init("b", _w(4))])
+
+
+def test_matmul_add_becomes_gemm() -> None:
+    _fires(_matmul_add(["n", 3]), "matmul-add-gemm", {"Gemm": 1})
+
+
+def test_matmul_add_refusals() -> None:
+    details = _refused(_matmul_add([2, 5, 3]), "matmul-add-gemm")
+    assert "not 2-D" in details["near_misses"]["matmul"][0]
+    _refused(_matmul_add(["n", 3], extra_reader=True), "matmul-add-gemm")
+
+
+def test_transposes_fold_into_gemm_and_scalars_into_alpha() -> None:
+    proto = model(
+        [
+            node("Transpose", ["a"], "at", perm=[1, 0]),
+            node("Gemm", ["at", "w", "c"], "g"),
+            node("Mul", ["g", "s"], "y"),
+        ],
+        [info("a", [3, 2])],
+        ["y"],
+        [init("w", _w(3, 4)), init("c", _w(4)), init("s", 0.5)],
+    )
+    _fires(proto, "transpose-into-gemm-a", {"Gemm": 1})
+
+
+# -- shape ----------------------------------------------------------------------------------------
+
+
+def test_transpose_pairs_compose_or_vanish() -> None:
+    pair = model(
+        [
+            node("Transpose", ["x"], "t", perm=[1, 2, 0]),
+            node("Transpose", ["t"], "u", perm=[2, 0, 1]),
+            node("Relu", ["u"], "y"),
+        ],
+        [info("x", [2, 3, 4])],
+        ["y"],
+    )
+    _fires(pair, "transpose-transpose", {"Relu": 1})
+    exposed = model(
+        [node("Transpose", ["x"], "t", perm=[1, 2, 0]), node("Transpose", ["t"], "y", perm=[2, 0, 1])],
+        [info("x", [2, 3, 4])],
+        ["t", "y"],
+    )
+    _refused(exposed, "transpose-transpose")
+
+
+def test_reshape_chains_collapse_unless_a_zero_copies_a_dim() -> None:
+    def chain(target: list[int]) -> onnx.ModelProto:
+        return model(
+            [node("Flatten", ["x"], "f", axis=1), node("Reshape", ["f", "s"], "y")],
+            [info("x", [2, 3, 4])],
+            ["y"],
+            [init("s", np.array(target, np.int64))],
+        )
+
+    _fires(chain([4, -1]), "reshape-chain", {"Reshape": 1})
+    _refused(chain([0, 3, 4]), "reshape-chain")
+
+
+def test_unsqueeze_pairs_merge() -> None:
+    proto = model(
+        [node("Unsqueeze", ["x", "a1"], "u"), node("Unsqueeze", ["u", "a2"], "y")],
+        [info("x", ["b", "s"])],
+        ["y"],
+        [init("a1", np.array([1], np.int64)), init("a2", np.array([0, 3], np.int64))],
+    )
+    _fires(proto, "unsqueeze-unsqueeze", {"Unsqueeze": 1})
+
+
+def test_lossless_cast_chains_collapse_and_lossy_ones_stay() -> None:
+    def chain(source: int, middle: int) -> onnx.ModelProto:
+        return model(
+            [node("Cast", ["x"], "c", to=middle), node("Cast", ["c"], "d", to=source), node("Neg", ["d"], "y")],
+            [info("x", [2, 3], source)],
+            [info("y", None, source)],
+        )
+
+    _fires(chain(TensorProto.FLOAT16, TensorProto.FLOAT), "cast-chain", {"Neg": 1})
+    details = _refused(chain(TensorProto.FLOAT, TensorProto.FLOAT16), "cast-chain")
+    assert "may lose values" in details["near_misses"]["shape"][0]
+
+
+# -- arith ----------------------------------------------------------------------------------------
+
+
+def test_constant_chains_combine_for_floats_only() -> None:
+    def chain(dtype: int, np_type: Any) -> onnx.ModelProto:
+        return model(
+            [node("Mul", ["x", "a"], "m"), node("Div", ["m", "b"], "y")],
+            [info("x", [2, 3], dtype)],
+            [info("y", None, dtype)],
+            [init("a", 3.0, np_type), init("b", 2.0, np_type)],
+        )
+
+    _fires(chain(TensorProto.FLOAT, np.float32), "mul-div-constants", {"Mul": 1})
+    _refused(chain(TensorProto.INT64, np.int64), "mul-div-constants")
+
+
+# -- activation -----------------------------------------------------------------------------------
+
+
+def _erf_gelu(opset: int) -> onnx.ModelProto:
+    return model(
+        [
+            node("Div", ["x", "sqrt2"], "d"),
+            node("Erf", ["d"], "e"),
+            node("Add", ["e", "one"], "p"),
+            node("Mul", ["x", "p"], "m"),
+            node("Mul", ["m", "half"], "y"),
+        ],
+        [info("x", [2, 5])],
+        ["y"],
+        [init("sqrt2", math.sqrt(2)), init("one", 1.0), init("half", 0.5)],
+        opset=opset,
+    )
+
+
+def _tanh_gelu(opset: int) -> onnx.ModelProto:
+    return model(
+        [
+            node("Pow", ["x", "three"], "cube"),
+            node("Mul", ["cube", "k"], "kc"),
+            node("Add", ["x", "kc"], "inner"),
+            node("Mul", ["inner", "c"], "scaled"),
+            node("Tanh", ["scaled"], "t"),
+            node("Add", ["one", "t"], "p"),
+            node("Mul", ["half", "x"], "hx"),
+            node("Mul", ["hx", "p"], "y"),
+        ],
+        [info("x", [2, 5])],
+        ["y"],
+        [
+            init("three", 3.0),
+            init("k", 0.044715),
+            init("c", math.sqrt(2 / math.pi)),
+            init("one", 1.0),
+            init("half", 0.5),
+        ],
+        opset=opset,
+    )
+
+
+@pytest.mark.parametrize(("build", "rule"), [(_erf_gelu, "gelu-none"), (_tanh_gelu, "gelu-tanh")])
+def test_gelu_fuses_at_opset_20_and_is_a_near_miss_below(build: Callable[[int], onnx.ModelProto], rule: str) -> None:
+    _fires(build(20), rule, {"Gelu": 1})
+    details = _refused(build(17), rule)
+    assert "needs opset >= 20" in details["near_misses"]["activation"][0]
+
+
+def test_gelu_becomes_the_contrib_op_for_target_ort_below_opset_20() -> None:
+    _fires(_erf_gelu(17), "ort-gelu", {"Gelu": 1}, target="ort")
+    _fires(_tanh_gelu(17), "ort-fastgelu", {"FastGelu": 1}, target="ort")
+
+
+def test_gelu_with_an_intermediate_graph_output_stays() -> None:
+    proto = _erf_gelu(20)
+    proto.graph.output.append(info("e", None))
+    _refused(proto, "gelu-none")
+
+
+def _hardswish(opset: int, high: float = 6.0) -> onnx.ModelProto:
+    return model(
+        [
+            node("Add", ["x", "three"], "a"),
+            node("Clip", ["a", "lo", "hi"], "c"),
+            node("Mul", ["x", "c"], "m"),
+            node("Div", ["m", "six"], "y"),
+        ],
+        [info("x", [2, 5])],
+        ["y"],
+        [init("three", 3.0), init("lo", 0.0), init("hi", high), init("six", 6.0)],
+        opset=opset,
+    )
+
+
+def test_hardswish_and_hardsigmoid_decompositions_fuse() -> None:
+    _fires(_hardswish(14), "hardswish", {"HardSwish": 1})
+    sigmoid = model(
+        [node("Add", ["x", "three"], "a"), node("Clip", ["a", "lo", "hi"], "c"), node("Div", ["c", "six"], "y")],
+        [info("x", [2, 5])],
+        ["y"],
+        [init("three", 3.0), init("lo", 0.0), init("hi", 6.0), init("six", 6.0)],
+    )
+    _fires(sigmoid, "hardsigmoid", {"HardSigmoid": 1})
+
+
+def test_hardswish_refusals() -> None:
+    details = _refused(_hardswish(13), "hardswish")
+    assert "needs opset >= 14" in details["near_misses"]["activation"][0]
+    details = _refused(_hardswish(14, high=5.0), "hardswish")
+    assert "not to [0, 6]" in " ".join(details["near_misses"]["activation"])
+
+
+# -- norm -----------------------------------------------------------------------------------------
+
+
+def _layer_norm(opset: int = 17, gamma_input: bool = False, axes: list[int] | None = None) -> onnx.ModelProto:
+    axes = axes or [-1]
+    inputs = [info("x", ["b", 3, 8])] + ([info("gamma", [8])] if gamma_input else [])
+    params = [init("two", 2.0), init("eps", 1e-5), init("beta", _w(8))]
+    params += [] if gamma_input else [init("gamma", _w(8))]
+    return model(
+        [
+            node("ReduceMean", ["x"], "mean", axes=axes),
+            node("Sub", ["x", "mean"], "d"),
+            node("Pow", ["d", "two"], "sq"),
+            node("ReduceMean", ["sq"], "var", axes=axes),
+            node("Add", ["var", "eps"], "ve"),
+            node("Sqrt", ["ve"], "std"),
+            node("Div", ["d", "std"], "n"),
+            node("Mul", ["n", "gamma"], "g"),
+            node("Add", ["g", "beta"], "y"),
+        ],
+        inputs,
+        ["y"],
+        params,
+        opset=opset,
+    )
+
+
+def test_layernorm_fuses() -> None:
+    _fires(_layer_norm(), "layernorm", {"LayerNormalization": 1})
+
+
+def test_layernorm_refusals() -> None:
+    details = _refused(_layer_norm(gamma_input=True), "layernorm")
+    assert any("gamma is not a constant" in m for m in details["near_misses"]["norm"])
+    _refused(_layer_norm(axes=[1]), "layernorm")
+    details = _refused(_layer_norm(opset=16), "layernorm")
+    assert "needs opset >= 17" in " ".join(details["near_misses"]["norm"])
+
+
+def test_rmsnorm_fuses_at_opset_23() -> None:
+    proto = model(
+        [
+            node("Mul", ["x", "x"], "sq"),
+            node("ReduceMean", ["sq", "axes"], "ms"),
+            node("Add", ["ms", "eps"], "me"),
+            node("Sqrt", ["me"], "r"),
+            node("Div", ["x", "r"], "n"),
+            node("Mul", ["gamma", "n"], "y"),
+        ],
+        [info("x", ["b", 8])],
+        ["y"],
+        [init("axes", np.array([-1], np.int64)), init("eps", 1e-6), init("gamma", _w(8))],
+        opset=23,
+    )
+    _fires(proto, "rmsnorm", {"RMSNormalization": 1})
+
+
+def test_softmax_decomposition_fuses() -> None:
+    proto = model(
+        [
+            node("ReduceMax", ["x"], "mx", axes=[1]),
+            node("Sub", ["x", "mx"], "d"),
+            node("Exp", ["d"], "e"),
+            node("ReduceSum", ["e", "axes"], "s"),
+            node("Div", ["e", "s"], "y"),
+        ],
+        [info("x", [2, 6])],
+        ["y"],
+        [init("axes", np.array([1], np.int64))],
+    )
+    _fires(proto, "softmax", {"Softmax": 1})
+
+
+# -- target opset ---------------------------------------------------------------------------------
+
+
+def test_target_opset_upgrades_first_so_gelu_fuses() -> None:
+    out = _fires(_erf_gelu(17), "gelu-none", {"Gelu": 1}, target_opset=20)
+    assert out.opset_import[0].version == 20
+
+
+def test_a_model_that_cannot_be_converted_is_bad_input_naming_the_op() -> None:
+    proto = model(
+        [node("LayerNormalization", ["x", "g"], "y")], [info("x", [2, 4])], ["y"], [init("g", _w(4))], opset=17
+    )
+    with pytest.raises(InputError, match="LayerNormalization"):
+        fuse(proto, target_opset=16)

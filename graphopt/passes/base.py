@@ -144,6 +144,7 @@ def register(cls: P) -> P:
 def _load_builtin_passes() -> None:
     # Importing the families runs their @register decorators.
     import graphopt.passes.cleanup
+    import graphopt.passes.fold
     import graphopt.passes.shapes  # noqa: F401
 
 

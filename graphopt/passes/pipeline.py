@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_PIPELINE: list[dict[str, Any]] = [
     {"pass": "shape-infer"},
     {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
+    {"group": "simplify", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
+    {"pass": "fold"},
+    {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
     {"pass": "strip-value-info"},
 ]
 

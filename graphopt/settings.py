@@ -70,6 +70,17 @@ class Settings:
             "DequantizeLinear, tied weight Transposes) once per process in runtime_fold instead."
         },
     )
+    fold_min_group: int = field(
+        default=2, metadata={"help": "Fold only groups of at least this many sibling ops (fold pass)."}
+    )
+    fold_ops: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Op types the fold pass may fold (default: every op it can; `graphopt passes` lists them)."},
+    )
+    fold_force: bool = field(
+        default=False,
+        metadata={"help": "Take every fold, also those the fold cost model predicts to be slower (to measure them)."},
+    )
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -159,6 +159,7 @@ def _load_builtin_passes() -> None:
     # Importing the families runs their @register decorators.
     import graphopt.passes.cleanup
     import graphopt.passes.constcache
+    import graphopt.passes.fold
     import graphopt.passes.fuse
     import graphopt.passes.shapes
     import graphopt.passes.unwind  # noqa: F401

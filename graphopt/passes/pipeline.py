@@ -50,6 +50,8 @@ DEFAULT_PIPELINE: list[dict[str, Any]] = [
         "group": "simplify",
         "steps": [{"pass": "const-cache"}, {"pass": "fuse"}, {"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}],
     },
+    {"pass": "fold"},
+    {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
     {"pass": "strip-value-info"},
 ]
 

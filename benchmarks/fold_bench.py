@@ -1,0 +1,101 @@
+"""The fold pass on the corpus: onnxruntime latency with and without it, at both levels.
+
+    python benchmarks/fold_bench.py                       # every corpus model
+    python benchmarks/fold_bench.py --models bert_small --runs 500 --json-out fold.json
+
+For each model two outputs are written: the default pipeline without ``fold`` ("unfolded")
+and the default pipeline ("folded"); both are timed interleaved run by run, with the
+original model as the reference (1 thread, batch 1, sequence 64), at ORT_ENABLE_ALL and
+ORT_DISABLE_ALL. The figure of merit is folded / unfolded, the ratio of their paired ratios
+to the original. ``--all-folds`` makes the pass take every fold its cost model would
+refuse (to see what the cost model saves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import measure
+
+import graphopt
+from graphopt.passes.pipeline import DEFAULT_PIPELINE, pipeline_from_config
+
+DEFAULT_CORPUS = Path.home() / ".cache" / "graphopt-corpus"
+MODELS = ["wide_ensemble", "tf_style_nhwc", "bert_small", "bert_fp16_weights", "gpt2_small", "inception_v1", "resnet50"]
+
+
+def _without_fold(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    kept = []
+    for step in steps:
+        if step.get("pass") == "fold":
+            continue
+        if "steps" in step:
+            step = {**step, "steps": _without_fold(step["steps"])}
+        kept.append(step)
+    return kept
+
+
+def _write(source: Path, target: Path, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    result = graphopt.optimize(source, pipeline_from_config(steps))
+    graphopt.save(result.model, target)
+    folds = [p["details"] for p in result.report["passes"] if p["pass"] == "fold"]
+    return {
+        "folds": sum(len(d.get("folds", [])) for d in folds),
+        "refused": sum(len(d.get("refused", [])) for d in folds),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--all-folds", action="store_true", help="take every fold, paying or not")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    if args.all_folds:
+        import graphopt.passes.fold.fold as fold_pass
+
+        fold_pass.chain_estimate = lambda chain, cut_out: {level: 1.0 for level in fold_pass.LEVELS}
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            source = args.corpus / f"{name}.onnx"
+            unfolded, folded = Path(tmp) / f"{name}.unfolded.onnx", Path(tmp) / f"{name}.folded.onnx"
+            _write(source, unfolded, _without_fold(DEFAULT_PIPELINE))
+            counts = _write(source, folded, DEFAULT_PIPELINE)
+            feeds = measure.latency_feeds(source, measure.latency_dims(source, {}))
+            row: dict[str, Any] = {**counts}
+            for level in measure.LEVELS:
+                timed = measure.interleaved_latency(
+                    {"original": source, "unfolded": unfolded, "folded": folded},
+                    feeds,
+                    level,
+                    runs=args.runs,
+                    warmup=args.warmup,
+                )
+                plain, done = timed["unfolded"], timed["folded"]
+                if isinstance(plain, dict) and isinstance(done, dict):
+                    row[level] = {
+                        "unfolded_us": round(plain["median_s"] * 1e6, 1),
+                        "folded_us": round(done["median_s"] * 1e6, 1),
+                        "ratio": round(done["paired"] / plain["paired"], 3),
+                    }
+                else:
+                    row[level] = {"error": str(done if isinstance(plain, dict) else plain)}
+            results[name] = row
+            print(name, json.dumps(row), flush=True)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

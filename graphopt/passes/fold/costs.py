@@ -1,0 +1,214 @@
+"""The fold pass's cost model: does one bigger kernel beat the separate ones plus the copies?
+
+Per fold, the members' kernels (each at its own size) are compared with the folded kernel
+(at the total size) plus the copies the fold adds: the Concat (and Transpose) that packs
+the activations, the Gather that reorders a fold's slices, the Split (and Squeeze /
+Transpose) that cuts slices out for readers outside the chain. A chain of folds is taken
+when its total predicted gain is positive at both onnxruntime optimization levels.
+
+Times come from MEASURED, a table of (work, microseconds) per kind of kernel, through a
+line fitted to it per kind: a launch overhead plus a time per unit of work. So one bigger
+kernel saves the launch overheads of the others; the cache gains of bigger GEMMs are
+within the noise of the measurements on a shared machine, and are not counted.
+
+Sizes with symbolic dims are costed at the sizes the benchmarks run: a dim whose name says
+sequence (seq, len, token, time, step) at 64, any other (batch) at 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from graphopt.ir import Dim, Expr, Node, Sym
+from graphopt.passes.fold.index import Fold
+from graphopt.passes.fold.plan import SEED_OPS, Spec, shape_of
+
+__all__ = ["FITTED", "LEVELS", "MEASURED", "chain_estimate", "kernel_us"]
+
+LEVELS = ("ORT_ENABLE_ALL", "ORT_DISABLE_ALL")
+
+# Measured with benchmarks/fold_costs.py (onnxruntime 1.32.0, CPU provider, 1 thread, the
+# project's shared 2-core machine, 2026-11-22): per level and kind, (work, microseconds of
+# one kernel), work being multiply-adds for matmul / conv / grouped-conv and elements for
+# the others. Each point is the median difference between a chain of 8 (op, Relu) steps and
+# a chain of 8 Relus, run interleaved 200 times, divided by the kernels in the chain. Where
+# two runs measured one size the smaller time is kept, and times are made non-decreasing in
+# work (the machine's noise is larger than the difference between neighbours). onnxruntime
+# cancels the Transposes of that chain at ORT_ENABLE_ALL, so both levels use the
+# ORT_DISABLE_ALL Transpose times. Memory-bound matrix-vector products (one row) make the
+# matmul row uneven: multiply-adds alone do not say how long a MatMul takes.
+MEASURED: dict[str, dict[str, tuple[tuple[int, float], ...]]] = {
+    "ORT_ENABLE_ALL": {
+        "matmul": (
+            (4096, 0.48),
+            (32768, 2.92),
+            (65536, 5.58),
+            (131072, 5.58),
+            (196608, 27.95),
+            (262144, 27.95),
+            (4194304, 54.25),
+            (8388608, 124.19),
+            (12582912, 235.7),
+            (16777216, 490.17),
+            (37748736, 561.34),
+            (67108864, 858.17),
+        ),
+        "conv": (
+            (50176, 0.83),
+            (802816, 8.81),
+            (3211264, 34.03),
+            (28901376, 328.58),
+            (33918976, 453.92),
+            (51380224, 605.94),
+        ),
+        "grouped-conv": ((32768, 1.45), (131072, 18.82), (4194304, 55.72), (8388608, 97.83), (16777216, 212.8)),
+        "elementwise": ((256, 0.35), (2048, 0.67), (16384, 2.95), (131072, 25.09), (1048576, 294.47)),
+        "gather": ((256, 1.21), (2048, 6.47), (16384, 56.27), (131072, 439.31), (1048576, 3539.95)),
+        "transpose": ((256, 0.27), (2025, 0.46), (16384, 4.23), (131044, 21.36), (1048576, 1837.3)),
+        "split-concat": ((256, 1.77), (2048, 1.96), (16384, 5.64), (131072, 34.98), (1048576, 881.8)),
+    },
+    "ORT_DISABLE_ALL": {
+        "matmul": (
+            (4096, 0.47),
+            (32768, 2.83),
+            (65536, 5.95),
+            (131072, 5.95),
+            (196608, 27.94),
+            (262144, 27.94),
+            (4194304, 54.64),
+            (8388608, 117.43),
+            (12582912, 424.38),
+            (16777216, 498.72),
+            (37748736, 556.23),
+            (67108864, 857.9),
+        ),
+        "conv": (
+            (50176, 1.58),
+            (802816, 12.87),
+            (3211264, 45.05),
+            (28901376, 387.6),
+            (33918976, 597.63),
+            (51380224, 645.94),
+        ),
+        "grouped-conv": ((32768, 2.5), (131072, 19.4), (4194304, 60.09), (8388608, 125.83), (16777216, 220.3)),
+        "elementwise": ((256, 0.38), (2048, 0.69), (16384, 2.9), (131072, 21.76), (1048576, 305.98)),
+        "gather": ((256, 1.25), (2048, 6.59), (16384, 55.98), (131072, 441.88), (1048576, 3496.74)),
+        "transpose": ((256, 0.27), (2025, 0.46), (16384, 4.23), (131044, 21.36), (1048576, 1837.3)),
+        "split-concat": ((256, 1.8), (2048, 1.97), (16384, 5.66), (131072, 34.79), (1048576, 880.85)),
+    },
+}
+
+_SEQUENCE_WORDS = ("seq", "len", "token", "time", "step")
+_SEQUENCE_GUESS = 64
+
+
+def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """A line ``launch + per_unit * work`` through the points, by relative error (small
+    kernels weigh as much as big ones); the launch overhead is never negative."""
+    works = np.array([w for w, _ in points], dtype=float)
+    times = np.array([max(t, 1e-3) for _, t in points], dtype=float)
+    system = np.stack([np.ones_like(works), works], axis=1) / times[:, None]
+    (launch, per_unit), *_ = np.linalg.lstsq(system, np.ones_like(works), rcond=None)
+    if launch < 0:
+        launch, per_unit = 0.0, float(np.sum(times * works / times**2) / np.sum(works**2 / times**2))
+    return float(launch), float(per_unit)
+
+
+FITTED = {level: {kind: _fit(points) for kind, points in kinds.items()} for level, kinds in MEASURED.items()}
+
+
+def kernel_us(level: str, kind: str, work: float) -> float:
+    launch, per_unit = FITTED[level][kind]
+    return launch + per_unit * work
+
+
+def _dim(dim: Dim) -> int:
+    if isinstance(dim, int):
+        return dim
+    names = [dim.name] if isinstance(dim, Sym) else [str(dim)] if isinstance(dim, Expr) else []
+    return _SEQUENCE_GUESS if any(w in n.lower() for n in names for w in _SEQUENCE_WORDS) else 1
+
+
+def _elements(shape: Sequence[Dim] | None) -> int:
+    return math.prod(_dim(d) for d in shape) if shape is not None else 1
+
+
+def _work(node: Node) -> float:
+    """Multiply-adds of a MatMul / Gemm / Conv, elements of an element-wise op's output."""
+    out = _elements(shape_of(node.outputs[0]))
+    weight = shape_of(node.inputs[1]) if len(node.inputs) > 1 else None
+    if node.op_type == "MatMul" and weight:
+        return out * _dim(weight[0])
+    if node.op_type == "Gemm" and weight:
+        return out * _dim(weight[1] if node.attr("transB", 0) else weight[0])
+    if node.op_type == "Conv" and weight:
+        return out * math.prod(_dim(d) for d in weight[1:])
+    return out
+
+
+def _kind(fold: Fold[Spec], folded: bool) -> str:
+    op = fold.members[0].op_type
+    if op not in SEED_OPS:
+        return "elementwise"
+    if op == "Conv":
+        return "conv"
+    return "grouped-conv" if folded and fold.spec.how == "stacked" else "matmul"
+
+
+def _seed(fold: Fold[Spec], folds: dict[int, Fold[Spec]]) -> Fold[Spec]:
+    """The MatMul / Gemm / Conv fold an element-wise fold continues (itself if none)."""
+    while fold.spec.how == "elementwise" and fold.spec.operand.source in folds:
+        fold = folds[fold.spec.operand.source]  # type: ignore[index]
+    return fold
+
+
+def _after_conv(fold: Fold[Spec], folds: dict[int, Fold[Spec]]) -> bool:
+    seed = _seed(fold, folds)
+    return seed.members[0].op_type == "Conv" or seed.spec.layout.kind == "rows"
+
+
+def _fused_at_all(fold: Fold[Spec], folds: dict[int, Fold[Spec]]) -> bool:
+    """onnxruntime (ORT_ENABLE_ALL) fuses a bias Add and an activation into a Conv or 2-D
+    Gemm, folded or not: such element-wise folds gain nothing there."""
+    seed = _seed(fold, folds)
+    if fold.spec.how != "elementwise" or seed is fold:
+        return False
+    return _after_conv(fold, folds) or len(seed.spec.layout.member_shapes[0]) == 2
+
+
+def fold_gain_us(level: str, fold: Fold[Spec], folds: dict[int, Fold[Spec]], cut_out: bool) -> float:
+    """Predicted microseconds saved by ``fold`` at ``level`` (negative: it costs)."""
+    members = fold.members
+    works = [_work(m) for m in members]
+    gain = 0.0
+    if not (level == "ORT_ENABLE_ALL" and _fused_at_all(fold, folds)):
+        gain = sum(kernel_us(level, _kind(fold, False), w) for w in works) - kernel_us(
+            level, _kind(fold, True), sum(works)
+        )
+    operand = fold.spec.operand
+    activations = sum(_elements(shape_of(v)) for v in operand.values)
+    if operand.how == "gather":
+        gain -= kernel_us(level, "gather", activations)
+    elif operand.how == "pack":
+        gain -= kernel_us(level, "split-concat", activations) / 2
+        if fold.spec.layout.kind == "rows":
+            gain -= kernel_us(level, "transpose", activations)
+    if cut_out:
+        outputs = sum(_elements(shape) for shape in fold.spec.layout.member_shapes)
+        gain -= kernel_us(level, "split-concat", outputs) / 2
+        if fold.spec.layout.kind == "rows":
+            gain -= kernel_us(level, "transpose", outputs)
+        elif level == "ORT_ENABLE_ALL" and _after_conv(fold, folds):
+            # onnxruntime keeps Conv outputs in its blocked NCHWc layout, which Split does not
+            # read: the fold's tensor is reordered out of it and each slice back into it.
+            gain -= kernel_us(level, "split-concat", outputs)
+    return gain
+
+
+def chain_estimate(chain: Sequence[Fold[Spec]], cut_out: Callable[[Fold[Spec]], bool]) -> dict[str, float]:
+    """Per level, the predicted gain of a chain of folds, in microseconds."""
+    folds = {f.id: f for f in chain}
+    return {level: sum(fold_gain_us(level, f, folds, cut_out(f)) for f in chain) for level in LEVELS}

@@ -1,0 +1,211 @@
+"""The ``fold`` pass: same-level siblings become one op, located through a fold index.
+
+    levels (constant producers ignored) -> groups by fold key -> build_folded_graph
+      -> chains of folds (a fold and the folds that read its tensor as it is)
+      -> the cost model accepts or refuses each chain -> realize, slice, remove
+
+The report's details hold the fold index: every output of a folded node, by name, mapped
+to its fold and slice, and per fold the tensor that holds the slices and their layout; the
+other outputs keep their names. Refused chains are listed with the predicted gain.
+Only the main graph is folded.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from graphopt.facts import infer_model
+from graphopt.ir import Graph, Model, Node, Value
+from graphopt.ir.constness import constant_array, is_constant
+from graphopt.passes.base import Pass, PassContext, PassResult, register
+from graphopt.passes.fold.costs import LEVELS, chain_estimate
+from graphopt.passes.fold.index import Fold, FoldIndex, build_folded_graph
+from graphopt.passes.fold.plan import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, SEED_OPS, Planner, Spec
+from graphopt.passes.fold.realize import Realizer, remove_folded
+
+__all__ = ["FoldSiblings"]
+
+FOLDABLE_OPS = sorted(SEED_OPS | ELEMENTWISE_UNARY | ELEMENTWISE_BINARY)
+
+
+@dataclass
+class FoldOptions:
+    pass
+
+
+@register
+class FoldSiblings(Pass):
+    name = "fold"
+    description = (
+        "Fold same-level sibling MatMul / Gemm / Conv (and the element-wise ops after them) into one op; "
+        f"foldable ops (--fold-ops): {', '.join(FOLDABLE_OPS)}"
+    )
+    Options = FoldOptions
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        settings = ctx.settings
+        ops = set(settings.fold_ops or FOLDABLE_OPS)
+        if ops - set(FOLDABLE_OPS):
+            unknown = ", ".join(sorted(ops - set(FOLDABLE_OPS)))
+            raise ValueError(f"--fold-ops: cannot fold {unknown}; foldable: {', '.join(FOLDABLE_OPS)}")
+        graph = model.graph
+        typed = _ensure_types(model, ctx)
+        constants = _constant_values(graph)
+
+        def constant(value: Value | None) -> bool:
+            return value is not None and (id(value) in constants or is_constant(value))
+
+        weights = _Weights(model, graph, ctx, constant)
+        planner = Planner(constant, weights.read, frozenset(ops), max(2, settings.fold_min_group))
+        index = build_folded_graph(graph.levels(ignore_constants=True), planner)
+        accepted, refused = _judge(index, force=settings.fold_force)
+        details: dict[str, Any] = {"folds": [], "index": {}, "refused": refused}
+        if typed:
+            details["typed_first"] = True
+        if not accepted:
+            return PassResult(False, details)
+        realizer = Realizer(model, graph, ctx, index, weights.read, self.name)
+        folds = [f for f in index.folds if f.id in accepted]
+        names = {f.id: [m.outputs[0].name for m in f.members] for f in folds}
+        for fold in folds:
+            realizer.realize(fold)
+        for fold in folds:
+            if _read_outside(fold, index, accepted):
+                realizer.materialize(fold)
+        remove_folded(graph, [m for f in folds for m in f.members], constant)
+        for fold in folds:
+            details["folds"].append(_describe(fold, names[fold.id], realizer.tensors[fold.id], accepted[fold.id]))
+            for position, name in enumerate(names[fold.id]):
+                details["index"][name] = [fold.id, position]
+        return PassResult(True, details)
+
+
+def _ensure_types(model: Model, ctx: PassContext) -> bool:
+    """Fold keys compare shapes: type the model first when a node output has no type."""
+    if all(v.type is not None for n in model.graph for v in n.outputs if v.name):
+        return False
+    infer_model(ctx.facts(model))
+    return True
+
+
+def _constant_values(graph: Graph) -> set[int]:
+    """Outputs of the nodes that compute from constants only (left out of the levels)."""
+    leveled = {id(n) for level in graph.levels(ignore_constants=True) for n in level}
+    return {id(v) for n in graph.topological() if id(n) not in leveled for v in n.outputs}
+
+
+class _Weights:
+    """Reads a constant's array: an initializer or Constant directly, a computed one (a
+    Transpose of a weight, a Cast of float16 weights) through the evaluator."""
+
+    def __init__(self, model: Model, graph: Graph, ctx: PassContext, constant: Any) -> None:
+        self.model = model
+        self.graph = graph
+        self.ctx = ctx
+        self.constant = constant
+        self._memo: dict[int, np.ndarray | None] = {}
+
+    def read(self, value: Value | None) -> np.ndarray | None:
+        if value is None:
+            return None
+        if id(value) not in self._memo:
+            self._memo[id(value)] = self._compute(value)
+        return self._memo[id(value)]
+
+    def _compute(self, value: Value) -> np.ndarray | None:
+        direct = constant_array(value, sys.maxsize)
+        if direct is not None or not self.constant(value) or self.ctx.evaluator is None:
+            return direct
+        region: dict[int, Node] = {}
+        pending = [value]
+        while pending:
+            producer = pending.pop().producer
+            if producer is None or id(producer) in region or is_constant(producer.outputs[0]):
+                continue
+            region[id(producer)] = producer
+            pending.extend(v for v in producer.inputs if v is not None)
+        order = [n for n in self.graph.topological() if id(n) in region]
+        opsets = self.model.opsets_of(self.graph)
+        if not all(self.ctx.evaluator.can_evaluate(n, opsets) for n in order):
+            return None
+        try:
+            return self.ctx.evaluator.evaluate(order, {}, [value], opsets)[value]
+        except Exception:  # an evaluator refusal (budget, unsupported) only means "not a weight"
+            return None
+
+
+def _chains(index: FoldIndex[Spec]) -> list[list[Fold[Spec]]]:
+    """Folds joined when one reads the other's tensor as it is (direct or through a Gather)."""
+    parent = list(range(len(index.folds)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for fold in index.folds:
+        source = fold.spec.operand.source
+        if source is not None:
+            parent[root(fold.id)] = root(source)
+    chains: dict[int, list[Fold[Spec]]] = {}
+    for fold in index.folds:
+        chains.setdefault(root(fold.id), []).append(fold)
+    return list(chains.values())
+
+
+def _judge(index: FoldIndex[Spec], *, force: bool) -> tuple[dict[int, dict[str, float]], list[dict[str, Any]]]:
+    """Accept the chains the cost model says pay at every optimization level (all with ``force``)."""
+    accepted: dict[int, dict[str, float]] = {}
+    refused: list[dict[str, Any]] = []
+    for chain in _chains(index):
+        ids = {f.id for f in chain}
+        estimate = chain_estimate(chain, lambda f, ids=ids: _read_outside(f, index, ids))  # type: ignore[misc]
+        gains = {level: round(estimate[level], 2) for level in LEVELS}
+        if force or min(gains.values()) > 0:
+            accepted.update({f.id: gains for f in chain})
+            continue
+        refused.append(
+            {
+                "members": [[m.name or m.outputs[0].name for m in f.members] for f in chain],
+                "ops": sorted({f.members[0].op_type for f in chain}),
+                "reason": "the copies it needs cost more than the kernels it saves",
+                "predicted_gain_us": gains,
+            }
+        )
+    return accepted, refused
+
+
+def _read_outside(fold: Fold[Spec], index: FoldIndex[Spec], chain: Any) -> bool:
+    """Whether a member's output is read by anything but a fold of the chain that reads the
+    fold's tensor (or is a graph output): then the fold needs its slices cut out."""
+    readers: set[int] = set()
+    for other in index.folds:
+        if other.id in chain and other.spec.operand.source == fold.id:
+            readers.update(id(m) for m in other.members)
+    for member in fold.members:
+        output = member.outputs[0]
+        if output.is_graph_output or any(id(u.node) not in readers for u in output.uses()):
+            return True
+    return False
+
+
+def _describe(fold: Fold[Spec], names: list[str], tensor: Value, gains: dict[str, float]) -> dict[str, Any]:
+    layout = fold.spec.layout
+    return {
+        "id": fold.id,
+        "how": fold.spec.how,
+        "op": fold.members[0].op_type,
+        "members": names,
+        "tensor": tensor.name,
+        "layout": layout.kind,
+        "axis": layout.axis,
+        "ranges": [list(r) for r in layout.ranges],
+        "reads": fold.spec.operand.how,
+        "inputs": [[None if s is None else [s.fold, s.slice] for s in member] for member in fold.inputs],
+        "predicted_gain_us": gains,
+    }

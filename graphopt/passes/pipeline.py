@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PIPELINE: list[dict[str, Any]] = [
     {"pass": "shape-infer"},
     {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
+    {"pass": "unwind"},
     {"pass": "strip-value-info"},
 ]
 

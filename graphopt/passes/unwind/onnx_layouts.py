@@ -450,7 +450,7 @@ def derive(model: Model, profile: Profile = "onnx", allow_input_relayout: bool =
                     problem.pair(tensor, layout_tensor(want), weight(value))
             for value in node.outputs:
                 rank = rank_of(value, ranks)
-                if rank is not None and 1 <= rank <= MAX_RANK:
+                if rank is not None and 1 <= rank <= MAX_RANK and value not in derivation.sinks:
                     tensors[value] = problem.identity(layout_tensor(prescribed(node, rank, profile)), fresh(value.name))
     for value in graph.outputs:
         tensor = known(value)

@@ -212,6 +212,7 @@ _IMPORTS = {
         "graphopt.runner",
         "graphopt.passes.cleanup",
         "graphopt.passes.shapes",
+        "graphopt.passes.unwind",
         "graphopt.io.onnx_infer",
     ],
     "onnxsim": ["onnx", "onnxsim"],

@@ -340,3 +340,20 @@ def test_default_pipeline_on_tf_style_nhwc_keeps_numerics(corpus_dir: Path, tmp_
     assert data["numerics"]["status"] == "passed"
     assert "unwind" in [p["pass"] for p in data["passes"]]
     assert transposes(onnx.load(out)) == 1
+
+
+def test_a_transpose_whose_perm_does_not_fit_its_input_is_left_alone(tmp_path: Path) -> None:
+    """onnxruntime rejects such a model; the pass must neither fail on it nor touch it."""
+    node = helper.make_node("Transpose", ["x"], ["y"], perm=[0, 1, 2])
+    graph = helper.make_graph(
+        [node],
+        "bad-perm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    path = tmp_path / "bad.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    model = graphopt.load(path)
+    original = clone_model(model)
+    details = run_unwind(model)
+    assert not details["changed"] and same_json(original, model, tmp_path)

@@ -201,7 +201,9 @@ def role(node: Node, ranks: dict[Value, int], opset: int) -> Role:
         return fixed
     data = [v for v in node.inputs if v is not None]
     if op == "Transpose":
-        return Role("transpose") if rank_of(node.inputs[0], ranks) == out_rank else fixed
+        perm = node.attr("perm")
+        permutes = perm is None or sorted(perm) == list(range(out_rank))
+        return Role("transpose") if permutes and rank_of(node.inputs[0], ranks) == out_rank else fixed
     if op in UNARY or op in BROADCASTING:
         unwind = next(
             (

@@ -12,7 +12,7 @@ import errno
 import hashlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +28,16 @@ from graphopt.ir import Model
 from graphopt.passes.pipeline import PassRun
 from graphopt.report import check_report_target, write_report
 
-__all__ = ["RunOptions", "as_onnx", "blame", "default_output", "file_digest", "is_optimized", "optimize_file"]
+__all__ = [
+    "RunOptions",
+    "as_onnx",
+    "blame",
+    "default_output",
+    "file_digest",
+    "input_layouts",
+    "is_optimized",
+    "optimize_file",
+]
 
 
 @dataclass
@@ -193,6 +202,7 @@ def _optimize_file(
                     inputs=options.inputs,
                     atol=options.atol,
                     rtol=options.rtol,
+                    input_layouts=input_layouts(result.pipeline_run.runs),
                 )
                 report["numerics"] = outcome.as_dict()
                 report["seconds"]["check"] = round(time.perf_counter() - check_start, 6)
@@ -225,6 +235,18 @@ def _optimize_file(
             with contextlib.suppress(OSError):  # only the folders this run made, and only if left empty
                 folder.rmdir()
     return report, exit_code
+
+
+def input_layouts(runs: Sequence[PassRun]) -> dict[str, tuple[int, ...]]:
+    """The layouts passes gave graph inputs (the ``relaid_inputs`` of their details, name ->
+    {"layout": perm}), composed in run order: what the check feeds the optimized model."""
+    layouts: dict[str, tuple[int, ...]] = {}
+    for run in runs:
+        for name, relaid in run.details.get("relaid_inputs", {}).items():
+            earlier = layouts.get(name)
+            layout = tuple(relaid["layout"])
+            layouts[name] = layout if earlier is None else tuple(earlier[axis] for axis in layout)
+    return layouts
 
 
 def _staging(stack: contextlib.ExitStack, folder: Path, output: Path) -> Path:
@@ -362,7 +384,11 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
     while bad - good > 1:
         middle = (good + bad) // 2
         reruns += 1
-        if check_models_isolated(reference, model_after(middle), **check_options).status == "failed":
+        relaid = input_layouts(runs.pipeline_run.runs[:middle])
+        if (
+            check_models_isolated(reference, model_after(middle), input_layouts=relaid, **check_options).status
+            == "failed"
+        ):
             bad = middle
         else:
             good = middle

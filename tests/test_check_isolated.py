@@ -80,3 +80,24 @@ def test_run_survives_an_onnxruntime_segfault(tmp_path: Path) -> None:
     result = invoke("run", source, "-o", tmp_path / "out" / "split.onnx", "--json")
     assert result.exit_code in (0, 1), result.stderr
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".graphopt-")]
+
+
+def test_a_crash_of_a_model_with_relaid_inputs_fails_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second child runs the original against itself: the optimized model's input
+    layouts are not applied there."""
+
+    def transposed(path: Path, shape: list[int]) -> Path:
+        graph = helper.make_graph(
+            [helper.make_node("Relu", ["x"], ["y"])],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        )
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
+        return path
+
+    original, optimized = transposed(tmp_path / "a.onnx", [2, 3]), transposed(tmp_path / "b.onnx", [3, 2])
+    _crash_on(optimized, monkeypatch)
+    result = check_models_isolated(original, optimized, input_layouts={"x": [1, 0]})
+    assert result.status == "failed"
+    assert result.reason == "onnxruntime crashed with SIGSEGV running the optimized model"

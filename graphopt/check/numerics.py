@@ -32,7 +32,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -158,6 +158,7 @@ def check_models(
     timeout: float | None = None,
     threads: int = 1,
     refuse_other_inputs: bool = False,
+    input_layouts: Mapping[str, Sequence[int]] | None = None,
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
 
@@ -173,10 +174,14 @@ def check_models(
         threads: onnxruntime intra-op threads (1 keeps runs repeatable).
         refuse_other_inputs: two models whose inputs differ are bad input (comparing two
             arbitrary files), not a failed check (an optimization that changed the interface).
+        input_layouts: inputs the optimized model takes in another layout, name -> perm (as
+            the unwind pass reports the inputs it re-laid out): the optimized model is fed the
+            original's data transposed by perm.
 
     Raises:
         InputError: a file cannot be read, the .npz does not fit the model, ``dims`` names
-            a dim the model does not have, or (``refuse_other_inputs``) the inputs differ.
+            a dim the model does not have, ``input_layouts`` names no input of the original or
+            gives no permutation of its axes, or (``refuse_other_inputs``) the inputs differ.
     """
     started = time.perf_counter()
     criterion = Criterion.make(atol, rtol)
@@ -193,6 +198,7 @@ def check_models(
     original, optimized = Path(original), Path(optimized)
     spec_a, spec_b = read_spec(original), read_spec(optimized)
     _check_dim_names(spec_a, dims or {})
+    layouts = _check_layouts(spec_a, input_layouts or {})
     mismatch = _signature_mismatch(spec_a, spec_b)
     if mismatch and refuse_other_inputs and mismatch.startswith("inputs"):
         raise InputError(f"{original} and {optimized} cannot be compared: their {mismatch}")
@@ -242,7 +248,7 @@ def check_models(
     failure: str | None = None
     for binding_dims, feed, expected in ran:
         try:
-            actual = deadline.run(session, feed)
+            actual = deadline.run(session, _relaid(feed, layouts))
         except _OrtError as exc:
             failure = f"the optimized model failed to run at {_dims_text(binding_dims)}: {exc}"
             break
@@ -307,6 +313,26 @@ def _check_dim_names(spec: ModelSpec, fixed: Mapping[str, int]) -> None:
     if unknown:
         have = ", ".join(sorted(names)) or "none"
         raise InputError(f"--dim {', '.join(unknown)}: the model has no such dynamic input dim (it has: {have})")
+
+
+def _check_layouts(spec: ModelSpec, layouts: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    ranks = {s.name: len(s.shape) if s.shape is not None else None for s in spec.inputs}
+    checked: dict[str, tuple[int, ...]] = {}
+    for name, perm in layouts.items():
+        if name not in ranks:
+            raise InputError(f"input layouts: the model has no input {name!r}")
+        checked[name] = tuple(int(axis) for axis in perm)
+        if ranks[name] is not None and sorted(checked[name]) != list(range(ranks[name] or 0)):
+            raise InputError(f"input layouts: {list(perm)} is no permutation of the axes of input {name!r}")
+    return checked
+
+
+def _relaid(feed: Mapping[str, np.ndarray], layouts: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """``feed`` with each input of ``layouts`` transposed into its layout."""
+    return {
+        name: np.ascontiguousarray(array.transpose(layouts[name])) if name in layouts else array
+        for name, array in feed.items()
+    }
 
 
 def _signature_mismatch(a: ModelSpec, b: ModelSpec) -> str | None:

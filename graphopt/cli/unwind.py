@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.markup import escape
@@ -13,6 +13,9 @@ from rich.table import Table
 
 from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr
 from graphopt.errors import InputError
+
+if TYPE_CHECKING:
+    from graphopt.passes.unwind.solvers import SolverName
 
 
 @cli.command(epilog=EXIT_CODES)
@@ -34,7 +37,7 @@ from graphopt.errors import InputError
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the solution as JSON on stdout.")
 @guarded
-def unwind(problem: Path, solver: str, time_budget: float, as_json: bool) -> None:
+def unwind(problem: Path, solver: SolverName, time_budget: float, as_json: bool) -> None:
     """Choose sink layouts that maximize a layout problem's objective.
 
     PROBLEM is a layout problem (schemas/unwind.schema.json) or a graphopt JSON graph with

@@ -42,16 +42,20 @@ __all__ = [
 DEFAULT_MAX_STEPS = 8
 logger = logging.getLogger(__name__)
 
-# The default pipeline: every pass that exists, in the order the design gives.
+_SIMPLIFY: dict[str, Any] = {
+    "group": "simplify",
+    "steps": [{"pass": "const-cache"}, {"pass": "fuse"}, {"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}],
+}
+
+# The default pipeline: every pass that exists, in the order the design gives. simplify runs
+# again after fold and unwind: a Transpose gone exposes per-channel Mul/Add that fuse into Conv.
 DEFAULT_PIPELINE: list[dict[str, Any]] = [
     {"pass": "shape-infer"},
     {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
-    {
-        "group": "simplify",
-        "steps": [{"pass": "const-cache"}, {"pass": "fuse"}, {"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}],
-    },
+    _SIMPLIFY,
     {"pass": "fold"},
-    {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
+    {"pass": "unwind"},
+    _SIMPLIFY,
     {"pass": "strip-value-info"},
 ]
 

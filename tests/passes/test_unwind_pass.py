@@ -101,9 +101,11 @@ def _save(graph: onnx.GraphProto, path: Path, opset: int = 18) -> Path:
     return path
 
 
-def _unwind_file(source: Path, tmp_path: Path) -> tuple[onnx.ModelProto, dict]:
+def _unwind_file(source: Path, tmp_path: Path, before: str = "", **options: object) -> tuple[onnx.ModelProto, dict]:
     model = graphopt.load(source)
-    details = run_unwind(model)
+    if before:
+        pipeline_from_names(before).run(model)
+    details = run_unwind(model, **options)
     graphopt.save(model, tmp_path / "out.onnx")
     written = onnx.load(tmp_path / "out.onnx")
     onnx.checker.check_model(written, full_check=True)
@@ -146,9 +148,7 @@ def test_attention_head_split_keeps_its_semantic_transposes(tmp_path: Path) -> N
     assert same_json(original, model, tmp_path)
 
 
-def test_nhwc_graph_with_axes_ops_loses_its_transposes(tmp_path: Path) -> None:
-    """Transposes around Convs, with Concat, Softmax, reductions (axes as an input at opset
-    18, with and without keepdims), broadcast constants and a graph output in between."""
+def _nhwc_graph_with_axes_ops() -> onnx.GraphProto:
     rng = np.random.default_rng(0)
     c = 3
     nodes = [
@@ -166,7 +166,7 @@ def test_nhwc_graph_with_axes_ops_loses_its_transposes(tmp_path: Path) -> None:
         helper.make_node("Transpose", ["conv2"], ["out_nhwc"], perm=[0, 2, 3, 1]),
         helper.make_node("ReduceMean", ["out_nhwc", "hw"], ["y"], keepdims=0),
     ]
-    graph = helper.make_graph(
+    return helper.make_graph(
         nodes,
         "nhwc",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 6, 5, c])],
@@ -181,7 +181,12 @@ def test_nhwc_graph_with_axes_ops_loses_its_transposes(tmp_path: Path) -> None:
             numpy_helper.from_array(rng.standard_normal((4, 8, 1, 1)).astype(np.float32), "w2"),
         ],
     )
-    source = _save(graph, tmp_path / "nhwc.onnx")
+
+
+def test_nhwc_graph_with_axes_ops_loses_its_transposes(tmp_path: Path) -> None:
+    """Transposes around Convs, with Concat, Softmax, reductions (axes as an input at opset
+    18, with and without keepdims), broadcast constants and a graph output in between."""
+    source = _save(_nhwc_graph_with_axes_ops(), tmp_path / "nhwc.onnx")
     written, details = _unwind_file(source, tmp_path)
     # The input's Transpose stays, and the graph output `act` is converted back to NHWC.
     assert details["transposes"] == [4, 2]
@@ -189,6 +194,33 @@ def test_nhwc_graph_with_axes_ops_loses_its_transposes(tmp_path: Path) -> None:
     assert [o.name for o in written.graph.output] == ["y", "act"]
     assert {t.name for t in written.graph.initializer} >= {"w", "w2"}
     assert "hw" not in {t.name for t in written.graph.initializer}  # both reductions read renumbered axes
+
+
+def test_the_nhwc_profile_keeps_numerics(tmp_path: Path) -> None:
+    """Under a channels-last profile the Convs' outputs flow on in NHWC: the Transposes that
+    carry them are made before their first reader, and the numbers stay."""
+    source = _save(_nhwc_graph_with_axes_ops(), tmp_path / "nhwc.onnx")
+    written, details = _unwind_file(source, tmp_path, profile="nhwc")
+    assert details["transposes"][1] == transposes(written)
+
+
+def test_a_constant_node_read_only_by_a_transpose_is_re_laid_out(tmp_path: Path) -> None:
+    nodes = [
+        helper.make_node(
+            "Constant", [], ["c"], value=numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3))
+        ),
+        helper.make_node("Transpose", ["c"], ["ct"], perm=[1, 0]),
+        helper.make_node("Add", ["x", "ct"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "constant",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])],
+    )
+    written, details = _unwind_file(_save(graph, tmp_path / "constant.onnx"), tmp_path, "shape-infer")
+    assert details["transposes"] == [1, 0]
+    assert [n.op_type for n in written.graph.node] == ["Add"]
 
 
 def test_transposes_that_cancel_around_elementwise_ops_go(tmp_path: Path) -> None:
@@ -227,3 +259,101 @@ def test_the_pass_and_its_options_are_listed() -> None:
     listed = {p["name"]: p for p in json.loads(result.stdout)["passes"]}
     options = {o["name"] for o in listed["unwind"]["options"]}
     assert options == {"solver", "time_budget", "profile", "allow_input_relayout"}
+
+
+def _relayout_config(tmp_path: Path) -> Path:
+    config = tmp_path / "relayout.toml"
+    config.write_text('[[pipeline]]\npass = "unwind"\noptions = { allow_input_relayout = true }\n')
+    return config
+
+
+def test_run_with_input_relayout_checks_numerics_on_transposed_inputs(corpus_dir: Path, tmp_path: Path) -> None:
+    out, report = tmp_path / "out.onnx", tmp_path / "report.json"
+    config = _relayout_config(tmp_path)
+    result = invoke("run", corpus_dir / "tf_style_nhwc.onnx", "-o", out, "--config", config, "--report", report)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["numerics"]["status"] == "passed", data["numerics"]
+    assert data["passes"][0]["details"]["relaid_inputs"]["input_1"]["layout"] == [0, 3, 1, 2]
+    assert transposes(onnx.load(out)) == 0
+
+
+def test_the_check_still_catches_a_relaid_model_that_computes_otherwise(corpus_dir: Path, tmp_path: Path) -> None:
+    """The relaid input's feed is transposed for the optimized model only: a model whose
+    input was re-laid out with the wrong permutation fails the check."""
+    from graphopt.check import check_models
+
+    source = corpus_dir / "tf_style_nhwc.onnx"
+    model = graphopt.load(source)
+    details = run_unwind(model, allow_input_relayout=True)
+    graphopt.save(model, tmp_path / "relaid.onnx")
+    layout = details["relaid_inputs"]["input_1"]["layout"]
+    assert check_models(source, tmp_path / "relaid.onnx", input_layouts={"input_1": layout}).status == "passed"
+    # (0, 3, 2, 1) gives the same shape only for a square image: H and W swapped.
+    wrong = check_models(source, tmp_path / "relaid.onnx", input_layouts={"input_1": [0, 3, 2, 1]})
+    assert wrong.status == "failed"
+    unchecked = check_models(source, tmp_path / "relaid.onnx")
+    assert unchecked.status == "failed" and "failed to run" in (unchecked.reason or "")
+
+
+@pytest.mark.parametrize(
+    ("layouts", "message"),
+    [({"nope": [0, 1, 2, 3]}, "no input 'nope'"), ({"input_1": [0, 1, 1, 2]}, "no permutation")],
+)
+def test_input_layouts_that_do_not_fit_the_model_are_bad_input(
+    corpus_dir: Path, layouts: dict[str, list[int]], message: str
+) -> None:
+    from graphopt.check import check_models
+    from graphopt.errors import InputError
+
+    source = corpus_dir / "tf_style_nhwc.onnx"
+    with pytest.raises(InputError, match=message):
+        check_models(source, source, input_layouts=layouts)
+
+
+def test_input_layouts_of_passes_compose_in_run_order() -> None:
+    from graphopt.ir.stats import ModelStats
+    from graphopt.passes.pipeline import PassRun
+    from graphopt.runner import input_layouts
+
+    empty = ModelStats(0, 0, 0, {})
+
+    def run(details: dict) -> PassRun:
+        return PassRun("unwind", None, 0, 0.0, empty, empty, True, details)
+
+    runs = [
+        run({"relaid_inputs": {"x": {"layout": [0, 2, 3, 1]}}}),
+        run({}),
+        run({"relaid_inputs": {"x": {"layout": [1, 0, 3, 2]}, "y": {"layout": [1, 0]}}}),
+    ]
+    x = np.arange(2 * 3 * 4 * 5).reshape(2, 3, 4, 5)
+    layouts = input_layouts(runs)
+    assert np.array_equal(x.transpose(layouts["x"]), x.transpose(0, 2, 3, 1).transpose(1, 0, 3, 2))
+    assert layouts["y"] == (1, 0)
+
+
+def test_default_pipeline_on_tf_style_nhwc_keeps_numerics(corpus_dir: Path, tmp_path: Path) -> None:
+    out, report = tmp_path / "out.onnx", tmp_path / "report.json"
+    result = invoke("run", corpus_dir / "tf_style_nhwc.onnx", "-o", out, "--report", report)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["numerics"]["status"] == "passed"
+    assert "unwind" in [p["pass"] for p in data["passes"]]
+    assert transposes(onnx.load(out)) == 1
+
+
+def test_a_transpose_whose_perm_does_not_fit_its_input_is_left_alone(tmp_path: Path) -> None:
+    """onnxruntime rejects such a model; the pass must neither fail on it nor touch it."""
+    node = helper.make_node("Transpose", ["x"], ["y"], perm=[0, 1, 2])
+    graph = helper.make_graph(
+        [node],
+        "bad-perm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    path = tmp_path / "bad.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    model = graphopt.load(path)
+    original = clone_model(model)
+    details = run_unwind(model)
+    assert not details["changed"] and same_json(original, model, tmp_path)

@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphopt.errors import InputError
 from graphopt.ir import Model
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.unwind.onnx_layouts import PROFILES, derive
+from graphopt.passes.unwind.onnx_layouts import Profile, derive
 from graphopt.passes.unwind.rewrite import plan
-from graphopt.passes.unwind.solvers import DEFAULT_TIME_BUDGET, SOLVERS, solve
+from graphopt.passes.unwind.solvers import DEFAULT_TIME_BUDGET, SolverName, solve
 from graphopt.passes.unwind.spec import problem_from_json
 
 __all__ = ["Unwind"]
@@ -25,9 +24,14 @@ __all__ = ["Unwind"]
 
 @dataclass
 class UnwindOptions:
-    solver: str = field(default="default", metadata={"help": f"layout solver: {', '.join(SOLVERS)}"})
+    solver: SolverName = field(
+        default="default",
+        metadata={
+            "help": "layout solver: default (exact when small, else greedy with look-ahead and local search) or greedy"
+        },
+    )
     time_budget: float = field(default=DEFAULT_TIME_BUDGET, metadata={"help": "seconds the default solver may search"})
-    profile: str = field(
+    profile: Profile = field(
         default="onnx",
         metadata={"help": "layouts the target wants at Conv, pooling, MatMul, Gemm: onnx (NCHW, row-major) or nhwc"},
     )
@@ -44,10 +48,6 @@ class Unwind(Pass):
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         options = self.options
-        if options.solver not in SOLVERS:
-            raise InputError(f"unwind: unknown solver {options.solver!r}; known: {', '.join(SOLVERS)}")
-        if options.profile not in PROFILES:
-            raise InputError(f"unwind: unknown profile {options.profile!r}; known: {', '.join(PROFILES)}")
         details: dict[str, Any] = {}
         if "layout" in model.extensions:
             given = problem_from_json(model.extensions["layout"], "the model's layout section", "$.layout")
@@ -58,7 +58,7 @@ class Unwind(Pass):
             return PassResult(False, details | {"transposes": [0, 0]})
         derivation = derive(model, options.profile, options.allow_input_relayout)
         solution = solve(derivation.problem, options.solver, options.time_budget)
-        rewrite = plan(graph, derivation, derivation.sink_layouts(solution), options.profile)
+        rewrite = plan(model, derivation, derivation.sink_layouts(solution), options.profile, ctx)
         changed = rewrite.transposes < before
         if changed:
             rewrite.apply()

@@ -22,7 +22,7 @@ only; :func:`role` is the classification the rewrite shares):
   its outputs have that layout (``onnx``: row-major everywhere; ``nhwc``: channels last
   for convolutions and pooling);
 - graph inputs are sources in row-major layout, or sinks with ``allow_input_relayout``;
-  an initializer read only by Transposes is a sink (re-laid out offline, once); graph
+  a constant read only by Transposes is a sink (re-laid out offline, once); graph
   outputs are paired with row-major (their layout is the interface).
 
 Each pair is worth the value's element count (unknown dims count as 1), split over the
@@ -34,14 +34,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
-from graphopt.ir import Graph, Model, Node, Tensor, TensorType, Value
+from graphopt.ir import Graph, Model, Node, TensorType, Value
+from graphopt.ir.constness import constant_array, is_constant
 from graphopt.passes.unwind.problem import Problem
 from graphopt.passes.unwind.solution import Solution
 
-__all__ = ["Derivation", "Layout", "Role", "constant_array", "derive", "identity", "inverse", "role"]
+__all__ = ["Derivation", "Layout", "Profile", "Role", "derive", "identity", "inverse", "role"]
 
 Layout = tuple[int, ...]
 MAX_RANK = 6
@@ -149,7 +151,8 @@ SPATIAL = frozenset(
         "LRN",
     ]
 )
-PROFILES = ("onnx", "nhwc")
+# The layouts a target wants at Conv, pooling, MatMul and Gemm.
+Profile = Literal["onnx", "nhwc"]
 
 
 def identity(rank: int) -> Layout:
@@ -177,19 +180,6 @@ class Role:
     keepdims: bool = True
 
 
-def constant_array(value: Value | None) -> np.ndarray | None:
-    """The values of an initializer (not a graph input) or a ``Constant`` node's tensor."""
-    if value is None:
-        return None
-    if isinstance(value.const, Tensor) and not value.is_graph_input:
-        return value.const.numpy()
-    producer = value.producer
-    if producer is not None and producer.op_type == "Constant" and producer.in_standard_domain:
-        tensor = producer.attr("value")
-        return tensor.numpy() if isinstance(tensor, Tensor) and len(producer.attributes) == 1 else None
-    return None
-
-
 def rank_of(value: Value | None, ranks: dict[Value, int]) -> int | None:
     if value is None:
         return None
@@ -211,13 +201,15 @@ def role(node: Node, ranks: dict[Value, int], opset: int) -> Role:
         return fixed
     data = [v for v in node.inputs if v is not None]
     if op == "Transpose":
-        return Role("transpose") if rank_of(node.inputs[0], ranks) == out_rank else fixed
+        perm = node.attr("perm")
+        permutes = perm is None or sorted(perm) == list(range(out_rank))
+        return Role("transpose") if permutes and rank_of(node.inputs[0], ranks) == out_rank else fixed
     if op in UNARY or op in BROADCASTING:
         unwind = next(
             (
                 index
                 for index, value in enumerate(node.inputs)
-                if value is not None and constant_array(value) is None and rank_of(value, ranks) == out_rank
+                if value is not None and not is_constant(value) and rank_of(value, ranks) == out_rank
             ),
             None,
         )
@@ -225,7 +217,7 @@ def role(node: Node, ranks: dict[Value, int], opset: int) -> Role:
             return fixed
         for value in data:
             rank = rank_of(value, ranks)
-            if rank is None or (constant_array(value) is None and rank not in (0, out_rank)) or rank > out_rank:
+            if rank is None or (not is_constant(value) and rank not in (0, out_rank)) or rank > out_rank:
                 return fixed
         return Role("elementwise", unwind=unwind)
     in_rank = rank_of(node.inputs[0], ranks) if node.inputs else None
@@ -304,7 +296,7 @@ def _elements(value: Value) -> int:
     return 1
 
 
-def prescribed(node: Node, rank: int, profile: str) -> Layout:
+def prescribed(node: Node, rank: int, profile: Profile) -> Layout:
     """The layout the profile wants for a fixed node's data input and outputs."""
     if profile == "nhwc" and node.op_type in SPATIAL and rank >= 3:
         return (0, *range(2, rank), 1)
@@ -318,7 +310,7 @@ class Derivation:
     problem: Problem
     ranks: dict[Value, int]
     roles: dict[Node, Role]
-    # Graph inputs and initializers whose layout the solver chooses, by their problem tensor.
+    # Graph inputs and constants whose layout the solver chooses, by their problem tensor.
     sinks: dict[Value, str] = field(default_factory=dict)
 
     def sink_layouts(self, solution: Solution) -> dict[Value, Layout]:
@@ -355,7 +347,7 @@ def _layout_of(problem: Problem, mapped: np.ndarray, rank: int) -> Layout | None
     return inverse(tuple(taken)) if np.array_equal(offsets, expected) else None
 
 
-def derive(model: Model, profile: str = "onnx", allow_input_relayout: bool = False) -> Derivation:
+def derive(model: Model, profile: Profile = "onnx", allow_input_relayout: bool = False) -> Derivation:
     graph = model.graph
     ranks = infer_ranks(graph)
     problem = Problem()
@@ -396,23 +388,20 @@ def derive(model: Model, profile: str = "onnx", allow_input_relayout: bool = Fal
             tensors[value] = problem.identity(layout_tensor(identity(rank)), fresh(value.name))
         return tensors[value]
 
-    readers: dict[Value, set[str]] = {}
-    for node in graph:
-        for value in node.inputs:
-            if value is not None:
-                readers.setdefault(value, set()).add(node.op_type)
-    for value in graph.inputs:
-        rank = rank_of(value, ranks)
-        relayable = value.const is None and not value.is_graph_output
+    for given in graph.inputs:
+        rank = rank_of(given, ranks)
+        relayable = given.const is None and not given.is_graph_output  # a default would move too
         if allow_input_relayout and relayable and rank is not None and 2 <= rank <= MAX_RANK:
-            tensors[value] = problem.sink((2,) * rank, fresh(value.name))
-            derivation.sinks[value] = tensors[value]
-    for value in graph.initializers.values():
-        rank = rank_of(value, ranks)
-        only_transposed = readers.get(value) == {"Transpose"} and not value.is_graph_output
-        if only_transposed and rank is not None and 2 <= rank <= MAX_RANK and not value.is_graph_input:
-            tensors[value] = problem.sink((2,) * rank, fresh(value.name))
-            derivation.sinks[value] = tensors[value]
+            tensors[given] = problem.sink((2,) * rank, fresh(given.name))
+            derivation.sinks[given] = tensors[given]
+    constants = [*graph.initializers.values(), *(n.outputs[0] for n in graph if n.op_type == "Constant")]
+    for constant in constants:
+        rank = rank_of(constant, ranks)
+        readers = {use.node.op_type for use in constant.uses()}
+        only_transposed = readers == {"Transpose"} and not constant.is_graph_output and is_constant(constant)
+        if only_transposed and rank is not None and 2 <= rank <= MAX_RANK:
+            tensors[constant] = problem.sink((2,) * rank, fresh(constant.name))
+            derivation.sinks[constant] = tensors[constant]
 
     for node in graph.topological():
         node_role = role(node, ranks, model.opset)
@@ -430,7 +419,7 @@ def derive(model: Model, profile: str = "onnx", allow_input_relayout: bool = Fal
                 tensor = ins[index]
                 if index == node_role.unwind or tensor is None or value is None:
                     continue
-                if constant_array(value) is None:
+                if not is_constant(value):
                     problem.pair(tensor, main, weight(value))
                     operands.append(tensor)
                     continue
@@ -463,7 +452,7 @@ def derive(model: Model, profile: str = "onnx", allow_input_relayout: bool = Fal
                     problem.pair(tensor, layout_tensor(want), weight(value))
             for value in node.outputs:
                 rank = rank_of(value, ranks)
-                if rank is not None and 1 <= rank <= MAX_RANK:
+                if rank is not None and 1 <= rank <= MAX_RANK and value not in derivation.sinks:
                     tensors[value] = problem.identity(layout_tensor(prescribed(node, rank, profile)), fresh(value.name))
     for value in graph.outputs:
         tensor = known(value)

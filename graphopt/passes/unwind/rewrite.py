@@ -1,41 +1,46 @@
 """Write a layout solution into the graph: the one module of the unwind pass that edits the IR.
 
-Given the layouts of the sinks (graph inputs and Transpose-only initializers), every
-other layout follows, node by node in topological order, exactly as in the derived
+Given the layouts of the sinks (graph inputs and constants read only by Transposes),
+every other layout follows, node by node in topological order, exactly as in the derived
 problem (:mod:`onnx_layouts`). Each value ``v`` is carried by a *holder*, the IR value
-whose data is ``v.transpose(layout)``:
+whose data is ``v.transpose(physical)``; its *flow* layout is the one the nodes after it
+take, the same as ``physical`` except after a fixed node whose profile prescribes another
+layout (the holder is then the node's row-major output, and a Transpose is made before
+the first reader that wants the prescribed layout):
 
-- a Transpose is a view: its output's holder is its input's, its layout the input's
+- a Transpose is a view: its output's holder is its input's, its layouts the input's
   composed with the permutation, and the node goes;
-- an element-wise op, a Softmax-like op, a reduction and a Concat run on the holders
-  as they are, with axes attributes (Concat ``axis``, reduction ``axes``, Softmax
-  ``axis``) renumbered to the layout; a non-constant operand in another layout gets a
-  Transpose, a constant operand is re-laid out offline (a new initializer);
+- an element-wise op, a Softmax-like op, a reduction and a Concat run on holders in
+  their input's flow layout, with axes attributes (Concat ``axis``, reduction ``axes``,
+  Softmax ``axis``) renumbered to it; a non-constant operand held in another layout
+  gets a Transpose, a constant operand is re-laid out offline (a new initializer);
 - a fixed node reads its inputs row-major (a Transpose where they are not) and writes
-  its outputs row-major, or, for a profile that prescribes another layout, a Transpose
-  after it;
+  its outputs row-major;
 - a graph output is converted back to row-major under its own name.
 
 :func:`plan` walks the graph without touching it and returns the number of Transposes
 the rewrite would leave, with the edits that write it; the pass applies the edits only
-when they leave fewer Transposes than the graph has.
+when they leave fewer Transposes than the graph has. Values that the edits create exist
+only once the plan is applied: the plan refers to them through :class:`_Made` slots.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 
-from graphopt.ir import Attr, AttrKind, DataType, Graph, Node, Tensor, TensorType, Type, Value
+from graphopt.ir import Graph, Model, Node, TensorType, Type, Value
+from graphopt.ir.constness import constant_array, constant_tensor, is_constant
+from graphopt.ir.rewrite import Builder, Namer, attribute, replace_value
+from graphopt.passes.base import PassContext
 from graphopt.passes.unwind.onnx_layouts import (
     Derivation,
     Layout,
+    Profile,
     Role,
-    constant_array,
     identity,
     inverse,
     prescribed,
@@ -43,6 +48,8 @@ from graphopt.passes.unwind.onnx_layouts import (
 )
 
 __all__ = ["Plan", "plan"]
+
+TAG = "unwind"
 
 
 @dataclass
@@ -57,8 +64,27 @@ class Plan:
             edit()
 
 
-def plan(graph: Graph, derivation: Derivation, sink_layouts: dict[Value, Layout], profile: str) -> Plan:
-    return _Planner(graph, derivation, profile).plan(sink_layouts)
+@dataclass(eq=False)
+class _Made:
+    """A value an edit creates when the plan is applied; the edits after it read it here."""
+
+    value: Value | None = None
+
+
+Carrier = Value | _Made
+
+
+def _resolved(carrier: Carrier) -> Value:
+    if isinstance(carrier, Value):
+        return carrier
+    assert carrier.value is not None, "an edit read a value before the edit that makes it"
+    return carrier.value
+
+
+def plan(
+    model: Model, derivation: Derivation, sink_layouts: dict[Value, Layout], profile: Profile, ctx: PassContext
+) -> Plan:
+    return _Planner(model, derivation, profile, ctx).plan(sink_layouts)
 
 
 def _permuted(value_type: Type | None, layout: Layout) -> Type | None:
@@ -67,23 +93,40 @@ def _permuted(value_type: Type | None, layout: Layout) -> Type | None:
     return value_type
 
 
+def _all_values(value: Value) -> np.ndarray:
+    """Every element of a constant: it is re-laid out whole."""
+    tensor = constant_tensor(value)
+    array = constant_array(value, tensor.size) if tensor is not None else None
+    if array is None:
+        raise ValueError(f"unwind: cannot read the constant {value.name!r} to re-lay it out")
+    return array
+
+
+def _composed(perm: Layout, layout: Layout) -> Layout:
+    """The layout of ``x.transpose(perm)`` held in ``x``'s data laid out by ``layout``."""
+    where = inverse(perm)
+    return tuple(where[axis] for axis in layout)
+
+
 class _Planner:
-    def __init__(self, graph: Graph, derivation: Derivation, profile: str) -> None:
-        self.graph = graph
+    def __init__(self, model: Model, derivation: Derivation, profile: Profile, ctx: PassContext) -> None:
+        self.model = model
+        self.graph = model.graph
+        self.ctx = ctx
+        self.names: Namer = ctx.names(model)
         self.ranks = derivation.ranks
         self.roles = derivation.roles
         self.profile = profile
-        self.layouts: dict[Value, Layout] = {}
-        self.holders: dict[Value, Value] = {}
-        self.conversions: dict[tuple[int, Layout], Value] = {}
-        self.relaid: dict[tuple[int, Layout], Value] = {}
+        self.physical: dict[Value, Layout] = {}
+        self.flows: dict[Value, Layout] = {}  # where the flow layout is not the physical one
+        self.holders: dict[Value, Carrier] = {}
+        self.conversions: dict[tuple[int, Layout], Carrier] = {}
+        self.relaid: dict[tuple[int, Layout], Carrier] = {}
         # Constants some node stopped reading (re-laid out or renumbered axes).
         self.replaced: dict[int, Value] = {}
         # Transposes the derivation could not read as views stay.
-        kept = sum(1 for node in graph if node.op_type == "Transpose" and self._role(node).kind != "transpose")
+        kept = sum(1 for node in self.graph if node.op_type == "Transpose" and self._role(node).kind != "transpose")
         self.result = Plan(kept)
-        self.taken = {v.name for v in graph.values()}
-        self.counter = itertools.count()
 
     # -- helpers --------------------------------------------------------------------------
     def _role(self, node: Node) -> Role:
@@ -92,57 +135,61 @@ class _Planner:
     def _edit(self, function: Callable[..., object], *args: object) -> None:
         self.result.edits.append(partial(function, *args))
 
-    def _name(self, base: str) -> str:
-        while True:
-            name = f"{base}__unwind{next(self.counter)}"
-            if name not in self.taken:
-                self.taken.add(name)
-                return name
+    def _builder(self, before: Node | None) -> Builder:
+        return self.ctx.builder(self.model, self.graph, before=before, tag=TAG)
 
-    def _layout(self, value: Value) -> Layout | None:
+    def _physical(self, value: Value) -> Layout | None:
         rank = rank_of(value, self.ranks)
-        return None if rank is None else self.layouts.get(value, identity(rank))
+        return None if rank is None else self.physical.get(value, identity(rank))
 
-    def _holder(self, value: Value) -> Value:
+    def _flow(self, value: Value) -> Layout | None:
+        return self.flows.get(value) or self._physical(value)
+
+    def _holder(self, value: Value) -> Carrier:
         return self.holders.get(value, value)
 
-    def _transpose(self, source: Value, perm: Layout, out: Value) -> Node:
-        attr = Attr("perm", AttrKind.INTS, list(perm))
-        return Node("Transpose", [source], [out], [attr], name=self._name("Transpose"))
+    def _read(self, node: Node, index: int, carrier: Carrier) -> None:
+        """Let ``node`` read ``carrier`` at ``index`` (once the plan is applied)."""
+        if carrier is not node.inputs[index]:
+            self._edit(_set_input, node, index, carrier)
 
-    def _convert(self, value: Value, target: Layout, before: Node) -> Value:
-        """The value that carries ``value`` in layout ``target`` (a new Transpose if needed)."""
-        current = self._layout(value)
+    def _convert(self, value: Value, target: Layout, before: Node) -> Carrier:
+        """What carries ``value`` in layout ``target`` (a new Transpose before ``before`` if needed)."""
+        current = self._physical(value)
+        holder = self._holder(value)
         if current is None or current == target:
-            return self._holder(value)
-        key = (id(value), target)
+            return holder
+        perm = tuple(inverse(current)[axis] for axis in target)
+        key = (id(holder), perm)
         if key not in self.conversions:
             self.result.transposes += 1
-            perm = tuple(inverse(current)[axis] for axis in target)
-            converted = Value(self._name(value.name or "value"), _permuted(value.type, target))
-            self.conversions[key] = converted
-            self._edit(self.graph.insert_before, before, self._transpose(self._holder(value), perm, converted))
+            made = self.conversions[key] = _Made()
+            self._edit(self._make_transpose, made, holder, perm, before)
         return self.conversions[key]
 
-    def _relaid_constant(self, value: Value, rank: int, target: Layout) -> Value:
+    def _make_transpose(self, made: _Made, source: Carrier, perm: Layout, before: Node | None) -> None:
+        made.value = self._builder(before).op("Transpose", _resolved(source), perm=list(perm))
+
+    def _relaid_constant(self, value: Value, rank: int, target: Layout) -> Carrier:
         """``value`` broadcast to ``rank`` and stored in layout ``target``, as an initializer."""
         if target == identity(rank):
             return value
         key = (id(value), target)
         if key not in self.relaid:
-            array = constant_array(value)
-            assert array is not None
-            array = np.ascontiguousarray(array.reshape((1,) * (rank - array.ndim) + array.shape).transpose(target))
-            name = self._name(value.name or "constant")
-            dtype = DataType.from_numpy(array.dtype)
-            self.relaid[key] = Value(name, TensorType(dtype, array.shape), Tensor.from_array(array, name))
+            made = self.relaid[key] = _Made()
             self.replaced[id(value)] = value
-            self._edit(self.graph.add_initializer, self.relaid[key])
+            self._edit(self._make_relaid, made, value, rank, target)
         return self.relaid[key]
 
+    def _make_relaid(self, made: _Made, value: Value, rank: int, target: Layout) -> None:
+        array = _all_values(value)
+        array = array.reshape((1,) * (rank - array.ndim) + array.shape).transpose(target)
+        made.value = self._builder(None).constant(np.ascontiguousarray(array), value.name or "constant")
+
     def _output_layout(self, value: Value, layout: Layout) -> None:
+        """``value`` is written in ``layout`` by its own node."""
         if layout != identity(len(layout)):
-            self.layouts[value] = layout
+            self.physical[value] = layout
             self._edit(setattr, value, "type", _permuted(value.type, layout))
 
     # -- the walk -------------------------------------------------------------------------
@@ -151,15 +198,16 @@ class _Planner:
         for value, layout in sink_layouts.items():
             if layout == identity(len(layout)):
                 continue
-            self.layouts[value] = layout
-            if isinstance(value.const, Tensor):
-                self._edit(_relayout_initializer, value, layout)
+            self.physical[value] = layout
+            if is_constant(value):
+                made = self.holders[value] = _Made()
+                self.replaced[id(value)] = value
+                self._edit(self._make_relaid, made, value, len(layout), layout)
             else:
                 result.relaid_inputs[value.name] = layout
                 self._edit(setattr, value, "type", _permuted(value.type, layout))
         output_types = {v: v.type for v in graph.outputs}
         views: list[Node] = []
-        logical: set[Value] = set()  # fixed nodes' outputs, row-major, converted after them
         for node in graph.topological():
             kind = self._role(node).kind
             if kind == "transpose":
@@ -170,31 +218,29 @@ class _Planner:
             elif kind in ("reduce", "axis"):
                 self._axes(node)
             else:
-                logical.update(self._fixed(node))
+                self._fixed(node)
         for value in graph.outputs:
-            current = self._layout(value)
-            if current is None or value in logical:
-                continue
-            if current == identity(len(current)) and self._holder(value) is value:
+            current = self._physical(value)
+            if current is None or (current == identity(len(current)) and self._holder(value) is value):
                 continue
             if current != identity(len(current)):
                 result.transposes += 1
-            restored = Value(value.name, output_types[value])
-            self._edit(_restore_output, graph, value, self._holder(value), restored, current, self._name)
+            self._edit(self._restore_output, value, self._holder(value), current, output_types[value])
         for view in reversed(views):
             self._edit(_drop, view)
         for original in self.replaced.values():
-            if original.name in graph.initializers and graph.initializers[original.name] is original:
-                self._edit(_drop_initializer, graph, original)
+            self._edit(_drop_constant, graph, original)
         return result
 
     def _view(self, node: Node) -> None:
         x, y = node.inputs[0], node.outputs[0]
         assert x is not None
-        source = self._layout(x)
-        assert source is not None
-        perm = tuple(node.attr("perm", list(reversed(range(len(source))))))
-        self.layouts[y] = tuple(inverse(perm)[axis] for axis in source)
+        physical, flow = self._physical(x), self._flow(x)
+        assert physical is not None and flow is not None
+        perm = tuple(node.attr("perm", list(reversed(range(len(physical))))))
+        self.physical[y] = _composed(perm, physical)
+        if flow != physical:
+            self.flows[y] = _composed(perm, flow)
         self.holders[y] = self._holder(x)
 
     def _elementwise(self, node: Node) -> None:
@@ -202,123 +248,99 @@ class _Planner:
         main_index = role.unwind if role.kind == "elementwise" else 0
         main = node.inputs[main_index]
         assert main is not None
-        target = self._layout(main)
+        target = self._flow(main)
         assert target is not None
         for index, value in enumerate(node.inputs):
             if value is None or rank_of(value, self.ranks) == 0:
                 continue
-            if index != main_index and constant_array(value) is not None:
-                replacement = self._relaid_constant(value, len(target), target)
+            if index != main_index and is_constant(value):
+                self._read(node, index, self._relaid_constant(value, len(target), target))
             else:
-                replacement = self._convert(value, target, node)
-            if replacement is not value:
-                self._edit(node.set_input, index, replacement)
+                self._read(node, index, self._convert(value, target, node))
         if role.kind == "concat":
             axis = node.attr("axis", 0) % len(target)
-            self._edit(_set_int, node, "axis", inverse(target)[axis])
+            self._edit(_set_attribute, node, "axis", inverse(target)[axis])
         self._output_layout(node.outputs[0], target)
 
     def _axes(self, node: Node) -> None:
         role = self._role(node)
         x = node.inputs[0]
         assert x is not None
-        source = self._layout(x)
+        source = self._flow(x)
         assert source is not None
-        if self._holder(x) is not x:
-            self._edit(node.set_input, 0, self._holder(x))
+        self._read(node, 0, self._convert(x, source, node))
         where = inverse(source)
         rank = len(source)
         if role.kind == "axis":
             axis = node.attr("axis", -1) % rank
             if where[axis] != axis:
-                self._edit(_set_int, node, "axis", where[axis])
+                self._edit(_set_attribute, node, "axis", where[axis])
             self._output_layout(node.outputs[0], source)
             return
         physical = sorted(where[a] for a in role.axes)
         if physical != list(role.axes):
-            if node.attr("axes") is not None:
-                self._edit(node.attributes.__setitem__, "axes", Attr("axes", AttrKind.INTS, physical))
+            original = node.inputs[1] if node.attr("axes") is None else None
+            if original is None:
+                self._edit(_set_attribute, node, "axes", physical)
             else:
-                name = self._name("axes")
-                array = np.array(physical, dtype=np.int64)
-                axes = Value(name, TensorType(DataType.INT64, array.shape), Tensor.from_array(array, name))
-                self._edit(self.graph.add_initializer, axes)
-                self._edit(node.set_input, 1, axes)
-                original = node.inputs[1]
-                assert original is not None
+                made = _Made()
                 self.replaced[id(original)] = original
+                self._edit(self._make_axes, made, physical)
+                self._read(node, 1, made)
         if role.keepdims:
             self._output_layout(node.outputs[0], source)
         else:
             kept = [a for a in range(rank) if a not in role.axes]
             self._output_layout(node.outputs[0], tuple(kept.index(source[j]) for j in range(rank) if j not in physical))
 
-    def _fixed(self, node: Node) -> list[Value]:
-        """Row-major in; the profile's layout out. Returns the outputs that stay row-major
-        while a Transpose after the node carries them on in another layout."""
+    def _make_axes(self, made: _Made, axes: list[int]) -> None:
+        made.value = self._builder(None).constant(np.array(axes, dtype=np.int64), "axes")
+
+    def _fixed(self, node: Node) -> None:
+        """Row-major in and out; the nodes after it take the layout the profile prescribes."""
         for index, value in enumerate(node.inputs):
             rank = rank_of(value, self.ranks)
             if value is not None and rank is not None:
-                replacement = self._convert(value, identity(rank), node)
-                if replacement is not value:
-                    self._edit(node.set_input, index, replacement)
-        carried = []
+                self._read(node, index, self._convert(value, identity(rank), node))
         for value in node.outputs:
             rank = rank_of(value, self.ranks)
-            if rank is None or prescribed(node, rank, self.profile) == identity(rank):
-                continue
-            want = prescribed(node, rank, self.profile)
-            converted = Value(self._name(value.name or "value"), _permuted(value.type, want))
-            self.result.transposes += 1
-            self._edit(_append_after, self.graph, node, value, converted, self._transpose(value, want, converted))
-            self.holders[value] = converted
-            self.layouts[value] = want
-            carried.append(value)
-        return carried
+            if rank is not None and prescribed(node, rank, self.profile) != identity(rank):
+                self.flows[value] = prescribed(node, rank, self.profile)
+
+    def _restore_output(self, value: Value, holder: Carrier, layout: Layout, logical: Type | None) -> None:
+        """The graph output ``value`` becomes row-major ``holder`` data under its own name and
+        type; the nodes that read ``value`` go on reading it."""
+        restored = _resolved(holder)
+        if layout != identity(len(layout)):
+            restored = self._builder(None).op("Transpose", restored, perm=list(inverse(layout)))
+        positions = [i for i, v in enumerate(self.graph.outputs) if v is value]
+        replace_value(value, restored, self.names, keep=[use.node for use in value.uses()])
+        for position in positions:
+            self.graph.outputs[position].type = logical
 
 
-def _set_int(node: Node, name: str, value: int) -> None:
-    node.attributes[name] = Attr(name, AttrKind.INT, int(value))
+def _set_input(node: Node, index: int, carrier: Carrier) -> None:
+    node.set_input(index, _resolved(carrier))
+
+
+def _set_attribute(node: Node, name: str, value: object) -> None:
+    node.attributes[name] = attribute(name, value)
 
 
 def _drop(node: Node) -> None:
     """Remove a Transpose that became a view, once nothing reads its output."""
     graph = node.graph
-    if graph is not None and not any(v.is_used() for v in node.outputs):
+    if graph is not None and not any(v.is_used() or v.is_graph_output for v in node.outputs):
         graph.remove(node)
 
 
-def _drop_initializer(graph: Graph, value: Value) -> None:
-    if not value.is_used() and not value.is_graph_input:
+def _drop_constant(graph: Graph, value: Value) -> None:
+    """Remove a constant that no node reads any more (an initializer, or a Constant node)."""
+    if value.is_used() or value.is_graph_output or value.is_graph_input:
+        return
+    producer = value.producer
+    if producer is not None:
+        if producer.graph is graph:
+            graph.remove(producer)
+    elif graph.initializers.get(value.name) is value:
         graph.remove_initializer(value)
-
-
-def _append_after(graph: Graph, node: Node, value: Value, converted: Value, transpose: Node) -> None:
-    """Insert ``transpose`` (value -> converted) after ``node``; the readers of ``value``
-    read ``converted``."""
-    readers = value.uses()
-    graph.insert(graph.nodes.index(node) + 1, transpose)
-    for use in readers:
-        use.node.set_input(use.index, converted)
-
-
-def _restore_output(
-    graph: Graph, value: Value, carrier: Value, restored: Value, layout: Layout, fresh_name: Callable[[str], str]
-) -> None:
-    """Let ``restored`` (row-major, computed from ``carrier``) take over the graph output
-    ``value`` and its name; ``value`` itself is renamed (and dropped if it was a view)."""
-    value.name = fresh_name(value.name)
-    if layout == identity(len(layout)):
-        node = Node("Identity", [carrier], [restored], name=fresh_name("Identity"))
-    else:
-        perm = Attr("perm", AttrKind.INTS, list(inverse(layout)))
-        node = Node("Transpose", [carrier], [restored], [perm], name=fresh_name("Transpose"))
-    graph.append(node)
-    graph.outputs = [restored if v is value else v for v in graph.outputs]
-
-
-def _relayout_initializer(value: Value, layout: Layout) -> None:
-    assert isinstance(value.const, Tensor)
-    array = np.ascontiguousarray(value.const.numpy().transpose(layout))
-    value.const = Tensor.from_array(array, value.name)
-    value.type = _permuted(value.type, layout)

@@ -33,13 +33,14 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 
 from graphopt.passes.unwind.problem import FIXED, SINK, Problem
 from graphopt.passes.unwind.solution import Solution, normalized
 
-__all__ = ["DEFAULT_TIME_BUDGET", "EXACT_SLOTS", "SOLVERS", "solve", "solve_default", "solve_greedy"]
+__all__ = ["DEFAULT_TIME_BUDGET", "EXACT_SLOTS", "SOLVERS", "SolverName", "solve", "solve_default", "solve_greedy"]
 
 DEFAULT_TIME_BUDGET = 10.0
 # Branch and bound runs on components of at most this many sink slots ...
@@ -49,7 +50,7 @@ NODE_LIMIT = 200_000
 _EPS = 1e-9
 
 
-def solve(problem: Problem, solver: str = "default", time_budget: float = DEFAULT_TIME_BUDGET) -> Solution:
+def solve(problem: Problem, solver: SolverName = "default", time_budget: float = DEFAULT_TIME_BUDGET) -> Solution:
     start = time.perf_counter()
     labels, exact = SOLVERS[solver](problem, time_budget)
     labels = normalized(problem, labels)
@@ -380,7 +381,8 @@ def _branch_and_bound(terms: _Terms, component: list[int], labels: np.ndarray, d
     return finished[0]
 
 
-SOLVERS: dict[str, Callable[[Problem, float], tuple[np.ndarray, bool]]] = {
+SolverName = Literal["default", "greedy"]
+SOLVERS: dict[SolverName, Callable[[Problem, float], tuple[np.ndarray, bool]]] = {
     "greedy": solve_greedy,
     "default": solve_default,
 }

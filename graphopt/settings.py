@@ -77,6 +77,13 @@ class Settings:
         default_factory=list,
         metadata={"help": "Op types the fold pass may fold (default: every op it can; `graphopt passes` lists them)."},
     )
+    fold_tolerance: float = field(
+        default=0.05,
+        metadata={
+            "help": "Take a fold whose predicted cost is within this fraction of the time of the kernels it "
+            "replaces (below what the fold cost table resolves): it still removes nodes."
+        },
+    )
     fold_force: bool = field(
         default=False,
         metadata={"help": "Take every fold, also those the fold cost model predicts to be slower (to measure them)."},

@@ -208,6 +208,13 @@ def fold_gain_us(level: str, fold: Fold[Spec], folds: dict[int, Fold[Spec]], cut
     return gain
 
 
+def chain_time_us(chain: Sequence[Fold[Spec]]) -> dict[str, float]:
+    """Per level, the predicted time of the chain's kernels as they are, unfolded."""
+    return {
+        level: sum(kernel_us(level, _kind(f, False), _work(m)) for f in chain for m in f.members) for level in LEVELS
+    }
+
+
 def chain_estimate(chain: Sequence[Fold[Spec]], cut_out: Callable[[Fold[Spec]], bool]) -> dict[str, float]:
     """Per level, the predicted gain of a chain of folds, in microseconds."""
     folds = {f.id: f for f in chain}

@@ -1,0 +1,56 @@
+"""The tied-weight rule: MatMul(x, Transpose(W)) reads W transposed through Gemm, no copy."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from tests.numerics import assert_same_outputs
+from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
+
+W = np.random.default_rng(0).standard_normal((10, 6)).astype(np.float32)  # [vocab, hidden]
+
+
+def _tied(shape: list[int | str], opset: int = 17, extra_reader: bool = False) -> object:
+    nodes = [
+        node("Gather", ["wte", "ids"], ["embedded"]),
+        node("Add", ["embedded", "x"], ["h"]),
+        node("Transpose", ["wte"], ["wte_t"], perm=[1, 0]),
+        node("MatMul", ["h", "wte_t"], ["logits"]),
+    ]
+    outputs = ["logits"]
+    if extra_reader:
+        nodes.append(node("Relu", ["wte_t"], ["side"]))
+        outputs.append("side")
+    inputs = [info("ids", shape[:-1], 7), info("x", shape)]
+    return model(nodes, inputs, outputs, [init("wte", W)], opset=opset)
+
+
+def test_a_tied_weight_is_read_transposed_by_gemm_with_dynamic_leading_dims() -> None:
+    proto = _tied(["batch", "seq", 6])
+    out, details = fuse(proto)
+    assert details["applied"]["tied-weight-gemm"] == 1
+    assert ops(out)["Transpose"] == 0 and ops(out)["Gemm"] == 1
+    assert [t.name for t in out.graph.initializer if t.dims == [10, 6]] == ["wte"]  # one copy of the weight
+    assert [o.name for o in out.graph.output] == ["logits"]
+    assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)
+
+
+def test_static_and_matrix_activations() -> None:
+    for shape in ([3, 6], [2, 3, 6]):
+        proto = _tied(shape)
+        out, details = fuse(proto)
+        assert details["applied"]["tied-weight-gemm"] == 1 and ops(out)["Shape"] == 0
+        assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)
+
+
+def test_refusals() -> None:
+    # the Transposed weight has another reader; dynamic leading dims below opset 15; the ort target
+    cases = [(_tied(["batch", "seq", 6], extra_reader=True), {}), (_tied(["batch", "seq", 6], opset=14), {})]
+    cases.append((_tied(["batch", "seq", 6]), {"target": "ort"}))
+    for proto, settings in cases:
+        out, details = fuse(proto, **settings)
+        assert "tied-weight-gemm" not in details["applied"], details
+        assert Counter(ops(out))["Transpose"] == 1
+        assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)

@@ -384,6 +384,8 @@ def _inside(node: Node, owner_ids: set[int]) -> bool:
 
 def _capture_uses(node: Node) -> list[tuple[Value, Use]]:
     """The uses by nodes in ``node``'s bodies of values defined outside ``node``."""
+    if not any(attr.graphs() for attr in node.attributes.values()):
+        return []  # most nodes own no body: skip building the capture set
     captured = {id(v) for v in node.captures()}
     if not captured:
         return []

@@ -70,6 +70,13 @@ class Settings:
             "DequantizeLinear, tied weight Transposes) once per process in runtime_fold instead."
         },
     )
+    allow_input_relayout: bool = field(
+        default=False,
+        metadata={
+            "help": "Let the unwind pass change the memory layout (declared shape) of graph inputs; "
+            "the report says which inputs now take which axis order."
+        },
+    )
     fold_min_group: int = field(
         default=2, metadata={"help": "Fold only groups of at least this many sibling ops (fold pass)."}
     )

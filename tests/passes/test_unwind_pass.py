@@ -16,6 +16,7 @@ from graphopt.io import json_io
 from graphopt.ir.clone import clone_model
 from graphopt.passes.base import PassContext, get_pass
 from graphopt.passes.pipeline import pipeline_from_names
+from graphopt.settings import Settings
 from tests.cli_helpers import invoke
 from tests.numerics import make_feeds, run_ort
 from tests.passes.test_unwind_problem import evaluation_json, graph_with_layout
@@ -25,8 +26,9 @@ def transposes(model: onnx.ModelProto) -> int:
     return sum(node.op_type == "Transpose" for node in model.graph.node)
 
 
-def run_unwind(model: graphopt.ir.Model, **options: object) -> dict:
-    result = get_pass("unwind").from_config(options).run(model, PassContext())
+def run_unwind(model: graphopt.ir.Model, allow_input_relayout: bool = False, **options: object) -> dict:
+    ctx = PassContext(Settings(allow_input_relayout=allow_input_relayout))
+    result = get_pass("unwind").from_config(options).run(model, ctx)
     model.graph.verify()
     return {"changed": result.changed, **result.details}
 
@@ -258,12 +260,12 @@ def test_the_pass_and_its_options_are_listed() -> None:
     assert result.exit_code == 0
     listed = {p["name"]: p for p in json.loads(result.stdout)["passes"]}
     options = {o["name"] for o in listed["unwind"]["options"]}
-    assert options == {"solver", "time_budget", "profile", "allow_input_relayout"}
+    assert options == {"solver", "time_budget", "profile"}
 
 
 def _relayout_config(tmp_path: Path) -> Path:
     config = tmp_path / "relayout.toml"
-    config.write_text('[[pipeline]]\npass = "unwind"\noptions = { allow_input_relayout = true }\n')
+    config.write_text('[settings]\nallow_input_relayout = true\n\n[[pipeline]]\npass = "unwind"\n')
     return config
 
 
@@ -276,6 +278,10 @@ def test_run_with_input_relayout_checks_numerics_on_transposed_inputs(corpus_dir
     assert data["numerics"]["status"] == "passed", data["numerics"]
     assert data["passes"][0]["details"]["relaid_inputs"]["input_1"]["layout"] == [0, 3, 1, 2]
     assert transposes(onnx.load(out)) == 0
+    # the same from the command line, with the default pipeline
+    flagged = invoke("run", corpus_dir / "tf_style_nhwc.onnx", "-o", tmp_path / "flag.onnx", "--allow-input-relayout")
+    assert flagged.exit_code == 0, flagged.output
+    assert transposes(onnx.load(tmp_path / "flag.onnx")) == 0
 
 
 def test_the_check_still_catches_a_relaid_model_that_computes_otherwise(corpus_dir: Path, tmp_path: Path) -> None:

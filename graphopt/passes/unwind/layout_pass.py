@@ -35,9 +35,6 @@ class UnwindOptions:
         default="onnx",
         metadata={"help": "layouts the target wants at Conv, pooling, MatMul, Gemm: onnx (NCHW, row-major) or nhwc"},
     )
-    allow_input_relayout: bool = field(
-        default=False, metadata={"help": "let the pass change the layout (declared shape) of graph inputs"}
-    )
 
 
 @register
@@ -48,15 +45,16 @@ class Unwind(Pass):
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         options = self.options
+        relayout = ctx.settings.allow_input_relayout
         details: dict[str, Any] = {}
         if "layout" in model.extensions:
             given = problem_from_json(model.extensions["layout"], "the model's layout section", "$.layout")
             details["layout_solution"] = solve(given, options.solver, options.time_budget).as_dict()
         graph = model.graph
         before = sum(1 for node in graph if node.op_type == "Transpose")
-        if before == 0 and not options.allow_input_relayout:
+        if before == 0 and not relayout:
             return PassResult(False, details | {"transposes": [0, 0]})
-        derivation = derive(model, options.profile, options.allow_input_relayout)
+        derivation = derive(model, options.profile, relayout)
         solution = solve(derivation.problem, options.solver, options.time_budget)
         rewrite = plan(model, derivation, derivation.sink_layouts(solution), options.profile, ctx)
         changed = rewrite.transposes < before

@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard", default="0/1", help="i/n: fuzz every n-th model starting at i")
     parser.add_argument("--timeout", type=int, default=60, help="seconds per pipeline on one mutant")
+    parser.add_argument("--mutations", help="comma list of mutation kinds (default: all of mutate.MUTATIONS)")
     parser.add_argument("--out", type=Path, help="folder for one mutant per distinct failure")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
@@ -152,6 +153,7 @@ def main() -> None:
         models.append(corpus_models())
     if "random" in sources:
         models.append(random_models(args.random))
+    kinds = args.mutations.split(",") if args.mutations else None
     findings: dict[tuple[str, str, str], Finding] = {}
     loaded = refused = failures = 0
     start = time.perf_counter()
@@ -165,7 +167,7 @@ def main() -> None:
                 if index % shards != shard:
                     continue
                 count = args.corpus_mutants if base.startswith("corpus/") else args.mutants
-                for number, (what, mutant) in enumerate(mutants(proto, args.seed * 100_003 + index, count)):
+                for number, (what, mutant) in enumerate(mutants(proto, args.seed * 100_003 + index, count, kinds)):
                     path.write_bytes(mutant.SerializeToString())
                     path.with_suffix(".txt").write_text(f"{base}#{number}: {what}\n")
                     try:

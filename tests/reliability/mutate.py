@@ -434,6 +434,17 @@ def odd_constant(model: onnx.ModelProto, rng: random.Random) -> str | None:
 # -- opsets and control flow -----------------------------------------------------------
 
 
+def repeat_graph_output(model: onnx.ModelProto, rng: random.Random) -> str | None:
+    """A graph output listed twice, or a graph input listed as an output too."""
+    graph = rng.choice(list(_graphs(model.graph)))
+    choices = [*graph.output, *(graph.input if graph is model.graph else [])]
+    if not choices:
+        return None
+    value = rng.choice(choices)
+    graph.output.append(value)
+    return f"{value.name!r} listed again as an output of {graph.name!r}"
+
+
 def move_opset(model: onnx.ModelProto, rng: random.Random) -> str | None:
     for entry in model.opset_import:
         if entry.domain in ("", "ai.onnx"):
@@ -450,8 +461,12 @@ def into_if(model: onnx.ModelProto, rng: random.Random) -> str | None:
         return None
     node = rng.choice(nodes)
     index = list(model.graph.node).index(node)
-    branches = []
-    for label in ("then", "else"):
+    branches: list[onnx.GraphProto] = []
+    if rng.random() < 0.3 and len(node.output) == 1 and node.input and node.input[0]:
+        # The else branch returns an outer value directly (onnx allows it; onnxruntime does not).
+        outer = helper.make_tensor_value_info(node.input[0], TensorProto.UNDEFINED, None)
+        branches.append(helper.make_graph([], f"outer_{node.name}", [], [outer]))
+    for label in ("then", "else")[: 2 - len(branches)]:
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         del copy.output[:]
@@ -461,7 +476,7 @@ def into_if(model: onnx.ModelProto, rng: random.Random) -> str | None:
     cond = _fresh(model, "cond")
     flag = helper.make_node("Constant", [], [cond], value=numpy_helper.from_array(np.array(True)))
     wrapper = helper.make_node(
-        "If", [cond], list(node.output), name=_fresh(model, "if"), then_branch=branches[0], else_branch=branches[1]
+        "If", [cond], list(node.output), name=_fresh(model, "if"), then_branch=branches[-1], else_branch=branches[0]
     )
     model.graph.node.remove(node)
     model.graph.node.insert(index, wrapper)
@@ -523,20 +538,24 @@ MUTATIONS: dict[str, Mutation] = {
     "retype_initializer": retype_initializer,
     "initializer_as_input": initializer_as_input,
     "odd_constant": odd_constant,
+    "repeat_graph_output": repeat_graph_output,
     "move_opset": move_opset,
     "into_if": into_if,
     "into_loop": into_loop,
 }
 
 
-def mutants(model: onnx.ModelProto, seed: int, count: int) -> Iterator[tuple[str, onnx.ModelProto]]:
+def mutants(
+    model: onnx.ModelProto, seed: int, count: int, kinds: list[str] | None = None
+) -> Iterator[tuple[str, onnx.ModelProto]]:
     rng = random.Random(seed)
+    names = kinds or list(MUTATIONS)
     for _ in range(count):
         mutant = onnx.ModelProto()
         mutant.CopyFrom(model)
         done = []
         for _ in range(rng.choice([1, 1, 2, 3])):
-            name = rng.choice(list(MUTATIONS))
+            name = rng.choice(names)
             try:
                 what = MUTATIONS[name](mutant, rng)
             except (ValueError, TypeError, IndexError):

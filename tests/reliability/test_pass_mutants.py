@@ -133,3 +133,17 @@ def test_shape_infer_survives_onnx_inference_crashing(tmp_path: Path) -> None:
     outputs = [_y(name=n) for n in ("a", "b", "c")]
     done = _run_in_child(_model([node], [_x([2, 6])], outputs, opset=18), tmp_path, "shape-infer")
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("node", "shape"),
+    [
+        (helper.make_node("Einsum", ["x"], ["y"], equation=3), [2, 3]),
+        (helper.make_node("DepthToSpace", ["x"], ["y"], blocksize=0.5), [1, 4, 2, 2]),
+    ],
+    ids=["einsum-int-equation", "depth-to-space-float-blocksize"],
+)
+def test_shape_infer_attribute_of_another_kind(tmp_path: Path, node: onnx.NodeProto, shape: list[int]) -> None:
+    # The rules read attributes by name whatever their kind: int.decode(), a float block
+    # size in dim arithmetic: AttributeError.
+    _run_strict(_model([node], [_x(shape)], [_y()]), tmp_path, "shape-infer")

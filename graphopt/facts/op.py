@@ -215,7 +215,8 @@ class Op:
         ``blocksize``, an int ``equation``) raises TypeError: the rule gives the node up
         rather than compute dims from it."""
         value = self.node.attr(name, default)
-        if default is not None and value is not None and not isinstance(value, _KINDS.get(type(default), type(default))):
+        kinds = _KINDS.get(type(default), type(default))
+        if default is not None and value is not None and not isinstance(value, kinds):
             raise TypeError(f"attribute {name!r} is a {type(value).__name__}, not a {type(default).__name__}")
         return value
 

@@ -1,7 +1,7 @@
 """How graphopt's passes and rewrite toolkit grow with graph size (a benchmark, not a test).
 
     python benchmarks/scale.py                      # 10k and 100k nodes
-    python benchmarks/scale.py --sizes 10000,100000,1000000
+    python benchmarks/scale.py --sizes 10000,100000,1000000 --repeat 3
 
 Two tables:
 
@@ -10,16 +10,29 @@ Two tables:
    stays flat when insertion and removal are O(1).
 2. Passes: each pass of the default pipeline, and the whole pipeline, over generated
    graphs of each size and shape (an Identity chain, a wide Sum fan-in, a wide fan-out, a
-   chain of nested If bodies): seconds and peak RSS, so growth shows row by row.
+   nest of If bodies ten deep): the median seconds and the peak RSS of each pass run
+   alone, and of the whole pipeline, each run in a child process of its own (so the peak
+   is that run's: the graph, the pass and the rollback snapshot the pipeline takes).
+   "model alone" is the child's peak once the graph is built. A run that takes longer
+   than --cap seconds is stopped and its cell shows "> cap"; larger graphs of that shape
+   are not tried for that column.
+
+    python benchmarks/scale.py --skip-rewrites --sizes 100000 --repeat 5
+    python benchmarks/scale.py --skip-rewrites --sizes 1000000 --cap 600
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import resource
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -60,30 +73,39 @@ def fan_out(size: int) -> Model:
 
 
 def nested_ifs(size: int) -> Model:
-    """Ifs nested ten deep, repeated: each body reads x from the outermost scope."""
+    """Blocks of Ifs nested ten deep, chained: each then-branch holds a Relu of the value one
+    scope out and the next If; each else-branch an Identity of that outer value."""
     x = _x()
     cond = Value("c", TensorType(DataType.BOOL, ()))
     depth = 10
     nodes: list[Node] = []
     last: Value = x
-    for i in range(max(1, size // (2 * depth))):
-        inner: Value = last
-        body_out = None
+    for i in range(max(1, size // (3 * depth))):
+        relus: list[Node] = []
+        source = last
         for d in range(depth):
-            relu = Node("Relu", [inner], [f"b{i}_{d}"])
-            then = Graph([], [relu.outputs[0]], [relu])
-            other = Graph([], [inner])
-            node = Node(
+            relus.append(Node("Relu", [source], [f"b{i}_{d}"]))
+            source = relus[-1].outputs[0]
+        inner: Node | None = None
+        for d in reversed(range(depth)):
+            relu = relus[d]
+            then = Graph(
+                [],
+                [inner.outputs[0] if inner else relu.outputs[0]],
+                [relu, *([inner] if inner else [])],
+                name=f"then{i}_{d}",
+            )
+            keep = Node("Identity", [relu.inputs[0]], [f"e{i}_{d}"])
+            other = Graph([], [keep.outputs[0]], [keep], name=f"else{i}_{d}")
+            inner = Node(
                 "If",
                 [cond],
                 [f"if{i}_{d}"],
                 [Attr("then_branch", AttrKind.GRAPH, then), Attr("else_branch", AttrKind.GRAPH, other)],
             )
-            body_out = node
-            inner = node.outputs[0]
-            nodes.append(node)
-        assert body_out is not None
-        last = body_out.outputs[0]
+        assert inner is not None
+        nodes.append(inner)
+        last = inner.outputs[0]
     return Model(Graph([x, cond], [last], nodes), opset_imports={"": 18})
 
 
@@ -117,38 +139,109 @@ def rewrites_table(console: Console) -> None:
     console.print(table)
 
 
-def passes_table(console: Console, sizes: list[int]) -> None:
-    passes = default_pipeline().pass_names()
-    names = list(dict.fromkeys(passes))
-    table = Table(title="seconds per pass (peak RSS of the process after the row)", width=200)
-    for column in ("shape", "nodes", *names, "pipeline", "peak RSS MB"):
+PIPELINE = "pipeline"
+
+
+def measure_cell(shape: str, size: int, passes: str) -> dict[str, float]:
+    """In this process: build the graph, run ``passes`` (or the default pipeline) once."""
+    optimize(SHAPES[shape](100), None if passes == PIPELINE else passes)  # lazy imports off the clock
+    model = SHAPES[shape](size)
+    nodes = sum(1 for _ in model.all_nodes())
+    gc.collect()
+    base = peak_rss_mb()
+    start = time.perf_counter()
+    result = optimize(model, None if passes == PIPELINE else passes)
+    seconds = time.perf_counter() - start
+    failures = len(result.report["failures"])
+    return {"nodes": nodes, "seconds": seconds, "model_mb": base, "peak_mb": peak_rss_mb(), "failures": failures}
+
+
+@dataclass
+class Cell:
+    seconds: list[float] = field(default_factory=list)
+    peak_mb: float = 0.0
+    model_mb: float = 0.0
+    nodes: int = 0
+    failures: int = 0
+    capped: bool = False
+
+    def text(self, cap: float) -> str:
+        if self.capped:
+            return f"> {cap:.0f} s"
+        failed = " FAILED" if self.failures else ""
+        return f"{statistics.median(self.seconds):.2f} s / {self.peak_mb:.0f} MB{failed}"
+
+
+def run_cell(shape: str, size: int, passes: str, repeat: int, cap: float) -> Cell:
+    """Each run in a child process of its own, so its peak RSS is the pass's alone."""
+    cell = Cell()
+    for _ in range(repeat):
+        command = [sys.executable, __file__, "--cell", shape, str(size), passes]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=cap, check=True)
+        except subprocess.TimeoutExpired:
+            cell.capped = True
+            return cell
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        cell.seconds.append(found["seconds"])
+        cell.peak_mb = max(cell.peak_mb, found["peak_mb"])
+        cell.model_mb = max(cell.model_mb, found["model_mb"])
+        cell.nodes = int(found["nodes"])
+        cell.failures += int(found["failures"])
+    return cell
+
+
+def passes_table(
+    console: Console, sizes: list[int], repeat: int, cap: float, shapes: list[str], markdown: bool = False
+) -> None:
+    names = [*dict.fromkeys(default_pipeline().pass_names()), "unwind", PIPELINE]
+    table = Table(
+        title=f"median seconds of {repeat} run(s) / peak RSS, each run in a child process of its own", width=240
+    )
+    columns = ("shape", "nodes", "model alone", *names)
+    for column in columns:
         table.add_column(column, justify="right")
-    for shape, make in SHAPES.items():
+    rows: list[list[str]] = []
+    for shape in shapes:
+        capped: set[str] = set()
         for size in sizes:
-            cells = []
+            cells: dict[str, Cell] = {}
             for name in names:
-                model = make(size)
-                start = time.perf_counter()
-                optimize(model, name)
-                cells.append(f"{time.perf_counter() - start:.2f}")
-            model = make(size)
-            start = time.perf_counter()
-            optimize(model)
-            pipeline = time.perf_counter() - start
-            nodes = sum(1 for _ in make(size).all_nodes())
-            table.add_row(shape, f"{nodes:,}", *cells, f"{pipeline:.2f}", f"{peak_rss_mb():.0f}")
+                cells[name] = Cell(capped=True) if name in capped else run_cell(shape, size, name, repeat, cap)
+                if cells[name].capped:
+                    capped.add(name)  # a larger graph would take longer still
+            measured = [c for c in cells.values() if not c.capped]
+            nodes = f"{measured[0].nodes:,}" if measured else f"~{size:,}"
+            model_mb = f"{max(c.model_mb for c in measured):.0f} MB" if measured else "?"
+            rows.append([shape, nodes, model_mb, *(cells[n].text(cap) for n in names)])
+            table.add_row(*rows[-1])
+            print(f"{shape}, {size:,}: " + ", ".join(f"{n} {c.text(cap)}" for n, c in cells.items()), file=sys.stderr)
     console.print(table)
+    if markdown:
+        print("\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000", help="comma list of node counts")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of graph shapes")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per cell (the median is shown)")
+    parser.add_argument("--cap", type=float, default=300, help="seconds a run may take before the cell is capped")
     parser.add_argument("--skip-rewrites", action="store_true")
+    parser.add_argument("--markdown", action="store_true", help="also print the passes table as Markdown")
+    parser.add_argument("--cell", nargs=3, metavar=("SHAPE", "SIZE", "PASSES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    console = Console(width=200)
+    if args.cell:
+        shape, size, passes = args.cell
+        print(json.dumps(measure_cell(shape, int(size), passes)))
+        return
+    console = Console(width=240)
     if not args.skip_rewrites:
         rewrites_table(console)
-    passes_table(console, [int(s) for s in args.sizes.split(",")])
+    shapes = [s.strip() for s in args.shapes.split(",")]
+    passes_table(console, [int(s) for s in args.sizes.split(",")], args.repeat, args.cap, shapes, args.markdown)
 
 
 if __name__ == "__main__":

@@ -128,10 +128,11 @@ class _Inference:
                 self.facts.record(value, symbolic)
 
     def apply(self, node: Node, fn: Any, fallback: Any) -> Any:
-        # A malformed node (axis out of range, wrong arity) must not stop inference of the rest.
+        # A malformed node (axis out of range, wrong arity, an attribute of another kind, a
+        # repeated axis that exhausts an iterator) must not stop inference of the rest.
         try:
             return fn()
-        except (IndexError, KeyError, TypeError, ValueError, ZeroDivisionError) as err:
+        except (ArithmeticError, AttributeError, LookupError, RuntimeError, TypeError, ValueError) as err:
             self.failures.append(f"{node.op_type} {node.name!r}: {type(err).__name__}: {err}")
             logger.debug("shape rule for %s %r failed: %s", node.op_type, node.name, err)
             return fallback

@@ -162,6 +162,10 @@ def broadcast(shapes: Sequence[Shape | None]) -> Shape | None:
     return tuple(_broadcast_dim(column) for column in zip(*padded, strict=False))
 
 
+# The Python types an attribute value may have where a rule's default has the key's type.
+_KINDS: dict[type, tuple[type, ...]] = {list: (list, tuple), tuple: (list, tuple)}
+
+
 @dataclass
 class Op:
     """One node as its rules see it."""
@@ -207,7 +211,14 @@ class Op:
         return [int(x) for x in found if isinstance(x, int)]
 
     def attr(self, name: str, default: Any = None) -> Any:
-        return self.node.attr(name, default)
+        """Attribute ``name``; with a ``default``, a value of another kind (a float
+        ``blocksize``, an int ``equation``) raises TypeError: the rule gives the node up
+        rather than compute dims from it."""
+        value = self.node.attr(name, default)
+        kinds = _KINDS.get(type(default), type(default))
+        if default is not None and value is not None and not isinstance(value, kinds):
+            raise TypeError(f"attribute {name!r} is a {type(value).__name__}, not a {type(default).__name__}")
+        return value
 
     def is_int(self, index: int) -> bool:
         return self.dtype(index) in INTEGER_TYPES

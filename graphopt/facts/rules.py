@@ -525,6 +525,8 @@ def squeeze(op: Op) -> Outputs:
             return [_t(op.dtype(0), None)]
         return [_t(op.dtype(0), tuple(d for d in x if d != 1))]
     drop = {norm_axis(a, len(x)) for a in axes}
+    if None in drop:
+        return [_t(op.dtype(0), None)]
     return [_t(op.dtype(0), tuple(d for i, d in enumerate(x) if i not in drop))]
 
 
@@ -536,6 +538,8 @@ def unsqueeze(op: Op) -> Outputs:
         return [_t(op.dtype(0), None)]
     rank = len(x) + len(axes)
     inserted = {norm_axis(a, rank) for a in axes}
+    if None in inserted or len(inserted) != len(axes):  # an axis out of range or repeated
+        return [_t(op.dtype(0), None)]
     rest = iter(x)
     return [_t(op.dtype(0), tuple(1 if i in inserted else next(rest) for i in range(rank)))]
 

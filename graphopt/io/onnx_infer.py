@@ -4,15 +4,24 @@ The ``shape-infer`` pass uses this as a starting point for ops it has no rule fo
 copy keeps the structure but not the weights: every initializer becomes a typed graph
 input, except small int tensors, which onnx's data propagation needs to follow shape
 arithmetic. So the cost is the model's structure, not its size.
+
+onnx's inference functions are C++ code that trusts the model: on a malformed node (a
+TreeEnsemble without its input, a Split with more outputs than split sizes) they crash
+the process (a segmentation fault, a failed assertion) instead of raising. Where the
+platform can fork, inference runs in a forked child, so such a model only loses onnx's
+types: the child shares the parent's memory, so the copy costs no serialization in and
+a few milliseconds.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import onnx
 
+from graphopt.errors import InputError
 from graphopt.io.onnx_io import _Reader, to_proto
 from graphopt.ir import DataType, Graph, Model, Node, Tensor, TensorType, Type, Value
 from graphopt.ir.clone import clone_model
@@ -38,7 +47,7 @@ def infer_types(model: Model) -> dict[int, Type]:
     _weights_to_inputs(light.graph)
     try:
         proto = to_proto(light)
-        inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+        inferred = _isolated(proto) if hasattr(os, "fork") else _infer(proto)
     except Exception as err:  # onnx raises assorted C++ exception types
         logger.info("onnx shape inference failed, continuing without it: %s", err)
         return {}
@@ -46,6 +55,41 @@ def infer_types(model: Model) -> dict[int, Type]:
     found: dict[int, Type] = {}
     _collect(model.graph, inferred.graph, reader, found)
     return found
+
+
+def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:
+    return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+
+
+class InferenceCrashed(Exception):
+    """onnx's inference ended its process (see the module docstring)."""
+
+
+def _isolated(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``_infer`` in a forked child, which sends back a status byte and the result (or error)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's coverage is not collected
+        os.close(read_end)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # a failed assertion's text is no news to the user
+        try:
+            payload = b"\0" + _infer(proto).SerializeToString()
+        except BaseException as err:
+            payload = b"\1" + f"{type(err).__name__}: {err}".encode(errors="replace")
+        with os.fdopen(write_end, "wb") as out:
+            out.write(payload)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as source:
+        payload = source.read()
+    _, status = os.waitpid(pid, 0)
+    if status != 0 or not payload:
+        raise InferenceCrashed(f"it crashed the process that ran it (wait status {status})")
+    if payload[:1] != b"\0":
+        raise InferenceCrashed(payload[1:].decode(errors="replace"))
+    inferred = onnx.ModelProto()
+    inferred.ParseFromString(payload[1:])
+    return inferred
 
 
 def _is_shape_data(tensor: Tensor) -> bool:
@@ -67,7 +111,7 @@ def _weights_to_inputs(graph: Graph) -> None:
     # through an Identity, which onnx infers to the same type.
     for node in graph:
         tensor = node.attr("value") if node.op_type == "Constant" and node.in_standard_domain else None
-        if not isinstance(tensor, Tensor) or _is_shape_data(tensor):
+        if not isinstance(tensor, Tensor) or _is_shape_data(tensor) or len(node.outputs) != 1:
             continue
         stand_in = Value(f"{node.outputs[0].name}.weights", TensorType(tensor.dtype, tensor.shape))
         graph.inputs = [*graph.inputs, stand_in]
@@ -87,7 +131,10 @@ def _collect(graph: Graph, proto: onnx.GraphProto, reader: _Reader, found: dict[
             continue
         for value in node.outputs:
             type_proto = types.get(value.name)
-            kind = reader.type(type_proto) if type_proto is not None else None
+            try:
+                kind = reader.type(type_proto) if type_proto is not None else None
+            except InputError:  # what onnx made of a malformed node (an element type -1)
+                continue
             if kind is not None:
                 found[id(value)] = kind
         bodies = {a.name: a for a in node_proto.attribute}

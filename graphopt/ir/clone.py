@@ -26,8 +26,12 @@ def _clone_value(value: Value) -> Value:
 
 
 def clone_graph(graph: Graph, outer: dict[int, Value] | None = None) -> Graph:
-    """Copy ``graph``; ``outer`` maps ids of values from enclosing scopes to their copies."""
-    mapping: dict[int, Value] = dict(outer or {})
+    """Copy ``graph``; ``outer`` maps ids of values from enclosing scopes to their copies.
+
+    Bodies share their enclosing scope's map (ids never clash) rather than copying it, which
+    made a copy quadratic in the number of bodies.
+    """
+    mapping: dict[int, Value] = {} if outer is None else outer
 
     def copy_of(value: Value) -> Value:
         if id(value) not in mapping:

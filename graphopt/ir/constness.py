@@ -87,7 +87,7 @@ def constant_tensor(value: Value | None) -> Tensor | None:
 
 def constant_node_tensor(node: Node) -> Tensor | None:
     """The tensor a ``Constant`` node produces, in whichever attribute spelling it uses."""
-    if len(node.attributes) != 1:
+    if len(node.attributes) != 1 or len(node.outputs) != 1:  # anything else is no Constant a runtime takes
         return None
     (attr,) = node.attributes.values()
     if attr.ref_attr_name or attr.value is None:

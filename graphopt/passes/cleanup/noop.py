@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphopt.ir import DataType, Dim, Model, Node, TensorType, Value
+from graphopt.ir import AttrKind, DataType, Dim, Model, Node, TensorType, Value
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Namer, can_take_over, replace_value
 from graphopt.passes.base import Pass, PassContext, PassResult, register
@@ -68,8 +68,8 @@ def _input_ints(node: Node, index: int) -> list[int] | None:
 def _ints(node: Node, attr: str, index: int) -> list[int] | None:
     """An int list given as attribute ``attr`` (older opsets) or constant input ``index``."""
     if attr in node.attributes:
-        value = node.attributes[attr].value
-        return None if value is None else [int(v) for v in value]
+        given = node.attributes[attr]
+        return [int(v) for v in given.value] if given.kind == AttrKind.INTS and given.value is not None else None
     return _input_ints(node, index)
 
 
@@ -129,11 +129,12 @@ def reshape_to_same_shape(node: Node, opset: int) -> Value | None:
 
 def transpose_identity(node: Node, opset: int) -> Value | None:
     # Transpose(x, perm=[0, 1, ..., n-1]) -> x
-    x, perm = node.inputs[0], node.attr("perm")
-    if perm is None:  # the default reverses the dims, which changes nothing only up to rank 1
+    x, given = node.inputs[0], node.attributes.get("perm")
+    perm = given.value if given is not None and given.kind == AttrKind.INTS else None
+    if given is None:  # the default reverses the dims, which changes nothing only up to rank 1
         shape = _shape(x)
         return x if shape is not None and len(shape) <= 1 else None
-    return x if list(perm) == list(range(len(perm))) else None
+    return x if perm is not None and list(perm) == list(range(len(perm))) else None
 
 
 def pad_nothing(node: Node, opset: int) -> Value | None:

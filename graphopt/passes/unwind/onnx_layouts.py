@@ -38,7 +38,7 @@ from typing import Literal
 
 import numpy as np
 
-from graphopt.ir import Graph, Model, Node, TensorType, Value
+from graphopt.ir import AttrKind, Graph, Model, Node, TensorType, Value
 from graphopt.ir.constness import constant_array, is_constant
 from graphopt.passes.unwind.problem import Problem
 from graphopt.passes.unwind.solution import Solution
@@ -201,9 +201,10 @@ def role(node: Node, ranks: dict[Value, int], opset: int) -> Role:
         return fixed
     data = [v for v in node.inputs if v is not None]
     if op == "Transpose":
-        perm = node.attr("perm")
-        permutes = perm is None or sorted(perm) == list(range(out_rank))
-        return Role("transpose") if permutes and rank_of(node.inputs[0], ranks) == out_rank else fixed
+        perm = node.attributes.get("perm")
+        if perm is not None and (perm.kind != AttrKind.INTS or sorted(perm.value) != list(range(out_rank))):
+            return fixed
+        return Role("transpose") if rank_of(node.input(0), ranks) == out_rank else fixed
     if op in UNARY or op in BROADCASTING:
         unwind = next(
             (
@@ -231,7 +232,7 @@ def role(node: Node, ranks: dict[Value, int], opset: int) -> Role:
             if out_rank == (in_rank if keepdims else in_rank - len(axes))
             else fixed
         )
-    if op in AXIS_OPS and opset >= 13 and in_rank == out_rank:
+    if op in AXIS_OPS and opset >= 13 and in_rank == out_rank and len(data) == 1:
         return Role("axis")
     if op == "Concat" and all(rank_of(v, ranks) == out_rank for v in data) and data:
         return Role("concat")
@@ -274,6 +275,8 @@ def _output_rank(node: Node, ranks: dict[Value, int]) -> int | None:
     op = node.op_type
     first = rank_of(node.inputs[0], ranks)
     inputs = [rank_of(v, ranks) for v in node.inputs if v is not None]
+    if not inputs:
+        return None
     if op in UNARY or op in BROADCASTING:
         return None if any(r is None for r in inputs) else max(r for r in inputs if r is not None)
     if op in SPATIAL or op in AXIS_OPS or op in ("Transpose", "Concat", "Dropout"):

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.api import optimize
 from graphopt.io.onnx_io import from_proto, to_proto
+from tests.numerics import assert_same_outputs
 
 F = TensorProto.FLOAT
 
@@ -60,3 +61,22 @@ def fuse(proto: onnx.ModelProto, passes: str = "shape-infer,fuse", **settings: A
 
 def ops(proto: onnx.ModelProto) -> Counter[str]:
     return Counter(n.op_type for n in proto.graph.node)
+
+
+def fires(proto: onnx.ModelProto, rule: str, expected: dict[str, int], **settings: Any) -> onnx.ModelProto:
+    """``rule`` applies, the op counts are ``expected``, outputs keep their names and values."""
+    out, details = fuse(proto, **settings)
+    assert details["applied"].get(rule, 0) >= 1, details
+    assert dict(ops(out)) == expected
+    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
+    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+    return out
+
+
+def refused(proto: onnx.ModelProto, rule: str, **settings: Any) -> dict[str, Any]:
+    """``rule`` does not apply; outputs keep their names and values; the run's details."""
+    out, details = fuse(proto, **settings)
+    assert rule not in details["applied"], details
+    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
+    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+    return details

@@ -14,27 +14,11 @@ import pytest
 from onnx import TensorProto
 
 from graphopt.errors import InputError
-from tests.numerics import assert_same_outputs
-from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
+from tests.passes.fuse_helpers import fires as _fires
+from tests.passes.fuse_helpers import fuse, info, init, model, node
+from tests.passes.fuse_helpers import refused as _refused
 
 RNG = np.random.default_rng(0)
-
-
-def _fires(proto: onnx.ModelProto, rule: str, expected: dict[str, int], **settings: Any) -> onnx.ModelProto:
-    out, details = fuse(proto, **settings)
-    assert details["applied"].get(rule, 0) >= 1, details
-    assert dict(ops(out)) == expected
-    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
-    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
-    return out
-
-
-def _refused(proto: onnx.ModelProto, rule: str, **settings: Any) -> dict[str, Any]:
-    out, details = fuse(proto, **settings)
-    assert rule not in details["applied"], details
-    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
-    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
-    return details
 
 
 def _w(*shape: int) -> np.ndarray:

@@ -5,7 +5,8 @@
 - tanh GELU ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` -> ``Gelu(x, approximate="tanh")``
   (opset 20), ``x^3`` as ``Pow(x, 3)`` or products.
 - ``Clip(x + 3, 0, 6) / 6`` (or ``* 1/6``) -> ``HardSigmoid(x, 1/6, 0.5)``.
-- ``x * Clip(x + 3, 0, 6) / 6`` and ``x * HardSigmoid(x, 1/6, 0.5)`` -> ``HardSwish(x)`` (opset 14).
+- ``x * Clip(x + 3, 0, 6) / 6`` and ``x * HardSigmoid(x, 1/6, 0.5)`` -> ``HardSwish(x)`` (opset 14);
+  below opset 14 the first becomes ``x * HardSigmoid(x, 1/6, 0.5)`` (two ops instead of four).
 
 With ``--target ort`` below opset 20 the GELUs become onnxruntime's ``Gelu`` / ``FastGelu``
 (com.microsoft), which its CPU provider implements.
@@ -130,19 +131,30 @@ def _is_sixth_hardsigmoid(node: Node) -> bool:
     return abs(float(node.attr("alpha", 0.2)) - 1 / 6) < 1e-5 and abs(float(node.attr("beta", 0.5)) - 0.5) < 1e-6
 
 
+_SPELLED_HARDSWISH = either(_divided_by_six(op.Mul(_x, _RELU6)), op.Mul(_x, _divided_by_six(_RELU6)))
+
 add_rule(
     Rule(
         "hardswish",
         FAMILY,
-        either(
-            _divided_by_six(op.Mul(_x, _RELU6)),
-            op.Mul(_x, _divided_by_six(_RELU6)),
-            op.Mul(_x, op.HardSigmoid(_x, where=_is_sixth_hardsigmoid)),
-        ),
+        either(_SPELLED_HARDSWISH, op.Mul(_x, op.HardSigmoid(_x, where=_is_sixth_hardsigmoid))),
         lambda b, m, site: b.op("HardSwish", m.value("x")),
         lambda m, site: _check_relu6(m, site) if "clip" in m.bindings else _float_x(m, site),
         min_opset=14,
         label="HardSwish",
         doc="x * Clip(x + 3, 0, 6) / 6 or x * HardSigmoid(x, 1/6, 1/2) -> HardSwish(x) (opset 14)",
+    )
+)
+
+add_rule(
+    Rule(
+        "hardswish-as-hardsigmoid",
+        FAMILY,
+        _SPELLED_HARDSWISH,
+        lambda b, m, site: b.op("Mul", m.value("x"), b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5)),
+        _check_relu6,
+        max_opset=13,
+        label="HardSwish",
+        doc="x * Clip(x + 3, 0, 6) / 6 -> x * HardSigmoid(x, 1/6, 1/2) below opset 14 (no HardSwish there)",
     )
 )

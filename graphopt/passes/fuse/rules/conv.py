@@ -9,17 +9,30 @@ Conv + per-channel Mul / Add. ``Conv(x, W, B) * c = Conv(x, W * c, B * c)`` and
 ``Conv(x, W, B) + c = Conv(x, W, B + c)`` when ``c`` varies along the channel axis only.
 A Transpose between them (tf2onnx's NHWC wrappers) is seen through: ``c`` is read in the
 Conv's layout through the inverse permutation.
+
+``--target ort``: ``Act(Conv(x, W, B))`` and ``Act(Conv(x, W, B) + z)`` (a residual ``z`` of
+the Conv's shape) -> ``FusedConv`` (com.microsoft) for the activations its CPU kernel applies
+(Relu, Sigmoid, Tanh, LeakyRelu, Clip, HardSigmoid); onnxruntime fuses the first itself at
+its extended level, not the second.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from graphopt.ir import Node, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, new_const
+from graphopt.passes.fuse.rules._helpers import (
+    FUSABLE_ACTIVATIONS,
+    MS,
+    activation_params,
+    attrs_of,
+    float_array,
+    is_float,
+    new_const,
+)
 
 FAMILY = "conv"
 
@@ -165,5 +178,58 @@ for _root in ("Mul", "Add", "Sub"):
             _check_channel,
             label=f"Conv+{_root}",
             doc=f"{_root}(Conv(x, W, B), c[C,1,1]) -> Conv(x, W', B'), also through a Transpose",
+        )
+    )
+
+
+def activated(inner: Pattern) -> Pattern:
+    """``Act(inner)`` for the activations onnxruntime's fused kernels apply."""
+    return op.any_of(FUSABLE_ACTIVATIONS, inner, optional(var("lo")), optional(var("hi")), name="act")
+
+
+def check_activation(m: Match, site: Site) -> str | None:
+    if site.dtype(m.root.outputs[0]) != DataType.FLOAT:
+        return "onnxruntime's fused kernels are float32 only"
+    return None if activation_params(m.node("act")) is not None else "the Clip bounds are not constants"
+
+
+def fused_activation(m: Match) -> dict[str, object]:
+    """FusedConv's activation attributes for the matched activation."""
+    params = activation_params(m.node("act"))
+    found: dict[str, object] = {"activation": m.node("act").op_type}
+    if params:
+        found["activation_params"] = params
+    return found
+
+
+def _check_fused_conv(m: Match, site: Site) -> str | None:
+    if "z" in m.bindings:
+        shape = site.shape(m.value("z"))
+        if shape is None or None in shape or shape != site.shape(m.node("conv").outputs[0]):
+            return "the residual's shape is not provably the Conv's"
+    return check_activation(m, site)
+
+
+def _rewrite_fused_conv(b: Builder, m: Match, site: Site) -> Value:
+    conv = m.node("conv")
+    inputs = [*conv.inputs, *([None] * (3 - len(conv.inputs)))][:3]
+    if "z" in m.bindings:
+        inputs.append(m.value("z"))
+    return b.op("FusedConv", *inputs, domain=MS, **attrs_of(conv), **fused_activation(m))
+
+
+_PLAIN_CONV = op.Conv(var("x"), var("w"), optional(var("b")), name="conv")
+
+for _suffix, _inner in (("", _PLAIN_CONV), ("-sum", op.Add(_PLAIN_CONV, var("z"), name="sum"))):
+    add_rule(
+        Rule(
+            f"ort-fusedconv{_suffix}",
+            FAMILY,
+            activated(_inner),
+            _rewrite_fused_conv,
+            _check_fused_conv,
+            targets=frozenset({"ort"}),
+            label="Conv+activation",
+            doc=f"Act(Conv(x, W, B){' + z' if _suffix else ''}) -> com.microsoft FusedConv (target ort)",
         )
     )

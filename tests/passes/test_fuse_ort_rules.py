@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from tests.passes.fuse_helpers import fires, info, init, model, node, refused
+from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, refused
 
 RNG = np.random.default_rng(1)
 
@@ -161,3 +161,91 @@ def test_reshape_one_unknown_refusals() -> None:
     details = refused(_computed_reshape([-1]), "reshape-one-unknown")
     assert "more than one entry" in " ".join(details["near_misses"]["shape"])
     refused(_computed_reshape([4], allowzero=1), "reshape-one-unknown")
+
+
+# -- BiasGelu -------------------------------------------------------------------------------------
+
+
+def _bias_gelu(opset: int = 20, approximate: str = "none", bias_shape: tuple[int, ...] = (8,)) -> onnx.ModelProto:
+    return model(
+        [node("Add", ["x", "bias"], "h"), node("Gelu", ["h"], "y", approximate=approximate)],
+        [info("x", ["b", 3, 8])],
+        ["y"],
+        [init("bias", _w(*bias_shape))],
+        opset=opset,
+    )
+
+
+def test_gelu_of_a_biased_input_becomes_biasgelu_or_fastgelu() -> None:
+    _ort(_bias_gelu(), "ort-biasgelu", {"BiasGelu": 1})
+    _ort(_bias_gelu(approximate="tanh"), "ort-biasgelu", {"FastGelu": 1})
+
+
+def test_biasgelu_refusals() -> None:
+    details = refused(_bias_gelu(bias_shape=(3, 8)), "ort-biasgelu", target="ort")  # not a vector
+    exposed = _bias_gelu()
+    exposed.graph.output.append(info("h", None))
+    refused(exposed, "ort-biasgelu", target="ort")
+    refused(_bias_gelu(), "ort-biasgelu")
+    assert details["applied"] == {}
+
+
+# -- SkipLayerNormalization / SkipSimplifiedLayerNormalization ------------------------------------
+
+
+def _skip_norm(
+    norm: str = "LayerNormalization", bias: bool = True, carry: bool = False, skip_shape: list[Any] | None = None
+) -> onnx.ModelProto:
+    nodes = [node("MatMul", ["x", "w"], "p")]
+    src = "p"
+    if bias:
+        nodes.append(node("Add", ["bias", "p"], "pb"))
+        src = "pb"
+    nodes.append(node("Add", [src, "skip"], "sum"))
+    if norm == "LayerNormalization":
+        nodes.append(node(norm, ["sum", "gamma", "beta"], "y", epsilon=1e-5))
+    elif norm == "RMSNormalization":
+        nodes.append(node(norm, ["sum", "gamma"], "y", epsilon=1e-5))
+    else:  # decomposed RMSNorm
+        nodes += [
+            node("Mul", ["sum", "sum"], "sq"),
+            node("ReduceMean", ["sq"], "ms", axes=[-1]),
+            node("Add", ["ms", "eps"], "me"),
+            node("Sqrt", ["me"], "r"),
+            node("Div", ["sum", "r"], "n"),
+            node("Mul", ["n", "gamma"], "y"),
+        ]
+    outputs: list[Any] = ["y"]
+    if carry:
+        nodes.append(node("Relu", ["sum"], "carried"))
+        outputs.append("carried")
+    params = [init("w", _w(8, 8)), init("bias", _w(8)), init("gamma", _w(8)), init("beta", _w(8)), init("eps", 1e-5)]
+    inputs = [info("x", ["b", 3, 8]), info("skip", skip_shape or ["b", 3, 8])]
+    return model(nodes, inputs, outputs, params, opset=23 if norm == "RMSNormalization" else 17)
+
+
+def test_layernorm_of_a_biased_residual_becomes_skiplayernorm() -> None:
+    _ort(_skip_norm(), "ort-skiplayernorm", {"MatMul": 1, "SkipLayerNormalization": 1})
+    _ort(_skip_norm(bias=False), "ort-skiplayernorm", {"MatMul": 1, "SkipLayerNormalization": 1})
+
+
+def test_a_residual_read_further_on_comes_from_the_fourth_output() -> None:
+    out = _ort(_skip_norm(carry=True), "ort-skiplayernorm", {"MatMul": 1, "SkipLayerNormalization": 1, "Relu": 1})
+    skip, relu = out.graph.node[1], out.graph.node[2]
+    assert relu.input[0] == skip.output[3]
+
+
+@pytest.mark.parametrize("norm", ["RMSNormalization", "decomposed"])
+def test_rmsnorm_of_a_residual_becomes_skipsimplifiedlayernorm(norm: str) -> None:
+    rule = "ort-skiprmsnorm" if norm == "RMSNormalization" else "ort-skiprmsnorm-decomposed"
+    _ort(_skip_norm(norm, carry=True), rule, {"MatMul": 1, "SkipSimplifiedLayerNormalization": 1, "Relu": 1})
+
+
+def test_skip_norm_refusals() -> None:
+    details = refused(_skip_norm(skip_shape=[1, 3, 8]), "ort-skiplayernorm", target="ort")
+    assert "do not provably have one" in " ".join(details["near_misses"]["norm"])
+    refused(_skip_norm(), "ort-skiplayernorm")
+    exposed = _skip_norm()
+    exposed.graph.output.append(info("pb", None))
+    out, _ = fuse(exposed, target="ort")
+    assert "Add" in {n.op_type for n in out.graph.node}  # the bias stays outside; the Add is not fused away

@@ -9,17 +9,18 @@
   below opset 14 the first becomes ``x * HardSigmoid(x, 1/6, 0.5)`` (two ops instead of four).
 
 With ``--target ort`` below opset 20 the GELUs become onnxruntime's ``Gelu`` / ``FastGelu``
-(com.microsoft), which its CPU provider implements.
+(com.microsoft), which its CPU provider implements; a GELU of ``x + bias`` (a constant vector
+over the last axis, the MLP's bias) becomes ``BiasGelu(x, bias)`` / ``FastGelu(x, bias)``.
 """
 
 from __future__ import annotations
 
 import math
 
-from graphopt.ir import Node, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
-from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
+from graphopt.passes.fuse.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
 from graphopt.passes.fuse.rules._helpers import is_float
 
 FAMILY = "activation"
@@ -156,5 +157,40 @@ add_rule(
         max_opset=13,
         label="HardSwish",
         doc="x * Clip(x + 3, 0, 6) / 6 -> x * HardSigmoid(x, 1/6, 1/2) below opset 14 (no HardSwish there)",
+    )
+)
+
+
+def _bias_gelu_op(gelu: Node) -> str | None:
+    """The contrib op that takes a bias for this GELU node (None: none does)."""
+    if gelu.domain == MS:
+        return {"Gelu": "BiasGelu", "FastGelu": "FastGelu"}.get(gelu.op_type) if len(gelu.inputs) == 1 else None
+    if gelu.in_standard_domain and gelu.op_type == "Gelu":
+        return "FastGelu" if gelu.attr("approximate", "none") in ("tanh", b"tanh") else "BiasGelu"
+    return None
+
+
+def _check_bias_gelu(m: Match, site: Site) -> str | None:
+    if _bias_gelu_op(m.node("gelu")) is None:
+        return "not a GELU that takes a bias"
+    x = m.value("x")
+    shape = site.shape(x)
+    if site.dtype(x) != DataType.FLOAT or not shape:
+        return "x is not a float32 tensor of known rank"
+    if site.shape(m.value("bias")) != (shape[-1],):
+        return "the bias is not a vector over x's last axis"
+    return None
+
+
+add_rule(
+    Rule(
+        "ort-biasgelu",
+        FAMILY,
+        op.any_of(("Gelu", "FastGelu"), op.Add(var("x"), const(name="bias", rank=1)), name="gelu", domain=ANY_DOMAIN),
+        lambda b, m, site: b.op(_bias_gelu_op(m.node("gelu")) or "", m.value("x"), m.value("bias"), domain=MS),
+        _check_bias_gelu,
+        targets=frozenset({"ort"}),
+        label="bias GELU",
+        doc="Gelu(x + bias) -> com.microsoft BiasGelu (FastGelu for the tanh form) (target ort)",
     )
 )

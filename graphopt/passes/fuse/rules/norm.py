@@ -244,7 +244,7 @@ def _check_skip(m: Match, site: Site) -> str | None:
 
 def _skip_rewrite(op_type: str) -> Callable[[Builder, Match, Site], Value]:
     def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        inputs = [m.value("a"), m.value("skip")]
+        inputs: list[Value | None] = [m.value("a"), m.value("skip")]
         if "ln" in m:
             ln = m.node("ln")
             inputs += [m.value("gamma"), m.optional("beta")][: len(ln.inputs) - 1]

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
+from tests.numerics import assert_same_outputs
 from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, refused
 
 RNG = np.random.default_rng(1)
@@ -20,8 +21,10 @@ def _w(*shape: int) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32)
 
 
-def _ort(proto: onnx.ModelProto, rule: str, expected: dict[str, int]) -> onnx.ModelProto:
-    out = fires(proto, rule, expected, target="ort")
+def _ort(
+    proto: onnx.ModelProto, rule: str, expected: dict[str, int], passes: str = "shape-infer,fuse"
+) -> onnx.ModelProto:
+    out = fires(proto, rule, expected, target="ort", passes=passes)
     assert {o.domain: o.version for o in out.opset_import}.get("com.microsoft") == 1
     return out
 
@@ -249,3 +252,104 @@ def test_skip_norm_refusals() -> None:
     exposed.graph.output.append(info("pb", None))
     out, _ = fuse(exposed, target="ort")
     assert "Add" in {n.op_type for n in out.graph.node}  # the bias stays outside; the Add is not fused away
+
+
+# -- Attention ------------------------------------------------------------------------------------
+
+HEADS, SIZE = 2, 4
+HIDDEN = HEADS * SIZE
+
+
+def _attention(mask: str = "raw", packed: bool = False, fp16: bool = False, extra: str = "") -> onnx.ModelProto:
+    """One attention layer as torch exports it: projections, head split, scores, mask, merge."""
+    nodes: list[onnx.NodeProto] = []
+    params = [
+        init("split_shape", np.array([0, 0, HEADS, SIZE], np.int64)),
+        init("merge_shape", np.array([0, 0, HIDDEN], np.int64)),
+        init("scale", float(np.sqrt(SIZE))),
+    ]
+    if packed:
+        params += [init("w", _w(HIDDEN, 3 * HIDDEN)), init("b", _w(3 * HIDDEN))]
+        nodes += [node("MatMul", ["x", "w"], "qkv_mm"), node("Add", ["qkv_mm", "b"], "qkv")]
+        nodes.append(node("Split", ["qkv", "sizes"], ["q", "k", "v"], axis=2))
+        params.append(init("sizes", np.array([HIDDEN] * 3, np.int64)))
+    for part in "qkv" if not packed else "":
+        weight = _w(HIDDEN, HIDDEN)
+        if fp16:
+            params.append(init(f"w{part}16", weight.astype(np.float16)))
+            nodes.append(node("Cast", [f"w{part}16"], f"w{part}", to=onnx.TensorProto.FLOAT))
+        else:
+            params.append(init(f"w{part}", weight))
+        params.append(init(f"b{part}", _w(HIDDEN)))
+        nodes += [node("MatMul", ["x", f"w{part}"], f"{part}_mm"), node("Add", [f"b{part}", f"{part}_mm"], part)]
+    for part, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):
+        nodes += [
+            node("Reshape", [part, "split_shape"], f"{part}_4d"),
+            node("Transpose", [f"{part}_4d"], f"{part}_t", perm=perm),
+        ]
+    nodes += [node("MatMul", ["q_t", "k_t"], "scores"), node("Div", ["scores", "scale"], "scaled")]
+    inputs = [info("x", ["b", "s", HIDDEN])]
+    probs_in = "scaled"
+    if mask == "raw":
+        inputs.append(info("attention_mask", ["b", "s"], onnx.TensorProto.INT64))
+        params += [init("axes", np.array([1, 2], np.int64)), init("one", 1.0), init("fill", -10000.0)]
+        nodes += [
+            node("Unsqueeze", ["attention_mask", "axes"], "m4"),
+            node("Cast", ["m4"], "mf", to=onnx.TensorProto.FLOAT),
+            node("Sub", ["one", "mf"], "inv"),
+            node("Mul", ["inv", "fill"], "additive"),
+            node("Add", ["scaled", "additive"], "masked"),
+        ]
+        probs_in = "masked"
+    elif mask == "bias":
+        inputs.append(info("bias", ["b", 1, 1, "s"]))
+        nodes.append(node("Add", ["scaled", "bias"], "masked"))
+        probs_in = "masked"
+    nodes += [
+        node("Softmax", [probs_in], "probs", axis=-1),
+        node("MatMul", ["probs", "v_t"], "ctx"),
+        node("Transpose", ["ctx"], "ctx_t", perm=[0, 2, 1, 3]),
+        node("Reshape", ["ctx_t", "merge_shape"], "y"),
+    ]
+    outputs: list[Any] = ["y"]
+    if extra == "output":
+        outputs.append("probs")
+    if extra == "split-input":  # the head count comes from the caller: not provable
+        inputs.append(info("split_shape", [4], onnx.TensorProto.INT64))
+        params = params[1:]
+    return model(nodes, inputs, outputs, params)
+
+
+def _masked_feeds() -> dict[str, np.ndarray]:
+    mask = np.ones((2, 5), np.int64)
+    mask[0, 3:] = 0
+    return {"x": RNG.standard_normal((2, 5, HIDDEN)).astype(np.float32), "attention_mask": mask}
+
+
+@pytest.mark.parametrize(("packed", "fp16"), [(False, False), (True, False), (False, True)])
+def test_attention_layer_becomes_one_contrib_attention(packed: bool, fp16: bool) -> None:
+    rule = "ort-attention-packed" if packed else "ort-attention"
+    expected = {"Attention": 1, "Cast": 2 if fp16 else 1}
+    proto = _attention(packed=packed, fp16=fp16)
+    out = _ort(proto, rule, expected, passes="shape-infer,fuse,dce")
+    assert_same_outputs(proto, out, _masked_feeds(), rtol=1e-4, atol=1e-4)  # a mask with zeros
+    attention = next(n for n in out.graph.node if n.op_type == "Attention")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}
+    assert attrs["num_heads"] == HEADS and attrs["mask_filter_value"] == pytest.approx(-10000.0)
+
+
+def test_an_additive_mask_becomes_the_attention_bias() -> None:
+    out = _ort(_attention(mask="bias"), "ort-attention", {"Attention": 1, "Shape": 1, "Concat": 1, "Expand": 1})
+    assert len(next(n for n in out.graph.node if n.op_type == "Attention").input) == 6
+
+
+def test_attention_refusals() -> None:
+    refused(_attention(extra="output"), "ort-attention", target="ort")
+    split_input = _attention(extra="split-input")
+    feeds = {**_masked_feeds(), "split_shape": np.array([0, 0, HEADS, SIZE], np.int64)}
+    out, details = fuse(split_input, target="ort")
+    assert "ort-attention" not in details["applied"]
+    assert "not provable" in " ".join(details["near_misses"]["attention"])
+    assert_same_outputs(split_input, out, feeds)
+    out, details = fuse(_attention(), target="onnx")
+    assert "ort-attention" not in details["applied"]

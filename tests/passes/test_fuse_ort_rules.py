@@ -353,3 +353,57 @@ def test_attention_refusals() -> None:
     assert_same_outputs(split_input, out, feeds)
     out, details = fuse(_attention(), target="onnx")
     assert "ort-attention" not in details["applied"]
+
+
+# -- Pad into Conv and pooling; Gemm / MatMul + BatchNormalization -------------------------------
+
+
+def _padded(consumer: str, pads: list[int], fill: float = 0.0, extra: str = "") -> onnx.ModelProto:
+    params = [init("pads", np.array(pads, np.int64)), init("fill", fill), init("w", _w(4, 3, 3, 3))]
+    attrs: dict[str, Any] = {"kernel_shape": [3, 3]} if consumer != "Conv" else {}
+    inputs = ["p", "w"] if consumer == "Conv" else ["p"]
+    nodes = [node("Pad", ["x", "pads", "fill"], "p", mode="constant"), node(consumer, inputs, "y", **attrs)]
+    outputs: list[Any] = ["y"]
+    if extra == "output":
+        outputs.append("p")
+    return model(nodes, [info("x", [1, 3, 6, 6])], outputs, params)
+
+
+@pytest.mark.parametrize(("consumer", "fill"), [("Conv", 0.0), ("AveragePool", 0.0), ("MaxPool", -np.inf)])
+def test_a_spatial_pad_goes_into_the_consumer(consumer: str, fill: float) -> None:
+    fires(_padded(consumer, [0, 0, 1, 2, 0, 0, 2, 1], fill), "pad-into-consumer", {consumer: 1})
+
+
+def test_pad_refusals() -> None:
+    details = refused(_padded("MaxPool", [0, 0, 1, 1, 0, 0, 1, 1], 0.0), "pad-into-consumer")
+    assert "not -inf" in " ".join(details["near_misses"]["conv"])
+    details = refused(_padded("AveragePool", [0, 1, 1, 1, 0, 0, 1, 1]), "pad-into-consumer")
+    assert "channel dims" in " ".join(details["near_misses"]["conv"])
+    refused(_padded("Conv", [0, 0, 1, 1, 0, 0, 1, 1], extra="output"), "pad-into-consumer")
+
+
+def _gemm_bn(op: str = "Gemm", shape: list[Any] | None = None, extra: str = "") -> onnx.ModelProto:
+    inputs = ["a", "w", "c"] if op == "Gemm" else ["a", "w"]
+    attrs = {"transB": 1, "alpha": 0.5, "beta": 2.0} if op == "Gemm" else {}
+    nodes = [
+        node(op, inputs, "p", **attrs),
+        node("BatchNormalization", ["p", "gamma", "beta", "mean", "var"], "y", epsilon=1e-3),
+    ]
+    weight = _w(4, 3) if op == "Gemm" else _w(3, 4)
+    params = [init("w", weight), init("c", _w(4)), init("gamma", _w(4)), init("beta", _w(4)), init("mean", _w(4))]
+    params.append(init("var", np.abs(_w(4)) + 0.5))
+    outputs: list[Any] = ["y"]
+    if extra == "output":
+        outputs.append("p")
+    return model(nodes, [info("a", shape or ["n", 3])], outputs, params)
+
+
+@pytest.mark.parametrize("op", ["Gemm", "MatMul"])
+def test_gemm_or_matmul_with_batchnorm_becomes_one_gemm(op: str) -> None:
+    fires(_gemm_bn(op), "gemm-bn", {"Gemm": 1})
+
+
+def test_gemm_bn_refusals() -> None:
+    details = refused(_gemm_bn("MatMul", shape=["n", 4, 3]), "gemm-bn")
+    assert "not 2-D" in " ".join(details["near_misses"]["conv"])
+    refused(_gemm_bn(extra="output"), "gemm-bn")

@@ -38,6 +38,6 @@ def test_target_ort_fuses_each_layer_into_contrib_ops(corpus_dir: Path, name: st
     path = corpus_dir / f"{name}.onnx"
     result = optimize(path, target="ort")
     counts = Counter(n.op_type for n in result.model.all_nodes())
-    assert counts["Attention"] == 4 and counts["SkipLayerNormalization"] == 8
+    assert counts["Attention"] == 4 and counts["LayerNormalization"] == 9
     assert sum(counts.values()) <= ORT_EXTENDED[name]
     assert_same_outputs(path, to_proto(result.model), rtol=1e-3, atol=1e-4)

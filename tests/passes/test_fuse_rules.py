@@ -14,8 +14,8 @@ import pytest
 from onnx import TensorProto
 
 from graphopt.errors import InputError
+from tests.passes.fuse_helpers import expose, fuse, info, init, model, node
 from tests.passes.fuse_helpers import fires as _fires
-from tests.passes.fuse_helpers import fuse, info, init, model, node
 from tests.passes.fuse_helpers import refused as _refused
 
 RNG = np.random.default_rng(0)
@@ -41,11 +41,7 @@ def _conv_bn(extra: str = "", gamma_input: bool = False) -> onnx.ModelProto:
         node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], "y", epsilon=1e-3),
     ]
     outputs: list[Any] = ["y"]
-    if extra == "reader":
-        nodes.append(node("Relu", ["c"], "r"))
-        outputs.append("r")
-    elif extra == "output":
-        outputs.append("c")
+    expose(nodes, outputs, "c", extra)
     return model(nodes, inputs, outputs, params)
 
 
@@ -281,6 +277,14 @@ def test_hardswish_and_hardsigmoid_decompositions_fuse() -> None:
         [init("three", 3.0), init("lo", 0.0), init("hi", 6.0), init("six", 6.0)],
     )
     _fires(sigmoid, "hardsigmoid", {"HardSigmoid": 1})
+
+
+def test_hardswish_below_opset_14_becomes_x_times_hardsigmoid() -> None:
+    _fires(_hardswish(13), "hardswish-as-hardsigmoid", {"Mul": 1, "HardSigmoid": 1})
+    _refused(_hardswish(14), "hardswish-as-hardsigmoid")  # HardSwish itself there
+    exposed = _hardswish(13)
+    exposed.graph.output.append(info("c", None))
+    _refused(exposed, "hardswish-as-hardsigmoid")
 
 
 def test_hardswish_refusals() -> None:

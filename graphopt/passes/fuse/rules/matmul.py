@@ -18,7 +18,7 @@ from __future__ import annotations
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
-from graphopt.passes.fuse.patterns import ANY_DOMAIN, const, op, optional, var
+from graphopt.passes.fuse.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
 from graphopt.passes.fuse.rules._helpers import MS, activation_params, attrs_of, float_array, is_float
 from graphopt.passes.fuse.rules.conv import activated, check_activation
 
@@ -54,14 +54,24 @@ add_rule(
 )
 
 
-def _transposed_gemm(which: str) -> Rule:
-    flag = "transA" if which == "a" else "transB"
+def _transposed_input(which: str) -> tuple[str, tuple[Pattern, Pattern]]:
+    """For a Transpose on input A (``which`` "a") or B: the flag it flips, the input patterns."""
     t = op.Transpose(var("inner"), name="t")
-    inputs = (t, var("other")) if which == "a" else (var("other"), t)
+    return ("transA", (t, var("other"))) if which == "a" else ("transB", (var("other"), t))
+
+
+def _untransposed(m: Match, which: str) -> list[Value]:
+    """The product's two inputs with the Transpose taken off."""
+    inner, other = m.value("inner"), m.value("other")
+    return [inner, other] if which == "a" else [other, inner]
+
+
+def _transposed_gemm(which: str) -> Rule:
+    flag, inputs = _transposed_input(which)
 
     def rewrite(b: Builder, m: Match, site: Site) -> Value:
         gemm = m.node("gemm")
-        args = [m.value("inner"), m.value("other")] if which == "a" else [m.value("other"), m.value("inner")]
+        args = _untransposed(m, which)
         return b.op("Gemm", *args, m.optional("c"), **attrs_of(gemm, **{flag: 1 - int(gemm.attr(flag, 0))}))
 
     def check(m: Match, site: Site) -> str | None:
@@ -189,15 +199,12 @@ def _swaps_last_two(node: Node, site: Site) -> bool:
 
 
 def _transposed_matmul(which: str) -> Rule:
-    flag = "transA" if which == "a" else "transB"
-    t = op.Transpose(var("inner"), name="t")
-    inputs = (t, var("other")) if which == "a" else (var("other"), t)
+    flag, inputs = _transposed_input(which)
 
     def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        mm = m.node("mm")
-        attrs = _fused_matmul_attrs(mm)
+        attrs = _fused_matmul_attrs(m.node("mm"))
         attrs[flag] = 1 - int(attrs.get(flag, 0))  # type: ignore[call-overload]
-        args = [m.value("inner"), m.value("other")] if which == "a" else [m.value("other"), m.value("inner")]
+        args = _untransposed(m, which)
         return b.op("FusedMatMul", *args, domain=MS, **attrs)
 
     def check(m: Match, site: Site) -> str | None:

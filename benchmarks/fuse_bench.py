@@ -33,9 +33,8 @@ def main() -> int:
     args = parser.parse_args()
     names = args.models.split(",") if args.models else sorted(p.stem for p in args.corpus.glob("*.onnx"))
     graphopt = Path(sys.executable).with_name("graphopt")
-    print(
-        "| model | nodes original / onnx / ort | ENABLE_ALL onnx | ENABLE_ALL ort | DISABLE_ALL onnx | DISABLE_ALL ort |"
-    )
+    columns = [f"{level.removeprefix('ORT_')} {variant}" for level in LEVELS for variant in VARIANTS]
+    print("| model | nodes original / onnx / ort | " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|")
     for name in names:
         original = args.corpus / f"{name}.onnx"

@@ -12,6 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.api import optimize
 from graphopt.io.onnx_io import from_proto, to_proto
+from graphopt.passes.pipeline import pipeline_from_config
+from tests.numerics import assert_same_outputs
 
 F = TensorProto.FLOAT
 
@@ -45,9 +47,15 @@ def model(
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
 
 
-def fuse(proto: onnx.ModelProto, passes: str = "shape-infer,fuse", **settings: Any) -> tuple[onnx.ModelProto, dict]:
-    """Run ``passes`` on ``proto``; the result and the fuse runs' details merged."""
-    result = optimize(from_proto(proto), passes, strict=True, **settings)
+def fuse(
+    proto: onnx.ModelProto, passes: str = "shape-infer,fuse", enable: Sequence[str] = (), **settings: Any
+) -> tuple[onnx.ModelProto, dict]:
+    """Run ``passes`` on ``proto`` (the fuse pass with the rules ``enable`` names on too); the
+    result and the fuse runs' details merged."""
+    steps = [
+        {"pass": p, "options": {"enable": list(enable)}} if p == "fuse" else {"pass": p} for p in passes.split(",")
+    ]
+    result = optimize(from_proto(proto), pipeline_from_config(steps), strict=True, **settings)
     applied: Counter[str] = Counter()
     misses: dict[str, list[str]] = {}
     for run in result.report["passes"]:
@@ -60,3 +68,32 @@ def fuse(proto: onnx.ModelProto, passes: str = "shape-infer,fuse", **settings: A
 
 def ops(proto: onnx.ModelProto) -> Counter[str]:
     return Counter(n.op_type for n in proto.graph.node)
+
+
+def fires(proto: onnx.ModelProto, rule: str, expected: dict[str, int], **settings: Any) -> onnx.ModelProto:
+    """``rule`` applies, the op counts are ``expected``, outputs keep their names and values."""
+    out, details = fuse(proto, **settings)
+    assert details["applied"].get(rule, 0) >= 1, details
+    assert dict(ops(out)) == expected
+    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
+    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+    return out
+
+
+def refused(proto: onnx.ModelProto, rule: str, **settings: Any) -> dict[str, Any]:
+    """``rule`` does not apply; outputs keep their names and values; the run's details."""
+    out, details = fuse(proto, **settings)
+    assert rule not in details["applied"], details
+    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
+    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+    return details
+
+
+def expose(nodes: list[onnx.NodeProto], outputs: list[Any], value: str, how: str) -> None:
+    """Make ``value`` visible outside a would-be match: "reader" adds a Relu reading it (and
+    its output), "output" makes it a graph output, anything else leaves it alone."""
+    if how == "reader":
+        nodes.append(node("Relu", [value], f"{value}_read"))
+        outputs.append(f"{value}_read")
+    elif how == "output":
+        outputs.append(value)

@@ -27,3 +27,17 @@ def test_target_opset_23_fuses_each_layer(corpus_dir: Path, name: str) -> None:
     assert sum(counts.values()) <= CEILING[name]
     assert result.model.opset == 23
     assert_same_outputs(path, to_proto(result.model), rtol=1e-3, atol=1e-4)
+
+
+# onnxruntime's own node counts at its extended level (corpus README), for --target ort.
+ORT_EXTENDED = {"bert_small": 131, "gpt2_small": 145}
+
+
+@pytest.mark.parametrize("name", ["bert_small", "gpt2_small"])
+def test_target_ort_fuses_each_layer_into_contrib_ops(corpus_dir: Path, name: str) -> None:
+    path = corpus_dir / f"{name}.onnx"
+    result = optimize(path, target="ort")
+    counts = Counter(n.op_type for n in result.model.all_nodes())
+    assert counts["Attention"] == 4 and counts["LayerNormalization"] == 9
+    assert sum(counts.values()) <= ORT_EXTENDED[name]
+    assert_same_outputs(path, to_proto(result.model), rtol=1e-3, atol=1e-4)

@@ -14,27 +14,11 @@ import pytest
 from onnx import TensorProto
 
 from graphopt.errors import InputError
-from tests.numerics import assert_same_outputs
-from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
+from tests.passes.fuse_helpers import expose, fuse, info, init, model, node
+from tests.passes.fuse_helpers import fires as _fires
+from tests.passes.fuse_helpers import refused as _refused
 
 RNG = np.random.default_rng(0)
-
-
-def _fires(proto: onnx.ModelProto, rule: str, expected: dict[str, int], **settings: Any) -> onnx.ModelProto:
-    out, details = fuse(proto, **settings)
-    assert details["applied"].get(rule, 0) >= 1, details
-    assert dict(ops(out)) == expected
-    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
-    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
-    return out
-
-
-def _refused(proto: onnx.ModelProto, rule: str, **settings: Any) -> dict[str, Any]:
-    out, details = fuse(proto, **settings)
-    assert rule not in details["applied"], details
-    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
-    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
-    return details
 
 
 def _w(*shape: int) -> np.ndarray:
@@ -57,11 +41,7 @@ def _conv_bn(extra: str = "", gamma_input: bool = False) -> onnx.ModelProto:
         node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], "y", epsilon=1e-3),
     ]
     outputs: list[Any] = ["y"]
-    if extra == "reader":
-        nodes.append(node("Relu", ["c"], "r"))
-        outputs.append("r")
-    elif extra == "output":
-        outputs.append("c")
+    expose(nodes, outputs, "c", extra)
     return model(nodes, inputs, outputs, params)
 
 
@@ -297,6 +277,14 @@ def test_hardswish_and_hardsigmoid_decompositions_fuse() -> None:
         [init("three", 3.0), init("lo", 0.0), init("hi", 6.0), init("six", 6.0)],
     )
     _fires(sigmoid, "hardsigmoid", {"HardSigmoid": 1})
+
+
+def test_hardswish_below_opset_14_becomes_x_times_hardsigmoid() -> None:
+    _fires(_hardswish(13), "hardswish-as-hardsigmoid", {"Mul": 1, "HardSigmoid": 1})
+    _refused(_hardswish(14), "hardswish-as-hardsigmoid")  # HardSwish itself there
+    exposed = _hardswish(13)
+    exposed.graph.output.append(info("c", None))
+    _refused(exposed, "hardswish-as-hardsigmoid")
 
 
 def test_hardswish_refusals() -> None:

@@ -117,6 +117,8 @@ class Match:
         self.nodes: list[Node] = sorted(found.values(), key=lambda n: self.order.get(id(n), 0))
         # Readers outside the match whose results feed only the match; they go with it.
         self.feeders: list[Node] = []
+        # Exported entries' replacements (see Rule.exports), set by the rewrite.
+        self.exported: dict[Value, Value] = {}
 
     def __contains__(self, name: str) -> bool:
         return self.bindings.get(name) is not None
@@ -137,6 +139,10 @@ class Match:
             raise KeyError(f"rule {self.rule.name}: {name!r} is not a bound node")
         return found
 
+    def export(self, name: str, value: Value) -> None:
+        """Let ``value`` stand for the output of the exported entry ``name`` (Rule.exports)."""
+        self.exported[self.node(name).outputs[0]] = value
+
     def where(self) -> str:
         """A readable location: the root's name, else its first output's name."""
         return self.root.name or self.root.outputs[0].name
@@ -149,7 +155,10 @@ class Rule:
     ``min_opset`` / ``max_opset`` gate the rule on the default-domain opset of the site;
     ``targets`` lists the targets it may emit for; ``default`` False leaves it off unless
     the pass's ``enable`` option names it. ``label`` names what it fuses in near-miss
-    reasons ("LayerNorm at /enc/ln1: gamma is not constant").
+    reasons ("LayerNorm at /enc/ln1: gamma is not constant"). ``exports`` names entries whose
+    (single) output may be read outside the match or be a graph output; the rewrite calls
+    ``m.export(name, value)`` with what stands for it (a fused op's second output, such as
+    SkipLayerNormalization's residual sum).
     """
 
     name: str
@@ -164,6 +173,7 @@ class Rule:
     default: bool = True
     label: str = ""
     doc: str = ""
+    exports: tuple[str, ...] = ()
 
     @property
     def what(self) -> str:
@@ -251,9 +261,10 @@ def _outside_readers(m: Match) -> str | None:
     its values (:func:`apply_match` checks).
     """
     inside = {id(n) for n in m.nodes}
+    exported = {id(m.bindings.get(name)) for name in m.rule.exports}
     feeders: dict[int, Node] = {}
     for node in m.nodes:
-        if node is m.root:
+        if node is m.root or (id(node) in exported and len(node.outputs) == 1):
             continue
         for value in node.outputs:
             if value.is_graph_output:
@@ -367,11 +378,22 @@ def apply_match(m: Match, site: Site) -> bool:
     doomed = {id(n) for n in m.feeders}
     if any(v is not None and id(v.producer) in doomed for n in builder.created for v in n.inputs):
         raise ValueError(f"rule {m.rule.name}: the rewrite reads a value computed from the match's interior")
-    for before, after in zip(old, new, strict=False):
+    replacements = dict(zip(old, new, strict=False))
+    inside = {id(n) for n in [*m.nodes, *m.feeders]}
+    for name in m.rule.exports:
+        value = m.node(name).outputs[0] if name in m else None
+        if value is not None and value not in m.exported and _read_outside(value, inside):
+            raise ValueError(f"rule {m.rule.name}: the exported entry {name!r} is read outside and was not given")
+    replacements.update(m.exported)
+    for before, after in replacements.items():
         if after.type is None:
             after.type = before.type
-    replace_nodes([*m.feeders, *m.nodes], dict(zip(old, new, strict=False)), ctx.names(model))
+    replace_nodes([*m.feeders, *m.nodes], replacements, ctx.names(model))
     return True
+
+
+def _read_outside(value: Value, inside: set[int]) -> bool:
+    return value.is_graph_output or any(id(use.node) not in inside for use in value.uses())
 
 
 def run_round(model: Model, rules: Sequence[Rule], site_for: Callable[[Graph], Site], stats: RunStats) -> int:

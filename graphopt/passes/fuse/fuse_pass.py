@@ -10,6 +10,9 @@ from graphopt.passes.fuse.engine import RunStats, Site, run_round, select_rules
 
 __all__ = ["Fuse"]
 
+# onnxruntime's contrib ops (target ort) need their domain imported.
+CONTRIB_DOMAIN = "com.microsoft"
+
 
 @dataclass
 class FuseOptions:
@@ -48,6 +51,8 @@ class Fuse(Pass):
             rounds += 1
             if run_round(model, shatter, site_for, stats) + run_round(model, fuse, site_for, stats) == 0:
                 break
+        if CONTRIB_DOMAIN not in model.opset_imports and any(n.domain == CONTRIB_DOMAIN for n in model.all_nodes()):
+            model.opset_imports[CONTRIB_DOMAIN] = 1
         if goal < model.opset:
             ctx.convert_opset(model, goal)  # after the shatter rules lowered the ops the goal lacks
         changed = bool(stats.applied) or model.opset != opset_before

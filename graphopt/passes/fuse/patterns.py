@@ -30,6 +30,7 @@ from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.node import STANDARD_DOMAINS
 
 __all__ = [
+    "ANY_DOMAIN",
     "COMMUTATIVE",
     "Bindings",
     "Const",
@@ -49,6 +50,8 @@ __all__ = [
     "var",
 ]
 
+# ``op.X(..., domain=ANY_DOMAIN)`` matches X in any domain (the rule tells them apart).
+ANY_DOMAIN = "*"
 # Two-input ops whose inputs may be swapped.
 COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "And", "Or", "Xor", "Equal", "Sum"})
 
@@ -238,7 +241,7 @@ def _match_op(pattern: OpPattern, value: Value, env: Bindings) -> Iterator[Bindi
     if pattern.domain in STANDARD_DOMAINS:
         if not node.in_standard_domain:
             return
-    elif node.domain != pattern.domain:
+    elif pattern.domain != ANY_DOMAIN and node.domain != pattern.domain:
         return
     key = pattern.key
     if key in env:

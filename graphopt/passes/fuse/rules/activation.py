@@ -5,20 +5,22 @@
 - tanh GELU ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` -> ``Gelu(x, approximate="tanh")``
   (opset 20), ``x^3`` as ``Pow(x, 3)`` or products.
 - ``Clip(x + 3, 0, 6) / 6`` (or ``* 1/6``) -> ``HardSigmoid(x, 1/6, 0.5)``.
-- ``x * Clip(x + 3, 0, 6) / 6`` and ``x * HardSigmoid(x, 1/6, 0.5)`` -> ``HardSwish(x)`` (opset 14).
+- ``x * Clip(x + 3, 0, 6) / 6`` and ``x * HardSigmoid(x, 1/6, 0.5)`` -> ``HardSwish(x)`` (opset 14);
+  below opset 14 the first becomes ``x * HardSigmoid(x, 1/6, 0.5)`` (two ops instead of four).
 
 With ``--target ort`` below opset 20 the GELUs become onnxruntime's ``Gelu`` / ``FastGelu``
-(com.microsoft), which its CPU provider implements.
+(com.microsoft), which its CPU provider implements; a GELU of ``x + bias`` (a constant vector
+over the last axis, the MLP's bias) becomes ``BiasGelu(x, bias)`` / ``FastGelu(x, bias)``.
 """
 
 from __future__ import annotations
 
 import math
 
-from graphopt.ir import Node, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
-from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
+from graphopt.passes.fuse.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
 from graphopt.passes.fuse.rules._helpers import is_float
 
 FAMILY = "activation"
@@ -130,19 +132,65 @@ def _is_sixth_hardsigmoid(node: Node) -> bool:
     return abs(float(node.attr("alpha", 0.2)) - 1 / 6) < 1e-5 and abs(float(node.attr("beta", 0.5)) - 0.5) < 1e-6
 
 
+_SPELLED_HARDSWISH = either(_divided_by_six(op.Mul(_x, _RELU6)), op.Mul(_x, _divided_by_six(_RELU6)))
+
 add_rule(
     Rule(
         "hardswish",
         FAMILY,
-        either(
-            _divided_by_six(op.Mul(_x, _RELU6)),
-            op.Mul(_x, _divided_by_six(_RELU6)),
-            op.Mul(_x, op.HardSigmoid(_x, where=_is_sixth_hardsigmoid)),
-        ),
+        either(_SPELLED_HARDSWISH, op.Mul(_x, op.HardSigmoid(_x, where=_is_sixth_hardsigmoid))),
         lambda b, m, site: b.op("HardSwish", m.value("x")),
         lambda m, site: _check_relu6(m, site) if "clip" in m.bindings else _float_x(m, site),
         min_opset=14,
         label="HardSwish",
         doc="x * Clip(x + 3, 0, 6) / 6 or x * HardSigmoid(x, 1/6, 1/2) -> HardSwish(x) (opset 14)",
+    )
+)
+
+add_rule(
+    Rule(
+        "hardswish-as-hardsigmoid",
+        FAMILY,
+        _SPELLED_HARDSWISH,
+        lambda b, m, site: b.op("Mul", m.value("x"), b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5)),
+        _check_relu6,
+        max_opset=13,
+        label="HardSwish",
+        doc="x * Clip(x + 3, 0, 6) / 6 -> x * HardSigmoid(x, 1/6, 1/2) below opset 14 (no HardSwish there)",
+    )
+)
+
+
+def _bias_gelu_op(gelu: Node) -> str | None:
+    """The contrib op that takes a bias for this GELU node (None: none does)."""
+    if gelu.domain == MS:
+        return {"Gelu": "BiasGelu", "FastGelu": "FastGelu"}.get(gelu.op_type) if len(gelu.inputs) == 1 else None
+    if gelu.in_standard_domain and gelu.op_type == "Gelu":
+        return "FastGelu" if gelu.attr("approximate", "none") in ("tanh", b"tanh") else "BiasGelu"
+    return None
+
+
+def _check_bias_gelu(m: Match, site: Site) -> str | None:
+    if _bias_gelu_op(m.node("gelu")) is None:
+        return "not a GELU that takes a bias"
+    x = m.value("x")
+    shape = site.shape(x)
+    if site.dtype(x) != DataType.FLOAT or not shape:
+        return "x is not a float32 tensor of known rank"
+    if site.shape(m.value("bias")) != (shape[-1],):
+        return "the bias is not a vector over x's last axis"
+    return None
+
+
+add_rule(
+    Rule(
+        "ort-biasgelu",
+        FAMILY,
+        op.any_of(("Gelu", "FastGelu"), op.Add(var("x"), const(name="bias", rank=1)), name="gelu", domain=ANY_DOMAIN),
+        lambda b, m, site: b.op(_bias_gelu_op(m.node("gelu")) or "", m.value("x"), m.value("bias"), domain=MS),
+        _check_bias_gelu,
+        targets=frozenset({"ort"}),
+        label="bias GELU",
+        doc="Gelu(x + bias) -> com.microsoft BiasGelu (FastGelu for the tanh form) (target ort)",
     )
 )

@@ -14,45 +14,66 @@ The mask: an additive float mask is passed as is; ``Where(cond, s, c)`` with ``c
 below -1e30 is a boolean mask; when ``cond`` is the causal band a GPT-2 export slices from
 its ``tril`` buffer (``buf[:, :, klen-qlen:klen, :klen]`` with qlen = klen provably), the
 plumbing goes and ``is_causal=1`` stands for it.
+
+``--target ort``: the same layer with its projections, ``Q = x @ Wq + bq`` (likewise K, V;
+weights constant, or a float16 constant Cast to float), or one packed projection ``Split``
+into Q, K, V (GPT-2's c_attn), becomes onnxruntime's ``Attention`` (com.microsoft, packed
+weights ``[Wq Wk Wv]``; float16 weights are packed as float16 and Cast once). The causal band
+becomes ``unidirectional=1``; BERT's additive mask ``(1 - float(m[:, None, None, :])) * c``
+becomes the raw 2-D mask ``m`` as int32 with ``mask_filter_value=c`` (masks are 0 / 1 by
+contract, as onnxruntime's own fusion assumes); another additive mask is its attention_bias.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
-from graphopt.ir import Node, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
-from graphopt.passes.fuse.patterns import Pattern, const, either, op, var
-from graphopt.passes.fuse.rules._helpers import float_array, is_float
+from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
+from graphopt.passes.fuse.rules._helpers import MS, float_array, is_float
 
 FAMILY = "attention"
 _HEADS = [0, 2, 1, 3]
 
 
-def _split(name: str, perm: list[int]) -> Pattern:
-    return op.Transpose(op.Reshape(var(name), var(f"{name}_shape"), name=f"{name}_split"), perm=perm, name=f"{name}_t")
+def _core(q: Pattern, k: Pattern, v: Pattern) -> Pattern:
+    """The attention layer around the 3-D projections ``q``, ``k``, ``v``."""
+
+    def split(name: str, source: Pattern, perm: list[int]) -> Pattern:
+        reshape = op.Reshape(source, var(f"{name}_shape"), name=f"{name}_split")
+        return op.Transpose(reshape, perm=perm, name=f"{name}_t")
+
+    k_t = either(split("k", k, [0, 2, 3, 1]), op.Transpose(split("k", k, _HEADS), perm=[0, 1, 3, 2], name="k_tt"))
+    scores = op.MatMul(split("q", q, _HEADS), k_t, name="qk")
+    scaled = either(
+        op.Div(scores, const(name="scale"), name="scaling"), op.Mul(scores, const(name="scale"), name="scaling"), scores
+    )
+    masked = either(
+        op.Add(scaled, var("mask"), name="masking"),
+        op.Where(var("cond"), scaled, const(name="fill"), name="masking"),
+        scaled,
+    )
+    probs = op.Softmax(masked, name="softmax", where=lambda n: n.attr("axis", -1) in (-1, 3))
+    return op.Reshape(
+        op.Transpose(op.MatMul(probs, split("v", v, _HEADS), name="pv"), perm=_HEADS, name="merge_t"),
+        var("merge_shape"),
+        name="merge",
+    )
 
 
-_K_T = either(
-    _split("k", [0, 2, 3, 1]),
-    op.Transpose(_split("k", _HEADS), perm=[0, 1, 3, 2], name="k_tt"),
-)
-_SCORES = op.MatMul(_split("q", _HEADS), _K_T, name="qk")
-_SCALED = either(
-    op.Div(_SCORES, const(name="scale"), name="scaling"), op.Mul(_SCORES, const(name="scale"), name="scaling"), _SCORES
-)
-_MASKED = either(
-    op.Add(_SCALED, var("mask"), name="masking"),
-    op.Where(var("cond"), _SCALED, const(name="fill"), name="masking"),
-    _SCALED,
-)
-_PROBS = op.Softmax(_MASKED, name="softmax", where=lambda n: n.attr("axis", -1) in (-1, 3))
-_ATTENTION = op.Reshape(
-    op.Transpose(op.MatMul(_PROBS, _split("v", _HEADS), name="pv"), perm=_HEADS, name="merge_t"),
-    var("merge_shape"),
-    name="merge",
-)
+_ATTENTION = _core(var("q"), var("k"), var("v"))
+
+
+def _source(m: Match, name: str) -> Value:
+    """The 3-D projection the head split of ``name`` (q, k or v) reads."""
+    found = m.node(f"{name}_split").inputs[0]
+    assert found is not None
+    return found
 
 
 def _heads(m: Match, name: str, site: Site) -> tuple[int, int] | None:
@@ -60,7 +81,7 @@ def _heads(m: Match, name: str, site: Site) -> tuple[int, int] | None:
     shape = site.shape(m.node(f"{name}_split").outputs[0])
     if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[2:]):
         return None
-    if site.rank(m.value(name)) != 3:
+    if site.rank(_source(m, name)) != 3:
         return None
     return int(shape[2]), int(shape[3])
 
@@ -114,7 +135,7 @@ def _plan(m: Match, site: Site) -> dict[str, object] | str:
     (heads, size), (kv_heads, k_size), (v_heads, v_size) = found  # type: ignore[misc]
     if k_size != size or v_heads != kv_heads or heads % kv_heads:
         return "the heads of Q, K and V do not fit together"
-    if not all(is_float(m.value(n)) for n in ("q", "k", "v")):
+    if not all(is_float(_source(m, n)) for n in ("q", "k", "v")):
         return "Q, K, V are not float tensors of known type"
     out = site.shape(m.root.outputs[0])
     if out is None or len(out) != 3 or out[2] != heads * v_size:
@@ -126,9 +147,9 @@ def _plan(m: Match, site: Site) -> dict[str, object] | str:
     if "mask" in m.bindings:
         mask = m.value("mask")
         shape = site.shape(mask)
-        if site.dtype(mask) != site.dtype(m.value("q")) or shape is None or len(shape) != 4:
+        if site.dtype(mask) != site.dtype(_source(m, "q")) or shape is None or len(shape) != 4:
             return "the mask's type or rank is not provable (want a 4-D mask of Q's type)"
-        q_shape, k_shape = site.shape(m.value("q")), site.shape(m.value("k"))
+        q_shape, k_shape = site.shape(_source(m, "q")), site.shape(_source(m, "k"))
         if shape[2] == 1 and (q_shape is None or k_shape is None or q_shape[1] != k_shape[1] or q_shape[1] is None):
             return "the mask broadcasts over queries and the query length is not provably the key length"
         plan["mask"] = mask
@@ -138,10 +159,10 @@ def _plan(m: Match, site: Site) -> dict[str, object] | str:
             return "the masked fill is not -inf"
         cond_readers = {id(n) for n in m.feeders}
         producer = m.value("cond").producer
-        if producer is not None and id(producer) in cond_readers:
-            if not _causal(m, site):
-                return "the mask is computed from the attention's own tensors and is not the causal band"
+        if _causal(m, site):
             plan["causal"] = 1
+        elif producer is not None and id(producer) in cond_readers:
+            return "the mask is computed from the attention's own tensors and is not the causal band"
         else:
             plan["mask"] = m.value("cond")
     return plan
@@ -194,3 +215,189 @@ add_rule(
         doc="MatMul/scale/mask/Softmax/MatMul with head split and merge -> Attention (opset 23)",
     )
 )
+
+
+# -- target ort: onnxruntime's Attention with packed projections --------------------------------
+
+
+def _weight(name: str) -> Pattern:
+    return either(const(name=name), op.Cast(const(name=name), name=f"{name}_cast"))
+
+
+def _projection(name: str) -> Pattern:
+    matmul = op.MatMul(var("x"), _weight(f"w{name}"), name=f"{name}_mm")
+    return op.Add(matmul, const(name=f"b{name}", rank=1), name=f"{name}_add")
+
+
+_PACKED = _projection("")
+_SPLIT_QKV = [op.Split(_PACKED, optional(const(name="sizes")), name="qkv", output=i) for i in range(3)]
+_PARTS = ("q", "k", "v")
+
+
+def _packed_weights(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray] | str:
+    """The packed ``[Wq Wk Wv]`` (in the stored type) and ``[bq bk bv]``, or why not."""
+    names = ("w",) if "qkv" in m.bindings else tuple(f"w{p}" for p in _PARTS)
+    weights, biases = [], []
+    for name in names:
+        weight, bias = Site.array(m.value(name)), Site.array(m.value("b" + name[1:]))
+        if weight is None or weight.ndim != 2 or bias is None:
+            return "a projection weight or bias is not a readable constant matrix / vector"
+        weights.append(weight)
+        biases.append(bias)
+    casts = {f"{n}_cast" in m.bindings for n in names}
+    if len(casts) != 1 or len({w.dtype for w in weights}) != 1:
+        return "the projection weights are stored in different types"
+    if casts == {True} and any(m.node(f"{n}_cast").attr("to") != DataType.FLOAT for n in names):
+        return "a weight Cast is not to float32"
+    packed = np.concatenate(weights, axis=1)
+    bias = np.concatenate(biases)
+    if bias.dtype != np.float32 or bias.shape != (packed.shape[1],):
+        return "the projection biases are not float32 vectors over the outputs"
+    return packed, bias
+
+
+def _even_split(m: Match, site: Site) -> bool:
+    split = m.node("qkv")
+    rank = site.rank(split.inputs[0])
+    if rank is None or split.attr("axis", 0) not in (-1, rank - 1):
+        return False
+    sizes = Site.array(m.value("sizes")) if "sizes" in m.bindings else split.attr("split")
+    return sizes is None or len(set(int(s) for s in np.asarray(sizes).ravel())) == 1
+
+
+def _raw_mask(mask: Value) -> tuple[Value, float, Node] | None:
+    """For BERT's ``(1 - float(m[:, None, None, :])) * c``: the 2-D mask ``m``, ``c`` and the
+    chain's first node (None: another mask)."""
+    scaled = mask.producer
+    if scaled is None or scaled.op_type != "Mul":
+        return None
+    for inverted, factor in (scaled.inputs, reversed(scaled.inputs)):
+        c = float_array(factor)
+        sub = inverted.producer if inverted is not None else None
+        if c is None or c.size != 1 or sub is None or sub.op_type != "Sub":
+            continue
+        one = float_array(sub.inputs[0])
+        chain = sub.inputs[1].producer if sub.inputs[1] is not None else None
+        if one is None or one.size != 1 or float(one.ravel()[0]) != 1.0:
+            continue
+        found = _unsqueezed_cast(chain)
+        if found is not None:
+            return found[0], float(c.ravel()[0]), found[1]
+    return None
+
+
+def _unsqueezed_cast(node: Node | None) -> tuple[Value, Node] | None:
+    """Unsqueezes and one Cast to float taking a 2-D ``m`` (B, S) to (B, 1, 1, S): (m, first node)."""
+    if node is None:
+        return None
+    out, casts, first = node.outputs[0], 0, node
+    while node is not None and node.op_type in ("Cast", "Unsqueeze"):
+        casts += node.op_type == "Cast"
+        first = node
+        node = node.inputs[0].producer if node.inputs[0] is not None else None
+    source = first.inputs[0]
+    shape, wanted = Site.shape(source), Site.shape(out)
+    if casts != 1 or source is None or shape is None or len(shape) != 2 or None in shape:
+        return None
+    if Site.dtype(out) != DataType.FLOAT or wanted != (shape[0], 1, 1, shape[1]):
+        return None
+    return source, first
+
+
+@dataclass
+class _OrtPlan:
+    plan: dict[str, object]
+    weight: np.ndarray
+    bias: np.ndarray
+    raw: tuple[Value, float, Node] | None
+
+
+def _ort_plan(m: Match, site: Site) -> _OrtPlan | str:
+    plan = _plan(m, site)
+    if isinstance(plan, str):
+        return plan
+    if plan["heads"] != plan["kv_heads"]:
+        return "grouped-query attention has no onnxruntime Attention"
+    x = m.value("x")
+    if site.dtype(x) != DataType.FLOAT or site.rank(x) != 3:
+        return "the layer input is not a 3-D float32 tensor"
+    if "qkv" in m.bindings and not _even_split(m, site):
+        return "the packed projection is not split in three equal parts along the last axis"
+    mask = plan["mask"]
+    raw = _raw_mask(mask) if isinstance(mask, Value) else None
+    if isinstance(mask, Value) and raw is None and site.dtype(mask) != DataType.FLOAT:
+        return "a boolean mask that is not the causal band"
+    weights = _packed_weights(m, site)
+    if isinstance(weights, str):
+        return weights
+    width = (site.shape(m.root.outputs[0]) or (None,))[-1]
+    if not isinstance(width, int) or weights[0].shape[1] != 3 * width:
+        return "the projections are not all of the output's width"
+    return _OrtPlan(plan, weights[0], weights[1], raw)
+
+
+def _rewrite_ort(b: Builder, m: Match, site: Site) -> Value:
+    found = _ort_plan(m, site)
+    assert not isinstance(found, str)
+    plan = found.plan
+    weight = b.constant(found.weight, "qkv_weight")
+    if found.weight.dtype != np.float32:
+        weight = b.op("Cast", weight, to=DataType.FLOAT)
+    mask_index: Value | None = None
+    attention_bias: Value | None = None
+    extra: dict[str, Any] = {}
+    if found.raw is not None:
+        source, fill, first = found.raw
+        mask_index = _int32_mask(site, source, first)
+        extra["mask_filter_value"] = fill
+    elif isinstance(plan["mask"], Value):
+        attention_bias = plan["mask"]
+        if (site.shape(attention_bias) or (0, 0, 0))[2] == 1:
+            attention_bias = _rows_spelled_out(b, attention_bias)
+    bias = b.constant(found.bias, "qkv_bias")
+    inputs: list[Value | None] = [m.value("x"), weight, bias, mask_index, None, attention_bias]
+    while inputs[-1] is None:
+        inputs.pop()
+    node = b.node(
+        "Attention",
+        *inputs,
+        domain=MS,
+        num_heads=plan["heads"],
+        scale=plan["scale"],
+        unidirectional=plan["causal"],
+        **extra,
+    )
+    return node.outputs[0]
+
+
+_INT32_MASK = "attention_mask_int32"
+
+
+def _int32_mask(site: Site, source: Value, first: Node) -> Value:
+    """``source`` as int32, made once before the mask chain (every layer reads it)."""
+    for use in source.uses():
+        if use.node.op_type == "Cast" and use.node.name.startswith(_INT32_MASK):
+            return use.node.outputs[0]
+    builder = site.ctx.builder(site.model, site.graph, before=first, tag="ort-attention")
+    return builder.op("Cast", source, to=DataType.INT32, name=_INT32_MASK)
+
+
+_ORT_LAYERS: dict[str, tuple[Pattern, Pattern, Pattern]] = {
+    "ort-attention": (_projection("q"), _projection("k"), _projection("v")),
+    "ort-attention-packed": (_SPLIT_QKV[0], _SPLIT_QKV[1], _SPLIT_QKV[2]),
+}
+
+for _name, _projections in _ORT_LAYERS.items():
+    add_rule(
+        Rule(
+            _name,
+            FAMILY,
+            _core(*_projections),
+            _rewrite_ort,
+            lambda m, site: found if isinstance(found := _ort_plan(m, site), str) else None,
+            targets=frozenset({"ort"}),
+            label="Attention",
+            doc="projections, MatMul/scale/mask/Softmax/MatMul, head split and merge -> com.microsoft Attention "
+            "(target ort)",
+        )
+    )

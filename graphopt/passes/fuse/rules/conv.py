@@ -9,17 +9,37 @@ Conv + per-channel Mul / Add. ``Conv(x, W, B) * c = Conv(x, W * c, B * c)`` and
 ``Conv(x, W, B) + c = Conv(x, W, B + c)`` when ``c`` varies along the channel axis only.
 A Transpose between them (tf2onnx's NHWC wrappers) is seen through: ``c`` is read in the
 Conv's layout through the inverse permutation.
+
+Gemm / MatMul + BatchNormalization. On a 2-D product BN's channels are the columns, so
+``B' = B * s`` (rows of B when transB) and ``C' = beta_g * C * s + shift`` give one Gemm.
+
+Pad into Conv and pooling. A constant-mode Pad of the spatial dims only goes into the
+consumer's ``pads``: with 0 for Conv, with 0 for AveragePool (then ``count_include_pad=1``,
+which counts the padded zeros as the Pad did), with -inf for MaxPool.
+
+``--target ort``: ``Act(Conv(x, W, B))`` and ``Act(Conv(x, W, B) + z)`` (a residual ``z`` of
+the Conv's shape) -> ``FusedConv`` (com.microsoft) for the activations its CPU kernel applies
+(Relu, Sigmoid, Tanh, LeakyRelu, Clip, HardSigmoid); onnxruntime fuses the first itself at
+its extended level, not the second.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from graphopt.ir import Node, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, new_const
+from graphopt.passes.fuse.rules._helpers import (
+    FUSABLE_ACTIVATIONS,
+    MS,
+    activation_params,
+    attrs_of,
+    float_array,
+    is_float,
+    new_const,
+)
 
 FAMILY = "conv"
 
@@ -167,3 +187,176 @@ for _root in ("Mul", "Add", "Sub"):
             doc=f"{_root}(Conv(x, W, B), c[C,1,1]) -> Conv(x, W', B'), also through a Transpose",
         )
     )
+
+
+def activated(inner: Pattern) -> Pattern:
+    """``Act(inner)`` for the activations onnxruntime's fused kernels apply."""
+    return op.any_of(FUSABLE_ACTIVATIONS, inner, optional(var("lo")), optional(var("hi")), name="act")
+
+
+def check_activation(m: Match, site: Site) -> str | None:
+    if site.dtype(m.root.outputs[0]) != DataType.FLOAT:
+        return "onnxruntime's fused kernels are float32 only"
+    return None if activation_params(m.node("act")) is not None else "the Clip bounds are not constants"
+
+
+def fused_activation(m: Match) -> dict[str, object]:
+    """FusedConv's activation attributes for the matched activation."""
+    params = activation_params(m.node("act"))
+    found: dict[str, object] = {"activation": m.node("act").op_type}
+    if params:
+        found["activation_params"] = params
+    return found
+
+
+def _check_fused_conv(m: Match, site: Site) -> str | None:
+    if "z" in m.bindings:
+        shape = site.shape(m.value("z"))
+        if shape is None or None in shape or shape != site.shape(m.node("conv").outputs[0]):
+            return "the residual's shape is not provably the Conv's"
+    return check_activation(m, site)
+
+
+def _rewrite_fused_conv(b: Builder, m: Match, site: Site) -> Value:
+    conv = m.node("conv")
+    inputs = [*conv.inputs, *([None] * (3 - len(conv.inputs)))][:3]
+    if "z" in m.bindings:
+        inputs.append(m.value("z"))
+    return b.op("FusedConv", *inputs, domain=MS, **attrs_of(conv), **fused_activation(m))
+
+
+_PLAIN_CONV = op.Conv(var("x"), var("w"), optional(var("b")), name="conv")
+
+for _suffix, _inner in (("", _PLAIN_CONV), ("-sum", op.Add(_PLAIN_CONV, var("z"), name="sum"))):
+    add_rule(
+        Rule(
+            f"ort-fusedconv{_suffix}",
+            FAMILY,
+            activated(_inner),
+            _rewrite_fused_conv,
+            _check_fused_conv,
+            targets=frozenset({"ort"}),
+            label="Conv+activation",
+            doc=f"Act(Conv(x, W, B){' + z' if _suffix else ''}) -> com.microsoft FusedConv (target ort)",
+        )
+    )
+
+
+# -- Gemm / MatMul + BatchNormalization -------------------------------------------------------
+
+
+def _gemm_bn_facts(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | str:
+    """(B', C', scale, transB) for BN(Gemm / MatMul), or why not."""
+    node = m.node("gemm")
+    if site.rank(node.outputs[0]) != 2 or site.rank(node.inputs[0]) != 2:
+        return "the product is not 2-D (BatchNormalization's channels are not its columns)"
+    weight = float_array(node.inputs[1])
+    ss = _bn_scale_shift(m)
+    if weight is None or weight.ndim != 2 or ss is None:
+        return "the weight or a BatchNormalization parameter is not a float constant"
+    scale, shift = ss
+    trans_b = int(node.attr("transB", 0)) if node.op_type == "Gemm" else 0
+    if scale.shape[0] != weight.shape[0 if trans_b else 1]:
+        return "BatchNormalization's channels differ from the product's columns"
+    alpha = float(node.attr("alpha", 1.0)) if node.op_type == "Gemm" else 1.0
+    c_value = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else None
+    c = np.zeros(1) if c_value is None else float_array(c_value)
+    if c is None:
+        return "the Gemm's C is not a float constant"
+    beta = float(node.attr("beta", 1.0)) if node.op_type == "Gemm" else 0.0
+    weight = alpha * (weight * (scale[:, None] if trans_b else scale[None, :]))
+    try:
+        bias = np.broadcast_to(beta * c, np.broadcast_shapes(c.shape, scale.shape)) * scale + shift
+    except ValueError:
+        return "the Gemm's C does not broadcast over the columns"
+    return weight, bias, scale, trans_b
+
+
+def _rewrite_gemm_bn(b: Builder, m: Match, site: Site) -> Value:
+    found = _gemm_bn_facts(m, site)
+    assert not isinstance(found, str)
+    weight, bias, _, trans_b = found
+    node = m.node("gemm")
+    like = node.inputs[1]
+    trans_a = int(node.attr("transA", 0)) if node.op_type == "Gemm" else 0
+    w, c = new_const(b, weight, like, "fused_weight"), new_const(b, bias, like, "fused_bias")
+    return b.op("Gemm", node.inputs[0], w, c, transA=trans_a, transB=trans_b)
+
+
+add_rule(
+    Rule(
+        "gemm-bn",
+        FAMILY,
+        _bn(op.any_of(("Gemm", "MatMul"), var("a"), const(name="gw"), optional(var("c")), name="gemm")),
+        _rewrite_gemm_bn,
+        lambda m, site: found if isinstance(found := _gemm_bn_facts(m, site), str) else None,
+        label="Gemm+BatchNormalization",
+        doc="BatchNormalization(Gemm|MatMul(a, B, C)) on a 2-D product -> Gemm(a, B*s, C*s+shift)",
+    )
+)
+
+
+# -- Pad into Conv and pooling ----------------------------------------------------------------
+
+
+def _pad_amounts(m: Match, site: Site) -> list[int] | str:
+    """The spatial pads the matched Pad adds, in the consumer's ``pads`` layout, or why not."""
+    pad, consumer = m.node("pad"), m.root
+    rank = site.rank(pad.outputs[0])
+    if rank is None or rank < 3:
+        return "the padded rank is unknown"
+    if (pad.attr("mode", "constant") or "constant") not in ("constant", b"constant"):
+        return "not a constant-mode Pad"
+    if site.opset < 11:
+        pads, fill = pad.attr("pads"), float(pad.attr("value", 0.0))
+    else:
+        pads = Site.array(pad.inputs[1]) if len(pad.inputs) > 1 else None
+        value = pad.inputs[2] if len(pad.inputs) > 2 else None
+        fill_array = np.zeros(1) if value is None else float_array(value)
+        if fill_array is None or fill_array.size != 1 or (len(pad.inputs) > 3 and pad.inputs[3] is not None):
+            return "the pad value is not a scalar constant, or the Pad names its axes"
+        fill = float(fill_array.ravel()[0])
+    if pads is None:
+        return "the pads are not constant"
+    pads = [int(p) for p in np.asarray(pads).ravel()]
+    begins, ends = pads[:rank], pads[rank:]
+    if any(p < 0 for p in pads) or any(begins[:2]) or any(ends[:2]):
+        return "the Pad crops, or pads the batch or channel dims"
+    wanted = -np.inf if consumer.op_type == "MaxPool" else 0.0
+    if fill != wanted:
+        return f"the pad value is {fill}, not {wanted}"
+    if (consumer.attr("auto_pad", "NOTSET") or "NOTSET") not in ("NOTSET", b"NOTSET"):
+        return "the consumer pads automatically"
+    own = [int(p) for p in consumer.attr("pads", [0] * (2 * (rank - 2)))]
+    if consumer.op_type == "AveragePool" and any(own) and not consumer.attr("count_include_pad", 0):
+        return "the AveragePool's own pads are not counted"
+    return [a + b for a, b in zip(own, begins[2:] + ends[2:], strict=True)]
+
+
+def _rewrite_pad(b: Builder, m: Match, site: Site) -> Value:
+    pads = _pad_amounts(m, site)
+    assert not isinstance(pads, str)
+    consumer = m.root
+    extra = {"count_include_pad": 1} if consumer.op_type == "AveragePool" else {}
+    inputs = [m.value("x"), *consumer.inputs[1:]]
+    return b.op(consumer.op_type, *inputs, **attrs_of(consumer, pads=pads, **extra))
+
+
+add_rule(
+    Rule(
+        "pad-into-consumer",
+        FAMILY,
+        op.any_of(
+            ("Conv", "AveragePool", "MaxPool"),
+            op.Pad(var("x"), optional(var("_pads")), optional(var("_value")), optional(var("_axes")), name="pad"),
+            optional(var("_w")),
+            optional(var("_b")),
+            name="consumer",
+            where=lambda n: len(n.outputs) == 1 or not any(v.is_used() for v in n.outputs[1:]),
+        ),
+        _rewrite_pad,
+        lambda m, site: found if isinstance(found := _pad_amounts(m, site), str) else None,
+        label="Pad",
+        doc="Conv|AveragePool|MaxPool(Pad(x, constant 0 / -inf)) -> the consumer with the pads added",
+    )
+)

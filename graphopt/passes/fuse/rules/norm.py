@@ -12,15 +12,22 @@ RMSNorm. ``x / Sqrt(ReduceMean(x^2) + eps) * gamma`` (or ``x * Reciprocal(...)``
 Softmax. ``Exp(x - ReduceMax(x)) / ReduceSum(Exp(...))`` (with or without the max) over one
 axis with keepdims -> ``Softmax(x, axis)`` (opset 13, where Softmax is per axis).
 
-With ``--target ort``, ``LayerNorm(x + skip)`` becomes ``SkipLayerNormalization``
-(com.microsoft) where the residual Add is not otherwise read.
+``--target ort`` (com.microsoft ops onnxruntime's CPU provider runs): ``LayerNormalization(a +
+skip)`` and ``LayerNormalization(a + bias + skip)`` -> ``SkipLayerNormalization``, and RMSNorm
+of such a sum (decomposed, or ``RMSNormalization``) -> ``SkipSimplifiedLayerNormalization``;
+when the residual sum is read elsewhere too (pre-norm transformers carry it on), the fused
+op's fourth output stands for it. These are off by default (``--target ort`` users enable
+the ``ort-skip`` rules by name): measured at ORT_ENABLE_ALL (1 thread, seq 64) they made
+bert_small x1.06 -> x0.945 without them and gpt2_small x1.003 -> x0.924 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from graphopt.ir import Node, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
@@ -75,9 +82,14 @@ def _param(m: Match, name: str, fill: float, normalized: tuple[int, ...]) -> np.
         return f"{name} does not vary along the normalized axes only"
 
 
+def _normalized_value(m: Match) -> Value:
+    """What the norm normalizes: ``x``, or the residual sum of the skip rules."""
+    return m.value("x") if "x" in m else m.node("sum").outputs[0]
+
+
 def _norm_facts(m: Match, site: Site, reductions: tuple[str, ...]) -> tuple[int, float, np.ndarray, np.ndarray] | str:
     """(axis, epsilon, gamma, beta) for a matched LayerNorm / RMSNorm, or why not."""
-    x = m.value("x")
+    x = _normalized_value(m)
     shape = site.shape(x)
     if not is_float(x) or shape is None:
         return "x has no known float type and rank"
@@ -200,3 +212,108 @@ def _softmax_rule(stable: bool) -> Rule:
 
 add_rule(_softmax_rule(True))
 add_rule(_softmax_rule(False))
+
+
+# -- target ort: the residual Add goes into the norm ----------------------------------------------
+
+_SUM = either(
+    op.Add(op.Add(var("a"), const(name="bias", rank=1), name="biased"), var("skip"), name="sum"),
+    op.Add(var("a"), var("skip"), name="sum"),
+)
+
+
+def _check_skip(m: Match, site: Site) -> str | None:
+    a, skip = m.value("a"), m.value("skip")
+    shape = site.shape(a)
+    if site.dtype(a) != DataType.FLOAT:
+        return "onnxruntime's skip norms are float32 only here"
+    if shape is None or len(shape) not in (2, 3) or None in shape or shape != site.shape(skip):
+        return "the residual's operands do not provably have one 2-D or 3-D shape"
+    hidden = shape[-1]
+    if not isinstance(hidden, int):
+        return "the hidden size is not static"
+    for name in ("bias", "gamma", "beta") if "ln" in m else ("bias",):
+        if name in m and site.shape(m.value(name)) != (hidden,):
+            return f"{name} is not a vector over the hidden size"
+    if "ln" in m:
+        ln = m.node("ln")
+        if ln.attr("axis", -1) not in (-1, len(shape) - 1):
+            return "the norm is not over the last axis"
+        if any(v.is_used() for v in ln.outputs[1:]):
+            return "the norm's statistics are read"
+    return None
+
+
+def _skip_rewrite(op_type: str) -> Callable[[Builder, Match, Site], Value]:
+    def rewrite(b: Builder, m: Match, site: Site) -> Value:
+        inputs: list[Value | None] = [m.value("a"), m.value("skip")]
+        if "ln" in m:
+            ln = m.node("ln")
+            inputs += [m.value("gamma"), m.optional("beta")][: len(ln.inputs) - 1]
+            eps = float(ln.attr("epsilon", 1e-5))
+        else:
+            found = _norm_facts(m, site, ("var",))
+            assert not isinstance(found, str)
+            _, eps, gamma, _ = found
+            inputs.append(new_const(b, gamma, m.value("a"), "rms_scale"))
+        if op_type == "SkipLayerNormalization" and len(inputs) == 3:
+            inputs.append(None)  # no beta
+        inputs.append(m.optional("bias"))
+        while inputs[-1] is None:
+            inputs.pop()
+        total = m.node("sum").outputs[0]
+        exported = total.is_graph_output or len(total.uses()) > 1
+        node = b.node(op_type, *inputs, domain=MS, outputs=4 if exported else 1, epsilon=eps)
+        if exported:
+            m.export("sum", node.outputs[3])
+        return node.outputs[0]
+
+    return rewrite
+
+
+def _check_skip_rms(m: Match, site: Site) -> str | None:
+    if "ln" not in m:
+        found = _norm_facts(m, site, ("var",))
+        if isinstance(found, str):
+            return found
+        if found[0] != -1:
+            return "the norm is not over the last axis"
+    return _check_skip(m, site)
+
+
+_SKIP_RULES = (
+    (
+        "ort-skiplayernorm",
+        "SkipLayerNormalization",
+        op.LayerNormalization(_SUM, const(name="gamma"), optional(const(name="beta")), name="ln"),
+        _check_skip,
+    ),
+    (
+        "ort-skiprmsnorm",
+        "SkipSimplifiedLayerNormalization",
+        op.RMSNormalization(_SUM, const(name="gamma"), name="ln"),
+        _check_skip,
+    ),
+    (
+        "ort-skiprmsnorm-decomposed",
+        "SkipSimplifiedLayerNormalization",
+        _affine(_normalized(_SUM, _SUM), True, False),
+        _check_skip_rms,
+    ),
+)
+
+for _name, _op_type, _pattern, _check in _SKIP_RULES:
+    add_rule(
+        Rule(
+            _name,
+            FAMILY,
+            _pattern,
+            _skip_rewrite(_op_type),
+            _check,
+            targets=frozenset({"ort"}),
+            label="skip norm",
+            doc=f"norm(a [+ bias] + skip) -> com.microsoft {_op_type} (target ort)",
+            exports=("sum",),
+            default=False,
+        )
+    )

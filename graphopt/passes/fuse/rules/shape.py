@@ -8,6 +8,9 @@
 - ``R2(R1(x))`` for R1, R2 among Flatten / Squeeze / Unsqueeze / Reshape, when R2's output
   shape is static: one Reshape to it.
 - ``Unsqueeze(Unsqueeze(x, a), b)`` -> one Unsqueeze (also with symbolic dims).
+- ``Reshape(x, s)`` with ``s`` computed (``Concat(Shape(x)[0:1], [200])``) whose entries are
+  provably static positive ints but one: ``Reshape(x, constant with -1 there)``. The element
+  count fixes the one unknown entry, so the shape plumbing goes.
 - ``Cast(Cast(x, T1), T2) -> Cast(x, T2)`` when ``T0 -> T1`` is lossless (every value of T0
   is exact in T1), and ``x`` itself when T2 is T0; a Cast to x's own type is ``x``.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphopt.ir import DataType, Value
+from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import const, op, optional, var
@@ -161,6 +165,34 @@ add_rule(
         lambda m, site: None if _merged_axes(m, site) is not None else "the axes or the rank are unknown",
         label="Unsqueeze pair",
         doc="Unsqueeze(Unsqueeze(x, a), b) -> Unsqueeze(x, a and b)",
+    )
+)
+
+
+def _one_unknown(m: Match, site: Site) -> list[int] | str:
+    """``s`` as a constant with its one unknown entry as -1, or why not."""
+    if m.root.attr("allowzero", 0):
+        return "allowzero Reshape"
+    found = site.ctx.facts(site.model).sym(m.value("shape"))
+    if found is None:
+        return "the target shape is not provable"
+    unknown = [i for i, d in enumerate(found) if not isinstance(d, int)]
+    if len(unknown) != 1 or any(isinstance(d, int) and d <= 0 for d in found):
+        return "the target shape has more than one entry not provably static and positive"
+    return [-1 if i == unknown[0] else int(d) for i, d in enumerate(found)]  # type: ignore[arg-type]
+
+
+add_rule(
+    Rule(
+        "reshape-one-unknown",
+        FAMILY,
+        op.Reshape(var("x"), var("shape", lambda v: not is_constant(v))),
+        lambda b, m, site: b.op(
+            "Reshape", m.value("x"), b.constant(np.array(_one_unknown(m, site), np.int64), "shape")
+        ),
+        lambda m, site: found if isinstance(found := _one_unknown(m, site), str) else None,
+        label="Reshape",
+        doc="Reshape(x, computed s) with one entry not static -> Reshape(x, constant s with -1 there)",
     )
 )
 

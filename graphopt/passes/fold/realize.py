@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import Graph, Model, Node, Value
+from graphopt.ir import DataType, Graph, Model, Node, Value
 from graphopt.ir.rewrite import Builder, replace_value
 from graphopt.passes.base import PassContext
 from graphopt.passes.fold.index import Fold, FoldIndex
@@ -23,6 +23,9 @@ from graphopt.passes.fold.plan import ELEMENTWISE_BINARY, Layout, Spec, folded_c
 __all__ = ["Realizer", "remove_folded"]
 
 Weight = Callable[[Value | None], np.ndarray | None]
+
+# Folded weights smaller than this are stored as they are (a Cast node would cost more).
+_NARROW_FROM_BYTES = 1 << 16
 
 
 class Realizer:
@@ -88,11 +91,11 @@ class Realizer:
         first = fold.members[0]
         weights = [self._array(m.inputs[1]) for m in fold.members]
         if first.op_type == "MatMul":
-            return b.op("MatMul", x, b.constant(np.concatenate(weights, axis=1), "fold_weight"))
+            return b.op("MatMul", x, self._stored(b, np.concatenate(weights, axis=1)))
         if first.op_type == "Conv":
             return b.op("Conv", x, *self._conv_weights(b, fold), **_attributes(first))
         axis = 0 if first.attr("transB", 0) else 1
-        inputs = [x, b.constant(np.concatenate(weights, axis=axis), "fold_weight")]
+        inputs = [x, self._stored(b, np.concatenate(weights, axis=axis))]
         if len(first.inputs) > 2 and first.inputs[2] is not None:
             inputs.append(b.constant(self._row_biases(fold), "fold_bias"))
         return b.op("Gemm", *inputs, **_attributes(first))
@@ -109,7 +112,7 @@ class Realizer:
 
     def _conv_weights(self, b: Builder, fold: Fold[Spec]) -> list[Value]:
         members = fold.members
-        weights = [b.constant(np.concatenate([self._array(m.inputs[1]) for m in members]), "fold_weight")]
+        weights = [self._stored(b, np.concatenate([self._array(m.inputs[1]) for m in members]))]
         if len(members[0].inputs) > 2 and members[0].inputs[2] is not None:
             weights.append(b.constant(np.concatenate([self._array(m.inputs[2]) for m in members]), "fold_bias"))
         return weights
@@ -123,7 +126,7 @@ class Realizer:
         for member in fold.members:
             weight = self._array(member.inputs[1])
             kernels.append(weight if member.op_type == "Gemm" and member.attr("transB", 0) else weight.T)
-        found = [b.constant(np.concatenate(kernels)[:, :, None, None], "fold_weight")]
+        found = [self._stored(b, np.concatenate(kernels)[:, :, None, None])]
         first = fold.members[0]
         if first.op_type == "Gemm" and len(first.inputs) > 2 and first.inputs[2] is not None:
             found.append(b.constant(self._row_biases(fold), "fold_bias"))
@@ -142,6 +145,16 @@ class Realizer:
                 constant.astype(self._array(first.inputs[1 - position]).dtype), "fold_const"
             )
         return b.op(first.op_type, *inputs, **_attributes(first))
+
+    def _stored(self, b: Builder, weight: np.ndarray) -> Value:
+        """A folded weight, stored as float16 and Cast back when float16 holds it exactly: the
+        members' weights were float16 Cast up (bert_fp16_weights), and storing their float32
+        concatenation would grow the file (11.0 -> 12.5 MB) past const-cache's size guards."""
+        if weight.dtype in (np.float32, np.float64) and weight.nbytes >= _NARROW_FROM_BYTES:
+            narrow = weight.astype(np.float16)
+            if np.array_equal(narrow.astype(weight.dtype), weight):
+                return b.op("Cast", b.constant(narrow, "fold_weight"), to=int(DataType.from_numpy(weight.dtype)))
+        return b.constant(weight, "fold_weight")
 
     def _array(self, value: Value | None) -> np.ndarray:
         array = self.weight(value)

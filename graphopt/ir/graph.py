@@ -156,6 +156,11 @@ class Graph:
             raise GraphError(f"{anchor} is not in this graph")
         return self._link(node, anchor)
 
+    def insert_after(self, anchor: Node, node: Node) -> Node:
+        if anchor.graph is not self:
+            raise GraphError(f"{anchor} is not in this graph")
+        return self._link(node, anchor._next)
+
     def insert(self, position: int, node: Node) -> Node:
         """Insert at ``position`` of the stored order (O(position); prefer insert_before)."""
         anchor = self._head

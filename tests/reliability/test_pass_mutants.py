@@ -147,3 +147,10 @@ def test_shape_infer_attribute_of_another_kind(tmp_path: Path, node: onnx.NodePr
     # The rules read attributes by name whatever their kind: int.decode(), a float block
     # size in dim arithmetic: AttributeError.
     _run_strict(_model([node], [_x(shape)], [_y()]), tmp_path, "shape-infer")
+
+
+def test_unwind_graph_output_listed_twice(tmp_path: Path) -> None:
+    # The Transpose becomes a view of x; each listing of its output was restored on its own:
+    # two values named t.
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 1]), helper.make_node("Relu", ["x"], ["y"])]
+    _run_strict(_model(nodes, [_x()], [_y([2, 3], "t"), _y([2, 3], "t"), _y()]), tmp_path, "unwind")

@@ -171,7 +171,7 @@ class _Planner:
                 self._axes(node)
             else:
                 logical.update(self._fixed(node))
-        for value in graph.outputs:
+        for value in dict.fromkeys(graph.outputs):  # an output listed twice is restored once
             current = self._layout(value)
             if current is None or value in logical:
                 continue
@@ -297,7 +297,7 @@ def _append_after(graph: Graph, node: Node, value: Value, converted: Value, tran
     """Insert ``transpose`` (value -> converted) after ``node``; the readers of ``value``
     read ``converted``."""
     readers = value.uses()
-    graph.insert(graph.nodes.index(node) + 1, transpose)
+    graph.insert_after(node, transpose)
     for use in readers:
         use.node.set_input(use.index, converted)
 

@@ -154,3 +154,14 @@ def test_unwind_graph_output_listed_twice(tmp_path: Path) -> None:
     # two values named t.
     nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 1]), helper.make_node("Relu", ["x"], ["y"])]
     _run_strict(_model(nodes, [_x()], [_y([2, 3], "t"), _y([2, 3], "t"), _y()]), tmp_path, "unwind")
+
+
+def test_cse_does_not_merge_into_an_omitted_output(tmp_path: Path) -> None:
+    # Two equal Transposes, the first with its output left out (an empty name): its nameless
+    # value took the place of the second's, and Sub read a value without a name.
+    nodes = [
+        helper.make_node("Transpose", ["x"], [""], perm=[1, 0]),
+        helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+        helper.make_node("Sub", ["t", "t"], ["y"]),
+    ]
+    _run_strict(_model(nodes, [_x()], [_y([3, 2])]), tmp_path, "cse")

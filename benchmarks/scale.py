@@ -210,10 +210,12 @@ def run_cell(shape: str, size: int, passes: str, repeat: int, cap: float) -> Cel
     return cell
 
 
+COLUMNS = [*dict.fromkeys(default_pipeline().pass_names()), "unwind", PIPELINE]
+
+
 def passes_table(
-    console: Console, sizes: list[int], repeat: int, cap: float, shapes: list[str], markdown: bool = False
+    console: Console, sizes: list[int], repeat: int, cap: float, shapes: list[str], names: list[str], markdown: bool
 ) -> None:
-    names = [*dict.fromkeys(default_pipeline().pass_names()), "unwind", PIPELINE]
     table = Table(
         title=f"median seconds of {repeat} run(s) / peak RSS, each run in a child process of its own", width=240
     )
@@ -246,6 +248,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000", help="comma list of node counts")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of graph shapes")
+    parser.add_argument("--columns", default=",".join(COLUMNS), help="comma list of passes (and 'pipeline')")
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell (the median is shown)")
     parser.add_argument("--cap", type=float, default=300, help="seconds a run may take before the cell is capped")
     parser.add_argument("--skip-rewrites", action="store_true")
@@ -260,7 +263,9 @@ def main() -> None:
     if not args.skip_rewrites:
         rewrites_table(console)
     shapes = [s.strip() for s in args.shapes.split(",")]
-    passes_table(console, [int(s) for s in args.sizes.split(",")], args.repeat, args.cap, shapes, args.markdown)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    columns = [c.strip() for c in args.columns.split(",")]
+    passes_table(console, sizes, args.repeat, args.cap, shapes, columns, args.markdown)
 
 
 if __name__ == "__main__":

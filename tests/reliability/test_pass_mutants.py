@@ -1,4 +1,5 @@
-"""Regressions for pass failures found by mutating valid models (benchmarks/fuzz_passes.py).
+"""Regressions for pass failures found by mutating valid models (benchmarks/fuzz_passes.py),
+and a property test that runs every pass over mutants of random graphs (slow).
 
 Each model below is a mutant graphopt loads: a pass must skip what it cannot reason about,
 never raise (the pipeline would roll it back and the run exit 0 with the pass undone) nor
@@ -12,14 +13,24 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.api import optimize
+from graphopt.errors import InputError
+from graphopt.io import load
+from graphopt.ir.clone import clone_model
+from graphopt.passes.base import all_passes
 from tests.cli_helpers import invoke
+from tests.reliability.mutate import mutants
+from tests.reliability.random_graphs import random_models
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 
@@ -165,3 +176,21 @@ def test_cse_does_not_merge_into_an_omitted_output(tmp_path: Path) -> None:
         helper.make_node("Sub", ["t", "t"], ["y"]),
     ]
     _run_strict(_model(nodes, [_x()], [_y([3, 2])]), tmp_path, "cse")
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_models(), st.integers(0, 2**32 - 1))
+def test_every_pass_takes_every_mutant_graphopt_loads(model: onnx.ModelProto, seed: int) -> None:
+    passes = [name for name in all_passes() if not name.startswith("test-")]
+    with tempfile.TemporaryDirectory() as folder:
+        for what, mutant in mutants(model, seed, 2):
+            path = Path(folder) / "mutant.onnx"
+            onnx.save(mutant, path)
+            try:
+                loaded = load(path, opaque_ops="quiet")
+            except InputError:
+                continue  # refused as bad input: nothing for a pass to handle
+            for pipeline in [*passes, None]:
+                result = optimize(clone_model(loaded), pipeline, verify=True)
+                assert result.report["failures"] == [], (what, result.report["failures"])

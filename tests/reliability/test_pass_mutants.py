@@ -29,6 +29,7 @@ from graphopt.io import load
 from graphopt.ir.clone import clone_model
 from graphopt.passes.base import all_passes
 from tests.cli_helpers import invoke
+from tests.numerics import assert_same_outputs
 from tests.reliability.mutate import mutants
 from tests.reliability.random_graphs import random_models
 
@@ -125,6 +126,24 @@ def test_unwind_softmax_with_an_extra_input(tmp_path: Path) -> None:
     ]
     inputs = [_x([2, 2, 2]), _x([2, 2], "w")]
     _run_strict(_model(nodes, inputs, [_y([2, 2, 2])]), tmp_path, "unwind")
+
+
+def test_every_pass_takes_a_body_that_reuses_an_outer_name(tmp_path: Path) -> None:
+    # onnx and onnxruntime take a Loop body whose iteration input is named like an outer value
+    # (x); the IR saw a duplicate name, so with the IR verified every pass was rolled back.
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Relu", ["v"], ["v_out"])],
+        "body",
+        [helper.make_tensor_value_info("x", INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         _x([2], "v")],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), _y([2], "v_out")],
+    )  # fmt: skip
+    nodes = [
+        helper.make_node("Constant", [], ["n"], value=numpy_helper.from_array(np.array(2, np.int64))),
+        helper.make_node("Loop", ["n", "", "x"], ["y"], body=body),
+    ]
+    _run_strict(_model(nodes, [_x([2])], [_y([2])]), tmp_path, "shape-infer,noop,dce,cse,strip-value-info")
+    assert_same_outputs(tmp_path / "mutant.onnx", tmp_path / "out.onnx")
 
 
 def _run_in_child(model: onnx.ModelProto, tmp_path: Path, passes: str) -> subprocess.CompletedProcess[str]:

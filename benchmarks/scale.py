@@ -8,14 +8,14 @@ Two tables:
 1. Rewrites: a 10,000-node chain, then K rewrites (each rebuilds one node through the
    builder and swaps it in with replace_nodes) for K = 1,000 ... 5,000. Time per rewrite
    stays flat when insertion and removal are O(1).
-2. Passes: each pass of the default pipeline, and the whole pipeline, over generated
-   graphs of each size and shape (an Identity chain, a wide Sum fan-in, a wide fan-out, a
-   nest of If bodies ten deep): the median seconds and the peak RSS of each pass run
-   alone, and of the whole pipeline, each run in a child process of its own (so the peak
-   is that run's: the graph, the pass and the rollback snapshot the pipeline takes).
-   "model alone" is the child's peak once the graph is built. A run that takes longer
-   than --cap seconds is stopped and its cell shows "> cap"; larger graphs of that shape
-   are not tried for that column.
+2. Passes: each pass of the default pipeline, unwind, and the whole pipeline, over
+   generated graphs of each size and shape (an Identity chain, a wide Sum fan-in, a wide
+   fan-out, a nest of If bodies ten deep, TensorFlow-style Transposes around each Conv):
+   the median seconds and the peak RSS of each run, each in a child process of its own (so
+   the peak is that run's: the graph, the pass and the rollback snapshot the pipeline
+   takes). "model alone" is the child's peak once the graph is built. A run that takes
+   longer than --cap seconds is stopped and its cell shows "> cap"; larger graphs of that
+   shape are not tried for that column.
 
     python benchmarks/scale.py --skip-rewrites --sizes 100000 --repeat 5
     python benchmarks/scale.py --skip-rewrites --sizes 1000000 --cap 600
@@ -35,13 +35,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphopt.api import optimize, pass_context
-from graphopt.ir import Attr, AttrKind, DataType, Graph, Model, Node, TensorType, Value
+from graphopt.ir import Attr, AttrKind, DataType, Graph, Model, Node, Tensor, TensorType, Value
 from graphopt.ir.rewrite import replace_nodes
 from graphopt.passes.pipeline import default_pipeline
 
@@ -109,11 +110,29 @@ def nested_ifs(size: int) -> Model:
     return Model(Graph([x, cond], [last], nodes), opset_imports={"": 18})
 
 
+def transposed_convs(size: int) -> Model:
+    """TensorFlow-style NHWC: Transpose -> Conv -> Transpose -> Relu, repeated (work for unwind)."""
+    x = Value("x", TensorType(DataType.FLOAT, (1, 8, 8, 4)))
+    weight = Tensor.from_array(np.full((4, 4, 1, 1), 0.25, np.float32), "w")
+    w = Value("w", TensorType(DataType.FLOAT, (4, 4, 1, 1)), weight)
+    nodes: list[Node] = []
+    last = x
+    for i in range(max(1, size // 4)):
+        to_nchw = Node("Transpose", [last], [f"a{i}"], [Attr("perm", AttrKind.INTS, [0, 3, 1, 2])])
+        conv = Node("Conv", [to_nchw.outputs[0], w], [f"c{i}"])
+        to_nhwc = Node("Transpose", [conv.outputs[0]], [f"b{i}"], [Attr("perm", AttrKind.INTS, [0, 2, 3, 1])])
+        relu = Node("Relu", [to_nhwc.outputs[0]], [f"r{i}"])
+        nodes += [to_nchw, conv, to_nhwc, relu]
+        last = relu.outputs[0]
+    return Model(Graph([x], [last], nodes, [w]), opset_imports={"": 18})
+
+
 SHAPES: dict[str, Callable[[int], Model]] = {
     "identity chain": chain,
     "wide Sum fan-in": fan_in,
     "wide fan-out": fan_out,
     "nested If bodies": nested_ifs,
+    "NHWC Conv chain": transposed_convs,
 }
 
 
@@ -191,10 +210,12 @@ def run_cell(shape: str, size: int, passes: str, repeat: int, cap: float) -> Cel
     return cell
 
 
+COLUMNS = [*dict.fromkeys(default_pipeline().pass_names()), "unwind", PIPELINE]
+
+
 def passes_table(
-    console: Console, sizes: list[int], repeat: int, cap: float, shapes: list[str], markdown: bool = False
+    console: Console, sizes: list[int], repeat: int, cap: float, shapes: list[str], names: list[str], markdown: bool
 ) -> None:
-    names = [*dict.fromkeys(default_pipeline().pass_names()), "unwind", PIPELINE]
     table = Table(
         title=f"median seconds of {repeat} run(s) / peak RSS, each run in a child process of its own", width=240
     )
@@ -227,6 +248,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000", help="comma list of node counts")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of graph shapes")
+    parser.add_argument("--columns", default=",".join(COLUMNS), help="comma list of passes (and 'pipeline')")
     parser.add_argument("--repeat", type=int, default=1, help="runs per cell (the median is shown)")
     parser.add_argument("--cap", type=float, default=300, help="seconds a run may take before the cell is capped")
     parser.add_argument("--skip-rewrites", action="store_true")
@@ -241,7 +263,9 @@ def main() -> None:
     if not args.skip_rewrites:
         rewrites_table(console)
     shapes = [s.strip() for s in args.shapes.split(",")]
-    passes_table(console, [int(s) for s in args.sizes.split(",")], args.repeat, args.cap, shapes, args.markdown)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    columns = [c.strip() for c in args.columns.split(",")]
+    passes_table(console, sizes, args.repeat, args.cap, shapes, columns, args.markdown)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,14 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
         raise InputError(f"{path}: {err}") from None
 
 
+def _unshadowed(name: str, frames: list[dict[str, Value]]) -> str:
+    index = 1
+    while any(f"{name}__{index}" in frame for frame in frames):
+        index += 1
+    frames[-1][f"{name}__{index}"] = frames[-1][name]  # a later name in this scope cannot take it
+    return f"{name}__{index}"
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return bounded(text[0]) if text else type(err).__name__
@@ -338,6 +346,11 @@ class _Reader:
                 raise InputError(f"{where}: value {value.name!r} is defined twice")
             if value.name:
                 local[value.name] = value
+                if any(value.name in frame for frame in scope):
+                    # A body may reuse an outer name (onnx and onnxruntime take it: body
+                    # inputs and outputs are positional); the IR keeps names unique across
+                    # scopes, so the inner value is renamed (its readers hold the value).
+                    value.name = _unshadowed(value.name, [*scope, local])
             return value
 
         annotations = {vi.name: vi for vi in proto.value_info}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections import ChainMap
 from collections.abc import Iterable, Iterator, Sequence
 
 from graphopt.ir.node import Node
@@ -155,6 +156,11 @@ class Graph:
         if anchor.graph is not self:
             raise GraphError(f"{anchor} is not in this graph")
         return self._link(node, anchor)
+
+    def insert_after(self, anchor: Node, node: Node) -> Node:
+        if anchor.graph is not self:
+            raise GraphError(f"{anchor} is not in this graph")
+        return self._link(node, anchor._next)
 
     def insert(self, position: int, node: Node) -> Node:
         """Insert at ``position`` of the stored order (O(position); prefer insert_before)."""
@@ -318,8 +324,16 @@ class Graph:
     # -- invariants -----------------------------------------------------------
     def verify(self) -> None:
         """Raise :class:`GraphError` if names repeat, a value dangles or uses are inexact."""
+        enclosing = list(self.enclosing())[1:]
+        self._verify(ChainMap(*({v.name: v for v in g.values()} for g in enclosing)), [g._ids() for g in enclosing])
+
+    def _ids(self) -> set[int]:
+        return {id(v) for v in self.values()}
+
+    def _verify(self, outer: ChainMap[str, Value], outer_ids: list[set[int]]) -> None:
+        # Bodies get their scope handed down (a chain of the enclosing graphs' tables) rather
+        # than rebuilding it from every enclosing graph, which was quadratic in the bodies.
         defined: dict[str, Value] = {}
-        outer = {v.name: v for g in list(self.enclosing())[1:] for v in g.values()}
         for value in self.values():
             if not value.name:
                 # ONNX spells an omitted optional output as ''; anything read needs a name.
@@ -333,21 +347,25 @@ class Graph:
             ):
                 raise GraphError(f"duplicate value name {value.name!r}")
             defined[value.name] = value
-        visible = {id(v) for g in self.enclosing() for v in g.values()}
+        scope_ids = [self._ids(), *outer_ids]
+
+        def visible(value: Value) -> bool:
+            return any(id(value) in ids for ids in scope_ids)
+
         for node in self.nodes:
             if node.graph is not self:
                 raise GraphError(f"{node} does not know it belongs to this graph")
             for index, read in enumerate(node.inputs):
                 if read is None:
                     continue
-                if id(read) not in visible:
+                if not visible(read):
                     raise GraphError(f"{node} reads {read.name!r}, which is not defined in scope")
                 if Use(node, index) not in read._uses:
                     raise GraphError(f"use of {read.name!r} by {node} is not recorded")
             for body in node.subgraphs():
                 if body.parent is not node:
                     raise GraphError(f"a body of {node} does not point back to it")
-                body.verify()
+                body._verify(outer.new_child(defined), scope_ids)
         for value in defined.values():
             for use in value.uses():
                 if (
@@ -357,7 +375,7 @@ class Graph:
                 ):
                     raise GraphError(f"stale use of {value.name!r} by {use.node}")
         for value in self._outputs:
-            if id(value) not in visible:
+            if not visible(value):
                 raise GraphError(f"graph output {value.name!r} is not defined in scope")
         self.topological()
 

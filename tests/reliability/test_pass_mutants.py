@@ -1,4 +1,5 @@
-"""Regressions for pass failures found by mutating valid models (benchmarks/fuzz_passes.py).
+"""Regressions for pass failures found by mutating valid models (benchmarks/fuzz_passes.py),
+and a property test that runs every pass over mutants of random graphs (slow).
 
 Each model below is a mutant graphopt loads: a pass must skip what it cannot reason about,
 never raise (the pipeline would roll it back and the run exit 0 with the pass undone) nor
@@ -12,14 +13,25 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.api import optimize
+from graphopt.errors import InputError
+from graphopt.io import load
+from graphopt.ir.clone import clone_model
+from graphopt.passes.base import all_passes
 from tests.cli_helpers import invoke
+from tests.numerics import assert_same_outputs
+from tests.reliability.mutate import mutants
+from tests.reliability.random_graphs import random_models
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 
@@ -116,6 +128,24 @@ def test_unwind_softmax_with_an_extra_input(tmp_path: Path) -> None:
     _run_strict(_model(nodes, inputs, [_y([2, 2, 2])]), tmp_path, "unwind")
 
 
+def test_every_pass_takes_a_body_that_reuses_an_outer_name(tmp_path: Path) -> None:
+    # onnx and onnxruntime take a Loop body whose iteration input is named like an outer value
+    # (x); the IR saw a duplicate name, so with the IR verified every pass was rolled back.
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Relu", ["v"], ["v_out"])],
+        "body",
+        [helper.make_tensor_value_info("x", INT64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         _x([2], "v")],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), _y([2], "v_out")],
+    )  # fmt: skip
+    nodes = [
+        helper.make_node("Constant", [], ["n"], value=numpy_helper.from_array(np.array(2, np.int64))),
+        helper.make_node("Loop", ["n", "", "x"], ["y"], body=body),
+    ]
+    _run_strict(_model(nodes, [_x([2])], [_y([2])]), tmp_path, "shape-infer,noop,dce,cse,strip-value-info")
+    assert_same_outputs(tmp_path / "mutant.onnx", tmp_path / "out.onnx")
+
+
 def _run_in_child(model: onnx.ModelProto, tmp_path: Path, passes: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "mutant.onnx"
     onnx.save(model, path)
@@ -147,3 +177,39 @@ def test_shape_infer_attribute_of_another_kind(tmp_path: Path, node: onnx.NodePr
     # The rules read attributes by name whatever their kind: int.decode(), a float block
     # size in dim arithmetic: AttributeError.
     _run_strict(_model([node], [_x(shape)], [_y()]), tmp_path, "shape-infer")
+
+
+def test_unwind_graph_output_listed_twice(tmp_path: Path) -> None:
+    # The Transpose becomes a view of x; each listing of its output was restored on its own:
+    # two values named t.
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 1]), helper.make_node("Relu", ["x"], ["y"])]
+    _run_strict(_model(nodes, [_x()], [_y([2, 3], "t"), _y([2, 3], "t"), _y()]), tmp_path, "unwind")
+
+
+def test_cse_does_not_merge_into_an_omitted_output(tmp_path: Path) -> None:
+    # Two equal Transposes, the first with its output left out (an empty name): its nameless
+    # value took the place of the second's, and Sub read a value without a name.
+    nodes = [
+        helper.make_node("Transpose", ["x"], [""], perm=[1, 0]),
+        helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+        helper.make_node("Sub", ["t", "t"], ["y"]),
+    ]
+    _run_strict(_model(nodes, [_x()], [_y([3, 2])]), tmp_path, "cse")
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_models(), st.integers(0, 2**32 - 1))
+def test_every_pass_takes_every_mutant_graphopt_loads(model: onnx.ModelProto, seed: int) -> None:
+    passes = [name for name in all_passes() if not name.startswith("test-")]
+    with tempfile.TemporaryDirectory() as folder:
+        for what, mutant in mutants(model, seed, 2):
+            path = Path(folder) / "mutant.onnx"
+            onnx.save(mutant, path)
+            try:
+                loaded = load(path, opaque_ops="quiet")
+            except InputError:
+                continue  # refused as bad input: nothing for a pass to handle
+            for pipeline in [*passes, None]:
+                result = optimize(clone_model(loaded), pipeline, verify=True)
+                assert result.report["failures"] == [], (what, result.report["failures"])

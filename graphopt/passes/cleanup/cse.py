@@ -2,7 +2,7 @@
 
 Two nodes compute the same values when they apply the same operator (domain, op type,
 overload) with equal attributes to the very same input values (in either order for a
-binary commutative operator) and ask for as many outputs. Visiting a graph in
+binary commutative operator) and ask for the same outputs. Visiting a graph in
 topological order and keying each node by exactly that merges whole duplicate chains
 in one pass: once the first pair is merged, their consumers read identical inputs and
 match in turn.
@@ -183,7 +183,9 @@ def _node_key(node: Node, random_functions: set[FunctionKey]) -> Hashable | None
     inputs = node.inputs
     if node.in_standard_domain and node.op_type in COMMUTATIVE_OPS and len(inputs) == 2:
         inputs = tuple(sorted(inputs, key=id))
-    return (node.domain, node.op_type, node.overload, inputs, len(node.outputs), tuple(attributes))
+    # Which outputs are asked for (an empty name leaves one out), not only how many.
+    produced = tuple(bool(v.name) for v in node.outputs)
+    return (node.domain, node.op_type, node.overload, inputs, produced, tuple(attributes))
 
 
 def _attr_key(attr: Attr) -> Hashable | None:

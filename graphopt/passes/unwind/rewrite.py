@@ -219,7 +219,7 @@ class _Planner:
                 self._axes(node)
             else:
                 self._fixed(node)
-        for value in graph.outputs:
+        for value in dict.fromkeys(graph.outputs):  # an output listed twice is restored once
             current = self._physical(value)
             if current is None or (current == identity(len(current)) and self._holder(value) is value):
                 continue

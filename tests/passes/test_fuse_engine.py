@@ -224,3 +224,21 @@ def test_a_leaf_computed_inside_the_match_blocks_it() -> None:
     out, details = fuse(proto)
     assert details["applied"] == {} and ops(out) == {"MatMul": 1, "Add": 1}
     assert_same_outputs(proto, out)
+
+
+def test_a_rewrite_that_would_read_the_match_interior_is_declined() -> None:
+    """Add(MatMul(a, w), Relu(MatMul(a, w))): the Relu only feeds the match, but the bias it
+    computes needs the MatMul the rewrite removes. Found by the property suite: the fuse pass
+    raised and was rolled back; now the rule declines and the run has no failure."""
+    from tests.numerics import assert_same_outputs
+    from tests.passes.fuse_helpers import fuse, info, init, model, node
+
+    proto = model(
+        [node("MatMul", ["a", "w"], ["m"]), node("Relu", ["m"], ["r"]), node("Add", ["m", "r"], ["y"])],
+        [info("a", [2, 4])],
+        ["y"],
+        [init("w", np.ones((4, 3), np.float32))],
+    )
+    out, details = fuse(proto)
+    assert "matmul-add-gemm" not in details["applied"]
+    assert_same_outputs(proto, out, rtol=1e-6, atol=1e-6)

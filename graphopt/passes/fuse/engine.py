@@ -375,11 +375,13 @@ def apply_match(m: Match, site: Site) -> bool:
     old = list(m.root.outputs)
     if len(new) > len(old) or any(v.is_used() for v in old[len(new) :]):
         raise ValueError(f"rule {m.rule.name}: the rewrite must stand for every used output of the root")
-    doomed = {id(n) for n in m.feeders}
-    if any(v is not None and id(v.producer) in doomed for n in builder.created for v in n.inputs):
-        raise ValueError(f"rule {m.rule.name}: the rewrite reads a value computed from the match's interior")
-    replacements = dict(zip(old, new, strict=False))
     inside = {id(n) for n in [*m.nodes, *m.feeders]}
+    if any(v is not None and id(v.producer) in inside for n in builder.created for v in n.inputs):
+        # An entry value computed inside the match itself (Add(MatMul(a, w), f(MatMul(a, w)))):
+        # the nodes it needs go with the match, so the rewrite cannot stand; decline it.
+        graph.remove(list(reversed(builder.created)))
+        return False
+    replacements = dict(zip(old, new, strict=False))
     for name in m.rule.exports:
         value = m.node(name).outputs[0] if name in m else None
         if value is not None and value not in m.exported and _read_outside(value, inside):

@@ -286,6 +286,16 @@ class Graph:
         self._cache["topo"] = (self._version, order)
         return list(order)
 
+    def positions(self) -> dict[int, int]:
+        """Each node's index in :meth:`topological`, by ``id``; cached until the next mutation
+        (shared: callers must not change it)."""
+        cached = self._cached("positions")
+        if cached is not None:
+            return cached  # type: ignore[return-value]
+        found = {id(n): i for i, n in enumerate(self.topological())}
+        self._cache["positions"] = (self._version, found)
+        return found
+
     def levels(self, *, ignore_constants: bool = False) -> list[list[Node]]:
         """ASAP levels: level 0 reads only inputs and constants; level k's inputs come from < k.
 

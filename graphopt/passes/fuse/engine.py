@@ -112,7 +112,7 @@ class Match:
         self.rule = rule
         self.root = root
         self.bindings = bindings
-        self.order = {id(n): i for i, n in enumerate(root.graph.topological())} if root.graph is not None else {}
+        self.order = root.graph.positions() if root.graph is not None else {}
         found = {id(v): v for v in bindings.values() if isinstance(v, Node)}
         self.nodes: list[Node] = sorted(found.values(), key=lambda n: self.order.get(id(n), 0))
         # Readers outside the match whose results feed only the match; they go with it.

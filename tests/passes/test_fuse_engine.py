@@ -242,3 +242,20 @@ def test_a_rewrite_that_would_read_the_match_interior_is_declined() -> None:
     out, details = fuse(proto)
     assert "matmul-add-gemm" not in details["applied"]
     assert_same_outputs(proto, out, rtol=1e-6, atol=1e-6)
+
+
+def test_a_cast_without_to_is_left_to_the_checker() -> None:
+    """A mutant the fuzzer found: Cast(Cast(x), to=float) whose inner Cast lost its 'to'
+    made the cast-chain rule raise (the fuse pass was rolled back); now the rule refuses."""
+    from tests.passes.fuse_helpers import info, model, node
+
+    proto = model(
+        [node("Cast", ["x"], ["h"]), node("Cast", ["h"], ["y"], to=1)],
+        [info("x", [2, 3])],
+        ["y"],
+    )
+    from graphopt.api import optimize
+    from graphopt.io.onnx_io import from_proto
+
+    result = optimize(from_proto(proto), "shape-infer,fuse")
+    assert result.report["failures"] == []

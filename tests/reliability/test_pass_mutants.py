@@ -198,7 +198,8 @@ def test_cse_does_not_merge_into_an_omitted_output(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: the CI gate sees the same 150 mutants every run; benchmarks/fuzz_passes.py explores.
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(random_models(), st.integers(0, 2**32 - 1))
 def test_every_pass_takes_every_mutant_graphopt_loads(model: onnx.ModelProto, seed: int) -> None:
     passes = [name for name in all_passes() if not name.startswith("test-")]
@@ -212,4 +213,8 @@ def test_every_pass_takes_every_mutant_graphopt_loads(model: onnx.ModelProto, se
                 continue  # refused as bad input: nothing for a pass to handle
             for pipeline in [*passes, None]:
                 result = optimize(clone_model(loaded), pipeline, verify=True)
-                assert result.report["failures"] == [], (what, result.report["failures"])
+                assert result.report["failures"] == [], (
+                    what,
+                    result.report["failures"],
+                    [r.traceback for r in result.pipeline_run.failures],
+                )

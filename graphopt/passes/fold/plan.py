@@ -227,6 +227,8 @@ class Planner:
     def _key(self, node: Node, index: FoldIndex[Spec]) -> Hashable | None:
         """The seed's fold settings: op, attributes, per input constness, dtype and shape;
         an element-wise op folds only as a continuation, so its key names the fold it reads."""
+        if len(node.outputs) != 1 or not node.outputs[0].name:
+            return None  # a folded op stands for exactly one named output per member
         position = self._activation_position(node)
         if position is None:
             return None

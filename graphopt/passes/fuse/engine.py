@@ -310,10 +310,18 @@ def _candidates(rule: Rule, root: Node, site: Site) -> Iterator[Match]:
             yield m
 
 
+# What a check or rewrite raises on a node it cannot read (an attribute of another kind, a
+# string constant where a number was expected): the rule does not apply there.
+_UNREADABLE = (ValueError, TypeError, IndexError, KeyError, AttributeError)
+
+
 def _valid(m: Match, site: Site) -> str | None:
     reason = m.rule.gate(site) or _outside_readers(m)
     if reason is None and m.rule.check is not None:
-        reason = m.rule.check(m, site)
+        try:
+            reason = m.rule.check(m, site)
+        except _UNREADABLE as err:
+            reason = f"the match cannot be read ({type(err).__name__}: {err})"
     return reason
 
 
@@ -366,7 +374,10 @@ def apply_match(m: Match, site: Site) -> bool:
     """Rewrite one match; False when the rewrite declined (nothing changed)."""
     ctx, model, graph = site.ctx, site.model, site.graph
     builder = ctx.builder(model, graph, before=m.root, tag=m.rule.name)
-    result = m.rule.rewrite(builder, m, site)
+    try:
+        result = m.rule.rewrite(builder, m, site)
+    except _UNREADABLE:
+        result = None  # declined, like a rewrite that returns None
     if result is None:
         if builder.created:
             graph.remove(list(reversed(builder.created)))

@@ -227,6 +227,8 @@ def _check_casts(m: Match, site: Site) -> str | None:
     middle = m.node("inner").attr("to")
     if source is None:
         return "the input type is unknown"
+    if middle is None or m.root.attr("to") is None:
+        return "a Cast has no 'to'"
     if middle not in _LOSSLESS.get(source, set()) and middle != source:
         return f"{source.name} -> {DataType(middle).name} may lose values"
     return None

@@ -127,3 +127,24 @@ def test_bad_configs_name_the_problem(tmp_path: Path, text: str, message: str) -
 def test_options_are_listed_with_help() -> None:
     (spec,) = option_specs(get_pass("test-pop-one"))
     assert (spec.name, spec.type, spec.default, spec.help) == ("keep", "int", 1, "Relus to keep")
+
+
+def test_builtin_pass_table_names_the_family_that_registers_each_pass() -> None:
+    from graphopt.passes.base import BUILTIN_PASSES, all_passes
+
+    registered = {name: cls.__module__ for name, cls in all_passes().items() if cls.__module__.startswith("graphopt.")}
+    assert set(registered) == set(BUILTIN_PASSES)
+    for name, module in registered.items():
+        assert module.startswith(BUILTIN_PASSES[name] + "."), name
+
+
+def test_a_run_imports_only_the_families_its_pipeline_names() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from graphopt.passes.pipeline import pipeline_from_names; "
+        "pipeline_from_names('dce'); print('graphopt.passes.fuse' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

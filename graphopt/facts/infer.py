@@ -57,11 +57,8 @@ def infer_model(facts: Facts, *, use_onnx: bool = True, onnx_max_nodes: int = 50
     """Type every value of ``facts.model`` it can, recording symbolic values in ``facts``."""
     model = facts.model
     before = _census(model)
-    seeds: dict[int, Type] = {}
     n_nodes = sum(1 for _ in model.graph.all_nodes())
-    if use_onnx and n_nodes <= onnx_max_nodes:
-        seeds = dict(facts.onnx_seeds())
-    inference = _Inference(facts, seeds)
+    inference = _Inference(facts, use_onnx=use_onnx and n_nodes <= onnx_max_nodes)
     inference.graph(model.graph)
     after = _census(model)
     details: dict[str, Any] = {
@@ -71,7 +68,7 @@ def infer_model(facts: Facts, *, use_onnx: bool = True, onnx_max_nodes: int = 50
         "fully_known_before": before.complete,
         "fully_known_after": after.complete,
         "symbolic_dims": after.symbolic_dims,
-        "onnx_seeded": len(seeds),
+        "onnx_seeded": len(inference.seeds or {}),
         "unknown_count": len(after.unknown),
         "unknown": after.unknown[:_REPORTED_UNKNOWN],
     }
@@ -81,11 +78,16 @@ def infer_model(facts: Facts, *, use_onnx: bool = True, onnx_max_nodes: int = 50
 
 
 class _Inference:
-    def __init__(self, facts: Facts, seeds: dict[int, Type]) -> None:
+    def __init__(self, facts: Facts, *, use_onnx: bool) -> None:
         model = facts.model
         self.facts = facts
         self.model = model
-        self.seeds = seeds
+        self.use_onnx = use_onnx
+        # onnx's types, fetched on the first value our rules leave incomplete: onnx's
+        # inference costs a copy and a serialization of the model, and on most models
+        # the rules type every value on their own.
+        self.seeds: dict[int, Type] | None = None
+        self.unseeded: set[int] = set()
         self.independent_dims = facts.independent_dims
         self.changed = False
         self.failures: list[str] = []
@@ -139,7 +141,7 @@ class _Inference:
 
     # -- recording types ----------------------------------------------------------------
     def assign(self, value: Value, inferred: Type | None) -> None:
-        best = _fill(inferred, self.seed(value))
+        best = inferred if _complete(inferred) else _fill(inferred, self.seed(value))
         merged = _merge(value.type, best, user_facing=value.is_graph_output or value.is_graph_input)
         if merged != value.type:
             value.type = merged
@@ -147,6 +149,10 @@ class _Inference:
 
     def seed(self, value: Value) -> Type | None:
         """onnx's type for ``value``, without the names onnx made up."""
+        if not self.use_onnx or id(value) in self.unseeded:
+            return None
+        if self.seeds is None:
+            self.seeds = dict(self.facts.onnx_seeds())
         found = self.seeds.get(id(value))
         if not isinstance(found, TensorType) or found.shape is None:
             return found
@@ -232,7 +238,7 @@ class _Inference:
         snapshot = {v: v.type for v in _body_values(body)}
         for value in snapshot:
             # onnx types a body from the entry types alone, too narrow for a dim that changes.
-            self.seeds.pop(id(value), None)
+            self.unseeded.add(id(value))
         carried_in = body.inputs[first_carried : first_carried + n_carried]
         carried_out = body.outputs[first_result : first_result + n_carried]
         for round_number in range(_MAX_BODY_ROUNDS):
@@ -266,6 +272,11 @@ def _fill(mine: Type | None, onnx: Type | None) -> Type | None:
     if onnx.shape is None or len(onnx.shape) != len(mine.shape):
         return mine
     return replace(mine, shape=tuple(m if m is not None else o for m, o in zip(mine.shape, onnx.shape, strict=False)))
+
+
+def _complete(kind: Type | None) -> bool:
+    """A tensor type with every dim known (an int or a name): onnx could add nothing to it."""
+    return isinstance(kind, TensorType) and kind.shape is not None and all(d is not None for d in kind.shape)
 
 
 def _placeholder(dim: Dim) -> bool:

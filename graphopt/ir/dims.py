@@ -16,6 +16,7 @@ dims are different variables that merely print alike.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -240,6 +241,7 @@ class _Parser:
         raise ValueError(token)
 
 
+@functools.lru_cache(maxsize=4096)  # a model repeats a handful of dim names on every value
 def parse_dim(text: str) -> int | Sym | Expr:
     """Read a dim_param: a plain name is a :class:`Sym`; arithmetic becomes an :class:`Expr`.
 

@@ -547,3 +547,20 @@ def test_onnx_inference_fills_ops_without_a_rule(use_onnx: bool) -> None:
         assert result.details["onnx_seeded"] == 2
     else:
         assert types == {"det": "None", "col": "float[*]"}  # the graph output declares its element type
+
+
+def test_onnx_inference_runs_only_where_the_rules_leave_a_gap() -> None:
+    covered = make_model(
+        [helper.make_node("Relu", ["x"], ["h"]), helper.make_node("Neg", ["h"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    assert infer(onnx_io.from_proto(covered)).details["onnx_seeded"] == 0
+    gap = make_model(
+        [helper.make_node("Det", ["x"], ["d"]), helper.make_node("Neg", ["d"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = onnx_io.from_proto(gap)
+    assert infer(model).details["onnx_seeded"] > 0
+    assert str(model.graph.outputs[0].type) == "float[2]"

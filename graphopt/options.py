@@ -1,6 +1,6 @@
 """Typed options: validate a value from a config, the CLI or the API against its annotation.
 
-Pass options and run settings are dataclass fields. A value is checked against the field's
+Pass options and run settings are dataclass fields, declared with :func:`option`. A value is checked against the field's
 annotation and converted where the annotation asks for it (an Enum from its value); an
 annotation this module does not know is a programming error, raised as TypeError, so a
 new option type cannot silently accept anything.
@@ -8,12 +8,14 @@ new option type cannot silently accept anything.
 
 from __future__ import annotations
 
+import copy
 import enum
 import types
 import typing
+from dataclasses import field
 from typing import Any
 
-__all__ = ["coerce", "plain", "type_name"]
+__all__ = ["coerce", "option", "plain", "type_name"]
 
 _MISMATCH = object()
 
@@ -87,3 +89,13 @@ def _coerce(annotation: Any, value: Any) -> Any:
     raise TypeError(
         f"options of type {annotation!r} are not supported; use bool, int, float, str, Literal, Enum, list or dict"
     )
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field for a run setting or a pass option: its default and its help text.
+
+    A list or dict default is copied for each instance.
+    """
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.copy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})

@@ -17,32 +17,24 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from graphopt.errors import InputError
-from graphopt.options import coerce, type_name
+from graphopt.options import coerce, option, type_name
 
 __all__ = ["Settings", "settings_from"]
 
 
 @dataclass(frozen=True)
 class Settings:
-    independent_dims: bool = field(
-        default=False, metadata={"help": "Treat every occurrence of a dim name as its own variable."}
+    independent_dims: bool = option(False, "Treat every occurrence of a dim name as its own variable.")
+    provenance: bool = option(False, "Record in each new node's metadata the rule or pass that made it.")
+    target: Literal["onnx", "ort"] = option(
+        "onnx",
+        "What the output runs on: 'onnx' emits standard ops only; 'ort' may also emit "
+        "onnxruntime contrib ops its CPU provider implements (fuse pass).",
     )
-    provenance: bool = field(
-        default=False, metadata={"help": "Record in each new node's metadata the rule or pass that made it."}
-    )
-    target: Literal["onnx", "ort"] = field(
-        default="onnx",
-        metadata={
-            "help": "What the output runs on: 'onnx' emits standard ops only; 'ort' may also emit "
-            "onnxruntime contrib ops its CPU provider implements (fuse pass)."
-        },
-    )
-    target_opset: int = field(
-        default=0,
-        metadata={
-            "help": "Default-domain opset of the output (0: the model's own). The fuse pass converts "
-            "the model with onnx's version converter, lowering ops the target lacks first."
-        },
+    target_opset: int = option(
+        0,
+        "Default-domain opset of the output (0: the model's own). The fuse pass converts "
+        "the model with onnx's version converter, lowering ops the target lacks first.",
     )
     verify: bool = field(
         default_factory=lambda: os.environ.get("GRAPHOPT_VERIFY", "") not in ("", "0"),
@@ -52,48 +44,33 @@ class Settings:
         },
     )
 
-    const_input: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": "Graph inputs (names or globs) a server feeds once per model, such as weights: "
-            "runtime constants that the const-cache pass folds into runtime_fold"
-        },
+    const_input: list[str] = option(
+        [],
+        "Graph inputs (names or globs) a server feeds once per model, such as weights: "
+        "runtime constants that the const-cache pass folds into runtime_fold",
     )
-    fold_qdq: bool = field(
-        default=False,
-        metadata={"help": "Let constant folding evaluate QuantizeLinear / DequantizeLinear of weights."},
+    fold_qdq: bool = option(False, "Let constant folding evaluate QuantizeLinear / DequantizeLinear of weights.")
+    defer_growth: bool = option(
+        False,
+        "Fold what would grow the file (float16 -> float32 weight Casts, weight "
+        "DequantizeLinear, tied weight Transposes) once per process in runtime_fold instead.",
     )
-    defer_growth: bool = field(
-        default=False,
-        metadata={
-            "help": "Fold what would grow the file (float16 -> float32 weight Casts, weight "
-            "DequantizeLinear, tied weight Transposes) once per process in runtime_fold instead."
-        },
+    allow_input_relayout: bool = option(
+        False,
+        "Let the unwind pass change the memory layout (declared shape) of graph inputs; "
+        "the report says which inputs now take which axis order.",
     )
-    allow_input_relayout: bool = field(
-        default=False,
-        metadata={
-            "help": "Let the unwind pass change the memory layout (declared shape) of graph inputs; "
-            "the report says which inputs now take which axis order."
-        },
+    fold_min_group: int = option(2, "Fold only groups of at least this many sibling ops (fold pass).")
+    fold_ops: list[str] = option(
+        [], "Op types the fold pass may fold (default: every op it can; `graphopt passes` lists them)."
     )
-    fold_min_group: int = field(
-        default=2, metadata={"help": "Fold only groups of at least this many sibling ops (fold pass)."}
+    fold_tolerance: float = option(
+        0.05,
+        "Take a fold whose predicted cost is within this fraction of the time of the kernels it "
+        "replaces (below what the fold cost table resolves): it still removes nodes.",
     )
-    fold_ops: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Op types the fold pass may fold (default: every op it can; `graphopt passes` lists them)."},
-    )
-    fold_tolerance: float = field(
-        default=0.05,
-        metadata={
-            "help": "Take a fold whose predicted cost is within this fraction of the time of the kernels it "
-            "replaces (below what the fold cost table resolves): it still removes nodes."
-        },
-    )
-    fold_force: bool = field(
-        default=False,
-        metadata={"help": "Take every fold, also those the fold cost model predicts to be slower (to measure them)."},
+    fold_force: bool = option(
+        False, "Take every fold, also those the fold cost model predicts to be slower (to measure them)."
     )
 
     def as_dict(self) -> dict[str, Any]:

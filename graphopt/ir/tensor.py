@@ -8,6 +8,7 @@ no more than its structure until something calls :meth:`Tensor.numpy`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -92,6 +93,23 @@ class Tensor:
         array = np.asarray(array)
         return cls(name, DataType.from_numpy(array.dtype), tuple(array.shape), ArraySource(array))
 
+    def digest(self, *, probe: bool = False) -> bytes | None:
+        """A digest of the type, shape and values; None if the values cannot be read.
+
+        With ``probe``, only three slices of a large tensor's bytes are hashed: enough to
+        tell most same-shaped weights apart without reading them whole. Both digests are
+        kept while the tensor keeps its source, so passes that run again and again (cse,
+        const-cache in a fixpoint group) read a weight once.
+        """
+        memo: dict[bool, tuple[TensorSource, DataType, tuple[int, ...], bytes | None]]
+        memo = self.__dict__.setdefault("_digests", {})
+        found = memo.get(probe)
+        if found is not None and found[0] is self.source and found[1:3] == (self.dtype, self.shape):
+            return found[3]
+        digest = _digest(self, probe)
+        memo[probe] = (self.source, self.dtype, self.shape, digest)
+        return digest
+
     def numpy(self) -> np.ndarray:
         """The values, read-only: rollback snapshots share tensors, so a write would corrupt them."""
         array = self.source.read()
@@ -107,6 +125,33 @@ class Tensor:
     @property
     def nbytes(self) -> int:
         return (self.size * self.dtype.itemsize_bits + 7) // 8
+
+
+# How many bytes each of the three slices of a probe digest reads.
+_PROBE_BYTES = 4096
+
+
+def _digest(tensor: Tensor, probe: bool) -> bytes | None:
+    try:
+        array = tensor.numpy()
+    except (TypeError, ValueError):
+        return None
+    digest = hashlib.blake2b(digest_size=32)
+    digest.update(repr((int(tensor.dtype), tensor.shape)).encode())
+    if array.dtype == object:  # strings: length-prefixed, so ["ab", "c"] != ["a", "bc"]
+        for item in array.ravel():
+            data = item if isinstance(item, bytes) else str(item).encode()
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+        return digest.digest()
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    parts = [flat]
+    if probe and flat.size > 3 * _PROBE_BYTES:
+        middle = flat.size // 2
+        parts = [flat[:_PROBE_BYTES], flat[middle : middle + _PROBE_BYTES], flat[-_PROBE_BYTES:]]
+    for part in parts:
+        digest.update(part.data)
+    return digest.digest()
 
 
 @dataclass(eq=False)

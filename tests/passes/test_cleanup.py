@@ -650,3 +650,36 @@ def test_cleanup_on_corpus(corpus_dir: Path, tmp_path: Path, name: str) -> None:
     out = tmp_path / f"{name}.onnx"
     save(model, out)
     assert_same_outputs(source, out)
+
+
+def test_passes_that_run_again_read_each_weight_once() -> None:
+    """cse and const-cache hash weights to find duplicates; a fixpoint group runs them again
+    and again, and on a 2 GB model re-hashing every round cost more than the rest together."""
+    from graphopt.api import optimize
+    from graphopt.io.onnx_io import from_proto
+    from graphopt.ir import ArraySource
+
+    reads: Counter[str] = Counter()
+
+    class CountingSource(ArraySource):
+        def read(self) -> np.ndarray:
+            reads[self.name] += 1
+            return super().read()
+
+    same = np.ones((64, 64), np.float32)
+    other = same.copy()
+    other.flat[1250] = 2  # between the probe's slices: only a full read tells the two apart
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["a"]), helper.make_node("MatMul", ["x", "w2"], ["b"])],
+        "twins",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 64]) for n in ("a", "b")],
+        [numpy_helper.from_array(same, "w1"), numpy_helper.from_array(other, "w2")],
+    )
+    model = from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    for value in model.graph.initializers.values():
+        source = CountingSource(value.const.numpy().copy())
+        source.name = value.name
+        value.const.source = source
+    optimize(model, "cse,const-cache,cse,const-cache,cse")
+    assert reads and max(reads.values()) <= 2  # one probe read, one full read

@@ -23,13 +23,10 @@ when both duplicates are graph outputs both stay.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
 from typing import Any
-
-import numpy as np
 
 from graphopt.ir import Attr, AttrKind, Graph, Model, Node, SparseTensor, Tensor, Value
 from graphopt.ir.constness import RANDOM_OPS, constant_node_tensor, constant_tensor
@@ -50,9 +47,6 @@ COMMUTATIVE_OPS = frozenset(
 )
 
 FunctionKey = tuple[str, str, str]
-
-# How many bytes each of the three probe slices of a large tensor reads.
-_PROBE_BYTES = 4096
 
 
 @register
@@ -90,8 +84,8 @@ def _merge_constants(graph: Graph, merged_nodes: Counter[str], names: Namer) -> 
     for group in candidates.values():
         # A probe of a few slices tells most same-shaped weights apart without reading them
         # whole; only tensors the probe cannot separate are hashed in full.
-        for probed in _split(group, _probe):
-            for (kept, _), *duplicates in _split(probed, _digest):
+        for probed in _split(group, lambda tensor: tensor.digest(probe=True)):
+            for (kept, _), *duplicates in _split(probed, Tensor.digest):
                 for value, _ in duplicates:
                     if not can_take_over(value, kept):
                         continue
@@ -117,35 +111,6 @@ def _split(
             if found is not None:
                 buckets[found].append(item)
     return [bucket for bucket in buckets.values() if len(bucket) > 1]
-
-
-def _probe(tensor: Tensor) -> bytes | None:
-    return _digest(tensor, probe=True)
-
-
-def _digest(tensor: Tensor, *, probe: bool = False) -> bytes | None:
-    """A digest of the tensor's type, shape and bytes (with ``probe``, of a few slices of
-    them only); None if its values cannot be read."""
-    try:
-        array = tensor.numpy()
-    except (TypeError, ValueError):
-        return None
-    digest = hashlib.blake2b(digest_size=32)
-    digest.update(repr((int(tensor.dtype), tensor.shape)).encode())
-    if array.dtype == object:  # strings: length-prefixed, so ["ab", "c"] != ["a", "bc"]
-        for item in array.ravel():
-            data = item if isinstance(item, bytes) else str(item).encode()
-            digest.update(len(data).to_bytes(8, "little"))
-            digest.update(data)
-        return digest.digest()
-    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    parts = [flat]
-    if probe and flat.size > 3 * _PROBE_BYTES:
-        middle = flat.size // 2
-        parts = [flat[:_PROBE_BYTES], flat[middle : middle + _PROBE_BYTES], flat[-_PROBE_BYTES:]]
-    for part in parts:
-        digest.update(part.data)
-    return digest.digest()
 
 
 # -- nodes --------------------------------------------------------------------------------
@@ -201,9 +166,9 @@ def _attr_key(attr: Attr) -> Hashable | None:
     if kind == AttrKind.TYPE_PROTO:
         return value
     if kind == AttrKind.TENSOR:
-        return _digest(value)
+        return value.digest()
     if kind == AttrKind.TENSORS:
-        return _all_or_none([_digest(t) for t in value])
+        return _all_or_none([t.digest() for t in value])
     if kind == AttrKind.SPARSE_TENSOR:
         return _sparse_key(value)
     if kind == AttrKind.SPARSE_TENSORS:
@@ -216,7 +181,7 @@ def _float_bits(value: float) -> bytes:
 
 
 def _sparse_key(tensor: SparseTensor) -> Hashable | None:
-    values, indices = _digest(tensor.values), _digest(tensor.indices)
+    values, indices = tensor.values.digest(), tensor.indices.digest()
     return None if values is None or indices is None else (values, indices, tensor.dims)
 
 

@@ -15,10 +15,11 @@ Graph inputs stay even when unused: they are the model's interface.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from graphopt.ir import Graph, Model, Node
+from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 
 __all__ = ["DeadCodeElimination"]
@@ -26,10 +27,7 @@ __all__ = ["DeadCodeElimination"]
 
 @dataclass
 class DceOptions:
-    keep_ops: list[str] = field(
-        default_factory=list,
-        metadata={"help": "op types never removed, e.g. custom operators with side effects"},
-    )
+    keep_ops: list[str] = option([], "op types never removed, e.g. custom operators with side effects")
 
 
 @register

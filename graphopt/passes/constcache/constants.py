@@ -10,14 +10,13 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
 
-from graphopt.ir import Attr, AttrKind, Graph, Model, Node, Tensor, TensorType, Value
-from graphopt.ir.constness import constant_array, constant_node_tensor
+from graphopt.ir import Attr, AttrKind, DataType, Graph, Model, Node, Tensor, TensorType, Value
+from graphopt.ir.constness import constant_array, constant_node_tensor, constant_tensor
 from graphopt.ir.rewrite import Namer, replace_value
 
 __all__ = ["constants_to_initializers", "deduplicate_initializers", "inline_constant_ifs", "replace_by_constant"]
@@ -72,10 +71,8 @@ def _signature(value: Value) -> tuple[int, tuple[int, ...], int] | None:
 
 
 def _digest(value: Value) -> bytes | None:
-    array = constant_array(value, limit=1 << 62)
-    if array is None or array.dtype == np.object_:
-        return None
-    return hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8).data, digest_size=20).digest()
+    tensor = constant_tensor(value)
+    return tensor.digest() if isinstance(tensor, Tensor) and tensor.dtype != DataType.STRING else None
 
 
 def deduplicate_initializers(model: Model, names: Namer) -> int:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from graphopt.ir import Graph, Model, Node
 from graphopt.ir.rewrite import Builder
 from graphopt.ir.stats import model_stats
+from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.passes.constcache.constants import (
     constants_to_initializers,
@@ -37,19 +38,14 @@ __all__ = ["ConstCache", "ConstCacheOptions"]
 
 @dataclass
 class ConstCacheOptions:
-    max_growth_bytes: int = field(
-        default=64 << 10,
-        metadata={
-            "help": "most bytes one folded region may add to the file (new tensors minus the ones that die); "
-            "the default keeps float16 weights from being stored again as float32"
-        },
+    max_growth_bytes: int = option(
+        64 << 10,
+        "most bytes one folded region may add to the file (new tensors minus the ones that die); "
+        "the default keeps float16 weights from being stored again as float32",
     )
-    max_tensor_bytes: int = field(default=256 << 20, metadata={"help": "largest tensor a fold may create"})
-    max_model_growth: float = field(
-        default=0.1,
-        metadata={
-            "help": "most the folds may grow the model's stored bytes, as a fraction (at least max_growth_bytes)"
-        },
+    max_tensor_bytes: int = option(256 << 20, "largest tensor a fold may create")
+    max_model_growth: float = option(
+        0.1, "most the folds may grow the model's stored bytes, as a fraction (at least max_growth_bytes)"
     )
 
 

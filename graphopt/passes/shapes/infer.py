@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from graphopt.facts import infer_model
 from graphopt.ir import Model
+from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 
 __all__ = ["ShapeInference"]
@@ -13,12 +14,8 @@ __all__ = ["ShapeInference"]
 
 @dataclass
 class ShapeInferOptions:
-    use_onnx: bool = field(
-        default=True, metadata={"help": "start from onnx's own shape inference (run on a copy without weights)"}
-    )
-    onnx_max_nodes: int = field(
-        default=50_000, metadata={"help": "skip onnx's inference on models with more nodes than this"}
-    )
+    use_onnx: bool = option(True, "start from onnx's own shape inference (run on a copy without weights)")
+    onnx_max_nodes: int = option(50_000, "skip onnx's inference on models with more nodes than this")
 
 
 @register

@@ -12,9 +12,10 @@ what a custom op returns. Graph inputs and outputs always keep their types.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from graphopt.ir import Model
+from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 
 __all__ = ["StripValueInfo"]
@@ -27,9 +28,7 @@ class StripValueInfo(Pass):
 
     @dataclass
     class Options:
-        keep_custom: bool = field(
-            default=True, metadata={"help": "keep the types of outputs of ops outside the standard domain"}
-        )
+        keep_custom: bool = option(True, "keep the types of outputs of ops outside the standard domain")
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         stripped = 0

@@ -9,10 +9,11 @@ solves that too and reports the solution. ``details`` holds the solution's summa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from graphopt.ir import Model
+from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.passes.unwind.onnx_layouts import Profile, derive
 from graphopt.passes.unwind.rewrite import plan
@@ -24,16 +25,12 @@ __all__ = ["Unwind"]
 
 @dataclass
 class UnwindOptions:
-    solver: SolverName = field(
-        default="default",
-        metadata={
-            "help": "layout solver: default (exact when small, else greedy with look-ahead and local search) or greedy"
-        },
+    solver: SolverName = option(
+        "default", "layout solver: default (exact when small, else greedy with look-ahead and local search) or greedy"
     )
-    time_budget: float = field(default=DEFAULT_TIME_BUDGET, metadata={"help": "seconds the default solver may search"})
-    profile: Profile = field(
-        default="onnx",
-        metadata={"help": "layouts the target wants at Conv, pooling, MatMul, Gemm: onnx (NCHW, row-major) or nhwc"},
+    time_budget: float = option(DEFAULT_TIME_BUDGET, "seconds the default solver may search")
+    profile: Profile = option(
+        "onnx", "layouts the target wants at Conv, pooling, MatMul, Gemm: onnx (NCHW, row-major) or nhwc"
     )
 
 

@@ -40,34 +40,32 @@ def problem_from_json(data: Any, where: str, path: str = "$") -> Problem:
     return problem
 
 
+# The Problem method each spec op kind calls, with the op's fields in argument order
+# (a trailing "?" marks an optional field).
+_BUILDERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Sink": ("sink", ("shape", "id")),
+    "Source": ("source", ("shape", "id")),
+    "DimShuffle": ("dim_shuffle", ("in", "perm", "id")),
+    "Reverse": ("reverse", ("in", "axes", "id")),
+    "Reshape": ("reshape", ("in", "shape", "id")),
+    "Slice": ("slice", ("in", "starts", "ends", "steps?", "id")),
+    "SubSample": ("sub_sample", ("in", "steps", "id")),
+    "Concat": ("concat", ("ins", "axis", "id")),
+    "Expand": ("expand", ("in", "shape", "id")),
+    "Identity": ("identity", ("in", "id")),
+    "SumLike": ("sum_like", ("ins", "unwind_index?", "id")),
+    "SumLikeReduce": ("sum_like_reduce", ("in", "shape", "id")),
+    "Call": ("call", ("ins", "callee_ins", "callee_outs", "value", "outs")),
+}
+_OPTIONAL_DEFAULTS = {"unwind_index": 0}
+
+
 def _add(problem: Problem, op: dict[str, Any]) -> None:
     kind = op["op"]
-    if kind == "Sink":
-        problem.sink(op["shape"], op["id"])
-    elif kind == "Source":
-        problem.source(op["shape"], op["id"])
-    elif kind in ("FixedPoint", "Barrier"):
+    if kind in ("FixedPoint", "Barrier"):
         build = problem.fixed_point if kind == "FixedPoint" else problem.barrier
         build(op["ins"], [o["shape"] for o in op["outs"]], [o["id"] for o in op["outs"]])
-    elif kind == "DimShuffle":
-        problem.dim_shuffle(op["in"], op["perm"], op["id"])
-    elif kind == "Reverse":
-        problem.reverse(op["in"], op["axes"], op["id"])
-    elif kind == "Reshape":
-        problem.reshape(op["in"], op["shape"], op["id"])
-    elif kind == "Slice":
-        problem.slice(op["in"], op["starts"], op["ends"], op.get("steps"), op["id"])
-    elif kind == "SubSample":
-        problem.sub_sample(op["in"], op["steps"], op["id"])
-    elif kind == "Concat":
-        problem.concat(op["ins"], op["axis"], op["id"])
-    elif kind == "Expand":
-        problem.expand(op["in"], op["shape"], op["id"])
-    elif kind == "Identity":
-        problem.identity(op["in"], op["id"])
-    elif kind == "SumLike":
-        problem.sum_like(op["ins"], op.get("unwind_index", 0), op["id"])
-    elif kind == "SumLikeReduce":
-        problem.sum_like_reduce(op["in"], op["shape"], op["id"])
-    else:  # Call: the schema admits nothing else
-        problem.call(op["ins"], op["callee_ins"], op["callee_outs"], op["value"], op["outs"])
+        return
+    method, fields = _BUILDERS[kind]  # the schema admits no other kind
+    arguments = [op.get(f[:-1], _OPTIONAL_DEFAULTS.get(f[:-1])) if f.endswith("?") else op[f] for f in fields]
+    getattr(problem, method)(*arguments)

@@ -23,6 +23,7 @@ from graphopt.api import Result, optimize, resolve_pipeline, resolve_settings
 from graphopt.errors import GraphoptError, InputError
 from graphopt.files import commit, folder_lock, is_staging, staging_folder
 from graphopt.io import data_files, load, save
+from graphopt.io.json_io import is_sidecar_of
 from graphopt.io.onnx_io import is_data_file_of
 from graphopt.ir import Model
 from graphopt.passes.pipeline import PassRun
@@ -184,9 +185,9 @@ def _optimize_file(
             # The output and its sidecars (.data, .npy) alone in one folder: they are committed together.
             staged = workdir / "output" / output.name
             save_start = time.perf_counter()
-            save_options: dict[str, Any] = {}
+            save_options: dict[str, Any] = {"content_addressed": True}
             if staged.suffix.lower() != ".json":
-                save_options = {"external_data": options.external_data, "content_addressed": True}
+                save_options["external_data"] = options.external_data
             written = _writing(output, lambda: save(result.model, staged, **save_options))
             report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
             report["input"] = input_entry.result()
@@ -297,11 +298,12 @@ def _commit(
     - Before anything is written, every path the commit writes or removes is compared with
       every file the run reads, symbolic links resolved: a clash is bad input (only
       ``--in-place`` may replace the input and its weights).
-    - External data has a content-addressed name, so the new weights never replace the
-      file the old model reads: they go in first, the model is renamed over the old one
-      (one atomic rename switches from the old set to the new), the report after it, and
-      only then are the old model's weights removed. A kill at any moment leaves the old
-      set or the new one, loadable; a failed rename puts back what was renamed.
+    - External data (and a JSON graph's .npy sidecars) have content-addressed names, so
+      the new weights never replace the files the old model reads: they go in first, the
+      model is renamed over the old one (one atomic rename switches from the old set to
+      the new), the report after it, and only then are the old model's weights removed.
+      A kill at any moment leaves the old set or the new one, loadable; a failed rename
+      puts back what was renamed.
     - Two runs writing into one folder take turns (the lock); each one's set is whole.
     """
     folders = sorted({t.parent.resolve() for _, t in moves})
@@ -310,7 +312,7 @@ def _commit(
             locks.enter_context(folder_lock(folder, output))
         removals = _old_weights(output, moves)
         # Weights of this content are already in place under their content-addressed name.
-        moves = [(s, t) for s, t in moves if not (is_data_file_of(output, t, hashed=True) and t.is_file())]
+        moves = [(s, t) for s, t in moves if not (_is_weights_of(output, t, hashed=True) and t.is_file())]
         _refuse_clashes(source, output, [t for _, t in moves], removals, reads, options)
         if output.is_file():  # the new weights keep the permissions of the model they replace
             mode = output.stat().st_mode & 0o7777
@@ -324,11 +326,18 @@ def _commit(
 
 
 def _old_weights(output: Path, moves: list[tuple[Path, Path]]) -> list[Path]:
-    """The external data files of the model at ``output`` that the new one does not use."""
-    if output.suffix.lower() == ".json" or all(t != output for _, t in moves):
+    """The external data (or .npy sidecars) of the model at ``output`` that the new one does not use."""
+    if all(t != output for _, t in moves):
         return []
     new = {t.name for _, t in moves}
-    return sorted(p for p in output.parent.iterdir() if is_data_file_of(output, p) and p.name not in new)
+    return sorted(p for p in output.parent.iterdir() if _is_weights_of(output, p) and p.name not in new)
+
+
+def _is_weights_of(output: Path, candidate: Path, *, hashed: bool = False) -> bool:
+    """Whether ``candidate`` is named as the tensor data files of the model ``output`` are."""
+    if output.suffix.lower() == ".json":
+        return is_sidecar_of(output, candidate, hashed=hashed)
+    return is_data_file_of(output, candidate, hashed=hashed)
 
 
 def _refuse_clashes(

@@ -66,7 +66,7 @@ def save(model: Model, path: str | os.PathLike[str], **options: object) -> dict[
     if suffix == ".json":
         from graphopt.io import json_io
 
-        json_io.save(model, path)
+        json_io.save(model, path, content_addressed=bool(options.get("content_addressed")))
         return {}
     if suffix not in (".onnx", ".pb", ""):
         raise InputError(f"{path}: unknown output format {suffix!r} (use .onnx or .json)")

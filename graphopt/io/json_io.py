@@ -77,7 +77,16 @@ from graphopt.ir import (
 )
 from graphopt.schemas import validate
 
-__all__ = ["FORMAT_MARKER", "FORMAT_VERSION", "SIDECAR_THRESHOLD", "NpySource", "is_graph_file", "load", "save"]
+__all__ = [
+    "FORMAT_MARKER",
+    "FORMAT_VERSION",
+    "SIDECAR_THRESHOLD",
+    "NpySource",
+    "is_graph_file",
+    "is_sidecar_of",
+    "load",
+    "save",
+]
 
 FORMAT_VERSION = 1
 FORMAT_MARKER = "graphopt-graph"
@@ -201,6 +210,18 @@ def _nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
 # -- writing -------------------------------------------------------------------------------
 
 
+def is_sidecar_of(path: Path, candidate: Path, *, hashed: bool = False) -> bool:
+    """Whether ``candidate`` is named as a sidecar of the JSON graph ``path`` is:
+    content-addressed ``<stem>.<16 hex>.npy``, or (unless ``hashed``) ``<stem>.<n>.npy``."""
+    name, prefix = candidate.name, path.stem + "."
+    if candidate.parent != path.parent or not name.startswith(prefix) or not name.endswith(".npy"):
+        return False
+    middle = name[len(prefix) : -len(".npy")]
+    if len(middle) == 16 and all(c in "0123456789abcdef" for c in middle):
+        return True
+    return not hashed and middle.isdigit()
+
+
 def is_graph_file(path: str | os.PathLike[str]) -> bool:
     """Whether the file carries graphopt's format marker near its start (writers put it first).
 
@@ -215,11 +236,16 @@ def is_graph_file(path: str | os.PathLike[str]) -> bool:
     return re.search(r'"format"\s*:\s*"' + FORMAT_MARKER + '"', head) is not None
 
 
-def save(model: Model, path: str | os.PathLike[str]) -> None:
-    """Write ``model`` as JSON, large tensors as sidecar .npy files; all or nothing."""
+def save(model: Model, path: str | os.PathLike[str], *, content_addressed: bool = False) -> None:
+    """Write ``model`` as JSON, large tensors as sidecar .npy files; all or nothing.
+
+    Sidecars are named ``<json stem>.<n>.npy``, or with ``content_addressed``
+    ``<json stem>.<16 hex>.npy`` after their contents, so that new sidecars never replace
+    the ones an older JSON of that name reads (the file runner's commit relies on it).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = _Writer(path)
+    writer = _Writer(path, content_addressed)
     staged = writer.staged
     try:
         text = dump(writer.model(model)) + "\n"
@@ -242,8 +268,9 @@ def save(model: Model, path: str | os.PathLike[str]) -> None:
 
 
 class _Writer:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, content_addressed: bool = False) -> None:
         self.path = path
+        self.content_addressed = content_addressed
         self.dims: dict[str, None] = {}
         self.sidecars: list[tuple[str, Path, Tensor]] = []
         # Temporary files written so far, removed again if the save fails.
@@ -355,7 +382,10 @@ class _Writer:
         return {"base64": base64.b64encode(raw).decode("ascii")}
 
     def _sidecar(self, tensor: Tensor) -> str:
-        name = f"{self.path.stem}.{len(self.sidecars)}.npy"
+        digest = tensor.digest() if self.content_addressed else None
+        name = f"{self.path.stem}.{digest.hex()[:16] if digest else len(self.sidecars)}.npy"
+        if any(final.name == name for _, final, _ in self.sidecars):
+            return name  # the same values again: one file serves both
         handle, tmp_path = temporary_file(self.path.parent, name)
         tmp = str(tmp_path)
         self.staged.append(tmp)

@@ -113,3 +113,59 @@ def test_a_kill_at_any_write_or_rename_leaves_the_old_or_the_new_set(tmp_path: P
     assert not [p for p in destination.parent.iterdir() if p.name.startswith(".graphopt-")]
     weights = [p.name for p in destination.parent.iterdir() if p.name.endswith(".data")]
     assert len(weights) == 1  # the old weights are gone, the new ones are the model's
+
+
+def json_outputs_of(path: Path, scratch: Path) -> np.ndarray | None:
+    """What the JSON graph at ``path`` computes (through an ONNX copy), or None if it does not load."""
+    from graphopt.io import load, save
+
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        save(load(path), scratch / "model.onnx")
+    except Exception:
+        return None
+    return outputs_of(scratch / "model.onnx")
+
+
+def test_a_kill_at_any_rename_leaves_a_json_graph_and_its_sidecars_whole(tmp_path: Path) -> None:
+    from graphopt.io import load, save
+    from graphopt.ir import Tensor
+
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    source = with_external_data(pristine)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    old_onnx = with_external_data(scratch, scale=2.0)
+    (pristine / "out").mkdir()
+    old = load(old_onnx)
+    # The bias stays in the JSON text, the weight goes to model.0.npy: an old JSON beside a
+    # new sidecar (or the reverse) computes neither model's outputs.
+    old.graph.initializers["b"].const = Tensor.from_array(np.full(64, 3, np.float32))
+    save(old, pristine / "out" / "model.json")
+    assert any(p.suffix == ".npy" for p in (pristine / "out").iterdir())
+    expected_new = run_model(source)
+    expected_old = json_outputs_of(pristine / "out" / "model.json", tmp_path / "converted")
+    assert expected_old is not None and not np.allclose(expected_old, expected_new)
+    work = tmp_path / "work"
+    destination = work / "out" / "model.json"
+    args = ["run", str(work / "model.onnx"), "-o", str(destination), "--no-check"]
+    outcomes = []
+    for operation in range(1, 500):
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(pristine, work, symlinks=True)
+        code = run_killed_at(operation, args)
+        found = json_outputs_of(destination, tmp_path / "converted")
+        assert found is not None, f"killed at operation {operation}: the destination does not load"
+        is_old = np.allclose(found, expected_old, rtol=1e-6)
+        is_new = np.allclose(found, expected_new, rtol=1e-6)
+        assert is_old or is_new, f"killed at operation {operation}: the destination computes something else"
+        outcomes.append("new" if is_new and not is_old else "old" if is_old and not is_new else "either")
+        if code != KILLED:
+            assert code == 0
+            break
+    else:
+        pytest.fail("the run never got through")
+    assert outcomes[0] == "old" and outcomes[-1] == "new"
+    sidecars = sorted(p.name for p in destination.parent.iterdir() if p.suffix == ".npy")
+    assert sidecars and all(len(name.split(".")[1]) == 16 for name in sidecars)  # the old ones are gone

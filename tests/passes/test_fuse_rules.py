@@ -333,40 +333,6 @@ def test_layernorm_refusals() -> None:
     assert "needs opset >= 17" in " ".join(details["near_misses"]["norm"])
 
 
-def test_rmsnorm_fuses_at_opset_23() -> None:
-    proto = model(
-        [
-            node("Mul", ["x", "x"], "sq"),
-            node("ReduceMean", ["sq", "axes"], "ms"),
-            node("Add", ["ms", "eps"], "me"),
-            node("Sqrt", ["me"], "r"),
-            node("Div", ["x", "r"], "n"),
-            node("Mul", ["gamma", "n"], "y"),
-        ],
-        [info("x", ["b", 8])],
-        ["y"],
-        [init("axes", np.array([-1], np.int64)), init("eps", 1e-6), init("gamma", _w(8))],
-        opset=23,
-    )
-    _fires(proto, "rmsnorm", {"RMSNormalization": 1})
-
-
-def test_softmax_decomposition_fuses() -> None:
-    proto = model(
-        [
-            node("ReduceMax", ["x"], "mx", axes=[1]),
-            node("Sub", ["x", "mx"], "d"),
-            node("Exp", ["d"], "e"),
-            node("ReduceSum", ["e", "axes"], "s"),
-            node("Div", ["e", "s"], "y"),
-        ],
-        [info("x", [2, 6])],
-        ["y"],
-        [init("axes", np.array([1], np.int64))],
-    )
-    _fires(proto, "softmax", {"Softmax": 1})
-
-
 # -- target opset ---------------------------------------------------------------------------------
 
 

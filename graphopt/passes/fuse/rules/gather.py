@@ -1,0 +1,84 @@
+"""Gather family: a lookup of consecutive rows becomes a Slice of the table.
+
+``Gather(T, Slice(P, s, e, axes, steps))`` with ``P`` the constant ``0, 1, ..., N-1`` (the
+``position_ids`` buffer BERT exports slice to the sequence length) and ``T`` a constant of
+``N`` rows reads the rows ``P`` would index, so it is ``Slice(T', s, e, axes, steps)`` with
+``T'`` the table reshaped to ``P``'s dims followed by its row dims (the same data, stored
+once). Slice clamps ``s`` and ``e`` to ``N`` on both sides, so every start, end and step
+gives the same rows. A table Cast at run time (float16 weights) is Cast after the Slice,
+on the rows read only: one node fewer, and exact.
+
+For the portable target only: onnxruntime's EmbedLayerNormalization (``--target ort``)
+reads the position table through its Gather.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphopt.ir import Value
+from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.patterns import const, either, op, optional, var
+
+FAMILY = "gather"
+
+
+def _row_axis(m: Match) -> int | str:
+    """The axis of the positions ``P`` the Slice cuts, or why the rule does not apply."""
+    positions = Site.array(m.value("positions"))
+    table = Site.array(m.value("table"))
+    if positions is None or table is None or table.ndim < 1:
+        return "the table or the positions are not readable constants"
+    if positions.dtype.kind not in "iu" or positions.ndim < 1:
+        return "the positions are not integers"
+    rows = table.shape[0]
+    if positions.size != rows or not np.array_equal(positions.ravel(), np.arange(rows)):
+        return "the positions are not 0, 1, ... over the table's rows"
+    if int(m.node("gather").attr("axis", 0)) not in (0, -table.ndim):
+        return "the Gather is not over rows"
+    axes = m.optional("axes")
+    if axes is None:
+        return 0 if positions.ndim == 1 else "the Slice names no axes"
+    found = Site.array(axes)
+    if found is None or found.size != 1:
+        return "the Slice's axes are not one constant axis"
+    axis = int(found.ravel()[0]) % positions.ndim
+    if positions.shape[axis] != rows:
+        return "the Slice does not cut the positions' long axis"
+    return axis
+
+
+def _rewrite(b: Builder, m: Match, site: Site) -> Value:
+    positions = Site.array(m.value("positions"))
+    table = m.value("table")
+    array = Site.array(table)
+    assert positions is not None and array is not None
+    shaped = positions.shape + array.shape[1:]
+    if shaped != array.shape:
+        table = b.constant(np.ascontiguousarray(array.reshape(shaped)), "rows")
+    sliced = b.op("Slice", table, m.value("starts"), m.value("ends"), m.optional("axes"), m.optional("steps"))
+    if "cast" in m:
+        return b.op("Cast", sliced, to=int(m.node("cast").attr("to")))
+    return sliced
+
+
+add_rule(
+    Rule(
+        "gather-consecutive-rows",
+        FAMILY,
+        op.Gather(
+            either(const(name="table"), op.Cast(const(name="table"), name="cast")),
+            op.Slice(
+                const(name="positions"), var("starts"), var("ends"), optional(var("axes")), optional(var("steps"))
+            ),
+            name="gather",
+        ),
+        _rewrite,
+        lambda m, site: found if isinstance(found := _row_axis(m), str) else None,
+        min_opset=10,
+        targets=frozenset({"onnx"}),
+        label="Gather of consecutive rows",
+        doc="Gather(T, Slice(0..N-1, s, e)) -> Slice(T, s, e) (a Cast of T goes after the Slice)",
+    )
+)

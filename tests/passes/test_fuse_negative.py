@@ -1,0 +1,909 @@
+"""Every fuse rule, table-driven: it fires on its model (numerics equal in onnxruntime, graph
+outputs keep their names), and it does not fire when the model is perturbed one way: an
+interior value gets an extra reader, an interior value becomes a graph output, an attribute
+(or, for a rule that reads none, a constant) is wrong, a shape it needs is not provable, or
+the opset is below the rule's gate. A refusal keeps the numerics and, where the engine
+reports near misses, names its reason.
+
+A rule that a perturbation does not apply to says why in its CASE (a string instead of the
+perturbation); ``python -m tests.passes.test_fuse_negative`` prints the coverage matrix.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, shape_inference
+
+from graphopt.passes.fuse import registered_rules
+from tests.numerics import assert_same_outputs, make_feeds
+from tests.passes.fuse_helpers import fires, fuse, info, init, model, node
+from tests.passes.test_fuse_ort_rules import (
+    HIDDEN,
+    _attention,
+    _bias_gelu,
+    _computed_reshape,
+    _conv_act,
+    _gemm_bn,
+    _masked_feeds,
+    _padded,
+    _scaled_matmul,
+    _skip_norm,
+)
+from tests.passes.test_fuse_rules import (
+    _conv_bn,
+    _conv_channel,
+    _erf_gelu,
+    _hardswish,
+    _layer_norm,
+    _matmul_add,
+    _tanh_gelu,
+)
+from tests.passes.test_fuse_tied import _tied
+
+RNG = np.random.default_rng(2)
+F16 = TensorProto.FLOAT16
+
+
+def _w(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+Change = Callable[[onnx.ModelProto], onnx.ModelProto]
+
+
+@dataclass(frozen=True)
+class Perturb:
+    """A change that must stop the rule, and the near miss it reports (None: the pattern no
+    longer matches structurally, so there is nothing to report)."""
+
+    change: Change
+    reason: str | None
+    feeds: Callable[[onnx.ModelProto], Mapping[str, np.ndarray]] | None = None  # default: the base model's
+    note: str = ""  # what the perturbation is, where the column's name does not say it
+
+
+@dataclass(frozen=True)
+class Case:
+    """One rule's model, where it fires, and its perturbations (a string: why one does not apply)."""
+
+    build: Callable[[], onnx.ModelProto]
+    expected: dict[str, int]
+    interior: str
+    wrong_attr: Perturb | str
+    unprovable: Perturb | str
+    low_opset: Perturb | str
+    settings: dict[str, Any] = field(default_factory=dict)
+    feeds: Callable[[], Mapping[str, np.ndarray]] | None = None
+    passes: str = "shape-infer,fuse"
+
+
+# -- perturbations ----------------------------------------------------------------------------------
+
+
+def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
+    return copy.deepcopy(proto)
+
+
+def _value_info(proto: onnx.ModelProto, name: str) -> onnx.ValueInfoProto:
+    """``name`` as a graph output: its element type as inference has it, no shape."""
+    inferred = shape_inference.infer_shapes(proto)
+    for found in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]:
+        if found.name == name:
+            return helper.make_tensor_value_info(name, found.type.tensor_type.elem_type, None)
+    return info(name, None)
+
+
+def with_reader(proto: onnx.ModelProto, value: str) -> onnx.ModelProto:
+    out = _copy(proto)
+    out.graph.node.append(node("Identity", [value], f"{value}_read"))
+    out.graph.output.append(_value_info(proto, value))
+    out.graph.output[-1].name = f"{value}_read"
+    return out
+
+
+def with_output(proto: onnx.ModelProto, value: str) -> onnx.ModelProto:
+    out = _copy(proto)
+    out.graph.output.append(_value_info(proto, value))
+    return out
+
+
+def set_attr(*outputs: str, **attrs: Any) -> Change:
+    """Set attributes on the nodes producing ``outputs`` (None removes one)."""
+
+    def change(proto: onnx.ModelProto) -> onnx.ModelProto:
+        out = _copy(proto)
+        for found in out.graph.node:
+            if found.output[0] in outputs:
+                kept = [a for a in found.attribute if a.name not in attrs]
+                del found.attribute[:]
+                found.attribute.extend(kept)
+                found.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items() if v is not None)
+        return out
+
+    return change
+
+
+def set_shape(name: str, shape: list[Any] | None) -> Change:
+    """Declare graph input ``name`` with ``shape`` (None: unknown rank)."""
+
+    def change(proto: onnx.ModelProto) -> onnx.ModelProto:
+        out = _copy(proto)
+        for found in out.graph.input:
+            if found.name == name:
+                found.CopyFrom(helper.make_tensor_value_info(name, found.type.tensor_type.elem_type, shape))
+        return out
+
+    return change
+
+
+def set_const(name: str, values: Any) -> Change:
+    """Replace initializer ``name`` (keeping its element type)."""
+
+    def change(proto: onnx.ModelProto) -> onnx.ModelProto:
+        out = _copy(proto)
+        for index, found in enumerate(out.graph.initializer):
+            if found.name == name:
+                dtype = helper.tensor_dtype_to_np_dtype(found.data_type)
+                out.graph.initializer[index].CopyFrom(init(name, np.asarray(values, dtype)))
+        return out
+
+    return change
+
+
+def training(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The BatchNormalization in training mode (its running statistics as unused outputs)."""
+    out = set_attr("y", training_mode=1)(proto)
+    next(n for n in out.graph.node if n.op_type == "BatchNormalization").output.extend(["running_mean", "running_var"])
+    return out
+
+
+def at_opset(version: int) -> Change:
+    def change(proto: onnx.ModelProto) -> onnx.ModelProto:
+        out = _copy(proto)
+        for found in out.opset_import:
+            if found.domain in ("", "ai.onnx"):
+                found.version = version
+        return out
+
+    return change
+
+
+def below(version: int) -> Perturb:
+    """The rule's gate: one opset below its minimum."""
+    return Perturb(at_opset(version - 1), f"needs opset >= {version}")
+
+
+def truncated(build: Callable[[], onnx.ModelProto], value: str) -> Callable[[], onnx.ModelProto]:
+    """``build``'s model cut after ``value``, which becomes the output ``y``."""
+
+    def cut() -> onnx.ModelProto:
+        proto = build()
+        kept = []
+        for found in proto.graph.node:
+            kept.append(found)
+            if value in found.output:
+                break
+        for found in kept:
+            found.output[:] = ["y" if o == value else o for o in found.output]
+        del proto.graph.node[:]
+        proto.graph.node.extend(kept)
+        return proto
+
+    return cut
+
+
+# -- builders for rules the other test files build inline ---------------------------------------------
+
+
+def _chain(outer: str, inner: str) -> Callable[[], onnx.ModelProto]:
+    def build() -> onnx.ModelProto:
+        return model(
+            [node(inner, ["x", "a"], "m"), node(outer, ["m", "b"], "y")],
+            [info("x", [2, 3])],
+            ["y"],
+            [init("a", _w(3) + 3.0), init("b", _w(2, 1) + 3.0)],
+        )
+
+    return build
+
+
+def _constant_row() -> onnx.ModelProto:
+    fill = helper.make_tensor("k", TensorProto.INT64, [1], [1])
+    return model(
+        [
+            node("ConstantOfShape", ["shape"], "f", value=fill),
+            node("Gather", ["table", "f"], "g", axis=0),
+            node("Add", ["e", "g"], "y"),
+        ],
+        [info("e", [4, 4, 4])],
+        ["y"],
+        [init("table", _w(4, 4)), init("shape", np.array([4, 4], np.int64))],
+    )
+
+
+def _hardsigmoid(opset: int = 17) -> onnx.ModelProto:
+    clip = node("Clip", ["a", "lo", "hi"], "c") if opset >= 11 else node("Clip", ["a"], "c", min=0.0, max=6.0)
+    return model(
+        [node("Add", ["x", "three"], "a"), clip, node("Div", ["c", "six"], "y")],
+        [info("x", [2, 5])],
+        ["y"],
+        [init("three", 3.0), init("lo", 0.0), init("hi", 6.0), init("six", 6.0)],
+        opset=opset,
+    )
+
+
+def _rmsnorm() -> onnx.ModelProto:
+    return model(
+        [
+            node("Mul", ["x", "x"], "sq"),
+            node("ReduceMean", ["sq", "axes"], "ms"),
+            node("Add", ["ms", "eps"], "me"),
+            node("Sqrt", ["me"], "r"),
+            node("Div", ["x", "r"], "n"),
+            node("Mul", ["gamma", "n"], "y"),
+        ],
+        [info("x", ["b", 8])],
+        ["y"],
+        [init("axes", np.array([-1], np.int64)), init("eps", 1e-6), init("gamma", _w(8))],
+        opset=23,
+    )
+
+
+def _softmax(stable: bool, opset: int = 13) -> onnx.ModelProto:
+    nodes = [node("ReduceMax", ["x"], "mx", axes=[1]), node("Sub", ["x", "mx"], "d")] if stable else []
+    nodes.append(node("Exp", ["d" if stable else "x"], "e"))
+    sums = node("ReduceSum", ["e", "axes"], "s") if opset >= 13 else node("ReduceSum", ["e"], "s", axes=[1])
+    nodes += [sums, node("Div", ["e", "s"], "y")]
+    params = [init("axes", np.array([1], np.int64))] if opset >= 13 else []
+    return model(nodes, [info("x", [6, 6])], ["y"], params, opset=opset)
+
+
+def _transposed_gemm(which: str) -> onnx.ModelProto:
+    if which == "a":
+        nodes = [node("Transpose", ["a"], "t", perm=[1, 0]), node("Gemm", ["t", "w", "c"], "y")]
+        return model(nodes, [info("a", [3, 3])], ["y"], [init("w", _w(3, 4)), init("c", _w(4))])
+    nodes = [node("Transpose", ["b"], "t", perm=[1, 0]), node("Gemm", ["w", "t", "c"], "y")]
+    return model(nodes, [info("b", [4, 4])], ["y"], [init("w", _w(2, 4)), init("c", _w(4))])
+
+
+def _scaled_gemm(op: str) -> onnx.ModelProto:
+    return model(
+        [node("Gemm", ["a", "w", "c"], "g", alpha=0.5), node(op, ["g", "s"], "y")],
+        [info("a", [2, 3])],
+        ["y"],
+        [init("w", _w(3, 4)), init("c", _w(4)), init("s", 4.0)],
+    )
+
+
+def _gemm_relu() -> onnx.ModelProto:
+    return model(
+        [node("Gemm", ["a", "w", "c"], "g", transB=1), node("Relu", ["g"], "y")],
+        [info("a", [2, 3])],
+        ["y"],
+        [init("w", _w(4, 3)), init("c", _w(4))],
+    )
+
+
+def _transposed_matmul(which: str) -> onnx.ModelProto:
+    if which == "a":
+        nodes = [node("Transpose", ["q"], "t", perm=[0, 2, 1]), node("MatMul", ["t", "k"], "y")]
+    else:
+        nodes = [node("Transpose", ["k"], "t", perm=[0, 2, 1]), node("MatMul", ["q", "t"], "y")]
+    return model(nodes, [info("q", [4, 4, 4]), info("k", [4, 4, 4])], ["y"])
+
+
+def _transposes() -> onnx.ModelProto:
+    return model(
+        [
+            node("Transpose", ["x"], "t", perm=[1, 2, 0]),
+            node("Transpose", ["t"], "u", perm=[2, 0, 1]),
+            node("Relu", ["u"], "y"),
+        ],
+        [info("x", [2, 3, 4])],
+        ["y"],
+    )
+
+
+def _identity_transpose() -> onnx.ModelProto:
+    return model(
+        [node("Transpose", ["x"], "t", perm=[0, 1, 2]), node("Relu", ["t"], "y")], [info("x", [2, 3, 4])], ["y"]
+    )
+
+
+def _layouts(outer: str, target: list[int] | None = None) -> Callable[[], onnx.ModelProto]:
+    """Flatten(x) then a Reshape to ``target`` or an Unsqueeze at 0."""
+
+    def build() -> onnx.ModelProto:
+        second = node("Reshape", ["f", "s"], "y") if outer == "Reshape" else node("Unsqueeze", ["f", "s"], "y")
+        values = target if outer == "Reshape" else [0]
+        return model(
+            [node("Flatten", ["x"], "f", axis=1), second],
+            [info("x", [2, 3, 4])],
+            ["y"],
+            [init("s", np.array(values, np.int64))],
+        )
+
+    return build
+
+
+def _unsqueezes() -> onnx.ModelProto:
+    return model(
+        [node("Unsqueeze", ["x", "a1"], "u"), node("Unsqueeze", ["u", "a2"], "y")],
+        [info("x", ["b", "s"])],
+        ["y"],
+        [init("a1", np.array([1], np.int64)), init("a2", np.array([0, 3], np.int64))],
+    )
+
+
+def _casts(middle: int = TensorProto.FLOAT, source: int = F16) -> onnx.ModelProto:
+    return model(
+        [node("Cast", ["x"], "c", to=middle), node("Cast", ["c"], "d", to=source), node("Neg", ["d"], "y")],
+        [info("x", [2, 3], source)],
+        [info("y", None, source)],
+    )
+
+
+def _same_type_cast(to: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    return model([node("Cast", ["x"], "c", to=to), node("Neg", ["c"], "y")], [info("x", [2, 3])], [info("y", None, to)])
+
+
+def _rows(cast: bool) -> Callable[[], onnx.ModelProto]:
+    """BERT's position embedding: the table read at Slice(0..N-1, 0, seq) (float16 + Cast)."""
+
+    def build() -> onnx.ModelProto:
+        nodes = [
+            node("Shape", ["x"], "seq", start=1),
+            node("Slice", ["positions", "zero", "seq", "one", "one"], "pos"),
+        ]
+        table = _w(8, 8)
+        if cast:
+            nodes.append(node("Cast", ["table"], "tc", to=TensorProto.FLOAT))
+        nodes.append(node("Gather", ["tc" if cast else "table", "pos"], "y", axis=0))
+        params = [
+            init("table", table.astype(np.float16) if cast else table),
+            init("positions", np.arange(8, dtype=np.int64).reshape(1, 8)),
+            init("zero", np.array([0], np.int64)),
+            init("one", np.array([1], np.int64)),
+        ]
+        return model(nodes, [info("x", ["b", "s"])], ["y"], params)
+
+    return build
+
+
+def _attention_split_input(proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
+    return {**make_feeds(proto), "split_shape": np.array([0, 0, 2, HIDDEN // 2], np.int64)}
+
+
+def _standard_attention() -> onnx.ModelProto:
+    proto = _attention(mask="bias")
+    return at_opset(23)(proto)
+
+
+def _ort_attention_feeds() -> Mapping[str, np.ndarray]:
+    return _masked_feeds()
+
+
+# -- the table ----------------------------------------------------------------------------------------
+
+NO_ATTR = "n/a: the pattern reads no attribute"
+ELEMENTWISE = "n/a: element-wise; the rule needs no shape"
+NO_GATE = "n/a: no opset gate"
+CONSTANTS_ONLY = "n/a: the rule reads constants only, whose shapes are known"
+SOFTMAX_AXIS = Perturb(set_attr("probs", axis=2), None)
+SPLIT_INPUT = Perturb(
+    lambda p: _attention(mask=_mask_of(p), packed=_packed(p), extra="split-input"),
+    "not provable",
+    feeds=_attention_split_input,
+)
+
+
+def _mask_of(proto: onnx.ModelProto) -> str:
+    return "bias" if any(i.name == "bias" for i in proto.graph.input) else "raw"
+
+
+def _packed(proto: onnx.ModelProto) -> bool:
+    return any(n.op_type == "Split" for n in proto.graph.node)
+
+
+def _gelu_cases(ort: bool) -> dict[str, Case]:
+    settings = {"target": "ort"} if ort else {}
+    opset = 17 if ort else 20
+    gate: Perturb | str = (
+        Perturb(at_opset(20), None, note="above its max: standard Gelu takes it") if ort else below(20)
+    )
+    return {
+        ("ort-gelu" if ort else "gelu-none"): Case(
+            lambda: _erf_gelu(opset),
+            {"Gelu": 1},
+            "e",
+            Perturb(set_const("sqrt2", 1.5), None, note="a constant"),
+            ELEMENTWISE,
+            gate,
+            settings,
+        ),
+        ("ort-fastgelu" if ort else "gelu-tanh"): Case(
+            lambda: _tanh_gelu(opset),
+            {"FastGelu" if ort else "Gelu": 1},
+            "t",
+            Perturb(set_const("k", 0.05), None, note="a constant"),
+            ELEMENTWISE,
+            gate,
+            settings,
+        ),
+    }
+
+
+# (outer, inner) -> the op the chain becomes
+_CHAIN_RESULTS = {
+    ("Mul", "Mul"): "Mul",
+    ("Add", "Add"): "Add",
+    ("Add", "Sub"): "Add",
+    ("Sub", "Add"): "Add",
+    ("Sub", "Sub"): "Sub",
+    ("Div", "Div"): "Div",
+    ("Div", "Mul"): "Mul",
+    ("Mul", "Div"): "Mul",
+}
+
+
+def _arith_cases() -> dict[str, Case]:
+    return {
+        f"{inner.lower()}-{outer.lower()}-constants": Case(
+            _chain(outer, inner),
+            {result: 1},
+            "m",
+            NO_ATTR,
+            Perturb(set_shape("x", None), "could widen x's rank"),
+            NO_GATE,
+        )
+        for (outer, inner), result in _CHAIN_RESULTS.items()
+    }
+
+
+def _skip_case(norm: str, interior: str) -> Case:
+    op_type = "SkipLayerNormalization" if norm == "LayerNormalization" else "SkipSimplifiedLayerNormalization"
+    axis: Perturb | str = (
+        Perturb(set_attr("y", axis=1), "not over the last axis")
+        if norm != "decomposed"
+        else Perturb(set_attr("ms", axes=[1]), "trailing axes")
+    )
+    return Case(
+        lambda: _skip_norm(norm),
+        {"MatMul": 1, op_type: 1},
+        interior,
+        axis,
+        Perturb(set_shape("skip", None), "do not provably have one" if norm != "decomposed" else "known float type"),
+        NO_GATE,
+        {"target": "ort", "enable": ["norm"]},
+    )
+
+
+EXPORTED_SUM = (
+    "n/a: the residual sum is exported (the fused op's 4th output) and a read bias Add leaves the bias out "
+    "(test_fuse_ort_rules)"
+)
+
+CASES: dict[str, Case] = {
+    **_gelu_cases(ort=False),
+    **_gelu_cases(ort=True),
+    "hardsigmoid": Case(
+        _hardsigmoid,
+        {"HardSigmoid": 1},
+        "c",
+        Perturb(lambda p: set_attr("c", max=5.0)(_hardsigmoid(10)), "not to [0, 6]"),
+        ELEMENTWISE,
+        NO_GATE,
+    ),
+    "hardswish": Case(
+        lambda: _hardswish(14),
+        {"HardSwish": 1},
+        "c",
+        Perturb(set_const("hi", 5.0), "not to [0, 6]", note="a constant"),
+        ELEMENTWISE,
+        below(14),
+    ),
+    "hardswish-as-hardsigmoid": Case(
+        lambda: _hardswish(13),
+        {"Mul": 1, "HardSigmoid": 1},
+        "c",
+        Perturb(set_const("hi", 5.0), "not to [0, 6]", note="a constant"),
+        ELEMENTWISE,
+        Perturb(at_opset(14), None, note="above its max: HardSwish takes it"),
+    ),
+    "ort-biasgelu": Case(
+        _bias_gelu,
+        {"BiasGelu": 1},
+        "h",
+        Perturb(set_const("bias", _w(1)), "not a vector over x's last axis", note="a constant"),
+        Perturb(set_shape("x", None), "known rank"),
+        NO_GATE,
+        {"target": "ort"},
+    ),
+    **_arith_cases(),
+    "add-constant-row": Case(
+        _constant_row,
+        {"Add": 1},
+        "g",
+        Perturb(set_attr("g", axis=1), "not over rows"),
+        Perturb(set_shape("e", ["a", 4, 4]), "do not provably have one shape"),
+        NO_GATE,
+    ),
+    "attention": Case(
+        _standard_attention,
+        {"MatMul": 3, "Add": 3, "Attention": 1, "Shape": 1, "Concat": 1, "Expand": 1},
+        "probs",
+        SOFTMAX_AXIS,
+        Perturb(lambda p: at_opset(23)(SPLIT_INPUT.change(p)), "not provable", feeds=_attention_split_input),
+        below(23),
+        passes="shape-infer,fuse,dce",
+    ),
+    **{
+        name: Case(
+            build,
+            {"Attention": 1, "Cast": 1},
+            "probs",
+            SOFTMAX_AXIS,
+            SPLIT_INPUT,
+            NO_GATE,
+            {"target": "ort"},
+            _ort_attention_feeds,
+            "shape-infer,fuse,dce",
+        )
+        for name, build in (("ort-attention", _attention), ("ort-attention-packed", lambda: _attention(packed=True)))
+    },
+    "conv-bn": Case(
+        _conv_bn,
+        {"Conv": 1},
+        "c",
+        Perturb(training, None, note="training_mode=1"),
+        CONSTANTS_ONLY,
+        NO_GATE,
+    ),
+    **{
+        f"conv-{op.lower()}": Case(
+            lambda op=op: _conv_channel(_w(4), op),
+            {"Conv": 1, "Transpose": 1},
+            "c",
+            # channels last no more: the operand would scale H, which is as long as C here
+            Perturb(
+                lambda p: set_attr("t", perm=[0, 1, 3, 2])(set_shape("x", [1, 3, 4, 4])(p)),
+                "not per-channel",
+                feeds=make_feeds,
+            ),
+            Perturb(set_shape("x", None), "output rank is unknown"),
+            NO_GATE,
+        )
+        for op in ("Mul", "Add", "Sub")
+    },
+    "ort-fusedconv": Case(
+        _conv_act,
+        {"FusedConv": 1},
+        "c",
+        "n/a: FusedConv takes the Conv's attributes as they are",
+        ELEMENTWISE,
+        NO_GATE,
+        {"target": "ort"},
+    ),
+    "ort-fusedconv-sum": Case(
+        lambda: _conv_act(residual=True),
+        {"FusedConv": 1},
+        "s",
+        "n/a: FusedConv takes the Conv's attributes as they are",
+        Perturb(set_shape("z", None), "not provably the Conv's"),
+        NO_GATE,
+        {"target": "ort"},
+    ),
+    "gemm-bn": Case(
+        _gemm_bn,
+        {"Gemm": 1},
+        "p",
+        Perturb(training, None, note="training_mode=1"),
+        Perturb(set_shape("a", None), "not 2-D"),
+        NO_GATE,
+    ),
+    "pad-into-consumer": Case(
+        lambda: _padded("Conv", [0, 0, 1, 2, 0, 0, 2, 1]),
+        {"Conv": 1},
+        "p",
+        Perturb(set_attr("p", mode="reflect"), "not a constant-mode Pad"),
+        Perturb(set_shape("x", None), "the padded rank is unknown"),
+        NO_GATE,
+    ),
+    "matmul-add-gemm": Case(
+        lambda: _matmul_add(["n", 3]),
+        {"Gemm": 1},
+        "p",
+        NO_ATTR,
+        Perturb(set_shape("a", None), "not 2-D"),
+        NO_GATE,
+    ),
+    **{
+        f"transpose-into-gemm-{which}": Case(
+            lambda which=which: _transposed_gemm(which),
+            {"Gemm": 1},
+            "t",
+            Perturb(set_attr("t", perm=[0, 1]), "not a 2-D swap"),
+            Perturb(set_shape(which, None), "not a 2-D swap"),
+            NO_GATE,
+        )
+        for which in ("a", "b")
+    },
+    **{
+        f"gemm-{op.lower()}-scalar": Case(
+            lambda op=op: _scaled_gemm(op),
+            {"Gemm": 1},
+            "g",
+            Perturb(set_const("s", [2.0, 3.0, 4.0, 5.0]), "not a scalar", note="a constant"),
+            CONSTANTS_ONLY,
+            NO_GATE,
+        )
+        for op in ("Mul", "Div")
+    },
+    "ort-fusedgemm": Case(
+        _gemm_relu,
+        {"FusedGemm": 1},
+        "g",
+        NO_ATTR,
+        ELEMENTWISE,
+        NO_GATE,
+        {"target": "ort", "enable": ["ort-fusedgemm"]},
+    ),
+    **{
+        f"ort-fusedmatmul-{op.lower()}": Case(
+            lambda op=op: _scaled_matmul(op, transpose=False),
+            {"FusedMatMul": 1},
+            "p",
+            Perturb(set_const("s", [2.0, 3.0, 4.0, 5.0, 6.0]), "not a scalar", note="a constant"),
+            Perturb(set_shape("q", None), "rank is unknown"),
+            NO_GATE,
+            {"target": "ort"},
+        )
+        for op in ("Mul", "Div")
+    },
+    **{
+        f"ort-transpose-into-matmul-{which}": Case(
+            lambda which=which: _transposed_matmul(which),
+            {"FusedMatMul": 1},
+            "t",
+            Perturb(set_attr("t", perm=[1, 0, 2]), "does not swap the last two dims"),
+            Perturb(set_shape("q" if which == "a" else "k", None), "does not swap the last two dims"),
+            NO_GATE,
+            {"target": "ort"},
+        )
+        for which in ("a", "b")
+    },
+    **{
+        name: Case(
+            build,
+            {"LayerNormalization": 1},
+            "mean",
+            Perturb(set_attr("mean", "var", axes=[1]), "trailing axes"),
+            Perturb(set_shape("x", ["b", 3, "h"]), "normalized dims are not static"),
+            below(17),
+        )
+        for name, build in (
+            ("layernorm", _layer_norm),
+            ("layernorm-no-bias", truncated(_layer_norm, "g")),
+            ("layernorm-plain", truncated(_layer_norm, "n")),
+        )
+    },
+    **{
+        name: Case(
+            build,
+            {"RMSNormalization": 1},
+            "ms",
+            Perturb(set_const("axes", [0]), "trailing axes", note="the axes input"),
+            Perturb(set_shape("x", ["b", "h"]), "normalized dims are not static"),
+            below(23),
+        )
+        for name, build in (("rmsnorm", _rmsnorm), ("rmsnorm-plain", truncated(_rmsnorm, "n")))
+    },
+    **{
+        name: Case(
+            lambda stable=stable: _softmax(stable),
+            {"Softmax": 1},
+            "s",
+            Perturb(set_attr("s", keepdims=0), "with keepdims"),
+            Perturb(set_shape("x", None), "known float type and rank"),
+            Perturb(lambda p, stable=stable: _softmax(stable, opset=12), "needs opset >= 13"),
+        )
+        for name, stable in (("softmax", True), ("softmax-unstable", False))
+    },
+    "ort-skiplayernorm": _skip_case("LayerNormalization", EXPORTED_SUM),
+    "ort-skiprmsnorm": _skip_case("RMSNormalization", EXPORTED_SUM),
+    "ort-skiprmsnorm-decomposed": _skip_case("decomposed", "ms"),
+    "transpose-transpose": Case(
+        _transposes,
+        {"Relu": 1},
+        "t",
+        "n/a: any two perms compose",
+        Perturb(lambda p: set_shape("x", None)(set_attr("t", "u", perm=None)(p)), "the rank is unknown"),
+        NO_GATE,
+    ),
+    "transpose-identity": Case(
+        _identity_transpose,
+        {"Relu": 1},
+        "n/a: one node",
+        Perturb(set_attr("t", perm=[0, 2, 1]), "not the identity"),
+        "n/a: the perm decides",
+        NO_GATE,
+    ),
+    "reshape-chain": Case(
+        _layouts("Reshape", [4, -1]),
+        {"Reshape": 1},
+        "f",
+        Perturb(set_const("s", [0, 3, 4]), "not a constant without 0", note="a constant"),
+        "n/a: the constant target decides",
+        NO_GATE,
+    ),
+    "layout-chain-static": Case(
+        _layouts("Unsqueeze"),
+        {"Reshape": 1},
+        "f",
+        NO_ATTR,
+        Perturb(set_shape("x", ["b", 3, 4]), "not static"),
+        NO_GATE,
+    ),
+    "unsqueeze-unsqueeze": Case(
+        _unsqueezes,
+        {"Unsqueeze": 1},
+        "u",
+        NO_ATTR,
+        Perturb(set_shape("x", None), "the axes or the rank are unknown"),
+        NO_GATE,
+    ),
+    "reshape-one-unknown": Case(
+        lambda: _computed_reshape([4]),
+        {"Reshape": 1},
+        "n/a: one node (the shape plumbing goes with it when nothing else reads it)",
+        Perturb(set_attr("y", allowzero=1), "allowzero"),
+        Perturb(set_shape("x", None), "not provable"),
+        NO_GATE,
+        passes="shape-infer,fuse,dce",
+    ),
+    "cast-chain": Case(
+        _casts,
+        {"Neg": 1},
+        "c",
+        Perturb(lambda p: _casts(middle=F16, source=TensorProto.FLOAT), "may lose values", feeds=make_feeds),
+        "n/a: types only",
+        NO_GATE,
+    ),
+    "cast-same-type": Case(
+        _same_type_cast,
+        {"Neg": 1},
+        "n/a: one node",
+        Perturb(lambda p: _same_type_cast(F16), "a real conversion"),
+        "n/a: types only",
+        NO_GATE,
+    ),
+    "tied-weight-gemm": Case(
+        lambda: _tied(["batch", "seq", 6]),
+        {"Gather": 1, "Add": 1, "Flatten": 1, "Gemm": 1, "Shape": 1, "Concat": 1, "Reshape": 1},
+        "wte_t",
+        "n/a: a 2-D Transpose has one perm that swaps",
+        Perturb(lambda p: set_shape("x", None)(set_shape("ids", None)(p)), "rank is not provable"),
+        Perturb(at_opset(14), "needs opset 15", note="dynamic dims need Shape(end), opset 15"),
+    ),
+    "gather-consecutive-rows": Case(
+        _rows(cast=False),
+        {"Shape": 1, "Slice": 1},
+        "pos",
+        Perturb(set_attr("y", axis=1), "not over rows"),
+        CONSTANTS_ONLY,
+        "n/a: below opset 10 Slice takes attributes, which the pattern does not match",
+    ),
+}
+
+
+# -- the tests --------------------------------------------------------------------------------------
+
+KINDS = ("reader", "output", "attr", "shape", "opset")
+
+
+def _feeds(case: Case, proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
+    return case.feeds() if case.feeds is not None else make_feeds(proto)
+
+
+def _run(case: Case, proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    settings = dict(case.settings)
+    enable = settings.pop("enable", [])
+    return fuse(proto, case.passes, enable=enable, **settings)
+
+
+def _perturbation(case: Case, kind: str) -> Perturb | str:
+    if kind in ("reader", "output"):
+        if case.interior.startswith("n/a"):
+            return case.interior
+        how = with_reader if kind == "reader" else with_output
+        return Perturb(lambda p: how(p, case.interior), "is also read by" if kind == "reader" else "graph output")
+    return {"attr": case.wrong_attr, "shape": case.unprovable, "opset": case.low_opset}[kind]
+
+
+def _applicable() -> list[Any]:
+    return [
+        pytest.param(name, kind, id=f"{name}-{kind}")
+        for name, case in CASES.items()
+        for kind in KINDS
+        if isinstance(_perturbation(case, kind), Perturb)
+    ]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_rule_fires_on_its_model(name: str) -> None:
+    case = CASES[name]
+    proto = case.build()
+    settings = dict(case.settings)
+    out = fires(proto, name, case.expected, passes=case.passes, **settings)
+    assert_same_outputs(proto, out, _feeds(case, proto), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("name", "kind"), _applicable())
+def test_the_rule_refuses_the_perturbed_model(name: str, kind: str) -> None:
+    case = CASES[name]
+    base = case.build()
+    perturb = _perturbation(case, kind)
+    assert isinstance(perturb, Perturb)
+    proto = perturb.change(base)
+    out, details = _run(case, proto)
+    assert name not in details["applied"], details
+    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
+    feeds = perturb.feeds(proto) if perturb.feeds is not None else _feeds(case, base)
+    assert_same_outputs(proto, out, feeds, rtol=1e-4, atol=1e-4)
+    if perturb.reason is not None:
+        family = next(r.family for r in registered_rules() if r.name == name)
+        found = details["near_misses"].get(family, [])
+        assert any(perturb.reason in m for m in found), found
+
+
+def test_every_registered_rule_has_a_case() -> None:
+    """A new rule needs a CASE: its model and its perturbations (or why one does not apply)."""
+    assert sorted(r.name for r in registered_rules()) == sorted(CASES)
+
+
+def test_a_float16_table_is_cast_after_the_slice() -> None:
+    """bert_fp16_weights' position table: Gather(Cast(T16), Slice(0..N-1)) -> Cast(Slice(T16)),
+    casting the rows read only; the float16 data is stored once, as it was."""
+    proto = _rows(cast=True)()
+    out = fires(proto, "gather-consecutive-rows", {"Shape": 1, "Slice": 1, "Cast": 1}, passes="shape-infer,fuse,dce")
+    assert [n.op_type for n in out.graph.node] == ["Shape", "Slice", "Cast"]
+    (table,) = [t for t in out.graph.initializer if t.data_type == F16]
+    assert list(table.dims) == [1, 8, 8]
+    _, details = fuse(with_reader(proto, "tc"))
+    assert "gather-consecutive-rows" not in details["applied"]
+
+
+def test_positions_that_are_not_a_range_stay_a_gather() -> None:
+    proto = set_const("positions", np.arange(8, dtype=np.int64)[::-1].reshape(1, 8))(_rows(cast=False)())
+    out, details = fuse(proto)
+    assert "gather-consecutive-rows" not in details["applied"]
+    assert "not 0, 1, ..." in " ".join(details["near_misses"]["gather"])
+    assert_same_outputs(proto, out)
+
+
+def coverage_matrix() -> str:
+    """The rule x test-kind matrix as a Markdown table."""
+    lines = ["| rule | fires, outputs kept | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 2) + "|"]
+    for name, case in CASES.items():
+        cells = []
+        for kind in KINDS:
+            found = _perturbation(case, kind)
+            if isinstance(found, str):
+                cells.append(found)
+                continue
+            cell = "near miss" if found.reason else "no match"
+            cells.append(f"{cell} ({found.note})" if found.note else cell)
+        lines.append(f"| {name} | yes | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(coverage_matrix() + "\n")

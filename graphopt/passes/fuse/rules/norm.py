@@ -24,6 +24,7 @@ bert_small x1.06 -> x0.945 without them and gpt2_small x1.003 -> x0.924 (BENCHMA
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -113,69 +114,59 @@ def _norm_facts(m: Match, site: Site, reductions: tuple[str, ...]) -> tuple[int,
     return axis - len(shape), eps, gamma, beta
 
 
-def _layer_norm_rule(gamma: bool, beta: bool) -> Rule:
-    suffix = "" if gamma and beta else ("-no-bias" if gamma else "-plain")
+NormBuild = Callable[[Builder, Value, int, float, np.ndarray, np.ndarray], Value]
+
+
+def _norm_rule(name: str, pattern: Pattern, reductions: tuple[str, ...], build: NormBuild, **extra: Any) -> Rule:
+    """A rule for a decomposed norm: ``build(b, x, axis, eps, gamma, beta)`` makes the fused op
+    from the facts :func:`_norm_facts` proves about the reductions named ``reductions``."""
 
     def check(m: Match, site: Site) -> str | None:
-        found = _norm_facts(m, site, ("mean", "var"))
+        found = _norm_facts(m, site, reductions)
         return found if isinstance(found, str) else None
 
     def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        found = _norm_facts(m, site, ("mean", "var"))
+        found = _norm_facts(m, site, reductions)
         assert not isinstance(found, str)
-        axis, eps, g, bias = found
-        x = m.value("x")
-        return b.op(
-            "LayerNormalization",
-            x,
-            new_const(b, g, x, "ln_scale"),
-            new_const(b, bias, x, "ln_bias"),
-            axis=axis,
-            epsilon=eps,
-        )
+        return build(b, m.value("x"), *found)
 
-    return Rule(
-        f"layernorm{suffix}",
-        FAMILY,
-        _affine(_LN, gamma, beta),
-        rewrite,
-        check,
-        min_opset=17,
-        label="LayerNorm",
-        doc="ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add -> LayerNormalization (opset 17)",
-    )
+    return Rule(name, FAMILY, pattern, rewrite, check, **extra)
+
+
+def _layer_norm(b: Builder, x: Value, axis: int, eps: float, gamma: np.ndarray, beta: np.ndarray) -> Value:
+    scale, bias = new_const(b, gamma, x, "ln_scale"), new_const(b, beta, x, "ln_bias")
+    return b.op("LayerNormalization", x, scale, bias, axis=axis, epsilon=eps)
+
+
+def _rms_norm(b: Builder, x: Value, axis: int, eps: float, gamma: np.ndarray, beta: np.ndarray) -> Value:
+    return b.op("RMSNormalization", x, new_const(b, gamma, x, "rms_scale"), axis=axis, epsilon=eps)
 
 
 for _gamma, _beta in ((True, True), (True, False), (False, False)):
-    add_rule(_layer_norm_rule(_gamma, _beta))
-
-
-def _rms_rule(gamma: bool) -> Rule:
-    def check(m: Match, site: Site) -> str | None:
-        found = _norm_facts(m, site, ("var",))
-        return found if isinstance(found, str) else None
-
-    def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        found = _norm_facts(m, site, ("var",))
-        assert not isinstance(found, str)
-        axis, eps, g, _ = found
-        x = m.value("x")
-        return b.op("RMSNormalization", x, new_const(b, g, x, "rms_scale"), axis=axis, epsilon=eps)
-
-    return Rule(
-        "rmsnorm" if gamma else "rmsnorm-plain",
-        FAMILY,
-        _affine(_RMS, gamma, False),
-        rewrite,
-        check,
-        min_opset=23,
-        label="RMSNorm",
-        doc="x / Sqrt(ReduceMean(x^2) + eps) * gamma -> RMSNormalization (opset 23)",
+    add_rule(
+        _norm_rule(
+            "layernorm" + ("" if _gamma and _beta else ("-no-bias" if _gamma else "-plain")),
+            _affine(_LN, _gamma, _beta),
+            ("mean", "var"),
+            _layer_norm,
+            min_opset=17,
+            label="LayerNorm",
+            doc="ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add -> LayerNormalization (opset 17)",
+        )
     )
 
-
-add_rule(_rms_rule(True))
-add_rule(_rms_rule(False))
+for _gamma in (True, False):
+    add_rule(
+        _norm_rule(
+            "rmsnorm" if _gamma else "rmsnorm-plain",
+            _affine(_RMS, _gamma, False),
+            ("var",),
+            _rms_norm,
+            min_opset=23,
+            label="RMSNorm",
+            doc="x / Sqrt(ReduceMean(x^2) + eps) * gamma -> RMSNormalization (opset 23)",
+        )
+    )
 
 
 def _softmax_axis(m: Match, site: Site) -> int | str:

@@ -351,6 +351,73 @@ def test_rmsnorm_fuses_at_opset_23() -> None:
     _fires(proto, "rmsnorm", {"RMSNormalization": 1})
 
 
+def _group_norm(
+    form: str = "instance",
+    opset: int = 21,
+    extra: str = "",
+    channels: int | str = 6,
+    groups: int = 3,
+    axes: list[int] | None = None,
+    gamma: np.ndarray | None = None,
+) -> onnx.ModelProto:
+    """GroupNorm over 6 channels as the PyTorch exporter writes it ("instance") or spelled out
+    with means over the groups ("decomposed")."""
+    nodes = [node("Reshape", ["x", "group_shape"], "split")]
+    params = [init("group_shape", np.array([0, groups, -1], np.int64)), init("eps", 1e-5), init("two", 2.0)]
+    affine = (6, 1, 1) if isinstance(channels, int) else ()  # a symbolic channel dim takes scalars
+    params += [init("gamma", _w(*affine) if gamma is None else gamma), init("beta", _w(*affine))]
+    if form == "instance":
+        params += [init("in_scale", np.abs(_w(groups)) + 0.5), init("in_bias", _w(groups))]
+        nodes.append(node("InstanceNormalization", ["split", "in_scale", "in_bias"], "grouped", epsilon=1e-3))
+        inner = "grouped"
+    else:
+        axes = axes or [-1]
+        params.append(init("axes", np.array(axes, np.int64)))
+        nodes += [
+            node("ReduceMean", ["split", "axes"], "mean"),
+            node("Sub", ["split", "mean"], "d"),
+            node("Pow", ["d", "two"], "sq"),
+            node("ReduceMean", ["sq", "axes"], "var"),
+            node("Add", ["var", "eps"], "ve"),
+            node("Sqrt", ["ve"], "std"),
+            node("Div", ["d", "std"], "grouped"),
+        ]
+        inner = "grouped"
+    nodes += [
+        node("Shape", ["x"], "x_shape"),
+        node("Reshape", [inner, "x_shape"], "merged"),
+        node("Mul", ["merged", "gamma"], "scaled"),
+        node("Add", ["scaled", "beta"], "y"),
+    ]
+    outputs: list[Any] = ["y"]
+    expose(nodes, outputs, inner, extra)
+    return model(nodes, [info("x", ["b", channels, 4, 5])], outputs, params, opset=opset)
+
+
+@pytest.mark.parametrize("form", ["instance", "decomposed"])
+def test_groupnorm_fuses_at_opset_21(form: str) -> None:
+    _fires(_group_norm(form), "groupnorm", {"GroupNormalization": 1})
+
+
+def test_groupnorm_takes_a_gamma_broadcast_over_the_channels() -> None:
+    _fires(_group_norm(gamma=np.array(1.5, np.float32)), "groupnorm", {"GroupNormalization": 1})
+
+
+def test_groupnorm_refusals() -> None:
+    for extra in ("reader", "output"):
+        _refused(_group_norm(extra=extra), "groupnorm")
+    details = _refused(_group_norm("decomposed", axes=[1]), "groupnorm")
+    assert "do not reduce the last axis" in " ".join(details["near_misses"]["norm"])
+    details = _refused(_group_norm(channels="c"), "groupnorm")
+    assert "channel dim is not static" in " ".join(details["near_misses"]["norm"])
+    details = _refused(_group_norm(groups=4), "groupnorm")  # 4 groups do not divide 6 channels
+    assert "G dividing the channels" in " ".join(details["near_misses"]["norm"])
+    details = _refused(_group_norm(gamma=_w(6, 1, 5)), "groupnorm")
+    assert "gamma is not per channel" in " ".join(details["near_misses"]["norm"])
+    details = _refused(_group_norm(opset=20), "groupnorm")
+    assert "needs opset >= 21" in " ".join(details["near_misses"]["norm"])
+
+
 def test_softmax_decomposition_fuses() -> None:
     proto = model(
         [

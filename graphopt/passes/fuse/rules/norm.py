@@ -24,6 +24,7 @@ bert_small x1.06 -> x0.945 without them and gpt2_small x1.003 -> x0.924 (BENCHMA
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -165,6 +166,109 @@ for _gamma in (True, False):
             min_opset=23,
             label="RMSNorm",
             doc="x / Sqrt(ReduceMean(x^2) + eps) * gamma -> RMSNormalization (opset 23)",
+        )
+    )
+
+
+# -- GroupNorm -------------------------------------------------------------------------------------
+
+_SPLIT = op.Reshape(var("x"), const(name="group_shape"), name="split")
+_D_SPLIT = op.Sub(_SPLIT, op.ReduceMean(_SPLIT, optional(const()), name="mean"), name="d")
+_GROUPED = either(
+    op.InstanceNormalization(_SPLIT, const(name="in_scale"), const(name="in_bias"), name="instance"),
+    _normalized(_D_SPLIT, _D_SPLIT),
+)
+_X_SHAPE = op.Shape(var("x"), name="x_shape", where=lambda n: not n.attributes)
+_GROUP_NORM = op.Reshape(_GROUPED, either(_X_SHAPE, var("back_shape")), name="merge")
+
+
+@dataclass
+class _GroupPlan:
+    groups: int
+    eps: float
+    scale: np.ndarray  # per channel
+    bias: np.ndarray
+
+
+def _per_channel(m: Match, name: str, fill: float, rank: int, channels: int) -> np.ndarray | str:
+    """gamma or beta as a vector over the channels (axis 1 of a rank-``rank`` x), or why not."""
+    if name not in m.bindings:
+        return np.full(channels, fill)
+    found = float_array(m.value(name))
+    if found is None:
+        return f"{name} is not a constant"
+    channel_axis = found.ndim - (rank - 1)  # where axis 1 of x falls among found's axes
+    if found.ndim > rank or any(d != 1 for i, d in enumerate(found.shape) if i != channel_axis):
+        return f"{name} is not per channel"
+    try:
+        return np.broadcast_to(found.reshape(-1), (channels,)).astype(np.float64)
+    except ValueError:
+        return f"{name} is not per channel"
+
+
+def _group_plan(m: Match, site: Site) -> _GroupPlan | str:
+    x = m.value("x")
+    full = site.shape(x)
+    if not is_float(x) or full is None or len(full) < 3:
+        return "x has no known float type and rank >= 3"
+    channels, spatial = full[1], full[2:]
+    if not isinstance(channels, int):
+        return "the channel dim is not static"
+    target = Site.array(m.value("group_shape"))
+    if target is None or target.shape != (3,) or m.node("split").attr("allowzero", 0):
+        return "the group Reshape is not to a constant [N, G, -1]"
+    groups, rest = int(target[1]), int(target[2])
+    static = all(isinstance(d, int) for d in spatial)
+    size = channels // groups * int(np.prod(spatial)) if groups > 0 and static else -1
+    if groups <= 0 or channels % groups or int(target[0]) not in (0, full[0]) or rest not in (-1, size):
+        return "the group Reshape is not to [N, G, -1] with G dividing the channels"
+    back = site.ctx.facts(site.model).sym(m.value("back_shape")) if "back_shape" in m else full
+    if None in full or back != full:
+        return "the merge Reshape is not provably back to x's shape"
+    if "instance" in m:
+        eps = float(m.node("instance").attr("epsilon", 1e-5))
+        inner_scale, inner_bias = float_array(m.value("in_scale")), float_array(m.value("in_bias"))
+        if inner_scale is None or inner_bias is None or inner_scale.shape != (groups,) or inner_bias.shape != (groups,):
+            return "the InstanceNormalization scale / bias are not constants over the groups"
+    else:
+        if {_reduce_axis(m.node(r), site, 3) for r in ("mean", "var")} != {2}:
+            return "the means do not reduce the last axis of the groups with keepdims"
+        found = _epsilon(m)
+        if found is None:
+            return "epsilon is not a scalar constant"
+        eps, inner_scale, inner_bias = found, np.ones(groups), np.zeros(groups)
+    gamma = _per_channel(m, "gamma", 1.0, len(full), channels)
+    beta = _per_channel(m, "beta", 0.0, len(full), channels)
+    if isinstance(gamma, str):
+        return gamma
+    if isinstance(beta, str):
+        return beta
+    per_group = channels // groups
+    # gamma * (s_g * n + b_g) + beta, with g the group of each channel
+    scale = gamma * np.repeat(inner_scale, per_group)
+    return _GroupPlan(groups, eps, scale, gamma * np.repeat(inner_bias, per_group) + beta)
+
+
+def _group_norm(b: Builder, m: Match, site: Site) -> Value:
+    plan = _group_plan(m, site)
+    assert not isinstance(plan, str)
+    x = m.value("x")
+    scale, bias = new_const(b, plan.scale, x, "gn_scale"), new_const(b, plan.bias, x, "gn_bias")
+    return b.op("GroupNormalization", x, scale, bias, num_groups=plan.groups, epsilon=plan.eps)
+
+
+for _gamma, _beta in ((True, True), (True, False), (False, False)):
+    add_rule(
+        Rule(
+            "groupnorm" + ("" if _gamma and _beta else ("-no-bias" if _gamma else "-plain")),
+            FAMILY,
+            _affine(_GROUP_NORM, _gamma, _beta),
+            _group_norm,
+            lambda m, site: found if isinstance(found := _group_plan(m, site), str) else None,
+            min_opset=21,
+            label="GroupNorm",
+            doc="Reshape [N, G, -1] / InstanceNormalization or mean-variance / Reshape back / Mul / Add -> "
+            "GroupNormalization (opset 21, per-channel scale and bias)",
         )
     )
 

@@ -448,3 +448,85 @@ def test_a_model_that_cannot_be_converted_is_bad_input_naming_the_op() -> None:
     )
     with pytest.raises(InputError, match="LayerNormalization"):
         fuse(proto, target_opset=16)
+
+
+# -- rotary ---------------------------------------------------------------------------------------
+
+HALF = 4  # head size 8
+
+
+def _rope(
+    cos: str = "gathered", opset: int = 23, extra: str = "", swapped: bool = False, roped: tuple[str, ...] = ("q", "k")
+) -> onnx.ModelProto:
+    """RoPE of q and k (batch, heads, seq, 8) as the exporters write it: x * cos +
+    Concat(-x[..., 4:], x[..., :4]) * sin. cos / sin are gathered from constant tables by
+    position ids ("gathered"), computed at run time from frequencies ("runtime", or
+    "runtime-4d" with the heads axis), constant over a static batch ("constant"), or a
+    graph input that proves nothing ("input")."""
+    freqs = RNG.uniform(0, 3, (16, HALF)).astype(np.float32)
+    table = np.concatenate([freqs, freqs], axis=-1)
+    params = [init(n, np.array([v], np.int64)) for n, v in (("zero", 0), ("mid", HALF), ("end", 2**62), ("last", -1))]
+    params.append(init("heads_axis", np.array([1], np.int64)))
+    inputs = [info(x, ["b", 2, "s", 2 * HALF]) for x in roped]
+    nodes: list[onnx.NodeProto] = []
+    if cos == "gathered":
+        params += [init("cos_table", np.cos(table)), init("sin_table", np.sin(table))]
+        inputs.append(info("position_ids", ["b", "s"], TensorProto.INT64))
+        for part in ("cos", "sin"):
+            nodes.append(node("Gather", [f"{part}_table", "position_ids"], f"{part}_rows", axis=0))
+            nodes.append(node("Unsqueeze", [f"{part}_rows", "heads_axis"], part))
+    elif cos == "runtime":
+        inputs.append(info("freqs", ["b", "s", HALF]))
+        nodes.append(node("Concat", ["freqs", "freqs"], "emb", axis=-1))
+        for part, fn in (("cos", "Cos"), ("sin", "Sin")):
+            nodes += [node(fn, ["emb"], f"{part}_rows"), node("Unsqueeze", [f"{part}_rows", "heads_axis"], part)]
+    elif cos == "runtime-4d":
+        inputs.append(info("freqs", ["b", 1, "s", HALF]))
+        nodes += [node("Concat", ["freqs", "freqs"], "emb", axis=-1), node("Cos", ["emb"], "cos")]
+        nodes.append(node("Sin", ["emb"], "sin"))
+    elif cos == "constant":
+        inputs = [info(x, [2, 2, 5, 2 * HALF]) for x in roped]
+        params += [init("cos", np.cos(table[:5])), init("sin", np.sin(table[:5]))]
+    else:
+        inputs += [info("cos", ["b", 1, "s", 2 * HALF]), info("sin", ["b", 1, "s", 2 * HALF])]
+    outputs: list[Any] = []
+    for x in roped:
+        first, second = (f"{x}2", f"{x}1") if swapped else (f"{x}1", f"{x}2")
+        nodes += [
+            node("Slice", [x, "zero", "mid", "last"], first),
+            node("Slice", [x, "mid", "end", "last"], second),
+            node("Neg", [f"{x}2"], f"{x}_neg"),
+            node("Concat", [f"{x}_neg", f"{x}1"], f"{x}_rot", axis=-1),
+            node("Mul", [x, "cos"], f"{x}_cos"),
+            node("Mul", ["sin", f"{x}_rot"], f"{x}_sin"),
+            node("Add", [f"{x}_cos", f"{x}_sin"], f"{x}_roped"),
+        ]
+        outputs.append(f"{x}_roped")
+    expose(nodes, outputs, "q_neg", extra)
+    return model(nodes, inputs, outputs, params, opset=opset)
+
+
+@pytest.mark.parametrize(
+    ("cos", "left"),
+    [
+        ("gathered", {}),
+        ("runtime", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2}),  # the caches: one half each
+        ("runtime-4d", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2, "Squeeze": 2}),
+        ("constant", {}),
+    ],
+)
+def test_rotate_half_rope_becomes_rotaryembedding(cos: str, left: dict[str, int]) -> None:
+    out = _fires(_rope(cos), "rotary-embedding", {"RotaryEmbedding": 2, **left}, passes="shape-infer,fuse,dce")
+    rope = [n for n in out.graph.node if n.op_type == "RotaryEmbedding"]
+    assert len(rope[0].input) == (4 if cos == "gathered" else 3)
+
+
+def test_rotary_refusals() -> None:
+    for extra in ("reader", "output"):
+        _refused(_rope(extra=extra, roped=("q",)), "rotary-embedding")
+    details = _refused(_rope(swapped=True), "rotary-embedding")
+    assert "not the two halves" in " ".join(details["near_misses"]["rotary"])
+    details = _refused(_rope("input"), "rotary-embedding")
+    assert "halves of cos are not provably equal" in " ".join(details["near_misses"]["rotary"])
+    details = _refused(_rope(opset=22), "rotary-embedding")
+    assert "needs opset >= 23" in " ".join(details["near_misses"]["rotary"])

@@ -26,7 +26,7 @@ from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import OpPattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import MS
+from graphopt.passes.fuse.rules._helpers import MS, refusal
 
 FAMILY = "embed"
 _IDS = (DataType.INT32, DataType.INT64)
@@ -151,7 +151,7 @@ add_rule(
         FAMILY,
         _EMBED,
         _rewrite,
-        lambda m, site: found if isinstance(found := _plan(m, site), str) else None,
+        refusal(_plan),
         targets=frozenset({"ort"}),
         default=False,
         label="EmbedLayerNorm",

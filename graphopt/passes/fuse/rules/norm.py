@@ -33,7 +33,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, trailing_axes
+from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, refusal, trailing_axes
 
 FAMILY = "norm"
 MS = "com.microsoft"
@@ -122,16 +122,12 @@ def _norm_rule(name: str, pattern: Pattern, reductions: tuple[str, ...], build: 
     """A rule for a decomposed norm: ``build(b, x, axis, eps, gamma, beta)`` makes the fused op
     from the facts :func:`_norm_facts` proves about the reductions named ``reductions``."""
 
-    def check(m: Match, site: Site) -> str | None:
-        found = _norm_facts(m, site, reductions)
-        return found if isinstance(found, str) else None
-
     def rewrite(b: Builder, m: Match, site: Site) -> Value:
         found = _norm_facts(m, site, reductions)
         assert not isinstance(found, str)
         return build(b, m.value("x"), *found)
 
-    return Rule(name, FAMILY, pattern, rewrite, check, **extra)
+    return Rule(name, FAMILY, pattern, rewrite, refusal(lambda m, site: _norm_facts(m, site, reductions)), **extra)
 
 
 def _layer_norm(b: Builder, x: Value, axis: int, eps: float, gamma: np.ndarray, beta: np.ndarray) -> Value:
@@ -264,7 +260,7 @@ for _gamma, _beta in ((True, True), (True, False), (False, False)):
             FAMILY,
             _affine(_GROUP_NORM, _gamma, _beta),
             _group_norm,
-            lambda m, site: found if isinstance(found := _group_plan(m, site), str) else None,
+            refusal(_group_plan),
             min_opset=21,
             label="GroupNorm",
             doc="Reshape [N, G, -1] / InstanceNormalization or mean-variance / Reshape back / Mul / Add -> "
@@ -298,7 +294,7 @@ def _softmax_rule(stable: bool) -> Rule:
         FAMILY,
         op.Div(e, op.ReduceSum(e, optional(const()), name="sum")),
         lambda b, m, site: b.op("Softmax", m.value("x"), axis=_softmax_axis(m, site)),
-        lambda m, site: found if isinstance(found := _softmax_axis(m, site), str) else None,
+        refusal(_softmax_axis),
         min_opset=13,
         label="Softmax",
         doc="Exp(x - max) / ReduceSum(Exp(x - max)) -> Softmax(x, axis) (opset 13)",

@@ -27,7 +27,7 @@ from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import OpPattern, op, optional, var
-from graphopt.passes.fuse.rules._helpers import is_float
+from graphopt.passes.fuse.rules._helpers import is_float, refusal
 
 FAMILY = "rotary"
 
@@ -238,7 +238,7 @@ add_rule(
         FAMILY,
         _ROPE,
         _rewrite,
-        lambda m, site: found if isinstance(found := _plan(m, site), str) else None,
+        refusal(_plan),
         min_opset=23,
         label="RotaryEmbedding",
         doc="x * cos + Concat(-x2, x1) * sin (rotate half) -> RotaryEmbedding (opset 23)",

@@ -26,7 +26,7 @@ from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Check, Match, Rewrite, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import const, op, optional, var
-from graphopt.passes.fuse.rules._helpers import static_shape
+from graphopt.passes.fuse.rules._helpers import refusal, static_shape
 
 FAMILY = "shape"
 _LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -198,7 +198,7 @@ add_rule(
         lambda b, m, site: b.op(
             "Reshape", m.value("x"), b.constant(np.array(_one_unknown(m, site), np.int64), "shape")
         ),
-        lambda m, site: found if isinstance(found := _one_unknown(m, site), str) else None,
+        refusal(_one_unknown),
         label="Reshape",
         doc="Reshape(x, computed s) with one entry not static -> Reshape(x, constant s with -1 there)",
     )

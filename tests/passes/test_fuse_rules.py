@@ -297,28 +297,29 @@ def test_hardswish_refusals() -> None:
 # -- norm -----------------------------------------------------------------------------------------
 
 
+def _normalized(x: str, out: str, axes: list[int], opset: int) -> list[onnx.NodeProto]:
+    """(x - mean) / sqrt(var + eps) spelled out over ``axes`` (an attribute below opset 18,
+    else the input "axes"); reads the initializers "two" and "eps"."""
+    reduce = {"axes": axes} if opset < 18 else {}
+    axes_input = [] if reduce else ["axes"]
+    return [
+        node("ReduceMean", [x, *axes_input], "mean", **reduce),
+        node("Sub", [x, "mean"], "d"),
+        node("Pow", ["d", "two"], "sq"),
+        node("ReduceMean", ["sq", *axes_input], "var", **reduce),
+        node("Add", ["var", "eps"], "ve"),
+        node("Sqrt", ["ve"], "std"),
+        node("Div", ["d", "std"], out),
+    ]
+
+
 def _layer_norm(opset: int = 17, gamma_input: bool = False, axes: list[int] | None = None) -> onnx.ModelProto:
-    axes = axes or [-1]
     inputs = [info("x", ["b", 3, 8])] + ([info("gamma", [8])] if gamma_input else [])
     params = [init("two", 2.0), init("eps", 1e-5), init("beta", _w(8))]
     params += [] if gamma_input else [init("gamma", _w(8))]
-    return model(
-        [
-            node("ReduceMean", ["x"], "mean", axes=axes),
-            node("Sub", ["x", "mean"], "d"),
-            node("Pow", ["d", "two"], "sq"),
-            node("ReduceMean", ["sq"], "var", axes=axes),
-            node("Add", ["var", "eps"], "ve"),
-            node("Sqrt", ["ve"], "std"),
-            node("Div", ["d", "std"], "n"),
-            node("Mul", ["n", "gamma"], "g"),
-            node("Add", ["g", "beta"], "y"),
-        ],
-        inputs,
-        ["y"],
-        params,
-        opset=opset,
-    )
+    nodes = _normalized("x", "n", axes or [-1], opset)
+    nodes += [node("Mul", ["n", "gamma"], "g"), node("Add", ["g", "beta"], "y")]
+    return model(nodes, inputs, ["y"], params, opset=opset)
 
 
 def test_layernorm_fuses() -> None:
@@ -369,28 +370,17 @@ def _group_norm(
     if form == "instance":
         params += [init("in_scale", np.abs(_w(groups)) + 0.5), init("in_bias", _w(groups))]
         nodes.append(node("InstanceNormalization", ["split", "in_scale", "in_bias"], "grouped", epsilon=1e-3))
-        inner = "grouped"
     else:
-        axes = axes or [-1]
-        params.append(init("axes", np.array(axes, np.int64)))
-        nodes += [
-            node("ReduceMean", ["split", "axes"], "mean"),
-            node("Sub", ["split", "mean"], "d"),
-            node("Pow", ["d", "two"], "sq"),
-            node("ReduceMean", ["sq", "axes"], "var"),
-            node("Add", ["var", "eps"], "ve"),
-            node("Sqrt", ["ve"], "std"),
-            node("Div", ["d", "std"], "grouped"),
-        ]
-        inner = "grouped"
+        params.append(init("axes", np.array(axes or [-1], np.int64)))
+        nodes += _normalized("split", "grouped", axes or [-1], opset)
     nodes += [
         node("Shape", ["x"], "x_shape"),
-        node("Reshape", [inner, "x_shape"], "merged"),
+        node("Reshape", ["grouped", "x_shape"], "merged"),
         node("Mul", ["merged", "gamma"], "scaled"),
         node("Add", ["scaled", "beta"], "y"),
     ]
     outputs: list[Any] = ["y"]
-    expose(nodes, outputs, inner, extra)
+    expose(nodes, outputs, "grouped", extra)
     return model(nodes, [info("x", ["b", channels, 4, 5])], outputs, params, opset=opset)
 
 

@@ -381,3 +381,73 @@ def test_gemm_bn_refusals() -> None:
     details = refused(_gemm_bn("MatMul", shape=["n", 4, 3]), "gemm-bn")
     assert "not 2-D" in " ".join(details["near_misses"]["conv"])
     refused(_gemm_bn(extra="output"), "gemm-bn")
+
+
+# -- EmbedLayerNormalization ----------------------------------------------------------------------
+
+
+def _embed(extra: str = "none", ids_type: int = onnx.TensorProto.INT64, axis: int = -1) -> onnx.ModelProto:
+    """BERT's embeddings as torch exports them: word[ids] + (segment[token types] or a constant
+    row, or nothing) + position[position_ids[:, :S]], then LayerNormalization."""
+    params = [
+        init("word_table", _w(10, 8)),
+        init("position_table", _w(16, 8)),
+        init("position_ids", np.arange(16, dtype=np.int64).reshape(1, 16)),
+        init("zero", np.array([0], np.int64)),
+        init("one", np.array([1], np.int64)),
+        init("gamma", _w(8)),
+        init("beta", _w(8)),
+    ]
+    inputs = [info("input_ids", ["b", "s"], ids_type)]
+    nodes = [
+        node("Shape", ["input_ids"], "seq", start=1),
+        node("Slice", ["position_ids", "zero", "seq", "one"], "positions"),
+        node("Gather", ["word_table", "input_ids"], "words", axis=0),
+        node("Gather", ["position_table", "positions"], "placed", axis=0),
+    ]
+    words = "words"
+    if extra == "segment":
+        params.append(init("segment_table", _w(2, 8)))
+        inputs.append(info("token_type_ids", ["b", "s"], onnx.TensorProto.INT64))
+        nodes.append(node("Gather", ["segment_table", "token_type_ids"], "segments", axis=0))
+        nodes.append(node("Add", ["words", "segments"], "typed"))
+        words = "typed"
+    elif extra in ("row", "reader", "output"):
+        params.append(init("row", _w(8)))
+        nodes.append(node("Add", ["words", "row"], "typed"))
+        words = "typed"
+    elif extra == "position-input":
+        inputs.append(info("given_positions", [1, "s"], onnx.TensorProto.INT64))
+        nodes[3] = node("Gather", ["position_table", "given_positions"], "placed", axis=0)
+    nodes.append(node("Add", ["placed", words], "summed"))
+    nodes.append(node("LayerNormalization", ["summed", "gamma", "beta"], "y", axis=axis, epsilon=1e-12))
+    outputs: list[Any] = ["y"]
+    expose(nodes, outputs, "typed", extra)
+    return model(nodes, inputs, outputs, params)
+
+
+@pytest.mark.parametrize("extra", ["none", "segment", "row"])
+def test_bert_embeddings_become_embedlayernorm(extra: str) -> None:
+    expected = {"EmbedLayerNormalization": 1, "Cast": 1 + (extra == "segment")}
+    out = _ort(_embed(extra), "ort-embedlayernorm", expected, passes="shape-infer,fuse,dce")
+    assert [n.op_type for n in out.graph.node][-1] == "EmbedLayerNormalization"
+
+
+def test_int32_ids_need_no_cast() -> None:
+    _ort(
+        _embed(ids_type=onnx.TensorProto.INT32),
+        "ort-embedlayernorm",
+        {"EmbedLayerNormalization": 1},
+        "shape-infer,fuse,dce",
+    )
+
+
+def test_embedlayernorm_refusals() -> None:
+    for extra in ("reader", "output"):
+        refused(_embed(extra), "ort-embedlayernorm", target="ort", enable=["embed"])
+    details = refused(_embed(axis=1), "ort-embedlayernorm", target="ort", enable=["embed"])
+    assert "not over the last axis" in " ".join(details["near_misses"]["embed"])
+    details = refused(_embed("position-input"), "ort-embedlayernorm", target="ort", enable=["embed"])
+    assert "not provably 0 .. S-1" in " ".join(details["near_misses"]["embed"])
+    refused(_embed(), "ort-embedlayernorm", enable=["embed"])  # target onnx
+    refused(_embed(), "ort-embedlayernorm", target="ort")  # off by default: slower in onnxruntime

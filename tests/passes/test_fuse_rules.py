@@ -297,28 +297,29 @@ def test_hardswish_refusals() -> None:
 # -- norm -----------------------------------------------------------------------------------------
 
 
+def _normalized(x: str, out: str, axes: list[int], opset: int) -> list[onnx.NodeProto]:
+    """(x - mean) / sqrt(var + eps) spelled out over ``axes`` (an attribute below opset 18,
+    else the input "axes"); reads the initializers "two" and "eps"."""
+    reduce = {"axes": axes} if opset < 18 else {}
+    axes_input = [] if reduce else ["axes"]
+    return [
+        node("ReduceMean", [x, *axes_input], "mean", **reduce),
+        node("Sub", [x, "mean"], "d"),
+        node("Pow", ["d", "two"], "sq"),
+        node("ReduceMean", ["sq", *axes_input], "var", **reduce),
+        node("Add", ["var", "eps"], "ve"),
+        node("Sqrt", ["ve"], "std"),
+        node("Div", ["d", "std"], out),
+    ]
+
+
 def _layer_norm(opset: int = 17, gamma_input: bool = False, axes: list[int] | None = None) -> onnx.ModelProto:
-    axes = axes or [-1]
     inputs = [info("x", ["b", 3, 8])] + ([info("gamma", [8])] if gamma_input else [])
     params = [init("two", 2.0), init("eps", 1e-5), init("beta", _w(8))]
     params += [] if gamma_input else [init("gamma", _w(8))]
-    return model(
-        [
-            node("ReduceMean", ["x"], "mean", axes=axes),
-            node("Sub", ["x", "mean"], "d"),
-            node("Pow", ["d", "two"], "sq"),
-            node("ReduceMean", ["sq"], "var", axes=axes),
-            node("Add", ["var", "eps"], "ve"),
-            node("Sqrt", ["ve"], "std"),
-            node("Div", ["d", "std"], "n"),
-            node("Mul", ["n", "gamma"], "g"),
-            node("Add", ["g", "beta"], "y"),
-        ],
-        inputs,
-        ["y"],
-        params,
-        opset=opset,
-    )
+    nodes = _normalized("x", "n", axes or [-1], opset)
+    nodes += [node("Mul", ["n", "gamma"], "g"), node("Add", ["g", "beta"], "y")]
+    return model(nodes, inputs, ["y"], params, opset=opset)
 
 
 def test_layernorm_fuses() -> None:
@@ -331,6 +332,78 @@ def test_layernorm_refusals() -> None:
     _refused(_layer_norm(axes=[1]), "layernorm")
     details = _refused(_layer_norm(opset=16), "layernorm")
     assert "needs opset >= 17" in " ".join(details["near_misses"]["norm"])
+
+
+def _group_norm(
+    form: str = "instance",
+    opset: int = 21,
+    extra: str = "",
+    channels: int | str = 6,
+    groups: int = 3,
+    axes: list[int] | None = None,
+    gamma: np.ndarray | None = None,
+) -> onnx.ModelProto:
+    """GroupNorm over 6 channels as the PyTorch exporter writes it ("instance") or spelled out
+    with means over the groups ("decomposed")."""
+    nodes = [node("Reshape", ["x", "group_shape"], "split")]
+    params = [init("group_shape", np.array([0, groups, -1], np.int64)), init("eps", 1e-5), init("two", 2.0)]
+    affine = (6, 1, 1) if isinstance(channels, int) else ()  # a symbolic channel dim takes scalars
+    params += [init("gamma", _w(*affine) if gamma is None else gamma), init("beta", _w(*affine))]
+    if form == "instance":
+        params += [init("in_scale", np.abs(_w(groups)) + 0.5), init("in_bias", _w(groups))]
+        nodes.append(node("InstanceNormalization", ["split", "in_scale", "in_bias"], "grouped", epsilon=1e-3))
+    else:
+        params.append(init("axes", np.array(axes or [-1], np.int64)))
+        nodes += _normalized("split", "grouped", axes or [-1], opset)
+    nodes += [
+        node("Shape", ["x"], "x_shape"),
+        node("Reshape", ["grouped", "x_shape"], "merged"),
+        node("Mul", ["merged", "gamma"], "scaled"),
+        node("Add", ["scaled", "beta"], "y"),
+    ]
+    outputs: list[Any] = ["y"]
+    expose(nodes, outputs, "grouped", extra)
+    return model(nodes, [info("x", ["b", channels, 4, 5])], outputs, params, opset=opset)
+
+
+@pytest.mark.parametrize("form", ["instance", "decomposed"])
+def test_groupnorm_fuses_at_opset_21(form: str) -> None:
+    _fires(_group_norm(form), "groupnorm", {"GroupNormalization": 1})
+
+
+def test_groupnorm_takes_a_gamma_broadcast_over_the_channels() -> None:
+    _fires(_group_norm(gamma=np.array(1.5, np.float32)), "groupnorm", {"GroupNormalization": 1})
+
+
+def test_groupnorm_refusals() -> None:
+    for extra in ("reader", "output"):
+        _refused(_group_norm(extra=extra), "groupnorm")
+    details = _refused(_group_norm("decomposed", axes=[1]), "groupnorm")
+    assert "do not reduce the last axis" in " ".join(details["near_misses"]["norm"])
+    details = _refused(_group_norm(channels="c"), "groupnorm")
+    assert "channel dim is not static" in " ".join(details["near_misses"]["norm"])
+    details = _refused(_group_norm(groups=4), "groupnorm")  # 4 groups do not divide 6 channels
+    assert "G dividing the channels" in " ".join(details["near_misses"]["norm"])
+    details = _refused(_group_norm(gamma=_w(6, 1, 5)), "groupnorm")
+    assert "gamma is not per channel" in " ".join(details["near_misses"]["norm"])
+    details = _refused(_group_norm(opset=20), "groupnorm")
+    assert "needs opset >= 21" in " ".join(details["near_misses"]["norm"])
+
+
+def test_softmax_decomposition_fuses() -> None:
+    proto = model(
+        [
+            node("ReduceMax", ["x"], "mx", axes=[1]),
+            node("Sub", ["x", "mx"], "d"),
+            node("Exp", ["d"], "e"),
+            node("ReduceSum", ["e", "axes"], "s"),
+            node("Div", ["e", "s"], "y"),
+        ],
+        [info("x", [2, 6])],
+        ["y"],
+        [init("axes", np.array([1], np.int64))],
+    )
+    _fires(proto, "softmax", {"Softmax": 1})
 
 
 # -- target opset ---------------------------------------------------------------------------------
@@ -347,3 +420,85 @@ def test_a_model_that_cannot_be_converted_is_bad_input_naming_the_op() -> None:
     )
     with pytest.raises(InputError, match="LayerNormalization"):
         fuse(proto, target_opset=16)
+
+
+# -- rotary ---------------------------------------------------------------------------------------
+
+HALF = 4  # head size 8
+
+
+def _rope(
+    cos: str = "gathered", opset: int = 23, extra: str = "", swapped: bool = False, roped: tuple[str, ...] = ("q", "k")
+) -> onnx.ModelProto:
+    """RoPE of q and k (batch, heads, seq, 8) as the exporters write it: x * cos +
+    Concat(-x[..., 4:], x[..., :4]) * sin. cos / sin are gathered from constant tables by
+    position ids ("gathered"), computed at run time from frequencies ("runtime", or
+    "runtime-4d" with the heads axis), constant over a static batch ("constant"), or a
+    graph input that proves nothing ("input")."""
+    freqs = RNG.uniform(0, 3, (16, HALF)).astype(np.float32)
+    table = np.concatenate([freqs, freqs], axis=-1)
+    params = [init(n, np.array([v], np.int64)) for n, v in (("zero", 0), ("mid", HALF), ("end", 2**62), ("last", -1))]
+    params.append(init("heads_axis", np.array([1], np.int64)))
+    inputs = [info(x, ["b", 2, "s", 2 * HALF]) for x in roped]
+    nodes: list[onnx.NodeProto] = []
+    if cos == "gathered":
+        params += [init("cos_table", np.cos(table)), init("sin_table", np.sin(table))]
+        inputs.append(info("position_ids", ["b", "s"], TensorProto.INT64))
+        for part in ("cos", "sin"):
+            nodes.append(node("Gather", [f"{part}_table", "position_ids"], f"{part}_rows", axis=0))
+            nodes.append(node("Unsqueeze", [f"{part}_rows", "heads_axis"], part))
+    elif cos == "runtime":
+        inputs.append(info("freqs", ["b", "s", HALF]))
+        nodes.append(node("Concat", ["freqs", "freqs"], "emb", axis=-1))
+        for part, fn in (("cos", "Cos"), ("sin", "Sin")):
+            nodes += [node(fn, ["emb"], f"{part}_rows"), node("Unsqueeze", [f"{part}_rows", "heads_axis"], part)]
+    elif cos == "runtime-4d":
+        inputs.append(info("freqs", ["b", 1, "s", HALF]))
+        nodes += [node("Concat", ["freqs", "freqs"], "emb", axis=-1), node("Cos", ["emb"], "cos")]
+        nodes.append(node("Sin", ["emb"], "sin"))
+    elif cos == "constant":
+        inputs = [info(x, [2, 2, 5, 2 * HALF]) for x in roped]
+        params += [init("cos", np.cos(table[:5])), init("sin", np.sin(table[:5]))]
+    else:
+        inputs += [info("cos", ["b", 1, "s", 2 * HALF]), info("sin", ["b", 1, "s", 2 * HALF])]
+    outputs: list[Any] = []
+    for x in roped:
+        first, second = (f"{x}2", f"{x}1") if swapped else (f"{x}1", f"{x}2")
+        nodes += [
+            node("Slice", [x, "zero", "mid", "last"], first),
+            node("Slice", [x, "mid", "end", "last"], second),
+            node("Neg", [f"{x}2"], f"{x}_neg"),
+            node("Concat", [f"{x}_neg", f"{x}1"], f"{x}_rot", axis=-1),
+            node("Mul", [x, "cos"], f"{x}_cos"),
+            node("Mul", ["sin", f"{x}_rot"], f"{x}_sin"),
+            node("Add", [f"{x}_cos", f"{x}_sin"], f"{x}_roped"),
+        ]
+        outputs.append(f"{x}_roped")
+    expose(nodes, outputs, "q_neg", extra)
+    return model(nodes, inputs, outputs, params, opset=opset)
+
+
+@pytest.mark.parametrize(
+    ("cos", "left"),
+    [
+        ("gathered", {}),
+        ("runtime", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2}),  # the caches: one half each
+        ("runtime-4d", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2, "Squeeze": 2}),
+        ("constant", {}),
+    ],
+)
+def test_rotate_half_rope_becomes_rotaryembedding(cos: str, left: dict[str, int]) -> None:
+    out = _fires(_rope(cos), "rotary-embedding", {"RotaryEmbedding": 2, **left}, passes="shape-infer,fuse,dce")
+    rope = [n for n in out.graph.node if n.op_type == "RotaryEmbedding"]
+    assert len(rope[0].input) == (4 if cos == "gathered" else 3)
+
+
+def test_rotary_refusals() -> None:
+    for extra in ("reader", "output"):
+        _refused(_rope(extra=extra, roped=("q",)), "rotary-embedding")
+    details = _refused(_rope(swapped=True), "rotary-embedding")
+    assert "not the two halves" in " ".join(details["near_misses"]["rotary"])
+    details = _refused(_rope("input"), "rotary-embedding")
+    assert "halves of cos are not provably equal" in " ".join(details["near_misses"]["rotary"])
+    details = _refused(_rope(opset=22), "rotary-embedding")
+    assert "needs opset >= 23" in " ".join(details["near_misses"]["rotary"])

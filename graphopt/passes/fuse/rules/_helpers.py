@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Site
+from graphopt.passes.fuse.engine import Check, Match, Site
 
 __all__ = [
     "FUSABLE_ACTIVATIONS",
@@ -20,6 +21,7 @@ __all__ = [
     "float_array",
     "is_float",
     "new_const",
+    "refusal",
     "static_shape",
     "trailing_axes",
 ]
@@ -109,3 +111,13 @@ def activation_params(node: Node) -> list[float] | None:
             return None
         bounds.append(float(default) if array is None else float(array.ravel()[0]))
     return bounds
+
+
+def refusal(plan: Callable[[Match, Site], object]) -> Check:
+    """A rule's check from its planner: the planner's reason when it returns one (a str)."""
+
+    def check(m: Match, site: Site) -> str | None:
+        found = plan(m, site)
+        return found if isinstance(found, str) else None
+
+    return check

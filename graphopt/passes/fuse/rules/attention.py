@@ -35,7 +35,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import MS, float_array, is_float
+from graphopt.passes.fuse.rules._helpers import MS, float_array, is_float, refusal
 
 FAMILY = "attention"
 _HEADS = [0, 2, 1, 3]
@@ -209,7 +209,7 @@ add_rule(
         FAMILY,
         _ATTENTION,
         _rewrite,
-        lambda m, site: found if isinstance(found := _plan(m, site), str) else None,
+        refusal(_plan),
         min_opset=23,
         label="Attention",
         doc="MatMul/scale/mask/Softmax/MatMul with head split and merge -> Attention (opset 23)",
@@ -394,7 +394,7 @@ for _name, _projections in _ORT_LAYERS.items():
             FAMILY,
             _core(*_projections),
             _rewrite_ort,
-            lambda m, site: found if isinstance(found := _ort_plan(m, site), str) else None,
+            refusal(_ort_plan),
             targets=frozenset({"ort"}),
             label="Attention",
             doc="projections, MatMul/scale/mask/Softmax/MatMul, head split and merge -> com.microsoft Attention "

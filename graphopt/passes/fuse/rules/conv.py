@@ -39,6 +39,7 @@ from graphopt.passes.fuse.rules._helpers import (
     float_array,
     is_float,
     new_const,
+    refusal,
 )
 
 FAMILY = "conv"
@@ -289,7 +290,7 @@ add_rule(
         FAMILY,
         _bn(op.any_of(("Gemm", "MatMul"), var("a"), const(name="gw"), optional(var("c")), name="gemm")),
         _rewrite_gemm_bn,
-        lambda m, site: found if isinstance(found := _gemm_bn_facts(m, site), str) else None,
+        refusal(_gemm_bn_facts),
         label="Gemm+BatchNormalization",
         doc="BatchNormalization(Gemm|MatMul(a, B, C)) on a 2-D product -> Gemm(a, B*s, C*s+shift)",
     )
@@ -355,7 +356,7 @@ add_rule(
             where=lambda n: len(n.outputs) == 1 or not any(v.is_used() for v in n.outputs[1:]),
         ),
         _rewrite_pad,
-        lambda m, site: found if isinstance(found := _pad_amounts(m, site), str) else None,
+        refusal(_pad_amounts),
         label="Pad",
         doc="Conv|AveragePool|MaxPool(Pad(x, constant 0 / -inf)) -> the consumer with the pads added",
     )

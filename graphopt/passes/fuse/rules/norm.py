@@ -24,6 +24,8 @@ bert_small x1.06 -> x0.945 without them and gpt2_small x1.003 -> x0.924 (BENCHMA
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +33,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, trailing_axes
+from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, refusal, trailing_axes
 
 FAMILY = "norm"
 MS = "com.microsoft"
@@ -113,69 +115,158 @@ def _norm_facts(m: Match, site: Site, reductions: tuple[str, ...]) -> tuple[int,
     return axis - len(shape), eps, gamma, beta
 
 
-def _layer_norm_rule(gamma: bool, beta: bool) -> Rule:
-    suffix = "" if gamma and beta else ("-no-bias" if gamma else "-plain")
+NormBuild = Callable[[Builder, Value, int, float, np.ndarray, np.ndarray], Value]
 
-    def check(m: Match, site: Site) -> str | None:
-        found = _norm_facts(m, site, ("mean", "var"))
-        return found if isinstance(found, str) else None
+
+def _norm_rule(name: str, pattern: Pattern, reductions: tuple[str, ...], build: NormBuild, **extra: Any) -> Rule:
+    """A rule for a decomposed norm: ``build(b, x, axis, eps, gamma, beta)`` makes the fused op
+    from the facts :func:`_norm_facts` proves about the reductions named ``reductions``."""
 
     def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        found = _norm_facts(m, site, ("mean", "var"))
+        found = _norm_facts(m, site, reductions)
         assert not isinstance(found, str)
-        axis, eps, g, bias = found
-        x = m.value("x")
-        return b.op(
-            "LayerNormalization",
-            x,
-            new_const(b, g, x, "ln_scale"),
-            new_const(b, bias, x, "ln_bias"),
-            axis=axis,
-            epsilon=eps,
-        )
+        return build(b, m.value("x"), *found)
 
-    return Rule(
-        f"layernorm{suffix}",
-        FAMILY,
-        _affine(_LN, gamma, beta),
-        rewrite,
-        check,
-        min_opset=17,
-        label="LayerNorm",
-        doc="ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add -> LayerNormalization (opset 17)",
-    )
+    return Rule(name, FAMILY, pattern, rewrite, refusal(lambda m, site: _norm_facts(m, site, reductions)), **extra)
+
+
+def _layer_norm(b: Builder, x: Value, axis: int, eps: float, gamma: np.ndarray, beta: np.ndarray) -> Value:
+    scale, bias = new_const(b, gamma, x, "ln_scale"), new_const(b, beta, x, "ln_bias")
+    return b.op("LayerNormalization", x, scale, bias, axis=axis, epsilon=eps)
+
+
+def _rms_norm(b: Builder, x: Value, axis: int, eps: float, gamma: np.ndarray, beta: np.ndarray) -> Value:
+    return b.op("RMSNormalization", x, new_const(b, gamma, x, "rms_scale"), axis=axis, epsilon=eps)
 
 
 for _gamma, _beta in ((True, True), (True, False), (False, False)):
-    add_rule(_layer_norm_rule(_gamma, _beta))
+    add_rule(
+        _norm_rule(
+            "layernorm" + ("" if _gamma and _beta else ("-no-bias" if _gamma else "-plain")),
+            _affine(_LN, _gamma, _beta),
+            ("mean", "var"),
+            _layer_norm,
+            min_opset=17,
+            label="LayerNorm",
+            doc="ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add -> LayerNormalization (opset 17)",
+        )
+    )
 
-
-def _rms_rule(gamma: bool) -> Rule:
-    def check(m: Match, site: Site) -> str | None:
-        found = _norm_facts(m, site, ("var",))
-        return found if isinstance(found, str) else None
-
-    def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        found = _norm_facts(m, site, ("var",))
-        assert not isinstance(found, str)
-        axis, eps, g, _ = found
-        x = m.value("x")
-        return b.op("RMSNormalization", x, new_const(b, g, x, "rms_scale"), axis=axis, epsilon=eps)
-
-    return Rule(
-        "rmsnorm" if gamma else "rmsnorm-plain",
-        FAMILY,
-        _affine(_RMS, gamma, False),
-        rewrite,
-        check,
-        min_opset=23,
-        label="RMSNorm",
-        doc="x / Sqrt(ReduceMean(x^2) + eps) * gamma -> RMSNormalization (opset 23)",
+for _gamma in (True, False):
+    add_rule(
+        _norm_rule(
+            "rmsnorm" if _gamma else "rmsnorm-plain",
+            _affine(_RMS, _gamma, False),
+            ("var",),
+            _rms_norm,
+            min_opset=23,
+            label="RMSNorm",
+            doc="x / Sqrt(ReduceMean(x^2) + eps) * gamma -> RMSNormalization (opset 23)",
+        )
     )
 
 
-add_rule(_rms_rule(True))
-add_rule(_rms_rule(False))
+# -- GroupNorm -------------------------------------------------------------------------------------
+
+_SPLIT = op.Reshape(var("x"), const(name="group_shape"), name="split")
+_D_SPLIT = op.Sub(_SPLIT, op.ReduceMean(_SPLIT, optional(const()), name="mean"), name="d")
+_GROUPED = either(
+    op.InstanceNormalization(_SPLIT, const(name="in_scale"), const(name="in_bias"), name="instance"),
+    _normalized(_D_SPLIT, _D_SPLIT),
+)
+_X_SHAPE = op.Shape(var("x"), name="x_shape", where=lambda n: not n.attributes)
+_GROUP_NORM = op.Reshape(_GROUPED, either(_X_SHAPE, var("back_shape")), name="merge")
+
+
+@dataclass
+class _GroupPlan:
+    groups: int
+    eps: float
+    scale: np.ndarray  # per channel
+    bias: np.ndarray
+
+
+def _per_channel(m: Match, name: str, fill: float, rank: int, channels: int) -> np.ndarray | str:
+    """gamma or beta as a vector over the channels (axis 1 of a rank-``rank`` x), or why not."""
+    if name not in m.bindings:
+        return np.full(channels, fill)
+    found = float_array(m.value(name))
+    if found is None:
+        return f"{name} is not a constant"
+    channel_axis = found.ndim - (rank - 1)  # where axis 1 of x falls among found's axes
+    if found.ndim > rank or any(d != 1 for i, d in enumerate(found.shape) if i != channel_axis):
+        return f"{name} is not per channel"
+    try:
+        return np.broadcast_to(found.reshape(-1), (channels,)).astype(np.float64)
+    except ValueError:
+        return f"{name} is not per channel"
+
+
+def _group_plan(m: Match, site: Site) -> _GroupPlan | str:
+    x = m.value("x")
+    full = site.shape(x)
+    if not is_float(x) or full is None or len(full) < 3:
+        return "x has no known float type and rank >= 3"
+    channels, spatial = full[1], full[2:]
+    if not isinstance(channels, int):
+        return "the channel dim is not static"
+    target = Site.array(m.value("group_shape"))
+    if target is None or target.shape != (3,) or m.node("split").attr("allowzero", 0):
+        return "the group Reshape is not to a constant [N, G, -1]"
+    groups, rest = int(target[1]), int(target[2])
+    static = all(isinstance(d, int) for d in spatial)
+    size = channels // groups * int(np.prod(spatial)) if groups > 0 and static else -1
+    if groups <= 0 or channels % groups or int(target[0]) not in (0, full[0]) or rest not in (-1, size):
+        return "the group Reshape is not to [N, G, -1] with G dividing the channels"
+    back = site.ctx.facts(site.model).sym(m.value("back_shape")) if "back_shape" in m else full
+    if None in full or back != full:
+        return "the merge Reshape is not provably back to x's shape"
+    if "instance" in m:
+        eps = float(m.node("instance").attr("epsilon", 1e-5))
+        inner_scale, inner_bias = float_array(m.value("in_scale")), float_array(m.value("in_bias"))
+        if inner_scale is None or inner_bias is None or inner_scale.shape != (groups,) or inner_bias.shape != (groups,):
+            return "the InstanceNormalization scale / bias are not constants over the groups"
+    else:
+        if {_reduce_axis(m.node(r), site, 3) for r in ("mean", "var")} != {2}:
+            return "the means do not reduce the last axis of the groups with keepdims"
+        found = _epsilon(m)
+        if found is None:
+            return "epsilon is not a scalar constant"
+        eps, inner_scale, inner_bias = found, np.ones(groups), np.zeros(groups)
+    gamma = _per_channel(m, "gamma", 1.0, len(full), channels)
+    beta = _per_channel(m, "beta", 0.0, len(full), channels)
+    if isinstance(gamma, str):
+        return gamma
+    if isinstance(beta, str):
+        return beta
+    per_group = channels // groups
+    # gamma * (s_g * n + b_g) + beta, with g the group of each channel
+    scale = gamma * np.repeat(inner_scale, per_group)
+    return _GroupPlan(groups, eps, scale, gamma * np.repeat(inner_bias, per_group) + beta)
+
+
+def _group_norm(b: Builder, m: Match, site: Site) -> Value:
+    plan = _group_plan(m, site)
+    assert not isinstance(plan, str)
+    x = m.value("x")
+    scale, bias = new_const(b, plan.scale, x, "gn_scale"), new_const(b, plan.bias, x, "gn_bias")
+    return b.op("GroupNormalization", x, scale, bias, num_groups=plan.groups, epsilon=plan.eps)
+
+
+for _gamma, _beta in ((True, True), (True, False), (False, False)):
+    add_rule(
+        Rule(
+            "groupnorm" + ("" if _gamma and _beta else ("-no-bias" if _gamma else "-plain")),
+            FAMILY,
+            _affine(_GROUP_NORM, _gamma, _beta),
+            _group_norm,
+            refusal(_group_plan),
+            min_opset=21,
+            label="GroupNorm",
+            doc="Reshape [N, G, -1] / InstanceNormalization or mean-variance / Reshape back / Mul / Add -> "
+            "GroupNormalization (opset 21, per-channel scale and bias)",
+        )
+    )
 
 
 def _softmax_axis(m: Match, site: Site) -> int | str:
@@ -203,7 +294,7 @@ def _softmax_rule(stable: bool) -> Rule:
         FAMILY,
         op.Div(e, op.ReduceSum(e, optional(const()), name="sum")),
         lambda b, m, site: b.op("Softmax", m.value("x"), axis=_softmax_axis(m, site)),
-        lambda m, site: found if isinstance(found := _softmax_axis(m, site), str) else None,
+        refusal(_softmax_axis),
         min_opset=13,
         label="Softmax",
         doc="Exp(x - max) / ReduceSum(Exp(x - max)) -> Softmax(x, axis) (opset 13)",

@@ -17,14 +17,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Check, Match, Rewrite, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import const, op, optional, var
-from graphopt.passes.fuse.rules._helpers import static_shape
+from graphopt.passes.fuse.rules._helpers import refusal, static_shape
 
 FAMILY = "shape"
 _LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -45,24 +47,30 @@ def _composed(m: Match, site: Site) -> list[int] | None:
     return [inner[q] for q in outer]
 
 
+def _pair_rule(name: str, op_type: str, rewrite: Rewrite, check: Check, label: str, doc: str) -> None:
+    """A rule for ``op_type(op_type(x))`` (entries "inner" and "outer")."""
+    pair = op.any_of((op_type,), op.any_of((op_type,), var("x"), name="inner"), name="outer")
+    add_rule(Rule(name, FAMILY, pair, rewrite, check, label=label, doc=doc))
+
+
+def _x_or(b: Builder, m: Match, identity: bool, op_type: str, **attrs: Any) -> Value:
+    """``x`` itself when the collapsed pair is the identity, else one ``op_type`` of it."""
+    return m.value("x") if identity else b.op(op_type, m.value("x"), **attrs)
+
+
 def _rewrite_transposes(b: Builder, m: Match, site: Site) -> Value:
     perm = _composed(m, site)
     assert perm is not None
-    if perm == list(range(len(perm))):
-        return m.value("x")
-    return b.op("Transpose", m.value("x"), perm=perm)
+    return _x_or(b, m, perm == list(range(len(perm))), "Transpose", perm=perm)
 
 
-add_rule(
-    Rule(
-        "transpose-transpose",
-        FAMILY,
-        op.Transpose(op.Transpose(var("x"), name="inner"), name="outer"),
-        _rewrite_transposes,
-        lambda m, site: None if _composed(m, site) is not None else "the rank is unknown",
-        label="Transpose pair",
-        doc="Transpose(Transpose(x, p), q) -> Transpose(x, p[q]) or x",
-    )
+_pair_rule(
+    "transpose-transpose",
+    "Transpose",
+    _rewrite_transposes,
+    lambda m, site: None if _composed(m, site) is not None else "the rank is unknown",
+    "Transpose pair",
+    "Transpose(Transpose(x, p), q) -> Transpose(x, p[q]) or x",
 )
 
 add_rule(
@@ -190,7 +198,7 @@ add_rule(
         lambda b, m, site: b.op(
             "Reshape", m.value("x"), b.constant(np.array(_one_unknown(m, site), np.int64), "shape")
         ),
-        lambda m, site: found if isinstance(found := _one_unknown(m, site), str) else None,
+        refusal(_one_unknown),
         label="Reshape",
         doc="Reshape(x, computed s) with one entry not static -> Reshape(x, constant s with -1 there)",
     )
@@ -236,21 +244,16 @@ def _check_casts(m: Match, site: Site) -> str | None:
 
 def _rewrite_casts(b: Builder, m: Match, site: Site) -> Value:
     to = int(m.root.attr("to"))
-    if site.dtype(m.value("x")) == to:
-        return m.value("x")
-    return b.op("Cast", m.value("x"), to=to)
+    return _x_or(b, m, site.dtype(m.value("x")) == to, "Cast", to=to)
 
 
-add_rule(
-    Rule(
-        "cast-chain",
-        FAMILY,
-        op.Cast(op.Cast(var("x"), name="inner"), name="outer"),
-        _rewrite_casts,
-        _check_casts,
-        label="Cast chain",
-        doc="Cast(Cast(x, T1), T2) -> Cast(x, T2) (or x) when the first Cast is lossless",
-    )
+_pair_rule(
+    "cast-chain",
+    "Cast",
+    _rewrite_casts,
+    _check_casts,
+    "Cast chain",
+    "Cast(Cast(x, T1), T2) -> Cast(x, T2) (or x) when the first Cast is lossless",
 )
 
 add_rule(

@@ -1,0 +1,246 @@
+"""Rotary family: rotate-half rotary embeddings -> RotaryEmbedding (opset 23).
+
+The exporters write RoPE on a (batch, heads, seq, head size) tensor ``x`` as::
+
+    x * cos + Concat(-x[..., d/2:], x[..., :d/2], axis=-1) * sin
+
+with ``cos`` / ``sin`` of shape (batch, 1, seq, d) whose two halves are equal (Llama's
+``cat(freqs, freqs)``). That is ``RotaryEmbedding(x, cos_cache, sin_cache[, position_ids])``
+with the default non-interleaved full rotation: ``real = cos * x1 - sin * x2``, ``imag =
+sin * x1 + cos * x2``, the caches holding one half. Where ``cos`` is a constant table
+gathered by position ids and unsqueezed over the heads (``table[pos][:, None]``), the
+caches are the tables' halves and the ids go to position_ids (int64, as the op wants); where
+it is computed at run time, the caches are its first half (a Slice, one per cos / sin,
+shared by the layers), which the check proves equal to the second: the value is a
+constant with equal halves, or an element-wise function (Cos, Sin, Cast, a scalar scale) of
+``Concat(f, f)`` along the last axis. onnxruntime wants the caches' batch spelled out, so
+a cos that broadcasts over the batch is refused unless the batch is static.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from graphopt.ir import DataType, Value
+from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.patterns import OpPattern, op, optional, var
+from graphopt.passes.fuse.rules._helpers import is_float, refusal
+
+FAMILY = "rotary"
+
+_x = var("x")
+
+
+def _half(name: str) -> OpPattern:
+    bounds = (var(f"{name}_start"), var(f"{name}_end"), optional(var(f"{name}_axes")), optional(var(f"{name}_steps")))
+    return op.Slice(_x, *bounds, name=name)
+
+
+_ROTATED = op.Concat(op.Neg(_half("x2"), name="neg"), _half("x1"), name="rotate")
+_ROPE = op.Add(op.Mul(_x, var("cos"), name="x_cos"), op.Mul(_ROTATED, var("sin"), name="rot_sin"), name="rope")
+
+# Element-wise ops that keep equal halves equal (the scale's other input must be a scalar).
+_HALF_KEEPING = frozenset({"Cos", "Sin", "Cast", "Identity", "Mul", "Div"})
+_MAX_DEPTH = 8
+
+
+@dataclass
+class _Cache:
+    """One of cos / sin as RotaryEmbedding wants it: a constant half table (with the
+    position ids that index it, or already (batch, seq, d/2)), or a run-time value to slice."""
+
+    table: np.ndarray | None = None
+    positions: Value | None = None
+    runtime: Value | None = None  # (batch, seq, d) or (batch, 1, seq, d): its first half is the cache
+
+
+def _halves_equal(value: Value, axis: int) -> bool:
+    """Whether ``value``'s two halves along ``axis`` (negative) are provably equal."""
+    for _ in range(_MAX_DEPTH):
+        array = Site.array(value, limit=1 << 24)
+        if array is not None:
+            if array.ndim < -axis or array.shape[axis] % 2:
+                return False
+            first, second = np.split(array, 2, axis=axis)
+            return bool(np.array_equal(first, second))
+        node = value.producer
+        if node is None:
+            return False
+        if node.op_type == "Concat":
+            rank = Site.rank(value)
+            on_axis = rank is not None and node.attr("axis") in (axis, rank + axis)
+            return on_axis and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]
+        if node.op_type == "Gather" and node.in_standard_domain:
+            rank = Site.rank(node.inputs[0])
+            if rank is None or int(node.attr("axis", 0)) % rank == rank - 1:
+                return False  # gathering along the halves' axis
+            source = node.inputs[0]
+        elif node.op_type == "Unsqueeze":
+            rank = Site.rank(value)
+            added = Site.array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+            if rank is None or added is None or any(int(a) % rank == rank + axis for a in added.ravel()):
+                return False
+            source = node.inputs[0]
+        elif node.op_type in _HALF_KEEPING and node.in_standard_domain:
+            source = node.inputs[0]
+            if node.op_type in ("Mul", "Div"):
+                scalars = [v for v in node.inputs if (a := Site.array(v)) is not None and a.size == 1]
+                if len(scalars) != 1:
+                    return False
+                source = next(v for v in node.inputs if v is not scalars[0])
+        else:
+            return False
+        if source is None:
+            return False
+        value = source
+    return False
+
+
+def _unsqueezed_over_heads(value: Value) -> Value | None:
+    """The input of ``Unsqueeze(v, [1])`` producing ``value``, or None."""
+    node = value.producer
+    if node is None or node.op_type != "Unsqueeze" or len(node.inputs) < 2 or node.inputs[1] is None:
+        return None
+    axes = Site.array(node.inputs[1])
+    return node.inputs[0] if axes is not None and axes.ravel().tolist() == [1] else None
+
+
+def _gathered(value: Value, dims: tuple[object, ...]) -> _Cache | None:
+    """``table[positions][:, None]`` with a constant (max position, d) table and int64
+    positions of x's (batch, seq): the half table and the positions."""
+    rows = _unsqueezed_over_heads(value)
+    gather = rows.producer if rows is not None else None
+    if gather is None or gather.op_type != "Gather" or gather.attr("axis", 0) != 0 or not gather.in_standard_domain:
+        return None
+    table, positions = Site.array(gather.inputs[0], limit=1 << 24), gather.inputs[1]
+    batch, _, seq, size = dims
+    if table is None or table.ndim != 2 or table.shape[1] != size or positions is None:
+        return None
+    if Site.shape(positions) != (batch, seq) or Site.dtype(positions) != DataType.INT64:
+        return None
+    return _Cache(table=np.ascontiguousarray(table[:, : table.shape[1] // 2]), positions=positions)
+
+
+def _cache(m: Match, site: Site, name: str, dims: tuple[object, ...]) -> _Cache | str:
+    """``cos`` or ``sin`` as a cache for x of shape ``dims`` (batch, heads, seq, d), or why not."""
+    value = m.value(name)
+    if not _halves_equal(value, -1):
+        return f"the halves of {name} are not provably equal"
+    gathered = _gathered(value, dims)
+    if gathered is not None:
+        return gathered
+    batch, _, seq, size = dims
+    array = Site.array(value, limit=1 << 24)
+    if array is not None and isinstance(batch, int) and isinstance(seq, int) and isinstance(size, int):
+        try:
+            table = np.broadcast_to(array, (batch, 1, seq, size))
+        except ValueError:
+            return f"{name} does not broadcast over x's heads only"
+        return _Cache(table=np.ascontiguousarray(table[:, 0, :, : size // 2]))
+    if site.shape(value) == (batch, 1, seq, size):
+        rows = _unsqueezed_over_heads(value)
+        # Without the heads axis the cache needs no Squeeze.
+        return _Cache(runtime=rows if rows is not None and site.shape(rows) == (batch, seq, size) else value)
+    return f"{name} is not provably (batch, 1, seq, head size) with x's batch and seq"
+
+
+def _slice_bounds(m: Match, site: Site, name: str, rank: int) -> tuple[int, int] | None:
+    """(start, end) of the Slice ``name`` when it is over the last axis with step 1."""
+    facts = site.ctx.facts(site.model)
+    found = {}
+    for part in ("start", "end", "axes", "steps"):
+        value = m.optional(f"{name}_{part}")
+        found[part] = None if value is None else facts.sym(value)
+    axes, steps = found["axes"] or (rank - 1,), found["steps"] or (1,)
+    start, end = found["start"], found["end"]
+    if start is None or end is None or len(start) != 1 or len(end) != 1 or len(axes) != 1 or steps != (1,):
+        return None
+    if not isinstance(axes[0], int) or axes[0] % rank != rank - 1:
+        return None
+    if not isinstance(start[0], int) or not isinstance(end[0], int):
+        return None
+    return start[0], end[0]
+
+
+@dataclass
+class _Plan:
+    cos: _Cache
+    sin: _Cache
+    size: int
+
+
+def _plan(m: Match, site: Site) -> _Plan | str:
+    x = m.value("x")
+    dims = site.shape(x)
+    if not is_float(x) or dims is None or len(dims) != 4:
+        return "x is not a 4-D float tensor (batch, heads, seq, head size) of known type"
+    size = dims[3]
+    if not isinstance(size, int) or size % 2 or None in dims:
+        return "the head size is not static and even"
+    half = size // 2
+    first, second = _slice_bounds(m, site, "x1", 4), _slice_bounds(m, site, "x2", 4)
+    if first is None or second is None or first != (0, half) or second[0] != half or second[1] < size:
+        return "the Slices are not the two halves of the last axis"
+    if m.node("rotate").attr("axis") not in (-1, 3):
+        return "the Concat is not over the last axis"
+    cos, sin = _cache(m, site, "cos", tuple(dims)), _cache(m, site, "sin", tuple(dims))
+    if isinstance(cos, str):
+        return cos
+    if isinstance(sin, str):
+        return sin
+    if (cos.table is None) != (sin.table is None) or cos.positions is not sin.positions:
+        return "cos and sin are not indexed alike"
+    return _Plan(cos, sin, size)
+
+
+_HALF_CACHE = "rotary_half_cache"
+
+
+def _cache_value(b: Builder, cache: _Cache, size: int, name: str) -> Value:
+    """The cache as a value: a constant, or the first half of the run-time value (made once)."""
+    if cache.table is not None:
+        return b.constant(cache.table, f"{name}_cache")
+    source = cache.runtime
+    assert source is not None
+    for use in source.uses():
+        if use.node.op_type == "Slice" and use.node.name.startswith(_HALF_CACHE):
+            return _squeezed(b, use.node.outputs[0], source)
+    bounds = [b.constant(np.array([v], np.int64), "bound") for v in (0, size // 2, -1)]
+    return _squeezed(b, b.op("Slice", source, *bounds, name=_HALF_CACHE), source)
+
+
+def _squeezed(b: Builder, half: Value, source: Value) -> Value:
+    """``half`` without the heads axis, when ``source`` has one (shared like the Slice)."""
+    if Site.rank(source) == 3:
+        return half
+    for use in half.uses():
+        if use.node.op_type == "Squeeze":
+            return use.node.outputs[0]
+    return b.op("Squeeze", half, b.constant(np.array([1], np.int64), "axes"))
+
+
+def _rewrite(b: Builder, m: Match, site: Site) -> Value:
+    plan = _plan(m, site)
+    assert not isinstance(plan, str)
+    cos = _cache_value(b, plan.cos, plan.size, "cos")
+    sin = _cache_value(b, plan.sin, plan.size, "sin")
+    if plan.cos.positions is None:
+        return b.op("RotaryEmbedding", m.value("x"), cos, sin)
+    return b.op("RotaryEmbedding", m.value("x"), cos, sin, plan.cos.positions)
+
+
+add_rule(
+    Rule(
+        "rotary-embedding",
+        FAMILY,
+        _ROPE,
+        _rewrite,
+        refusal(_plan),
+        min_opset=23,
+        label="RotaryEmbedding",
+        doc="x * cos + Concat(-x2, x1) * sin (rotate half) -> RotaryEmbedding (opset 23)",
+    )
+)

@@ -1,3 +1,15 @@
 """The built-in rule families, one module each; importing them registers their rules."""
 
-from graphopt.passes.fuse.rules import activation, arith, attention, conv, matmul, norm, shape, tied  # noqa: F401
+from graphopt.passes.fuse.rules import (  # noqa: F401
+    activation,
+    arith,
+    attention,
+    conv,
+    expose,
+    kronecker,
+    lower,
+    matmul,
+    norm,
+    shape,
+    tied,
+)

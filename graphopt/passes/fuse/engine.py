@@ -152,7 +152,9 @@ class Match:
 class Rule:
     """A named pattern with its check and rewrite (see the module docstring).
 
-    ``min_opset`` / ``max_opset`` gate the rule on the default-domain opset of the site;
+    ``min_opset`` / ``max_opset`` gate the rule on the default-domain opset of the site (a
+    shatter rule with ``max_opset`` lowers: it is tried only when the run takes the graph
+    below its own opset, see :meth:`retired`);
     ``targets`` lists the targets it may emit for; ``default`` False leaves it off unless
     the pass's ``enable`` option names it. ``label`` names what it fuses in near-miss
     reasons ("LayerNorm at /enc/ln1: gamma is not constant"). ``exports`` names entries whose

@@ -415,11 +415,16 @@ def test_target_opset_upgrades_first_so_gelu_fuses() -> None:
 
 
 def test_a_model_that_cannot_be_converted_is_bad_input_naming_the_op() -> None:
+    # No rule lowers RotaryEmbedding (LayerNormalization, which this used to test, now lowers).
     proto = model(
-        [node("LayerNormalization", ["x", "g"], "y")], [info("x", [2, 4])], ["y"], [init("g", _w(4))], opset=17
+        [node("RotaryEmbedding", ["x", "cos", "sin"], "y")],
+        [info("x", [1, 2, 3, 4])],
+        ["y"],
+        [init("cos", _w(3, 2)), init("sin", _w(3, 2))],
+        opset=23,
     )
-    with pytest.raises(InputError, match="LayerNormalization"):
-        fuse(proto, target_opset=16)
+    with pytest.raises(InputError, match="RotaryEmbedding"):
+        fuse(proto, target_opset=22)
 
 
 # -- rotary ---------------------------------------------------------------------------------------

@@ -152,7 +152,9 @@ class Match:
 class Rule:
     """A named pattern with its check and rewrite (see the module docstring).
 
-    ``min_opset`` / ``max_opset`` gate the rule on the default-domain opset of the site;
+    ``min_opset`` / ``max_opset`` gate the rule on the default-domain opset of the site (a
+    shatter rule with ``max_opset`` lowers: it is tried only when the run takes the graph
+    below its own opset, see :meth:`retired`);
     ``targets`` lists the targets it may emit for; ``default`` False leaves it off unless
     the pass's ``enable`` option names it. ``label`` names what it fuses in near-miss
     reasons ("LayerNorm at /enc/ln1: gamma is not constant"). ``exports`` names entries whose
@@ -183,9 +185,16 @@ class Rule:
         """Why the rule cannot apply at ``site`` whatever matched (None: it can)."""
         if site.opset < self.min_opset:
             return f"needs opset >= {self.min_opset} (the model has {site.opset}; see --target-opset)"
-        if self.max_opset is not None and site.opset > self.max_opset:
-            return f"applies at opset <= {self.max_opset} only"
         return None
+
+    def retired(self, site: Site) -> bool:
+        """Whether the rule is not tried at ``site`` at all: its opset is past ``max_opset``, or
+        the rule lowers (a shatter rule with ``max_opset``) and the run does not (the goal is
+        the graph's own opset). A lowering rule so reports no near misses on a normal run."""
+        if self.max_opset is None:
+            return False
+        lowers = self.kind == "shatter"
+        return site.opset > self.max_opset or (lowers and site.opset >= site.model.opset_in(site.graph))
 
 
 _RULES: dict[str, Rule] = {}
@@ -334,6 +343,8 @@ def find_matches(graph: Graph, rules: Sequence[Rule], site: Site, stats: RunStat
     """The matches one round applies, in walk order (outputs backwards)."""
     by_op: dict[str, list[tuple[int, Rule]]] = {}
     for index, rule in enumerate(rules):
+        if rule.retired(site):
+            continue
         for op_type in root_ops(rule.pattern) or ():
             by_op.setdefault(op_type, []).append((index, rule))
     covered: set[int] = set()

@@ -67,7 +67,7 @@ def _t(dtype: DataType | None, shape: Shape | None) -> TensorType | None:
     "InstanceNormalization", "LeakyRelu", "Log", "LogSoftmax", "LpNormalization", "LRN", "MeanVarianceNormalization",
     "Mish", "Neg", "Not", "Reciprocal", "Relu", "ReverseSequence", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin",
     "Sinh", "Softmax", "Softplus", "Softsign", "Sqrt", "Tan", "Tanh", "ThresholdedRelu", "Trilu", "GroupNormalization",
-    "ScatterElements", "ScatterND", "Scatter",
+    "ScatterElements", "ScatterND", "Scatter", "RMSNormalization", "RotaryEmbedding",
 )  # fmt: skip
 def same_as_first(op: Op) -> Outputs:
     return [op.type(0)]
@@ -148,6 +148,21 @@ def layer_norm(op: Op) -> Outputs:
     axis = norm_axis(op.attr("axis", -1), len(shape))
     reduced = None if axis is None else shape[:axis] + (1,) * (len(shape) - axis)
     return [op.type(0), _t(stash, reduced), _t(stash, reduced)]
+
+
+@rule("Attention")
+def attention(op: Op) -> Outputs:
+    """Y of Attention-23: (batch, q heads, q seq, v head size) from 4-D inputs, or (batch, q
+    seq, q heads * v head size) from 3-D ones, whose hidden sizes hold the heads."""
+    q, v = op.shape(0), op.shape(2)
+    if q is None or v is None or len(q) != len(v) or len(q) not in (3, 4):
+        return [_t(op.dtype(0), None)]
+    if len(q) == 4:
+        return [_t(op.dtype(0), (q[0], q[1], q[2], v[3]))]
+    q_heads, kv_heads = op.attr("q_num_heads"), op.attr("kv_num_heads")
+    if not isinstance(q_heads, int) or not isinstance(kv_heads, int) or kv_heads <= 0:
+        return [_t(op.dtype(0), (q[0], q[1], None))]
+    return [_t(op.dtype(0), (q[0], q[1], d_mul(d_div(v[2], kv_heads), q_heads)))]
 
 
 # -- linear algebra -----------------------------------------------------------------------

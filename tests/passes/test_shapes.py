@@ -564,3 +564,40 @@ def test_onnx_inference_runs_only_where_the_rules_leave_a_gap() -> None:
     model = onnx_io.from_proto(gap)
     assert infer(model).details["onnx_seeded"] > 0
     assert str(model.graph.outputs[0].type) == "float[2]"
+
+
+def test_fused_ops_of_opset_23_keep_their_shapes(tmp_path: Path) -> None:
+    """What the fuse pass emits (Attention, RMSNormalization, RotaryEmbedding) stays typed,
+    so the rules after it still see shapes."""
+    nodes = [
+        helper.make_node("Attention", ["q3", "k3", "v3"], ["a3"], q_num_heads=2, kv_num_heads=1),
+        helper.make_node("Attention", ["q4", "k4", "v4"], ["a4"]),
+        helper.make_node("RMSNormalization", ["a3", "gamma"], ["r"]),
+        helper.make_node("RotaryEmbedding", ["q4", "cos", "sin", "positions"], ["rope"]),
+        helper.make_node("Relu", ["rope"], ["y"]),
+    ]
+    proto = make_model(
+        nodes,
+        [
+            helper.make_tensor_value_info("q3", TensorProto.FLOAT, ["batch", "sequence", 16]),
+            helper.make_tensor_value_info("k3", TensorProto.FLOAT, ["batch", "n", 8]),
+            helper.make_tensor_value_info("v3", TensorProto.FLOAT, ["batch", "n", 6]),
+            helper.make_tensor_value_info("q4", TensorProto.FLOAT, ["batch", 2, "sequence", 8]),
+            helper.make_tensor_value_info("k4", TensorProto.FLOAT, ["batch", 2, "n", 8]),
+            helper.make_tensor_value_info("v4", TensorProto.FLOAT, ["batch", 2, "n", 5]),
+            helper.make_tensor_value_info("positions", TensorProto.INT64, ["batch", "sequence"]),
+        ],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a4", "r", "y")],
+        initializer=[
+            numpy_helper.from_array(np.ones(12, np.float32), "gamma"),
+            numpy_helper.from_array(np.cos(np.arange(32, dtype=np.float32)).reshape(8, 4), "cos"),
+            numpy_helper.from_array(np.sin(np.arange(32, dtype=np.float32)).reshape(8, 4), "sin"),
+        ],
+    )
+    proto.opset_import[0].version = 23
+    model = onnx_io.from_proto(proto)
+    infer(model)
+    types = {v.name: str(v.type) for v in node_outputs(model)}
+    assert types["a3"] == "float[batch, sequence, 12]" and types["a4"] == "float[batch, 2, sequence, 5]"
+    assert types["r"] == "float[batch, sequence, 12]" and types["rope"] == "float[batch, 2, sequence, 8]"
+    assert check_against_ort(model, tmp_path / "fused.onnx") == 10

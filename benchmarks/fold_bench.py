@@ -66,12 +66,18 @@ def _write(source: Path, target: Path, steps: list[dict[str, Any]]) -> dict[str,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def timing_parser(description: str | None, runs: int) -> argparse.ArgumentParser:
+    """The options every fold benchmark has: the corpus folder, timed and warm-up rounds."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--runs", type=int, default=runs)
     parser.add_argument("--warmup", type=int, default=30)
+    return parser
+
+
+def main() -> None:
+    parser = timing_parser(__doc__, runs=300)
+    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--all-folds", action="store_true", help="take every fold, paying or not")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()

@@ -16,7 +16,6 @@ its 95% interval.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import copy
 import sys
@@ -31,7 +30,7 @@ from onnx import helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import measure
-from fold_bench import DEFAULT_CORPUS, _without_fold, _write
+from fold_bench import _without_fold, _write, timing_parser
 
 from graphopt.passes.pipeline import DEFAULT_PIPELINE
 
@@ -157,11 +156,8 @@ def _reorders(path: Path, tmp: Path, feeds: dict[str, np.ndarray], expected: np.
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    parser = timing_parser(__doc__, runs=200)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--runs", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=10)
     args = parser.parse_args()
     source = args.corpus / "inception_v1.onnx"
     with tempfile.TemporaryDirectory() as folder:

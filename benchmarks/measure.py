@@ -84,7 +84,8 @@ def interleaved_latency(
     models: dict[str, Path], feeds: dict[str, np.ndarray], level: str, *, runs: int, warmup: int
 ) -> dict[str, dict[str, float] | str]:
     """Per model at ``level``: median and min seconds of one run, and the median ratio to the
-    first model's run of the same round (``paired``); or the error that stopped the model."""
+    first model's run of the same round (``paired``, with its 95% interval ``paired_low`` ..
+    ``paired_high``); or the error that stopped the model."""
     import onnxruntime as ort
 
     sessions: dict[str, ort.InferenceSession] = {}
@@ -117,6 +118,15 @@ def interleaved_latency(
     for key, values in samples.items():
         stats = {"median_s": statistics.median(values), "min_s": min(values)}
         if reference:
-            stats["paired"] = statistics.median(v / r for v, r in zip(values, reference, strict=True))
+            ratios = [v / r for v, r in zip(values, reference, strict=True)]
+            stats["paired"] = statistics.median(ratios)
+            stats["paired_low"], stats["paired_high"] = median_interval(ratios)
         results[key] = stats
     return results
+
+
+def median_interval(samples: list[float], resamples: int = 1000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``samples`` (seeded: reruns agree)."""
+    drawn = np.random.default_rng(0).choice(np.asarray(samples), (resamples, len(samples)))
+    low, high = np.percentile(np.median(drawn, axis=1), [2.5, 97.5])
+    return float(low), float(high)

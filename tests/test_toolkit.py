@@ -122,6 +122,21 @@ def test_builder_infers_attribute_kinds_types_and_provenance() -> None:
         b.op("Relu", x, strange=object())
 
 
+@pytest.mark.parametrize("opset", [11, 18])
+def test_builder_gives_int_lists_as_inputs_from_opset_13_and_as_attributes_before(opset: int) -> None:
+    x = _x(shape=(2, 6))
+    model = Model(Graph([x], [], [], []), opset_imports={"": opset})
+    b = PassContext().builder(model, model.graph)
+    split = b.listed("Split", x, "split", [2, 4], as_input=opset >= 13, axis=1, outputs=2)
+    squeezed = b.listed("Unsqueeze", split.outputs[1], "axes", [0], as_input=opset >= 13).outputs[0]
+    if opset >= 13:
+        assert "split" not in split.attributes and constant_array(split.inputs[1], 10).tolist() == [2, 4]
+    else:
+        assert len(split.inputs) == 1 and split.attributes["split"].value == [2, 4]
+    assert [v.type for v in split.outputs] == [TensorType(DataType.FLOAT, (2, 2)), TensorType(DataType.FLOAT, (2, 4))]
+    assert squeezed.type == TensorType(DataType.FLOAT, (1, 2, 4))
+
+
 def test_provenance_is_off_by_default() -> None:
     x = _x()
     model = _model([], [x], [])

@@ -166,6 +166,14 @@ class Builder:
         self.created.append(node)
         return node
 
+    def listed(self, op_type: str, x: Value, key: str, ints: Sequence[int], *, as_input: bool, **spec: Any) -> Node:
+        """``op_type`` of ``x`` given a list of ints (Squeeze / Unsqueeze ``axes``, Split's
+        ``split``): an int64 input where ``as_input`` (opset 13 on), else the attribute ``key``."""
+        if as_input:
+            return self.node(op_type, x, self.constant(np.asarray(ints, dtype=np.int64), key), **spec)
+        attributes: dict[str, Any] = {key: list(ints)}
+        return self.node(op_type, x, **attributes, **spec)
+
     def constant(self, array: np.ndarray | Tensor, name: str = "const") -> Value:
         """A new initializer holding ``array`` (its type follows the array)."""
         tensor = array if isinstance(array, Tensor) else Tensor.from_array(array)

@@ -138,6 +138,47 @@ def _assert_index_locates_outputs(source: Path, folded: Path, details: dict[str,
         np.testing.assert_allclose(piece, expected[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_siblings_inside_an_if_body_fold(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+
+    def weight(name: str) -> onnx.TensorProto:
+        return numpy_helper.from_array(rng.standard_normal((4, 5)).astype(np.float32), name)
+
+    then_branch = helper.make_graph(
+        [helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"]) for i in range(3)]
+        + [helper.make_node("Add", ["m0", "m1"], ["s"]), helper.make_node("Add", ["s", "m2"], ["then_out"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("then_out", TensorProto.FLOAT, [2, 5])],
+        [weight(f"w{i}") for i in range(3)],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w_else"], ["else_out"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("else_out", TensorProto.FLOAT, [2, 5])],
+        [weight("w_else")],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch)],
+        "if_siblings",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    folded, details = _fold(model, tmp_path, fold_force=True)
+    (fold,) = details["folds"]
+    assert fold["graph"] == "then" and fold["how"] == "shared-input" and len(fold["members"]) == 3
+    body = onnx.load(str(folded)).graph.node[0].attribute[0].g
+    assert Counter(n.op_type for n in body.node)["MatMul"] == 1
+    for cond in (True, False):
+        feeds = {"x": rng.standard_normal((2, 4)).astype(np.float32), "cond": np.array(cond)}
+        np.testing.assert_allclose(run_ort(folded, feeds)["y"], run_ort(tmp_path / "model.onnx", feeds)["y"], rtol=1e-5)
+
+
 # -- random graphs ----------------------------------------------------------------------------
 
 

@@ -31,75 +31,44 @@ __all__ = ["FITTED", "LEVELS", "MEASURED", "chain_estimate", "kernel_us"]
 LEVELS = ("ORT_ENABLE_ALL", "ORT_DISABLE_ALL")
 
 # Measured with benchmarks/fold_costs.py (onnxruntime 1.32.0, CPU provider, 1 thread, the
-# project's shared 2-core machine, 2026-11-22): per level and kind, (work, microseconds of
-# one kernel), work being multiply-adds for matmul / conv / grouped-conv and elements for
-# the others. Each point is the median difference between a chain of 8 (op, Relu) steps and
-# a chain of 8 Relus, run interleaved 200 times, divided by the kernels in the chain. Where
-# two runs measured one size the smaller time is kept, and times are made non-decreasing in
-# work (the machine's noise is larger than the difference between neighbours). onnxruntime
-# cancels the Transposes of that chain at ORT_ENABLE_ALL, so both levels use the
-# ORT_DISABLE_ALL Transpose times. Memory-bound matrix-vector products (one row) make the
-# matmul row uneven: multiply-adds alone do not say how long a MatMul takes.
-MEASURED: dict[str, dict[str, tuple[tuple[int, float], ...]]] = {
-    "ORT_ENABLE_ALL": {
-        "matmul": (
-            (4096, 0.48),
-            (32768, 2.92),
-            (65536, 5.58),
-            (131072, 5.58),
-            (196608, 27.95),
-            (262144, 27.95),
-            (4194304, 54.25),
-            (8388608, 124.19),
-            (12582912, 235.7),
-            (16777216, 490.17),
-            (37748736, 561.34),
-            (67108864, 858.17),
-        ),
-        "conv": (
-            (50176, 0.83),
-            (802816, 8.81),
-            (3211264, 34.03),
-            (28901376, 328.58),
-            (33918976, 453.92),
-            (51380224, 605.94),
-        ),
-        "grouped-conv": ((32768, 1.45), (131072, 18.82), (4194304, 55.72), (8388608, 97.83), (16777216, 212.8)),
-        "elementwise": ((256, 0.35), (2048, 0.67), (16384, 2.95), (131072, 25.09), (1048576, 294.47)),
-        "gather": ((256, 1.21), (2048, 6.47), (16384, 56.27), (131072, 439.31), (1048576, 3539.95)),
-        "transpose": ((256, 0.27), (2025, 0.46), (16384, 4.23), (131044, 21.36), (1048576, 1837.3)),
-        "split-concat": ((256, 1.77), (2048, 1.96), (16384, 5.64), (131072, 34.98), (1048576, 881.8)),
-    },
-    "ORT_DISABLE_ALL": {
-        "matmul": (
-            (4096, 0.47),
-            (32768, 2.83),
-            (65536, 5.95),
-            (131072, 5.95),
-            (196608, 27.94),
-            (262144, 27.94),
-            (4194304, 54.64),
-            (8388608, 117.43),
-            (12582912, 424.38),
-            (16777216, 498.72),
-            (37748736, 556.23),
-            (67108864, 857.9),
-        ),
-        "conv": (
-            (50176, 1.58),
-            (802816, 12.87),
-            (3211264, 45.05),
-            (28901376, 387.6),
-            (33918976, 597.63),
-            (51380224, 645.94),
-        ),
-        "grouped-conv": ((32768, 2.5), (131072, 19.4), (4194304, 60.09), (8388608, 125.83), (16777216, 220.3)),
-        "elementwise": ((256, 0.38), (2048, 0.69), (16384, 2.9), (131072, 21.76), (1048576, 305.98)),
-        "gather": ((256, 1.25), (2048, 6.59), (16384, 55.98), (131072, 441.88), (1048576, 3496.74)),
-        "transpose": ((256, 0.27), (2025, 0.46), (16384, 4.23), (131044, 21.36), (1048576, 1837.3)),
-        "split-concat": ((256, 1.8), (2048, 1.97), (16384, 5.66), (131072, 34.79), (1048576, 880.85)),
-    },
-}
+# project's shared 2-core machine, 2026-11-22): per kind, rows of (work, microseconds of one
+# kernel at ORT_ENABLE_ALL, at ORT_DISABLE_ALL), work being multiply-adds for matmul / conv /
+# grouped-conv and elements for the others. Each time is the median difference between a
+# chain of 8 (op, Relu) steps and a chain of 8 Relus, run interleaved 200 times, divided by
+# the kernels in the chain. Where two runs measured one size the smaller time is kept, and
+# times are made non-decreasing in work (the machine's noise is larger than the difference
+# between neighbours). onnxruntime cancels the Transposes of that chain at ORT_ENABLE_ALL,
+# so both levels use the ORT_DISABLE_ALL Transpose times. Memory-bound matrix-vector
+# products (one row) make the matmul rows uneven: multiply-adds alone do not say how long a
+# MatMul takes.
+MEASURED: dict[str, tuple[tuple[int, float, float], ...]] = {
+    "matmul": (
+        (4096, 0.48, 0.47), (32768, 2.92, 2.83), (65536, 5.58, 5.95), (131072, 5.58, 5.95), (196608, 27.95, 27.94),
+        (262144, 27.95, 27.94), (4194304, 54.25, 54.64), (8388608, 124.19, 117.43), (12582912, 235.7, 424.38),
+        (16777216, 490.17, 498.72), (37748736, 561.34, 556.23), (67108864, 858.17, 857.9),
+    ),
+    "conv": (
+        (50176, 0.83, 1.58), (802816, 8.81, 12.87), (3211264, 34.03, 45.05), (28901376, 328.58, 387.6),
+        (33918976, 453.92, 597.63), (51380224, 605.94, 645.94),
+    ),
+    "grouped-conv": (
+        (32768, 1.45, 2.5), (131072, 18.82, 19.4), (4194304, 55.72, 60.09), (8388608, 97.83, 125.83),
+        (16777216, 212.8, 220.3),
+    ),
+    "elementwise": (
+        (256, 0.35, 0.38), (2048, 0.67, 0.69), (16384, 2.95, 2.9), (131072, 25.09, 21.76), (1048576, 294.47, 305.98),
+    ),
+    "gather": (
+        (256, 1.21, 1.25), (2048, 6.47, 6.59), (16384, 56.27, 55.98), (131072, 439.31, 441.88),
+        (1048576, 3539.95, 3496.74),
+    ),
+    "transpose": (
+        (256, 0.27, 0.27), (2025, 0.46, 0.46), (16384, 4.23, 4.23), (131044, 21.36, 21.36), (1048576, 1837.3, 1837.3),
+    ),
+    "split-concat": (
+        (256, 1.77, 1.8), (2048, 1.96, 1.97), (16384, 5.64, 5.66), (131072, 34.98, 34.79), (1048576, 881.8, 880.85),
+    ),
+}  # fmt: skip
 
 _SEQUENCE_WORDS = ("seq", "len", "token", "time", "step")
 _SEQUENCE_GUESS = 64
@@ -117,7 +86,10 @@ def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return float(launch), float(per_unit)
 
 
-FITTED = {level: {kind: _fit(points) for kind, points in kinds.items()} for level, kinds in MEASURED.items()}
+FITTED = {
+    level: {kind: _fit([(row[0], row[1 + column]) for row in rows]) for kind, rows in MEASURED.items()}
+    for column, level in enumerate(LEVELS)
+}
 
 
 def kernel_us(level: str, kind: str, work: float) -> float:

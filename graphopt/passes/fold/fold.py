@@ -7,7 +7,8 @@
 The report's details hold the fold index: every output of a folded node, by name, mapped
 to its fold and slice, and per fold the tensor that holds the slices and their layout; the
 other outputs keep their names. Refused chains are listed with the predicted gain.
-Only the main graph is folded.
+Every graph is folded on its own: the main graph, the bodies of If / Loop / Scan nodes and
+function bodies (where their values are typed); a fold never spans two graphs.
 """
 
 from __future__ import annotations
@@ -52,22 +53,33 @@ class FoldSiblings(Pass):
         if ops - set(FOLDABLE_OPS):
             unknown = ", ".join(sorted(ops - set(FOLDABLE_OPS)))
             raise ValueError(f"--fold-ops: cannot fold {unknown}; foldable: {', '.join(FOLDABLE_OPS)}")
-        graph = model.graph
         typed = _ensure_types(model, ctx)
+        details: dict[str, Any] = {"folds": [], "index": {}, "refused": []}
+        if typed:
+            details["typed_first"] = True
+        changed = False
+        for graph in list(model.all_graphs()):
+            changed |= self._fold_graph(model, graph, ctx, frozenset(ops), details)
+        return PassResult(changed, details)
+
+    def _fold_graph(
+        self, model: Model, graph: Graph, ctx: PassContext, ops: frozenset[str], details: dict[str, Any]
+    ) -> bool:
+        """Fold one graph (the main graph, a body, a function); its folds are numbered after
+        those already in ``details``."""
+        settings = ctx.settings
         constants = _constant_values(graph)
 
         def constant(value: Value | None) -> bool:
             return value is not None and (id(value) in constants or is_constant(value))
 
         weights = _Weights(model, graph, ctx, constant)
-        planner = Planner(constant, weights.read, frozenset(ops), max(2, settings.fold_min_group))
+        planner = Planner(constant, weights.read, ops, max(2, settings.fold_min_group))
         index = build_folded_graph(graph.levels(ignore_constants=True), planner)
         accepted, refused = _judge(index, force=settings.fold_force, tolerance=settings.fold_tolerance)
-        details: dict[str, Any] = {"folds": [], "index": {}, "refused": refused}
-        if typed:
-            details["typed_first"] = True
+        details["refused"].extend(refused)
         if not accepted:
-            return PassResult(False, details)
+            return False
         realizer = Realizer(model, graph, ctx, index, weights.read, self.name)
         folds = [f for f in index.folds if f.id in accepted]
         names = {f.id: [m.outputs[0].name for m in f.members] for f in folds}
@@ -77,16 +89,19 @@ class FoldSiblings(Pass):
             if _read_outside(fold, index, accepted):
                 realizer.materialize(fold)
         remove_folded(graph, [m for f in folds for m in f.members], constant)
+        first = len(details["folds"])
         for fold in folds:
-            details["folds"].append(_describe(fold, names[fold.id], realizer.tensors[fold.id], accepted[fold.id]))
+            described = _describe(fold, names[fold.id], realizer.tensors[fold.id], accepted[fold.id], first)
+            details["folds"].append({**described, "graph": graph.name})
             for position, name in enumerate(names[fold.id]):
-                details["index"][name] = [fold.id, position]
-        return PassResult(True, details)
+                details["index"][name] = [first + fold.id, position]
+        return True
 
 
 def _ensure_types(model: Model, ctx: PassContext) -> bool:
-    """Fold keys compare shapes: type the model first when a node output has no type."""
-    if all(v.type is not None for n in model.graph for v in n.outputs if v.name):
+    """Fold keys compare shapes: type the model first when a node output (of the main graph
+    or a body in it) has no type."""
+    if all(v.type is not None for n in model.graph.all_nodes() for v in n.outputs if v.name):
         return False
     infer_model(ctx.facts(model))
     return True
@@ -202,10 +217,11 @@ def _read_outside(fold: Fold[Spec], index: FoldIndex[Spec], chain: Any) -> bool:
     return False
 
 
-def _describe(fold: Fold[Spec], names: list[str], tensor: Value, gains: dict[str, float]) -> dict[str, Any]:
+def _describe(fold: Fold[Spec], names: list[str], tensor: Value, gains: dict[str, float], first: int) -> dict[str, Any]:
+    """``fold`` for the report, its id and those of the folds it reads counted from ``first``."""
     layout = fold.spec.layout
     return {
-        "id": fold.id,
+        "id": first + fold.id,
         "how": fold.spec.how,
         "op": fold.members[0].op_type,
         "members": names,
@@ -214,6 +230,6 @@ def _describe(fold: Fold[Spec], names: list[str], tensor: Value, gains: dict[str
         "axis": layout.axis,
         "ranges": [list(r) for r in layout.ranges],
         "reads": fold.spec.operand.how,
-        "inputs": [[None if s is None else [s.fold, s.slice] for s in member] for member in fold.inputs],
+        "inputs": [[None if s is None else [first + s.fold, s.slice] for s in member] for member in fold.inputs],
         "predicted_gain_us": gains,
     }

@@ -50,28 +50,10 @@ SEED_OPS = frozenset({"MatMul", "Gemm", "Conv"})
 # any other inputs equal across the group.
 ELEMENTWISE_UNARY = frozenset(
     {
-        "Relu",
-        "LeakyRelu",
-        "Sigmoid",
-        "HardSigmoid",
-        "HardSwish",
-        "Tanh",
-        "Elu",
-        "Selu",
-        "Softplus",
-        "Softsign",
-        "Gelu",
-        "Erf",
-        "Exp",
-        "Log",
-        "Sqrt",
-        "Abs",
-        "Neg",
-        "Reciprocal",
-        "Clip",
-        "Cast",
+        "Relu", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Elu", "Selu", "Softplus", "Softsign",
+        "Gelu", "Erf", "Exp", "Log", "Sqrt", "Abs", "Neg", "Reciprocal", "Clip", "Cast",
     }
-)
+)  # fmt: skip
 # Element-wise ops with one activation and one constant per member, folded along the layout.
 ELEMENTWISE_BINARY = frozenset({"Add", "Sub", "Mul", "Div"})
 

@@ -29,26 +29,23 @@ _NARROW_FROM_BYTES = 1 << 16
 
 
 class Realizer:
+    """Builds each fold's op before its last member, and the slices its readers need."""
+
     def __init__(
         self, model: Model, graph: Graph, ctx: PassContext, index: FoldIndex[Spec], weight: Weight, tag: str
     ) -> None:
-        self.model = model
-        self.graph = graph
-        self.ctx = ctx
-        self.index = index
-        self.weight = weight
-        self.tag = tag
-        self.opset = model.opset_in(graph)
-        self.tensors: dict[int, Value] = {}
         order = {id(n): i for i, n in enumerate(graph.topological())}
-        self._anchors = {fold.id: max(fold.members, key=lambda n: order[id(n)]) for fold in index.folds}
-
-    def _builder(self, fold: Fold[Spec]) -> Builder:
-        return self.ctx.builder(self.model, self.graph, before=self._anchors[fold.id], tag=self.tag)
+        last = {fold.id: max(fold.members, key=lambda n: order[id(n)]) for fold in index.folds}
+        self.builders = {fold.id: ctx.builder(model, graph, before=last[fold.id], tag=tag) for fold in index.folds}
+        self.names = ctx.names(model)
+        self.index, self.weight = index, weight
+        # From opset 13 Split, Squeeze and Unsqueeze read their int lists as inputs.
+        self.lists_as_inputs = model.opset_in(graph) >= 13
+        self.tensors: dict[int, Value] = {}
 
     # -- the folded op ---------------------------------------------------------------------
     def realize(self, fold: Fold[Spec]) -> Value:
-        b = self._builder(fold)
+        b = self.builders[fold.id]
         x = self._operand(b, fold)
         first = fold.members[0]
         how, op = fold.spec.how, first.op_type
@@ -78,7 +75,8 @@ class Realizer:
             return b.op("Concat", *operand.values, axis=1)
         rows = [self._to_rows(b, value) for value in operand.values]
         packed = b.op("Concat", *rows, axis=1) if len(rows) > 1 else rows[0]
-        return self._unsqueeze(b, b.op("Transpose", packed, perm=[1, 0]), [0, 3])
+        transposed = b.op("Transpose", packed, perm=[1, 0])
+        return b.listed("Unsqueeze", transposed, "axes", [0, 3], as_input=self.lists_as_inputs).outputs[0]
 
     def _to_rows(self, b: Builder, value: Value) -> Value:
         shape = shape_of(value)
@@ -165,35 +163,24 @@ class Realizer:
     # -- slices for the readers outside the chain ------------------------------------------
     def materialize(self, fold: Fold[Spec]) -> None:
         """Give every reader of a member's output (outside the chain) its slice of the fold."""
-        b = self._builder(fold)
+        b = self.builders[fold.id]
         layout = fold.spec.layout
         tensor = self.tensors[fold.id]
         if layout.kind == "rows":
-            tensor = b.op("Transpose", self._squeeze(b, tensor, [0, 3]), perm=[1, 0])
+            squeezed = b.listed("Squeeze", tensor, "axes", [0, 3], as_input=self.lists_as_inputs).outputs[0]
+            tensor = b.op("Transpose", squeezed, perm=[1, 0])
         pieces = self._split(b, tensor, layout)
         for member, piece, shape in zip(fold.members, pieces, layout.member_shapes, strict=True):
             if layout.kind == "rows" and len(shape) != 2:
                 target = [d if isinstance(d, int) else -1 for d in shape]
                 piece = b.op("Reshape", piece, b.constant(np.asarray(target, dtype=np.int64), "fold_shape"))
-            replace_value(member.outputs[0], piece, self.ctx.names(self.model))
+            replace_value(member.outputs[0], piece, self.names)
 
     def _split(self, b: Builder, tensor: Value, layout: Layout) -> Sequence[Value]:
         axis = layout.axis if layout.kind == "concat" else 1
         sizes = [high - low for low, high in layout.ranges]
-        if self.opset >= 13:
-            split = b.constant(np.asarray(sizes, dtype=np.int64), "fold_split")
-            return b.node("Split", tensor, split, axis=axis, outputs=len(sizes)).outputs
-        return b.node("Split", tensor, axis=axis, split=sizes, outputs=len(sizes)).outputs
-
-    def _squeeze(self, b: Builder, value: Value, axes: list[int]) -> Value:
-        if self.opset >= 13:
-            return b.op("Squeeze", value, b.constant(np.asarray(axes, dtype=np.int64), "fold_axes"))
-        return b.op("Squeeze", value, axes=axes)
-
-    def _unsqueeze(self, b: Builder, value: Value, axes: list[int]) -> Value:
-        if self.opset >= 13:
-            return b.op("Unsqueeze", value, b.constant(np.asarray(axes, dtype=np.int64), "fold_axes"))
-        return b.op("Unsqueeze", value, axes=axes)
+        split = b.listed("Split", tensor, "split", sizes, as_input=self.lists_as_inputs, axis=axis, outputs=len(sizes))
+        return split.outputs
 
 
 def _attributes(node: Node, **changed: Any) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from tests.passes.test_fuse_ort_rules import (
     _bias_gelu,
     _computed_reshape,
     _conv_act,
+    _embed,
     _gemm_bn,
     _masked_feeds,
     _padded,
@@ -41,9 +42,11 @@ from tests.passes.test_fuse_rules import (
     _conv_bn,
     _conv_channel,
     _erf_gelu,
+    _group_norm,
     _hardswish,
     _layer_norm,
     _matmul_add,
+    _rope,
     _tanh_gelu,
 )
 from tests.passes.test_fuse_tied import _tied
@@ -391,6 +394,16 @@ def _ort_attention_feeds() -> Mapping[str, np.ndarray]:
     return _masked_feeds()
 
 
+def _one_sample(proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
+    """x of batch 1: the only batch a merge Reshape to Shape(x, start=1) takes."""
+    return {"x": _w(1, 6, 4, 5)}
+
+
+def _rope_q(**kwargs: Any) -> Callable[[], onnx.ModelProto]:
+    """RoPE of q alone (with k too, k's rotation would fuse in every perturbed model)."""
+    return lambda: _rope(roped=("q",), **kwargs)
+
+
 # -- the table ----------------------------------------------------------------------------------------
 
 NO_ATTR = "n/a: the pattern reads no attribute"
@@ -706,6 +719,45 @@ CASES: dict[str, Case] = {
         )
         for name, build in (("rmsnorm", _rmsnorm), ("rmsnorm-plain", truncated(_rmsnorm, "n")))
     },
+    **{
+        name: Case(
+            build,
+            {"GroupNormalization": 1},
+            "grouped",
+            # the merge Reshape drops the batch axis: x's shape is no longer restored
+            Perturb(set_attr("x_shape", start=1), "not provably back to x's shape", _one_sample, "Shape(x) start=1"),
+            Perturb(set_shape("x", ["b", "c", "h", 5]), "the channel dim is not static"),
+            below(21),
+        )
+        for name, build in (
+            ("groupnorm", _group_norm),
+            ("groupnorm-no-bias", truncated(lambda: _group_norm("decomposed"), "scaled")),
+            # two dynamic dims: reshape-one-unknown cannot take the root, which would hide the near miss
+            (
+                "groupnorm-plain",
+                truncated(lambda: set_shape("x", ["b", 6, "h", 5])(_group_norm("decomposed")), "merged"),
+            ),
+        )
+    },
+    "rotary-embedding": Case(
+        _rope_q(),
+        {"RotaryEmbedding": 1},
+        "q_neg",
+        Perturb(lambda p: _rope_q(swapped=True)(), "not the two halves", note="the Slices' bounds swapped"),
+        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the head size is not static"),
+        below(23),
+        passes="shape-infer,fuse,dce",
+    ),
+    "ort-embedlayernorm": Case(
+        lambda: _embed("row"),
+        {"EmbedLayerNormalization": 1, "Cast": 1},
+        "typed",
+        Perturb(set_attr("y", axis=1), "not over the last axis"),
+        Perturb(set_shape("input_ids", None), "not 2-D int32 / int64 of known shape"),
+        NO_GATE,
+        {"target": "ort", "enable": ["embed"]},
+        passes="shape-infer,fuse,dce",
+    ),
     **{
         name: Case(
             lambda stable=stable: _softmax(stable),

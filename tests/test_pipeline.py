@@ -148,3 +148,20 @@ def test_a_run_imports_only_the_families_its_pipeline_names() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_a_pass_declared_with_class_keywords_takes_its_description_from_its_docstring() -> None:
+    @dataclass
+    class CountOptions:
+        limit: int = 3
+
+    class Count(Pass, name="count-keywords", options=CountOptions):
+        """Count nodes.
+
+        Longer text that the listing leaves out."""
+
+        def run(self, model: Model, ctx: PassContext) -> PassResult:
+            return PassResult(False, {"nodes": len(model.graph)})
+
+    assert (Count.name, Count.Options, Count.description) == ("count-keywords", CountOptions, "Count nodes.")
+    assert option_specs(Count)[0].name == "limit"

@@ -1,15 +1,17 @@
 """What a pass is, and the registry every pass adds itself to.
 
-A pass is a small class: a ``name``, a one-line ``description``, an ``Options`` dataclass
-(each field's ``metadata["help"]`` says what it does) and ``run(model, ctx)`` that mutates
-the IR in place and returns a :class:`PassResult`. Passes never see protobuf.
+A pass is a small class: a ``name``, a one-line description (its docstring), an
+``Options`` dataclass (each field declared with :func:`graphopt.options.option`, whose help
+says what it does) and ``run(model, ctx)`` that mutates the IR in place and returns a
+:class:`PassResult`. Passes never see protobuf.
 
     @register
-    class DeadCodeElimination(Pass):
-        name = "dce"
-        description = "Remove nodes whose outputs nothing reads"
+    class DeadCodeElimination(Pass, name="dce", options=DceOptions):
+        '''Remove nodes whose outputs nothing reads'''
 
         def run(self, model: Model, ctx: PassContext) -> PassResult: ...
+
+(Setting ``name``, ``description`` and ``Options`` as class attributes works as well.)
 """
 
 from __future__ import annotations
@@ -126,9 +128,22 @@ class NoOptions:
 
 
 class Pass:
+    """A pass; subclasses name themselves and their options as class keywords, and their
+    docstring's first paragraph is their one-line description (see the module docstring)."""
+
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
+
+    def __init_subclass__(cls, *, name: str = "", options: type | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name:
+            cls.name = name
+        if options is not None:
+            cls.Options = options
+        doc = cls.__dict__.get("__doc__")
+        if doc and "description" not in cls.__dict__:
+            cls.description = " ".join(doc.strip().split("\n\n")[0].split())
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

@@ -50,9 +50,8 @@ FunctionKey = tuple[str, str, str]
 
 
 @register
-class CommonSubexpressionElimination(Pass):
-    name = "cse"
-    description = "Merge nodes and constants that compute the same values"
+class CommonSubexpressionElimination(Pass, name="cse"):
+    """Merge nodes and constants that compute the same values"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         random_functions = _nondeterministic_functions(model)

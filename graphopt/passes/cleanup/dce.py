@@ -31,10 +31,8 @@ class DceOptions:
 
 
 @register
-class DeadCodeElimination(Pass):
-    name = "dce"
-    description = "Remove nodes, initializers and local functions whose results nothing reads"
-    Options = DceOptions
+class DeadCodeElimination(Pass, name="dce", options=DceOptions):
+    """Remove nodes, initializers and local functions whose results nothing reads"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         keep = set(self.options.keep_ops)

@@ -264,9 +264,8 @@ for _rule in RULES:
 
 
 @register
-class NoopElimination(Pass):
-    name = "noop"
-    description = "Remove operations that return their input unchanged (Identity, Dropout, Cast to its own type, ...)"
+class NoopElimination(Pass, name="noop"):
+    """Remove operations that return their input unchanged (Identity, Dropout, Cast to its own type, ...)"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         removed: Counter[str] = Counter()

@@ -50,10 +50,8 @@ class ConstCacheOptions:
 
 
 @register
-class ConstCache(Pass):
-    name = "const-cache"
-    description = "Fold constant regions under size guards, fold shape plumbing symbolically, cache runtime constants"
-    Options = ConstCacheOptions
+class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
+    """Fold constant regions under size guards, fold shape plumbing symbolically, cache runtime constants"""
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)

@@ -39,13 +39,12 @@ class FoldOptions:
 
 
 @register
-class FoldSiblings(Pass):
-    name = "fold"
+class FoldSiblings(Pass, name="fold", options=FoldOptions):
+    # The description lists the foldable ops, so it is no docstring.
     description = (
         "Fold same-level sibling MatMul / Gemm / Conv (and the element-wise ops after them) into one op; "
         f"foldable ops (--fold-ops): {', '.join(FOLDABLE_OPS)}"
     )
-    Options = FoldOptions
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         settings = ctx.settings

@@ -24,12 +24,8 @@ class FuseOptions:
 
 
 @register
-class Fuse(Pass):
-    name = "fuse"
-    description = (
-        "Fuse op patterns into fused ops (LayerNorm, GELU, attention, Conv+BN, ...) and shatter what hides folding"
-    )
-    Options = FuseOptions
+class Fuse(Pass, name="fuse", options=FuseOptions):
+    """Fuse op patterns into fused ops (LayerNorm, GELU, attention, Conv+BN, ...) and shatter what hides folding"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         options: FuseOptions = self.options

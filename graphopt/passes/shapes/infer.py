@@ -19,10 +19,8 @@ class ShapeInferOptions:
 
 
 @register
-class ShapeInference(Pass):
-    name = "shape-infer"
-    description = "Infer tensor types with symbolic dims, past ops onnx's own inference gives up on"
-    Options = ShapeInferOptions
+class ShapeInference(Pass, name="shape-infer", options=ShapeInferOptions):
+    """Infer tensor types with symbolic dims, past ops onnx's own inference gives up on"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         summary = infer_model(

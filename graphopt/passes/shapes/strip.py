@@ -22,9 +22,8 @@ __all__ = ["StripValueInfo"]
 
 
 @register
-class StripValueInfo(Pass):
-    name = "strip-value-info"
-    description = "Leave the types of intermediate values out of the output (runtimes re-infer them)"
+class StripValueInfo(Pass, name="strip-value-info"):
+    """Leave the types of intermediate values out of the output (runtimes re-infer them)"""
 
     @dataclass
     class Options:

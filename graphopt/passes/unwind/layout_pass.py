@@ -35,10 +35,8 @@ class UnwindOptions:
 
 
 @register
-class Unwind(Pass):
-    name = "unwind"
-    description = "Choose tensor layouts for the fewest Transposes (layout problem: unwinding)"
-    Options = UnwindOptions
+class Unwind(Pass, name="unwind", options=UnwindOptions):
+    """Choose tensor layouts for the fewest Transposes (layout problem: unwinding)"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         options = self.options

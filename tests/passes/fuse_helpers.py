@@ -10,9 +10,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.api import optimize
+from graphopt.api import optimize, pass_context
 from graphopt.io.onnx_io import from_proto, to_proto
+from graphopt.passes.fuse.engine import RunStats, Site, find_matches, registered_rules
 from graphopt.passes.pipeline import pipeline_from_config
+from graphopt.settings import Settings
 from tests.numerics import assert_same_outputs
 
 F = TensorProto.FLOAT
@@ -64,6 +66,18 @@ def fuse(
             for family, found in run["details"]["near_misses"].items():
                 misses.setdefault(family, []).extend(found["examples"])
     return to_proto(result.model), {"applied": dict(applied), "near_misses": misses}
+
+
+def lowering_misses(proto: onnx.ModelProto, goal: int) -> list[str]:
+    """The lowering rules' near misses on ``proto`` at target opset ``goal``, none matching.
+
+    Where a lowering refuses, the op stays and the fuse pass's conversion to ``goal`` stops
+    (bad input naming the op), so the run's report is lost: the engine is asked directly."""
+    ir = optimize(from_proto(proto), "shape-infer", strict=True).model
+    stats = RunStats()
+    lowering = [r for r in registered_rules() if r.family == "lower"]
+    assert find_matches(ir.graph, lowering, Site(ir, ir.graph, goal, "onnx", pass_context(Settings())), stats) == []
+    return stats.near_misses.get("lower", [])
 
 
 def ops(proto: onnx.ModelProto) -> Counter[str]:

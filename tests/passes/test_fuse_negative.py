@@ -3,7 +3,10 @@ outputs keep their names), and it does not fire when the model is perturbed one 
 interior value gets an extra reader, an interior value becomes a graph output, an attribute
 (or, for a rule that reads none, a constant) is wrong, a shape it needs is not provable, or
 the opset is below the rule's gate. A refusal keeps the numerics and, where the engine
-reports near misses, names its reason.
+reports near misses, names its reason. A lowering rule (it fires only where --target-opset is
+below its op's since-version) reads the opset column as a target that has the op; a refusal
+leaves the op at a target that lacks it, so the conversion stops naming the op (bad input),
+and the near miss is asked of the engine.
 
 A rule that a perturbation does not apply to says why in its CASE (a string instead of the
 perturbation); ``python -m tests.passes.test_fuse_negative`` prints the coverage matrix.
@@ -20,11 +23,12 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, shape_inference
+from onnx import TensorProto, helper, numpy_helper, shape_inference
 
+from graphopt.errors import InputError
 from graphopt.passes.fuse import registered_rules
 from tests.numerics import assert_same_outputs, make_feeds
-from tests.passes.fuse_helpers import fires, fuse, info, init, model, node
+from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, model, node
 from tests.passes.test_fuse_ort_rules import (
     HIDDEN,
     _attention,
@@ -49,6 +53,7 @@ from tests.passes.test_fuse_rules import (
     _rope,
     _tanh_gelu,
 )
+from tests.passes.test_fuse_shatter import LOWERED, _kronecker, _projections
 from tests.passes.test_fuse_tied import _tied
 
 RNG = np.random.default_rng(2)
@@ -71,6 +76,9 @@ class Perturb:
     reason: str | None
     feeds: Callable[[onnx.ModelProto], Mapping[str, np.ndarray]] | None = None  # default: the base model's
     note: str = ""  # what the perturbation is, where the column's name does not say it
+    settings: Mapping[str, Any] | None = None  # run settings over the case's (a lowering's target opset)
+    # A lowering refused leaves this op at a target opset that lacks it: the conversion stops.
+    stops: str | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,29 @@ def truncated(build: Callable[[], onnx.ModelProto], value: str) -> Callable[[], 
         return proto
 
     return cut
+
+
+def nudged(name: str, index: tuple[int, ...], by: float) -> Change:
+    """Add ``by`` to one entry of initializer ``name``."""
+
+    def change(proto: onnx.ModelProto) -> onnx.ModelProto:
+        found = next(t for t in proto.graph.initializer if t.name == name)
+        values = numpy_helper.to_array(found).copy()
+        values[index] += by
+        return set_const(name, values)(proto)
+
+    return change
+
+
+def refused_lowering(op_type: str, change: Change, reason: str, note: str = "") -> Perturb:
+    """A lowering the rule refuses: ``op_type`` stays, and the conversion to the target opset,
+    which lacks it, stops naming it (bad input)."""
+    return Perturb(change, reason, note=note, stops=op_type)
+
+
+def not_below(since: int) -> Perturb:
+    """A lowering's gate: the target opset is the op's since-version, which has the op."""
+    return Perturb(_copy, None, settings={"target_opset": since}, note=f"--target-opset {since}, not below")
 
 
 # -- builders for rules the other test files build inline ---------------------------------------------
@@ -399,6 +430,24 @@ def _one_sample(proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
     return {"x": _w(1, 6, 4, 5)}
 
 
+def _lowered(key: str) -> Callable[[], onnx.ModelProto]:
+    """test_fuse_shatter's opset-23 (Split: 18) model of ``key`` (a copy: the table's is shared)."""
+    return lambda: copy.deepcopy(LOWERED[key][0])
+
+
+def _per_group(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The opset-18 GroupNormalization: the model at opset 20, scale and bias per group."""
+    return set_const("b", _w(2))(set_const("g", _w(2))(at_opset(20)(proto)))
+
+
+def _opset13_split(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The Split at opset 17: sizes as an input (8 does not split evenly in 3)."""
+    out = set_attr("a", num_outputs=None)(at_opset(17)(proto))
+    out.graph.node[0].input.append("sizes")
+    out.graph.initializer.append(init("sizes", np.array([3, 3, 2], np.int64)))
+    return out
+
+
 def _rope_q(**kwargs: Any) -> Callable[[], onnx.ModelProto]:
     """RoPE of q alone (with k too, k's rotation would fuse in every perturbed model)."""
     return lambda: _rope(roped=("q",), **kwargs)
@@ -406,9 +455,13 @@ def _rope_q(**kwargs: Any) -> Callable[[], onnx.ModelProto]:
 
 # -- the table ----------------------------------------------------------------------------------------
 
+
 NO_ATTR = "n/a: the pattern reads no attribute"
 ELEMENTWISE = "n/a: element-wise; the rule needs no shape"
 NO_GATE = "n/a: no opset gate"
+ONE_NODE = "n/a: one node"
+INT_STASH = set_attr("y", stash_type=TensorProto.INT64)
+LOWERED_NODE = "n/a: one node, whose outputs the lowering stands for (their names kept: fires)"
 CONSTANTS_ONLY = "n/a: the rule reads constants only, whose shapes are known"
 SOFTMAX_AXIS = Perturb(set_attr("probs", axis=2), None)
 SPLIT_INPUT = Perturb(
@@ -497,6 +550,79 @@ def _skip_case(norm: str, interior: str) -> Case:
         NO_GATE,
         {"target": "ort", "enable": ["norm"]},
     )
+
+
+def _lowering_cases() -> dict[str, Case]:
+    """The lowering rules fire only below the op's since-version (--target-opset): the opset
+    column is a target opset that has the op (or an older form of it), and a refusal stops the
+    conversion to the target, which lacks the op."""
+
+    def lowering(
+        key: str, expected: dict[str, int], wrong_attr: Perturb | str, unprovable: Perturb | str, gate: Perturb
+    ) -> Case:
+        return Case(
+            _lowered(key), expected, LOWERED_NODE, wrong_attr, unprovable, gate, {"target_opset": LOWERED[key][1]}
+        )
+
+    def norm(op_type: str, key: str, expected: dict[str, int], since: int) -> Case:
+        return lowering(
+            key,
+            expected,
+            refused_lowering(op_type, INT_STASH, "stash_type 7 is not a float", note="stash_type int64"),
+            refused_lowering(
+                op_type,
+                lambda p: set_shape("x", None)(set_attr("y", axis=2)(p)),
+                "a positive axis on an input of unknown rank",
+                note="axis=2",
+            ),
+            not_below(since),
+        )
+
+    statistics = {"ReduceMean": 2, "Sub": 1, "Mul": 2, "Add": 2, "Sqrt": 1, "Div": 1}
+    return {
+        "lower-layernorm": norm("LayerNormalization", "layernorm", statistics, 17),
+        "lower-gelu": lowering(
+            "gelu",
+            {"Div": 1, "Erf": 1, "Add": 1, "Mul": 2},
+            "n/a: both approximations lower (the tanh one: test_fuse_shatter)",
+            "n/a: element-wise; it needs x's float type only, which a Gelu input has",
+            not_below(20),
+        ),
+        "lower-rmsnorm": norm(
+            "RMSNormalization", "rmsnorm", {"Mul": 2, "ReduceMean": 1, "Add": 1, "Sqrt": 1, "Div": 1}, 23
+        ),
+        "lower-groupnorm": lowering(
+            "groupnorm",
+            {**statistics, "Reshape": 4, "Shape": 1},
+            refused_lowering("GroupNormalization", INT_STASH, "is not a float", note="stash_type int64"),
+            refused_lowering("GroupNormalization", set_shape("x", None), "not provably of rank 3 or more"),
+            Perturb(
+                _per_group,
+                "the target opset has this (opset 18) GroupNormalization",
+                settings={"target_opset": 19},
+                note="the opset-18 form, per group, --target-opset 19",
+            ),
+        ),
+        "lower-attention": lowering(
+            "attention-gqa-mask",
+            {"Reshape": 6, "Transpose": 4, "Expand": 2, "MatMul": 2, "Mul": 1, "Add": 1, "Softmax": 1},
+            refused_lowering("Attention", set_attr("y", softcap=1.0), "softcap", note="softcap=1"),
+            refused_lowering("Attention", set_shape("q", None), "not provably all 3-D or all 4-D"),
+            not_below(23),
+        ),
+        "lower-split": lowering(
+            "split",
+            {"Slice": 3},
+            "n/a: any axis and number of outputs lower",
+            refused_lowering("Split", set_shape("x", [2, "n"]), "the split axis is not static"),
+            Perturb(
+                _opset13_split,
+                "an opset-13 Split converts as it is",
+                settings={"target_opset": 16},
+                note="an opset-13 Split, --target-opset 16",
+            ),
+        ),
+    }
 
 
 EXPORTED_SUM = (
@@ -758,6 +884,23 @@ CASES: dict[str, Case] = {
         {"target": "ort", "enable": ["embed"]},
         passes="shape-infer,fuse,dce",
     ),
+    **_lowering_cases(),
+    "gemm-as-matmul": Case(
+        _projections,
+        {"MatMul": 3},
+        "n/a: one node, the Gemm (an Add reading its MatMul sibling stops it: test_fuse_shatter)",
+        Perturb(lambda p: set_attr("q", "v", transA=1)(set_shape("x", [64, 64])(p)), "transA=1", make_feeds),
+        Perturb(set_shape("x", None), None, note="x's depth, so no provable bare MatMul sibling"),
+        NO_GATE,
+    ),
+    "kronecker-matmul": Case(
+        lambda: _kronecker(np.kron(_w(8, 6), _w(32, 48)), ["b", 5, 256]),
+        {"Reshape": 2, "MatMul": 2},
+        ONE_NODE,
+        Perturb(nudged("w", (3, 5), 1e-3), None, note="a constant: one weight entry off the product"),
+        Perturb(set_shape("x", None), "x has no known rank"),
+        NO_GATE,
+    ),
     **{
         name: Case(
             lambda stable=stable: _softmax(stable),
@@ -865,8 +1008,8 @@ def _feeds(case: Case, proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
     return case.feeds() if case.feeds is not None else make_feeds(proto)
 
 
-def _run(case: Case, proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    settings = dict(case.settings)
+def _run(case: Case, proto: onnx.ModelProto, perturb: Perturb) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    settings = {**case.settings, **(perturb.settings or {})}
     enable = settings.pop("enable", [])
     return fuse(proto, case.passes, enable=enable, **settings)
 
@@ -905,13 +1048,19 @@ def test_the_rule_refuses_the_perturbed_model(name: str, kind: str) -> None:
     perturb = _perturbation(case, kind)
     assert isinstance(perturb, Perturb)
     proto = perturb.change(base)
-    out, details = _run(case, proto)
+    family = next(r.family for r in registered_rules() if r.name == name)
+    if perturb.stops is not None:
+        with pytest.raises(InputError, match=f"op {perturb.stops} blocks it"):
+            _run(case, proto, perturb)
+        found = lowering_misses(proto, int(case.settings["target_opset"]))
+        assert any(perturb.reason in m for m in found), found
+        return
+    out, details = _run(case, proto, perturb)
     assert name not in details["applied"], details
     assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
     feeds = perturb.feeds(proto) if perturb.feeds is not None else _feeds(case, base)
     assert_same_outputs(proto, out, feeds, rtol=1e-4, atol=1e-4)
     if perturb.reason is not None:
-        family = next(r.family for r in registered_rules() if r.name == name)
         found = details["near_misses"].get(family, [])
         assert any(perturb.reason in m for m in found), found
 
@@ -952,6 +1101,7 @@ def coverage_matrix() -> str:
                 cells.append(found)
                 continue
             cell = "near miss" if found.reason else "no match"
+            cell += ", the conversion stops" if found.stops else ""
             cells.append(f"{cell} ({found.note})" if found.note else cell)
         lines.append(f"| {name} | yes | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from graphopt.errors import InputError
 from graphopt.ir import Graph, Model
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.passes.fuse.engine import RunStats, Site, run_round, select_rules
+from graphopt.passes.fuse.rules.lower import FAMILY as LOWERING
 
 __all__ = ["Fuse"]
 
@@ -50,7 +52,11 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
         if CONTRIB_DOMAIN not in model.opset_imports and any(n.domain == CONTRIB_DOMAIN for n in model.all_nodes()):
             model.opset_imports[CONTRIB_DOMAIN] = 1
         if goal < model.opset:
-            ctx.convert_opset(model, goal)  # after the shatter rules lowered the ops the goal lacks
+            try:
+                ctx.convert_opset(model, goal)  # after the shatter rules lowered the ops the goal lacks
+            except InputError as err:
+                why = stats.near_misses.get(LOWERING, [])  # the op that blocks it, and why it stayed
+                raise InputError(f"{err}; not lowered: {'; '.join(why[:3])}" if why else str(err)) from None
         changed = bool(stats.applied) or model.opset != opset_before
         details = {"target": target, "opset": [opset_before, model.opset], "rounds": rounds, **stats.as_dict()}
         return PassResult(changed, details)

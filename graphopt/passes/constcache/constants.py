@@ -70,32 +70,40 @@ def _signature(value: Value) -> tuple[int, tuple[int, ...], int] | None:
     return (int(tensor.dtype), tuple(tensor.shape), tensor.nbytes)  # type: ignore[union-attr]
 
 
-def _digest(value: Value) -> bytes | None:
+def _digest(value: Value, *, probe: bool = False) -> bytes | None:
     tensor = constant_tensor(value)
-    return tensor.digest() if isinstance(tensor, Tensor) and tensor.dtype != DataType.STRING else None
+    if not isinstance(tensor, Tensor) or tensor.dtype == DataType.STRING:
+        return None
+    return tensor.digest(probe=probe)
 
 
 def deduplicate_initializers(model: Model, names: Namer) -> int:
     """Make readers of a repeated initializer read its first copy; return how many went."""
     graphs = list(_graphs_with_initializers(model))
-    # Only tensors whose dtype, shape and size occur twice are hashed.
+    # Only tensors whose dtype, shape and size occur twice are probed (a few slices hashed),
+    # and only those whose probes agree too are hashed whole.
     counts = Counter(s for g in graphs for v in g.initializers.values() if (s := _signature(v)) is not None)
+    candidates = [
+        (graph, value, signature, _digest(value, probe=True))
+        for graph in graphs
+        for value in list(graph.initializers.values())
+        if (signature := _signature(value)) is not None and counts[signature] > 1 and not value.is_graph_output
+    ]
+    probes: Counter[tuple[object, ...]] = Counter((signature, probe) for _, _, signature, probe in candidates)
     kept: dict[tuple[object, ...], Value] = {}
     merged = 0
-    for graph in graphs:
-        for value in list(graph.initializers.values()):
-            signature = _signature(value)
-            if signature is None or counts[signature] < 2 or value.is_graph_output:
-                continue
-            digest = _digest(value)
-            if digest is None:
-                continue
-            first = kept.setdefault((signature, digest), value)
-            if first is value or first.graph is None or not _visible(first.graph, graph):
-                continue
-            replace_value(value, first, names)
-            graph.remove_initializer(value)
-            merged += 1
+    for graph, value, signature, probe in candidates:
+        if probe is None or probes[(signature, probe)] < 2:
+            continue
+        digest = _digest(value)
+        if digest is None:
+            continue
+        first = kept.setdefault((signature, digest), value)
+        if first is value or first.graph is None or not _visible(first.graph, graph):
+            continue
+        replace_value(value, first, names)
+        graph.remove_initializer(value)
+        merged += 1
     return merged
 
 

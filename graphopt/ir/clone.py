@@ -1,21 +1,24 @@
-"""Structural copies of models, sharing tensor data.
+"""Structural copies of models, sharing tensor data, and snapshots to rebuild them from.
 
 Tensor data is treated as immutable (a pass that changes a constant installs a new
 :class:`~graphopt.ir.tensor.Tensor`), so a copy only duplicates the graph structure. The
-pipeline uses this to restore the model when a pass fails half way.
+pipeline takes a :class:`Snapshot` before a pass to restore the model when the pass fails
+half way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from copy import deepcopy
-from dataclasses import replace
+from dataclasses import fields
+from typing import Any
 
 from graphopt.ir.graph import Graph
-from graphopt.ir.model import Model
+from graphopt.ir.model import Function, Model
 from graphopt.ir.node import Attr, AttrKind, Node
 from graphopt.ir.value import Value
 
-__all__ = ["clone_graph", "clone_model"]
+__all__ = ["Snapshot", "clone_graph", "clone_model"]
 
 
 def _clone_value(value: Value) -> Value:
@@ -82,24 +85,185 @@ def _clone_attr(attr: Attr, mapping: dict[int, Value]) -> Attr:
 
 
 def clone_model(model: Model) -> Model:
-    functions = [
-        replace(
-            f,
-            body=clone_graph(f.body),
-            attributes=list(f.attributes),
-            attribute_defaults=dict(f.attribute_defaults),
-            opset_imports=dict(f.opset_imports),
-            metadata_props=dict(f.metadata_props),
+    functions = [Function(**_copied_fields(f, "body"), body=clone_graph(f.body)) for f in model.functions]
+    return Model(**_copied_fields(model, "graph", "functions"), graph=clone_graph(model.graph), functions=functions)
+
+
+# -- snapshots ------------------------------------------------------------------------------
+
+_ATOMS = (int, float, str, bytes, bool)
+_NO_VALUE = -1
+# How an attribute's value is kept: as it is (an atom), an index into the shared objects, a
+# list kept as a tuple, one graph record, several.
+_ATOM, _SHARED, _LIST, _GRAPH, _GRAPHS = range(5)
+
+
+class Snapshot:
+    """A model frozen into records of strings, numbers and tuples, with a table of the objects
+    they share with the model (types, tensors, other attribute values), to rebuild it from.
+
+    The pipeline takes one before every pass and drops it after. A structural copy left
+    ~13 objects per node for the cyclic garbage collector to trace, and each copy of a
+    100,000-node model triggered full collections of everything: the copies and their
+    collections took twice as long as the passes. These records hold no references the
+    collector has to follow (it stops tracking them the first time it meets them).
+    """
+
+    def __init__(self, model: Model) -> None:
+        self._shared: list[object] = []
+        self._shared_index: dict[int, int] = {}
+        self._value_index: dict[int, int] = {}
+        self._values: list[tuple[Any, ...]] = []
+        self._graph = self._freeze_graph(model.graph)
+        self._functions = [(_copied_fields(f, "body"), self._freeze_graph(f.body)) for f in model.functions]
+        self._model_fields = _copied_fields(model, "graph", "functions")
+        del self._shared_index, self._value_index  # only needed while freezing
+
+    def model(self) -> Model:
+        """A new model equal to the one the snapshot was taken of (each call builds another)."""
+        values: list[Value | None] = [None] * len(self._values)
+        functions = [
+            Function(**_copied(function_fields), body=self._thaw_graph(body, values))
+            for function_fields, body in self._functions
+        ]
+        return Model(**_copied(self._model_fields), graph=self._thaw_graph(self._graph, values), functions=functions)
+
+    # -- freezing -----------------------------------------------------------------------------
+    def _share(self, thing: object) -> int:
+        if thing is None:
+            return _NO_VALUE
+        index = self._shared_index.get(id(thing))
+        if index is None:
+            index = self._shared_index[id(thing)] = len(self._shared)
+            self._shared.append(thing)
+        return index
+
+    def _freeze_value(self, value: Value) -> int:
+        index = self._value_index.get(id(value))
+        if index is None:
+            index = self._value_index[id(value)] = len(self._values)
+            self._values.append(
+                (
+                    value.name,
+                    self._share(value.type),
+                    self._share(value.const),
+                    value.doc_string,
+                    tuple(value.metadata_props.items()),
+                )
+            )
+        return index
+
+    def _freeze_graph(self, graph: Graph) -> tuple[Any, ...]:
+        freeze = self._freeze_value
+        nodes = tuple(
+            (
+                node.op_type,
+                node.domain,
+                node.name,
+                node.overload,
+                node.doc_string,
+                tuple(node.metadata_props.items()),
+                node.opaque,
+                tuple(_NO_VALUE if v is None else freeze(v) for v in node.inputs),
+                tuple(freeze(v) for v in node.outputs),
+                tuple(self._freeze_attr(a) for a in node.attributes.values()),
+            )
+            for node in graph
         )
-        for f in model.functions
-    ]
-    # Fields not named here are immutable values and are shared.
-    return replace(
-        model,
-        graph=clone_graph(model.graph),
-        opset_imports=dict(model.opset_imports),
-        metadata_props=dict(model.metadata_props),
-        functions=functions,
-        opaque_fields={k: list(v) for k, v in model.opaque_fields.items()},
-        extensions=deepcopy(model.extensions),
-    )
+        return (
+            graph.name,
+            graph.doc_string,
+            tuple(graph.metadata_props.items()),
+            tuple((name, tuple(props.items())) for name, props in graph.quantization_annotation),
+            tuple(freeze(v) for v in graph.inputs),
+            tuple(freeze(v) for v in graph.initializers.values()),
+            nodes,
+            tuple(freeze(v) for v in graph.outputs),
+        )
+
+    def _freeze_attr(self, attr: Attr) -> tuple[Any, ...]:
+        value = attr.value
+        kept: Any
+        if attr.kind == AttrKind.GRAPH and value is not None:
+            how, kept = _GRAPH, self._freeze_graph(value)
+        elif attr.kind == AttrKind.GRAPHS:
+            how, kept = _GRAPHS, tuple(self._freeze_graph(g) for g in value)
+        elif isinstance(value, list):
+            how, kept = _LIST, tuple(value)
+        elif value is None or isinstance(value, _ATOMS):
+            how, kept = _ATOM, value
+        else:
+            how, kept = _SHARED, self._share(value)
+        return (attr.name, int(attr.kind), how, kept, attr.ref_attr_name, attr.doc_string)
+
+    # -- thawing ------------------------------------------------------------------------------
+    def _thaw_value(self, index: int, values: list[Value | None]) -> Value:
+        value = values[index]
+        if value is None:
+            name, type_index, const_index, doc_string, metadata = self._values[index]
+            value = values[index] = Value(name, self._shared_or_none(type_index), self._shared_or_none(const_index))
+            value.doc_string = doc_string
+            value.metadata_props = dict(metadata)
+        return value
+
+    def _shared_or_none(self, index: int) -> Any:
+        return None if index == _NO_VALUE else self._shared[index]
+
+    def _thaw_graph(self, record: tuple[Any, ...], values: list[Value | None]) -> Graph:
+        name, doc_string, metadata, annotations, inputs, initializers, node_records, outputs = record
+        thaw = self._thaw_value
+        nodes = []
+        for op_type, domain, node_name, overload, node_doc, node_metadata, opaque, reads, writes, attrs in node_records:
+            node = Node(
+                op_type,
+                [None if i == _NO_VALUE else thaw(i, values) for i in reads],
+                [thaw(i, values) for i in writes],
+                [self._thaw_attr(a, values) for a in attrs],
+                domain=domain,
+                name=node_name,
+                overload=overload,
+            )
+            node.doc_string = node_doc
+            node.metadata_props = dict(node_metadata)
+            node.opaque = opaque
+            nodes.append(node)
+        graph = Graph(
+            [thaw(i, values) for i in inputs],
+            [thaw(i, values) for i in outputs],
+            nodes,
+            [thaw(i, values) for i in initializers],
+            name=name,
+        )
+        graph.doc_string = doc_string
+        graph.metadata_props = dict(metadata)
+        graph.quantization_annotation = [(n, dict(props)) for n, props in annotations]
+        return graph
+
+    def _thaw_attr(self, record: tuple[Any, ...], values: list[Value | None]) -> Attr:
+        name, kind, how, kept, ref_attr_name, doc_string = record
+        if how == _GRAPH:
+            value: Any = self._thaw_graph(kept, values)
+        elif how == _GRAPHS:
+            value = [self._thaw_graph(g, values) for g in kept]
+        elif how == _LIST:
+            value = list(kept)
+        elif how == _SHARED:
+            value = self._shared[kept]
+        else:
+            value = kept
+        return Attr(name, AttrKind(kind), value, ref_attr_name, doc_string)
+
+
+def _copied_fields(thing: Model | Function, *leave_out: str) -> dict[str, Any]:
+    return _copied({f.name: getattr(thing, f.name) for f in fields(thing) if f.name not in leave_out})
+
+
+def _copied(found: Mapping[str, Any]) -> dict[str, Any]:
+    """Fields of a model or function, their containers copied; what they hold is immutable
+    and shared, except the free-form extensions."""
+    copies = {name: type(v)(v) if isinstance(v, (list, dict)) else v for name, v in found.items()}
+    if "extensions" in copies:
+        copies["extensions"] = deepcopy(found["extensions"])
+    if "opaque_fields" in copies:
+        copies["opaque_fields"] = {k: list(v) for k, v in found["opaque_fields"].items()}
+    return copies

@@ -8,7 +8,7 @@ half way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from copy import deepcopy
 from dataclasses import fields
 from typing import Any
@@ -94,39 +94,40 @@ def clone_model(model: Model) -> Model:
 _ATOMS = (int, float, str, bytes, bool)
 _NO_VALUE = -1
 # How an attribute's value is kept: as it is (an atom), an index into the shared objects, a
-# list kept as a tuple, one graph record, several.
+# list kept as a tuple, one graph, several.
 _ATOM, _SHARED, _LIST, _GRAPH, _GRAPHS = range(5)
 
 
 class Snapshot:
-    """A model frozen into records of strings, numbers and tuples, with a table of the objects
-    they share with the model (types, tensors, other attribute values), to rebuild it from.
+    """A model frozen into a flat list of strings and numbers (plus a table of the objects it
+    shares with the model: types, tensors, other attribute values), to rebuild it from.
 
-    The pipeline takes one before every pass and drops it after. A structural copy left
-    ~13 objects per node for the cyclic garbage collector to trace, and each copy of a
-    100,000-node model triggered full collections of everything: the copies and their
-    collections took twice as long as the passes. These records hold no references the
-    collector has to follow (it stops tracking them the first time it meets them).
+    The pipeline takes one before every pass and drops it after. A structural copy is ~13
+    objects per node for the cyclic garbage collector to trace, and every copy of a
+    100,000-node model set off full collections: copies and collections took twice as long
+    as the passes themselves. A flat list is one object, freed as soon as it is dropped.
     """
 
     def __init__(self, model: Model) -> None:
         self._shared: list[object] = []
         self._shared_index: dict[int, int] = {}
         self._value_index: dict[int, int] = {}
-        self._values: list[tuple[Any, ...]] = []
-        self._graph = self._freeze_graph(model.graph)
-        self._functions = [(_copied_fields(f, "body"), self._freeze_graph(f.body)) for f in model.functions]
+        self._values: list[Any] = []  # name, type, const, doc_string, metadata: five per value
+        self._records: list[Any] = []  # the graphs, in the order _thaw_graph reads them
+        self._freeze_graph(model.graph)
+        for function in model.functions:
+            self._freeze_graph(function.body)
+        self._functions = [_copied_fields(f, "body") for f in model.functions]
         self._model_fields = _copied_fields(model, "graph", "functions")
         del self._shared_index, self._value_index  # only needed while freezing
 
     def model(self) -> Model:
         """A new model equal to the one the snapshot was taken of (each call builds another)."""
-        values: list[Value | None] = [None] * len(self._values)
-        functions = [
-            Function(**_copied(function_fields), body=self._thaw_graph(body, values))
-            for function_fields, body in self._functions
-        ]
-        return Model(**_copied(self._model_fields), graph=self._thaw_graph(self._graph, values), functions=functions)
+        values: list[Value | None] = [None] * (len(self._values) // 5)
+        take = iter(self._records).__next__
+        graph = self._thaw_graph(take, values)
+        functions = [Function(**_copied(kept), body=self._thaw_graph(take, values)) for kept in self._functions]
+        return Model(**_copied(self._model_fields), graph=graph, functions=functions)
 
     # -- freezing -----------------------------------------------------------------------------
     def _share(self, thing: object) -> int:
@@ -141,66 +142,56 @@ class Snapshot:
     def _freeze_value(self, value: Value) -> int:
         index = self._value_index.get(id(value))
         if index is None:
-            index = self._value_index[id(value)] = len(self._values)
-            self._values.append(
-                (
-                    value.name,
-                    self._share(value.type),
-                    self._share(value.const),
-                    value.doc_string,
-                    tuple(value.metadata_props.items()),
-                )
-            )
+            index = self._value_index[id(value)] = len(self._values) // 5
+            metadata = tuple(value.metadata_props.items())
+            self._values += (value.name, self._share(value.type), self._share(value.const), value.doc_string, metadata)
         return index
 
-    def _freeze_graph(self, graph: Graph) -> tuple[Any, ...]:
-        freeze = self._freeze_value
-        nodes = tuple(
-            (
-                node.op_type,
-                node.domain,
-                node.name,
-                node.overload,
-                node.doc_string,
-                tuple(node.metadata_props.items()),
-                node.opaque,
-                tuple(_NO_VALUE if v is None else freeze(v) for v in node.inputs),
-                tuple(freeze(v) for v in node.outputs),
-                tuple(self._freeze_attr(a) for a in node.attributes.values()),
-            )
-            for node in graph
-        )
-        return (
-            graph.name,
-            graph.doc_string,
-            tuple(graph.metadata_props.items()),
-            tuple((name, tuple(props.items())) for name, props in graph.quantization_annotation),
-            tuple(freeze(v) for v in graph.inputs),
-            tuple(freeze(v) for v in graph.initializers.values()),
-            nodes,
-            tuple(freeze(v) for v in graph.outputs),
-        )
+    def _freeze_values(self, values: Sequence[Value | None]) -> None:
+        self._records.append(len(values))
+        self._records += [_NO_VALUE if v is None else self._freeze_value(v) for v in values]
 
-    def _freeze_attr(self, attr: Attr) -> tuple[Any, ...]:
+    def _freeze_graph(self, graph: Graph) -> None:
+        out = self._records
+        annotations = tuple((name, tuple(props.items())) for name, props in graph.quantization_annotation)
+        out += (graph.name, graph.doc_string, tuple(graph.metadata_props.items()), annotations)
+        self._freeze_values(graph.inputs)
+        self._freeze_values(list(graph.initializers.values()))
+        self._freeze_values(graph.outputs)
+        nodes = graph.nodes
+        out.append(len(nodes))
+        for node in nodes:
+            metadata = tuple(node.metadata_props.items())
+            out += (node.op_type, node.domain, node.name, node.overload, node.doc_string, metadata, node.opaque)
+            self._freeze_values(node.inputs)
+            self._freeze_values(node.outputs)
+            out.append(len(node.attributes))
+            for attr in node.attributes.values():
+                self._freeze_attr(attr)
+
+    def _freeze_attr(self, attr: Attr) -> None:
+        out = self._records
         value = attr.value
-        kept: Any
+        out += (attr.name, int(attr.kind), attr.ref_attr_name, attr.doc_string)
         if attr.kind == AttrKind.GRAPH and value is not None:
-            how, kept = _GRAPH, self._freeze_graph(value)
+            out.append(_GRAPH)
+            self._freeze_graph(value)
         elif attr.kind == AttrKind.GRAPHS:
-            how, kept = _GRAPHS, tuple(self._freeze_graph(g) for g in value)
+            out += (_GRAPHS, len(value))
+            for body in value:
+                self._freeze_graph(body)
         elif isinstance(value, list):
-            how, kept = _LIST, tuple(value)
+            out += (_LIST, tuple(value))
         elif value is None or isinstance(value, _ATOMS):
-            how, kept = _ATOM, value
+            out += (_ATOM, value)
         else:
-            how, kept = _SHARED, self._share(value)
-        return (attr.name, int(attr.kind), how, kept, attr.ref_attr_name, attr.doc_string)
+            out += (_SHARED, self._share(value))
 
     # -- thawing ------------------------------------------------------------------------------
     def _thaw_value(self, index: int, values: list[Value | None]) -> Value:
         value = values[index]
         if value is None:
-            name, type_index, const_index, doc_string, metadata = self._values[index]
+            name, type_index, const_index, doc_string, metadata = self._values[5 * index : 5 * index + 5]
             value = values[index] = Value(name, self._shared_or_none(type_index), self._shared_or_none(const_index))
             value.doc_string = doc_string
             value.metadata_props = dict(metadata)
@@ -209,48 +200,47 @@ class Snapshot:
     def _shared_or_none(self, index: int) -> Any:
         return None if index == _NO_VALUE else self._shared[index]
 
-    def _thaw_graph(self, record: tuple[Any, ...], values: list[Value | None]) -> Graph:
-        name, doc_string, metadata, annotations, inputs, initializers, node_records, outputs = record
-        thaw = self._thaw_value
+    def _thaw_values(self, take: Callable[[], Any], values: list[Value | None]) -> list[Value | None]:
+        return [None if i == _NO_VALUE else self._thaw_value(i, values) for i in [take() for _ in range(take())]]
+
+    def _thaw_defined(self, take: Callable[[], Any], values: list[Value | None]) -> list[Value]:
+        return [self._thaw_value(take(), values) for _ in range(take())]
+
+    def _thaw_graph(self, take: Callable[[], Any], values: list[Value | None]) -> Graph:
+        name, doc_string, metadata, annotations = take(), take(), take(), take()
+        inputs = self._thaw_defined(take, values)
+        initializers = self._thaw_defined(take, values)
+        outputs = self._thaw_defined(take, values)
         nodes = []
-        for op_type, domain, node_name, overload, node_doc, node_metadata, opaque, reads, writes, attrs in node_records:
-            node = Node(
-                op_type,
-                [None if i == _NO_VALUE else thaw(i, values) for i in reads],
-                [thaw(i, values) for i in writes],
-                [self._thaw_attr(a, values) for a in attrs],
-                domain=domain,
-                name=node_name,
-                overload=overload,
-            )
+        for _ in range(take()):
+            op_type, domain, node_name, overload, node_doc, node_metadata, opaque = (take() for _ in range(7))
+            reads = self._thaw_values(take, values)
+            writes = self._thaw_defined(take, values)
+            attributes = [self._thaw_attr(take, values) for _ in range(take())]
+            node = Node(op_type, reads, writes, attributes, domain=domain, name=node_name, overload=overload)
             node.doc_string = node_doc
             node.metadata_props = dict(node_metadata)
             node.opaque = opaque
             nodes.append(node)
-        graph = Graph(
-            [thaw(i, values) for i in inputs],
-            [thaw(i, values) for i in outputs],
-            nodes,
-            [thaw(i, values) for i in initializers],
-            name=name,
-        )
+        graph = Graph(inputs, outputs, nodes, initializers, name=name)
         graph.doc_string = doc_string
         graph.metadata_props = dict(metadata)
         graph.quantization_annotation = [(n, dict(props)) for n, props in annotations]
         return graph
 
-    def _thaw_attr(self, record: tuple[Any, ...], values: list[Value | None]) -> Attr:
-        name, kind, how, kept, ref_attr_name, doc_string = record
+    def _thaw_attr(self, take: Callable[[], Any], values: list[Value | None]) -> Attr:
+        name, kind, ref_attr_name, doc_string, how = take(), take(), take(), take(), take()
+        value: Any
         if how == _GRAPH:
-            value: Any = self._thaw_graph(kept, values)
+            value = self._thaw_graph(take, values)
         elif how == _GRAPHS:
-            value = [self._thaw_graph(g, values) for g in kept]
+            value = [self._thaw_graph(take, values) for _ in range(take())]
         elif how == _LIST:
-            value = list(kept)
+            value = list(take())
         elif how == _SHARED:
-            value = self._shared[kept]
+            value = self._shared[take()]
         else:
-            value = kept
+            value = take()
         return Attr(name, AttrKind(kind), value, ref_attr_name, doc_string)
 
 

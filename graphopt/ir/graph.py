@@ -90,14 +90,11 @@ class Graph:
 
     def subgraphs(self) -> Iterator[Graph]:
         """Every body graph nested anywhere below this one (depth first)."""
-        pending: list[Iterator[Graph]] = [_bodies_in(self)]
+        pending = _bodies_in(self)[::-1]
         while pending:
-            body = next(pending[-1], None)
-            if body is None:
-                pending.pop()
-                continue
+            body = pending.pop()
             yield body
-            pending.append(_bodies_in(body))
+            pending += _bodies_in(body)[::-1]
 
     def values(self) -> Iterator[Value]:
         """Every value defined in this graph (inputs, initializers, node outputs)."""
@@ -448,8 +445,16 @@ def _inside(node: Node, owner_ids: set[int]) -> bool:
     return False
 
 
-def _bodies_in(graph: Graph) -> Iterator[Graph]:
-    return chain.from_iterable(node.subgraphs() for node in graph.nodes if node.attributes)
+def _bodies_in(graph: Graph) -> list[Graph]:
+    """The bodies of the nodes of ``graph`` (not those nested deeper), in order."""
+    found: list[Graph] = []
+    node = graph._head
+    while node is not None:
+        if node.attributes:
+            for attr in node.attributes.values():
+                found += attr.graphs()
+        node = node._next
+    return found
 
 
 def _capture_uses(node: Node) -> list[tuple[Value, Use]]:

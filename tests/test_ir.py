@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from graphopt.io.onnx_io import from_proto, to_proto
 from graphopt.ir import (
     Attr,
     AttrKind,
@@ -25,7 +27,7 @@ from graphopt.ir import (
     parse_dim,
     sub,
 )
-from graphopt.ir.clone import clone_graph
+from graphopt.ir.clone import Snapshot, clone_graph
 
 batch, seq = Sym("batch"), Sym("seq")
 
@@ -178,3 +180,106 @@ def test_lazy_tensor_reads_on_demand() -> None:
     assert tensor.nbytes == 12 and not calls
     tensor.numpy()
     assert calls == [1]
+
+
+def _nest(depth: int) -> Graph:
+    """Ifs nested ``depth`` deep, built inside out: each then-branch reads the value one scope
+    out and holds the next If, each else-branch returns that value as it is."""
+    x = Value("x", TensorType(DataType.FLOAT, (2,)))
+    cond = Value("cond", TensorType(DataType.BOOL, ()))
+    reads = [x] + [Value(f"v{d}") for d in range(depth - 1)]
+    inner: Node | None = None
+    for d in reversed(range(depth)):
+        relu = Node("Relu", [reads[d]], [reads[d + 1] if d + 1 < depth else f"v{d}"])
+        then = Graph([], [inner.outputs[0] if inner else relu.outputs[0]], [relu, *([inner] if inner else [])])
+        other = Graph([], [reads[d]], [])
+        inner = Node(
+            "If",
+            [cond],
+            [f"if{d}"],
+            [Attr("then_branch", AttrKind.GRAPH, then), Attr("else_branch", AttrKind.GRAPH, other)],
+        )
+    assert inner is not None
+    return Graph([x, cond], inner.outputs, [inner])
+
+
+def test_captures_cost_one_step_per_scope_crossed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Building, copying and ordering a nest of bodies must list each graph's nodes a bounded
+    # number of times; walking every nested node for each enclosing If (to find what it
+    # captures) listed depth^2 / 2 of them.
+    listed = [0]
+    original = Graph.nodes.fget
+    assert original is not None
+
+    def counting(graph: Graph) -> list[Node]:
+        found = original(graph)
+        listed[0] += len(found)
+        return found
+
+    monkeypatch.setattr(Graph, "nodes", property(counting))
+    depth = 300
+    graph = _nest(depth)
+    copy = clone_graph(graph)
+    for body in [graph, *graph.subgraphs(), copy, *copy.subgraphs()]:
+        body.topological()
+    (outermost,) = graph.nodes
+    x = graph.inputs[0]
+    assert outermost.captures() == [x, graph.inputs[1]]
+    assert [u.node.op_type for u in x.uses()] == ["Relu"] and x.output_of()[0].parent is outermost
+    nodes = 2 * 2 * depth  # a Relu and an If per level, in the graph and in its copy
+    assert listed[0] < 10 * nodes  # 4 now; 450 when each If walked all it holds
+
+
+def _rich_model() -> onnx.ModelProto:
+    """Bodies that capture and return outer values, a Loop, a local function, attributes of
+    several kinds, doc strings and metadata: what a snapshot must give back exactly."""
+    h = onnx.helper
+    then = h.make_graph(
+        [h.make_node("Relu", ["x"], ["t"], name="inner")], "then", [], [h.make_tensor_value_info("t", 1, [2])]
+    )
+    other = h.make_graph([], "else", [], [h.make_tensor_value_info("x", 1, [2])])
+    body = h.make_graph(
+        [h.make_node("Add", ["carried", "w"], ["next"]), h.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body",
+        [h.make_tensor_value_info(n, t, s) for n, t, s in (("i", 7, []), ("cond_in", 9, []), ("carried", 1, [2]))],
+        [h.make_tensor_value_info(n, t, s) for n, t, s in (("cond_out", 9, []), ("next", 1, [2]))],
+    )
+    nodes = [
+        h.make_node("If", ["c"], ["picked"], then_branch=then, else_branch=other, doc_string="an If"),
+        h.make_node("Loop", ["n", "c", "picked"], ["looped"], body=body),
+        h.make_node("Twice", ["looped"], ["y"], domain="local"),
+        h.make_node("Transpose", ["y"], ["z"], perm=[0], name="t"),
+        h.make_node("LeakyRelu", ["z"], ["out"], alpha=0.5),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "main",
+        [h.make_tensor_value_info(n, t, s) for n, t, s in (("x", 1, [2]), ("c", 9, []), ("n", 7, []))],
+        [h.make_tensor_value_info("out", 1, [2])],
+        [onnx.numpy_helper.from_array(np.array([1.0, 2.0], np.float32), "w")],
+        doc_string="main graph",
+    )
+    twice = h.make_function(
+        "local", "Twice", ["a"], ["b"], [h.make_node("Add", ["a", "a"], ["b"])], [h.make_opsetid("", 18)]
+    )
+    model = h.make_model(
+        graph, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("local", 1)], functions=[twice], producer_name="p"
+    )
+    h.set_model_props(model, {"author": "me"})
+    return model
+
+
+def test_snapshot_gives_back_the_model_as_it_was() -> None:
+    model = from_proto(_rich_model())
+    expected = to_proto(model).SerializeToString()
+    snapshot = Snapshot(model)
+    model.graph.remove(model.graph.nodes[-1], safe=False)
+    model.graph.inputs[0].type = None
+    model.metadata_props["author"] = "someone else"
+    model.functions[0].body.nodes[0].name = "renamed"
+    for restored in (snapshot.model(), snapshot.model()):
+        restored.graph.verify()
+        assert to_proto(restored).SerializeToString() == expected
+    first, second = snapshot.model(), snapshot.model()
+    assert first.graph.inputs[0] is not second.graph.inputs[0]
+    assert first.graph.initializers["w"].const is second.graph.initializers["w"].const  # data is shared

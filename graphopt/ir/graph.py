@@ -5,9 +5,10 @@ from __future__ import annotations
 import heapq
 from collections import ChainMap
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 
 from graphopt.ir.node import Node
-from graphopt.ir.value import Use, Value
+from graphopt.ir.value import Use, Value, read_value
 
 __all__ = ["Graph", "GraphError", "ancestor_in"]
 
@@ -47,6 +48,8 @@ class Graph:
         self.initializers: dict[str, Value] = {}
         self._version = 0
         self._cache: dict[str, tuple[int, object]] = {}
+        self._free: Sequence[Use | Value] = ()
+        self._free_version = -1
         self.inputs = list(inputs)
         for value in initializers:
             self.add_initializer(value)
@@ -73,17 +76,25 @@ class Graph:
 
     def all_nodes(self) -> Iterator[Node]:
         """Every node, including those in subgraph bodies (depth first)."""
-        for node in self.nodes:
+        # An explicit stack, not nested generators: a node k bodies deep would otherwise pass
+        # through k generator frames on its way out.
+        pending: list[Iterator[Node]] = [iter(self.nodes)]
+        while pending:
+            node = next(pending[-1], None)
+            if node is None:
+                pending.pop()
+                continue
             yield node
-            for body in node.subgraphs():
-                yield from body.all_nodes()
+            if node.attributes:
+                pending.append(chain.from_iterable(body.nodes for body in node.subgraphs()))
 
     def subgraphs(self) -> Iterator[Graph]:
-        """Every body graph nested anywhere below this one."""
-        for node in self.nodes:
-            for body in node.subgraphs():
-                yield body
-                yield from body.subgraphs()
+        """Every body graph nested anywhere below this one (depth first)."""
+        pending = _bodies_in(self)[::-1]
+        while pending:
+            body = pending.pop()
+            yield body
+            pending += _bodies_in(body)[::-1]
 
     def values(self) -> Iterator[Value]:
         """Every value defined in this graph (inputs, initializers, node outputs)."""
@@ -240,11 +251,35 @@ class Graph:
         hit = self._cache.get(key)
         return hit[1] if hit is not None and hit[0] == self._version else None
 
+    def free_reads(self) -> Sequence[Use | Value]:
+        """What this graph and the bodies nested in it take from outside: each read of an
+        outer value by one of their nodes (a :class:`Use`), and each outer value one of
+        them returns as an output. Cached until the next mutation here or below.
+
+        Built from the bodies' own cached lists, so a read costs one step per scope it
+        crosses: walking every nested node for every enclosing node was O(nodes x depth).
+        """
+        if self._free_version == self._version:
+            return self._free
+        found: list[Use | Value] = []
+        for node in self.nodes:
+            for index, value in enumerate(node._inputs):
+                if value is not None and value.graph is not self:
+                    found.append(Use(node, index))
+            if node.attributes:
+                for body in node.subgraphs():
+                    found += [read for read in body.free_reads() if read_value(read).graph is not self]
+        found += [value for value in self._outputs if value.graph is not self]
+        # A body reads little from outside, and there is one list per body: keep none when empty.
+        self._free = found or ()
+        self._free_version = self._version
+        return self._free
+
     def _dependencies(self, node: Node) -> list[Node]:
         """Nodes of this graph that must run before ``node`` (captures included)."""
         deps: list[Node] = []
         values = [v for v in node.inputs if v is not None]
-        if any(True for _ in node.subgraphs()):
+        if node.attributes:
             values += node.captures()
         for value in values:
             producer = value.producer
@@ -410,17 +445,20 @@ def _inside(node: Node, owner_ids: set[int]) -> bool:
     return False
 
 
+def _bodies_in(graph: Graph) -> list[Graph]:
+    """The bodies of the nodes of ``graph`` (not those nested deeper), in order."""
+    found: list[Graph] = []
+    node = graph._head
+    while node is not None:
+        if node.attributes:
+            for attr in node.attributes.values():
+                found += attr.graphs()
+        node = node._next
+    return found
+
+
 def _capture_uses(node: Node) -> list[tuple[Value, Use]]:
     """The uses by nodes in ``node``'s bodies of values defined outside ``node``."""
-    if not any(attr.graphs() for attr in node.attributes.values()):
-        return []  # most nodes own no body: skip building the capture set
-    captured = {id(v) for v in node.captures()}
-    if not captured:
+    if not node.attributes:
         return []
-    uses: list[tuple[Value, Use]] = []
-    for body in node.subgraphs():
-        for inner in body.all_nodes():
-            for index, value in enumerate(inner.inputs):
-                if value is not None and id(value) in captured:
-                    uses.append((value, Use(inner, index)))
-    return uses
+    return [(read_value(r), r) for body in node.subgraphs() for r in body.free_reads() if isinstance(r, Use)]

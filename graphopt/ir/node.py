@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
-from graphopt.ir.value import Use, Value
+from graphopt.ir.value import Use, Value, read_value
 
 if TYPE_CHECKING:
     from graphopt.ir.graph import Graph
@@ -147,26 +147,7 @@ class Node:
 
     def captures(self) -> list[Value]:
         """Values defined outside this node that its subgraphs (at any depth) read."""
-        inside: set[int] = set()
-        found: dict[Value, None] = {}
-
-        def visit(graph: Graph) -> None:
-            inside.add(id(graph))
-            for node in graph:
-                for value in node._inputs:
-                    if value is not None and id(value.graph) not in inside:
-                        found[value] = None
-                for body in node.subgraphs():
-                    visit(body)
-            for value in graph.outputs:
-                if id(value.graph) not in inside:
-                    found[value] = None
-
-        for body in self.subgraphs():
-            visit(body)
-        # A value defined in a nested body is "inside" only once that body was visited;
-        # drop anything whose owning graph turned out to be one of ours.
-        return [v for v in found if id(v.graph) not in inside]
+        return list(dict.fromkeys(read_value(read) for body in self.subgraphs() for read in body.free_reads()))
 
     def _register_uses(self) -> None:
         for index, value in enumerate(self._inputs):

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from graphopt.ir.graph import Graph
     from graphopt.ir.node import Node
 
-__all__ = ["Use", "Value"]
+__all__ = ["Use", "Value", "read_value"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +121,13 @@ class Value:
             self._output_of[graph] = count
         else:
             self._output_of.pop(graph, None)
+
+
+def read_value(read: Use | Value) -> Value:
+    """The value a body takes from outside, given as an entry of
+    :meth:`~graphopt.ir.graph.Graph.free_reads`: a read by one of its nodes, or an output."""
+    if isinstance(read, Value):
+        return read
+    value = read.node.input(read.index)
+    assert value is not None  # free_reads lists only inputs that are set
+    return value

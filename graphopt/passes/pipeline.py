@@ -3,7 +3,7 @@
 A pipeline is read from a config (a TOML or JSON file, see schemas/pipeline.schema.json)
 or from a comma list of names (``--passes shape-infer,cleanup``). A group's name may
 stand for the group in a comma list. Every pass run is recorded for the report; a pass
-that raises is rolled back (the IR is restored from a structural copy taken before it
+that raises is rolled back (the IR is restored from a snapshot taken before it
 ran) and the pipeline goes on.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from graphopt.errors import InputError, bounded
 from graphopt.ir import GraphError, Model
-from graphopt.ir.clone import clone_model
+from graphopt.ir.clone import Snapshot
 from graphopt.ir.stats import ModelStats, model_stats
 from graphopt.options import plain
 from graphopt.passes.base import Pass, PassContext, PassResult, get_pass
@@ -161,13 +161,13 @@ class Pipeline:
         budget = [stop_after if stop_after is not None else sys.maxsize]
         current = [model_stats(model)]  # the stats after the last pass, reused as the next "before"
 
-        def run_pass(step: Pass, group: str | None, iteration: int, snapshot: Model | None) -> PassRun | None:
+        def run_pass(step: Pass, group: str | None, iteration: int, snapshot: Snapshot | None) -> PassRun | None:
             """Run one pass; without a ``snapshot`` from the caller, take (and restore) one here."""
             if budget[0] <= 0:
                 return None
             budget[0] -= 1
             before = current[0]
-            own_snapshot = clone_model(model) if snapshot is None else None
+            own_snapshot = Snapshot(model) if snapshot is None else None
             start = time.perf_counter()
             try:
                 result = step.run(model, ctx)
@@ -209,10 +209,10 @@ class Pipeline:
             return changed_any
 
         def _run_iteration(group: Group, iteration: int) -> bool:
-            # One structural copy per iteration rather than per pass: when a pass fails, the
+            # One snapshot per iteration rather than per pass: when a pass fails, the
             # model goes back to the iteration's start and the passes that succeeded before it
             # run again (passes are deterministic), then the iteration carries on after it.
-            snapshot = clone_model(model)
+            snapshot = Snapshot(model)
             failed: set[int] = set()
             changed = False
             for index, step in enumerate(group.steps):
@@ -226,11 +226,9 @@ class Pipeline:
                     changed |= run.changed
                     continue
                 failed.add(index)
-                _restore(model, snapshot)
-                snapshot = clone_model(model)
+                _restore(model, snapshot)  # a snapshot rebuilds as often as asked
                 if not _replay(group.steps[:index], failed):
                     _restore(model, snapshot)
-                    snapshot = clone_model(model)
                     changed = False
                 current[0] = model_stats(model)
             return changed
@@ -275,9 +273,10 @@ def _check_result(model: Model, result: PassResult, ctx: PassContext) -> None:
             raise PassBrokeIR(f"it left the IR invalid: {err}") from None
 
 
-def _restore(model: Model, snapshot: Model) -> None:
-    for name in vars(snapshot):
-        setattr(model, name, getattr(snapshot, name))
+def _restore(model: Model, snapshot: Snapshot) -> None:
+    restored = snapshot.model()
+    for name in vars(restored):
+        setattr(model, name, getattr(restored, name))
 
 
 # -- building pipelines ---------------------------------------------------------------------

@@ -59,6 +59,9 @@ class RunOptions:
     external_data: bool | None = None
     # Run settings given on the command line (graphopt.settings.Settings), over a config's.
     settings: dict[str, Any] = field(default_factory=dict)
+    # The files the models of a folder run read, resolved, with the models that read them
+    # (batch_reads()): no model's output may replace or remove another's.
+    batch_reads: dict[Path, list[Path]] = field(default_factory=dict)
 
     def load(self, source: Path, **options: Any) -> Model:
         """Load ``source`` as the run's settings ask (independent dims), with io's ``options``."""
@@ -155,6 +158,11 @@ def optimize_file(
     with ThreadPoolExecutor(max_workers=1) as hasher:
         input_entry = hasher.submit(_file_entry, source, onnx_data)
         reads = {source: "the input model", **{file: _TENSOR_DATA for file in data}}
+        for file, readers in options.batch_reads.items():
+            others = [r for r in readers if r.resolve() != source.resolve()]
+            if others:  # over the input's own labels: --in-place may not replace what another model reads
+                kind = "the input model" if file == others[0].resolve() else "the tensor data of"
+                reads[file] = f"{kind} {others[0]}"
         if options.inputs is not None:
             reads[options.inputs] = "--inputs"
         if options.config is not None:
@@ -323,6 +331,19 @@ def _commit(
         for stale in removals:
             with contextlib.suppress(OSError):  # an old weights file left behind is harmless
                 stale.unlink()
+
+
+def batch_reads(sources: Sequence[Path], options: RunOptions) -> dict[Path, list[Path]]:
+    """The files the models of a folder run read (each model, its tensor data), resolved,
+    with the models that read them."""
+    reads: dict[Path, list[Path]] = {}
+    for source in sources:
+        files = [source]
+        with contextlib.suppress(GraphoptError):  # a model that cannot load fails in its own run
+            files += data_files(options.load(source))
+        for file in files:
+            reads.setdefault(file.resolve(), []).append(source)
+    return reads
 
 
 def _old_weights(output: Path, moves: list[tuple[Path, Path]]) -> list[Path]:

@@ -319,6 +319,11 @@ def _batch(
                 raise InputError(f"{source}: its output {target} is also the output of {written[target]}")
             written[target] = source
         tasks.append((source, replace(options, output=target, report=None)))
+    if output is not None or options.in_place:
+        from graphopt.runner import batch_reads
+
+        reads = batch_reads(sources, options)
+        tasks = [(source, replace(task, batch_reads=reads)) for source, task in tasks]
     if report_path is not None:
         check_report_target(report_path, list(written))
     rows_by_index: dict[int, dict[str, Any]] = {}

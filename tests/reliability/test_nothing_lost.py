@@ -113,6 +113,32 @@ def test_the_sidecars_a_json_input_reads_are_not_replaced(tmp_path: Path) -> Non
     assert snapshot(tmp_path) == before
 
 
+def test_a_folder_run_never_removes_or_replaces_what_another_of_its_models_reads(tmp_path: Path) -> None:
+    """Two exports sharing one weights file (the second a renamed copy): rewriting the first
+    in place would remove the weights the second reads; an output landing on another input
+    of the run would replace it before that input's own turn."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    source = with_external_data(shared, "model.onnx")
+    (shared / "z_copy.onnx").write_bytes(source.read_bytes())  # reads model.onnx.data too, and runs second
+    expected = run_model(source)
+    result = invoke("run", shared, "--in-place", "--no-check")
+    assert result.exit_code == 2 and "tensor data of" in result.output
+    for name in ("model.onnx", "z_copy.onnx"):
+        np.testing.assert_array_equal(run_model(shared / name), expected)
+
+    nested = tmp_path / "nested"
+    (nested / "sub").mkdir(parents=True)
+    outer = with_external_data(nested, "x.onnx", scale=2.0)
+    inner = with_external_data(nested / "sub", "x.onnx")
+    inner_before = (inner.read_bytes(), run_model(inner))
+    result = invoke("run", nested, nested / "sub", "-o", nested / "sub", "--no-check")
+    assert result.exit_code == 2 and "the input model" in result.output
+    assert inner.read_bytes() == inner_before[0]  # outer's output did not land on it
+    np.testing.assert_array_equal(run_model(inner), inner_before[1])
+    assert outer.is_file()
+
+
 # -- 3. one commit of model + weights, and a lock -------------------------------------------
 
 

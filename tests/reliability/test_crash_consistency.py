@@ -71,6 +71,34 @@ def outputs_of(path: Path) -> np.ndarray | None:
         return None
 
 
+def kill_at_every_operation(
+    pristine: Path,
+    work: Path,
+    args: list[str],
+    destination_outputs: Callable[[], np.ndarray | None],
+    expected_old: np.ndarray,
+    expected_new: np.ndarray,
+) -> list[str]:
+    """Kill the run at its 1st, 2nd, ... file operation, each time on a fresh copy of
+    ``pristine`` in ``work``, until it gets through; after every kill the destination must
+    compute the old or the new outputs. Returns, per kill, which ("old", "new", "either")."""
+    outcomes = []
+    for operation in range(1, 500):
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(pristine, work, symlinks=True)
+        code = run_killed_at(operation, args)
+        found = destination_outputs()
+        assert found is not None, f"killed at operation {operation}: the destination does not load"
+        is_old = np.allclose(found, expected_old, rtol=1e-6)
+        is_new = np.allclose(found, expected_new, rtol=1e-6)
+        assert is_old or is_new, f"killed at operation {operation}: the destination computes something else"
+        outcomes.append("new" if is_new and not is_old else "old" if is_old and not is_new else "either")
+        if code != KILLED:
+            assert code == 0
+            return outcomes
+    pytest.fail("the run never got through")
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["-o onto an older output", "--in-place"])
 def test_a_kill_at_any_write_or_rename_leaves_the_old_or_the_new_set(tmp_path: Path, in_place: bool) -> None:
     pristine = tmp_path / "pristine"
@@ -85,23 +113,10 @@ def test_a_kill_at_any_write_or_rename_leaves_the_old_or_the_new_set(tmp_path: P
     where = ["--in-place"] if in_place else ["-o", str(destination)]
     args = ["run", str(work / "model.onnx"), *where, "--no-check", "--external-data"]
     args += ["--report", str(destination.parent / "report.json")]
-    outcomes = []
-    for operation in range(1, 500):
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.copytree(pristine, work, symlinks=True)
-        code = run_killed_at(operation, args)
-        found = outputs_of(destination)
-        assert found is not None, f"killed at operation {operation}: the destination does not load"
-        is_old = np.allclose(found, expected_old, rtol=1e-6)
-        is_new = np.allclose(found, expected_new, rtol=1e-6)
-        assert is_old or is_new, f"killed at operation {operation}: the destination computes something else"
-        outcomes.append("new" if is_new and not is_old else "old" if is_old and not is_new else "either")
-        if code != KILLED:
-            assert code == 0
-            break
-    else:
-        pytest.fail("the run never got through")
-    assert operation > 10  # the kills really hit the save and the commit
+    outcomes = kill_at_every_operation(
+        pristine, work, args, lambda: outputs_of(destination), expected_old, expected_new
+    )
+    assert len(outcomes) > 10  # the kills really hit the save and the commit
     if not in_place:
         assert outcomes[0] == "old" and outcomes[-1] == "new"
     # The next complete run into that folder removes what the killed one left.
@@ -150,22 +165,10 @@ def test_a_kill_at_any_rename_leaves_a_json_graph_and_its_sidecars_whole(tmp_pat
     work = tmp_path / "work"
     destination = work / "out" / "model.json"
     args = ["run", str(work / "model.onnx"), "-o", str(destination), "--no-check"]
-    outcomes = []
-    for operation in range(1, 500):
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.copytree(pristine, work, symlinks=True)
-        code = run_killed_at(operation, args)
-        found = json_outputs_of(destination, tmp_path / "converted")
-        assert found is not None, f"killed at operation {operation}: the destination does not load"
-        is_old = np.allclose(found, expected_old, rtol=1e-6)
-        is_new = np.allclose(found, expected_new, rtol=1e-6)
-        assert is_old or is_new, f"killed at operation {operation}: the destination computes something else"
-        outcomes.append("new" if is_new and not is_old else "old" if is_old and not is_new else "either")
-        if code != KILLED:
-            assert code == 0
-            break
-    else:
-        pytest.fail("the run never got through")
+    converted = tmp_path / "converted"
+    outcomes = kill_at_every_operation(
+        pristine, work, args, lambda: json_outputs_of(destination, converted), expected_old, expected_new
+    )
     assert outcomes[0] == "old" and outcomes[-1] == "new"
     sidecars = sorted(p.name for p in destination.parent.iterdir() if p.suffix == ".npy")
     assert sidecars and all(len(name.split(".")[1]) == 16 for name in sidecars)  # the old ones are gone

@@ -412,6 +412,13 @@ def _rows(cast: bool) -> Callable[[], onnx.ModelProto]:
     return build
 
 
+def _cast_table(rows: int = 256) -> onnx.ModelProto:
+    """A float16 vocabulary, widened to float32 and looked up by token ids."""
+    nodes = [node("Cast", ["table"], "tc", to=TensorProto.FLOAT), node("Gather", ["tc", "ids"], "y", axis=0)]
+    params = [init("table", _w(rows, 8).astype(np.float16))]
+    return model(nodes, [info("ids", ["b", "s"], TensorProto.INT64)], ["y"], params)
+
+
 def _attention_split_input(proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
     return {**make_feeds(proto), "split_shape": np.array([0, 0, 2, HIDDEN // 2], np.int64)}
 
@@ -988,6 +995,14 @@ CASES: dict[str, Case] = {
         Perturb(lambda p: set_shape("x", None)(set_shape("ids", None)(p)), "rank is not provable"),
         Perturb(at_opset(14), "needs opset 15", note="dynamic dims need Shape(end), opset 15"),
     ),
+    "gather-before-cast": Case(
+        _cast_table,
+        {"Gather": 1, "Cast": 1},
+        "tc",
+        Perturb(set_attr("y", axis=1), "not over rows"),
+        CONSTANTS_ONLY,
+        "n/a: no opset gate (Gather and Cast exist at every opset the engine runs)",
+    ),
     "gather-consecutive-rows": Case(
         _rows(cast=False),
         {"Shape": 1, "Slice": 1},
@@ -1080,6 +1095,16 @@ def test_a_float16_table_is_cast_after_the_slice() -> None:
     assert list(table.dims) == [1, 8, 8]
     _, details = fuse(with_reader(proto, "tc"))
     assert "gather-consecutive-rows" not in details["applied"]
+
+
+def test_a_cast_table_is_looked_up_then_cast_and_a_short_one_stays() -> None:
+    out = fires(_cast_table(), "gather-before-cast", {"Gather": 1, "Cast": 1})
+    assert [n.op_type for n in out.graph.node] == ["Gather", "Cast"]  # the rows read are cast, not the table
+    short = _cast_table(rows=16)
+    out, details = fuse(short)
+    assert "gather-before-cast" not in details["applied"]
+    assert "fewer than 256 rows" in " ".join(details["near_misses"]["gather"])
+    assert_same_outputs(short, out)
 
 
 def test_positions_that_are_not_a_range_stay_a_gather() -> None:

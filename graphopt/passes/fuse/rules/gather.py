@@ -1,4 +1,6 @@
-"""Gather family: a lookup of consecutive rows becomes a Slice of the table.
+"""Gather family: table lookups that read less than the table.
+
+A lookup of consecutive rows becomes a Slice of the table:
 
 ``Gather(T, Slice(P, s, e, axes, steps))`` with ``P`` the constant ``0, 1, ..., N-1`` (the
 ``position_ids`` buffer BERT exports slice to the sequence length) and ``T`` a constant of
@@ -10,6 +12,14 @@ on the rows read only: one node fewer, and exact.
 
 For the portable target only: onnxruntime's EmbedLayerNormalization (``--target ort``)
 reads the position table through its Gather.
+
+A lookup in a widened constant table casts the rows read instead:
+``Gather(Cast(T), i) -> Cast(Gather(T, i))``, exact (Cast is element-wise). Why: the file
+keeps float16 tables (const-cache does not store them again as float32), so without a
+graph optimizer at run time (onnxruntime at ORT_DISABLE_ALL, and most other runtimes) the
+whole table is converted on every call: bert_fp16_weights' 8192 x 256 word embeddings for
+the 64 rows a call reads. Only for tables of at least ``MIN_TABLE_ROWS`` rows, so that the
+rows a call reads are very likely fewer than the table's.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import const, either, op, optional, var
 
 FAMILY = "gather"
+# Tables this long (vocabularies, position tables) are cast row by row after the lookup.
+MIN_TABLE_ROWS = 256
 
 
 def _row_axis(m: Match) -> int | str:
@@ -80,5 +92,35 @@ add_rule(
         targets=frozenset({"onnx"}),
         label="Gather of consecutive rows",
         doc="Gather(T, Slice(0..N-1, s, e)) -> Slice(T, s, e) (a Cast of T goes after the Slice)",
+    )
+)
+
+
+def _check_large_table(m: Match, site: Site) -> str | None:
+    table = Site.array(m.value("table"))
+    to = m.node("cast").attr("to")
+    if table is None or table.ndim < 1 or not isinstance(to, int):
+        return "the table is not a readable constant"
+    if int(m.node("gather").attr("axis", 0)) not in (0, -table.ndim):
+        return "the Gather is not over rows"
+    if table.shape[0] < MIN_TABLE_ROWS:
+        return f"the table has fewer than {MIN_TABLE_ROWS} rows"
+    return None
+
+
+def _gather_then_cast(b: Builder, m: Match, site: Site) -> Value:
+    rows = b.op("Gather", m.value("table"), m.value("indices"), axis=int(m.node("gather").attr("axis", 0)))
+    return b.op("Cast", rows, to=int(m.node("cast").attr("to")))
+
+
+add_rule(
+    Rule(
+        "gather-before-cast",
+        FAMILY,
+        op.Gather(op.Cast(const(name="table"), name="cast"), var("indices"), name="gather"),
+        _gather_then_cast,
+        _check_large_table,
+        label="Gather of a cast table",
+        doc="Gather(Cast(T), i) -> Cast(Gather(T, i)) for tables of 256 rows or more",
     )
 )

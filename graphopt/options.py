@@ -97,5 +97,5 @@ def option(default: Any, help: str) -> Any:
     A list or dict default is copied for each instance.
     """
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.copy(default), metadata={"help": help})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})

@@ -351,7 +351,15 @@ def _old_weights(output: Path, moves: list[tuple[Path, Path]]) -> list[Path]:
     if all(t != output for _, t in moves):
         return []
     new = {t.name for _, t in moves}
-    return sorted(p for p in output.parent.iterdir() if _is_weights_of(output, p) and p.name not in new)
+    candidates = [p for p in output.parent.iterdir() if _is_weights_of(output, p) and p.name not in new]
+    if output.suffix.lower() == ".json" and candidates:
+        # A .npy beside a JSON graph may be anyone's: only the sidecars it reads go.
+        try:
+            read = {p.resolve() for p in data_files(load(output))}
+        except (GraphoptError, OSError):
+            return []
+        candidates = [p for p in candidates if p.resolve() in read]
+    return sorted(candidates)
 
 
 def _is_weights_of(output: Path, candidate: Path, *, hashed: bool = False) -> bool:

@@ -390,3 +390,26 @@ def test_valid_base_case_loads(tmp_path: Path) -> None:
     path.write_text(json.dumps(_valid()))
     model = json_io.load(path)
     assert [n.op_type for n in model.graph] == ["Relu", "Neg"]
+
+
+def test_identical_tensors_share_one_content_addressed_sidecar_and_both_move_to_it(tmp_path: Path) -> None:
+    weight = np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["a"]), helper.make_node("MatMul", ["a", "w2"], ["y"])],
+        "twins",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])],
+        [numpy_helper.from_array(weight, "w1"), numpy_helper.from_array(weight.copy(), "w2")],
+    )
+    json_io.save(onnx_io.from_proto(helper.make_model(graph)), tmp_path / "m.json")  # m.0.npy, m.1.npy
+    model = json_io.load(tmp_path / "m.json")
+    json_io.save(model, tmp_path / "m.json", content_addressed=True)
+    sidecars = sorted(p.name for p in tmp_path.glob("m.*.npy"))
+    assert len(sidecars) == 3  # the two numbered ones, and one file for both weights
+    for name in ("m.0.npy", "m.1.npy"):
+        (tmp_path / name).unlink()  # what the runner's commit does with the old sidecars
+    for value in model.graph.initializers.values():
+        np.testing.assert_array_equal(value.const.numpy(), weight)  # the model in memory reads the new file
+    reloaded = json_io.load(tmp_path / "m.json")
+    for value in reloaded.graph.initializers.values():
+        np.testing.assert_array_equal(value.const.numpy(), weight)

@@ -11,9 +11,10 @@ Precedence, per dim:
 1. a dim the model already declares stays (a graph output's ``batch`` is never renamed;
    an intermediate dim onnx once named ``unk__3`` is a placeholder and may be replaced);
 2. else the dim our rules compute (ints, names, expressions such as ``seq + 1``);
-3. else the dim onnx's own inference found (run once over a light copy of the model,
-   reached through the facts service's ``onnx_types``, which io provides), except its
-   invented ``unk__N`` names.
+3. else the dim onnx's own inference found, except its invented ``unk__N`` names. onnx
+   runs over a light copy of the model (reached through the facts service's
+   ``onnx_types``, which io provides) only when a rule leaves a value incomplete, once per
+   structural state of the model; the copy already carries the types inferred so far.
 
 An op without a rule (or from another domain) keeps whatever its outputs declare, and
 inference continues downstream from what is known. Following the tracing seed, a

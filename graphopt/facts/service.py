@@ -38,7 +38,7 @@ class Facts:
         self.onnx_types = onnx_types
         self._syms: dict[Value, SymValue | None] = {}
         self._stamp = self._current_stamp()
-        self._onnx_seeds: dict[int, Type] | None = None
+        self._onnx_seeds: tuple[tuple[int, ...], dict[int, Type]] | None = None
 
     # -- memo upkeep ------------------------------------------------------------------------
     def _current_stamp(self) -> tuple[int, ...]:
@@ -59,10 +59,13 @@ class Facts:
         self._syms.pop(value, None)
 
     def onnx_seeds(self) -> dict[int, Type]:
-        """onnx's types for the model, computed at most once per service."""
-        if self._onnx_seeds is None:
-            self._onnx_seeds = self.onnx_types(self.model) if self.onnx_types is not None else {}
-        return self._onnx_seeds
+        """onnx's types for the model as it is now (keyed by ``id`` of its values), computed
+        at most once while no graph changes."""
+        stamp = self._current_stamp()
+        if self._onnx_seeds is None or self._onnx_seeds[0] != stamp:
+            found = self.onnx_types(self.model) if self.onnx_types is not None else {}
+            self._onnx_seeds = (stamp, found)
+        return self._onnx_seeds[1]
 
     # -- queries ----------------------------------------------------------------------------
     def op(self, node: Node) -> Op:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import itertools
 import json
 import math
@@ -253,7 +254,7 @@ def save(model: Model, path: str | os.PathLike[str], *, content_addressed: bool 
         staged.append(str(tmp_json))
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)
-        for tmp, final, _ in writer.sidecars:
+        for tmp, final in writer.sidecars.values():
             os.replace(tmp, final)
         os.replace(tmp_json, path)
     except BaseException:
@@ -262,9 +263,10 @@ def save(model: Model, path: str | os.PathLike[str], *, content_addressed: bool 
         raise
     # A tensor read lazily from an older sidecar of this name would now see another
     # tensor's file; point such tensors at the file just written with their own values.
-    for _, final, tensor in writer.sidecars:
-        if isinstance(tensor.source, NpySource):
-            tensor.source = NpySource(final, tensor.dtype, tensor.shape)
+    for name, tensors in writer.tensors.items():
+        for tensor in tensors:
+            if isinstance(tensor.source, NpySource):
+                tensor.source = NpySource(writer.sidecars[name][1], tensor.dtype, tensor.shape)
 
 
 class _Writer:
@@ -272,7 +274,10 @@ class _Writer:
         self.path = path
         self.content_addressed = content_addressed
         self.dims: dict[str, None] = {}
-        self.sidecars: list[tuple[str, Path, Tensor]] = []
+        # Sidecars by file name: (temporary path, final path), and the tensors stored there
+        # (identical tensors share one file when content-addressed).
+        self.sidecars: dict[str, tuple[str, Path]] = {}
+        self.tensors: dict[str, list[Tensor]] = {}
         # Temporary files written so far, removed again if the save fails.
         self.staged: list[str] = []
 
@@ -382,16 +387,21 @@ class _Writer:
         return {"base64": base64.b64encode(raw).decode("ascii")}
 
     def _sidecar(self, tensor: Tensor) -> str:
-        digest = tensor.digest() if self.content_addressed else None
-        name = f"{self.path.stem}.{digest.hex()[:16] if digest else len(self.sidecars)}.npy"
-        if any(final.name == name for _, final, _ in self.sidecars):
+        raw = raw_buffer(tensor)
+        if self.content_addressed:
+            digest = hashlib.blake2b(repr((int(tensor.dtype), tensor.shape)).encode(), digest_size=8)
+            digest.update(raw)
+            name = f"{self.path.stem}.{digest.hexdigest()}.npy"
+        else:
+            name = f"{self.path.stem}.{len(self.sidecars)}.npy"
+        self.tensors.setdefault(name, []).append(tensor)
+        if name in self.sidecars:
             return name  # the same values again: one file serves both
         handle, tmp_path = temporary_file(self.path.parent, name)
-        tmp = str(tmp_path)
-        self.staged.append(tmp)
-        self.sidecars.append((tmp, self.path.parent / name, tensor))
+        self.staged.append(str(tmp_path))
+        self.sidecars[name] = (str(tmp_path), self.path.parent / name)
         with os.fdopen(handle, "wb") as out:
-            array = np.frombuffer(raw_buffer(tensor), dtype=_storage_dtype(tensor.dtype)).reshape(tensor.shape)
+            array = np.frombuffer(raw, dtype=_storage_dtype(tensor.dtype)).reshape(tensor.shape)
             np.lib.format.write_array(out, array, allow_pickle=False)
         return name
 

@@ -162,7 +162,8 @@ P = TypeVar("P", bound=type[Pass])
 
 
 def register(cls: P) -> P:
-    if not cls.name or cls.name in _REGISTRY:
+    builtin = BUILTIN_PASSES.get(cls.name)
+    if not cls.name or cls.name in _REGISTRY or (builtin is not None and not cls.__module__.startswith(builtin)):
         raise ValueError(f"pass name {cls.name!r} is empty or already registered")
     hints = typing.get_type_hints(cls.Options)
     for option in dataclasses.fields(cls.Options):

@@ -18,8 +18,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.api import pass_context
+from graphopt.facts import infer_model
 from graphopt.io import onnx_io
-from graphopt.ir import DataType, Dim, Expr, FloorDiv, Model, Sym, TensorType, Value, mul
+from graphopt.ir import DataType, Dim, Expr, FloorDiv, Model, Node, Sym, TensorType, Value, mul
 from graphopt.passes import PassResult, get_pass
 from graphopt.settings import Settings
 from tests.numerics import run_ort
@@ -601,3 +602,27 @@ def test_fused_ops_of_opset_23_keep_their_shapes(tmp_path: Path) -> None:
     assert types["a3"] == "float[batch, sequence, 12]" and types["a4"] == "float[batch, 2, sequence, 5]"
     assert types["r"] == "float[batch, sequence, 12]" and types["rope"] == "float[batch, 2, sequence, 8]"
     assert check_against_ort(model, tmp_path / "fused.onnx") == 10
+
+
+def test_onnx_types_are_asked_again_after_the_graph_changed() -> None:
+    """The facts service lives across passes: after a pass rebuilt part of the graph, a new
+    value must not go without onnx's type (nor take a dead value's)."""
+    proto = make_model(
+        [helper.make_node("Det", ["x"], ["d"])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 3]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, [7, 5, 5]),
+        ],
+        [helper.make_tensor_value_info("d", TensorProto.FLOAT, None)],
+    )
+    model = onnx_io.from_proto(proto)
+    facts = pass_context(Settings()).facts(model)
+    infer_model(facts)
+    old = model.graph.nodes[0]
+    model.graph.outputs = []
+    model.graph.remove(old)
+    new = Node("Det", [model.graph.inputs[1]], [Value("d2")])
+    model.graph.append(new)
+    model.graph.outputs = [new.outputs[0]]
+    infer_model(facts)
+    assert str(new.outputs[0].type) == "float[7]"

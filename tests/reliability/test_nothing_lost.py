@@ -107,10 +107,11 @@ def test_the_sidecars_a_json_input_reads_are_not_replaced(tmp_path: Path) -> Non
     source = builders.write(_model_with_a_64x64_weight(), tmp_path, "export.onnx")
     assert invoke("convert", source, tmp_path / "model.json").exit_code == 0
     renamed = (tmp_path / "model.json").rename(tmp_path / "a.json")  # still reads model.0.npy
-    before = snapshot(tmp_path)
-    line = assert_one_line_error(invoke("run", renamed, "-o", tmp_path / "model.json"))
-    assert "model.0.npy" in line
-    assert snapshot(tmp_path) == before
+    sidecar = (tmp_path / "model.0.npy").read_bytes()
+    # The new model.json's sidecars are named after their contents, never model.0.npy.
+    assert invoke("run", renamed, "-o", tmp_path / "model.json").exit_code == 0
+    assert (tmp_path / "model.0.npy").read_bytes() == sidecar
+    assert invoke("run", renamed, "-o", tmp_path / "again.json").exit_code == 0  # a.json still loads
 
 
 def test_a_folder_run_never_removes_or_replaces_what_another_of_its_models_reads(tmp_path: Path) -> None:
@@ -137,6 +138,22 @@ def test_a_folder_run_never_removes_or_replaces_what_another_of_its_models_reads
     assert inner.read_bytes() == inner_before[0]  # outer's output did not land on it
     np.testing.assert_array_equal(run_model(inner), inner_before[1])
     assert outer.is_file()
+
+
+def test_a_json_output_removes_only_the_sidecars_its_older_version_read(tmp_path: Path) -> None:
+    source = builders.write(_model_with_a_64x64_weight(), tmp_path, "export.onnx")
+    out = tmp_path / "out"
+    assert invoke("run", source, "-o", out / "m.json", "--no-check").exit_code == 0
+    first = sorted(p.name for p in out.glob("m.*.npy"))
+    users = [out / "m.2024.npy", out / "m.0123456789abcdef.npy"]  # named like sidecars, read by no graph
+    for path in users:
+        np.save(path, np.arange(3))
+    changed = _model_with_a_64x64_weight()
+    changed.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(np.full((64, 64), 3, np.float32), "w"))
+    other = builders.write(changed, tmp_path, "other.onnx")
+    assert invoke("run", other, "-o", out / "m.json", "--no-check").exit_code == 0
+    assert all(path.is_file() for path in users)
+    assert not any((out / name).exists() for name in first)  # the old version's sidecars went
 
 
 # -- 3. one commit of model + weights, and a lock -------------------------------------------

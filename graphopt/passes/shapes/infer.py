@@ -14,7 +14,10 @@ __all__ = ["ShapeInference"]
 
 @dataclass
 class ShapeInferOptions:
-    use_onnx: bool = option(True, "start from onnx's own shape inference (run on a copy without weights)")
+    use_onnx: bool = option(
+        True,
+        "fill what the shape rules leave unknown from onnx's own inference (run on demand, on a copy without weights)",
+    )
     onnx_max_nodes: int = option(50_000, "skip onnx's inference on models with more nodes than this")
 
 

@@ -168,12 +168,11 @@ def _structured(node: Node) -> bool:
 
 
 def _check(m: Match, site: Site) -> str | None:
-    weight = _weight(m.root)
     factors = _factors_of(m.root)
-    assert weight is not None and factors is not None
-    rows, cols = weight.shape
-    if factors.steps >= rows * cols or factors.a.size + factors.b.size >= weight.size:
-        (m_rows, n), (p, q) = factors.a.shape, factors.b.shape
+    assert factors is not None
+    m_rows, n, p, q = factors.shape
+    size = m_rows * p * n * q  # W's elements, and the multiplications per row of x
+    if factors.steps >= size or factors.a.size + factors.b.size >= size:
         return f"W = A {m_rows}x{n} (x) B {p}x{q}, but two contractions save no multiplications"
     if site.rank(m.value("x")) is None:
         return "x has no known rank"

@@ -128,6 +128,19 @@ def test_unwind_softmax_with_an_extra_input(tmp_path: Path) -> None:
     _run_strict(_model(nodes, inputs, [_y([2, 2, 2])]), tmp_path, "unwind")
 
 
+def test_const_cache_if_without_its_condition(tmp_path: Path) -> None:
+    # inline_constant_ifs read node.inputs[0] of an If whose condition was dropped: IndexError.
+    branch = helper.make_graph([helper.make_node("Relu", ["x"], ["b"])], "branch", [], [_y(None, "b")])
+    node = helper.make_node("If", [], ["y"], then_branch=branch, else_branch=branch)
+    _run_strict(_model([node], [_x()], [_y()]), tmp_path, "const-cache")
+
+
+def test_fuse_matmul_without_its_weight(tmp_path: Path) -> None:
+    # The kronecker rule's predicate read node.inputs[1] of a MatMul with one input: IndexError.
+    nodes = [helper.make_node("MatMul", ["x"], ["y"])]
+    _run_strict(_model(nodes, [_x()], [_y()]), tmp_path, "fuse")
+
+
 def test_every_pass_takes_a_body_that_reuses_an_outer_name(tmp_path: Path) -> None:
     # onnx and onnxruntime take a Loop body whose iteration input is named like an outer value
     # (x); the IR saw a duplicate name, so with the IR verified every pass was rolled back.

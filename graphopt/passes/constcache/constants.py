@@ -118,7 +118,7 @@ def inline_constant_ifs(model: Model, names: Namer) -> int:
         for node in graph.topological():
             if node.graph is not graph or node.op_type != "If" or not node.in_standard_domain:
                 continue
-            condition = constant_array(node.inputs[0], limit=1)
+            condition = constant_array(node.input(0), limit=1)
             if condition is None or condition.size != 1:
                 continue
             branch = node.attr("then_branch" if bool(condition.ravel()[0]) else "else_branch")

@@ -53,7 +53,7 @@ def _arange_positions(value: Value, site: Site, seq: object) -> bool:
     node = value.producer
     if node is None or node.op_type != "Slice" or not node.in_standard_domain or len(node.inputs) < 4:
         return False
-    table = Site.array(node.inputs[0])
+    table = Site.array(node.input(0))
     if (
         table is None
         or table.ndim != 2

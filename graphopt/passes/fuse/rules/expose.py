@@ -36,7 +36,7 @@ def _bare_matmul_sibling(node: Node) -> bool:
     """Whether another MatMul reads ``node``'s input 0 as its own input 0, with a constant
     2-D weight of that input's depth and type, and no Add reading its product (so no fuse
     rule makes it a Gemm): fold would group ``node`` with it if ``node`` were a MatMul."""
-    a = node.inputs[0]
+    a = node.input(0)
     depth = (Site.shape(a) or (None,))[-1]
     if a is None or depth is None:
         return False
@@ -44,7 +44,7 @@ def _bare_matmul_sibling(node: Node) -> bool:
         other = use.node
         if other is node or use.index != 0 or other.op_type != "MatMul" or not other.in_standard_domain:
             continue
-        weight = other.inputs[1]
+        weight = other.input(1)
         shape = Site.shape(weight)
         if not is_constant(weight) or shape is None or len(shape) != 2 or shape[0] != depth:
             continue

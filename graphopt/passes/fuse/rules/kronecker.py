@@ -144,7 +144,7 @@ def kronecker_factors(w: np.ndarray) -> Factors | None:
 
 
 def _weight(node: Node) -> np.ndarray | None:
-    weight = Site.array(node.inputs[1], limit=MAX_ELEMENTS)
+    weight = Site.array(node.input(1), limit=MAX_ELEMENTS)
     return None if weight is None else np.asarray(weight)  # a plain array indexes faster than a memory map
 
 
@@ -153,7 +153,7 @@ _FACTORS: weakref.WeakKeyDictionary[Tensor, Factors | None] = weakref.WeakKeyDic
 
 
 def _factors_of(node: Node) -> Factors | None:
-    tensor = constant_tensor(node.inputs[1])
+    tensor = constant_tensor(node.input(1))
     if tensor is not None and tensor in _FACTORS:
         return _FACTORS[tensor]
     weight = _weight(node)

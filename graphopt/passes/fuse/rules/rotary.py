@@ -72,20 +72,20 @@ def _halves_equal(value: Value, axis: int) -> bool:
         if node.op_type == "Concat":
             rank = Site.rank(value)
             on_axis = rank is not None and node.attr("axis") in (axis, rank + axis)
-            return on_axis and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]
+            return on_axis and len(node.inputs) == 2 and node.input(0) is node.input(1)
         if node.op_type == "Gather" and node.in_standard_domain:
-            rank = Site.rank(node.inputs[0])
+            rank = Site.rank(node.input(0))
             if rank is None or int(node.attr("axis", 0)) % rank == rank - 1:
                 return False  # gathering along the halves' axis
-            source = node.inputs[0]
+            source = node.input(0)
         elif node.op_type == "Unsqueeze":
             rank = Site.rank(value)
-            added = Site.array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+            added = Site.array(node.input(1)) if len(node.inputs) > 1 and node.input(1) is not None else None
             if rank is None or added is None or any(int(a) % rank == rank + axis for a in added.ravel()):
                 return False
-            source = node.inputs[0]
+            source = node.input(0)
         elif node.op_type in _HALF_KEEPING and node.in_standard_domain:
-            source = node.inputs[0]
+            source = node.input(0)
             if node.op_type in ("Mul", "Div"):
                 scalars = [v for v in node.inputs if (a := Site.array(v)) is not None and a.size == 1]
                 if len(scalars) != 1:
@@ -102,10 +102,10 @@ def _halves_equal(value: Value, axis: int) -> bool:
 def _unsqueezed_over_heads(value: Value) -> Value | None:
     """The input of ``Unsqueeze(v, [1])`` producing ``value``, or None."""
     node = value.producer
-    if node is None or node.op_type != "Unsqueeze" or len(node.inputs) < 2 or node.inputs[1] is None:
+    if node is None or node.op_type != "Unsqueeze" or len(node.inputs) < 2 or node.input(1) is None:
         return None
-    axes = Site.array(node.inputs[1])
-    return node.inputs[0] if axes is not None and axes.ravel().tolist() == [1] else None
+    axes = Site.array(node.input(1))
+    return node.input(0) if axes is not None and axes.ravel().tolist() == [1] else None
 
 
 def _gathered(value: Value, dims: tuple[object, ...]) -> _Cache | None:
@@ -115,7 +115,7 @@ def _gathered(value: Value, dims: tuple[object, ...]) -> _Cache | None:
     gather = rows.producer if rows is not None else None
     if gather is None or gather.op_type != "Gather" or gather.attr("axis", 0) != 0 or not gather.in_standard_domain:
         return None
-    table, positions = Site.array(gather.inputs[0], limit=1 << 24), gather.inputs[1]
+    table, positions = Site.array(gather.input(0), limit=1 << 24), gather.input(1)
     batch, _, seq, size = dims
     if table is None or table.ndim != 2 or table.shape[1] != size or positions is None:
         return None

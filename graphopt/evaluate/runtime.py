@@ -19,6 +19,7 @@ import onnx.reference
 import onnxruntime
 
 from graphopt.evaluate.base import EvaluationError, describe
+from graphopt.io.onnx_infer import infer_proto
 from graphopt.io.onnx_io import to_proto
 from graphopt.ir import Attr, AttrKind, DataType, Graph, Model, Node, Tensor, TensorType, Value
 from graphopt.ir.clone import clone_graph
@@ -160,9 +161,12 @@ def _copy_attr(attr: Attr, copies: dict[int, Value]) -> Attr:
 
 
 def _inferred_bytes(proto: onnx.ModelProto) -> int:
-    """The bytes of every value whose shape onnx's inference fixes (0 when it cannot tell)."""
+    """The bytes of every value whose shape onnx's inference fixes (0 when it cannot tell).
+
+    Inference runs in a child process: on a malformed node (an input left blank) onnx's
+    C++ code can end the process instead of raising."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+        inferred = infer_proto(proto)
     except Exception:  # onnx raises assorted C++ exception types; then nothing is known
         return 0
     total = 0

@@ -27,7 +27,7 @@ from graphopt.ir import DataType, Graph, Model, Node, Tensor, TensorType, Type, 
 from graphopt.ir.clone import clone_model
 from graphopt.ir.constness import constant_tensor
 
-__all__ = ["infer_types"]
+__all__ = ["infer_proto", "infer_types"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,7 @@ def infer_types(model: Model) -> dict[int, Type]:
     # Only the main graph: a body's inputs are fixed by its op (If has none, Loop's are positional).
     _weights_to_inputs(light.graph)
     try:
-        proto = to_proto(light)
-        inferred = _isolated(proto) if hasattr(os, "fork") else _infer(proto)
+        inferred = infer_proto(to_proto(light))
     except Exception as err:  # onnx raises assorted C++ exception types
         logger.info("onnx shape inference failed, continuing without it: %s", err)
         return {}
@@ -55,6 +54,12 @@ def infer_types(model: Model) -> dict[int, Type]:
     found: dict[int, Type] = {}
     _collect(model.graph, inferred.graph, reader, found)
     return found
+
+
+def infer_proto(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx's inference on ``proto``, in a forked child where the platform can fork (see the
+    module docstring); raises what onnx raises, or InferenceCrashed."""
+    return _isolated(proto) if hasattr(os, "fork") else _infer(proto)
 
 
 def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:

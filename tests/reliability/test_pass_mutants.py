@@ -135,6 +135,16 @@ def test_const_cache_if_without_its_condition(tmp_path: Path) -> None:
     _run_strict(_model([node], [_x()], [_y()]), tmp_path, "const-cache")
 
 
+def test_const_cache_node_with_a_blank_input_does_not_end_the_process(tmp_path: Path) -> None:
+    # The evaluator asked onnx's inference for the region's sizes in process; on a
+    # RegexFullMatch whose input is left blank onnx's C++ code ended the process (SIGSEGV).
+    pattern = r"(\W|^)[\w.\-]{0,25}@(yahoo|gmail)\.com(\W|$)"
+    nodes = [helper.make_node("RegexFullMatch", [""], [name], pattern=pattern) for name in ("y", "twin")]
+    text = helper.make_tensor_value_info("x", TensorProto.STRING, [2, 2])
+    out = helper.make_tensor_value_info("y", TensorProto.BOOL, [2, 2])
+    _run_strict(_model(nodes, [text], [out], opset=20), tmp_path, "const-cache")
+
+
 def test_fuse_matmul_without_its_weight(tmp_path: Path) -> None:
     # The kronecker rule's predicate read node.inputs[1] of a MatMul with one input: IndexError.
     nodes = [helper.make_node("MatMul", ["x"], ["y"])]

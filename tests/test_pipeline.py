@@ -165,3 +165,12 @@ def test_a_pass_declared_with_class_keywords_takes_its_description_from_its_docs
 
     assert (Count.name, Count.Options, Count.description) == ("count-keywords", CountOptions, "Count nodes.")
     assert option_specs(Count)[0].name == "limit"
+
+
+def test_a_plugin_cannot_take_a_builtin_pass_name_even_before_the_builtin_is_imported() -> None:
+    import subprocess
+    import sys
+
+    code = "from graphopt.passes.base import Pass, register\n@register\nclass Shadow(Pass, name='fold'):\n    pass\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode != 0 and "already registered" in result.stderr

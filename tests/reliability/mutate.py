@@ -14,16 +14,18 @@ three mutations away from ``model``; the same seed gives the same mutants.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, TensorProto, helper, numpy_helper
+from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 __all__ = ["MUTATIONS", "mutants"]
 
 Mutation = Callable[[onnx.ModelProto, random.Random], str | None]
+NodeMutation = Callable[[ModelProto, GraphProto, NodeProto, random.Random], str | None]
 
 _DTYPES = [TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL, TensorProto.FLOAT16, TensorProto.INT32,
            TensorProto.STRING, TensorProto.DOUBLE, TensorProto.UINT8]  # fmt: skip
@@ -52,6 +54,20 @@ def _pick_node(
     return rng.choice(found) if found else None
 
 
+def _at_a_node(want: Callable[[NodeProto], bool] = lambda n: True) -> Callable[[NodeMutation], Mutation]:
+    """A mutation of one node, picked at random among those ``want`` accepts (none: no mutant)."""
+
+    def wrap(mutate: NodeMutation) -> Mutation:
+        @functools.wraps(mutate)
+        def mutation(model: onnx.ModelProto, rng: random.Random) -> str | None:
+            picked = _pick_node(model, rng, want)
+            return None if picked is None else mutate(model, *picked, rng)
+
+        return mutation
+
+    return wrap
+
+
 def _visible(model: onnx.ModelProto, graph: onnx.GraphProto, node: onnx.NodeProto) -> list[str]:
     """Names ``node`` may read without a cycle: the outer graphs' inputs and initializers,
     its own graph's, and outputs of the nodes before it."""
@@ -76,41 +92,31 @@ def _fresh(model: onnx.ModelProto, stem: str) -> str:
 # -- node inputs and outputs -----------------------------------------------------------
 
 
-def drop_input(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng, lambda n: len(n.input) > 0)
-    if picked is None:
-        return None
-    node = picked[1]
+@_at_a_node(lambda n: len(n.input) > 0)
+def drop_input(model: ModelProto, graph: GraphProto, node: NodeProto, rng: random.Random) -> str | None:
     index = rng.randrange(len(node.input))
     del node.input[index]
     return f"drop input {index} of {node.op_type} {node.name!r}"
 
 
-def blank_input(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng, lambda n: len(n.input) > 0)
-    if picked is None:
-        return None
-    node = picked[1]
+@_at_a_node(lambda n: len(n.input) > 0)
+def blank_input(model: ModelProto, graph: GraphProto, node: NodeProto, rng: random.Random) -> str | None:
     index = rng.randrange(len(node.input))
     node.input[index] = ""
     return f"blank input {index} of {node.op_type} {node.name!r}"
 
 
-def swap_inputs(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng, lambda n: len(n.input) > 1)
-    if picked is None:
-        return None
-    node = picked[1]
+@_at_a_node(lambda n: len(n.input) > 1)
+def swap_inputs(model: ModelProto, graph: GraphProto, node: NodeProto, rng: random.Random) -> str | None:
     i, j = rng.sample(range(len(node.input)), 2)
     node.input[i], node.input[j] = node.input[j], node.input[i]
     return f"swap inputs {i},{j} of {node.op_type} {node.name!r}"
 
 
-def rewire_input(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng, lambda n: len(n.input) > 0)
-    if picked is None:
-        return None
-    graph, node = picked
+@_at_a_node(lambda n: len(n.input) > 0)
+def rewire_input(
+    model: onnx.ModelProto, graph: onnx.GraphProto, node: onnx.NodeProto, rng: random.Random
+) -> str | None:
     choices = _visible(model, graph, node)
     if not choices:
         return None
@@ -119,11 +125,8 @@ def rewire_input(model: onnx.ModelProto, rng: random.Random) -> str | None:
     return f"rewire input {index} of {node.op_type} {node.name!r} to {node.input[index]!r}"
 
 
-def extra_input(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng)
-    if picked is None:
-        return None
-    graph, node = picked
+@_at_a_node()
+def extra_input(model: ModelProto, graph: GraphProto, node: NodeProto, rng: random.Random) -> str | None:
     choices = _visible(model, graph, node)
     if not choices:
         return None
@@ -132,20 +135,16 @@ def extra_input(model: onnx.ModelProto, rng: random.Random) -> str | None:
     return f"extra inputs on {node.op_type} {node.name!r}"
 
 
-def extra_output(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng)
-    if picked is None:
-        return None
-    node = picked[1]
+@_at_a_node()
+def extra_output(
+    model: onnx.ModelProto, graph: onnx.GraphProto, node: onnx.NodeProto, rng: random.Random
+) -> str | None:
     node.output.append(_fresh(model, "extra_out"))
     return f"extra output on {node.op_type} {node.name!r}"
 
 
-def drop_output(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng, lambda n: len(n.output) > 0)
-    if picked is None:
-        return None
-    node = picked[1]
+@_at_a_node(lambda n: len(n.output) > 0)
+def drop_output(model: ModelProto, graph: GraphProto, node: NodeProto, rng: random.Random) -> str | None:
     if rng.random() < 0.5:
         node.output[len(node.output) - 1] = ""
         return f"blank last output of {node.op_type} {node.name!r}"
@@ -153,11 +152,10 @@ def drop_output(model: onnx.ModelProto, rng: random.Random) -> str | None:
     return f"drop last output of {node.op_type} {node.name!r}"
 
 
-def duplicate_node(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng)
-    if picked is None:
-        return None
-    graph, node = picked
+@_at_a_node()
+def duplicate_node(
+    model: onnx.ModelProto, graph: onnx.GraphProto, node: onnx.NodeProto, rng: random.Random
+) -> str | None:
     copy = onnx.NodeProto()
     copy.CopyFrom(node)
     copy.name = _fresh(model, "dup")
@@ -171,11 +169,10 @@ def duplicate_node(model: onnx.ModelProto, rng: random.Random) -> str | None:
 # -- attributes -----------------------------------------------------------------------
 
 
-def drop_attribute(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng, lambda n: len(n.attribute) > 0)
-    if picked is None:
-        return None
-    node = picked[1]
+@_at_a_node(lambda n: len(n.attribute) > 0)
+def drop_attribute(
+    model: onnx.ModelProto, graph: onnx.GraphProto, node: onnx.NodeProto, rng: random.Random
+) -> str | None:
     index = rng.randrange(len(node.attribute))
     name = node.attribute[index].name
     del node.attribute[index]
@@ -212,21 +209,19 @@ def _odd_value(attr: onnx.AttributeProto, rng: random.Random) -> None:
         attr.t.CopyFrom(numpy_helper.from_array(array, attr.t.name))
 
 
-def alter_attribute(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng, lambda n: any(a.type != AttributeProto.GRAPH for a in n.attribute))
-    if picked is None:
-        return None
-    node = picked[1]
+@_at_a_node(lambda n: any(a.type != AttributeProto.GRAPH for a in n.attribute))
+def alter_attribute(
+    model: onnx.ModelProto, graph: onnx.GraphProto, node: onnx.NodeProto, rng: random.Random
+) -> str | None:
     attr = rng.choice([a for a in node.attribute if a.type != AttributeProto.GRAPH])
     _odd_value(attr, rng)
     return f"alter attribute {attr.name} of {node.op_type} {node.name!r}"
 
 
-def retype_attribute(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng, lambda n: any(a.type != AttributeProto.GRAPH for a in n.attribute))
-    if picked is None:
-        return None
-    node = picked[1]
+@_at_a_node(lambda n: any(a.type != AttributeProto.GRAPH for a in n.attribute))
+def retype_attribute(
+    model: onnx.ModelProto, graph: onnx.GraphProto, node: onnx.NodeProto, rng: random.Random
+) -> str | None:
     attr = rng.choice([a for a in node.attribute if a.type != AttributeProto.GRAPH])
     name = attr.name
     replacement = rng.choice(
@@ -237,11 +232,10 @@ def retype_attribute(model: onnx.ModelProto, rng: random.Random) -> str | None:
     return f"retype attribute {name} of {node.op_type} {node.name!r}"
 
 
-def add_attribute(model: onnx.ModelProto, rng: random.Random) -> str | None:
-    picked = _pick_node(model, rng)
-    if picked is None:
-        return None
-    node = picked[1]
+@_at_a_node()
+def add_attribute(
+    model: onnx.ModelProto, graph: onnx.GraphProto, node: onnx.NodeProto, rng: random.Random
+) -> str | None:
     name = rng.choice([*_AXIS_ATTRS, "keepdims", "to", "transA", "allowzero", "bogus"])
     if any(a.name == name for a in node.attribute):
         return None
@@ -323,12 +317,11 @@ def alter_declared_type(model: onnx.ModelProto, rng: random.Random) -> str | Non
     return None
 
 
-def wrong_value_info(model: onnx.ModelProto, rng: random.Random) -> str | None:
+@_at_a_node(lambda n: any(n.output))
+def wrong_value_info(
+    model: onnx.ModelProto, graph: onnx.GraphProto, node: onnx.NodeProto, rng: random.Random
+) -> str | None:
     """Declare a node output with a type unrelated to what the node computes."""
-    picked = _pick_node(model, rng, lambda n: any(n.output))
-    if picked is None:
-        return None
-    graph, node = picked
     name = rng.choice([o for o in node.output if o])
     for existing in list(graph.value_info):
         if existing.name == name:

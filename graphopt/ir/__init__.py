@@ -15,7 +15,7 @@ from graphopt.ir.types import (
     TensorType,
     Type,
 )
-from graphopt.ir.value import Use, Value
+from graphopt.ir.value import Use, Value, tensor_dtype, tensor_shape
 
 __all__ = [
     "ArraySource",
@@ -49,4 +49,6 @@ __all__ = [
     "mul",
     "parse_dim",
     "sub",
+    "tensor_dtype",
+    "tensor_shape",
 ]

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from graphopt.ir.dims import Dim
 from graphopt.ir.tensor import SparseTensor, Tensor
-from graphopt.ir.types import Type
+from graphopt.ir.types import DataType, TensorType, Type
 
 if TYPE_CHECKING:
     from graphopt.ir.graph import Graph
     from graphopt.ir.node import Node
 
-__all__ = ["Use", "Value", "read_value"]
+__all__ = ["Use", "Value", "read_value", "tensor_dtype", "tensor_shape"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,3 +132,15 @@ def read_value(read: Use | Value) -> Value:
     value = read.node.input(read.index)
     assert value is not None  # free_reads lists only inputs that are set
     return value
+
+
+def tensor_shape(value: Value | None) -> tuple[Dim, ...] | None:
+    """The dims of a tensor value; None when it is no tensor or its rank is unknown."""
+    kind = value.type if value is not None else None
+    return kind.shape if isinstance(kind, TensorType) else None
+
+
+def tensor_dtype(value: Value | None) -> DataType | None:
+    """The element type of a tensor value; None when it is no tensor."""
+    kind = value.type if value is not None else None
+    return kind.dtype if isinstance(kind, TensorType) else None

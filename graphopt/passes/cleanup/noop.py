@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphopt.ir import AttrKind, DataType, Dim, Model, Node, TensorType, Value
+from graphopt.ir import AttrKind, DataType, Dim, Model, Node, TensorType, Value, tensor_shape
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Namer, can_take_over, replace_value
 from graphopt.passes.base import Pass, PassContext, PassResult, register
@@ -49,12 +49,6 @@ class Rule:
 
 
 # -- what the rules know about values ------------------------------------------------------
-
-
-def _shape(value: Value | None) -> tuple[Dim, ...] | None:
-    if value is None or not isinstance(value.type, TensorType):
-        return None
-    return value.type.shape
 
 
 def _input_ints(node: Node, index: int) -> list[int] | None:
@@ -114,7 +108,7 @@ def cast_to_same_type(node: Node, opset: int) -> Value | None:
 
 def reshape_to_same_shape(node: Node, opset: int) -> Value | None:
     # Reshape(x: [b, s, 256], [0, -1, 256]) -> x
-    x, shape = node.inputs[0], _shape(node.inputs[0])
+    x, shape = node.inputs[0], tensor_shape(node.inputs[0])
     target = _ints(node, "shape", 1)
     if shape is None or target is None or len(target) != len(shape) or target.count(-1) > 1:
         return None
@@ -132,7 +126,7 @@ def transpose_identity(node: Node, opset: int) -> Value | None:
     x, given = node.inputs[0], node.attributes.get("perm")
     perm = given.value if given is not None and given.kind == AttrKind.INTS else None
     if given is None:  # the default reverses the dims, which changes nothing only up to rank 1
-        shape = _shape(x)
+        shape = tensor_shape(x)
         return x if shape is not None and len(shape) <= 1 else None
     return x if perm is not None and list(perm) == list(range(len(perm))) else None
 
@@ -145,7 +139,7 @@ def pad_nothing(node: Node, opset: int) -> Value | None:
 
 def squeeze_nothing(node: Node, opset: int) -> Value | None:
     # Squeeze(x: [2, 3], axes=[]) -> x   (no axes means every dim of 1, and there is none)
-    x, shape = node.inputs[0], _shape(node.inputs[0])
+    x, shape = node.inputs[0], tensor_shape(node.inputs[0])
     axes = _ints(node, "axes", 1) if _given(node, "axes", 1) else []
     if axes != [] or shape is None:
         return None
@@ -159,7 +153,7 @@ def unsqueeze_nothing(node: Node, opset: int) -> Value | None:
 
 def slice_everything(node: Node, opset: int) -> Value | None:
     # Slice(x: [4, s], starts=[0, 0], ends=[4, INT64_MAX], steps=[1, 1]) -> x
-    x, shape = node.inputs[0], _shape(node.inputs[0])
+    x, shape = node.inputs[0], tensor_shape(node.inputs[0])
     starts, ends = _ints(node, "starts", 1), _ints(node, "ends", 2)
     if starts is None or ends is None or any(starts):
         return None
@@ -180,7 +174,7 @@ def slice_everything(node: Node, opset: int) -> Value | None:
 
 def expand_to_own_shape(node: Node, opset: int) -> Value | None:
     # Expand(x: [b, 3], shape=[1, 3]) -> x
-    x, shape = node.inputs[0], _shape(node.inputs[0])
+    x, shape = node.inputs[0], tensor_shape(node.inputs[0])
     target = _input_ints(node, 1)
     if shape is None or target is None:
         return None
@@ -206,7 +200,7 @@ def _neutral_operand(node: Node, neutral: int, constant_at: tuple[int, ...]) -> 
     for index in constant_at:
         x = node.inputs[1 - index]
         constant = constant_array(node.inputs[index])
-        shape = _shape(x)
+        shape = tensor_shape(x)
         if constant is None or x is None or shape is None or not isinstance(x.type, TensorType):
             continue
         try:

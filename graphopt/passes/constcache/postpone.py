@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphopt.facts.op import broadcast
-from graphopt.ir import Dim, Graph, Node, TensorType, Value
+from graphopt.ir import Dim, Graph, Node, tensor_shape
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, replace_value
 from graphopt.passes.constcache.lattice import Constness, Lattice
@@ -43,12 +43,6 @@ ELEMENTWISE = frozenset(
     }
 )  # fmt: skip
 _EXPANDING = ("Expand", "Tile")
-
-
-def _shape(value: Value | None) -> tuple[Dim, ...] | None:
-    if value is None or not isinstance(value.type, TensorType):
-        return None
-    return value.type.shape
 
 
 def postpone_expansions(graph: Graph, lattice: Lattice, make: Callable[[Node], Builder]) -> Counter[str]:
@@ -77,9 +71,9 @@ def _postpone(node: Node, index: int, expansion: Node, lattice: Lattice, make: C
     others = [v for i, v in enumerate(node.inputs) if i != index and v is not None]
     if x is None or any(lattice[v] == Constness.VAR for v in [x, *others]):
         return False
-    x_shape, out_shape = _shape(x), _shape(node.outputs[0])
-    shapes = [_shape(v) for v in others]
-    if x_shape is None or out_shape is None or out_shape != _shape(expansion.outputs[0]):
+    x_shape, out_shape = tensor_shape(x), tensor_shape(node.outputs[0])
+    shapes = [tensor_shape(v) for v in others]
+    if x_shape is None or out_shape is None or out_shape != tensor_shape(expansion.outputs[0]):
         return False
     small = broadcast([x_shape, *shapes])
     if small is None or small != (1,) * (len(small) - len(x_shape)) + tuple(x_shape) or len(small) > len(out_shape):
@@ -126,8 +120,8 @@ def _absorb(node: Node, index: int, expansion: Node) -> bool:
     if expansion.op_type != "Expand" or len(node.inputs) < 2:
         return False
     source = expansion.inputs[0]
-    out_shape = _shape(node.outputs[0])
-    shapes = [_shape(source if i == index else v) for i, v in enumerate(node.inputs) if v is not None]
+    out_shape = tensor_shape(node.outputs[0])
+    shapes = [tensor_shape(source if i == index else v) for i, v in enumerate(node.inputs) if v is not None]
     if source is None or out_shape is None or any(d is None for d in out_shape):
         return False
     if broadcast(shapes) != tuple(out_shape):

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from graphopt.facts import Facts
-from graphopt.ir import DataType, Dim, Graph, Model, Node, TensorType, Value
+from graphopt.ir import DataType, Dim, Graph, Model, Node, TensorType, Value, tensor_shape
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder, Namer, replace_value
 from graphopt.ir.types import INTEGER_TYPES
@@ -88,16 +88,10 @@ class MakeBuilder(Protocol):
 # -- targets -----------------------------------------------------------------------------
 
 
-def _shape_of(value: Value | None) -> tuple[Dim, ...] | None:
-    if value is None or not isinstance(value.type, TensorType):
-        return None
-    return value.type.shape
-
-
 def reshape_target(node: Node, facts: Facts) -> list[int] | None:
     """Reshape(x: [b, s, 256], (b, s, 4, 64)) -> [0, 0, 4, 64]; None if not provably the same."""
     target = facts.sym(node.inputs[1]) if node.inputs[1] is not None else None
-    shape = _shape_of(node.inputs[0])
+    shape = tensor_shape(node.inputs[0])
     if target is None or shape is None or any(d is None for d in target):
         return None
     copies = not node.attr("allowzero", 0)
@@ -115,7 +109,7 @@ def reshape_target(node: Node, facts: Facts) -> list[int] | None:
 def expand_target(node: Node, facts: Facts) -> list[int] | None:
     """Expand(x: [b, 1, 256], (b, 4, 256)) -> [1, 4, 1]; None if an entry is a dim x lacks."""
     target = facts.sym(node.inputs[1]) if node.inputs[1] is not None else None
-    shape = _shape_of(node.inputs[0])
+    shape = tensor_shape(node.inputs[0])
     if target is None or shape is None:
         return None
     found: list[int] = []
@@ -191,7 +185,7 @@ def _measure(
     if producer is None or producer.graph is None or not isinstance(kind, TensorType) or kind.dtype != DataType.INT64:
         return None
     for root in roots:
-        shape = _shape_of(root) or ()
+        shape = tensor_shape(root) or ()
         if not all(d in shape and not isinstance(d, int) for d in entries):
             continue
         indices = [shape.index(d) for d in entries]

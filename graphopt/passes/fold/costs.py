@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from graphopt.ir import Dim, Expr, Node, Sym
+from graphopt.ir import Dim, Expr, Node, Sym, tensor_shape
 from graphopt.passes.fold.index import Fold
-from graphopt.passes.fold.plan import SEED_OPS, Spec, shape_of
+from graphopt.passes.fold.plan import SEED_OPS, Spec
 
 __all__ = ["FITTED", "LEVELS", "MEASURED", "chain_estimate", "kernel_us"]
 
@@ -110,8 +110,8 @@ def _elements(shape: Sequence[Dim] | None) -> int:
 
 def _work(node: Node) -> float:
     """Multiply-adds of a MatMul / Gemm / Conv, elements of an element-wise op's output."""
-    out = _elements(shape_of(node.outputs[0]))
-    weight = shape_of(node.inputs[1]) if len(node.inputs) > 1 else None
+    out = _elements(tensor_shape(node.outputs[0]))
+    weight = tensor_shape(node.inputs[1]) if len(node.inputs) > 1 else None
     if node.op_type == "MatMul" and weight:
         return out * _dim(weight[0])
     if node.op_type == "Gemm" and weight:
@@ -161,7 +161,7 @@ def fold_gain_us(level: str, fold: Fold[Spec], folds: dict[int, Fold[Spec]], cut
             level, _kind(fold, True), sum(works)
         )
     operand = fold.spec.operand
-    activations = sum(_elements(shape_of(v)) for v in operand.values)
+    activations = sum(_elements(tensor_shape(v)) for v in operand.values)
     if operand.how == "gather":
         gain -= kernel_us(level, "gather", activations)
     elif operand.how == "pack":

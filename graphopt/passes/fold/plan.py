@@ -29,7 +29,7 @@ from typing import Literal
 
 import numpy as np
 
-from graphopt.ir import DataType, Dim, Node, TensorType, Value
+from graphopt.ir import DataType, Dim, Node, TensorType, Value, tensor_dtype, tensor_shape
 from graphopt.ir.constness import is_deterministic
 from graphopt.passes.fold.index import Fold, FoldIndex, Group, group_by_key
 
@@ -38,7 +38,6 @@ __all__ = [
     "ELEMENTWISE_UNARY",
     "SEED_OPS",
     "folded_constant",
-    "shape_of",
     "Layout",
     "Operand",
     "Planner",
@@ -115,16 +114,6 @@ class Spec:
     layout: Layout  # of the fold's output
 
 
-def shape_of(value: Value | None) -> Shape | None:
-    kind = value.type if value is not None else None
-    return kind.shape if isinstance(kind, TensorType) else None
-
-
-def dtype_of(value: Value | None) -> object:
-    kind = value.type if value is not None else None
-    return kind.dtype if isinstance(kind, TensorType) else None
-
-
 def _attrs_key(node: Node) -> Hashable:
     return tuple(sorted((a.name, int(a.kind), repr(a.value)) for a in node.attributes.values()))
 
@@ -133,7 +122,7 @@ def _input_key(value: Value | None, constant: Callable[[Value | None], bool]) ->
     """Per input: constant or not, dtype and shape (symbolic dims compare by identity)."""
     if value is None:
         return None
-    return (constant(value), dtype_of(value), shape_of(value))
+    return (constant(value), tensor_dtype(value), tensor_shape(value))
 
 
 @dataclass
@@ -177,8 +166,8 @@ class Planner:
             and not any(True for _ in node.subgraphs())
             and is_deterministic(node)
             and isinstance(node.outputs[0].type, TensorType)
-            and shape_of(node.outputs[0]) is not None
-            and all(v is None or shape_of(v) is not None for v in node.inputs)
+            and tensor_shape(node.outputs[0]) is not None
+            and all(v is None or tensor_shape(v) is not None for v in node.inputs)
         )
 
     def _activation_position(self, node: Node) -> int | None:
@@ -198,12 +187,12 @@ class Planner:
         out_axis = _weight_out_axis(node)
         weight_shapes: list[Hashable] = []
         for value in node.inputs[1:]:
-            shape = shape_of(value)
+            shape = tensor_shape(value)
             if value is None or shape is None:
                 weight_shapes.append(None)
                 continue
             axis = out_axis if value is node.inputs[1] else len(shape) - 1
-            weight_shapes.append((dtype_of(value), len(shape), tuple(d for i, d in enumerate(shape) if i != axis)))
+            weight_shapes.append((tensor_dtype(value), len(shape), tuple(d for i, d in enumerate(shape) if i != axis)))
         return ("shared", node.op_type, _attrs_key(node), id(node.inputs[0]), tuple(weight_shapes))
 
     def _key(self, node: Node, index: FoldIndex[Spec]) -> Hashable | None:
@@ -223,12 +212,12 @@ class Planner:
         # Slices of one fold may differ in width along its axis: the key leaves that dim out.
         activation = node.inputs[position]
         axis = index.folds[source.fold].spec.layout.axis
-        shape = shape_of(activation) or ()
-        inputs[position] = (False, dtype_of(activation), tuple(d for i, d in enumerate(shape) if i != axis))
+        shape = tensor_shape(activation) or ()
+        inputs[position] = (False, tensor_dtype(activation), tuple(d for i, d in enumerate(shape) if i != axis))
         if node.op_type in ELEMENTWISE_BINARY:
             # Constants may differ in shape along the fold's axis; their rank and dtype may not.
             other = node.inputs[1 - position]
-            inputs[1 - position] = ("constant", dtype_of(other), len(shape_of(other) or ()))
+            inputs[1 - position] = ("constant", tensor_dtype(other), len(tensor_shape(other) or ()))
         elif any(v is not None and i != position and self.weight(v) is None for i, v in enumerate(node.inputs)):
             return None
         else:  # Clip's bounds, ...: must be the same constants in every member
@@ -239,12 +228,12 @@ class Planner:
     def _shared(self, members: list[Node]) -> Spec | None:
         first = members[0]
         out_axis = _weight_out_axis(first)
-        widths = [shape_of(m.inputs[1])[out_axis] for m in members]  # type: ignore[index]
-        output_shapes = [shape_of(m.outputs[0]) for m in members]
+        widths = [tensor_shape(m.inputs[1])[out_axis] for m in members]  # type: ignore[index]
+        output_shapes = [tensor_shape(m.outputs[0]) for m in members]
         if not all(isinstance(w, int) for w in widths) or any(s is None for s in output_shapes):
             return None
         rank = len(output_shapes[0])  # type: ignore[arg-type]
-        if first.op_type == "MatMul" and (rank < 2 or len(shape_of(first.inputs[1]) or ()) != 2):
+        if first.op_type == "MatMul" and (rank < 2 or len(tensor_shape(first.inputs[1]) or ()) != 2):
             return None
         if first.op_type == "Conv" and first.attr("group", 1) != 1:
             return None
@@ -261,13 +250,13 @@ class Planner:
         if len(present) != 1:
             return False
         return not present.pop() or all(
-            len(shape_of(m.inputs[2]) or ()) < 2 or (shape_of(m.inputs[2]) or (0,))[0] == 1 for m in members
+            len(tensor_shape(m.inputs[2]) or ()) < 2 or (tensor_shape(m.inputs[2]) or (0,))[0] == 1 for m in members
         )
 
     def _stacked(self, members: list[Node], index: FoldIndex[Spec]) -> Spec | None:
         first = members[0]
-        x_shape = shape_of(first.inputs[0])
-        out_shape = shape_of(first.outputs[0])
+        x_shape = tensor_shape(first.inputs[0])
+        out_shape = tensor_shape(first.outputs[0])
         if x_shape is None or out_shape is None or not _float(first.outputs[0]):
             return None
         count = len(members)
@@ -292,7 +281,7 @@ class Planner:
                 return None
             if first.op_type == "Gemm" and not self._gemm_biases_fold(members):
                 return None
-            if first.op_type == "MatMul" and (len(x_shape) < 2 or len(shape_of(first.inputs[1]) or ()) != 2):
+            if first.op_type == "MatMul" and (len(x_shape) < 2 or len(tensor_shape(first.inputs[1]) or ()) != 2):
                 return None
             depth, width = x_shape[-1], out_shape[-1]
             # The rows are the leading dims flattened: at most one of them unknown (a -1 in the Reshape).
@@ -316,10 +305,10 @@ class Planner:
         if any(s is None for s in slots):
             return None
         source = index.folds[slots[0].fold]  # type: ignore[union-attr]
-        if any(shape_of(m.outputs[0]) != shape_of(v) for m, v in zip(members, values, strict=True)):
+        if any(tensor_shape(m.outputs[0]) != tensor_shape(v) for m, v in zip(members, values, strict=True)):
             return None  # a constant that broadcasts the output bigger does not fold
         slices = [s.slice for s in slots]  # type: ignore[union-attr]
-        layout = source.spec.layout.gathered(slices, [shape_of(m.outputs[0]) for m in members])  # type: ignore[misc]
+        layout = source.spec.layout.gathered(slices, [tensor_shape(m.outputs[0]) for m in members])  # type: ignore[misc]
         if (
             members[0].op_type in ELEMENTWISE_BINARY
             and folded_constant([self.weight(m.inputs[1 - position]) for m in members], layout) is None
@@ -372,7 +361,7 @@ def _ranges(widths: Sequence[int]) -> tuple[tuple[int, int], ...]:
 
 
 def _float(value: Value) -> bool:
-    return dtype_of(value) in (DataType.FLOAT, DataType.DOUBLE, DataType.FLOAT16)
+    return tensor_dtype(value) in (DataType.FLOAT, DataType.DOUBLE, DataType.FLOAT16)
 
 
 def _array_key(array: np.ndarray | None) -> Hashable | None:

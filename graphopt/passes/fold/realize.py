@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import DataType, Graph, Model, Node, Value
+from graphopt.ir import DataType, Graph, Model, Node, Value, tensor_shape
 from graphopt.ir.rewrite import Builder, replace_value
 from graphopt.passes.base import PassContext
 from graphopt.passes.fold.index import Fold, FoldIndex
-from graphopt.passes.fold.plan import ELEMENTWISE_BINARY, Layout, Spec, folded_constant, shape_of
+from graphopt.passes.fold.plan import ELEMENTWISE_BINARY, Layout, Spec, folded_constant
 
 __all__ = ["Realizer", "remove_folded"]
 
@@ -79,7 +79,7 @@ class Realizer:
         return b.listed("Unsqueeze", transposed, "axes", [0, 3], as_input=self.lists_as_inputs).outputs[0]
 
     def _to_rows(self, b: Builder, value: Value) -> Value:
-        shape = shape_of(value)
+        shape = tensor_shape(value)
         if shape is not None and len(shape) == 2:
             return value
         depth = shape[-1] if shape else -1

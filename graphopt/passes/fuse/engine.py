@@ -36,7 +36,7 @@ from typing import Any, Literal
 import numpy as np
 
 from graphopt.errors import InputError
-from graphopt.ir import DataType, Graph, Model, Node, TensorType, Value
+from graphopt.ir import DataType, Graph, Model, Node, Value, tensor_dtype, tensor_shape
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, replace_nodes
 from graphopt.passes.base import PassContext
@@ -83,8 +83,7 @@ class Site:
 
     @staticmethod
     def shape(value: Value | None) -> tuple[Any, ...] | None:
-        kind = value.type if value is not None else None
-        return kind.shape if isinstance(kind, TensorType) else None
+        return tensor_shape(value)
 
     @staticmethod
     def rank(value: Value | None) -> int | None:
@@ -93,8 +92,7 @@ class Site:
 
     @staticmethod
     def dtype(value: Value | None) -> DataType | None:
-        kind = value.type if value is not None else None
-        return kind.dtype if isinstance(kind, TensorType) else None
+        return tensor_dtype(value)
 
     @staticmethod
     def array(value: Value | None, limit: int = WEIGHT_READ_LIMIT) -> np.ndarray | None:

@@ -36,6 +36,10 @@ FAMILY = "gather"
 MIN_TABLE_ROWS = 256
 
 
+def _over_rows(m: Match, table: np.ndarray) -> bool:
+    return int(m.node("gather").attr("axis", 0)) in (0, -table.ndim)
+
+
 def _row_axis(m: Match) -> int | str:
     """The axis of the positions ``P`` the Slice cuts, or why the rule does not apply."""
     positions = Site.array(m.value("positions"))
@@ -47,7 +51,7 @@ def _row_axis(m: Match) -> int | str:
     rows = table.shape[0]
     if positions.size != rows or not np.array_equal(positions.ravel(), np.arange(rows)):
         return "the positions are not 0, 1, ... over the table's rows"
-    if int(m.node("gather").attr("axis", 0)) not in (0, -table.ndim):
+    if not _over_rows(m, table):
         return "the Gather is not over rows"
     axes = m.optional("axes")
     if axes is None:
@@ -101,7 +105,7 @@ def _check_large_table(m: Match, site: Site) -> str | None:
     to = m.node("cast").attr("to")
     if table is None or table.ndim < 1 or not isinstance(to, int):
         return "the table is not a readable constant"
-    if int(m.node("gather").attr("axis", 0)) not in (0, -table.ndim):
+    if not _over_rows(m, table):
         return "the Gather is not over rows"
     if table.shape[0] < MIN_TABLE_ROWS:
         return f"the table has fewer than {MIN_TABLE_ROWS} rows"
@@ -109,7 +113,7 @@ def _check_large_table(m: Match, site: Site) -> str | None:
 
 
 def _gather_then_cast(b: Builder, m: Match, site: Site) -> Value:
-    rows = b.op("Gather", m.value("table"), m.value("indices"), axis=int(m.node("gather").attr("axis", 0)))
+    rows = b.op("Gather", m.value("table"), m.value("indices"), axis=0)  # the check admits lookups of rows only
     return b.op("Cast", rows, to=int(m.node("cast").attr("to")))
 
 

@@ -168,7 +168,8 @@ class Builder:
 
     def listed(self, op_type: str, x: Value, key: str, ints: Sequence[int], *, as_input: bool, **spec: Any) -> Node:
         """``op_type`` of ``x`` given a list of ints (Squeeze / Unsqueeze ``axes``, Split's
-        ``split``): an int64 input where ``as_input`` (opset 13 on), else the attribute ``key``."""
+        ``split``, ReduceMean's ``axes``): an int64 input where ``as_input`` (the opset the op
+        took them as an input from), else the attribute ``key``."""
         if as_input:
             return self.node(op_type, x, self.constant(np.asarray(ints, dtype=np.int64), key), **spec)
         attributes: dict[str, Any] = {key: list(ints)}

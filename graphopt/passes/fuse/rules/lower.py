@@ -59,9 +59,7 @@ def _scalar(b: Builder, value: float, dtype: DataType, name: str) -> Value:
 
 
 def _reduce_mean(b: Builder, x: Value, axes: Sequence[int], site: Site) -> Value:
-    if _opset_now(site) >= 18:
-        return b.op("ReduceMean", x, _ints(b, axes, "axes"), keepdims=1)
-    return b.op("ReduceMean", x, axes=list(axes), keepdims=1)
+    return b.listed("ReduceMean", x, "axes", axes, as_input=_opset_now(site) >= 18, keepdims=1).outputs[0]
 
 
 def _stash(b: Builder, x: Value, node: Node, site: Site) -> tuple[Value, DataType]:

@@ -159,9 +159,7 @@ def _unsqueeze_axes(m: Match, name: str, site: Site) -> list[int] | None:
 def _rewrite_unsqueezes(b: Builder, m: Match, site: Site) -> Value:
     axes = _merged_axes(m, site)
     assert axes is not None
-    if site.opset < 13:
-        return b.op("Unsqueeze", m.value("x"), axes=axes)
-    return b.op("Unsqueeze", m.value("x"), b.constant(np.array(axes, np.int64), "axes"))
+    return b.listed("Unsqueeze", m.value("x"), "axes", axes, as_input=site.opset >= 13).outputs[0]
 
 
 add_rule(

@@ -40,6 +40,23 @@ def is_float(value: Value | None) -> bool:
         return False
 
 
+NOT_FLOAT = "x is not a float tensor of known type"
+
+
+def float_x(m: Match, site: Site) -> str | None:
+    """A check: the match's ``x`` is a float tensor of known type."""
+    return None if is_float(m.value("x")) else NOT_FLOAT
+
+
+def scalar_factor(value: Value | None, divides: bool) -> float | None:
+    """The factor a constant scalar applies when a Mul (or, with ``divides``, a Div) takes it."""
+    found = float_array(value)
+    if found is None or found.size != 1:
+        return None
+    factor = float(found.ravel()[0])
+    return (1.0 / factor if factor else None) if divides else factor
+
+
 def float_array(value: Value | None) -> np.ndarray | None:
     """A float constant's values as float64 (None: not a float constant)."""
     array = Site.array(value)

@@ -21,7 +21,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import is_float
+from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float
 
 FAMILY = "activation"
 MS = "com.microsoft"
@@ -49,10 +49,6 @@ _TANH_GELU = _products(
 )
 
 
-def _float_x(m: Match, site: Site) -> str | None:
-    return None if is_float(m.value("x")) else "x is not a float tensor of known type"
-
-
 def _gelu(approximate: str) -> Rule:
     def rewrite(b: Builder, m: Match, site: Site) -> Value:
         if approximate == "tanh":
@@ -64,7 +60,7 @@ def _gelu(approximate: str) -> Rule:
         FAMILY,
         _TANH_GELU if approximate == "tanh" else _ERF_GELU,
         rewrite,
-        _float_x,
+        float_x,
         min_opset=20,
         label="GELU" if approximate == "none" else "tanh GELU",
         doc=f"decomposed {'tanh' if approximate == 'tanh' else 'erf'} GELU -> Gelu (opset 20)",
@@ -78,7 +74,7 @@ def _ort_gelu(approximate: str) -> Rule:
         FAMILY,
         _TANH_GELU if approximate == "tanh" else _ERF_GELU,
         lambda b, m, site: b.op(contrib, m.value("x"), domain=MS),
-        _float_x,
+        float_x,
         max_opset=19,
         targets=frozenset({"ort"}),
         label="GELU" if approximate == "none" else "tanh GELU",
@@ -107,7 +103,7 @@ _RELU6 = op.Clip(op.Add(_x, const(3.0)), optional(var("lo")), optional(var("hi")
 
 def _check_relu6(m: Match, site: Site) -> str | None:
     if not is_float(m.value("x")):
-        return "x is not a float tensor of known type"
+        return NOT_FLOAT
     return None if _clip_bounds(m.node("clip")) == (0.0, 6.0) else "the Clip is not to [0, 6]"
 
 
@@ -140,7 +136,7 @@ add_rule(
         FAMILY,
         either(_SPELLED_HARDSWISH, op.Mul(_x, op.HardSigmoid(_x, where=_is_sixth_hardsigmoid))),
         lambda b, m, site: b.op("HardSwish", m.value("x")),
-        lambda m, site: _check_relu6(m, site) if "clip" in m.bindings else _float_x(m, site),
+        lambda m, site: _check_relu6(m, site) if "clip" in m.bindings else float_x(m, site),
         min_opset=14,
         label="HardSwish",
         doc="x * Clip(x + 3, 0, 6) / 6 or x * HardSigmoid(x, 1/6, 1/2) -> HardSwish(x) (opset 14)",

@@ -35,7 +35,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import MS, float_array, is_float, refusal
+from graphopt.passes.fuse.rules._helpers import MS, float_array, is_float, refusal, scalar_factor
 
 FAMILY = "attention"
 _HEADS = [0, 2, 1, 3]
@@ -89,11 +89,7 @@ def _heads(m: Match, name: str, site: Site) -> tuple[int, int] | None:
 def _scale(m: Match, head_size: int) -> float | None:
     if "scale" not in m.bindings:
         return 1.0
-    found = float_array(m.value("scale"))
-    if found is None or found.size != 1:
-        return None
-    value = float(found.ravel()[0])
-    return value if m.node("scaling").op_type == "Mul" else (1.0 / value if value else None)
+    return scalar_factor(m.value("scale"), divides=m.node("scaling").op_type == "Div")
 
 
 def _causal(m: Match, site: Site) -> bool:

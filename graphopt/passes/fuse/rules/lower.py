@@ -38,7 +38,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import op, optional, var
-from graphopt.passes.fuse.rules._helpers import is_float
+from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float
 
 FAMILY = "lower"
 
@@ -92,7 +92,7 @@ def _check_stash(node: Node) -> str | None:
 def _check_norm(m: Match, site: Site) -> str | None:
     x = m.value("x")
     if not is_float(x):
-        return "x is not a float tensor of known type"
+        return NOT_FLOAT
     if _normalized_axes(int(m.root.attr("axis", -1)), site.rank(x)) is None:
         return "a positive axis on an input of unknown rank"
     return _check_stash(m.root)
@@ -147,14 +147,10 @@ def _lower_gelu(b: Builder, m: Match, site: Site) -> Value:
     return b.op("Mul", b.op("Mul", x, one_plus), _scalar(b, 0.5, dtype, "half"))
 
 
-def _float_x(m: Match, site: Site) -> str | None:
-    return None if is_float(m.value("x")) else "x is not a float tensor of known type"
-
-
 def _check_group_norm(m: Match, site: Site) -> str | None:
     x = m.value("x")
     if not is_float(x):
-        return "x is not a float tensor of known type"
+        return NOT_FLOAT
     rank = site.rank(x)
     if rank is None or rank < 3:
         return "x is not provably of rank 3 or more (N, C, spatial...)"
@@ -369,7 +365,7 @@ _LOWERING = (
         17,
         "LayerNormalization",
     ),
-    ("lower-gelu", op.Gelu(_x), _lower_gelu, _float_x, 20, "Gelu"),
+    ("lower-gelu", op.Gelu(_x), _lower_gelu, float_x, 20, "Gelu"),
     ("lower-rmsnorm", op.RMSNormalization(_x, var("scale")), _lower_rms_norm, _check_norm, 23, "RMSNormalization"),
     (
         "lower-groupnorm",

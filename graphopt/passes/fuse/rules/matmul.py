@@ -19,7 +19,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
-from graphopt.passes.fuse.rules._helpers import MS, activation_params, attrs_of, float_array, is_float
+from graphopt.passes.fuse.rules._helpers import MS, activation_params, attrs_of, is_float, scalar_factor
 from graphopt.passes.fuse.rules.conv import activated, check_activation
 
 FAMILY = "matmul"
@@ -94,11 +94,7 @@ add_rule(_transposed_gemm("b"))
 
 
 def _scale(m: Match) -> float | None:
-    s = float_array(m.value("s"))
-    if s is None or s.size != 1:
-        return None
-    value = float(s.ravel()[0])
-    return value if m.root.op_type == "Mul" else (1.0 / value if value else None)
+    return scalar_factor(m.value("s"), divides=m.root.op_type == "Div")
 
 
 def _rewrite_scaled_gemm(b: Builder, m: Match, site: Site) -> Value:

@@ -22,7 +22,7 @@ import logging
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from graphopt.errors import InputError
 from graphopt.facts import Facts, OnnxTypes
@@ -53,6 +53,8 @@ class PassResult:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+T = TypeVar("T")
+
 # What io provides: a model converted to another default-domain opset (a new model).
 OpsetConverter = Callable[[Model, int], Model]
 
@@ -73,6 +75,7 @@ class PassContext:
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("graphopt.passes"))
     _facts: dict[int, Facts] = field(default_factory=dict, repr=False)
     _names: dict[int, Namer] = field(default_factory=dict, repr=False)
+    _state: dict[tuple[int, str], tuple[Model, Any]] = field(default_factory=dict, repr=False)
 
     _evaluator: Evaluator | None = field(default=None, repr=False)
 
@@ -102,6 +105,16 @@ class PassContext:
             setattr(model, name, getattr(converted, name))
         self._facts.pop(id(model), None)
         self._names.pop(id(model), None)
+
+    def state(self, model: Model, key: str, make: Callable[[], T]) -> T:
+        """The run's value for ``key`` on ``model``, made by ``make()`` on first use.
+
+        Run state lives here, never on a pass object: a pipeline builds one pass instance
+        per step, and a value kept on one instance would start afresh at the next step."""
+        found = self._state.get((id(model), key))
+        if found is None or found[0] is not model:
+            found = self._state[(id(model), key)] = (model, make())
+        return cast(T, found[1])
 
     def names(self, model: Model) -> Namer:
         """Model-wide fresh names; names handed out once are never handed out again."""

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import functools
-import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -53,11 +52,6 @@ class ConstCacheOptions:
 class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
     """Fold constant regions under size guards, fold shape plumbing symbolically, cache runtime constants"""
 
-    def __init__(self, options: Any = None) -> None:
-        super().__init__(options)
-        # The stored bytes of each model when this pass first saw it: the growth budget's base.
-        self._baseline: weakref.WeakKeyDictionary[Model, int] = weakref.WeakKeyDictionary()
-
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         names = ctx.names(model)
         settings = ctx.settings
@@ -69,7 +63,8 @@ class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
         rules = Rules(settings.const_input, settings.fold_qdq, settings.defer_growth, ctx.evaluator)
         if ctx.evaluator is not None:
             stored = model_stats(model).initializer_bytes
-            baseline = self._baseline.setdefault(model, stored)
+            # The stored bytes when the run's first const-cache step saw the model: one budget per run.
+            baseline = ctx.state(model, "const-cache.baseline", lambda: stored)
             # A small model may still grow by one region's worth.
             allowed = max(int(baseline * self.options.max_model_growth), self.options.max_growth_bytes)
             budget = baseline + allowed - stored

@@ -83,6 +83,7 @@ def _node_suite(tmp_path: Path) -> tuple[collections.Counter[str], list[str]]:
     return counts, broken
 
 
+@pytest.mark.slow  # minutes on one worker; .ci/run runs the slow suite
 def test_default_pipeline_on_the_node_suite(tmp_path: Path) -> None:
     counts, broken = _node_suite(tmp_path)
     print(dict(counts))

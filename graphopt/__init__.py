@@ -5,11 +5,27 @@ model = graphopt.load("model.onnx")
 result = graphopt.optimize(model)            # the default pipeline
 graphopt.save(result.model, "model.opt.onnx")
 graphopt.check("model.onnx", "model.opt.onnx")
+
+The API loads on first use, so importing a leaf module (graphopt.ir, say) does not import it.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from graphopt import check  # the subpackage, callable as graphopt.api.check (see its docstring)
-from graphopt.api import Result, load, optimize, save
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from graphopt.version import __version__
+
+if TYPE_CHECKING:
+    from graphopt import check
+    from graphopt.api import Result, load, optimize, save
 
 __all__ = ["Result", "__version__", "check", "load", "optimize", "save"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "check":  # the subpackage, callable as graphopt.api.check (see its docstring)
+        return import_module("graphopt.check")
+    if name in __all__:
+        return getattr(import_module("graphopt.api"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

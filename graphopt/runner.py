@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from graphopt import __version__
 from graphopt.api import Result, optimize, resolve_pipeline, resolve_settings
 from graphopt.errors import GraphoptError, InputError
 from graphopt.files import commit, folder_lock, is_staging, staging_folder
@@ -28,6 +27,7 @@ from graphopt.io.onnx_io import is_data_file_of
 from graphopt.ir import Model
 from graphopt.passes.pipeline import PassRun
 from graphopt.report import check_report_target, write_report
+from graphopt.version import __version__
 
 __all__ = [
     "RunOptions",

@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
-from graphopt import __version__
 from graphopt.errors import GraphoptError, InputError, bounded
 from graphopt.settings import Settings
+from graphopt.version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
 

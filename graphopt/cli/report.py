@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 import jsonschema
 
-from graphopt import __version__
 from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr
 from graphopt.errors import InputError
+from graphopt.version import __version__
 
 
 @cli.group()

@@ -22,9 +22,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from graphopt import __version__
 from graphopt.cli.app import EXIT_CODES, cli, emit, error_line, fail, guarded, parse_dims, stderr, with_settings
 from graphopt.errors import GraphoptError, InputError, bounded
+from graphopt.version import __version__
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:

@@ -9,7 +9,11 @@ from typing import Any
 from graphopt.ir.graph import Graph
 from graphopt.ir.node import Attr, Node
 
-__all__ = ["Function", "Model"]
+__all__ = ["RUNTIME_DOMAIN", "Function", "Model"]
+
+# The domain of the fold-once function that const-cache writes and graphopt.runtime.CachedSession
+# runs: a file-format contract between the two, so it lives with the model, below both.
+RUNTIME_DOMAIN = "graphopt.runtime"
 
 
 @dataclass(eq=False)

@@ -24,7 +24,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from graphopt.passes.constcache.runtime import RUNTIME_DOMAIN
+from graphopt.ir.model import RUNTIME_DOMAIN
 
 __all__ = ["CachedSession"]
 

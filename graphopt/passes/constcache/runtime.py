@@ -21,13 +21,12 @@ from typing import Any
 
 from graphopt.ir import Graph, Model, Node, Value
 from graphopt.ir.graph import ancestor_in
-from graphopt.ir.model import Function
+from graphopt.ir.model import RUNTIME_DOMAIN, Function
 from graphopt.ir.rewrite import Namer, replace_value
 from graphopt.passes.constcache.lattice import Constness, Lattice
 
-__all__ = ["RUNTIME_DOMAIN", "split_runtime"]
+__all__ = ["split_runtime"]
 
-RUNTIME_DOMAIN = "graphopt.runtime"
 FOLD_NAME = "runtime_fold"
 
 

@@ -360,7 +360,7 @@ def _broken(change: str) -> dict[str, Any]:
         ("dtype", "$.graph.inputs[0].type: unknown dtype 'float33'"),
         ("tensor dtype", "$.graph.initializers[0].dtype: 'float33' is not one of"),
         ("cycle", "cycle"),
-        ("duplicate", "$.graph.nodes[1].outputs: value 'h' is defined twice"),
+        ("duplicate", "$.graph.nodes[1]: value 'h' is defined twice"),
         ("undefined", "$.graph.nodes[1] reads 'nowhere', which nothing defines"),
         ("undeclared dim", "$.graph.inputs[0].type: dim 'm' is not declared in $.dims"),
         ("sidecar", "$.graph.initializers[0].file: sidecar file"),

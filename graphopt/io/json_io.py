@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import itertools
 import json
@@ -50,6 +51,7 @@ from onnx import helper
 
 from graphopt.errors import InputError
 from graphopt.files import temporary_file
+from graphopt.io.builder import Annotate, NodeEntry, Scope, build_graph
 from graphopt.io.external import external_file
 from graphopt.io.json_text import dump, parse_type_text, type_text
 from graphopt.io.onnx_io import ProtoSource, raw_buffer
@@ -695,7 +697,7 @@ class _Reader:
         )
 
     # attributes
-    def attribute(self, name: str, data: dict[str, Any], scope: list[dict[str, Value]], at: str) -> Attr:
+    def attribute(self, name: str, data: dict[str, Any], scope: Scope, at: str) -> Attr:
         doc = data.get("doc_string", "")
         if "ref_attr_name" in data:
             kind = _ATTR_KINDS[data.get("kind", "undefined")]
@@ -707,7 +709,7 @@ class _Reader:
         kind, value, at = _ATTR_KINDS[key], data[key], f"{at}.{key}"
         return Attr(name, kind, self._attr_value(kind, value, scope, at), "", doc)
 
-    def _attr_value(self, kind: AttrKind, value: Any, scope: list[dict[str, Value]], at: str) -> Any:
+    def _attr_value(self, kind: AttrKind, value: Any, scope: Scope, at: str) -> Any:
         if kind == AttrKind.FLOAT:
             return float(_decode_numbers(value, np.dtype(np.float32), at))
         if kind == AttrKind.FLOATS:
@@ -729,84 +731,65 @@ class _Reader:
         return one[kind](value, at)
 
     # graphs
-    def graph(self, data: dict[str, Any], scope: list[dict[str, Value]], at: str) -> Graph:
-        local: dict[str, Value] = {}
-
-        def define(value: Value, where: str) -> Value:
-            if value.name and value.name in local:
-                raise InputError(f"{where}: value {value.name!r} is defined twice")
-            if value.name:
-                local[value.name] = value
-            return value
-
-        initializers: list[Value] = []
-        for i, entry in enumerate(data.get("initializers", [])):
-            where = f"{at}.initializers[{i}]"
-            if "indices" in entry:
-                sparse = self.sparse(entry, where, entry["name"])
-                value = Value(entry["name"], SparseTensorType(sparse.values.dtype, sparse.dims), sparse)
-            else:
-                tensor = self.tensor(entry, where)
-                value = Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)
-            initializers.append(define(value, where))
-        inputs: list[Value] = []
-        for i, entry in enumerate(data.get("inputs", [])):
-            where = f"{at}.inputs[{i}]"
-            name = _name(entry)
-            # Before IR version 4 initializers were also listed as inputs: one value, two roles.
-            value = local.get(name) or define(Value(name), where)
-            self._annotate(value, entry, where)
-            inputs.append(value)
-        annotations = {_name(e): (e, f"{at}.value_info[{i}]") for i, e in enumerate(data.get("value_info", []))}
-        outputs_of: list[list[Value]] = []
-        for i, node_data in enumerate(data.get("nodes", [])):
-            outputs = [define(Value(n), f"{at}.nodes[{i}].outputs") for n in node_data.get("outputs", [])]
-            for value in outputs:
-                if value.name in annotations:
-                    self._annotate(value, *annotations.pop(value.name))
-            outputs_of.append(outputs)
-        for name, (_, where) in annotations.items():
-            raise InputError(f"{where}: value_info names {name!r}, which no node of this graph defines")
-        inner_scope = [*scope, local]
-
-        def resolve(name: str, where: str) -> Value:
-            for frame in reversed(inner_scope):
-                if name in frame:
-                    return frame[name]
-            raise InputError(f"{where} reads {name!r}, which nothing defines")
-
-        nodes = []
-        for i, (node_data, outputs) in enumerate(zip(data.get("nodes", []), outputs_of)):
-            where = f"{at}.nodes[{i}]"
-            label = f"{where} ({node_data['op']} {node_data['name']!r})" if node_data.get("name") else where
-            attributes = [
-                self.attribute(name, a, inner_scope, f"{where}.attributes.{name}")
-                for name, a in node_data.get("attributes", {}).items()
-            ]
-            node = Node(
-                node_data["op"],
-                [resolve(n, label) if n else None for n in node_data.get("inputs", [])],
-                outputs,
-                attributes,
-                domain=node_data.get("domain", ""),
-                name=node_data.get("name", ""),
-                overload=node_data.get("overload", ""),
-            )
-            node.doc_string = node_data.get("doc_string", "")
-            node.metadata_props = dict(node_data.get("metadata_props", {}))
-            nodes.append(node)
-        graph_outputs = []
-        for i, entry in enumerate(data.get("outputs", [])):
-            where = f"{at}.outputs[{i}]"
-            value = resolve(_name(entry), where)
-            self._annotate(value, entry, where)
-            graph_outputs.append(value)
-        graph = Graph(inputs, graph_outputs, nodes, initializers, name=data.get("name", ""))
+    def graph(self, data: dict[str, Any], scope: Scope, at: str) -> Graph:
+        initializers = [
+            self._initializer(e, f"{at}.initializers[{i}]") for i, e in enumerate(data.get("initializers", []))
+        ]
+        nodes = [self._node(d, f"{at}.nodes[{i}]") for i, d in enumerate(data.get("nodes", []))]
+        annotations = {
+            _name(e): functools.partial(self._annotate, entry=e, at=f"{at}.value_info[{i}]")
+            for i, e in enumerate(data.get("value_info", []))
+        }
+        graph, unused = build_graph(
+            scope,
+            name=data.get("name", ""),
+            where=at,
+            initializers=initializers,
+            inputs=self._listed(data.get("inputs", []), f"{at}.inputs"),
+            nodes=nodes,
+            annotations=annotations,
+            outputs=self._listed(data.get("outputs", []), f"{at}.outputs"),
+        )
+        for i, entry in enumerate(data.get("value_info", [])):
+            if _name(entry) in unused:
+                raise InputError(
+                    f"{at}.value_info[{i}]: value_info names {_name(entry)!r}, which no node of this graph defines"
+                )
         graph.doc_string = data.get("doc_string", "")
         graph.metadata_props = dict(data.get("metadata_props", {}))
         annotations_data = data.get("quantization_annotation", [])
         graph.quantization_annotation = [(q["tensor"], dict(q.get("params", {}))) for q in annotations_data]
         return graph
+
+    def _initializer(self, entry: dict[str, Any], at: str) -> Value:
+        if "indices" in entry:
+            sparse = self.sparse(entry, at, entry["name"])
+            return Value(entry["name"], SparseTensorType(sparse.values.dtype, sparse.dims), sparse)
+        tensor = self.tensor(entry, at)
+        return Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)
+
+    def _listed(self, entries: list[str | dict[str, Any]], at: str) -> list[tuple[str, Annotate]]:
+        return [(_name(e), functools.partial(self._annotate, entry=e, at=f"{at}[{i}]")) for i, e in enumerate(entries)]
+
+    def _node(self, data: dict[str, Any], at: str) -> NodeEntry:
+        def attributes(scope: Scope) -> list[Attr]:
+            return [
+                self.attribute(name, a, scope, f"{at}.attributes.{name}")
+                for name, a in data.get("attributes", {}).items()
+            ]
+
+        return NodeEntry(
+            data["op"],
+            data.get("inputs", []),
+            data.get("outputs", []),
+            attributes,
+            label=f"{at} ({data['op']} {data['name']!r})" if data.get("name") else at,
+            domain=data.get("domain", ""),
+            name=data.get("name", ""),
+            overload=data.get("overload", ""),
+            doc_string=data.get("doc_string", ""),
+            metadata_props=dict(data.get("metadata_props", {})),
+        )
 
     def _annotate(self, value: Value, entry: str | dict[str, Any], at: str) -> None:
         if isinstance(entry, str):

@@ -37,6 +37,7 @@ from onnx import numpy_helper
 from graphopt.errors import InputError, bounded
 from graphopt.files import temporary_file
 from graphopt.io import wire
+from graphopt.io.builder import NodeEntry, Scope, build_graph
 from graphopt.io.external import external_file
 from graphopt.ir import (
     Attr,
@@ -121,14 +122,6 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
         return from_proto(proto, base_dir=path.parent, independent_dims=independent_dims, model_file=path)
     except (InputError, GraphError) as err:
         raise InputError(f"{path}: {err}") from None
-
-
-def _unshadowed(name: str, frames: list[dict[str, Value]]) -> str:
-    index = 1
-    while any(f"{name}__{index}" in frame for frame in frames):
-        index += 1
-    frames[-1][f"{name}__{index}"] = frames[-1][name]  # a later name in this scope cannot take it
-    return f"{name}__{index}"
 
 
 def _first_line(err: BaseException) -> str:
@@ -299,7 +292,7 @@ class _Reader:
         return SparseTensor(self.tensor(proto.values), self.tensor(proto.indices), tuple(proto.dims))
 
     # attributes
-    def attribute(self, proto: onnx.AttributeProto, scope: list[dict[str, Value]]) -> Attr:
+    def attribute(self, proto: onnx.AttributeProto, scope: Scope) -> Attr:
         kind = AttrKind(proto.type) if proto.type else _infer_attr_kind(proto)
         value: Any
         if proto.ref_attr_name:
@@ -337,77 +330,35 @@ class _Reader:
         return Attr(proto.name, kind, value, proto.ref_attr_name, proto.doc_string)
 
     # graphs
-    def graph(self, proto: onnx.GraphProto, scope: list[dict[str, Value]]) -> Graph:
-        local: dict[str, Value] = {}
+    def graph(self, proto: onnx.GraphProto, scope: Scope) -> Graph:
         where = f"graph {proto.name!r}" if proto.name else "the graph"
-
-        def define(value: Value) -> Value:
-            if value.name and value.name in local:
-                raise InputError(f"{where}: value {value.name!r} is defined twice")
-            if value.name:
-                local[value.name] = value
-                if any(value.name in frame for frame in scope):
-                    # A body may reuse an outer name (onnx and onnxruntime take it: body
-                    # inputs and outputs are positional); the IR keeps names unique across
-                    # scopes, so the inner value is renamed (its readers hold the value).
-                    value.name = _unshadowed(value.name, [*scope, local])
-            return value
-
-        annotations = {vi.name: vi for vi in proto.value_info}
-        initializers: list[Value] = []
-        for tensor_proto in proto.initializer:
-            tensor = self.tensor(tensor_proto)
-            initializers.append(define(Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)))
-        for sparse_proto in proto.sparse_initializer:
-            sparse = self.sparse(sparse_proto)
-            initializers.append(define(Value(sparse.name, SparseTensorType(sparse.values.dtype, sparse.dims), sparse)))
-        inputs: list[Value] = []
-        listed: set[str] = set()
-        for vi in proto.input:
-            if vi.name in listed:
-                raise InputError(f"{where}: graph input {vi.name!r} is listed twice")
-            listed.add(vi.name)
-            # Before IR version 4 initializers were also listed as inputs: one value, two roles.
-            value = local.get(vi.name) or define(Value(vi.name))
-            self._annotate(value, vi)
-            inputs.append(value)
-        # Outputs first, inputs second: a graph whose nodes are out of order still loads.
-        outputs_of: list[list[Value]] = []
-        for node_proto in proto.node:
-            outputs = [define(Value(name)) for name in node_proto.output]
-            for value in outputs:
-                if value.name in annotations:
-                    self._annotate(value, annotations[value.name])
-            outputs_of.append(outputs)
-        inner_scope = [*scope, local]
-
-        def resolve(name: str, reader: str) -> Value:
-            for frame in reversed(inner_scope):
-                if name in frame:
-                    return frame[name]
-            raise InputError(f"{where}: {reader} reads {name!r}, which nothing defines")
-
-        nodes = []
-        for node_proto, outputs in zip(proto.node, outputs_of):
-            label = f"node {node_proto.name or node_proto.op_type!r}"
-            node = Node(
-                node_proto.op_type,
-                [resolve(n, label) if n else None for n in node_proto.input],
-                outputs,
-                [self.attribute(a, inner_scope) for a in node_proto.attribute],
-                domain=node_proto.domain,
-                name=node_proto.name,
-                overload=node_proto.overload,
+        initializers = [self._initializer(t) for t in proto.initializer]
+        initializers += [self._sparse_initializer(t) for t in proto.sparse_initializer]
+        nodes = [
+            NodeEntry(
+                p.op_type,
+                p.input,
+                p.output,
+                functools.partial(self._attributes, p),
+                label=f"{where}: node {p.name or p.op_type!r}",
+                domain=p.domain,
+                name=p.name,
+                overload=p.overload,
+                doc_string=p.doc_string,
+                metadata_props={m.key: m.value for m in p.metadata_props},
             )
-            node.doc_string = node_proto.doc_string
-            node.metadata_props = {p.key: p.value for p in node_proto.metadata_props}
-            nodes.append(node)
-        graph_outputs = []
-        for vi in proto.output:
-            value = resolve(vi.name, "a graph output")
-            self._annotate(value, vi)
-            graph_outputs.append(value)
-        graph = Graph(inputs, graph_outputs, nodes, initializers, name=proto.name)
+            for p in proto.node
+        ]
+        graph, _ = build_graph(
+            scope,
+            name=proto.name,
+            where=where,
+            initializers=initializers,
+            inputs=[(vi.name, functools.partial(self._annotate, vi=vi)) for vi in proto.input],
+            nodes=nodes,
+            annotations={vi.name: functools.partial(self._annotate, vi=vi) for vi in proto.value_info},
+            outputs=[(vi.name, functools.partial(self._annotate, vi=vi)) for vi in proto.output],
+        )
         graph.doc_string = proto.doc_string
         graph.metadata_props = {p.key: p.value for p in proto.metadata_props}
         graph.quantization_annotation = [
@@ -415,6 +366,17 @@ class _Reader:
             for a in proto.quantization_annotation
         ]
         return graph
+
+    def _initializer(self, proto: onnx.TensorProto) -> Value:
+        tensor = self.tensor(proto)
+        return Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)
+
+    def _sparse_initializer(self, proto: onnx.SparseTensorProto) -> Value:
+        sparse = self.sparse(proto)
+        return Value(sparse.name, SparseTensorType(sparse.values.dtype, sparse.dims), sparse)
+
+    def _attributes(self, proto: onnx.NodeProto, scope: Scope) -> list[Attr]:
+        return [self.attribute(a, scope) for a in proto.attribute]
 
     def _annotate(self, value: Value, vi: onnx.ValueInfoProto) -> None:
         self.annotating = vi.name

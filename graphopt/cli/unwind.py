@@ -15,7 +15,7 @@ from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr
 from graphopt.errors import InputError
 
 if TYPE_CHECKING:
-    from graphopt.passes.unwind.solvers import SolverName
+    from graphopt.layout.solvers import SolverName
 
 
 @cli.command(epilog=EXIT_CODES)
@@ -49,7 +49,7 @@ def unwind(problem: Path, solver: SolverName, time_budget: float, as_json: bool)
       graphopt unwind problem.json
       graphopt unwind problem.json --solver greedy --json > solution.json
     """
-    from graphopt.passes.unwind import problem_from_json, solve
+    from graphopt.layout import problem_from_json, solve
 
     data = _read_json(problem)
     if isinstance(data, dict) and "graph" in data:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from graphopt.passes.unwind import Problem, ProblemError, problem_from_json, solve
+from graphopt.layout import Problem, ProblemError, problem_from_json, solve
 from tests.cli_helpers import invoke
 from tests.passes.unwind_reference import evaluate, exhaustive
 

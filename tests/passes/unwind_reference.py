@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.passes.unwind import Problem
+from graphopt.layout import Problem
 
 
 def _object_array(items: list[Any], shape: tuple[int, ...]) -> np.ndarray:

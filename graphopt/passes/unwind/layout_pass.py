@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphopt.ir import Model
+from graphopt.layout.solvers import DEFAULT_TIME_BUDGET, SolverName, solve
+from graphopt.layout.spec import problem_from_json
 from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.passes.unwind.onnx_layouts import Profile, derive
 from graphopt.passes.unwind.rewrite import plan
-from graphopt.passes.unwind.solvers import DEFAULT_TIME_BUDGET, SolverName, solve
-from graphopt.passes.unwind.spec import problem_from_json
 
 __all__ = ["Unwind"]
 

@@ -40,8 +40,8 @@ import numpy as np
 
 from graphopt.ir import AttrKind, Graph, Model, Node, TensorType, Value
 from graphopt.ir.constness import constant_array, is_constant
-from graphopt.passes.unwind.problem import Problem
-from graphopt.passes.unwind.solution import Solution
+from graphopt.layout.problem import Problem
+from graphopt.layout.solution import Solution
 
 __all__ = ["Derivation", "Layout", "Profile", "Role", "derive", "identity", "inverse", "role"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphopt.errors import InputError
-from graphopt.passes.unwind.problem import Problem, ProblemError
+from graphopt.layout.problem import Problem, ProblemError
 from graphopt.schemas import validate
 
 __all__ = ["problem_from_json"]

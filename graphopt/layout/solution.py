@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.passes.unwind.problem import SINK, Problem
+from graphopt.layout.problem import SINK, Problem
 
 __all__ = ["Run", "Solution", "normalized"]
 

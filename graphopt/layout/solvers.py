@@ -37,8 +37,8 @@ from typing import Literal
 
 import numpy as np
 
-from graphopt.passes.unwind.problem import FIXED, SINK, Problem
-from graphopt.passes.unwind.solution import Solution, normalized
+from graphopt.layout.problem import FIXED, SINK, Problem
+from graphopt.layout.solution import Solution, normalized
 
 __all__ = ["DEFAULT_TIME_BUDGET", "EXACT_SLOTS", "SOLVERS", "SolverName", "solve", "solve_default", "solve_greedy"]
 

@@ -29,32 +29,32 @@ from graphopt.errors import InputError
 from graphopt.passes.fuse import registered_rules
 from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, model, node
-from tests.passes.test_fuse_ort_rules import (
+from tests.passes.fuse_models import (
     HIDDEN,
-    _attention,
-    _bias_gelu,
-    _computed_reshape,
-    _conv_act,
-    _embed,
-    _gemm_bn,
-    _masked_feeds,
-    _padded,
-    _scaled_matmul,
-    _skip_norm,
+    LOWERED,
+    bias_gelu,
+    computed_reshape,
+    conv_act,
+    conv_bn,
+    conv_channel,
+    embed,
+    erf_gelu,
+    gemm_bn,
+    group_norm,
+    hardswish,
+    kronecker,
+    layer_norm,
+    masked_feeds,
+    matmul_add,
+    ort_attention,
+    padded,
+    projections,
+    rope_model,
+    scaled_matmul,
+    skip_norm,
+    tanh_gelu,
+    tied,
 )
-from tests.passes.test_fuse_rules import (
-    _conv_bn,
-    _conv_channel,
-    _erf_gelu,
-    _group_norm,
-    _hardswish,
-    _layer_norm,
-    _matmul_add,
-    _rope,
-    _tanh_gelu,
-)
-from tests.passes.test_fuse_shatter import LOWERED, _kronecker, _projections
-from tests.passes.test_fuse_tied import _tied
 
 RNG = np.random.default_rng(2)
 F16 = TensorProto.FLOAT16
@@ -424,12 +424,12 @@ def _attention_split_input(proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
 
 
 def _standard_attention() -> onnx.ModelProto:
-    proto = _attention(mask="bias")
+    proto = ort_attention(mask="bias")
     return at_opset(23)(proto)
 
 
 def _ort_attention_feeds() -> Mapping[str, np.ndarray]:
-    return _masked_feeds()
+    return masked_feeds()
 
 
 def _one_sample(proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
@@ -457,7 +457,7 @@ def _opset13_split(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 def _rope_q(**kwargs: Any) -> Callable[[], onnx.ModelProto]:
     """RoPE of q alone (with k too, k's rotation would fuse in every perturbed model)."""
-    return lambda: _rope(roped=("q",), **kwargs)
+    return lambda: rope_model(roped=("q",), **kwargs)
 
 
 # -- the table ----------------------------------------------------------------------------------------
@@ -472,7 +472,7 @@ LOWERED_NODE = "n/a: one node, whose outputs the lowering stands for (their name
 CONSTANTS_ONLY = "n/a: the rule reads constants only, whose shapes are known"
 SOFTMAX_AXIS = Perturb(set_attr("probs", axis=2), None)
 SPLIT_INPUT = Perturb(
-    lambda p: _attention(mask=_mask_of(p), packed=_packed(p), extra="split-input"),
+    lambda p: ort_attention(mask=_mask_of(p), packed=_packed(p), extra="split-input"),
     "not provable",
     feeds=_attention_split_input,
 )
@@ -494,7 +494,7 @@ def _gelu_cases(ort: bool) -> dict[str, Case]:
     )
     return {
         ("ort-gelu" if ort else "gelu-none"): Case(
-            lambda: _erf_gelu(opset),
+            lambda: erf_gelu(opset),
             {"Gelu": 1},
             "e",
             Perturb(set_const("sqrt2", 1.5), None, note="a constant"),
@@ -503,7 +503,7 @@ def _gelu_cases(ort: bool) -> dict[str, Case]:
             settings,
         ),
         ("ort-fastgelu" if ort else "gelu-tanh"): Case(
-            lambda: _tanh_gelu(opset),
+            lambda: tanh_gelu(opset),
             {"FastGelu" if ort else "Gelu": 1},
             "t",
             Perturb(set_const("k", 0.05), None, note="a constant"),
@@ -549,7 +549,7 @@ def _skip_case(norm: str, interior: str) -> Case:
         else Perturb(set_attr("ms", axes=[1]), "trailing axes")
     )
     return Case(
-        lambda: _skip_norm(norm),
+        lambda: skip_norm(norm),
         {"MatMul": 1, op_type: 1},
         interior,
         axis,
@@ -649,7 +649,7 @@ CASES: dict[str, Case] = {
         NO_GATE,
     ),
     "hardswish": Case(
-        lambda: _hardswish(14),
+        lambda: hardswish(14),
         {"HardSwish": 1},
         "c",
         Perturb(set_const("hi", 5.0), "not to [0, 6]", note="a constant"),
@@ -657,7 +657,7 @@ CASES: dict[str, Case] = {
         below(14),
     ),
     "hardswish-as-hardsigmoid": Case(
-        lambda: _hardswish(13),
+        lambda: hardswish(13),
         {"Mul": 1, "HardSigmoid": 1},
         "c",
         Perturb(set_const("hi", 5.0), "not to [0, 6]", note="a constant"),
@@ -665,7 +665,7 @@ CASES: dict[str, Case] = {
         Perturb(at_opset(14), None, note="above its max: HardSwish takes it"),
     ),
     "ort-biasgelu": Case(
-        _bias_gelu,
+        bias_gelu,
         {"BiasGelu": 1},
         "h",
         Perturb(set_const("bias", _w(1)), "not a vector over x's last axis", note="a constant"),
@@ -703,10 +703,13 @@ CASES: dict[str, Case] = {
             _ort_attention_feeds,
             "shape-infer,fuse,dce",
         )
-        for name, build in (("ort-attention", _attention), ("ort-attention-packed", lambda: _attention(packed=True)))
+        for name, build in (
+            ("ort-attention", ort_attention),
+            ("ort-attention-packed", lambda: ort_attention(packed=True)),
+        )
     },
     "conv-bn": Case(
-        _conv_bn,
+        conv_bn,
         {"Conv": 1},
         "c",
         Perturb(training, None, note="training_mode=1"),
@@ -715,7 +718,7 @@ CASES: dict[str, Case] = {
     ),
     **{
         f"conv-{op.lower()}": Case(
-            lambda op=op: _conv_channel(_w(4), op),
+            lambda op=op: conv_channel(_w(4), op),
             {"Conv": 1, "Transpose": 1},
             "c",
             # channels last no more: the operand would scale H, which is as long as C here
@@ -730,7 +733,7 @@ CASES: dict[str, Case] = {
         for op in ("Mul", "Add", "Sub")
     },
     "ort-fusedconv": Case(
-        _conv_act,
+        conv_act,
         {"FusedConv": 1},
         "c",
         "n/a: FusedConv takes the Conv's attributes as they are",
@@ -739,7 +742,7 @@ CASES: dict[str, Case] = {
         {"target": "ort"},
     ),
     "ort-fusedconv-sum": Case(
-        lambda: _conv_act(residual=True),
+        lambda: conv_act(residual=True),
         {"FusedConv": 1},
         "s",
         "n/a: FusedConv takes the Conv's attributes as they are",
@@ -748,7 +751,7 @@ CASES: dict[str, Case] = {
         {"target": "ort"},
     ),
     "gemm-bn": Case(
-        _gemm_bn,
+        gemm_bn,
         {"Gemm": 1},
         "p",
         Perturb(training, None, note="training_mode=1"),
@@ -756,7 +759,7 @@ CASES: dict[str, Case] = {
         NO_GATE,
     ),
     "pad-into-consumer": Case(
-        lambda: _padded("Conv", [0, 0, 1, 2, 0, 0, 2, 1]),
+        lambda: padded("Conv", [0, 0, 1, 2, 0, 0, 2, 1]),
         {"Conv": 1},
         "p",
         Perturb(set_attr("p", mode="reflect"), "not a constant-mode Pad"),
@@ -764,7 +767,7 @@ CASES: dict[str, Case] = {
         NO_GATE,
     ),
     "matmul-add-gemm": Case(
-        lambda: _matmul_add(["n", 3]),
+        lambda: matmul_add(["n", 3]),
         {"Gemm": 1},
         "p",
         NO_ATTR,
@@ -804,7 +807,7 @@ CASES: dict[str, Case] = {
     ),
     **{
         f"ort-fusedmatmul-{op.lower()}": Case(
-            lambda op=op: _scaled_matmul(op, transpose=False),
+            lambda op=op: scaled_matmul(op, transpose=False),
             {"FusedMatMul": 1},
             "p",
             Perturb(set_const("s", [2.0, 3.0, 4.0, 5.0, 6.0]), "not a scalar", note="a constant"),
@@ -836,9 +839,9 @@ CASES: dict[str, Case] = {
             below(17),
         )
         for name, build in (
-            ("layernorm", _layer_norm),
-            ("layernorm-no-bias", truncated(_layer_norm, "g")),
-            ("layernorm-plain", truncated(_layer_norm, "n")),
+            ("layernorm", layer_norm),
+            ("layernorm-no-bias", truncated(layer_norm, "g")),
+            ("layernorm-plain", truncated(layer_norm, "n")),
         )
     },
     **{
@@ -863,12 +866,12 @@ CASES: dict[str, Case] = {
             below(21),
         )
         for name, build in (
-            ("groupnorm", _group_norm),
-            ("groupnorm-no-bias", truncated(lambda: _group_norm("decomposed"), "scaled")),
+            ("groupnorm", group_norm),
+            ("groupnorm-no-bias", truncated(lambda: group_norm("decomposed"), "scaled")),
             # two dynamic dims: reshape-one-unknown cannot take the root, which would hide the near miss
             (
                 "groupnorm-plain",
-                truncated(lambda: set_shape("x", ["b", 6, "h", 5])(_group_norm("decomposed")), "merged"),
+                truncated(lambda: set_shape("x", ["b", 6, "h", 5])(group_norm("decomposed")), "merged"),
             ),
         )
     },
@@ -882,7 +885,7 @@ CASES: dict[str, Case] = {
         passes="shape-infer,fuse,dce",
     ),
     "ort-embedlayernorm": Case(
-        lambda: _embed("row"),
+        lambda: embed("row"),
         {"EmbedLayerNormalization": 1, "Cast": 1},
         "typed",
         Perturb(set_attr("y", axis=1), "not over the last axis"),
@@ -893,7 +896,7 @@ CASES: dict[str, Case] = {
     ),
     **_lowering_cases(),
     "gemm-as-matmul": Case(
-        _projections,
+        projections,
         {"MatMul": 3},
         "n/a: one node, the Gemm (an Add reading its MatMul sibling stops it: test_fuse_shatter)",
         Perturb(lambda p: set_attr("q", "v", transA=1)(set_shape("x", [64, 64])(p)), "transA=1", make_feeds),
@@ -901,7 +904,7 @@ CASES: dict[str, Case] = {
         NO_GATE,
     ),
     "kronecker-matmul": Case(
-        lambda: _kronecker(np.kron(_w(8, 6), _w(32, 48)), ["b", 5, 256]),
+        lambda: kronecker(np.kron(_w(8, 6), _w(32, 48)), ["b", 5, 256]),
         {"Reshape": 2, "MatMul": 2},
         ONE_NODE,
         Perturb(nudged("w", (3, 5), 1e-3), None, note="a constant: one weight entry off the product"),
@@ -963,7 +966,7 @@ CASES: dict[str, Case] = {
         NO_GATE,
     ),
     "reshape-one-unknown": Case(
-        lambda: _computed_reshape([4]),
+        lambda: computed_reshape([4]),
         {"Reshape": 1},
         "n/a: one node (the shape plumbing goes with it when nothing else reads it)",
         Perturb(set_attr("y", allowzero=1), "allowzero"),
@@ -979,7 +982,7 @@ CASES: dict[str, Case] = {
         "n/a: types only",
         NO_GATE,
     ),
-    "cast-same-type": Case(
+    "cast-to-same-type": Case(
         _same_type_cast,
         {"Neg": 1},
         "n/a: one node",
@@ -988,7 +991,7 @@ CASES: dict[str, Case] = {
         NO_GATE,
     ),
     "tied-weight-gemm": Case(
-        lambda: _tied(["batch", "seq", 6]),
+        lambda: tied(["batch", "seq", 6]),
         {"Gather": 1, "Add": 1, "Flatten": 1, "Gemm": 1, "Shape": 1, "Concat": 1, "Reshape": 1},
         "wte_t",
         "n/a: a 2-D Transpose has one perm that swaps",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -21,6 +20,7 @@ from graphopt.io.onnx_io import from_proto, to_proto
 from tests.cli_helpers import invoke
 from tests.numerics import assert_same_outputs, run_ort
 from tests.passes.fuse_helpers import fuse, info, init, lowering_misses, model, node, ops
+from tests.passes.fuse_models import LOWERED, kronecker, projections
 
 RNG = np.random.default_rng(7)
 
@@ -30,88 +30,6 @@ def _w(*shape: int) -> np.ndarray:
 
 
 # -- lowering -------------------------------------------------------------------------------------
-
-
-def _attention(**attrs: Any) -> onnx.ModelProto:
-    """Grouped-query attention (4 query heads, 2 KV heads) with an additive mask."""
-    inputs = [info("q", ["b", "s", 32]), info("k", ["b", "t", 16]), info("v", ["b", "t", 16])]
-    inputs.append(info("m", ["b", 1, "s", "t"]))
-    return model(
-        [node("Attention", ["q", "k", "v", "m"], "y", q_num_heads=4, kv_num_heads=2, **attrs)],
-        inputs,
-        ["y"],
-        opset=23,
-    )
-
-
-LOWERED: dict[str, tuple[onnx.ModelProto, int, str]] = {
-    "layernorm": (
-        model(
-            [node("LayerNormalization", ["x", "g", "b"], "y", epsilon=1e-3)],
-            [info("x", ["n", 5, 8])],
-            ["y"],
-            [init("g", _w(8)), init("b", _w(8))],
-            opset=23,
-        ),
-        16,
-        "LayerNormalization",
-    ),
-    "gelu": (model([node("Gelu", ["x"], "y")], [info("x", ["n", 8])], ["y"], opset=23), 17, "Gelu"),
-    "gelu-tanh": (
-        model([node("Gelu", ["x"], "y", approximate="tanh")], [info("x", ["n", 8])], ["y"], opset=23),
-        17,
-        "Gelu",
-    ),
-    "rmsnorm": (
-        model(
-            [node("RMSNormalization", ["x", "g"], "y", epsilon=1e-4)],
-            [info("x", ["n", 5, 8])],
-            ["y"],
-            [init("g", _w(8))],
-            opset=23,
-        ),
-        17,
-        "RMSNormalization",
-    ),
-    "groupnorm": (
-        model(
-            [node("GroupNormalization", ["x", "g", "b"], "y", num_groups=2)],
-            [info("x", ["n", 6, 4, 4])],
-            ["y"],
-            [init("g", _w(6)), init("b", _w(6))],
-            opset=23,
-        ),
-        17,
-        "GroupNormalization",
-    ),
-    "attention-gqa-mask": (_attention(scale=0.3), 17, "Attention"),
-    "attention-causal": (
-        model(
-            [node("Attention", ["q", "k", "v"], "y", q_num_heads=4, kv_num_heads=4, is_causal=1)],
-            [info("q", ["b", "s", 32]), info("k", ["b", "s", 32]), info("v", ["b", "s", 32])],
-            ["y"],
-            opset=23,
-        ),
-        17,
-        "Attention",
-    ),
-    "attention-4d-bool-mask": (
-        model(
-            [node("Attention", ["q", "k", "v", "m"], "y")],
-            [*(info(n, [2, 4, d, 8]) for n, d in (("q", 5), ("k", 6), ("v", 6))), info("m", [5, 6], TensorProto.BOOL)],
-            ["y"],
-            opset=23,
-        ),
-        17,
-        "Attention",
-    ),
-    "split": (
-        model([node("Split", ["x"], ["a", "b", "c"], axis=1, num_outputs=3)], [info("x", [2, 8])], ["a", "b", "c"]),
-        17,
-        "Split",
-    ),
-}
-LOWERED["split"][0].opset_import[0].version = 18
 
 
 @pytest.mark.parametrize("case", sorted(LOWERED))
@@ -219,31 +137,8 @@ def test_bert_small_round_trip_to_opset_23_and_back_to_17(corpus_dir: Path, tmp_
 # -- Gemm beside MatMuls ---------------------------------------------------------------------------
 
 
-def _projections(bias: bool = False, k_add: bool = False, transA: int = 0, b_input: bool = False) -> onnx.ModelProto:
-    """Three projections of one 2-D activation: Gemm (transB=1), MatMul, Gemm (alpha 0.5)."""
-    q_inputs = ["x", "wq", "bq"] if bias else ["x", "wq"]
-    nodes = [
-        node("Gemm", q_inputs, "q", transB=1, transA=transA),
-        node("MatMul", ["x", "wk"], "k"),
-        node("Gemm", ["x", "wv"], "v", transB=1, alpha=0.5),
-    ]
-    outputs: list[Any] = ["q", "v"]
-    if k_add:
-        nodes.append(node("Add", ["k", "bk"], "kb"))
-        outputs.append("kb")
-    else:
-        outputs.append("k")
-    params = [init("wk", _w(64, 64)), init("wv", _w(64, 64)), init("bq", _w(64)), init("bk", _w(64))]
-    inputs = [info("x", ["n", 64] if not transA else [64, 64])]
-    if b_input:
-        inputs.append(info("wq", [64, 64]))
-    else:
-        params.append(init("wq", _w(64, 64)))
-    return model(nodes, inputs, outputs, params)
-
-
 def test_a_bias_free_gemm_beside_a_matmul_becomes_a_matmul_and_fold_groups_them() -> None:
-    proto = _projections()
+    proto = projections()
     out, details = fuse(proto, "shape-infer,fuse,fold")
     assert details["applied"] == {"gemm-as-matmul": 2}
     assert ops(out)["MatMul"] == 1 and "Gemm" not in ops(out)
@@ -255,7 +150,7 @@ def test_a_bias_free_gemm_beside_a_matmul_becomes_a_matmul_and_fold_groups_them(
 
 
 def test_the_gemm_rule_reaches_a_fixpoint_in_two_rounds() -> None:
-    result = optimize(from_proto(_projections()), "shape-infer,fuse", strict=True)
+    result = optimize(from_proto(projections()), "shape-infer,fuse", strict=True)
     fuse_run = result.report["passes"][-1]
     assert fuse_run["details"]["rounds"] == 2  # the second round changes nothing
 
@@ -270,7 +165,7 @@ def test_the_gemm_rule_reaches_a_fixpoint_in_two_rounds() -> None:
     ],
 )
 def test_gemm_rule_refusals(case: str, reason: str | None) -> None:
-    proto = _projections(
+    proto = projections(
         bias=case == "bias", transA=int(case == "transA"), b_input=case == "b-input", k_add=case == "no-bare-sibling"
     )
     out, details = fuse(proto)
@@ -283,15 +178,6 @@ def test_gemm_rule_refusals(case: str, reason: str | None) -> None:
 # -- Kronecker weights --------------------------------------------------------------------------------
 
 
-def _kronecker(weight: np.ndarray, x_shape: list[Any], elem_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
-    return model(
-        [node("MatMul", ["x", "w"], "y")],
-        [info("x", x_shape, elem_type)],
-        [info("y", None, elem_type)],
-        [init("w", weight)],
-    )
-
-
 def _weight_bytes(proto: onnx.ModelProto) -> int:
     return sum(
         np.prod(t.dims, dtype=np.int64) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
@@ -300,7 +186,7 @@ def _weight_bytes(proto: onnx.ModelProto) -> int:
 
 
 def test_a_kronecker_weight_becomes_two_small_contractions() -> None:
-    proto = _kronecker(np.kron(_w(8, 6), _w(32, 48)), ["b", 5, 256])
+    proto = kronecker(np.kron(_w(8, 6), _w(32, 48)), ["b", 5, 256])
     out = to_proto(optimize(from_proto(proto)).model)
     assert ops(out)["MatMul"] == 2
     assert _weight_bytes(out) * 40 < _weight_bytes(proto)  # 294912 bytes -> 6336 (+ two shapes)
@@ -309,7 +195,7 @@ def test_a_kronecker_weight_becomes_two_small_contractions() -> None:
 
 def test_an_integer_kronecker_weight_factors_exactly() -> None:
     weight = np.kron(RNG.integers(-3, 4, (16, 16)), RNG.integers(-3, 4, (16, 16))).astype(np.int64)
-    proto = _kronecker(weight, [3, 256], TensorProto.INT64)
+    proto = kronecker(weight, [3, 256], TensorProto.INT64)
     out, details = fuse(proto)
     assert details["applied"] == {"kronecker-matmul": 1}
     assert_same_outputs(proto, out, rtol=0, atol=0)
@@ -320,9 +206,9 @@ def test_kronecker_refusals() -> None:
     almost[3, 5] += 1e-3
     small = np.kron(_w(8, 8), _w(16, 16))  # factoring a [128, 256] weight does not pay on onnxruntime
     for weight in (almost, _w(256, 288), small):
-        assert fuse(_kronecker(weight, ["b", weight.shape[0]]))[1]["applied"] == {}
+        assert fuse(kronecker(weight, ["b", weight.shape[0]]))[1]["applied"] == {}
     # A column is a Kronecker product of columns, and two contractions save nothing there.
-    _, details = fuse(_kronecker(np.kron(_w(256, 1), _w(256, 1)), ["b", 65536]))
+    _, details = fuse(kronecker(np.kron(_w(256, 1), _w(256, 1)), ["b", 65536]))
     assert details["applied"] == {}
     assert details["near_misses"]["kronecker"] == [
         "Kronecker MatMul at y: W = A 256x1 (x) B 256x1, but two contractions save no multiplications"

@@ -4,31 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
-
 from tests.numerics import assert_same_outputs
-from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
-
-W = np.random.default_rng(0).standard_normal((10, 6)).astype(np.float32)  # [vocab, hidden]
-
-
-def _tied(shape: list[int | str], opset: int = 17, extra_reader: bool = False) -> object:
-    nodes = [
-        node("Gather", ["wte", "ids"], ["embedded"]),
-        node("Add", ["embedded", "x"], ["h"]),
-        node("Transpose", ["wte"], ["wte_t"], perm=[1, 0]),
-        node("MatMul", ["h", "wte_t"], ["logits"]),
-    ]
-    outputs = ["logits"]
-    if extra_reader:
-        nodes.append(node("Relu", ["wte_t"], ["side"]))
-        outputs.append("side")
-    inputs = [info("ids", shape[:-1], 7), info("x", shape)]
-    return model(nodes, inputs, outputs, [init("wte", W)], opset=opset)
+from tests.passes.fuse_helpers import fuse, ops
+from tests.passes.fuse_models import tied
 
 
 def test_a_tied_weight_is_read_transposed_by_gemm_with_dynamic_leading_dims() -> None:
-    proto = _tied(["batch", "seq", 6])
+    proto = tied(["batch", "seq", 6])
     out, details = fuse(proto)
     assert details["applied"]["tied-weight-gemm"] == 1
     assert ops(out)["Transpose"] == 0 and ops(out)["Gemm"] == 1
@@ -39,7 +21,7 @@ def test_a_tied_weight_is_read_transposed_by_gemm_with_dynamic_leading_dims() ->
 
 def test_static_and_matrix_activations() -> None:
     for shape in ([3, 6], [2, 3, 6]):
-        proto = _tied(shape)
+        proto = tied(shape)
         out, details = fuse(proto)
         assert details["applied"]["tied-weight-gemm"] == 1 and ops(out)["Shape"] == 0
         assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)
@@ -47,13 +29,13 @@ def test_static_and_matrix_activations() -> None:
 
 def test_refusals() -> None:
     # the Transposed weight has another reader; dynamic leading dims below opset 15
-    for proto in (_tied(["batch", "seq", 6], extra_reader=True), _tied(["batch", "seq", 6], opset=14)):
+    for proto in (tied(["batch", "seq", 6], extra_reader=True), tied(["batch", "seq", 6], opset=14)):
         out, details = fuse(proto)
         assert "tied-weight-gemm" not in details["applied"], details
         assert Counter(ops(out))["Transpose"] == 1
         assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)
     # for onnxruntime, FusedMatMul reads the weight transposed instead
-    proto = _tied(["batch", "seq", 6])
+    proto = tied(["batch", "seq", 6])
     out, details = fuse(proto, target="ort")
     assert "tied-weight-gemm" not in details["applied"] and ops(out)["FusedMatMul"] == 1, details
     assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)

@@ -85,6 +85,7 @@ __all__ = [
     "NpySource",
     "is_graph_file",
     "is_sidecar_of",
+    "sidecar_locations",
     "load",
     "save",
 ]
@@ -221,6 +222,26 @@ def is_sidecar_of(path: Path, candidate: Path, *, hashed: bool = False) -> bool:
     if len(middle) == 16 and all(c in "0123456789abcdef" for c in middle):
         return True
     return not hashed and middle.isdigit()
+
+
+def sidecar_locations(path: Path) -> set[str]:
+    """The sidecar files the JSON graph at ``path`` names, its tensors not read; empty for a
+    file that is not a readable graph."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return set()
+    locations: set[str] = set()
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("file"), str):
+                locations.add(item["file"])
+            pending += item.values()
+        elif isinstance(item, list):
+            pending += item
+    return locations
 
 
 def is_graph_file(path: str | os.PathLike[str]) -> bool:

@@ -80,14 +80,16 @@ def renamed_export(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("flag", ["--external-data", "--no-external-data"])
-def test_an_output_named_like_the_inputs_weights_is_refused(tmp_path: Path, flag: str) -> None:
+def test_an_output_named_like_the_inputs_weights_leaves_them(tmp_path: Path, flag: str) -> None:
+    """model.onnx.data belongs to orig.onnx, not to the new model.onnx: it stays (issue 27.1)."""
     source = renamed_export(tmp_path)
     expected = run_model(source)
-    before = snapshot(tmp_path)
-    line = assert_one_line_error(invoke("run", source, "-o", tmp_path / "model.onnx", flag))
-    assert "model.onnx.data" in line and "reads it" in line
-    assert snapshot(tmp_path) == before
+    weights = (tmp_path / "model.onnx.data").read_bytes()
+    result = invoke("run", source, "-o", tmp_path / "model.onnx", flag)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "model.onnx.data").read_bytes() == weights
     np.testing.assert_array_equal(run_model(source), expected)
+    np.testing.assert_allclose(run_model(tmp_path / "model.onnx"), expected, rtol=1e-6)
 
 
 def test_clashes_are_found_through_symbolic_links(tmp_path: Path) -> None:
@@ -96,7 +98,7 @@ def test_clashes_are_found_through_symbolic_links(tmp_path: Path) -> None:
     source = renamed_export(models)
     (tmp_path / "alias").symlink_to(models)
     before = snapshot(models)
-    assert_one_line_error(invoke("run", source, "-o", tmp_path / "alias" / "model.onnx"))
+    assert_one_line_error(invoke("run", source, "-o", tmp_path / "alias" / "model.onnx.data"))
     assert_one_line_error(
         invoke("run", source, "-o", tmp_path / "x.onnx", "--report", tmp_path / "alias" / "orig.onnx")
     )
@@ -124,9 +126,9 @@ def test_a_folder_run_never_removes_or_replaces_what_another_of_its_models_reads
     (shared / "z_copy.onnx").write_bytes(source.read_bytes())  # reads model.onnx.data too, and runs second
     expected = run_model(source)
     result = invoke("run", shared, "--in-place", "--no-check")
-    assert result.exit_code == 2 and "tensor data of" in result.output
+    assert result.exit_code == 0, result.output  # model.onnx.data stays: z_copy.onnx reads it
     for name in ("model.onnx", "z_copy.onnx"):
-        np.testing.assert_array_equal(run_model(shared / name), expected)
+        np.testing.assert_allclose(run_model(shared / name), expected, rtol=1e-6)
 
     nested = tmp_path / "nested"
     (nested / "sub").mkdir(parents=True)

@@ -1,0 +1,73 @@
+"""Nothing lost, nothing leaked, round two: reproductions from a second fault and fuzzing campaign.
+
+Neighbours' weights removed, corrupt weights reused, log lines forged by file names, the
+files a failed run writes, links out of a folder or into a read-only cache, special files
+as outputs, hangs and memory bombs, and bad input answered as an internal error. Each test
+failed before its fix.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from tests.cli_helpers import invoke
+from tests.reliability.test_atomic_writes import run_model, with_external_data
+
+# -- 1. a neighbour's weights are never removed --------------------------------------------
+
+
+def test_weights_another_model_of_the_folder_reads_are_kept(tmp_path: Path) -> None:
+    """An export renamed by its user still reads model.onnx.data; writing a new model.onnx
+    there (with or without an older model.onnx) must leave that file alone."""
+    (tmp_path / "src").mkdir()
+    source = with_external_data(tmp_path / "src")
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    exported = with_external_data(folder, scale=2.0).rename(folder / "renamed_export.onnx")
+    expected = run_model(exported)
+    for _ in range(2):  # first without a model.onnx, then replacing the one the first run wrote
+        result = invoke("run", source, "-o", folder / "model.onnx", "--no-check", "--external-data")
+        assert result.exit_code == 0, result.output
+        np.testing.assert_array_equal(run_model(exported), expected)
+    np.testing.assert_array_equal(run_model(folder / "model.onnx"), run_model(source))
+
+
+def test_weights_the_replaced_model_and_a_neighbour_share_are_kept(tmp_path: Path) -> None:
+    """model.onnx and a copy of it read one content-addressed file; replacing model.onnx
+    must not remove what the copy reads (and the old model's own weights do go)."""
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    (tmp_path / "a").mkdir()
+    first = with_external_data(tmp_path / "a")
+    assert invoke("run", first, "-o", folder / "model.onnx", "--no-check").exit_code == 0
+    shutil.copy(folder / "model.onnx", folder / "copy.onnx")
+    expected = run_model(folder / "copy.onnx")
+    (other_folder := tmp_path / "b").mkdir()
+    other = with_external_data(other_folder, scale=3.0)
+    assert invoke("run", other, "-o", folder / "model.onnx", "--no-check").exit_code == 0
+    np.testing.assert_array_equal(run_model(folder / "copy.onnx"), expected)
+    assert len(list(folder.glob("model.onnx.*.data"))) == 2
+
+    # Once nothing reads the older weights, the next replacement removes them.
+    (folder / "copy.onnx").unlink()
+    assert invoke("run", first, "-o", folder / "model.onnx", "--no-check").exit_code == 0
+    assert len(list(folder.glob("model.onnx.*.data"))) == 1
+
+
+# -- 2. an existing content-addressed file is reused only when its bytes are right ----------
+
+
+def test_a_corrupt_weights_file_of_the_same_name_is_written_anew(tmp_path: Path) -> None:
+    source = with_external_data(tmp_path)
+    out = tmp_path / "out" / "model.onnx"
+    assert invoke("run", source, "-o", out).exit_code == 0
+    (weights,) = out.parent.glob("model.onnx.*.data")
+    good = weights.read_bytes()
+    weights.write_bytes(b"\x7f" * len(good))  # a bad cache restore, or a file planted by a pull request
+    result = invoke("run", source, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert weights.read_bytes() == good
+    np.testing.assert_array_equal(run_model(out), run_model(source))

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from graphopt import __version__
 from graphopt.cli.app import EXIT_CODES, cli, emit, error_line, fail, guarded, parse_dims, stderr, with_settings
-from graphopt.errors import GraphoptError, InputError, bounded
+from graphopt.errors import GraphoptError, InputError, bounded, one_line
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -214,7 +214,9 @@ def run(
     if collected.skipped:
         listed = ", ".join(s["path"] for s in collected.skipped)
         console.print(
-            escape(f"note: skipped {len(collected.skipped)} JSON files that are not graphopt graphs: {listed}")
+            escape(
+                one_line(f"note: skipped {len(collected.skipped)} JSON files that are not graphopt graphs: {listed}")
+            )
         )
     if not collected.sources:
         raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and graphopt *.json)")
@@ -264,8 +266,12 @@ def _gate(
                 raise
             row = {"path": str(source), "optimized": False, "reason": str(err), "exit_code": err.exit_code}
         rows.append(row)
-        mark = "[green]optimized[/green]" if row["optimized"] else f"[red]not optimized[/red]: {escape(row['reason'])}"
-        console.print(f"{escape(row['path'])}: {mark}")
+        mark = (
+            "[green]optimized[/green]"
+            if row["optimized"]
+            else f"[red]not optimized[/red]: {escape(one_line(row['reason']))}"
+        )
+        console.print(f"{escape(one_line(row['path']))}: {mark}")
     report = head | {"check_optimized": rows}
     if not single:
         report["totals"] = totals(rows)

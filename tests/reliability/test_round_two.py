@@ -12,9 +12,12 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from click.testing import Result
 
 from tests.cli_helpers import invoke
+from tests.reliability import builders
 from tests.reliability.test_atomic_writes import run_model, with_external_data
+from tests.reliability.test_bad_input import assert_one_line_error
 
 # -- 1. a neighbour's weights are never removed --------------------------------------------
 
@@ -71,3 +74,31 @@ def test_a_corrupt_weights_file_of_the_same_name_is_written_anew(tmp_path: Path)
     assert result.exit_code == 0, result.output
     assert weights.read_bytes() == good
     np.testing.assert_array_equal(run_model(out), run_model(source))
+
+
+# -- 3. one message, one line, whatever the names say -----------------------------------------
+
+FORGED = "\ngraphopt: all 12 models passed\n"
+
+
+def _stderr_lines(result: Result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def test_a_file_name_with_a_newline_cannot_forge_a_log_line(tmp_path: Path) -> None:
+    bad = builders.truncated(tmp_path).rename(tmp_path / f"model{FORGED}.onnx")
+    line = assert_one_line_error(invoke("run", bad, "--no-check"))
+    assert "\\n" in line
+    good = builders.write(builders.base_model(), tmp_path, f"good{FORGED}.onnx")
+    for result in (invoke("run", good, "--no-check"), invoke("run", good, "--check-optimized")):
+        assert not any(line.startswith("graphopt: all") for line in _stderr_lines(result)), result.stderr
+    folder_run = invoke("run", tmp_path, "-o", tmp_path / "out", "--no-check")
+    assert folder_run.exit_code == 2
+    assert not any(line.startswith("graphopt: all") for line in _stderr_lines(folder_run))
+
+
+def test_names_from_the_model_cannot_forge_a_log_line(tmp_path: Path) -> None:
+    proto = builders.base_model()
+    proto.graph.node[2].domain = f"custom{FORGED}"  # a domain the model does not import
+    line = assert_one_line_error(invoke("run", builders.write(proto, tmp_path), "--no-check"))
+    assert "custom\\ngraphopt" in line

@@ -8,12 +8,16 @@ failed before its fix.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 from click.testing import Result
 
+from graphopt.ir import Model
+from graphopt.passes.base import Pass, PassContext, PassResult, register
 from tests.cli_helpers import invoke
 from tests.reliability import builders
 from tests.reliability.test_atomic_writes import run_model, with_external_data
@@ -102,3 +106,36 @@ def test_names_from_the_model_cannot_forge_a_log_line(tmp_path: Path) -> None:
     proto.graph.node[2].domain = f"custom{FORGED}"  # a domain the model does not import
     line = assert_one_line_error(invoke("run", builders.write(proto, tmp_path), "--no-check"))
     assert "custom\\ngraphopt" in line
+
+
+# -- 4. what each exit code writes -------------------------------------------------------------
+
+
+@register
+class _Raises(Pass):
+    name = "test-raises"
+    description = "Raises (a pass with a bug; with --strict the run exits 3)"
+
+    def run(self, model: Model, ctx: PassContext) -> PassResult:
+        raise RuntimeError("a bug")
+
+
+@pytest.mark.parametrize(
+    ("code", "args", "written"),
+    [
+        (0, ["--passes", "cleanup"], {"out.onnx", "report.json"}),
+        (1, ["--passes", "test-breaks-numerics"], {"report.json"}),  # the report says why
+        (2, ["--passes", "no-such-pass"], set()),
+        (3, ["--passes", "test-raises", "--strict"], set()),
+    ],
+)
+def test_the_files_each_exit_code_leaves(tmp_path: Path, code: int, args: list[str], written: set[str]) -> None:
+    (tmp_path / "in").mkdir()
+    source = builders.write(builders.base_model(), tmp_path / "in")
+    out = tmp_path / "out"
+    result = invoke("run", source, "-o", out / "out.onnx", "--report", out / "report.json", *args)
+    assert result.exit_code == code, result.output
+    assert {p.name for p in out.rglob("*")} == written
+    if written:
+        report = json.loads((out / "report.json").read_text())
+        assert report["exit_code"] == code and (report["output"] is None) == (code != 0)

@@ -50,7 +50,13 @@ class _Collected:
     skipped: list[dict[str, str]] = field(default_factory=list)
 
 
-def _collect(sources: Sequence[Path], output_folder: Path | None) -> _Collected:
+_NOT_A_GRAPH = "JSON that is not a graphopt graph"
+_OUTSIDE = "a symbolic link that leads outside the folder"
+
+
+def _collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = False) -> _Collected:
+    """The models named and found in folders; a link in a folder that leads outside it is
+    skipped (refused with ``strict``): a pull request can add one, and git stores links."""
     from graphopt.io.json_io import is_graph_file
 
     found = _Collected()
@@ -73,8 +79,13 @@ def _collect(sources: Sequence[Path], output_folder: Path | None) -> _Collected:
                 continue
             if excluded is not None and path.resolve().is_relative_to(excluded):
                 continue
+            if not path.resolve().is_relative_to(source.resolve()):
+                if strict:
+                    raise InputError(f"{path}: {_OUTSIDE} ({path.resolve()}); name it to run it (--strict)")
+                found.skipped.append({"path": str(path), "reason": _OUTSIDE})
+                continue
             if path.suffix.lower() == ".json" and not is_graph_file(path):
-                found.skipped.append({"path": str(path), "reason": "JSON that is not a graphopt graph"})
+                found.skipped.append({"path": str(path), "reason": _NOT_A_GRAPH})
                 continue
             found.sources.append(path)
     return found
@@ -210,14 +221,14 @@ def run(
     resolve_settings(resolve_pipeline(passes, config, max_steps), settings)  # bad pipelines fail before any work
     console = stderr()
     single = len(models) == 1 and not models[0].is_dir() and shard is None
-    collected = _collect(models, target if (into_folder or not single) else None)
-    if collected.skipped:
-        listed = ", ".join(s["path"] for s in collected.skipped)
-        console.print(
-            escape(
-                one_line(f"note: skipped {len(collected.skipped)} JSON files that are not graphopt graphs: {listed}")
-            )
-        )
+    collected = _collect(models, target if (into_folder or not single) else None, strict)
+    for reason, kind in (
+        (_NOT_A_GRAPH, "JSON files that are not graphopt graphs"),
+        (_OUTSIDE, "symbolic links that lead outside their folder"),
+    ):
+        listed = [s["path"] for s in collected.skipped if s["reason"] == reason]
+        if listed:
+            console.print(escape(one_line(f"note: skipped {len(listed)} {kind}: {', '.join(listed)}")))
     if not collected.sources:
         raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and graphopt *.json)")
     sources = collected.sources

@@ -21,7 +21,7 @@ from graphopt.passes.base import Pass, PassContext, PassResult, register
 from tests.cli_helpers import invoke
 from tests.reliability import builders
 from tests.reliability.test_atomic_writes import run_model, with_external_data
-from tests.reliability.test_bad_input import assert_one_line_error
+from tests.reliability.test_bad_input import assert_one_line_error, snapshot
 
 # -- 1. a neighbour's weights are never removed --------------------------------------------
 
@@ -139,3 +139,34 @@ def test_the_files_each_exit_code_leaves(tmp_path: Path, code: int, args: list[s
     if written:
         report = json.loads((out / "report.json").read_text())
         assert report["exit_code"] == code and (report["output"] is None) == (code != 0)
+
+
+# -- 6. a folder run stays inside its folder ---------------------------------------------------
+
+
+def test_a_folder_run_skips_links_that_lead_outside_it(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = builders.write(builders.base_model(), outside, "secret.onnx")
+    before = snapshot(outside)
+    models = tmp_path / "models"
+    models.mkdir()
+    builders.write(builders.base_model(), models, "good.onnx")
+    (models / "link.onnx").symlink_to(secret)  # a pull request can add a link: git stores them
+    (models / "linked").symlink_to(outside, target_is_directory=True)
+    (models / "inside.onnx").symlink_to("good.onnx")  # a link within the folder is fine
+
+    result = invoke("run", models, "-o", tmp_path / "out", "--no-check")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*.onnx")) == ["good.onnx", "inside.onnx"]
+    assert "link.onnx" in result.stderr and "outside" in result.stderr
+
+    assert invoke("run", models, "--in-place", "--no-check").exit_code == 0
+    assert snapshot(outside) == before
+
+    line = assert_one_line_error(invoke("run", models, "-o", tmp_path / "strict", "--no-check", "--strict"))
+    assert "link.onnx" in line
+    assert not (tmp_path / "strict").exists()
+
+    # Named on the command line, a link is the user's choice.
+    assert invoke("run", models / "link.onnx", "-o", tmp_path / "named.onnx", "--no-check").exit_code == 0

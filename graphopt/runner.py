@@ -141,6 +141,11 @@ def optimize_file(
     if options.in_place and options.output is None:
         # Through a symbolic link to the file it names: the link stays a link.
         output = source.resolve() if source.is_symlink() else source
+        if output != source and _read_only(output):
+            raise InputError(
+                f"{source}: a link to the read-only {output} (a shared cache object?); --in-place does not write "
+                "through it, as that would change every file linking there: write the result elsewhere with -o"
+            )
     else:
         output = options.output or default_output(source)
     if output.is_dir():
@@ -168,6 +173,13 @@ def optimize_file(
         if options.config is not None:
             reads[options.config] = "--config"
         return _optimize_file(source, output, (model, load_seconds), reads, options, on_pass, input_entry)
+
+
+def _read_only(path: Path) -> bool:
+    """Whether no one may write ``path`` (root may, and still should not)."""
+    with contextlib.suppress(OSError):
+        return path.stat().st_mode & 0o222 == 0 or not os.access(path, os.W_OK)
+    return False
 
 
 def _optimize_file(

@@ -312,11 +312,11 @@ def test_folder_runs_skip_staging_folders_and_remove_those_of_dead_runs(tmp_path
 # -- 6. --in-place: through links, keeping the mode -------------------------------------------
 
 
-def test_in_place_writes_through_a_link_and_keeps_a_read_only_mode(tmp_path: Path) -> None:
+def test_in_place_writes_through_a_link_and_keeps_the_mode(tmp_path: Path) -> None:
     target = with_external_data(tmp_path, "real.onnx")
     expected = run_model(target)
     for file in tmp_path.iterdir():
-        file.chmod(0o444)
+        file.chmod(0o640)
     link = tmp_path / "link.onnx"
     link.symlink_to("real.onnx")
     result = invoke("run", link, "--in-place", "--json")
@@ -326,8 +326,21 @@ def test_in_place_writes_through_a_link_and_keeps_a_read_only_mode(tmp_path: Pat
     data = Path(json.loads(result.stdout)["output"]["external_data"]["path"])
     assert data.parent == tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([data.name, "link.onnx", "real.onnx"])
-    assert stat.S_IMODE(target.stat().st_mode) == 0o444 and stat.S_IMODE(data.stat().st_mode) == 0o444
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640 and stat.S_IMODE(data.stat().st_mode) == 0o640
     np.testing.assert_allclose(run_model(link), expected, rtol=1e-6)
+
+
+def test_in_place_keeps_a_read_only_mode(tmp_path: Path) -> None:
+    """Named itself, a read-only model may be replaced in place (not through a link: issue 27.7)."""
+    target = with_external_data(tmp_path, "real.onnx")
+    expected = run_model(target)
+    for file in tmp_path.iterdir():
+        file.chmod(0o444)
+    result = invoke("run", target, "--in-place", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = Path(json.loads(result.stdout)["output"]["external_data"]["path"])
+    assert stat.S_IMODE(target.stat().st_mode) == 0o444 and stat.S_IMODE(data.stat().st_mode) == 0o444
+    np.testing.assert_allclose(run_model(target), expected, rtol=1e-6)
 
 
 def test_in_place_through_a_link_into_another_folder_with_weights_is_refused(tmp_path: Path) -> None:

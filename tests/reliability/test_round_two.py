@@ -9,6 +9,7 @@ failed before its fix.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -170,3 +171,25 @@ def test_a_folder_run_skips_links_that_lead_outside_it(tmp_path: Path) -> None:
 
     # Named on the command line, a link is the user's choice.
     assert invoke("run", models / "link.onnx", "-o", tmp_path / "named.onnx", "--no-check").exit_code == 0
+
+
+# -- 7. --in-place does not write through a link into a read-only cache -------------------------
+
+
+def test_in_place_through_a_link_to_a_read_only_file_is_refused(tmp_path: Path) -> None:
+    """The DVC / git-annex layout: the model is a link to a read-only object of a
+    content-addressed cache, shared by every checkout."""
+    cache = tmp_path / "cache" / "files" / "md5" / "3f"
+    cache.mkdir(parents=True)
+    cached = builders.write(builders.base_model(), cache, "a9c1e0b2d4")
+    cached.chmod(0o444)
+    before = snapshot(tmp_path / "cache")
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "model.onnx").symlink_to(cached)
+    (checkout / "local.onnx").symlink_to(os.path.relpath(cached, checkout))
+    for link in (checkout / "model.onnx", checkout / "local.onnx"):
+        line = assert_one_line_error(invoke("run", link, "--in-place", "--no-check"))
+        assert "read-only" in line and "-o" in line
+        assert snapshot(tmp_path / "cache") == before
+    assert invoke("run", checkout / "model.onnx", "-o", checkout / "opt.onnx", "--no-check").exit_code == 0

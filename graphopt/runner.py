@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from graphopt import __version__
 from graphopt.api import Result, optimize, resolve_pipeline, resolve_settings
 from graphopt.errors import GraphoptError, InputError
-from graphopt.files import commit, folder_lock, is_staging, staging_folder
+from graphopt.files import commit, folder_lock, is_staging, staging_folder, unwritable_kind
 from graphopt.io import data_files, load, save
 from graphopt.io.json_io import is_graph_file, is_sidecar_of, sidecar_locations
 from graphopt.io.onnx_io import external_locations, is_data_file_of
@@ -150,6 +150,9 @@ def optimize_file(
         output = options.output or default_output(source)
     if output.is_dir():
         raise InputError(f"{output}: is a folder; -o needs a file name for one model")
+    unwritable = unwritable_kind(output)
+    if unwritable is not None:
+        raise InputError(f"{output}: {unwritable}; -o writes regular files only")
     if output.resolve() == source.resolve() and not options.in_place:
         raise InputError(f"{output}: refusing to overwrite the input (use --in-place)")
     if options.report is not None:

@@ -125,7 +125,9 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
     "--config", type=click.Path(path_type=Path), help="Pipeline config, TOML or JSON (schemas/pipeline.schema.json)."
 )
 @click.option("--max-steps", type=click.IntRange(min=1), help="Most iterations of each group (default 8).")
-@click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
+@click.option(
+    "--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here ('-': stdout)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--check/--no-check", default=True, show_default=True, help="Compare outputs in onnxruntime.")
 @click.option(
@@ -199,6 +201,8 @@ def run(
         raise InputError("--atol and --rtol go together (element-wise check)")
     if in_place and output is not None:
         raise InputError("--in-place and -o exclude each other")
+    if report_path == Path("-"):  # the report as a stream on stdout, as --json prints it
+        report_path, as_json = None, True
     target, into_folder = _parse_output(output)
     options = RunOptions(
         output=target,

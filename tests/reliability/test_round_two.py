@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -193,3 +196,44 @@ def test_in_place_through_a_link_to_a_read_only_file_is_refused(tmp_path: Path) 
         assert "read-only" in line and "-o" in line
         assert snapshot(tmp_path / "cache") == before
     assert invoke("run", checkout / "model.onnx", "-o", checkout / "opt.onnx", "--no-check").exit_code == 0
+
+
+# -- 8. outputs are regular files, or absent ---------------------------------------------------
+
+
+def _graphopt(*args: str | Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """graphopt in a process of its own, stdout a pipe; a hang fails the test instead of the suite."""
+    command = [sys.executable, "-c", "from graphopt.cli import main; main()", *map(str, args)]
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False, env=environment)
+
+
+def test_outputs_onto_special_files_are_refused(tmp_path: Path) -> None:
+    source = builders.write(builders.base_model(), tmp_path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "null.onnx").symlink_to("/dev/null")
+    for target in (fifo, tmp_path / "null.onnx"):
+        line = assert_one_line_error(invoke("run", source, "-o", target, "--no-check"))
+        assert "not a regular file" in line
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and (tmp_path / "null.onnx").is_symlink()
+    for report in (fifo, "/dev/stdout"):
+        result = _graphopt("run", source, "-o", tmp_path / "out.onnx", "--no-check", "--report", report)
+        assert result.returncode == 2, result.stderr
+        assert "not a regular file" in result.stderr and not result.stdout
+    assert not (tmp_path / "out.onnx").exists()
+    with (tmp_path / "stdout.txt").open("w") as stdout:  # /dev/stdout a link to a regular file: still refused
+        command = [sys.executable, "-c", "from graphopt.cli import main; main()", "run", str(source), "--no-check"]
+        environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+        redirected = subprocess.run(
+            [*command, "--report", "/dev/stdout"], stdout=stdout, timeout=60, check=False, env=environment
+        )
+    assert redirected.returncode == 2 and Path("/dev/stdout").is_symlink()
+
+
+def test_a_report_to_stdout_is_a_stream(tmp_path: Path) -> None:
+    source = builders.write(builders.base_model(), tmp_path)
+    result = _graphopt("run", source, "-o", tmp_path / "out.onnx", "--no-check", "--report", "-")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["output"]["path"] == str(tmp_path / "out.onnx")
+    assert not (tmp_path / "-").exists()

@@ -8,18 +8,26 @@ failed before its fix.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import time
+import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 from click.testing import Result
+from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.check import inputs
+from graphopt.evaluate import evaluator
 from graphopt.ir import Model
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from tests.cli_helpers import invoke
@@ -237,3 +245,78 @@ def test_a_report_to_stdout_is_a_stream(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["output"]["path"] == str(tmp_path / "out.onnx")
     assert not (tmp_path / "-").exists()
+
+
+# -- 9. hangs and memory bombs: budgets of work and bytes --------------------------------------
+
+
+def _loop_over_constants(trip_count: int | None) -> onnx.ModelProto:
+    """y = x + (a Loop adding 1 to a constant, ``trip_count`` times; None: until a constant
+    true condition turns false, which it never does)."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["v_in", "one"], ["v_out"]), helper.make_node("Identity", ["c_in"], ["c_out"])],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_in", TensorProto.FLOAT, []),
+        ],
+        [
+            helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_out", TensorProto.FLOAT, []),
+        ],
+        [numpy_helper.from_array(np.array(1, np.float32), "one")],
+    )
+    inits = [numpy_helper.from_array(np.array(True), "cond"), numpy_helper.from_array(np.array(0, np.float32), "v0")]
+    if trip_count is not None:
+        inits.append(numpy_helper.from_array(np.array(trip_count, np.int64), "M"))
+    loop = helper.make_node("Loop", ["M" if trip_count is not None else "", "cond", "v0"], ["v"], body=body)
+    nodes = [loop, helper.make_node("Add", ["x", "v"], ["y"])]
+    return builders.model(nodes, [builders.float_info("x", [4])], [builders.float_info("y", [4])], inits)
+
+
+def _refusals(report: dict[str, Any]) -> list[str]:
+    return [r["reason"] for run in report["passes"] for r in run["details"].get("refused", [])]
+
+
+def test_a_loop_of_2_to_the_40_iterations_is_refused_not_run(tmp_path: Path) -> None:
+    source = builders.write(_loop_over_constants(2**40), tmp_path)
+    started = time.monotonic()
+    result = _graphopt("run", source, "--no-check", "--json", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 60
+    assert any("work budget" in reason for reason in _refusals(json.loads(result.stdout)))
+
+
+def test_a_loop_without_a_trip_count_is_stopped_at_the_time_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(evaluator, "SECONDS_BUDGET", 1.0)
+    source = builders.write(_loop_over_constants(None), tmp_path)
+    result = invoke("run", source, "--no-check", "--json")
+    assert result.exit_code == 0, result.output
+    assert any("time budget" in reason for reason in _refusals(json.loads(result.stdout)))
+
+
+def _npz_declaring(path: Path, shape: tuple[int, ...], payload: bytes) -> Path:
+    """An .npz whose one array ``x`` declares ``shape`` (float32) in its header, followed by ``payload``."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("x.npy", header.getvalue() + payload)
+    return path
+
+
+def test_an_npz_bomb_is_refused_before_it_is_decompressed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = builders.write(builders.base_model(), tmp_path)
+    # A header declaring 8 GiB over 1 MB of zeros: numpy would allocate for the header's word.
+    lying = _npz_declaring(tmp_path / "lying.npz", (2**31,), bytes(1 << 20))
+    line = assert_one_line_error(invoke("run", source, "--inputs", lying))
+    assert str(2**33) in line and "declares" in line
+    # A real bomb inflates past the limit (here lowered to 1 MB: 64 MB of zeros deflate to 64 kB).
+    monkeypatch.setattr(inputs, "NPZ_BYTE_LIMIT", 1 << 20)
+    bomb = tmp_path / "bomb.npz"
+    np.savez_compressed(bomb, x=np.zeros((1 << 24,), np.float32))
+    assert bomb.stat().st_size < 1 << 20
+    line = assert_one_line_error(invoke("check", source, source, "--inputs", bomb))
+    assert "decompressed" in line and str(1 << 20) in line

@@ -320,3 +320,70 @@ def test_an_npz_bomb_is_refused_before_it_is_decompressed(tmp_path: Path, monkey
     assert bomb.stat().st_size < 1 << 20
     line = assert_one_line_error(invoke("check", source, source, "--inputs", bomb))
     assert "decompressed" in line and str(1 << 20) in line
+
+
+# -- 10. bad input is exit 2, not an internal error ----------------------------------------------
+
+
+def _leaf(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "outputs": [{"name": name, "type": "float32[4]"}],
+        "nodes": [{"op": "Identity", "inputs": ["x"], "outputs": [name]}],
+    }
+
+
+def nested_if_json(folder: Path, depth: int) -> Path:
+    """A graphopt JSON graph: y = x through ``depth`` nested Ifs (each else branch a leaf)."""
+    graph = _leaf("r0")
+    for level in range(1, depth + 1):
+        branches = {"then_branch": {"graph": graph}, "else_branch": {"graph": _leaf(f"e{level}")}}
+        node = {"op": "If", "inputs": ["c"], "outputs": [f"r{level}"], "attributes": branches}
+        graph = {"name": f"g{level}", "outputs": [{"name": f"r{level}", "type": "float32[4]"}], "nodes": [node]}
+    graph["name"] = "main"
+    graph["inputs"] = [{"name": "x", "type": "float32[4]"}, {"name": "c", "type": "bool[]"}]
+    graph["outputs"][0]["name"] = "y"
+    graph["nodes"][0]["outputs"] = ["y"]
+    document = {"format": "graphopt-graph", "format_version": 1, "ir_version": 9, "opsets": {"": 17}, "graph": graph}
+    path = folder / "nested.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def deep_json_value(folder: Path) -> Path:
+    path = builders.json_graph(lambda d: None)(folder)
+    text = path.read_text()
+    path.write_text(text[:-1] + ', "doc_string": ' + "[" * 1000 + "]" * 1000 + "}")
+    return path
+
+
+def long_location(folder: Path) -> Path:
+    path = with_external_data(folder)
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "w" * 300  # one name longer than any file system allows
+    path.write_bytes(proto.SerializeToString())
+    return path
+
+
+def truncated_sidecar(folder: Path) -> Path:
+    source = with_external_data(folder)
+    assert invoke("convert", source, folder / "model.json").exit_code == 0
+    (sidecar,) = folder.glob("model.*.npy")
+    sidecar.write_bytes(sidecar.read_bytes()[:200])
+    return folder / "model.json"
+
+
+@pytest.mark.parametrize(
+    "build",
+    [long_location, truncated_sidecar, lambda folder: nested_if_json(folder, 60), deep_json_value],
+    ids=["location too long", "truncated .npy sidecar", "If nested 60 deep", "JSON nested 1000 deep"],
+)
+def test_bad_input_that_was_an_internal_error(tmp_path: Path, build: Any) -> None:
+    source = build(tmp_path)
+    before = snapshot(tmp_path)
+    assert_one_line_error(invoke("run", source, "-o", tmp_path / "out.onnx", "--no-check"))
+    assert_one_line_error(invoke("inspect", source))
+    assert snapshot(tmp_path) == before

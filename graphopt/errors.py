@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["MESSAGE_LIMIT", "CheckFailed", "GraphoptError", "InputError", "PassError", "bounded"]
+__all__ = ["MESSAGE_LIMIT", "CheckFailed", "GraphoptError", "InputError", "PassError", "bounded", "one_line"]
 
 
 class GraphoptError(Exception):
@@ -47,3 +47,13 @@ def bounded(text: str, limit: int = MESSAGE_LIMIT) -> str:
         return text
     keep = limit // 2
     return f"{text[:keep]} [... {len(text) - 2 * keep} characters elided ...] {text[-keep:]}"
+
+
+# Control characters (and the Unicode line and paragraph separators) as the escapes Python
+# writes for them: a file name or an op name cannot start a line of its own in a log.
+_ESCAPES = {code: repr(chr(code))[1:-1] for code in [*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029]}
+
+
+def one_line(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` as one bounded line: newlines and other control characters escaped."""
+    return bounded(text.translate(_ESCAPES), limit)

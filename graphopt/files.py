@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -38,9 +39,11 @@ __all__ = [
     "commit",
     "folder_lock",
     "is_staging",
+    "not_regular",
     "remove_stale_staging",
     "staging_folder",
     "temporary_file",
+    "unwritable_kind",
 ]
 
 _log = logging.getLogger(__name__)
@@ -69,6 +72,44 @@ def temporary_file(directory: Path, name: str) -> tuple[int, Path]:
     handle, path = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
     os.fchmod(handle, _default_mode())
     return handle, Path(path)
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def not_regular(path: Path) -> str | None:
+    """What ``path`` (links followed) is when it exists and is not a regular file, e.g. "a
+    FIFO"; None for a regular file or nothing. Opening a FIFO blocks, replacing a device
+    node replaces it for the whole system: neither is ever an input's data or an output."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), None if stat.S_ISREG(mode) else "not a file")
+
+
+# Kernel and device file systems: a file written there is not a file (/proc, /sys), or
+# replaces a device node or a link such as /dev/stdout for the whole system (/dev).
+_SYSTEM_FOLDERS = (Path("/dev"), Path("/proc"), Path("/sys"))
+
+
+def unwritable_kind(path: Path) -> str | None:
+    """Why ``path`` may not be an output of graphopt, e.g. "a FIFO", "in /proc"; None when
+    it is absent or a regular file outside the system's device and kernel folders."""
+    special = not_regular(path)
+    if special is not None:
+        return f"not a regular file: {special}"
+    folder = path.absolute().parent.resolve()
+    for system in _SYSTEM_FOLDERS:
+        if folder.is_relative_to(system) or path.absolute().parent.is_relative_to(system):
+            return f"in {system}, a device or kernel folder"
+    return None
 
 
 def is_staging(path: Path) -> bool:

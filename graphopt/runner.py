@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 
 from graphopt.api import Result, optimize, resolve_pipeline, resolve_settings
 from graphopt.errors import GraphoptError, InputError
-from graphopt.files import commit, folder_lock, is_staging, staging_folder
+from graphopt.files import commit, folder_lock, is_staging, staging_folder, unwritable_kind
 from graphopt.io import data_files, load, save
-from graphopt.io.json_io import is_sidecar_of
-from graphopt.io.onnx_io import is_data_file_of
+from graphopt.io.json_io import is_graph_file, is_sidecar_of, sidecar_locations
+from graphopt.io.onnx_io import external_locations, is_data_file_of
 from graphopt.ir import Model
 from graphopt.passes.pipeline import PassRun
 from graphopt.report import check_report_target, write_report
@@ -141,10 +141,18 @@ def optimize_file(
     if options.in_place and options.output is None:
         # Through a symbolic link to the file it names: the link stays a link.
         output = source.resolve() if source.is_symlink() else source
+        if output != source and _read_only(output):
+            raise InputError(
+                f"{source}: a link to the read-only {output} (a shared cache object?); --in-place does not write "
+                "through it, as that would change every file linking there: write the result elsewhere with -o"
+            )
     else:
         output = options.output or default_output(source)
     if output.is_dir():
         raise InputError(f"{output}: is a folder; -o needs a file name for one model")
+    unwritable = unwritable_kind(output)
+    if unwritable is not None:
+        raise InputError(f"{output}: {unwritable}; -o writes regular files only")
     if output.resolve() == source.resolve() and not options.in_place:
         raise InputError(f"{output}: refusing to overwrite the input (use --in-place)")
     if options.report is not None:
@@ -168,6 +176,13 @@ def optimize_file(
         if options.config is not None:
             reads[options.config] = "--config"
         return _optimize_file(source, output, (model, load_seconds), reads, options, on_pass, input_entry)
+
+
+def _read_only(path: Path) -> bool:
+    """Whether no one may write ``path`` (root may, and still should not)."""
+    with contextlib.suppress(OSError):
+        return path.stat().st_mode & 0o222 == 0 or not os.access(path, os.W_OK)
+    return False
 
 
 def _optimize_file(
@@ -319,8 +334,9 @@ def _commit(
         for folder in folders:
             locks.enter_context(folder_lock(folder, output))
         removals = _old_weights(output, moves)
-        # Weights of this content are already in place under their content-addressed name.
-        moves = [(s, t) for s, t in moves if not (_is_weights_of(output, t, hashed=True) and t.is_file())]
+        # Weights of this content already in place under their content-addressed name stay,
+        # once their bytes are seen to be that content (a bad cache restore, a planted file).
+        moves = [(s, t) for s, t in moves if not (_is_weights_of(output, t, hashed=True) and _same_bytes(s, t))]
         _refuse_clashes(source, output, [t for _, t in moves], removals, reads, options)
         if output.is_file():  # the new weights keep the permissions of the model they replace
             mode = output.stat().st_mode & 0o7777
@@ -331,6 +347,18 @@ def _commit(
         for stale in removals:
             with contextlib.suppress(OSError):  # an old weights file left behind is harmless
                 stale.unlink()
+
+
+def _same_bytes(staged: Path, existing: Path) -> bool:
+    """Whether ``existing`` is a regular file holding the bytes of ``staged`` (read in chunks)."""
+    try:
+        return (
+            existing.is_file()
+            and existing.stat().st_size == staged.stat().st_size
+            and file_digest(existing) == file_digest(staged)
+        )
+    except OSError:
+        return False
 
 
 def batch_reads(sources: Sequence[Path], options: RunOptions) -> dict[Path, list[Path]]:
@@ -347,19 +375,31 @@ def batch_reads(sources: Sequence[Path], options: RunOptions) -> dict[Path, list
 
 
 def _old_weights(output: Path, moves: list[tuple[Path, Path]]) -> list[Path]:
-    """The external data (or .npy sidecars) of the model at ``output`` that the new one does not use."""
-    if all(t != output for _, t in moves):
+    """The tensor data files (external data, .npy sidecars) that the model at ``output``
+    reads, that the new one does not, and that no other model in that folder reads: a
+    renamed export may still read ``model.onnx.data``."""
+    if all(t != output for _, t in moves) or not output.is_file():
         return []
     new = {t.name for _, t in moves}
-    candidates = [p for p in output.parent.iterdir() if _is_weights_of(output, p) and p.name not in new]
-    if output.suffix.lower() == ".json" and candidates:
-        # A .npy beside a JSON graph may be anyone's: only the sidecars it reads go.
-        try:
-            read = {p.resolve() for p in data_files(load(output))}
-        except (GraphoptError, OSError):
-            return []
-        candidates = [p for p in candidates if p.resolve() in read]
-    return sorted(candidates)
+    folder = output.parent
+    candidates = {
+        p.resolve(): p
+        for p in map(folder.joinpath, _tensor_files_named_by(output))
+        if _is_weights_of(output, p) and p.name not in new and p.is_file()
+    }
+    replaced = output.resolve()
+    for neighbour in sorted(folder.iterdir()) if candidates else []:
+        is_model = neighbour.suffix.lower() in (".onnx", ".pb", ".json") and neighbour.is_file()
+        if is_model and neighbour.resolve() != replaced:
+            for location in _tensor_files_named_by(neighbour):
+                candidates.pop((folder / location).resolve(), None)
+    return sorted(candidates.values())
+
+
+def _tensor_files_named_by(model_file: Path) -> set[str]:
+    if model_file.suffix.lower() == ".json":
+        return sidecar_locations(model_file) if is_graph_file(model_file) else set()
+    return external_locations(model_file)
 
 
 def _is_weights_of(output: Path, candidate: Path, *, hashed: bool = False) -> bool:

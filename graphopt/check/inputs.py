@@ -20,6 +20,7 @@ against anything.
 from __future__ import annotations
 
 import math
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from graphopt.check.paths import OutputPath, output_paths
 from graphopt.errors import InputError
 
 __all__ = [
+    "NPZ_BYTE_LIMIT",
     "InputSpec",
     "ModelSpec",
     "bind_dims",
@@ -57,6 +59,8 @@ _MAX_ID = 100
 # Ops that pass ids through unchanged on the way to the Gather that uses them.
 # The check does not generate an input larger than this (a declared dim of 2**40 is valid ONNX).
 _MAX_INPUT_BYTES = 2**30
+# The most bytes the arrays of an --inputs .npz may take once decompressed.
+NPZ_BYTE_LIMIT = 4 * 2**30
 _ID_PASSTHROUGH = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
 Dim = int | str | None
@@ -218,6 +222,41 @@ def bind_dims(specs: tuple[InputSpec, ...], k: int, fixed: Mapping[str, int]) ->
     return dims
 
 
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file, sizes checked before anything is decompressed: the zip's
+    stated sizes against :data:`NPZ_BYTE_LIMIT`, and each array's header against the size
+    the zip states for it (a few MB of zip can inflate to gigabytes)."""
+    with zipfile.ZipFile(path) as archive:
+        members = archive.infolist()
+        stated = sum(member.file_size for member in members)
+        if stated > NPZ_BYTE_LIMIT:
+            raise InputError(
+                f"{path}: its arrays would take {stated} bytes decompressed, over the {NPZ_BYTE_LIMIT} bytes "
+                "graphopt reads from --inputs"
+            )
+        arrays: dict[str, np.ndarray] = {}
+        for member in members:
+            name = member.filename.removesuffix(".npy")
+            if name == member.filename:
+                raise InputError(f"{path}: {member.filename!r} is not a .npy array")
+            with archive.open(member) as stream:
+                version = np.lib.format.read_magic(stream)
+                read_header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
+                shape, _, dtype = read_header(stream)
+                needed = math.prod(shape) * dtype.itemsize
+                if dtype.hasobject or needed > member.file_size:
+                    what = "Python objects" if dtype.hasobject else f"{needed} bytes"
+                    raise InputError(
+                        f"{path}: array {name!r} declares {what} ({dtype}, shape {shape}) and the zip "
+                        f"holds {member.file_size} bytes for it"
+                    )
+            with archive.open(member) as stream:
+                arrays[name] = np.lib.format.read_array(stream, allow_pickle=False)
+    return arrays
+
+
 def make_inputs(
     specs: tuple[InputSpec, ...], dims: Mapping[str, int], rng: np.random.Generator
 ) -> dict[str, np.ndarray]:
@@ -254,11 +293,10 @@ def _data(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> 
 def load_npz(path: Path, specs: tuple[InputSpec, ...]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     """The user's arrays and the dims they bind; an array that cannot be fed is an InputError."""
     try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
+        arrays = _read_npz(path)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise InputError(f"{path}: not a readable .npz file ({exc})") from None
     expected = {spec.name: spec for spec in specs}
     missing = sorted(set(expected) - set(arrays))

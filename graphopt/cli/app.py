@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
-from graphopt.errors import GraphoptError, InputError, bounded
+from graphopt.errors import GraphoptError, InputError, one_line
 from graphopt.settings import Settings
 from graphopt.version import __version__
 
@@ -59,7 +59,7 @@ def stdout() -> Console:
 
 def error_line(message: str) -> None:
     """One diagnostic line on stderr, --quiet or not."""
-    click.echo(f"graphopt: error: {bounded(message)}", err=True)
+    click.echo(f"graphopt: error: {one_line(message)}", err=True)
 
 
 def fail(message: str, code: int) -> None:
@@ -149,7 +149,7 @@ class _StderrHandler(logging.Handler):
     so a test runner's capture sees them too)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(f"graphopt: {record.levelname.lower()}: {record.getMessage()}", err=True)
+        click.echo(f"graphopt: {record.levelname.lower()}: {one_line(record.getMessage())}", err=True)
 
 
 def _log_to_stderr(level: int) -> None:

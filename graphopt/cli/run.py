@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from graphopt.cli.app import EXIT_CODES, cli, emit, error_line, fail, guarded, parse_dims, stderr, with_settings
-from graphopt.errors import GraphoptError, InputError, bounded
+from graphopt.errors import GraphoptError, InputError, bounded, one_line
 from graphopt.version import __version__
 
 
@@ -50,7 +50,13 @@ class _Collected:
     skipped: list[dict[str, str]] = field(default_factory=list)
 
 
-def _collect(sources: Sequence[Path], output_folder: Path | None) -> _Collected:
+_NOT_A_GRAPH = "JSON that is not a graphopt graph"
+_OUTSIDE = "a symbolic link that leads outside the folder"
+
+
+def _collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = False) -> _Collected:
+    """The models named and found in folders; a link in a folder that leads outside it is
+    skipped (refused with ``strict``): a pull request can add one, and git stores links."""
     from graphopt.io.json_io import is_graph_file
 
     found = _Collected()
@@ -73,8 +79,13 @@ def _collect(sources: Sequence[Path], output_folder: Path | None) -> _Collected:
                 continue
             if excluded is not None and path.resolve().is_relative_to(excluded):
                 continue
+            if not path.resolve().is_relative_to(source.resolve()):
+                if strict:
+                    raise InputError(f"{path}: {_OUTSIDE} ({path.resolve()}); name it to run it (--strict)")
+                found.skipped.append({"path": str(path), "reason": _OUTSIDE})
+                continue
             if path.suffix.lower() == ".json" and not is_graph_file(path):
-                found.skipped.append({"path": str(path), "reason": "JSON that is not a graphopt graph"})
+                found.skipped.append({"path": str(path), "reason": _NOT_A_GRAPH})
                 continue
             found.sources.append(path)
     return found
@@ -114,7 +125,9 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
     "--config", type=click.Path(path_type=Path), help="Pipeline config, TOML or JSON (schemas/pipeline.schema.json)."
 )
 @click.option("--max-steps", type=click.IntRange(min=1), help="Most iterations of each group (default 8).")
-@click.option("--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
+@click.option(
+    "--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here ('-': stdout)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--check/--no-check", default=True, show_default=True, help="Compare outputs in onnxruntime.")
 @click.option(
@@ -188,6 +201,8 @@ def run(
         raise InputError("--atol and --rtol go together (element-wise check)")
     if in_place and output is not None:
         raise InputError("--in-place and -o exclude each other")
+    if report_path == Path("-"):  # the report as a stream on stdout, as --json prints it
+        report_path, as_json = None, True
     target, into_folder = _parse_output(output)
     options = RunOptions(
         output=target,
@@ -210,12 +225,14 @@ def run(
     resolve_settings(resolve_pipeline(passes, config, max_steps), settings)  # bad pipelines fail before any work
     console = stderr()
     single = len(models) == 1 and not models[0].is_dir() and shard is None
-    collected = _collect(models, target if (into_folder or not single) else None)
-    if collected.skipped:
-        listed = ", ".join(s["path"] for s in collected.skipped)
-        console.print(
-            escape(f"note: skipped {len(collected.skipped)} JSON files that are not graphopt graphs: {listed}")
-        )
+    collected = _collect(models, target if (into_folder or not single) else None, strict)
+    for reason, kind in (
+        (_NOT_A_GRAPH, "JSON files that are not graphopt graphs"),
+        (_OUTSIDE, "symbolic links that lead outside their folder"),
+    ):
+        listed = [s["path"] for s in collected.skipped if s["reason"] == reason]
+        if listed:
+            console.print(escape(one_line(f"note: skipped {len(listed)} {kind}: {', '.join(listed)}")))
     if not collected.sources:
         raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and graphopt *.json)")
     sources = collected.sources
@@ -264,8 +281,12 @@ def _gate(
                 raise
             row = {"path": str(source), "optimized": False, "reason": str(err), "exit_code": err.exit_code}
         rows.append(row)
-        mark = "[green]optimized[/green]" if row["optimized"] else f"[red]not optimized[/red]: {escape(row['reason'])}"
-        console.print(f"{escape(row['path'])}: {mark}")
+        mark = (
+            "[green]optimized[/green]"
+            if row["optimized"]
+            else f"[red]not optimized[/red]: {escape(one_line(row['reason']))}"
+        )
+        console.print(f"{escape(one_line(row['path']))}: {mark}")
     report = head | {"check_optimized": rows}
     if not single:
         report["totals"] = totals(rows)

@@ -11,7 +11,11 @@ training-mode Dropout; the answer would not be the one the model computes at run
 
 The byte budget bounds what evaluation produces: declared static shapes are checked
 before anything runs, kernels check each output before allocating it, and what is
-produced so far is totalled after every kernel and after the session.
+produced so far is totalled after every kernel and after the session. The work budget
+bounds what a Loop may cost: its trip count (when the region knows it) times the nodes of
+its body, in node runs, is checked before the session; a session still running after
+:data:`SECONDS_BUDGET` (a Loop whose condition never turns false) is stopped. Either is an
+EvaluationError, which the passes report as a refusal.
 """
 
 from __future__ import annotations
@@ -37,11 +41,19 @@ __all__ = ["Evaluator"]
 _RANDOM_CONTRIB_OPS = frozenset({"Sampling", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
 
 
-class Evaluator:
-    """Evaluates regions of nodes on given arrays, within ``byte_budget`` bytes of results."""
+# Node runs one evaluation's Loops may take (trip count times body nodes).
+WORK_BUDGET = 10**6
+# Seconds one onnxruntime session of an evaluation may run before it is stopped.
+SECONDS_BUDGET = 30.0
 
-    def __init__(self, *, byte_budget: int = 256 << 20) -> None:
+
+class Evaluator:
+    """Evaluates regions of nodes on given arrays, within ``byte_budget`` bytes of results
+    and ``work_budget`` node runs of Loops."""
+
+    def __init__(self, *, byte_budget: int = 256 << 20, work_budget: int = WORK_BUDGET) -> None:
         self.byte_budget = byte_budget
+        self.work_budget = work_budget
 
     def can_evaluate(self, node: Node, opsets: Mapping[str, int]) -> bool:
         return _refusal(node, opsets) is None
@@ -63,7 +75,7 @@ class Evaluator:
             reason = _refusal(node, opsets)
             if reason is not None:
                 raise EvaluationError(f"{describe(node)} cannot be evaluated: {reason}")
-        run = _Run(self.byte_budget, inputs, opsets)
+        run = _Run(self.byte_budget, self.work_budget, inputs, opsets)
         produced = {v for node in region for v in node.outputs}
         for value in outputs:
             if value not in produced:
@@ -87,8 +99,11 @@ class Evaluator:
 class _Run:
     """One evaluation's arrays and the bytes it has produced."""
 
-    def __init__(self, budget: int, inputs: Mapping[Value, np.ndarray], opsets: Mapping[str, int]) -> None:
+    def __init__(
+        self, budget: int, work_budget: int, inputs: Mapping[Value, np.ndarray], opsets: Mapping[str, int]
+    ) -> None:
         self.budget = budget
+        self.work_budget = work_budget
         self.used = 0
         self.inputs = inputs
         self.opsets = opsets
@@ -146,11 +161,27 @@ class _Run:
     def session(self, nodes: list[Node], late: set[Value], wanted: list[Value]) -> None:
         label = "the onnxruntime region"
         feeds = {v: self.array(v, label) for node in nodes for v in _reads(node) if v not in late}
-        results = run_region(nodes, feeds, wanted, self.opsets, self.budget - self.used)
+        self.check_work(nodes, feeds)
+        results = run_region(nodes, feeds, wanted, self.opsets, self.budget - self.used, SECONDS_BUDGET)
         nbytes = sum(r.nbytes for r in results)
         self.charge(nbytes, label)
         self.used += nbytes
         self.arrays.update(zip(wanted, results))
+
+    def check_work(self, nodes: list[Node], feeds: Mapping[Value, np.ndarray]) -> None:
+        """Refuse Loops whose known trip counts make more node runs than the work budget."""
+        work = 0
+        for node in nodes:
+            count = node.inputs[0] if node.op_type == "Loop" and node.inputs else None
+            if count is None or count not in feeds or feeds[count].size != 1:
+                continue  # no trip count, or one computed in the session: the time budget stops it
+            body = sum(len(list(graph.all_nodes())) for graph in node.subgraphs())
+            work += max(int(feeds[count].reshape(-1)[0]), 0) * max(body, 1)
+            if work > self.work_budget:
+                raise EvaluationError(
+                    f"{describe(node)}: {int(feeds[count].reshape(-1)[0])} iterations of {body} nodes exceed the "
+                    f"work budget of {self.work_budget} node runs"
+                )
 
 
 def _reads(node: Node) -> list[Value]:

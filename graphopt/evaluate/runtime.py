@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -36,8 +38,10 @@ def run_region(
     outputs: Sequence[Value],
     opsets: Mapping[str, int],
     budget_left: int,
+    seconds: float,
 ) -> list[np.ndarray]:
-    """The arrays of ``outputs``, computed by ``nodes`` (in topological order) from ``feeds``."""
+    """The arrays of ``outputs``, computed by ``nodes`` (in topological order) from ``feeds``;
+    a session still running after ``seconds`` is stopped (EvaluationError)."""
     model, arrays = _extract(nodes, feeds, outputs, opsets)
     proto = to_proto(model)
     expected = _inferred_bytes(proto)
@@ -50,7 +54,11 @@ def run_region(
         session = onnxruntime.InferenceSession(
             proto.SerializeToString(), _options(), providers=["CPUExecutionProvider"]
         )
-        results = session.run(names, arrays)
+        results = _run_for(session, names, arrays, seconds)
+    except _OutOfTime:
+        raise EvaluationError(
+            f"{_label(nodes)}: still running after {seconds:g} s, the time budget of an evaluation; stopped"
+        ) from None
     except Exception as runtime_error:  # onnxruntime raises its own assorted exception types
         try:
             results = onnx.reference.ReferenceEvaluator(proto).run(names, arrays)
@@ -69,6 +77,35 @@ def run_region(
                 f"{_label(nodes)}: {value.name!r} has dtype {result.dtype}, not an ONNX one"
             ) from None
     return [np.asarray(r) for r in results]
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def _run_for(
+    session: onnxruntime.InferenceSession, names: list[str], arrays: dict[str, np.ndarray], seconds: float
+) -> Any:
+    """``session.run``, told to terminate after ``seconds`` (onnxruntime checks the flag
+    between nodes, and between a Loop's iterations)."""
+    options = onnxruntime.RunOptions()
+    options.log_severity_level = 4
+    stopped = threading.Event()
+
+    def stop() -> None:
+        stopped.set()
+        options.terminate = True
+
+    timer = threading.Timer(seconds, stop)
+    timer.start()
+    try:
+        return session.run(names, arrays, options)
+    except Exception:
+        if stopped.is_set():
+            raise _OutOfTime from None
+        raise
+    finally:
+        timer.cancel()
 
 
 def _options() -> onnxruntime.SessionOptions:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from graphopt.errors import InputError
+from graphopt.files import not_regular
 
 __all__ = ["external_file"]
 
@@ -27,15 +28,18 @@ def external_file(base_dir: Path, location: str, what: str) -> Path:
     if ".." in relative.parts:
         raise InputError(f"{what} {location!r} leaves the model's folder")
     file = base_dir / relative
-    if file.is_symlink():
-        raise InputError(f"{what} {str(file)!r} is a symbolic link (onnx reads only regular files there)")
-    if not file.is_file():
-        raise InputError(f"{what} {str(file)!r} is missing")
-    if not file.resolve().is_relative_to(base_dir.resolve()):
-        raise InputError(f"{what} {str(file)!r} leaves the model's folder (through a linked folder)")
     try:
+        if file.is_symlink():
+            raise InputError(f"{what} {str(file)!r} is a symbolic link (onnx reads only regular files there)")
+        special = not_regular(file)
+        if special is not None:
+            raise InputError(f"{what} {str(file)!r} is not a regular file but {special}")
+        if not file.is_file():
+            raise InputError(f"{what} {str(file)!r} is missing")
+        if not file.resolve().is_relative_to(base_dir.resolve()):
+            raise InputError(f"{what} {str(file)!r} leaves the model's folder (through a linked folder)")
         with file.open("rb"):
             pass
-    except OSError as err:
-        raise InputError(f"{what} {str(file)!r} cannot be read ({err.strerror or err})") from None
+    except OSError as err:  # a name too long for the file system, a loop of links, no permission
+        raise InputError(f"{what} {location!r} cannot be read ({err.strerror or err})") from None
     return file

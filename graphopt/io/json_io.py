@@ -87,6 +87,7 @@ __all__ = [
     "NpySource",
     "is_graph_file",
     "is_sidecar_of",
+    "sidecar_locations",
     "load",
     "save",
 ]
@@ -223,6 +224,26 @@ def is_sidecar_of(path: Path, candidate: Path, *, hashed: bool = False) -> bool:
     if len(middle) == 16 and all(c in "0123456789abcdef" for c in middle):
         return True
     return not hashed and middle.isdigit()
+
+
+def sidecar_locations(path: Path) -> set[str]:
+    """The sidecar files the JSON graph at ``path`` names, its tensors not read; empty for a
+    file that is not a readable graph."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return set()
+    locations: set[str] = set()
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("file"), str):
+                locations.add(item["file"])
+            pending += item.values()
+        elif isinstance(item, list):
+            pending += item
+    return locations
 
 
 def is_graph_file(path: str | os.PathLike[str]) -> bool:
@@ -537,6 +558,14 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
         raise InputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except json.JSONDecodeError as err:
         raise InputError(f"{path}: invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
+    except RecursionError:
+        raise InputError(f"{path}: nested deeper than Python's JSON parser reads") from None
+    depth = _nesting(data)
+    if depth > MAX_NESTING:
+        raise InputError(
+            f"{path}: nested {depth} levels deep, over the {MAX_NESTING} graphopt reads "
+            f"(about {MAX_NESTING // 5} subgraphs inside one another)"
+        )
     validate(data, "graph", str(path))
     try:
         model = _Reader(path, independent_dims).model(data)
@@ -545,6 +574,25 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
     except (InputError, GraphError) as err:
         raise InputError(f"{path}: {err}") from None
     return model
+
+
+# The deepest nesting of JSON arrays and objects a graph may have: a subgraph inside a node
+# takes five levels (graph, nodes, node, attributes, attribute), and the schema validator
+# and the reader recurse through each.
+MAX_NESTING = 250
+
+
+def _nesting(data: Any) -> int:
+    """How deeply arrays and objects nest in ``data`` (counted without recursion)."""
+    deepest = 0
+    pending: list[tuple[Any, int]] = [(data, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            pending += [(child, depth + 1) for child in children]
+    return deepest
 
 
 class _Reader:
@@ -681,12 +729,17 @@ class _Reader:
                 major, _ = np.lib.format.read_magic(handle)
                 read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
                 found_shape, _, found_dtype = read_header(handle)
+                data_start = handle.tell()
+            size = file.stat().st_size
         except (ValueError, OSError) as err:
             raise InputError(f"{at}: {str(file)!r} is not a .npy file ({err})") from None
         if tuple(found_shape) != shape or found_dtype != storage:
             raise InputError(
                 f"{at}: {str(file)!r} holds {found_dtype}{list(found_shape)}, expected {storage}{list(shape)}"
             )
+        needed = math.prod(shape) * storage.itemsize
+        if size < data_start + needed:
+            raise InputError(f"{at}: {str(file)!r} is too short ({size - data_start} of its {needed} bytes of data)")
         return NpySource(file, dtype, shape)
 
     def sparse(self, data: dict[str, Any], at: str, name: str | None = None) -> SparseTensor:

@@ -69,6 +69,7 @@ __all__ = [
     "all_tensors",
     "content_addressed_name",
     "digest",
+    "external_locations",
     "from_proto",
     "is_data_file_of",
     "load",
@@ -122,6 +123,38 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
         return from_proto(proto, base_dir=path.parent, independent_dims=independent_dims, model_file=path)
     except (InputError, GraphError) as err:
         raise InputError(f"{path}: {err}") from None
+
+
+def external_locations(path: Path) -> set[str]:
+    """The external data locations the ONNX file at ``path`` names, read without its tensor
+    data (large inline weights are mapped, not read); empty for a file that is not a model."""
+    proto = onnx.ModelProto()
+    try:
+        payload = wire.split_inline_weights(path)
+        proto.ParseFromString(path.read_bytes() if payload is None else payload)
+    except (OSError, DecodeError, RuntimeError, ValueError, IndexError):
+        return set()
+    tensors: list[onnx.TensorProto] = []
+    graphs = [proto.graph]
+    nodes = [n for f in proto.functions for n in f.node]
+    while graphs or nodes:
+        if graphs:
+            graph = graphs.pop()
+            tensors += [*graph.initializer, *(t for s in graph.sparse_initializer for t in (s.values, s.indices))]
+            nodes += graph.node
+        for node in nodes:
+            for attr in node.attribute:
+                sparse = [attr.sparse_tensor, *attr.sparse_tensors]
+                tensors += [attr.t, *attr.tensors, *(t for s in sparse for t in (s.values, s.indices))]
+                graphs += [attr.g, *attr.graphs]
+        nodes = []
+    locations: set[str] = set()
+    for tensor in tensors:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            entries = {e.key: e.value for e in tensor.external_data}
+            if wire.INLINE_KEY not in entries and entries.get("location"):
+                locations.add(entries["location"])
+    return locations
 
 
 def _first_line(err: BaseException) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.errors import InputError
-from graphopt.files import temporary_file
+from graphopt.files import temporary_file, unwritable_kind
 
 __all__ = ["check_report_target", "dumps", "merge_reports", "totals", "without_timings", "write_report"]
 
@@ -45,6 +45,9 @@ def check_report_target(path: Path, models: Iterable[Path]) -> None:
     folder, one of ``models`` (read or written by the run), or any file that is not a report."""
     if path.is_dir():
         raise InputError(f"{path}: --report names a folder; give a file name")
+    unwritable = unwritable_kind(path)
+    if unwritable is not None:  # a FIFO would block the run, a pipe behind /dev/stdout too
+        raise InputError(f"{path}: {unwritable}; --report writes a regular file, or stdout with '--report -'")
     if path.resolve() in {model.resolve() for model in models}:
         raise InputError(f"{path}: --report names a model of this run; give another file name")
     if path.exists():

@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from graphopt.errors import one_line
+
 __all__ = ["render_batch", "render_inspection", "render_passes", "render_report"]
 
 
@@ -24,7 +26,7 @@ def _size(count: int) -> str:
 
 
 def render_report(console: Console, report: dict[str, Any]) -> None:
-    table = Table(title=escape(f"graphopt {report['input']['path']}"), title_justify="left")
+    table = Table(title=escape(one_line(f"graphopt {report['input']['path']}")), title_justify="left")
     for column in ("pass", "nodes", "initializers", "time", "op changes"):
         table.add_column(column, justify="right" if column in ("nodes", "initializers", "time") else "left")
     for run in report["passes"]:
@@ -62,7 +64,7 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     if report.get("blame"):
         _render_blame(console, report["blame"])
     if report.get("output"):
-        console.print(escape(f"wrote {report['output']['path']}"))
+        console.print(escape(one_line(f"wrote {report['output']['path']}")))
 
 
 _FIGURES = (("rel_l2", "rel L2"), ("max_abs", "max abs"), ("p99_abs", "p99 abs"), ("cosine", "cosine"))
@@ -99,11 +101,13 @@ def render_batch(console: Console, report: dict[str, Any]) -> None:
         table.add_column(column)
     for row in report["models"]:
         if "error" in row:
-            table.add_row(escape(row["input"]["path"]), "", "", f"[red]{escape(row['error'])}[/red]")
+            table.add_row(
+                escape(one_line(row["input"]["path"])), "", "", f"[red]{escape(one_line(row['error']))}[/red]"
+            )
             continue
         summary = row["summary"]
         nodes = f"{summary['before']['nodes']} -> {summary['after']['nodes']}"
-        table.add_row(escape(row["input"]["path"]), nodes, row["numerics"]["status"], row["status"])
+        table.add_row(escape(one_line(row["input"]["path"])), nodes, row["numerics"]["status"], row["status"])
     console.print(table)
 
 

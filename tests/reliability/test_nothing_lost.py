@@ -80,14 +80,16 @@ def renamed_export(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("flag", ["--external-data", "--no-external-data"])
-def test_an_output_named_like_the_inputs_weights_is_refused(tmp_path: Path, flag: str) -> None:
+def test_an_output_named_like_the_inputs_weights_leaves_them(tmp_path: Path, flag: str) -> None:
+    """model.onnx.data belongs to orig.onnx, not to the new model.onnx: it stays (issue 27.1)."""
     source = renamed_export(tmp_path)
     expected = run_model(source)
-    before = snapshot(tmp_path)
-    line = assert_one_line_error(invoke("run", source, "-o", tmp_path / "model.onnx", flag))
-    assert "model.onnx.data" in line and "reads it" in line
-    assert snapshot(tmp_path) == before
+    weights = (tmp_path / "model.onnx.data").read_bytes()
+    result = invoke("run", source, "-o", tmp_path / "model.onnx", flag)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "model.onnx.data").read_bytes() == weights
     np.testing.assert_array_equal(run_model(source), expected)
+    np.testing.assert_allclose(run_model(tmp_path / "model.onnx"), expected, rtol=1e-6)
 
 
 def test_clashes_are_found_through_symbolic_links(tmp_path: Path) -> None:
@@ -96,7 +98,7 @@ def test_clashes_are_found_through_symbolic_links(tmp_path: Path) -> None:
     source = renamed_export(models)
     (tmp_path / "alias").symlink_to(models)
     before = snapshot(models)
-    assert_one_line_error(invoke("run", source, "-o", tmp_path / "alias" / "model.onnx"))
+    assert_one_line_error(invoke("run", source, "-o", tmp_path / "alias" / "model.onnx.data"))
     assert_one_line_error(
         invoke("run", source, "-o", tmp_path / "x.onnx", "--report", tmp_path / "alias" / "orig.onnx")
     )
@@ -124,9 +126,9 @@ def test_a_folder_run_never_removes_or_replaces_what_another_of_its_models_reads
     (shared / "z_copy.onnx").write_bytes(source.read_bytes())  # reads model.onnx.data too, and runs second
     expected = run_model(source)
     result = invoke("run", shared, "--in-place", "--no-check")
-    assert result.exit_code == 2 and "tensor data of" in result.output
+    assert result.exit_code == 0, result.output  # model.onnx.data stays: z_copy.onnx reads it
     for name in ("model.onnx", "z_copy.onnx"):
-        np.testing.assert_array_equal(run_model(shared / name), expected)
+        np.testing.assert_allclose(run_model(shared / name), expected, rtol=1e-6)
 
     nested = tmp_path / "nested"
     (nested / "sub").mkdir(parents=True)
@@ -310,11 +312,11 @@ def test_folder_runs_skip_staging_folders_and_remove_those_of_dead_runs(tmp_path
 # -- 6. --in-place: through links, keeping the mode -------------------------------------------
 
 
-def test_in_place_writes_through_a_link_and_keeps_a_read_only_mode(tmp_path: Path) -> None:
+def test_in_place_writes_through_a_link_and_keeps_the_mode(tmp_path: Path) -> None:
     target = with_external_data(tmp_path, "real.onnx")
     expected = run_model(target)
     for file in tmp_path.iterdir():
-        file.chmod(0o444)
+        file.chmod(0o640)
     link = tmp_path / "link.onnx"
     link.symlink_to("real.onnx")
     result = invoke("run", link, "--in-place", "--json")
@@ -324,8 +326,21 @@ def test_in_place_writes_through_a_link_and_keeps_a_read_only_mode(tmp_path: Pat
     data = Path(json.loads(result.stdout)["output"]["external_data"]["path"])
     assert data.parent == tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([data.name, "link.onnx", "real.onnx"])
-    assert stat.S_IMODE(target.stat().st_mode) == 0o444 and stat.S_IMODE(data.stat().st_mode) == 0o444
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640 and stat.S_IMODE(data.stat().st_mode) == 0o640
     np.testing.assert_allclose(run_model(link), expected, rtol=1e-6)
+
+
+def test_in_place_keeps_a_read_only_mode(tmp_path: Path) -> None:
+    """Named itself, a read-only model may be replaced in place (not through a link: issue 27.7)."""
+    target = with_external_data(tmp_path, "real.onnx")
+    expected = run_model(target)
+    for file in tmp_path.iterdir():
+        file.chmod(0o444)
+    result = invoke("run", target, "--in-place", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = Path(json.loads(result.stdout)["output"]["external_data"]["path"])
+    assert stat.S_IMODE(target.stat().st_mode) == 0o444 and stat.S_IMODE(data.stat().st_mode) == 0o444
+    np.testing.assert_allclose(run_model(target), expected, rtol=1e-6)
 
 
 def test_in_place_through_a_link_into_another_folder_with_weights_is_refused(tmp_path: Path) -> None:

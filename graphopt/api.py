@@ -31,7 +31,7 @@ from graphopt.passes.pipeline import (
     load_pipeline_config,
     pipeline_from_names,
 )
-from graphopt.settings import Settings, settings_from
+from graphopt.settings import Settings
 
 if TYPE_CHECKING:
     from graphopt.check.numerics import CheckResult
@@ -80,8 +80,9 @@ def _evaluator() -> Evaluator:
 
 
 def resolve_settings(pipeline: Pipeline, overrides: Mapping[str, Any]) -> Settings:
-    """The run's settings: a config's [settings], then ``overrides`` (API keywords, CLI options)."""
-    return settings_from({**pipeline.settings, **overrides}, "settings")
+    """The run's settings: a config's [settings], then ``overrides`` (API keywords, CLI options);
+    the pass knobs among them go onto the pipeline's passes."""
+    return pipeline.configure(overrides)
 
 
 def optimize(

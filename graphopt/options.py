@@ -91,11 +91,14 @@ def _coerce(annotation: Any, value: Any) -> Any:
     )
 
 
-def option(default: Any, help: str) -> Any:
+def option(default: Any, help: str, *, knob: str = "") -> Any:
     """A dataclass field for a run setting or a pass option: its default and its help text.
 
-    A list or dict default is copied for each instance.
+    A pass option is also a knob of the run (a ``graphopt run`` flag, a keyword of
+    :func:`graphopt.optimize`, a key of a config's ``[settings]``), named ``<pass>_<option>``
+    unless ``knob`` names it. A list or dict default is copied for each instance.
     """
+    metadata = {"help": help, "knob": knob}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)

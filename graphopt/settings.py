@@ -1,5 +1,8 @@
 """The run's settings: declared once here, they reach the CLI, the Python API and configs.
 
+Only what the whole run reads is a setting; a knob that one pass reads is that pass's
+option (graphopt.passes.base.Knob), which reaches the same three places.
+
 Each field is one setting. Its ``metadata["help"]`` is the help text everywhere; the CLI
 derives a ``graphopt run`` option from the field (``independent_dims`` becomes
 ``--independent-dims``; a bool is a flag, a list a repeatable option), the Python API
@@ -19,7 +22,7 @@ from typing import Any, Literal
 from graphopt.errors import InputError
 from graphopt.options import coerce, option, type_name
 
-__all__ = ["Settings", "settings_from"]
+__all__ = ["SETTING_NAMES", "Settings", "settings_from"]
 
 
 @dataclass(frozen=True)
@@ -44,37 +47,11 @@ class Settings:
         },
     )
 
-    const_input: list[str] = option(
-        [],
-        "Graph inputs (names or globs) a server feeds once per model, such as weights: "
-        "runtime constants that the const-cache pass folds into runtime_fold",
-    )
-    fold_qdq: bool = option(False, "Let constant folding evaluate QuantizeLinear / DequantizeLinear of weights.")
-    defer_growth: bool = option(
-        False,
-        "Fold what would grow the file (float16 -> float32 weight Casts, weight "
-        "DequantizeLinear, tied weight Transposes) once per process in runtime_fold instead.",
-    )
-    allow_input_relayout: bool = option(
-        False,
-        "Let the unwind pass change the memory layout (declared shape) of graph inputs; "
-        "the report says which inputs now take which axis order.",
-    )
-    fold_min_group: int = option(2, "Fold only groups of at least this many sibling ops (fold pass).")
-    fold_ops: list[str] = option(
-        [], "Op types the fold pass may fold (default: every op it can; `graphopt passes` lists them)."
-    )
-    fold_tolerance: float = option(
-        0.05,
-        "Take a fold whose predicted cost is within this fraction of the time of the kernels it "
-        "replaces (below what the fold cost table resolves): it still removes nodes.",
-    )
-    fold_force: bool = option(
-        False, "Take every fold, also those the fold cost model predicts to be slower (to measure them)."
-    )
-
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(Settings))
 
 
 def settings_from(values: Mapping[str, Any], where: str = "settings") -> Settings:

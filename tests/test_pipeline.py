@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx
 import pytest
 
 from graphopt.errors import InputError
@@ -174,3 +175,33 @@ def test_a_plugin_cannot_take_a_builtin_pass_name_even_before_the_builtin_is_imp
     code = "from graphopt.passes.base import Pass, register\n@register\nclass Shadow(Pass, name='fold'):\n    pass\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode != 0 and "already registered" in result.stderr
+
+
+def _dead_neg_model(tmp_path: Path) -> Path:
+    from onnx import helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Neg", ["x"], ["dead"])],
+        "g",
+        [helper.make_tensor_value_info("x", 1, [2])],
+        [helper.make_tensor_value_info("y", 1, [2])],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_a_pass_option_is_a_flag_an_api_keyword_and_a_config_setting(tmp_path: Path) -> None:
+    from graphopt.api import optimize
+    from tests.cli_helpers import invoke
+
+    source = _dead_neg_model(tmp_path)
+    ops = [n.op_type for n in optimize(source, "dce", dce_keep_ops=["Neg"]).model.graph.nodes]
+    assert ops == ["Relu", "Neg"]
+    result = invoke("run", source, "--passes", "dce", "--dce-keep-ops", "Neg", "--no-check", "-o", tmp_path / "a.onnx")
+    assert result.exit_code == 0, result.output
+    assert [n.op_type for n in onnx.load(tmp_path / "a.onnx").graph.node] == ["Relu", "Neg"]
+    config = tmp_path / "c.toml"
+    config.write_text('[settings]\ndce_keep_ops = ["Neg"]\n\n[[pipeline]]\npass = "dce"\n')
+    assert [n.op_type for n in optimize(source, config=config).model.graph.nodes] == ["Relu", "Neg"]
+    assert [n.op_type for n in optimize(source, "dce").model.graph.nodes] == ["Relu"]

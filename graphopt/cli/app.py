@@ -161,34 +161,40 @@ def _log_to_stderr(level: int) -> None:
 
 
 def with_settings(func: F) -> F:
-    """Add one option per run setting (graphopt.settings.Settings) and hand the command the
-    ones given as ``settings``, a dict; --debug turns on the verify setting."""
-    fields = dataclasses.fields(Settings)
+    """Add one option per run setting (graphopt.settings.Settings) and per pass knob (an
+    option of a pass, graphopt.passes.base.Knob) and hand the command the ones given as
+    ``settings``, a dict; --debug turns on the verify setting."""
+    from graphopt.passes.base import pass_knobs
+
     hints = typing.get_type_hints(Settings)
+    declared = [
+        (f.name, "--" + f.name.replace("_", "-"), hints[f.name], f.metadata.get("help", ""))
+        for f in dataclasses.fields(Settings)
+    ]
+    declared += [(k.name, k.flag, k.annotation, f"{k.help} (pass {k.pass_name})") for k in pass_knobs().values()]
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        given = {f.name: kwargs.pop(f.name) for f in fields}
+        given = {name: kwargs.pop(name) for name, *_ in declared}
         chosen = {name: value for name, value in given.items() if value not in (None, ())}
         if State.debug or kwargs.get("debug"):
             chosen.setdefault("verify", True)
         return func(*args, settings=chosen, **kwargs)
 
-    for option in reversed(fields):
-        flag = "--" + option.name.replace("_", "-")
-        help_text = option.metadata.get("help", "")
-        annotation = hints[option.name]
-        if annotation is bool:
-            decorator = click.option(f"{flag}/--no-{flag[2:]}", option.name, default=None, help=help_text)
-        elif typing.get_origin(annotation) is typing.Literal:
-            choices = click.Choice([str(a) for a in typing.get_args(annotation)])
-            decorator = click.option(flag, option.name, type=choices, default=None, help=help_text)
-        elif typing.get_origin(annotation) is list:
-            decorator = click.option(flag, option.name, multiple=True, help=help_text + " (repeatable)")
-        else:
-            decorator = click.option(flag, option.name, type=annotation, default=None, help=help_text)
-        wrapper = decorator(wrapper)
+    for name, flag, annotation, help_text in reversed(declared):
+        wrapper = _setting_option(name, flag, annotation, help_text)(wrapper)
     return wrapper  # type: ignore[return-value]
+
+
+def _setting_option(name: str, flag: str, annotation: Any, help_text: str) -> Callable[[F], F]:
+    if annotation is bool:
+        return click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
+    if typing.get_origin(annotation) is typing.Literal:
+        choices = click.Choice([str(a) for a in typing.get_args(annotation)])
+        return click.option(flag, name, type=choices, default=None, help=help_text)
+    if typing.get_origin(annotation) is list:
+        return click.option(flag, name, multiple=True, help=help_text + " (repeatable)")
+    return click.option(flag, name, type=annotation, default=None, help=help_text)
 
 
 def parse_dims(values: Sequence[str]) -> dict[str, int]:

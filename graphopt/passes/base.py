@@ -29,7 +29,7 @@ from graphopt.facts import Facts, OnnxTypes
 from graphopt.ir import Graph, Model, Node
 from graphopt.ir.rewrite import Builder, Namer
 from graphopt.options import coerce, plain, type_name
-from graphopt.settings import Settings
+from graphopt.settings import SETTING_NAMES, Settings
 
 if TYPE_CHECKING:  # passes reach the evaluator through the context, never by import
     from graphopt.evaluate import Evaluator
@@ -212,6 +212,35 @@ def get_pass(name: str) -> type[Pass]:
     if name not in _REGISTRY:
         raise InputError(f"unknown pass {name!r}; known passes: {', '.join(sorted(all_passes()))}")
     return _REGISTRY[name]
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A pass option reachable from the whole run: a ``graphopt run`` flag, an API keyword, a
+    key of a config's ``[settings]``; it sets the option on every step of its pass."""
+
+    name: str
+    pass_name: str
+    option: str
+    annotation: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def pass_knobs(passes: Mapping[str, type[Pass]] | None = None) -> dict[str, Knob]:
+    """The knobs of ``passes`` (default: every registered pass, the built-in ones imported)."""
+    found: dict[str, Knob] = {}
+    for pass_name, cls in sorted((passes if passes is not None else all_passes()).items()):
+        hints = typing.get_type_hints(cls.Options)
+        for option in dataclasses.fields(cls.Options):
+            name = option.metadata.get("knob") or f"{pass_name}_{option.name}".replace("-", "_")
+            if name in found or name in SETTING_NAMES:
+                raise ValueError(f"knob {name!r} of pass {pass_name!r} is taken")
+            found[name] = Knob(name, pass_name, option.name, hints[option.name], option.metadata.get("help", ""))
+    return found
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ ran) and the pipeline goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -23,9 +24,9 @@ from graphopt.errors import InputError, bounded
 from graphopt.ir import GraphError, Model
 from graphopt.ir.clone import Snapshot
 from graphopt.ir.stats import ModelStats, model_stats
-from graphopt.options import plain
-from graphopt.passes.base import Pass, PassContext, PassResult, get_pass
-from graphopt.settings import settings_from
+from graphopt.options import coerce, plain, type_name
+from graphopt.passes.base import Knob, Pass, PassContext, PassResult, get_pass, pass_knobs
+from graphopt.settings import SETTING_NAMES, Settings, settings_from
 
 __all__ = [
     "DEFAULT_PIPELINE",
@@ -133,18 +134,31 @@ class Pipeline:
     def describe(self) -> list[dict[str, Any]]:
         return [_describe(s) for s in self.steps]
 
-    def pass_names(self) -> list[str]:
-        names: list[str] = []
+    def configure(self, overrides: Mapping[str, Any]) -> Settings:
+        """The run's settings from the config's [settings] and then ``overrides`` (API keywords,
+        CLI options); the pass knobs among them set their option on every step of their pass."""
+        settings, knobs = split_settings({**self.settings, **overrides}, "settings")
+        for step in self._passes():
+            chosen = {knob.option: value for knob, value in knobs if knob.pass_name == step.name}
+            if chosen:
+                step.options = dataclasses.replace(step.options, **chosen)
+        return settings
+
+    def _passes(self) -> list[Pass]:
+        found: list[Pass] = []
 
         def walk(steps: Sequence[Step]) -> None:
             for step in steps:
                 if isinstance(step, Group):
                     walk(step.steps)
                 else:
-                    names.append(step.name)
+                    found.append(step)
 
         walk(self.steps)
-        return names
+        return found
+
+    def pass_names(self) -> list[str]:
+        return [step.name for step in self._passes()]
 
     def run(
         self,
@@ -327,9 +341,28 @@ def pipeline_from_config(config: Any, *, max_steps: int | None = None, where: st
     return Pipeline(_with_max_steps(steps, max_steps))
 
 
+def split_settings(values: Mapping[str, Any], where: str) -> tuple[Settings, list[tuple[Knob, Any]]]:
+    """Run settings and pass knobs (with their checked values) from one mapping; an unknown
+    name or a mistyped value is bad input. Pass families load only when a name is no setting."""
+    knobs = pass_knobs() if set(values) - SETTING_NAMES else {}
+    chosen: list[tuple[Knob, Any]] = []
+    for name, value in values.items():
+        if name in SETTING_NAMES:
+            continue
+        knob = knobs.get(name)
+        if knob is None:
+            known = ", ".join(sorted(SETTING_NAMES | set(knobs)))
+            raise InputError(f"{where}: unknown setting {name!r}; settings and pass knobs: {known}")
+        fits, converted = coerce(knob.annotation, value)
+        if not fits:
+            raise InputError(f"{where}: {name!r} must be {type_name(knob.annotation)}, not {value!r}")
+        chosen.append((knob, converted))
+    return settings_from({k: v for k, v in values.items() if k in SETTING_NAMES}, where), chosen
+
+
 def _settings_table(data: Any, where: str) -> dict[str, Any]:
     table = data.get("settings", {}) if isinstance(data, Mapping) else {}
-    settings_from(table, f"{where}: settings")  # bad names and types fail before any work
+    split_settings(table, f"{where}: settings")  # bad names and types fail before any work
     return dict(table)
 
 

@@ -13,8 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 from graphopt.api import optimize, pass_context
 from graphopt.io.onnx_io import from_proto, to_proto
 from graphopt.passes.fuse import registered_rules
-from graphopt.passes.fuse.engine import RuleSet, RunStats, Site, find_matches
 from graphopt.passes.pipeline import pipeline_from_config
+from graphopt.passes.rewrite.engine import RuleSet, RunStats, Site, find_matches
 from graphopt.settings import Settings
 from tests.numerics import assert_same_outputs
 

@@ -14,8 +14,8 @@ from graphopt.ir import Value
 from graphopt.ir.rewrite import PROVENANCE_KEY, Builder
 from graphopt.passes.fuse import Match, Rule, Site, add_rule, const, either, op, registered_rules, remove_rule, var
 from graphopt.passes.fuse.fuse_pass import select_rules
-from graphopt.passes.fuse.patterns import match
 from graphopt.passes.pipeline import pipeline_from_config
+from graphopt.passes.rewrite.patterns import match
 from tests.numerics import assert_same_outputs
 from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
 
@@ -400,8 +400,9 @@ def test_adding_the_same_rule_twice_changes_nothing(user_rule: list[str]) -> Non
 
 
 def test_the_noop_pass_and_the_shape_family_share_their_common_rules() -> None:
-    from graphopt.passes.fuse.rules import LIBRARY, noop
+    from graphopt.passes.cleanup.rules import RULES as NOOP_RULES
+    from graphopt.passes.fuse.rules import LIBRARY
 
     shared = [r for r in LIBRARY if r.family == "noop"]
     assert {r.name for r in shared} == {"transpose-identity", "cast-to-same-type"}
-    assert all(any(r is mine for mine in noop.RULES) for r in shared)
+    assert all(any(r is mine for mine in NOOP_RULES) for r in shared)

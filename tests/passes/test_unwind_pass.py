@@ -26,9 +26,8 @@ def transposes(model: onnx.ModelProto) -> int:
     return sum(node.op_type == "Transpose" for node in model.graph.node)
 
 
-def run_unwind(model: graphopt.ir.Model, allow_input_relayout: bool = False, **options: object) -> dict:
-    ctx = PassContext(Settings(allow_input_relayout=allow_input_relayout))
-    result = get_pass("unwind").from_config(options).run(model, ctx)
+def run_unwind(model: graphopt.ir.Model, **options: object) -> dict:
+    result = get_pass("unwind").from_config(options).run(model, PassContext(Settings()))
     model.graph.verify()
     return {"changed": result.changed, **result.details}
 
@@ -260,7 +259,7 @@ def test_the_pass_and_its_options_are_listed() -> None:
     assert result.exit_code == 0
     listed = {p["name"]: p for p in json.loads(result.stdout)["passes"]}
     options = {o["name"] for o in listed["unwind"]["options"]}
-    assert options == {"solver", "time_budget", "profile"}
+    assert options == {"solver", "time_budget", "profile", "allow_input_relayout"}
 
 
 def _relayout_config(tmp_path: Path) -> Path:

@@ -1,6 +1,6 @@
 """Remove operations that return their input unchanged: the ``noop`` pass.
 
-Its rules are the noop family (graphopt/passes/fuse/rules/noop.py), single-node rules the
+Its rules are the noop family (graphopt/passes/cleanup/rules.py), single-node rules the
 rewrite engine sweeps over every graph in topological order, so chains such as
 ``Identity(Identity(x))`` go in one sweep.
 """
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from graphopt.ir import Graph, Model
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.fuse.engine import RuleSet, RunStats, Site, sweep
-from graphopt.passes.fuse.rules import noop
+from graphopt.passes.cleanup.rules import RULES
+from graphopt.passes.rewrite.engine import RuleSet, RunStats, Site, sweep
 
 __all__ = ["NoopElimination"]
 
-_RULES = RuleSet(noop.RULES)
+_RULES = RuleSet(RULES)
 
 
 @register

@@ -37,6 +37,21 @@ __all__ = ["ConstCache", "ConstCacheOptions"]
 
 @dataclass
 class ConstCacheOptions:
+    const_input: list[str] = option(
+        [],
+        "Graph inputs (names or globs) a server feeds once per model, such as weights: "
+        "runtime constants that the const-cache pass folds into runtime_fold",
+        knob="const_input",
+    )
+    fold_qdq: bool = option(
+        False, "Let constant folding evaluate QuantizeLinear / DequantizeLinear of weights.", knob="fold_qdq"
+    )
+    defer_growth: bool = option(
+        False,
+        "Fold what would grow the file (float16 -> float32 weight Casts, weight "
+        "DequantizeLinear, tied weight Transposes) once per process in runtime_fold instead.",
+        knob="defer_growth",
+    )
     max_growth_bytes: int = option(
         64 << 10,
         "most bytes one folded region may add to the file (new tensors minus the ones that die); "
@@ -54,13 +69,13 @@ class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         names = ctx.names(model)
-        settings = ctx.settings
         details: dict[str, Any] = {}
         details["constants_to_initializers"] = constants_to_initializers(model, names)
         details["ifs_inlined"] = inline_constant_ifs(model, names)
         make = _Make(model, ctx, self.name)
         details["symbolic"] = dict(sorted(fold_symbolic(model, ctx.facts(model), make).items()))
-        rules = Rules(settings.const_input, settings.fold_qdq, settings.defer_growth, ctx.evaluator)
+        options: ConstCacheOptions = self.options
+        rules = Rules(options.const_input, options.fold_qdq, options.defer_growth, ctx.evaluator)
         if ctx.evaluator is not None:
             stored = model_stats(model).initializer_bytes
             # The stored bytes when the run's first const-cache step saw the model: one budget per run.
@@ -82,8 +97,8 @@ class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
             details["folded"] = {"regions": folder.folded_regions, "nodes": folder.folded_nodes}
             details["refused"] = folder.refused
             details["ifs_inlined"] += inline_constant_ifs(model, names)
-            if settings.const_input or settings.defer_growth:
-                deferred = folder.grew if settings.defer_growth else []
+            if options.const_input or options.defer_growth:
+                deferred = folder.grew if options.defer_growth else []
                 details["runtime_fold"] = split_runtime(model, lattice, deferred, names)
         details["deduplicated"] = deduplicate_initializers(model, names)
         changed = any(

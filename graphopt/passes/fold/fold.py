@@ -22,6 +22,7 @@ import numpy as np
 from graphopt.facts import infer_model
 from graphopt.ir import Graph, Model, Node, Value
 from graphopt.ir.constness import constant_array, is_constant
+from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.passes.fold.costs import LEVELS, chain_estimate, chain_time_us
 from graphopt.passes.fold.index import Fold, FoldIndex, build_folded_graph
@@ -35,7 +36,18 @@ FOLDABLE_OPS = sorted(SEED_OPS | ELEMENTWISE_UNARY | ELEMENTWISE_BINARY)
 
 @dataclass
 class FoldOptions:
-    pass
+    min_group: int = option(2, "Fold only groups of at least this many sibling ops (fold pass).")
+    ops: list[str] = option(
+        [], "Op types the fold pass may fold (default: every op it can; `graphopt passes` lists them)."
+    )
+    tolerance: float = option(
+        0.05,
+        "Take a fold whose predicted cost is within this fraction of the time of the kernels it "
+        "replaces (below what the fold cost table resolves): it still removes nodes.",
+    )
+    force: bool = option(
+        False, "Take every fold, also those the fold cost model predicts to be slower (to measure them)."
+    )
 
 
 @register
@@ -47,8 +59,8 @@ class FoldSiblings(Pass, name="fold", options=FoldOptions):
     )
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
-        settings = ctx.settings
-        ops = set(settings.fold_ops or FOLDABLE_OPS)
+        options: FoldOptions = self.options
+        ops = set(options.ops or FOLDABLE_OPS)
         if ops - set(FOLDABLE_OPS):
             unknown = ", ".join(sorted(ops - set(FOLDABLE_OPS)))
             raise ValueError(f"--fold-ops: cannot fold {unknown}; foldable: {', '.join(FOLDABLE_OPS)}")
@@ -66,16 +78,16 @@ class FoldSiblings(Pass, name="fold", options=FoldOptions):
     ) -> bool:
         """Fold one graph (the main graph, a body, a function); its folds are numbered after
         those already in ``details``."""
-        settings = ctx.settings
+        options: FoldOptions = self.options
         constants = _constant_values(graph)
 
         def constant(value: Value | None) -> bool:
             return value is not None and (id(value) in constants or is_constant(value))
 
         weights = _Weights(model, graph, ctx, constant)
-        planner = Planner(constant, weights.read, ops, max(2, settings.fold_min_group))
+        planner = Planner(constant, weights.read, ops, max(2, options.min_group))
         index = build_folded_graph(graph.levels(ignore_constants=True), planner)
-        accepted, refused = _judge(index, force=settings.fold_force, tolerance=settings.fold_tolerance)
+        accepted, refused = _judge(index, force=options.force, tolerance=options.tolerance)
         details["refused"].extend(refused)
         if not accepted:
             return False

@@ -1,4 +1,4 @@
-"""The rewrite engine, its rule library and the ``fuse`` pass.
+"""The fuse rule library and the ``fuse`` pass (the engine is graphopt.passes.rewrite).
 
 Add a rule from Python::
 
@@ -9,9 +9,9 @@ Add a rule from Python::
 See graphopt/passes/README.md for the pattern language and the engine's guarantees.
 """
 
-from graphopt.passes.fuse.engine import Match, Rule, RuleSet, Site, Unreadable
 from graphopt.passes.fuse.fuse_pass import add_rule, registered_rules, remove_rule
-from graphopt.passes.fuse.patterns import const, either, op, optional, scalar, var
+from graphopt.passes.rewrite.engine import Match, Rule, RuleSet, Site, Unreadable
+from graphopt.passes.rewrite.patterns import const, either, op, optional, scalar, var
 
 __all__ = [
     "Match",

@@ -7,14 +7,15 @@ add with :func:`add_rule`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from graphopt.errors import InputError
 from graphopt.ir import CONTRIB_DOMAIN, Graph, Model
+from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.fuse.engine import Rule, RuleSet, RunStats, Site, run_round
 from graphopt.passes.fuse.rules import LIBRARY
 from graphopt.passes.fuse.rules.lower import FAMILY as LOWERING
+from graphopt.passes.rewrite.engine import Rule, RuleSet, RunStats, Site, run_round
 
 __all__ = ["Fuse", "add_rule", "registered_rules", "remove_rule", "select_rules"]
 
@@ -71,11 +72,9 @@ def select_rules(names_on: Iterable[str], names_off: Iterable[str], target: str)
 
 @dataclass
 class FuseOptions:
-    max_steps: int = field(default=5, metadata={"help": "Most rounds of shatter then fuse rules per run."})
-    enable: list[str] = field(
-        default_factory=list, metadata={"help": "Rules or families to run that are off by default."}
-    )
-    disable: list[str] = field(default_factory=list, metadata={"help": "Rules or families not to run."})
+    max_steps: int = option(5, "most rounds of shatter then fuse rules per run")
+    enable: list[str] = option([], "rules or families to run that are off by default")
+    disable: list[str] = option([], "rules or families not to run")
 
 
 @register

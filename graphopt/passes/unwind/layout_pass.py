@@ -32,6 +32,12 @@ class UnwindOptions:
     profile: Profile = option(
         "onnx", "layouts the target wants at Conv, pooling, MatMul, Gemm: onnx (NCHW, row-major) or nhwc"
     )
+    allow_input_relayout: bool = option(
+        False,
+        "Let the unwind pass change the memory layout (declared shape) of graph inputs; "
+        "the report says which inputs now take which axis order.",
+        knob="allow_input_relayout",
+    )
 
 
 @register
@@ -39,8 +45,8 @@ class Unwind(Pass, name="unwind", options=UnwindOptions):
     """Choose tensor layouts for the fewest Transposes (layout problem: unwinding)"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
-        options = self.options
-        relayout = ctx.settings.allow_input_relayout
+        options: UnwindOptions = self.options
+        relayout = options.allow_input_relayout
         details: dict[str, Any] = {}
         if "layout" in model.extensions:
             given = problem_from_json(model.extensions["layout"], "the model's layout section", "$.layout")

@@ -6,7 +6,6 @@ The noop family is not in the library (the ``noop`` pass sweeps it); the shape f
 shares two of its rules.
 """
 
-from graphopt.passes.fuse.engine import RuleSet
 from graphopt.passes.fuse.rules import (
     activation,
     arith,
@@ -23,6 +22,7 @@ from graphopt.passes.fuse.rules import (
     shape,
     tied,
 )
+from graphopt.passes.rewrite.engine import RuleSet
 
 __all__ = ["LIBRARY"]
 

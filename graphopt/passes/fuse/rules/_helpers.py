@@ -8,7 +8,7 @@ import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Site
+from graphopt.passes.rewrite.engine import Match, Site
 
 __all__ = [
     "FLOAT_KINDS",

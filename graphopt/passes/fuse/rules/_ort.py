@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from graphopt.ir import CONTRIB_DOMAIN, DataType, Node
-from graphopt.passes.fuse.engine import Match, Site
-from graphopt.passes.fuse.patterns import Pattern, op, optional, var
+from graphopt.passes.rewrite.engine import Match, Site
+from graphopt.passes.rewrite.patterns import Pattern, op, optional, var
 
 __all__ = ["FUSABLE_ACTIVATIONS", "MS", "activated", "activation_params", "check_activation", "fused_activation"]
 

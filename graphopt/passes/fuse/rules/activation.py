@@ -19,10 +19,10 @@ import math
 from typing import NamedTuple
 
 from graphopt.ir import DataType, Node
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float
 from graphopt.passes.fuse.rules._ort import MS
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
 
 FAMILY = "activation"
 

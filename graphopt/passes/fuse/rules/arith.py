@@ -16,9 +16,9 @@ import numpy as np
 
 from graphopt.ir import Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import Pattern, const, op, var
 from graphopt.passes.fuse.rules._helpers import float_array, is_float, new_const
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import Pattern, const, op, var
 
 FAMILY = "arith"
 

@@ -33,10 +33,10 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
 from graphopt.passes.fuse.rules._helpers import float_array, is_float, scalar_factor
 from graphopt.passes.fuse.rules._ort import MS
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 
 FAMILY = "attention"
 _HEADS = [0, 2, 1, 3]

@@ -31,10 +31,10 @@ import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, new_const
 from graphopt.passes.fuse.rules._ort import MS, activated, check_activation, fused_activation
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 
 FAMILY = "conv"
 

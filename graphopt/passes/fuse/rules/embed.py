@@ -24,9 +24,9 @@ import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import OpPattern, const, either, op, optional, var
 from graphopt.passes.fuse.rules._ort import MS
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import OpPattern, const, either, op, optional, var
 
 FAMILY = "embed"
 _IDS = (DataType.INT32, DataType.INT64)

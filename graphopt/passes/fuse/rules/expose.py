@@ -26,8 +26,8 @@ import numpy as np
 from graphopt.ir import Node, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import op, optional, var
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import op, optional, var
 
 FAMILY = "expose"
 

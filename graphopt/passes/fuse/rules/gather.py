@@ -28,8 +28,8 @@ import numpy as np
 
 from graphopt.ir import Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import const, either, op, optional, var
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import const, either, op, optional, var
 
 FAMILY = "gather"
 # Tables this long (vocabularies, position tables) are cast row by row after the lookup.

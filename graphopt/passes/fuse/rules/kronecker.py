@@ -29,8 +29,8 @@ import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import op, var
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import op, var
 
 FAMILY = "kronecker"
 # The weights examined (elements): from where factoring paid in the measurements above, up

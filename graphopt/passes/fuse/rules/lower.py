@@ -37,9 +37,9 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import op, optional, var
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, is_float
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import op, optional, var
 
 FAMILY = "lower"
 

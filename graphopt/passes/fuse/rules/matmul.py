@@ -19,10 +19,10 @@ from functools import partial
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
 from graphopt.passes.fuse.rules._helpers import attrs_of, is_float, scalar_factor
 from graphopt.passes.fuse.rules._ort import MS, activated, activation_params, check_activation
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
 
 FAMILY = "matmul"
 

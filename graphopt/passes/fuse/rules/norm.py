@@ -30,10 +30,10 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
 from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, trailing_axes
 from graphopt.passes.fuse.rules._ort import MS
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 
 FAMILY = "norm"
 

@@ -25,9 +25,9 @@ import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import OpPattern, op, optional, var
 from graphopt.passes.fuse.rules._helpers import is_float
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
 
 FAMILY = "rotary"
 

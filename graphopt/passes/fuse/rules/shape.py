@@ -24,10 +24,10 @@ import numpy as np
 from graphopt.ir import DataType, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site
-from graphopt.passes.fuse.patterns import Pattern, const, op, optional, var
+from graphopt.passes.cleanup.rules import CAST_TO_SAME_TYPE, TRANSPOSE_IDENTITY
 from graphopt.passes.fuse.rules._helpers import static_shape
-from graphopt.passes.fuse.rules.noop import CAST_TO_SAME_TYPE, TRANSPOSE_IDENTITY
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import Pattern, const, op, optional, var
 
 FAMILY = "shape"
 _LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")

@@ -1,6 +1,6 @@
 """The rewrite engine: rules as data, one matcher, one driver (the fuse and noop passes).
 
-A :class:`Rule` is a pattern (:mod:`graphopt.passes.fuse.patterns`), an optional ``plan``
+A :class:`Rule` is a pattern (:mod:`graphopt.passes.rewrite.patterns`), an optional ``plan``
 and a ``build``. ``plan(m, site)`` runs once per structural match: it returns the reason the
 match cannot be rewritten (a ``str``) or the plan (any other value, None included) that
 ``build(b, m, plan)`` then turns into the replacement through a toolkit Builder, returning
@@ -46,7 +46,7 @@ from graphopt.ir import AttrKind, DataType, Graph, Model, Node, Value, tensor_dt
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, replace_nodes
 from graphopt.passes.base import PassContext
-from graphopt.passes.fuse.patterns import Bindings, OpPattern, Pattern, entries, match, root_ops
+from graphopt.passes.rewrite.patterns import Bindings, OpPattern, Pattern, entries, match, root_ops
 
 __all__ = [
     "Match",

@@ -31,8 +31,8 @@ import numpy as np
 from graphopt.ir import AttrKind, DataType, Dim, Node, TensorType, Value, tensor_shape
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, can_take_over
-from graphopt.passes.fuse.engine import Match, Plan, Rule, Site
-from graphopt.passes.fuse.patterns import OpPattern, op, optional, var
+from graphopt.passes.rewrite.engine import Match, Plan, Rule, Site
+from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
 
 __all__ = ["CAST_TO_SAME_TYPE", "FAMILY", "RULES", "TRANSPOSE_IDENTITY"]
 

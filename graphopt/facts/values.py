@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from graphopt.facts.op import MAX_VALUE_LEN, Op, SymValue, d_add, d_div, d_mul, d_prod, d_sub
+from graphopt.facts.op import MAX_VALUE_LEN, Op, SymValue, d_add, d_div, d_lower_bound, d_mul, d_prod, d_sub
 from graphopt.ir import DataType, Dim, Tensor
 
 __all__ = ["VALUE_RULES", "ValueRule"]
@@ -156,7 +156,16 @@ def equal_value(op: Op) -> list[SymValue | None]:
     def equal(a: Dim, b: Dim) -> Dim:
         if a is not None and a == b:
             return 1
-        return int(a == b) if isinstance(a, int) and isinstance(b, int) else None
+        if isinstance(a, int) and isinstance(b, int):
+            return 0
+        # A size never equals a number below its bound: Equal(sizes, -1), TorchScript's test
+        # of which expand() sizes to keep, is all false on the dims.
+        low_a, low_b = d_lower_bound(a), d_lower_bound(b)
+        if (isinstance(b, int) and low_a is not None and b < low_a) or (
+            isinstance(a, int) and low_b is not None and a < low_b
+        ):
+            return 0
+        return None
 
     return _elementwise(op, equal)
 

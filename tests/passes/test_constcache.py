@@ -437,3 +437,42 @@ def test_a_folded_graph_output_keeps_its_name_without_an_identity(tmp_path: Path
     assert ops(written) == Counter({"Constant": 2})
     assert [o.name for o in onnx.load(written).graph.output] == ["s", "wt"]
     assert_same_outputs(original, written)
+
+
+def _dims_vector(nodes: list[onnx.NodeProto], *entries: str) -> None:
+    """Append TorchScript's ``Concat(Unsqueeze(Gather(Shape(x), i)), ...)`` for dims (or constants) of x."""
+    nodes.append(helper.make_node("Shape", ["x"], ["shape"]))
+    parts = []
+    for k, entry in enumerate(entries):
+        if entry.startswith("i"):
+            nodes.append(helper.make_node("Gather", ["shape", entry], [f"g{k}"], axis=0))
+            nodes.append(helper.make_node("Unsqueeze", [f"g{k}", "ax"], [f"u{k}"]))
+            parts.append(f"u{k}")
+        else:
+            parts.append(entry)
+    nodes.append(helper.make_node("Concat", parts, ["sizes"], axis=0))
+
+
+def test_expand_with_minus_one_sizes_of_its_own_dims_is_removed(tmp_path: Path) -> None:
+    # x.expand(batch, -1, seq, seq) as TorchScript writes it: Where(Equal(sizes, -1), 1, sizes).
+    nodes: list[onnx.NodeProto] = []
+    _dims_vector(nodes, "i0", "minus_one", "i2", "i3")
+    nodes += [
+        helper.make_node("Equal", ["sizes", "minus_ones"], ["is_kept"]),
+        helper.make_node("Where", ["is_kept", "ones", "sizes"], ["target"]),
+        helper.make_node("Expand", ["x", "target"], ["expanded"]),
+        helper.make_node("Relu", ["expanded"], ["y"]),
+    ]
+    inits = [
+        tensor("i0", 0, np.int64),
+        tensor("i2", 2, np.int64),
+        tensor("i3", 3, np.int64),
+        tensor("ax", [0], np.int64),
+        tensor("minus_one", [-1], np.int64),
+        tensor("minus_ones", [-1, -1, -1, -1], np.int64),
+        tensor("ones", [1, 1, 1, 1], np.int64),
+    ]
+    proto = model_proto(nodes, [info("x", shape=["batch", 1, "seq", "seq"])], [info("y", shape=None)], inits)
+    original, written, _ = optimized(tmp_path, proto)
+    assert ops(written) == Counter({"Relu": 1})
+    assert_same_outputs(original, written)

@@ -476,3 +476,20 @@ def test_expand_with_minus_one_sizes_of_its_own_dims_is_removed(tmp_path: Path) 
     original, written, _ = optimized(tmp_path, proto)
     assert ops(written) == Counter({"Relu": 1})
     assert_same_outputs(original, written)
+
+
+def test_a_reshape_target_assembled_from_a_split_shape_becomes_a_constant(tmp_path: Path) -> None:
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Split", ["shape", "ones"], ["batch", "seq", "hidden"], axis=0),
+        helper.make_node("Div", ["hidden", "heads"], ["head_dim"]),
+        helper.make_node("Concat", ["batch", "seq", "heads", "head_dim"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    inits = [tensor("ones", [1, 1, 1], np.int64), tensor("heads", [4], np.int64)]
+    proto = model_proto(nodes, [info("x", shape=["batch", "seq", 256])], [info("y", shape=None)], inits)
+    original, written, _ = optimized(tmp_path, proto)
+    assert ops(written) == Counter({"Reshape": 1})
+    (target,) = [numpy_helper.to_array(t) for t in onnx.load(written).graph.initializer]
+    assert target.tolist() == [0, 0, 4, 64]
+    assert_same_outputs(original, written)

@@ -493,3 +493,36 @@ def test_a_reshape_target_assembled_from_a_split_shape_becomes_a_constant(tmp_pa
     (target,) = [numpy_helper.to_array(t) for t in onnx.load(written).graph.initializer]
     assert target.tolist() == [0, 0, 4, 64]
     assert_same_outputs(original, written)
+
+
+def test_a_target_of_input_dims_and_numbers_is_measured_once_on_the_input(tmp_path: Path) -> None:
+    # GPT-2's Conv1D as TorchScript writes it: flatten, Gemm, then back to (batch, seq, 12)
+    # with the dims measured on the activation; the dims are the input's, read in one Shape.
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"]),
+        helper.make_node("Shape", ["h"], ["shape"]),
+        helper.make_node("Gather", ["shape", "i0"], ["b"], axis=0),
+        helper.make_node("Gather", ["shape", "i1"], ["s"], axis=0),
+        helper.make_node("Unsqueeze", ["b", "ax"], ["b1"]),
+        helper.make_node("Unsqueeze", ["s", "ax"], ["s1"]),
+        helper.make_node("Concat", ["b1", "s1", "width"], ["target"], axis=0),
+        helper.make_node("Reshape", ["h", "flat"], ["rows"]),
+        helper.make_node("MatMul", ["rows", "w"], ["product"]),
+        helper.make_node("Reshape", ["product", "target"], ["y"]),
+    ]
+    inits = [
+        tensor("i0", 0, np.int64),
+        tensor("i1", 1, np.int64),
+        tensor("ax", [0], np.int64),
+        tensor("width", [12], np.int64),
+        tensor("flat", [-1, 8], np.int64),
+        tensor("w", np.random.default_rng(0).standard_normal((8, 12))),
+    ]
+    proto = model_proto(nodes, [info("x", shape=["batch", "seq", 8])], [info("y", shape=None)], inits)
+    original, written, _ = optimized(tmp_path, proto)
+    assert ops(written) == Counter({"Relu": 1, "Reshape": 2, "MatMul": 1, "Shape": 1, "Concat": 1})
+    (shape,) = [n for n in onnx.load(written).graph.node if n.op_type == "Shape"]
+    assert list(shape.input) == ["x"]
+    dims = [d.dim_param or d.dim_value for d in onnx.load(written).graph.output[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", "seq", 12]
+    assert_same_outputs(original, written)

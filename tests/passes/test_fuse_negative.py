@@ -39,6 +39,7 @@ from tests.passes.test_fuse_ort_rules import (
     _gemm_bn,
     _masked_feeds,
     _padded,
+    _residual_block,
     _scaled_matmul,
     _skip_norm,
 )
@@ -749,11 +750,11 @@ CASES: dict[str, Case] = {
         {"target": "ort"},
     ),
     "ort-fusedconv-sum": Case(
-        lambda: _conv_act(residual=True),
-        {"FusedConv": 1},
+        _residual_block,
+        {"Conv": 1, "FusedConv": 1},
         "s",
         "n/a: FusedConv takes the Conv's attributes as they are",
-        Perturb(set_shape("z", None), "not provably the Conv's"),
+        Perturb(set_shape("x", None), "not provably the Conv's"),
         NO_GATE,
         {"target": "ort"},
     ),

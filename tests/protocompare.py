@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
@@ -26,6 +28,7 @@ def _normalize_graph(graph: onnx.GraphProto) -> None:
     kept = [onnx.ValueInfoProto().FromString(v.SerializeToString()) for v in infos]
     del graph.value_info[:]
     graph.value_info.extend(kept)
+    _drop_trailing_empty_inputs(graph.node)
     for node in graph.node:
         node.ClearField("device_configurations")
         for attr in node.attribute:
@@ -35,6 +38,12 @@ def _normalize_graph(graph: onnx.GraphProto) -> None:
                 _normalize_graph(sub)
     for vi in [*graph.input, *graph.output, *graph.value_info]:
         _strip_dim_denotation(vi.type)
+
+
+def _drop_trailing_empty_inputs(nodes: Iterable[onnx.NodeProto]) -> None:
+    for node in nodes:
+        while node.input and not node.input[-1]:
+            node.input.pop()
 
 
 def _strip_dim_denotation(tp: onnx.TypeProto) -> None:
@@ -59,6 +68,7 @@ def normalized(model: onnx.ModelProto) -> onnx.ModelProto:
         kept = [onnx.ValueInfoProto().FromString(v.SerializeToString()) for v in infos]
         del function.value_info[:]
         function.value_info.extend(kept)
+        _drop_trailing_empty_inputs(function.node)
     _strip_defaults(copy)
     return copy
 

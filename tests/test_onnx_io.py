@@ -344,3 +344,31 @@ def test_external_data_offset_must_be_a_number(tmp_path: Path) -> None:
     _write(tmp_path / "bad.onnx", model)
     with pytest.raises(InputError, match="not a number"):
         onnx_io.load(tmp_path / "bad.onnx")
+
+
+def test_trailing_empty_optional_inputs_are_not_written(tmp_path: Path) -> None:
+    # onnxruntime's NCHWc layout transformer skips a Conv whose third input is "" rather than absent.
+    w = numpy_helper.from_array(np.ones((2, 3, 1, 1), np.float32), "w")
+    lo = numpy_helper.from_array(np.asarray(0.5, np.float32), "lo")
+    nodes = [
+        helper.make_node("Conv", ["x", "w", ""], ["c"]),
+        helper.make_node("Clip", ["c", "", ""], ["clipped"]),
+        helper.make_node("Clip", ["clipped", "lo", ""], ["low"]),
+        helper.make_node("Clip", ["low", "", "lo"], ["y"]),  # an empty input before a given one stays
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [w, lo],
+    )
+    source, target = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
+    _roundtrip(source, target)
+    written = [list(node.input) for node in onnx.load(target).graph.node]
+    assert written == [["x", "w"], ["c"], ["clipped", "lo"], ["low", "", "lo"]]
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 3, 4, 4)).astype(np.float32)}
+    expected = ort.InferenceSession(source, providers=["CPUExecutionProvider"]).run(None, feeds)
+    actual = ort.InferenceSession(target, providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert all(_identical(e, a) for e, a in zip(expected, actual))

@@ -31,6 +31,7 @@ __all__ = [
     "SymValue",
     "d_add",
     "d_div",
+    "d_lower_bound",
     "d_mul",
     "d_prod",
     "d_sub",
@@ -119,6 +120,27 @@ def _divide_by_monomial(a: int | Sym | Expr, b: Sym | Expr) -> Dim:
             term = d_mul(term, _atom_dim(atom))
         result = d_add(result, term)
     return result
+
+
+def d_lower_bound(dim: Dim) -> int | None:
+    """A bound the dim never goes below: a dim variable is a size, so at least 0, and a
+    polynomial in them with non-negative coefficients is at least its constant term."""
+    if dim is None or isinstance(dim, int):
+        return dim
+    if isinstance(dim, Sym):
+        return 0
+    constant = 0
+    for monomial, coeff in dim.terms:
+        if not monomial:
+            constant = coeff
+        elif coeff < 0 or not all(isinstance(a, Sym) or _at_least_zero(a.numerator) for a in monomial):
+            return None
+    return constant
+
+
+def _at_least_zero(dim: Dim) -> bool:
+    low = d_lower_bound(dim)
+    return low is not None and low >= 0
 
 
 def norm_axis(axis: int, rank: int) -> int | None:

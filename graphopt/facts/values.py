@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from graphopt.facts.op import MAX_VALUE_LEN, Op, SymValue, d_add, d_div, d_mul, d_prod, d_sub
+from graphopt.facts.op import MAX_VALUE_LEN, Op, SymValue, d_add, d_div, d_lower_bound, d_mul, d_prod, d_sub
 from graphopt.ir import DataType, Dim, Tensor
 
 __all__ = ["VALUE_RULES", "ValueRule"]
@@ -93,6 +93,26 @@ def slice_value(op: Op) -> list[SymValue | None]:
     return [data[slice(starts[0], ends[0], step)]]
 
 
+@value_rule("Split")
+def split_value(op: Op) -> list[SymValue | None]:
+    """A shape vector cut into pieces: ``Split(Shape(x), [1, 1, 1])`` -> (b,), (s,), (256,)."""
+    data, count = op.sym(0), len(op.node.outputs)
+    if data is None or op.attr("axis", 0) not in (0, -1):
+        return [None] * count
+    if op.opset < 13:
+        sizes = op.attr("split")
+    else:
+        sizes = op.ints(1) if op.input(1) is not None else None
+    if sizes is None:
+        if len(data) % count:  # opset 18's uneven num_outputs split
+            return [None] * count
+        sizes = [len(data) // count] * count
+    if len(sizes) != count or sum(sizes) != len(data) or any(n < 0 for n in sizes):
+        return [None] * count
+    bounds = [sum(sizes[:k]) for k in range(count + 1)]
+    return [data[bounds[k] : bounds[k + 1]] for k in range(count)]
+
+
 def _elementwise(op: Op, fn: Callable[[Dim, Dim], Dim]) -> list[SymValue | None]:
     a, b = op.sym(0), op.sym(1)
     if a is None or b is None or (len(a) != len(b) and 1 not in (len(a), len(b))):
@@ -156,7 +176,16 @@ def equal_value(op: Op) -> list[SymValue | None]:
     def equal(a: Dim, b: Dim) -> Dim:
         if a is not None and a == b:
             return 1
-        return int(a == b) if isinstance(a, int) and isinstance(b, int) else None
+        if isinstance(a, int) and isinstance(b, int):
+            return 0
+        # A size never equals a number below its bound: Equal(sizes, -1), TorchScript's test
+        # of which expand() sizes to keep, is all false on the dims.
+        low_a, low_b = d_lower_bound(a), d_lower_bound(b)
+        if (isinstance(b, int) and low_a is not None and b < low_a) or (
+            isinstance(a, int) and low_b is not None and a < low_b
+        ):
+            return 0
+        return None
 
     return _elementwise(op, equal)
 

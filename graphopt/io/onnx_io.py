@@ -7,7 +7,10 @@ Round trips are lossless up to these normalizations:
   names that no node defines;
 - dimension denotations and NodeProto.device_configurations are not kept;
 - repeated keys in ``metadata_props`` keep their last value;
-- an attribute without a declared type gets the type of the field that is set.
+- an attribute without a declared type gets the type of the field that is set;
+- trailing empty (omitted optional) inputs of a node are not written: the spec reads an
+  absent trailing input as omitted, and onnxruntime's NCHWc layout transformer skips a Conv
+  whose bias is ``""`` where it takes one without the input.
 
 Tensors are not decoded on load: an in-file tensor keeps its parsed TensorProto and is
 written back as it came unless a pass replaced it; external data is memory-mapped and
@@ -918,7 +921,10 @@ class _Writer:
                 self.type(item, proto.type_protos.add())
 
     def node(self, node: Node, proto: onnx.NodeProto, skip: Collection[str] = ()) -> None:
-        proto.input.extend(v.name if v is not None else "" for v in node.inputs)
+        inputs = list(node.inputs)
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        proto.input.extend(v.name if v is not None else "" for v in inputs)
         proto.output.extend(v.name for v in node.outputs)
         _set(
             proto,

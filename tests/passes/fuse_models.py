@@ -15,7 +15,7 @@ from tests.passes.fuse_helpers import expose, info, init, model, node
 RNG = np.random.default_rng(1)
 
 
-def _w(*shape: int) -> np.ndarray:
+def rand_weight(*shape: int) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32)
 
 
@@ -34,8 +34,26 @@ def conv_act(act: str = "Relu", extra: str = "", residual: bool = False, **attrs
     nodes.append(node(act, act_inputs, "y", **attrs))
     outputs: list[Any] = ["y"]
     expose(nodes, outputs, "c", extra)
-    params = [init("w", _w(4, 3, 3, 3)), init("b", _w(4)), init("lo", 0.0), init("hi", 6.0)]
+    params = [init("w", rand_weight(4, 3, 3, 3)), init("b", rand_weight(4)), init("lo", 0.0), init("hi", 6.0)]
     return model(nodes, inputs, outputs, params)
+
+
+def residual_block(bias: bool = True, skip: str = "conv") -> onnx.ModelProto:
+    """Relu(Conv(h) + z), h = Conv(x): z is h (a residual read from a Conv) or the input x."""
+    inputs = ["h", "w", "b"] if bias else ["h", "w"]
+    nodes = [
+        node("Conv", ["x", "w0", "b0"], "h", pads=[1, 1, 1, 1]),
+        node("Conv", inputs, "c", pads=[1, 1, 1, 1]),
+        node("Add", ["c", "h" if skip == "conv" else "x"], "s"),
+        node("Relu", ["s"], "y"),
+    ]
+    params = [
+        init("w0", rand_weight(4, 4, 3, 3)),
+        init("b0", rand_weight(4)),
+        init("w", rand_weight(4, 4, 3, 3)),
+        init("b", rand_weight(4)),
+    ]
+    return model(nodes, [info("x", ["n", 4, 8, 8])], ["y"], params)
 
 
 def scaled_matmul(op: str = "Div", transpose: bool = True, perm: list[int] | None = None) -> onnx.ModelProto:
@@ -73,7 +91,7 @@ def bias_gelu(opset: int = 20, approximate: str = "none", bias_shape: tuple[int,
         [node("Add", ["x", "bias"], "h"), node("Gelu", ["h"], "y", approximate=approximate)],
         [info("x", ["b", 3, 8])],
         ["y"],
-        [init("bias", _w(*bias_shape))],
+        [init("bias", rand_weight(*bias_shape))],
         opset=opset,
     )
 
@@ -104,7 +122,13 @@ def skip_norm(
     if carry:
         nodes.append(node("Relu", ["sum"], "carried"))
         outputs.append("carried")
-    params = [init("w", _w(8, 8)), init("bias", _w(8)), init("gamma", _w(8)), init("beta", _w(8)), init("eps", 1e-5)]
+    params = [
+        init("w", rand_weight(8, 8)),
+        init("bias", rand_weight(8)),
+        init("gamma", rand_weight(8)),
+        init("beta", rand_weight(8)),
+        init("eps", 1e-5),
+    ]
     inputs = [info("x", ["b", 3, 8]), info("skip", skip_shape or ["b", 3, 8])]
     return model(nodes, inputs, outputs, params, opset=23 if norm == "RMSNormalization" else 17)
 
@@ -124,18 +148,18 @@ def ort_attention(mask: str = "raw", packed: bool = False, fp16: bool = False, e
         init("scale", float(np.sqrt(SIZE))),
     ]
     if packed:
-        params += [init("w", _w(HIDDEN, 3 * HIDDEN)), init("b", _w(3 * HIDDEN))]
+        params += [init("w", rand_weight(HIDDEN, 3 * HIDDEN)), init("b", rand_weight(3 * HIDDEN))]
         nodes += [node("MatMul", ["x", "w"], "qkv_mm"), node("Add", ["qkv_mm", "b"], "qkv")]
         nodes.append(node("Split", ["qkv", "sizes"], ["q", "k", "v"], axis=2))
         params.append(init("sizes", np.array([HIDDEN] * 3, np.int64)))
     for part in "qkv" if not packed else "":
-        weight = _w(HIDDEN, HIDDEN)
+        weight = rand_weight(HIDDEN, HIDDEN)
         if fp16:
             params.append(init(f"w{part}16", weight.astype(np.float16)))
             nodes.append(node("Cast", [f"w{part}16"], f"w{part}", to=onnx.TensorProto.FLOAT))
         else:
             params.append(init(f"w{part}", weight))
-        params.append(init(f"b{part}", _w(HIDDEN)))
+        params.append(init(f"b{part}", rand_weight(HIDDEN)))
         nodes += [node("MatMul", ["x", f"w{part}"], f"{part}_mm"), node("Add", [f"b{part}", f"{part}_mm"], part)]
     for part, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):
         nodes += [
@@ -182,7 +206,7 @@ def masked_feeds() -> dict[str, np.ndarray]:
 
 
 def padded(consumer: str, pads: list[int], fill: float = 0.0, extra: str = "") -> onnx.ModelProto:
-    params = [init("pads", np.array(pads, np.int64)), init("fill", fill), init("w", _w(4, 3, 3, 3))]
+    params = [init("pads", np.array(pads, np.int64)), init("fill", fill), init("w", rand_weight(4, 3, 3, 3))]
     attrs: dict[str, Any] = {"kernel_shape": [3, 3]} if consumer != "Conv" else {}
     inputs = ["p", "w"] if consumer == "Conv" else ["p"]
     nodes = [node("Pad", ["x", "pads", "fill"], "p", mode="constant"), node(consumer, inputs, "y", **attrs)]
@@ -199,9 +223,15 @@ def gemm_bn(op: str = "Gemm", shape: list[Any] | None = None, extra: str = "") -
         node(op, inputs, "p", **attrs),
         node("BatchNormalization", ["p", "gamma", "beta", "mean", "var"], "y", epsilon=1e-3),
     ]
-    weight = _w(4, 3) if op == "Gemm" else _w(3, 4)
-    params = [init("w", weight), init("c", _w(4)), init("gamma", _w(4)), init("beta", _w(4)), init("mean", _w(4))]
-    params.append(init("var", np.abs(_w(4)) + 0.5))
+    weight = rand_weight(4, 3) if op == "Gemm" else rand_weight(3, 4)
+    params = [
+        init("w", weight),
+        init("c", rand_weight(4)),
+        init("gamma", rand_weight(4)),
+        init("beta", rand_weight(4)),
+        init("mean", rand_weight(4)),
+    ]
+    params.append(init("var", np.abs(rand_weight(4)) + 0.5))
     outputs: list[Any] = ["y"]
     if extra == "output":
         outputs.append("p")
@@ -212,13 +242,13 @@ def embed(extra: str = "none", ids_type: int = onnx.TensorProto.INT64, axis: int
     """BERT's embeddings as torch exports them: word[ids] + (segment[token types] or a constant
     row, or nothing) + position[position_ids[:, :S]], then LayerNormalization."""
     params = [
-        init("word_table", _w(10, 8)),
-        init("position_table", _w(16, 8)),
+        init("word_table", rand_weight(10, 8)),
+        init("position_table", rand_weight(16, 8)),
         init("position_ids", np.arange(16, dtype=np.int64).reshape(1, 16)),
         init("zero", np.array([0], np.int64)),
         init("one", np.array([1], np.int64)),
-        init("gamma", _w(8)),
-        init("beta", _w(8)),
+        init("gamma", rand_weight(8)),
+        init("beta", rand_weight(8)),
     ]
     inputs = [info("input_ids", ["b", "s"], ids_type)]
     nodes = [
@@ -229,13 +259,13 @@ def embed(extra: str = "none", ids_type: int = onnx.TensorProto.INT64, axis: int
     ]
     words = "words"
     if extra == "segment":
-        params.append(init("segment_table", _w(2, 8)))
+        params.append(init("segment_table", rand_weight(2, 8)))
         inputs.append(info("token_type_ids", ["b", "s"], onnx.TensorProto.INT64))
         nodes.append(node("Gather", ["segment_table", "token_type_ids"], "segments", axis=0))
         nodes.append(node("Add", ["words", "segments"], "typed"))
         words = "typed"
     elif extra in ("row", "reader", "output"):
-        params.append(init("row", _w(8)))
+        params.append(init("row", rand_weight(8)))
         nodes.append(node("Add", ["words", "row"], "typed"))
         words = "typed"
     elif extra == "position-input":
@@ -252,13 +282,18 @@ def embed(extra: str = "none", ids_type: int = onnx.TensorProto.INT64, axis: int
 
 
 def conv_bn(extra: str = "", gamma_input: bool = False) -> onnx.ModelProto:
-    params = [init("w", _w(4, 3, 3, 3)), init("b", _w(4)), init("beta", _w(4)), init("mean", _w(4))]
-    params.append(init("var", np.abs(_w(4)) + 0.5))
+    params = [
+        init("w", rand_weight(4, 3, 3, 3)),
+        init("b", rand_weight(4)),
+        init("beta", rand_weight(4)),
+        init("mean", rand_weight(4)),
+    ]
+    params.append(init("var", np.abs(rand_weight(4)) + 0.5))
     inputs = [info("x", [1, 3, 8, 8])]
     if gamma_input:
         inputs.append(info("gamma", [4]))
     else:
-        params.append(init("gamma", _w(4)))
+        params.append(init("gamma", rand_weight(4)))
     nodes = [
         node("Conv", ["x", "w", "b"], "c", pads=[1, 1, 1, 1]),
         node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], "y", epsilon=1e-3),
@@ -275,7 +310,12 @@ def conv_channel(c: np.ndarray, op: str = "Mul", through_transpose: bool = True)
         nodes.append(node("Transpose", ["c"], "t", perm=[0, 2, 3, 1]))
         src = "t"
     nodes.append(node(op, [src, "k"], "y"))
-    return model(nodes, [info("x", [1, 3, 5, 5])], ["y"], [init("w", _w(4, 3, 1, 1)), init("b", _w(4)), init("k", c)])
+    return model(
+        nodes,
+        [info("x", [1, 3, 5, 5])],
+        ["y"],
+        [init("w", rand_weight(4, 3, 1, 1)), init("b", rand_weight(4)), init("k", c)],
+    )
 
 
 def matmul_add(a_shape: list[Any], extra_reader: bool = False) -> onnx.ModelProto:
@@ -284,7 +324,7 @@ def matmul_add(a_shape: list[Any], extra_reader: bool = False) -> onnx.ModelProt
     if extra_reader:
         nodes.append(node("Relu", ["p"], "r"))
         outputs.append("r")
-    return model(nodes, [info("a", a_shape)], outputs, [init("w", _w(3, 4)), init("b", _w(4))])
+    return model(nodes, [info("a", a_shape)], outputs, [init("w", rand_weight(3, 4)), init("b", rand_weight(4))])
 
 
 def erf_gelu(opset: int) -> onnx.ModelProto:
@@ -361,8 +401,8 @@ def _normalized(x: str, out: str, axes: list[int], opset: int) -> list[onnx.Node
 
 def layer_norm(opset: int = 17, gamma_input: bool = False, axes: list[int] | None = None) -> onnx.ModelProto:
     inputs = [info("x", ["b", 3, 8])] + ([info("gamma", [8])] if gamma_input else [])
-    params = [init("two", 2.0), init("eps", 1e-5), init("beta", _w(8))]
-    params += [] if gamma_input else [init("gamma", _w(8))]
+    params = [init("two", 2.0), init("eps", 1e-5), init("beta", rand_weight(8))]
+    params += [] if gamma_input else [init("gamma", rand_weight(8))]
     nodes = _normalized("x", "n", axes or [-1], opset)
     nodes += [node("Mul", ["n", "gamma"], "g"), node("Add", ["g", "beta"], "y")]
     return model(nodes, inputs, ["y"], params, opset=opset)
@@ -382,9 +422,9 @@ def group_norm(
     nodes = [node("Reshape", ["x", "group_shape"], "split")]
     params = [init("group_shape", np.array([0, groups, -1], np.int64)), init("eps", 1e-5), init("two", 2.0)]
     affine = (6, 1, 1) if isinstance(channels, int) else ()  # a symbolic channel dim takes scalars
-    params += [init("gamma", _w(*affine) if gamma is None else gamma), init("beta", _w(*affine))]
+    params += [init("gamma", rand_weight(*affine) if gamma is None else gamma), init("beta", rand_weight(*affine))]
     if form == "instance":
-        params += [init("in_scale", np.abs(_w(groups)) + 0.5), init("in_bias", _w(groups))]
+        params += [init("in_scale", np.abs(rand_weight(groups)) + 0.5), init("in_bias", rand_weight(groups))]
         nodes.append(node("InstanceNormalization", ["split", "in_scale", "in_bias"], "grouped", epsilon=1e-3))
     else:
         params.append(init("axes", np.array(axes or [-1], np.int64)))
@@ -475,7 +515,7 @@ LOWERED: dict[str, tuple[onnx.ModelProto, int, str]] = {
             [node("LayerNormalization", ["x", "g", "b"], "y", epsilon=1e-3)],
             [info("x", ["n", 5, 8])],
             ["y"],
-            [init("g", _w(8)), init("b", _w(8))],
+            [init("g", rand_weight(8)), init("b", rand_weight(8))],
             opset=23,
         ),
         16,
@@ -492,7 +532,7 @@ LOWERED: dict[str, tuple[onnx.ModelProto, int, str]] = {
             [node("RMSNormalization", ["x", "g"], "y", epsilon=1e-4)],
             [info("x", ["n", 5, 8])],
             ["y"],
-            [init("g", _w(8))],
+            [init("g", rand_weight(8))],
             opset=23,
         ),
         17,
@@ -503,7 +543,7 @@ LOWERED: dict[str, tuple[onnx.ModelProto, int, str]] = {
             [node("GroupNormalization", ["x", "g", "b"], "y", num_groups=2)],
             [info("x", ["n", 6, 4, 4])],
             ["y"],
-            [init("g", _w(6)), init("b", _w(6))],
+            [init("g", rand_weight(6)), init("b", rand_weight(6))],
             opset=23,
         ),
         17,
@@ -555,12 +595,17 @@ def projections(bias: bool = False, k_add: bool = False, transA: int = 0, b_inpu
         outputs.append("kb")
     else:
         outputs.append("k")
-    params = [init("wk", _w(64, 64)), init("wv", _w(64, 64)), init("bq", _w(64)), init("bk", _w(64))]
+    params = [
+        init("wk", rand_weight(64, 64)),
+        init("wv", rand_weight(64, 64)),
+        init("bq", rand_weight(64)),
+        init("bk", rand_weight(64)),
+    ]
     inputs = [info("x", ["n", 64] if not transA else [64, 64])]
     if b_input:
         inputs.append(info("wq", [64, 64]))
     else:
-        params.append(init("wq", _w(64, 64)))
+        params.append(init("wq", rand_weight(64, 64)))
     return model(nodes, inputs, outputs, params)
 
 

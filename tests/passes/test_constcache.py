@@ -437,3 +437,92 @@ def test_a_folded_graph_output_keeps_its_name_without_an_identity(tmp_path: Path
     assert ops(written) == Counter({"Constant": 2})
     assert [o.name for o in onnx.load(written).graph.output] == ["s", "wt"]
     assert_same_outputs(original, written)
+
+
+def _dims_vector(nodes: list[onnx.NodeProto], *entries: str) -> None:
+    """Append TorchScript's ``Concat(Unsqueeze(Gather(Shape(x), i)), ...)`` for dims (or constants) of x."""
+    nodes.append(helper.make_node("Shape", ["x"], ["shape"]))
+    parts = []
+    for k, entry in enumerate(entries):
+        if entry.startswith("i"):
+            nodes.append(helper.make_node("Gather", ["shape", entry], [f"g{k}"], axis=0))
+            nodes.append(helper.make_node("Unsqueeze", [f"g{k}", "ax"], [f"u{k}"]))
+            parts.append(f"u{k}")
+        else:
+            parts.append(entry)
+    nodes.append(helper.make_node("Concat", parts, ["sizes"], axis=0))
+
+
+def test_expand_with_minus_one_sizes_of_its_own_dims_is_removed(tmp_path: Path) -> None:
+    # x.expand(batch, -1, seq, seq) as TorchScript writes it: Where(Equal(sizes, -1), 1, sizes).
+    nodes: list[onnx.NodeProto] = []
+    _dims_vector(nodes, "i0", "minus_one", "i2", "i3")
+    nodes += [
+        helper.make_node("Equal", ["sizes", "minus_ones"], ["is_kept"]),
+        helper.make_node("Where", ["is_kept", "ones", "sizes"], ["target"]),
+        helper.make_node("Expand", ["x", "target"], ["expanded"]),
+        helper.make_node("Relu", ["expanded"], ["y"]),
+    ]
+    inits = [
+        tensor("i0", 0, np.int64),
+        tensor("i2", 2, np.int64),
+        tensor("i3", 3, np.int64),
+        tensor("ax", [0], np.int64),
+        tensor("minus_one", [-1], np.int64),
+        tensor("minus_ones", [-1, -1, -1, -1], np.int64),
+        tensor("ones", [1, 1, 1, 1], np.int64),
+    ]
+    proto = model_proto(nodes, [info("x", shape=["batch", 1, "seq", "seq"])], [info("y", shape=None)], inits)
+    original, written, _ = optimized(tmp_path, proto)
+    assert ops(written) == Counter({"Relu": 1})
+    assert_same_outputs(original, written)
+
+
+def test_a_reshape_target_assembled_from_a_split_shape_becomes_a_constant(tmp_path: Path) -> None:
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Split", ["shape", "ones"], ["batch", "seq", "hidden"], axis=0),
+        helper.make_node("Div", ["hidden", "heads"], ["head_dim"]),
+        helper.make_node("Concat", ["batch", "seq", "heads", "head_dim"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    inits = [tensor("ones", [1, 1, 1], np.int64), tensor("heads", [4], np.int64)]
+    proto = model_proto(nodes, [info("x", shape=["batch", "seq", 256])], [info("y", shape=None)], inits)
+    original, written, _ = optimized(tmp_path, proto)
+    assert ops(written) == Counter({"Reshape": 1})
+    (target,) = [numpy_helper.to_array(t) for t in onnx.load(written).graph.initializer]
+    assert target.tolist() == [0, 0, 4, 64]
+    assert_same_outputs(original, written)
+
+
+def test_a_target_of_input_dims_and_numbers_is_measured_once_on_the_input(tmp_path: Path) -> None:
+    # GPT-2's Conv1D as TorchScript writes it: flatten, Gemm, then back to (batch, seq, 12)
+    # with the dims measured on the activation; the dims are the input's, read in one Shape.
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"]),
+        helper.make_node("Shape", ["h"], ["shape"]),
+        helper.make_node("Gather", ["shape", "i0"], ["b"], axis=0),
+        helper.make_node("Gather", ["shape", "i1"], ["s"], axis=0),
+        helper.make_node("Unsqueeze", ["b", "ax"], ["b1"]),
+        helper.make_node("Unsqueeze", ["s", "ax"], ["s1"]),
+        helper.make_node("Concat", ["b1", "s1", "width"], ["target"], axis=0),
+        helper.make_node("Reshape", ["h", "flat"], ["rows"]),
+        helper.make_node("MatMul", ["rows", "w"], ["product"]),
+        helper.make_node("Reshape", ["product", "target"], ["y"]),
+    ]
+    inits = [
+        tensor("i0", 0, np.int64),
+        tensor("i1", 1, np.int64),
+        tensor("ax", [0], np.int64),
+        tensor("width", [12], np.int64),
+        tensor("flat", [-1, 8], np.int64),
+        tensor("w", np.random.default_rng(0).standard_normal((8, 12))),
+    ]
+    proto = model_proto(nodes, [info("x", shape=["batch", "seq", 8])], [info("y", shape=None)], inits)
+    original, written, _ = optimized(tmp_path, proto)
+    assert ops(written) == Counter({"Relu": 1, "Reshape": 2, "MatMul": 1, "Shape": 1, "Concat": 1})
+    (shape,) = [n for n in onnx.load(written).graph.node if n.op_type == "Shape"]
+    assert list(shape.input) == ["x"]
+    dims = [d.dim_param or d.dim_value for d in onnx.load(written).graph.output[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", "seq", 12]
+    assert_same_outputs(original, written)

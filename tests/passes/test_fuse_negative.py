@@ -49,6 +49,7 @@ from tests.passes.fuse_models import (
     ort_attention,
     padded,
     projections,
+    residual_block,
     rope_model,
     scaled_matmul,
     skip_norm,
@@ -366,6 +367,16 @@ def _layouts(outer: str, target: list[int] | None = None) -> Callable[[], onnx.M
         )
 
     return build
+
+
+def _pooled_transpose() -> onnx.ModelProto:
+    """ConvNeXt's head as dynamo writes it: pooled NHWC [b, 1, 1, C] to NCHW, then flattened."""
+    return model(
+        [node("Relu", ["x"], "r"), node("Transpose", ["r"], "t", perm=[0, 3, 1, 2]), node("Reshape", ["t", "s"], "y")],
+        [info("x", ["b", 1, 1, 8])],
+        ["y"],
+        [init("s", np.array([-1, 8], np.int64))],
+    )
 
 
 def _unsqueezes() -> onnx.ModelProto:
@@ -742,11 +753,11 @@ CASES: dict[str, Case] = {
         {"target": "ort"},
     ),
     "ort-fusedconv-sum": Case(
-        lambda: conv_act(residual=True),
-        {"FusedConv": 1},
+        residual_block,
+        {"Conv": 1, "FusedConv": 1},
         "s",
         "n/a: FusedConv takes the Conv's attributes as they are",
-        Perturb(set_shape("z", None), "not provably the Conv's"),
+        Perturb(set_shape("x", None), "not provably the Conv's"),
         NO_GATE,
         {"target": "ort"},
     ),
@@ -947,6 +958,14 @@ CASES: dict[str, Case] = {
         "f",
         Perturb(set_const("s", [0, 3, 4]), "not a constant without 0", note="a constant"),
         "n/a: the constant target decides",
+        NO_GATE,
+    ),
+    "reshape-transpose": Case(
+        _pooled_transpose,
+        {"Relu": 1, "Reshape": 1},
+        "t",
+        Perturb(set_attr("t", perm=[3, 0, 1, 2]), "moves data", note="a perm moving data"),
+        Perturb(set_shape("x", ["b", "h", 1, 8]), "moves data", note="a dim not provably 1"),
         NO_GATE,
     ),
     "layout-chain-static": Case(

@@ -7,9 +7,10 @@ Reshape``). With the plumbing's values known as dims:
   to the input's dim at the same position is ``0`` (copy it), the one other dynamic entry
   is ``-1``; an Expand entry equal to the input's aligned dim is ``1``;
 - a plumbing value whose entries are all static ints becomes a constant;
-- a plumbing value whose entries are dims of a graph input is computed straight from it
-  (``Shape(input, start, end)``, or ``Gather(Shape(input), indices)``), so every chain that
-  measured an intermediate tensor dies and the dims keep their names in the file.
+- a plumbing value whose entries are dims of a graph input (and numbers) is computed
+  straight from it (``Shape(input, start, end)``, or ``Gather(Shape(input), indices)``,
+  concatenated with the numbers), so every chain that measured an intermediate tensor dies
+  and the dims keep their names in the file.
 
 Only values some reader needs as they are (the frontier of the plumbing) are rewritten,
 so a chain is replaced once, at its end, and dead code removal takes the rest.
@@ -169,8 +170,11 @@ def _roots(model: Model) -> list[Value]:
 
 
 def _is_measure(value: Value, roots: Sequence[Value]) -> bool:
-    """``Shape(root)`` or ``Gather(Shape(root), constant)``: already the canonical form."""
+    """Already the canonical form: ``Shape(root)``, ``Gather(Shape(root), constant)``, or a
+    Concat of those and constants."""
     node = value.producer
+    if node is not None and node.op_type == "Concat":
+        return all(v is not None and (is_constant(v) or _is_measure(v, roots)) for v in node.inputs)
     if node is not None and node.op_type == "Gather" and is_constant(node.inputs[1]):
         node = node.inputs[0].producer if node.inputs[0] is not None else None
     return node is not None and node.op_type == "Shape" and any(node.inputs[0] is r for r in roots)
@@ -179,28 +183,51 @@ def _is_measure(value: Value, roots: Sequence[Value]) -> bool:
 def _measure(
     value: Value, entries: tuple[Dim, ...], roots: Sequence[Value], model: Model, make: MakeBuilder
 ) -> Value | None:
-    """A value computing ``entries`` from one root's shape, inserted before ``value``'s producer."""
+    """A value computing ``entries`` (dims of one root, and numbers) from that root's shape,
+    inserted before ``value``'s producer: ``(batch, seq, 768)`` is ``Concat(Shape(ids), [768])``."""
     producer = value.producer
     kind = value.type
     if producer is None or producer.graph is None or not isinstance(kind, TensorType) or kind.dtype != DataType.INT64:
         return None
+    if producer.op_type == "Shape" and len(_runs(entries)) > 1:
+        return None  # one node already; numbers and dims take a Concat and more
     for root in roots:
         shape = tensor_shape(root) or ()
-        if not all(d in shape and not isinstance(d, int) for d in entries):
+        if not all(isinstance(d, int) or d in shape for d in entries):
             continue
-        indices = [shape.index(d) for d in entries]
         graph = producer.graph
         b = make(graph, producer)
-        contiguous = indices == list(range(indices[0], indices[0] + len(indices)))
-        if kind.rank == 1 and contiguous and model.opset_in(graph) >= 15:
-            start, end = indices[0], indices[0] + len(indices)
-            bounds: dict[str, Any] = {"start": start} if start else {}
-            if end < len(shape):
-                bounds["end"] = end
-            found = b.op("Shape", root, **bounds)
+        if kind.rank == 0:
+            found = b.op("Gather", b.op("Shape", root), b.constant(np.asarray(shape.index(entries[0])), "dims"), axis=0)
         else:
-            index = np.asarray(indices if kind.rank == 1 else indices[0], dtype=np.int64)
-            found = b.op("Gather", b.op("Shape", root), b.constant(index, "dims"), axis=0)
+            parts = [_measured_run(b, root, run, model.opset_in(graph)) for run in _runs(entries)]
+            found = parts[0] if len(parts) == 1 else b.op("Concat", *parts, axis=0)
         found.type = kind
         return found
     return None
+
+
+def _runs(entries: tuple[Dim, ...]) -> list[tuple[Dim, ...]]:
+    """``entries`` cut where they change between numbers and dims: (b, s, 12) -> (b, s), (12,)."""
+    runs: list[list[Dim]] = []
+    for entry in entries:
+        if runs and isinstance(runs[-1][0], int) == isinstance(entry, int):
+            runs[-1].append(entry)
+        else:
+            runs.append([entry])
+    return [tuple(run) for run in runs]
+
+
+def _measured_run(b: Builder, root: Value, run: tuple[Dim, ...], opset: int) -> Value:
+    """A 1-D value of ``run``: a constant for numbers, a slice or a Gather of ``Shape(root)`` for dims."""
+    if all(isinstance(d, int) for d in run):
+        return b.constant(np.asarray(run, dtype=np.int64), "dims")
+    shape = tensor_shape(root) or ()
+    indices = [shape.index(d) for d in run]
+    if indices == list(range(indices[0], indices[0] + len(indices))) and opset >= 15:
+        start, end = indices[0], indices[0] + len(indices)
+        bounds: dict[str, Any] = {"start": start} if start else {}
+        if end < len(shape):
+            bounds["end"] = end
+        return b.op("Shape", root, **bounds)
+    return b.op("Gather", b.op("Shape", root), b.constant(np.asarray(indices, dtype=np.int64), "dims"), axis=0)

@@ -14,13 +14,20 @@ Gemm / MatMul + BatchNormalization. On a 2-D product BN's channels are the colum
 ``B' = B * s`` (rows of B when transB) and ``C' = beta_g * C * s + shift`` give one Gemm.
 
 Pad into Conv and pooling. A constant-mode Pad of the spatial dims only goes into the
-consumer's ``pads``: with 0 for Conv, with 0 for AveragePool (then ``count_include_pad=1``,
-which counts the padded zeros as the Pad did), with -inf for MaxPool.
+consumer's ``pads``: with 0 for Conv and FusedConv, with 0 for AveragePool (then
+``count_include_pad=1``, which counts the padded zeros as the Pad did), with -inf for MaxPool,
+or 0 when the padded value is never negative (a Relu's output: the zeros never win a max).
+A Pad read by several such consumers goes into each (a copy stays for the ones not yet done).
 
 ``--target ort``: ``Act(Conv(x, W, B))`` and ``Act(Conv(x, W, B) + z)`` (a residual ``z`` of
 the Conv's shape) -> ``FusedConv`` (com.microsoft) for the activations its CPU kernel applies
 (Relu, Sigmoid, Tanh, LeakyRelu, Clip, HardSigmoid); onnxruntime fuses the first itself at
-its extended level, not the second.
+its extended level, not the second. At ORT_ENABLE_ALL onnxruntime's NCHWc layout transformer
+rewrites Conv and FusedConv into blocked-layout kernels and fuses an Add of two blocked
+outputs itself; it skips a FusedConv whose bias is ``""`` (so a Conv without one gets
+zeros), and a FusedConv whose residual is not a blocked output stays in NCHW, measured 1.2x
+slower than onnxruntime's own Conv + Add: the residual is fused only when it comes from a
+Conv, FusedConv or pooling (through element-wise ops of those).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, new_const
 from graphopt.passes.fuse.rules._ort import MS, activated, check_activation, fused_activation
 from graphopt.passes.rewrite.engine import Match, Rule, Site
-from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
+from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
 
 FAMILY = "conv"
 
@@ -164,17 +171,44 @@ def _build_channel(b: Builder, m: Match, plan: _ChannelPlan) -> Value:
 _CONV_MAYBE_T = either(_CONV, op.Transpose(_CONV, name="t"))
 
 
-def _check_fused_conv(m: Match, site: Site) -> str | None:
-    if "z" in m.bindings:
-        shape = site.shape(m.value("z"))
-        if shape is None or None in shape or shape != site.shape(m.node("conv").outputs[0]):
-            return "the residual's shape is not provably the Conv's"
-    return check_activation(m, site)
+# What onnxruntime's NCHWc transformer lays out in blocks: these ops' outputs, and element-wise
+# results of blocked values only.
+_BLOCKED = frozenset({"Conv", "FusedConv", "MaxPool", "AveragePool"})
+_BLOCKED_ELEMENTWISE = frozenset({"Add", "Sum", "Relu", "Sigmoid", "Tanh"})
 
 
-def _build_fused_conv(b: Builder, m: Match, plan: None) -> Value:
+def _blocked(value: Value, depth: int = 8) -> bool:
+    """Whether ``value`` is (provably) an output the NCHWc transformer lays out in blocks."""
+    node = value.producer
+    if node is None or depth == 0:
+        return False
+    if node.op_type in _BLOCKED:
+        return True
+    return node.op_type in _BLOCKED_ELEMENTWISE and all(v is not None and _blocked(v, depth - 1) for v in node.inputs)
+
+
+def _check_fused_conv(m: Match, site: Site) -> str | int | None:
+    """Why not, or the output channels of the zero bias a residual FusedConv needs (None: none)."""
+    if "z" not in m.bindings:
+        return check_activation(m, site)
+    shape = site.shape(m.value("z"))
+    if shape is None or None in shape or shape != site.shape(m.node("conv").outputs[0]):
+        return "the residual's shape is not provably the Conv's"
+    if not _blocked(m.value("z")):
+        return "the residual is not the output of a Conv or pooling (onnxruntime's own Conv + Add is faster)"
+    if m.optional("b") is not None:
+        return check_activation(m, site)
+    channels = (site.shape(m.value("w")) or (None,))[0]
+    if not isinstance(channels, int):
+        return "the Conv has no bias and its output channels are unknown"
+    return check_activation(m, site) or channels
+
+
+def _build_fused_conv(b: Builder, m: Match, zero_bias: int | None) -> Value:
     conv = m.node("conv")
-    inputs = [*conv.inputs, *([None] * (3 - len(conv.inputs)))][:3]
+    inputs: list[Value | None] = [m.value("x"), m.value("w"), m.optional("b")]
+    if zero_bias is not None:
+        inputs[2] = new_const(b, np.zeros(zero_bias), m.value("w"), "zero_bias")
     if "z" in m.bindings:
         inputs.append(m.value("z"))
     return b.op("FusedConv", *inputs, domain=MS, **attrs_of(conv), **fused_activation(m))
@@ -228,6 +262,8 @@ def _build_gemm_bn(b: Builder, m: Match, found: tuple[np.ndarray, np.ndarray, np
 def _pad_amounts(m: Match, site: Site) -> list[int] | str:
     """The spatial pads the matched Pad adds, in the consumer's ``pads`` layout, or why not."""
     pad, consumer = m.node("pad"), m.root
+    if (reason := _other_readers(pad)) is not None:
+        return reason
     rank = site.rank(pad.outputs[0])
     if rank is None or rank < 3:
         return "the padded rank is unknown"
@@ -249,7 +285,7 @@ def _pad_amounts(m: Match, site: Site) -> list[int] | str:
     if any(p < 0 for p in pads) or any(begins[:2]) or any(ends[:2]):
         return "the Pad crops, or pads the batch or channel dims"
     wanted = -np.inf if consumer.op_type == "MaxPool" else 0.0
-    if fill != wanted:
+    if fill != wanted and not (fill == 0.0 and consumer.op_type == "MaxPool" and _never_negative(m.value("x"))):
         return f"the pad value is {fill}, not {wanted}"
     if (consumer.attr("auto_pad", "NOTSET") or "NOTSET") not in ("NOTSET", b"NOTSET"):
         return "the consumer pads automatically"
@@ -259,20 +295,69 @@ def _pad_amounts(m: Match, site: Site) -> list[int] | str:
     return [a + b for a, b in zip(own, begins[2:] + ends[2:], strict=True)]
 
 
+# Activations whose output is never negative, so a zero pad of it is a -inf pad to a max.
+_NON_NEGATIVE = frozenset({"Relu", "Sigmoid", "Softplus", "Abs", "Exp", "HardSigmoid"})
+
+
+def _never_negative(value: Value) -> bool:
+    node = value.producer
+    if node is None:
+        return False
+    if node.op_type == "FusedConv":
+        activation = node.attr("activation")
+        activation = activation.decode() if isinstance(activation, bytes) else activation
+        return activation in _NON_NEGATIVE
+    if node.op_type == "Clip":
+        low = Site.array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+        return low is not None and low.size == 1 and float(low.ravel()[0]) >= 0
+    return node.in_standard_domain and node.op_type in _NON_NEGATIVE
+
+
 def _build_pad(b: Builder, m: Match, pads: list[int]) -> Value:
-    consumer = m.root
+    consumer, pad = m.root, m.node("pad")
     extra = {"count_include_pad": 1} if consumer.op_type == "AveragePool" else {}
     inputs = [m.value("x"), *consumer.inputs[1:]]
-    return b.op(consumer.op_type, *inputs, **attrs_of(consumer, pads=pads, **extra))
+    if len(pad.outputs[0].uses()) > 1:
+        # Other consumers read the Pad: a copy stands for it until they take it in too.
+        m.export("pad", b.op("Pad", *pad.inputs, **attrs_of(pad)))
+    return b.op(consumer.op_type, *inputs, domain=consumer.domain, **attrs_of(consumer, pads=pads, **extra))
+
+
+_PAD_CONSUMERS = frozenset({"Conv", "AveragePool", "MaxPool", "FusedConv"})
+
+
+def _pad_consumer(node: Node) -> bool:
+    """A consumer the Pad may go into: standard, or onnxruntime's FusedConv; one output used."""
+    domain = node.domain == MS if node.op_type == "FusedConv" else node.in_standard_domain
+    return domain and (len(node.outputs) == 1 or not any(v.is_used() for v in node.outputs[1:]))
+
+
+def _other_readers(pad: Node) -> str | None:
+    """Why the Pad must stay: a graph output, or a reader other than a Conv or pooling's input."""
+    value = pad.outputs[0]
+    if value.is_graph_output:
+        return f"{value.name!r} is a graph output"
+    for use in value.uses():
+        if use.index != 0 or use.node.op_type not in _PAD_CONSUMERS or not _pad_consumer(use.node):
+            return f"{value.name!r} is also read by {use.node.name or use.node.op_type}, not a Conv or pooling"
+    return None
 
 
 _PAD_CONSUMER = op.any_of(
-    ("Conv", "AveragePool", "MaxPool"),
-    op.Pad(var("x"), optional(var("_pads")), optional(var("_value")), optional(var("_axes")), name="pad"),
+    tuple(sorted(_PAD_CONSUMERS)),
+    op.Pad(
+        var("x"),
+        optional(var("_pads")),
+        optional(var("_value")),
+        optional(var("_axes")),
+        name="pad",
+    ),
     optional(var("_w")),
     optional(var("_b")),
+    optional(var("_z")),
     name="consumer",
-    where=lambda n: len(n.outputs) == 1 or not any(v.is_used() for v in n.outputs[1:]),
+    domain=ANY_DOMAIN,
+    where=_pad_consumer,
 )
 
 
@@ -337,6 +422,7 @@ RULES: tuple[Rule, ...] = (
         plan=_pad_amounts,
         build=_build_pad,
         label="Pad",
-        doc="Conv|AveragePool|MaxPool(Pad(x, constant 0 / -inf)) -> the consumer with the pads added",
+        doc="Conv|FusedConv|AveragePool|MaxPool(Pad(x, constant 0 / -inf)) -> each consumer with the pads added",
+        exports=("pad",),
     ),
 )

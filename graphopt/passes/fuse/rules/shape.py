@@ -5,6 +5,9 @@
 - ``Reshape(R(x), s) -> Reshape(x, s)`` for R any of Reshape / Flatten / Squeeze / Unsqueeze,
   when ``s`` is a constant with no 0 entry (a 0 copies a dim of R's output, which x may
   not have); -1 is computed from the element count, which R does not change.
+- ``Reshape(Transpose(x), s) -> Reshape(x, s)`` when the Transpose moves only dims of size 1
+  (the others keep their order, so the data's order in memory does not change), for the same
+  ``s`` as above; a dim not provably 1 counts as moved data.
 - ``R2(R1(x))`` for R1, R2 among Flatten / Squeeze / Unsqueeze / Reshape, when R2's output
   shape is static: one Reshape to it.
 - ``Unsqueeze(Unsqueeze(x, a), b)`` -> one Unsqueeze (also with symbolic dims).
@@ -70,6 +73,17 @@ def _build_transposes(b: Builder, m: Match, perm: list[int]) -> Value:
 def _reshape_target(m: Match) -> np.ndarray | None:
     shape = Site.array(m.value("shape"))
     return None if shape is None or shape.ndim != 1 or bool(np.any(shape == 0)) else shape
+
+
+def _plan_reshape_transpose(m: Match, site: Site) -> str | None:
+    if _reshape_target(m) is None:
+        return "the target shape is not a constant without 0"
+    shape = site.shape(m.value("x"))
+    perm = _perm(m, "inner", None if shape is None else len(shape))
+    if shape is None or perm is None or len(perm) != len(shape):
+        return "the input's rank is unknown"
+    kept = [axis for axis in perm if shape[axis] != 1]
+    return None if kept == sorted(kept) else "the Transpose moves data (dims not provably 1 change order)"
 
 
 def _static_result(m: Match, site: Site) -> tuple[int, ...] | str:
@@ -185,6 +199,15 @@ RULES: tuple[Rule, ...] = (
         build=lambda b, m, plan: b.op("Reshape", m.value("x"), m.value("shape")),
         label="Reshape chain",
         doc="Reshape(Reshape|Flatten|Squeeze|Unsqueeze(x), s) -> Reshape(x, s)",
+    ),
+    Rule(
+        name="reshape-transpose",
+        family=FAMILY,
+        pattern=op.Reshape(op.Transpose(var("x"), name="inner"), var("shape"), name="outer"),
+        plan=_plan_reshape_transpose,
+        build=lambda b, m, plan: b.op("Reshape", m.value("x"), m.value("shape")),
+        label="Reshape of a Transpose",
+        doc="Reshape(Transpose(x) moving only dims of 1, s) -> Reshape(x, s)",
     ),
     Rule(
         name="layout-chain-static",

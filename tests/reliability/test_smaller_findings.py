@@ -15,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from graphopt import files
+from graphopt.io import wire as onnx_wire
 from graphopt.ir import Model
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.report import check_report_target
@@ -26,6 +28,7 @@ from tests.reliability import builders
 from tests.reliability.test_atomic_writes import with_external_data
 from tests.reliability.test_bad_input import assert_one_line_error, snapshot
 from tests.reliability.test_crash_consistency import KILLED, run_killed_at
+from tests.reliability.test_round_two import nested_if_json
 
 # -- a kill between the model's rename and the report's ----------------------------------------
 
@@ -154,6 +157,57 @@ def test_an_output_in_proc_is_bad_usage(tmp_path: Path) -> None:
 
 
 # -- a model nested 40 Ifs deep ----------------------------------------------------------------------
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field, written by hand: protobuf's own builders stop at 100 levels."""
+    return onnx_wire.length_field(number, payload)
+
+
+def _graph(name: str, nodes: list[bytes], outputs: list[str], inputs: list[onnx.ValueInfoProto]) -> bytes:
+    infos = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [4]) for o in outputs]
+    return helper.make_graph([], name, inputs, infos).SerializeToString() + b"".join(_field(1, n) for n in nodes)
+
+
+def nested_if_onnx(folder: Path, depth: int) -> Path:
+    """y = x through ``depth`` nested Ifs (each else branch one Identity), as the bytes of an ONNX file."""
+
+    def identity(out: str) -> bytes:
+        return helper.make_node("Identity", ["x"], [out]).SerializeToString()
+
+    graph = _graph("leaf", [identity("r0")], ["r0"], [])
+    for level in range(1, depth + 1):
+        out = "y" if level == depth else f"r{level}"
+        node = helper.make_node("If", ["c"], [out]).SerializeToString()
+        for name, branch in (
+            ("then_branch", graph),
+            ("else_branch", _graph(f"e{level}", [identity(f"e{level}")], [f"e{level}"], [])),
+        ):
+            attribute = onnx.AttributeProto(name=name, type=onnx.AttributeProto.GRAPH).SerializeToString()
+            node += _field(5, attribute + _field(6, branch))
+        graph = _graph(f"g{level}", [node], [out], [])
+    inputs = [builders.float_info("x", [4]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])]
+    main = _graph("main", [node], ["y"], inputs)
+    head = helper.make_model(
+        helper.make_graph([], "g", [], []), opset_imports=[helper.make_opsetid("", 17)], ir_version=9
+    )
+    head.ClearField("graph")
+    path = folder / f"nested{depth}.onnx"
+    path.write_bytes(head.SerializeToString() + _field(7, main))
+    return path
+
+
+def test_ifs_nested_as_deep_as_onnx_files_go_run_and_deeper_ones_are_named(tmp_path: Path) -> None:
+    """31 nested subgraphs is the most onnx and onnxruntime parse (100 protobuf levels); 40 is
+    refused by them too, and graphopt says why instead of calling the file invalid."""
+    deepest = nested_if_onnx(tmp_path, 31)
+    result = invoke("run", deepest, "-o", tmp_path / "out.onnx")
+    assert result.exit_code == 0, result.output
+    line = assert_one_line_error(invoke("run", nested_if_onnx(tmp_path, 40), "--no-check"))
+    assert "nested" in line and "not a valid ONNX protobuf" not in line
+    (tmp_path / "json").mkdir()
+    line = assert_one_line_error(invoke("run", nested_if_json(tmp_path / "json", 40), "-o", tmp_path / "j.onnx"))
+    assert "nested" in line and files.STAGING_PREFIX not in line
 
 
 # -- -o onto a file that is not a model ---------------------------------------------------------------

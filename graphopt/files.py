@@ -95,8 +95,10 @@ def not_regular(path: Path) -> str | None:
 
 
 # Kernel and device file systems: a file written there is not a file (/proc, /sys), or
-# replaces a device node or a link such as /dev/stdout for the whole system (/dev).
+# replaces a device node or a link such as /dev/stdout for the whole system (/dev; its
+# shm is an ordinary memory-backed folder).
 _SYSTEM_FOLDERS = (Path("/dev"), Path("/proc"), Path("/sys"))
+_ORDINARY_IN_SYSTEM = (Path("/dev/shm"),)
 
 
 def unwritable_kind(path: Path) -> str | None:
@@ -105,10 +107,12 @@ def unwritable_kind(path: Path) -> str | None:
     special = not_regular(path)
     if special is not None:
         return f"not a regular file: {special}"
-    folder = path.absolute().parent.resolve()
-    for system in _SYSTEM_FOLDERS:
-        if folder.is_relative_to(system) or path.absolute().parent.is_relative_to(system):
-            return f"in {system}, a device or kernel folder"
+    for folder in (path.absolute().parent, path.absolute().parent.resolve()):
+        if any(folder.is_relative_to(ordinary) for ordinary in _ORDINARY_IN_SYSTEM):
+            continue
+        for system in _SYSTEM_FOLDERS:
+            if folder.is_relative_to(system):
+                return f"in {system}, a device or kernel folder"
     return None
 
 

@@ -4,9 +4,9 @@
   renamed into place they would keep that, and a model written for a shared folder or a
   container image would be unreadable to everyone else. The file is created the same way
   (unique, exclusive), then given 0o666 minus the process's umask.
-- :func:`staging_folder`: a private ``.graphopt-*`` folder beside the destination, marked
-  with its owner (host and process id) so that the next run into that folder can remove
-  what a killed run left behind.
+- :func:`staging_folder`: a private ``.graphopt-*`` folder beside the destination, named
+  after its owner (host and process id) from the moment it exists, so that the next run
+  into that folder can remove what a killed run left behind.
 - :func:`folder_lock`: an exclusive ``flock`` on the destination folder for the commit, so
   two runs writing the same output take turns instead of mixing their files; the kernel
   drops the lock when its holder dies, so a killed run never blocks the next one.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -27,7 +28,7 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -51,10 +52,9 @@ _log = logging.getLogger(__name__)
 STAGING_PREFIX = ".graphopt-"
 # Seconds a run waits for another run's commit into the same folder before giving up.
 LOCK_TIMEOUT = 60.0
-# The file in a staging folder naming its owner: "<host> <pid>".
+# The file naming the owner of a staging folder of an earlier version: "<host> <pid>".
 _OWNER = "owner"
-# A staging folder without an owner file (killed between creating it and marking it)
-# is stale once it is this old.
+# A staging folder of an earlier version without an owner file is stale once it is this old.
 _UNMARKED_STALE_SECONDS = 3600.0
 # The staging folders of this process that are in use.
 _LIVE: set[Path] = set()
@@ -95,8 +95,10 @@ def not_regular(path: Path) -> str | None:
 
 
 # Kernel and device file systems: a file written there is not a file (/proc, /sys), or
-# replaces a device node or a link such as /dev/stdout for the whole system (/dev).
+# replaces a device node or a link such as /dev/stdout for the whole system (/dev; its
+# shm is an ordinary memory-backed folder).
 _SYSTEM_FOLDERS = (Path("/dev"), Path("/proc"), Path("/sys"))
+_ORDINARY_IN_SYSTEM = (Path("/dev/shm"),)
 
 
 def unwritable_kind(path: Path) -> str | None:
@@ -105,10 +107,12 @@ def unwritable_kind(path: Path) -> str | None:
     special = not_regular(path)
     if special is not None:
         return f"not a regular file: {special}"
-    folder = path.absolute().parent.resolve()
-    for system in _SYSTEM_FOLDERS:
-        if folder.is_relative_to(system) or path.absolute().parent.is_relative_to(system):
-            return f"in {system}, a device or kernel folder"
+    for folder in (path.absolute().parent, path.absolute().parent.resolve()):
+        if any(folder.is_relative_to(ordinary) for ordinary in _ORDINARY_IN_SYSTEM):
+            continue
+        for system in _SYSTEM_FOLDERS:
+            if folder.is_relative_to(system):
+                return f"in {system}, a device or kernel folder"
     return None
 
 
@@ -122,11 +126,11 @@ def staging_folder(folder: Path) -> Iterator[Path]:
     """A new private staging folder in ``folder``, marked with its owner and removed when
     the block ends; stale ones of dead runs in ``folder`` are removed first."""
     remove_stale_staging(folder)
-    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=folder)).resolve()
-    # Registered before it is marked: another model of this process never takes it for stale.
-    _LIVE.add(staging)
+    # Owned from its first moment: "<prefix><host tag>-<pid>-<random>".
+    prefix = f"{STAGING_PREFIX}{_host_tag()}-{os.getpid()}-"
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=folder)).resolve()
+    _LIVE.add(staging)  # another model of this process must not take it for stale
     try:
-        (staging / _OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n", encoding="utf-8")
         yield staging
     finally:
         _LIVE.discard(staging)
@@ -142,14 +146,33 @@ def remove_stale_staging(folder: Path) -> None:
                 shutil.rmtree(candidate, ignore_errors=True)
 
 
-def _is_stale(staging: Path) -> bool:
-    try:
+@cache
+def _host_tag() -> str:
+    """This machine in a staging folder's name: 8 hex digits of its host name's sha256."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _owner(staging: Path) -> tuple[bool, str] | None:
+    """Whether the staging folder's run was on this machine, and its pid; None if unknown."""
+    tag, _, rest = staging.name.removeprefix(STAGING_PREFIX).partition("-")
+    pid, _, _ = rest.partition("-")
+    if len(tag) == 8 and pid.isdigit():
+        return tag == _host_tag(), pid
+    try:  # a folder of an earlier version: its owner file
         host, _, pid = (staging / _OWNER).read_text(encoding="utf-8").strip().partition(" ")
     except (OSError, UnicodeDecodeError):
+        return None
+    return host == socket.gethostname(), pid
+
+
+def _is_stale(staging: Path) -> bool:
+    owner = _owner(staging)
+    if owner is None:
         with contextlib.suppress(OSError):
             return time.time() - staging.stat().st_mtime > _UNMARKED_STALE_SECONDS
         return False
-    if host != socket.gethostname() or not pid.isdigit():
+    here, pid = owner
+    if not here or not pid.isdigit():
         return False  # another machine's run (a shared folder): its liveness cannot be seen from here
     try:
         os.kill(int(pid), 0)
@@ -185,25 +208,38 @@ def folder_lock(folder: Path, what: Path) -> Iterator[None]:
         os.close(handle)  # closing the descriptor releases the lock
 
 
-def commit(moves: Sequence[tuple[Path, Path]], backups: Path) -> None:
+def commit(moves: Sequence[tuple[Path, Path]], backups: Path, withdrawn: Collection[Path] = ()) -> None:
     """Rename each staged file onto its target, in order, all or none.
 
     A target that exists is hard-linked (or copied) into ``backups`` first and its
     permissions given to the file replacing it; if a rename fails, the targets renamed so
-    far are put back as they were and the error is raised.
+    far are put back as they were and the error is raised. The targets in ``withdrawn``
+    are removed (backed up) before the first rename: a file that describes another (a
+    report, its model) is never seen beside the other's new version, even by a kill.
     """
     saved: list[tuple[Path, Path]] = []
     done: list[Path] = []
+    modes: dict[Path, int] = {}
+
+    def back_up(target: Path) -> None:
+        backup = backups / f"previous-{len(saved)}"
+        try:
+            os.link(target, backup)
+        except OSError:  # no hard links on this file system
+            shutil.copy2(target, backup)
+        saved.append((backup, target))
+        modes[target] = target.stat().st_mode & 0o7777
+
     try:
-        for i, (staged, target) in enumerate(moves):
+        for target in withdrawn:
             if target.is_file():
-                backup = backups / f"previous-{i}"
-                try:
-                    os.link(target, backup)
-                except OSError:  # no hard links on this file system
-                    shutil.copy2(target, backup)
-                saved.append((backup, target))
-                os.chmod(staged, target.stat().st_mode & 0o7777)
+                back_up(target)
+                os.unlink(target)
+        for staged, target in moves:
+            if target.is_file():
+                back_up(target)
+            if target in modes:
+                os.chmod(staged, modes[target])
             os.replace(staged, target)
             done.append(target)
     except BaseException:

@@ -24,6 +24,7 @@ from graphopt.files import commit, folder_lock, is_staging, staging_folder, unwr
 from graphopt.io import data_files, load, save
 from graphopt.io.json_io import is_graph_file, is_sidecar_of, sidecar_locations
 from graphopt.io.onnx_io import external_locations, is_data_file_of
+from graphopt.io.wire import is_model_file
 from graphopt.ir import Model
 from graphopt.passes.pipeline import PassRun
 from graphopt.report import check_report_target, write_report
@@ -155,6 +156,8 @@ def optimize_file(
         raise InputError(f"{output}: {unwritable}; -o writes regular files only")
     if output.resolve() == source.resolve() and not options.in_place:
         raise InputError(f"{output}: refusing to overwrite the input (use --in-place)")
+    if output.is_file() and not _replaceable(output):
+        raise InputError(f"{output}: exists and is not an ONNX model or a graphopt graph; -o will not replace it")
     if options.report is not None:
         check_report_target(options.report, [source, output])
     load_start = time.perf_counter()
@@ -176,6 +179,15 @@ def optimize_file(
         if options.config is not None:
             reads[options.config] = "--config"
         return _optimize_file(source, output, (model, load_seconds), reads, options, on_pass, input_entry)
+
+
+def _replaceable(output: Path) -> bool:
+    """Whether the file at ``output`` may be replaced by a model: one named .onnx, or one
+    that is a model (a file without a model's extension may be anything, NOTES or a key)."""
+    suffix = output.suffix.lower()
+    if suffix == ".json":
+        return is_graph_file(output)
+    return suffix == ".onnx" or is_model_file(output)
 
 
 def _read_only(path: Path) -> bool:
@@ -210,7 +222,11 @@ def _optimize_file(
             save_start = time.perf_counter()
             save_options: dict[str, Any] = {"content_addressed": True}
             if staged.suffix.lower() != ".json":
-                save_options["external_data"] = options.external_data
+                # The input's external data stays external even when every weight was rewritten.
+                had = source.suffix.lower() != ".json" and _TENSOR_DATA in reads.values()
+                save_options["external_data"] = (
+                    options.external_data if options.external_data is not None else had or None
+                )
             written = _writing(output, lambda: save(result.model, staged, **save_options))
             report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
             report["input"] = input_entry.result()
@@ -219,16 +235,20 @@ def _optimize_file(
                 check_start = time.perf_counter()
                 from graphopt.check import check_models_isolated
 
+                original = as_onnx(source, workdir / "original")
+                optimized = as_onnx(staged, workdir / "optimized")
                 outcome = check_models_isolated(
-                    as_onnx(source, workdir / "original"),
-                    as_onnx(staged, workdir / "optimized"),
+                    original,
+                    optimized,
                     dims=options.dims or None,
                     inputs=options.inputs,
                     atol=options.atol,
                     rtol=options.rtol,
                     input_layouts=input_layouts(result.pipeline_run.runs),
                 )
-                report["numerics"] = outcome.as_dict()
+                # onnxruntime names the files it loads: the user's names, not the staging folder's.
+                named = {optimized: output, staged: output, original: source, workdir: output.parent}
+                report["numerics"] = _renamed(outcome.as_dict(), {str(k): str(v) for k, v in named.items()})
                 report["seconds"]["check"] = round(time.perf_counter() - check_start, 6)
                 if outcome.status == "failed":
                     exit_code = 1
@@ -259,6 +279,18 @@ def _optimize_file(
             with contextlib.suppress(OSError):  # only the folders this run made, and only if left empty
                 folder.rmdir()
     return report, exit_code
+
+
+def _renamed(found: Any, names: dict[str, str]) -> Any:
+    """``found`` (a report part) with every path of ``names`` in its strings replaced, longest first."""
+    if isinstance(found, dict):
+        return {key: _renamed(value, names) for key, value in found.items()}
+    if isinstance(found, list):
+        return [_renamed(value, names) for value in found]
+    if isinstance(found, str):
+        for old in sorted(names, key=len, reverse=True):
+            found = found.replace(old, names[old])
+    return found
 
 
 def input_layouts(runs: Sequence[PassRun]) -> dict[str, tuple[int, ...]]:
@@ -343,7 +375,9 @@ def _commit(
             for staged, target in moves:
                 if target not in (output, options.report):
                     os.chmod(staged, mode)
-        commit(moves, backups)
+        # The old report goes before the new model comes: a kill between the two renames
+        # leaves no report, never the old one beside the new model.
+        commit(moves, backups, withdrawn=[options.report] if options.report is not None else [])
         for stale in removals:
             with contextlib.suppress(OSError):  # an old weights file left behind is harmless
                 stale.unlink()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
@@ -32,7 +33,7 @@ import onnxruntime.capi.onnxruntime_pybind11_state as ort_state
 # The kernel modules register themselves on import.
 from graphopt.evaluate import elementwise, reduction, shaping  # noqa: F401
 from graphopt.evaluate.base import Call, EvaluationError, Kernel, Unsupported, describe, kernel_for
-from graphopt.evaluate.runtime import run_region
+from graphopt.evaluate.runtime import OutOfTime, run_region
 from graphopt.ir import CONTRIB_DOMAIN, Node, Tensor, TensorType, Value
 from graphopt.ir.constness import is_deterministic
 
@@ -54,6 +55,8 @@ class Evaluator:
     def __init__(self, *, byte_budget: int = 256 << 20, work_budget: int = WORK_BUDGET) -> None:
         self.byte_budget = byte_budget
         self.work_budget = work_budget
+        # Nodes of sessions stopped at the time budget: a later pass is refused at once.
+        self.out_of_time: weakref.WeakSet[Node] = weakref.WeakSet()
 
     def can_evaluate(self, node: Node, opsets: Mapping[str, int]) -> bool:
         return _refusal(node, opsets) is None
@@ -75,6 +78,8 @@ class Evaluator:
             reason = _refusal(node, opsets)
             if reason is not None:
                 raise EvaluationError(f"{describe(node)} cannot be evaluated: {reason}")
+            if node in self.out_of_time:
+                raise EvaluationError(f"{describe(node)}: stopped earlier at the time budget of an evaluation")
         run = _Run(self.byte_budget, self.work_budget, inputs, opsets)
         produced = {v for node in region for v in node.outputs}
         for value in outputs:
@@ -92,7 +97,11 @@ class Evaluator:
                 deferred.append(node)
                 late.update(node.outputs)
         if deferred:
-            run.session(deferred, late, [v for v in dict.fromkeys(outputs) if v in late])
+            try:
+                run.session(deferred, late, [v for v in dict.fromkeys(outputs) if v in late])
+            except OutOfTime:
+                self.out_of_time.update(deferred)
+                raise
         return {value: _read_only(run.array(value, "the region")) for value in outputs}
 
 

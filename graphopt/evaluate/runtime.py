@@ -26,7 +26,7 @@ from graphopt.io.onnx_io import to_proto
 from graphopt.ir import Attr, AttrKind, DataType, Graph, Model, Node, Tensor, TensorType, Value
 from graphopt.ir.clone import clone_graph
 
-__all__ = ["run_region"]
+__all__ = ["OutOfTime", "run_region"]
 
 # Integer inputs this small are embedded as initializers: they are shapes, axes and indices.
 _EMBEDDED_ELEMENTS = 64
@@ -55,8 +55,8 @@ def run_region(
             proto.SerializeToString(), _options(), providers=["CPUExecutionProvider"]
         )
         results = _run_for(session, names, arrays, seconds)
-    except _OutOfTime:
-        raise EvaluationError(
+    except _Terminated:
+        raise OutOfTime(
             f"{_label(nodes)}: still running after {seconds:g} s, the time budget of an evaluation; stopped"
         ) from None
     except Exception as runtime_error:  # onnxruntime raises its own assorted exception types
@@ -79,7 +79,11 @@ def run_region(
     return [np.asarray(r) for r in results]
 
 
-class _OutOfTime(Exception):
+class OutOfTime(EvaluationError):
+    """A session stopped at the time budget."""
+
+
+class _Terminated(Exception):
     pass
 
 
@@ -102,7 +106,7 @@ def _run_for(
         return session.run(names, arrays, options)
     except Exception:
         if stopped.is_set():
-            raise _OutOfTime from None
+            raise _Terminated from None
         raise
     finally:
         timer.cancel()

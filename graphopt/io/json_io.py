@@ -54,7 +54,7 @@ from graphopt.files import temporary_file
 from graphopt.io.builder import Annotate, NodeEntry, Scope, build_graph
 from graphopt.io.external import external_file
 from graphopt.io.json_text import dump, parse_type_text, type_text
-from graphopt.io.onnx_io import ProtoSource, raw_buffer
+from graphopt.io.onnx_io import MAX_SUBGRAPH_NESTING, ProtoSource, raw_buffer
 from graphopt.ir import (
     Attr,
     AttrKind,
@@ -563,8 +563,8 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
     depth = _nesting(data)
     if depth > MAX_NESTING:
         raise InputError(
-            f"{path}: nested {depth} levels deep, over the {MAX_NESTING} graphopt reads "
-            f"(about {MAX_NESTING // 5} subgraphs inside one another)"
+            f"{path}: nested {depth} levels deep, over the {MAX_NESTING} of {MAX_SUBGRAPH_NESTING} subgraphs "
+            "inside one another, the most an ONNX file can hold (onnx and onnxruntime parse no deeper)"
         )
     validate(data, "graph", str(path))
     try:
@@ -577,9 +577,9 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
 
 
 # The deepest nesting of JSON arrays and objects a graph may have: a subgraph inside a node
-# takes five levels (graph, nodes, node, attributes, attribute), and the schema validator
-# and the reader recurse through each.
-MAX_NESTING = 250
+# takes five levels (graph, nodes, node, attributes, attribute), so this is the JSON of
+# MAX_SUBGRAPH_NESTING subgraphs inside one another, the most an ONNX file can hold.
+MAX_NESTING = 5 * MAX_SUBGRAPH_NESTING + 5
 
 
 def _nesting(data: Any) -> int:

@@ -68,6 +68,7 @@ from graphopt.ir import (
 )
 
 __all__ = [
+    "MAX_SUBGRAPH_NESTING",
     "ProtoSource",
     "all_tensors",
     "content_addressed_name",
@@ -85,6 +86,10 @@ _log = logging.getLogger(__name__)
 
 # Tensors at least this large go to the external-data file when one is written.
 EXTERNAL_THRESHOLD = 1024
+# Protobuf parsers (upb in Python, onnxruntime's C++) read 100 message levels: a model and
+# its graph take two, each subgraph three more (node, attribute, graph), and a value's type
+# in the innermost graph five (value info, type, tensor type, shape, dim): 2 + 3 * 31 + 5.
+MAX_SUBGRAPH_NESTING = 31
 # Above this many tensor bytes a model cannot be one protobuf message.
 PROTOBUF_LIMIT = 2**31 - 2**26
 
@@ -118,6 +123,11 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
     except OSError as err:
         raise InputError(f"{path}: cannot read it ({err.strerror or err})") from None
     except (DecodeError, RuntimeError, ValueError, IndexError) as err:
+        if "MaxDepth" in str(err):  # upb's limit of 100 message levels, as in onnxruntime's parser
+            raise InputError(
+                f"{path}: subgraphs nested deeper than protobuf parsers read (at most {MAX_SUBGRAPH_NESTING} "
+                "inside one another; onnx and onnxruntime cannot load it either)"
+            ) from None
         raise InputError(f"{path}: not a valid ONNX protobuf ({_first_line(err)})") from None
     if not proto.HasField("graph") or proto.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph or no ir_version)")

@@ -29,6 +29,7 @@ __all__ = [
     "Chunked",
     "Frame",
     "Piece",
+    "is_model_file",
     "length_field",
     "split_inline_weights",
     "tensor_piece",
@@ -122,6 +123,20 @@ def _inline_reference(location: str, offset: int, length: int) -> bytes:
         entry = length_field(1, key.encode()) + length_field(2, value.encode())
         entries += length_field(TENSOR_EXTERNAL_DATA, entry)
     return entries + _key(TENSOR_DATA_LOCATION, 0) + encode_varint(1)
+
+
+def is_model_file(path: Path) -> bool:
+    """Whether the file's top-level fields are a ModelProto's: an ir_version and a graph,
+    and nothing that does not parse (only field headers are read)."""
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return False
+        with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            kinds = {(field.number, field.wire_type) for field in _fields(data, 0, size)}
+    except (OSError, ValueError, IndexError):
+        return False
+    return (1, 0) in kinds and (MODEL_GRAPH, LENGTH_DELIMITED) in kinds
 
 
 def split_inline_weights(path: Path) -> bytes | None:

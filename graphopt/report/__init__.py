@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,9 @@ def check_report_target(path: Path, models: Iterable[Path]) -> None:
             raise InputError(f"{path}: exists and is not a graphopt report; --report will not replace it")
     if path.parent.is_dir():  # found now, before any model is written, rather than after
         try:
-            handle, probe = temporary_file(path.parent, path.name)
-            os.close(handle)
-            probe.unlink()
+            # A file without a name where the system has them (O_TMPFILE): a kill leaves nothing.
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
         except OSError as err:
             raise InputError(f"{path}: --report cannot write into {path.parent} ({err.strerror or err})") from None
 

@@ -79,11 +79,11 @@ def _has_external(path: Path) -> bool:
 
 
 def child_graphopt_convert(src: Path, out: Path) -> dict[str, Any]:
-    from graphopt.io import onnx_io
+    from graphopt.io import onnx_io, onnx_write
 
     imported = _rss_now_mb()
     start = time.perf_counter()
-    onnx_io.save(onnx_io.load(src), out)
+    onnx_write.save(onnx_io.load(src), out)
     return {"seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "import_rss_mb": imported}
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import logging
 import os
 import shutil
@@ -28,13 +29,16 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from graphopt.errors import InputError
 
 __all__ = [
+    "HashingFile",
+    "atomic_write",
     "LOCK_TIMEOUT",
     "STAGING_PREFIX",
     "commit",
@@ -250,3 +254,34 @@ def commit(moves: Sequence[tuple[Path, Path]], backups: Path, withdrawn: Collect
         for backup, target in saved:
             os.replace(backup, target)
         raise
+
+
+class HashingFile(io.RawIOBase):
+    """A write-only file that also hashes what goes through it (with no file: hashes only)."""
+
+    def __init__(self, out: BinaryIO | None = None) -> None:
+        self.out = out
+        self.digest = hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        if self.out is not None:
+            self.out.write(data)
+        return len(data)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> str:
+    """Write through ``write`` into a temporary file, rename it to ``path``; return its sha256."""
+    handle, tmp = temporary_file(path.parent, path.name)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            hashing = HashingFile(out)
+            write(hashing)  # type: ignore[arg-type]
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return hashing.digest.hexdigest()

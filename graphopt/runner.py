@@ -23,7 +23,8 @@ from graphopt.errors import GraphoptError, InputError
 from graphopt.files import commit, folder_lock, is_staging, staging_folder, unwritable_kind
 from graphopt.io import data_files, load, save
 from graphopt.io.json_io import is_graph_file, is_sidecar_of, sidecar_locations
-from graphopt.io.onnx_io import external_locations, is_data_file_of
+from graphopt.io.onnx_io import external_locations
+from graphopt.io.onnx_write import is_data_file_of
 from graphopt.io.wire import is_model_file
 from graphopt.ir import Model
 from graphopt.passes.pipeline import PassRun
@@ -524,7 +525,7 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
 
 def is_optimized(source: Path, options: RunOptions) -> dict[str, Any]:
     """The CI gate: would the pipeline still change this model? Writes nothing."""
-    from graphopt.io.onnx_io import digest
+    from graphopt.io.onnx_write import digest
 
     model = options.load(source)
     before = digest(model)

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphopt.io.onnx_io import from_proto, to_proto
+from graphopt.io.onnx_io import from_proto
+from graphopt.io.onnx_write import to_proto
 from graphopt.ir import (
     Attr,
     AttrKind,

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphopt.io
 from graphopt.errors import InputError
-from graphopt.io import json_io, onnx_io
+from graphopt.io import json_io, json_write, onnx_io, onnx_write
 from graphopt.ir import DataType, Graph, Model, Node, Sym, Tensor, TensorType, Value
 from graphopt.ir.clone import clone_model
 from tests.conftest import CORPUS_MODELS
@@ -26,8 +26,8 @@ from tests.protocompare import first_difference
 def _through_json(model: onnx.ModelProto, tmp_path: Path) -> onnx.ModelProto:
     """ONNX file -> IR -> JSON file -> IR -> ONNX file, as a user converting both ways would."""
     onnx.save(model, tmp_path / "in.onnx")
-    json_io.save(onnx_io.load(tmp_path / "in.onnx"), tmp_path / "model.json")
-    onnx_io.save(json_io.load(tmp_path / "model.json"), tmp_path / "out.onnx", external_data=False)
+    json_write.save(onnx_io.load(tmp_path / "in.onnx"), tmp_path / "model.json")
+    onnx_write.save(json_io.load(tmp_path / "model.json"), tmp_path / "out.onnx", external_data=False)
     return onnx.load(tmp_path / "out.onnx")
 
 
@@ -70,14 +70,14 @@ def test_node_suite_round_trips_through_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", CORPUS_MODELS)
 def test_corpus_model_round_trips_with_lazy_sidecars(name: str, corpus_dir: Path, tmp_path: Path) -> None:
     original = onnx.load(corpus_dir / f"{name}.onnx")
-    json_io.save(onnx_io.load(corpus_dir / f"{name}.onnx"), tmp_path / f"{name}.json")
+    json_write.save(onnx_io.load(corpus_dir / f"{name}.onnx"), tmp_path / f"{name}.json")
     loaded = json_io.load(tmp_path / f"{name}.json")
     sidecars = sorted(tmp_path.glob(f"{name}.*.npy"))
     assert sidecars, "large weights should live in .npy files next to the JSON"
     lazy = [v.const for v in loaded.graph.initializers.values() if isinstance(v.const, Tensor)]
     assert any(isinstance(t.source, json_io.NpySource) for t in lazy)
     assert (tmp_path / f"{name}.json").stat().st_size < (corpus_dir / f"{name}.onnx").stat().st_size
-    onnx_io.save(loaded, tmp_path / "out.onnx", external_data=False)
+    onnx_write.save(loaded, tmp_path / "out.onnx", external_data=False)
     assert first_difference(original, onnx.load(tmp_path / "out.onnx")) is None
 
 
@@ -153,13 +153,13 @@ def test_bfloat16_sidecar_is_lazy_and_exact(tmp_path: Path) -> None:
     raw = _bf16(np.linspace(-3, 3, 3000))
     model = _tensor_model(helper.make_tensor("big_bf16", TensorProto.BFLOAT16, [3000], raw, raw=True))
     onnx.save(model, tmp_path / "in.onnx")
-    json_io.save(onnx_io.load(tmp_path / "in.onnx"), tmp_path / "model.json")
+    json_write.save(onnx_io.load(tmp_path / "in.onnx"), tmp_path / "model.json")
     loaded = json_io.load(tmp_path / "model.json")
     tensor = loaded.graph.initializers["big_bf16"].const
     assert isinstance(tensor, Tensor) and isinstance(tensor.source, json_io.NpySource)
     assert np.load(tmp_path / "model.0.npy").dtype == np.uint16  # plain numpy can read the bits
     assert tensor.numpy().tobytes() == raw
-    onnx_io.save(loaded, tmp_path / "out.onnx", external_data=False)
+    onnx_write.save(loaded, tmp_path / "out.onnx", external_data=False)
     assert first_difference(model, onnx.load(tmp_path / "out.onnx")) is None
 
 
@@ -208,7 +208,7 @@ def test_every_ir_field_survives(tmp_path: Path) -> None:
 
     ir = json_io.load(tmp_path / "model.json")
     ir.extensions["unwind"] = {"layout": [1, 2, {"x": None}]}
-    json_io.save(ir, tmp_path / "again.json")
+    json_write.save(ir, tmp_path / "again.json")
     assert json_io.load(tmp_path / "again.json").extensions == {"unwind": {"layout": [1, 2, {"x": None}]}}
     assert clone_model(ir).extensions == ir.extensions
 
@@ -232,13 +232,13 @@ def _weights_model(*arrays: np.ndarray) -> Model:
 
 def test_saving_over_the_loaded_file_keeps_lazy_tensors_right(tmp_path: Path) -> None:
     arrays = [np.full(2000, i, dtype=np.float32) for i in range(3)]
-    json_io.save(_weights_model(*arrays), tmp_path / "m.json")
+    json_write.save(_weights_model(*arrays), tmp_path / "m.json")
     model = json_io.load(tmp_path / "m.json")
     first = model.graph.nodes[0]
     first.outputs[0].replace_all_uses_with(model.graph.inputs[0])
     model.graph.remove(first)
     model.graph.remove_initializer(model.graph.initializers["w0"])
-    json_io.save(model, tmp_path / "m.json")  # w1 now takes file 0, w2 file 1
+    json_write.save(model, tmp_path / "m.json")  # w1 now takes file 0, w2 file 1
     assert model.graph.initializers["w1"].const.numpy()[0] == 1  # type: ignore[union-attr]
     assert model.graph.initializers["w2"].const.numpy()[0] == 2  # type: ignore[union-attr]
     again = json_io.load(tmp_path / "m.json")
@@ -249,12 +249,12 @@ def test_failed_save_writes_nothing(tmp_path: Path) -> None:
     model = _weights_model(np.ones(2000, dtype=np.float32))
     model.extensions["bad"] = object()  # not JSON: fails after the sidecar was staged
     with pytest.raises(TypeError):
-        json_io.save(model, tmp_path / "m.json")
+        json_write.save(model, tmp_path / "m.json")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_independent_dims_split_same_named_dims(tmp_path: Path) -> None:
-    json_io.save(_readable_model(), tmp_path / "m.json")
+    json_write.save(_readable_model(), tmp_path / "m.json")
     shared = json_io.load(tmp_path / "m.json")
     split = json_io.load(tmp_path / "m.json", independent_dims=True)
     x_shared, y_shared = shared.graph.inputs[0].type, shared.graph.outputs[0].type
@@ -401,9 +401,9 @@ def test_identical_tensors_share_one_content_addressed_sidecar_and_both_move_to_
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])],
         [numpy_helper.from_array(weight, "w1"), numpy_helper.from_array(weight.copy(), "w2")],
     )
-    json_io.save(onnx_io.from_proto(helper.make_model(graph)), tmp_path / "m.json")  # m.0.npy, m.1.npy
+    json_write.save(onnx_io.from_proto(helper.make_model(graph)), tmp_path / "m.json")  # m.0.npy, m.1.npy
     model = json_io.load(tmp_path / "m.json")
-    json_io.save(model, tmp_path / "m.json", content_addressed=True)
+    json_write.save(model, tmp_path / "m.json", content_addressed=True)
     sidecars = sorted(p.name for p in tmp_path.glob("m.*.npy"))
     assert len(sidecars) == 3  # the two numbered ones, and one file for both weights
     for name in ("m.0.npy", "m.1.npy"):

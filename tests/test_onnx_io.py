@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.errors import InputError
-from graphopt.io import onnx_io
+from graphopt.io import onnx_io, onnx_write
 from graphopt.ir import ExternalSource, Tensor
 from tests import node_suite
 from tests.conftest import CORPUS_MODELS
@@ -23,7 +23,7 @@ ort.set_default_logger_severity(4)
 
 
 def _roundtrip(source: Path, target: Path, **options: Any) -> None:
-    onnx_io.save(onnx_io.load(source), target, **options)
+    onnx_write.save(onnx_io.load(source), target, **options)
 
 
 def _identical(a: Any, b: Any) -> bool:
@@ -182,7 +182,7 @@ def test_external_data_is_mapped_and_kept(tmp_path: Path) -> None:
     tensor = model.graph.initializers["w"].const
     assert isinstance(tensor.source, ExternalSource)  # type: ignore[union-attr]
     out = tmp_path / "out" / "ext.onnx"
-    onnx_io.save(model, out)
+    onnx_write.save(model, out)
     assert (out.parent / "ext.onnx.data").is_file()
     assert out.stat().st_size < 10_000
     reloaded = onnx.load(out)
@@ -203,8 +203,8 @@ def test_models_over_the_protobuf_limit_save_with_external_data(
     source = tmp_path / "in.onnx"
     _big_model(source)
     onnx.save(onnx.load(source), tmp_path / "inline.onnx")
-    monkeypatch.setattr(onnx_io, "PROTOBUF_LIMIT", 1000)
-    onnx_io.save(onnx_io.load(tmp_path / "inline.onnx"), tmp_path / "out.onnx")
+    monkeypatch.setattr(onnx_write, "PROTOBUF_LIMIT", 1000)
+    onnx_write.save(onnx_io.load(tmp_path / "inline.onnx"), tmp_path / "out.onnx")
     assert (tmp_path / "out.onnx.data").stat().st_size >= 256 * 256 * 4
     onnx.checker.check_model(str(tmp_path / "out.onnx"))
 
@@ -212,7 +212,7 @@ def test_models_over_the_protobuf_limit_save_with_external_data(
 def test_saving_in_memory_with_no_external_data_flag(tmp_path: Path) -> None:
     source = tmp_path / "in.onnx"
     _big_model(source)
-    onnx_io.save(onnx_io.load(source), tmp_path / "inline.onnx", external_data=False)
+    onnx_write.save(onnx_io.load(source), tmp_path / "inline.onnx", external_data=False)
     assert not (tmp_path / "inline.onnx.data").exists()
     assert (tmp_path / "inline.onnx").stat().st_size > 256 * 256 * 4
 
@@ -281,7 +281,7 @@ def test_inline_weights_are_mapped_from_the_model_file_and_streamed_back(tmp_pat
     tensor = model.graph.initializers["w"].const
     assert isinstance(tensor.source, ExternalSource) and tensor.source.inline  # type: ignore[union-attr]
     assert tensor.source.path == source  # type: ignore[union-attr]
-    onnx_io.save(model, tmp_path / "out.onnx")
+    onnx_write.save(model, tmp_path / "out.onnx")
     assert not (tmp_path / "out.onnx.data").exists()
     assert first_difference(onnx.load(source), onnx.load(tmp_path / "out.onnx")) is None
     x = np.ones((1, 256), np.float32)
@@ -292,7 +292,7 @@ def test_inline_weights_are_mapped_from_the_model_file_and_streamed_back(tmp_pat
 def test_external_data_file_only_when_something_goes_in_it(tmp_path: Path) -> None:
     model = _simple_graph([helper.make_node("Relu", ["x"], ["y"])])
     _write(tmp_path / "small.onnx", model)
-    onnx_io.save(onnx_io.load(tmp_path / "small.onnx"), tmp_path / "out.onnx", external_data=True)
+    onnx_write.save(onnx_io.load(tmp_path / "small.onnx"), tmp_path / "out.onnx", external_data=True)
     assert not (tmp_path / "out.onnx.data").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
@@ -311,11 +311,11 @@ def test_constant_node_weights_are_mapped_and_streamed(tmp_path: Path) -> None:
     model = onnx_io.load(source)
     constant = model.graph.nodes[0].attr("value")
     assert isinstance(constant.source, ExternalSource) and constant.source.inline
-    onnx_io.save(model, tmp_path / "same.onnx")
+    onnx_write.save(model, tmp_path / "same.onnx")
     assert first_difference(onnx.load(source), onnx.load(tmp_path / "same.onnx")) is None
     # A weight a pass computed streams from its array.
     model.graph.nodes[0].attributes["value"].value = Tensor.from_array(constant.numpy() * 2, "w_value")
-    onnx_io.save(model, tmp_path / "doubled.onnx")
+    onnx_write.save(model, tmp_path / "doubled.onnx")
     x = np.ones((1, 64), np.float32)
     expected = ort.InferenceSession(str(source)).run(None, {"x": x})[0] * 2
     np.testing.assert_allclose(

@@ -22,7 +22,7 @@ import onnxruntime
 
 from graphopt.evaluate.base import EvaluationError, describe
 from graphopt.io.onnx_infer import infer_proto
-from graphopt.io.onnx_io import to_proto
+from graphopt.io.onnx_write import to_proto
 from graphopt.ir import Attr, AttrKind, DataType, Graph, Model, Node, Tensor, TensorType, Value
 from graphopt.ir.clone import clone_graph
 

@@ -48,7 +48,7 @@ def data_files(model: Model) -> list[Path]:
     """The files other than the model file that ``model`` reads its tensors from (external
     data, JSON sidecars), in order of first use."""
     from graphopt.io.json_io import NpySource
-    from graphopt.io.onnx_io import all_tensors
+    from graphopt.io.onnx_write import all_tensors
     from graphopt.ir import ExternalSource
 
     files: dict[Path, None] = {}
@@ -64,15 +64,15 @@ def save(model: Model, path: str | os.PathLike[str], **options: object) -> dict[
     files written, by name, where the writer hashed them on the way out (ONNX)."""
     suffix = Path(path).suffix.lower()
     if suffix == ".json":
-        from graphopt.io import json_io
+        from graphopt.io import json_write
 
-        json_io.save(model, path, content_addressed=bool(options.get("content_addressed")))
+        json_write.save(model, path, content_addressed=bool(options.get("content_addressed")))
         return {}
     if suffix not in (".onnx", ".pb", ""):
         raise InputError(f"{path}: unknown output format {suffix!r} (use .onnx or .json)")
-    from graphopt.io import onnx_io
+    from graphopt.io import onnx_write
 
-    return onnx_io.save(model, path, **options)  # type: ignore[arg-type]
+    return onnx_write.save(model, path, **options)  # type: ignore[arg-type]
 
 
 __all__ = ["data_files", "load", "save"]

@@ -34,7 +34,6 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import hashlib
 import itertools
 import json
 import math
@@ -50,11 +49,11 @@ import onnx
 from onnx import helper
 
 from graphopt.errors import InputError
-from graphopt.files import temporary_file
 from graphopt.io.builder import Annotate, NodeEntry, Scope, build_graph
 from graphopt.io.external import external_file
-from graphopt.io.json_text import dump, parse_type_text, type_text
-from graphopt.io.onnx_io import MAX_SUBGRAPH_NESTING, ProtoSource, raw_buffer
+from graphopt.io.json_text import parse_type_text
+from graphopt.io.onnx_io import MAX_SUBGRAPH_NESTING
+from graphopt.io.sources import ProtoSource
 from graphopt.ir import (
     Attr,
     AttrKind,
@@ -65,7 +64,6 @@ from graphopt.ir import (
     GraphError,
     MapType,
     Model,
-    Node,
     OpaqueType,
     OptionalType,
     SequenceType,
@@ -89,7 +87,6 @@ __all__ = [
     "is_sidecar_of",
     "sidecar_locations",
     "load",
-    "save",
 ]
 
 FORMAT_VERSION = 1
@@ -99,25 +96,25 @@ _MARKER_WINDOW = 1 << 16
 # Tensors larger than this many bytes go to a sidecar .npy file instead of the JSON text.
 SIDECAR_THRESHOLD = 4096
 
-_DTYPE_NAMES: dict[DataType, str] = {
+DTYPE_NAMES: dict[DataType, str] = {
     d: {DataType.FLOAT: "float32", DataType.DOUBLE: "float64"}.get(d, d.name.lower()) for d in DataType
 }
-_DTYPES = {name: d for d, name in _DTYPE_NAMES.items()}
+_DTYPES = {name: d for d, name in DTYPE_NAMES.items()}
 
 # ONNX typed data fields and the element type each is stored as on the wire.
-_FIELDS: dict[str, np.dtype] = {
+FIELDS: dict[str, np.dtype] = {
     "float_data": np.dtype("<f4"),
     "int32_data": np.dtype("<i4"),
     "int64_data": np.dtype("<i8"),
     "double_data": np.dtype("<f8"),
     "uint64_data": np.dtype("<u8"),
 }
-_DATA_KEYS = ("data", "base64", "file", "string_data", *_FIELDS)
+_DATA_KEYS = ("data", "base64", "file", "string_data", *FIELDS)
 _NON_FINITE = {"nan": math.nan, "-nan": -math.nan, "inf": math.inf, "-inf": -math.inf}
 
-_ATTR_KEYS: dict[AttrKind, str] = {kind: kind.name.lower() for kind in AttrKind}
-_ATTR_KINDS = {key: kind for kind, key in _ATTR_KEYS.items()}
-_ELEMENT_KIND = {
+ATTR_KEYS: dict[AttrKind, str] = {kind: kind.name.lower() for kind in AttrKind}
+_ATTR_KINDS = {key: kind for kind, key in ATTR_KEYS.items()}
+ELEMENT_KIND = {
     AttrKind.TENSORS: AttrKind.TENSOR,
     AttrKind.GRAPHS: AttrKind.GRAPH,
     AttrKind.SPARSE_TENSORS: AttrKind.SPARSE_TENSOR,
@@ -128,7 +125,7 @@ _ELEMENT_KIND = {
 # -- tensor storage -----------------------------------------------------------------------
 
 
-def _storage_dtype(dtype: DataType) -> np.dtype | None:
+def storage_dtype(dtype: DataType) -> np.dtype | None:
     """The numpy dtype a sidecar stores ``dtype`` as: itself, or an unsigned int of its width
     for bfloat16 and the float8 types; None for strings and sub-byte types (kept inline)."""
     if dtype == DataType.STRING:
@@ -150,30 +147,30 @@ class NpySource:
 
     def read(self) -> np.ndarray:
         array = np.load(self.path, mmap_mode="r")
-        if _numpy_or_none(self.dtype) is None:
+        if numpy_or_none(self.dtype) is None:
             # bfloat16 / float8 are stored as same-width uints; view them as onnx does.
             return array.view(helper.tensor_dtype_to_np_dtype(int(self.dtype)))
         return array
 
 
-def _numpy_or_none(dtype: DataType) -> np.dtype | None:
+def numpy_or_none(dtype: DataType) -> np.dtype | None:
     try:
         return dtype.numpy()
     except TypeError:
         return None
 
 
-def _typed_field(proto: onnx.TensorProto) -> str | None:
+def typed_field(proto: onnx.TensorProto) -> str | None:
     """The ONNX typed field holding a parsed tensor's values, or None for raw_data."""
     if proto.HasField("raw_data"):
         return None
-    for name in ("string_data", *_FIELDS):
+    for name in ("string_data", *FIELDS):
         if len(getattr(proto, name)):
             return name
     return "string_data" if proto.data_type == DataType.STRING else None
 
 
-def _text_or_base64(data: bytes) -> str | dict[str, str]:
+def text_or_base64(data: bytes) -> str | dict[str, str]:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -188,7 +185,7 @@ def _number(x: float) -> float | str:
     return "inf" if x > 0 else "-inf"
 
 
-def _short_floats(array: np.ndarray) -> list[float | str]:
+def short_floats(array: np.ndarray) -> list[float | str]:
     """Values of a float array as JSON numbers, in the shortest text that reads back exactly
     in the array's own precision (``0.1`` rather than ``0.10000000149011612`` for float32)."""
     if array.dtype.itemsize == 8:
@@ -202,13 +199,13 @@ def _short_floats(array: np.ndarray) -> list[float | str]:
     return values
 
 
-def _nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
+def nest(flat: list[Any], shape: tuple[int, ...]) -> Any:
     if not shape:
         return flat[0]
     if len(shape) == 1:
         return flat
     step = math.prod(shape[1:])
-    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+    return [nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 # -- writing -------------------------------------------------------------------------------
@@ -258,290 +255,6 @@ def is_graph_file(path: str | os.PathLike[str]) -> bool:
     except OSError:
         return False
     return re.search(r'"format"\s*:\s*"' + FORMAT_MARKER + '"', head) is not None
-
-
-def save(model: Model, path: str | os.PathLike[str], *, content_addressed: bool = False) -> None:
-    """Write ``model`` as JSON, large tensors as sidecar .npy files; all or nothing.
-
-    Sidecars are named ``<json stem>.<n>.npy``, or with ``content_addressed``
-    ``<json stem>.<16 hex>.npy`` after their contents, so that new sidecars never replace
-    the ones an older JSON of that name reads (the file runner's commit relies on it).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = _Writer(path, content_addressed)
-    staged = writer.staged
-    try:
-        text = dump(writer.model(model)) + "\n"
-        handle, tmp_json = temporary_file(path.parent, path.name)
-        staged.append(str(tmp_json))
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-        for tmp, final in writer.sidecars.values():
-            os.replace(tmp, final)
-        os.replace(tmp_json, path)
-    except BaseException:
-        for tmp in staged:
-            Path(tmp).unlink(missing_ok=True)
-        raise
-    # A tensor read lazily from an older sidecar of this name would now see another
-    # tensor's file; point such tensors at the file just written with their own values.
-    for name, tensors in writer.tensors.items():
-        for tensor in tensors:
-            if isinstance(tensor.source, NpySource):
-                tensor.source = NpySource(writer.sidecars[name][1], tensor.dtype, tensor.shape)
-
-
-class _Writer:
-    def __init__(self, path: Path, content_addressed: bool = False) -> None:
-        self.path = path
-        self.content_addressed = content_addressed
-        self.dims: dict[str, None] = {}
-        # Sidecars by file name: (temporary path, final path), and the tensors stored there
-        # (identical tensors share one file when content-addressed).
-        self.sidecars: dict[str, tuple[str, Path]] = {}
-        self.tensors: dict[str, list[Tensor]] = {}
-        # Temporary files written so far, removed again if the save fails.
-        self.staged: list[str] = []
-
-    def model(self, model: Model) -> dict[str, Any]:
-        graph = self.graph(model.graph)
-        functions = [self.function(f) for f in model.functions]
-        opaque = {k: [base64.b64encode(b).decode("ascii") for b in v] for k, v in model.opaque_fields.items()}
-        head = {"format": FORMAT_MARKER, "format_version": FORMAT_VERSION, "ir_version": model.ir_version}
-        return (
-            head
-            | _given(
-                producer=_given(name=model.producer_name, version=model.producer_version),
-                domain=model.domain,
-                model_version=model.model_version,
-                doc_string=model.doc_string,
-                metadata_props=dict(model.metadata_props),
-            )
-            | {"opsets": dict(model.opset_imports)}
-            | _given(dims=list(self.dims))
-            | {"graph": graph}
-            | _given(
-                functions=functions,
-                opaque_fields=opaque,
-                layout=model.extensions.get("layout"),
-                extensions={k: v for k, v in model.extensions.items() if k != "layout"},
-            )
-        )
-
-    # types
-    def dim(self, dim: Dim) -> int | str | None:
-        if dim is None or isinstance(dim, int):
-            return dim
-        text = str(dim)
-        self.dims[text] = None
-        return text
-
-    def type(self, value_type: Type | None) -> Any:
-        structured = self._structured(value_type)
-        text = type_text(structured)
-        return text if text is not None and parse_type_text(text) == structured else structured
-
-    def _structured(self, value_type: Type | None) -> Any:
-        if value_type is None:
-            return None
-        fields: dict[str, Any]
-        if isinstance(value_type, (TensorType, SparseTensorType)):
-            kind = "tensor" if isinstance(value_type, TensorType) else "sparse_tensor"
-            fields = {"kind": kind, "dtype": _DTYPE_NAMES[value_type.dtype]}
-            if value_type.shape is not None:
-                fields["shape"] = [self.dim(d) for d in value_type.shape]
-        elif isinstance(value_type, SequenceType):
-            fields = {"kind": "sequence", "element": self._structured(value_type.element)}
-        elif isinstance(value_type, OptionalType):
-            fields = {"kind": "optional", "element": self._structured(value_type.element)}
-        elif isinstance(value_type, MapType):
-            fields = {"kind": "map", "key": _DTYPE_NAMES[value_type.key], "value": self._structured(value_type.value)}
-        else:
-            fields = {"kind": "opaque", "domain": value_type.domain, "name": value_type.name}
-        if value_type.denotation:
-            fields["denotation"] = value_type.denotation
-        return fields
-
-    def value(self, value: Value) -> str | dict[str, Any]:
-        entry = _given(
-            name=value.name,
-            type=self.type(value.type),
-            doc_string=value.doc_string,
-            metadata_props=dict(value.metadata_props),
-        )
-        return value.name if list(entry) == ["name"] else {"name": value.name, **entry}
-
-    # tensors
-    def tensor(self, tensor: Tensor, name: bool = True) -> dict[str, Any]:
-        entry: dict[str, Any] = _given(name=tensor.name if name else "")
-        entry["dtype"] = _DTYPE_NAMES[tensor.dtype]
-        entry["shape"] = list(tensor.shape)
-        entry.update(self._tensor_data(tensor))
-        entry.update(_given(doc_string=tensor.doc_string, metadata_props=dict(tensor.metadata_props)))
-        return entry
-
-    def _tensor_data(self, tensor: Tensor) -> dict[str, Any]:
-        source = tensor.source
-        field = _typed_field(source.proto) if isinstance(source, ProtoSource) else None
-        if field is None and tensor.dtype == DataType.STRING:
-            field = "string_data"
-        if field == "string_data":
-            if isinstance(source, ProtoSource):
-                items = list(source.proto.string_data)
-            else:
-                items = [x if isinstance(x, bytes) else str(x).encode("utf-8") for x in source.read().ravel()]
-            return {"string_data": [_text_or_base64(bytes(x)) for x in items]}
-        if field is not None:
-            assert isinstance(source, ProtoSource)
-            contents = np.array(getattr(source.proto, field), dtype=_FIELDS[field])
-            listed = _exact_list(contents)
-            return {field: listed if listed is not None else base64.b64encode(contents.tobytes()).decode("ascii")}
-        storage = _storage_dtype(tensor.dtype)
-        if storage is not None and tensor.nbytes > SIDECAR_THRESHOLD:
-            return {"file": self._sidecar(tensor)}
-        raw = raw_buffer(tensor).tobytes()
-        native = _numpy_or_none(tensor.dtype)
-        # An empty tensor's shape cannot be read off nested lists, so it stays base64 ("").
-        if native is not None and native.kind in "biuf" and tensor.size and len(raw) == tensor.size * native.itemsize:
-            values = _exact_list(np.frombuffer(raw, dtype=native))
-            if values is not None:
-                return {"data": _nest(values, tensor.shape)}
-        return {"base64": base64.b64encode(raw).decode("ascii")}
-
-    def _sidecar(self, tensor: Tensor) -> str:
-        raw = raw_buffer(tensor)
-        if self.content_addressed:
-            digest = hashlib.blake2b(repr((int(tensor.dtype), tensor.shape)).encode(), digest_size=8)
-            digest.update(raw)
-            name = f"{self.path.stem}.{digest.hexdigest()}.npy"
-        else:
-            name = f"{self.path.stem}.{len(self.sidecars)}.npy"
-        self.tensors.setdefault(name, []).append(tensor)
-        if name in self.sidecars:
-            return name  # the same values again: one file serves both
-        handle, tmp_path = temporary_file(self.path.parent, name)
-        self.staged.append(str(tmp_path))
-        self.sidecars[name] = (str(tmp_path), self.path.parent / name)
-        with os.fdopen(handle, "wb") as out:
-            array = np.frombuffer(raw, dtype=_storage_dtype(tensor.dtype)).reshape(tensor.shape)
-            np.lib.format.write_array(out, array, allow_pickle=False)
-        return name
-
-    def sparse(self, sparse: SparseTensor, name: str | None = None) -> dict[str, Any]:
-        head = {"name": name} if name is not None else {}
-        return {
-            **head,
-            "dims": list(sparse.dims),
-            "values": self.tensor(sparse.values, name=name is None),
-            "indices": self.tensor(sparse.indices),
-        }
-
-    # attributes, nodes, graphs
-    def attribute(self, attr: Attr) -> dict[str, Any]:
-        if attr.ref_attr_name:
-            entry: dict[str, Any] = {"ref_attr_name": attr.ref_attr_name, "kind": _ATTR_KEYS[attr.kind]}
-        else:
-            entry = {_ATTR_KEYS[attr.kind]: self._attr_value(attr.kind, attr.value)}
-        return entry | _given(doc_string=attr.doc_string)
-
-    def _attr_value(self, kind: AttrKind, value: Any) -> Any:
-        if kind == AttrKind.FLOAT:
-            return _short_floats(np.array([value], dtype=np.float32))[0]
-        if kind == AttrKind.FLOATS:
-            return _short_floats(np.array(value, dtype=np.float32))
-        if kind in (AttrKind.INT, AttrKind.INTS, AttrKind.UNDEFINED):
-            return value
-        if kind == AttrKind.STRING:
-            return _text_or_base64(value)
-        if kind == AttrKind.STRINGS:
-            return [_text_or_base64(v) for v in value]
-        one: dict[AttrKind, Callable[[Any], Any]] = {
-            AttrKind.TENSOR: self.tensor,
-            AttrKind.GRAPH: self.graph,
-            AttrKind.SPARSE_TENSOR: self.sparse,
-            AttrKind.TYPE_PROTO: self.type,
-        }
-        if kind in _ELEMENT_KIND:
-            return [one[_ELEMENT_KIND[kind]](v) for v in value]
-        return one[kind](value)
-
-    def node(self, node: Node) -> dict[str, Any]:
-        return _given(
-            op=node.op_type,
-            domain=node.domain,
-            overload=node.overload,
-            name=node.name,
-            inputs=[v.name if v is not None else "" for v in node.inputs],
-            outputs=[v.name for v in node.outputs],
-            attributes={name: self.attribute(a) for name, a in node.attributes.items()},
-            doc_string=node.doc_string,
-            metadata_props=dict(node.metadata_props),
-        )
-
-    def graph(self, graph: Graph) -> dict[str, Any]:
-        initializers: list[dict[str, Any]] = []
-        for value in graph.initializers.values():
-            if isinstance(value.const, SparseTensor):
-                initializers.append(self.sparse(value.const, value.name))
-            elif isinstance(value.const, Tensor):
-                initializers.append({"name": value.name, **self.tensor(value.const, name=False)})
-        nodes = graph.topological()
-        boundary = {id(v) for v in [*graph.inputs, *graph.outputs]}
-        value_info = [
-            self.value(v)
-            for node in nodes
-            for v in node.outputs
-            if v.name and id(v) not in boundary and (v.type is not None or v.doc_string or v.metadata_props)
-        ]
-        return _given(
-            name=graph.name,
-            doc_string=graph.doc_string,
-            inputs=[self.value(v) for v in graph.inputs],
-            outputs=[self.value(v) for v in graph.outputs],
-            initializers=initializers,
-            nodes=[self.node(n) for n in nodes],
-            value_info=value_info,
-            metadata_props=dict(graph.metadata_props),
-            quantization_annotation=[{"tensor": t, "params": dict(p)} for t, p in graph.quantization_annotation],
-        )
-
-    def function(self, function: Function) -> dict[str, Any]:
-        body = self.graph(function.body)
-        return _given(
-            domain=function.domain,
-            name=function.name,
-            overload=function.overload,
-            doc_string=function.doc_string,
-            opsets=dict(function.opset_imports),
-            attributes=list(function.attributes),
-            attribute_defaults={n: self.attribute(a) for n, a in function.attribute_defaults.items()},
-            inputs=body.get("inputs", []),
-            outputs=body.get("outputs", []),
-            nodes=body.get("nodes", []),
-            value_info=body.get("value_info", []),
-            metadata_props=dict(function.metadata_props),
-        )
-
-
-def _given(**fields: Any) -> dict[str, Any]:
-    """The fields that differ from their default: empty strings, lists, dicts and zeros go."""
-    return {key: value for key, value in fields.items() if value or value is False}
-
-
-def _exact_list(array: np.ndarray) -> list[Any] | None:
-    """``array`` as JSON numbers when they read back to the very same bytes, else None."""
-    if array.dtype.kind == "f":
-        values: list[Any] = _short_floats(array)
-    elif array.dtype.kind in "biu":
-        values = array.tolist()
-    else:
-        return None
-    try:
-        back = _decode_numbers(values, array.dtype, "")
-    except InputError:
-        return None
-    return values if back.tobytes() == array.tobytes() else None
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -695,15 +408,15 @@ class _Reader:
     def _fill(self, proto: onnx.TensorProto, key: str, value: Any, dtype: DataType, shape: tuple[int, ...], at: str):
         if key == "string_data":
             proto.string_data.extend(_bytes(v, f"{at}[{i}]") for i, v in enumerate(value))
-        elif key in _FIELDS:
-            element = _FIELDS[key]
+        elif key in FIELDS:
+            element = FIELDS[key]
             if isinstance(value, str):
                 raw = _b64(value, at)
                 if len(raw) % element.itemsize:
                     raise InputError(f"{at}: {len(raw)} bytes is not a whole number of {element} values")
                 array = np.frombuffer(raw, dtype=element)
             else:
-                array = _decode_numbers(value, element, at)
+                array = decode_numbers(value, element, at)
             getattr(proto, key).extend(array.tolist())
         elif key == "base64":
             proto.raw_data = _b64(value, at)
@@ -711,18 +424,18 @@ class _Reader:
             if len(proto.raw_data) != expected:
                 raise InputError(f"{at}: {len(proto.raw_data)} bytes of data, a {list(shape)} tensor needs {expected}")
         else:
-            native = _numpy_or_none(dtype)
+            native = numpy_or_none(dtype)
             if native is None or native.kind not in "biuf":
-                raise InputError(f"{at}: {_DTYPE_NAMES[dtype]} tensors cannot be given as a number list; use base64")
-            array = _decode_numbers(value, native, at)
+                raise InputError(f"{at}: {DTYPE_NAMES[dtype]} tensors cannot be given as a number list; use base64")
+            array = decode_numbers(value, native, at)
             if array.shape != shape:
                 raise InputError(f"{at}: data has shape {list(array.shape)}, the tensor {list(shape)}")
             proto.raw_data = array.tobytes()
 
     def _sidecar(self, name: str, dtype: DataType, shape: tuple[int, ...], at: str) -> NpySource:
-        storage = _storage_dtype(dtype)
+        storage = storage_dtype(dtype)
         if storage is None:
-            raise InputError(f"{at}: {_DTYPE_NAMES[dtype]} tensors cannot live in a .npy sidecar")
+            raise InputError(f"{at}: {DTYPE_NAMES[dtype]} tensors cannot live in a .npy sidecar")
         file = external_file(self.path.parent, name, f"{at}: sidecar file")
         try:
             with file.open("rb") as handle:
@@ -764,9 +477,9 @@ class _Reader:
 
     def _attr_value(self, kind: AttrKind, value: Any, scope: Scope, at: str) -> Any:
         if kind == AttrKind.FLOAT:
-            return float(_decode_numbers(value, np.dtype(np.float32), at))
+            return float(decode_numbers(value, np.dtype(np.float32), at))
         if kind == AttrKind.FLOATS:
-            return _decode_numbers(value, np.dtype(np.float32), at).tolist()
+            return decode_numbers(value, np.dtype(np.float32), at).tolist()
         if kind in (AttrKind.INT, AttrKind.INTS, AttrKind.UNDEFINED):
             return value
         if kind == AttrKind.STRING:
@@ -779,8 +492,8 @@ class _Reader:
             AttrKind.SPARSE_TENSOR: self.sparse,
             AttrKind.TYPE_PROTO: self.type,
         }
-        if kind in _ELEMENT_KIND:
-            return [one[_ELEMENT_KIND[kind]](v, f"{at}[{i}]") for i, v in enumerate(value)]
+        if kind in ELEMENT_KIND:
+            return [one[ELEMENT_KIND[kind]](v, f"{at}[{i}]") for i, v in enumerate(value)]
         return one[kind](value, at)
 
     # graphs
@@ -884,7 +597,7 @@ def _bytes(value: str | dict[str, str], at: str) -> bytes:
     return value.encode("utf-8") if isinstance(value, str) else _b64(value["base64"], at)
 
 
-def _decode_numbers(values: Any, dtype: np.dtype, at: str) -> np.ndarray:
+def decode_numbers(values: Any, dtype: np.dtype, at: str) -> np.ndarray:
     """JSON numbers (nested lists; "nan", "inf" for floats) as an array of ``dtype``, exactly."""
 
     def walk(item: Any) -> Any:

@@ -23,7 +23,8 @@ from pathlib import Path
 import onnx
 
 from graphopt.errors import InputError
-from graphopt.io.onnx_io import _Reader, to_proto
+from graphopt.io.onnx_io import _Reader
+from graphopt.io.onnx_write import to_proto
 from graphopt.ir import DataType, Graph, Model, Node, Tensor, TensorType, Type, Value
 from graphopt.ir.clone import clone_model
 from graphopt.ir.constness import constant_tensor

@@ -13,7 +13,8 @@ import onnx
 from onnx import version_converter
 
 from graphopt.errors import InputError
-from graphopt.io.onnx_io import from_proto, to_proto
+from graphopt.io.onnx_io import from_proto
+from graphopt.io.onnx_write import to_proto
 from graphopt.ir import Model
 
 __all__ = ["convert_opset"]

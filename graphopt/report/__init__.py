@@ -9,14 +9,13 @@ batch and merges the reports of the shards of one CI matrix.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from graphopt.errors import InputError
-from graphopt.files import temporary_file, unwritable_kind
+from graphopt.files import atomic_write, unwritable_kind
 
 __all__ = ["check_report_target", "dumps", "merge_reports", "totals", "without_timings", "write_report"]
 
@@ -31,14 +30,8 @@ def dumps(report: Any) -> str:
 def write_report(report: Any, path: Path) -> None:
     """Write atomically: a temporary file in the same folder, then a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = temporary_file(path.parent, path.name)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(dumps(report))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    text = dumps(report).encode("utf-8")
+    atomic_write(path, lambda out: out.write(text))
 
 
 def check_report_target(path: Path, models: Iterable[Path]) -> None:

@@ -11,7 +11,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.api import optimize, pass_context
-from graphopt.io.onnx_io import from_proto, to_proto
+from graphopt.io.onnx_io import from_proto
+from graphopt.io.onnx_write import to_proto
 from graphopt.passes.fuse import registered_rules
 from graphopt.passes.pipeline import pipeline_from_config
 from graphopt.passes.rewrite.engine import RuleSet, RunStats, Site, find_matches

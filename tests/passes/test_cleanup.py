@@ -14,7 +14,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.api import pass_context
-from graphopt.io.onnx_io import load, save
+from graphopt.io.onnx_io import load
+from graphopt.io.onnx_write import save
 from graphopt.ir import Model
 from graphopt.ir.stats import model_stats
 from graphopt.passes.base import PassResult, get_pass

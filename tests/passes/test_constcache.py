@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.api import optimize
-from graphopt.io.onnx_io import save
+from graphopt.io.onnx_write import save
 from tests.numerics import assert_same_outputs, make_feeds, run_ort
 
 F = TensorProto.FLOAT

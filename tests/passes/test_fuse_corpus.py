@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from graphopt.api import optimize
-from graphopt.io.onnx_io import to_proto
+from graphopt.io.onnx_write import to_proto
 from tests.numerics import assert_same_outputs
 
 # Without the const-cache pass the shape plumbing (and Constant nodes) stay; with it both

@@ -16,7 +16,8 @@ from onnx.reference import ReferenceEvaluator
 
 from graphopt.api import optimize
 from graphopt.errors import InputError
-from graphopt.io.onnx_io import from_proto, to_proto
+from graphopt.io.onnx_io import from_proto
+from graphopt.io.onnx_write import to_proto
 from tests.cli_helpers import invoke
 from tests.numerics import assert_same_outputs, run_ort
 from tests.passes.fuse_helpers import fuse, info, init, lowering_misses, model, node, ops

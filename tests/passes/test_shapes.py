@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.api import pass_context
 from graphopt.facts import infer_model
-from graphopt.io import onnx_io
+from graphopt.io import onnx_io, onnx_write
 from graphopt.ir import DataType, Dim, Expr, FloorDiv, Model, Node, Sym, TensorType, Value, mul
 from graphopt.passes import PassResult, get_pass
 from graphopt.settings import Settings
@@ -94,7 +94,7 @@ def feeds_for(proto: onnx.ModelProto, env: dict[str, int], seed: int = 0) -> dic
 
 def check_against_ort(model: Model, path: Path, bindings: Sequence[dict[str, int]] = BINDINGS) -> int:
     """Save ``model``, run it with every intermediate exposed; return how many shapes were compared."""
-    onnx_io.save(model, path)
+    onnx_write.save(model, path)
     saved = onnx.load(str(path))
     exposed = onnx.ModelProto()
     exposed.CopyFrom(saved)
@@ -402,7 +402,7 @@ def test_if_keeps_equal_dims_and_forgets_differing_ones(tmp_path: Path) -> None:
     assert str(types["grow_e"]) == "float[batch, 8]"
     assert str(types["same"]) == str(types["after"]) == "float[batch, 4]"
     assert str(types["grow"]) == "float[batch, ?]"
-    onnx_io.save(model, tmp_path / "if.onnx")
+    onnx_write.save(model, tmp_path / "if.onnx")
     for flag_value in (True, False):
         got = run_ort(str(tmp_path / "if.onnx"), {"x": np.ones((3, 4), np.float32), "flag": np.array(flag_value)})
         assert got["grow"].shape == ((3, 4) if flag_value else (3, 8))
@@ -453,7 +453,7 @@ def test_loop_body_types_and_carried_dims_that_change(tmp_path: Path) -> None:
     assert str(types["v_final"]) == "float[batch, 4]"
     assert str(types["rows_final"]) == "float[?, 4]"
     assert str(types["stacked"]) == "float[3, batch, 4]"
-    onnx_io.save(model, tmp_path / "loop.onnx")
+    onnx_write.save(model, tmp_path / "loop.onnx")
     got = run_ort(str(tmp_path / "loop.onnx"), {"x": np.ones((5, 4), np.float32), "rows": np.ones((2, 4), np.float32)})
     assert got["rows_final"].shape == (16, 4) and got["stacked"].shape == (3, 5, 4)
 

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
-from graphopt.io import json_io
+from graphopt.io import json_write
 from graphopt.ir.clone import clone_model
 from graphopt.passes.base import PassContext, get_pass
 from graphopt.passes.pipeline import pipeline_from_names
@@ -35,8 +35,8 @@ def run_unwind(model: graphopt.ir.Model, **options: object) -> dict:
 def same_json(a: graphopt.ir.Model, b: graphopt.ir.Model, tmp_path: Path) -> bool:
     (tmp_path / "a").mkdir(exist_ok=True)
     (tmp_path / "b").mkdir(exist_ok=True)
-    json_io.save(a, tmp_path / "a" / "m.json")
-    json_io.save(b, tmp_path / "b" / "m.json")
+    json_write.save(a, tmp_path / "a" / "m.json")
+    json_write.save(b, tmp_path / "b" / "m.json")
     return (tmp_path / "a" / "m.json").read_text() == (tmp_path / "b" / "m.json").read_text()
 
 

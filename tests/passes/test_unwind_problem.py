@@ -337,13 +337,13 @@ def test_cli_reads_the_layout_section_of_a_json_graph(tmp_path: Path) -> None:
 
 
 def test_the_layout_section_survives_a_json_round_trip(tmp_path: Path) -> None:
-    from graphopt.io import json_io
+    from graphopt.io import json_io, json_write
 
     graph = graph_with_layout()
     path = tmp_path / "g.json"
     path.write_text(json.dumps(graph))
     model = json_io.load(path)
     assert model.extensions["layout"] == evaluation_json()
-    json_io.save(model, tmp_path / "back.json")
+    json_write.save(model, tmp_path / "back.json")
     written = json.loads((tmp_path / "back.json").read_text())
     assert written["layout"] == evaluation_json() and "extensions" not in written

@@ -19,7 +19,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from graphopt.io import onnx_io
+from graphopt.io import onnx_write
 from tests.cli_helpers import BreaksNumerics, invoke
 from tests.reliability import builders
 from tests.reliability.test_bad_input import snapshot
@@ -66,8 +66,8 @@ def fail_on_call(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, after: 
 @pytest.mark.parametrize(
     ("owner", "name", "after", "external"),
     [
-        (onnx_io._Writer, "node", 2, False),  # while building the protobuf
-        (onnx_io._ExternalWriter, "write", 0, True),  # with the .data file open
+        (onnx_write._Writer, "node", 2, False),  # while building the protobuf
+        (onnx_write._ExternalWriter, "write", 0, True),  # with the .data file open
         (os, "replace", 0, False),  # the first rename of the save
         (os, "replace", 1, True),  # the .data is written, the model is not
     ],

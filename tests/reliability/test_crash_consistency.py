@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from graphopt import files
 from graphopt.cli import cli
-from graphopt.io import onnx_io
 from tests.reliability.test_atomic_writes import run_model, with_external_data
 
 # What a kill interrupts: every rename, link, removal and mode change, and every chunk of
@@ -32,7 +32,7 @@ OPERATIONS: list[tuple[Any, str]] = [
     (os, "unlink"),
     (os, "chmod"),
     (shutil, "rmtree"),
-    (onnx_io._HashingFile, "write"),
+    (files.HashingFile, "write"),
 ]
 KILLED = 137
 

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphopt.api import optimize, pass_context
-from graphopt.io.onnx_io import from_proto, to_proto
+from graphopt.io.onnx_io import from_proto
+from graphopt.io.onnx_write import to_proto
 from graphopt.ir import DataType, Model, TensorType
 from graphopt.ir.rewrite import replace_nodes, replace_value
 from graphopt.passes.base import all_passes

@@ -93,13 +93,29 @@ def folder_cases(folder: Path, match: str) -> Iterator[Case]:
             yield Case(name, onnx.load(str(path)), None, 1e-3, 1e-4)
 
 
-def _feeds(case: Case, session: ort.InferenceSession, path: Path) -> dict[str, Any]:
+def _feeds(case: Case, session: ort.InferenceSession, path: Path) -> Iterator[dict[str, Any]]:
+    """The node test's inputs; for a folder model, graphopt's check inputs at each of its bindings."""
     if case.data is not None:
-        return dict(zip([i.name for i in session.get_inputs()], case.data[0]))
-    from graphopt.check.inputs import bind_dims, make_inputs, read_spec
+        yield dict(zip([i.name for i in session.get_inputs()], case.data[0]))
+        return
+    from graphopt.check.inputs import bind_dims, candidate_count, make_inputs, read_spec
 
     specs = read_spec(path).inputs
-    return make_inputs(specs, bind_dims(specs, 0, {}), np.random.default_rng(0))
+    for k in range(candidate_count()):
+        yield make_inputs(specs, bind_dims(specs, k, {}), np.random.default_rng(k))
+
+
+def _original_outputs(case: Case, path: Path) -> tuple[dict[str, Any], list[Any], list[Any]]:
+    """Feeds the original runs on, its outputs, and its outputs on a second run."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    failure: Exception | None = None
+    for feeds in _feeds(case, session, path):
+        try:
+            return feeds, session.run(None, feeds), session.run(None, feeds)
+        except Exception as err:
+            failure = failure or err
+    assert failure is not None
+    raise failure
 
 
 def sweep_case(case: Case, opsets: list[int], workdir: Path, passes: str | None) -> Iterator[dict[str, Any]]:
@@ -107,10 +123,7 @@ def sweep_case(case: Case, opsets: list[int], workdir: Path, passes: str | None)
     onnx.save(case.proto, source)
     base = {"model": case.name, "own_opset": _opset(case.proto)}
     try:
-        session = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
-        feeds = _feeds(case, session, source)
-        original = session.run(None, feeds)
-        again = session.run(None, feeds)
+        feeds, original, again = _original_outputs(case, source)
     except Exception as err:
         yield {**base, "opset": None, "outcome": "skipped", "why": f"original: {_line(err)}"}
         return

@@ -8,9 +8,9 @@ The converter also returns models it did not convert correctly, so its result is
 three rules before it is used, and a conversion that breaks one is refused the same way:
 
 - a step the converter takes but gets wrong is refused before it runs (``UNSAFE_STEPS``);
-- every attribute must exist in its op's schema at the target opset: one the target lacks
-  is dropped where it holds the value its op defines as default (what every older version
-  does), and refused otherwise (AveragePool's ``dilations`` below opset 19);
+- an attribute the op's schema has at the source opset must exist at the target: one the
+  target lacks is dropped where it holds the value its op defines as default (what every
+  older version does), and refused otherwise (AveragePool's ``dilations`` below opset 19);
 - where onnxruntime loads the model before the conversion, it must load it after (an op
   version onnxruntime has no kernel for, such as RandomUniformLike-22, would not run).
 """
@@ -90,12 +90,11 @@ def _fit_attributes(converted: onnx.ModelProto, source: int, version: int) -> No
         schema = _schema(node.op_type, version)
         if schema is None:
             raise InputError(f"op {node.op_type} blocks it (it has no schema at opset {version})")
-        unknown = [a for a in node.attribute if a.name not in schema.attributes]
-        if not unknown:
-            continue
         before = _schema(node.op_type, source)
-        for attr in unknown:
-            if before is None or not _holds_default(attr, before):
+        known = before.attributes if before else {}
+        # An attribute the source schema lacks too came with the input as it is: left be.
+        for attr in [a for a in node.attribute if a.name in known and a.name not in schema.attributes]:
+            if not _holds_default(attr, known[attr.name]):
                 raise InputError(
                     f"op {node.op_type} blocks it (its attribute {attr.name}="
                     f"{helper.get_attribute_value(attr)!r} does not exist at opset {version})"
@@ -103,11 +102,9 @@ def _fit_attributes(converted: onnx.ModelProto, source: int, version: int) -> No
             node.attribute.remove(attr)
 
 
-def _holds_default(attr: onnx.AttributeProto, schema: defs.OpSchema) -> bool:
-    declared = schema.attributes.get(attr.name)
-    if declared is None or not declared.default_value.name:
-        return False
-    return bool(helper.get_attribute_value(attr) == helper.get_attribute_value(declared.default_value))
+def _holds_default(attr: onnx.AttributeProto, declared: defs.OpSchema.Attribute) -> bool:
+    default = declared.default_value
+    return bool(default.name) and bool(helper.get_attribute_value(attr) == helper.get_attribute_value(default))
 
 
 def _refuse_what_onnxruntime_cannot_load(before: onnx.ModelProto, after: onnx.ModelProto, version: int) -> None:

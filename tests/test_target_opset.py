@@ -79,6 +79,28 @@ REFUSED = {
         17,
         "Scan",
     ),
+    # Hardmax-11 flattens to 2-D around its axis, Hardmax-13 takes the one axis; the converter
+    # renames the op only (Softmax and LogSoftmax it reshapes around).
+    "hardmax-11": (
+        _model([helper.make_node("Hardmax", ["x"], ["y"])], [X], [("y", FLOAT, None)], 11),
+        17,
+        "Hardmax",
+    ),
+    # Resize-10 and Upsample map coordinates asymmetrically, Resize-11 by default at half pixels;
+    # the converter sets no coordinate_transformation_mode.
+    **{
+        f"{op.lower()}-{opset}": (
+            _model(
+                [helper.make_node(op, ["x", "scales"], ["y"], mode="linear")],
+                [X, ("scales", FLOAT, [4])],
+                [("y", FLOAT, None)],
+                opset,
+            ),
+            17,
+            op,
+        )
+        for op, opset in (("Resize", 10), ("Upsample", 9))
+    },
     # onnxruntime has no kernel for RandomUniformLike-22 (its kernel is registered for -1 only).
     "randomuniformlike-22": (
         _model(

@@ -33,6 +33,9 @@ __all__ = ["UNSAFE_STEPS", "convert_opset"]
 # that crosses that version in either direction is refused. Each row has a test in
 # tests/test_target_opset.py, found by benchmarks/opset_sweep.py.
 UNSAFE_STEPS = {
+    "Hardmax": (13, "Hardmax-11 takes the input flattened to 2-D around its axis, Hardmax-13 the one axis"),
+    "Resize": (11, "Resize-10 maps coordinates asymmetrically, Resize-11 by default at half pixels"),
+    "Upsample": (10, "Upsample maps coordinates asymmetrically, the Resize-11 it becomes by default at half pixels"),
     "Scan": (9, "Scan-8 iterates over a batch axis that Scan-9 lacks; the converter keeps the inputs as they are"),
 }
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnx
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -54,3 +56,17 @@ def test_a_tool_that_fails_is_an_error_cell_not_a_crash(tmp_path: Path) -> None:
 
     assert run.error is not None and "broken.onnx" in run.error
     assert run.output is None
+
+
+def test_opset_sweep_counts_a_refusal_and_a_conversion(tmp_path: Path) -> None:
+    from tests.test_target_opset import REFUSED
+
+    models, out = tmp_path / "models", tmp_path / "sweep.jsonl"
+    models.mkdir()
+    onnx.save(REFUSED["averagepool-dilations"][0], models / "pool.onnx")
+    command = [sys.executable, str(BENCHMARKS / "opset_sweep.py"), "--models", models, "--opsets", "17,22"]
+    done = subprocess.run([*map(str, command), "--out", str(out)], capture_output=True, text=True, check=True)
+    rows = {row["opset"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert rows[17]["outcome"] == "refused" and "AveragePool" in rows[17]["why"]
+    assert rows[22]["outcome"] == "converted"
+    assert "refused by reason" in done.stdout

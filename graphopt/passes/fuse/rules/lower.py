@@ -214,6 +214,8 @@ def _attention_layout(m: Match, site: Site) -> _Layout | str:
         return "the present key / value or QK outputs are read"
     if Site.float_attr(node, "softcap", 0.0) != 0.0 or node.attr("softmax_precision") is not None:
         return "softcap / softmax_precision are not lowered"
+    if any(int(node.attr(side, -1)) >= 0 for side in ("left_window_size", "right_window_size")):
+        return "a sliding window (left_window_size / right_window_size) is not lowered"
     if rank == 4:
         heads, kv_heads = (site.shape(t)[1] for t in (q, k))  # type: ignore[index]
         if heads is None or heads != kv_heads:

@@ -9,11 +9,11 @@ from typing import Any
 
 import click
 
-from graphopt.cli.app import EXIT_CODES, cli, fail, guarded, parse_dims, stderr
+from graphopt.cli.app import cli, exit_codes, fail, guarded, parse_dims, stderr
 from graphopt.errors import InputError
 
 
-@cli.command(epilog=EXIT_CODES)
+@cli.command(epilog=exit_codes("the outputs differ"))
 @click.argument("original", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.argument("optimized", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim (repeatable).")

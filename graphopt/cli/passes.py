@@ -7,10 +7,10 @@ import sys
 
 import click
 
-from graphopt.cli.app import EXIT_CODES, cli, guarded, stdout
+from graphopt.cli.app import cli, exit_codes, guarded, stdout
 
 
-@cli.command(epilog=EXIT_CODES)
+@cli.command(epilog=exit_codes())
 @click.option("--json", "as_json", is_flag=True, help="Print the registry as JSON on stdout.")
 @guarded
 def passes(as_json: bool) -> None:

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from graphopt import __version__
-from graphopt.cli.app import EXIT_CODES, cli, emit, error_line, fail, guarded, parse_dims, stderr, with_settings
+from graphopt.cli.app import cli, emit, error_line, exit_codes, fail, guarded, parse_dims, stderr, with_settings
 from graphopt.errors import GraphoptError, InputError, bounded
 
 
@@ -80,11 +80,6 @@ def _collect(sources: Sequence[Path], output_folder: Path | None) -> _Collected:
     return found
 
 
-def _about(path: str, message: str) -> str:
-    """``message`` naming ``path`` once (most errors name their file already)."""
-    return message if message.startswith(path) else f"{path}: {message}"
-
-
 def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
     """One model of a batch, in a worker process: errors become a report row."""
     from graphopt.runner import optimize_file
@@ -101,7 +96,7 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
         }, 3
 
 
-@cli.command(epilog=EXIT_CODES)
+@cli.command(epilog=exit_codes("a model's numerics check failed, or --check-optimized found a model not optimized"))
 @click.argument("models", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
     "-o",
@@ -253,6 +248,7 @@ def _gate(
 ) -> None:
     """--check-optimized: exit 1 if the pipeline would still change a model; writes nothing."""
     from graphopt.report import totals
+    from graphopt.report.console import failure_line
     from graphopt.runner import is_optimized
 
     rows: list[dict[str, Any]] = []
@@ -270,11 +266,9 @@ def _gate(
     if not single:
         report["totals"] = totals(rows)
     emit(report, report_path, as_json)
-    for row in rows:
-        if "exit_code" in row:
-            error_line(_about(row["path"], row["reason"]))
-        elif not row["optimized"]:
-            error_line(f"{row['path']}: not optimized: {row['reason']}")
+    for line in map(failure_line, rows):
+        if line is not None:
+            error_line(line)
     sys.exit(max([row.get("exit_code", 0 if row["optimized"] else 1) for row in rows], default=0))
 
 
@@ -304,7 +298,7 @@ def _batch(
     as_json: bool,
 ) -> None:
     from graphopt.report import check_report_target, totals
-    from graphopt.report.console import render_batch
+    from graphopt.report.console import failure_line, render_batch
 
     output = options.output
     tasks = []
@@ -348,11 +342,9 @@ def _batch(
     report = head | {"models": rows, "totals": totals(rows)}
     render_batch(console, report)
     emit(report, report_path, as_json)
-    for row in rows:
-        if "error" in row:
-            error_line(_about(row["input"]["path"], row["error"]))
-        elif row["exit_code"] == 1:
-            error_line(f"{row['input']['path']}: numerics failed: {row['numerics']['reason']}")
+    for line in map(failure_line, rows):
+        if line is not None:
+            error_line(line)
     if options.strict and any(row.get("failures") for row in rows):
         worst = max(worst, 3)
     sys.exit(worst)

@@ -11,14 +11,14 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr
+from graphopt.cli.app import cli, exit_codes, guarded, stderr
 from graphopt.errors import InputError
 
 if TYPE_CHECKING:
     from graphopt.passes.unwind.solvers import SolverName
 
 
-@cli.command(epilog=EXIT_CODES)
+@cli.command(epilog=exit_codes())
 @click.argument("problem", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option(
     "--solver",

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["render_batch", "render_inspection", "render_passes", "render_report"]
+__all__ = ["failure_line", "size", "render_batch", "render_inspection", "render_passes", "render_report"]
 
 
 def _arrow(pair: list[int]) -> str:
@@ -16,33 +16,49 @@ def _arrow(pair: list[int]) -> str:
     return str(before) if before == after else f"{before} -> {after}"
 
 
-def _size(count: int) -> str:
+def size(count: int) -> str:
+    """Bytes as people read them: 4.69 MB."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if count >= scale:
             return f"{count / scale:.2f} {unit}"
     return f"{count} B"
 
 
+def failure_line(row: dict[str, Any]) -> str | None:
+    """What went wrong with one model of a batch (a report row), naming it; None if nothing did."""
+    if "optimized" in row:  # a --check-optimized row
+        path = row["path"]
+        if "exit_code" in row:
+            return _about(path, row["reason"])
+        return None if row["optimized"] else f"{path}: not optimized: {row['reason']}"
+    path = row["input"]["path"]
+    if "error" in row:
+        return _about(path, row["error"])
+    if row.get("exit_code") == 1:
+        return f"{path}: numerics failed: {row['numerics']['reason']}"
+    return None
+
+
+def _about(path: str, message: str) -> str:
+    """``message`` naming ``path`` once (most errors name their file already)."""
+    return message if message.startswith(path) else f"{path}: {message}"
+
+
 def render_report(console: Console, report: dict[str, Any]) -> None:
     table = Table(title=escape(f"graphopt {report['input']['path']}"), title_justify="left")
-    for column in ("pass", "nodes", "initializers", "time", "op changes"):
+    for column in ("pass", "nodes", "initializers", "time", "outcome"):
         table.add_column(column, justify="right" if column in ("nodes", "initializers", "time") else "left")
-    for run in report["passes"]:
-        if not run["changed"] and "error" not in run:
-            continue
-        label = run["pass"] if run["group"] is None else f"{run['group']}/{run['pass']} #{run['iteration'] + 1}"
-        delta = ", ".join(f"{op} {d:+d}" for op, d in sorted(run["op_delta"].items(), key=lambda kv: kv[1]))
-        if "error" in run:
-            delta = f"[red]failed, rolled back: {escape(run['error'])}[/red]"
-        table.add_row(
-            label, _arrow(run["nodes"]), _arrow(run["initializers"]), f"{run['seconds'] * 1000:.0f} ms", delta
-        )
+    for label, runs in _by_step(report["passes"]).items():
+        seconds = sum(run["seconds"] for run in runs)
+        nodes, initializers = (_own_change(runs, key) for key in ("nodes", "initializers"))
+        shown = label + (f" x{len(runs)}" if len(runs) > 1 else "")
+        table.add_row(escape(shown), _arrow(nodes), _arrow(initializers), f"{seconds * 1000:.0f} ms", _outcome(runs))
     console.print(table)
     before, after = report["summary"]["before"], report["summary"]["after"]
     console.print(
         f"nodes {before['nodes']} -> {after['nodes']},"
         f" initializers {before['initializers']} -> {after['initializers']},"
-        f" weights {_size(before['initializer_bytes'])} -> {_size(after['initializer_bytes'])}"
+        f" weights {size(before['initializer_bytes'])} -> {size(after['initializer_bytes'])}"
     )
     numerics = report.get("numerics", {})
     status = numerics.get("status", "skipped")
@@ -63,6 +79,73 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         _render_blame(console, report["blame"])
     if report.get("output"):
         console.print(escape(f"wrote {report['output']['path']}"))
+
+
+def _own_change(runs: list[dict[str, Any]], key: str) -> list[int]:
+    """Before -> after of one figure over a step's executions, counting only what they changed
+    (the passes between two of them count for themselves)."""
+    before = runs[0][key][0]
+    return [before, before + sum(run[key][1] - run[key][0] for run in runs)]
+
+
+def _by_step(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The pass executions of a report by the pipeline step they ran, labelled
+    ``group/pass``; a group that occurs more than once is numbered: simplify (1), simplify (2)."""
+    labelled: list[tuple[str | None, int, dict[str, Any]]] = []  # (group, its occurrence, run)
+    occurrences: dict[str, int] = {}
+    seen: set[tuple[str, int]] = set()  # (pass, iteration) in the group's current occurrence
+    previous: dict[str, Any] | None = None
+    for run in runs:
+        group = run["group"]
+        if group is not None:
+            key = (run["pass"], run["iteration"])
+            if (
+                previous is None
+                or previous["group"] != group
+                or run["iteration"] < previous["iteration"]
+                or key in seen
+            ):
+                occurrences[group] = occurrences.get(group, 0) + 1  # the group starts again
+                seen = set()
+            seen.add(key)
+        labelled.append((group, occurrences.get(group, 0) if group else 0, run))
+        previous = run
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for group, occurrence, run in labelled:
+        label = run["pass"]
+        if group is not None:
+            label = f"{group} ({occurrence})/{label}" if occurrences[group] > 1 else f"{group}/{label}"
+        grouped.setdefault(label, []).append(run)
+    return grouped
+
+
+def _outcome(runs: list[dict[str, Any]]) -> str:
+    """What the executions of one pipeline step did, in one line: op changes, a failure, or
+    no change and, when the pass says, why."""
+    failed = [run for run in runs if "error" in run]
+    if failed:
+        return f"[red]failed, rolled back: {escape(failed[0]['error'])}[/red]"
+    delta: dict[str, int] = {}
+    for run in runs:
+        for op, count in run["op_delta"].items():
+            delta[op] = delta.get(op, 0) + count
+    changes = ", ".join(f"{op} {d:+d}" for op, d in sorted(delta.items(), key=lambda kv: kv[1]) if d)
+    if any(run["changed"] for run in runs):
+        return escape(changes or "changed, no op count moved")
+    why = _why_unchanged(runs[-1]["details"])
+    return "[dim]no change[/dim]" + (escape(f": {why}") if why else "")
+
+
+def _why_unchanged(details: dict[str, Any]) -> str | None:
+    """A pass's own word on why it changed nothing: a ``reason``, or its ``refused`` list."""
+    if isinstance(details.get("reason"), str):
+        return str(details["reason"])
+    refused = details.get("refused")
+    if isinstance(refused, list) and refused:
+        reasons = dict.fromkeys(str(r.get("reason")) for r in refused if isinstance(r, dict) and r.get("reason"))
+        what = ", ".join(reasons) or "see the report"
+        return f"refused {len(refused)} candidate{'s' if len(refused) > 1 else ''}: {what}"
+    return None
 
 
 _FIGURES = (("rel_l2", "rel L2"), ("max_abs", "max abs"), ("p99_abs", "p99 abs"), ("cosine", "cosine"))
@@ -140,7 +223,7 @@ def render_inspection(console: Console, info: dict[str, Any]) -> None:
         ops.add_row(op, str(count))
     console.print(ops)
     console.print(
-        f"parameters: {info['parameters']:,} in {info['initializers']} initializers ({_size(info['parameter_bytes'])})"
+        f"parameters: {info['parameters']:,} in {info['initializers']} initializers ({size(info['parameter_bytes'])})"
     )
     if info["subgraphs"]:
         console.print(f"subgraphs: {info['subgraphs']} (in {', '.join(sorted(set(info['subgraph_owners'])))})")

@@ -1,0 +1,119 @@
+"""The command line for people and CI logs (issue 25): checked merges, named files as in
+folders, every requested pass shown, progress where logs are read, discoverable rules, one
+formatter for numbers, the layout problem of a model, a model folder kept whole."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import onnx
+from click.testing import Result
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.schemas import schema
+from tests.cli_helpers import invoke
+
+
+def _mlp(path: Path, scale: float = 1.0) -> Path:
+    weight = numpy_helper.from_array(np.full((4, 4), scale, np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Identity", ["h"], ["y"])],
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [weight],
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
+    return path
+
+
+def _errors(result: Result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("graphopt: error: ")]
+
+
+def _one_line_error(result: Result, code: int = 2) -> str:
+    assert result.exit_code == code, (result.exit_code, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
+    return lines[0]
+
+
+# -- 6: report merge refuses CI mistakes ----------------------------------------------------
+
+
+def _sharded_reports(tmp_path: Path, failing: bool = False) -> list[Path]:
+    models = tmp_path / "models"
+    for i in range(3):
+        _mlp(models / f"m{i}.onnx", i + 1.0)
+    (models / "config.json").write_text("{}")
+    if failing:
+        (models / "bad.onnx").write_bytes(b"junk")
+    shards = []
+    for i in (1, 2, 3):
+        shard = tmp_path / f"shard{i}.json"
+        invoke("run", models, "-o", tmp_path / "out", "--shard", f"{i}/3", "--report", shard, "-q")
+        assert json.loads(shard.read_text())["shard"] == f"{i}/3"
+        shards.append(shard)
+    return shards
+
+
+def test_merge_refuses_missing_and_repeated_shards(tmp_path: Path) -> None:
+    one, two, three = _sharded_reports(tmp_path)
+    line = _one_line_error(invoke("report", "merge", one, two))
+    assert "shard 3/3 is missing" in line
+    line = _one_line_error(invoke("report", "merge", one, two, three, two))
+    assert "shard 2/3" in line and "twice" in line and "shard2.json" in line
+    copy = tmp_path / "copy.json"
+    copy.write_text(one.read_text())
+    line = _one_line_error(invoke("report", "merge", one, copy, two, three))
+    assert "shard1.json" in line and "copy.json" in line
+    merged = invoke("report", "merge", one, two, three)
+    assert merged.exit_code == 0, merged.stderr
+    report = json.loads(merged.stdout)
+    jsonschema.validate(report, schema("report"))
+    assert [Path(s["path"]).name for s in report["skipped"]] == ["config.json"]  # once, not once a shard
+    assert "weights 192 B -> 192 B" in merged.stderr
+
+
+def test_merge_exits_1_when_a_merged_model_failed(tmp_path: Path) -> None:
+    shards = _sharded_reports(tmp_path, failing=True)
+    result = invoke("report", "merge", *shards, "-o", tmp_path / "all.json")
+    assert result.exit_code == 1, result.stderr
+    assert (tmp_path / "all.json").is_file()  # the merged report is written all the same
+    (line,) = _errors(result)
+    assert "bad.onnx" in line and "not a valid ONNX" in line
+
+
+# -- 4: every requested pass, with its outcome ----------------------------------------------
+
+
+def _table_rows(stderr: str) -> dict[str, str]:
+    """The rows of the pass table of a run's stderr, by their first cell."""
+    rows = {}
+    for line in stderr.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if len(cells) >= 5:
+            rows[cells[0].split(" x")[0]] = line  # "simplify (1)/fuse x3": it ran three times
+    return rows
+
+
+def test_every_requested_pass_is_shown_with_its_outcome(corpus_dir: Path, tmp_path: Path) -> None:
+    result = invoke(
+        "run", corpus_dir / "resnet50.onnx", "-o", tmp_path / "r.onnx", "--passes", "fold,unwind", "--no-check"
+    )
+    assert result.exit_code == 0, result.stderr
+    rows = _table_rows(result.stderr)
+    assert "no change" in rows["fold"] and "the copies it needs cost more than the kernels it saves" in rows["fold"]
+    assert "no change" in rows["unwind"]
+
+
+def test_two_groups_of_one_name_get_two_labels(tmp_path: Path) -> None:
+    result = invoke("run", _mlp(tmp_path / "m.onnx"), "--no-check")
+    assert result.exit_code == 0, result.stderr
+    labels = list(_table_rows(result.stderr))
+    assert "simplify (1)/fuse" in labels and "simplify (2)/fuse" in labels
+    assert "shape-infer" in labels and "strip-value-info" in labels and "cleanup/dce" in labels

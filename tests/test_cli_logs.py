@@ -5,6 +5,7 @@ formatter for numbers, the layout problem of a model, a model folder kept whole.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -117,3 +118,32 @@ def test_two_groups_of_one_name_get_two_labels(tmp_path: Path) -> None:
     labels = list(_table_rows(result.stderr))
     assert "simplify (1)/fuse" in labels and "simplify (2)/fuse" in labels
     assert "shape-infer" in labels and "strip-value-info" in labels and "cleanup/dce" in labels
+
+
+# -- 7: a named file gets the folder's rule; the pre-commit hook ----------------------------
+
+
+def test_a_named_json_that_is_not_a_graph_is_skipped_with_a_note(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "bert"}))
+    alone = invoke("run", config)
+    assert alone.exit_code == 0, alone.stderr
+    assert "note: skipped 1 JSON file that is not a graphopt graph" in alone.stderr and str(config) in alone.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    model = _mlp(tmp_path / "model.onnx")
+    gate = invoke("run", "--check-optimized", model, config, "--json")  # as a pre-commit hook passes changed files
+    assert "note: skipped 1 JSON file" in gate.stderr
+    report = json.loads(gate.stdout)
+    assert [row["path"] for row in report["check_optimized"]] == [str(model)]
+    assert report["skipped"] == [{"path": str(config), "reason": "JSON that is not a graphopt graph"}]
+
+
+def test_the_pre_commit_hook_gates_changed_onnx_files() -> None:
+    root = Path(__file__).resolve().parents[1]
+    text = (root / ".pre-commit-hooks.yaml").read_text()
+    assert text.count("- id:") == 1  # one hook, its keys one a line (YAML without a YAML reader)
+    hook = dict(re.findall(r"^[- ] (\w+): (.+)$", text, re.MULTILINE))
+    assert hook["entry"].split()[:3] == ["graphopt", "run", "--check-optimized"]
+    assert re.search(hook["files"], "models/encoder.onnx") and not re.search(hook["files"], "config.json")
+    readme = (root / "README.md").read_text()
+    assert "rev:" in readme and f"id: {hook['id']}" in readme and "--require-check" in readme

@@ -50,15 +50,29 @@ class _Collected:
     skipped: list[dict[str, str]] = field(default_factory=list)
 
 
-def _collect(sources: Sequence[Path], output_folder: Path | None) -> _Collected:
+_NOT_A_GRAPH = "JSON that is not a graphopt graph"
+
+
+def _is_other_json(path: Path) -> bool:
+    """A readable JSON file without graphopt's format marker: a model folder's config.json,
+    a tokenizer's files (one that cannot be read is left to the load to report)."""
     from graphopt.io.json_io import is_graph_file
 
+    return path.suffix.lower() == ".json" and os.access(path, os.R_OK) and not is_graph_file(path)
+
+
+def _collect(sources: Sequence[Path], output_folder: Path | None) -> _Collected:
+    """The models among ``sources``; files named on the command line get the rule of the
+    files found in folders (a pre-commit hook names every changed file)."""
     found = _Collected()
     for source in sources:
         if not source.exists():
             raise InputError(f"{source}: no such file or directory")
         if not source.is_dir():
-            found.sources.append(source)
+            if source.is_file() and _is_other_json(source):
+                found.skipped.append({"path": str(source), "reason": _NOT_A_GRAPH})
+            else:
+                found.sources.append(source)
             continue
         # An output folder inside this one holds the results of a run, not inputs (a folder
         # written onto itself is left to the overwrite check).
@@ -73,8 +87,8 @@ def _collect(sources: Sequence[Path], output_folder: Path | None) -> _Collected:
                 continue
             if excluded is not None and path.resolve().is_relative_to(excluded):
                 continue
-            if path.suffix.lower() == ".json" and not is_graph_file(path):
-                found.skipped.append({"path": str(path), "reason": "JSON that is not a graphopt graph"})
+            if _is_other_json(path):
+                found.skipped.append({"path": str(path), "reason": _NOT_A_GRAPH})
                 continue
             found.sources.append(path)
     return found
@@ -207,12 +221,14 @@ def run(
     single = len(models) == 1 and not models[0].is_dir() and shard is None
     collected = _collect(models, target if (into_folder or not single) else None)
     if collected.skipped:
+        count = len(collected.skipped)
         listed = ", ".join(s["path"] for s in collected.skipped)
-        console.print(
-            escape(f"note: skipped {len(collected.skipped)} JSON files that are not graphopt graphs: {listed}")
-        )
+        what = "JSON file that is not a graphopt graph" if count == 1 else "JSON files that are not graphopt graphs"
+        console.print(escape(f"note: skipped {count} {what}: {listed}"))
     if not collected.sources:
-        raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and graphopt *.json)")
+        if not collected.skipped:
+            raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and graphopt *.json)")
+        single = False  # only files that are not models were named: an empty batch, exit 0
     sources = collected.sources
     selected = _parse_shard(shard)
     if selected is not None:
@@ -232,7 +248,7 @@ def run(
             assert target is not None
             options = replace(options, output=target / sources[0].name)
         _single(console, sources[0], options, report_path, as_json)
-    if target is not None and not into_folder and target.suffix.lower() in (".onnx", ".json"):
+    if sources and target is not None and not into_folder and target.suffix.lower() in (".onnx", ".json"):
         raise InputError(f"{target}: with several models, -o names a folder")
     _batch(console, models, sources, options, head, jobs, report_path, as_json)
 
@@ -340,7 +356,8 @@ def _batch(
                     progress.advance(bar)
     rows = [rows_by_index[i] for i in range(len(tasks))]
     report = head | {"models": rows, "totals": totals(rows)}
-    render_batch(console, report)
+    if rows:
+        render_batch(console, report)
     emit(report, report_path, as_json)
     for line in map(failure_line, rows):
         if line is not None:

@@ -92,6 +92,7 @@ def optimize(
     max_steps: int | None = None,
     strict: bool = False,
     on_pass: Callable[[PassRun], None] | None = None,
+    on_pass_start: Callable[[str, str | None, int], None] | None = None,
     stop_after: int | None = None,
     **settings: Any,
 ) -> Result:
@@ -106,7 +107,9 @@ def optimize(
         model = load(model, independent_dims=run_settings.independent_dims)
     before = model_stats(model)
     start = time.perf_counter()
-    run = pipeline.run(model, pass_context(run_settings), on_pass=on_pass, stop_after=stop_after)
+    run = pipeline.run(
+        model, pass_context(run_settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
+    )
     seconds = time.perf_counter() - start
     if strict and run.failures:
         failure = run.failures[0]

@@ -112,25 +112,31 @@ def as_onnx(path: Path, workdir: Path) -> Path:
 def _optimize_with(
     model: Model,
     options: RunOptions,
-    on_pass: Callable[[PassRun], None] | None = None,
+    on_phase: Callable[[str], None] | None = None,
     stop_after: int | None = None,
 ) -> Result:
+    def pass_started(name: str, group: str | None, iteration: int) -> None:
+        if on_phase is not None:
+            on_phase(f"pass {name}" if group is None else f"pass {group}/{name} (round {iteration + 1})")
+
     return optimize(
         model,
         options.passes,
         config=options.config,
         max_steps=options.max_steps,
         strict=options.strict,
-        on_pass=on_pass,
+        on_pass_start=pass_started,
         stop_after=stop_after,
         **options.settings,
     )
 
 
 def optimize_file(
-    source: Path, options: RunOptions, on_pass: Callable[[PassRun], None] | None = None
+    source: Path, options: RunOptions, on_phase: Callable[[str], None] | None = None
 ) -> tuple[dict[str, Any], int]:
     """Optimize one file into ``options.output``; returns the report and the exit code.
+    ``on_phase`` is told of each phase as it starts (load, each pass, save, the check and
+    its runs of the models at each binding), for progress.
 
     The optimized model (and the report, with ``options.report``) is written to private
     staging folders beside the destinations, checked there, and committed only when
@@ -149,6 +155,8 @@ def optimize_file(
         raise InputError(f"{output}: refusing to overwrite the input (use --in-place)")
     if options.report is not None:
         check_report_target(options.report, [source, output])
+    tell = on_phase or (lambda phase: None)
+    tell(f"load {source}")
     load_start = time.perf_counter()
     model = options.load(source)
     load_seconds = time.perf_counter() - load_start
@@ -167,7 +175,7 @@ def optimize_file(
             reads[options.inputs] = "--inputs"
         if options.config is not None:
             reads[options.config] = "--config"
-        return _optimize_file(source, output, (model, load_seconds), reads, options, on_pass, input_entry)
+        return _optimize_file(source, output, (model, load_seconds), reads, options, tell, input_entry)
 
 
 def _optimize_file(
@@ -176,12 +184,12 @@ def _optimize_file(
     loaded: tuple[Model, float],
     reads: dict[Path, str],
     options: RunOptions,
-    on_pass: Callable[[PassRun], None] | None,
+    tell: Callable[[str], None],
     input_entry: Future[dict[str, Any]],
 ) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
     model, load_seconds = loaded
-    result = _optimize_with(model, options, on_pass)
+    result = _optimize_with(model, options, tell)
     report: dict[str, Any] = {"graphopt_version": __version__, "input": None, **result.report}
     folders = [output.parent] + ([options.report.parent] if options.report is not None else [])
     created = [p for folder in folders for p in [folder, *folder.parents] if not p.exists()]
@@ -192,6 +200,7 @@ def _optimize_file(
             workdir = staging[output.parent.resolve()]
             # The output and its sidecars (.data, .npy) alone in one folder: they are committed together.
             staged = workdir / "output" / output.name
+            tell(f"save {output}")
             save_start = time.perf_counter()
             save_options: dict[str, Any] = {"content_addressed": True}
             if staged.suffix.lower() != ".json":
@@ -201,6 +210,7 @@ def _optimize_file(
             report["input"] = input_entry.result()
             report["seconds"]["load"] = round(load_seconds, 6)
             if options.check:
+                tell("check numerics")
                 check_start = time.perf_counter()
                 from graphopt.check import check_models_isolated
 
@@ -212,12 +222,14 @@ def _optimize_file(
                     atol=options.atol,
                     rtol=options.rtol,
                     input_layouts=input_layouts(result.pipeline_run.runs),
+                    on_phase=tell,
                 )
                 report["numerics"] = outcome.as_dict()
                 report["seconds"]["check"] = round(time.perf_counter() - check_start, 6)
                 if outcome.status == "failed":
                     exit_code = 1
                     if options.blame:
+                        tell("blame: bisect the passes")
                         report["blame"] = blame(source, options, workdir)
             else:
                 report["numerics"] = {"status": "skipped", "reason": "--no-check"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def sample(tmp_path: Path) -> Path:
 
 
 def _one_line_error(result: Result) -> str:
-    lines = result.stderr.strip().splitlines()
+    # Besides the progress lines a run prints as its phases start ("[   0.0s] load m.onnx").
+    lines = [line for line in result.stderr.strip().splitlines() if not re.match(r"\[ *\d+\.\ds\] ", line)]
     assert len(lines) == 1 and lines[0].startswith("graphopt: error:"), result.stderr
     assert "Traceback" not in result.output
     return lines[0]

@@ -147,3 +147,60 @@ def test_the_pre_commit_hook_gates_changed_onnx_files() -> None:
     assert re.search(hook["files"], "models/encoder.onnx") and not re.search(hook["files"], "config.json")
     readme = (root / "README.md").read_text()
     assert "rev:" in readme and f"id: {hook['id']}" in readme and "--require-check" in readme
+
+
+# -- 2 and 3: progress where logs are read; warnings name their model ------------------------
+
+_PROGRESS = re.compile(r"^\[ *\d+\.\ds\] (.*)$")
+
+
+def test_a_run_logs_each_phase_as_it_starts(tmp_path: Path) -> None:
+    result = invoke("run", _mlp(tmp_path / "m.onnx"), "-o", tmp_path / "out.onnx", "--passes", "cleanup,fold")
+    assert result.exit_code == 0, result.stderr
+    phases = [m.group(1) for m in map(_PROGRESS.match, result.stderr.splitlines()) if m]
+    assert phases[0] == f"load {tmp_path / 'm.onnx'}"
+    assert phases[1:3] == ["pass cleanup/noop (round 1)", "pass cleanup/dce (round 1)"]
+    assert phases.index("pass fold") < phases.index(f"save {tmp_path / 'out.onnx'}") < phases.index("check numerics")
+    assert phases[-4:] == [
+        "check: the original at {batch=1}",
+        "check: the original at {batch=3}",
+        "check: the optimized model at {batch=1}",
+        "check: the optimized model at {batch=3}",
+    ]
+    assert result.stderr.index("check: the optimized model") < result.stderr.index("┃ pass")  # then the table
+
+
+def _declares_minus_one(path: Path) -> Path:
+    _mlp(path)
+    model = onnx.load(path)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = -1
+    onnx.save(model, path)
+    return path
+
+
+def test_a_folder_run_logs_each_model_and_warnings_name_theirs(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    _mlp(models / "a.onnx")
+    _declares_minus_one(models / "b.onnx")
+    _declares_minus_one(models / "c.onnx")
+    for jobs in ("1", "2"):
+        result = invoke("run", models, "-o", tmp_path / f"out{jobs}", "-j", jobs, "--no-check")
+        assert result.exit_code == 0, result.stderr
+        lines = result.stderr.splitlines()
+        finished = [line for line in lines if line.startswith("[") and "s] " in line]
+        assert len(finished) == 3 and {line.split("] ")[1].split(":")[0] for line in finished} == {
+            str(models / name) for name in ("a.onnx", "b.onnx", "c.onnx")
+        }
+        assert all("ok, nodes 2 -> 1, numerics skipped" in line for line in finished)
+        warnings = [line for line in lines if line.startswith("graphopt: warning:")]
+        assert sorted(warnings) == [
+            f"graphopt: warning: {models / name}: value 'x' declares dim -1: read as an unknown dim"
+            for name in ("b.onnx", "c.onnx")
+        ]
+
+
+def test_a_single_run_warning_names_its_model(tmp_path: Path) -> None:
+    source = _declares_minus_one(tmp_path / "m.onnx")
+    result = invoke("run", source, "--no-check", "-q")
+    assert result.exit_code == 0
+    assert result.stderr == f"graphopt: warning: {source}: value 'x' declares dim -1: read as an unknown dim\n"

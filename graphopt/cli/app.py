@@ -46,6 +46,7 @@ def exit_codes(failed: str | None = None) -> str:
 class State:
     debug = False
     quiet = False
+    model: str | None = None  # the one model a command works on: warnings name it
 
 
 def _console(**options: Any) -> Console:
@@ -153,6 +154,7 @@ def cli(debug: bool, quiet: bool) -> None:
     """
     State.debug = debug
     State.quiet = quiet
+    State.model = None
     _log_to_stderr(logging.DEBUG if debug else logging.WARNING)
 
 
@@ -161,7 +163,10 @@ class _StderrHandler(logging.Handler):
     so a test runner's capture sees them too)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(f"graphopt: {record.levelname.lower()}: {record.getMessage()}", err=True)
+        from graphopt.report.console import naming
+
+        message = record.getMessage() if State.model is None else naming(State.model, record.getMessage())
+        click.echo(f"graphopt: {record.levelname.lower()}: {message}", err=True)
 
 
 def _log_to_stderr(level: int) -> None:

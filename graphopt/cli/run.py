@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from graphopt import __version__
-from graphopt.cli.app import cli, emit, error_line, exit_codes, fail, guarded, parse_dims, stderr, with_settings
+from graphopt.cli.app import State, cli, emit, error_line, exit_codes, fail, guarded, parse_dims, stderr, with_settings
+from graphopt.cli.progress import PhaseLog, captured_logs, echo_logs, model_line
 from graphopt.errors import GraphoptError, InputError, bounded
 
 
@@ -94,20 +96,23 @@ def _collect(sources: Sequence[Path], output_folder: Path | None) -> _Collected:
     return found
 
 
-def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
-    """One model of a batch, in a worker process: errors become a report row."""
+def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int, list[tuple[str, str]]]:
+    """One model of a batch, in a worker process: errors become a report row, and the
+    warnings are handed back to be printed, naming the model, between progress lines."""
     from graphopt.runner import optimize_file
 
-    try:
-        return optimize_file(source, options)
-    except GraphoptError as err:
-        return {"input": {"path": str(source)}, "error": bounded(str(err)), "exit_code": err.exit_code}, err.exit_code
-    except Exception as err:
-        return {
-            "input": {"path": str(source)},
-            "error": bounded(f"internal error: {type(err).__name__}: {err}"),
-            "exit_code": 3,
-        }, 3
+    with captured_logs() as logs:
+        try:
+            row, code = optimize_file(source, options)
+        except GraphoptError as err:
+            row, code = _error_row(source, bounded(str(err)), err.exit_code), err.exit_code
+        except Exception as err:
+            row, code = _error_row(source, bounded(f"internal error: {type(err).__name__}: {err}"), 3), 3
+    return row, code, logs
+
+
+def _error_row(source: Path, error: str, exit_code: int) -> dict[str, Any]:
+    return {"input": {"path": str(source)}, "error": error, "status": "error", "exit_code": exit_code}
 
 
 @cli.command(epilog=exit_codes("a model's numerics check failed, or --check-optimized found a model not optimized"))
@@ -292,8 +297,9 @@ def _single(console: Console, source: Path, options: Any, report_path: Path | No
     from graphopt.report.console import render_report
     from graphopt.runner import optimize_file
 
-    with console.status("optimizing", spinner="dots") as status:
-        report, code = optimize_file(source, options, on_pass=lambda r: status.update(f"{r.name} done"))
+    State.model = str(source)
+    with PhaseLog(console) as phases:
+        report, code = optimize_file(source, options, on_phase=phases)
     render_report(console, report)
     emit(report, None, as_json)  # the report file is committed with the model
     if options.strict and report["failures"]:
@@ -315,6 +321,7 @@ def _batch(
 ) -> None:
     from graphopt.report import check_report_target, totals
     from graphopt.report.console import failure_line, render_batch
+    from graphopt.runner import batch_reads
 
     output = options.output
     tasks = []
@@ -329,31 +336,37 @@ def _batch(
                 raise InputError(f"{source}: its output {target} is also the output of {written[target]}")
             written[target] = source
         tasks.append((source, replace(options, output=target, report=None)))
-    if output is not None or options.in_place:
-        from graphopt.runner import batch_reads
-
-        reads = batch_reads(sources, options)
-        tasks = [(source, replace(task, batch_reads=reads)) for source, task in tasks]
     if report_path is not None:
         check_report_target(report_path, list(written))
+    if output is not None or options.in_place:
+        with captured_logs():  # quiet: each model's own run reports what loading it finds
+            reads = batch_reads(sources, options)
+        tasks = [(source, replace(task, batch_reads=reads)) for source, task in tasks]
     rows_by_index: dict[int, dict[str, Any]] = {}
     worst = 0
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    ) as progress:
+    started = time.perf_counter()
+    # A bar on a terminal; in a CI log or a pipe, only the line of each finished model.
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
         bar = progress.add_task("optimizing", total=len(tasks))
+
+        def finished(index: int, outcome: tuple[dict[str, Any], int, list[tuple[str, str]]]) -> None:
+            nonlocal worst
+            row, code, logs = outcome
+            rows_by_index[index] = row
+            worst = max(worst, code)
+            echo_logs(row["input"]["path"], logs)
+            console.print(escape(model_line(row, len(rows_by_index), len(tasks), time.perf_counter() - started)))
+            progress.advance(bar)
+
         if jobs == 1:
             for i, (source, task_options) in enumerate(tasks):
-                rows_by_index[i], code = _run_one(source, task_options)
-                worst = max(worst, code)
-                progress.advance(bar)
+                finished(i, _run_one(source, task_options))
         else:
             with ProcessPoolExecutor(max_workers=jobs) as pool:
                 futures = {pool.submit(_run_one, s, o): i for i, (s, o) in enumerate(tasks)}
                 for future in as_completed(futures):
-                    rows_by_index[futures[future]], code = future.result()
-                    worst = max(worst, code)
-                    progress.advance(bar)
+                    finished(futures[future], future.result())
     rows = [rows_by_index[i] for i in range(len(tasks))]
     report = head | {"models": rows, "totals": totals(rows)}
     if rows:

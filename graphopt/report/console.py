@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["failure_line", "size", "render_batch", "render_inspection", "render_passes", "render_report"]
+__all__ = ["failure_line", "naming", "size", "render_batch", "render_inspection", "render_passes", "render_report"]
 
 
 def _arrow(pair: list[int]) -> str:
@@ -29,17 +29,17 @@ def failure_line(row: dict[str, Any]) -> str | None:
     if "optimized" in row:  # a --check-optimized row
         path = row["path"]
         if "exit_code" in row:
-            return _about(path, row["reason"])
+            return naming(path, row["reason"])
         return None if row["optimized"] else f"{path}: not optimized: {row['reason']}"
     path = row["input"]["path"]
     if "error" in row:
-        return _about(path, row["error"])
+        return naming(path, row["error"])
     if row.get("exit_code") == 1:
         return f"{path}: numerics failed: {row['numerics']['reason']}"
     return None
 
 
-def _about(path: str, message: str) -> str:
+def naming(path: str, message: str) -> str:
     """``message`` naming ``path`` once (most errors name their file already)."""
     return message if message.startswith(path) else f"{path}: {message}"
 

@@ -204,3 +204,35 @@ def test_a_single_run_warning_names_its_model(tmp_path: Path) -> None:
     result = invoke("run", source, "--no-check", "-q")
     assert result.exit_code == 0
     assert result.stderr == f"graphopt: warning: {source}: value 'x' declares dim -1: read as an unknown dim\n"
+
+
+# -- 5: passes, rule families and rules, readable in a pipe ----------------------------------
+
+
+def test_passes_lists_readably_with_the_fuse_families() -> None:
+    result = invoke("passes")
+    assert result.exit_code == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 100
+    assert "default pipeline:" in lines
+    assert "  cleanup (noop, dce, cse), up to 8 rounds" in lines
+    families = result.stdout.split("rule families")[1].split("\n\n")[0]
+    assert "activation" in families and "norm" in families and "graphopt passes fuse" in families
+
+
+def test_passes_fuse_lists_each_rule_on_one_line() -> None:
+    listed = invoke("passes", "fuse")
+    assert listed.exit_code == 0, listed.stderr
+    as_json = json.loads(invoke("passes", "fuse", "--json").stdout)
+    (fuse,) = as_json["passes"]
+    rules = fuse["rules"]
+    assert len(rules) > 40 and {"name", "family", "default", "doc"} <= set(rules[0])
+    lines = listed.stdout.splitlines()
+    for rule in rules:
+        (line,) = [line for line in lines if line.split()[:1] == [rule["name"]]]
+        assert rule["family"] in line and ("off by default" in line) == (not rule["default"])
+    assert "enable" in listed.stdout and "disable" in listed.stdout
+    assert "unknown pass 'nosuch'" in _one_line_error(invoke("passes", "nosuch"))
+    everything = json.loads(invoke("passes", "--json").stdout)
+    assert {p["name"] for p in everything["passes"]} >= {"fuse", "fold", "unwind"}
+    assert isinstance(everything["default_pipeline"], list)

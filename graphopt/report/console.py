@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from graphopt.passes.pipeline import DEFAULT_MAX_STEPS
 
 __all__ = ["failure_line", "naming", "size", "render_batch", "render_inspection", "render_passes", "render_report"]
 
@@ -190,17 +193,49 @@ def render_batch(console: Console, report: dict[str, Any]) -> None:
     console.print(table)
 
 
-def render_passes(console: Console, passes: list[dict[str, Any]]) -> None:
-    table = Table(title="passes", title_justify="left", show_lines=True)
-    table.add_column("pass")
-    table.add_column("what it does")
-    table.add_column("options")
+_WIDTH = 100  # of the pass listing: a product on stdout, read in terminals and pipes alike
+
+
+def render_passes(
+    console: Console, passes: list[dict[str, Any]], pipeline: list[dict[str, Any]] | None, *, detailed: bool
+) -> None:
+    """The passes as plain lines (no table: the listing goes through pipes); ``detailed``
+    adds each rule of a pass on one line."""
+    out: list[str] = []
     for entry in passes:
-        options = "\n".join(
-            f"{o['name']} ({o['type']}, default {o['default']!r}): {o['help']}" for o in entry["options"]
+        out += textwrap.wrap(
+            f"{entry['name']}: {entry['description']}", _WIDTH, subsequent_indent="    ", break_on_hyphens=False
         )
-        table.add_row(entry["name"], escape(entry["description"]), escape(options) or "-")
-    console.print(table)
+        for option in entry["options"]:
+            text = f"option {option['name']} ({option['type']}, default {option['default']!r}): {option['help']}"
+            out += textwrap.wrap(text, _WIDTH, initial_indent="  ", subsequent_indent="      ")
+        rules = entry.get("rules", [])
+        if rules and not detailed:
+            families = ", ".join(dict.fromkeys(rule["family"] for rule in rules))
+            text = f"rule families ({len(rules)} rules; `graphopt passes {entry['name']}` lists them): {families}"
+            out += textwrap.wrap(text, _WIDTH, initial_indent="  ", subsequent_indent="      ")
+        if rules and detailed:
+            out.append(f"  rules ({len(rules)}), by name: what the enable / disable options take, as do their families")
+            width = max(len(rule["name"]) for rule in rules)
+            family_width = max(len(rule["family"]) for rule in rules)
+            out += [
+                f"  {rule['name']:<{width}}  {rule['family']:<{family_width}}  {rule['doc']}"
+                + ("" if rule["default"] else " [off by default]")
+                for rule in rules
+            ]
+        out.append("")
+    if pipeline is not None:
+        out.append("default pipeline:")
+        out += [f"  {_step_text(step)}" for step in pipeline]
+    console.print(escape("\n".join(out).rstrip("\n")), soft_wrap=True)
+
+
+def _step_text(step: dict[str, Any]) -> str:
+    if "group" not in step:
+        options = step.get("options")
+        return step["pass"] + (f" {options}" if options else "")
+    inner = ", ".join(_step_text(s) for s in step["steps"])
+    return f"{step['group']} ({inner}), up to {step.get('max_steps', DEFAULT_MAX_STEPS)} rounds"
 
 
 def render_inspection(console: Console, info: dict[str, Any]) -> None:

@@ -468,7 +468,23 @@ def is_optimized(source: Path, options: RunOptions) -> dict[str, Any]:
     before = digest(model)
     result = _optimize_with(model, options)
     after = digest(result.model)
-    changed = [r["pass"] for r in result.report["passes"] if r["changed"]]
     optimized = before == after
-    reason = None if optimized else "changed by " + ", ".join(dict.fromkeys(changed) or ["the pipeline"])
-    return {"path": str(source), "optimized": optimized, "reason": reason}
+    return {"path": str(source), "optimized": optimized, "reason": None if optimized else _gain(result.report)}
+
+
+def _gain(report: dict[str, Any]) -> str:
+    """What the pipeline would still do to a model: the size of the gain and the passes that
+    make it (the bookkeeping passes, which change only types or names, when no other does)."""
+    from graphopt.report.console import size
+
+    runs = [r for r in report["passes"] if r["changed"]]
+    shrinking = [r for r in runs if r["op_delta"] or r["nodes"][0] != r["nodes"][1] or r["bytes"][0] != r["bytes"][1]]
+    before, after = report["summary"]["before"], report["summary"]["after"]
+    if not shrinking:
+        names = ", ".join(dict.fromkeys(r["pass"] for r in runs)) or "the pipeline"
+        return f"only types or names would change (by {names})"
+    names = ", ".join(dict.fromkeys(r["pass"] for r in shrinking))
+    return (
+        f"nodes {before['nodes']} -> {after['nodes']},"
+        f" weights {size(before['initializer_bytes'])} -> {size(after['initializer_bytes'])} (by {names})"
+    )

@@ -236,3 +236,64 @@ def test_passes_fuse_lists_each_rule_on_one_line() -> None:
     everything = json.loads(invoke("passes", "--json").stdout)
     assert {p["name"] for p in everything["passes"]} >= {"fuse", "fold", "unwind"}
     assert isinstance(everything["default_pipeline"], list)
+
+
+# -- 10: one formatter for numbers and results; each command's own exit codes ---------------
+
+
+def test_check_prints_figures_as_run_does_and_labels_each_binding(tmp_path: Path) -> None:
+    a = _mlp(tmp_path / "a.onnx")
+    b = _mlp(tmp_path / "b.onnx", 1.0 + 1e-6)
+    result = invoke("check", a, b)
+    assert result.exit_code == 0, result.stderr
+    assert "{'" not in result.stderr and not re.search(r"\d\.\d{7,}", result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("  binding")]
+    assert len(lines) == 2 and lines[0].startswith("  binding 1 (batch=") and lines[1].startswith("  binding 2 (batch=")
+    assert re.search(r"rel L2 \d\.\d\de-0\d", lines[0])
+    run = invoke("run", a, "-o", tmp_path / "out.onnx")
+    assert "{'" not in run.stderr and "  binding 1 (batch=" in run.stderr
+
+
+def test_check_optimized_says_the_gain_and_the_fix_once(tmp_path: Path) -> None:
+    model = _mlp(tmp_path / "m.onnx")
+    result = invoke("run", model, "--check-optimized")
+    line = _one_line_error(result, 1)
+    assert f"{model}: not optimized: nodes 2 -> 1" in line and "(by noop)" in line
+    assert f"graphopt run {model} --in-place" in line
+    assert "shape-infer" not in line and "strip-value-info" not in line
+
+
+def test_each_command_shows_its_own_exit_codes_and_quiet_says_what_it_keeps() -> None:
+    assert "gate" not in invoke("convert", "--help").stdout and "  1  " not in invoke("convert", "--help").stdout
+    assert "  1  a model's numerics check failed" in invoke("run", "--help").stdout
+    assert "  1  the outputs differ" in invoke("check", "--help").stdout
+    assert "errors and warnings" in " ".join(invoke("run", "--help").stdout.split())
+
+
+def test_inspect_counts_weights_in_constant_nodes(tmp_path: Path) -> None:
+    weight = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["w"], value=weight), helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert "parameters: 16 (64 B) in 0 initializers and 1 Constant nodes" in invoke("inspect", path).stdout
+
+
+def test_a_target_opset_onnx_does_not_know_is_one_plain_line(tmp_path: Path) -> None:
+    result = invoke("run", _mlp(tmp_path / "m.onnx"), "--target-opset", "99", "-q")
+    line = _one_line_error(result)
+    assert "cannot convert the model to opset 99" in line and "knows opsets 1 to" in line and "Warning" not in line
+
+
+def test_error_rows_of_a_batch_have_a_status(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    _mlp(models / "good.onnx")
+    (models / "bad.onnx").write_bytes(b"junk")
+    result = invoke("run", models, "-o", tmp_path / "out", "--json", "-q")
+    report = json.loads(result.stdout)
+    jsonschema.validate(report, schema("report"))
+    assert [row["status"] for row in report["models"]] == ["error", "ok"]

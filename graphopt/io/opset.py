@@ -21,6 +21,11 @@ __all__ = ["convert_opset"]
 
 def convert_opset(model: Model, version: int) -> Model:
     """``model`` converted to default-domain opset ``version`` (a new IR model)."""
+    highest = onnx.defs.onnx_opset_version()
+    if not 1 <= version <= highest:
+        raise InputError(
+            f"cannot convert the model to opset {version}: onnx {onnx.__version__} knows opsets 1 to {highest}"
+        )
     proto = to_proto(model)
     try:
         converted = version_converter.convert_version(proto, version)

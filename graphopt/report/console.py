@@ -9,9 +9,21 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from graphopt.errors import bounded
 from graphopt.passes.pipeline import DEFAULT_MAX_STEPS
 
-__all__ = ["failure_line", "naming", "size", "render_batch", "render_inspection", "render_passes", "render_report"]
+__all__ = [
+    "dims_text",
+    "failure_line",
+    "figure",
+    "naming",
+    "render_batch",
+    "render_inspection",
+    "render_numerics",
+    "render_passes",
+    "render_report",
+    "size",
+]
 
 
 def _arrow(pair: list[int]) -> str:
@@ -33,7 +45,9 @@ def failure_line(row: dict[str, Any]) -> str | None:
         path = row["path"]
         if "exit_code" in row:
             return naming(path, row["reason"])
-        return None if row["optimized"] else f"{path}: not optimized: {row['reason']}"
+        if row["optimized"]:
+            return None
+        return f"{path}: not optimized: {row['reason']}; `graphopt run {path} --in-place` optimizes it"
     path = row["input"]["path"]
     if "error" in row:
         return naming(path, row["error"])
@@ -63,21 +77,7 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         f" initializers {before['initializers']} -> {after['initializers']},"
         f" weights {size(before['initializer_bytes'])} -> {size(after['initializer_bytes'])}"
     )
-    numerics = report.get("numerics", {})
-    status = numerics.get("status", "skipped")
-    colour = {"passed": "green", "failed": "red"}.get(status, "yellow")
-    line = f"numerics: [{colour}]{status}[/{colour}]"
-    if numerics.get("reason"):
-        line += escape(f" ({numerics['reason']})")
-    for binding in numerics.get("bindings", []):
-        worst = max((o["rel_l2"] for o in binding["outputs"] if o.get("rel_l2") is not None), default=0.0)
-        line += f"\n  dims {binding['dims']}: worst relative L2 {worst:.2e}"
-        for output in binding["outputs"]:
-            if output["passed"] is not True:
-                colour = "red" if output["passed"] is False else "yellow"
-                problem = f"output {output['name']}: {output.get('reason') or 'differs'}"
-                line += f"\n  [{colour}]{escape(problem)}[/{colour}]"
-    console.print(line)
+    render_numerics(console, report.get("numerics", {}))
     if report.get("blame"):
         _render_blame(console, report["blame"])
     if report.get("output"):
@@ -151,11 +151,55 @@ def _why_unchanged(details: dict[str, Any]) -> str | None:
     return None
 
 
+def render_numerics(console: Console, numerics: dict[str, Any], *, per_output: bool = False) -> None:
+    """The check's outcome: the status (a failure's reason on the same line), each binding's
+    worst relative L2 (``per_output``: every output's figures), the outputs that did not pass,
+    and what a passed check noted (an ORT message bounded)."""
+    status = numerics.get("status", "skipped")
+    colour = {"passed": "green", "failed": "red"}.get(status, "yellow")
+    line = f"numerics: [{colour}]{status}[/{colour}]"
+    reason = numerics.get("reason")
+    if reason and status != "passed":
+        line += escape(f" ({reason})")
+    bindings = numerics.get("bindings", [])
+    for number, binding in enumerate(bindings, 1):
+        where = f"binding {number} ({dims_text(binding['dims'])})"
+        if per_output:
+            for output in binding["outputs"]:
+                figures = ", ".join(f"{label} {figure(output.get(key))}" for key, label in _FIGURES if key in output)
+                mark = "ok" if output["passed"] else (output.get("reason") or "differs")
+                line += escape(f"\n  {where} {output['name']}: {figures}: {mark}")
+        else:
+            worst = max((o["rel_l2"] for o in binding["outputs"] if o.get("rel_l2") is not None), default=0.0)
+            line += escape(f"\n  {where}: worst relative L2 {figure(worst)}")
+        for output in binding["outputs"] if not per_output else ():
+            if output["passed"] is not True:
+                colour = "red" if output["passed"] is False else "yellow"
+                problem = f"output {output['name']}: {output.get('reason') or 'differs'}"
+                line += f"\n  [{colour}]{escape(problem)}[/{colour}]"
+    if reason and status == "passed":
+        line += escape(f"\n  note: {bounded(reason, _NOTE_LIMIT)}")
+    console.print(line)
+
+
+_NOTE_LIMIT = 240  # a note beside a passed check, onnxruntime's message about a binding it could not run
+
+
+def dims_text(dims: dict[str, int]) -> str:
+    return ", ".join(f"{name}={value}" for name, value in dims.items()) or "static dims"
+
+
+def figure(value: Any) -> str:
+    """A number as every command prints it: three significant digits (9.51e-08), enough
+    digits to tell a cosine from 1 (0.999699), integers whole."""
+    if isinstance(value, bool) or not isinstance(value, float):
+        return "-" if value is None else str(value)
+    if 0.99 < abs(value) < 1:
+        return f"{value:.6f}"
+    return f"{value:.3g}"
+
+
 _FIGURES = (("rel_l2", "rel L2"), ("max_abs", "max abs"), ("p99_abs", "p99 abs"), ("cosine", "cosine"))
-
-
-def _figure(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def _render_blame(console: Console, blame: dict[str, Any]) -> None:
@@ -174,7 +218,7 @@ def _render_blame(console: Console, blame: dict[str, Any]) -> None:
         f"first diverging node: [bold]{escape(divergence['node'] or '(unnamed)')}[/bold]"
         + escape(
             f" ({divergence['op_type']}, output {divergence['output']}): "
-            + ", ".join(f"{label} {_figure(divergence[key])}" for key, label in _FIGURES)
+            + ", ".join(f"{label} {figure(divergence[key])}" for key, label in _FIGURES)
         )
     )
 
@@ -257,9 +301,10 @@ def render_inspection(console: Console, info: dict[str, Any]) -> None:
     for op, count in sorted(info["ops"].items(), key=lambda kv: (-kv[1], kv[0])):
         ops.add_row(op, str(count))
     console.print(ops)
-    console.print(
-        f"parameters: {info['parameters']:,} in {info['initializers']} initializers ({size(info['parameter_bytes'])})"
+    held = f"{info['initializers']} initializers" + (
+        f" and {info['constant_nodes']} Constant nodes" if info["constant_nodes"] else ""
     )
+    console.print(f"parameters: {info['parameters']:,} ({size(info['parameter_bytes'])}) in {held}")
     if info["subgraphs"]:
         console.print(f"subgraphs: {info['subgraphs']} (in {', '.join(sorted(set(info['subgraph_owners'])))})")
     if info["functions"]:

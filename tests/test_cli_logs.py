@@ -297,3 +297,33 @@ def test_error_rows_of_a_batch_have_a_status(tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     jsonschema.validate(report, schema("report"))
     assert [row["status"] for row in report["models"]] == ["error", "ok"]
+
+
+# -- 1: the layout problem of a model -------------------------------------------------------
+
+
+def test_unwind_derives_the_layout_problem_of_a_model(corpus_dir: Path, tmp_path: Path) -> None:
+    source = corpus_dir / "tf_style_nhwc.onnx"
+    result = invoke("unwind", source)
+    assert result.exit_code == 0, result.stderr
+    assert "Transposes 28 -> 1" in result.stderr
+    assert "Transposes 28 -> 0" in invoke("unwind", source, "--allow-input-relayout").stderr
+    printed = invoke("unwind", source, "--problem-json")
+    problem = tmp_path / "problem.json"
+    problem.write_text(printed.stdout)
+    solved = json.loads(invoke("unwind", problem, "--json").stdout)
+    from_model = json.loads(invoke("unwind", source, "--json").stdout)
+    assert solved["objective"] == from_model["objective"] and solved["upper_bound"] == from_model["upper_bound"]
+    graph = tmp_path / "m.json"
+    assert invoke("convert", source, graph).exit_code == 0
+    converted = invoke("unwind", graph)
+    assert converted.exit_code == 0, converted.stderr
+    assert "Transposes 28 -> 1" in converted.stderr
+
+
+def test_the_readme_lists_every_command_and_explains_layout_problems() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("## Commands")[1].split("\n\n")[1]
+    for command in ("run", "convert", "inspect", "validate", "check", "passes", "unwind", "report merge"):
+        assert f"| `graphopt {command}" in table, command
+    assert "## Layout problems" in readme and "[0:16] <- x[0::3]" in readme

@@ -327,3 +327,20 @@ def test_the_readme_lists_every_command_and_explains_layout_problems() -> None:
     for command in ("run", "convert", "inspect", "validate", "check", "passes", "unwind", "report merge"):
         assert f"| `graphopt {command}" in table, command
     assert "## Layout problems" in readme and "[0:16] <- x[0::3]" in readme
+
+
+# -- 9: the API takes a ModelProto ----------------------------------------------------------
+
+
+def test_optimize_takes_a_model_proto_and_returns_one(tmp_path: Path) -> None:
+    import graphopt
+
+    proto = onnx.load(_mlp(tmp_path / "m.onnx"))
+    before = proto.SerializeToString()
+    result = graphopt.optimize(proto)
+    assert isinstance(result.model, onnx.ModelProto)
+    assert [node.op_type for node in result.model.graph.node] == ["MatMul"]
+    assert proto.SerializeToString() == before  # the caller's proto is not changed
+    onnx.checker.check_model(result.model)
+    assert result.report["summary"]["after"]["nodes"] == 1
+    assert isinstance(graphopt.optimize(graphopt.load(tmp_path / "m.onnx")).model, graphopt.ir.Model)

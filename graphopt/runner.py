@@ -57,6 +57,8 @@ class RunOptions:
     strict: bool = False
     in_place: bool = False
     external_data: bool | None = None
+    # Name the output's external data as the input's (model.onnx_data), not after its content.
+    external_data_name: bool = False
     # Run settings given on the command line (graphopt.settings.Settings), over a config's.
     settings: dict[str, Any] = field(default_factory=dict)
     # The files the models of a folder run read, resolved, with the models that read them
@@ -175,20 +177,21 @@ def optimize_file(
             reads[options.inputs] = "--inputs"
         if options.config is not None:
             reads[options.config] = "--config"
-        return _optimize_file(source, output, (model, load_seconds), reads, options, tell, input_entry)
+        kept_name = onnx_data.name if options.external_data_name and onnx_data is not None else None
+        return _optimize_file(source, output, (model, load_seconds, kept_name), reads, options, tell, input_entry)
 
 
 def _optimize_file(
     source: Path,
     output: Path,
-    loaded: tuple[Model, float],
+    loaded: tuple[Model, float, str | None],
     reads: dict[Path, str],
     options: RunOptions,
     tell: Callable[[str], None],
     input_entry: Future[dict[str, Any]],
 ) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
-    model, load_seconds = loaded
+    model, load_seconds, data_name = loaded
     result = _optimize_with(model, options, tell)
     report: dict[str, Any] = {"graphopt_version": __version__, "input": None, **result.report}
     folders = [output.parent] + ([options.report.parent] if options.report is not None else [])
@@ -202,9 +205,11 @@ def _optimize_file(
             staged = workdir / "output" / output.name
             tell(f"save {output}")
             save_start = time.perf_counter()
-            save_options: dict[str, Any] = {"content_addressed": True}
+            save_options: dict[str, Any] = {"content_addressed": data_name is None}
             if staged.suffix.lower() != ".json":
                 save_options["external_data"] = options.external_data
+                if data_name is not None:
+                    save_options["location"] = data_name
             written = _writing(output, lambda: save(result.model, staged, **save_options))
             report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
             report["input"] = input_entry.result()
@@ -238,7 +243,7 @@ def _optimize_file(
             if exit_code == 0 or options.keep_failed:
                 sidecars = sorted(p for p in staged.parent.iterdir() if p != staged)
                 moves = [(p, output.parent / p.name) for p in sidecars] + [(staged, output)]
-                weights = next((p for p in sidecars if p.suffix == ".data"), None)
+                weights = next((p for p in sidecars if p.suffix == ".data" or p.name == data_name), None)
                 report["output"] = _file_entry(staged, weights, written)
                 report["output"]["path"] = str(output)  # described before the commit, named as after it
                 if weights is not None:

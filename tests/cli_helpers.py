@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from click.testing import CliRunner, Result
@@ -13,6 +14,15 @@ from graphopt.passes.base import Pass, PassContext, PassResult, register
 
 def invoke(*args: str | Path) -> Result:
     return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+_PROGRESS = re.compile(r"\[ *\d+\.\ds\] ")
+
+
+def diagnostics(result: Result) -> list[str]:
+    """The lines of stderr other than the progress lines a run prints as its phases start
+    (``[   0.0s] load m.onnx``) when stderr is not a terminal."""
+    return [line for line in result.stderr.strip().splitlines() if not _PROGRESS.match(line)]
 
 
 @register

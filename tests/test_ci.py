@@ -19,7 +19,7 @@ from graphopt.errors import CheckFailed, InputError
 from graphopt.report import without_timings
 from graphopt.schemas import schema
 from samples.build_samples import tiny_encoder
-from tests.cli_helpers import invoke
+from tests.cli_helpers import diagnostics, invoke
 from tests.reliability import builders
 
 if sys.version_info >= (3, 11):
@@ -59,7 +59,7 @@ def _errors(result: Result) -> list[str]:
 
 def _one_line_error(result: Result, code: int = 2) -> str:
     assert result.exit_code == code, (result.exit_code, result.stderr)
-    lines = result.stderr.strip().splitlines()
+    lines = diagnostics(result)
     assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
     return lines[0]
 
@@ -289,7 +289,13 @@ def test_a_mixed_folder_twice_gives_the_same_outputs_and_exit_codes(tmp_path: Pa
         assert result.exit_code == 2  # the two bad models
         outputs.append({p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()})
     assert outputs[0] == outputs[1]
-    assert sorted(outputs[0]) == ["good.onnx", "hf-export/model.onnx", "legacy_layer_norm.onnx"]
+    assert sorted(outputs[0]) == [
+        "good.onnx",
+        "hf-export/config.json",  # the export's other files go with its model
+        "hf-export/model.onnx",
+        "hf-export/tokenizer_config.json",
+        "legacy_layer_norm.onnx",
+    ]
     first, second = (without_timings(json.loads(r.stdout)) for r in runs)
     assert first == second
     assert [Path(row["input"]["path"]).name for row in first["models"]] == [

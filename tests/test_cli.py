@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from graphopt.ir import Model, Tensor
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.schemas import schema
 from samples.build_samples import tiny_encoder
-from tests.cli_helpers import invoke
+from tests.cli_helpers import diagnostics, invoke
 
 
 @register
@@ -40,8 +39,7 @@ def sample(tmp_path: Path) -> Path:
 
 
 def _one_line_error(result: Result) -> str:
-    # Besides the progress lines a run prints as its phases start ("[   0.0s] load m.onnx").
-    lines = [line for line in result.stderr.strip().splitlines() if not re.match(r"\[ *\d+\.\ds\] ", line)]
+    lines = diagnostics(result)
     assert len(lines) == 1 and lines[0].startswith("graphopt: error:"), result.stderr
     assert "Traceback" not in result.output
     return lines[0]

@@ -15,7 +15,7 @@ from click.testing import Result
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.schemas import schema
-from tests.cli_helpers import invoke
+from tests.cli_helpers import diagnostics, invoke
 
 
 def _mlp(path: Path, scale: float = 1.0) -> Path:
@@ -38,7 +38,7 @@ def _errors(result: Result) -> list[str]:
 
 def _one_line_error(result: Result, code: int = 2) -> str:
     assert result.exit_code == code, (result.exit_code, result.stderr)
-    lines = result.stderr.strip().splitlines()
+    lines = diagnostics(result)
     assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
     return lines[0]
 
@@ -344,3 +344,49 @@ def test_optimize_takes_a_model_proto_and_returns_one(tmp_path: Path) -> None:
     onnx.checker.check_model(result.model)
     assert result.report["summary"]["after"]["nodes"] == 1
     assert isinstance(graphopt.optimize(graphopt.load(tmp_path / "m.onnx")).model, graphopt.ir.Model)
+
+
+# -- 8: a model folder stays whole -------------------------------------------------------------
+
+
+def _hf_export(folder: Path) -> Path:
+    """A Hugging Face export: model.onnx with its weights in model.onnx_data, beside the
+    config and tokenizer files."""
+    from samples.build_samples import tiny_encoder
+
+    folder.mkdir(parents=True)
+    onnx.save(
+        tiny_encoder(), folder / "model.onnx", save_as_external_data=True, location="model.onnx_data", size_threshold=0
+    )
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+    (folder / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    return folder
+
+
+def test_a_model_folder_into_out_keeps_its_other_files_and_its_data_name(tmp_path: Path) -> None:
+    export = _hf_export(tmp_path / "export")
+    out = tmp_path / "out"
+    result = invoke("run", export, "-o", out, "--external-data-name")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.onnx",
+        "model.onnx_data",
+        "tokenizer_config.json",
+        "vocab.txt",
+    ]
+    assert (out / "vocab.txt").read_text() == (export / "vocab.txt").read_text()
+    locations = {
+        entry.value
+        for tensor in onnx.load(out / "model.onnx", load_external_data=False).graph.initializer
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    assert locations == {"model.onnx_data"}
+    assert "copied 3 other files" in result.stderr
+    again = invoke("run", export, "-o", tmp_path / "out2")
+    assert again.exit_code == 0, again.stderr
+    names = sorted(p.name for p in (tmp_path / "out2").iterdir())
+    assert "config.json" in names and "vocab.txt" in names and "model.onnx_data" not in names
+    assert any(re.fullmatch(r"model\.onnx\.[0-9a-f]{16}\.data", name) for name in names)

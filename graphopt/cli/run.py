@@ -10,6 +10,7 @@ the first one read.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -145,6 +146,11 @@ def _error_row(source: Path, error: str, exit_code: int) -> dict[str, Any]:
 @click.option("--in-place", is_flag=True, help="Overwrite the input model.")
 @click.option("--external-data/--no-external-data", default=None, help="Force weights into (or out of) a .data file.")
 @click.option(
+    "--external-data-name",
+    is_flag=True,
+    help="Name the output's weights file as the input's (model.onnx_data), not after its content.",
+)
+@click.option(
     "--check-optimized", is_flag=True, help="Write nothing; exit 1 if the pipeline would still change the model."
 )
 @click.option(
@@ -176,6 +182,7 @@ def run(
     strict: bool,
     in_place: bool,
     external_data: bool | None,
+    external_data_name: bool,
     check_optimized: bool,
     jobs: int,
     shard: str | None,
@@ -218,6 +225,7 @@ def run(
         strict=strict,
         in_place=in_place,
         external_data=external_data,
+        external_data_name=external_data_name,
         settings=settings,
         report=report_path,
     )
@@ -309,6 +317,42 @@ def _single(console: Console, source: Path, options: Any, report_path: Path | No
     sys.exit(code)
 
 
+def _copy_companions(roots: list[Path], output: Path, reads: set[Path], written_in: set[Path]) -> list[Path]:
+    """Copy the files beside the models of the folders in ``roots`` (a Hugging Face export's
+    config.json, tokenizer and vocabulary files) into ``output``, where a model of their
+    folder was written: tools load a model folder whole. Each copy is a temporary file
+    renamed into place. Left out: what the models read (rewritten beside the outputs),
+    hidden files, earlier outputs (``*.opt.*``) and the output folder itself."""
+    from graphopt.files import temporary_file
+
+    excluded = output.resolve()
+    copied: list[Path] = []
+    for root in roots:
+        for path in sorted(root.rglob("*")):
+            relative = path.relative_to(root)
+            resolved = path.resolve()
+            if not path.is_file() or resolved in reads or ".opt." in path.name or resolved.parent not in written_in:
+                continue
+            if any(part.startswith(".") for part in relative.parts) or resolved.is_relative_to(excluded):
+                continue
+            target = output / relative
+            if target.exists() and target.resolve() == resolved:
+                continue
+            staged = None
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                handle, staged = temporary_file(target.parent, target.name)
+                os.close(handle)
+                shutil.copyfile(path, staged)
+                os.replace(staged, target)
+            except OSError as err:
+                if staged is not None:
+                    staged.unlink(missing_ok=True)
+                raise InputError(f"{target}: cannot copy {path} there ({err.strerror or err})") from None
+            copied.append(relative)
+    return copied
+
+
 def _batch(
     console: Console,
     models: Sequence[Path],
@@ -368,6 +412,12 @@ def _batch(
                 for future in as_completed(futures):
                     finished(futures[future], future.result())
     rows = [rows_by_index[i] for i in range(len(tasks))]
+    if output is not None:
+        written_in = {source.parent.resolve() for source, row in zip(sources, rows) if row.get("output")}
+        copied = _copy_companions(roots, output, set(reads), written_in)
+        if copied:
+            listed = ", ".join(str(path) for path in copied)
+            console.print(escape(f"copied {len(copied)} other files of the model folders into {output}: {listed}"))
     report = head | {"models": rows, "totals": totals(rows)}
     if rows:
         render_batch(console, report)

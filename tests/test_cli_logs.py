@@ -390,3 +390,19 @@ def test_a_model_folder_into_out_keeps_its_other_files_and_its_data_name(tmp_pat
     names = sorted(p.name for p in (tmp_path / "out2").iterdir())
     assert "config.json" in names and "vocab.txt" in names and "model.onnx_data" not in names
     assert any(re.fullmatch(r"model\.onnx\.[0-9a-f]{16}\.data", name) for name in names)
+
+
+def test_a_folder_run_with_a_failing_model_reads_without_the_report(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    _mlp(models / "good.onnx")
+    (models / "bad.onnx").write_bytes(b"junk")
+    result = invoke("run", models, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert re.match(
+        rf"\[1/2 \d+\.\ds\] {re.escape(str(models / 'bad.onnx'))}: error \(exit 2\): not a valid ONNX", lines[0]
+    )
+    assert re.match(
+        rf"\[2/2 \d+\.\ds\] {re.escape(str(models / 'good.onnx'))}: ok, nodes 2 -> 1, numerics passed", lines[1]
+    )
+    assert lines[-1].startswith(f"graphopt: error: {models / 'bad.onnx'}: not a valid ONNX")

@@ -54,7 +54,8 @@ def model_line(row: dict[str, Any], done: int, total: int, seconds: float) -> st
     path = row["input"]["path"]
     head = f"[{done}/{total} {seconds:.1f}s] {path}: "
     if "error" in row:
-        return head + f"error (exit {row['exit_code']})"
+        error = row["error"].removeprefix(f"{path}: ")
+        return head + f"error (exit {row['exit_code']}): {error}"
     before, after = row["summary"]["before"]["nodes"], row["summary"]["after"]["nodes"]
     return head + f"{row['status']}, nodes {before} -> {after}, numerics {row['numerics']['status']}"
 

@@ -11,37 +11,10 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import onnx
-from click.testing import Result
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.schemas import schema
-from tests.cli_helpers import diagnostics, invoke
-
-
-def _mlp(path: Path, scale: float = 1.0) -> Path:
-    weight = numpy_helper.from_array(np.full((4, 4), scale, np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Identity", ["h"], ["y"])],
-        "mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-        [weight],
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
-    return path
-
-
-def _errors(result: Result) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("graphopt: error: ")]
-
-
-def _one_line_error(result: Result, code: int = 2) -> str:
-    assert result.exit_code == code, (result.exit_code, result.stderr)
-    lines = diagnostics(result)
-    assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
-    return lines[0]
-
+from tests.cli_helpers import error_lines, invoke, mlp, one_line_error
 
 # -- 6: report merge refuses CI mistakes ----------------------------------------------------
 
@@ -49,7 +22,7 @@ def _one_line_error(result: Result, code: int = 2) -> str:
 def _sharded_reports(tmp_path: Path, failing: bool = False) -> list[Path]:
     models = tmp_path / "models"
     for i in range(3):
-        _mlp(models / f"m{i}.onnx", i + 1.0)
+        mlp(models / f"m{i}.onnx", i + 1.0)
     (models / "config.json").write_text("{}")
     if failing:
         (models / "bad.onnx").write_bytes(b"junk")
@@ -64,13 +37,13 @@ def _sharded_reports(tmp_path: Path, failing: bool = False) -> list[Path]:
 
 def test_merge_refuses_missing_and_repeated_shards(tmp_path: Path) -> None:
     one, two, three = _sharded_reports(tmp_path)
-    line = _one_line_error(invoke("report", "merge", one, two))
+    line = one_line_error(invoke("report", "merge", one, two))
     assert "shard 3/3 is missing" in line
-    line = _one_line_error(invoke("report", "merge", one, two, three, two))
+    line = one_line_error(invoke("report", "merge", one, two, three, two))
     assert "shard 2/3" in line and "twice" in line and "shard2.json" in line
     copy = tmp_path / "copy.json"
     copy.write_text(one.read_text())
-    line = _one_line_error(invoke("report", "merge", one, copy, two, three))
+    line = one_line_error(invoke("report", "merge", one, copy, two, three))
     assert "shard1.json" in line and "copy.json" in line
     merged = invoke("report", "merge", one, two, three)
     assert merged.exit_code == 0, merged.stderr
@@ -85,7 +58,7 @@ def test_merge_exits_1_when_a_merged_model_failed(tmp_path: Path) -> None:
     result = invoke("report", "merge", *shards, "-o", tmp_path / "all.json")
     assert result.exit_code == 1, result.stderr
     assert (tmp_path / "all.json").is_file()  # the merged report is written all the same
-    (line,) = _errors(result)
+    (line,) = error_lines(result)
     assert "bad.onnx" in line and "not a valid ONNX" in line
 
 
@@ -113,7 +86,7 @@ def test_every_requested_pass_is_shown_with_its_outcome(corpus_dir: Path, tmp_pa
 
 
 def test_two_groups_of_one_name_get_two_labels(tmp_path: Path) -> None:
-    result = invoke("run", _mlp(tmp_path / "m.onnx"), "--no-check")
+    result = invoke("run", mlp(tmp_path / "m.onnx"), "--no-check")
     assert result.exit_code == 0, result.stderr
     labels = list(_table_rows(result.stderr))
     assert "simplify (1)/fuse" in labels and "simplify (2)/fuse" in labels
@@ -130,7 +103,7 @@ def test_a_named_json_that_is_not_a_graph_is_skipped_with_a_note(tmp_path: Path)
     assert alone.exit_code == 0, alone.stderr
     assert "note: skipped 1 JSON file that is not a graphopt graph" in alone.stderr and str(config) in alone.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
-    model = _mlp(tmp_path / "model.onnx")
+    model = mlp(tmp_path / "model.onnx")
     gate = invoke("run", "--check-optimized", model, config, "--json")  # as a pre-commit hook passes changed files
     assert "note: skipped 1 JSON file" in gate.stderr
     report = json.loads(gate.stdout)
@@ -155,7 +128,7 @@ _PROGRESS = re.compile(r"^\[ *\d+\.\ds\] (.*)$")
 
 
 def test_a_run_logs_each_phase_as_it_starts(tmp_path: Path) -> None:
-    result = invoke("run", _mlp(tmp_path / "m.onnx"), "-o", tmp_path / "out.onnx", "--passes", "cleanup,fold")
+    result = invoke("run", mlp(tmp_path / "m.onnx"), "-o", tmp_path / "out.onnx", "--passes", "cleanup,fold")
     assert result.exit_code == 0, result.stderr
     phases = [m.group(1) for m in map(_PROGRESS.match, result.stderr.splitlines()) if m]
     assert phases[0] == f"load {tmp_path / 'm.onnx'}"
@@ -171,7 +144,7 @@ def test_a_run_logs_each_phase_as_it_starts(tmp_path: Path) -> None:
 
 
 def _declares_minus_one(path: Path) -> Path:
-    _mlp(path)
+    mlp(path)
     model = onnx.load(path)
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = -1
     onnx.save(model, path)
@@ -180,7 +153,7 @@ def _declares_minus_one(path: Path) -> Path:
 
 def test_a_folder_run_logs_each_model_and_warnings_name_theirs(tmp_path: Path) -> None:
     models = tmp_path / "models"
-    _mlp(models / "a.onnx")
+    mlp(models / "a.onnx")
     _declares_minus_one(models / "b.onnx")
     _declares_minus_one(models / "c.onnx")
     for jobs in ("1", "2"):
@@ -232,7 +205,7 @@ def test_passes_fuse_lists_each_rule_on_one_line() -> None:
         (line,) = [line for line in lines if line.split()[:1] == [rule["name"]]]
         assert rule["family"] in line and ("off by default" in line) == (not rule["default"])
     assert "enable" in listed.stdout and "disable" in listed.stdout
-    assert "unknown pass 'nosuch'" in _one_line_error(invoke("passes", "nosuch"))
+    assert "unknown pass 'nosuch'" in one_line_error(invoke("passes", "nosuch"))
     everything = json.loads(invoke("passes", "--json").stdout)
     assert {p["name"] for p in everything["passes"]} >= {"fuse", "fold", "unwind"}
     assert isinstance(everything["default_pipeline"], list)
@@ -242,8 +215,8 @@ def test_passes_fuse_lists_each_rule_on_one_line() -> None:
 
 
 def test_check_prints_figures_as_run_does_and_labels_each_binding(tmp_path: Path) -> None:
-    a = _mlp(tmp_path / "a.onnx")
-    b = _mlp(tmp_path / "b.onnx", 1.0 + 1e-6)
+    a = mlp(tmp_path / "a.onnx")
+    b = mlp(tmp_path / "b.onnx", 1.0 + 1e-6)
     result = invoke("check", a, b)
     assert result.exit_code == 0, result.stderr
     assert "{'" not in result.stderr and not re.search(r"\d\.\d{7,}", result.stderr)
@@ -255,9 +228,9 @@ def test_check_prints_figures_as_run_does_and_labels_each_binding(tmp_path: Path
 
 
 def test_check_optimized_says_the_gain_and_the_fix_once(tmp_path: Path) -> None:
-    model = _mlp(tmp_path / "m.onnx")
+    model = mlp(tmp_path / "m.onnx")
     result = invoke("run", model, "--check-optimized")
-    line = _one_line_error(result, 1)
+    line = one_line_error(result, 1)
     assert f"{model}: not optimized: nodes 2 -> 1" in line and "(by noop)" in line
     assert f"graphopt run {model} --in-place" in line
     assert "shape-infer" not in line and "strip-value-info" not in line
@@ -284,14 +257,14 @@ def test_inspect_counts_weights_in_constant_nodes(tmp_path: Path) -> None:
 
 
 def test_a_target_opset_onnx_does_not_know_is_one_plain_line(tmp_path: Path) -> None:
-    result = invoke("run", _mlp(tmp_path / "m.onnx"), "--target-opset", "99", "-q")
-    line = _one_line_error(result)
+    result = invoke("run", mlp(tmp_path / "m.onnx"), "--target-opset", "99", "-q")
+    line = one_line_error(result)
     assert "cannot convert the model to opset 99" in line and "knows opsets 1 to" in line and "Warning" not in line
 
 
 def test_error_rows_of_a_batch_have_a_status(tmp_path: Path) -> None:
     models = tmp_path / "models"
-    _mlp(models / "good.onnx")
+    mlp(models / "good.onnx")
     (models / "bad.onnx").write_bytes(b"junk")
     result = invoke("run", models, "-o", tmp_path / "out", "--json", "-q")
     report = json.loads(result.stdout)
@@ -335,7 +308,7 @@ def test_the_readme_lists_every_command_and_explains_layout_problems() -> None:
 def test_optimize_takes_a_model_proto_and_returns_one(tmp_path: Path) -> None:
     import graphopt
 
-    proto = onnx.load(_mlp(tmp_path / "m.onnx"))
+    proto = onnx.load(mlp(tmp_path / "m.onnx"))
     before = proto.SerializeToString()
     result = graphopt.optimize(proto)
     assert isinstance(result.model, onnx.ModelProto)
@@ -394,7 +367,7 @@ def test_a_model_folder_into_out_keeps_its_other_files_and_its_data_name(tmp_pat
 
 def test_a_folder_run_with_a_failing_model_reads_without_the_report(tmp_path: Path) -> None:
     models = tmp_path / "models"
-    _mlp(models / "good.onnx")
+    mlp(models / "good.onnx")
     (models / "bad.onnx").write_bytes(b"junk")
     result = invoke("run", models, "-o", tmp_path / "out")
     assert result.exit_code == 2

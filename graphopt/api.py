@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from graphopt.errors import CheckFailed, InputError, PassError
-from graphopt.io import load, save
+from graphopt.io import from_onnx, load, save
 from graphopt.ir import Model
 from graphopt.ir.stats import model_stats
 from graphopt.passes.base import PassContext
@@ -34,17 +34,23 @@ from graphopt.passes.pipeline import (
 from graphopt.settings import Settings
 
 if TYPE_CHECKING:
+    import onnx
+
     from graphopt.check.numerics import CheckResult
     from graphopt.evaluate import Evaluator
 
 __all__ = ["Result", "check", "load", "optimize", "pass_context", "resolve_pipeline", "resolve_settings", "save"]
 
 
-@dataclass
-class Result:
-    """An optimized model and the report of how it got there."""
+M = TypeVar("M", Model, "onnx.ModelProto")
 
-    model: Model
+
+@dataclass
+class Result(Generic[M]):
+    """An optimized model (an IR model, or a ModelProto when :func:`optimize` was given
+    one) and the report of how it got there."""
+
+    model: M
     report: dict[str, Any]
     pipeline_run: PipelineRun
 
@@ -85,6 +91,22 @@ def resolve_settings(pipeline: Pipeline, overrides: Mapping[str, Any]) -> Settin
     return pipeline.configure(overrides)
 
 
+@overload
+def optimize(
+    model: onnx.ModelProto,
+    passes: str | Pipeline | None = None,
+    *,
+    config: str | os.PathLike[str] | None = None,
+    max_steps: int | None = None,
+    strict: bool = False,
+    on_pass: Callable[[PassRun], None] | None = None,
+    on_pass_start: Callable[[str, str | None, int], None] | None = None,
+    stop_after: int | None = None,
+    **settings: Any,
+) -> Result[onnx.ModelProto]: ...
+
+
+@overload
 def optimize(
     model: Model | str | os.PathLike[str],
     passes: str | Pipeline | None = None,
@@ -93,21 +115,44 @@ def optimize(
     max_steps: int | None = None,
     strict: bool = False,
     on_pass: Callable[[PassRun], None] | None = None,
+    on_pass_start: Callable[[str, str | None, int], None] | None = None,
     stop_after: int | None = None,
     **settings: Any,
-) -> Result:
+) -> Result[Model]: ...
+
+
+def optimize(
+    model: Model | onnx.ModelProto | str | os.PathLike[str],
+    passes: str | Pipeline | None = None,
+    *,
+    config: str | os.PathLike[str] | None = None,
+    max_steps: int | None = None,
+    strict: bool = False,
+    on_pass: Callable[[PassRun], None] | None = None,
+    on_pass_start: Callable[[str, str | None, int], None] | None = None,
+    stop_after: int | None = None,
+    **settings: Any,
+) -> Result[Model] | Result[onnx.ModelProto]:
     """Optimize an IR model in place (or load one from a path) with a pipeline.
+
+    Given an ``onnx.ModelProto`` (as ``onnx.load`` returns), the result's ``model`` is a
+    new ModelProto and the one given is left as it was.
 
     ``settings`` are the run settings of :class:`graphopt.settings.Settings` (e.g.
     ``independent_dims=True``, ``provenance=True``); they override a config's [settings].
     """
     pipeline = resolve_pipeline(passes, config, max_steps)
     run_settings = resolve_settings(pipeline, settings)
-    if not isinstance(model, Model):
+    given_proto = not isinstance(model, (Model, str, os.PathLike))
+    if not isinstance(model, (Model, str, os.PathLike)):
+        model = from_onnx(model, independent_dims=run_settings.independent_dims)
+    elif not isinstance(model, Model):
         model = load(model, independent_dims=run_settings.independent_dims)
     before = model_stats(model)
     start = time.perf_counter()
-    run = pipeline.run(model, pass_context(run_settings), on_pass=on_pass, stop_after=stop_after)
+    run = pipeline.run(
+        model, pass_context(run_settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
+    )
     seconds = time.perf_counter() - start
     if strict and run.failures:
         failure = run.failures[0]
@@ -119,6 +164,10 @@ def optimize(
         "summary": {"before": before.as_dict(), "after": model_stats(model).as_dict()},
         "seconds": {"optimize": round(seconds, 6)},
     }
+    if given_proto:
+        from graphopt.io.onnx_write import to_proto
+
+        return Result(to_proto(model), report, run)
     return Result(model, report, run)
 
 

@@ -59,6 +59,8 @@ class RunOptions:
     strict: bool = False
     in_place: bool = False
     external_data: bool | None = None
+    # Name the output's external data as the input's (model.onnx_data), not after its content.
+    external_data_name: bool = False
     # Run settings given on the command line (graphopt.settings.Settings), over a config's.
     settings: dict[str, Any] = field(default_factory=dict)
     # The files the models of a folder run read, resolved, with the models that read them
@@ -114,25 +116,31 @@ def as_onnx(path: Path, workdir: Path) -> Path:
 def _optimize_with(
     model: Model,
     options: RunOptions,
-    on_pass: Callable[[PassRun], None] | None = None,
+    on_phase: Callable[[str], None] | None = None,
     stop_after: int | None = None,
 ) -> Result:
+    def pass_started(name: str, group: str | None, iteration: int) -> None:
+        if on_phase is not None:
+            on_phase(f"pass {name}" if group is None else f"pass {group}/{name} (round {iteration + 1})")
+
     return optimize(
         model,
         options.passes,
         config=options.config,
         max_steps=options.max_steps,
         strict=options.strict,
-        on_pass=on_pass,
+        on_pass_start=pass_started,
         stop_after=stop_after,
         **options.settings,
     )
 
 
 def optimize_file(
-    source: Path, options: RunOptions, on_pass: Callable[[PassRun], None] | None = None
+    source: Path, options: RunOptions, on_phase: Callable[[str], None] | None = None
 ) -> tuple[dict[str, Any], int]:
     """Optimize one file into ``options.output``; returns the report and the exit code.
+    ``on_phase`` is told of each phase as it starts (load, each pass, save, the check and
+    its runs of the models at each binding), for progress.
 
     The optimized model (and the report, with ``options.report``) is written to private
     staging folders beside the destinations, checked there, and committed only when
@@ -161,6 +169,8 @@ def optimize_file(
         raise InputError(f"{output}: exists and is not an ONNX model or a graphopt graph; -o will not replace it")
     if options.report is not None:
         check_report_target(options.report, [source, output])
+    tell = on_phase or (lambda phase: None)
+    tell(f"load {source}")
     load_start = time.perf_counter()
     model = options.load(source)
     load_seconds = time.perf_counter() - load_start
@@ -179,7 +189,8 @@ def optimize_file(
             reads[options.inputs] = "--inputs"
         if options.config is not None:
             reads[options.config] = "--config"
-        return _optimize_file(source, output, (model, load_seconds), reads, options, on_pass, input_entry)
+        kept_name = onnx_data.name if options.external_data_name and onnx_data is not None else None
+        return _optimize_file(source, output, (model, load_seconds, kept_name), reads, options, tell, input_entry)
 
 
 def _replaceable(output: Path) -> bool:
@@ -201,15 +212,15 @@ def _read_only(path: Path) -> bool:
 def _optimize_file(
     source: Path,
     output: Path,
-    loaded: tuple[Model, float],
+    loaded: tuple[Model, float, str | None],
     reads: dict[Path, str],
     options: RunOptions,
-    on_pass: Callable[[PassRun], None] | None,
+    tell: Callable[[str], None],
     input_entry: Future[dict[str, Any]],
 ) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
-    model, load_seconds = loaded
-    result = _optimize_with(model, options, on_pass)
+    model, load_seconds, data_name = loaded
+    result = _optimize_with(model, options, tell)
     report: dict[str, Any] = {"graphopt_version": __version__, "input": None, **result.report}
     folders = [output.parent] + ([options.report.parent] if options.report is not None else [])
     created = [p for folder in folders for p in [folder, *folder.parents] if not p.exists()]
@@ -220,19 +231,23 @@ def _optimize_file(
             workdir = staging[output.parent.resolve()]
             # The output and its sidecars (.data, .npy) alone in one folder: they are committed together.
             staged = workdir / "output" / output.name
+            tell(f"save {output}")
             save_start = time.perf_counter()
-            save_options: dict[str, Any] = {"content_addressed": True}
+            save_options: dict[str, Any] = {"content_addressed": data_name is None}
             if staged.suffix.lower() != ".json":
                 # The input's external data stays external even when every weight was rewritten.
                 had = source.suffix.lower() != ".json" and _TENSOR_DATA in reads.values()
                 save_options["external_data"] = (
                     options.external_data if options.external_data is not None else had or None
                 )
+                if data_name is not None:
+                    save_options["location"] = data_name
             written = _writing(output, lambda: save(result.model, staged, **save_options))
             report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
             report["input"] = input_entry.result()
             report["seconds"]["load"] = round(load_seconds, 6)
             if options.check:
+                tell("check numerics")
                 check_start = time.perf_counter()
                 from graphopt.check import check_models_isolated
 
@@ -246,6 +261,7 @@ def _optimize_file(
                     atol=options.atol,
                     rtol=options.rtol,
                     input_layouts=input_layouts(result.pipeline_run.runs),
+                    on_phase=tell,
                 )
                 # onnxruntime names the files it loads: the user's names, not the staging folder's.
                 named = {optimized: output, staged: output, original: source, workdir: output.parent}
@@ -254,6 +270,7 @@ def _optimize_file(
                 if outcome.status == "failed":
                     exit_code = 1
                     if options.blame:
+                        tell("blame: bisect the passes")
                         report["blame"] = blame(source, options, workdir)
             else:
                 report["numerics"] = {"status": "skipped", "reason": "--no-check"}
@@ -262,7 +279,7 @@ def _optimize_file(
             if exit_code == 0 or options.keep_failed:
                 sidecars = sorted(p for p in staged.parent.iterdir() if p != staged)
                 moves = [(p, output.parent / p.name) for p in sidecars] + [(staged, output)]
-                weights = next((p for p in sidecars if p.suffix == ".data"), None)
+                weights = next((p for p in sidecars if p.suffix == ".data" or p.name == data_name), None)
                 report["output"] = _file_entry(staged, weights, written)
                 report["output"]["path"] = str(output)  # described before the commit, named as after it
                 if weights is not None:
@@ -531,7 +548,23 @@ def is_optimized(source: Path, options: RunOptions) -> dict[str, Any]:
     before = digest(model)
     result = _optimize_with(model, options)
     after = digest(result.model)
-    changed = [r["pass"] for r in result.report["passes"] if r["changed"]]
     optimized = before == after
-    reason = None if optimized else "changed by " + ", ".join(dict.fromkeys(changed) or ["the pipeline"])
-    return {"path": str(source), "optimized": optimized, "reason": reason}
+    return {"path": str(source), "optimized": optimized, "reason": None if optimized else _gain(result.report)}
+
+
+def _gain(report: dict[str, Any]) -> str:
+    """What the pipeline would still do to a model: the size of the gain and the passes that
+    make it (the bookkeeping passes, which change only types or names, when no other does)."""
+    from graphopt.report.console import size
+
+    runs = [r for r in report["passes"] if r["changed"]]
+    shrinking = [r for r in runs if r["op_delta"] or r["nodes"][0] != r["nodes"][1] or r["bytes"][0] != r["bytes"][1]]
+    before, after = report["summary"]["before"], report["summary"]["after"]
+    if not shrinking:
+        names = ", ".join(dict.fromkeys(r["pass"] for r in runs)) or "the pipeline"
+        return f"only types or names would change (by {names})"
+    names = ", ".join(dict.fromkeys(r["pass"] for r in shrinking))
+    return (
+        f"nodes {before['nodes']} -> {after['nodes']},"
+        f" weights {size(before['initializer_bytes'])} -> {size(after['initializer_bytes'])} (by {names})"
+    )

@@ -8,18 +8,15 @@ import sys
 from pathlib import Path
 
 import jsonschema
-import numpy as np
 import onnx
 import pytest
-from click.testing import Result
-from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
 from graphopt.errors import CheckFailed, InputError
 from graphopt.report import without_timings
 from graphopt.schemas import schema
 from samples.build_samples import tiny_encoder
-from tests.cli_helpers import invoke
+from tests.cli_helpers import error_lines, invoke, mlp, one_line_error
 from tests.reliability import builders
 
 if sys.version_info >= (3, 11):
@@ -30,20 +27,6 @@ else:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _mlp(path: Path, scale: float = 1.0, inputs: str = "x") -> Path:
-    weight = numpy_helper.from_array(np.full((4, 4), scale, np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", [inputs, "w"], ["h"]), helper.make_node("Identity", ["h"], ["y"])],
-        "mlp",
-        [helper.make_tensor_value_info(inputs, TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-        [weight],
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
-    return path
-
-
 def _hf_export(folder: Path) -> Path:
     """A Hugging Face export folder: model.onnx beside its config and tokenizer files."""
     folder.mkdir(parents=True)
@@ -51,17 +34,6 @@ def _hf_export(folder: Path) -> Path:
     (folder / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 32}))
     (folder / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
     return folder
-
-
-def _errors(result: Result) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("graphopt: error: ")]
-
-
-def _one_line_error(result: Result, code: int = 2) -> str:
-    assert result.exit_code == code, (result.exit_code, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("graphopt: error: "), result.stderr
-    return lines[0]
 
 
 # -- folders -------------------------------------------------------------------------------
@@ -81,16 +53,16 @@ def test_hf_export_folder_optimizes_the_model_and_skips_the_rest(tmp_path: Path)
     assert gate.exit_code == 1  # the export is not optimized; the config files are no error
     rows = json.loads(gate.stdout)["check_optimized"]
     assert sorted(Path(row["path"]).name for row in rows) == ["graph.json", "model.onnx"]
-    assert "config.json" in gate.stderr and not any("config.json" in line for line in _errors(gate))
+    assert "config.json" in gate.stderr and not any("config.json" in line for line in error_lines(gate))
     optimized = invoke("run", tmp_path / "out", "--check-optimized")
     assert optimized.exit_code == 0, optimized.stderr
 
 
 def test_an_output_folder_inside_the_input_is_not_read_back(tmp_path: Path) -> None:
     models = tmp_path / "models"
-    _mlp(models / "a.onnx")
-    _mlp(models / "sub" / "b.onnx", 2.0)
-    _mlp(models / "c.opt.onnx", 3.0)  # an earlier run's default output: never an input
+    mlp(models / "a.onnx")
+    mlp(models / "sub" / "b.onnx", 2.0)
+    mlp(models / "c.opt.onnx", 3.0)  # an earlier run's default output: never an input
     runs = [invoke("run", models, "-o", models / "optimized", "--json") for _ in range(2)]
     assert [r.exit_code for r in runs] == [0, 0]
     first, second = (json.loads(r.stdout) for r in runs)
@@ -103,7 +75,7 @@ def test_an_output_folder_inside_the_input_is_not_read_back(tmp_path: Path) -> N
 
 
 def test_output_naming_a_folder_writes_into_it(tmp_path: Path) -> None:
-    source = _mlp(tmp_path / "in" / "model.onnx")
+    source = mlp(tmp_path / "in" / "model.onnx")
     existing = tmp_path / "existing"
     existing.mkdir()
     assert invoke("run", source, "-o", existing, "-q").exit_code == 0
@@ -112,7 +84,7 @@ def test_output_naming_a_folder_writes_into_it(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "fresh").iterdir()] == ["model.onnx"]
     assert invoke("run", source, "-o", tmp_path / "plain", "-q").exit_code == 0
     assert (tmp_path / "plain").is_file()  # no slash, not a folder: the output file itself
-    _mlp(tmp_path / "in" / "other.onnx", 2.0)
+    mlp(tmp_path / "in" / "other.onnx", 2.0)
     many = invoke("run", source, tmp_path / "in" / "other.onnx", "-o", existing, "-q")
     assert many.exit_code == 0, many.stderr
     assert sorted(p.name for p in existing.iterdir()) == ["model.onnx", "other.onnx"]
@@ -121,7 +93,7 @@ def test_output_naming_a_folder_writes_into_it(tmp_path: Path) -> None:
 def test_more_shards_than_models_gives_an_empty_shard(tmp_path: Path) -> None:
     models = tmp_path / "models"
     for i in range(2):
-        _mlp(models / f"m{i}.onnx", i + 1.0)
+        mlp(models / f"m{i}.onnx", i + 1.0)
     result = invoke("run", models, "-o", tmp_path / "out", "--shard", "4/4", "--json")
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
@@ -134,25 +106,25 @@ def test_more_shards_than_models_gives_an_empty_shard(tmp_path: Path) -> None:
 # -- what reaches stderr and stdout --------------------------------------------------------
 
 
-def test_quiet_silences_progress_and_tables_never_errors(tmp_path: Path) -> None:
+def test_quiet_silences_progress_and_tables_nevererror_lines(tmp_path: Path) -> None:
     models = tmp_path / "models"
-    _mlp(models / "good.onnx")
+    mlp(models / "good.onnx")
     (models / "bad.onnx").write_bytes(b"junk")
     quiet = invoke("run", models, "-o", tmp_path / "out", "-q")
     assert quiet.exit_code == 2
-    assert quiet.stderr.splitlines() == _errors(quiet) and len(_errors(quiet)) == 1
-    assert "bad.onnx" in _errors(quiet)[0] and "not a valid ONNX" in _errors(quiet)[0]
+    assert quiet.stderr.splitlines() == error_lines(quiet) and len(error_lines(quiet)) == 1
+    assert "bad.onnx" in error_lines(quiet)[0] and "not a valid ONNX" in error_lines(quiet)[0]
     assert invoke("run", models / "good.onnx", "-o", tmp_path / "g.onnx", "-q").stderr == ""
     broken = invoke("run", models / "good.onnx", "--passes", "test-breaks-numerics", "-o", tmp_path / "b.onnx", "-q")
-    line = _one_line_error(broken, 1)
+    line = one_line_error(broken, 1)
     assert "good.onnx: numerics failed: output 'y'" in line
     gate = invoke("run", models / "good.onnx", "--check-optimized", "-q")
-    assert "not optimized: changed by" in _one_line_error(gate, 1)
+    assert "not optimized: nodes 2 -> 1" in one_line_error(gate, 1)
 
 
 def test_stderr_is_not_wrapped_when_it_is_not_a_terminal(tmp_path: Path) -> None:
     deep = tmp_path / ("a-folder-name-long-enough-to-push-every-line-past-eighty-columns" * 2)
-    source = _mlp(deep / "model.onnx")
+    source = mlp(deep / "model.onnx")
     result = invoke("run", source, "--passes", "test-breaks-numerics", "-o", deep / "out.onnx")
     assert result.exit_code == 1
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("numerics: failed")]
@@ -171,26 +143,26 @@ def test_stderr_is_not_wrapped_when_it_is_not_a_terminal(tmp_path: Path) -> None
     ],
 )
 def test_usage_errors_are_one_line_exit_2(args: list[str], expected: str) -> None:
-    line = _one_line_error(invoke(*args))
+    line = one_line_error(invoke(*args))
     assert expected in line and "--help" in line and "Usage:" not in line
 
 
 def test_conflicting_options_are_bad_input(tmp_path: Path) -> None:
-    source = _mlp(tmp_path / "model.onnx")
+    source = mlp(tmp_path / "model.onnx")
     before = source.read_bytes()
-    assert "--in-place and -o" in _one_line_error(invoke("run", source, "--in-place", "-o", tmp_path / "o.onnx"))
-    assert "--in-place and -o" in _one_line_error(invoke("run", tmp_path, "--in-place", "-o", tmp_path / "out"))
+    assert "--in-place and -o" in one_line_error(invoke("run", source, "--in-place", "-o", tmp_path / "o.onnx"))
+    assert "--in-place and -o" in one_line_error(invoke("run", tmp_path, "--in-place", "-o", tmp_path / "out"))
     assert source.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
-    line = _one_line_error(invoke("run", source, "--dim", "batch=2", "--dim", "batch=3", "-o", tmp_path / "o.onnx"))
+    line = one_line_error(invoke("run", source, "--dim", "batch=2", "--dim", "batch=3", "-o", tmp_path / "o.onnx"))
     assert "conflicting" in line and "batch" in line
-    assert "conflicting" in _one_line_error(invoke("check", source, source, "--dim", "batch=2", "--dim", "batch=4"))
+    assert "conflicting" in one_line_error(invoke("check", source, source, "--dim", "batch=2", "--dim", "batch=4"))
     assert invoke("check", source, source, "--dim", "batch=2", "--dim", "batch=2").exit_code == 0
 
 
 def test_check_of_models_with_different_inputs_is_bad_input(tmp_path: Path) -> None:
-    a = _mlp(tmp_path / "a.onnx")
-    b = _mlp(tmp_path / "b.onnx", inputs="features")
-    line = _one_line_error(invoke("check", a, b))
+    a = mlp(tmp_path / "a.onnx")
+    b = mlp(tmp_path / "b.onnx", inputs="features")
+    line = one_line_error(invoke("check", a, b))
     assert "cannot be compared" in line and "features" in line
 
 
@@ -206,7 +178,7 @@ def test_listings_go_to_stdout_diagnostics_to_stderr(tmp_path: Path) -> None:
     quiet = invoke("inspect", source, "-q")  # --quiet is about stderr: the product still comes
     assert quiet.stdout == inspected.stdout
     missing = invoke("inspect", tmp_path / "absent.onnx")
-    assert missing.stdout == "" and _one_line_error(missing)
+    assert missing.stdout == "" and one_line_error(missing)
 
 
 # -- reports -------------------------------------------------------------------------------
@@ -215,7 +187,7 @@ def test_listings_go_to_stdout_diagnostics_to_stderr(tmp_path: Path) -> None:
 def test_report_merge_adds_up_the_shards(tmp_path: Path) -> None:
     models = tmp_path / "models"
     for i in range(3):
-        _mlp(models / f"m{i}.onnx", i + 1.0)
+        mlp(models / f"m{i}.onnx", i + 1.0)
     (models / "bad.onnx").write_bytes(b"junk")
     whole = invoke("run", models, "-o", tmp_path / "all", "--json", "-q")
     totals = json.loads(whole.stdout)["totals"]
@@ -228,8 +200,8 @@ def test_report_merge_adds_up_the_shards(tmp_path: Path) -> None:
         shards.append(shard)
     merged_path = tmp_path / "merged.json"
     result = invoke("report", "merge", *shards, "-o", merged_path)
-    assert result.exit_code == 0, result.stderr
-    assert "3 reports: 4 models, 1 failures, nodes 6 -> 3" in result.stderr
+    assert result.exit_code == 1, result.stderr  # bad.onnx failed, as the run of the whole folder did
+    assert "3 reports (shards 1/3, 2/3, 3/3): 4 models, 1 failures, nodes 6 -> 3" in result.stderr
     merged = json.loads(merged_path.read_text())
     jsonschema.validate(merged, schema("report"))
     assert merged["totals"] == totals and merged["shards"] == ["1/3", "2/3", "3/3"]
@@ -242,7 +214,7 @@ def test_report_merge_adds_up_the_shards(tmp_path: Path) -> None:
     to_stdout = invoke("report", "merge", *shards)
     assert json.loads(to_stdout.stdout) == merged
     (tmp_path / "junk.json").write_text("{}")
-    assert "junk.json: not a graphopt report" in _one_line_error(
+    assert "junk.json: not a graphopt report" in one_line_error(
         invoke("report", "merge", shards[0], tmp_path / "junk.json")
     )
 
@@ -251,7 +223,7 @@ def test_report_merge_adds_up_the_shards(tmp_path: Path) -> None:
 
 
 def test_api_check_twice_in_one_process_and_raise_on_failure(tmp_path: Path) -> None:
-    a, b = _mlp(tmp_path / "a.onnx"), _mlp(tmp_path / "b.onnx", 2.0)
+    a, b = mlp(tmp_path / "a.onnx"), mlp(tmp_path / "b.onnx", 2.0)
     assert graphopt.check(a, a).status == "passed"
     assert graphopt.check(a, a).status == "passed"  # the function, not the graphopt.check subpackage
     with pytest.raises(CheckFailed, match="numerics differ") as failure:
@@ -259,7 +231,7 @@ def test_api_check_twice_in_one_process_and_raise_on_failure(tmp_path: Path) -> 
     assert failure.value.result.status == "failed"
     assert graphopt.check(a, b, raise_on_failure=False).status == "failed"
     with pytest.raises(InputError, match="cannot be compared"):
-        graphopt.check(a, _mlp(tmp_path / "c.onnx", inputs="features"))
+        graphopt.check(a, mlp(tmp_path / "c.onnx", inputs="features"))
 
 
 # -- set-up --------------------------------------------------------------------------------
@@ -277,7 +249,7 @@ def test_license_is_an_spdx_string_and_the_readme_says_how_to_call_graphopt() ->
 
 def test_a_mixed_folder_twice_gives_the_same_outputs_and_exit_codes(tmp_path: Path) -> None:
     models = tmp_path / "models"
-    _mlp(models / "good.onnx")
+    mlp(models / "good.onnx")
     onnx.save(builders.layer_norm_at(12), models / "legacy_layer_norm.onnx")
     (models / "bad.onnx").write_bytes(b"junk")
     builders.write(builders.cycle(), models, "cycle.onnx")
@@ -289,7 +261,13 @@ def test_a_mixed_folder_twice_gives_the_same_outputs_and_exit_codes(tmp_path: Pa
         assert result.exit_code == 2  # the two bad models
         outputs.append({p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()})
     assert outputs[0] == outputs[1]
-    assert sorted(outputs[0]) == ["good.onnx", "hf-export/model.onnx", "legacy_layer_norm.onnx"]
+    assert sorted(outputs[0]) == [
+        "good.onnx",
+        "hf-export/config.json",  # the export's other files go with its model
+        "hf-export/model.onnx",
+        "hf-export/tokenizer_config.json",
+        "legacy_layer_norm.onnx",
+    ]
     first, second = (without_timings(json.loads(r.stdout)) for r in runs)
     assert first == second
     assert [Path(row["input"]["path"]).name for row in first["models"]] == [
@@ -301,4 +279,4 @@ def test_a_mixed_folder_twice_gives_the_same_outputs_and_exit_codes(tmp_path: Pa
     ]
     assert first["totals"]["models"] == 5 and first["totals"]["failures"] == 2
     assert [Path(s["path"]).name for s in first["skipped"]] == ["config.json", "tokenizer_config.json"]
-    assert _errors(runs[0]) == _errors(runs[1]) and len(_errors(runs[0])) == 2
+    assert error_lines(runs[0]) == error_lines(runs[1]) and len(error_lines(runs[0])) == 2

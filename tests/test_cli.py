@@ -18,7 +18,7 @@ from graphopt.ir import Model, Tensor
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.schemas import schema
 from samples.build_samples import tiny_encoder
-from tests.cli_helpers import invoke
+from tests.cli_helpers import diagnostics, invoke, mlp
 
 
 @register
@@ -39,7 +39,7 @@ def sample(tmp_path: Path) -> Path:
 
 
 def _one_line_error(result: Result) -> str:
-    lines = result.stderr.strip().splitlines()
+    lines = diagnostics(result)
     assert len(lines) == 1 and lines[0].startswith("graphopt: error:"), result.stderr
     assert "Traceback" not in result.output
     return lines[0]
@@ -164,23 +164,11 @@ def test_help_texts_teach_with_examples() -> None:
     assert "0.1.0" in invoke("--version").output
 
 
-def _mlp(path: Path, scale: float) -> None:
-    weight = numpy_helper.from_array(np.full((4, 4), scale, np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Identity", ["h"], ["y"])],
-        "mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
-        [weight],
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
-
-
 def test_batch_mode_over_a_folder_with_shards(tmp_path: Path) -> None:
     models = tmp_path / "models"
     models.mkdir()
     for i in range(3):
-        _mlp(models / f"m{i}.onnx", i + 1.0)
+        mlp(models / f"m{i}.onnx", i + 1.0)
     (models / "bad.onnx").write_bytes(b"junk")
     out = tmp_path / "out"
     result = invoke("run", models, "-o", out, "-j", "2", "--json")

@@ -30,17 +30,26 @@ def _child(
     connection: Connection, function: Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any]
 ) -> None:
     faulthandler.disable()  # the parent reports a crash in one line; no dump of this process's stack
+    if options.pop(_RELAY, False):  # the child's progress goes to the parent's on_phase, through the pipe
+        options["on_phase"] = lambda phase: connection.send((_PHASE, phase))
     try:
-        connection.send(function(*args, **options))
+        connection.send((_DONE, function(*args, **options)))
     except BaseException as err:  # handed to the parent, which raises it there
-        connection.send(err)
+        connection.send((_DONE, err))
     finally:
         connection.close()
 
 
+_RELAY, _PHASE, _DONE = "_relay_phases", "phase", "done"
+
+
 def run_isolated(function: Callable[..., T], *args: Any, **options: Any) -> T | str:
     """``function(*args, **options)`` in a child process: its result (its exception is raised
-    here), or a description of how the child died."""
+    here), or a description of how the child died. An ``on_phase`` option is called here,
+    with what the child passes it."""
+    on_phase = options.pop("on_phase", None)
+    if on_phase is not None:
+        options[_RELAY] = True
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     receiver, sender = context.Pipe(duplex=False)
@@ -50,7 +59,10 @@ def run_isolated(function: Callable[..., T], *args: Any, **options: Any) -> T | 
     process.start()
     sender.close()
     try:
-        outcome = receiver.recv()
+        kind, outcome = receiver.recv()
+        while kind == _PHASE:
+            on_phase(outcome)
+            kind, outcome = receiver.recv()
         received = True
     except EOFError:
         outcome, received = None, False

@@ -32,7 +32,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -159,6 +159,7 @@ def check_models(
     threads: int = 1,
     refuse_other_inputs: bool = False,
     input_layouts: Mapping[str, Sequence[int]] | None = None,
+    on_phase: Callable[[str], None] | None = None,
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
 
@@ -177,6 +178,7 @@ def check_models(
         input_layouts: inputs the optimized model takes in another layout, name -> perm (as
             the unwind pass reports the inputs it re-laid out): the optimized model is fed the
             original's data transposed by perm.
+        on_phase: told as each model starts to run at each binding, for progress.
 
     Raises:
         InputError: a file cannot be read, the .npz does not fit the model, ``dims`` names
@@ -223,6 +225,8 @@ def check_models(
     skipped: list[str] = []
     unstable: set[str] = set()
     for binding_dims, feed in feeds:
+        if on_phase is not None:
+            on_phase(f"check: the original at {_dims_text(binding_dims)}")
         try:
             expected = deadline.run(session, feed)
             if not ran:
@@ -247,6 +251,8 @@ def check_models(
     done: list[BindingResult] = []
     failure: str | None = None
     for binding_dims, feed, expected in ran:
+        if on_phase is not None:
+            on_phase(f"check: the optimized model at {_dims_text(binding_dims)}")
         try:
             actual = deadline.run(session, _relaid(feed, layouts))
         except _OrtError as exc:

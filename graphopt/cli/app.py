@@ -1,7 +1,8 @@
 """The `graphopt` command group and what every command shares: exit codes, one-line errors, stderr.
 
 Exit codes (every command): 0 done; 1 a check or gate failed; 2 bad usage or bad input;
-3 internal error. stdout carries a command's product (--json, listings); people read stderr.
+3 internal error; each command's --help says which of them it uses. stdout carries a
+command's product (--json, listings); people read stderr.
 """
 
 from __future__ import annotations
@@ -25,17 +26,27 @@ from graphopt.version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-EXIT_CODES = """\b
-Exit codes:
-  0  done
-  1  a check or gate failed (numerics, --check-optimized)
-  2  bad usage or bad input (one line naming the file and the problem)
-  3  internal error (one line naming the pass; the traceback with --debug)"""
+
+QUIET_HELP = "Print nothing on stderr except errors and warnings."
+
+
+def exit_codes(failed: str | None = None) -> str:
+    """The exit codes of one command, for its --help: ``failed`` says what makes it exit 1
+    (None: it never does)."""
+    lines = ["\b", "Exit codes:", "  0  done"]
+    if failed is not None:
+        lines.append(f"  1  {failed}")
+    lines += [
+        "  2  bad usage or bad input (one line naming the file and the problem)",
+        "  3  internal error (one line; the traceback with --debug)",
+    ]
+    return "\n".join(lines)
 
 
 class State:
     debug = False
     quiet = False
+    model: str | None = None  # the one model a command works on: warnings name it
 
 
 def _console(**options: Any) -> Console:
@@ -93,7 +104,9 @@ def guarded(func: F) -> F:
     wrapper.__name__ = func.__name__
     wrapper.__doc__ = func.__doc__
     wrapper = click.option("--debug", is_flag=True, help="Show tracebacks of internal errors.")(wrapper)
-    wrapper = click.option("-q", "--quiet", is_flag=True, help="Print nothing on stderr except errors.")(wrapper)
+    wrapper = click.option("-q", "--quiet", is_flag=True, help="Print nothing on stderr except errors and warnings.")(
+        wrapper
+    )
     return wrapper  # type: ignore[return-value]
 
 
@@ -126,7 +139,7 @@ class _Commands(click.Group):
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="graphopt")
 @click.option("--debug", is_flag=True, help="Show tracebacks of internal errors.")
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing on stderr except errors.")
+@click.option("-q", "--quiet", is_flag=True, help=QUIET_HELP)
 def cli(debug: bool, quiet: bool) -> None:
     """graphopt: make ONNX models smaller and faster, and prove they still compute the same.
 
@@ -141,6 +154,7 @@ def cli(debug: bool, quiet: bool) -> None:
     """
     State.debug = debug
     State.quiet = quiet
+    State.model = None
     _log_to_stderr(logging.DEBUG if debug else logging.WARNING)
 
 
@@ -149,7 +163,10 @@ class _StderrHandler(logging.Handler):
     so a test runner's capture sees them too)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(f"graphopt: {record.levelname.lower()}: {one_line(record.getMessage())}", err=True)
+        from graphopt.report.console import naming
+
+        message = record.getMessage() if State.model is None else naming(State.model, record.getMessage())
+        click.echo(f"graphopt: {record.levelname.lower()}: {one_line(message)}", err=True)
 
 
 def _log_to_stderr(level: int) -> None:

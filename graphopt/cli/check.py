@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
-from graphopt.cli.app import EXIT_CODES, cli, fail, guarded, parse_dims, stderr
+from graphopt.cli.app import cli, exit_codes, fail, guarded, parse_dims, stderr
 from graphopt.errors import InputError
 
 
-@cli.command(epilog=EXIT_CODES)
+@cli.command(epilog=exit_codes("the outputs differ"))
 @click.argument("original", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.argument("optimized", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim (repeatable).")
@@ -50,6 +49,7 @@ def check(
     import tempfile
 
     from graphopt.check import check_models_isolated
+    from graphopt.report.console import render_numerics
     from graphopt.runner import as_onnx
 
     if (atol is None) != (rtol is None):
@@ -65,27 +65,10 @@ def check(
             refuse_other_inputs=True,
         )
     outcome = result.as_dict()
-    render_numerics(outcome)
+    render_numerics(stderr(), outcome, per_output=True)
     if as_json:
         sys.stdout.write(json.dumps(outcome, indent=2, allow_nan=False) + "\n")
     if result.status == "failed":
         fail(f"{optimized}: numerics failed: {result.reason}", 1)
     if result.status == "not checked":
         click.echo(f"graphopt: warning: {optimized}: numerics not checked: {result.reason}", err=True)
-
-
-def render_numerics(outcome: dict[str, Any]) -> None:
-    console = stderr()
-    colour = {"passed": "green", "failed": "red"}.get(outcome["status"], "yellow")
-    console.print(
-        f"numerics: [{colour}]{outcome['status']}[/{colour}]"
-        + (f" ({outcome['reason']})" if outcome.get("reason") else "")
-    )
-    for binding in outcome.get("bindings", []):
-        for entry in binding["outputs"]:
-            colour = "red" if entry["passed"] is False else "yellow"
-            mark = "ok" if entry["passed"] else f"[{colour}]{entry.get('reason') or 'differs'}[/{colour}]"
-            console.print(
-                f"  {binding['dims']} {entry['name']}: rel L2 {entry['rel_l2']}, cosine {entry['cosine']}, "
-                f"max abs {entry['max_abs']} {mark}"
-            )

@@ -9,11 +9,11 @@ from typing import Any
 
 import click
 
-from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr, stdout
+from graphopt.cli.app import cli, exit_codes, guarded, stderr, stdout
 from graphopt.errors import InputError
 
 
-@cli.command(epilog=EXIT_CODES)
+@cli.command(epilog=exit_codes())
 @click.argument("source", type=click.Path(path_type=Path))
 @click.argument("destination", type=click.Path(path_type=Path))
 @click.option("--external-data/--no-external-data", default=None, help="Write ONNX weights to a .data file.")
@@ -38,7 +38,7 @@ def convert(source: Path, destination: Path, external_data: bool | None) -> None
     stderr().print(f"wrote {destination}")
 
 
-@cli.command(epilog=EXIT_CODES)
+@cli.command(epilog=exit_codes())
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the inspection as JSON on stdout.")
 @guarded
@@ -61,7 +61,7 @@ def inspect(model: Path, as_json: bool) -> None:
         render_inspection(stdout(), info)
 
 
-@cli.command(epilog=EXIT_CODES)
+@cli.command(epilog=exit_codes())
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
 @guarded
 def validate(files: tuple[Path, ...]) -> None:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 import jsonschema
+from rich.markup import escape
 
-from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr
+from graphopt.cli.app import cli, error_line, exit_codes, guarded, stderr
 from graphopt.errors import InputError
 from graphopt.version import __version__
 
@@ -19,7 +20,7 @@ def report() -> None:
     """Work with run reports (`graphopt run --report FILE`)."""
 
 
-@report.command(epilog=EXIT_CODES)
+@report.command(epilog=exit_codes("a merged model failed (its numerics, the gate, or it could not be read)"))
 @click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the merged report here (else stdout).")
 @guarded
@@ -35,6 +36,7 @@ def merge(reports: tuple[Path, ...], output: Path | None) -> None:
       graphopt report merge shard1.json shard2.json | jq .totals
     """
     from graphopt.report import dumps, merge_reports, write_report
+    from graphopt.report.console import failure_line, size
     from graphopt.schemas import schema
 
     loaded = []
@@ -46,19 +48,29 @@ def merge(reports: tuple[Path, ...], output: Path | None) -> None:
             raise InputError(f"{path}: not a JSON report ({err})") from None
         except jsonschema.ValidationError as err:
             raise InputError(f"{path}: not a graphopt report ({err.message})") from None
-        loaded.append(document)
+        loaded.append((str(path), document))
     try:
         merged = merge_reports(loaded, __version__)
+        kind = "check_optimized" if "check_optimized" in merged else "models"
     except ValueError as err:
-        raise InputError(f"{', '.join(map(str, reports))}: {err}") from None
+        raise InputError(f"cannot merge: {err}") from None
     if output is None:
         sys.stdout.write(dumps(merged))
     else:
         write_report(merged, output)
     totals = merged["totals"]
+    shards = f" (shards {', '.join(merged['shards'])})" if merged["shards"] else ""
     stderr().print(
-        f"merged {len(reports)} reports: {totals['models']} models, {totals['failures']} failures,"
-        f" nodes {totals['nodes'][0]} -> {totals['nodes'][1]},"
-        f" weight bytes {totals['initializer_bytes'][0]} -> {totals['initializer_bytes'][1]}"
-        + (f", wrote {output}" if output is not None else "")
+        escape(
+            f"merged {len(reports)} reports{shards}: {totals['models']} models, {totals['failures']} failures,"
+            f" nodes {totals['nodes'][0]} -> {totals['nodes'][1]},"
+            f" weights {size(totals['initializer_bytes'][0])} -> {size(totals['initializer_bytes'][1])}"
+            + (f", wrote {output}" if output is not None else "")
+        )
     )
+    # As the runs would have: a model that failed fails the merged run (exit 1), named.
+    failed = [line for line in map(failure_line, merged[kind]) if line is not None]
+    for line in failed:
+        error_line(line)
+    if failed:
+        sys.exit(1)

@@ -10,7 +10,9 @@ the first one read.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
@@ -22,7 +24,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from graphopt.cli.app import EXIT_CODES, cli, emit, error_line, fail, guarded, parse_dims, stderr, with_settings
+from graphopt.cli.app import State, cli, emit, error_line, exit_codes, fail, guarded, parse_dims, stderr, with_settings
+from graphopt.cli.progress import PhaseLog, captured_logs, echo_logs, model_line
 from graphopt.errors import GraphoptError, InputError, bounded, one_line
 from graphopt.version import __version__
 
@@ -54,17 +57,28 @@ _NOT_A_GRAPH = "JSON that is not a graphopt graph"
 _OUTSIDE = "a symbolic link that leads outside the folder"
 
 
-def _collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = False) -> _Collected:
-    """The models named and found in folders; a link in a folder that leads outside it is
-    skipped (refused with ``strict``): a pull request can add one, and git stores links."""
+def _is_other_json(path: Path) -> bool:
+    """A readable JSON file without graphopt's format marker: a model folder's config.json,
+    a tokenizer's files (one that cannot be read is left to the load to report)."""
     from graphopt.io.json_io import is_graph_file
 
+    return path.suffix.lower() == ".json" and os.access(path, os.R_OK) and not is_graph_file(path)
+
+
+def _collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = False) -> _Collected:
+    """The models among ``sources``; files named on the command line get the rule of the
+    files found in folders (a pre-commit hook names every changed file). A link in a folder
+    that leads outside it is skipped (refused with ``strict``): a pull request can add one,
+    and git stores links; a link named on the command line is the user's choice."""
     found = _Collected()
     for source in sources:
         if not source.exists():
             raise InputError(f"{source}: no such file or directory")
         if not source.is_dir():
-            found.sources.append(source)
+            if source.is_file() and _is_other_json(source):
+                found.skipped.append({"path": str(source), "reason": _NOT_A_GRAPH})
+            else:
+                found.sources.append(source)
             continue
         # An output folder inside this one holds the results of a run, not inputs (a folder
         # written onto itself is left to the overwrite check).
@@ -84,35 +98,33 @@ def _collect(sources: Sequence[Path], output_folder: Path | None, strict: bool =
                     raise InputError(f"{path}: {_OUTSIDE} ({path.resolve()}); name it to run it (--strict)")
                 found.skipped.append({"path": str(path), "reason": _OUTSIDE})
                 continue
-            if path.suffix.lower() == ".json" and not is_graph_file(path):
+            if _is_other_json(path):
                 found.skipped.append({"path": str(path), "reason": _NOT_A_GRAPH})
                 continue
             found.sources.append(path)
     return found
 
 
-def _about(path: str, message: str) -> str:
-    """``message`` naming ``path`` once (most errors name their file already)."""
-    return message if message.startswith(path) else f"{path}: {message}"
-
-
-def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
-    """One model of a batch, in a worker process: errors become a report row."""
+def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int, list[tuple[str, str]]]:
+    """One model of a batch, in a worker process: errors become a report row, and the
+    warnings are handed back to be printed, naming the model, between progress lines."""
     from graphopt.runner import optimize_file
 
-    try:
-        return optimize_file(source, options)
-    except GraphoptError as err:
-        return {"input": {"path": str(source)}, "error": bounded(str(err)), "exit_code": err.exit_code}, err.exit_code
-    except Exception as err:
-        return {
-            "input": {"path": str(source)},
-            "error": bounded(f"internal error: {type(err).__name__}: {err}"),
-            "exit_code": 3,
-        }, 3
+    with captured_logs() as logs:
+        try:
+            row, code = optimize_file(source, options)
+        except GraphoptError as err:
+            row, code = _error_row(source, bounded(str(err)), err.exit_code), err.exit_code
+        except Exception as err:
+            row, code = _error_row(source, bounded(f"internal error: {type(err).__name__}: {err}"), 3), 3
+    return row, code, logs
 
 
-@cli.command(epilog=EXIT_CODES)
+def _error_row(source: Path, error: str, exit_code: int) -> dict[str, Any]:
+    return {"input": {"path": str(source)}, "error": error, "status": "error", "exit_code": exit_code}
+
+
+@cli.command(epilog=exit_codes("a model's numerics check failed, or --check-optimized found a model not optimized"))
 @click.argument("models", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
     "-o",
@@ -143,6 +155,11 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
 @click.option("--strict", is_flag=True, help="Exit 3 when a pass fails (default: roll it back and go on).")
 @click.option("--in-place", is_flag=True, help="Overwrite the input model.")
 @click.option("--external-data/--no-external-data", default=None, help="Force weights into (or out of) a .data file.")
+@click.option(
+    "--external-data-name",
+    is_flag=True,
+    help="Name the output's weights file as the input's (model.onnx_data), not after its content.",
+)
 @click.option(
     "--check-optimized", is_flag=True, help="Write nothing; exit 1 if the pipeline would still change the model."
 )
@@ -175,6 +192,7 @@ def run(
     strict: bool,
     in_place: bool,
     external_data: bool | None,
+    external_data_name: bool,
     check_optimized: bool,
     jobs: int,
     shard: str | None,
@@ -219,6 +237,7 @@ def run(
         strict=strict,
         in_place=in_place,
         external_data=external_data,
+        external_data_name=external_data_name,
         settings=settings,
         report=report_path,
     )
@@ -226,15 +245,18 @@ def run(
     console = stderr()
     single = len(models) == 1 and not models[0].is_dir() and shard is None
     collected = _collect(models, target if (into_folder or not single) else None, strict)
-    for reason, kind in (
-        (_NOT_A_GRAPH, "JSON files that are not graphopt graphs"),
-        (_OUTSIDE, "symbolic links that lead outside their folder"),
+    for reason, one, many in (
+        (_NOT_A_GRAPH, "JSON file that is not a graphopt graph", "JSON files that are not graphopt graphs"),
+        (_OUTSIDE, "symbolic link that leads outside its folder", "symbolic links that lead outside their folder"),
     ):
         listed = [s["path"] for s in collected.skipped if s["reason"] == reason]
         if listed:
+            kind = one if len(listed) == 1 else many
             console.print(escape(one_line(f"note: skipped {len(listed)} {kind}: {', '.join(listed)}")))
     if not collected.sources:
-        raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and graphopt *.json)")
+        if not collected.skipped:
+            raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and graphopt *.json)")
+        single = False  # only files that are not models were named: an empty batch, exit 0
     sources = collected.sources
     selected = _parse_shard(shard)
     if selected is not None:
@@ -254,7 +276,7 @@ def run(
             assert target is not None
             options = replace(options, output=target / sources[0].name)
         _single(console, sources[0], options, report_path, as_json)
-    if target is not None and not into_folder and target.suffix.lower() in (".onnx", ".json"):
+    if sources and target is not None and not into_folder and target.suffix.lower() in (".onnx", ".json"):
         raise InputError(f"{target}: with several models, -o names a folder")
     _batch(console, models, sources, options, head, jobs, report_path, as_json)
 
@@ -270,6 +292,7 @@ def _gate(
 ) -> None:
     """--check-optimized: exit 1 if the pipeline would still change a model; writes nothing."""
     from graphopt.report import totals
+    from graphopt.report.console import failure_line
     from graphopt.runner import is_optimized
 
     rows: list[dict[str, Any]] = []
@@ -281,21 +304,15 @@ def _gate(
                 raise
             row = {"path": str(source), "optimized": False, "reason": str(err), "exit_code": err.exit_code}
         rows.append(row)
-        mark = (
-            "[green]optimized[/green]"
-            if row["optimized"]
-            else f"[red]not optimized[/red]: {escape(one_line(row['reason']))}"
-        )
-        console.print(f"{escape(one_line(row['path']))}: {mark}")
+        if row["optimized"]:  # the others get their error line below
+            console.print(f"{escape(one_line(row['path']))}: [green]optimized[/green]")
     report = head | {"check_optimized": rows}
     if not single:
         report["totals"] = totals(rows)
     emit(report, report_path, as_json)
-    for row in rows:
-        if "exit_code" in row:
-            error_line(_about(row["path"], row["reason"]))
-        elif not row["optimized"]:
-            error_line(f"{row['path']}: not optimized: {row['reason']}")
+    for line in map(failure_line, rows):
+        if line is not None:
+            error_line(line)
     sys.exit(max([row.get("exit_code", 0 if row["optimized"] else 1) for row in rows], default=0))
 
 
@@ -303,8 +320,9 @@ def _single(console: Console, source: Path, options: Any, report_path: Path | No
     from graphopt.report.console import render_report
     from graphopt.runner import optimize_file
 
-    with console.status("optimizing", spinner="dots") as status:
-        report, code = optimize_file(source, options, on_pass=lambda r: status.update(f"{r.name} done"))
+    State.model = str(source)
+    with PhaseLog(console) as phases:
+        report, code = optimize_file(source, options, on_phase=phases)
     render_report(console, report)
     emit(report, None, as_json)  # the report file is committed with the model
     if options.strict and report["failures"]:
@@ -312,6 +330,42 @@ def _single(console: Console, source: Path, options: Any, report_path: Path | No
     if code == 1:
         fail(f"{source}: numerics failed: {report['numerics']['reason']}", 1)
     sys.exit(code)
+
+
+def _copy_companions(roots: list[Path], output: Path, reads: set[Path], written_in: set[Path]) -> list[Path]:
+    """Copy the files beside the models of the folders in ``roots`` (a Hugging Face export's
+    config.json, tokenizer and vocabulary files) into ``output``, where a model of their
+    folder was written: tools load a model folder whole. Each copy is a temporary file
+    renamed into place. Left out: what the models read (rewritten beside the outputs),
+    hidden files, earlier outputs (``*.opt.*``) and the output folder itself."""
+    from graphopt.files import temporary_file
+
+    excluded = output.resolve()
+    copied: list[Path] = []
+    for root in roots:
+        for path in sorted(root.rglob("*")):
+            relative = path.relative_to(root)
+            resolved = path.resolve()
+            if not path.is_file() or resolved in reads or ".opt." in path.name or resolved.parent not in written_in:
+                continue
+            if any(part.startswith(".") for part in relative.parts) or resolved.is_relative_to(excluded):
+                continue
+            target = output / relative
+            if target.exists() and target.resolve() == resolved:
+                continue
+            staged = None
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                handle, staged = temporary_file(target.parent, target.name)
+                os.close(handle)
+                shutil.copyfile(path, staged)
+                os.replace(staged, target)
+            except OSError as err:
+                if staged is not None:
+                    staged.unlink(missing_ok=True)
+                raise InputError(f"{target}: cannot copy {path} there ({err.strerror or err})") from None
+            copied.append(relative)
+    return copied
 
 
 def _batch(
@@ -325,7 +379,8 @@ def _batch(
     as_json: bool,
 ) -> None:
     from graphopt.report import check_report_target, totals
-    from graphopt.report.console import render_batch
+    from graphopt.report.console import failure_line, render_batch
+    from graphopt.runner import batch_reads
 
     output = options.output
     tasks = []
@@ -340,40 +395,51 @@ def _batch(
                 raise InputError(f"{source}: its output {target} is also the output of {written[target]}")
             written[target] = source
         tasks.append((source, replace(options, output=target, report=None)))
-    if output is not None or options.in_place:
-        from graphopt.runner import batch_reads
-
-        reads = batch_reads(sources, options)
-        tasks = [(source, replace(task, batch_reads=reads)) for source, task in tasks]
     if report_path is not None:
         check_report_target(report_path, list(written))
+    if output is not None or options.in_place:
+        with captured_logs():  # quiet: each model's own run reports what loading it finds
+            reads = batch_reads(sources, options)
+        tasks = [(source, replace(task, batch_reads=reads)) for source, task in tasks]
     rows_by_index: dict[int, dict[str, Any]] = {}
     worst = 0
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    ) as progress:
+    started = time.perf_counter()
+    # A bar on a terminal; in a CI log or a pipe, only the line of each finished model.
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
         bar = progress.add_task("optimizing", total=len(tasks))
+
+        def finished(index: int, outcome: tuple[dict[str, Any], int, list[tuple[str, str]]]) -> None:
+            nonlocal worst
+            row, code, logs = outcome
+            rows_by_index[index] = row
+            worst = max(worst, code)
+            echo_logs(row["input"]["path"], logs)
+            console.print(escape(model_line(row, len(rows_by_index), len(tasks), time.perf_counter() - started)))
+            progress.advance(bar)
+
         if jobs == 1:
             for i, (source, task_options) in enumerate(tasks):
-                rows_by_index[i], code = _run_one(source, task_options)
-                worst = max(worst, code)
-                progress.advance(bar)
+                finished(i, _run_one(source, task_options))
         else:
             with ProcessPoolExecutor(max_workers=jobs) as pool:
                 futures = {pool.submit(_run_one, s, o): i for i, (s, o) in enumerate(tasks)}
                 for future in as_completed(futures):
-                    rows_by_index[futures[future]], code = future.result()
-                    worst = max(worst, code)
-                    progress.advance(bar)
+                    finished(futures[future], future.result())
     rows = [rows_by_index[i] for i in range(len(tasks))]
+    if output is not None:
+        written_in = {source.parent.resolve() for source, row in zip(sources, rows) if row.get("output")}
+        copied = _copy_companions(roots, output, set(reads), written_in)
+        if copied:
+            listed = ", ".join(str(path) for path in copied)
+            console.print(escape(f"copied {len(copied)} other files of the model folders into {output}: {listed}"))
     report = head | {"models": rows, "totals": totals(rows)}
-    render_batch(console, report)
+    if rows:
+        render_batch(console, report)
     emit(report, report_path, as_json)
-    for row in rows:
-        if "error" in row:
-            error_line(_about(row["input"]["path"], row["error"]))
-        elif row["exit_code"] == 1:
-            error_line(f"{row['input']['path']}: numerics failed: {row['numerics']['reason']}")
+    for line in map(failure_line, rows):
+        if line is not None:
+            error_line(line)
     if options.strict and any(row.get("failures") for row in rows):
         worst = max(worst, 3)
     sys.exit(worst)

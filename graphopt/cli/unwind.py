@@ -1,4 +1,4 @@
-"""`graphopt unwind`: solve a layout problem and show each sink's layout."""
+"""`graphopt unwind`: solve a layout problem (a model's, or one given as JSON) and show each sink's layout."""
 
 from __future__ import annotations
 
@@ -11,21 +11,23 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from graphopt.cli.app import EXIT_CODES, cli, guarded, stderr
+from graphopt.cli.app import cli, exit_codes, guarded, stderr
 from graphopt.errors import InputError
 
 if TYPE_CHECKING:
+    from graphopt.layout import Problem, Solution
     from graphopt.layout.solvers import SolverName
+    from graphopt.passes.unwind.onnx_layouts import Profile
 
 
-@cli.command(epilog=EXIT_CODES)
-@click.argument("problem", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@cli.command(epilog=exit_codes())
+@click.argument("source", metavar="MODEL_OR_PROBLEM", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option(
     "--solver",
     type=click.Choice(["default", "greedy"]),
     default="default",
     show_default=True,
-    help="default: exact on small problems, look-ahead and local search on large ones; greedy: the seed's baseline.",
+    help="default: exact on small problems, look-ahead and local search on large ones; greedy: one greedy pass.",
 )
 @click.option(
     "--time-budget",
@@ -35,33 +37,80 @@ if TYPE_CHECKING:
     metavar="S",
     help="Seconds the default solver may search.",
 )
+@click.option(
+    "--profile",
+    type=click.Choice(["onnx", "nhwc"]),
+    default="onnx",
+    show_default=True,
+    help="A model's layouts at Conv, pooling, MatMul, Gemm: onnx (NCHW, row-major) or nhwc.",
+)
+@click.option("--allow-input-relayout", is_flag=True, help="A model's graph inputs may change layout.")
+@click.option("--problem-json", is_flag=True, help="Print the layout problem as JSON on stdout (instead of --json).")
 @click.option("--json", "as_json", is_flag=True, help="Print the solution as JSON on stdout.")
 @guarded
-def unwind(problem: Path, solver: SolverName, time_budget: float, as_json: bool) -> None:
-    """Choose sink layouts that maximize a layout problem's objective.
+def unwind(
+    source: Path,
+    solver: SolverName,
+    time_budget: float,
+    profile: Profile,
+    allow_input_relayout: bool,
+    problem_json: bool,
+    as_json: bool,
+) -> None:
+    """Solve a layout problem: the one of an ONNX model or graphopt JSON graph (the problem
+    the unwind pass solves), or one given as JSON (README.md, "Layout problems").
 
-    PROBLEM is a layout problem (schemas/unwind.schema.json) or a graphopt JSON graph with
-    a `layout` section. Each sink's layout lists, run by run, the element whose mapping its
-    elements take.
+    Shows each sink's layout and, for a model, its Transposes before -> after. A layout
+    reads run by run: `[0:16] <- x[0::3]` means the sink's elements 0 to 15 take, in
+    order, the memory offsets of x's elements 0, 3, 6, ...
 
     \b
     Examples:
-      graphopt unwind problem.json
+      graphopt unwind model.onnx                       # the Transposes the unwind pass would leave
+      graphopt unwind model.onnx --problem-json > problem.json
       graphopt unwind problem.json --solver greedy --json > solution.json
     """
     from graphopt.layout import problem_from_json, solve
+    from graphopt.layout.spec import problem_to_json
 
-    data = _read_json(problem)
-    if isinstance(data, dict) and "graph" in data:
-        if "layout" not in data:
-            raise InputError(f"{problem}: $: the JSON graph has no `layout` section")
-        built = problem_from_json(data["layout"], str(problem), "$.layout")
+    if problem_json and as_json:
+        raise InputError("--problem-json and --json exclude each other (one JSON document on stdout)")
+    data = _read_json(source) if source.suffix.lower() == ".json" else None
+    transposes: tuple[int, int] | None = None
+    if data is None or (isinstance(data, dict) and "graph" in data and "layout" not in data):
+        problem, solution, transposes = _of_model(source, solver, time_budget, profile, allow_input_relayout)
+    elif "graph" in data:
+        problem = problem_from_json(data["layout"], str(source), "$.layout")
+        solution = solve(problem, solver, time_budget)
     else:
-        built = problem_from_json(data, str(problem))
-    solution = solve(built, solver, time_budget).as_dict()
-    render_solution(solution)
+        problem = problem_from_json(data, str(source))
+        solution = solve(problem, solver, time_budget)
+    shown = solution.as_dict()
+    render_solution(shown)
+    if transposes is not None:
+        stderr().print(f"Transposes {transposes[0]} -> {transposes[1]}")
+    if problem_json:
+        sys.stdout.write(json.dumps(problem_to_json(problem), indent=2) + "\n")
     if as_json:
-        sys.stdout.write(json.dumps(solution, indent=2) + "\n")
+        sys.stdout.write(json.dumps(shown, indent=2) + "\n")
+
+
+def _of_model(
+    source: Path, solver: SolverName, time_budget: float, profile: Profile, allow_input_relayout: bool
+) -> tuple[Problem, Solution, tuple[int, int]]:
+    """The layout problem the unwind pass derives from the model at ``source`` (after shape
+    inference, as in the default pipeline), its solution, and the Transposes before -> after."""
+    from graphopt.api import optimize, pass_context
+    from graphopt.io import load
+    from graphopt.passes.unwind.layout_pass import UnwindOptions, solve_model
+
+    model = optimize(load(source), "shape-infer").model
+    before = sum(1 for node in model.graph if node.op_type == "Transpose")
+    options = UnwindOptions(
+        solver=solver, time_budget=time_budget, profile=profile, allow_input_relayout=allow_input_relayout
+    )
+    derivation, solution, rewrite = solve_model(model, options, pass_context())
+    return derivation.problem, solution, (before, min(before, rewrite.transposes))
 
 
 def _read_json(path: Path) -> Any:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from graphopt.errors import InputError
-from graphopt.ir import Model
+from graphopt.ir import GraphError, Model
+
+if TYPE_CHECKING:
+    import onnx
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +28,6 @@ def load(
     and logged as a warning; ``opaque_ops`` "quiet" (a file loaded again) says nothing,
     "error" (``graphopt validate``) refuses it.
     """
-    from graphopt.io.sanity import check_model
-
     if Path(path).suffix.lower() == ".json":
         from graphopt.io import json_io
 
@@ -35,12 +36,37 @@ def load(
         from graphopt.io import onnx_io
 
         model = onnx_io.load(path, independent_dims=independent_dims)
+    return _checked(model, str(path), opaque_ops)
+
+
+def from_onnx(proto: onnx.ModelProto, *, independent_dims: bool = False) -> Model:
+    """The IR of an in-memory ModelProto (``onnx.load(...)``), checked as :func:`load` checks
+    a file; external data not loaded into it is looked up in the working folder."""
+    import onnx
+
+    from graphopt.io.onnx_io import from_proto
+
+    if not isinstance(proto, onnx.ModelProto):
+        raise TypeError(f"expected an onnx.ModelProto, a graphopt Model or a path, not {type(proto).__name__}")
+    where = "the ModelProto"
+    if not proto.HasField("graph") or proto.ir_version <= 0:
+        raise InputError(f"{where}: not an ONNX model (no graph or no ir_version)")
+    try:
+        model = from_proto(proto, independent_dims=independent_dims)
+    except (InputError, GraphError) as err:
+        raise InputError(f"{where}: {err}") from None
+    return _checked(model, where, "warn")
+
+
+def _checked(model: Model, where: str, opaque_ops: Literal["warn", "quiet", "error"]) -> Model:
+    from graphopt.io.sanity import check_model
+
     try:
         warnings = check_model(model, strict=opaque_ops == "error")
     except InputError as err:
-        raise InputError(f"{path}: {err}") from None
+        raise InputError(f"{where}: {err}") from None
     for warning in warnings if opaque_ops == "warn" else ():
-        logger.warning("%s: %s", path, warning)
+        logger.warning("%s: %s", where, warning)
     return model
 
 
@@ -75,4 +101,4 @@ def save(model: Model, path: str | os.PathLike[str], **options: object) -> dict[
     return onnx_write.save(model, path, **options)  # type: ignore[arg-type]
 
 
-__all__ = ["data_files", "load", "save"]
+__all__ = ["data_files", "from_onnx", "load", "save"]

@@ -43,6 +43,11 @@ UNSAFE_STEPS = {
 
 def convert_opset(model: Model, version: int) -> Model:
     """``model`` converted to default-domain opset ``version`` (a new IR model)."""
+    highest = onnx.defs.onnx_opset_version()
+    if not 1 <= version <= highest:
+        raise InputError(
+            f"cannot convert the model to opset {version}: onnx {onnx.__version__} knows opsets 1 to {highest}"
+        )
     proto = to_proto(model)
     source = _default_opset(proto)
     try:

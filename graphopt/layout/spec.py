@@ -16,7 +16,7 @@ from graphopt.errors import InputError
 from graphopt.layout.problem import Problem, ProblemError
 from graphopt.schemas import validate
 
-__all__ = ["problem_from_json"]
+__all__ = ["problem_from_json", "problem_to_json"]
 
 
 def problem_from_json(data: Any, where: str, path: str = "$") -> Problem:
@@ -69,3 +69,35 @@ def _add(problem: Problem, op: dict[str, Any]) -> None:
     method, fields = _BUILDERS[kind]  # the schema admits no other kind
     arguments = [op.get(f[:-1], _OPTIONAL_DEFAULTS.get(f[:-1])) if f.endswith("?") else op[f] for f in fields]
     getattr(problem, method)(*arguments)
+
+
+# The spec op of each recorded Problem op kind, with the JSON fields of its parameters.
+_SPEC_OPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    method: (spec, tuple(f.rstrip("?") for f in fields if f not in ("in", "ins", "id")))
+    for spec, (method, fields) in _BUILDERS.items()
+    if spec != "Call"  # a call is recorded as the sinks and pairs it makes
+}
+
+
+def problem_to_json(problem: Problem) -> dict[str, Any]:
+    """``problem`` as the JSON :func:`problem_from_json` reads back (the same ids, ops, pairs)."""
+    ops: list[dict[str, Any]] = []
+    for op in problem.ops:
+        if op.kind in ("fixed_point", "barrier"):
+            outs = [{"id": out, "shape": shape} for out, shape in zip(op.outs, op.params["shapes"])]
+            kind = "FixedPoint" if op.kind == "fixed_point" else "Barrier"
+            ops.append({"op": kind, "ins": list(op.ins), "outs": outs})
+            continue
+        spec, fields = _SPEC_OPS[op.kind]
+        entry: dict[str, Any] = {"op": spec, "id": op.outs[0]}
+        if op.kind in ("concat", "sum_like"):
+            entry["ins"] = list(op.ins)
+        elif op.ins:
+            entry["in"] = op.ins[0]
+        for name in fields:
+            value = op.params.get(name)
+            if value is not None:
+                entry[name] = [int(v) for v in value] if isinstance(value, (list, tuple)) else value
+        ops.append(entry)
+    pairs = [{"a": pair.a, "b": pair.b, "value": pair.value} for pair in problem.pairs]
+    return {"ops": ops, "pairs": pairs}

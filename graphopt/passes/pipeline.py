@@ -166,10 +166,13 @@ class Pipeline:
         ctx: PassContext | None = None,
         *,
         on_pass: Callable[[PassRun], None] | None = None,
+        on_pass_start: Callable[[str, str | None, int], None] | None = None,
         stop_after: int | None = None,
     ) -> PipelineRun:
-        """Run every step on ``model`` in place. ``stop_after`` ends the run after that many
-        pass executions (used to find the first pass that broke numerics)."""
+        """Run every step on ``model`` in place. ``on_pass_start(pass, group, iteration)`` and
+        ``on_pass(run)`` are told of each pass execution as it starts and ends; ``stop_after``
+        ends the run after that many pass executions (used to find the first pass that broke
+        numerics)."""
         ctx = ctx or PassContext()
         record = PipelineRun()
         budget = [stop_after if stop_after is not None else sys.maxsize]
@@ -182,6 +185,8 @@ class Pipeline:
             budget[0] -= 1
             before = current[0]
             own_snapshot = Snapshot(model) if snapshot is None else None
+            if on_pass_start is not None:
+                on_pass_start(step.name, group, iteration)
             start = time.perf_counter()
             try:
                 result = step.run(model, ctx)

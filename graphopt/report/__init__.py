@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +88,60 @@ def _exit_code(row: dict[str, Any]) -> int:
     return int(row.get("exit_code", 0))
 
 
-def merge_reports(reports: list[dict[str, Any]], version: str) -> dict[str, Any]:
-    """One report of several batch (or --check-optimized) reports, rows sorted by path.
+def merge_reports(reports: Sequence[tuple[str, dict[str, Any]]], version: str) -> dict[str, Any]:
+    """One report of several batch (or --check-optimized) reports, each given with its file
+    name, rows sorted by path.
 
-    Raises ValueError when the reports are not of one kind.
+    Raises ValueError, naming the reports, for what a CI matrix gets wrong: reports of two
+    kinds, shards of different matrices, a shard given twice, a shard missing, and a model
+    in two reports (which would count it twice).
     """
-    kinds = {"check_optimized" if "check_optimized" in r else "models" for r in reports}
+    kinds = {"check_optimized" if "check_optimized" in r else "models" for _, r in reports}
     if len(kinds) != 1:
         raise ValueError("cannot merge run reports with --check-optimized reports")
     (kind,) = kinds
-    rows = [row for report in reports for row in report.get(kind, [report])]
+    shards = _check_shards(reports)
+    rows: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}
+    for name, report in reports:
+        for row in report.get(kind, [report]):
+            path = row["path"] if kind == "check_optimized" else row["input"]["path"]
+            if path in seen:
+                raise ValueError(f"{path} is in both {seen[path]} and {name}: each model once")
+            seen[path] = name
+            rows.append(row)
     rows.sort(key=lambda row: row["path"] if kind == "check_optimized" else row["input"]["path"])
-    skipped = sorted((s for r in reports for s in r.get("skipped", [])), key=lambda s: s["path"])
-    shards = sorted({r["shard"] for r in reports if r.get("shard")})
-    return {"graphopt_version": version, "shards": shards, kind: rows, "skipped": skipped, "totals": totals(rows)}
+    # Every shard of a folder run notes the same skipped files.
+    skipped = {s["path"]: s for _, r in reports for s in r.get("skipped", [])}
+    return {
+        "graphopt_version": version,
+        "shards": shards,
+        kind: rows,
+        "skipped": [skipped[p] for p in sorted(skipped)],
+        "totals": totals(rows),
+    }
+
+
+def _check_shards(reports: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The shards of ``reports`` (i/n), all n of one matrix, each once; reports of unsharded
+    runs may come beside them."""
+    by_shard: dict[str, str] = {}
+    counts: set[int] = set()
+    for name, report in reports:
+        shard = report.get("shard")
+        if not shard:
+            continue
+        if shard in by_shard:
+            raise ValueError(f"shard {shard} is given twice ({by_shard[shard]} and {name})")
+        by_shard[shard] = name
+        counts.add(int(shard.partition("/")[2]))
+    if len(counts) > 1:
+        listed = ", ".join(f"{shard} ({name})" for shard, name in by_shard.items())
+        raise ValueError(f"the shards come from matrices of different sizes: {listed}")
+    if counts:
+        (count,) = counts
+        missing = [f"{i}/{count}" for i in range(1, count + 1) if f"{i}/{count}" not in by_shard]
+        if missing:
+            verb = "is" if len(missing) == 1 else "are"
+            raise ValueError(f"shard {', '.join(missing)} {verb} missing (merge every shard of the matrix)")
+    return sorted(by_shard, key=lambda shard: int(shard.partition("/")[0]))

@@ -19,6 +19,16 @@ def inspect_model(model: Model, path: str) -> dict[str, Any]:
             parameters += value.const.size
         elif isinstance(value.const, SparseTensor):
             parameters += value.const.values.size
+    # Exporters such as paddle2onnx keep the weights in Constant nodes, not initializers
+    # (the integer Constants of shape plumbing are not parameters).
+    constants = [
+        tensor
+        for node in graph
+        if node.op_type == "Constant"
+        and isinstance(tensor := node.attr("value"), Tensor)
+        and tensor.dtype.name.startswith(("FLOAT", "BFLOAT", "DOUBLE"))
+    ]
+    parameters += sum(tensor.size for tensor in constants)
     owners = [body.parent.op_type for body in graph.subgraphs() if body.parent is not None]
     initializer_names = set(graph.initializers)
     return {
@@ -36,6 +46,7 @@ def inspect_model(model: Model, path: str) -> dict[str, Any]:
         "ops": stats.ops,
         "initializers": stats.initializers,
         "parameters": parameters,
+        "constant_nodes": len(constants),
         "parameter_bytes": stats.initializer_bytes,
         "subgraphs": len(owners),
         "subgraph_owners": owners,

@@ -59,7 +59,7 @@ def select_rules(names_on: Iterable[str], names_off: Iterable[str], target: str)
     on, off = set(names_on), set(names_off)
     for name in on | off:
         if name not in names:
-            raise InputError(f"fuse: unknown rule or family {name!r}; see `graphopt passes`")
+            raise InputError(f"fuse: unknown rule or family {name!r}; see `graphopt passes fuse`")
     return RuleSet(
         rule
         for rule in known

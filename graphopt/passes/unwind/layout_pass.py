@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphopt.ir import Model
+from graphopt.layout.solution import Solution
 from graphopt.layout.solvers import DEFAULT_TIME_BUDGET, SolverName, solve
 from graphopt.layout.spec import problem_from_json
 from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.unwind.onnx_layouts import Profile, derive
-from graphopt.passes.unwind.rewrite import plan
+from graphopt.passes.unwind.onnx_layouts import Derivation, Profile, derive
+from graphopt.passes.unwind.rewrite import Plan, plan
 
-__all__ = ["Unwind"]
+__all__ = ["Unwind", "UnwindOptions", "solve_model"]
 
 
 @dataclass
@@ -55,9 +56,7 @@ class Unwind(Pass, name="unwind", options=UnwindOptions):
         before = sum(1 for node in graph if node.op_type == "Transpose")
         if before == 0 and not relayout:
             return PassResult(False, details | {"transposes": [0, 0]})
-        derivation = derive(model, options.profile, relayout)
-        solution = solve(derivation.problem, options.solver, options.time_budget)
-        rewrite = plan(model, derivation, derivation.sink_layouts(solution), options.profile, ctx)
+        _, solution, rewrite = solve_model(model, options, ctx)
         changed = rewrite.transposes < before
         if changed:
             rewrite.apply()
@@ -75,6 +74,14 @@ class Unwind(Pass, name="unwind", options=UnwindOptions):
                 for name, layout in rewrite.relaid_inputs.items()
             }
         return PassResult(changed, details)
+
+
+def solve_model(model: Model, options: UnwindOptions, ctx: PassContext) -> tuple[Derivation, Solution, Plan]:
+    """The layout problem of ``model`` (main graph), its solution, and the rewrite that would
+    write it (not applied): what the pass does, and what `graphopt unwind MODEL` shows."""
+    derivation = derive(model, options.profile, options.allow_input_relayout)
+    solution = solve(derivation.problem, options.solver, options.time_budget)
+    return derivation, solution, plan(model, derivation, derivation.sink_layouts(solution), options.profile, ctx)
 
 
 def _shape_text(model: Model, name: str) -> list[Any]:

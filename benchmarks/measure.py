@@ -75,9 +75,8 @@ def latency_dims(path: Path, given: dict[str, int]) -> dict[str, int]:
 
 def latency_feeds(path: Path, dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
     """Inputs at ``dims`` (see latency_dims), drawn the way graphopt's check draws them."""
-    specs = read_spec(path).inputs
-    dims = bind_dims(specs, 0, dims)
-    return make_inputs(specs, dims, np.random.default_rng(seed))
+    spec = read_spec(path)
+    return make_inputs(spec, bind_dims(spec, 0, dims), np.random.default_rng(seed))
 
 
 def interleaved_latency(

@@ -2,7 +2,8 @@
 
 For every graph output: the lowest float precision computed on the way to it (the
 tolerance follows it, see compare.py) and the ops on the way that may draw random numbers
-(named when the original disagrees with itself).
+(their outputs are not checked: RANDOM_OPS, and a Dropout whose training_mode is not a
+constant false).
 
 A value's float type is its declared type (graph inputs and outputs, value_info), else
 what its producer implies: Cast's ``to``, CastLike's second input, a Constant's tensor,
@@ -19,10 +20,12 @@ before it is produced counts as unknown, never as an error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import onnx
+from onnx import numpy_helper
 
 from graphopt.ir.constness import RANDOM_OPS
 from graphopt.ir.node import STANDARD_DOMAINS
@@ -103,7 +106,27 @@ def output_paths(graph: onnx.GraphProto) -> dict[str, OutputPath]:
                 types.setdefault(name, None if node.op_type == "Constant" else implied)
                 if node.op_type == "Constant":
                     constants[name] = implied
-    return {output.name: _walk(output.name, producers, types, constants) for output in graph.output}
+    off = _false_constants(graph)
+    return {output.name: _walk(output.name, producers, types, constants, off) for output in graph.output}
+
+
+def _false_constants(graph: onnx.GraphProto) -> set[str]:
+    """The stored and Constant values that are a false scalar: a Dropout with such a training_mode is the identity."""
+    tensors = [(init.name, init) for init in graph.initializer]
+    tensors += [
+        (node.output[0], a.t)
+        for node in graph.node
+        if node.op_type == "Constant" and node.output
+        for a in node.attribute
+        if a.name == "value"
+    ]
+    return {
+        name
+        for name, tensor in tensors
+        if tensor.data_location != onnx.TensorProto.EXTERNAL
+        and math.prod(tensor.dims) == 1
+        and not numpy_helper.to_array(tensor).any()
+    }
 
 
 def _implied(node: onnx.NodeProto, lookup: Callable[[str], str | None]) -> str | None:
@@ -143,7 +166,11 @@ def _declared(graph: onnx.GraphProto) -> str | None:
 
 
 def _walk(
-    output: str, producers: dict[str, onnx.NodeProto], types: dict[str, str | None], constants: dict[str, str | None]
+    output: str,
+    producers: dict[str, onnx.NodeProto],
+    types: dict[str, str | None],
+    constants: dict[str, str | None],
+    off: set[str],
 ) -> OutputPath:
     seen: set[str] = set()
     precisions: list[str | None] = []
@@ -159,15 +186,19 @@ def _walk(
             precisions.append(types.get(name))
         if node is None:
             continue
-        random_ops.update(dict.fromkeys(_random_ops(node)))
+        random_ops.update(dict.fromkeys(_random_ops(node, off)))
         frontier.extend(n for n in node.input if n)
     return OutputPath(lowest(precisions), tuple(sorted(random_ops)))
 
 
-def _random_ops(node: onnx.NodeProto) -> Iterator[str]:
-    if node.domain in STANDARD_DOMAINS and (node.op_type in RANDOM_OPS or node.op_type == "Dropout"):
-        yield node.op_type
+def _random_ops(node: onnx.NodeProto, off: set[str]) -> Iterator[str]:
+    """The ops in ``node`` that draw numbers: RANDOM_OPS, and a Dropout whose training_mode is no constant false."""
+    if node.domain in STANDARD_DOMAINS:
+        if node.op_type in RANDOM_OPS:
+            yield node.op_type
+        elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] and node.input[2] not in off:
+            yield "Dropout"
     for attribute in node.attribute:
         for body in _bodies(attribute):
             for inner in body.node:
-                yield from _random_ops(inner)
+                yield from _random_ops(inner, off)

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graphopt.check import CheckResult, check_models
 from graphopt.check.inputs import bind_dims, make_inputs, read_spec
 from graphopt.errors import InputError
+from tests import node_suite
 from tests.cli_helpers import invoke
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
@@ -385,3 +386,27 @@ def test_generated_inputs(tmp_path: Path) -> None:
     assert long.dims == {"batch": 1, "sequence": 128}
     assert long.regimes == ["long sequence 128", "full masks", "ids over the whole table", "floats at scale 10"]
     assert abs(make_inputs(spec, long, np.random.default_rng(0))["pixels"]).max() > 5
+
+
+def _small_typed(model: onnx.ModelProto) -> bool:
+    small = {getattr(TensorProto, name) for name in _SMALL_TYPES} | {TensorProto.FLOAT4E2M1}
+    values = [*model.graph.input, *model.graph.output]
+    return any(v.type.tensor_type.elem_type in small for v in values)
+
+
+@pytest.mark.slow
+def test_node_suite_models_with_small_types_are_checked_or_say_why(tmp_path: Path) -> None:
+    # 110 of them ended in "internal error: AssertionError: no generator for bfloat16" (exit 3).
+    path = tmp_path / "m.onnx"
+    statuses: dict[str, list[str]] = {"passed": [], "not checked": [], "failed": []}
+    for case in node_suite.cases():
+        if not _small_typed(case.model):
+            continue
+        onnx.save(case.model, str(path))
+        result = check_models(path, path)
+        statuses[result.status].append(f"{case.name}: {result.reason}")
+    print({status: len(names) for status, names in statuses.items()})
+    assert not statuses["failed"], statuses["failed"][:5]
+    assert len(statuses["passed"]) >= 60, statuses["not checked"][:10]
+    # What stays unchecked is what onnxruntime cannot load or run, never a type the check lacks.
+    assert not [r for r in statuses["not checked"] if "cannot generate" in r or "Numpy_type" in r]

@@ -32,7 +32,7 @@ from graphopt.ir.node import STANDARD_DOMAINS
 __all__ = ["GraphFacts", "Role", "graph_facts"]
 
 # Roles, most constraining first: an input read in two ways takes the first role of the two.
-ROLE_ORDER = ("index", "ids", "reshape", "axes", "zero", "one", "count", "end", "position", "mask", "data")
+ROLE_ORDER = ("index", "ids", "split", "reshape", "axes", "zero", "one", "count", "end", "position", "mask", "data")
 
 # (op, input index) -> the role of an operand that sets a shape, count, axis or index.
 _OPERAND_ROLES: dict[tuple[str, int], str] = {
@@ -43,6 +43,8 @@ _OPERAND_ROLES: dict[tuple[str, int], str] = {
     ("Resize", 3): "count",
     ("NonMaxSuppression", 2): "count",
     ("Loop", 0): "count",
+    ("STFT", 1): "count",  # frame_step: 0 divides by zero in onnxruntime (SIGFPE)
+    ("STFT", 3): "count",
     ("TopK", 1): "one",
     ("Expand", 1): "one",
     ("Slice", 4): "one",
@@ -50,9 +52,12 @@ _OPERAND_ROLES: dict[tuple[str, int], str] = {
     ("Resize", 2): "one",
     ("Upsample", 1): "one",
     ("Range", 0): "zero",
+    ("Dropout", 1): "zero",
     ("Slice", 1): "zero",
     ("Pad", 1): "zero",
     ("CumSum", 1): "zero",
+    ("CumProd", 1): "zero",
+    ("DFT", 2): "one",  # the axis: 1, the first after the batch
     ("Slice", 2): "end",
     ("Slice", 3): "axes",
     ("Pad", 3): "axes",
@@ -74,19 +79,45 @@ _REDUCE_OPS = frozenset(
         "ReduceSumSquare",
     }
 )
-# (op, indices input) -> the data input those indices address.
-_INDEXING: dict[tuple[str, int], int] = {
-    ("Gather", 1): 0,
-    ("GatherElements", 1): 0,
-    ("GatherND", 1): 0,
-    ("ScatterElements", 1): 0,
-    ("Scatter", 1): 0,
-    ("ScatterND", 1): 0,
+# (op, indices input) -> the data input those indices address and the axis (None: the op's
+# ``axis`` attribute, 0 by default).
+_INDEXING: dict[tuple[str, int], tuple[int, int | None]] = {
+    ("Gather", 1): (0, None),
+    ("GatherElements", 1): (0, None),
+    ("GatherND", 1): (0, None),
+    ("ScatterElements", 1): (0, None),
+    ("Scatter", 1): (0, None),
+    ("ScatterND", 1): (0, None),
+    ("NegativeLogLikelihoodLoss", 1): (0, 1),  # class labels
+    ("SoftmaxCrossEntropyLoss", 1): (0, 1),
+    ("ArrayFeatureExtractor", 1): (0, -1),
+    ("LSTM", 4): (0, 0),  # sequence lengths, at most the sequence
+    ("GRU", 4): (0, 0),
+    ("RNN", 4): (0, 0),
 }
-# Ops that hand an input on with its values (ids, positions, shapes) unchanged.
-_PASSTHROUGH = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+# Ops that hand an input on with its values (ids, positions, shapes) unchanged, by the inputs that do.
+_PASSTHROUGH: dict[str, tuple[int, ...]] = {
+    "Cast": (0,),
+    "Identity": (0,),
+    "Reshape": (0,),
+    "Squeeze": (0,),
+    "Unsqueeze": (0,),
+    "Flatten": (0,),
+    "Where": (1, 2),
+}
 # Ops an image passes through on its way to the first Conv (normalization, layout, padding).
-_TO_CONV = frozenset({"Cast", "Identity", "Transpose", "Mul", "Add", "Sub", "Div", "Pad", "Unsqueeze", "Reshape"})
+_TO_CONV: dict[str, tuple[int, ...]] = {
+    "Cast": (0,),
+    "Identity": (0,),
+    "Transpose": (0,),
+    "Mul": (0, 1),
+    "Add": (0, 1),
+    "Sub": (0, 1),
+    "Div": (0,),
+    "Pad": (0,),
+    "Unsqueeze": (0,),
+    "Reshape": (0,),
+}
 _CONV_OPS = frozenset(
     {"Conv", "ConvTranspose", "ConvInteger", "QLinearConv", "MaxPool", "AveragePool", "LpPool", "DeformConv"}
 )
@@ -148,7 +179,7 @@ def _static_dims(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
 
 
 def _reach(
-    start: str, consumers: dict[str, list[tuple[onnx.NodeProto, int]]], through: frozenset[str]
+    start: str, consumers: dict[str, list[tuple[onnx.NodeProto, int]]], through: dict[str, tuple[int, ...]]
 ) -> Iterator[tuple[onnx.NodeProto, int]]:
     """The (node, input index) uses of ``start`` and of what ``through`` ops make of it as their data."""
     frontier, seen = [start], set()
@@ -158,7 +189,7 @@ def _reach(
             continue
         seen.add(name)
         for node, index in consumers.get(name, []):
-            if _standard(node) and node.op_type in through and index == 0:
+            if _standard(node) and index in through.get(node.op_type, ()):
                 frontier.extend(n for n in node.output if n)
             else:
                 yield node, index
@@ -171,9 +202,10 @@ def _role(
         return None
     op = node.op_type
     if (op, index) in _INDEXING:
-        data = node.input[_INDEXING[op, index]]
+        data_index, fixed_axis = _INDEXING[op, index]
+        data = node.input[data_index]
         attribute = _attribute(node, "axis")
-        axis = attribute.i if attribute is not None else 0
+        axis = fixed_axis if fixed_axis is not None else attribute.i if attribute is not None else 0
         if op == "Gather" and data in stored and stored[data]:
             table = stored[data]
             return Role("ids", table[axis % len(table)]) if -len(table) <= axis < len(table) else None
@@ -185,6 +217,12 @@ def _role(
         return Role("index", size or 1)
     if op in _REDUCE_OPS and index == 1:
         return Role("axes")
+    if op in ("Split", "SplitToSequence") and index == 1:  # sizes that add up to the axis
+        data_dims = static.get(node.input[0]) or []
+        attribute = _attribute(node, "axis")
+        axis = attribute.i if attribute is not None else 0
+        size = data_dims[axis % len(data_dims)] if data_dims and -len(data_dims) <= axis < len(data_dims) else None
+        return Role("split", size) if size else None
     kind = _OPERAND_ROLES.get((op, index))
     return Role(kind) if kind is not None else None
 

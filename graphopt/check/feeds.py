@@ -52,7 +52,10 @@ def run(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray], options:
     """``session.run`` over every output, for arrays of any element type in or out."""
     if not any(output.type in _TYPE_TEXTS for output in session.get_outputs()):
         return list(session.run(None, _to_ort(feeds), options))
-    return [_from_ort(value) for value in session.run_with_ort_values(None, _to_ort(feeds), options)]
+    values = {
+        name: _ort_value(a) if exotic(a.dtype) else ort.OrtValue.ortvalue_from_numpy(a) for name, a in feeds.items()
+    }
+    return [_from_ort(value) for value in session.run_with_ort_values(None, values, options)]
 
 
 def _to_ort(feeds: Mapping[str, np.ndarray]) -> dict[str, Any]:

@@ -275,7 +275,7 @@ def _regimes(spec: ModelSpec, binding: Binding, seq: int, long: bool) -> list[st
         names.append("positions after the cache" if spec.facts.cache else "positions from 0")
     if any(s.dtype is not None and _floating(s.dtype) and s.role is None for s in spec.inputs):
         names.append("floats at unit scale" if binding.scale == 1.0 else f"floats at scale {binding.scale:g}")
-    if roles & {"index", "reshape", "axes", "zero", "one", "count", "end"}:
+    if roles & {"index", "split", "reshape", "axes", "zero", "one", "count", "end"}:
         names.append("small shape, count and index operands")
     return names
 
@@ -303,7 +303,7 @@ def _data(spec: InputSpec, shape: tuple[int, ...], binding: Binding, rng: np.ran
     role = spec.role
     if dtype.kind in "OUS":
         words = np.array(["a", "b", "graphopt", ""], dtype=object)
-        return words[rng.integers(0, len(words), size=shape)]
+        return np.asarray(words[rng.integers(0, len(words), size=shape)], dtype=object)
     if role is not None and role.kind == "mask":
         return _mask(shape, binding.padded).astype(dtype)
     if dtype.kind == "b":  # a comparison of a rank-0 draw is a numpy scalar, which onnxruntime refuses
@@ -347,6 +347,11 @@ def _operand_values(role: Role, shape: tuple[int, ...], binding: Binding, rng: n
         if role.bound:
             positions = np.minimum(positions, role.bound - 1)
         return np.broadcast_to(positions, shape).copy() if shape else positions[:1].reshape(())
+    if role.kind == "split":  # equal parts, the remainder in the last
+        total, parts = role.bound or size, max(size, 1)
+        sizes = np.full(parts, total // parts)
+        sizes[-1] += total - sizes.sum()
+        return sizes[:size].reshape(shape)
     if role.kind == "reshape":  # [-1, 1, 1, ...] fits any element count
         return np.concatenate([[-1], np.ones(max(size - 1, 0), np.int64)])[:size].reshape(shape)
     if role.kind == "axes":

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.markup import escape
 
 from graphopt.cli.app import EXIT_CODES, cli, fail, guarded, parse_dims, stderr
 from graphopt.errors import InputError
@@ -16,7 +17,13 @@ from graphopt.errors import InputError
 @cli.command(epilog=EXIT_CODES)
 @click.argument("original", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.argument("optimized", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim (repeatable).")
+@click.option(
+    "--dim",
+    "dims",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Fix a dynamic dim, by name or as INPUT[AXIS] for an unnamed one (repeatable).",
+)
 @click.option(
     "--inputs", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Inputs (.npz by input name)."
 )
@@ -82,6 +89,8 @@ def render_numerics(outcome: dict[str, Any]) -> None:
         + (f" ({outcome['reason']})" if outcome.get("reason") else "")
     )
     for binding in outcome.get("bindings", []):
+        if binding.get("regimes"):
+            console.print(escape(f"  {binding['dims']}: {', '.join(binding['regimes'])}"))
         for entry in binding["outputs"]:
             colour = "red" if entry["passed"] is False else "yellow"
             mark = "ok" if entry["passed"] else f"[{colour}]{entry.get('reason') or 'differs'}[/{colour}]"

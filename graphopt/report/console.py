@@ -52,7 +52,8 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         line += escape(f" ({numerics['reason']})")
     for binding in numerics.get("bindings", []):
         worst = max((o["rel_l2"] for o in binding["outputs"] if o.get("rel_l2") is not None), default=0.0)
-        line += f"\n  dims {binding['dims']}: worst relative L2 {worst:.2e}"
+        regimes = f" ({', '.join(binding['regimes'])})" if binding.get("regimes") else ""
+        line += escape(f"\n  dims {binding['dims']}{regimes}: worst relative L2 {worst:.2e}")
         for output in binding["outputs"]:
             if output["passed"] is not True:
                 colour = "red" if output["passed"] is False else "yellow"

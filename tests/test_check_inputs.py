@@ -410,3 +410,28 @@ def test_node_suite_models_with_small_types_are_checked_or_say_why(tmp_path: Pat
     assert len(statuses["passed"]) >= 60, statuses["not checked"][:10]
     # What stays unchecked is what onnxruntime cannot load or run, never a type the check lacks.
     assert not [r for r in statuses["not checked"] if "cannot generate" in r or "Numpy_type" in r]
+
+
+def test_random_numbers_the_graph_cannot_show_are_caught_by_two_runs(tmp_path: Path) -> None:
+    # A model-local function draws them: only two runs of the original can tell.
+    noise = helper.make_function(
+        "local",
+        "Noise",
+        ["x"],
+        ["y"],
+        [helper.make_node("RandomUniformLike", ["x"], ["y"])],
+        [helper.make_opsetid("", 18)],
+    )
+    model = _model(
+        [helper.make_node("Noise", ["x"], ["noisy"], domain="local"), helper.make_node("Relu", ["x"], ["clean"])],
+        [("x", FLOAT, ["batch", 64])],
+        [("noisy", FLOAT, None), ("clean", FLOAT, None)],
+    )
+    model.functions.append(noise)
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    path = _save(tmp_path, "m", model)
+    result = check_models(path, path)
+    assert result.status == "passed", result.reason
+    noisy, clean = result.bindings[0].outputs
+    assert noisy.reason == "not checked: nondeterministic (the original model disagrees with itself)"
+    assert clean.passed is True

@@ -79,15 +79,16 @@ _REDUCE_OPS = frozenset(
         "ReduceSumSquare",
     }
 )
-# (op, indices input) -> the data input those indices address and the axis (None: the op's
-# ``axis`` attribute, 0 by default).
-_INDEXING: dict[tuple[str, int], tuple[int, int | None]] = {
-    ("Gather", 1): (0, None),
-    ("GatherElements", 1): (0, None),
-    ("GatherND", 1): (0, None),
-    ("ScatterElements", 1): (0, None),
-    ("Scatter", 1): (0, None),
-    ("ScatterND", 1): (0, None),
+# (op, indices input) -> the data input those indices address and the axis (a name: the
+# attribute that holds it, 0 by default).
+_INDEXING: dict[tuple[str, int], tuple[int, int | str]] = {
+    ("Gather", 1): (0, "axis"),
+    ("GatherElements", 1): (0, "axis"),
+    ("GatherND", 1): (0, "axis"),
+    ("ScatterElements", 1): (0, "axis"),
+    ("Scatter", 1): (0, "axis"),
+    ("ScatterND", 1): (0, "axis"),
+    ("ReverseSequence", 1): (0, "time_axis"),
     ("NegativeLogLikelihoodLoss", 1): (0, 1),  # class labels
     ("SoftmaxCrossEntropyLoss", 1): (0, 1),
     ("ArrayFeatureExtractor", 1): (0, -1),
@@ -198,14 +199,14 @@ def _reach(
 def _role(
     node: onnx.NodeProto, index: int, stored: dict[str, list[int]], static: dict[str, list[int | None]]
 ) -> Role | None:
-    if not _standard(node):
+    if not _standard(node) and node.domain != "ai.onnx.ml":
         return None
     op = node.op_type
     if (op, index) in _INDEXING:
-        data_index, fixed_axis = _INDEXING[op, index]
+        data_index, where = _INDEXING[op, index]
         data = node.input[data_index]
-        attribute = _attribute(node, "axis")
-        axis = fixed_axis if fixed_axis is not None else attribute.i if attribute is not None else 0
+        attribute = _attribute(node, where) if isinstance(where, str) else None
+        axis = where if isinstance(where, int) else attribute.i if attribute is not None else 0
         if op == "Gather" and data in stored and stored[data]:
             table = stored[data]
             return Role("ids", table[axis % len(table)]) if -len(table) <= axis < len(table) else None

@@ -42,7 +42,7 @@ from google.protobuf.message import DecodeError
 
 from graphopt.check.dims import GraphFacts, Role, graph_facts, unnamed_key
 from graphopt.check.feeds import exotic
-from graphopt.check.paths import OutputPath, output_paths
+from graphopt.check.paths import OutputPath, has_opaque_ops, output_paths
 from graphopt.errors import InputError
 
 __all__ = [
@@ -130,6 +130,7 @@ class ModelSpec:
     outputs: tuple[str, ...]
     paths: Mapping[str, OutputPath] = field(default_factory=dict)
     facts: GraphFacts = field(default_factory=GraphFacts)
+    opaque: bool = True  # it calls ops outside the ONNX domains (paths.has_opaque_ops)
 
     def signature(self) -> dict[str, str]:
         return {spec.name: spec.type_text for spec in self.inputs}
@@ -160,7 +161,8 @@ def read_spec(path: Path) -> ModelSpec:
     inputs = tuple(
         _input_spec(value, facts.roles.get(value.name)) for value in graph.input if value.name not in initialized
     )
-    return ModelSpec(inputs, tuple(value.name for value in graph.output), output_paths(graph), facts)
+    outputs = tuple(value.name for value in graph.output)
+    return ModelSpec(inputs, outputs, output_paths(graph), facts, has_opaque_ops(graph))
 
 
 def _input_spec(value: onnx.ValueInfoProto, role: Role | None) -> InputSpec:

@@ -30,7 +30,7 @@ from onnx import numpy_helper
 from graphopt.ir.constness import RANDOM_OPS
 from graphopt.ir.node import STANDARD_DOMAINS
 
-__all__ = ["EPSILON", "OutputPath", "lowest", "output_paths", "precision_name"]
+__all__ = ["EPSILON", "OutputPath", "has_opaque_ops", "lowest", "output_paths", "precision_name"]
 
 # Machine epsilon (the gap between 1 and the next larger number) of each float type.
 EPSILON: dict[str, float] = {
@@ -189,6 +189,16 @@ def _walk(
         random_ops.update(dict.fromkeys(_random_ops(node, off)))
         frontier.extend(n for n in node.input if n)
     return OutputPath(lowest(precisions), tuple(sorted(random_ops)))
+
+
+def has_opaque_ops(graph: onnx.GraphProto) -> bool:
+    """Whether ``graph`` calls an op outside the ONNX domains (a custom op, a model-local function):
+    whether it draws numbers is not in the graph, so only two runs of the original can tell."""
+    return any(
+        node.domain not in (*STANDARD_DOMAINS, "ai.onnx.ml")
+        or any(has_opaque_ops(body) for attribute in node.attribute for body in _bodies(attribute))
+        for node in graph.node
+    )
 
 
 def _random_ops(node: onnx.NodeProto, off: set[str]) -> Iterator[str]:

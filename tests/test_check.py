@@ -27,6 +27,7 @@ def _model(
     outputs: list[tuple[str, int, list[int | str | None] | None]],
     initializers: dict[str, np.ndarray] | None = None,
     domains: tuple[str, ...] = (),
+    opset: int = 17,
 ) -> onnx.ModelProto:
     graph = helper.make_graph(
         nodes,
@@ -35,7 +36,7 @@ def _model(
         [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
         [numpy_helper.from_array(a, n) for n, a in (initializers or {}).items()],
     )
-    opsets = [helper.make_opsetid("", 17), *(helper.make_opsetid(d, 1) for d in domains)]
+    opsets = [helper.make_opsetid("", opset), *(helper.make_opsetid(d, 1) for d in domains)]
     # onnxruntime 1.31 reads IR versions up to 13; onnx 1.23 would write 14.
     return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 

@@ -18,32 +18,10 @@ from graphopt.check.inputs import bind_dims, make_inputs, read_spec
 from graphopt.errors import InputError
 from tests import node_suite
 from tests.cli_helpers import invoke
+from tests.test_check import _model, _save
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64
 Shape = list[int | str | None]
-
-
-def _model(
-    nodes: list[onnx.NodeProto],
-    inputs: list[tuple[str, int, Shape]],
-    outputs: list[tuple[str, int, Shape | None]],
-    initializers: dict[str, np.ndarray] | None = None,
-    opset: int = 18,
-) -> onnx.ModelProto:
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
-        [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
-        [numpy_helper.from_array(a, n) for n, a in (initializers or {}).items()],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
-
-
-def _save(tmp_path: Path, name: str, model: onnx.ModelProto) -> Path:
-    path = tmp_path / f"{name}.onnx"
-    onnx.save(model, str(path))
-    return path
 
 
 def _failed_at(result: CheckResult, regime: str) -> None:
@@ -142,7 +120,7 @@ def _detector(wrong_above: int | None = None) -> onnx.ModelProto:
             helper.make_node("Add", ["y0", "bigf"], ["y"]),
         ]
         inits["limit"] = np.array([wrong_above], np.int64)
-    return _model(nodes, [("images", FLOAT, [None, 3, "height", "width"])], [("y", FLOAT, [None, 8])], inits)
+    return _model(nodes, [("images", FLOAT, [None, 3, "height", "width"])], [("y", FLOAT, [None, 8])], inits, opset=18)
 
 
 def test_a_model_wrong_on_images_over_8_px_fails_on_realistic_images(tmp_path: Path) -> None:
@@ -224,6 +202,7 @@ def _vad() -> onnx.ModelProto:
         [("input", FLOAT, [None, None]), ("state", FLOAT, [2, None, 8]), ("sr", INT64, [])],
         [("output", FLOAT, [None, 8])],
         inits,
+        opset=18,
     )
 
 
@@ -301,7 +280,8 @@ def _cast_model(elem_type: int, opset: int, returned: bool, factor: float) -> on
     if returned:
         nodes.append(helper.make_node("Identity", ["x"], ["same"]))
         outputs.append(("same", elem_type, None))
-    model = _model(nodes, [("x", elem_type, ["batch", 5])], outputs, {"factor": np.array(factor, np.float32)}, opset)
+    factor_init = {"factor": np.array(factor, np.float32)}
+    model = _model(nodes, [("x", elem_type, ["batch", 5])], outputs, factor_init, opset=opset)
     model.ir_version = 11
     return model
 

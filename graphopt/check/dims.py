@@ -26,13 +26,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import onnx
+from onnx import numpy_helper
 
 from graphopt.ir.node import STANDARD_DOMAINS
 
 __all__ = ["GraphFacts", "Role", "graph_facts"]
 
 # Roles, most constraining first: an input read in two ways takes the first role of the two.
-ROLE_ORDER = ("index", "ids", "split", "reshape", "axes", "zero", "one", "count", "end", "position", "mask", "data")
+_ROLE_ORDER = ("index", "ids", "split", "reshape", "axes", "zero", "one", "count", "end", "position", "mask")
 
 # (op, input index) -> the role of an operand that sets a shape, count, axis or index.
 _OPERAND_ROLES: dict[tuple[str, int], str] = {
@@ -65,20 +66,6 @@ _OPERAND_ROLES: dict[tuple[str, int], str] = {
     ("Squeeze", 1): "axes",
     ("Reshape", 1): "reshape",
 }
-_REDUCE_OPS = frozenset(
-    {
-        "ReduceSum",
-        "ReduceMean",
-        "ReduceMax",
-        "ReduceMin",
-        "ReduceProd",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceLogSum",
-        "ReduceLogSumExp",
-        "ReduceSumSquare",
-    }
-)
 # (op, indices input) -> the data input those indices address and the axis (a name: the
 # attribute that holds it, 0 by default).
 _INDEXING: dict[tuple[str, int], tuple[int, int | str]] = {
@@ -135,7 +122,7 @@ _SPATIAL_NAMES = frozenset({"h", "w", "height", "width", "img_h", "img_w", "imag
 
 @dataclass(frozen=True)
 class Role:
-    kind: str  # one of ROLE_ORDER
+    kind: str  # one of _ROLE_ORDER
     bound: int | None = None  # ids and index: values lie in [0, bound)
 
 
@@ -214,18 +201,19 @@ def _role(
         if op in ("GatherND", "ScatterND"):
             known = [d for d in data_dims if d]
             return Role("index", min(known) if known else 1)
-        size = data_dims[axis % len(data_dims)] if data_dims and -len(data_dims) <= axis < len(data_dims) else None
-        return Role("index", size or 1)
-    if op in _REDUCE_OPS and index == 1:
+        return Role("index", _axis_size(data_dims, axis) or 1)
+    if op.startswith("Reduce") and index == 1:  # every Reduce* takes its axes there
         return Role("axes")
     if op in ("Split", "SplitToSequence") and index == 1:  # sizes that add up to the axis
-        data_dims = static.get(node.input[0]) or []
         attribute = _attribute(node, "axis")
-        axis = attribute.i if attribute is not None else 0
-        size = data_dims[axis % len(data_dims)] if data_dims and -len(data_dims) <= axis < len(data_dims) else None
+        size = _axis_size(static.get(node.input[0]) or [], attribute.i if attribute is not None else 0)
         return Role("split", size) if size else None
     kind = _OPERAND_ROLES.get((op, index))
     return Role(kind) if kind is not None else None
+
+
+def _axis_size(dims: list[int | None], axis: int) -> int | None:
+    return dims[axis % len(dims)] if dims and -len(dims) <= axis < len(dims) else None
 
 
 def _stored(graph: onnx.GraphProto) -> dict[str, list[int]]:
@@ -256,7 +244,7 @@ def _input_roles(graph: onnx.GraphProto, inputs: list[onnx.ValueInfoProto]) -> d
             found = [Role("position", min((r.bound for r in found if r.bound), default=None))]
         if not found:
             continue
-        best = min(found, key=lambda r: (ROLE_ORDER.index(r.kind), r.bound or 0))
+        best = min(found, key=lambda r: (_ROLE_ORDER.index(r.kind), r.bound or 0))
         if best.kind in ("ids", "index"):
             best = Role(best.kind, min(r.bound or 1 for r in found if r.kind == best.kind))
         roles[value.name] = best
@@ -400,16 +388,14 @@ class _Union:
 
 
 def _constant_ints(graph: onnx.GraphProto) -> dict[str, list[int]]:
-    from onnx import numpy_helper
-
-    found = {
+    """The stored int64 scalars and vectors (axes lists)."""
+    return {
         init.name: [int(v) for v in numpy_helper.to_array(init).ravel()]
         for init in graph.initializer
         if init.data_type == onnx.TensorProto.INT64
         and init.data_location != onnx.TensorProto.EXTERNAL
         and len(init.dims) <= 1
     }
-    return found
 
 
 def _same_dims(graph: onnx.GraphProto, axes: dict[str, Axes]) -> dict[str, str]:
@@ -466,7 +452,7 @@ def _propagate(
     if op == "Transpose":
         perm = _attribute(node, "perm")
         return [first[i] for i in perm.ints] if perm is not None else first[::-1]
-    if op in ("Unsqueeze", "Squeeze", *_REDUCE_OPS):
+    if op in ("Unsqueeze", "Squeeze") or op.startswith("Reduce"):
         listed = _attribute(node, "axes")
         axes = list(listed.ints) if listed is not None else ints.get(node.input[1]) if len(node.input) > 1 else None
         if axes is None:

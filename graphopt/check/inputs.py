@@ -310,7 +310,7 @@ def _data(spec: InputSpec, shape: tuple[int, ...], binding: Binding, rng: np.ran
         return _mask(shape, binding.padded).astype(dtype)
     if dtype.kind == "b":  # a comparison of a rank-0 draw is a numpy scalar, which onnxruntime refuses
         return np.asarray(rng.random(shape) < 0.5)
-    if role is not None and role.kind != "data":
+    if role is not None:
         return _operand(role, shape, binding, rng).astype(dtype)
     if _floating(dtype):
         if dtype.name == "float8_e8m0fnu":  # powers of two only

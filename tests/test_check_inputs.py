@@ -415,3 +415,19 @@ def test_random_numbers_the_graph_cannot_show_are_caught_by_two_runs(tmp_path: P
     noisy, clean = result.bindings[0].outputs
     assert noisy.reason == "not checked: nondeterministic (the original model disagrees with itself)"
     assert clean.passed is True
+
+
+def test_a_malformed_graph_is_onnxruntime_s_to_refuse_not_the_input_synthesis(tmp_path: Path) -> None:
+    # A truncated stored tensor and a Transpose whose perm names axes x lacks: reading the
+    # graph for the bindings must not crash on either (exit 3); onnxruntime refuses the model.
+    truncated = onnx.TensorProto(name="axes", data_type=INT64, dims=[1], raw_data=b"abc")
+    for nodes in (
+        [helper.make_node("Unsqueeze", ["x", "axes"], ["y"])],
+        [helper.make_node("Transpose", ["x"], ["y"], perm=[0, 1, 2, 3])],
+    ):
+        model = _model(nodes, [("x", FLOAT, ["batch", 3])], [("y", FLOAT, None)])
+        model.graph.initializer.append(truncated)
+        path = _save(tmp_path, "m", model)
+        result = check_models(path, path)
+        assert result.status == "not checked", result.reason
+        assert "onnxruntime cannot load the original model" in (result.reason or "")

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import onnx
-from onnx import numpy_helper
 
+from graphopt.check.paths import inline_array
 from graphopt.ir.node import STANDARD_DOMAINS
 
 __all__ = ["GraphFacts", "Role", "graph_facts"]
@@ -389,13 +389,12 @@ class _Union:
 
 def _constant_ints(graph: onnx.GraphProto) -> dict[str, list[int]]:
     """The stored int64 scalars and vectors (axes lists)."""
-    return {
-        init.name: [int(v) for v in numpy_helper.to_array(init).ravel()]
+    vectors = {
+        init.name: inline_array(init)
         for init in graph.initializer
-        if init.data_type == onnx.TensorProto.INT64
-        and init.data_location != onnx.TensorProto.EXTERNAL
-        and len(init.dims) <= 1
+        if init.data_type == onnx.TensorProto.INT64 and len(init.dims) <= 1
     }
+    return {name: [int(v) for v in array.ravel()] for name, array in vectors.items() if array is not None}
 
 
 def _same_dims(graph: onnx.GraphProto, axes: dict[str, Axes]) -> dict[str, str]:
@@ -433,7 +432,7 @@ def _propagate(
                 slot = rank - len(shape) + i
                 out[slot] = union.join(out[slot], key)
         return out
-    if first is None:
+    if not first:  # unknown, or a scalar: nothing to carry
         return None
     attribute = _attribute(node, "axis")
     if op == "Concat" and attribute is not None and all(s is not None and len(s) == len(first) for s in shapes):
@@ -451,7 +450,9 @@ def _propagate(
         return first[:axis] + list(shapes[1]) + first[axis + 1 :]
     if op == "Transpose":
         perm = _attribute(node, "perm")
-        return [first[i] for i in perm.ints] if perm is not None else first[::-1]
+        if perm is None:
+            return first[::-1]
+        return [first[i] for i in perm.ints] if sorted(perm.ints) == list(range(len(first))) else None
     if op in ("Unsqueeze", "Squeeze") or op.startswith("Reduce"):
         listed = _attribute(node, "axes")
         axes = list(listed.ints) if listed is not None else ints.get(node.input[1]) if len(node.input) > 1 else None
@@ -474,8 +475,9 @@ def _propagate(
         return [*batch, first[-2], other[-1]]
     if op in _CONV_OPS:
         return [first[0]] + [None] * (len(first) - 1)
-    if op in _RNN and len(shapes) > 5 and shapes[5] is not None and len(first) == 3:
-        union.join(first[1], shapes[5][1])
+    state = shapes[5] if len(shapes) > 5 else None
+    if op in _RNN and state is not None and len(state) == 3 and len(first) == 3:
+        union.join(first[1], state[1])
     return None
 
 

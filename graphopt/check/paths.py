@@ -24,13 +24,14 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from graphopt.ir.constness import RANDOM_OPS
 from graphopt.ir.node import STANDARD_DOMAINS
 
-__all__ = ["EPSILON", "OutputPath", "has_opaque_ops", "lowest", "output_paths", "precision_name"]
+__all__ = ["EPSILON", "OutputPath", "has_opaque_ops", "inline_array", "lowest", "output_paths", "precision_name"]
 
 # Machine epsilon (the gap between 1 and the next larger number) of each float type.
 EPSILON: dict[str, float] = {
@@ -120,13 +121,19 @@ def _false_constants(graph: onnx.GraphProto) -> set[str]:
         for a in node.attribute
         if a.name == "value"
     ]
-    return {
-        name
-        for name, tensor in tensors
-        if tensor.data_location != onnx.TensorProto.EXTERNAL
-        and math.prod(tensor.dims) == 1
-        and not numpy_helper.to_array(tensor).any()
-    }
+    scalars = {name: inline_array(tensor) for name, tensor in tensors if math.prod(tensor.dims) == 1}
+    return {name for name, array in scalars.items() if array is not None and not array.any()}
+
+
+def inline_array(tensor: onnx.TensorProto) -> np.ndarray | None:
+    """The values of a tensor stored in the file itself, or None: external, or not readable
+    (a malformed tensor is onnxruntime's to refuse, with a message, not the check's to crash on)."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None
+    try:
+        return numpy_helper.to_array(tensor)
+    except (ValueError, TypeError):
+        return None
 
 
 def _implied(node: onnx.NodeProto, lookup: Callable[[str], str | None]) -> str | None:

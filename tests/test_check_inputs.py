@@ -431,3 +431,13 @@ def test_a_malformed_graph_is_onnxruntime_s_to_refuse_not_the_input_synthesis(tm
         result = check_models(path, path)
         assert result.status == "not checked", result.reason
         assert "onnxruntime cannot load the original model" in (result.reason or "")
+
+
+def test_the_long_sequence_stops_at_the_limit_the_metadata_names(tmp_path: Path) -> None:
+    model = _decoder()
+    helper.set_model_props(model, {"max_position_embeddings": "64"})
+    path = _save(tmp_path, "m", model)
+    result = check_models(path, path)
+    assert result.status == "passed" and result.reason is None, result.reason
+    assert [b.dims["total_sequence"] for b in result.bindings] == [24, 64]
+    assert result.bindings[1].regimes[0] == "long sequence 64: a cache of 63 + 1 new"

@@ -12,7 +12,8 @@ and the data reaches where a wrong rewrite would show:
 - Spatial dims take sizes every stride divides: the product of the strides of the Conv and
   pooling ops on the longest path, so feature maps of a detector's pyramid still concatenate.
 - Sequences are capped by the position table: the rows of a table that a Gather reads with
-  positions (from a Range, a slice of a stored position buffer, or a position-id input).
+  positions (from a Range, a slice of a stored position buffer, or a position-id input), or
+  the limit the model's metadata names (max_position_embeddings, n_positions, ...).
 - Each input has a role: ids (a Gather on a stored table reads them: spread over the table),
   indices into another input (bounded by its static dim), mask, position ids, or an operand
   that sets a shape, count or axis (Tile repeats, Reshape shape, Expand shape, TopK k, Range
@@ -22,7 +23,7 @@ and the data reaches where a wrong rewrite would show:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import onnx
@@ -116,6 +117,8 @@ _MAX_STRIDE = 64
 _INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.BOOL})
 # Kinds by how much they tell: of two dims the graph shows equal, both take the earlier kind.
 _KIND_ORDER = ("past", "total", "batch", "seq", "spatial", "other")
+# Metadata keys exporters write the longest sequence under.
+_LIMIT_KEYS = frozenset({"max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx"})
 _SEQ_WORDS = ("seq", "len", "token", "time", "step", "frame", "sample")
 _SPATIAL_NAMES = frozenset({"h", "w", "height", "width", "img_h", "img_w", "image_height", "image_width"})
 
@@ -513,7 +516,9 @@ def _place_kind(value: onnx.ValueInfoProto, axis: int, rank: int, conv: bool, ro
     return "other"
 
 
-def graph_facts(graph: onnx.GraphProto) -> GraphFacts:
+def graph_facts(graph: onnx.GraphProto, metadata: Mapping[str, str] | None = None) -> GraphFacts:
+    """What ``graph`` says about its inputs; ``metadata`` (the model's metadata_props) may name a
+    position limit the graph does not show (a rotary embedding computes its positions)."""
     initialized = {init.name for init in graph.initializer}
     inputs = [value for value in graph.input if value.name not in initialized]
     roles = _input_roles(graph, inputs)
@@ -553,7 +558,13 @@ def graph_facts(graph: onnx.GraphProto) -> GraphFacts:
                     kinds[key] = "total"
     positions = {name for name, role in roles.items() if role.kind == "position"}
     stride = _stride(graph) if "spatial" in kinds.values() else 1
-    return GraphFacts(roles, kinds, stride, _seq_limit(graph, positions), cache, same)
+    limits = [n for n in (_seq_limit(graph, positions), _metadata_limit(metadata or {})) if n]
+    return GraphFacts(roles, kinds, stride, min(limits, default=None), cache, same)
+
+
+def _metadata_limit(metadata: Mapping[str, str]) -> int | None:
+    values = [v.strip() for k, v in metadata.items() if k.lower() in _LIMIT_KEYS]
+    return min((int(v) for v in values if v.isdigit() and int(v) > 0), default=None)
 
 
 def _axis_keys(value: onnx.ValueInfoProto) -> Axes:

@@ -157,7 +157,7 @@ def read_spec(path: Path) -> ModelSpec:
         raise InputError(f"{path}: not a readable ONNX model ({exc})") from None
     graph = model.graph
     initialized = {init.name for init in graph.initializer}
-    facts = graph_facts(graph)
+    facts = graph_facts(graph, {prop.key: prop.value for prop in model.metadata_props})
     inputs = tuple(
         _input_spec(value, facts.roles.get(value.name)) for value in graph.input if value.name not in initialized
     )

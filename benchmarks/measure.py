@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from graphopt.check.inputs import bind_dims, make_inputs, read_spec
+from graphopt.check.inputs import bind_dims, dim_keys, make_inputs, read_spec
 
 # onnxruntime's own op domains: nodes only onnxruntime can run.
 CONTRIB_DOMAINS = frozenset({"com.microsoft", "com.microsoft.nchwc", "com.microsoft.internal.nhwc"})
@@ -67,17 +67,18 @@ def output_bytes(path: Path) -> int:
 
 
 def latency_dims(path: Path, given: dict[str, int]) -> dict[str, int]:
-    """A value for every named dynamic dim: ``given``, else SEQ_DIM_LENGTH for sequence-like names, else 1."""
-    named = {d for spec in read_spec(path).inputs for d in spec.shape or () if isinstance(d, str)}
-    guessed = {d: SEQ_DIM_LENGTH if any(w in d.lower() for w in _SEQ_WORDS) else 1 for d in named}
-    return guessed | {k: v for k, v in given.items() if k in named}
+    """A value for every dynamic dim: ``given``, else SEQ_DIM_LENGTH for sequence-like names, else 1 (unnamed: 1)."""
+    keys = dim_keys(read_spec(path))
+    guessed = {
+        d: SEQ_DIM_LENGTH if any(w in d.lower() for w in _SEQ_WORDS) and not d.endswith("]") else 1 for d in keys
+    }
+    return guessed | {k: v for k, v in given.items() if k in keys}
 
 
 def latency_feeds(path: Path, dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
     """Inputs at ``dims`` (see latency_dims), drawn the way graphopt's check draws them."""
-    specs = read_spec(path).inputs
-    dims = bind_dims(specs, 0, dims)
-    return make_inputs(specs, dims, np.random.default_rng(seed))
+    spec = read_spec(path)
+    return make_inputs(spec, bind_dims(spec, 0, dims), np.random.default_rng(seed))
 
 
 def interleaved_latency(

@@ -100,9 +100,9 @@ def _feeds(case: Case, session: ort.InferenceSession, path: Path) -> Iterator[di
         return
     from graphopt.check.inputs import bind_dims, candidate_count, make_inputs, read_spec
 
-    specs = read_spec(path).inputs
+    spec = read_spec(path)
     for k in range(candidate_count()):
-        yield make_inputs(specs, bind_dims(specs, k, {}), np.random.default_rng(k))
+        yield make_inputs(spec, bind_dims(spec, k, {}), np.random.default_rng(k))
 
 
 def _original_outputs(case: Case, path: Path) -> tuple[dict[str, Any], list[Any], list[Any]]:

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.check import CheckResult, check_models
 from graphopt.check.compare import Criterion, compare_output
-from graphopt.check.inputs import bind_dims, make_inputs, read_spec
+from graphopt.check.inputs import read_spec
 from graphopt.errors import InputError
 from graphopt.schemas import schema
 
@@ -27,6 +27,7 @@ def _model(
     outputs: list[tuple[str, int, list[int | str | None] | None]],
     initializers: dict[str, np.ndarray] | None = None,
     domains: tuple[str, ...] = (),
+    opset: int = 17,
 ) -> onnx.ModelProto:
     graph = helper.make_graph(
         nodes,
@@ -35,7 +36,7 @@ def _model(
         [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
         [numpy_helper.from_array(a, n) for n, a in (initializers or {}).items()],
     )
-    opsets = [helper.make_opsetid("", 17), *(helper.make_opsetid(d, 1) for d in domains)]
+    opsets = [helper.make_opsetid("", opset), *(helper.make_opsetid(d, 1) for d in domains)]
     # onnxruntime 1.31 reads IR versions up to 13; onnx 1.23 would write 14.
     return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 
@@ -196,8 +197,8 @@ def test_dynamic_dims_bound_by_name_at_two_bindings(tmp_path: Path) -> None:
     result = check_models(path, path)
     assert result.status == "passed", result.reason
     assert [bd.dims for bd in result.bindings] == [
-        {"batch": 1, "seq": 8, "height": 2, "width": 3},
-        {"batch": 3, "seq": 17, "height": 5, "width": 6},
+        {"batch": 3, "seq": 16, "height": 224, "width": 224},
+        {"batch": 1, "seq": 128, "height": 192, "width": 320},
     ]
     fixed = check_models(path, path, dims={"batch": 4})
     assert [bd.dims["batch"] for bd in fixed.bindings] == [4, 4]
@@ -207,22 +208,22 @@ def test_dynamic_dims_bound_by_name_at_two_bindings(tmp_path: Path) -> None:
 
 
 def test_binding_rejected_by_the_original_is_replaced(tmp_path: Path) -> None:
-    # Reshape to [-1, 4] needs seq to be a multiple of 4: 17 fails, the fallback 12 runs.
+    # Reshape to [-1, 3] needs the dim to be a multiple of 3: 16 fails, 24 runs, then the fallback 3.
     model = _model(
         [helper.make_node("Reshape", ["x", "shape"], ["y"])],
-        [("x", FLOAT, ["seq"])],
-        [("y", FLOAT, [None, 4])],
-        {"shape": np.array([-1, 4], np.int64)},
+        [("x", FLOAT, ["items"])],
+        [("y", FLOAT, [None, 3])],
+        {"shape": np.array([-1, 3], np.int64)},
     )
     path = _save(tmp_path, "m", model)
     result = check_models(path, path)
     assert result.status == "passed"
-    assert [bd.dims for bd in result.bindings] == [{"seq": 8}, {"seq": 12}]
-    assert result.reason is not None and "{seq=17}" in result.reason
+    assert [bd.dims for bd in result.bindings] == [{"items": 24}, {"items": 3}]
+    assert result.reason is not None and "{items=16}" in result.reason
 
 
-def test_two_names_for_one_dim_fall_back_to_shared_values(tmp_path: Path) -> None:
-    # Distinct names get distinct values first (8 and 9 do not broadcast), then share one.
+def test_two_names_for_one_dim_get_one_value(tmp_path: Path) -> None:
+    # Distinct names get distinct values unless the graph shows them equal (the Add broadcasts them).
     model = _model(
         [helper.make_node("Add", ["a", "b"], ["y"])],
         [("a", FLOAT, ["batch", "seq"]), ("b", FLOAT, ["batch", "seq_mask"])],
@@ -232,10 +233,10 @@ def test_two_names_for_one_dim_fall_back_to_shared_values(tmp_path: Path) -> Non
     result = check_models(path, path)
     assert result.status == "passed", result.reason
     assert [bd.dims for bd in result.bindings] == [
-        {"batch": 3, "seq": 17, "seq_mask": 17},
-        {"batch": 1, "seq": 16, "seq_mask": 16},
+        {"batch": 3, "seq": 16, "seq_mask": 16},
+        {"batch": 1, "seq": 128, "seq_mask": 128},
     ]
-    assert result.reason is not None and result.reason.count("the original model failed") == 3
+    assert result.reason is None
 
 
 def test_unnamed_dims_share_a_value(tmp_path: Path) -> None:
@@ -247,7 +248,7 @@ def test_unnamed_dims_share_a_value(tmp_path: Path) -> None:
     path = _save(tmp_path, "m", model)
     result = check_models(path, path)
     assert result.status == "passed", result.reason
-    assert [bd.dims for bd in result.bindings] == [{"a[0]": 1, "b[0]": 1}, {"a[0]": 2, "b[0]": 2}]
+    assert [bd.dims for bd in result.bindings] == [{"a[0]": 3, "b[0]": 3}, {"a[0]": 1, "b[0]": 1}]
 
 
 def test_npz_inputs_are_used_as_given(tmp_path: Path) -> None:
@@ -357,28 +358,7 @@ def test_optimized_model_that_froze_a_dynamic_dim_fails(tmp_path: Path) -> None:
     result = check_models(original, _save(tmp_path, "b", frozen))
     assert result.status == "failed"
     assert result.reason is not None and "optimized model failed to run at {batch=3}" in result.reason
-    assert [bd.passed for bd in result.bindings] == [True]
-
-
-def test_generated_inputs(tmp_path: Path) -> None:
-    model = _model(
-        [helper.make_node("Gather", ["table", "token_type_ids"], ["y"])],
-        [
-            ("token_type_ids", INT64, ["batch", "sequence"]),
-            ("attention_mask", INT64, ["batch", "sequence"]),
-            ("flags", TensorProto.BOOL, ["batch"]),
-            ("pixels", TensorProto.FLOAT16, ["batch", 3]),
-        ],
-        [("y", FLOAT, None)],
-        {"table": _weight(0, (2, 4))},
-    )
-    spec = read_spec(_save(tmp_path, "m", model))
-    dims = bind_dims(spec.inputs, 1, {})
-    feeds = make_inputs(spec.inputs, dims, np.random.default_rng(0))
-    assert dims == {"batch": 3, "sequence": 17}
-    assert feeds["token_type_ids"].shape == (3, 17) and set(np.unique(feeds["token_type_ids"])) == {0, 1}
-    assert feeds["attention_mask"].dtype == np.int64 and (feeds["attention_mask"] == 1).all()
-    assert feeds["flags"].dtype == np.bool_ and feeds["pixels"].dtype == np.float16
+    assert result.bindings == []
 
 
 def test_a_rewrite_that_confuses_two_dims_fails(tmp_path: Path) -> None:
@@ -482,7 +462,7 @@ def _detection_map(sigmoid_of_negated: bool) -> onnx.ModelProto:
 def test_tiny_outputs_pass_within_the_absolute_floor(tmp_path: Path) -> None:
     result = check_models(_save(tmp_path, "a", _detection_map(False)), _save(tmp_path, "b", _detection_map(True)))
     assert result.status == "passed", result.reason
-    outputs = [o for b in result.bindings for o in b.outputs]
+    outputs = result.bindings[0].outputs  # at unit scale: at scale 10 the map is no longer tiny
     assert all(o.rel_l2 > 1e-3 for o in outputs)  # the old criterion called this broken
     assert all(o.limits and o.max_abs <= o.limits["abs_floor"] == 4 * 2.0**-23 for o in outputs)
     # Doubling the map is a real change, floor or not.
@@ -519,7 +499,7 @@ def test_nondeterministic_outputs_are_not_checked_the_rest_is(tmp_path: Path) ->
     path = _save(tmp_path, "a", _dropout_model())
     result = check_models(path, path)
     assert result.status == "passed", result.reason
-    assert "output 'noisy' not checked: nondeterministic (ops Dropout)" in (result.reason or "")
+    assert "output 'noisy' not checked: nondeterministic (op Dropout)" in (result.reason or "")
     for binding in _json(result)["bindings"]:
         noisy, clean = binding["outputs"]
         assert noisy["passed"] is None and "nondeterministic" in noisy["reason"]
@@ -534,7 +514,7 @@ def test_a_model_that_is_only_random_is_not_checked(tmp_path: Path) -> None:
     path = _save(tmp_path, "a", _model(nodes, [("x", FLOAT, ["batch", 8])], [("y", FLOAT, None)]))
     result = check_models(path, path)
     assert result.status == "not checked"
-    assert "nondeterministic (ops RandomNormalLike)" in (result.reason or "")
+    assert "nondeterministic (op RandomNormalLike)" in (result.reason or "")
 
 
 # -- the same through the command line -----------------------------------------------------
@@ -548,13 +528,13 @@ def test_cli_never_exits_1_for_a_nondeterministic_model(tmp_path: Path) -> None:
     assert run.exit_code == 0, run.stderr
     numerics = json.loads(run.stdout)["numerics"]
     assert numerics["status"] == "passed"
-    assert "output 'noisy' not checked: nondeterministic (ops Dropout)" in numerics["reason"]
+    assert "output 'noisy' not checked: nondeterministic (op Dropout)" in numerics["reason"]
     assert "output noisy: not checked: nondeterministic" in " ".join(run.stderr.split())
     nodes = [helper.make_node("RandomUniformLike", ["x"], ["y"])]
     random_only = _save(tmp_path, "random", _model(nodes, [("x", FLOAT, ["batch", 8])], [("y", FLOAT, None)]))
     check = invoke("check", random_only, random_only)
     assert check.exit_code == 0
-    assert "graphopt: warning:" in check.stderr and "nondeterministic (ops RandomUniformLike)" in check.stderr
+    assert "graphopt: warning:" in check.stderr and "nondeterministic (op RandomUniformLike)" in check.stderr
 
 
 def test_cli_check_tolerance_follows_precision(tmp_path: Path) -> None:

@@ -135,10 +135,10 @@ def test_a_run_logs_each_phase_as_it_starts(tmp_path: Path) -> None:
     assert phases[1:3] == ["pass cleanup/noop (round 1)", "pass cleanup/dce (round 1)"]
     assert phases.index("pass fold") < phases.index(f"save {tmp_path / 'out.onnx'}") < phases.index("check numerics")
     assert phases[-4:] == [
-        "check: the original at {batch=1}",
         "check: the original at {batch=3}",
-        "check: the optimized model at {batch=1}",
+        "check: the original at {batch=1}",
         "check: the optimized model at {batch=3}",
+        "check: the optimized model at {batch=1}",
     ]
     assert result.stderr.index("check: the optimized model") < result.stderr.index("┃ pass")  # then the table
 

@@ -2,19 +2,30 @@
 
 The specs come from the ONNX file itself (``load_external_data=False``, so a model of any size
 parses in the time its graph takes), never from the IR: the check must judge the files exactly
-as they were written.
+as they were written. What the graph says about each dim and input (dims.py) decides the
+bindings and the data.
 
-Dynamic dims are bound by name, so ``batch`` has one value across every input of a binding.
-Each binding draws its value for a dim from the dim's class (batch-like, sequence-like, other,
-unnamed), and different names of one class get different values (the second "other" dim is
-one more than the first), so a rewrite that takes two unknown dims for one (onnxscript #2577)
-computes on the wrong shapes and is caught. The first two candidates differ in every class, so
-two bindings exercise two shapes; the later ones are fallbacks for models whose original
-rejects a binding: other values (a Reshape that needs a multiple of 4, a position table shorter
-than the sequence), then shared values per class (an exporter that gave one dim two names),
-then all ones. Unnamed dims (no ``dim_param``) all share one value per binding: an exporter
-that left the batch dim unnamed on two inputs still needs the two to agree, and 1 broadcasts
-against anything.
+Dynamic dims are bound by key: a named dim by its name, so ``batch`` has one value across
+every input of a binding, an unnamed one as ``input[axis]`` (the form ``--dim`` takes). Each
+binding draws a dim's value from its kind, and different names of one kind get different
+values (the second "other" dim is larger than the first; height and width differ in the
+non-square binding), so a rewrite that takes two dims for one (onnxscript #2577) computes on
+the wrong shapes and is caught. Unnamed dims of one kind share a value: an exporter that left
+the batch dim unnamed on two inputs still needs the two to agree. A total (the mask of a
+KV-cache decoder) is past + sequence.
+
+The first two bindings are the regimes the check exists for, each named in the report:
+
+- realistic sizes: batch 3, sequence 16 (a cache of 8 before it), images 224 x 224, with
+  masks padded (one row with trailing zeros, one with leading zeros) and floats at unit scale;
+- batch 1 at a long sequence (128, or the position table's rows; a decode step of one token
+  after a cache that fills it), images non-square (192 x 320), floats at scale 10.
+
+Every binding spreads ids over the whole table they index and gives position ids that follow
+the cache. Inputs that set a shape, count, axis or index get small valid values. The later
+bindings are fallbacks for a model whose original rejects those: smaller sizes (a Reshape
+that needs a multiple of 4), then shared values per kind (an exporter that gave one dim two
+names), then all ones.
 """
 
 from __future__ import annotations
@@ -25,43 +36,60 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
-from graphopt.check.paths import OutputPath, output_paths
+from graphopt.check.dims import GraphFacts, Role, graph_facts, unnamed_key
+from graphopt.check.feeds import exotic
+from graphopt.check.paths import OutputPath, has_opaque_ops, output_paths
 from graphopt.errors import InputError
 
 __all__ = [
     "NPZ_BYTE_LIMIT",
+    "Binding",
     "InputSpec",
     "ModelSpec",
     "bind_dims",
     "candidate_count",
+    "dim_keys",
     "load_npz",
     "make_inputs",
     "read_spec",
     "unnamed_key",
 ]
 
-# Base values by dim class, one column each ...
-_DIM_TABLE: dict[str, tuple[int, ...]] = {
-    "batch": (1, 3, 2, 1, 1),
-    "seq": (8, 17, 12, 16, 1),
-    "other": (2, 5, 3, 4, 1),
-    "unnamed": (1, 2, 3, 1, 1),
-}
-# ... and the candidate bindings: (column, whether names of one class get distinct values).
-_CANDIDATES: tuple[tuple[int, bool], ...] = ((0, True), (1, True), (2, True), (1, False), (3, False), (4, False))
-_SEQ_WORDS = ("seq", "len", "sequence", "token", "time", "step")
-# Integer inputs are ids drawn from [0, _MAX_ID) unless the graph shows a smaller table.
-_MAX_ID = 100
-# Ops that pass ids through unchanged on the way to the Gather that uses them.
+
+@dataclass(frozen=True)
+class _Candidate:
+    batch: int
+    seq: int | None  # None: the long sequence
+    past: int | None  # None: long - seq (a decode step that fills the position table)
+    spatial: tuple[int, int]  # height and width, rounded up to the stride; in strides when small
+    other: int
+    distinct: bool  # names of one kind get distinct values
+    scale: float  # of float data
+    padded: bool  # masks with padded rows
+
+
+_LONG = 128
+_CANDIDATES = (
+    _Candidate(3, 16, 8, (224, 224), 16, True, 1.0, True),
+    _Candidate(1, None, None, (192, 320), 24, True, 10.0, False),
+    _Candidate(2, 8, 4, (2, 3), 5, True, 1.0, True),
+    _Candidate(1, 12, 4, (1, 2), 4, False, 1.0, False),
+    _Candidate(1, 16, 2, (1, 1), 3, False, 1.0, False),
+    _Candidate(1, 1, 1, (1, 1), 1, False, 1.0, False),
+)
+# Spatial sizes below this are counted in strides (the fallbacks' small images).
+_IN_STRIDES = 8
+# Integer data the graph says nothing about: small non-negative values.
+_MAX_INT = 100
 # The check does not generate an input larger than this (a declared dim of 2**40 is valid ONNX).
 _MAX_INPUT_BYTES = 2**30
 # The most bytes the arrays of an --inputs .npz may take once decompressed.
 NPZ_BYTE_LIMIT = 4 * 2**30
-_ID_PASSTHROUGH = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
 Dim = int | str | None
 
@@ -72,14 +100,14 @@ class InputSpec:
 
     ``dtype`` is None for a type the check cannot generate (sequences, maps, optionals);
     ``shape`` is None when the rank is unknown. A str dim is a named dynamic dim, None an
-    unnamed one.
+    unnamed one. ``role`` is what the graph does with the input (dims.py), None for data.
     """
 
     name: str
     type_text: str
     dtype: np.dtype | None
     shape: tuple[Dim, ...] | None
-    id_bound: int | None = None
+    role: Role | None = None
 
     def unsupported(self) -> str | None:
         """Why this input cannot be generated, or None."""
@@ -92,15 +120,35 @@ class InputSpec:
             return f"input {self.name!r} would take {static} bytes or more ({self.type_text}{list(self.shape)})"
         return None
 
+    def axis_keys(self) -> list[str | None]:
+        """The binding key of each axis: a dim name, ``input[axis]`` for an unnamed dim, None for a static one."""
+        return [
+            d if isinstance(d, str) else unnamed_key(self.name, axis) if d is None else None
+            for axis, d in enumerate(self.shape or ())
+        ]
+
 
 @dataclass(frozen=True)
 class ModelSpec:
     inputs: tuple[InputSpec, ...]
     outputs: tuple[str, ...]
     paths: Mapping[str, OutputPath] = field(default_factory=dict)
+    facts: GraphFacts = field(default_factory=GraphFacts)
+    opaque: bool = True  # it calls ops outside the ONNX domains (paths.has_opaque_ops)
 
     def signature(self) -> dict[str, str]:
         return {spec.name: spec.type_text for spec in self.inputs}
+
+
+@dataclass
+class Binding:
+    """A value for every dynamic dim, and the input regimes its data is drawn in."""
+
+    dims: dict[str, int]
+    regimes: list[str]
+    scale: float = 1.0
+    padded: bool = False
+    past: int = 0
 
 
 def read_spec(path: Path) -> ModelSpec:
@@ -113,12 +161,15 @@ def read_spec(path: Path) -> ModelSpec:
         raise InputError(f"{path}: not a readable ONNX model ({exc})") from None
     graph = model.graph
     initialized = {init.name for init in graph.initializer}
-    bounds = _id_bounds(graph)
-    inputs = tuple(_input_spec(value, bounds.get(value.name)) for value in graph.input if value.name not in initialized)
-    return ModelSpec(inputs, tuple(value.name for value in graph.output), output_paths(graph))
+    facts = graph_facts(graph, {prop.key: prop.value for prop in model.metadata_props})
+    inputs = tuple(
+        _input_spec(value, facts.roles.get(value.name)) for value in graph.input if value.name not in initialized
+    )
+    outputs = tuple(value.name for value in graph.output)
+    return ModelSpec(inputs, outputs, output_paths(graph), facts, has_opaque_ops(graph))
 
 
-def _input_spec(value: onnx.ValueInfoProto, id_bound: int | None) -> InputSpec:
+def _input_spec(value: onnx.ValueInfoProto, role: Role | None) -> InputSpec:
     type_text = _type_text(value.type)
     if value.type.WhichOneof("value") != "tensor_type":
         return InputSpec(value.name, type_text, None, None)
@@ -130,7 +181,7 @@ def _input_spec(value: onnx.ValueInfoProto, id_bound: int | None) -> InputSpec:
     shape: tuple[Dim, ...] | None = None
     if tensor_type.HasField("shape"):
         shape = tuple(_dim(d) for d in tensor_type.shape.dim)
-    return InputSpec(value.name, type_text, dtype, shape, id_bound)
+    return InputSpec(value.name, type_text, dtype, shape, role)
 
 
 def _dim(dim: onnx.TensorShapeProto.Dimension) -> Dim:
@@ -152,74 +203,56 @@ def _type_text(type_proto: onnx.TypeProto) -> str:
     return kind or "undefined"
 
 
-def _id_bounds(graph: onnx.GraphProto) -> dict[str, int]:
-    """For inputs that index an embedding table (Gather on an initializer), the table's size.
-
-    Follows the ids through shape-only ops (Reshape, Unsqueeze, Cast, ...) so that exports
-    which flatten input_ids before the lookup are covered too.
-    """
-    tables = {init.name: list(init.dims) for init in graph.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    bounds: dict[str, int] = {}
-    for value in graph.input:
-        frontier, seen = [value.name], set()
-        while frontier:
-            name = frontier.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            for node in consumers.get(name, []):
-                if node.domain in ("", "ai.onnx") and node.op_type in _ID_PASSTHROUGH and node.input[0] == name:
-                    frontier.extend(node.output)
-                elif node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == name:
-                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-                    dims = tables.get(node.input[0])
-                    if dims and -len(dims) <= axis < len(dims):
-                        bound = dims[axis]
-                        bounds[value.name] = min(bounds.get(value.name, bound), bound)
-    return bounds
-
-
-def _dim_class(name: str) -> str:
-    lowered = name.lower()
-    # "N" is the batch dim of NCHW exports.
-    if "batch" in lowered or lowered == "n":
-        return "batch"
-    if any(word in lowered for word in _SEQ_WORDS):
-        return "seq"
-    return "other"
-
-
-def unnamed_key(input_name: str, axis: int) -> str:
-    """How an unnamed dim is recorded in a binding's dims."""
-    return f"{input_name}[{axis}]"
+def dim_keys(spec: ModelSpec) -> list[str]:
+    """Every dynamic dim's key, in the order the inputs declare them."""
+    return list(dict.fromkeys(key for s in spec.inputs for key in s.axis_keys() if key is not None))
 
 
 def candidate_count() -> int:
     return len(_CANDIDATES)
 
 
-def bind_dims(specs: tuple[InputSpec, ...], k: int, fixed: Mapping[str, int]) -> dict[str, int]:
-    """Candidate binding ``k``: a value for every dynamic dim, named ones by name.
+def bind_dims(spec: ModelSpec, k: int, fixed: Mapping[str, int]) -> Binding:
+    """Candidate binding ``k``: a value for every dynamic dim, with the regimes it draws its data in.
 
-    ``fixed`` (the user's ``--dim NAME=VALUE``) wins in every binding.
+    ``fixed`` (the user's ``--dim KEY=VALUE``, KEY a name or ``input[axis]``) wins in every binding.
     """
-    column, distinct = _CANDIDATES[k % len(_CANDIDATES)]
+    candidate = _CANDIDATES[k % len(_CANDIDATES)]
+    facts = spec.facts
+    limit = min(_LONG, facts.seq_limit or _LONG)
+    long = candidate.seq is None
+    seq = min(limit, candidate.seq or limit)
+    if facts.cache:
+        seq, past = (1, max(limit - 1, 0)) if long else (seq, min(candidate.past or 0, limit - seq))
+    else:
+        past = 0
+    stride = facts.stride
+    spatial = [_spatial(size, stride) for size in candidate.spatial]
+    values = {"batch": candidate.batch, "seq": seq, "past": past, "other": candidate.other}
     dims: dict[str, int] = {}
-    seen_in_class: dict[str, int] = {}
-    for spec in specs:
-        for axis, dim in enumerate(spec.shape or ()):
-            if isinstance(dim, str) and dim not in dims:
-                kind = _dim_class(dim)
-                offset = seen_in_class.get(kind, 0)
-                seen_in_class[kind] = offset + 1
-                dims[dim] = fixed.get(dim, _DIM_TABLE[kind][column] + (offset if distinct else 0))
-            elif dim is None:
-                dims[unnamed_key(spec.name, axis)] = _DIM_TABLE["unnamed"][column]
-    return dims
+    seen: dict[str, int] = {}
+    for key in dim_keys(spec):
+        first = next((k for k in dims if facts.same.get(k, k) == facts.same.get(key, key)), None)
+        if first is not None:  # the graph shows this dim equal to one bound already
+            dims[key] = fixed.get(key, dims[first])
+            continue
+        kind = facts.kinds.get(key, "other")
+        offset = seen.get(kind, 0)
+        seen[kind] = offset + 1
+        named = not key.endswith("]")
+        if kind == "spatial":
+            value = spatial[offset % 2] + (stride * (offset // 2) if candidate.distinct else 0)
+        elif kind == "total":
+            value = -1  # past + sequence, once both are known
+        else:
+            value = values[kind] + (offset if candidate.distinct and named and kind != "past" else 0)
+        dims[key] = fixed.get(key, value)
+    sequence = next((v for key, v in dims.items() if facts.kinds.get(key) == "seq"), seq)
+    cache = next((v for key, v in dims.items() if facts.kinds.get(key) == "past"), past)
+    dims = {key: sequence + cache if value == -1 else value for key, value in dims.items()}
+    binding = Binding(dims, [], candidate.scale, candidate.padded, cache)
+    binding.regimes = _regimes(spec, binding, sequence, long)
+    return binding
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
@@ -257,37 +290,118 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def make_inputs(
-    specs: tuple[InputSpec, ...], dims: Mapping[str, int], rng: np.random.Generator
-) -> dict[str, np.ndarray]:
-    """Seeded data for every input at the binding ``dims`` (see the module docstring)."""
+def _spatial(size: int, stride: int) -> int:
+    if size < _IN_STRIDES:
+        return size * stride
+    return -(-size // stride) * stride
+
+
+def _regimes(spec: ModelSpec, binding: Binding, seq: int, long: bool) -> list[str]:
+    kinds = {spec.facts.kinds.get(key) for key in binding.dims}
+    roles = {s.role.kind for s in spec.inputs if s.role is not None}
+    names: list[str] = []
+    batch = next((v for key, v in binding.dims.items() if spec.facts.kinds.get(key) == "batch"), 1)
+    if spec.facts.cache:
+        names.append(f"{'long ' if long else ''}sequence {binding.past + seq}: a cache of {binding.past} + {seq} new")
+    elif "seq" in kinds:
+        names.append(f"{'long ' if long else ''}sequence {seq}")
+    spatial = [v for key, v in binding.dims.items() if spec.facts.kinds.get(key) == "spatial"]
+    if spatial:
+        names.append("images " + " x ".join(map(str, spatial[:2])))
+    if "mask" in roles:
+        names.append("padded masks" if binding.padded and batch > 1 else "full masks")
+    if "ids" in roles:
+        names.append("ids over the whole table")
+    if "position" in roles:
+        names.append("positions after the cache" if spec.facts.cache else "positions from 0")
+    if any(s.dtype is not None and _floating(s.dtype) and s.role is None for s in spec.inputs):
+        names.append("floats at unit scale" if binding.scale == 1.0 else f"floats at scale {binding.scale:g}")
+    if roles & {"index", "split", "reshape", "axes", "zero", "one", "count", "end"}:
+        names.append("small shape, count and index operands")
+    return names
+
+
+def make_inputs(spec: ModelSpec, binding: Binding, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Seeded data for every input at ``binding`` (see the module docstring)."""
     feeds: dict[str, np.ndarray] = {}
-    for spec in specs:
-        assert spec.dtype is not None and spec.shape is not None, spec.unsupported()
+    for input_spec in spec.inputs:
+        assert input_spec.dtype is not None and input_spec.shape is not None, input_spec.unsupported()
         shape = tuple(
-            d if isinstance(d, int) else dims[d] if isinstance(d, str) else dims[unnamed_key(spec.name, axis)]
-            for axis, d in enumerate(spec.shape)
+            binding.dims[key] if key is not None else int(d)  # type: ignore[arg-type]
+            for key, d in zip(input_spec.axis_keys(), input_spec.shape, strict=True)
         )
-        feeds[spec.name] = _data(spec, shape, rng)
+        feeds[input_spec.name] = _data(input_spec, shape, binding, rng)
     return feeds
 
 
-def _data(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+def _floating(dtype: np.dtype) -> bool:
+    return dtype.kind in "fc" or (exotic(dtype) and not dtype.name.startswith(("int", "uint")))
+
+
+def _data(spec: InputSpec, shape: tuple[int, ...], binding: Binding, rng: np.random.Generator) -> np.ndarray:
     dtype = spec.dtype
     assert dtype is not None
-    if "mask" in spec.name.lower() and dtype.kind in "biuf":
-        return np.ones(shape, dtype=dtype)
-    if dtype.kind == "b":  # a comparison of a rank-0 draw is a numpy scalar, which onnxruntime refuses
-        return np.asarray(rng.random(shape) < 0.5)
-    if dtype.kind in "iu":
-        high = min(_MAX_ID, spec.id_bound or _MAX_ID, int(np.iinfo(dtype).max))
-        return rng.integers(0, max(high, 1), size=shape).astype(dtype)
-    if dtype.kind in "fc":
-        return rng.standard_normal(shape).astype(dtype)
+    role = spec.role
     if dtype.kind in "OUS":
         words = np.array(["a", "b", "graphopt", ""], dtype=object)
-        return words[rng.integers(0, len(words), size=shape)]
-    raise AssertionError(f"no generator for {dtype}")
+        return np.asarray(words[rng.integers(0, len(words), size=shape)], dtype=object)
+    if role is not None and role.kind == "mask":
+        return _mask(shape, binding.padded).astype(dtype)
+    if dtype.kind == "b":  # a comparison of a rank-0 draw is a numpy scalar, which onnxruntime refuses
+        return np.asarray(rng.random(shape) < 0.5)
+    if role is not None:
+        return _operand(role, shape, binding, rng).astype(dtype)
+    if _floating(dtype):
+        if dtype.name == "float8_e8m0fnu":  # powers of two only
+            return np.exp2(rng.integers(-4, 5, size=shape)).astype(dtype)
+        values = rng.standard_normal(shape) * binding.scale
+        if dtype.kind == "c":
+            values = values + 1j * rng.standard_normal(shape) * binding.scale
+        return np.asarray(values).astype(dtype)
+    info = ml_dtypes.iinfo(dtype) if exotic(dtype) else np.iinfo(dtype)
+    return rng.integers(max(int(info.min), 0), min(int(info.max), _MAX_INT - 1) + 1, size=shape).astype(dtype)
+
+
+def _mask(shape: tuple[int, ...], padded: bool) -> np.ndarray:
+    """Ones; padded: along the last axis, the first row ends in zeros and the second starts with them."""
+    mask = np.ones(shape, dtype=np.int64)
+    if padded and len(shape) >= 2 and shape[0] >= 2 and shape[-1] >= 2:
+        pad = max(1, shape[-1] // 4)
+        mask[0, ..., shape[-1] - pad :] = 0
+        mask[1, ..., :pad] = 0
+    return mask
+
+
+def _operand(role: Role, shape: tuple[int, ...], binding: Binding, rng: np.random.Generator) -> np.ndarray:
+    return np.asarray(_operand_values(role, shape, binding, rng))
+
+
+def _operand_values(role: Role, shape: tuple[int, ...], binding: Binding, rng: np.random.Generator) -> np.ndarray:
+    size = math.prod(shape)
+    if role.kind in ("ids", "index"):
+        values = rng.integers(0, max(role.bound or 1, 1), size=size)
+        if role.kind == "ids" and size >= 2:  # both ends of the table, whatever the draw
+            values[0], values[-1] = 0, max((role.bound or 1) - 1, 0)
+        return values.reshape(shape)
+    if role.kind == "position":
+        positions = binding.past + np.arange(shape[-1] if shape else 1)
+        if role.bound:
+            positions = np.minimum(positions, role.bound - 1)
+        return np.broadcast_to(positions, shape).copy() if shape else positions[:1].reshape(())
+    if role.kind == "split":  # equal parts, the remainder in the last
+        total, parts = role.bound or size, max(size, 1)
+        sizes = np.full(parts, total // parts)
+        sizes[-1] += total - sizes.sum()
+        return sizes[:size].reshape(shape)
+    if role.kind == "reshape":  # [-1, 1, 1, ...] fits any element count
+        return np.concatenate([[-1], np.ones(max(size - 1, 0), np.int64)])[:size].reshape(shape)
+    if role.kind == "axes":
+        return np.arange(size).reshape(shape)
+    if role.kind == "count":
+        return rng.integers(1, 3, size=shape)
+    if role.kind == "end":
+        return np.full(shape, np.iinfo(np.int32).max)
+    return np.full(shape, 0 if role.kind == "zero" else 1)
 
 
 def load_npz(path: Path, specs: tuple[InputSpec, ...]) -> tuple[dict[str, np.ndarray], dict[str, int]]:

@@ -20,6 +20,7 @@ import onnx
 import onnxruntime as ort
 
 from graphopt.check.compare import Criterion, compare_output
+from graphopt.check.feeds import run as run_session
 from graphopt.check.inputs import bind_dims, load_npz, make_inputs, read_spec
 from graphopt.check.numerics import json_ready
 from graphopt.check.paths import output_paths
@@ -54,8 +55,8 @@ def first_divergence(
     if inputs is not None:
         feed, _ = load_npz(Path(inputs), spec.inputs)
     else:
-        binding = bind_dims(spec.inputs, 0, dims or {})
-        feed = make_inputs(spec.inputs, binding, np.random.default_rng([seed, 0]))
+        binding = bind_dims(spec, 0, dims or {})
+        feed = make_inputs(spec, binding, np.random.default_rng([seed, 0]))
     try:
         values_good = _run_marked(proto_good, good, names, workdir / "good", feed)
         values_bad = _run_marked(proto_bad, bad, names, workdir / "bad", feed)
@@ -104,7 +105,7 @@ def _run_marked(
     options.log_severity_level = 4
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     wanted = [output.name for output in session.get_outputs()]
-    return {name: np.asarray(value) for name, value in zip(wanted, session.run(wanted, feed))}
+    return {name: np.asarray(value) for name, value in zip(wanted, run_session(session, feed, ort.RunOptions()))}
 
 
 def _external_locations(proto: onnx.ModelProto) -> set[str]:

@@ -10,10 +10,13 @@ never from onnxruntime's own fusions, which have disagreed numerically between l
 and one inter-op thread make every run repeatable.
 
 The original runs first (all bindings), then its session is freed before the optimized one is
-built, so only one model is resident at a time. At the first binding it runs twice: an output
-on which it disagrees with itself (training-mode Dropout, Random* ops, a custom op that draws
-numbers) is "not checked: nondeterministic", and the other outputs are judged as usual. Such
-an output never fails the check. Outcomes:
+built, so only one model is resident at a time. An output the graph shows to be random (a
+Random* op, Bernoulli, Multinomial or a Dropout whose training_mode is no constant false on its
+path, see paths.py) is "not checked: nondeterministic (op X)", and the other outputs are judged
+as usual; no run has to disagree for that. As a backstop for what the graph cannot show (a
+custom op or model-local function that draws numbers), a model that calls such ops runs twice
+at the first binding, and an output on which it disagrees with itself is not checked either.
+Such an output never fails the check. Outcomes:
 
 - "not checked": onnxruntime cannot load the original, it fails at every binding tried, an
   input has a type the check cannot generate, or time ran out before a comparison was made.
@@ -41,10 +44,13 @@ import numpy as np
 import onnxruntime as ort
 
 from graphopt.check.compare import Criterion, OutputComparison, compare_output
+from graphopt.check.feeds import run as run_session
 from graphopt.check.inputs import (
+    Binding,
     ModelSpec,
     bind_dims,
     candidate_count,
+    dim_keys,
     load_npz,
     make_inputs,
     read_spec,
@@ -61,6 +67,7 @@ class BindingResult:
     dims: dict[str, int]
     outputs: list[OutputComparison]
     passed: bool  # no output failed (outputs not judged do not count)
+    regimes: list[str] = field(default_factory=list)  # the input regimes of this binding (inputs.py)
 
 
 @dataclass
@@ -111,7 +118,7 @@ class _Deadline:
             timer = threading.Timer(max(0.0, self.end - time.monotonic()), lambda: setattr(options, "terminate", True))
             timer.start()
         try:
-            return [np.asarray(out) for out in session.run(None, dict(feeds), options)]
+            return [np.asarray(out) for out in run_session(session, feeds, options)]
         except Exception as exc:
             if self.expired():
                 raise TimeoutError from None
@@ -206,10 +213,10 @@ def check_models(
         raise InputError(f"{original} and {optimized} cannot be compared: their {mismatch}")
     if mismatch:
         return result("failed", mismatch)
-    feeds: Iterator[tuple[dict[str, int], dict[str, np.ndarray]]]
+    feeds: Iterator[tuple[Binding, dict[str, np.ndarray]]]
     if inputs is not None:
         arrays, npz_dims = load_npz(Path(inputs), spec_a.inputs)
-        feeds, wanted = iter([(npz_dims, arrays)]), 1
+        feeds, wanted = iter([(Binding(npz_dims, ["the given inputs"]), arrays)]), 1
     else:
         unsupported = next((r for r in (s.unsupported() for s in spec_a.inputs) if r), None)
         if unsupported:
@@ -221,22 +228,24 @@ def check_models(
         session = _session(original, threads)
     except _OrtError as exc:
         return result("not checked", f"onnxruntime cannot load the original model: {exc}")
-    ran: list[tuple[dict[str, int], dict[str, np.ndarray], list[np.ndarray]]] = []
+    ran: list[tuple[Binding, dict[str, np.ndarray], list[np.ndarray]]] = []
     skipped: list[str] = []
-    unstable: set[str] = set()
-    for binding_dims, feed in feeds:
+    # Outputs the graph shows to be random, and (the backstop, for ops the graph cannot show:
+    # custom ops, model-local functions) those on which two runs disagree.
+    unstable = {name for name in spec_a.outputs if name in spec_a.paths and spec_a.paths[name].random_ops}
+    for binding, feed in feeds:
         if on_phase is not None:
-            on_phase(f"check: the original at {_dims_text(binding_dims)}")
+            on_phase(f"check: the original at {_dims_text(binding.dims)}")
         try:
             expected = deadline.run(session, feed)
-            if not ran:
+            if not ran and spec_a.opaque:
                 again = deadline.run(session, feed)
-                unstable = {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
-            ran.append((binding_dims, feed, expected))
+                unstable |= {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
+            ran.append((binding, feed, expected))
         except _OrtError as exc:
-            skipped.append(f"the original model failed at {_dims_text(binding_dims)}: {exc}")
+            skipped.append(f"the original model failed at {_dims_text(binding.dims)}: {exc}")
         except TimeoutError:
-            skipped.append(f"timed out at {_dims_text(binding_dims)} after {timeout:g} s")
+            skipped.append(f"timed out at {_dims_text(binding.dims)} after {timeout:g} s")
             break
         if len(ran) == wanted:
             break
@@ -250,13 +259,13 @@ def check_models(
         return result("failed", f"onnxruntime cannot load the optimized model: {exc}")
     done: list[BindingResult] = []
     failure: str | None = None
-    for binding_dims, feed, expected in ran:
+    for binding, feed, expected in ran:
         if on_phase is not None:
-            on_phase(f"check: the optimized model at {_dims_text(binding_dims)}")
+            on_phase(f"check: the optimized model at {_dims_text(binding.dims)}")
         try:
             actual = deadline.run(session, _relaid(feed, layouts))
         except _OrtError as exc:
-            failure = f"the optimized model failed to run at {_dims_text(binding_dims)}: {exc}"
+            failure = f"the optimized model failed to run at {_dims_text(binding.dims)}: {exc}"
             break
         except TimeoutError:
             break
@@ -264,7 +273,8 @@ def check_models(
             _compare(name, a, b, criterion, spec_a, name in unstable)
             for name, a, b in zip(spec_a.outputs, expected, actual, strict=True)
         ]
-        done.append(BindingResult(binding_dims, outputs, all(o.passed is not False for o in outputs)))
+        passed = all(o.passed is not False for o in outputs)
+        done.append(BindingResult(binding.dims, outputs, passed, binding.regimes))
     del session
 
     notes = [f"output {name!r} {_nondeterministic(spec_a, name)}" for name in spec_a.outputs if name in unstable]
@@ -288,8 +298,9 @@ def _identical(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _nondeterministic(spec: ModelSpec, name: str) -> str:
     path = spec.paths.get(name)
-    ops = ", ".join(path.random_ops) if path is not None and path.random_ops else "unknown"
-    return f"not checked: nondeterministic (ops {ops}): the original model disagrees with itself"
+    if path is not None and path.random_ops:
+        return f"not checked: nondeterministic (op {', '.join(path.random_ops)})"
+    return "not checked: nondeterministic (the original model disagrees with itself)"
 
 
 def _compare(
@@ -305,19 +316,18 @@ def _compare(
 
 def _generated(
     spec: ModelSpec, fixed: Mapping[str, int], seed: int, bindings: int
-) -> Iterator[tuple[dict[str, int], dict[str, np.ndarray]]]:
+) -> Iterator[tuple[Binding, dict[str, np.ndarray]]]:
     """Candidate bindings with their data: the requested number, then the fallbacks (at least three)."""
     for k in range(max(bindings, 1) + max(3, candidate_count() - bindings)):
-        binding_dims = bind_dims(spec.inputs, k, fixed)
-        rng = np.random.default_rng([seed, k])
-        yield binding_dims, make_inputs(spec.inputs, binding_dims, rng)
+        binding = bind_dims(spec, k, fixed)
+        yield binding, make_inputs(spec, binding, np.random.default_rng([seed, k]))
 
 
 def _check_dim_names(spec: ModelSpec, fixed: Mapping[str, int]) -> None:
-    names = {d for s in spec.inputs for d in (s.shape or ()) if isinstance(d, str)}
-    unknown = sorted(set(fixed) - names)
+    keys = dim_keys(spec)
+    unknown = sorted(set(fixed) - set(keys))
     if unknown:
-        have = ", ".join(sorted(names)) or "none"
+        have = ", ".join(keys) or "none"
         raise InputError(f"--dim {', '.join(unknown)}: the model has no such dynamic input dim (it has: {have})")
 
 
@@ -359,5 +369,6 @@ def _first_failure(done: list[BindingResult]) -> str:
     for binding in done:
         for output in binding.outputs:
             if output.passed is False:
-                return f"output {output.name!r} at {_dims_text(binding.dims)}: {output.reason}"
+                regimes = f" ({', '.join(binding.regimes)})" if binding.regimes else ""
+                return f"output {output.name!r} at {_dims_text(binding.dims)}{regimes}: {output.reason}"
     raise AssertionError("no failing output")

@@ -2,7 +2,8 @@
 
 For every graph output: the lowest float precision computed on the way to it (the
 tolerance follows it, see compare.py) and the ops on the way that may draw random numbers
-(named when the original disagrees with itself).
+(their outputs are not checked: RANDOM_OPS, and a Dropout whose training_mode is not a
+constant false).
 
 A value's float type is its declared type (graph inputs and outputs, value_info), else
 what its producer implies: Cast's ``to``, CastLike's second input, a Constant's tensor,
@@ -19,15 +20,18 @@ before it is produced counts as unknown, never as an error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from graphopt.ir.constness import RANDOM_OPS
 from graphopt.ir.node import STANDARD_DOMAINS
 
-__all__ = ["EPSILON", "OutputPath", "lowest", "output_paths", "precision_name"]
+__all__ = ["EPSILON", "OutputPath", "has_opaque_ops", "inline_array", "lowest", "output_paths", "precision_name"]
 
 # Machine epsilon (the gap between 1 and the next larger number) of each float type.
 EPSILON: dict[str, float] = {
@@ -103,7 +107,33 @@ def output_paths(graph: onnx.GraphProto) -> dict[str, OutputPath]:
                 types.setdefault(name, None if node.op_type == "Constant" else implied)
                 if node.op_type == "Constant":
                     constants[name] = implied
-    return {output.name: _walk(output.name, producers, types, constants) for output in graph.output}
+    off = _false_constants(graph)
+    return {output.name: _walk(output.name, producers, types, constants, off) for output in graph.output}
+
+
+def _false_constants(graph: onnx.GraphProto) -> set[str]:
+    """The stored and Constant values that are a false scalar: a Dropout with such a training_mode is the identity."""
+    tensors = [(init.name, init) for init in graph.initializer]
+    tensors += [
+        (node.output[0], a.t)
+        for node in graph.node
+        if node.op_type == "Constant" and node.output
+        for a in node.attribute
+        if a.name == "value"
+    ]
+    scalars = {name: inline_array(tensor) for name, tensor in tensors if math.prod(tensor.dims) == 1}
+    return {name for name, array in scalars.items() if array is not None and not array.any()}
+
+
+def inline_array(tensor: onnx.TensorProto) -> np.ndarray | None:
+    """The values of a tensor stored in the file itself, or None: external, or not readable
+    (a malformed tensor is onnxruntime's to refuse, with a message, not the check's to crash on)."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None
+    try:
+        return numpy_helper.to_array(tensor)
+    except (ValueError, TypeError):
+        return None
 
 
 def _implied(node: onnx.NodeProto, lookup: Callable[[str], str | None]) -> str | None:
@@ -143,7 +173,11 @@ def _declared(graph: onnx.GraphProto) -> str | None:
 
 
 def _walk(
-    output: str, producers: dict[str, onnx.NodeProto], types: dict[str, str | None], constants: dict[str, str | None]
+    output: str,
+    producers: dict[str, onnx.NodeProto],
+    types: dict[str, str | None],
+    constants: dict[str, str | None],
+    off: set[str],
 ) -> OutputPath:
     seen: set[str] = set()
     precisions: list[str | None] = []
@@ -159,15 +193,29 @@ def _walk(
             precisions.append(types.get(name))
         if node is None:
             continue
-        random_ops.update(dict.fromkeys(_random_ops(node)))
+        random_ops.update(dict.fromkeys(_random_ops(node, off)))
         frontier.extend(n for n in node.input if n)
     return OutputPath(lowest(precisions), tuple(sorted(random_ops)))
 
 
-def _random_ops(node: onnx.NodeProto) -> Iterator[str]:
-    if node.domain in STANDARD_DOMAINS and (node.op_type in RANDOM_OPS or node.op_type == "Dropout"):
-        yield node.op_type
+def has_opaque_ops(graph: onnx.GraphProto) -> bool:
+    """Whether ``graph`` calls an op outside the ONNX domains (a custom op, a model-local function):
+    whether it draws numbers is not in the graph, so only two runs of the original can tell."""
+    return any(
+        node.domain not in (*STANDARD_DOMAINS, "ai.onnx.ml")
+        or any(has_opaque_ops(body) for attribute in node.attribute for body in _bodies(attribute))
+        for node in graph.node
+    )
+
+
+def _random_ops(node: onnx.NodeProto, off: set[str]) -> Iterator[str]:
+    """The ops in ``node`` that draw numbers: RANDOM_OPS, and a Dropout whose training_mode is no constant false."""
+    if node.domain in STANDARD_DOMAINS:
+        if node.op_type in RANDOM_OPS:
+            yield node.op_type
+        elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] and node.input[2] not in off:
+            yield "Dropout"
     for attribute in node.attribute:
         for body in _bodies(attribute):
             for inner in body.node:
-                yield from _random_ops(inner)
+                yield from _random_ops(inner, off)

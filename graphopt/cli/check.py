@@ -15,7 +15,13 @@ from graphopt.errors import InputError
 @cli.command(epilog=exit_codes("the outputs differ"))
 @click.argument("original", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.argument("optimized", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim (repeatable).")
+@click.option(
+    "--dim",
+    "dims",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Fix a dynamic dim, by name or as INPUT[AXIS] for an unnamed one (repeatable).",
+)
 @click.option(
     "--inputs", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Inputs (.npz by input name)."
 )

@@ -143,7 +143,11 @@ def _error_row(source: Path, error: str, exit_code: int) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--check/--no-check", default=True, show_default=True, help="Compare outputs in onnxruntime.")
 @click.option(
-    "--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim for the check (repeatable)."
+    "--dim",
+    "dims",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Fix a dynamic dim for the check, by name or as INPUT[AXIS] (repeatable).",
 )
 @click.option(
     "--inputs", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Check with these inputs (.npz)."

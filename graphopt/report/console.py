@@ -163,7 +163,8 @@ def render_numerics(console: Console, numerics: dict[str, Any], *, per_output: b
         line += escape(f" ({reason})")
     bindings = numerics.get("bindings", [])
     for number, binding in enumerate(bindings, 1):
-        where = f"binding {number} ({dims_text(binding['dims'])})"
+        regimes = f"; {', '.join(binding['regimes'])}" if binding.get("regimes") else ""
+        where = f"binding {number} ({dims_text(binding['dims'])}{regimes})"
         if per_output:
             for output in binding["outputs"]:
                 figures = ", ".join(f"{label} {figure(output.get(key))}" for key, label in _FIGURES if key in output)

@@ -29,6 +29,7 @@ from graphopt.errors import InputError
 from graphopt.passes.fuse import registered_rules
 from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, model, node
+from tests.passes.test_fuse_exports import exported_attention
 from tests.passes.test_fuse_ort_rules import (
     HIDDEN,
     _attention,
@@ -688,6 +689,15 @@ CASES: dict[str, Case] = {
         "probs",
         SOFTMAX_AXIS,
         Perturb(lambda p: at_opset(23)(SPLIT_INPUT.change(p)), "not provable", feeds=_attention_split_input),
+        below(23),
+        passes="shape-infer,fuse,dce",
+    ),
+    "attention-4d": Case(
+        exported_attention,
+        {"Attention": 1},
+        "val_156",
+        Perturb(set_attr("val_156", axis=2), "not over the last axis", note="Softmax axis=2"),
+        Perturb(set_shape("add_199", None), "not static", note="Q of unknown rank"),
         below(23),
         passes="shape-infer,fuse,dce",
     ),

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import DataType, Node, Value
+from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
@@ -209,6 +209,297 @@ add_rule(
         min_opset=23,
         label="Attention",
         doc="MatMul/scale/mask/Softmax/MatMul with head split and merge -> Attention (opset 23)",
+    )
+)
+
+
+# -- the 4-D form: what torch's scaled_dot_product_attention exports to -----------------------------
+#
+# Both PyTorch exporters write SDPA on (batch, heads, seq, head size) tensors, with the head split
+# before it (often with rotary embeddings in between), so the layer is matched from the
+# probabilities times V backwards and the 4-D Q, K, V become Attention's inputs:
+#   - the scale as Mul / Div by a scalar on the scores, or sqrt(scale) on Q and on K^T (both
+#     exporters), or none (T5);
+#   - K^T as Transpose(k, [0, 1, 3, 2]), Transpose(Reshape(K), [0, 2, 3, 1]), or the dynamo
+#     exporter's Reshape(Transpose(Reshape(k, (B*H, S, d)), [0, 2, 1]), (B, H, d, S));
+#   - grouped-query attention's repeat of the K / V heads, Reshape(Expand(Unsqueeze(kv, 2))),
+#     goes: Attention repeats them itself (kv_num_heads);
+#   - the mask as Add of a float bias (Where(cond, 0, -inf) becomes the boolean cond, whose fully
+#     masked rows Attention zeroes as the exporters' IsNaN guard after Softmax does), or
+#     Where(cond, scores, -inf) directly; a KV cache's Concat with the past stays K / V.
+
+
+def _scalar_steps(value: Value) -> tuple[Value, float]:
+    """``value`` without Mul / Div by scalar constants in front of it, and their product."""
+    factor = 1.0
+    while value.producer is not None and value.producer.op_type in ("Mul", "Div"):
+        node = value.producer
+        found: tuple[Value, float] | None = None
+        for index in (1, 0) if node.op_type == "Mul" else (1,):
+            step = scalar_factor(node.inputs[index], divides=node.op_type == "Div")
+            rest = node.inputs[1 - index]
+            if step is not None and rest is not None:
+                found = rest, step
+                break
+        if found is None:
+            break
+        value, factor = found[0], factor * found[1]
+    return value, factor
+
+
+@dataclass
+class _Heads4:
+    """A 4-D input of the layer: the value to pass, and the Transpose perm to apply first."""
+
+    value: Value
+    perm: list[int] | None = None
+
+
+def _untransposed_key(kt: Value) -> _Heads4 | None:
+    """K (B, H, S, d) from K^T (B, H, d, S) in the exporters' spellings."""
+    node = kt.producer
+    if node is None:
+        return None
+    source = node.inputs[0] if node.inputs else None
+    if node.op_type == "Transpose" and source is not None:
+        perm = list(node.attr("perm", []))
+        if perm == [0, 1, 3, 2]:
+            return _Heads4(source)
+        if perm == [0, 2, 3, 1] and Site.rank(source) == 4:
+            return _Heads4(source, _HEADS)
+        return None
+    if node.op_type != "Reshape" or source is None or source.producer is None:
+        return None
+    swap = source.producer
+    merged = swap.inputs[0] if swap.op_type == "Transpose" and swap.attr("perm") == [0, 2, 1] else None
+    split = merged.producer if merged is not None else None
+    if split is None or split.op_type != "Reshape" or split.inputs[0] is None:
+        return None
+    k, out, flat = Site.shape(split.inputs[0]), Site.shape(kt), Site.shape(merged)
+    if k is None or out is None or flat is None or len(k) != 4 or len(flat) != 3 or tuple(flat[1:]) != k[2:]:
+        return None
+    if None in k:
+        return None
+    return _Heads4(split.inputs[0]) if out == (k[0], k[1], k[3], k[2]) else None
+
+
+def _ints(site: Site, value: Value | None) -> tuple[Any, ...] | None:
+    """A small int tensor's entries (ints or symbolic dims), as the shape facts know them."""
+    return None if value is None else site.ctx.facts(site.model).sym(value)
+
+
+def _without_repeat(value: Value, site: Site) -> Value:
+    """``value`` without grouped-query attention's repeat of its heads:
+    Reshape(Expand(Unsqueeze(kv, [2]), (B, Hkv, n, S, d)), (B, Hkv * n, S, d))."""
+    reshape = value.producer
+    if reshape is None or reshape.op_type != "Reshape" or reshape.inputs[0] is None:
+        return value
+    expand = reshape.inputs[0].producer
+    if expand is None or expand.op_type != "Expand" or expand.inputs[0] is None:
+        return value
+    unsqueeze = expand.inputs[0].producer
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or unsqueeze.inputs[0] is None:
+        return value
+    axes = _ints(site, unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else tuple(unsqueeze.attr("axes", ()))
+    kv, wide, target = Site.shape(unsqueeze.inputs[0]), _ints(site, expand.inputs[1]), _ints(site, reshape.inputs[1])
+    if axes != (2,) or kv is None or len(kv) != 4 or wide is None or len(wide) != 5 or target is None:
+        return value
+    repeats, heads, size = wide[2], kv[1], kv[3]
+    if not all(isinstance(d, int) for d in (repeats, heads, size)):
+        return value
+    if len(target) != 4 or target[1] != heads * repeats or target[3] != size or wide[1] not in (1, heads):
+        return value
+    batch = (target[0] == 0 and not reshape.attr("allowzero", 0)) or target[0] == kv[0]
+    # The merge keeps the element count: with batch and seq both provably kept, the Expand cannot
+    # have broadcast either (a dim it grows from 1 would not fit), so its unknown entries are fine.
+    both = batch and target[2] == kv[2]
+    if any(not (w in (1, d) or (w is None and both)) for w, d in zip((wide[0], wide[3], wide[4]), kv[::2] + kv[3:])):
+        return value
+    # With the heads and head size fixed, one of batch and seq provably right fixes the other.
+    if batch or target[2] == kv[2]:
+        return unsqueeze.inputs[0]
+    return value
+
+
+def _head_count(value: Value, site: Site) -> tuple[int, int] | None:
+    """(heads, head size) of a 4-D (batch, heads, seq, head size) value: from its shape, or from the
+    head split Transpose(Reshape(x, (B, S, H or -1, d)), [0, 2, 1, 3]) that made it."""
+    shape = Site.shape(value)
+    if shape is None or len(shape) != 4:
+        return None
+    if isinstance(shape[1], int) and isinstance(shape[3], int):
+        return shape[1], shape[3]
+    node = value.producer
+    if node is None or node.op_type != "Transpose" or node.attr("perm") != _HEADS or node.inputs[0] is None:
+        return None
+    return _split_count(node.inputs[0], site)
+
+
+def _split_count(split: Value, site: Site) -> tuple[int, int] | None:
+    """(heads, head size) of a head split (batch, seq, heads, head size): from its shape, or from its
+    Reshape's target with the heads given or -1 (then the hidden size of x fixes them)."""
+    shape = Site.shape(split)
+    if shape is None or len(shape) != 4:
+        return None
+    if isinstance(shape[2], int) and isinstance(shape[3], int):
+        return shape[2], shape[3]
+    node = split.producer
+    if node is None or node.op_type != "Reshape" or node.inputs[0] is None:
+        return None
+    target, source = _ints(site, node.inputs[1]), Site.shape(node.inputs[0])
+    if target is None or len(target) != 4 or not isinstance(target[3], int) or target[3] <= 0:
+        return None
+    heads, size = target[2], target[3]
+    if isinstance(heads, int) and heads > 0:
+        return heads, size
+    width = source[-1] if source is not None and len(source) == 3 else None
+    if heads != -1 or not isinstance(width, int) or width % size or source is None:
+        return None
+    zero_copies = not node.attr("allowzero", 0)
+    leading = all((t == 0 and zero_copies) or t == d for t, d in zip(target[:2], source[:2], strict=True))
+    return (width // size, size) if leading else None
+
+
+@dataclass
+class _Plan4:
+    q: Value
+    k: _Heads4
+    v: Value
+    heads: int
+    kv_heads: int
+    scale: float
+    mask: Value | None
+
+
+def _mask_of(bias: Value) -> Value:
+    """The mask to pass for an added ``bias``: the boolean ``cond`` of Where(cond, 0, -inf)."""
+    node = bias.producer
+    if node is None or node.op_type != "Where" or Site.dtype(node.inputs[0]) != DataType.BOOL:
+        return bias
+    zero, fill = float_array(node.inputs[1]), float_array(node.inputs[2])
+    if zero is None or fill is None or zero.size != 1 or fill.size != 1:
+        return bias
+    if float(zero.ravel()[0]) != 0.0 or not np.isneginf(fill.ravel()[0]):
+        return bias
+    cond = node.inputs[0]
+    assert cond is not None
+    return cond
+
+
+def _plan_4d(m: Match, site: Site) -> _Plan4 | str:
+    softmax = m.node("softmax")
+    if softmax.attr("axis", -1) not in (-1, 3):
+        return "the Softmax is not over the last axis"
+    scores, mask = m.value("scores"), None
+    node = scores.producer
+    if node is not None and node.op_type == "Add":
+        for core, bias in (node.inputs, reversed(node.inputs)):
+            producer = _scalar_steps(core)[0].producer if core is not None else None
+            if core is not None and producer is not None and producer.op_type == "MatMul" and bias is not None:
+                scores, mask = core, _mask_of(bias)
+                break
+    elif node is not None and node.op_type == "Where":
+        fill = float_array(node.inputs[2])
+        if fill is None or fill.size != 1 or float(fill.ravel()[0]) > -1e30 or node.inputs[1] is None:
+            return "the Where before Softmax does not fill with -inf"
+        scores, mask = node.inputs[1], node.inputs[0]
+    assert scores is not None
+    core, scale = _scalar_steps(scores)
+    qk = core.producer
+    if qk is None or qk.op_type != "MatMul" or qk.inputs[0] is None or qk.inputs[1] is None:
+        return "the scores are not MatMul(Q, K^T) scaled by constants"
+    q, q_scale = _scalar_steps(qk.inputs[0])
+    kt, k_scale = _scalar_steps(qk.inputs[1])
+    k = _untransposed_key(kt)
+    if k is None:
+        return "K^T is not a transpose of a 4-D K in a spelling the rule knows"
+    v = _without_repeat(m.value("v"), site)
+    if k.perm is None:
+        k = _Heads4(_without_repeat(k.value, site))
+    k_value = k.value if k.perm is None else None
+    found = [_head_count(q, site), _head_count(k_value, site) if k_value is not None else None, _head_count(v, site)]
+    if k.perm is not None:
+        found[1] = _split_count(k.value, site)
+    if any(f is None for f in found):
+        return "the head counts and head size of Q, K, V are not static"
+    (heads, size), (kv_heads, k_size), (v_heads, _) = found  # type: ignore[misc]
+    if k_size != size or v_heads != kv_heads or heads % kv_heads:
+        return "the heads of Q, K and V do not fit together"
+    dtype = site.dtype(q)
+    if not is_float(q) or site.dtype(k.value) != dtype or site.dtype(v) != dtype:
+        return "Q, K, V are not float tensors of one known type"
+    if mask is not None:
+        shape = site.shape(mask)
+        if site.dtype(mask) not in (dtype, DataType.BOOL) or shape is None or not 2 <= len(shape) <= 4:
+            return "the mask is not a 2-D to 4-D tensor of Q's type or boolean"
+        if len(shape) > 2 and isinstance(shape[-3], int) and shape[-3] not in (1, heads):
+            return "the mask's head axis is neither 1 nor the heads"
+    return _Plan4(q, k, v, heads, kv_heads, scale * q_scale * k_scale, mask)
+
+
+_SPELLED = "attention_mask_spelled"
+
+
+def _length(b: Builder, x: Value, known: bool) -> Value:
+    """x's axis 2 (its sequence) as a 1-element shape: the constant 1 when the mask already has it."""
+    return b.constant(np.ones(1, np.int64), "one") if known else b.op("Shape", x, start=2, end=3)
+
+
+def _spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
+    """``mask`` with its query and key axes provably Q's and K's lengths, as onnxruntime's
+    Attention wants (a mask broadcasting over queries is expanded); one expansion per mask and
+    pair of lengths, shared by the layers."""
+    shape, q_len, k_len = Site.shape(mask) or (), (Site.shape(q) or (None,) * 4)[2], (Site.shape(k) or (None,) * 4)[2]
+    rows, keys = q_len is not None and shape[-2] == q_len, k_len is not None and shape[-1] == k_len
+    if rows and keys:
+        return mask
+    for use in mask.uses():
+        node = use.node
+        if node.op_type == "Expand" and node.name.startswith(_SPELLED) and Site.shape(node.outputs[0]) is not None:
+            have = Site.shape(node.outputs[0]) or ()
+            if None not in (q_len, k_len) and have[-2:] == (q_len, k_len):
+                return node.outputs[0]
+    ones = b.constant(np.ones(len(shape) - 2, np.int64), "ones")
+    target = b.op("Concat", ones, _length(b, q, rows), _length(b, k, keys), axis=0)
+    expanded = b.node("Expand", mask, target, name=_SPELLED)
+    dtype = Site.dtype(mask)
+    if dtype is not None:
+        expanded.outputs[0].type = TensorType(dtype, (*shape[:-2], q_len, k_len))
+    return expanded.outputs[0]
+
+
+def _rewrite_4d(b: Builder, m: Match, site: Site) -> Value:
+    plan = _plan_4d(m, site)
+    assert not isinstance(plan, str)
+    k = plan.k.value if plan.k.perm is None else b.op("Transpose", plan.k.value, perm=plan.k.perm)
+    mask = None if plan.mask is None else _spelled_out(b, plan.mask, plan.q, plan.v)
+    node: Node = b.node(
+        "Attention",
+        plan.q,
+        k,
+        plan.v,
+        mask,
+        q_num_heads=plan.heads,
+        kv_num_heads=plan.kv_heads,
+        scale=plan.scale,
+    )
+    return node.outputs[0]
+
+
+_SOFTMAX = op.Softmax(var("scores"), name="softmax")
+_NAN_GUARD = op.Where(op.IsNaN(_SOFTMAX, name="isnan"), const(0.0), _SOFTMAX, name="nan_guard")
+
+add_rule(
+    Rule(
+        "attention-4d",
+        FAMILY,
+        op.MatMul(either(_NAN_GUARD, _SOFTMAX), var("v"), name="pv"),
+        _rewrite_4d,
+        refusal(_plan_4d),
+        min_opset=23,
+        label="Attention",
+        doc="scaled dot-product attention on 4-D heads as the PyTorch exporters write it (scale on the scores "
+        "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard) -> Attention (opset 23)",
     )
 )
 

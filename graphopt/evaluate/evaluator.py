@@ -29,12 +29,11 @@ import onnxruntime.capi.onnxruntime_pybind11_state as ort_state
 from graphopt.evaluate import elementwise, reduction, shaping  # noqa: F401
 from graphopt.evaluate.base import Call, EvaluationError, Kernel, Unsupported, describe, kernel_for
 from graphopt.evaluate.runtime import run_region
-from graphopt.ir import Node, Tensor, TensorType, Value
+from graphopt.ir import CONTRIB_DOMAIN, Node, Tensor, TensorType, Value
 from graphopt.ir.constness import is_deterministic
 
 __all__ = ["Evaluator"]
 
-_CONTRIB_DOMAIN = "com.microsoft"
 _RANDOM_CONTRIB_OPS = frozenset({"Sampling", "BiasDropout", "BitmaskDropout", "BitmaskBiasDropout"})
 
 
@@ -236,9 +235,9 @@ def _refusal(node: Node, opsets: Mapping[str, int]) -> str | None:
             return f"opset {opset} of the standard domain has no op {node.op_type}"
         if not is_deterministic(node, opset):
             return "training-mode Dropout is random" if node.op_type == "Dropout" else "it is random"
-    elif node.domain == _CONTRIB_DOMAIN:
+    elif node.domain == CONTRIB_DOMAIN:
         if opset is None:
-            return f"the model imports no opset of {_CONTRIB_DOMAIN}"
+            return f"the model imports no opset of {CONTRIB_DOMAIN}"
         if node.op_type in _RANDOM_CONTRIB_OPS:
             return "it is random"
         if not any(low <= opset <= high for low, high in _contrib_kernels().get(node.op_type, ())):
@@ -265,6 +264,6 @@ def _contrib_kernels() -> dict[str, list[tuple[int, int]]]:
     """onnxruntime's CPU kernels of the contrib domain: op -> opset ranges."""
     found: dict[str, list[tuple[int, int]]] = {}
     for definition in ort_state.get_all_opkernel_def():
-        if definition.domain == _CONTRIB_DOMAIN and definition.provider == "CPUExecutionProvider":
+        if definition.domain == CONTRIB_DOMAIN and definition.provider == "CPUExecutionProvider":
             found.setdefault(definition.op_name, []).append(tuple(definition.version_range))  # type: ignore[arg-type]
     return found

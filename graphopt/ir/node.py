@@ -12,10 +12,12 @@ from graphopt.ir.value import Use, Value, read_value
 if TYPE_CHECKING:
     from graphopt.ir.graph import Graph
 
-__all__ = ["STANDARD_DOMAINS", "Attr", "AttrKind", "Node"]
+__all__ = ["CONTRIB_DOMAIN", "STANDARD_DOMAINS", "Attr", "AttrKind", "Node"]
 
 # The ONNX standard's own domain, under both of its spellings.
 STANDARD_DOMAINS = ("", "ai.onnx")
+# onnxruntime's contrib ops (its own kernels, such as FusedConv and SkipLayerNormalization).
+CONTRIB_DOMAIN = "com.microsoft"
 
 
 class AttrKind(IntEnum):

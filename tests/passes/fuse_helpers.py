@@ -12,7 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.api import optimize, pass_context
 from graphopt.io.onnx_io import from_proto, to_proto
-from graphopt.passes.fuse.engine import RunStats, Site, find_matches, registered_rules
+from graphopt.passes.fuse import registered_rules
+from graphopt.passes.fuse.engine import RuleSet, RunStats, Site, find_matches
 from graphopt.passes.pipeline import pipeline_from_config
 from graphopt.settings import Settings
 from tests.numerics import assert_same_outputs
@@ -75,7 +76,7 @@ def lowering_misses(proto: onnx.ModelProto, goal: int) -> list[str]:
     (bad input naming the op), so the run's report is lost: the engine is asked directly."""
     ir = optimize(from_proto(proto), "shape-infer", strict=True).model
     stats = RunStats()
-    lowering = [r for r in registered_rules() if r.family == "lower"]
+    lowering = RuleSet(r for r in registered_rules() if r.family == "lower")
     assert find_matches(ir.graph, lowering, Site(ir, ir.graph, goal, "onnx", pass_context(Settings())), stats) == []
     return stats.near_misses.get("lower", [])
 

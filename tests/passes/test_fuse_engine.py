@@ -12,8 +12,8 @@ import graphopt
 from graphopt.io.onnx_io import from_proto
 from graphopt.ir import Value
 from graphopt.ir.rewrite import PROVENANCE_KEY, Builder
-from graphopt.passes.fuse import Match, Rule, Site, add_rule, const, either, op, remove_rule, var
-from graphopt.passes.fuse.engine import select_rules
+from graphopt.passes.fuse import Match, Rule, Site, add_rule, const, either, op, registered_rules, remove_rule, var
+from graphopt.passes.fuse.fuse_pass import select_rules
 from graphopt.passes.fuse.patterns import match
 from graphopt.passes.pipeline import pipeline_from_config
 from tests.numerics import assert_same_outputs
@@ -32,7 +32,13 @@ def user_rule() -> Iterator[list[str]]:
 
 
 def _neg_neg() -> Rule:
-    return Rule("test-neg-neg", "test", op.Neg(op.Neg(var("x"))), lambda b, m, site: m.value("x"), label="NegNeg")
+    return Rule(
+        name="test-neg-neg",
+        family="test",
+        pattern=op.Neg(op.Neg(var("x"))),
+        build=lambda b, m, p: m.value("x"),
+        label="NegNeg",
+    )
 
 
 def test_a_user_rule_fires_through_optimize(user_rule: list[str]) -> None:
@@ -124,9 +130,21 @@ def test_commuted_inputs_and_alternatives_match() -> None:
 
 
 def test_largest_match_wins_and_ties_go_to_the_first_rule(user_rule: list[str]) -> None:
-    small = Rule("test-small", "test", op.Neg(var("x")), lambda b, m, s: b.op("Abs", m.value("x")))
-    large = Rule("test-large", "test", op.Neg(op.Relu(var("x"))), lambda b, m, s: b.op("Sigmoid", m.value("x")))
-    twin = Rule("test-twin", "test", op.Neg(op.Relu(var("x"))), lambda b, m, s: b.op("Tanh", m.value("x")))
+    small = Rule(
+        name="test-small", family="test", pattern=op.Neg(var("x")), build=lambda b, m, p: b.op("Abs", m.value("x"))
+    )
+    large = Rule(
+        name="test-large",
+        family="test",
+        pattern=op.Neg(op.Relu(var("x"))),
+        build=lambda b, m, p: b.op("Sigmoid", m.value("x")),
+    )
+    twin = Rule(
+        name="test-twin",
+        family="test",
+        pattern=op.Neg(op.Relu(var("x"))),
+        build=lambda b, m, p: b.op("Tanh", m.value("x")),
+    )
     for rule in (small, large, twin):
         add_rule(rule)
         user_rule.append(rule.name)
@@ -148,7 +166,14 @@ def test_covered_nodes_keep_the_match_of_the_later_root(user_rule: list[str]) ->
 
 def test_rounds_run_to_a_fixpoint_within_max_steps(user_rule: list[str]) -> None:
     """Relu(Relu(x)) -> Relu(x) halves a chain of eight per round: three rounds to one."""
-    add_rule(Rule("test-relu-relu", "test", op.Relu(op.Relu(var("x"))), lambda b, m, s: b.op("Relu", m.value("x"))))
+    add_rule(
+        Rule(
+            name="test-relu-relu",
+            family="test",
+            pattern=op.Relu(op.Relu(var("x"))),
+            build=lambda b, m, p: b.op("Relu", m.value("x")),
+        )
+    )
     user_rule.append("test-relu-relu")
     nodes = [node("Relu", ["x" if i == 0 else f"n{i - 1}"], f"n{i}" if i < 7 else "y") for i in range(8)]
     proto = model(nodes, [info("x", [2])], ["y"])
@@ -160,23 +185,31 @@ def test_rounds_run_to_a_fixpoint_within_max_steps(user_rule: list[str]) -> None
     assert_same_outputs(proto, out)
 
 
-def test_a_declining_rewrite_changes_nothing(user_rule: list[str]) -> None:
-    def decline(b: Builder, m: Match, site: Site) -> Value | None:
-        b.op("Abs", m.value("x"))
-        return None
-
-    add_rule(Rule("test-decline", "test", op.Neg(var("x")), decline))
-    user_rule.append("test-decline")
+def test_a_refusing_plan_changes_nothing_and_is_a_near_miss(user_rule: list[str]) -> None:
+    add_rule(
+        Rule(
+            name="test-refuse",
+            family="test",
+            pattern=op.Neg(var("x")),
+            plan=lambda m, site: "not today",
+            build=lambda b, m, p: b.op("Abs", m.value("x")),
+            label="Neg",
+        )
+    )
+    user_rule.append("test-refuse")
     proto = model([node("Neg", ["x"], "y")], [info("x", [2])], ["y"])
     out, details = fuse(proto, "fuse")
     assert ops(out) == {"Neg": 1} and details["applied"] == {}
+    assert details["near_misses"]["test"] == ["Neg at y: not today"]
 
 
 def test_provenance_names_the_rule(user_rule: list[str]) -> None:
     add_rule(_neg_neg())
     user_rule.append("test-neg-neg")
     proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "b"), node("Abs", ["b"], "y")], [info("x", [2])], ["y"])
-    add_rule(Rule("test-abs", "test", op.Abs(var("x")), lambda b, m, s: b.op("Relu", m.value("x"))))
+    add_rule(
+        Rule(name="test-abs", family="test", pattern=op.Abs(var("x")), build=lambda b, m, p: b.op("Relu", m.value("x")))
+    )
     user_rule.append("test-abs")
     result = graphopt.optimize(from_proto(proto), "fuse", provenance=True)
     (relu,) = [n for n in result.model.graph if n.op_type == "Relu"]
@@ -191,17 +224,22 @@ def test_rule_selection_by_name_and_family() -> None:
 
 
 def test_duplicate_rule_names_are_refused() -> None:
-    with pytest.raises(ValueError, match="already registered"):
-        add_rule(Rule("conv-bn", "conv", op.Neg(var("x")), lambda b, m, s: None))
+    with pytest.raises(ValueError, match="already in the library"):
+        add_rule(Rule(name="conv-bn", family="conv", pattern=op.Neg(var("x")), build=lambda b, m, p: m.value("x")))
 
 
-def test_the_readme_example_runs() -> None:
+def _run_readme_rule() -> None:
+    """Execute the pass README's fuse-rule example (it adds the rule "example-max-zero-relu")."""
     text = README.read_text(encoding="utf-8")
     start = text.index("```python\nfrom graphopt.passes.fuse import")
     code = text[start + len("```python\n") : text.index("```", start + 10)]
-    scope: dict[str, object] = {}
+    exec(compile(code, str(README), "exec"), {})
+
+
+def test_the_readme_example_runs() -> None:
     try:
-        exec(compile(code, str(README), "exec"), scope)
+        _run_readme_rule()
+        _run_readme_rule()  # a re-run notebook cell: the rule is replaced, not refused
         other = model([node("Max", ["x", "one"], "y")], [info("x", [2, 3])], ["y"], [init("one", 1.0)])
         _, details = fuse(other, "fuse")
         assert details["applied"] == {}
@@ -259,3 +297,111 @@ def test_a_cast_without_to_is_left_to_the_checker() -> None:
 
     result = optimize(from_proto(proto), "shape-infer,fuse")
     assert result.report["failures"] == []
+
+
+def test_a_rewrite_that_changes_the_output_shape_is_refused() -> None:
+    """The README rule on Max(x [2, 8], zeros [3, 2, 8]): Relu(x) would be [2, 8] where the
+    graph promises [3, 2, 8]. The engine compares the types and refuses; on a scalar zero
+    the rule fires."""
+    zeros = np.zeros((3, 2, 8), np.float32)
+    broadcast = model([node("Max", ["x", "zero"], "y")], [info("x", [2, 8])], ["y"], [init("zero", zeros)])
+    scalar = model([node("Max", ["zero", "x"], "y")], [info("x", [2, 8])], ["y"], [init("zero", 0.0)])
+    try:
+        _run_readme_rule()
+        out, details = fuse(broadcast, "shape-infer,fuse")
+        assert details["applied"] == {} and ops(out) == {"Max": 1}
+        assert details["near_misses"]["example"] == [
+            "example at y: the rewrite changes the output from [3, 2, 8] to [2, 8]"
+        ]
+        assert_same_outputs(broadcast, out)
+        out, details = fuse(scalar, "shape-infer,fuse")
+        assert details["applied"] == {"example-max-zero-relu": 1} and ops(out) == {"Relu": 1}
+        assert_same_outputs(scalar, out)
+    finally:
+        remove_rule("example-max-zero-relu")
+
+
+def test_a_plan_runs_once_and_its_build_gets_the_plan(user_rule: list[str]) -> None:
+    plans: list[object] = []
+
+    def plan(m: Match, site: Site) -> object:
+        plans.append(object())
+        return plans[-1]
+
+    def build(b: Builder, m: Match, found: object) -> Value:
+        assert found is plans[-1]
+        return m.value("x")
+
+    add_rule(Rule(name="test-planned", family="test", pattern=op.Neg(op.Neg(var("x"))), plan=plan, build=build))
+    user_rule.append("test-planned")
+    proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "b"), node("Relu", ["b"], "y")], [info("x", [2])], ["y"])
+    _, details = fuse(proto, "fuse")
+    assert details["applied"] == {"test-planned": 1} and len(plans) == 1
+
+
+def _fails_naming_the_rule(rule: Rule, user_rule: list[str]) -> str:
+    """Run ``rule`` on Neg(Neg(x)): the fuse pass fails, is rolled back, and says which rule broke."""
+    add_rule(rule)
+    user_rule.append(rule.name)
+    proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "y")], [info("x", [2])], ["y"])
+    result = graphopt.optimize(from_proto(proto), "fuse")
+    (failure,) = result.report["failures"]
+    assert failure["pass"] == "fuse" and f"rule {rule.name!r} failed" in failure["error"]
+    assert [n.op_type for n in result.model.graph] == ["Neg", "Neg"]
+    return str(failure["error"])
+
+
+def test_a_binding_the_pattern_never_makes_is_the_rules_failure_not_a_near_miss(user_rule: list[str]) -> None:
+    typo = Rule(
+        name="test-typo",
+        family="test",
+        pattern=op.Neg(op.Neg(var("x"))),
+        plan=lambda m, site: None if site.dtype(m.value("X")) else "no type",
+        build=lambda b, m, p: m.value("x"),
+    )
+    assert "binds no 'X'" in _fails_naming_the_rule(typo, user_rule)
+
+
+def test_an_error_in_a_build_is_the_rules_failure_not_a_silent_decline(user_rule: list[str]) -> None:
+    def build(b: Builder, m: Match, plan: None) -> Value:
+        return b.op("Relu", m.value("x").nme)  # type: ignore[attr-defined]
+
+    broken = Rule(name="test-broken-build", family="test", pattern=op.Neg(op.Neg(var("x"))), build=build)
+    assert "AttributeError" in _fails_naming_the_rule(broken, user_rule)
+
+
+def test_an_unreadable_attribute_is_a_near_miss(user_rule: list[str]) -> None:
+    """A string where the rule reads an int (Site.int_attr raises Unreadable): a refusal."""
+    add_rule(
+        Rule(
+            name="test-axis",
+            family="test",
+            pattern=op.Softmax(var("x")),
+            plan=lambda m, site: Site.int_attr(m.root, "axis", -1),
+            build=lambda b, m, axis: b.op("Softmax", m.value("x"), axis=axis),
+            label="Softmax",
+        )
+    )
+    user_rule.append("test-axis")
+    proto = model([node("Softmax", ["x"], "y", axis="last")], [info("x", [2])], ["y"])
+    _, details = fuse(proto, "fuse")
+    assert details["applied"] == {}
+    assert details["near_misses"]["test"] == [
+        "Softmax at y: the match cannot be read (Softmax attribute 'axis' is a string)"
+    ]
+
+
+def test_adding_the_same_rule_twice_changes_nothing(user_rule: list[str]) -> None:
+    rule = _neg_neg()
+    add_rule(rule)
+    add_rule(rule)
+    user_rule.append(rule.name)
+    assert [r for r in registered_rules() if r.name == rule.name] == [rule]
+
+
+def test_the_noop_pass_and_the_shape_family_share_their_common_rules() -> None:
+    from graphopt.passes.fuse.rules import LIBRARY, noop
+
+    shared = [r for r in LIBRARY if r.family == "noop"]
+    assert {r.name for r in shared} == {"transpose-identity", "cast-to-same-type"}
+    assert all(any(r is mine for mine in noop.RULES) for r in shared)

@@ -989,7 +989,7 @@ CASES: dict[str, Case] = {
         "n/a: types only",
         NO_GATE,
     ),
-    "cast-same-type": Case(
+    "cast-to-same-type": Case(
         _same_type_cast,
         {"Neg": 1},
         "n/a: one node",

@@ -1,28 +1,34 @@
-"""The fuse / shatter engine: rules as data, one matcher, one driver.
+"""The rewrite engine: rules as data, one matcher, one driver (the fuse and noop passes).
 
-A :class:`Rule` is a pattern (:mod:`graphopt.passes.fuse.patterns`), an optional ``check``
-that returns the reason a structural match cannot be rewritten (None: go ahead), and a
-``rewrite`` that builds the replacement through a toolkit Builder and returns the values
-that stand for the root's outputs. Rules live in a registry in registration order; the
-built-in families register themselves from ``rules/``, and users add their own with
-:func:`add_rule`.
+A :class:`Rule` is a pattern (:mod:`graphopt.passes.fuse.patterns`), an optional ``plan``
+and a ``build``. ``plan(m, site)`` runs once per structural match: it returns the reason the
+match cannot be rewritten (a ``str``) or the plan (any other value, None included) that
+``build(b, m, plan)`` then turns into the replacement through a toolkit Builder, returning
+the values that stand for the root's outputs. Rules are grouped as :class:`RuleSet` values,
+composed with ``+`` in the order that breaks ties; the engine knows no rule library.
 
 One round over a graph (:func:`run_round`):
 
 1. Walk the nodes from the outputs backwards (reverse topological order). At each node
    not yet covered, try every rule whose pattern can be rooted at its op type; a match is
    valid when no entry but the root has a reader outside the match (a graph output counts
-   as a reader), its opset gate holds, it overlaps no covered node, and ``check`` agrees.
+   as a reader), its opset gate holds, it overlaps no covered node, and its plan agrees.
 2. LARGEST_MATCH: among the valid matches rooted at the node the one covering most nodes
-   wins; ties go to the rule registered first, then to the matcher's first binding. Its
-   nodes are covered and keep this match for the round.
-3. Apply the chosen matches in walk order: the rewrite builds new nodes before the root,
-   then ``replace_nodes`` swaps them in (graph outputs keep their names).
+   wins; ties go to the rule earlier in the rule set, then to the matcher's first binding.
+   Its nodes are covered and keep this match for the round.
+3. Apply the chosen matches in walk order: the build makes new nodes before the root, the
+   engine checks that each replacement keeps the element type and shape of the value it
+   replaces (where both are known), then ``replace_nodes`` swaps them in (graph outputs keep
+   their names).
 
-A structural match refused by a gate, a reader outside it, or its check is a near miss;
-near misses whose root no other match covered are reported per family with the reason.
-The pass (:mod:`graphopt.passes.fuse.fuse_pass`) runs the shatter rules, then the fuse
-rules, until a round changes nothing or ``max_steps`` rounds ran.
+:func:`sweep` applies single-node rules (the noop family) in topological order instead, each
+at once, so a chain such as ``Identity(Identity(x))`` goes in one pass.
+
+A structural match refused by a gate, a reader outside it, its plan or the type guard is a
+near miss; near misses whose root no other match covered are reported per family with the
+reason. A rule that cannot read its match raises :class:`Unreadable` (a refusal); any other
+exception from a rule is that rule's failure (:class:`RuleFailed`), which the pipeline
+reports and rolls back like any failing pass.
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from graphopt.errors import InputError
-from graphopt.ir import DataType, Graph, Model, Node, Value, tensor_dtype, tensor_shape
+from graphopt.errors import GraphoptError
+from graphopt.ir import AttrKind, DataType, Graph, Model, Node, Value, tensor_dtype, tensor_shape
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, replace_nodes
 from graphopt.passes.base import PassContext
@@ -45,17 +51,19 @@ from graphopt.passes.fuse.patterns import Bindings, OpPattern, Pattern, entries,
 __all__ = [
     "Match",
     "Rule",
+    "RuleFailed",
+    "RuleSet",
     "RunStats",
     "Site",
-    "add_rule",
-    "registered_rules",
-    "remove_rule",
+    "Unreadable",
     "run_round",
+    "sweep",
 ]
 
 Kind = Literal["fuse", "shatter"]
-Rewrite = Callable[[Builder, "Match", "Site"], "Value | Sequence[Value] | None"]
-Check = Callable[["Match", "Site"], "str | None"]
+# A plan's refusal is its reason; any other value is the plan handed to the build.
+Plan = Callable[["Match", "Site"], Any]
+Build = Callable[[Builder, "Match", Any], "Value | Sequence[Value]"]
 
 # The most bindings examined per rule and root (commuted orders multiply quickly).
 MAX_BINDINGS = 64
@@ -67,9 +75,18 @@ MAX_FEEDERS = 64
 WEIGHT_READ_LIMIT = 1 << 28
 
 
+class Unreadable(Exception):
+    """The match cannot be read as the rule needs (an attribute or constant of another kind):
+    the rule does not apply there, and the reason is a near miss."""
+
+
+class RuleFailed(Exception):
+    """A rule raised something other than :class:`Unreadable`: a bug in the rule."""
+
+
 @dataclass(frozen=True)
 class Site:
-    """Where a match was found: the model, graph and opset a check or rewrite works at.
+    """Where a match was found: the model, graph and opset a plan or build works at.
 
     ``opset`` is the default-domain opset the graph has after the pass (the target opset
     when the model is being lowered); ``target`` is "onnx" or "ort".
@@ -99,43 +116,77 @@ class Site:
         """A constant's values (read-only), or None."""
         return constant_array(value, limit)
 
+    @staticmethod
+    def int_attr(node: Node, name: str, default: int) -> int:
+        """Attribute ``name`` of ``node`` as an int (``default`` when absent)."""
+        return int(_attr_of_kind(node, name, default, (AttrKind.INT,)))
+
+    @staticmethod
+    def float_attr(node: Node, name: str, default: float) -> float:
+        """Attribute ``name`` of ``node`` as a float (``default`` when absent)."""
+        return float(_attr_of_kind(node, name, default, (AttrKind.FLOAT, AttrKind.INT)))
+
+    @staticmethod
+    def ints_attr(node: Node, name: str) -> list[int] | None:
+        """Attribute ``name`` of ``node`` as a list of ints (None when absent)."""
+        found = _attr_of_kind(node, name, None, (AttrKind.INTS,))
+        return None if found is None else [int(v) for v in found]
+
     def domain_opset(self, domain: str) -> int:
         return self.model.opset_in(self.graph, domain)
 
 
-class Match:
-    """One way a rule's pattern matched at ``root``: named bindings and the covered nodes."""
+def _attr_of_kind(node: Node, name: str, default: Any, kinds: tuple[AttrKind, ...]) -> Any:
+    attr = node.attributes.get(name)
+    if attr is None:
+        return default
+    if attr.kind not in kinds or attr.value is None:
+        raise Unreadable(f"{node.op_type} attribute {name!r} is a {attr.kind.name.lower()}")
+    return attr.value
 
-    def __init__(self, rule: Rule, root: Node, bindings: Bindings) -> None:
+
+class Match:
+    """One way a rule's pattern matched at ``root``: named bindings, covered nodes and, once
+    the rule's plan agreed, that plan."""
+
+    def __init__(self, rule: Rule, root: Node, bindings: Bindings, site: Site) -> None:
         self.rule = rule
         self.root = root
+        self.site = site
         self.bindings = bindings
         self.order = root.graph.positions() if root.graph is not None else {}
         found = {id(v): v for v in bindings.values() if isinstance(v, Node)}
         self.nodes: list[Node] = sorted(found.values(), key=lambda n: self.order.get(id(n), 0))
         # Readers outside the match whose results feed only the match; they go with it.
         self.feeders: list[Node] = []
-        # Exported entries' replacements (see Rule.exports), set by the rewrite.
+        # Exported entries' replacements (see Rule.exports), set by the build.
         self.exported: dict[Value, Value] = {}
+        self.plan: Any = None
 
     def __contains__(self, name: str) -> bool:
         return self.bindings.get(name) is not None
 
     def value(self, name: str) -> Value:
-        found = self.bindings.get(name)
+        """The value bound to ``name``; a name the pattern never binds is a bug in the rule."""
+        found = self._bound(name)
         if not isinstance(found, Value):
-            raise KeyError(f"rule {self.rule.name}: {name!r} is not a bound value")
+            raise LookupError(f"rule {self.rule.name}: {name!r} is not a bound value")
         return found
 
     def optional(self, name: str) -> Value | None:
-        found = self.bindings.get(name)
+        found = self._bound(name)
         return found if isinstance(found, Value) else None
 
     def node(self, name: str) -> Node:
-        found = self.bindings.get(name)
+        found = self._bound(name)
         if not isinstance(found, Node):
-            raise KeyError(f"rule {self.rule.name}: {name!r} is not a bound node")
+            raise LookupError(f"rule {self.rule.name}: {name!r} is not a bound node")
         return found
+
+    def _bound(self, name: str) -> Value | Node | None:
+        if name not in self.rule.names:
+            raise LookupError(f"rule {self.rule.name}: its pattern binds no {name!r}")
+        return self.bindings.get(name)
 
     def export(self, name: str, value: Value) -> None:
         """Let ``value`` stand for the output of the exported entry ``name`` (Rule.exports)."""
@@ -146,9 +197,9 @@ class Match:
         return self.root.name or self.root.outputs[0].name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Rule:
-    """A named pattern with its check and rewrite (see the module docstring).
+    """A named pattern with its plan and build (see the module docstring).
 
     ``min_opset`` / ``max_opset`` gate the rule on the default-domain opset of the site (a
     shatter rule with ``max_opset`` lowers: it is tried only when the run takes the graph
@@ -156,7 +207,7 @@ class Rule:
     ``targets`` lists the targets it may emit for; ``default`` False leaves it off unless
     the pass's ``enable`` option names it. ``label`` names what it fuses in near-miss
     reasons ("LayerNorm at /enc/ln1: gamma is not constant"). ``exports`` names entries whose
-    (single) output may be read outside the match or be a graph output; the rewrite calls
+    (single) output may be read outside the match or be a graph output; the build calls
     ``m.export(name, value)`` with what stands for it (a fused op's second output, such as
     SkipLayerNormalization's residual sum).
     """
@@ -164,8 +215,8 @@ class Rule:
     name: str
     family: str
     pattern: Pattern
-    rewrite: Rewrite
-    check: Check | None = None
+    build: Build
+    plan: Plan | None = None
     kind: Kind = "fuse"
     min_opset: int = 1
     max_opset: int | None = None
@@ -174,6 +225,17 @@ class Rule:
     label: str = ""
     doc: str = ""
     exports: tuple[str, ...] = ()
+
+    # The names the pattern binds (what ``m.value`` / ``m.node`` may ask for).
+    names: frozenset[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.family:
+            raise ValueError("a rule needs a name and a family")
+        if root_ops(self.pattern) is None:
+            raise ValueError(f"rule {self.name!r}: the pattern's root must be an op (op.X(...))")
+        bound = frozenset(e.key for e in entries(self.pattern) if isinstance(e.key, str))
+        object.__setattr__(self, "names", bound)
 
     @property
     def what(self) -> str:
@@ -195,46 +257,28 @@ class Rule:
         return site.opset > self.max_opset or (lowers and site.opset >= site.model.opset_in(site.graph))
 
 
-_RULES: dict[str, Rule] = {}
+class RuleSet:
+    """Rules in priority order (earlier wins a LARGEST_MATCH tie), indexed by root op once."""
 
+    def __init__(self, rules: Iterable[Rule] = ()) -> None:
+        self.rules: tuple[Rule, ...] = tuple(rules)
+        self._by_op: dict[str, list[tuple[int, Rule]]] = {}
+        for index, rule in enumerate(self.rules):
+            for op_type in root_ops(rule.pattern) or ():
+                self._by_op.setdefault(op_type, []).append((index, rule))
 
-def add_rule(rule: Rule, *, replace: bool = False) -> Rule:
-    """Register ``rule`` (its name must be new unless ``replace``); returns it."""
-    if not rule.name or not rule.family:
-        raise ValueError("a rule needs a name and a family")
-    if rule.name in _RULES and not replace:
-        raise ValueError(f"a fuse rule named {rule.name!r} is already registered")
-    if root_ops(rule.pattern) is None:
-        raise ValueError(f"rule {rule.name!r}: the pattern's root must be an op (op.X(...))")
-    _RULES[rule.name] = rule
-    return rule
+    def __add__(self, other: RuleSet | Iterable[Rule]) -> RuleSet:
+        return RuleSet([*self.rules, *other])
 
+    def __iter__(self) -> Iterator[Rule]:
+        return iter(self.rules)
 
-def remove_rule(name: str) -> None:
-    _RULES.pop(name, None)
+    def __len__(self) -> int:
+        return len(self.rules)
 
-
-def registered_rules() -> list[Rule]:
-    """Every registered rule, in registration order (the built-in families included)."""
-    from graphopt.passes.fuse import rules  # noqa: F401  (registers the built-in families)
-
-    return list(_RULES.values())
-
-
-def select_rules(names_on: Iterable[str], names_off: Iterable[str], target: str) -> list[Rule]:
-    """The rules a run uses: the defaults plus ``names_on``, minus ``names_off``, for ``target``."""
-    known = {r.name: r for r in registered_rules()}
-    families = {r.family for r in known.values()}
-    on, off = set(names_on), set(names_off)
-    for name in on | off:
-        if name not in known and name not in families:
-            raise InputError(f"fuse: unknown rule or family {name!r}; see `graphopt passes`")
-    chosen = []
-    for rule in known.values():
-        wanted = rule.default or rule.name in on or rule.family in on
-        if wanted and rule.name not in off and rule.family not in off and target in rule.targets:
-            chosen.append(rule)
-    return chosen
+    def rooted_at(self, op_type: str) -> list[tuple[int, Rule]]:
+        """(priority, rule) for the rules whose pattern may be rooted at ``op_type``."""
+        return self._by_op.get(op_type, [])
 
 
 @dataclass
@@ -309,7 +353,7 @@ def _candidates(rule: Rule, root: Node, site: Site) -> Iterator[Match]:
     index = _root_output_pattern(rule)
     found = match(rule.pattern, root.outputs[index] if index < len(root.outputs) else None)
     for bindings in itertools.islice(found, MAX_BINDINGS):
-        m = Match(rule, root, bindings)
+        m = Match(rule, root, bindings, site)
         inside = {id(n) for n in m.nodes}
         # A leaf computed inside the match (Add(p, p) for MatMul + bias) would outlive its producer.
         leaves_outside = not any(isinstance(v, Value) and id(v.producer) in inside for v in bindings.values())
@@ -317,19 +361,29 @@ def _candidates(rule: Rule, root: Node, site: Site) -> Iterator[Match]:
             yield m
 
 
-# What a check or rewrite raises on a node it cannot read (an attribute of another kind, a
-# string constant where a number was expected): the rule does not apply there.
-_UNREADABLE = (ValueError, TypeError, IndexError, KeyError, AttributeError)
+def _guarded(rule: Rule, step: str, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``; an exception other than :class:`Unreadable` is ``rule``'s failure."""
+    try:
+        return call(*args)
+    except (Unreadable, GraphoptError):
+        raise
+    except Exception as err:
+        raise RuleFailed(f"rule {rule.name!r} failed in its {step}: {type(err).__name__}: {err}") from err
 
 
 def _valid(m: Match, site: Site) -> str | None:
+    """Why ``m`` cannot be rewritten (None: it can, and ``m.plan`` holds the rule's plan)."""
     reason = m.rule.gate(site) or _outside_readers(m)
-    if reason is None and m.rule.check is not None:
-        try:
-            reason = m.rule.check(m, site)
-        except _UNREADABLE as err:
-            reason = f"the match cannot be read ({type(err).__name__}: {err})"
-    return reason
+    if reason is not None or m.rule.plan is None:
+        return reason
+    try:
+        found = _guarded(m.rule, "plan", m.rule.plan, m, site)
+    except Unreadable as err:
+        return f"the match cannot be read ({err})"
+    if isinstance(found, str):
+        return found
+    m.plan = found
+    return None
 
 
 def _root_output_pattern(rule: Rule) -> int:
@@ -337,14 +391,8 @@ def _root_output_pattern(rule: Rule) -> int:
     return pattern.output if isinstance(pattern, OpPattern) else 0
 
 
-def find_matches(graph: Graph, rules: Sequence[Rule], site: Site, stats: RunStats) -> list[Match]:
+def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> list[Match]:
     """The matches one round applies, in walk order (outputs backwards)."""
-    by_op: dict[str, list[tuple[int, Rule]]] = {}
-    for index, rule in enumerate(rules):
-        if rule.retired(site):
-            continue
-        for op_type in root_ops(rule.pattern) or ():
-            by_op.setdefault(op_type, []).append((index, rule))
     covered: set[int] = set()
     chosen: list[Match] = []
     misses: list[tuple[Node, Rule, str, str]] = []
@@ -352,7 +400,9 @@ def find_matches(graph: Graph, rules: Sequence[Rule], site: Site, stats: RunStat
         if id(node) in covered:
             continue
         best: tuple[int, int, Match] | None = None
-        for index, rule in by_op.get(node.op_type, ()):
+        for index, rule in rules.rooted_at(node.op_type):
+            if rule.retired(site):
+                continue
             refusal: str | None = None
             for m in _candidates(rule, node, site):
                 if any(id(n) in covered for n in m.nodes):
@@ -379,34 +429,42 @@ def find_matches(graph: Graph, rules: Sequence[Rule], site: Site, stats: RunStat
     return chosen
 
 
-def apply_match(m: Match, site: Site) -> bool:
-    """Rewrite one match; False when the rewrite declined (nothing changed)."""
+def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
+    """Rewrite one match; False when it was refused after the build (nothing changed)."""
     ctx, model, graph = site.ctx, site.model, site.graph
-    builder = ctx.builder(model, graph, before=m.root, tag=m.rule.name)
-    try:
-        result = m.rule.rewrite(builder, m, site)
-    except _UNREADABLE:
-        result = None  # declined, like a rewrite that returns None
-    if result is None:
+    rule = m.rule
+    builder = ctx.builder(model, graph, before=m.root, tag=rule.name)
+
+    def undo(reason: str | None) -> bool:
         if builder.created:
             graph.remove(list(reversed(builder.created)))
+        if reason is not None:
+            stats.miss(rule, m.where(), reason)
         return False
+
+    try:
+        result = _guarded(rule, "build", rule.build, builder, m, m.plan)
+    except Unreadable as err:
+        return undo(f"the match cannot be read ({err})")
     new = [result] if isinstance(result, Value) else list(result)
     old = list(m.root.outputs)
     if len(new) > len(old) or any(v.is_used() for v in old[len(new) :]):
-        raise ValueError(f"rule {m.rule.name}: the rewrite must stand for every used output of the root")
+        raise RuleFailed(f"rule {rule.name!r}: the build must stand for every used output of the root")
     inside = {id(n) for n in [*m.nodes, *m.feeders]}
     if any(v is not None and id(v.producer) in inside for n in builder.created for v in n.inputs):
         # An entry value computed inside the match itself (Add(MatMul(a, w), f(MatMul(a, w)))):
-        # the nodes it needs go with the match, so the rewrite cannot stand; decline it.
-        graph.remove(list(reversed(builder.created)))
-        return False
+        # the nodes it needs go with the match, so the rewrite cannot stand.
+        return undo(None)
     replacements = dict(zip(old, new, strict=False))
-    for name in m.rule.exports:
+    for name in rule.exports:
         value = m.node(name).outputs[0] if name in m else None
         if value is not None and value not in m.exported and _read_outside(value, inside):
-            raise ValueError(f"rule {m.rule.name}: the exported entry {name!r} is read outside and was not given")
+            raise RuleFailed(f"rule {rule.name!r}: the exported entry {name!r} is read outside and was not given")
     replacements.update(m.exported)
+    for before, after in replacements.items():
+        changed = _type_change(before, after)
+        if changed is not None:
+            return undo(changed)
     for before, after in replacements.items():
         if after.type is None:
             after.type = before.type
@@ -414,22 +472,54 @@ def apply_match(m: Match, site: Site) -> bool:
     return True
 
 
+def _type_change(before: Value, after: Value) -> str | None:
+    """How ``after`` differs from ``before`` in element type or shape, where both are known."""
+    old_dtype, new_dtype = tensor_dtype(before), tensor_dtype(after)
+    known = (DataType.UNDEFINED, None)
+    if old_dtype not in known and new_dtype not in known and old_dtype != new_dtype:
+        return f"the rewrite changes the element type from {old_dtype.name} to {new_dtype.name}"  # type: ignore[union-attr]
+    old, new = tensor_shape(before), tensor_shape(after)
+    if old is None or new is None:
+        return None
+    differs = len(old) != len(new) or any(
+        isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(old, new, strict=True)
+    )
+    return f"the rewrite changes the output from {_dims(old)} to {_dims(new)}" if differs else None
+
+
+def _dims(shape: tuple[Any, ...]) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
 def _read_outside(value: Value, inside: set[int]) -> bool:
     return value.is_graph_output or any(id(use.node) not in inside for use in value.uses())
 
 
-def run_round(model: Model, rules: Sequence[Rule], site_for: Callable[[Graph], Site], stats: RunStats) -> int:
+def run_round(model: Model, rules: RuleSet, site_for: Callable[[Graph], Site], stats: RunStats) -> int:
     """One round of ``rules`` over every graph of ``model``; the number of rewrites."""
     applied = 0
     for graph in list(model.all_graphs()):
         site = site_for(graph)
         for m in find_matches(graph, rules, site, stats):
-            if apply_match(m, site):
+            if apply_match(m, site, stats):
                 stats.applied[m.rule.name] += 1
                 applied += 1
     return applied
 
 
-def pattern_ops(rule: Rule) -> set[str]:
-    """The op types a rule's pattern mentions (for the docs and `graphopt passes`)."""
-    return {t for p in entries(rule.pattern) if isinstance(p, OpPattern) for t in p.op_types}
+def sweep(model: Model, rules: RuleSet, site_for: Callable[[Graph], Site], stats: RunStats) -> int:
+    """Single-node ``rules`` over every graph of ``model`` in topological order, each applied as
+    soon as it matches (so a chain of them goes in one sweep); the number of rewrites."""
+    applied = 0
+    for graph in list(model.all_graphs()):
+        site = site_for(graph)
+        for node in graph.topological():
+            for _, rule in rules.rooted_at(node.op_type):
+                if rule.retired(site):
+                    continue
+                found = next((m for m in _candidates(rule, node, site) if _valid(m, site) is None), None)
+                if found is not None and apply_match(found, site, stats):
+                    stats.applied[rule.name] += 1
+                    applied += 1
+                    break
+    return applied

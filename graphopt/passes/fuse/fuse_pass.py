@@ -1,19 +1,72 @@
-"""The ``fuse`` pass: shatter rules, then fuse rules, round after round (engine.py)."""
+"""The ``fuse`` pass: shatter rules, then fuse rules, round after round (engine.py).
+
+It runs the built-in :data:`~graphopt.passes.fuse.rules.LIBRARY` followed by the rules users
+add with :func:`add_rule`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from graphopt.errors import InputError
-from graphopt.ir import Graph, Model
+from graphopt.ir import CONTRIB_DOMAIN, Graph, Model
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.fuse.engine import RunStats, Site, run_round, select_rules
+from graphopt.passes.fuse.engine import Rule, RuleSet, RunStats, Site, run_round
+from graphopt.passes.fuse.rules import LIBRARY
 from graphopt.passes.fuse.rules.lower import FAMILY as LOWERING
 
-__all__ = ["Fuse"]
+__all__ = ["Fuse", "add_rule", "registered_rules", "remove_rule", "select_rules"]
 
-# onnxruntime's contrib ops (target ort) need their domain imported.
-CONTRIB_DOMAIN = "com.microsoft"
+# The rules users added (add_rule), run after the library's.
+_USER: list[Rule] = []
+
+
+def add_rule(rule: Rule, *, replace: bool = False) -> Rule:
+    """Add ``rule`` to the user rules the fuse pass runs; returns it.
+
+    Adding the same rule again changes nothing, and a rule named like an earlier user rule
+    replaces it (so a re-run notebook cell does not fail). A library rule's name is refused
+    unless ``replace``: then the user rule takes the library rule's place.
+    """
+    if rule in _USER:
+        return rule
+    if not replace and any(r.name == rule.name for r in LIBRARY):
+        raise ValueError(f"a fuse rule named {rule.name!r} is already in the library (add it with replace=True)")
+    remove_rule(rule.name)
+    _USER.append(rule)
+    return rule
+
+
+def remove_rule(name: str) -> None:
+    """Drop the user rule named ``name`` (nothing when there is none)."""
+    _USER[:] = [r for r in _USER if r.name != name]
+
+
+def registered_rules() -> list[Rule]:
+    """The rules the fuse pass knows, in priority order: the library's (a user rule added with
+    ``replace`` in its place), then the user's."""
+    mine = {r.name: r for r in _USER}
+    library = [mine.pop(r.name, r) for r in LIBRARY]
+    return [*library, *mine.values()]
+
+
+def select_rules(names_on: Iterable[str], names_off: Iterable[str], target: str) -> RuleSet:
+    """The rules a run uses: the defaults plus ``names_on``, minus ``names_off``, for ``target``."""
+    known = registered_rules()
+    names = {r.name for r in known} | {r.family for r in known}
+    on, off = set(names_on), set(names_off)
+    for name in on | off:
+        if name not in names:
+            raise InputError(f"fuse: unknown rule or family {name!r}; see `graphopt passes`")
+    return RuleSet(
+        rule
+        for rule in known
+        if (rule.default or rule.name in on or rule.family in on)
+        and rule.name not in off
+        and rule.family not in off
+        and target in rule.targets
+    )
 
 
 @dataclass
@@ -37,8 +90,8 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
         if goal > model.opset:
             ctx.convert_opset(model, goal)  # upgrade first, so the newer fused ops become available
         rules = select_rules(options.enable, options.disable, target)
-        shatter = [r for r in rules if r.kind == "shatter"]
-        fuse = [r for r in rules if r.kind == "fuse"]
+        shatter = RuleSet(r for r in rules if r.kind == "shatter")
+        fuse = RuleSet(r for r in rules if r.kind == "fuse")
         stats = RunStats()
 
         def site_for(graph: Graph) -> Site:

@@ -1,6 +1,13 @@
-"""The built-in rule families, one module each; importing them registers their rules."""
+"""The built-in rule families, one module each, composed into the library the fuse pass runs.
 
-from graphopt.passes.fuse.rules import (  # noqa: F401
+Each family module exports its rules as ``RULES``; :data:`LIBRARY` lists them in priority
+order: where two rules rooted at the same op cover as many nodes, the earlier one wins.
+The noop family is not in the library (the ``noop`` pass sweeps it); the shape family
+shares two of its rules.
+"""
+
+from graphopt.passes.fuse.engine import RuleSet
+from graphopt.passes.fuse.rules import (
     activation,
     arith,
     attention,
@@ -15,4 +22,23 @@ from graphopt.passes.fuse.rules import (  # noqa: F401
     rotary,
     shape,
     tied,
+)
+
+__all__ = ["LIBRARY"]
+
+LIBRARY = RuleSet(
+    activation.RULES
+    + arith.RULES
+    + attention.RULES
+    + conv.RULES
+    + embed.RULES
+    + expose.RULES
+    + gather.RULES
+    + kronecker.RULES
+    + lower.RULES
+    + matmul.RULES
+    + norm.RULES
+    + rotary.RULES
+    + shape.RULES
+    + tied.RULES
 )

@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Check, Match, Site
+from graphopt.passes.fuse.engine import Match, Site
 
 __all__ = [
-    "FUSABLE_ACTIVATIONS",
-    "MS",
-    "activation_params",
     "FLOAT_KINDS",
+    "NOT_FLOAT",
     "attrs_of",
     "axes_of",
     "float_array",
+    "float_x",
     "is_float",
     "new_const",
-    "refusal",
+    "scalar_factor",
     "static_shape",
     "trailing_axes",
 ]
@@ -102,39 +100,3 @@ def attrs_of(node: Node, **overrides: Any) -> dict[str, Any]:
     found: dict[str, Any] = dict(node.attributes)
     found.update(overrides)
     return {k: v for k, v in found.items() if v is not None}
-
-
-MS = "com.microsoft"
-# Activations onnxruntime's CPU FusedConv / FusedGemm apply in the kernel.
-FUSABLE_ACTIVATIONS = ("Relu", "Sigmoid", "Tanh", "LeakyRelu", "Clip", "HardSigmoid")
-
-
-def activation_params(node: Node) -> list[float] | None:
-    """The parameters onnxruntime's fused kernels take for activation ``node`` (None: not
-    provable, such as a Clip bound that is not a constant)."""
-    if node.op_type == "LeakyRelu":
-        return [float(node.attr("alpha", 0.01))]
-    if node.op_type == "HardSigmoid":
-        return [float(node.attr("alpha", 0.2)), float(node.attr("beta", 0.5))]
-    if node.op_type != "Clip":
-        return []
-    if len(node.inputs) == 1:  # bounds as attributes (opset < 11), or none at all
-        return [float(node.attr("min", np.finfo(np.float32).min)), float(node.attr("max", np.finfo(np.float32).max))]
-    bounds = []
-    for index, default in ((1, np.finfo(np.float32).min), (2, np.finfo(np.float32).max)):
-        value = node.inputs[index] if len(node.inputs) > index else None
-        array = None if value is None else Site.array(value)
-        if value is not None and (array is None or array.size != 1):
-            return None
-        bounds.append(float(default) if array is None else float(array.ravel()[0]))
-    return bounds
-
-
-def refusal(plan: Callable[[Match, Site], object]) -> Check:
-    """A rule's check from its planner: the planner's reason when it returns one (a str)."""
-
-    def check(m: Match, site: Site) -> str | None:
-        found = plan(m, site)
-        return found if isinstance(found, str) else None
-
-    return check

@@ -16,15 +16,15 @@ over the last axis, the MLP's bias) becomes ``BiasGelu(x, bias)`` / ``FastGelu(x
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
-from graphopt.ir import DataType, Node, Value
-from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.ir import DataType, Node
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float
+from graphopt.passes.fuse.rules._ort import MS
 
 FAMILY = "activation"
-MS = "com.microsoft"
 
 
 def _products(x: Pattern, half: Pattern, rest: Pattern) -> Pattern:
@@ -49,44 +49,6 @@ _TANH_GELU = _products(
 )
 
 
-def _gelu(approximate: str) -> Rule:
-    def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        if approximate == "tanh":
-            return b.op("Gelu", m.value("x"), approximate="tanh")
-        return b.op("Gelu", m.value("x"))
-
-    return Rule(
-        f"gelu-{approximate}",
-        FAMILY,
-        _TANH_GELU if approximate == "tanh" else _ERF_GELU,
-        rewrite,
-        float_x,
-        min_opset=20,
-        label="GELU" if approximate == "none" else "tanh GELU",
-        doc=f"decomposed {'tanh' if approximate == 'tanh' else 'erf'} GELU -> Gelu (opset 20)",
-    )
-
-
-def _ort_gelu(approximate: str) -> Rule:
-    contrib = "FastGelu" if approximate == "tanh" else "Gelu"
-    return Rule(
-        f"ort-{contrib.lower()}",
-        FAMILY,
-        _TANH_GELU if approximate == "tanh" else _ERF_GELU,
-        lambda b, m, site: b.op(contrib, m.value("x"), domain=MS),
-        float_x,
-        max_opset=19,
-        targets=frozenset({"ort"}),
-        label="GELU" if approximate == "none" else "tanh GELU",
-        doc=f"decomposed GELU -> com.microsoft {contrib} below opset 20 (target ort)",
-    )
-
-
-for _approximate in ("none", "tanh"):
-    add_rule(_gelu(_approximate))
-    add_rule(_ort_gelu(_approximate))
-
-
 def _clip_bounds(node: Node) -> tuple[float, float] | None:
     if len(node.inputs) > 1:
         low = Site.array(node.inputs[1]) if node.inputs[1] is not None else None
@@ -94,8 +56,9 @@ def _clip_bounds(node: Node) -> tuple[float, float] | None:
         if low is None or high is None or low.size != 1 or high.size != 1:
             return None
         return float(low.ravel()[0]), float(high.ravel()[0])
-    low_attr, high_attr = node.attr("min"), node.attr("max")
-    return None if low_attr is None or high_attr is None else (float(low_attr), float(high_attr))
+    if node.attr("min") is None or node.attr("max") is None:
+        return None
+    return Site.float_attr(node, "min", 0.0), Site.float_attr(node, "max", 0.0)
 
 
 _RELU6 = op.Clip(op.Add(_x, const(3.0)), optional(var("lo")), optional(var("hi")), name="clip")
@@ -111,50 +74,12 @@ def _divided_by_six(inner: Pattern) -> Pattern:
     return either(op.Div(inner, const(6.0)), op.Mul(inner, const(1 / 6, tol=1e-5)))
 
 
-add_rule(
-    Rule(
-        "hardsigmoid",
-        FAMILY,
-        _divided_by_six(_RELU6),
-        lambda b, m, site: b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5),
-        _check_relu6,
-        label="HardSigmoid",
-        doc="Clip(x + 3, 0, 6) / 6 -> HardSigmoid(x, alpha=1/6, beta=0.5)",
-    )
-)
-
-
 def _is_sixth_hardsigmoid(node: Node) -> bool:
-    return abs(float(node.attr("alpha", 0.2)) - 1 / 6) < 1e-5 and abs(float(node.attr("beta", 0.5)) - 0.5) < 1e-6
+    alpha, beta = Site.float_attr(node, "alpha", 0.2), Site.float_attr(node, "beta", 0.5)
+    return abs(alpha - 1 / 6) < 1e-5 and abs(beta - 0.5) < 1e-6
 
 
 _SPELLED_HARDSWISH = either(_divided_by_six(op.Mul(_x, _RELU6)), op.Mul(_x, _divided_by_six(_RELU6)))
-
-add_rule(
-    Rule(
-        "hardswish",
-        FAMILY,
-        either(_SPELLED_HARDSWISH, op.Mul(_x, op.HardSigmoid(_x, where=_is_sixth_hardsigmoid))),
-        lambda b, m, site: b.op("HardSwish", m.value("x")),
-        lambda m, site: _check_relu6(m, site) if "clip" in m.bindings else float_x(m, site),
-        min_opset=14,
-        label="HardSwish",
-        doc="x * Clip(x + 3, 0, 6) / 6 or x * HardSigmoid(x, 1/6, 1/2) -> HardSwish(x) (opset 14)",
-    )
-)
-
-add_rule(
-    Rule(
-        "hardswish-as-hardsigmoid",
-        FAMILY,
-        _SPELLED_HARDSWISH,
-        lambda b, m, site: b.op("Mul", m.value("x"), b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5)),
-        _check_relu6,
-        max_opset=13,
-        label="HardSwish",
-        doc="x * Clip(x + 3, 0, 6) / 6 -> x * HardSigmoid(x, 1/6, 1/2) below opset 14 (no HardSwish there)",
-    )
-)
 
 
 def _bias_gelu_op(gelu: Node) -> str | None:
@@ -166,8 +91,13 @@ def _bias_gelu_op(gelu: Node) -> str | None:
     return None
 
 
-def _check_bias_gelu(m: Match, site: Site) -> str | None:
-    if _bias_gelu_op(m.node("gelu")) is None:
+class _BiasGelu(NamedTuple):
+    op_type: str  # the contrib op that takes the bias
+
+
+def _plan_bias_gelu(m: Match, site: Site) -> _BiasGelu | str:
+    contrib = _bias_gelu_op(m.node("gelu"))
+    if contrib is None:
         return "not a GELU that takes a bias"
     x = m.value("x")
     shape = site.shape(x)
@@ -175,18 +105,91 @@ def _check_bias_gelu(m: Match, site: Site) -> str | None:
         return "x is not a float32 tensor of known rank"
     if site.shape(m.value("bias")) != (shape[-1],):
         return "the bias is not a vector over x's last axis"
-    return None
+    return _BiasGelu(contrib)
 
 
-add_rule(
+RULES: tuple[Rule, ...] = (
     Rule(
-        "ort-biasgelu",
-        FAMILY,
-        op.any_of(("Gelu", "FastGelu"), op.Add(var("x"), const(name="bias", rank=1)), name="gelu", domain=ANY_DOMAIN),
-        lambda b, m, site: b.op(_bias_gelu_op(m.node("gelu")) or "", m.value("x"), m.value("bias"), domain=MS),
-        _check_bias_gelu,
+        name="gelu-none",
+        family=FAMILY,
+        pattern=_ERF_GELU,
+        plan=float_x,
+        build=lambda b, m, plan: b.op("Gelu", m.value("x")),
+        min_opset=20,
+        label="GELU",
+        doc="decomposed erf GELU -> Gelu (opset 20)",
+    ),
+    Rule(
+        name="ort-gelu",
+        family=FAMILY,
+        pattern=_ERF_GELU,
+        plan=float_x,
+        build=lambda b, m, plan: b.op("Gelu", m.value("x"), domain=MS),
+        max_opset=19,
+        targets=frozenset({"ort"}),
+        label="GELU",
+        doc="decomposed GELU -> com.microsoft Gelu below opset 20 (target ort)",
+    ),
+    Rule(
+        name="gelu-tanh",
+        family=FAMILY,
+        pattern=_TANH_GELU,
+        plan=float_x,
+        build=lambda b, m, plan: b.op("Gelu", m.value("x"), approximate="tanh"),
+        min_opset=20,
+        label="tanh GELU",
+        doc="decomposed tanh GELU -> Gelu (opset 20)",
+    ),
+    Rule(
+        name="ort-fastgelu",
+        family=FAMILY,
+        pattern=_TANH_GELU,
+        plan=float_x,
+        build=lambda b, m, plan: b.op("FastGelu", m.value("x"), domain=MS),
+        max_opset=19,
+        targets=frozenset({"ort"}),
+        label="tanh GELU",
+        doc="decomposed GELU -> com.microsoft FastGelu below opset 20 (target ort)",
+    ),
+    Rule(
+        name="hardsigmoid",
+        family=FAMILY,
+        pattern=_divided_by_six(_RELU6),
+        plan=_check_relu6,
+        build=lambda b, m, plan: b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5),
+        label="HardSigmoid",
+        doc="Clip(x + 3, 0, 6) / 6 -> HardSigmoid(x, alpha=1/6, beta=0.5)",
+    ),
+    Rule(
+        name="hardswish",
+        family=FAMILY,
+        pattern=either(_SPELLED_HARDSWISH, op.Mul(_x, op.HardSigmoid(_x, where=_is_sixth_hardsigmoid))),
+        plan=lambda m, site: _check_relu6(m, site) if "clip" in m else float_x(m, site),
+        build=lambda b, m, plan: b.op("HardSwish", m.value("x")),
+        min_opset=14,
+        label="HardSwish",
+        doc="x * Clip(x + 3, 0, 6) / 6 or x * HardSigmoid(x, 1/6, 1/2) -> HardSwish(x) (opset 14)",
+    ),
+    Rule(
+        name="hardswish-as-hardsigmoid",
+        family=FAMILY,
+        pattern=_SPELLED_HARDSWISH,
+        plan=_check_relu6,
+        build=lambda b, m, plan: b.op("Mul", m.value("x"), b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5)),
+        max_opset=13,
+        label="HardSwish",
+        doc="x * Clip(x + 3, 0, 6) / 6 -> x * HardSigmoid(x, 1/6, 1/2) below opset 14 (no HardSwish there)",
+    ),
+    Rule(
+        name="ort-biasgelu",
+        family=FAMILY,
+        pattern=op.any_of(
+            ("Gelu", "FastGelu"), op.Add(var("x"), const(name="bias", rank=1)), name="gelu", domain=ANY_DOMAIN
+        ),
+        plan=_plan_bias_gelu,
+        build=lambda b, m, plan: b.op(plan.op_type, m.value("x"), m.value("bias"), domain=MS),
         targets=frozenset({"ort"}),
         label="bias GELU",
         doc="Gelu(x + bias) -> com.microsoft BiasGelu (FastGelu for the tanh form) (target ort)",
-    )
+    ),
 )

@@ -10,70 +10,46 @@ never changes. Only float tensors: integer division does not associate.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
 from graphopt.ir import Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
-from graphopt.passes.fuse.patterns import const, op, var
+from graphopt.passes.fuse.engine import Match, Rule, Site
+from graphopt.passes.fuse.patterns import Pattern, const, op, var
 from graphopt.passes.fuse.rules._helpers import float_array, is_float, new_const
 
 FAMILY = "arith"
 
 Combine = Callable[[np.ndarray, np.ndarray], np.ndarray]
-# (outer op, inner op) -> (the op of the result, how the constants combine: f(a, b))
-_CHAINS: dict[tuple[str, str], tuple[str, Combine]] = {
-    ("Mul", "Mul"): ("Mul", lambda a, b: a * b),
-    ("Add", "Add"): ("Add", lambda a, b: a + b),
-    ("Add", "Sub"): ("Add", lambda a, b: b - a),
-    ("Sub", "Add"): ("Add", lambda a, b: a - b),
-    ("Sub", "Sub"): ("Sub", lambda a, b: a + b),
-    ("Div", "Div"): ("Div", lambda a, b: a * b),
-    ("Div", "Mul"): ("Mul", lambda a, b: a / b),
-    ("Mul", "Div"): ("Mul", lambda a, b: b / a),
-}
 
 
-def _check(m: Match, site: Site) -> str | None:
+def _constants(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray] | str:
+    """The two constants (float64), or why the pair does not combine."""
     x, a, b = m.value("x"), m.value("a"), m.value("b")
     if not (is_float(x) and site.dtype(a) == site.dtype(x) and site.dtype(b) == site.dtype(x)):
         return "not float constants of x's type"
-    if float_array(a) is None or float_array(b) is None:
+    first, second = float_array(a), float_array(b)
+    if first is None or second is None:
         return "a constant is too large to read"
     rank = site.rank(x)
     if rank is None or max(site.rank(a) or 0, site.rank(b) or 0) > rank:
         return "the constants could widen x's rank"
-    return None
+    return first, second
 
 
-def _rewrite(combine: Combine, result_op: str) -> Callable[[Builder, Match, Site], Value]:
-    def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        a, c = float_array(m.value("a")), float_array(m.value("b"))
-        assert a is not None and c is not None
-        with np.errstate(divide="ignore", invalid="ignore"):
-            merged = combine(a, c)
-        return b.op(result_op, m.value("x"), new_const(b, merged, m.value("x"), "merged"))
-
-    return rewrite
+def _combined(result_op: str, combine: Combine, b: Builder, m: Match, plan: tuple[np.ndarray, np.ndarray]) -> Value:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        merged = combine(*plan)
+    return b.op(result_op, m.value("x"), new_const(b, merged, m.value("x"), "merged"))
 
 
-for (_outer, _inner), (_result, _combine) in _CHAINS.items():
-    add_rule(
-        Rule(
-            f"{_inner.lower()}-{_outer.lower()}-constants",
-            FAMILY,
-            getattr(op, _outer)(
-                getattr(op, _inner)(var("x"), const(name="a"), name="inner", commute=_inner in ("Add", "Mul")),
-                const(name="b"),
-                commute=_outer in ("Add", "Mul"),
-            ),
-            _rewrite(_combine, _result),
-            _check,
-            label=f"{_inner}+{_outer} by constants",
-            doc=f"{_outer}({_inner}(x, a), b) -> {_result}(x, combined constant)",
-        )
-    )
+def _pair(outer: str, inner: str) -> Pattern:
+    """``outer(inner(x, a), b)`` for constants ``a`` and ``b``."""
+    commutes = ("Add", "Mul")
+    pair = getattr(op, inner)(var("x"), const(name="a"), name="inner", commute=inner in commutes)
+    return getattr(op, outer)(pair, const(name="b"), commute=outer in commutes)  # type: ignore[no-any-return]
 
 
 def _row(m: Match) -> int | None:
@@ -82,7 +58,8 @@ def _row(m: Match) -> int | None:
     return int(array.ravel()[0]) if array.size == 1 and array.dtype.kind in "iu" else None
 
 
-def _check_gathered_row(m: Match, site: Site) -> str | None:
+def _gathered_row(m: Match, site: Site) -> np.ndarray | str:
+    """The constant row the Gather reads, or why not."""
     table = Site.array(m.value("table"))
     row = _row(m)
     if table is None or row is None or not 0 <= row < table.shape[0]:
@@ -92,23 +69,91 @@ def _check_gathered_row(m: Match, site: Site) -> str | None:
     e, g = site.shape(m.value("e")), site.shape(m.node("g").outputs[0])
     if e is None or g is None or e != g or None in e:
         return "the Add's operands do not provably have one shape"
-    return None
+    return table[row]
 
 
-def _rewrite_gathered_row(b: Builder, m: Match, site: Site) -> Value:
-    table, row = Site.array(m.value("table")), _row(m)
-    assert table is not None and row is not None
-    return b.op("Add", m.value("e"), b.constant(np.ascontiguousarray(table[row]), "row"))
-
-
-add_rule(
+RULES: tuple[Rule, ...] = (
     Rule(
-        "add-constant-row",
-        FAMILY,
-        op.Add(var("e"), op.Gather(const(name="table"), op.ConstantOfShape(var("shape"), name="fill"), name="g")),
-        _rewrite_gathered_row,
-        _check_gathered_row,
+        name="mul-mul-constants",
+        family=FAMILY,
+        pattern=_pair("Mul", "Mul"),
+        plan=_constants,
+        build=partial(_combined, "Mul", lambda a, b: a * b),
+        label="Mul+Mul by constants",
+        doc="Mul(Mul(x, a), b) -> Mul(x, combined constant)",
+    ),
+    Rule(
+        name="add-add-constants",
+        family=FAMILY,
+        pattern=_pair("Add", "Add"),
+        plan=_constants,
+        build=partial(_combined, "Add", lambda a, b: a + b),
+        label="Add+Add by constants",
+        doc="Add(Add(x, a), b) -> Add(x, combined constant)",
+    ),
+    Rule(
+        name="sub-add-constants",
+        family=FAMILY,
+        pattern=_pair("Add", "Sub"),
+        plan=_constants,
+        build=partial(_combined, "Add", lambda a, b: b - a),
+        label="Sub+Add by constants",
+        doc="Add(Sub(x, a), b) -> Add(x, combined constant)",
+    ),
+    Rule(
+        name="add-sub-constants",
+        family=FAMILY,
+        pattern=_pair("Sub", "Add"),
+        plan=_constants,
+        build=partial(_combined, "Add", lambda a, b: a - b),
+        label="Add+Sub by constants",
+        doc="Sub(Add(x, a), b) -> Add(x, combined constant)",
+    ),
+    Rule(
+        name="sub-sub-constants",
+        family=FAMILY,
+        pattern=_pair("Sub", "Sub"),
+        plan=_constants,
+        build=partial(_combined, "Sub", lambda a, b: a + b),
+        label="Sub+Sub by constants",
+        doc="Sub(Sub(x, a), b) -> Sub(x, combined constant)",
+    ),
+    Rule(
+        name="div-div-constants",
+        family=FAMILY,
+        pattern=_pair("Div", "Div"),
+        plan=_constants,
+        build=partial(_combined, "Div", lambda a, b: a * b),
+        label="Div+Div by constants",
+        doc="Div(Div(x, a), b) -> Div(x, combined constant)",
+    ),
+    Rule(
+        name="mul-div-constants",
+        family=FAMILY,
+        pattern=_pair("Div", "Mul"),
+        plan=_constants,
+        build=partial(_combined, "Mul", lambda a, b: a / b),
+        label="Mul+Div by constants",
+        doc="Div(Mul(x, a), b) -> Mul(x, combined constant)",
+    ),
+    Rule(
+        name="div-mul-constants",
+        family=FAMILY,
+        pattern=_pair("Mul", "Div"),
+        plan=_constants,
+        build=partial(_combined, "Mul", lambda a, b: b / a),
+        label="Div+Mul by constants",
+        doc="Mul(Div(x, a), b) -> Mul(x, combined constant)",
+    ),
+    Rule(
+        name="add-constant-row",
+        family=FAMILY,
+        pattern=op.Add(
+            var("e"), op.Gather(const(name="table"), op.ConstantOfShape(var("shape"), name="fill"), name="g")
+        ),
+        plan=_gathered_row,
+        build=lambda b, m, row: b.op("Add", m.value("e"), b.constant(np.ascontiguousarray(row), "row")),
         label="Add of a constant row",
         doc="Add(e, Gather(T, ConstantOfShape(s, k))) -> Add(e, T[k]) when e has the gathered shape (BERT token types)",
-    )
+    ),
 )

@@ -33,9 +33,10 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import MS, float_array, is_float, refusal, scalar_factor
+from graphopt.passes.fuse.rules._helpers import float_array, is_float, scalar_factor
+from graphopt.passes.fuse.rules._ort import MS
 
 FAMILY = "attention"
 _HEADS = [0, 2, 1, 3]
@@ -164,11 +165,9 @@ def _plan(m: Match, site: Site) -> dict[str, object] | str:
     return plan
 
 
-def _rewrite(b: Builder, m: Match, site: Site) -> Value:
-    plan = _plan(m, site)
-    assert isinstance(plan, dict)
+def _build(b: Builder, m: Match, plan: dict[str, object]) -> Value:
     mask = plan["mask"]
-    if isinstance(mask, Value) and (site.shape(mask) or (0, 0, 0))[2] == 1:
+    if isinstance(mask, Value) and (m.site.shape(mask) or (0, 0, 0))[2] == 1:
         mask = _rows_spelled_out(b, mask)
     node: Node = b.node(
         "Attention",
@@ -197,20 +196,6 @@ def _rows_spelled_out(b: Builder, mask: Value) -> Value:
     ones = b.constant(np.ones(2, np.int64), "ones")
     shape = b.op("Concat", ones, length, b.constant(np.ones(1, np.int64), "one"), axis=0)
     return b.op("Expand", mask, shape, name=_EXPANDED)
-
-
-add_rule(
-    Rule(
-        "attention",
-        FAMILY,
-        _ATTENTION,
-        _rewrite,
-        refusal(_plan),
-        min_opset=23,
-        label="Attention",
-        doc="MatMul/scale/mask/Softmax/MatMul with head split and merge -> Attention (opset 23)",
-    )
-)
 
 
 # -- the 4-D form: what torch's scaled_dot_product_attention exports to -----------------------------
@@ -468,9 +453,7 @@ def _spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
     return expanded.outputs[0]
 
 
-def _rewrite_4d(b: Builder, m: Match, site: Site) -> Value:
-    plan = _plan_4d(m, site)
-    assert not isinstance(plan, str)
+def _build_4d(b: Builder, m: Match, plan: _Plan4) -> Value:
     k = plan.k.value if plan.k.perm is None else b.op("Transpose", plan.k.value, perm=plan.k.perm)
     mask = None if plan.mask is None else _spelled_out(b, plan.mask, plan.q, plan.v)
     node: Node = b.node(
@@ -488,21 +471,6 @@ def _rewrite_4d(b: Builder, m: Match, site: Site) -> Value:
 
 _SOFTMAX = op.Softmax(var("scores"), name="softmax")
 _NAN_GUARD = op.Where(op.IsNaN(_SOFTMAX, name="isnan"), const(0.0), _SOFTMAX, name="nan_guard")
-
-add_rule(
-    Rule(
-        "attention-4d",
-        FAMILY,
-        op.MatMul(either(_NAN_GUARD, _SOFTMAX), var("v"), name="pv"),
-        _rewrite_4d,
-        refusal(_plan_4d),
-        min_opset=23,
-        label="Attention",
-        doc="scaled dot-product attention on 4-D heads as the PyTorch exporters write it (scale on the scores "
-        "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard) -> Attention (opset 23)",
-    )
-)
-
 
 # -- target ort: onnxruntime's Attention with packed projections --------------------------------
 
@@ -623,10 +591,8 @@ def _ort_plan(m: Match, site: Site) -> _OrtPlan | str:
     return _OrtPlan(plan, weights[0], weights[1], raw)
 
 
-def _rewrite_ort(b: Builder, m: Match, site: Site) -> Value:
-    found = _ort_plan(m, site)
-    assert not isinstance(found, str)
-    plan = found.plan
+def _build_ort(b: Builder, m: Match, found: _OrtPlan) -> Value:
+    site, plan = m.site, found.plan
     weight = b.constant(found.weight, "qkv_weight")
     if found.weight.dtype != np.float32:
         weight = b.op("Cast", weight, to=DataType.FLOAT)
@@ -669,22 +635,48 @@ def _int32_mask(site: Site, source: Value, first: Node) -> Value:
     return builder.op("Cast", source, to=DataType.INT32, name=_INT32_MASK)
 
 
-_ORT_LAYERS: dict[str, tuple[Pattern, Pattern, Pattern]] = {
-    "ort-attention": (_projection("q"), _projection("k"), _projection("v")),
-    "ort-attention-packed": (_SPLIT_QKV[0], _SPLIT_QKV[1], _SPLIT_QKV[2]),
-}
+_ORT_DOC = "projections, MatMul/scale/mask/Softmax/MatMul, head split and merge -> com.microsoft Attention (target ort)"
 
-for _name, _projections in _ORT_LAYERS.items():
-    add_rule(
-        Rule(
-            _name,
-            FAMILY,
-            _core(*_projections),
-            _rewrite_ort,
-            refusal(_ort_plan),
-            targets=frozenset({"ort"}),
-            label="Attention",
-            doc="projections, MatMul/scale/mask/Softmax/MatMul, head split and merge -> com.microsoft Attention "
-            "(target ort)",
-        )
-    )
+RULES: tuple[Rule, ...] = (
+    Rule(
+        name="attention",
+        family=FAMILY,
+        pattern=_ATTENTION,
+        plan=_plan,
+        build=_build,
+        min_opset=23,
+        label="Attention",
+        doc="MatMul/scale/mask/Softmax/MatMul with head split and merge -> Attention (opset 23)",
+    ),
+    Rule(
+        name="attention-4d",
+        family=FAMILY,
+        pattern=op.MatMul(either(_NAN_GUARD, _SOFTMAX), var("v"), name="pv"),
+        plan=_plan_4d,
+        build=_build_4d,
+        min_opset=23,
+        label="Attention",
+        doc="scaled dot-product attention on 4-D heads as the PyTorch exporters write it (scale on the scores "
+        "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard) -> Attention (opset 23)",
+    ),
+    Rule(
+        name="ort-attention",
+        family=FAMILY,
+        pattern=_core(_projection("q"), _projection("k"), _projection("v")),
+        plan=_ort_plan,
+        build=_build_ort,
+        targets=frozenset({"ort"}),
+        label="Attention",
+        doc=_ORT_DOC,
+    ),
+    Rule(
+        name="ort-attention-packed",
+        family=FAMILY,
+        pattern=_core(_SPLIT_QKV[0], _SPLIT_QKV[1], _SPLIT_QKV[2]),
+        plan=_ort_plan,
+        build=_build_ort,
+        targets=frozenset({"ort"}),
+        label="Attention",
+        doc=_ORT_DOC,
+    ),
+)

@@ -25,22 +25,16 @@ its extended level, not the second.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from graphopt.ir import DataType, Node, Value
+from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import (
-    FUSABLE_ACTIVATIONS,
-    MS,
-    activation_params,
-    attrs_of,
-    float_array,
-    is_float,
-    new_const,
-    refusal,
-)
+from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, new_const
+from graphopt.passes.fuse.rules._ort import MS, activated, check_activation, fused_activation
 
 FAMILY = "conv"
 
@@ -50,11 +44,12 @@ def _not_training(node: Node) -> bool:
 
 
 def _bn_scale_shift(m: Match) -> tuple[np.ndarray, np.ndarray] | None:
-    params = [float_array(m.value(n)) for n in ("gamma", "beta", "mean", "var")]
-    if any(p is None or p.ndim != 1 for p in params):
+    found = [float_array(m.value(n)) for n in ("gamma", "beta", "mean", "var")]
+    params = [p for p in found if p is not None and p.ndim == 1]
+    if len(params) != len(found):
         return None
-    gamma, beta, mean, variance = params  # type: ignore[misc]
-    scale = gamma / np.sqrt(variance + m.node("bn").attr("epsilon", 1e-5))
+    gamma, beta, mean, variance = params
+    scale = gamma / np.sqrt(variance + Site.float_attr(m.node("bn"), "epsilon", 1e-5))
     return scale, beta - mean * scale
 
 
@@ -76,15 +71,25 @@ def _conv_weights(m: Match) -> tuple[np.ndarray, np.ndarray | None] | None:
     return w, b
 
 
-def _scaled_conv(b: Builder, m: Match, scale: np.ndarray, shift: np.ndarray) -> Value:
+@dataclass
+class _ChannelPlan:
+    """The Conv's weight and bias (float64) and what its output channels are scaled and shifted by."""
+
+    w: np.ndarray
+    bias: np.ndarray | None
+    scale: np.ndarray
+    shift: np.ndarray
+
+
+def _scaled_conv(b: Builder, m: Match, plan: _ChannelPlan) -> Value:
     """The matched Conv with its output channels scaled by ``scale`` and shifted by ``shift``."""
     conv = m.node("conv")
-    w, bias = _conv_weights(m)  # type: ignore[misc]
+    w, bias, scale, shift = plan.w, plan.bias, plan.scale, plan.shift
     channels = _channels(conv, w)
     if conv.op_type == "Conv":
         w = w * scale.reshape((-1,) + (1,) * (w.ndim - 1))
     else:  # ConvTranspose: W is (C_in, C_out / group, k...); output channel = g * C_out/group + j
-        group = int(conv.attr("group", 1))
+        group = Site.int_attr(conv, "group", 1)
         per = w.shape[1]
         grouped = w.reshape((group, -1, per, *w.shape[2:]))
         w = (grouped * scale.reshape((group, 1, per) + (1,) * (w.ndim - 2))).reshape(w.shape)
@@ -100,10 +105,10 @@ def _scaled_conv(b: Builder, m: Match, scale: np.ndarray, shift: np.ndarray) -> 
 
 
 def _channels(conv: Node, w: np.ndarray) -> int:
-    return int(w.shape[0]) if conv.op_type == "Conv" else int(w.shape[1] * conv.attr("group", 1))
+    return int(w.shape[0]) if conv.op_type == "Conv" else int(w.shape[1] * Site.int_attr(conv, "group", 1))
 
 
-def _check_conv_bn(m: Match, site: Site) -> str | None:
+def _plan_conv_bn(m: Match, site: Site) -> _ChannelPlan | str:
     found = _conv_weights(m)
     if found is None:
         return "the weight or bias is not a float constant"
@@ -112,25 +117,7 @@ def _check_conv_bn(m: Match, site: Site) -> str | None:
         return "a BatchNormalization parameter is not a constant vector"
     if ss[0].shape[0] != _channels(m.node("conv"), found[0]):
         return "BatchNormalization's channels differ from the Conv's"
-    return None
-
-
-def _rewrite_conv_bn(b: Builder, m: Match, site: Site) -> Value:
-    scale, shift = _bn_scale_shift(m)  # type: ignore[misc]
-    return _scaled_conv(b, m, scale, shift)
-
-
-add_rule(
-    Rule(
-        "conv-bn",
-        FAMILY,
-        _bn(_CONV),
-        _rewrite_conv_bn,
-        _check_conv_bn,
-        label="Conv+BatchNormalization",
-        doc="BatchNormalization(Conv(x, W, B)) -> Conv(x, W*s, (B-mean)*s+beta)",
-    )
-)
+    return _ChannelPlan(found[0], found[1], ss[0], ss[1])
 
 
 def _channel_vector(m: Match, site: Site) -> np.ndarray | str:
@@ -152,62 +139,29 @@ def _channel_vector(m: Match, site: Site) -> np.ndarray | str:
     return np.broadcast_to(c.reshape(-1), (channels,)).astype(np.float64)
 
 
-def _check_channel(m: Match, site: Site) -> str | None:
+def _plan_channel(m: Match, site: Site) -> _ChannelPlan | str:
     if not is_float(m.node("conv").outputs[0]):
         return "not a float Conv"
-    found = _channel_vector(m, site)
-    return found if isinstance(found, str) else None
-
-
-def _rewrite_channel(b: Builder, m: Match, site: Site) -> Value:
     vector = _channel_vector(m, site)
-    assert not isinstance(vector, str)
+    if isinstance(vector, str):
+        return vector
+    w, bias = _conv_weights(m)  # type: ignore[misc]  # _channel_vector read them
     if m.root.op_type == "Mul":
-        out = _scaled_conv(b, m, vector, np.zeros_like(vector))
-    elif m.root.op_type == "Add":
-        out = _scaled_conv(b, m, np.ones_like(vector), vector)
-    else:  # Sub with the Conv first
-        out = _scaled_conv(b, m, np.ones_like(vector), -vector)
-    if "t" in m.bindings:
+        return _ChannelPlan(w, bias, vector, np.zeros_like(vector))
+    if m.root.op_type == "Add":
+        return _ChannelPlan(w, bias, np.ones_like(vector), vector)
+    return _ChannelPlan(w, bias, np.ones_like(vector), -vector)  # Sub with the Conv first
+
+
+def _build_channel(b: Builder, m: Match, plan: _ChannelPlan) -> Value:
+    out = _scaled_conv(b, m, plan)
+    if "t" in m:
         transpose = m.node("t")
         out = b.op("Transpose", out, **attrs_of(transpose))
     return out
 
 
 _CONV_MAYBE_T = either(_CONV, op.Transpose(_CONV, name="t"))
-
-for _root in ("Mul", "Add", "Sub"):
-    add_rule(
-        Rule(
-            f"conv-{_root.lower()}",
-            FAMILY,
-            getattr(op, _root)(_CONV_MAYBE_T, const(name="c"), commute=_root != "Sub"),
-            _rewrite_channel,
-            _check_channel,
-            label=f"Conv+{_root}",
-            doc=f"{_root}(Conv(x, W, B), c[C,1,1]) -> Conv(x, W', B'), also through a Transpose",
-        )
-    )
-
-
-def activated(inner: Pattern) -> Pattern:
-    """``Act(inner)`` for the activations onnxruntime's fused kernels apply."""
-    return op.any_of(FUSABLE_ACTIVATIONS, inner, optional(var("lo")), optional(var("hi")), name="act")
-
-
-def check_activation(m: Match, site: Site) -> str | None:
-    if site.dtype(m.root.outputs[0]) != DataType.FLOAT:
-        return "onnxruntime's fused kernels are float32 only"
-    return None if activation_params(m.node("act")) is not None else "the Clip bounds are not constants"
-
-
-def fused_activation(m: Match) -> dict[str, object]:
-    """FusedConv's activation attributes for the matched activation."""
-    params = activation_params(m.node("act"))
-    found: dict[str, object] = {"activation": m.node("act").op_type}
-    if params:
-        found["activation_params"] = params
-    return found
 
 
 def _check_fused_conv(m: Match, site: Site) -> str | None:
@@ -218,7 +172,7 @@ def _check_fused_conv(m: Match, site: Site) -> str | None:
     return check_activation(m, site)
 
 
-def _rewrite_fused_conv(b: Builder, m: Match, site: Site) -> Value:
+def _build_fused_conv(b: Builder, m: Match, plan: None) -> Value:
     conv = m.node("conv")
     inputs = [*conv.inputs, *([None] * (3 - len(conv.inputs)))][:3]
     if "z" in m.bindings:
@@ -227,20 +181,6 @@ def _rewrite_fused_conv(b: Builder, m: Match, site: Site) -> Value:
 
 
 _PLAIN_CONV = op.Conv(var("x"), var("w"), optional(var("b")), name="conv")
-
-for _suffix, _inner in (("", _PLAIN_CONV), ("-sum", op.Add(_PLAIN_CONV, var("z"), name="sum"))):
-    add_rule(
-        Rule(
-            f"ort-fusedconv{_suffix}",
-            FAMILY,
-            activated(_inner),
-            _rewrite_fused_conv,
-            _check_fused_conv,
-            targets=frozenset({"ort"}),
-            label="Conv+activation",
-            doc=f"Act(Conv(x, W, B){' + z' if _suffix else ''}) -> com.microsoft FusedConv (target ort)",
-        )
-    )
 
 
 # -- Gemm / MatMul + BatchNormalization -------------------------------------------------------
@@ -256,15 +196,15 @@ def _gemm_bn_facts(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray, np.nda
     if weight is None or weight.ndim != 2 or ss is None:
         return "the weight or a BatchNormalization parameter is not a float constant"
     scale, shift = ss
-    trans_b = int(node.attr("transB", 0)) if node.op_type == "Gemm" else 0
+    trans_b = Site.int_attr(node, "transB", 0) if node.op_type == "Gemm" else 0
     if scale.shape[0] != weight.shape[0 if trans_b else 1]:
         return "BatchNormalization's channels differ from the product's columns"
-    alpha = float(node.attr("alpha", 1.0)) if node.op_type == "Gemm" else 1.0
+    alpha = Site.float_attr(node, "alpha", 1.0) if node.op_type == "Gemm" else 1.0
     c_value = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else None
     c = np.zeros(1) if c_value is None else float_array(c_value)
     if c is None:
         return "the Gemm's C is not a float constant"
-    beta = float(node.attr("beta", 1.0)) if node.op_type == "Gemm" else 0.0
+    beta = Site.float_attr(node, "beta", 1.0) if node.op_type == "Gemm" else 0.0
     weight = alpha * (weight * (scale[:, None] if trans_b else scale[None, :]))
     try:
         bias = np.broadcast_to(beta * c, np.broadcast_shapes(c.shape, scale.shape)) * scale + shift
@@ -273,28 +213,13 @@ def _gemm_bn_facts(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray, np.nda
     return weight, bias, scale, trans_b
 
 
-def _rewrite_gemm_bn(b: Builder, m: Match, site: Site) -> Value:
-    found = _gemm_bn_facts(m, site)
-    assert not isinstance(found, str)
+def _build_gemm_bn(b: Builder, m: Match, found: tuple[np.ndarray, np.ndarray, np.ndarray, int]) -> Value:
     weight, bias, _, trans_b = found
     node = m.node("gemm")
     like = node.inputs[1]
-    trans_a = int(node.attr("transA", 0)) if node.op_type == "Gemm" else 0
+    trans_a = Site.int_attr(node, "transA", 0) if node.op_type == "Gemm" else 0
     w, c = new_const(b, weight, like, "fused_weight"), new_const(b, bias, like, "fused_bias")
     return b.op("Gemm", node.inputs[0], w, c, transA=trans_a, transB=trans_b)
-
-
-add_rule(
-    Rule(
-        "gemm-bn",
-        FAMILY,
-        _bn(op.any_of(("Gemm", "MatMul"), var("a"), const(name="gw"), optional(var("c")), name="gemm")),
-        _rewrite_gemm_bn,
-        refusal(_gemm_bn_facts),
-        label="Gemm+BatchNormalization",
-        doc="BatchNormalization(Gemm|MatMul(a, B, C)) on a 2-D product -> Gemm(a, B*s, C*s+shift)",
-    )
-)
 
 
 # -- Pad into Conv and pooling ----------------------------------------------------------------
@@ -309,7 +234,7 @@ def _pad_amounts(m: Match, site: Site) -> list[int] | str:
     if (pad.attr("mode", "constant") or "constant") not in ("constant", b"constant"):
         return "not a constant-mode Pad"
     if site.opset < 11:
-        pads, fill = pad.attr("pads"), float(pad.attr("value", 0.0))
+        pads, fill = pad.attr("pads"), Site.float_attr(pad, "value", 0.0)
     else:
         pads = Site.array(pad.inputs[1]) if len(pad.inputs) > 1 else None
         value = pad.inputs[2] if len(pad.inputs) > 2 else None
@@ -334,30 +259,84 @@ def _pad_amounts(m: Match, site: Site) -> list[int] | str:
     return [a + b for a, b in zip(own, begins[2:] + ends[2:], strict=True)]
 
 
-def _rewrite_pad(b: Builder, m: Match, site: Site) -> Value:
-    pads = _pad_amounts(m, site)
-    assert not isinstance(pads, str)
+def _build_pad(b: Builder, m: Match, pads: list[int]) -> Value:
     consumer = m.root
     extra = {"count_include_pad": 1} if consumer.op_type == "AveragePool" else {}
     inputs = [m.value("x"), *consumer.inputs[1:]]
     return b.op(consumer.op_type, *inputs, **attrs_of(consumer, pads=pads, **extra))
 
 
-add_rule(
+_PAD_CONSUMER = op.any_of(
+    ("Conv", "AveragePool", "MaxPool"),
+    op.Pad(var("x"), optional(var("_pads")), optional(var("_value")), optional(var("_axes")), name="pad"),
+    optional(var("_w")),
+    optional(var("_b")),
+    name="consumer",
+    where=lambda n: len(n.outputs) == 1 or not any(v.is_used() for v in n.outputs[1:]),
+)
+
+
+def _channel_rule(root: str) -> Rule:
+    return Rule(
+        name=f"conv-{root.lower()}",
+        family=FAMILY,
+        pattern=getattr(op, root)(_CONV_MAYBE_T, const(name="c"), commute=root != "Sub"),
+        plan=_plan_channel,
+        build=_build_channel,
+        label=f"Conv+{root}",
+        doc=f"{root}(Conv(x, W, B), c[C,1,1]) -> Conv(x, W', B'), also through a Transpose",
+    )
+
+
+RULES: tuple[Rule, ...] = (
     Rule(
-        "pad-into-consumer",
-        FAMILY,
-        op.any_of(
-            ("Conv", "AveragePool", "MaxPool"),
-            op.Pad(var("x"), optional(var("_pads")), optional(var("_value")), optional(var("_axes")), name="pad"),
-            optional(var("_w")),
-            optional(var("_b")),
-            name="consumer",
-            where=lambda n: len(n.outputs) == 1 or not any(v.is_used() for v in n.outputs[1:]),
-        ),
-        _rewrite_pad,
-        refusal(_pad_amounts),
+        name="conv-bn",
+        family=FAMILY,
+        pattern=_bn(_CONV),
+        plan=_plan_conv_bn,
+        build=_scaled_conv,
+        label="Conv+BatchNormalization",
+        doc="BatchNormalization(Conv(x, W, B)) -> Conv(x, W*s, (B-mean)*s+beta)",
+    ),
+    _channel_rule("Mul"),
+    _channel_rule("Add"),
+    _channel_rule("Sub"),
+    Rule(
+        name="ort-fusedconv",
+        family=FAMILY,
+        pattern=activated(_PLAIN_CONV),
+        plan=_check_fused_conv,
+        build=_build_fused_conv,
+        targets=frozenset({"ort"}),
+        label="Conv+activation",
+        doc="Act(Conv(x, W, B)) -> com.microsoft FusedConv (target ort)",
+    ),
+    Rule(
+        name="ort-fusedconv-sum",
+        family=FAMILY,
+        pattern=activated(op.Add(_PLAIN_CONV, var("z"), name="sum")),
+        plan=_check_fused_conv,
+        build=_build_fused_conv,
+        targets=frozenset({"ort"}),
+        label="Conv+activation",
+        doc="Act(Conv(x, W, B) + z) -> com.microsoft FusedConv (target ort)",
+    ),
+    Rule(
+        name="gemm-bn",
+        family=FAMILY,
+        pattern=_bn(op.any_of(("Gemm", "MatMul"), var("a"), const(name="gw"), optional(var("c")), name="gemm")),
+        plan=_gemm_bn_facts,
+        build=_build_gemm_bn,
+        label="Gemm+BatchNormalization",
+        doc="BatchNormalization(Gemm|MatMul(a, B, C)) on a 2-D product -> Gemm(a, B*s, C*s+shift)",
+    ),
+    Rule(
+        name="pad-into-consumer",
+        family=FAMILY,
+        pattern=_PAD_CONSUMER,
+        plan=_pad_amounts,
+        build=_build_pad,
         label="Pad",
         doc="Conv|AveragePool|MaxPool(Pad(x, constant 0 / -inf)) -> the consumer with the pads added",
-    )
+    ),
 )

@@ -24,9 +24,9 @@ import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import OpPattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import MS, refusal
+from graphopt.passes.fuse.rules._ort import MS
 
 FAMILY = "embed"
 _IDS = (DataType.INT32, DataType.INT64)
@@ -102,7 +102,7 @@ def _plan(m: Match, site: Site) -> _Plan | str:
         if row is None or row.dtype != np.float32 or row.size != hidden or row.shape[-1] != hidden:
             return "the constant added to the embeddings is not one row over the hidden size"
         position_table = tables[1] + row.reshape(1, -1)
-    return _Plan(ids, segment_ids, position_table, float(ln.attr("epsilon", 1e-5)))
+    return _Plan(ids, segment_ids, position_table, Site.float_attr(ln, "epsilon", 1e-5))
 
 
 _INT32_IDS = "embed_ids_int32"
@@ -118,15 +118,13 @@ def _int32(b: Builder, ids: Value) -> Value:
     return b.op("Cast", ids, to=DataType.INT32, name=_INT32_IDS)
 
 
-def _rewrite(b: Builder, m: Match, site: Site) -> Value:
-    plan = _plan(m, site)
-    assert not isinstance(plan, str)
+def _build(b: Builder, m: Match, plan: _Plan) -> Value:
     position = m.value("position_table")
     if plan.position_table is not None:
         position = b.constant(plan.position_table, "position_embedding")
     beta = m.optional("beta")
     if beta is None:
-        hidden = (site.shape(m.value("gamma")) or (0,))[0]
+        hidden = (Site.shape(m.value("gamma")) or (0,))[0]
         beta = b.constant(np.zeros(int(hidden or 0), np.float32), "ln_bias")
     segment = m.optional("segment_ids")
     node = b.node(
@@ -145,17 +143,17 @@ def _rewrite(b: Builder, m: Match, site: Site) -> Value:
     return node.outputs[0]
 
 
-add_rule(
+RULES: tuple[Rule, ...] = (
     Rule(
-        "ort-embedlayernorm",
-        FAMILY,
-        _EMBED,
-        _rewrite,
-        refusal(_plan),
+        name="ort-embedlayernorm",
+        family=FAMILY,
+        pattern=_EMBED,
+        plan=_plan,
+        build=_build,
         targets=frozenset({"ort"}),
         default=False,
         label="EmbedLayerNorm",
         doc="LayerNormalization(word[ids] + position[0..S-1] (+ segment[ids])) -> com.microsoft "
         "EmbedLayerNormalization (target ort)",
-    )
+    ),
 )

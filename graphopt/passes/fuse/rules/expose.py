@@ -26,7 +26,7 @@ import numpy as np
 from graphopt.ir import Node, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import op, optional, var
 
 FAMILY = "expose"
@@ -58,7 +58,8 @@ def _zero(value: Value | None) -> bool:
     return bias is not None and not np.any(bias)
 
 
-def _check(m: Match, site: Site) -> str | None:
+def _plan(m: Match, site: Site) -> np.ndarray | str:
+    """B as a constant matrix, or why the Gemm stays."""
     gemm = m.root
     if gemm.attr("transA", 0):
         return "A is transposed (transA=1): the MatMul would not read the shared activation"
@@ -67,29 +68,27 @@ def _check(m: Match, site: Site) -> str | None:
         return "B is not a constant matrix"
     if m.optional("c") is not None and not _zero(m.optional("c")):
         return "it has a bias: fold refuses a group whose bias Adds cover some members only"
-    return None
+    return weight
 
 
-def _rewrite(b: Builder, m: Match, site: Site) -> Value:
+def _build(b: Builder, m: Match, weight: np.ndarray) -> Value:
     gemm = m.root
-    weight = site.array(m.value("b"))
-    assert weight is not None
-    alpha = float(gemm.attr("alpha", 1.0))
+    alpha = Site.float_attr(gemm, "alpha", 1.0)
     matrix = weight.T if gemm.attr("transB", 0) else weight
     if alpha != 1.0:
         matrix = matrix * np.asarray(alpha, dtype=matrix.dtype)
     return b.op("MatMul", m.value("a"), b.constant(np.ascontiguousarray(matrix), "weight"))
 
 
-add_rule(
+RULES: tuple[Rule, ...] = (
     Rule(
-        "gemm-as-matmul",
-        FAMILY,
-        op.Gemm(var("a"), var("b"), optional(var("c")), where=_bare_matmul_sibling),
-        _rewrite,
-        _check,
+        name="gemm-as-matmul",
+        family=FAMILY,
+        pattern=op.Gemm(var("a"), var("b"), optional(var("c")), where=_bare_matmul_sibling),
+        plan=_plan,
+        build=_build,
         kind="shatter",
         label="Gemm beside MatMuls",
         doc="Gemm(a, B) with a constant B, no bias and a bare MatMul sibling on a -> MatMul(a, alpha * B^T), for fold",
-    )
+    ),
 )

@@ -28,7 +28,7 @@ import numpy as np
 
 from graphopt.ir import Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import const, either, op, optional, var
 
 FAMILY = "gather"
@@ -37,11 +37,11 @@ MIN_TABLE_ROWS = 256
 
 
 def _over_rows(m: Match, table: np.ndarray) -> bool:
-    return int(m.node("gather").attr("axis", 0)) in (0, -table.ndim)
+    return Site.int_attr(m.node("gather"), "axis", 0) in (0, -table.ndim)
 
 
-def _row_axis(m: Match) -> int | str:
-    """The axis of the positions ``P`` the Slice cuts, or why the rule does not apply."""
+def _consecutive_rows(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray] | str:
+    """The positions ``P`` and the table, when the Slice cuts P along its long axis, or why not."""
     positions = Site.array(m.value("positions"))
     table = Site.array(m.value("table"))
     if positions is None or table is None or table.ndim < 1:
@@ -55,49 +55,26 @@ def _row_axis(m: Match) -> int | str:
         return "the Gather is not over rows"
     axes = m.optional("axes")
     if axes is None:
-        return 0 if positions.ndim == 1 else "the Slice names no axes"
+        return (positions, table) if positions.ndim == 1 else "the Slice names no axes"
     found = Site.array(axes)
     if found is None or found.size != 1:
         return "the Slice's axes are not one constant axis"
     axis = int(found.ravel()[0]) % positions.ndim
     if positions.shape[axis] != rows:
         return "the Slice does not cut the positions' long axis"
-    return axis
+    return positions, table
 
 
-def _rewrite(b: Builder, m: Match, site: Site) -> Value:
-    positions = Site.array(m.value("positions"))
+def _build_rows(b: Builder, m: Match, plan: tuple[np.ndarray, np.ndarray]) -> Value:
+    positions, array = plan
     table = m.value("table")
-    array = Site.array(table)
-    assert positions is not None and array is not None
     shaped = positions.shape + array.shape[1:]
     if shaped != array.shape:
         table = b.constant(np.ascontiguousarray(array.reshape(shaped)), "rows")
     sliced = b.op("Slice", table, m.value("starts"), m.value("ends"), m.optional("axes"), m.optional("steps"))
     if "cast" in m:
-        return b.op("Cast", sliced, to=int(m.node("cast").attr("to")))
+        return b.op("Cast", sliced, to=Site.int_attr(m.node("cast"), "to", 0))
     return sliced
-
-
-add_rule(
-    Rule(
-        "gather-consecutive-rows",
-        FAMILY,
-        op.Gather(
-            either(const(name="table"), op.Cast(const(name="table"), name="cast")),
-            op.Slice(
-                const(name="positions"), var("starts"), var("ends"), optional(var("axes")), optional(var("steps"))
-            ),
-            name="gather",
-        ),
-        _rewrite,
-        lambda m, site: found if isinstance(found := _row_axis(m), str) else None,
-        min_opset=10,
-        targets=frozenset({"onnx"}),
-        label="Gather of consecutive rows",
-        doc="Gather(T, Slice(0..N-1, s, e)) -> Slice(T, s, e) (a Cast of T goes after the Slice)",
-    )
-)
 
 
 def _check_large_table(m: Match, site: Site) -> str | None:
@@ -112,19 +89,36 @@ def _check_large_table(m: Match, site: Site) -> str | None:
     return None
 
 
-def _gather_then_cast(b: Builder, m: Match, site: Site) -> Value:
-    rows = b.op("Gather", m.value("table"), m.value("indices"), axis=0)  # the check admits lookups of rows only
-    return b.op("Cast", rows, to=int(m.node("cast").attr("to")))
+def _gather_then_cast(b: Builder, m: Match, plan: None) -> Value:
+    rows = b.op("Gather", m.value("table"), m.value("indices"), axis=0)  # the plan admits lookups of rows only
+    return b.op("Cast", rows, to=Site.int_attr(m.node("cast"), "to", 0))
 
 
-add_rule(
+RULES: tuple[Rule, ...] = (
     Rule(
-        "gather-before-cast",
-        FAMILY,
-        op.Gather(op.Cast(const(name="table"), name="cast"), var("indices"), name="gather"),
-        _gather_then_cast,
-        _check_large_table,
+        name="gather-consecutive-rows",
+        family=FAMILY,
+        pattern=op.Gather(
+            either(const(name="table"), op.Cast(const(name="table"), name="cast")),
+            op.Slice(
+                const(name="positions"), var("starts"), var("ends"), optional(var("axes")), optional(var("steps"))
+            ),
+            name="gather",
+        ),
+        plan=_consecutive_rows,
+        build=_build_rows,
+        min_opset=10,
+        targets=frozenset({"onnx"}),
+        label="Gather of consecutive rows",
+        doc="Gather(T, Slice(0..N-1, s, e)) -> Slice(T, s, e) (a Cast of T goes after the Slice)",
+    ),
+    Rule(
+        name="gather-before-cast",
+        family=FAMILY,
+        pattern=op.Gather(op.Cast(const(name="table"), name="cast"), var("indices"), name="gather"),
+        plan=_check_large_table,
+        build=_gather_then_cast,
         label="Gather of a cast table",
         doc="Gather(Cast(T), i) -> Cast(Gather(T, i)) for tables of 256 rows or more",
-    )
+    ),
 )

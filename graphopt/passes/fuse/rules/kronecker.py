@@ -22,15 +22,14 @@ last place of the largest entry for floats. Weights over ``MAX_ELEMENTS`` are no
 from __future__ import annotations
 
 import math
-import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from graphopt.ir import Node, Tensor, Value
-from graphopt.ir.constness import constant_tensor
+from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import op, var
 
 FAMILY = "kronecker"
@@ -126,20 +125,27 @@ def _factor(
     return a.reshape(m, n).astype(w.dtype), b.reshape(p, q).astype(w.dtype)
 
 
-def kronecker_factors(w: np.ndarray) -> Factors | None:
-    """The cheapest nontrivial ``W = A (x) B`` of a 2-D weight (None: there is none)."""
+def _sampled_splits(w: np.ndarray) -> Iterator[tuple[int, int, int, int, int, bool, tuple[int, int], float]]:
+    """The splits of ``w`` whose sampled minors vanish, cheapest first, with the pivot and
+    tolerance the full test takes; none for a weight the factoring does not examine."""
     if w.ndim != 2 or not MIN_ELEMENTS <= w.size <= MAX_ELEMENTS or w.dtype.kind not in "fiu":
-        return None
+        return
     flat = int(np.argmax(np.abs(w)))
     pivot = (flat // w.shape[1], flat % w.shape[1])
     if w[pivot] == 0:
-        return None
+        return
     tol = _tolerance(w, abs(float(w[pivot])))
     for steps, m, n, p, q, a_first in _splits(*w.shape):
         if _minors_vanish(w, p, q, pivot, tol):
-            found = _factor(w, m, n, p, q, pivot, tol)
-            if found is not None:
-                return Factors(found[0], found[1], steps, a_first)
+            yield steps, m, n, p, q, a_first, pivot, tol
+
+
+def kronecker_factors(w: np.ndarray) -> Factors | None:
+    """The cheapest nontrivial ``W = A (x) B`` of a 2-D weight (None: there is none)."""
+    for steps, m, n, p, q, a_first, pivot, tol in _sampled_splits(w):
+        found = _factor(w, m, n, p, q, pivot, tol)
+        if found is not None:
+            return Factors(found[0], found[1], steps, a_first)
     return None
 
 
@@ -148,41 +154,31 @@ def _weight(node: Node) -> np.ndarray | None:
     return None if weight is None else np.asarray(weight)  # a plain array indexes faster than a memory map
 
 
-# Each weight is examined once, however many rounds the fuse pass runs.
-_FACTORS: weakref.WeakKeyDictionary[Tensor, Factors | None] = weakref.WeakKeyDictionary()
-
-
-def _factors_of(node: Node) -> Factors | None:
-    tensor = constant_tensor(node.input(1))
-    if tensor is not None and tensor in _FACTORS:
-        return _FACTORS[tensor]
+def _may_factor(node: Node) -> bool:
+    """The pattern's test: some split of the constant weight passes the sampled minors (a
+    weight without the structure fails them at once, and is no near miss)."""
     weight = _weight(node)
-    found = None if weight is None else kronecker_factors(weight)
-    if tensor is not None:
-        _FACTORS[tensor] = found
-    return found
+    return weight is not None and next(_sampled_splits(weight), None) is not None
 
 
-def _structured(node: Node) -> bool:
-    return _factors_of(node) is not None
-
-
-def _check(m: Match, site: Site) -> str | None:
-    factors = _factors_of(m.root)
-    assert factors is not None
+def _plan(m: Match, site: Site) -> tuple[Factors, int] | str:
+    """The factors and x's rank, or why the MatMul stays."""
+    weight = _weight(m.root)
+    factors = None if weight is None else kronecker_factors(weight)
+    if factors is None:
+        return "the weight's sampled minors vanish, but it does not factor exactly"
     m_rows, n, p, q = factors.shape
     size = m_rows * p * n * q  # W's elements, and the multiplications per row of x
     if factors.steps >= size or factors.a.size + factors.b.size >= size:
         return f"W = A {m_rows}x{n} (x) B {p}x{q}, but two contractions save no multiplications"
-    if site.rank(m.value("x")) is None:
-        return "x has no known rank"
-    return None
-
-
-def _rewrite(b: Builder, m: Match, site: Site) -> Value:
-    factors = _factors_of(m.root)
     rank = site.rank(m.value("x"))
-    assert factors is not None and rank is not None
+    if rank is None:
+        return "x has no known rank"
+    return factors, rank
+
+
+def _build(b: Builder, m: Match, plan: tuple[Factors, int]) -> Value:
+    factors, rank = plan
     m_rows, n, p, q = factors.shape
     keep = [0] * (rank - 1)  # Reshape's 0 copies the leading dims
     x = b.op("Reshape", m.value("x"), b.constant(np.asarray([*keep, m_rows, p], dtype=np.int64), "kron_in_shape"))
@@ -195,15 +191,15 @@ def _rewrite(b: Builder, m: Match, site: Site) -> Value:
     return b.op("Reshape", y, b.constant(np.asarray([*keep, n * q], dtype=np.int64), "kron_out_shape"))
 
 
-add_rule(
+RULES: tuple[Rule, ...] = (
     Rule(
-        "kronecker-matmul",
-        FAMILY,
-        op.MatMul(var("x"), var("w"), where=_structured),
-        _rewrite,
-        _check,
+        name="kronecker-matmul",
+        family=FAMILY,
+        pattern=op.MatMul(var("x"), var("w"), where=_may_factor),
+        plan=_plan,
+        build=_build,
         kind="shatter",
         label="Kronecker MatMul",
         doc="MatMul(x, A (x) B) with a constant Kronecker-product weight -> two small MatMuls between Reshapes",
-    )
+    ),
 )

@@ -31,14 +31,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import op, optional, var
-from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float
+from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, is_float
 
 FAMILY = "lower"
 
@@ -66,7 +67,7 @@ def _stash(b: Builder, x: Value, node: Node, site: Site) -> tuple[Value, DataTyp
     """``x`` in the node's ``stash_type`` (the precision its statistics are computed in)."""
     dtype = site.dtype(x)
     assert dtype is not None
-    stash = DataType(int(node.attr("stash_type", DataType.FLOAT)))
+    stash = DataType(Site.int_attr(node, "stash_type", DataType.FLOAT))
     return (x, dtype) if stash == dtype else (b.op("Cast", x, to=stash), stash)
 
 
@@ -83,19 +84,21 @@ def _normalized_axes(axis: int, rank: int | None) -> list[int] | None:
 
 
 def _check_stash(node: Node) -> str | None:
-    stash = int(node.attr("stash_type", DataType.FLOAT))
+    stash = Site.int_attr(node, "stash_type", DataType.FLOAT)
     return (
         None if stash in (DataType.FLOAT, DataType.DOUBLE, DataType.FLOAT16) else f"stash_type {stash} is not a float"
     )
 
 
-def _check_norm(m: Match, site: Site) -> str | None:
+def _plan_norm(m: Match, site: Site) -> list[int] | str:
+    """The normalized axes (negative), or why the norm is not lowered."""
     x = m.value("x")
     if not is_float(x):
         return NOT_FLOAT
-    if _normalized_axes(int(m.root.attr("axis", -1)), site.rank(x)) is None:
+    axes = _normalized_axes(Site.int_attr(m.root, "axis", -1), site.rank(x))
+    if axes is None:
         return "a positive axis on an input of unknown rank"
-    return _check_stash(m.root)
+    return _check_stash(m.root) or axes
 
 
 def _standardized(b: Builder, x: Value, axes: list[int], eps: float, dtype: DataType, site: Site) -> tuple[Value, ...]:
@@ -107,12 +110,10 @@ def _standardized(b: Builder, x: Value, axes: list[int], eps: float, dtype: Data
     return b.op("Div", centered, std), mean, std
 
 
-def _lower_layer_norm(b: Builder, m: Match, site: Site) -> list[Value]:
-    ln, x = m.root, m.value("x")
-    axes = _normalized_axes(int(ln.attr("axis", -1)), site.rank(x))
-    assert axes is not None
+def _lower_layer_norm(b: Builder, m: Match, axes: list[int]) -> list[Value]:
+    ln, x, site = m.root, m.value("x"), m.site
     stashed, dtype = _stash(b, x, ln, site)
-    normalized, mean, std = _standardized(b, stashed, axes, float(ln.attr("epsilon", 1e-5)), dtype, site)
+    normalized, mean, std = _standardized(b, stashed, axes, Site.float_attr(ln, "epsilon", 1e-5), dtype, site)
     y = b.op("Mul", _cast_back(b, normalized, site, x), m.value("scale"))
     if m.optional("bias") is not None:
         y = b.op("Add", y, m.value("bias"))
@@ -122,21 +123,23 @@ def _lower_layer_norm(b: Builder, m: Match, site: Site) -> list[Value]:
     return [y, mean, b.op("Reciprocal", std)] if read[2:] and read[2] else [y, mean]
 
 
-def _lower_rms_norm(b: Builder, m: Match, site: Site) -> Value:
-    node, x = m.root, m.value("x")
-    axes = _normalized_axes(int(node.attr("axis", -1)), site.rank(x))
-    assert axes is not None
+def _lower_rms_norm(b: Builder, m: Match, axes: list[int]) -> Value:
+    node, x, site = m.root, m.value("x"), m.site
     stashed, dtype = _stash(b, x, node, site)
     mean_square = _reduce_mean(b, b.op("Mul", stashed, stashed), axes, site)
-    eps = _scalar(b, float(node.attr("epsilon", 1e-5)), dtype, "epsilon")
+    eps = _scalar(b, Site.float_attr(node, "epsilon", 1e-5), dtype, "epsilon")
     normalized = b.op("Div", stashed, b.op("Sqrt", b.op("Add", mean_square, eps)))
     return b.op("Mul", _cast_back(b, normalized, site, x), m.value("scale"))
 
 
-def _lower_gelu(b: Builder, m: Match, site: Site) -> Value:
+def _float_type(m: Match, site: Site) -> DataType | str:
+    """x's element type, a float one, or why not."""
+    dtype = site.dtype(m.value("x"))
+    return dtype if dtype is not None and is_float(m.value("x")) else NOT_FLOAT
+
+
+def _lower_gelu(b: Builder, m: Match, dtype: DataType) -> Value:
     x = m.value("x")
-    dtype = site.dtype(x)
-    assert dtype is not None
     if m.root.attr("approximate", "none") in ("tanh", b"tanh"):
         cube = b.op("Mul", x, b.op("Mul", x, x))
         inner = b.op("Add", x, b.op("Mul", cube, _scalar(b, 0.044715, dtype, "gelu_cubic")))
@@ -147,9 +150,11 @@ def _lower_gelu(b: Builder, m: Match, site: Site) -> Value:
     return b.op("Mul", b.op("Mul", x, one_plus), _scalar(b, 0.5, dtype, "half"))
 
 
-def _check_group_norm(m: Match, site: Site) -> str | None:
+def _plan_group_norm(m: Match, site: Site) -> tuple[int, DataType] | str:
+    """(x's rank, x's element type), or why the norm is not lowered."""
     x = m.value("x")
-    if not is_float(x):
+    dtype = site.dtype(x)
+    if not is_float(x) or dtype is None:
         return NOT_FLOAT
     rank = site.rank(x)
     if rank is None or rank < 3:
@@ -158,26 +163,24 @@ def _check_group_norm(m: Match, site: Site) -> str | None:
         return "num_groups is missing"
     if _opset_now(site) < 21:
         # opset 18's per-group GroupNormalization exists from 18 on: lower it below 18 only.
-        return None if site.opset < 18 else "the target opset has this (opset 18) GroupNormalization"
-    return _check_stash(m.root)
+        return (rank, dtype) if site.opset < 18 else "the target opset has this (opset 18) GroupNormalization"
+    return _check_stash(m.root) or (rank, dtype)
 
 
-def _lower_group_norm(b: Builder, m: Match, site: Site) -> Value:
-    node, x = m.root, m.value("x")
-    groups = int(node.attr("num_groups"))
+def _lower_group_norm(b: Builder, m: Match, plan: tuple[int, DataType]) -> Value:
+    node, x, site = m.root, m.value("x"), m.site
+    rank, dtype = plan
+    groups = Site.int_attr(node, "num_groups", 0)
     per_channel = _opset_now(site) >= 21  # opset 18's scale and bias are per group
-    stashed, dtype = _stash(b, x, node, site) if per_channel else (x, site.dtype(x))
-    assert dtype is not None
+    stashed, dtype = _stash(b, x, node, site) if per_channel else (x, dtype)
     grouped = b.op("Reshape", stashed, _ints(b, [0, groups, -1], "group_shape"))
-    y, _, _ = _standardized(b, grouped, [-1], float(node.attr("epsilon", 1e-5)), dtype, site)
+    y, _, _ = _standardized(b, grouped, [-1], Site.float_attr(node, "epsilon", 1e-5), dtype, site)
     scale, bias = m.value("scale"), m.value("bias")
     if not per_channel:
         column = _ints(b, [-1, 1], "per_group")
         y = b.op("Add", b.op("Mul", y, b.op("Reshape", scale, column)), b.op("Reshape", bias, column))
     y = _cast_back(b, b.op("Reshape", y, b.op("Shape", x)), site, x)
     if per_channel:
-        rank = site.rank(x)
-        assert rank is not None
         column = _ints(b, [-1] + [1] * (rank - 2), "per_channel")
         y = b.op("Add", b.op("Mul", y, b.op("Reshape", scale, column)), b.op("Reshape", bias, column))
     return y
@@ -186,8 +189,18 @@ def _lower_group_norm(b: Builder, m: Match, site: Site) -> Value:
 # -- Attention -----------------------------------------------------------------------------------
 
 
-def _attention_layout(m: Match, site: Site) -> tuple[int, int, int] | str:
-    """(rank, query heads, kv heads) of a lowerable Attention, or why it is not lowered."""
+class _Layout(NamedTuple):
+    """A lowerable Attention: Q's rank, its heads (0 for 4-D) and the scale, in Q's type."""
+
+    rank: int
+    heads: int
+    kv_heads: int
+    scale: float
+    dtype: DataType
+
+
+def _attention_layout(m: Match, site: Site) -> _Layout | str:
+    """How to lower the Attention, or why it is not lowered."""
     node = m.root
     q, k, v = (m.value(n) for n in "qkv")
     rank = site.rank(q)
@@ -199,7 +212,7 @@ def _attention_layout(m: Match, site: Site) -> tuple[int, int, int] | str:
         return "past key / value (or nonpad_kv_seqlen) inputs are not lowered"
     if any(out.is_used() for out in node.outputs[1:]):
         return "the present key / value or QK outputs are read"
-    if float(node.attr("softcap", 0.0)) != 0.0 or node.attr("softmax_precision") is not None:
+    if Site.float_attr(node, "softcap", 0.0) != 0.0 or node.attr("softmax_precision") is not None:
         return "softcap / softmax_precision are not lowered"
     if rank == 4:
         heads, kv_heads = (site.shape(t)[1] for t in (q, k))  # type: ignore[index]
@@ -210,9 +223,15 @@ def _attention_layout(m: Match, site: Site) -> tuple[int, int, int] | str:
         heads, kv_heads = node.attr("q_num_heads"), node.attr("kv_num_heads")
         if not heads or not kv_heads or heads % kv_heads:
             return "q_num_heads / kv_num_heads are missing or do not divide"
-    if node.attr("scale") is None and _head_size(site, q, int(heads)) is None:
-        return "no scale and the head size is not static"
-    return rank, int(heads), int(kv_heads)
+    scale = node.attr("scale")
+    if scale is None:
+        size = _head_size(site, q, int(heads))
+        if size is None:
+            return "no scale and the head size is not static"
+        scale = 1 / math.sqrt(size)
+    dtype = site.dtype(q)
+    assert dtype is not None  # q is float
+    return _Layout(rank, int(heads), int(kv_heads), float(scale), dtype)
 
 
 def _head_size(site: Site, q: Value, heads: int) -> int | None:
@@ -220,11 +239,6 @@ def _head_size(site: Site, q: Value, heads: int) -> int | None:
     if heads == 0:
         return width if isinstance(width, int) else None
     return width // heads if isinstance(width, int) and width % heads == 0 else None
-
-
-def _check_attention(m: Match, site: Site) -> str | None:
-    found = _attention_layout(m, site)
-    return found if isinstance(found, str) else None
 
 
 def _split_heads(b: Builder, t: Value, heads: int, group: int, perm: list[int]) -> Value:
@@ -278,11 +292,9 @@ def _causal(b: Builder, scores: Value, q: Value, k: Value, axis: int, dtype: Dat
     return b.op("Where", band, scores, _lowest(b, dtype))
 
 
-def _lower_attention(b: Builder, m: Match, site: Site) -> Value:
-    node = m.root
-    layout = _attention_layout(m, site)
-    assert not isinstance(layout, str)
-    rank, heads, kv_heads = layout
+def _lower_attention(b: Builder, m: Match, layout: _Layout) -> Value:
+    node, site = m.root, m.site
+    rank, heads, kv_heads, scale, dtype = layout
     q, k, v, mask = m.value("q"), m.value("k"), m.value("v"), m.optional("mask")
     if rank == 3:
         queries = _split_heads(b, q, heads, 1, [0, 2, 1, 3])
@@ -292,14 +304,7 @@ def _lower_attention(b: Builder, m: Match, site: Site) -> Value:
     else:
         queries, keys, values = q, b.op("Transpose", k, perm=[0, 1, 3, 2]), v
         seq_axis = 2
-    dtype = site.dtype(q)
-    assert dtype is not None
-    scale = node.attr("scale")
-    if scale is None:
-        size = _head_size(site, q, heads)
-        assert size is not None
-        scale = 1 / math.sqrt(size)
-    scores = b.op("Mul", b.op("MatMul", queries, keys), _scalar(b, float(scale), dtype, "scale"))
+    scores = b.op("Mul", b.op("MatMul", queries, keys), _scalar(b, scale, dtype, "scale"))
     boolean = mask is not None and site.dtype(mask) == DataType.BOOL
     if mask is not None:
         mask = _padded(b, mask, k, seq_axis, dtype, site)
@@ -326,7 +331,7 @@ def _split_sizes(m: Match, site: Site) -> list[int] | str:
     shape = site.shape(x)
     if shape is None:
         return "the input's rank is unknown"
-    axis = int(node.attr("axis", 0))
+    axis = Site.int_attr(node, "axis", 0)
     if "split" in m:
         sizes = site.array(m.value("split"))
         return "the split sizes are not constant" if sizes is None else [int(s) for s in sizes.ravel()]
@@ -338,17 +343,14 @@ def _split_sizes(m: Match, site: Site) -> list[int] | str:
     return [min(step, dim - i * step) for i in range(count)]
 
 
-def _check_split(m: Match, site: Site) -> str | None:
+def _plan_split(m: Match, site: Site) -> list[int] | str:
     if _opset_now(site) < 18:
         return "an opset-13 Split converts as it is"
-    found = _split_sizes(m, site)
-    return found if isinstance(found, str) else None
+    return _split_sizes(m, site)
 
 
-def _lower_split(b: Builder, m: Match, site: Site) -> list[Value]:
-    sizes = _split_sizes(m, site)
-    assert not isinstance(sizes, str)
-    axis = _ints(b, [int(m.root.attr("axis", 0))], "axis")
+def _lower_split(b: Builder, m: Match, sizes: list[int]) -> list[Value]:
+    axis = _ints(b, [Site.int_attr(m.root, "axis", 0)], "axis")
     bounds = np.cumsum([0, *sizes]).tolist()
     return [
         b.op("Slice", m.value("x"), _ints(b, [start], "start"), _ints(b, [end], "end"), axis)
@@ -356,50 +358,74 @@ def _lower_split(b: Builder, m: Match, site: Site) -> list[Value]:
     ]
 
 
-_LOWERING = (
-    (
-        "lower-layernorm",
-        op.LayerNormalization(_x, var("scale"), optional(var("bias"))),
-        _lower_layer_norm,
-        _check_norm,
-        17,
-        "LayerNormalization",
+RULES: tuple[Rule, ...] = (
+    Rule(
+        name="lower-layernorm",
+        family=FAMILY,
+        pattern=op.LayerNormalization(_x, var("scale"), optional(var("bias"))),
+        plan=_plan_norm,
+        build=_lower_layer_norm,
+        kind="shatter",
+        max_opset=16,
+        label="LayerNormalization",
+        doc="LayerNormalization -> primitives where the target opset is below 17 (--target-opset)",
     ),
-    ("lower-gelu", op.Gelu(_x), _lower_gelu, float_x, 20, "Gelu"),
-    ("lower-rmsnorm", op.RMSNormalization(_x, var("scale")), _lower_rms_norm, _check_norm, 23, "RMSNormalization"),
-    (
-        "lower-groupnorm",
-        op.GroupNormalization(_x, var("scale"), var("bias")),
-        _lower_group_norm,
-        _check_group_norm,
-        21,
-        "GroupNormalization",
+    Rule(
+        name="lower-gelu",
+        family=FAMILY,
+        pattern=op.Gelu(_x),
+        plan=_float_type,
+        build=_lower_gelu,
+        kind="shatter",
+        max_opset=19,
+        label="Gelu",
+        doc="Gelu -> primitives where the target opset is below 20 (--target-opset)",
     ),
-    (
-        "lower-attention",
-        op.Attention(
+    Rule(
+        name="lower-rmsnorm",
+        family=FAMILY,
+        pattern=op.RMSNormalization(_x, var("scale")),
+        plan=_plan_norm,
+        build=_lower_rms_norm,
+        kind="shatter",
+        max_opset=22,
+        label="RMSNormalization",
+        doc="RMSNormalization -> primitives where the target opset is below 23 (--target-opset)",
+    ),
+    Rule(
+        name="lower-groupnorm",
+        family=FAMILY,
+        pattern=op.GroupNormalization(_x, var("scale"), var("bias")),
+        plan=_plan_group_norm,
+        build=_lower_group_norm,
+        kind="shatter",
+        max_opset=20,
+        label="GroupNormalization",
+        doc="GroupNormalization -> primitives where the target opset is below 21 (--target-opset)",
+    ),
+    Rule(
+        name="lower-attention",
+        family=FAMILY,
+        pattern=op.Attention(
             var("q"), var("k"), var("v"), optional(var("mask")), *(optional(var(f"extra{i}")) for i in range(3))
         ),
-        _lower_attention,
-        _check_attention,
-        23,
-        "Attention",
+        plan=_attention_layout,
+        build=_lower_attention,
+        kind="shatter",
+        max_opset=22,
+        label="Attention",
+        doc="Attention -> primitives where the target opset is below 23 (--target-opset)",
     ),
     # Split exists at 17, but the version converter has no way from opset 18's Split down to it.
-    ("lower-split", op.Split(_x, optional(var("split"))), _lower_split, _check_split, 18, "Split"),
+    Rule(
+        name="lower-split",
+        family=FAMILY,
+        pattern=op.Split(_x, optional(var("split"))),
+        plan=_plan_split,
+        build=_lower_split,
+        kind="shatter",
+        max_opset=17,
+        label="Split",
+        doc="Split -> primitives where the target opset is below 18 (--target-opset)",
+    ),
 )
-
-for _name, _pattern, _rewrite, _check, _since, _op_type in _LOWERING:
-    add_rule(
-        Rule(
-            _name,
-            FAMILY,
-            _pattern,
-            _rewrite,
-            _check,
-            kind="shatter",
-            max_opset=_since - 1,
-            label=_op_type,
-            doc=f"{_op_type} -> primitives where the target opset is below {_since} (--target-opset)",
-        )
-    )

@@ -15,12 +15,14 @@ and ``beta``.
 
 from __future__ import annotations
 
+from functools import partial
+
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
-from graphopt.passes.fuse.rules._helpers import MS, activation_params, attrs_of, is_float, scalar_factor
-from graphopt.passes.fuse.rules.conv import activated, check_activation
+from graphopt.passes.fuse.rules._helpers import attrs_of, is_float, scalar_factor
+from graphopt.passes.fuse.rules._ort import MS, activated, activation_params, check_activation
 
 FAMILY = "matmul"
 
@@ -41,23 +43,10 @@ def _check_matmul_add(m: Match, site: Site) -> str | None:
     return None
 
 
-add_rule(
-    Rule(
-        "matmul-add-gemm",
-        FAMILY,
-        op.Add(op.MatMul(var("a"), var("w"), name="matmul"), var("bias")),
-        lambda b, m, site: b.op("Gemm", m.value("a"), m.value("w"), m.value("bias")),
-        _check_matmul_add,
-        label="MatMul+Add",
-        doc="Add(MatMul(a, W), b) -> Gemm(a, W, b) for 2-D a and W",
-    )
-)
-
-
-def _transposed_input(which: str) -> tuple[str, tuple[Pattern, Pattern]]:
-    """For a Transpose on input A (``which`` "a") or B: the flag it flips, the input patterns."""
+def _transposed(which: str) -> tuple[Pattern, Pattern]:
+    """Input A (``which`` "a") or B of a product is a Transpose ("t" of "inner"); the other is "other"."""
     t = op.Transpose(var("inner"), name="t")
-    return ("transA", (t, var("other"))) if which == "a" else ("transB", (var("other"), t))
+    return (t, var("other")) if which == "a" else (var("other"), t)
 
 
 def _untransposed(m: Match, which: str) -> list[Value]:
@@ -66,60 +55,40 @@ def _untransposed(m: Match, which: str) -> list[Value]:
     return [inner, other] if which == "a" else [other, inner]
 
 
-def _transposed_gemm(which: str) -> Rule:
-    flag, inputs = _transposed_input(which)
-
-    def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        gemm = m.node("gemm")
-        args = _untransposed(m, which)
-        return b.op("Gemm", *args, m.optional("c"), **attrs_of(gemm, **{flag: 1 - int(gemm.attr(flag, 0))}))
-
-    def check(m: Match, site: Site) -> str | None:
-        perm = m.node("t").attr("perm")
-        return None if site.rank(m.value("inner")) == 2 and perm in (None, [1, 0]) else "not a 2-D swap"
-
-    return Rule(
-        f"transpose-into-gemm-{which}",
-        FAMILY,
-        op.Gemm(*inputs, optional(var("c")), name="gemm"),
-        rewrite,
-        check,
-        label="Transpose+Gemm",
-        doc=f"Gemm with a Transposed input {which.upper()} -> Gemm with {flag} flipped",
-    )
+def _flag(which: str) -> str:
+    """The product's attribute that transposes input ``which``."""
+    return "transA" if which == "a" else "transB"
 
 
-add_rule(_transposed_gemm("a"))
-add_rule(_transposed_gemm("b"))
+def _check_2d_swap(m: Match, site: Site) -> str | None:
+    perm = m.node("t").attr("perm")
+    return None if site.rank(m.value("inner")) == 2 and perm in (None, [1, 0]) else "not a 2-D swap"
 
 
-def _scale(m: Match) -> float | None:
-    return scalar_factor(m.value("s"), divides=m.root.op_type == "Div")
+def _build_transposed_gemm(which: str, b: Builder, m: Match, plan: None) -> Value:
+    gemm, flag = m.node("gemm"), _flag(which)
+    args = _untransposed(m, which)
+    return b.op("Gemm", *args, m.optional("c"), **attrs_of(gemm, **{flag: 1 - Site.int_attr(gemm, flag, 0)}))
 
 
-def _rewrite_scaled_gemm(b: Builder, m: Match, site: Site) -> Value:
-    gemm, scale = m.node("gemm"), _scale(m)
-    assert scale is not None
-    alpha = float(gemm.attr("alpha", 1.0)) * scale
-    beta = float(gemm.attr("beta", 1.0)) * scale
+def _scale(m: Match, site: Site) -> float | str:
+    """The factor the scalar constant ``s`` applies, or why not."""
+    found = scalar_factor(m.value("s"), divides=m.root.op_type == "Div")
+    return "not a scalar" if found is None else found
+
+
+def _plan_scaled_gemm(m: Match, site: Site) -> float | str:
+    return _scale(m, site) if is_float(m.root.outputs[0]) else "not a scalar"
+
+
+def _build_scaled_gemm(b: Builder, m: Match, scale: float) -> Value:
+    gemm = m.node("gemm")
+    alpha = Site.float_attr(gemm, "alpha", 1.0) * scale
+    beta = Site.float_attr(gemm, "beta", 1.0) * scale
     return b.op("Gemm", *gemm.inputs, **attrs_of(gemm, alpha=alpha, beta=beta))
 
 
-for _root in ("Mul", "Div"):
-    add_rule(
-        Rule(
-            f"gemm-{_root.lower()}-scalar",
-            FAMILY,
-            getattr(op, _root)(op.Gemm(var("a"), var("b"), optional(var("c")), name="gemm"), const(name="s")),
-            _rewrite_scaled_gemm,
-            lambda m, site: None if _scale(m) is not None and is_float(m.root.outputs[0]) else "not a scalar",
-            label=f"Gemm+{_root}",
-            doc=f"{_root}(Gemm(a, b, c), s) -> Gemm(a, b, c) with alpha and beta scaled",
-        )
-    )
-
-
-def _rewrite_fused_gemm(b: Builder, m: Match, site: Site) -> Value:
+def _build_fused_gemm(b: Builder, m: Match, plan: None) -> Value:
     act = m.node("act")
     params = activation_params(act) or []
     names = ("activation_alpha", "activation_beta")
@@ -128,20 +97,6 @@ def _rewrite_fused_gemm(b: Builder, m: Match, site: Site) -> Value:
         "FusedGemm", *m.node("gemm").inputs, domain=MS, activation=act.op_type, **attrs_of(m.node("gemm")), **extra
     )
 
-
-add_rule(
-    Rule(
-        "ort-fusedgemm",
-        FAMILY,
-        activated(op.Gemm(var("a"), var("b"), optional(var("c")), name="gemm")),
-        _rewrite_fused_gemm,
-        lambda m, site: "Clip is not a FusedGemm activation" if m.root.op_type == "Clip" else check_activation(m, site),
-        targets=frozenset({"ort"}),
-        default=False,
-        label="Gemm+activation",
-        doc="Act(Gemm(a, b, c)) -> com.microsoft FusedGemm (target ort)",
-    )
-)
 
 _MATMULS = ("MatMul", "FusedMatMul")
 
@@ -152,9 +107,8 @@ def _fused_matmul_attrs(node: Node) -> dict[str, object]:
     return attrs_of(node)
 
 
-def _rewrite_scaled_matmul(b: Builder, m: Match, site: Site) -> Value:
-    mm, scale = m.node("mm"), _scale(m)
-    assert scale is not None
+def _build_scaled_matmul(b: Builder, m: Match, scale: float) -> Value:
+    mm = m.node("mm")
     attrs = _fused_matmul_attrs(mm)
     attrs["alpha"] = float(attrs.get("alpha", 1.0)) * scale  # type: ignore[arg-type]
     return b.op("FusedMatMul", *mm.inputs, domain=MS, **attrs)
@@ -171,21 +125,6 @@ def _matmul_ranks(m: Match, site: Site) -> str | None:
     return None
 
 
-for _root in ("Mul", "Div"):
-    add_rule(
-        Rule(
-            f"ort-fusedmatmul-{_root.lower()}",
-            FAMILY,
-            getattr(op, _root)(op.any_of(_MATMULS, var("a"), var("b"), name="mm", domain=ANY_DOMAIN), const(name="s")),
-            _rewrite_scaled_matmul,
-            lambda m, site: _matmul_ranks(m, site) or (None if _scale(m) is not None else "not a scalar"),
-            targets=frozenset({"ort"}),
-            label=f"MatMul+{_root}",
-            doc=f"{_root}(MatMul(a, b), s) -> com.microsoft FusedMatMul(a, b, alpha) (target ort)",
-        )
-    )
-
-
 def _swaps_last_two(node: Node, site: Site) -> bool:
     rank = site.rank(node.inputs[0])
     perm = node.attr("perm")
@@ -194,33 +133,130 @@ def _swaps_last_two(node: Node, site: Site) -> bool:
     return list(perm) == [*range(rank - 2), rank - 1, rank - 2]
 
 
-def _transposed_matmul(which: str) -> Rule:
-    flag, inputs = _transposed_input(which)
+def _build_transposed_matmul(which: str, b: Builder, m: Match, plan: None) -> Value:
+    flag = _flag(which)
+    attrs = _fused_matmul_attrs(m.node("mm"))
+    attrs[flag] = 1 - int(attrs.get(flag, 0))  # type: ignore[call-overload]
+    args = _untransposed(m, which)
+    return b.op("FusedMatMul", *args, domain=MS, **attrs)
 
-    def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        attrs = _fused_matmul_attrs(m.node("mm"))
-        attrs[flag] = 1 - int(attrs.get(flag, 0))  # type: ignore[call-overload]
-        args = _untransposed(m, which)
-        return b.op("FusedMatMul", *args, domain=MS, **attrs)
 
-    def check(m: Match, site: Site) -> str | None:
-        if not _swaps_last_two(m.node("t"), site):
-            return "the Transpose does not swap the last two dims"
-        if m.node("mm").attr("transBatchA", 0) or m.node("mm").attr("transBatchB", 0):
-            return "a batch-transposed FusedMatMul"
-        return _matmul_ranks(m, site)
+def _check_transposed_matmul(m: Match, site: Site) -> str | None:
+    if not _swaps_last_two(m.node("t"), site):
+        return "the Transpose does not swap the last two dims"
+    if m.node("mm").attr("transBatchA", 0) or m.node("mm").attr("transBatchB", 0):
+        return "a batch-transposed FusedMatMul"
+    return _matmul_ranks(m, site)
 
-    return Rule(
-        f"ort-transpose-into-matmul-{which}",
-        FAMILY,
-        op.any_of(_MATMULS, *inputs, name="mm", domain=ANY_DOMAIN, commute=False),
-        rewrite,
-        check,
+
+def _scaled_matmul(root: str) -> Pattern:
+    """``root(MatMul or FusedMatMul(a, b), s)``."""
+    return getattr(op, root)(op.any_of(_MATMULS, var("a"), var("b"), name="mm", domain=ANY_DOMAIN), const(name="s"))
+
+
+def _plan_scaled_matmul(m: Match, site: Site) -> float | str:
+    return _matmul_ranks(m, site) or _scale(m, site)
+
+
+_GEMM = op.Gemm(var("a"), var("b"), optional(var("c")), name="gemm")
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        name="matmul-add-gemm",
+        family=FAMILY,
+        pattern=op.Add(op.MatMul(var("a"), var("w"), name="matmul"), var("bias")),
+        plan=_check_matmul_add,
+        build=lambda b, m, plan: b.op("Gemm", m.value("a"), m.value("w"), m.value("bias")),
+        label="MatMul+Add",
+        doc="Add(MatMul(a, W), b) -> Gemm(a, W, b) for 2-D a and W",
+    ),
+    Rule(
+        name="transpose-into-gemm-a",
+        family=FAMILY,
+        pattern=op.Gemm(*_transposed("a"), optional(var("c")), name="gemm"),
+        plan=_check_2d_swap,
+        build=partial(_build_transposed_gemm, "a"),
+        label="Transpose+Gemm",
+        doc="Gemm with a Transposed input A -> Gemm with transA flipped",
+    ),
+    Rule(
+        name="transpose-into-gemm-b",
+        family=FAMILY,
+        pattern=op.Gemm(*_transposed("b"), optional(var("c")), name="gemm"),
+        plan=_check_2d_swap,
+        build=partial(_build_transposed_gemm, "b"),
+        label="Transpose+Gemm",
+        doc="Gemm with a Transposed input B -> Gemm with transB flipped",
+    ),
+    Rule(
+        name="gemm-mul-scalar",
+        family=FAMILY,
+        pattern=op.Mul(_GEMM, const(name="s")),
+        plan=_plan_scaled_gemm,
+        build=_build_scaled_gemm,
+        label="Gemm+Mul",
+        doc="Mul(Gemm(a, b, c), s) -> Gemm(a, b, c) with alpha and beta scaled",
+    ),
+    Rule(
+        name="gemm-div-scalar",
+        family=FAMILY,
+        pattern=op.Div(_GEMM, const(name="s")),
+        plan=_plan_scaled_gemm,
+        build=_build_scaled_gemm,
+        label="Gemm+Div",
+        doc="Div(Gemm(a, b, c), s) -> Gemm(a, b, c) with alpha and beta scaled",
+    ),
+    Rule(
+        name="ort-fusedgemm",
+        family=FAMILY,
+        pattern=activated(_GEMM),
+        plan=lambda m, site: (
+            "Clip is not a FusedGemm activation" if m.root.op_type == "Clip" else check_activation(m, site)
+        ),
+        build=_build_fused_gemm,
+        targets=frozenset({"ort"}),
+        default=False,
+        label="Gemm+activation",
+        doc="Act(Gemm(a, b, c)) -> com.microsoft FusedGemm (target ort)",
+    ),
+    Rule(
+        name="ort-fusedmatmul-mul",
+        family=FAMILY,
+        pattern=_scaled_matmul("Mul"),
+        plan=_plan_scaled_matmul,
+        build=_build_scaled_matmul,
+        targets=frozenset({"ort"}),
+        label="MatMul+Mul",
+        doc="Mul(MatMul(a, b), s) -> com.microsoft FusedMatMul(a, b, alpha) (target ort)",
+    ),
+    Rule(
+        name="ort-fusedmatmul-div",
+        family=FAMILY,
+        pattern=_scaled_matmul("Div"),
+        plan=_plan_scaled_matmul,
+        build=_build_scaled_matmul,
+        targets=frozenset({"ort"}),
+        label="MatMul+Div",
+        doc="Div(MatMul(a, b), s) -> com.microsoft FusedMatMul(a, b, alpha) (target ort)",
+    ),
+    Rule(
+        name="ort-transpose-into-matmul-a",
+        family=FAMILY,
+        pattern=op.any_of(_MATMULS, *_transposed("a"), name="mm", domain=ANY_DOMAIN, commute=False),
+        plan=_check_transposed_matmul,
+        build=partial(_build_transposed_matmul, "a"),
         targets=frozenset({"ort"}),
         label="Transpose+MatMul",
-        doc=f"MatMul with input {which.upper()} Transposed in its last two dims -> FusedMatMul {flag} (target ort)",
-    )
-
-
-add_rule(_transposed_matmul("a"))
-add_rule(_transposed_matmul("b"))
+        doc="MatMul with input A Transposed in its last two dims -> FusedMatMul transA (target ort)",
+    ),
+    Rule(
+        name="ort-transpose-into-matmul-b",
+        family=FAMILY,
+        pattern=op.any_of(_MATMULS, *_transposed("b"), name="mm", domain=ANY_DOMAIN, commute=False),
+        plan=_check_transposed_matmul,
+        build=partial(_build_transposed_matmul, "b"),
+        targets=frozenset({"ort"}),
+        label="Transpose+MatMul",
+        doc="MatMul with input B Transposed in its last two dims -> FusedMatMul transB (target ort)",
+    ),
+)

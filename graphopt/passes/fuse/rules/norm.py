@@ -23,20 +23,19 @@ bert_small x1.06 -> x0.945 without them and gpt2_small x1.003 -> x0.924 (BENCHMA
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
 
 import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, refusal, trailing_axes
+from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, trailing_axes
+from graphopt.passes.fuse.rules._ort import MS
 
 FAMILY = "norm"
-MS = "com.microsoft"
 
 _x = var("x")
 
@@ -115,55 +114,30 @@ def _norm_facts(m: Match, site: Site, reductions: tuple[str, ...]) -> tuple[int,
     return axis - len(shape), eps, gamma, beta
 
 
-NormBuild = Callable[[Builder, Value, int, float, np.ndarray, np.ndarray], Value]
+NormFacts = tuple[int, float, np.ndarray, np.ndarray]
 
 
-def _norm_rule(name: str, pattern: Pattern, reductions: tuple[str, ...], build: NormBuild, **extra: Any) -> Rule:
-    """A rule for a decomposed norm: ``build(b, x, axis, eps, gamma, beta)`` makes the fused op
-    from the facts :func:`_norm_facts` proves about the reductions named ``reductions``."""
-
-    def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        found = _norm_facts(m, site, reductions)
-        assert not isinstance(found, str)
-        return build(b, m.value("x"), *found)
-
-    return Rule(name, FAMILY, pattern, rewrite, refusal(lambda m, site: _norm_facts(m, site, reductions)), **extra)
+def _layer_norm_facts(m: Match, site: Site) -> NormFacts | str:
+    return _norm_facts(m, site, ("mean", "var"))
 
 
-def _layer_norm(b: Builder, x: Value, axis: int, eps: float, gamma: np.ndarray, beta: np.ndarray) -> Value:
+def _rms_norm_facts(m: Match, site: Site) -> NormFacts | str:
+    return _norm_facts(m, site, ("var",))
+
+
+def _layer_norm(b: Builder, m: Match, facts: NormFacts) -> Value:
+    x, (axis, eps, gamma, beta) = m.value("x"), facts
     scale, bias = new_const(b, gamma, x, "ln_scale"), new_const(b, beta, x, "ln_bias")
     return b.op("LayerNormalization", x, scale, bias, axis=axis, epsilon=eps)
 
 
-def _rms_norm(b: Builder, x: Value, axis: int, eps: float, gamma: np.ndarray, beta: np.ndarray) -> Value:
+def _rms_norm(b: Builder, m: Match, facts: NormFacts) -> Value:
+    x, (axis, eps, gamma, _) = m.value("x"), facts
     return b.op("RMSNormalization", x, new_const(b, gamma, x, "rms_scale"), axis=axis, epsilon=eps)
 
 
-for _gamma, _beta in ((True, True), (True, False), (False, False)):
-    add_rule(
-        _norm_rule(
-            "layernorm" + ("" if _gamma and _beta else ("-no-bias" if _gamma else "-plain")),
-            _affine(_LN, _gamma, _beta),
-            ("mean", "var"),
-            _layer_norm,
-            min_opset=17,
-            label="LayerNorm",
-            doc="ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add -> LayerNormalization (opset 17)",
-        )
-    )
-
-for _gamma in (True, False):
-    add_rule(
-        _norm_rule(
-            "rmsnorm" if _gamma else "rmsnorm-plain",
-            _affine(_RMS, _gamma, False),
-            ("var",),
-            _rms_norm,
-            min_opset=23,
-            label="RMSNorm",
-            doc="x / Sqrt(ReduceMean(x^2) + eps) * gamma -> RMSNormalization (opset 23)",
-        )
-    )
+_LN_DOC = "ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add -> LayerNormalization (opset 17)"
+_RMS_DOC = "x / Sqrt(ReduceMean(x^2) + eps) * gamma -> RMSNormalization (opset 23)"
 
 
 # -- GroupNorm -------------------------------------------------------------------------------------
@@ -222,7 +196,7 @@ def _group_plan(m: Match, site: Site) -> _GroupPlan | str:
     if None in full or back != full:
         return "the merge Reshape is not provably back to x's shape"
     if "instance" in m:
-        eps = float(m.node("instance").attr("epsilon", 1e-5))
+        eps = Site.float_attr(m.node("instance"), "epsilon", 1e-5)
         inner_scale, inner_bias = float_array(m.value("in_scale")), float_array(m.value("in_bias"))
         if inner_scale is None or inner_bias is None or inner_scale.shape != (groups,) or inner_bias.shape != (groups,):
             return "the InstanceNormalization scale / bias are not constants over the groups"
@@ -245,28 +219,16 @@ def _group_plan(m: Match, site: Site) -> _GroupPlan | str:
     return _GroupPlan(groups, eps, scale, gamma * np.repeat(inner_bias, per_group) + beta)
 
 
-def _group_norm(b: Builder, m: Match, site: Site) -> Value:
-    plan = _group_plan(m, site)
-    assert not isinstance(plan, str)
+def _group_norm(b: Builder, m: Match, plan: _GroupPlan) -> Value:
     x = m.value("x")
     scale, bias = new_const(b, plan.scale, x, "gn_scale"), new_const(b, plan.bias, x, "gn_bias")
     return b.op("GroupNormalization", x, scale, bias, num_groups=plan.groups, epsilon=plan.eps)
 
 
-for _gamma, _beta in ((True, True), (True, False), (False, False)):
-    add_rule(
-        Rule(
-            "groupnorm" + ("" if _gamma and _beta else ("-no-bias" if _gamma else "-plain")),
-            FAMILY,
-            _affine(_GROUP_NORM, _gamma, _beta),
-            _group_norm,
-            refusal(_group_plan),
-            min_opset=21,
-            label="GroupNorm",
-            doc="Reshape [N, G, -1] / InstanceNormalization or mean-variance / Reshape back / Mul / Add -> "
-            "GroupNormalization (opset 21, per-channel scale and bias)",
-        )
-    )
+_GN_DOC = (
+    "Reshape [N, G, -1] / InstanceNormalization or mean-variance / Reshape back / Mul / Add -> "
+    "GroupNormalization (opset 21, per-channel scale and bias)"
+)
 
 
 def _softmax_axis(m: Match, site: Site) -> int | str:
@@ -286,23 +248,13 @@ def _softmax_axis(m: Match, site: Site) -> int | str:
     return found.pop()
 
 
-def _softmax_rule(stable: bool) -> Rule:
+def _softmax(stable: bool) -> Pattern:
     inner: Pattern = op.Sub(_x, op.ReduceMax(_x, optional(const()), name="max")) if stable else _x
     e = op.Exp(inner, name="exp")
-    return Rule(
-        "softmax" if stable else "softmax-unstable",
-        FAMILY,
-        op.Div(e, op.ReduceSum(e, optional(const()), name="sum")),
-        lambda b, m, site: b.op("Softmax", m.value("x"), axis=_softmax_axis(m, site)),
-        refusal(_softmax_axis),
-        min_opset=13,
-        label="Softmax",
-        doc="Exp(x - max) / ReduceSum(Exp(x - max)) -> Softmax(x, axis) (opset 13)",
-    )
+    return op.Div(e, op.ReduceSum(e, optional(const()), name="sum"))
 
 
-add_rule(_softmax_rule(True))
-add_rule(_softmax_rule(False))
+_SOFTMAX_DOC = "Exp(x - max) / ReduceSum(Exp(x - max)) -> Softmax(x, axis) (opset 13)"
 
 
 # -- target ort: the residual Add goes into the norm ----------------------------------------------
@@ -328,83 +280,182 @@ def _check_skip(m: Match, site: Site) -> str | None:
             return f"{name} is not a vector over the hidden size"
     if "ln" in m:
         ln = m.node("ln")
-        if ln.attr("axis", -1) not in (-1, len(shape) - 1):
+        if Site.int_attr(ln, "axis", -1) not in (-1, len(shape) - 1):
             return "the norm is not over the last axis"
         if any(v.is_used() for v in ln.outputs[1:]):
             return "the norm's statistics are read"
     return None
 
 
-def _skip_rewrite(op_type: str) -> Callable[[Builder, Match, Site], Value]:
-    def rewrite(b: Builder, m: Match, site: Site) -> Value:
-        inputs: list[Value | None] = [m.value("a"), m.value("skip")]
-        if "ln" in m:
-            ln = m.node("ln")
-            inputs += [m.value("gamma"), m.optional("beta")][: len(ln.inputs) - 1]
-            eps = float(ln.attr("epsilon", 1e-5))
-        else:
-            found = _norm_facts(m, site, ("var",))
-            assert not isinstance(found, str)
-            _, eps, gamma, _ = found
-            inputs.append(new_const(b, gamma, m.value("a"), "rms_scale"))
-        if op_type == "SkipLayerNormalization" and len(inputs) == 3:
-            inputs.append(None)  # no beta
-        inputs.append(m.optional("bias"))
-        while inputs[-1] is None:
-            inputs.pop()
-        total = m.node("sum").outputs[0]
-        exported = total.is_graph_output or len(total.uses()) > 1
-        node = b.node(op_type, *inputs, domain=MS, outputs=4 if exported else 1, epsilon=eps)
-        if exported:
-            m.export("sum", node.outputs[3])
-        return node.outputs[0]
-
-    return rewrite
+def _build_skip(op_type: str, b: Builder, m: Match, facts: NormFacts | None) -> Value:
+    """The com.microsoft skip norm ``op_type``; ``facts`` of a decomposed RMSNorm (else None)."""
+    inputs: list[Value | None] = [m.value("a"), m.value("skip")]
+    if facts is None:
+        ln = m.node("ln")
+        inputs.append(m.value("gamma"))
+        if len(ln.inputs) > 2:  # LayerNormalization's beta
+            inputs.append(m.optional("beta"))
+        eps = Site.float_attr(ln, "epsilon", 1e-5)
+    else:
+        _, eps, gamma, _ = facts
+        inputs.append(new_const(b, gamma, m.value("a"), "rms_scale"))
+    if op_type == "SkipLayerNormalization" and len(inputs) == 3:
+        inputs.append(None)  # no beta
+    inputs.append(m.optional("bias"))
+    while inputs[-1] is None:
+        inputs.pop()
+    total = m.node("sum").outputs[0]
+    exported = total.is_graph_output or len(total.uses()) > 1
+    node = b.node(op_type, *inputs, domain=MS, outputs=4 if exported else 1, epsilon=eps)
+    if exported:
+        m.export("sum", node.outputs[3])
+    return node.outputs[0]
 
 
-def _check_skip_rms(m: Match, site: Site) -> str | None:
-    if "ln" not in m:
-        found = _norm_facts(m, site, ("var",))
-        if isinstance(found, str):
-            return found
-        if found[0] != -1:
-            return "the norm is not over the last axis"
-    return _check_skip(m, site)
+def _plan_skip_rms(m: Match, site: Site) -> NormFacts | str:
+    found = _rms_norm_facts(m, site)
+    if isinstance(found, str):
+        return found
+    if found[0] != -1:
+        return "the norm is not over the last axis"
+    return _check_skip(m, site) or found
 
 
-_SKIP_RULES = (
-    (
-        "ort-skiplayernorm",
-        "SkipLayerNormalization",
-        op.LayerNormalization(_SUM, const(name="gamma"), optional(const(name="beta")), name="ln"),
-        _check_skip,
+RULES: tuple[Rule, ...] = (
+    Rule(
+        name="layernorm",
+        family=FAMILY,
+        pattern=_affine(_LN, True, True),
+        plan=_layer_norm_facts,
+        build=_layer_norm,
+        min_opset=17,
+        label="LayerNorm",
+        doc=_LN_DOC,
     ),
-    (
-        "ort-skiprmsnorm",
-        "SkipSimplifiedLayerNormalization",
-        op.RMSNormalization(_SUM, const(name="gamma"), name="ln"),
-        _check_skip,
+    Rule(
+        name="layernorm-no-bias",
+        family=FAMILY,
+        pattern=_affine(_LN, True, False),
+        plan=_layer_norm_facts,
+        build=_layer_norm,
+        min_opset=17,
+        label="LayerNorm",
+        doc=_LN_DOC,
     ),
-    (
-        "ort-skiprmsnorm-decomposed",
-        "SkipSimplifiedLayerNormalization",
-        _affine(_normalized(_SUM, _SUM), True, False),
-        _check_skip_rms,
+    Rule(
+        name="layernorm-plain",
+        family=FAMILY,
+        pattern=_affine(_LN, False, False),
+        plan=_layer_norm_facts,
+        build=_layer_norm,
+        min_opset=17,
+        label="LayerNorm",
+        doc=_LN_DOC,
+    ),
+    Rule(
+        name="rmsnorm",
+        family=FAMILY,
+        pattern=_affine(_RMS, True, False),
+        plan=_rms_norm_facts,
+        build=_rms_norm,
+        min_opset=23,
+        label="RMSNorm",
+        doc=_RMS_DOC,
+    ),
+    Rule(
+        name="rmsnorm-plain",
+        family=FAMILY,
+        pattern=_affine(_RMS, False, False),
+        plan=_rms_norm_facts,
+        build=_rms_norm,
+        min_opset=23,
+        label="RMSNorm",
+        doc=_RMS_DOC,
+    ),
+    Rule(
+        name="groupnorm",
+        family=FAMILY,
+        pattern=_affine(_GROUP_NORM, True, True),
+        plan=_group_plan,
+        build=_group_norm,
+        min_opset=21,
+        label="GroupNorm",
+        doc=_GN_DOC,
+    ),
+    Rule(
+        name="groupnorm-no-bias",
+        family=FAMILY,
+        pattern=_affine(_GROUP_NORM, True, False),
+        plan=_group_plan,
+        build=_group_norm,
+        min_opset=21,
+        label="GroupNorm",
+        doc=_GN_DOC,
+    ),
+    Rule(
+        name="groupnorm-plain",
+        family=FAMILY,
+        pattern=_affine(_GROUP_NORM, False, False),
+        plan=_group_plan,
+        build=_group_norm,
+        min_opset=21,
+        label="GroupNorm",
+        doc=_GN_DOC,
+    ),
+    Rule(
+        name="softmax",
+        family=FAMILY,
+        pattern=_softmax(True),
+        plan=_softmax_axis,
+        build=lambda b, m, axis: b.op("Softmax", m.value("x"), axis=axis),
+        min_opset=13,
+        label="Softmax",
+        doc=_SOFTMAX_DOC,
+    ),
+    Rule(
+        name="softmax-unstable",
+        family=FAMILY,
+        pattern=_softmax(False),
+        plan=_softmax_axis,
+        build=lambda b, m, axis: b.op("Softmax", m.value("x"), axis=axis),
+        min_opset=13,
+        label="Softmax",
+        doc=_SOFTMAX_DOC,
+    ),
+    Rule(
+        name="ort-skiplayernorm",
+        family=FAMILY,
+        pattern=op.LayerNormalization(_SUM, const(name="gamma"), optional(const(name="beta")), name="ln"),
+        plan=_check_skip,
+        build=partial(_build_skip, "SkipLayerNormalization"),
+        targets=frozenset({"ort"}),
+        label="skip norm",
+        doc="norm(a [+ bias] + skip) -> com.microsoft SkipLayerNormalization (target ort)",
+        exports=("sum",),
+        default=False,
+    ),
+    Rule(
+        name="ort-skiprmsnorm",
+        family=FAMILY,
+        pattern=op.RMSNormalization(_SUM, const(name="gamma"), name="ln"),
+        plan=_check_skip,
+        build=partial(_build_skip, "SkipSimplifiedLayerNormalization"),
+        targets=frozenset({"ort"}),
+        label="skip norm",
+        doc="norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNormalization (target ort)",
+        exports=("sum",),
+        default=False,
+    ),
+    Rule(
+        name="ort-skiprmsnorm-decomposed",
+        family=FAMILY,
+        pattern=_affine(_normalized(_SUM, _SUM), True, False),
+        plan=_plan_skip_rms,
+        build=partial(_build_skip, "SkipSimplifiedLayerNormalization"),
+        targets=frozenset({"ort"}),
+        label="skip norm",
+        doc="norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNormalization (target ort)",
+        exports=("sum",),
+        default=False,
     ),
 )
-
-for _name, _op_type, _pattern, _check in _SKIP_RULES:
-    add_rule(
-        Rule(
-            _name,
-            FAMILY,
-            _pattern,
-            _skip_rewrite(_op_type),
-            _check,
-            targets=frozenset({"ort"}),
-            label="skip norm",
-            doc=f"norm(a [+ bias] + skip) -> com.microsoft {_op_type} (target ort)",
-            exports=("sum",),
-            default=False,
-        )
-    )

@@ -25,9 +25,9 @@ import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import OpPattern, op, optional, var
-from graphopt.passes.fuse.rules._helpers import is_float, refusal
+from graphopt.passes.fuse.rules._helpers import is_float
 
 FAMILY = "rotary"
 
@@ -75,7 +75,7 @@ def _halves_equal(value: Value, axis: int) -> bool:
             return on_axis and len(node.inputs) == 2 and node.input(0) is node.input(1)
         if node.op_type == "Gather" and node.in_standard_domain:
             rank = Site.rank(node.input(0))
-            if rank is None or int(node.attr("axis", 0)) % rank == rank - 1:
+            if rank is None or Site.int_attr(node, "axis", 0) % rank == rank - 1:
                 return False  # gathering along the halves' axis
             source = node.input(0)
         elif node.op_type == "Unsqueeze":
@@ -222,9 +222,7 @@ def _squeezed(b: Builder, half: Value, source: Value) -> Value:
     return b.op("Squeeze", half, b.constant(np.array([1], np.int64), "axes"))
 
 
-def _rewrite(b: Builder, m: Match, site: Site) -> Value:
-    plan = _plan(m, site)
-    assert not isinstance(plan, str)
+def _build(b: Builder, m: Match, plan: _Plan) -> Value:
     cos = _cache_value(b, plan.cos, plan.size, "cos")
     sin = _cache_value(b, plan.sin, plan.size, "sin")
     if plan.cos.positions is None:
@@ -232,15 +230,15 @@ def _rewrite(b: Builder, m: Match, site: Site) -> Value:
     return b.op("RotaryEmbedding", m.value("x"), cos, sin, plan.cos.positions)
 
 
-add_rule(
+RULES: tuple[Rule, ...] = (
     Rule(
-        "rotary-embedding",
-        FAMILY,
-        _ROPE,
-        _rewrite,
-        refusal(_plan),
+        name="rotary-embedding",
+        family=FAMILY,
+        pattern=_ROPE,
+        plan=_plan,
+        build=_build,
         min_opset=23,
         label="RotaryEmbedding",
         doc="x * cos + Concat(-x2, x1) * sin (rotate half) -> RotaryEmbedding (opset 23)",
-    )
+    ),
 )

@@ -24,9 +24,10 @@ import numpy as np
 from graphopt.ir import DataType, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Check, Match, Rewrite, Rule, Site, add_rule
-from graphopt.passes.fuse.patterns import const, op, optional, var
-from graphopt.passes.fuse.rules._helpers import refusal, static_shape
+from graphopt.passes.fuse.engine import Match, Rule, Site
+from graphopt.passes.fuse.patterns import Pattern, const, op, optional, var
+from graphopt.passes.fuse.rules._helpers import static_shape
+from graphopt.passes.fuse.rules.noop import CAST_TO_SAME_TYPE, TRANSPOSE_IDENTITY
 
 FAMILY = "shape"
 _LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -47,10 +48,9 @@ def _composed(m: Match, site: Site) -> list[int] | None:
     return [inner[q] for q in outer]
 
 
-def _pair_rule(name: str, op_type: str, rewrite: Rewrite, check: Check, label: str, doc: str) -> None:
-    """A rule for ``op_type(op_type(x))`` (entries "inner" and "outer")."""
-    pair = op.any_of((op_type,), op.any_of((op_type,), var("x"), name="inner"), name="outer")
-    add_rule(Rule(name, FAMILY, pair, rewrite, check, label=label, doc=doc))
+def _pair(op_type: str) -> Pattern:
+    """``op_type(op_type(x))`` (entries "inner" and "outer")."""
+    return op.any_of((op_type,), op.any_of((op_type,), var("x"), name="inner"), name="outer")
 
 
 def _x_or(b: Builder, m: Match, identity: bool, op_type: str, **attrs: Any) -> Value:
@@ -58,34 +58,13 @@ def _x_or(b: Builder, m: Match, identity: bool, op_type: str, **attrs: Any) -> V
     return m.value("x") if identity else b.op(op_type, m.value("x"), **attrs)
 
 
-def _rewrite_transposes(b: Builder, m: Match, site: Site) -> Value:
-    perm = _composed(m, site)
-    assert perm is not None
+def _plan_transposes(m: Match, site: Site) -> list[int] | str:
+    found = _composed(m, site)
+    return "the rank is unknown" if found is None else found
+
+
+def _build_transposes(b: Builder, m: Match, perm: list[int]) -> Value:
     return _x_or(b, m, perm == list(range(len(perm))), "Transpose", perm=perm)
-
-
-_pair_rule(
-    "transpose-transpose",
-    "Transpose",
-    _rewrite_transposes,
-    lambda m, site: None if _composed(m, site) is not None else "the rank is unknown",
-    "Transpose pair",
-    "Transpose(Transpose(x, p), q) -> Transpose(x, p[q]) or x",
-)
-
-add_rule(
-    Rule(
-        "transpose-identity",
-        FAMILY,
-        op.Transpose(var("x"), name="t", where=lambda n: n.attr("perm") is not None),
-        lambda b, m, site: m.value("x"),
-        lambda m, site: (
-            None if list(m.node("t").attr("perm")) == list(range(len(m.node("t").attr("perm")))) else "not the identity"
-        ),
-        label="Transpose",
-        doc="Transpose(x, identity perm) -> x",
-    )
-)
 
 
 def _reshape_target(m: Match) -> np.ndarray | None:
@@ -93,43 +72,9 @@ def _reshape_target(m: Match) -> np.ndarray | None:
     return None if shape is None or shape.ndim != 1 or bool(np.any(shape == 0)) else shape
 
 
-add_rule(
-    Rule(
-        "reshape-chain",
-        FAMILY,
-        op.Reshape(op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner"), var("shape"), name="outer"),
-        lambda b, m, site: b.op("Reshape", m.value("x"), m.value("shape")),
-        lambda m, site: None if _reshape_target(m) is not None else "the target shape is not a constant without 0",
-        label="Reshape chain",
-        doc="Reshape(Reshape|Flatten|Squeeze|Unsqueeze(x), s) -> Reshape(x, s)",
-    )
-)
-
-
-def _check_static_chain(m: Match, site: Site) -> str | None:
-    if static_shape(m.root.outputs[0]) is None:
-        return "the result shape is not static"
-    return None
-
-
-add_rule(
-    Rule(
-        "layout-chain-static",
-        FAMILY,
-        op.any_of(
-            ("Flatten", "Squeeze", "Unsqueeze"),
-            op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner"),
-            optional(var("_2")),
-            name="outer",
-        ),
-        lambda b, m, site: b.op(
-            "Reshape", m.value("x"), b.constant(np.array(static_shape(m.root.outputs[0]), np.int64), "shape")
-        ),
-        _check_static_chain,
-        label="Reshape chain",
-        doc="Flatten|Squeeze|Unsqueeze(Reshape-like(x)) with a static result -> Reshape(x, const)",
-    )
-)
+def _static_result(m: Match, site: Site) -> tuple[int, ...] | str:
+    found = static_shape(m.root.outputs[0])
+    return "the result shape is not static" if found is None else found
 
 
 def _merged_axes(m: Match, site: Site) -> list[int] | None:
@@ -156,23 +101,13 @@ def _unsqueeze_axes(m: Match, name: str, site: Site) -> list[int] | None:
     return None if array is None else [int(a) for a in array.ravel()]
 
 
-def _rewrite_unsqueezes(b: Builder, m: Match, site: Site) -> Value:
-    axes = _merged_axes(m, site)
-    assert axes is not None
-    return b.listed("Unsqueeze", m.value("x"), "axes", axes, as_input=site.opset >= 13).outputs[0]
+def _plan_unsqueezes(m: Match, site: Site) -> list[int] | str:
+    found = _merged_axes(m, site)
+    return "the axes or the rank are unknown" if found is None else found
 
 
-add_rule(
-    Rule(
-        "unsqueeze-unsqueeze",
-        FAMILY,
-        op.Unsqueeze(op.Unsqueeze(var("x"), optional(const()), name="inner"), optional(const()), name="outer"),
-        _rewrite_unsqueezes,
-        lambda m, site: None if _merged_axes(m, site) is not None else "the axes or the rank are unknown",
-        label="Unsqueeze pair",
-        doc="Unsqueeze(Unsqueeze(x, a), b) -> Unsqueeze(x, a and b)",
-    )
-)
+def _build_unsqueezes(b: Builder, m: Match, axes: list[int]) -> Value:
+    return b.listed("Unsqueeze", m.value("x"), "axes", axes, as_input=m.site.opset >= 13).outputs[0]
 
 
 def _one_unknown(m: Match, site: Site) -> list[int] | str:
@@ -187,20 +122,6 @@ def _one_unknown(m: Match, site: Site) -> list[int] | str:
         return "the target shape has more than one entry not provably static and positive"
     return [-1 if i == unknown[0] else int(d) for i, d in enumerate(found)]  # type: ignore[arg-type]
 
-
-add_rule(
-    Rule(
-        "reshape-one-unknown",
-        FAMILY,
-        op.Reshape(var("x"), var("shape", lambda v: not is_constant(v))),
-        lambda b, m, site: b.op(
-            "Reshape", m.value("x"), b.constant(np.array(_one_unknown(m, site), np.int64), "shape")
-        ),
-        refusal(_one_unknown),
-        label="Reshape",
-        doc="Reshape(x, computed s) with one entry not static -> Reshape(x, constant s with -1 there)",
-    )
-)
 
 # Element types each type converts to exactly (every value survives the round trip).
 _FLOATS = (DataType.FLOAT16, DataType.FLOAT, DataType.DOUBLE)
@@ -240,28 +161,71 @@ def _check_casts(m: Match, site: Site) -> str | None:
     return None
 
 
-def _rewrite_casts(b: Builder, m: Match, site: Site) -> Value:
-    to = int(m.root.attr("to"))
-    return _x_or(b, m, site.dtype(m.value("x")) == to, "Cast", to=to)
+def _build_casts(b: Builder, m: Match, plan: None) -> Value:
+    to = Site.int_attr(m.root, "to", 0)
+    return _x_or(b, m, m.site.dtype(m.value("x")) == to, "Cast", to=to)
 
 
-_pair_rule(
-    "cast-chain",
-    "Cast",
-    _rewrite_casts,
-    _check_casts,
-    "Cast chain",
-    "Cast(Cast(x, T1), T2) -> Cast(x, T2) (or x) when the first Cast is lossless",
-)
-
-add_rule(
+RULES: tuple[Rule, ...] = (
     Rule(
-        "cast-same-type",
-        FAMILY,
-        op.Cast(var("x"), name="cast"),
-        lambda b, m, site: m.value("x"),
-        lambda m, site: None if site.dtype(m.value("x")) == m.root.attr("to") else "a real conversion",
-        label="Cast",
-        doc="Cast(x, to=type of x) -> x",
-    )
+        name="transpose-transpose",
+        family=FAMILY,
+        pattern=_pair("Transpose"),
+        plan=_plan_transposes,
+        build=_build_transposes,
+        label="Transpose pair",
+        doc="Transpose(Transpose(x, p), q) -> Transpose(x, p[q]) or x",
+    ),
+    TRANSPOSE_IDENTITY,
+    Rule(
+        name="reshape-chain",
+        family=FAMILY,
+        pattern=op.Reshape(op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner"), var("shape"), name="outer"),
+        plan=lambda m, site: None if _reshape_target(m) is not None else "the target shape is not a constant without 0",
+        build=lambda b, m, plan: b.op("Reshape", m.value("x"), m.value("shape")),
+        label="Reshape chain",
+        doc="Reshape(Reshape|Flatten|Squeeze|Unsqueeze(x), s) -> Reshape(x, s)",
+    ),
+    Rule(
+        name="layout-chain-static",
+        family=FAMILY,
+        pattern=op.any_of(
+            ("Flatten", "Squeeze", "Unsqueeze"),
+            op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner"),
+            optional(var("_2")),
+            name="outer",
+        ),
+        plan=_static_result,
+        build=lambda b, m, shape: b.op("Reshape", m.value("x"), b.constant(np.array(shape, np.int64), "shape")),
+        label="Reshape chain",
+        doc="Flatten|Squeeze|Unsqueeze(Reshape-like(x)) with a static result -> Reshape(x, const)",
+    ),
+    Rule(
+        name="unsqueeze-unsqueeze",
+        family=FAMILY,
+        pattern=op.Unsqueeze(op.Unsqueeze(var("x"), optional(const()), name="inner"), optional(const()), name="outer"),
+        plan=_plan_unsqueezes,
+        build=_build_unsqueezes,
+        label="Unsqueeze pair",
+        doc="Unsqueeze(Unsqueeze(x, a), b) -> Unsqueeze(x, a and b)",
+    ),
+    Rule(
+        name="reshape-one-unknown",
+        family=FAMILY,
+        pattern=op.Reshape(var("x"), var("shape", lambda v: not is_constant(v))),
+        plan=_one_unknown,
+        build=lambda b, m, shape: b.op("Reshape", m.value("x"), b.constant(np.array(shape, np.int64), "shape")),
+        label="Reshape",
+        doc="Reshape(x, computed s) with one entry not static -> Reshape(x, constant s with -1 there)",
+    ),
+    Rule(
+        name="cast-chain",
+        family=FAMILY,
+        pattern=_pair("Cast"),
+        plan=_check_casts,
+        build=_build_casts,
+        label="Cast chain",
+        doc="Cast(Cast(x, T1), T2) -> Cast(x, T2) (or x) when the first Cast is lossless",
+    ),
+    CAST_TO_SAME_TYPE,
 )

@@ -19,11 +19,11 @@ import numpy as np
 
 from graphopt.ir import Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.engine import Match, Rule, Site, add_rule
+from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import const, op, var
 from graphopt.passes.fuse.rules._helpers import is_float
 
-FAMILY = "matmul"
+FAMILY = "matmul"  # a MatMul rewrite, reported and enabled with the matmul family
 
 
 def _check(m: Match, site: Site) -> str | None:
@@ -39,8 +39,8 @@ def _check(m: Match, site: Site) -> str | None:
     return None
 
 
-def _rewrite(b: Builder, m: Match, site: Site) -> Value:
-    x, w = m.value("x"), m.value("w")
+def _build(b: Builder, m: Match, plan: None) -> Value:
+    site, x, w = m.site, m.value("x"), m.value("w")
     shape = site.shape(x) or ()
     if len(shape) == 2:
         return b.op("Gemm", x, w, transB=1)
@@ -56,15 +56,15 @@ def _rewrite(b: Builder, m: Match, site: Site) -> Value:
     return b.op("Reshape", product, target)
 
 
-add_rule(
+RULES: tuple[Rule, ...] = (
     Rule(
-        "tied-weight-gemm",
-        FAMILY,
-        op.MatMul(var("x"), op.Transpose(const(name="w"), name="t"), name="matmul"),
-        _rewrite,
-        _check,
+        name="tied-weight-gemm",
+        family=FAMILY,
+        pattern=op.MatMul(var("x"), op.Transpose(const(name="w"), name="t"), name="matmul"),
+        plan=_check,
+        build=_build,
         targets=frozenset({"onnx"}),
         label="MatMul of a transposed weight",
         doc="MatMul(x, Transpose(W)) -> Gemm(Flatten(x), W, transB=1), reshaped back (no transposed copy of W)",
-    )
+    ),
 )

@@ -1,0 +1,433 @@
+"""Noop family: single-node rules for operations that return their input unchanged.
+
+The ``noop`` pass (graphopt/passes/cleanup/noop.py) sweeps these over every graph; the shape
+family of the fuse pass runs two of them too (a Transpose by the identity perm, a Cast to
+its input's own type). Each plan looks at one node and gives the value that stands for its
+(first) output, or the reason the node stays: it does real work, or the IR does not know
+enough to be sure.
+
+What the rules rely on:
+
+- element types and shapes come from the IR's value types, which may be missing (then a
+  rule that needs them does not fire); a symbolic dim is never assumed to equal an int;
+- constants are initializers or ``Constant`` nodes; an initializer that is also a graph
+  input is not a constant, the caller may feed it;
+- a node with outputs besides the first (Dropout's mask) is removed only when nothing
+  reads those;
+- a node inside a function body whose attribute refers to the function's own attributes
+  is left alone: its value is known only at the call site.
+
+Removing a node whose output is a graph output keeps that output's name (see
+``graphopt.ir.rewrite.replace_value``); when the input cannot take the name over, the
+node stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from graphopt.ir import AttrKind, DataType, Dim, Node, TensorType, Value, tensor_shape
+from graphopt.ir.constness import constant_array
+from graphopt.ir.rewrite import Builder, can_take_over
+from graphopt.passes.fuse.engine import Match, Plan, Rule, Site
+from graphopt.passes.fuse.patterns import OpPattern, op, optional, var
+
+__all__ = ["CAST_TO_SAME_TYPE", "FAMILY", "RULES", "TRANSPOSE_IDENTITY"]
+
+FAMILY = "noop"
+INT64_MAX = 2**63 - 1
+
+Bypass = Callable[[Node, int], "Value | None"]
+
+
+def _removable(refusal: str) -> Callable[[Bypass], Plan]:
+    """A rule's plan from ``bypass(node, opset)``, which gives the value that replaces the
+    node's output or None (then ``refusal`` is the reason the node stays)."""
+
+    def plan_of(bypass: Bypass) -> Plan:
+        def plan(m: Match, site: Site) -> Value | str:
+            value = bypass(m.root, site.opset)
+            if value is None:
+                return refusal
+            # An Identity to keep an output's name would only undo the removal: keep the node then.
+            if not can_take_over(m.root.outputs[0], value):
+                return "its output's name cannot go to the value that stands for it"
+            return value
+
+        return plan
+
+    return plan_of
+
+
+def _bypassable(node: Node) -> bool:
+    """Whether the node may go at all: a known op, no attribute bound at a function's call
+    site, and no output but the first read."""
+    if node.opaque or any(attr.ref_attr_name for attr in node.attributes.values()):
+        return False
+    return not any(v.is_used() for v in node.outputs[1:])
+
+
+def _single(op_types: Sequence[str], arity: int) -> OpPattern:
+    """One node of ``op_types`` with input 0 ``x`` and up to ``arity`` inputs in all."""
+    rest = (optional(var(f"_{i}")) for i in range(1, arity))
+    return op.any_of(op_types, var("x"), *rest, where=_bypassable, commute=False)
+
+
+def _bypassed(b: Builder, m: Match, value: Value) -> Value:
+    return value
+
+
+# -- what the rules know about values ------------------------------------------------------
+
+
+def _input_ints(node: Node, index: int) -> list[int] | None:
+    """The values of constant integer input ``index``."""
+    array = constant_array(node.inputs[index] if index < len(node.inputs) else None)
+    if array is None or array.dtype.kind not in "iu":
+        return None
+    return [int(v) for v in array.ravel()]
+
+
+def _ints(node: Node, attr: str, index: int) -> list[int] | None:
+    """An int list given as attribute ``attr`` (older opsets) or constant input ``index``."""
+    if attr in node.attributes:
+        given = node.attributes[attr]
+        return [int(v) for v in given.value] if given.kind == AttrKind.INTS and given.value is not None else None
+    return _input_ints(node, index)
+
+
+def _given(node: Node, attr: str, index: int) -> bool:
+    """Whether the optional operand (attribute or input) is present at all."""
+    return attr in node.attributes or (index < len(node.inputs) and node.inputs[index] is not None)
+
+
+def _fits_into(shape: tuple[int, ...], into: tuple[Dim, ...]) -> bool:
+    """Whether broadcasting ``shape`` against ``into`` yields ``into`` (right-aligned)."""
+    if len(shape) > len(into):
+        return False
+    return all(n == 1 or n == dim for n, dim in zip(reversed(shape), reversed(into), strict=False))
+
+
+# -- the rules -----------------------------------------------------------------------------
+
+
+@_removable("never refused")
+def identity(node: Node, opset: int) -> Value | None:
+    # Identity(x) -> x
+    return node.inputs[0]
+
+
+@_removable("it may be training")
+def dropout_inference(node: Node, opset: int) -> Value | None:
+    # Dropout(x, ratio, training_mode=false) -> x
+    if opset < 7 and not node.attr("is_test", 0):  # before opset 7, training unless is_test
+        return None
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        training = constant_array(node.inputs[2])
+        if training is None or training.size != 1 or bool(training.ravel()[0]):
+            return None
+    return node.inputs[0]
+
+
+@_removable("a real conversion")
+def cast_to_same_type(node: Node, opset: int) -> Value | None:
+    # Cast(x: float, to=float) -> x
+    x = node.inputs[0]
+    if x is None or not isinstance(x.type, TensorType) or x.type.dtype == DataType.UNDEFINED:
+        return None
+    return x if node.attr("to") == x.type.dtype else None
+
+
+@_removable("the shape may change")
+def reshape_to_same_shape(node: Node, opset: int) -> Value | None:
+    # Reshape(x: [b, s, 256], [0, -1, 256]) -> x
+    x, shape = node.inputs[0], tensor_shape(node.inputs[0])
+    target = _ints(node, "shape", 1)
+    if shape is None or target is None or len(target) != len(shape) or target.count(-1) > 1:
+        return None
+    copies_zero = not node.attr("allowzero", 0)
+    for dim, want in zip(shape, target, strict=True):
+        if want == -1 or (want == 0 and copies_zero):
+            continue  # -1 is inferred as this dim since every other dim matches; 0 copies it
+        if dim != want:
+            return None
+    return x
+
+
+@_removable("not the identity")
+def transpose_identity(node: Node, opset: int) -> Value | None:
+    # Transpose(x, perm=[0, 1, ..., n-1]) -> x
+    x, given = node.inputs[0], node.attributes.get("perm")
+    perm = given.value if given is not None and given.kind == AttrKind.INTS else None
+    if given is None:  # the default reverses the dims, which changes nothing only up to rank 1
+        shape = tensor_shape(x)
+        return x if shape is not None and len(shape) <= 1 else None
+    return x if perm is not None and list(perm) == list(range(len(perm))) else None
+
+
+@_removable("it pads")
+def pad_nothing(node: Node, opset: int) -> Value | None:
+    # Pad(x, pads=[0, ..., 0]) -> x
+    pads = _ints(node, "pads", 1)
+    return node.inputs[0] if pads is not None and not any(pads) else None
+
+
+@_removable("it may squeeze")
+def squeeze_nothing(node: Node, opset: int) -> Value | None:
+    # Squeeze(x: [2, 3], axes=[]) -> x   (no axes means every dim of 1, and there is none)
+    x, shape = node.inputs[0], tensor_shape(node.inputs[0])
+    axes = _ints(node, "axes", 1) if _given(node, "axes", 1) else []
+    if axes != [] or shape is None:
+        return None
+    return x if all(isinstance(d, int) and d != 1 for d in shape) else None
+
+
+@_removable("it unsqueezes")
+def unsqueeze_nothing(node: Node, opset: int) -> Value | None:
+    # Unsqueeze(x, axes=[]) -> x
+    return node.inputs[0] if _ints(node, "axes", 1) == [] else None
+
+
+@_removable("it may cut")
+def slice_everything(node: Node, opset: int) -> Value | None:
+    # Slice(x: [4, s], starts=[0, 0], ends=[4, INT64_MAX], steps=[1, 1]) -> x
+    x, shape = node.inputs[0], tensor_shape(node.inputs[0])
+    starts, ends = _ints(node, "starts", 1), _ints(node, "ends", 2)
+    if starts is None or ends is None or any(starts):
+        return None
+    axes = _ints(node, "axes", 3) if _given(node, "axes", 3) else list(range(len(starts)))
+    steps = _ints(node, "steps", 4) if _given(node, "steps", 4) else [1] * len(starts)
+    if axes is None or steps is None or len(axes) != len(ends) or any(s != 1 for s in steps):
+        return None
+    for axis, end in zip(axes, ends, strict=True):
+        if end >= INT64_MAX:
+            continue
+        if shape is None or not -len(shape) <= axis < len(shape):
+            return None
+        dim = shape[axis]
+        if not isinstance(dim, int) or end < dim:
+            return None
+    return x
+
+
+@_removable("it may expand")
+def expand_to_own_shape(node: Node, opset: int) -> Value | None:
+    # Expand(x: [b, 3], shape=[1, 3]) -> x
+    x, shape = node.inputs[0], tensor_shape(node.inputs[0])
+    target = _input_ints(node, 1)
+    if shape is None or target is None:
+        return None
+    return x if _fits_into(tuple(target), shape) else None
+
+
+@_removable("it may repeat")
+def tile_once(node: Node, opset: int) -> Value | None:
+    # Tile(x, repeats=[1, ..., 1]) -> x
+    repeats = _input_ints(node, 1)
+    return node.inputs[0] if repeats is not None and all(r == 1 for r in repeats) else None
+
+
+@_removable("more than one input")
+def single_input(node: Node, opset: int) -> Value | None:
+    # Concat(x) -> x,  Sum(x) -> x,  Max(x) -> x, ...
+    return node.inputs[0] if len(node.inputs) == 1 else None
+
+
+def _neutral_operand(node: Node, neutral: int, constant_at: tuple[int, ...]) -> Value | None:
+    """The other operand when the one at an index of ``constant_at`` is all ``neutral`` and
+    broadcasting it changes neither the other's shape nor its element type."""
+    if len(node.inputs) != 2:
+        return None
+    for index in constant_at:
+        x = node.inputs[1 - index]
+        constant = constant_array(node.inputs[index])
+        shape = tensor_shape(x)
+        if constant is None or x is None or shape is None or not isinstance(x.type, TensorType):
+            continue
+        try:
+            same_type = x.type.dtype.numpy() == constant.dtype
+        except TypeError:
+            same_type = False
+        if same_type and _fits_into(constant.shape, shape) and np.all(constant == neutral):
+            return x
+    return None
+
+
+@_removable("no neutral operand")
+def add_zero(node: Node, opset: int) -> Value | None:
+    # Add(x, 0) -> x,  Add(0, x) -> x
+    return _neutral_operand(node, 0, (1, 0))
+
+
+@_removable("no neutral operand")
+def sub_zero(node: Node, opset: int) -> Value | None:
+    # Sub(x, 0) -> x
+    return _neutral_operand(node, 0, (1,))
+
+
+@_removable("no neutral operand")
+def mul_one(node: Node, opset: int) -> Value | None:
+    # Mul(x, 1) -> x,  Mul(1, x) -> x
+    return _neutral_operand(node, 1, (1, 0))
+
+
+@_removable("no neutral operand")
+def div_one(node: Node, opset: int) -> Value | None:
+    # Div(x, 1) -> x
+    return _neutral_operand(node, 1, (1,))
+
+
+# The two the fuse pass's shape family runs as well.
+CAST_TO_SAME_TYPE = Rule(
+    name="cast-to-same-type",
+    family=FAMILY,
+    pattern=_single(("Cast",), 1),
+    plan=cast_to_same_type,
+    build=_bypassed,
+    label="Cast",
+    doc="Cast(x: float, to=float) -> x",
+)
+
+TRANSPOSE_IDENTITY = Rule(
+    name="transpose-identity",
+    family=FAMILY,
+    pattern=_single(("Transpose",), 1),
+    plan=transpose_identity,
+    build=_bypassed,
+    label="Transpose",
+    doc="Transpose(x, perm=[0, 1, ..., n-1]) -> x",
+)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        name="identity",
+        family=FAMILY,
+        pattern=_single(("Identity",), 1),
+        plan=identity,
+        build=_bypassed,
+        label="Identity",
+        doc="Identity(x) -> x",
+    ),
+    Rule(
+        name="dropout-inference",
+        family=FAMILY,
+        pattern=_single(("Dropout",), 3),
+        plan=dropout_inference,
+        build=_bypassed,
+        label="Dropout",
+        doc="Dropout(x, ratio, training_mode=false) -> x",
+    ),
+    CAST_TO_SAME_TYPE,
+    Rule(
+        name="reshape-to-same-shape",
+        family=FAMILY,
+        pattern=_single(("Reshape",), 2),
+        plan=reshape_to_same_shape,
+        build=_bypassed,
+        label="Reshape",
+        doc="Reshape(x: [b, s, 256], [0, -1, 256]) -> x",
+    ),
+    TRANSPOSE_IDENTITY,
+    Rule(
+        name="pad-nothing",
+        family=FAMILY,
+        pattern=_single(("Pad",), 4),
+        plan=pad_nothing,
+        build=_bypassed,
+        label="Pad",
+        doc="Pad(x, pads=[0, ..., 0]) -> x",
+    ),
+    Rule(
+        name="squeeze-nothing",
+        family=FAMILY,
+        pattern=_single(("Squeeze",), 2),
+        plan=squeeze_nothing,
+        build=_bypassed,
+        label="Squeeze",
+        doc="Squeeze(x: [2, 3], axes=[]) -> x   (no axes means every dim of 1, and there is none)",
+    ),
+    Rule(
+        name="unsqueeze-nothing",
+        family=FAMILY,
+        pattern=_single(("Unsqueeze",), 2),
+        plan=unsqueeze_nothing,
+        build=_bypassed,
+        label="Unsqueeze",
+        doc="Unsqueeze(x, axes=[]) -> x",
+    ),
+    Rule(
+        name="slice-everything",
+        family=FAMILY,
+        pattern=_single(("Slice",), 5),
+        plan=slice_everything,
+        build=_bypassed,
+        label="Slice",
+        doc="Slice(x: [4, s], starts=[0, 0], ends=[4, INT64_MAX], steps=[1, 1]) -> x",
+    ),
+    Rule(
+        name="expand-to-own-shape",
+        family=FAMILY,
+        pattern=_single(("Expand",), 2),
+        plan=expand_to_own_shape,
+        build=_bypassed,
+        label="Expand",
+        doc="Expand(x: [b, 3], shape=[1, 3]) -> x",
+    ),
+    Rule(
+        name="tile-once",
+        family=FAMILY,
+        pattern=_single(("Tile",), 2),
+        plan=tile_once,
+        build=_bypassed,
+        label="Tile",
+        doc="Tile(x, repeats=[1, ..., 1]) -> x",
+    ),
+    Rule(
+        name="single-input",
+        family=FAMILY,
+        pattern=_single(("Concat", "Sum", "Max", "Min", "Mean"), 1),
+        plan=single_input,
+        build=_bypassed,
+        label="Concat / Sum / Max / Min / Mean",
+        doc="Concat(x) -> x,  Sum(x) -> x,  Max(x) -> x, ...",
+    ),
+    Rule(
+        name="add-zero",
+        family=FAMILY,
+        pattern=_single(("Add",), 2),
+        plan=add_zero,
+        build=_bypassed,
+        label="Add",
+        doc="Add(x, 0) -> x,  Add(0, x) -> x",
+    ),
+    Rule(
+        name="sub-zero",
+        family=FAMILY,
+        pattern=_single(("Sub",), 2),
+        plan=sub_zero,
+        build=_bypassed,
+        label="Sub",
+        doc="Sub(x, 0) -> x",
+    ),
+    Rule(
+        name="mul-one",
+        family=FAMILY,
+        pattern=_single(("Mul",), 2),
+        plan=mul_one,
+        build=_bypassed,
+        label="Mul",
+        doc="Mul(x, 1) -> x,  Mul(1, x) -> x",
+    ),
+    Rule(
+        name="div-one",
+        family=FAMILY,
+        pattern=_single(("Div",), 2),
+        plan=div_one,
+        build=_bypassed,
+        label="Div",
+        doc="Div(x, 1) -> x",
+    ),
+)

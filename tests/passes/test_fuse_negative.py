@@ -29,7 +29,7 @@ from graphopt.errors import InputError
 from graphopt.passes.fuse import registered_rules
 from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, model, node
-from tests.passes.test_fuse_exports import exported_attention
+from tests.passes.test_fuse_exports import exported_attention, exported_encoder_attention
 from tests.passes.test_fuse_ort_rules import (
     HIDDEN,
     _attention,
@@ -699,6 +699,15 @@ CASES: dict[str, Case] = {
         Perturb(set_attr("val_156", axis=2), "not over the last axis", note="Softmax axis=2"),
         Perturb(set_shape("add_199", None), "not static", note="Q of unknown rank"),
         below(23),
+        passes="shape-infer,fuse,dce",
+    ),
+    "attention-heads-3d": Case(
+        exported_encoder_attention,
+        {"Attention": 1},
+        "transpose_3",
+        Perturb(set_attr("transpose_3", perm=[0, 1, 2, 3]), None, note="merge Transpose perm=[0, 1, 2, 3]"),
+        Perturb(set_shape("linear", None), "not provably into the Attention's heads", note="Q of unknown rank"),
+        Perturb(at_opset(22), None, note="opset 22: no Attention to take the heads into"),
         passes="shape-infer,fuse,dce",
     ),
     **{

@@ -35,7 +35,7 @@ from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.engine import Match, Rule, Site
 from graphopt.passes.fuse.patterns import Pattern, const, either, op, optional, var
-from graphopt.passes.fuse.rules._helpers import float_array, is_float, scalar_factor
+from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor
 from graphopt.passes.fuse.rules._ort import MS
 
 FAMILY = "attention"
@@ -422,9 +422,6 @@ def _plan_4d(m: Match, site: Site) -> _Plan4 | str:
     return _Plan4(q, k, v, heads, kv_heads, scale * q_scale * k_scale, mask)
 
 
-_SPELLED = "attention_mask_spelled"
-
-
 def _length(b: Builder, x: Value, known: bool) -> Value:
     """x's axis 2 (its sequence) as a 1-element shape: the constant 1 when the mask already has it."""
     return b.constant(np.ones(1, np.int64), "one") if known else b.op("Shape", x, start=2, end=3)
@@ -432,21 +429,15 @@ def _length(b: Builder, x: Value, known: bool) -> Value:
 
 def _spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
     """``mask`` with its query and key axes provably Q's and K's lengths, as onnxruntime's
-    Attention wants (a mask broadcasting over queries is expanded); one expansion per mask and
-    pair of lengths, shared by the layers."""
+    Attention wants (a mask broadcasting over queries is expanded). Not shared between layers:
+    the lengths are read from this layer's Q and K, which later layers' masks cannot wait for."""
     shape, q_len, k_len = Site.shape(mask) or (), (Site.shape(q) or (None,) * 4)[2], (Site.shape(k) or (None,) * 4)[2]
     rows, keys = q_len is not None and shape[-2] == q_len, k_len is not None and shape[-1] == k_len
     if rows and keys:
         return mask
-    for use in mask.uses():
-        node = use.node
-        if node.op_type == "Expand" and node.name.startswith(_SPELLED) and Site.shape(node.outputs[0]) is not None:
-            have = Site.shape(node.outputs[0]) or ()
-            if None not in (q_len, k_len) and have[-2:] == (q_len, k_len):
-                return node.outputs[0]
     ones = b.constant(np.ones(len(shape) - 2, np.int64), "ones")
     target = b.op("Concat", ones, _length(b, q, rows), _length(b, k, keys), axis=0)
-    expanded = b.node("Expand", mask, target, name=_SPELLED)
+    expanded = b.node("Expand", mask, target, name="attention_mask_spelled")
     dtype = Site.dtype(mask)
     if dtype is not None:
         expanded.outputs[0].type = TensorType(dtype, (*shape[:-2], q_len, k_len))
@@ -471,6 +462,58 @@ def _build_4d(b: Builder, m: Match, plan: _Plan4) -> Value:
 
 _SOFTMAX = op.Softmax(var("scores"), name="softmax")
 _NAN_GUARD = op.Where(op.IsNaN(_SOFTMAX, name="isnan"), const(0.0), _SOFTMAX, name="nan_guard")
+
+# -- Attention's own head split and merge --------------------------------------------------------
+#
+# Where Q, K and V of a 4-D Attention are all head splits of 3-D projections and its output is
+# merged back, ``Reshape(Transpose(Attention(split(Q), split(K), split(V)), [0, 2, 1, 3]), (B, S, H*d))``
+# is the same Attention on the projections (ONNX splits and merges the heads itself).
+
+
+def _split_entry(name: str) -> Pattern:
+    reshape = op.Reshape(var(name), var(f"{name}_shape"), name=f"{name}_split")
+    return op.Transpose(reshape, perm=_HEADS, name=f"{name}_t")
+
+
+_MERGED = op.Reshape(
+    op.Transpose(
+        op.Attention(_split_entry("q"), _split_entry("k"), _split_entry("v"), optional(var("mask")), name="attention"),
+        perm=_HEADS,
+        name="merge_t",
+    ),
+    var("merge_shape"),
+    name="merge",
+)
+
+
+def _plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
+    attention = m.node("attention")
+    if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
+        return "the Attention's other outputs are read"
+    wanted = {"q": site.int_attr(attention, "q_num_heads", 0), "k": site.int_attr(attention, "kv_num_heads", 0)}
+    wanted["v"] = wanted["k"]
+    sizes = {}
+    for name in ("q", "k", "v"):
+        counts = _split_count(m.node(f"{name}_split").outputs[0], site)
+        source = site.shape(m.value(name))
+        if counts is None or source is None or len(source) != 3 or counts[0] != wanted[name]:
+            return f"the head split of {name.upper()} is not provably into the Attention's heads"
+        sizes[name] = counts[1]
+    split = site.shape(m.value("q")) or ()
+    target = _ints(site, m.value("merge_shape"))
+    width = wanted["q"] * sizes["v"]
+    copies = not m.node("merge").attr("allowzero", 0)  # a 0 entry copies the input's dim
+    if target is None or len(target) != 3 or target[2] not in (width, -1) or (0 in target and not copies):
+        return "the merge Reshape is not provably back to (batch, seq, heads * head size)"
+    batch, seq = target[0] in (0, split[0]), target[1] in (0, split[1])
+    if not (batch and seq) and not ((batch or seq) and target[2] == width):
+        return "the merge Reshape is not provably back to (batch, seq, heads * head size)"
+    return attrs_of(attention)
+
+
+def _build_3d(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
+    return b.op("Attention", m.value("q"), m.value("k"), m.value("v"), m.optional("mask"), **attrs)
+
 
 # -- target ort: onnxruntime's Attention with packed projections --------------------------------
 
@@ -658,6 +701,16 @@ RULES: tuple[Rule, ...] = (
         label="Attention",
         doc="scaled dot-product attention on 4-D heads as the PyTorch exporters write it (scale on the scores "
         "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard) -> Attention (opset 23)",
+    ),
+    Rule(
+        name="attention-heads-3d",
+        family=FAMILY,
+        pattern=_MERGED,
+        plan=_plan_3d,
+        build=_build_3d,
+        min_opset=23,
+        label="Attention",
+        doc="Attention on head splits of 3-D projections, its output merged back -> Attention on the projections",
     ),
     Rule(
         name="ort-attention",

@@ -250,6 +250,26 @@ def _chain(outer: str, inner: str) -> Callable[[], onnx.ModelProto]:
     return build
 
 
+def _rms_round_trip() -> onnx.ModelProto:
+    """Hugging Face's RMSNorm of a float16 x as the TorchScript exporter writes it: Cast to float32,
+    Pow / ReduceMean / Add / Sqrt / Div(1, .) / Mul, Cast back, times gamma."""
+    nodes = [
+        node("Cast", ["x"], "xf", to=TensorProto.FLOAT),
+        node("Pow", ["xf", "two"], "sq"),
+        node("ReduceMean", ["sq", "axes"], "ms", keepdims=1),
+        node("Add", ["ms", "eps"], "mse"),
+        node("Sqrt", ["mse"], "rms"),
+        node("Div", ["one", "rms"], "inv"),
+        node("Mul", ["xf", "inv"], "n"),
+        node("Cast", ["n"], "n16", to=F16),
+        node("Mul", ["gamma", "n16"], "y"),
+    ]
+    gamma = (1 + 0.1 * RNG.standard_normal(8)).astype(np.float16)
+    constants = [init("two", 2.0), init("axes", np.array([-1], np.int64)), init("eps", 1e-6), init("one", 1.0)]
+    inputs, outputs = [info("x", ["b", "s", 8], F16)], [info("y", ["b", "s", 8], F16)]
+    return model(nodes, inputs, outputs, [*constants, init("gamma", gamma)], opset=23)
+
+
 def _constant_row() -> onnx.ModelProto:
     fill = helper.make_tensor("k", TensorProto.INT64, [1], [1])
     return model(
@@ -871,6 +891,14 @@ CASES: dict[str, Case] = {
         )
         for name, build in (("rmsnorm", _rmsnorm), ("rmsnorm-plain", truncated(_rmsnorm, "n")))
     },
+    "rmsnorm-round-trip": Case(
+        _rms_round_trip,
+        {"RMSNormalization": 1},
+        "n",
+        Perturb(set_const("eps", np.full(8, 1e-6)), "epsilon is not a scalar", note="a constant: eps per channel"),
+        Perturb(set_shape("x", None), "no known float type and rank"),
+        below(23),
+    ),
     **{
         name: Case(
             build,

@@ -61,7 +61,7 @@ def _same(original: onnx.ModelProto, optimized: onnx.ModelProto) -> None:
 OPSET_23: dict[str, dict[str, int]] = {
     "bert": {"Attention": 2, "LayerNormalization": 5, "Gelu": 2},
     "gpt2": {"Attention": 2, "LayerNormalization": 5, "Gelu": 2},
-    "llama": {"Attention": 2, "RMSNormalization": 5},
+    "llama": {"Attention": 2, "RMSNormalization": 5, "RotaryEmbedding": 4},
     "llama_kv": {"Attention": 1, "RMSNormalization": 3, "RotaryEmbedding": 2},
     "t5": {"Attention": 1, "RMSNormalization": 3, "Gelu": 1},
 }

@@ -109,3 +109,20 @@ def exported_encoder_attention() -> onnx.ModelProto:
     del cut.opset_import[:]
     cut.opset_import.append(onnx.helper.make_opsetid("", 23))
     return cut
+
+
+def exported_silu() -> onnx.ModelProto:
+    """The SiLU of the dynamo llama fixture's MLP as written, x * Sigmoid(x), at opset 24."""
+    proto = onnx.load(str(FIXTURES / "llama_dynamo.onnx"))
+    cut = onnx.utils.Extractor(proto).extract_model(["linear_4"], ["silu"])
+    del cut.opset_import[:]
+    cut.opset_import.append(onnx.helper.make_opsetid("", 24))
+    return cut
+
+
+def test_opset_24_makes_silu_swish() -> None:
+    for exporter in EXPORTERS:
+        original, out = _optimized(f"llama_{exporter}", target_opset=24)
+        found = _ops(out)
+        assert found["Swish"] == 2 and "Sigmoid" not in found, found
+        _same(original, out)

@@ -29,7 +29,7 @@ from graphopt.errors import InputError
 from graphopt.passes.fuse import registered_rules
 from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, model, node
-from tests.passes.test_fuse_exports import exported_attention, exported_encoder_attention
+from tests.passes.test_fuse_exports import exported_attention, exported_encoder_attention, exported_silu
 from tests.passes.test_fuse_ort_rules import (
     HIDDEN,
     _attention,
@@ -711,6 +711,14 @@ CASES: dict[str, Case] = {
         Perturb(lambda p: at_opset(23)(SPLIT_INPUT.change(p)), "not provable", feeds=_attention_split_input),
         below(23),
         passes="shape-infer,fuse,dce",
+    ),
+    "swish": Case(
+        exported_silu,
+        {"Swish": 1},
+        "val_176",
+        "n/a: Sigmoid and Mul have no attributes, and any scalar alpha is a Swish",
+        ELEMENTWISE,
+        below(24),
     ),
     "attention-4d": Case(
         exported_attention,

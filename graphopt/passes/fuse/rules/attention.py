@@ -354,6 +354,8 @@ class _Plan4:
     kv_heads: int
     scale: float
     mask: Value | None
+    bias: Value | None  # the additive float mask as written (onnxruntime's attention_bias)
+    repeated: tuple[_Heads4, Value]  # K and V with the heads repeated to Q's, as written
 
 
 def _mask_of(bias: Value) -> Value:
@@ -375,13 +377,13 @@ def _plan_4d(m: Match, site: Site) -> _Plan4 | str:
     softmax = m.node("softmax")
     if softmax.attr("axis", -1) not in (-1, 3):
         return "the Softmax is not over the last axis"
-    scores, mask = m.value("scores"), None
+    scores, mask, added = m.value("scores"), None, None
     node = scores.producer
     if node is not None and node.op_type == "Add":
         for core, bias in (node.inputs, reversed(node.inputs)):
             producer = _scalar_steps(core)[0].producer if core is not None else None
             if core is not None and producer is not None and producer.op_type == "MatMul" and bias is not None:
-                scores, mask = core, _mask_of(bias)
+                scores, mask, added = core, _mask_of(bias), bias
                 break
     elif node is not None and node.op_type == "Where":
         fill = float_array(node.inputs[2])
@@ -398,6 +400,7 @@ def _plan_4d(m: Match, site: Site) -> _Plan4 | str:
     k = _untransposed_key(kt)
     if k is None:
         return "K^T is not a transpose of a 4-D K in a spelling the rule knows"
+    repeated = (k, m.value("v"))
     v = _without_repeat(m.value("v"), site)
     if k.perm is None:
         k = _Heads4(_without_repeat(k.value, site))
@@ -419,7 +422,7 @@ def _plan_4d(m: Match, site: Site) -> _Plan4 | str:
             return "the mask is not a 2-D to 4-D tensor of Q's type or boolean"
         if len(shape) > 2 and isinstance(shape[-3], int) and shape[-3] not in (1, heads):
             return "the mask's head axis is neither 1 nor the heads"
-    return _Plan4(q, k, v, heads, kv_heads, scale * q_scale * k_scale, mask)
+    return _Plan4(q, k, v, heads, kv_heads, scale * q_scale * k_scale, mask, added, repeated)
 
 
 def _length(b: Builder, x: Value, known: bool) -> Value:
@@ -486,6 +489,20 @@ _MERGED = op.Reshape(
 )
 
 
+def _merge_refusal(m: Match, site: Site, width: int, batch: object, seq: object) -> str | None:
+    """Why the merge Reshape is not provably to (batch, seq, width), or None."""
+    target = _ints(site, m.value("merge_shape"))
+    copies = not m.node("merge").attr("allowzero", 0)  # a 0 entry copies the input's dim
+    wrong = "the merge Reshape is not provably back to (batch, seq, heads * head size)"
+    if target is None or len(target) != 3 or target[2] not in (width, -1) or (0 in target and not copies):
+        return wrong
+    kept_batch, kept_seq = target[0] in (0, batch), target[1] in (0, seq)
+    # With the width fixed, one of batch and seq provably kept fixes the other.
+    if not (kept_batch and kept_seq) and not ((kept_batch or kept_seq) and target[2] == width):
+        return wrong
+    return None
+
+
 def _plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
     attention = m.node("attention")
     if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
@@ -499,20 +516,124 @@ def _plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
         if counts is None or source is None or len(source) != 3 or counts[0] != wanted[name]:
             return f"the head split of {name.upper()} is not provably into the Attention's heads"
         sizes[name] = counts[1]
-    split = site.shape(m.value("q")) or ()
-    target = _ints(site, m.value("merge_shape"))
-    width = wanted["q"] * sizes["v"]
-    copies = not m.node("merge").attr("allowzero", 0)  # a 0 entry copies the input's dim
-    if target is None or len(target) != 3 or target[2] not in (width, -1) or (0 in target and not copies):
-        return "the merge Reshape is not provably back to (batch, seq, heads * head size)"
-    batch, seq = target[0] in (0, split[0]), target[1] in (0, split[1])
-    if not (batch and seq) and not ((batch or seq) and target[2] == width):
-        return "the merge Reshape is not provably back to (batch, seq, heads * head size)"
+    split = site.shape(m.value("q")) or (None, None)
+    reason = _merge_refusal(m, site, wanted["q"] * sizes["v"], split[0], split[1])
+    if reason is not None:
+        return reason
     return attrs_of(attention)
 
 
 def _build_3d(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
     return b.op("Attention", m.value("q"), m.value("k"), m.value("v"), m.optional("mask"), **attrs)
+
+
+# -- target ort: onnxruntime's MultiHeadAttention ------------------------------------------------
+#
+# The 4-D attention above with its head merge, Reshape(Transpose(P V, [0, 2, 1, 3]), (B, S, H*d)),
+# becomes com.microsoft MultiHeadAttention(Q (B, S, H*d), K, V (B, H, T, d), attention_bias): Q is
+# taken before its head split where it has one (else transposed and reshaped back), K and V keep their
+# heads (grouped-query attention's repeat stays: MultiHeadAttention has no kv heads), the additive
+# float mask is the attention bias, spelled out over queries and keys.
+
+_PV = op.MatMul(either(_NAN_GUARD, _SOFTMAX), var("v"), name="pv")
+# The TorchScript exporter reshapes SDPA's output to its own shape (read from it) before the merge.
+_PV_KEPT = either(_PV, op.Reshape(_PV, var("same_shape"), name="same"))
+_MHA = op.Reshape(op.Transpose(_PV_KEPT, perm=_HEADS, name="merge_t"), var("merge_shape"), name="merge")
+
+
+def _read_dim(entry: Value | None, source: Value) -> int | None:
+    """i when ``entry`` is the i-th dim of ``source`` as a 1-element shape read from it:
+    Shape(source, start=i, end=i + 1), or Unsqueeze(Gather(Shape(source), i))."""
+    node = entry.producer if entry is not None else None
+    if node is not None and node.op_type == "Shape" and node.inputs[0] is source:
+        start, end = node.attr("start", 0), node.attr("end")
+        return int(start) if end is not None and int(end) == int(start) + 1 and start >= 0 else None
+    gather = node.inputs[0].producer if node is not None and node.op_type == "Unsqueeze" and node.inputs[0] else None
+    if gather is None or gather.op_type != "Gather" or gather.inputs[0] is None or gather.attr("axis", 0) != 0:
+        return None
+    shape = gather.inputs[0].producer
+    index = Site.array(gather.inputs[1]) if len(gather.inputs) > 1 else None
+    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not source or shape.attributes:
+        return None
+    return int(index) if index is not None and index.size == 1 and index.ndim == 0 else None
+
+
+def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -> bool:
+    """Whether Reshape(source, target) keeps the shape of ``source``, the product P V of an attention
+    whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there, read from it (the
+    batch and query length also from Q) or equal to its static value, with at most one -1."""
+    dims, concat = site.shape(source), target.producer
+    kept = _ints(site, target)
+    if dims is not None and None not in dims and kept is not None and tuple(kept) == tuple(dims):
+        return True
+    if dims is None or concat is None or concat.op_type != "Concat" or len(concat.inputs) != len(dims):
+        return False
+    free = 0
+    for axis, entry in enumerate(concat.inputs):
+        value = Site.array(entry)
+        if value is not None and value.size == 1 and int(value.ravel()[0]) == -1:
+            free += 1
+            continue
+        read = _read_dim(entry, source) == axis or (axis in (0, 2) and _read_dim(entry, query) == axis)
+        if not (read or (value is not None and value.size == 1 and dims[axis] == int(value.ravel()[0]))):
+            return False
+    return free <= 1
+
+
+@dataclass
+class _MhaPlan:
+    plan: _Plan4
+    query: Value | None  # Q before its head split, when it has one
+    rows: bool  # the merge flattens batch and seq into rows: (B * S, H * d)
+
+
+def _plan_mha(m: Match, site: Site) -> _MhaPlan | str:
+    plan = _plan_4d(m, site)
+    if isinstance(plan, str):
+        return plan
+    if "same" in m and not _reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
+        return "the Reshape after the attention is not provably to its own shape"
+    if site.dtype(plan.q) != DataType.FLOAT:
+        return "onnxruntime's MultiHeadAttention runs float32 only here"
+    if plan.mask is not None and plan.bias is None:
+        return "the mask is not an additive float bias (MultiHeadAttention's attention_bias)"
+    if plan.bias is not None and (site.rank(plan.bias) != 4 or site.dtype(plan.bias) != DataType.FLOAT):
+        return "the attention bias is not a 4-D float32 tensor"
+    q_dims = site.shape(plan.q) or (None,) * 4
+    size = _head_count(plan.repeated[1], site)
+    if size is None or size[0] != plan.heads:
+        return "V does not provably have Q's heads and a static head size"
+    width = plan.heads * size[1]
+    target = _ints(site, m.value("merge_shape"))
+    rows = target is not None and len(target) == 2 and target[1] == width and target[0] == -1
+    reason = None if rows else _merge_refusal(m, site, width, q_dims[0], q_dims[2])
+    if reason is not None:
+        return reason
+    query = None
+    node = plan.q.producer
+    if node is not None and node.op_type == "Transpose" and node.attr("perm") == _HEADS and node.inputs[0] is not None:
+        source = node.inputs[0].producer
+        split = _split_count(node.inputs[0], site)
+        if source is not None and source.op_type == "Reshape" and split is not None and split[0] == plan.heads:
+            query = source.inputs[0] if site.rank(source.inputs[0]) == 3 else None
+    return _MhaPlan(plan, query, rows)
+
+
+def _build_mha(b: Builder, m: Match, found: _MhaPlan) -> Value:
+    plan = found.plan
+    query = found.query
+    if query is None:
+        heads_last = b.op("Transpose", plan.q, perm=_HEADS)
+        width = b.constant(np.array([0, 0, -1], np.int64), "width")
+        query = b.op("Reshape", heads_last, width)
+    k_heads, v = plan.repeated
+    k = k_heads.value if k_heads.perm is None else b.op("Transpose", k_heads.value, perm=k_heads.perm)
+    bias = None if plan.bias is None else _spelled_out(b, plan.bias, plan.q, v)
+    inputs: list[Value | None] = [query, k, v, None, None, bias]
+    while inputs[-1] is None:
+        inputs.pop()
+    out = b.op("MultiHeadAttention", *inputs, domain=MS, num_heads=plan.heads, scale=plan.scale)
+    return b.op("Reshape", out, m.value("merge_shape")) if found.rows else out
 
 
 # -- target ort: onnxruntime's Attention with packed projections --------------------------------
@@ -711,6 +832,16 @@ RULES: tuple[Rule, ...] = (
         min_opset=23,
         label="Attention",
         doc="Attention on head splits of 3-D projections, its output merged back -> Attention on the projections",
+    ),
+    Rule(
+        name="ort-multihead-attention",
+        family=FAMILY,
+        pattern=_MHA,
+        plan=_plan_mha,
+        build=_build_mha,
+        targets=frozenset({"ort"}),
+        label="MultiHeadAttention",
+        doc="4-D scaled dot-product attention with its head merge -> com.microsoft MultiHeadAttention (target ort)",
     ),
     Rule(
         name="ort-attention",

@@ -79,6 +79,18 @@ def test_opset_23_fuses_every_layer(name: str) -> None:
     _same(original, out)
 
 
+# model -> MultiHeadAttention count after --target ort, per exporter where the rule proves the layer
+ORT_MHA = {"bert_dynamo": 2, "bert_ts": 2, "gpt2_dynamo": 2, "llama_dynamo": 2, "llama_kv_dynamo": 1}
+
+
+@pytest.mark.parametrize("name", list(ORT_MHA))
+def test_target_ort_writes_multihead_attention(name: str) -> None:
+    original, out = _optimized(name, target="ort")
+    found = _ops(out)
+    assert found["MultiHeadAttention"] == ORT_MHA[name] and "Softmax" not in found, found
+    _same(original, out)
+
+
 def test_grouped_query_attention_keeps_the_kv_heads() -> None:
     for exporter in EXPORTERS:
         _, out = _optimized(f"llama_{exporter}", target_opset=23)
@@ -99,15 +111,15 @@ def exported_attention() -> onnx.ModelProto:
     return cut
 
 
-def exported_encoder_attention() -> onnx.ModelProto:
-    """The first attention of the dynamo bert fixture, as written (opset 23), from its Q, K, V projections and
+def exported_encoder_attention(opset: int = 23) -> onnx.ModelProto:
+    """The first attention of the dynamo bert fixture, as written (at ``opset``), from its Q, K, V projections and
     float mask to the merged heads: the head splits, SDPA (sqrt(scale) on Q and K^T, K^T as Reshape / Transpose /
     Reshape, IsNaN guard) and the merge."""
     proto = onnx.load(str(FIXTURES / "bert_dynamo.onnx"))
     inputs = ["input_ids", "linear", "linear_1", "linear_2", "val_102"]
     cut = onnx.utils.Extractor(proto).extract_model(inputs, ["view_4"])
     del cut.opset_import[:]
-    cut.opset_import.append(onnx.helper.make_opsetid("", 23))
+    cut.opset_import.append(onnx.helper.make_opsetid("", opset))
     return cut
 
 

@@ -720,6 +720,16 @@ CASES: dict[str, Case] = {
         ELEMENTWISE,
         below(24),
     ),
+    "ort-multihead-attention": Case(
+        lambda: exported_encoder_attention(opset=20),
+        {"MultiHeadAttention": 1},
+        "transpose_3",
+        Perturb(set_attr("transpose_3", perm=[0, 1, 2, 3]), None, note="merge Transpose perm=[0, 1, 2, 3]"),
+        Perturb(set_shape("val_102", None), "not a 2-D to 4-D tensor", note="mask of unknown rank"),
+        NO_GATE,
+        {"target": "ort"},
+        passes="shape-infer,fuse,dce",
+    ),
     "attention-4d": Case(
         exported_attention,
         {"Attention": 1},

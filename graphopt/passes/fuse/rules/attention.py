@@ -584,7 +584,25 @@ def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) 
 class _MhaPlan:
     plan: _Plan4
     query: Value | None  # Q before its head split, when it has one
+    key_value: tuple[Value, Value] | None  # K and V before their head splits, when both have one
     rows: bool  # the merge flattens batch and seq into rows: (B * S, H * d)
+
+
+def _split_source(split: Value, site: Site) -> Value | None:
+    """x of a head split Reshape(x (B, S, H * d), (B, S, H, d)), or None."""
+    node = split.producer
+    if node is None or node.op_type != "Reshape" or node.inputs[0] is None or site.rank(node.inputs[0]) != 3:
+        return None
+    return node.inputs[0] if _split_count(split, site) is not None else None
+
+
+def _unsplit(value: Value, heads: int, site: Site) -> Value | None:
+    """x when ``value`` is Transpose(Reshape(x, (B, S, heads, d)), [0, 2, 1, 3]), else None."""
+    node = value.producer
+    if node is None or node.op_type != "Transpose" or node.attr("perm") != _HEADS or node.inputs[0] is None:
+        return None
+    counts = _split_count(node.inputs[0], site)
+    return _split_source(node.inputs[0], site) if counts is not None and counts[0] == heads else None
 
 
 def _plan_mha(m: Match, site: Site) -> _MhaPlan | str:
@@ -609,14 +627,13 @@ def _plan_mha(m: Match, site: Site) -> _MhaPlan | str:
     reason = None if rows else _merge_refusal(m, site, width, q_dims[0], q_dims[2])
     if reason is not None:
         return reason
-    query = None
-    node = plan.q.producer
-    if node is not None and node.op_type == "Transpose" and node.attr("perm") == _HEADS and node.inputs[0] is not None:
-        source = node.inputs[0].producer
-        split = _split_count(node.inputs[0], site)
-        if source is not None and source.op_type == "Reshape" and split is not None and split[0] == plan.heads:
-            query = source.inputs[0] if site.rank(source.inputs[0]) == 3 else None
-    return _MhaPlan(plan, query, rows)
+    query = _unsplit(plan.q, plan.heads, site)
+    k_heads, v = plan.repeated
+    key = _unsplit(k_heads.value, plan.heads, site) if k_heads.perm is None else _split_source(k_heads.value, site)
+    value = _unsplit(v, plan.heads, site)
+    if key is None or value is None:
+        key = value = None
+    return _MhaPlan(plan, query, (key, value) if key is not None and value is not None else None, rows)
 
 
 def _build_mha(b: Builder, m: Match, found: _MhaPlan) -> Value:
@@ -626,9 +643,13 @@ def _build_mha(b: Builder, m: Match, found: _MhaPlan) -> Value:
         heads_last = b.op("Transpose", plan.q, perm=_HEADS)
         width = b.constant(np.array([0, 0, -1], np.int64), "width")
         query = b.op("Reshape", heads_last, width)
-    k_heads, v = plan.repeated
-    k = k_heads.value if k_heads.perm is None else b.op("Transpose", k_heads.value, perm=k_heads.perm)
-    bias = None if plan.bias is None else _spelled_out(b, plan.bias, plan.q, v)
+    k_heads, v_heads = plan.repeated
+    if found.key_value is not None:
+        k, v = found.key_value
+    else:
+        k = k_heads.value if k_heads.perm is None else b.op("Transpose", k_heads.value, perm=k_heads.perm)
+        v = v_heads
+    bias = None if plan.bias is None else _spelled_out(b, plan.bias, plan.q, v_heads)
     inputs: list[Value | None] = [query, k, v, None, None, bias]
     while inputs[-1] is None:
         inputs.pop()

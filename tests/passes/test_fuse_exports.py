@@ -80,7 +80,16 @@ def test_opset_23_fuses_every_layer(name: str) -> None:
 
 
 # model -> MultiHeadAttention count after --target ort, per exporter where the rule proves the layer
-ORT_MHA = {"bert_dynamo": 2, "bert_ts": 2, "gpt2_dynamo": 2, "llama_dynamo": 2, "llama_kv_dynamo": 1}
+ORT_MHA = {
+    "bert_dynamo": 2,
+    "bert_ts": 2,
+    "gpt2_dynamo": 2,
+    "llama_dynamo": 2,
+    "llama_ts": 2,
+    "llama_kv_dynamo": 1,
+    "llama_kv_ts": 1,
+    "t5_ts": 1,
+}
 
 
 @pytest.mark.parametrize("name", list(ORT_MHA))

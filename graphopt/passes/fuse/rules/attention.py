@@ -560,8 +560,8 @@ def _read_dim(entry: Value | None, source: Value) -> int | None:
 
 def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -> bool:
     """Whether Reshape(source, target) keeps the shape of ``source``, the product P V of an attention
-    whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there, read from it (the
-    batch and query length also from Q) or equal to its static value, with at most one -1."""
+    whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there (the batch and
+    query length may also be Q's), read from it or provably equal to it, with at most one -1."""
     dims, concat = site.shape(source), target.producer
     kept = _ints(site, target)
     if dims is not None and None not in dims and kept is not None and tuple(kept) == tuple(dims):
@@ -575,7 +575,9 @@ def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) 
             free += 1
             continue
         read = _read_dim(entry, source) == axis or (axis in (0, 2) and _read_dim(entry, query) == axis)
-        if not (read or (value is not None and value.size == 1 and dims[axis] == int(value.ravel()[0]))):
+        known = _ints(site, entry) if entry is not None else None
+        same = [dims[axis], *((site.shape(query) or (None,) * 4)[axis : axis + 1] if axis in (0, 2) else ())]
+        if not (read or (known is not None and len(known) == 1 and known[0] is not None and known[0] in same)):
             return False
     return free <= 1
 

@@ -22,6 +22,15 @@ weights ``[Wq Wk Wv]``; float16 weights are packed as float16 and Cast once). Th
 becomes ``unidirectional=1``; BERT's additive mask ``(1 - float(m[:, None, None, :])) * c``
 becomes the raw 2-D mask ``m`` as int32 with ``mask_filter_value=c`` (masks are 0 / 1 by
 contract, as onnxruntime's own fusion assumes); another additive mask is its attention_bias.
+
+What PyTorch's exporters write (torch's scaled_dot_product_attention, decomposed by the dynamo
+and the TorchScript exporter alike) is matched from ``P V`` backwards instead (``attention-4d``,
+see the section below for the spellings): the 4-D Q, K, V (after rotary embeddings, with GQA's
+head repeat dropped) become Attention's inputs, and ``attention-heads-3d`` then takes head splits
+and the merge into it where Q, K and V all have them. For ``--target ort`` the same match with
+its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``); grouped-query attention
+keeps its repeated heads there (GroupQueryAttention's causal-and-padding mask contract is not
+proven from the exported mask, so it is not written).
 """
 
 from __future__ import annotations

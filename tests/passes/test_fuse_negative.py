@@ -744,7 +744,7 @@ CASES: dict[str, Case] = {
         {"Attention": 1},
         "transpose_3",
         Perturb(set_attr("transpose_3", perm=[0, 1, 2, 3]), None, note="merge Transpose perm=[0, 1, 2, 3]"),
-        Perturb(set_shape("linear", None), "not provably into the Attention's heads", note="Q of unknown rank"),
+        Perturb(set_shape("linear", None), "head split of Q is not provable", note="Q of unknown rank"),
         Perturb(at_opset(22), None, note="opset 22: no Attention to take the heads into"),
         passes="shape-infer,fuse,dce",
     ),

@@ -7,7 +7,8 @@
 - ``Clip(x + 3, 0, 6) / 6`` (or ``* 1/6``) -> ``HardSigmoid(x, 1/6, 0.5)``.
 - ``x * Clip(x + 3, 0, 6) / 6`` and ``x * HardSigmoid(x, 1/6, 0.5)`` -> ``HardSwish(x)`` (opset 14);
   below opset 14 the first becomes ``x * HardSigmoid(x, 1/6, 0.5)`` (two ops instead of four).
-- SiLU ``x * Sigmoid(x)`` and ``x * Sigmoid(alpha * x)`` -> ``Swish(x, alpha)`` (opset 24). SwiGLU
+- SiLU ``x * Sigmoid(x)`` and ``x * Sigmoid(alpha * x)`` -> ``Swish(x, alpha)`` at opset 24 (onnxruntime
+  1.32 has no Swish kernel for a model of a later opset, so the rule stops there). SwiGLU
   (opset 28) is left alone: onnxruntime 1.32 has no kernel for it, so the output would not run.
 
 With ``--target ort`` below opset 20 the GELUs become onnxruntime's ``Gelu`` / ``FastGelu``
@@ -131,6 +132,7 @@ RULES: tuple[Rule, ...] = (
         plan=_plan_swish,
         build=lambda b, m, alpha: b.op("Swish", m.value("x"), alpha=alpha),
         min_opset=24,
+        max_opset=24,  # onnxruntime 1.32 registers its Swish kernel for opset 24 only
         label="Swish",
         doc="x * Sigmoid(alpha * x) (SiLU: alpha 1) -> Swish (opset 24)",
     ),

@@ -459,17 +459,8 @@ def _spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
 def _build_4d(b: Builder, m: Match, plan: _Plan4) -> Value:
     k = plan.k.value if plan.k.perm is None else b.op("Transpose", plan.k.value, perm=plan.k.perm)
     mask = None if plan.mask is None else _spelled_out(b, plan.mask, plan.q, plan.v)
-    node: Node = b.node(
-        "Attention",
-        plan.q,
-        k,
-        plan.v,
-        mask,
-        q_num_heads=plan.heads,
-        kv_num_heads=plan.kv_heads,
-        scale=plan.scale,
-    )
-    return node.outputs[0]
+    # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
+    return b.op("Attention", plan.q, k, plan.v, mask, scale=plan.scale)
 
 
 _SOFTMAX = op.Softmax(var("scores"), name="softmax")
@@ -516,20 +507,20 @@ def _plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
     attention = m.node("attention")
     if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
         return "the Attention's other outputs are read"
-    wanted = {"q": site.int_attr(attention, "q_num_heads", 0), "k": site.int_attr(attention, "kv_num_heads", 0)}
-    wanted["v"] = wanted["k"]
-    sizes = {}
+    counts, sizes = {}, {}
     for name in ("q", "k", "v"):
-        counts = _split_count(m.node(f"{name}_split").outputs[0], site)
+        found = _split_count(m.node(f"{name}_split").outputs[0], site)
         source = site.shape(m.value(name))
-        if counts is None or source is None or len(source) != 3 or counts[0] != wanted[name]:
-            return f"the head split of {name.upper()} is not provably into the Attention's heads"
-        sizes[name] = counts[1]
+        if found is None or source is None or len(source) != 3:
+            return f"the head split of {name.upper()} is not provable"
+        counts[name], sizes[name] = found
+    if counts["k"] != counts["v"] or counts["q"] % counts["k"]:
+        return "the head splits of Q, K and V do not fit together"
     split = site.shape(m.value("q")) or (None, None)
-    reason = _merge_refusal(m, site, wanted["q"] * sizes["v"], split[0], split[1])
+    reason = _merge_refusal(m, site, counts["q"] * sizes["v"], split[0], split[1])
     if reason is not None:
         return reason
-    return attrs_of(attention)
+    return attrs_of(attention, q_num_heads=counts["q"], kv_num_heads=counts["k"])
 
 
 def _build_3d(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:

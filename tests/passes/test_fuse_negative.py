@@ -56,6 +56,7 @@ from tests.passes.fuse_models import (
     tanh_gelu,
     tied,
 )
+from tests.passes.test_fuse_exports import exported_attention, exported_encoder_attention, exported_silu
 
 RNG = np.random.default_rng(2)
 F16 = TensorProto.FLOAT16
@@ -248,6 +249,26 @@ def _chain(outer: str, inner: str) -> Callable[[], onnx.ModelProto]:
         )
 
     return build
+
+
+def _rms_round_trip() -> onnx.ModelProto:
+    """Hugging Face's RMSNorm of a float16 x as the TorchScript exporter writes it: Cast to float32,
+    Pow / ReduceMean / Add / Sqrt / Div(1, .) / Mul, Cast back, times gamma."""
+    nodes = [
+        node("Cast", ["x"], "xf", to=TensorProto.FLOAT),
+        node("Pow", ["xf", "two"], "sq"),
+        node("ReduceMean", ["sq", "axes"], "ms", keepdims=1),
+        node("Add", ["ms", "eps"], "mse"),
+        node("Sqrt", ["mse"], "rms"),
+        node("Div", ["one", "rms"], "inv"),
+        node("Mul", ["xf", "inv"], "n"),
+        node("Cast", ["n"], "n16", to=F16),
+        node("Mul", ["gamma", "n16"], "y"),
+    ]
+    gamma = (1 + 0.1 * RNG.standard_normal(8)).astype(np.float16)
+    constants = [init("two", 2.0), init("axes", np.array([-1], np.int64)), init("eps", 1e-6), init("one", 1.0)]
+    inputs, outputs = [info("x", ["b", "s", 8], F16)], [info("y", ["b", "s", 8], F16)]
+    return model(nodes, inputs, outputs, [*constants, init("gamma", gamma)], opset=23)
 
 
 def _constant_row() -> onnx.ModelProto:
@@ -702,6 +723,42 @@ CASES: dict[str, Case] = {
         below(23),
         passes="shape-infer,fuse,dce",
     ),
+    "swish": Case(
+        exported_silu,
+        {"Swish": 1},
+        "val_176",
+        "n/a: Sigmoid and Mul have no attributes, and any scalar alpha is a Swish",
+        ELEMENTWISE,
+        below(24),
+    ),
+    "ort-multihead-attention": Case(
+        lambda: exported_encoder_attention(opset=20),
+        {"MultiHeadAttention": 1},
+        "transpose_3",
+        Perturb(set_attr("transpose_3", perm=[0, 1, 2, 3]), None, note="merge Transpose perm=[0, 1, 2, 3]"),
+        Perturb(set_shape("val_102", None), "not a 2-D to 4-D tensor", note="mask of unknown rank"),
+        NO_GATE,
+        {"target": "ort"},
+        passes="shape-infer,fuse,dce",
+    ),
+    "attention-4d": Case(
+        exported_attention,
+        {"Attention": 1},
+        "val_156",
+        Perturb(set_attr("val_156", axis=2), "not over the last axis", note="Softmax axis=2"),
+        Perturb(set_shape("add_199", None), "not static", note="Q of unknown rank"),
+        below(23),
+        passes="shape-infer,fuse,dce",
+    ),
+    "attention-heads-3d": Case(
+        exported_encoder_attention,
+        {"Attention": 1},
+        "transpose_3",
+        Perturb(set_attr("transpose_3", perm=[0, 1, 2, 3]), None, note="merge Transpose perm=[0, 1, 2, 3]"),
+        Perturb(set_shape("linear", None), "head split of Q is not provable", note="Q of unknown rank"),
+        Perturb(at_opset(22), None, note="opset 22: no Attention to take the heads into"),
+        passes="shape-infer,fuse,dce",
+    ),
     **{
         name: Case(
             build,
@@ -866,6 +923,14 @@ CASES: dict[str, Case] = {
         )
         for name, build in (("rmsnorm", _rmsnorm), ("rmsnorm-plain", truncated(_rmsnorm, "n")))
     },
+    "rmsnorm-round-trip": Case(
+        _rms_round_trip,
+        {"RMSNormalization": 1},
+        "n",
+        Perturb(set_const("eps", np.full(8, 1e-6)), "epsilon is not a scalar", note="a constant: eps per channel"),
+        Perturb(set_shape("x", None), "no known float type and rank"),
+        below(23),
+    ),
     **{
         name: Case(
             build,

@@ -1,4 +1,4 @@
-"""Activation family: decomposed GELU, HardSigmoid and HardSwish become one op.
+"""Activation family: decomposed GELU, HardSigmoid, HardSwish and Swish become one op.
 
 - erf GELU ``x * 0.5 * (1 + erf(x / sqrt 2))`` -> ``Gelu(x)`` (opset 20), operands in any
   order and association, ``x / sqrt 2`` or ``x * (1 / sqrt 2)``.
@@ -7,6 +7,9 @@
 - ``Clip(x + 3, 0, 6) / 6`` (or ``* 1/6``) -> ``HardSigmoid(x, 1/6, 0.5)``.
 - ``x * Clip(x + 3, 0, 6) / 6`` and ``x * HardSigmoid(x, 1/6, 0.5)`` -> ``HardSwish(x)`` (opset 14);
   below opset 14 the first becomes ``x * HardSigmoid(x, 1/6, 0.5)`` (two ops instead of four).
+- SiLU ``x * Sigmoid(x)`` and ``x * Sigmoid(alpha * x)`` -> ``Swish(x, alpha)`` at opset 24 (onnxruntime
+  1.32 has no Swish kernel for a model of a later opset, so the rule stops there). SwiGLU
+  (opset 28) is left alone: onnxruntime 1.32 has no kernel for it, so the output would not run.
 
 With ``--target ort`` below opset 20 the GELUs become onnxruntime's ``Gelu`` / ``FastGelu``
 (com.microsoft), which its CPU provider implements; a GELU of ``x + bias`` (a constant vector
@@ -19,7 +22,7 @@ import math
 from typing import NamedTuple
 
 from graphopt.ir import DataType, Node
-from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float
+from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float, scalar_factor
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
@@ -108,7 +111,31 @@ def _plan_bias_gelu(m: Match, site: Site) -> _BiasGelu | str:
     return _BiasGelu(contrib)
 
 
+# SiLU as both exporters write it, x * Sigmoid(x), and its scaled form x * Sigmoid(alpha * x).
+_SWISH = op.Mul(_x, op.Sigmoid(either(op.Mul(_x, const(name="alpha")), _x), name="sigmoid"))
+
+
+def _plan_swish(m: Match, site: Site) -> float | str:
+    if not is_float(m.value("x")):
+        return NOT_FLOAT
+    if "alpha" not in m:
+        return 1.0
+    alpha = scalar_factor(m.value("alpha"), divides=False)
+    return "alpha is not a scalar constant" if alpha is None else alpha
+
+
 RULES: tuple[Rule, ...] = (
+    Rule(
+        name="swish",
+        family=FAMILY,
+        pattern=_SWISH,
+        plan=_plan_swish,
+        build=lambda b, m, alpha: b.op("Swish", m.value("x"), alpha=alpha),
+        min_opset=24,
+        max_opset=24,  # onnxruntime 1.32 registers its Swish kernel for opset 24 only
+        label="Swish",
+        doc="x * Sigmoid(alpha * x) (SiLU: alpha 1) -> Swish (opset 24)",
+    ),
     Rule(
         name="gelu-none",
         family=FAMILY,

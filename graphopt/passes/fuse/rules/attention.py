@@ -22,6 +22,15 @@ weights ``[Wq Wk Wv]``; float16 weights are packed as float16 and Cast once). Th
 becomes ``unidirectional=1``; BERT's additive mask ``(1 - float(m[:, None, None, :])) * c``
 becomes the raw 2-D mask ``m`` as int32 with ``mask_filter_value=c`` (masks are 0 / 1 by
 contract, as onnxruntime's own fusion assumes); another additive mask is its attention_bias.
+
+What PyTorch's exporters write (torch's scaled_dot_product_attention, decomposed by the dynamo
+and the TorchScript exporter alike) is matched from ``P V`` backwards instead (``attention-4d``,
+see the section below for the spellings): the 4-D Q, K, V (after rotary embeddings, with GQA's
+head repeat dropped) become Attention's inputs, and ``attention-heads-3d`` then takes head splits
+and the merge into it where Q, K and V all have them. For ``--target ort`` the same match with
+its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``); grouped-query attention
+keeps its repeated heads there (GroupQueryAttention's causal-and-padding mask contract is not
+proven from the exported mask, so it is not written).
 """
 
 from __future__ import annotations
@@ -31,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import DataType, Node, Value
+from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import float_array, is_float, scalar_factor
+from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
@@ -196,6 +205,458 @@ def _rows_spelled_out(b: Builder, mask: Value) -> Value:
     ones = b.constant(np.ones(2, np.int64), "ones")
     shape = b.op("Concat", ones, length, b.constant(np.ones(1, np.int64), "one"), axis=0)
     return b.op("Expand", mask, shape, name=_EXPANDED)
+
+
+# -- the 4-D form: what torch's scaled_dot_product_attention exports to -----------------------------
+#
+# Both PyTorch exporters write SDPA on (batch, heads, seq, head size) tensors, with the head split
+# before it (often with rotary embeddings in between), so the layer is matched from the
+# probabilities times V backwards and the 4-D Q, K, V become Attention's inputs:
+#   - the scale as Mul / Div by a scalar on the scores, or sqrt(scale) on Q and on K^T (both
+#     exporters), or none (T5);
+#   - K^T as Transpose(k, [0, 1, 3, 2]), Transpose(Reshape(K), [0, 2, 3, 1]), or the dynamo
+#     exporter's Reshape(Transpose(Reshape(k, (B*H, S, d)), [0, 2, 1]), (B, H, d, S));
+#   - grouped-query attention's repeat of the K / V heads, Reshape(Expand(Unsqueeze(kv, 2))),
+#     goes: Attention repeats them itself (kv_num_heads);
+#   - the mask as Add of a float bias (Where(cond, 0, -inf) becomes the boolean cond, whose fully
+#     masked rows Attention zeroes as the exporters' IsNaN guard after Softmax does), or
+#     Where(cond, scores, -inf) directly; a KV cache's Concat with the past stays K / V.
+
+
+def _scalar_steps(value: Value) -> tuple[Value, float]:
+    """``value`` without Mul / Div by scalar constants in front of it, and their product."""
+    factor = 1.0
+    while value.producer is not None and value.producer.op_type in ("Mul", "Div"):
+        node = value.producer
+        found: tuple[Value, float] | None = None
+        for index in (1, 0) if node.op_type == "Mul" else (1,):
+            step = scalar_factor(node.inputs[index], divides=node.op_type == "Div")
+            rest = node.inputs[1 - index]
+            if step is not None and rest is not None:
+                found = rest, step
+                break
+        if found is None:
+            break
+        value, factor = found[0], factor * found[1]
+    return value, factor
+
+
+@dataclass
+class _Heads4:
+    """A 4-D input of the layer: the value to pass, and the Transpose perm to apply first."""
+
+    value: Value
+    perm: list[int] | None = None
+
+
+def _untransposed_key(kt: Value) -> _Heads4 | None:
+    """K (B, H, S, d) from K^T (B, H, d, S) in the exporters' spellings."""
+    node = kt.producer
+    if node is None:
+        return None
+    source = node.inputs[0] if node.inputs else None
+    if node.op_type == "Transpose" and source is not None:
+        perm = list(node.attr("perm", []))
+        if perm == [0, 1, 3, 2]:
+            return _Heads4(source)
+        if perm == [0, 2, 3, 1] and Site.rank(source) == 4:
+            return _Heads4(source, _HEADS)
+        return None
+    if node.op_type != "Reshape" or source is None or source.producer is None:
+        return None
+    swap = source.producer
+    merged = swap.inputs[0] if swap.op_type == "Transpose" and swap.attr("perm") == [0, 2, 1] else None
+    split = merged.producer if merged is not None else None
+    if split is None or split.op_type != "Reshape" or split.inputs[0] is None:
+        return None
+    k, out, flat = Site.shape(split.inputs[0]), Site.shape(kt), Site.shape(merged)
+    if k is None or out is None or flat is None or len(k) != 4 or len(flat) != 3 or tuple(flat[1:]) != k[2:]:
+        return None
+    if None in k:
+        return None
+    return _Heads4(split.inputs[0]) if out == (k[0], k[1], k[3], k[2]) else None
+
+
+def _ints(site: Site, value: Value | None) -> tuple[Any, ...] | None:
+    """A small int tensor's entries (ints or symbolic dims), as the shape facts know them."""
+    return None if value is None else site.ctx.facts(site.model).sym(value)
+
+
+def _without_repeat(value: Value, site: Site) -> Value:
+    """``value`` without grouped-query attention's repeat of its heads:
+    Reshape(Expand(Unsqueeze(kv, [2]), (B, Hkv, n, S, d)), (B, Hkv * n, S, d))."""
+    reshape = value.producer
+    if reshape is None or reshape.op_type != "Reshape" or reshape.inputs[0] is None:
+        return value
+    expand = reshape.inputs[0].producer
+    if expand is None or expand.op_type != "Expand" or expand.inputs[0] is None:
+        return value
+    unsqueeze = expand.inputs[0].producer
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or unsqueeze.inputs[0] is None:
+        return value
+    axes = _ints(site, unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else tuple(unsqueeze.attr("axes", ()))
+    kv, wide, target = Site.shape(unsqueeze.inputs[0]), _ints(site, expand.inputs[1]), _ints(site, reshape.inputs[1])
+    if axes != (2,) or kv is None or len(kv) != 4 or wide is None or len(wide) != 5 or target is None:
+        return value
+    repeats, heads, size = wide[2], kv[1], kv[3]
+    if not all(isinstance(d, int) for d in (repeats, heads, size)):
+        return value
+    if len(target) != 4 or target[1] != heads * repeats or target[3] != size or wide[1] not in (1, heads):
+        return value
+    batch = (target[0] == 0 and not reshape.attr("allowzero", 0)) or target[0] == kv[0]
+    # The merge keeps the element count: with batch and seq both provably kept, the Expand cannot
+    # have broadcast either (a dim it grows from 1 would not fit), so its unknown entries are fine.
+    both = batch and target[2] == kv[2]
+    if any(not (w in (1, d) or (w is None and both)) for w, d in zip((wide[0], wide[3], wide[4]), kv[::2] + kv[3:])):
+        return value
+    # With the heads and head size fixed, one of batch and seq provably right fixes the other.
+    if batch or target[2] == kv[2]:
+        return unsqueeze.inputs[0]
+    return value
+
+
+def _head_count(value: Value, site: Site) -> tuple[int, int] | None:
+    """(heads, head size) of a 4-D (batch, heads, seq, head size) value: from its shape, or from the
+    head split Transpose(Reshape(x, (B, S, H or -1, d)), [0, 2, 1, 3]) that made it."""
+    shape = Site.shape(value)
+    if shape is None or len(shape) != 4:
+        return None
+    if isinstance(shape[1], int) and isinstance(shape[3], int):
+        return shape[1], shape[3]
+    node = value.producer
+    if node is None or node.op_type != "Transpose" or node.attr("perm") != _HEADS or node.inputs[0] is None:
+        return None
+    return _split_count(node.inputs[0], site)
+
+
+def _split_count(split: Value, site: Site) -> tuple[int, int] | None:
+    """(heads, head size) of a head split (batch, seq, heads, head size): from its shape, or from its
+    Reshape's target with the heads given or -1 (then the hidden size of x fixes them)."""
+    shape = Site.shape(split)
+    if shape is None or len(shape) != 4:
+        return None
+    if isinstance(shape[2], int) and isinstance(shape[3], int):
+        return shape[2], shape[3]
+    node = split.producer
+    if node is None or node.op_type != "Reshape" or node.inputs[0] is None:
+        return None
+    target, source = _ints(site, node.inputs[1]), Site.shape(node.inputs[0])
+    if target is None or len(target) != 4 or not isinstance(target[3], int) or target[3] <= 0:
+        return None
+    heads, size = target[2], target[3]
+    if isinstance(heads, int) and heads > 0:
+        return heads, size
+    width = source[-1] if source is not None and len(source) == 3 else None
+    if heads != -1 or not isinstance(width, int) or width % size or source is None:
+        return None
+    zero_copies = not node.attr("allowzero", 0)
+    leading = all((t == 0 and zero_copies) or t == d for t, d in zip(target[:2], source[:2], strict=True))
+    return (width // size, size) if leading else None
+
+
+@dataclass
+class _Plan4:
+    q: Value
+    k: _Heads4
+    v: Value
+    heads: int
+    kv_heads: int
+    scale: float
+    mask: Value | None
+    bias: Value | None  # the additive float mask as written (onnxruntime's attention_bias)
+    repeated: tuple[_Heads4, Value]  # K and V with the heads repeated to Q's, as written
+
+
+def _mask_of(bias: Value) -> Value:
+    """The mask to pass for an added ``bias``: the boolean ``cond`` of Where(cond, 0, -inf)."""
+    node = bias.producer
+    if node is None or node.op_type != "Where" or Site.dtype(node.inputs[0]) != DataType.BOOL:
+        return bias
+    zero, fill = float_array(node.inputs[1]), float_array(node.inputs[2])
+    if zero is None or fill is None or zero.size != 1 or fill.size != 1:
+        return bias
+    if float(zero.ravel()[0]) != 0.0 or not np.isneginf(fill.ravel()[0]):
+        return bias
+    cond = node.inputs[0]
+    assert cond is not None
+    return cond
+
+
+def _plan_4d(m: Match, site: Site) -> _Plan4 | str:
+    softmax = m.node("softmax")
+    if softmax.attr("axis", -1) not in (-1, 3):
+        return "the Softmax is not over the last axis"
+    scores, mask, added = m.value("scores"), None, None
+    node = scores.producer
+    if node is not None and node.op_type == "Add":
+        for core, bias in (node.inputs, reversed(node.inputs)):
+            producer = _scalar_steps(core)[0].producer if core is not None else None
+            if core is not None and producer is not None and producer.op_type == "MatMul" and bias is not None:
+                scores, mask, added = core, _mask_of(bias), bias
+                break
+    elif node is not None and node.op_type == "Where":
+        fill = float_array(node.inputs[2])
+        if fill is None or fill.size != 1 or float(fill.ravel()[0]) > -1e30 or node.inputs[1] is None:
+            return "the Where before Softmax does not fill with -inf"
+        scores, mask = node.inputs[1], node.inputs[0]
+    assert scores is not None
+    core, scale = _scalar_steps(scores)
+    qk = core.producer
+    if qk is None or qk.op_type != "MatMul" or qk.inputs[0] is None or qk.inputs[1] is None:
+        return "the scores are not MatMul(Q, K^T) scaled by constants"
+    q, q_scale = _scalar_steps(qk.inputs[0])
+    kt, k_scale = _scalar_steps(qk.inputs[1])
+    k = _untransposed_key(kt)
+    if k is None:
+        return "K^T is not a transpose of a 4-D K in a spelling the rule knows"
+    repeated = (k, m.value("v"))
+    v = _without_repeat(m.value("v"), site)
+    if k.perm is None:
+        k = _Heads4(_without_repeat(k.value, site))
+    k_value = k.value if k.perm is None else None
+    found = [_head_count(q, site), _head_count(k_value, site) if k_value is not None else None, _head_count(v, site)]
+    if k.perm is not None:
+        found[1] = _split_count(k.value, site)
+    if any(f is None for f in found):
+        return "the head counts and head size of Q, K, V are not static"
+    (heads, size), (kv_heads, k_size), (v_heads, _) = found  # type: ignore[misc]
+    if k_size != size or v_heads != kv_heads or heads % kv_heads:
+        return "the heads of Q, K and V do not fit together"
+    dtype = site.dtype(q)
+    if not is_float(q) or site.dtype(k.value) != dtype or site.dtype(v) != dtype:
+        return "Q, K, V are not float tensors of one known type"
+    if mask is not None:
+        shape = site.shape(mask)
+        if site.dtype(mask) not in (dtype, DataType.BOOL) or shape is None or not 2 <= len(shape) <= 4:
+            return "the mask is not a 2-D to 4-D tensor of Q's type or boolean"
+        if len(shape) > 2 and isinstance(shape[-3], int) and shape[-3] not in (1, heads):
+            return "the mask's head axis is neither 1 nor the heads"
+    return _Plan4(q, k, v, heads, kv_heads, scale * q_scale * k_scale, mask, added, repeated)
+
+
+def _length(b: Builder, x: Value, known: bool) -> Value:
+    """x's axis 2 (its sequence) as a 1-element shape: the constant 1 when the mask already has it."""
+    return b.constant(np.ones(1, np.int64), "one") if known else b.op("Shape", x, start=2, end=3)
+
+
+def _spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
+    """``mask`` with its query and key axes provably Q's and K's lengths, as onnxruntime's
+    Attention wants (a mask broadcasting over queries is expanded). Not shared between layers:
+    the lengths are read from this layer's Q and K, which later layers' masks cannot wait for."""
+    shape, q_len, k_len = Site.shape(mask) or (), (Site.shape(q) or (None,) * 4)[2], (Site.shape(k) or (None,) * 4)[2]
+    rows, keys = q_len is not None and shape[-2] == q_len, k_len is not None and shape[-1] == k_len
+    if rows and keys:
+        return mask
+    ones = b.constant(np.ones(len(shape) - 2, np.int64), "ones")
+    target = b.op("Concat", ones, _length(b, q, rows), _length(b, k, keys), axis=0)
+    expanded = b.node("Expand", mask, target, name="attention_mask_spelled")
+    dtype = Site.dtype(mask)
+    if dtype is not None:
+        expanded.outputs[0].type = TensorType(dtype, (*shape[:-2], q_len, k_len))
+    return expanded.outputs[0]
+
+
+def _build_4d(b: Builder, m: Match, plan: _Plan4) -> Value:
+    k = plan.k.value if plan.k.perm is None else b.op("Transpose", plan.k.value, perm=plan.k.perm)
+    mask = None if plan.mask is None else _spelled_out(b, plan.mask, plan.q, plan.v)
+    # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
+    return b.op("Attention", plan.q, k, plan.v, mask, scale=plan.scale)
+
+
+_SOFTMAX = op.Softmax(var("scores"), name="softmax")
+_NAN_GUARD = op.Where(op.IsNaN(_SOFTMAX, name="isnan"), const(0.0), _SOFTMAX, name="nan_guard")
+
+# -- Attention's own head split and merge --------------------------------------------------------
+#
+# Where Q, K and V of a 4-D Attention are all head splits of 3-D projections and its output is
+# merged back, ``Reshape(Transpose(Attention(split(Q), split(K), split(V)), [0, 2, 1, 3]), (B, S, H*d))``
+# is the same Attention on the projections (ONNX splits and merges the heads itself).
+
+
+def _split_entry(name: str) -> Pattern:
+    reshape = op.Reshape(var(name), var(f"{name}_shape"), name=f"{name}_split")
+    return op.Transpose(reshape, perm=_HEADS, name=f"{name}_t")
+
+
+_MERGED = op.Reshape(
+    op.Transpose(
+        op.Attention(_split_entry("q"), _split_entry("k"), _split_entry("v"), optional(var("mask")), name="attention"),
+        perm=_HEADS,
+        name="merge_t",
+    ),
+    var("merge_shape"),
+    name="merge",
+)
+
+
+def _merge_refusal(m: Match, site: Site, width: int, batch: object, seq: object) -> str | None:
+    """Why the merge Reshape is not provably to (batch, seq, width), or None."""
+    target = _ints(site, m.value("merge_shape"))
+    copies = not m.node("merge").attr("allowzero", 0)  # a 0 entry copies the input's dim
+    wrong = "the merge Reshape is not provably back to (batch, seq, heads * head size)"
+    if target is None or len(target) != 3 or target[2] not in (width, -1) or (0 in target and not copies):
+        return wrong
+    kept_batch, kept_seq = target[0] in (0, batch), target[1] in (0, seq)
+    # With the width fixed, one of batch and seq provably kept fixes the other.
+    if not (kept_batch and kept_seq) and not ((kept_batch or kept_seq) and target[2] == width):
+        return wrong
+    return None
+
+
+def _plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
+    attention = m.node("attention")
+    if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
+        return "the Attention's other outputs are read"
+    counts, sizes = {}, {}
+    for name in ("q", "k", "v"):
+        found = _split_count(m.node(f"{name}_split").outputs[0], site)
+        source = site.shape(m.value(name))
+        if found is None or source is None or len(source) != 3:
+            return f"the head split of {name.upper()} is not provable"
+        counts[name], sizes[name] = found
+    if counts["k"] != counts["v"] or counts["q"] % counts["k"]:
+        return "the head splits of Q, K and V do not fit together"
+    split = site.shape(m.value("q")) or (None, None)
+    reason = _merge_refusal(m, site, counts["q"] * sizes["v"], split[0], split[1])
+    if reason is not None:
+        return reason
+    return attrs_of(attention, q_num_heads=counts["q"], kv_num_heads=counts["k"])
+
+
+def _build_3d(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
+    return b.op("Attention", m.value("q"), m.value("k"), m.value("v"), m.optional("mask"), **attrs)
+
+
+# -- target ort: onnxruntime's MultiHeadAttention ------------------------------------------------
+#
+# The 4-D attention above with its head merge, Reshape(Transpose(P V, [0, 2, 1, 3]), (B, S, H*d)),
+# becomes com.microsoft MultiHeadAttention(Q (B, S, H*d), K, V (B, H, T, d), attention_bias): Q is
+# taken before its head split where it has one (else transposed and reshaped back), K and V keep their
+# heads (grouped-query attention's repeat stays: MultiHeadAttention has no kv heads), the additive
+# float mask is the attention bias, spelled out over queries and keys.
+
+_PV = op.MatMul(either(_NAN_GUARD, _SOFTMAX), var("v"), name="pv")
+# The TorchScript exporter reshapes SDPA's output to its own shape (read from it) before the merge.
+_PV_KEPT = either(_PV, op.Reshape(_PV, var("same_shape"), name="same"))
+_MHA = op.Reshape(op.Transpose(_PV_KEPT, perm=_HEADS, name="merge_t"), var("merge_shape"), name="merge")
+
+
+def _read_dim(entry: Value | None, source: Value) -> int | None:
+    """i when ``entry`` is the i-th dim of ``source`` as a 1-element shape read from it:
+    Shape(source, start=i, end=i + 1), or Unsqueeze(Gather(Shape(source), i))."""
+    node = entry.producer if entry is not None else None
+    if node is not None and node.op_type == "Shape" and node.inputs[0] is source:
+        start, end = node.attr("start", 0), node.attr("end")
+        return int(start) if end is not None and int(end) == int(start) + 1 and start >= 0 else None
+    gather = node.inputs[0].producer if node is not None and node.op_type == "Unsqueeze" and node.inputs[0] else None
+    if gather is None or gather.op_type != "Gather" or gather.inputs[0] is None or gather.attr("axis", 0) != 0:
+        return None
+    shape = gather.inputs[0].producer
+    index = Site.array(gather.inputs[1]) if len(gather.inputs) > 1 else None
+    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not source or shape.attributes:
+        return None
+    return int(index) if index is not None and index.size == 1 and index.ndim == 0 else None
+
+
+def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -> bool:
+    """Whether Reshape(source, target) keeps the shape of ``source``, the product P V of an attention
+    whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there (the batch and
+    query length may also be Q's), read from it or provably equal to it, with at most one -1."""
+    dims, concat = site.shape(source), target.producer
+    kept = _ints(site, target)
+    if dims is not None and None not in dims and kept is not None and tuple(kept) == tuple(dims):
+        return True
+    if dims is None or concat is None or concat.op_type != "Concat" or len(concat.inputs) != len(dims):
+        return False
+    free = 0
+    for axis, entry in enumerate(concat.inputs):
+        value = Site.array(entry)
+        if value is not None and value.size == 1 and int(value.ravel()[0]) == -1:
+            free += 1
+            continue
+        read = _read_dim(entry, source) == axis or (axis in (0, 2) and _read_dim(entry, query) == axis)
+        known = _ints(site, entry) if entry is not None else None
+        same = [dims[axis], *((site.shape(query) or (None,) * 4)[axis : axis + 1] if axis in (0, 2) else ())]
+        if not (read or (known is not None and len(known) == 1 and known[0] is not None and known[0] in same)):
+            return False
+    return free <= 1
+
+
+@dataclass
+class _MhaPlan:
+    plan: _Plan4
+    query: Value | None  # Q before its head split, when it has one
+    key_value: tuple[Value, Value] | None  # K and V before their head splits, when both have one
+    rows: bool  # the merge flattens batch and seq into rows: (B * S, H * d)
+
+
+def _split_source(split: Value, site: Site) -> Value | None:
+    """x of a head split Reshape(x (B, S, H * d), (B, S, H, d)), or None."""
+    node = split.producer
+    if node is None or node.op_type != "Reshape" or node.inputs[0] is None or site.rank(node.inputs[0]) != 3:
+        return None
+    return node.inputs[0] if _split_count(split, site) is not None else None
+
+
+def _unsplit(value: Value, heads: int, site: Site) -> Value | None:
+    """x when ``value`` is Transpose(Reshape(x, (B, S, heads, d)), [0, 2, 1, 3]), else None."""
+    node = value.producer
+    if node is None or node.op_type != "Transpose" or node.attr("perm") != _HEADS or node.inputs[0] is None:
+        return None
+    counts = _split_count(node.inputs[0], site)
+    return _split_source(node.inputs[0], site) if counts is not None and counts[0] == heads else None
+
+
+def _plan_mha(m: Match, site: Site) -> _MhaPlan | str:
+    plan = _plan_4d(m, site)
+    if isinstance(plan, str):
+        return plan
+    if "same" in m and not _reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
+        return "the Reshape after the attention is not provably to its own shape"
+    if site.dtype(plan.q) != DataType.FLOAT:
+        return "onnxruntime's MultiHeadAttention runs float32 only here"
+    if plan.mask is not None and plan.bias is None:
+        return "the mask is not an additive float bias (MultiHeadAttention's attention_bias)"
+    if plan.bias is not None and (site.rank(plan.bias) != 4 or site.dtype(plan.bias) != DataType.FLOAT):
+        return "the attention bias is not a 4-D float32 tensor"
+    q_dims = site.shape(plan.q) or (None,) * 4
+    size = _head_count(plan.repeated[1], site)
+    if size is None or size[0] != plan.heads:
+        return "V does not provably have Q's heads and a static head size"
+    width = plan.heads * size[1]
+    target = _ints(site, m.value("merge_shape"))
+    rows = target is not None and len(target) == 2 and target[1] == width and target[0] == -1
+    reason = None if rows else _merge_refusal(m, site, width, q_dims[0], q_dims[2])
+    if reason is not None:
+        return reason
+    query = _unsplit(plan.q, plan.heads, site)
+    k_heads, v = plan.repeated
+    key = _unsplit(k_heads.value, plan.heads, site) if k_heads.perm is None else _split_source(k_heads.value, site)
+    value = _unsplit(v, plan.heads, site)
+    if key is None or value is None:
+        key = value = None
+    return _MhaPlan(plan, query, (key, value) if key is not None and value is not None else None, rows)
+
+
+def _build_mha(b: Builder, m: Match, found: _MhaPlan) -> Value:
+    plan = found.plan
+    query = found.query
+    if query is None:
+        heads_last = b.op("Transpose", plan.q, perm=_HEADS)
+        width = b.constant(np.array([0, 0, -1], np.int64), "width")
+        query = b.op("Reshape", heads_last, width)
+    k_heads, v_heads = plan.repeated
+    if found.key_value is not None:
+        k, v = found.key_value
+    else:
+        k = k_heads.value if k_heads.perm is None else b.op("Transpose", k_heads.value, perm=k_heads.perm)
+        v = v_heads
+    bias = None if plan.bias is None else _spelled_out(b, plan.bias, plan.q, v_heads)
+    inputs: list[Value | None] = [query, k, v, None, None, bias]
+    while inputs[-1] is None:
+        inputs.pop()
+    out = b.op("MultiHeadAttention", *inputs, domain=MS, num_heads=plan.heads, scale=plan.scale)
+    return b.op("Reshape", out, m.value("merge_shape")) if found.rows else out
 
 
 # -- target ort: onnxruntime's Attention with packed projections --------------------------------
@@ -373,6 +834,37 @@ RULES: tuple[Rule, ...] = (
         min_opset=23,
         label="Attention",
         doc="MatMul/scale/mask/Softmax/MatMul with head split and merge -> Attention (opset 23)",
+    ),
+    Rule(
+        name="attention-4d",
+        family=FAMILY,
+        pattern=op.MatMul(either(_NAN_GUARD, _SOFTMAX), var("v"), name="pv"),
+        plan=_plan_4d,
+        build=_build_4d,
+        min_opset=23,
+        label="Attention",
+        doc="scaled dot-product attention on 4-D heads as the PyTorch exporters write it (scale on the scores "
+        "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard) -> Attention (opset 23)",
+    ),
+    Rule(
+        name="attention-heads-3d",
+        family=FAMILY,
+        pattern=_MERGED,
+        plan=_plan_3d,
+        build=_build_3d,
+        min_opset=23,
+        label="Attention",
+        doc="Attention on head splits of 3-D projections, its output merged back -> Attention on the projections",
+    ),
+    Rule(
+        name="ort-multihead-attention",
+        family=FAMILY,
+        pattern=_MHA,
+        plan=_plan_mha,
+        build=_build_mha,
+        targets=frozenset({"ort"}),
+        label="MultiHeadAttention",
+        doc="4-D scaled dot-product attention with its head merge -> com.microsoft MultiHeadAttention (target ort)",
     ),
     Rule(
         name="ort-attention",

@@ -44,12 +44,16 @@ def _normalized(centered: Pattern, square_of: Pattern) -> Pattern:
     """``centered / Sqrt(ReduceMean(square_of^2) + eps)``, in its spellings."""
     squared = either(op.Pow(square_of, const(2.0)), op.Mul(square_of, square_of))
     std = op.Sqrt(op.Add(op.ReduceMean(squared, optional(const()), name="var"), const(name="eps")))
-    return either(op.Div(centered, std), op.Mul(centered, op.Reciprocal(std)))
+    inverse = either(op.Reciprocal(std), op.Div(const(1.0), std))  # TorchScript writes rsqrt as 1 / Sqrt
+    return either(op.Div(centered, std), op.Mul(centered, inverse))
 
 
 _D = op.Sub(_x, op.ReduceMean(_x, optional(const()), name="mean"), name="d")
 _LN = _normalized(_D, _D)
 _RMS = _normalized(_x, _x)
+# Hugging Face's RMSNorm of a float16 / bfloat16 x: normalized in float32, cast back, then scaled.
+_UP = op.Cast(_x, name="up")
+_RMS_ROUND_TRIP = op.Mul(op.Cast(_normalized(_UP, _UP), name="down"), var("gamma"))
 
 
 def _affine(inner: Pattern, gamma: bool, beta: bool) -> Pattern:
@@ -129,6 +133,20 @@ def _layer_norm(b: Builder, m: Match, facts: NormFacts) -> Value:
     x, (axis, eps, gamma, beta) = m.value("x"), facts
     scale, bias = new_const(b, gamma, x, "ln_scale"), new_const(b, beta, x, "ln_bias")
     return b.op("LayerNormalization", x, scale, bias, axis=axis, epsilon=eps)
+
+
+_NARROW_FLOATS = (DataType.FLOAT16, DataType.BFLOAT16)
+
+
+def _round_trip_facts(m: Match, site: Site) -> NormFacts | str:
+    x = m.value("x")
+    if site.dtype(x) not in _NARROW_FLOATS:
+        return "x is not float16 or bfloat16 (a float32 x has no round trip to fold)"
+    if site.int_attr(m.node("up"), "to", 0) != DataType.FLOAT or site.int_attr(m.node("down"), "to", 0) != site.dtype(
+        x
+    ):
+        return "the Casts are not to float32 and back to x's type"
+    return _rms_norm_facts(m, site)
 
 
 def _rms_norm(b: Builder, m: Match, facts: NormFacts) -> Value:
@@ -361,6 +379,17 @@ RULES: tuple[Rule, ...] = (
         min_opset=23,
         label="RMSNorm",
         doc=_RMS_DOC,
+    ),
+    Rule(
+        name="rmsnorm-round-trip",
+        family=FAMILY,
+        pattern=_RMS_ROUND_TRIP,
+        plan=_round_trip_facts,
+        build=_rms_norm,  # RMSNormalization's stash_type (float32 by default) is the round trip
+        min_opset=23,
+        label="RMSNorm",
+        doc="Cast(x16 / Sqrt(ReduceMean(x16^2) + eps) in float32 back to x16) * gamma -> RMSNormalization "
+        "(opset 23, stash_type float32)",
     ),
     Rule(
         name="rmsnorm-plain",

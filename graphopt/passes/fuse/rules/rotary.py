@@ -55,6 +55,7 @@ class _Cache:
     table: np.ndarray | None = None
     positions: Value | None = None
     runtime: Value | None = None  # (batch, seq, d) or (batch, 1, seq, d): its first half is the cache
+    batch_of: Value | None = None  # a graph input whose axis 0 is x's batch, when runtime's batch is 1
 
 
 def _halves_equal(value: Value, axis: int) -> bool:
@@ -144,7 +145,16 @@ def _cache(m: Match, site: Site, name: str, dims: tuple[object, ...]) -> _Cache 
         rows = _unsqueezed_over_heads(value)
         # Without the heads axis the cache needs no Squeeze.
         return _Cache(runtime=rows if rows is not None and site.shape(rows) == (batch, seq, size) else value)
-    return f"{name} is not provably (batch, 1, seq, head size) with x's batch and seq"
+    if site.shape(value) == (1, 1, seq, size):
+        # Positions shared by the batch (computed from one arange): onnxruntime wants the batch spelled out,
+        # taken from a graph input so that every layer can share the expansion.
+        source = next((v for v in site.graph.inputs if (site.shape(v) or (None,))[0] == batch), None)
+        if source is not None:
+            rows = _unsqueezed_over_heads(value)
+            return _Cache(
+                runtime=rows if rows is not None and site.shape(rows) == (1, seq, size) else value, batch_of=source
+            )
+    return f"{name} is not provably (batch or 1, 1, seq, head size) with x's seq (and batch, or a graph input's)"
 
 
 def _slice_bounds(m: Match, site: Site, name: str, rank: int) -> tuple[int, int] | None:
@@ -205,11 +215,27 @@ def _cache_value(b: Builder, cache: _Cache, size: int, name: str) -> Value:
         return b.constant(cache.table, f"{name}_cache")
     source = cache.runtime
     assert source is not None
-    for use in source.uses():
-        if use.node.op_type == "Slice" and use.node.name.startswith(_HALF_CACHE):
-            return _squeezed(b, use.node.outputs[0], source)
-    bounds = [b.constant(np.array([v], np.int64), "bound") for v in (0, size // 2, -1)]
-    return _squeezed(b, b.op("Slice", source, *bounds, name=_HALF_CACHE), source)
+    found = next(
+        (u.node for u in source.uses() if u.node.op_type == "Slice" and u.node.name.startswith(_HALF_CACHE)), None
+    )
+    if found is None:
+        bounds = [b.constant(np.array([v], np.int64), "bound") for v in (0, size // 2, -1)]
+        found = b.node("Slice", source, *bounds, name=_HALF_CACHE)
+    half = _squeezed(b, found.outputs[0], source)
+    return half if cache.batch_of is None else _batched(b, half, cache.batch_of)
+
+
+_BATCHED = "rotary_batched_cache"
+
+
+def _batched(b: Builder, half: Value, batch_of: Value) -> Value:
+    """``half`` (1, seq, d/2) expanded to the batch of ``batch_of`` (made once per cache)."""
+    for use in half.uses():
+        if use.node.op_type == "Expand" and use.node.name.startswith(_BATCHED):
+            return use.node.outputs[0]
+    batch = b.op("Shape", batch_of, start=0, end=1)
+    ones = b.constant(np.ones(2, np.int64), "ones")
+    return b.op("Expand", half, b.op("Concat", batch, ones, axis=0), name=_BATCHED)
 
 
 def _squeezed(b: Builder, half: Value, source: Value) -> Value:

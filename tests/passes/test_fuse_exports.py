@@ -1,0 +1,156 @@
+"""The fusion library on graphs PyTorch's exporters wrote (tests/fixtures/exports, made by its make.py):
+one-layer bert, gpt2, llama (grouped-query attention, rotary, RMSNorm), llama with a KV cache and t5, from
+the dynamo and the TorchScript exporter. Each optimized model must compute what the export does, padded
+masks included, and hold the fused ops a layer has."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+
+from graphopt.api import optimize
+from graphopt.io.onnx_io import from_proto
+from graphopt.io.onnx_write import to_proto
+from tests.numerics import assert_same_outputs
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "exports"
+EXPORTERS = ("dynamo", "ts")
+PAST, KV_HEADS, HEAD_SIZE = 3, 2, 8
+
+
+def _feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dict[str, np.ndarray]:
+    """Inputs at one binding; the last row's mask has 2 zeros at its ``pad`` end ("tail" or "head")."""
+    rng = np.random.default_rng(batch * 100 + seq)
+    names = [i.name for i in proto.graph.input]
+    total = seq + PAST if "past_key" in names else seq
+    mask = np.ones((batch, total), np.int64)
+    if batch > 1:
+        mask[-1, -2:] = 0 if pad == "tail" else 1
+        mask[-1, :2] = 0 if pad == "head" else 1
+    feeds: dict[str, np.ndarray] = {
+        "input_ids": rng.integers(1, 64, (batch, seq)),
+        "attention_mask": mask,
+        "position_ids": np.broadcast_to(np.arange(PAST, PAST + seq), (batch, seq)).copy(),
+        "past_key": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
+        "past_value": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
+    }
+    return {name: feeds[name] for name in names}
+
+
+def _optimized(name: str, **settings: Any) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    proto = onnx.load(str(FIXTURES / f"{name}.onnx"))
+    result = optimize(from_proto(proto), strict=True, **settings)
+    return proto, to_proto(result.model)
+
+
+def _ops(proto: onnx.ModelProto) -> Counter[str]:
+    return Counter(n.op_type for n in proto.graph.node)
+
+
+def _same(original: onnx.ModelProto, optimized: onnx.ModelProto) -> None:
+    pad = "head" if any(i.name == "past_key" for i in original.graph.input) else "tail"
+    for batch, seq in ((1, 4), (2, 6)):
+        assert_same_outputs(original, optimized, _feeds(original, batch, seq, pad), rtol=1e-4, atol=1e-4)
+
+
+# model -> ops every export of it holds after --target-opset 23 (bert, gpt2, llama: two layers)
+OPSET_23: dict[str, dict[str, int]] = {
+    "bert": {"Attention": 2, "LayerNormalization": 5, "Gelu": 2},
+    "gpt2": {"Attention": 2, "LayerNormalization": 5, "Gelu": 2},
+    "llama": {"Attention": 2, "RMSNormalization": 5, "RotaryEmbedding": 4},
+    "llama_kv": {"Attention": 1, "RMSNormalization": 3, "RotaryEmbedding": 2},
+    "t5": {"Attention": 1, "RMSNormalization": 3, "Gelu": 1},
+}
+
+
+@pytest.mark.parametrize(
+    "name", [f"{m}_{e}" for m in OPSET_23 for e in EXPORTERS if (FIXTURES / f"{m}_{e}.onnx").exists()]
+)
+def test_opset_23_fuses_every_layer(name: str) -> None:
+    original, out = _optimized(name, target_opset=23)
+    found = _ops(out)
+    want = OPSET_23[name.rsplit("_", 1)[0]]
+    assert {op: found[op] for op in want} == want, found
+    assert "Softmax" not in found
+    _same(original, out)
+
+
+# model -> MultiHeadAttention count after --target ort, per exporter where the rule proves the layer
+ORT_MHA = {
+    "bert_dynamo": 2,
+    "bert_ts": 2,
+    "gpt2_dynamo": 2,
+    "llama_dynamo": 2,
+    "llama_ts": 2,
+    "llama_kv_dynamo": 1,
+    "llama_kv_ts": 1,
+    "t5_ts": 1,
+}
+
+
+@pytest.mark.parametrize("name", list(ORT_MHA))
+def test_target_ort_writes_multihead_attention(name: str) -> None:
+    original, out = _optimized(name, target="ort")
+    found = _ops(out)
+    assert found["MultiHeadAttention"] == ORT_MHA[name] and "Softmax" not in found, found
+    _same(original, out)
+
+
+def test_grouped_query_attention_keeps_the_kv_heads() -> None:
+    """Attention repeats the K / V heads itself: the exporters' Reshape(Expand(Unsqueeze(kv))) repeat no longer
+    feeds it (4-D inputs carry their heads, so no q_num_heads / kv_num_heads attributes either)."""
+    for exporter in EXPORTERS:
+        _, out = _optimized(f"llama_{exporter}", target_opset=23)
+        producer = {o: n for n in out.graph.node for o in n.output}
+        for attention in [n for n in out.graph.node if n.op_type == "Attention"]:
+            assert not [a.name for a in attention.attribute if a.name.endswith("num_heads")]
+            for kv in attention.input[1:3]:
+                node = producer.get(kv)
+                feeds = [producer[i].op_type for i in node.input if i in producer] if node is not None else []
+                assert not (node is not None and node.op_type == "Reshape" and "Expand" in feeds), (exporter, kv)
+
+
+def exported_attention() -> onnx.ModelProto:
+    """The attention of the dynamo llama fixture, as written (opset 23): rotated Q (4 heads) and K (2 heads),
+    V, the float mask; the repeat of the K / V heads, K^T as Reshape / Transpose / Reshape, sqrt(scale) on Q
+    and on K^T, the mask Add, Softmax, the IsNaN guard and the product with V."""
+    proto = onnx.load(str(FIXTURES / "llama_dynamo.onnx"))
+    inputs = ["input_ids", "add_199", "add_235", "transpose_2", "val_153"]
+    cut = onnx.utils.Extractor(proto).extract_model(inputs, ["scaled_dot_product_attention"])
+    del cut.opset_import[:]
+    cut.opset_import.append(onnx.helper.make_opsetid("", 23))
+    return cut
+
+
+def exported_encoder_attention(opset: int = 23) -> onnx.ModelProto:
+    """The first attention of the dynamo bert fixture, as written (at ``opset``), from its Q, K, V projections and
+    float mask to the merged heads: the head splits, SDPA (sqrt(scale) on Q and K^T, K^T as Reshape / Transpose /
+    Reshape, IsNaN guard) and the merge."""
+    proto = onnx.load(str(FIXTURES / "bert_dynamo.onnx"))
+    inputs = ["input_ids", "linear", "linear_1", "linear_2", "val_102"]
+    cut = onnx.utils.Extractor(proto).extract_model(inputs, ["view_4"])
+    del cut.opset_import[:]
+    cut.opset_import.append(onnx.helper.make_opsetid("", opset))
+    return cut
+
+
+def exported_silu() -> onnx.ModelProto:
+    """The SiLU of the dynamo llama fixture's MLP as written, x * Sigmoid(x), at opset 24."""
+    proto = onnx.load(str(FIXTURES / "llama_dynamo.onnx"))
+    cut = onnx.utils.Extractor(proto).extract_model(["linear_4"], ["silu"])
+    del cut.opset_import[:]
+    cut.opset_import.append(onnx.helper.make_opsetid("", 24))
+    return cut
+
+
+def test_opset_24_makes_silu_swish() -> None:
+    for exporter in EXPORTERS:
+        original, out = _optimized(f"llama_{exporter}", target_opset=24)
+        found = _ops(out)
+        assert found["Swish"] == 2 and "Sigmoid" not in found, found
+        _same(original, out)

@@ -48,6 +48,10 @@ class RunOptions:
     config: Path | None = None
     max_steps: int | None = None
     check: bool = True
+    # A model the check could not verify fails the run (exit 1, nothing written) like a failed check.
+    require_check: bool = False
+    # Bytes the check may use (None: the check's default, check/budget.py).
+    memory_budget: int | None = None
     dims: dict[str, int] = field(default_factory=dict)
     inputs: Path | None = None
     atol: float | None = None
@@ -212,6 +216,7 @@ def _optimize_file(
                     atol=options.atol,
                     rtol=options.rtol,
                     input_layouts=input_layouts(result.pipeline_run.runs),
+                    memory_budget=options.memory_budget,
                 )
                 report["numerics"] = outcome.as_dict()
                 report["seconds"]["check"] = round(time.perf_counter() - check_start, 6)
@@ -219,6 +224,8 @@ def _optimize_file(
                     exit_code = 1
                     if options.blame:
                         report["blame"] = blame(source, options, workdir)
+                elif outcome.status == "not checked" and options.require_check:
+                    exit_code = 1
             else:
                 report["numerics"] = {"status": "skipped", "reason": "--no-check"}
             moves: list[tuple[Path, Path]] = []
@@ -424,7 +431,13 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
         reruns += 1
         relaid = input_layouts(runs.pipeline_run.runs[:middle])
         if (
-            check_models_isolated(reference, model_after(middle), input_layouts=relaid, **check_options).status
+            check_models_isolated(
+                reference,
+                model_after(middle),
+                input_layouts=relaid,
+                memory_budget=options.memory_budget,
+                **check_options,
+            ).status
             == "failed"
         ):
             bad = middle

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -40,6 +41,7 @@ from typing import Any, Literal
 import numpy as np
 import onnxruntime as ort
 
+from graphopt.check.budget import DEFAULT_MEMORY_BUDGET, footprint, gigabytes
 from graphopt.check.compare import Criterion, OutputComparison, compare_output
 from graphopt.check.inputs import (
     ModelSpec,
@@ -70,6 +72,8 @@ class CheckResult:
     criterion: dict[str, Any]
     bindings: list[BindingResult] = field(default_factory=list)
     seconds: float = 0.0
+    # Each binding at which the original did not run: its dims and why (onnxruntime's words).
+    attempts: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite floats become the strings "nan", "inf" and "-inf"."""
@@ -123,7 +127,30 @@ class _Deadline:
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
-    return bounded(text.splitlines()[0]) if text else type(exc).__name__
+    return bounded(condensed(text.splitlines()[0])) if text else type(exc).__name__
+
+
+_ORT_CODE = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : ")
+# Names the file onnxruntime was given: a staging path, never the user's.
+_LOAD_FAILED = re.compile(r"Load model from .*? failed: ?")
+_NODE_FAILED = re.compile(r"Non-zero status code returned while running (\S+) node\. Name:'([^']*)' Status Message: ")
+_SOURCE_LINE = re.compile(r"\S+\.(?:h|cc|cpp|hpp|c):\d+ ")
+# After a source line: the C++ function that raised, then the condition that did not hold.
+_FUNCTION = re.compile(r"(?:[\w:<>*&]+ )*[\w:<>~{}]+\((?:[^()]|\([^()]*\))*\)(?: const)?(?: \[with [^\]]*\])? ")
+_CONDITION = re.compile(r".*? was false\. ")
+
+
+def condensed(message: str) -> str:
+    """onnxruntime's message without what only its developers read: error codes, source
+    lines, C++ signatures, the assertion that failed. What is left says what went wrong."""
+    message = _LOAD_FAILED.sub("", _ORT_CODE.sub("", message))
+    message = _NODE_FAILED.sub(lambda m: f"{m[1]} node {m[2]!r}: " if m[2] else f"{m[1]} node: ", message)
+    while (source := _SOURCE_LINE.search(message)) is not None:
+        rest = message[source.end() :]
+        rest = rest[function.end() :] if (function := _FUNCTION.match(rest)) else rest
+        rest = rest[condition.end() :] if (condition := _CONDITION.match(rest)) else rest
+        message = message[: source.start()] + rest
+    return message.strip()
 
 
 def _session(path: Path, threads: int) -> ort.InferenceSession:
@@ -159,6 +186,7 @@ def check_models(
     threads: int = 1,
     refuse_other_inputs: bool = False,
     input_layouts: Mapping[str, Sequence[int]] | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
 
@@ -177,6 +205,10 @@ def check_models(
         input_layouts: inputs the optimized model takes in another layout, name -> perm (as
             the unwind pass reports the inputs it re-laid out): the optimized model is fed the
             original's data transposed by perm.
+        memory_budget: bytes the check may use: a binding at which the original is estimated
+            to need more (budget.py) is not run, and one that runs out of memory (MemoryError,
+            or onnxruntime failing to allocate under the limit isolated.py sets) is "not
+            checked", never failed.
 
     Raises:
         InputError: a file cannot be read, the .npz does not fit the model, ``dims`` names
@@ -192,8 +224,12 @@ def check_models(
         "graph_optimization_level": "ORT_DISABLE_ALL",
     }
 
+    attempts: list[dict[str, Any]] = []
+
     def result(status: Status, reason: str | None, done: list[BindingResult] | None = None) -> CheckResult:
-        return CheckResult(status, reason, criterion_dict, done or [], time.perf_counter() - started)
+        if status == "not checked" and reason is not None:
+            reason = _clipped(reason, NOT_CHECKED_REASON_LIMIT)
+        return CheckResult(status, reason, criterion_dict, done or [], time.perf_counter() - started, attempts)
 
     original, optimized = Path(original), Path(optimized)
     spec_a, spec_b = read_spec(original), read_spec(optimized)
@@ -214,34 +250,61 @@ def check_models(
             return result("not checked", f"{unsupported}; pass --inputs data.npz")
         feeds, wanted = _generated(spec_a, dims or {}, seed, bindings), max(1, bindings)
     deadline = _Deadline(timeout)
+    needs = footprint(original)
+    over_budget = f"exceeds the check's memory budget of {gigabytes(memory_budget)} (--check-memory GB)"
+    if needs.constant_bytes > memory_budget:
+        return result(
+            "not checked", f"the original model's constants ({gigabytes(needs.constant_bytes)}) {over_budget}"
+        )
 
+    out_of_memory = f"ran out of the check's memory budget of {gigabytes(memory_budget)} (--check-memory GB)"
     try:
         session = _session(original, threads)
     except _OrtError as exc:
+        if _out_of_memory(str(exc)):
+            return result("not checked", f"loading the original model {out_of_memory}")
         return result("not checked", f"onnxruntime cannot load the original model: {exc}")
+    except MemoryError:
+        return result("not checked", f"loading the original model {out_of_memory}")
     ran: list[tuple[dict[str, int], dict[str, np.ndarray], list[np.ndarray]]] = []
     skipped: list[str] = []
     unstable: set[str] = set()
-    for binding_dims, feed in feeds:
-        try:
-            expected = deadline.run(session, feed)
-            if not ran:
-                again = deadline.run(session, feed)
-                unstable = {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
-            ran.append((binding_dims, feed, expected))
-        except _OrtError as exc:
-            skipped.append(f"the original model failed at {_dims_text(binding_dims)}: {exc}")
-        except TimeoutError:
-            skipped.append(f"timed out at {_dims_text(binding_dims)} after {timeout:g} s")
-            break
-        if len(ran) == wanted:
-            break
+    try:
+        for binding_dims, feed in feeds:
+            estimate = needs.peak(binding_dims, feed)
+            if estimate > memory_budget:
+                attempts.append(
+                    {"dims": binding_dims, "error": f"needs about {gigabytes(estimate)}, which {over_budget}"}
+                )
+                continue
+            try:
+                expected = deadline.run(session, feed)
+                if not ran:
+                    again = deadline.run(session, feed)
+                    unstable = {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
+                ran.append((binding_dims, feed, expected))
+            except _OrtError as exc:
+                error = out_of_memory if _out_of_memory(str(exc)) else str(exc)
+                attempts.append({"dims": binding_dims, "error": error})
+                skipped.append(f"the original model failed at {_dims_text(binding_dims)}: {error}")
+            except TimeoutError:
+                skipped.append(f"timed out at {_dims_text(binding_dims)} after {timeout:g} s")
+                break
+            if len(ran) == wanted:
+                break
+    except MemoryError:  # running, or making the inputs of the next binding
+        attempts.append({"dims": {}, "error": out_of_memory})
+        skipped.append(f"the original model {out_of_memory}")
     del session
     if not ran:
-        return result("not checked", "; ".join(skipped))
+        if not attempts:  # timed out before any binding ran
+            return result("not checked", "; ".join(skipped))
+        return result("not checked", _unrunnable(attempts, spec_a, inputs is not None))
 
     try:
         session = _session(optimized, threads)
+    except MemoryError:
+        return result("not checked", f"loading the optimized model {out_of_memory}")
     except _OrtError as exc:
         return result("failed", f"onnxruntime cannot load the optimized model: {exc}")
     done: list[BindingResult] = []
@@ -249,15 +312,19 @@ def check_models(
     for binding_dims, feed, expected in ran:
         try:
             actual = deadline.run(session, _relaid(feed, layouts))
+            outputs = [
+                _compare(name, a, b, criterion, spec_a, name in unstable)
+                for name, a, b in zip(spec_a.outputs, expected, actual, strict=True)
+            ]
         except _OrtError as exc:
+            if _out_of_memory(str(exc)):
+                return result("not checked", f"the optimized model {out_of_memory}", done)
             failure = f"the optimized model failed to run at {_dims_text(binding_dims)}: {exc}"
             break
+        except MemoryError:
+            return result("not checked", f"the optimized model {out_of_memory}", done)
         except TimeoutError:
             break
-        outputs = [
-            _compare(name, a, b, criterion, spec_a, name in unstable)
-            for name, a, b in zip(spec_a.outputs, expected, actual, strict=True)
-        ]
         done.append(BindingResult(binding_dims, outputs, all(o.passed is not False for o in outputs)))
     del session
 
@@ -274,6 +341,38 @@ def check_models(
     if len(done) < wanted:
         notes.insert(0, f"{len(done)} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
     return result("passed", "; ".join(notes) or None, done)
+
+
+# A "not checked" reason fits one line of a CI log; the report's attempts keep every detail.
+NOT_CHECKED_REASON_LIMIT = 300
+_ALLOCATION_FAILED = re.compile(r"bad_alloc|[Ff]ailed to allocate|[Oo]ut of memory|MemoryError")
+
+
+def _clipped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
+def _out_of_memory(message: str) -> bool:
+    return _ALLOCATION_FAILED.search(message) is not None
+
+
+def _unrunnable(attempts: list[dict[str, Any]], spec: ModelSpec, given: bool) -> str:
+    """Why the original ran at no binding, with what the user can do about it, in one short line."""
+    errors = list(dict.fromkeys(attempt["error"] for attempt in attempts))
+    if given:
+        return _clipped(f"the original model failed on --inputs: {errors[0]}", NOT_CHECKED_REASON_LIMIT)
+    if all("memory budget" in error for error in errors):
+        return f"the original model {errors[0]}"
+    named = list(dict.fromkeys(d for s in spec.inputs for d in (s.shape or ()) if isinstance(d, str)))
+    remedy = "; give inputs that fit with --inputs data.npz"
+    if named:
+        shown = " ".join(f"--dim {name}=N" for name in named[:3]) + (" ..." if len(named) > 3 else "")
+        remedy = f"; bind the dims with {shown} or give inputs with --inputs data.npz"
+    tried = len(attempts)
+    head = f"the original model failed at {'the binding' if tried == 1 else f'all {tried} bindings'} tried: "
+    tail = f" (and {len(errors) - 1} other errors)" if len(errors) > 1 else ""
+    room = NOT_CHECKED_REASON_LIMIT - len(head) - len(tail) - len(remedy)
+    return head + _clipped(errors[0], max(room, 40)) + tail + remedy
 
 
 def _identical(a: np.ndarray, b: np.ndarray) -> bool:

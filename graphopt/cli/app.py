@@ -62,6 +62,11 @@ def error_line(message: str) -> None:
     click.echo(f"graphopt: error: {bounded(message)}", err=True)
 
 
+def warning_line(message: str) -> None:
+    """One warning line on stderr, --quiet or not."""
+    click.echo(f"graphopt: warning: {bounded(message)}", err=True)
+
+
 def fail(message: str, code: int) -> None:
     error_line(message)
     sys.exit(code)

@@ -23,7 +23,19 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from graphopt import __version__
-from graphopt.cli.app import EXIT_CODES, cli, emit, error_line, fail, guarded, parse_dims, stderr, with_settings
+from graphopt.check.budget import DEFAULT_MEMORY_BUDGET
+from graphopt.cli.app import (
+    EXIT_CODES,
+    cli,
+    emit,
+    error_line,
+    fail,
+    guarded,
+    parse_dims,
+    stderr,
+    warning_line,
+    with_settings,
+)
 from graphopt.errors import GraphoptError, InputError, bounded
 
 
@@ -118,6 +130,17 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--check/--no-check", default=True, show_default=True, help="Compare outputs in onnxruntime.")
 @click.option(
+    "--require-check",
+    is_flag=True,
+    help="Exit 1 (and write nothing) for a model the check could not verify ('not checked'): a CI gate.",
+)
+@click.option(
+    "--check-memory",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="GB",
+    help=f"Memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it a model is 'not checked'.",
+)
+@click.option(
     "--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim for the check (repeatable)."
 )
 @click.option(
@@ -131,7 +154,9 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
 @click.option("--in-place", is_flag=True, help="Overwrite the input model.")
 @click.option("--external-data/--no-external-data", default=None, help="Force weights into (or out of) a .data file.")
 @click.option(
-    "--check-optimized", is_flag=True, help="Write nothing; exit 1 if the pipeline would still change the model."
+    "--check-optimized",
+    is_flag=True,
+    help="Exit 1 if the pipeline would still change the model. Writes nothing and runs no numerics check.",
 )
 @click.option(
     "-j",
@@ -153,6 +178,8 @@ def run(
     report_path: Path | None,
     as_json: bool,
     check: bool,
+    require_check: bool,
+    check_memory: float | None,
     dims: tuple[str, ...],
     inputs: Path | None,
     atol: float | None,
@@ -188,6 +215,10 @@ def run(
         raise InputError("--atol and --rtol go together (element-wise check)")
     if in_place and output is not None:
         raise InputError("--in-place and -o exclude each other")
+    if require_check and (not check or check_optimized):
+        raise InputError(
+            f"--require-check: {'--no-check' if not check else '--check-optimized'} runs no numerics check"
+        )
     target, into_folder = _parse_output(output)
     options = RunOptions(
         output=target,
@@ -195,6 +226,8 @@ def run(
         config=config,
         max_steps=max_steps,
         check=check,
+        require_check=require_check,
+        memory_budget=None if check_memory is None else int(check_memory * 1e9),
         dims=parse_dims(dims),
         inputs=inputs,
         atol=atol,
@@ -288,9 +321,21 @@ def _single(console: Console, source: Path, options: Any, report_path: Path | No
     emit(report, None, as_json)  # the report file is committed with the model
     if options.strict and report["failures"]:
         fail(f"pass {report['failures'][0]['pass']!r} failed: {report['failures'][0]['error']}", 3)
-    if code == 1:
+    _say_not_checked(str(source), report, options.require_check)
+    if code == 1 and report["numerics"]["status"] == "failed":
         fail(f"{source}: numerics failed: {report['numerics']['reason']}", 1)
     sys.exit(code)
+
+
+def _say_not_checked(path: str, row: dict[str, Any], required: bool) -> None:
+    """A model the check could not verify: one line, --quiet or not (an error under --require-check)."""
+    numerics = row.get("numerics", {})
+    if numerics.get("status") != "not checked":
+        return
+    if required:
+        error_line(f"{path}: numerics not checked (--require-check): {numerics['reason']}")
+    else:
+        warning_line(f"{path}: numerics not checked: {numerics['reason']}")
 
 
 def _batch(
@@ -351,8 +396,9 @@ def _batch(
     for row in rows:
         if "error" in row:
             error_line(_about(row["input"]["path"], row["error"]))
-        elif row["exit_code"] == 1:
+        elif row["numerics"]["status"] == "failed":
             error_line(f"{row['input']['path']}: numerics failed: {row['numerics']['reason']}")
+        _say_not_checked(row["input"]["path"], row, options.require_check)
     if options.strict and any(row.get("failures") for row in rows):
         worst = max(worst, 3)
     sys.exit(worst)

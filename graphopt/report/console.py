@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["render_batch", "render_inspection", "render_passes", "render_report"]
+__all__ = ["render_batch", "render_inspection", "render_passes", "render_report", "totals_line"]
 
 
 def _arrow(pair: list[int]) -> str:
@@ -105,6 +105,16 @@ def render_batch(console: Console, report: dict[str, Any]) -> None:
         nodes = f"{summary['before']['nodes']} -> {summary['after']['nodes']}"
         table.add_row(escape(row["input"]["path"]), nodes, row["numerics"]["status"], row["status"])
     console.print(table)
+    console.print(totals_line(report["totals"]))
+
+
+def totals_line(totals: dict[str, Any]) -> str:
+    """A batch's or a merged report's totals in one line."""
+    counts = f"{totals['models']} models, {totals['failures']} failures"
+    if "not_checked" in totals:
+        counts += f", {totals['not_checked']} not checked"
+    nodes, weights = totals["nodes"], totals["initializer_bytes"]
+    return f"{counts}, nodes {nodes[0]} -> {nodes[1]}, weight bytes {weights[0]} -> {weights[1]}"
 
 
 def render_passes(console: Console, passes: list[dict[str, Any]]) -> None:

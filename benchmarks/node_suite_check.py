@@ -30,26 +30,37 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# (kind, pattern of the reason), first match wins.
+# (kind, pattern of the reason), first match wins. The first word says whose limit it is:
+# onnxruntime's (it cannot load or run the original at all) or graphopt's (the check could
+# have run it: inputs it could not make or made unfit, its budgets).
 KINDS = (
-    ("onnxruntime: cannot load the original (opset or op unsupported)", r"cannot load the original"),
+    ("onnxruntime: cannot load the original (op, type or opset not implemented)", r"cannot load the original"),
     ("onnxruntime: crashes on the original", r"crashed with .* running the original"),
-    ("graphopt: no input generator for an element type", r"no generator for|cannot generate|element type"),
-    ("graphopt: input kind the check cannot make (sequence, optional, map)", r"sequence|optional|map input"),
-    ("graphopt: memory budget", r"memory budget"),
-    ("graphopt: timed out", r"timed out"),
+    ("graphopt: the memory budget", r"memory budget"),
+    ("graphopt: out of memory (under this script's limit; the check had no budget)", r"MemoryError"),
+    (
+        "graphopt: an element type the check cannot feed or read (bfloat16, float8, int4, ...)",
+        r"no generator for|Numpy type|can.t be converted to MLDataType|Creation of OrtValues",
+    ),
+    ("graphopt: sequence or optional inputs the check cannot make", r"type (seq|optional)\("),
     ("nondeterministic original (random ops)", r"nondeterministic"),
-    ("the original fails on the generated inputs", r"the original model failed at"),
+    ("graphopt: timed out", r"timed out"),
+    ("onnxruntime: refuses an empty input", r"must not be empty"),
+    (
+        "graphopt: input values unfit for the op (indices, axes, shapes, counts, scales)",
+        r"failed at.*(bounds|range|axis|axes|ind(ex|ice)|[Ss]cale|split|k argument|Depth|reshape|expand shape"
+        r"|sequence.len|ratio|threshold|division by zero|Invalid|must|exceeds|extent|should|Inconsistent|size)",
+    ),
+    ("graphopt: the original fails on the generated inputs (other)", r"failed at"),
 )
 
 
 def kind_of(row: dict[str, Any]) -> str:
+    reason = row["reason"] or ""
+    kind = next((kind for kind, pattern in KINDS if re.search(pattern, reason)), None)
     if row["status"] == "error":
-        return f"exit {row['exit_code']}: {row['reason'][:60]}"
-    for kind, pattern in KINDS:
-        if re.search(pattern, row["reason"] or ""):
-            return kind
-    return "other: " + (row["reason"] or "")[:80]
+        return f"exit {row['exit_code']}, {kind or reason[:60]}"
+    return kind or f"other: {reason[:80]}"
 
 
 def _alarm(signum: int, frame: FrameType | None) -> None:

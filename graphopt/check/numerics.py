@@ -306,6 +306,8 @@ def check_models(
     except MemoryError:
         return result("not checked", f"loading the optimized model {out_of_memory}")
     except _OrtError as exc:
+        if _out_of_memory(str(exc)):
+            return result("not checked", f"loading the optimized model {out_of_memory}")
         return result("failed", f"onnxruntime cannot load the optimized model: {exc}")
     done: list[BindingResult] = []
     failure: str | None = None

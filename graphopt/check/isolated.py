@@ -8,10 +8,10 @@ a second child runs the original against itself to find out which model crashed:
 - the original crashes too: "not checked" (onnxruntime cannot run this model at all);
 - only the optimized model crashes: "failed" (the optimization broke something).
 
-The child's address space is limited to what it had when it started plus the check's memory
-budget (``memory_budget``, Linux only), so a model that allocates past it fails an allocation
-in the child ("not checked: ... ran out of the check's memory budget") instead of having the
-machine's out-of-memory killer end whatever process it picks.
+The child confines its own memory to the check's budget before onnxruntime starts
+(``confine``, see budget.py), so a model that allocates past it fails an allocation there
+("not checked: ... ran out of the check's memory budget") instead of having the machine's
+out-of-memory killer end whatever process it picks.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
-import resource
 import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -34,16 +33,10 @@ T = TypeVar("T")
 
 
 def _child(
-    connection: Connection,
-    function: Callable[..., Any],
-    args: tuple[Any, ...],
-    options: dict[str, Any],
-    memory_limit: int | None,
+    connection: Connection, function: Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any]
 ) -> None:
     faulthandler.disable()  # the parent reports a crash in one line; no dump of this process's stack
     try:
-        if memory_limit is not None:
-            _limit_address_space(memory_limit)
         connection.send(function(*args, **options))
     except BaseException as err:  # handed to the parent, which raises it there
         connection.send(err)
@@ -51,27 +44,14 @@ def _child(
         connection.close()
 
 
-def _limit_address_space(extra: int) -> None:
-    """Let this process map at most ``extra`` bytes more than it has now."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # no /proc (not Linux): the estimate alone guards the budget
-        return
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    wanted = mapped + extra
-    resource.setrlimit(resource.RLIMIT_AS, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
-
-
-def run_isolated(function: Callable[..., T], *args: Any, memory_limit: int | None = None, **options: Any) -> T | str:
+def run_isolated(function: Callable[..., T], *args: Any, **options: Any) -> T | str:
     """``function(*args, **options)`` in a child process: its result (its exception is raised
-    here), or a description of how the child died. ``memory_limit``: bytes the child may map
-    beyond what it starts with."""
+    here), or a description of how the child died."""
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     receiver, sender = context.Pipe(duplex=False)
     process = context.Process(  # type: ignore[attr-defined]
-        target=_child, args=(sender, function, args, options, memory_limit), daemon=True
+        target=_child, args=(sender, function, args, options), daemon=True
     )
     process.start()
     sender.close()
@@ -97,14 +77,14 @@ def check_models_isolated(
     original: str | os.PathLike[str], optimized: str | os.PathLike[str], **options: Any
 ) -> CheckResult:
     """:func:`check_models` (same arguments and errors), with onnxruntime crashes contained and
-    the child's memory limited to the check's budget."""
-    budget = options["memory_budget"] = options.get("memory_budget") or DEFAULT_MEMORY_BUDGET
-    outcome = run_isolated(check_models, original, optimized, memory_limit=budget, **options)
+    the child's memory confined to the check's budget."""
+    options["memory_budget"] = options.get("memory_budget") or DEFAULT_MEMORY_BUDGET
+    options["confine"] = True  # in the child only, never in this process
+    outcome = run_isolated(check_models, original, optimized, **options)
     if isinstance(outcome, CheckResult):
         return outcome
     # The original against itself: the layouts the optimized model's inputs take do not apply.
-    alone_options = {k: v for k, v in options.items() if k != "input_layouts"}
-    alone = run_isolated(check_models, original, original, memory_limit=budget, **alone_options)
+    alone = run_isolated(check_models, original, original, **{k: v for k, v in options.items() if k != "input_layouts"})
     if isinstance(alone, CheckResult) and alone.status == "passed":
         return CheckResult("failed", f"{outcome} running the optimized model", {})
     return CheckResult("not checked", f"{outcome} running the original model", {})

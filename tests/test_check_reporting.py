@@ -267,3 +267,15 @@ def test_a_model_within_the_budget_is_checked_and_one_over_it_is_refused(tmp_pat
     over = invoke("-q", "check", source, source, "--check-memory", "0.07")
     (line,) = _not_checked_lines(over.stderr)
     assert "needs about 0.08 GB (its constants, twice), which exceeds the check's memory budget of 0.07 GB" in line
+
+
+def test_a_scalar_string_input_counts_in_the_estimate(tmp_path: Path) -> None:
+    """The check feeds a rank-0 string input as a Python str, which has no nbytes."""
+    source = _save(
+        tmp_path / "strings.onnx",
+        [helper.make_node("Identity", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.STRING, [])],
+        [helper.make_tensor_value_info("y", TensorProto.STRING, [])],
+    )
+    result = invoke("-q", "check", source, source)
+    assert result.exit_code == 0 and "internal error" not in result.stderr, result.stderr

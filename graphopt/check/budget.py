@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 # The command line reads DEFAULT_MEMORY_BUDGET for its help: nothing heavy at import.
 if TYPE_CHECKING:
-    import numpy as np
     import onnx
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "Footprint", "confine", "footprint", "gigabytes"]
@@ -56,15 +55,15 @@ class Footprint:
         """What onnxruntime holds at the peak of loading the model: its constants, twice."""
         return 2 * self.constant_bytes
 
-    def peak(self, dims: Mapping[str, int], feeds: Mapping[str, np.ndarray]) -> int:
+    def peak(self, dims: Mapping[str, int], feeds: Mapping[str, object]) -> int:
         """Estimated bytes at the busiest moment of loading, or of a run at the binding ``dims``
         on ``feeds``."""
-        live = sum(int(array.nbytes) for array in feeds.values())
+        live = sum(_nbytes(value) for value in feeds.values())
         highest = live
         for made, freed in self.lifetimes:
             live += sum(self._bytes(name, dims) for name in made)
             highest = max(highest, live)
-            live -= sum(int(feeds[name].nbytes) if name in feeds else self._bytes(name, dims) for name in freed)
+            live -= sum(_nbytes(feeds[name]) if name in feeds else self._bytes(name, dims) for name in freed)
         return max(self.load_bytes, self.constant_bytes + highest)
 
     def _bytes(self, name: str, dims: Mapping[str, int]) -> int:
@@ -76,6 +75,13 @@ class Footprint:
         if any(v is None for v in values):
             return 0
         return int(itemsize * math.prod(v for v in values if v is not None))
+
+
+def _nbytes(value: object) -> int:
+    """A feed's bytes: an array, or a scalar (a rank-0 string input is fed as a str)."""
+    import numpy as np
+
+    return int(np.asarray(value).nbytes)
 
 
 def confine(budget: int) -> None:

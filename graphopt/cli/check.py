@@ -29,7 +29,7 @@ from graphopt.errors import InputError
     "--check-memory",
     type=click.FloatRange(min=0, min_open=True),
     metavar="GB",
-    help=f"Memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it, 'not checked'.",
+    help=f"GB of memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it, 'not checked'.",
 )
 @guarded
 def check(

@@ -138,7 +138,7 @@ def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int]:
     "--check-memory",
     type=click.FloatRange(min=0, min_open=True),
     metavar="GB",
-    help=f"Memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it a model is 'not checked'.",
+    help=f"GB of memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it a model is 'not checked'.",
 )
 @click.option(
     "--dim", "dims", multiple=True, metavar="NAME=VALUE", help="Fix a dynamic dim for the check (repeatable)."

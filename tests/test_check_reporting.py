@@ -279,3 +279,28 @@ def test_a_scalar_string_input_counts_in_the_estimate(tmp_path: Path) -> None:
     )
     result = invoke("-q", "check", source, source)
     assert result.exit_code == 0 and "internal error" not in result.stderr, result.stderr
+
+
+def _split_to_sequence(path: Path, sizes: list[int], scale: float = 1.0) -> Path:
+    """A sequence output of tensors of different shapes: x[3, 4] split along axis 0 by ``sizes``."""
+    return _save(
+        path,
+        [helper.make_node("Mul", ["x", "k"], ["xk"]), helper.make_node("SplitToSequence", ["xk", "sizes"], ["parts"])],
+        [helper.make_tensor_value_info("x", FLOAT, [3, 4])],
+        [helper.make_tensor_sequence_value_info("parts", FLOAT, None)],
+        [
+            numpy_helper.from_array(np.array(sizes, np.int64), "sizes"),
+            numpy_helper.from_array(np.array(scale, np.float32), "k"),
+        ],
+    )
+
+
+def test_a_sequence_of_tensors_of_different_shapes_is_compared(tmp_path: Path) -> None:
+    """numpy cannot make one array of [1, 4] and [2, 4]: the check said "not checked"."""
+    original = _split_to_sequence(tmp_path / "a.onnx", [1, 2])
+    same = invoke("-q", "check", original, original, "--require-check")
+    assert same.exit_code == 0 and same.stderr == "", same.stderr
+    other_shapes = invoke("-q", "check", original, _split_to_sequence(tmp_path / "b.onnx", [2, 1]))
+    assert other_shapes.exit_code == 1 and "sequence element 0 has shape (2, 4), not (1, 4)" in other_shapes.stderr
+    other_values = invoke("-q", "check", original, _split_to_sequence(tmp_path / "c.onnx", [1, 2], scale=2.0))
+    assert other_values.exit_code == 1 and "numerics failed" in other_values.stderr

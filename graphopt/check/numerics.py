@@ -57,6 +57,8 @@ from graphopt.errors import InputError, bounded
 __all__ = ["BindingResult", "CheckResult", "check_models", "json_ready"]
 
 Status = Literal["passed", "failed", "not checked"]
+# What a run gives for one output: an array, or for a sequence output a list of arrays.
+Output = np.ndarray | list[np.ndarray]
 
 
 @dataclass
@@ -106,7 +108,7 @@ class _Deadline:
     def expired(self) -> bool:
         return self.end is not None and time.monotonic() >= self.end
 
-    def run(self, session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[Output]:
         if self.expired():
             raise TimeoutError
         options = ort.RunOptions()
@@ -116,7 +118,7 @@ class _Deadline:
             timer = threading.Timer(max(0.0, self.end - time.monotonic()), lambda: setattr(options, "terminate", True))
             timer.start()
         try:
-            return [np.asarray(out) for out in session.run(None, dict(feeds), options)]
+            return [_as_numpy(out) for out in session.run(None, dict(feeds), options)]
         except Exception as exc:
             if self.expired():
                 raise TimeoutError from None
@@ -124,6 +126,14 @@ class _Deadline:
         finally:
             if timer is not None:
                 timer.cancel()
+
+
+def _as_numpy(output: Any) -> Output:
+    """An output as an array; a sequence output as a list of arrays (its tensors may differ in
+    shape, which one array cannot hold)."""
+    if isinstance(output, list):
+        return [np.asarray(item) for item in output]
+    return np.asarray(output)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -270,7 +280,7 @@ def check_models(
         return result("not checked", f"onnxruntime cannot load the original model: {exc}")
     except MemoryError:
         return result("not checked", f"loading the original model {out_of_memory}")
-    ran: list[tuple[dict[str, int], dict[str, np.ndarray], list[np.ndarray]]] = []
+    ran: list[tuple[dict[str, int], dict[str, np.ndarray], list[Output]]] = []
     skipped: list[str] = []
     unstable: set[str] = set()
     try:
@@ -381,7 +391,9 @@ def _unrunnable(attempts: list[dict[str, Any]], spec: ModelSpec, given: bool) ->
     return head + _clipped(errors[0], max(room, 40)) + tail + remedy
 
 
-def _identical(a: np.ndarray, b: np.ndarray) -> bool:
+def _identical(a: Output, b: Output) -> bool:
+    if isinstance(a, list) or isinstance(b, list):
+        return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(map(_identical, a, b))
     return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
 
 
@@ -392,7 +404,7 @@ def _nondeterministic(spec: ModelSpec, name: str) -> str:
 
 
 def _compare(
-    name: str, a: np.ndarray, b: np.ndarray, criterion: Criterion, spec: ModelSpec, unstable: bool
+    name: str, a: Output, b: Output, criterion: Criterion, spec: ModelSpec, unstable: bool
 ) -> OutputComparison:
     path = spec.paths.get(name)
     comparison = compare_output(name, a, b, criterion, path.precision if path is not None else None)

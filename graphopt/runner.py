@@ -50,6 +50,10 @@ class RunOptions:
     config: Path | None = None
     max_steps: int | None = None
     check: bool = True
+    # A model the check could not verify fails the run (exit 1, nothing written) like a failed check.
+    require_check: bool = False
+    # Bytes the check may use (None: the check's default, check/budget.py).
+    memory_budget: int | None = None
     dims: dict[str, int] = field(default_factory=dict)
     inputs: Path | None = None
     atol: float | None = None
@@ -262,6 +266,7 @@ def _optimize_file(
                     rtol=options.rtol,
                     input_layouts=input_layouts(result.pipeline_run.runs),
                     on_phase=tell,
+                    memory_budget=options.memory_budget,
                 )
                 # onnxruntime names the files it loads: the user's names, not the staging folder's.
                 named = {optimized: output, staged: output, original: source, workdir: output.parent}
@@ -272,6 +277,8 @@ def _optimize_file(
                     if options.blame:
                         tell("blame: bisect the passes")
                         report["blame"] = blame(source, options, workdir)
+                elif outcome.status == "not checked" and options.require_check:
+                    exit_code = 1
             else:
                 report["numerics"] = {"status": "skipped", "reason": "--no-check"}
             moves: list[tuple[Path, Path]] = []
@@ -516,7 +523,13 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
         reruns += 1
         relaid = input_layouts(runs.pipeline_run.runs[:middle])
         if (
-            check_models_isolated(reference, model_after(middle), input_layouts=relaid, **check_options).status
+            check_models_isolated(
+                reference,
+                model_after(middle),
+                input_layouts=relaid,
+                memory_budget=options.memory_budget,
+                **check_options,
+            ).status
             == "failed"
         ):
             bad = middle

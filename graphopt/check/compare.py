@@ -110,9 +110,28 @@ class Criterion:
 
 
 def compare_output(
-    name: str, a: np.ndarray, b: np.ndarray, criterion: Criterion, precision: str | None = None
+    name: str,
+    a: np.ndarray | list[np.ndarray],
+    b: np.ndarray | list[np.ndarray],
+    criterion: Criterion,
+    precision: str | None = None,
 ) -> OutputComparison:
-    """Judge b (optimized) against a (original); ``precision`` is the lowest on the output's path."""
+    """Judge b (optimized) against a (original); ``precision`` is the lowest on the output's path.
+
+    A sequence output (a list of tensors) must hold as many tensors of the same shapes; their
+    values are then judged as one tensor, the sequence's elements end to end.
+    """
+    if isinstance(a, list) or isinstance(b, list):
+        if not (isinstance(a, list) and isinstance(b, list)):
+            return _failed(name, "a sequence in one model, a tensor in the other")
+        if len(a) != len(b):
+            return _failed(name, f"a sequence of {len(b)} tensors, not {len(a)}")
+        for index, (x, y) in enumerate(zip(a, b)):
+            if x.shape != y.shape:
+                return _failed(name, f"sequence element {index} has shape {y.shape}, not {x.shape}")
+        if not a:
+            return OutputComparison(name, 0.0, 0.0, 0.0, 1.0, True)
+        return compare_output(name, _end_to_end(a), _end_to_end(b), criterion, precision)
     if a.dtype != b.dtype:
         return _failed(name, f"dtype {a.dtype} != {b.dtype}")
     if a.shape != b.shape:
@@ -146,6 +165,10 @@ def compare_output(
     result.passed = reason is None
     result.reason = reason
     return result
+
+
+def _end_to_end(sequence: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([np.ravel(item) for item in sequence])
 
 
 def _precision_of(dtype: np.dtype) -> str | None:

@@ -7,6 +7,11 @@ a second child runs the original against itself to find out which model crashed:
 
 - the original crashes too: "not checked" (onnxruntime cannot run this model at all);
 - only the optimized model crashes: "failed" (the optimization broke something).
+
+The child confines its own memory to the check's budget before onnxruntime starts
+(``confine``, see budget.py), so a model that allocates past it fails an allocation there
+("not checked: ... ran out of the check's memory budget") instead of having the machine's
+out-of-memory killer end whatever process it picks.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
+from graphopt.check.budget import DEFAULT_MEMORY_BUDGET
 from graphopt.check.numerics import CheckResult, check_models
 
 __all__ = ["check_models_isolated", "run_isolated"]
@@ -82,7 +88,10 @@ def run_isolated(function: Callable[..., T], *args: Any, **options: Any) -> T | 
 def check_models_isolated(
     original: str | os.PathLike[str], optimized: str | os.PathLike[str], **options: Any
 ) -> CheckResult:
-    """:func:`check_models` (same arguments and errors), with onnxruntime crashes contained."""
+    """:func:`check_models` (same arguments and errors), with onnxruntime crashes contained and
+    the child's memory confined to the check's budget."""
+    options["memory_budget"] = options.get("memory_budget") or DEFAULT_MEMORY_BUDGET
+    options["confine"] = True  # in the child only, never in this process
     outcome = run_isolated(check_models, original, optimized, **options)
     if isinstance(outcome, CheckResult):
         return outcome

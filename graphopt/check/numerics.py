@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -43,6 +44,8 @@ from typing import Any, Literal
 import numpy as np
 import onnxruntime as ort
 
+from graphopt.check.budget import DEFAULT_MEMORY_BUDGET, footprint, gigabytes
+from graphopt.check.budget import confine as limit_memory  # the name ``confine`` is the option
 from graphopt.check.compare import Criterion, OutputComparison, compare_output
 from graphopt.check.feeds import run as run_session
 from graphopt.check.inputs import (
@@ -60,6 +63,8 @@ from graphopt.errors import InputError, bounded
 __all__ = ["BindingResult", "CheckResult", "check_models", "json_ready"]
 
 Status = Literal["passed", "failed", "not checked"]
+# What a run gives for one output: an array, or for a sequence output a list of arrays.
+Output = np.ndarray | list[np.ndarray]
 
 
 @dataclass
@@ -77,6 +82,8 @@ class CheckResult:
     criterion: dict[str, Any]
     bindings: list[BindingResult] = field(default_factory=list)
     seconds: float = 0.0
+    # Each binding at which the original did not run: its dims and why (onnxruntime's words).
+    attempts: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite floats become the strings "nan", "inf" and "-inf"."""
@@ -108,7 +115,7 @@ class _Deadline:
     def expired(self) -> bool:
         return self.end is not None and time.monotonic() >= self.end
 
-    def run(self, session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[Output]:
         if self.expired():
             raise TimeoutError
         options = ort.RunOptions()
@@ -118,7 +125,7 @@ class _Deadline:
             timer = threading.Timer(max(0.0, self.end - time.monotonic()), lambda: setattr(options, "terminate", True))
             timer.start()
         try:
-            return [np.asarray(out) for out in run_session(session, feeds, options)]
+            return [_as_numpy(out) for out in run_session(session, feeds, options)]
         except Exception as exc:
             if self.expired():
                 raise TimeoutError from None
@@ -128,9 +135,40 @@ class _Deadline:
                 timer.cancel()
 
 
+def _as_numpy(output: Any) -> Output:
+    """An output as an array; a sequence output as a list of arrays (its tensors may differ in
+    shape, which one array cannot hold)."""
+    if isinstance(output, list):
+        return [np.asarray(item) for item in output]
+    return np.asarray(output)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
-    return bounded(text.splitlines()[0]) if text else type(exc).__name__
+    return bounded(condensed(text.splitlines()[0])) if text else type(exc).__name__
+
+
+_ORT_CODE = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : ")
+# Names the file onnxruntime was given: a staging path, never the user's.
+_LOAD_FAILED = re.compile(r"Load model from .*? failed: ?")
+_NODE_FAILED = re.compile(r"Non-zero status code returned while running (\S+) node\. Name:'([^']*)' Status Message: ")
+_SOURCE_LINE = re.compile(r"\S+\.(?:h|cc|cpp|hpp|c):\d+ ")
+# After a source line: the C++ function that raised, then the condition that did not hold.
+_FUNCTION = re.compile(r"(?:[\w:<>*&]+ )*[\w:<>~{}]+\((?:[^()]|\([^()]*\))*\)(?: const)?(?: \[with [^\]]*\])? ")
+_CONDITION = re.compile(r".*? was false\. ")
+
+
+def condensed(message: str) -> str:
+    """onnxruntime's message without what only its developers read: error codes, source
+    lines, C++ signatures, the assertion that failed. What is left says what went wrong."""
+    message = _LOAD_FAILED.sub("", _ORT_CODE.sub("", message))
+    message = _NODE_FAILED.sub(lambda m: f"{m[1]} node {m[2]!r}: " if m[2] else f"{m[1]} node: ", message)
+    while (source := _SOURCE_LINE.search(message)) is not None:
+        rest = message[source.end() :]
+        rest = rest[function.end() :] if (function := _FUNCTION.match(rest)) else rest
+        rest = rest[condition.end() :] if (condition := _CONDITION.match(rest)) else rest
+        message = message[: source.start()] + rest
+    return message.strip()
 
 
 def _session(path: Path, threads: int) -> ort.InferenceSession:
@@ -167,6 +205,8 @@ def check_models(
     refuse_other_inputs: bool = False,
     input_layouts: Mapping[str, Sequence[int]] | None = None,
     on_phase: Callable[[str], None] | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    confine: bool = False,
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
 
@@ -186,6 +226,11 @@ def check_models(
             the unwind pass reports the inputs it re-laid out): the optimized model is fed the
             original's data transposed by perm.
         on_phase: told as each model starts to run at each binding, for progress.
+        memory_budget: bytes the check may use: a binding at which the original is estimated
+            to need more (budget.py) is not run, and one that runs out of memory (MemoryError,
+            or onnxruntime failing to allocate) is "not checked", never failed.
+        confine: limit this process's memory to ``memory_budget`` before onnxruntime starts
+            (budget.confine; for the check's child process, never the caller's).
 
     Raises:
         InputError: a file cannot be read, the .npz does not fit the model, ``dims`` names
@@ -201,8 +246,12 @@ def check_models(
         "graph_optimization_level": "ORT_DISABLE_ALL",
     }
 
+    attempts: list[dict[str, Any]] = []
+
     def result(status: Status, reason: str | None, done: list[BindingResult] | None = None) -> CheckResult:
-        return CheckResult(status, reason, criterion_dict, done or [], time.perf_counter() - started)
+        if status == "not checked" and reason is not None:
+            reason = _clipped(reason, NOT_CHECKED_REASON_LIMIT)
+        return CheckResult(status, reason, criterion_dict, done or [], time.perf_counter() - started, attempts)
 
     original, optimized = Path(original), Path(optimized)
     spec_a, spec_b = read_spec(original), read_spec(optimized)
@@ -223,39 +272,69 @@ def check_models(
             return result("not checked", f"{unsupported}; pass --inputs data.npz")
         feeds, wanted = _generated(spec_a, dims or {}, seed, bindings), max(1, bindings)
     deadline = _Deadline(timeout)
+    needs = footprint(original)
+    over_budget = f"exceeds the check's memory budget of {gigabytes(memory_budget)} (--check-memory GB)"
+    if needs.load_bytes > memory_budget:
+        load = f"loading the original model needs about {gigabytes(needs.load_bytes)} (its constants, twice)"
+        return result("not checked", f"{load}, which {over_budget}")
+    if confine:
+        limit_memory(memory_budget)
 
+    out_of_memory = f"ran out of the check's memory budget of {gigabytes(memory_budget)} (--check-memory GB)"
     try:
         session = _session(original, threads)
     except _OrtError as exc:
+        if _out_of_memory(str(exc)):
+            return result("not checked", f"loading the original model {out_of_memory}")
         return result("not checked", f"onnxruntime cannot load the original model: {exc}")
-    ran: list[tuple[Binding, dict[str, np.ndarray], list[np.ndarray]]] = []
+    except MemoryError:
+        return result("not checked", f"loading the original model {out_of_memory}")
+    ran: list[tuple[Binding, dict[str, np.ndarray], list[Output]]] = []
     skipped: list[str] = []
     # Outputs the graph shows to be random, and (the backstop, for ops the graph cannot show:
     # custom ops, model-local functions) those on which two runs disagree.
     unstable = {name for name in spec_a.outputs if name in spec_a.paths and spec_a.paths[name].random_ops}
-    for binding, feed in feeds:
-        if on_phase is not None:
-            on_phase(f"check: the original at {_dims_text(binding.dims)}")
-        try:
-            expected = deadline.run(session, feed)
-            if not ran and spec_a.opaque:
-                again = deadline.run(session, feed)
-                unstable |= {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
-            ran.append((binding, feed, expected))
-        except _OrtError as exc:
-            skipped.append(f"the original model failed at {_dims_text(binding.dims)}: {exc}")
-        except TimeoutError:
-            skipped.append(f"timed out at {_dims_text(binding.dims)} after {timeout:g} s")
-            break
-        if len(ran) == wanted:
-            break
+    try:
+        for binding, feed in feeds:
+            estimate = needs.peak(binding.dims, feed)
+            if estimate > memory_budget:
+                attempts.append(
+                    {"dims": binding.dims, "error": f"needs about {gigabytes(estimate)}, which {over_budget}"}
+                )
+                continue
+            if on_phase is not None:
+                on_phase(f"check: the original at {_dims_text(binding.dims)}")
+            try:
+                expected = deadline.run(session, feed)
+                if not ran and spec_a.opaque:
+                    again = deadline.run(session, feed)
+                    unstable |= {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
+                ran.append((binding, feed, expected))
+            except _OrtError as exc:
+                error = out_of_memory if _out_of_memory(str(exc)) else str(exc)
+                attempts.append({"dims": binding.dims, "error": error})
+                skipped.append(f"the original model failed at {_dims_text(binding.dims)}: {error}")
+            except TimeoutError:
+                skipped.append(f"timed out at {_dims_text(binding.dims)} after {timeout:g} s")
+                break
+            if len(ran) == wanted:
+                break
+    except MemoryError:  # running, or making the inputs of the next binding
+        attempts.append({"dims": {}, "error": out_of_memory})
+        skipped.append(f"the original model {out_of_memory}")
     del session
     if not ran:
-        return result("not checked", "; ".join(skipped))
+        if not attempts:  # timed out before any binding ran
+            return result("not checked", "; ".join(skipped))
+        return result("not checked", _unrunnable(attempts, spec_a, inputs is not None))
 
     try:
         session = _session(optimized, threads)
+    except MemoryError:
+        return result("not checked", f"loading the optimized model {out_of_memory}")
     except _OrtError as exc:
+        if _out_of_memory(str(exc)):
+            return result("not checked", f"loading the optimized model {out_of_memory}")
         return result("failed", f"onnxruntime cannot load the optimized model: {exc}")
     done: list[BindingResult] = []
     failure: str | None = None
@@ -264,15 +343,19 @@ def check_models(
             on_phase(f"check: the optimized model at {_dims_text(binding.dims)}")
         try:
             actual = deadline.run(session, _relaid(feed, layouts))
+            outputs = [
+                _compare(name, a, b, criterion, spec_a, name in unstable)
+                for name, a, b in zip(spec_a.outputs, expected, actual, strict=True)
+            ]
         except _OrtError as exc:
+            if _out_of_memory(str(exc)):
+                return result("not checked", f"the optimized model {out_of_memory}", done)
             failure = f"the optimized model failed to run at {_dims_text(binding.dims)}: {exc}"
             break
+        except MemoryError:
+            return result("not checked", f"the optimized model {out_of_memory}", done)
         except TimeoutError:
             break
-        outputs = [
-            _compare(name, a, b, criterion, spec_a, name in unstable)
-            for name, a, b in zip(spec_a.outputs, expected, actual, strict=True)
-        ]
         passed = all(o.passed is not False for o in outputs)
         done.append(BindingResult(binding.dims, outputs, passed, binding.regimes))
     del session
@@ -292,7 +375,41 @@ def check_models(
     return result("passed", "; ".join(notes) or None, done)
 
 
-def _identical(a: np.ndarray, b: np.ndarray) -> bool:
+# A "not checked" reason fits one line of a CI log; the report's attempts keep every detail.
+NOT_CHECKED_REASON_LIMIT = 300
+_ALLOCATION_FAILED = re.compile(r"bad_alloc|[Ff]ailed to allocate|[Oo]ut of memory|MemoryError")
+
+
+def _clipped(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
+def _out_of_memory(message: str) -> bool:
+    return _ALLOCATION_FAILED.search(message) is not None
+
+
+def _unrunnable(attempts: list[dict[str, Any]], spec: ModelSpec, given: bool) -> str:
+    """Why the original ran at no binding, with what the user can do about it, in one short line."""
+    errors = list(dict.fromkeys(attempt["error"] for attempt in attempts))
+    if given:
+        return _clipped(f"the original model failed on --inputs: {errors[0]}", NOT_CHECKED_REASON_LIMIT)
+    if all("memory budget" in error for error in errors):
+        return f"the original model {errors[0]}"
+    named = list(dict.fromkeys(d for s in spec.inputs for d in (s.shape or ()) if isinstance(d, str)))
+    remedy = "; give inputs that fit with --inputs data.npz"
+    if named:
+        shown = " ".join(f"--dim {name}=N" for name in named[:3]) + (" ..." if len(named) > 3 else "")
+        remedy = f"; bind the dims with {shown} or give inputs with --inputs data.npz"
+    tried = len(attempts)
+    head = f"the original model failed at {'the binding' if tried == 1 else f'all {tried} bindings'} tried: "
+    tail = f" (and {len(errors) - 1} other errors)" if len(errors) > 1 else ""
+    room = NOT_CHECKED_REASON_LIMIT - len(head) - len(tail) - len(remedy)
+    return head + _clipped(errors[0], max(room, 40)) + tail + remedy
+
+
+def _identical(a: Output, b: Output) -> bool:
+    if isinstance(a, list) or isinstance(b, list):
+        return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(map(_identical, a, b))
     return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
 
 
@@ -304,7 +421,7 @@ def _nondeterministic(spec: ModelSpec, name: str) -> str:
 
 
 def _compare(
-    name: str, a: np.ndarray, b: np.ndarray, criterion: Criterion, spec: ModelSpec, unstable: bool
+    name: str, a: Output, b: Output, criterion: Criterion, spec: ModelSpec, unstable: bool
 ) -> OutputComparison:
     path = spec.paths.get(name)
     comparison = compare_output(name, a, b, criterion, path.precision if path is not None else None)

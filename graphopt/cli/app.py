@@ -73,6 +73,11 @@ def error_line(message: str) -> None:
     click.echo(f"graphopt: error: {one_line(message)}", err=True)
 
 
+def warning_line(message: str) -> None:
+    """One warning line on stderr, --quiet or not."""
+    click.echo(f"graphopt: warning: {one_line(message)}", err=True)
+
+
 def fail(message: str, code: int) -> None:
     error_line(message)
     sys.exit(code)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from graphopt.cli.app import cli, exit_codes, fail, guarded, parse_dims, stderr
+from graphopt.check.budget import DEFAULT_MEMORY_BUDGET
+from graphopt.cli.app import cli, exit_codes, fail, guarded, parse_dims, stderr, warning_line
 from graphopt.errors import InputError
 
 
@@ -28,6 +29,13 @@ from graphopt.errors import InputError
 @click.option("--atol", type=float, help="Element-wise check: absolute tolerance (with --rtol).")
 @click.option("--rtol", type=float, help="Element-wise check: relative tolerance (with --atol).")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON on stdout.")
+@click.option("--require-check", is_flag=True, help="Exit 1 when the models could not be compared ('not checked').")
+@click.option(
+    "--check-memory",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="GB",
+    help=f"GB of memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it, 'not checked'.",
+)
 @guarded
 def check(
     original: Path,
@@ -37,6 +45,8 @@ def check(
     atol: float | None,
     rtol: float | None,
     as_json: bool,
+    require_check: bool,
+    check_memory: float | None,
 ) -> None:
     """Compare two models' outputs in onnxruntime on the same seeded inputs.
 
@@ -45,7 +55,8 @@ def check(
     its scale; --atol/--rtol switch to element-wise allclose (see the README).
     Dynamic dims are checked at two different bindings. Exit 1 when they differ, 2 when
     their inputs differ (they cannot be compared); outputs onnxruntime cannot compute, or
-    on which the original disagrees with itself, are "not checked" with a warning (exit 0).
+    on which the original disagrees with itself, are "not checked" with a warning (exit 0;
+    exit 1 with --require-check).
 
     \b
     Examples:
@@ -69,6 +80,7 @@ def check(
             atol=atol,
             rtol=rtol,
             refuse_other_inputs=True,
+            memory_budget=None if check_memory is None else int(check_memory * 1e9),
         )
     outcome = result.as_dict()
     render_numerics(stderr(), outcome, per_output=True)
@@ -76,5 +88,7 @@ def check(
         sys.stdout.write(json.dumps(outcome, indent=2, allow_nan=False) + "\n")
     if result.status == "failed":
         fail(f"{optimized}: numerics failed: {result.reason}", 1)
+    if result.status == "not checked" and require_check:
+        fail(f"{optimized}: numerics not checked (--require-check): {result.reason}", 1)
     if result.status == "not checked":
-        click.echo(f"graphopt: warning: {optimized}: numerics not checked: {result.reason}", err=True)
+        warning_line(f"{optimized}: numerics not checked: {result.reason}")

@@ -27,8 +27,9 @@ def report() -> None:
 def merge(reports: tuple[Path, ...], output: Path | None) -> None:
     """Merge the reports of several runs (the shards of a CI matrix) into one, with totals.
 
-    Rows are sorted by model path; totals count models, failures (a non-zero exit code), and
-    nodes and weight bytes before -> after.
+    Rows are sorted by model path; totals count models, failures (a non-zero exit code),
+    models the numerics check could not verify (not checked), and nodes and weight bytes
+    before -> after.
 
     \b
     Examples:
@@ -36,7 +37,7 @@ def merge(reports: tuple[Path, ...], output: Path | None) -> None:
       graphopt report merge shard1.json shard2.json | jq .totals
     """
     from graphopt.report import dumps, merge_reports, write_report
-    from graphopt.report.console import failure_line, size
+    from graphopt.report.console import failure_line, totals_line
     from graphopt.schemas import schema
 
     loaded = []
@@ -58,13 +59,10 @@ def merge(reports: tuple[Path, ...], output: Path | None) -> None:
         sys.stdout.write(dumps(merged))
     else:
         write_report(merged, output)
-    totals = merged["totals"]
     shards = f" (shards {', '.join(merged['shards'])})" if merged["shards"] else ""
     stderr().print(
         escape(
-            f"merged {len(reports)} reports{shards}: {totals['models']} models, {totals['failures']} failures,"
-            f" nodes {totals['nodes'][0]} -> {totals['nodes'][1]},"
-            f" weights {size(totals['initializer_bytes'][0])} -> {size(totals['initializer_bytes'][1])}"
+            f"merged {len(reports)} reports{shards}: {totals_line(merged['totals'])}"
             + (f", wrote {output}" if output is not None else "")
         )
     )

@@ -24,7 +24,20 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from graphopt.cli.app import State, cli, emit, error_line, exit_codes, fail, guarded, parse_dims, stderr, with_settings
+from graphopt.check.budget import DEFAULT_MEMORY_BUDGET
+from graphopt.cli.app import (
+    State,
+    cli,
+    emit,
+    error_line,
+    exit_codes,
+    fail,
+    guarded,
+    parse_dims,
+    stderr,
+    warning_line,
+    with_settings,
+)
 from graphopt.cli.progress import PhaseLog, captured_logs, echo_logs, model_line
 from graphopt.errors import GraphoptError, InputError, bounded, one_line
 from graphopt.version import __version__
@@ -143,6 +156,17 @@ def _error_row(source: Path, error: str, exit_code: int) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--check/--no-check", default=True, show_default=True, help="Compare outputs in onnxruntime.")
 @click.option(
+    "--require-check",
+    is_flag=True,
+    help="Exit 1 (and write nothing) for a model the check could not verify ('not checked'): a CI gate.",
+)
+@click.option(
+    "--check-memory",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="GB",
+    help=f"GB of memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it a model is 'not checked'.",
+)
+@click.option(
     "--dim",
     "dims",
     multiple=True,
@@ -165,7 +189,9 @@ def _error_row(source: Path, error: str, exit_code: int) -> dict[str, Any]:
     help="Name the output's weights file as the input's (model.onnx_data), not after its content.",
 )
 @click.option(
-    "--check-optimized", is_flag=True, help="Write nothing; exit 1 if the pipeline would still change the model."
+    "--check-optimized",
+    is_flag=True,
+    help="Exit 1 if the pipeline would still change the model. Writes nothing and runs no numerics check.",
 )
 @click.option(
     "-j",
@@ -187,6 +213,8 @@ def run(
     report_path: Path | None,
     as_json: bool,
     check: bool,
+    require_check: bool,
+    check_memory: float | None,
     dims: tuple[str, ...],
     inputs: Path | None,
     atol: float | None,
@@ -225,6 +253,10 @@ def run(
         raise InputError("--in-place and -o exclude each other")
     if report_path == Path("-"):  # the report as a stream on stdout, as --json prints it
         report_path, as_json = None, True
+    if require_check and (not check or check_optimized):
+        raise InputError(
+            f"--require-check: {'--no-check' if not check else '--check-optimized'} runs no numerics check"
+        )
     target, into_folder = _parse_output(output)
     options = RunOptions(
         output=target,
@@ -232,6 +264,8 @@ def run(
         config=config,
         max_steps=max_steps,
         check=check,
+        require_check=require_check,
+        memory_budget=None if check_memory is None else int(check_memory * 1e9),
         dims=parse_dims(dims),
         inputs=inputs,
         atol=atol,
@@ -331,7 +365,8 @@ def _single(console: Console, source: Path, options: Any, report_path: Path | No
     emit(report, None, as_json)  # the report file is committed with the model
     if options.strict and report["failures"]:
         fail(f"pass {report['failures'][0]['pass']!r} failed: {report['failures'][0]['error']}", 3)
-    if code == 1:
+    _say_not_checked(str(source), report, options.require_check)
+    if code == 1 and report["numerics"]["status"] == "failed":
         fail(f"{source}: numerics failed: {report['numerics']['reason']}", 1)
     sys.exit(code)
 
@@ -370,6 +405,17 @@ def _copy_companions(roots: list[Path], output: Path, reads: set[Path], written_
                 raise InputError(f"{target}: cannot copy {path} there ({err.strerror or err})") from None
             copied.append(relative)
     return copied
+
+
+def _say_not_checked(path: str, row: dict[str, Any], required: bool) -> None:
+    """A model the check could not verify: one line, --quiet or not (an error under --require-check)."""
+    numerics = row.get("numerics", {})
+    if numerics.get("status") != "not checked":
+        return
+    if required:
+        error_line(f"{path}: numerics not checked (--require-check): {numerics['reason']}")
+    else:
+        warning_line(f"{path}: numerics not checked: {numerics['reason']}")
 
 
 def _batch(
@@ -441,9 +487,11 @@ def _batch(
     if rows:
         render_batch(console, report)
     emit(report, report_path, as_json)
-    for line in map(failure_line, rows):
+    for row in rows:
+        line = failure_line(row)
         if line is not None:
             error_line(line)
+        _say_not_checked(row["input"]["path"], row, options.require_check)
     if options.strict and any(row.get("failures") for row in rows):
         worst = max(worst, 3)
     sys.exit(worst)

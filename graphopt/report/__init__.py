@@ -71,12 +71,18 @@ def without_timings(report: Any) -> Any:
 
 
 def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a batch amounts to: models, failures (exit code other than 0), and the nodes and
-    weight bytes before -> after of the models that were optimized (error rows have none)."""
+    """What a batch amounts to: models, failures (exit code other than 0), models the numerics
+    check could not verify (not_checked; a run's rows only, the gate checks no numerics), and
+    the nodes and weight bytes before -> after of the models that were optimized (error rows
+    have none)."""
     summaries = [row["summary"] for row in rows if "summary" in row]
-    return {
+    counted: dict[str, Any] = {
         "models": len(rows),
         "failures": sum(1 for row in rows if _exit_code(row) != 0),
+    }
+    if not any("optimized" in row for row in rows):
+        counted["not_checked"] = sum(1 for row in rows if row.get("numerics", {}).get("status") == "not checked")
+    return counted | {
         "nodes": [sum(s[side]["nodes"] for s in summaries) for side in ("before", "after")],
         "initializer_bytes": [sum(s[side]["initializer_bytes"] for s in summaries) for side in ("before", "after")],
     }

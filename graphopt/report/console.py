@@ -23,6 +23,7 @@ __all__ = [
     "render_passes",
     "render_report",
     "size",
+    "totals_line",
 ]
 
 
@@ -238,6 +239,16 @@ def render_batch(console: Console, report: dict[str, Any]) -> None:
         nodes = f"{summary['before']['nodes']} -> {summary['after']['nodes']}"
         table.add_row(escape(one_line(row["input"]["path"])), nodes, row["numerics"]["status"], row["status"])
     console.print(table)
+    console.print(totals_line(report["totals"]))
+
+
+def totals_line(totals: dict[str, Any]) -> str:
+    """A batch's or a merged report's totals in one line."""
+    counts = f"{totals['models']} models, {totals['failures']} failures"
+    if "not_checked" in totals:
+        counts += f", {totals['not_checked']} not checked"
+    nodes, weights = totals["nodes"], totals["initializer_bytes"]
+    return f"{counts}, nodes {nodes[0]} -> {nodes[1]}, weights {size(weights[0])} -> {size(weights[1])}"
 
 
 _WIDTH = 100  # of the pass listing: a product on stdout, read in terminals and pipes alike

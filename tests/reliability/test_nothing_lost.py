@@ -405,7 +405,7 @@ def test_a_megabyte_error_from_onnxruntime_is_bounded(tmp_path: Path) -> None:
     assert time.perf_counter() - started < 30
     assert result.exit_code == 0, result.stderr
     reason = json.loads(result.stdout)["numerics"]["reason"]
-    assert "characters elided" in reason and len(reason) < MESSAGE_LIMIT + 200
+    assert len(reason) <= 300 and reason.endswith("..."), reason  # a "not checked" reason fits one log line
     assert len(result.stderr) < 2 * MESSAGE_LIMIT + 2000
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from graphopt.check.inputs import bind_dims, dim_keys, make_inputs, read_spec
+from graphopt.numerics.inputs import bind_dims, dim_keys, make_inputs, read_spec
 
 # onnxruntime's own op domains: nodes only onnxruntime can run.
 CONTRIB_DOMAINS = frozenset({"com.microsoft", "com.microsoft.nchwc", "com.microsoft.internal.nhwc"})

@@ -98,7 +98,7 @@ def _feeds(case: Case, session: ort.InferenceSession, path: Path) -> Iterator[di
     if case.data is not None:
         yield dict(zip([i.name for i in session.get_inputs()], case.data[0]))
         return
-    from graphopt.check.inputs import bind_dims, candidate_count, make_inputs, read_spec
+    from graphopt.numerics.inputs import bind_dims, candidate_count, make_inputs, read_spec
 
     spec = read_spec(path)
     for k in range(candidate_count()):

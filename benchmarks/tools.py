@@ -242,7 +242,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         "notes": notes,
     }
     if args.check:
-        from graphopt.check import check_models
+        from graphopt.numerics import check_models
 
         dims = dict(item.split("=", 1) for item in args.dim)
         dims_given = {k: int(v) for k, v in dims.items()} or None

@@ -17,15 +17,12 @@ from typing import TYPE_CHECKING, Any
 from graphopt.version import __version__
 
 if TYPE_CHECKING:
-    from graphopt import check
-    from graphopt.api import Result, load, optimize, save
+    from graphopt.api import Result, check, load, optimize, save
 
 __all__ = ["Result", "__version__", "check", "load", "optimize", "save"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "check":  # the subpackage, callable as graphopt.api.check (see its docstring)
-        return import_module("graphopt.check")
     if name in __all__:
         return getattr(import_module("graphopt.api"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

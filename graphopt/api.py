@@ -36,8 +36,8 @@ from graphopt.settings import Settings
 if TYPE_CHECKING:
     import onnx
 
-    from graphopt.check.numerics import CheckResult
     from graphopt.evaluate import Evaluator
+    from graphopt.numerics.check import CheckResult
 
 __all__ = ["Result", "check", "load", "optimize", "pass_context", "resolve_pipeline", "resolve_settings", "save"]
 
@@ -178,7 +178,7 @@ def check(
     raise_on_failure: bool = True,
     **options: Any,
 ) -> CheckResult:
-    """Compare two model files in onnxruntime; options as :func:`graphopt.check.check_models`.
+    """Compare two model files in onnxruntime; options as :func:`graphopt.numerics.check_models`.
 
     Returns the result ("passed", or "not checked" with the reason). When the outputs differ
     it raises :class:`~graphopt.errors.CheckFailed` (the result is on its ``result``), unless
@@ -186,7 +186,7 @@ def check(
     differ cannot be compared: :class:`~graphopt.errors.InputError`, as for unreadable files.
     An onnxruntime crash is contained in a child process and reported in the result.
     """
-    from graphopt.check.isolated import check_models_isolated
+    from graphopt.numerics.isolated import check_models_isolated
 
     result = check_models_isolated(original, optimized, refuse_other_inputs=True, **options)
     if result.status == "failed" and raise_on_failure:

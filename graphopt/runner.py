@@ -253,7 +253,7 @@ def _optimize_file(
             if options.check:
                 tell("check numerics")
                 check_start = time.perf_counter()
-                from graphopt.check import check_models_isolated
+                from graphopt.numerics import check_models_isolated
 
                 original = as_onnx(source, workdir / "original")
                 optimized = as_onnx(staged, workdir / "optimized")
@@ -494,9 +494,9 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
     assuming a prefix that broke numerics stays broken. The models at k - 1 (last good) and
     k (first bad) are then compared value by value (check.intermediates).
     """
-    from graphopt.check import check_models_isolated
-    from graphopt.check.intermediates import first_divergence
-    from graphopt.check.isolated import run_isolated
+    from graphopt.numerics import check_models_isolated
+    from graphopt.numerics.intermediates import first_divergence
+    from graphopt.numerics.isolated import run_isolated
 
     check_options: dict[str, Any] = {
         "dims": options.dims or None,

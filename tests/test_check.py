@@ -12,10 +12,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.check import CheckResult, check_models
-from graphopt.check.compare import Criterion, compare_output
-from graphopt.check.inputs import read_spec
 from graphopt.errors import InputError
+from graphopt.numerics import CheckResult, check_models
+from graphopt.numerics.compare import Criterion, compare_output
+from graphopt.numerics.inputs import read_spec
 from graphopt.schemas import schema
 
 FLOAT, INT64 = TensorProto.FLOAT, TensorProto.INT64

@@ -13,9 +13,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.check import CheckResult, check_models
-from graphopt.check.inputs import bind_dims, make_inputs, read_spec
 from graphopt.errors import InputError
+from graphopt.numerics import CheckResult, check_models
+from graphopt.numerics.inputs import bind_dims, make_inputs, read_spec
 from tests import node_suite
 from tests.cli_helpers import invoke
 from tests.test_check import _model, _save

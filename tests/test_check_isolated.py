@@ -12,8 +12,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-import graphopt.check.isolated as isolated
-from graphopt.check import check_models_isolated
+import graphopt.numerics.isolated as isolated
+from graphopt.numerics import check_models_isolated
 from tests.cli_helpers import invoke
 
 

@@ -225,7 +225,7 @@ def test_report_merge_adds_up_the_shards(tmp_path: Path) -> None:
 def test_api_check_twice_in_one_process_and_raise_on_failure(tmp_path: Path) -> None:
     a, b = mlp(tmp_path / "a.onnx"), mlp(tmp_path / "b.onnx", 2.0)
     assert graphopt.check(a, a).status == "passed"
-    assert graphopt.check(a, a).status == "passed"  # the function, not the graphopt.check subpackage
+    assert graphopt.check(a, a).status == "passed"  # the API function, called twice
     with pytest.raises(CheckFailed, match="numerics differ") as failure:
         graphopt.check(a, b)
     assert failure.value.result.status == "failed"

@@ -7,7 +7,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from graphopt.check import check_models
+from graphopt.numerics import check_models
 from tests.cli_helpers import invoke
 
 FLOAT, BOOL = TensorProto.FLOAT, TensorProto.BOOL

@@ -17,7 +17,7 @@ LAYERS = [
     {"facts", "io"},
     {"evaluate"},
     {"passes", "layout"},
-    {"check", "numerics", "report", "runtime"},
+    {"numerics", "report", "runtime"},
     {"api"},
     {"runner", "batch"},
     {"cli"},
@@ -138,4 +138,4 @@ def test_importing_a_leaf_module_loads_only_what_it_needs() -> None:
     loaded = set(
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     )
-    assert not loaded & {"graphopt.api", "graphopt.io", "graphopt.passes", "graphopt.check"}, sorted(loaded)
+    assert not loaded & {"graphopt.api", "graphopt.io", "graphopt.passes", "graphopt.numerics"}, sorted(loaded)

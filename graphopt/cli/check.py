@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from graphopt.check.budget import DEFAULT_MEMORY_BUDGET
 from graphopt.cli.app import cli, exit_codes, fail, guarded, parse_dims, stderr, warning_line
 from graphopt.errors import InputError
+from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET
 
 
 @cli.command(epilog=exit_codes("the outputs differ"))
@@ -65,7 +65,7 @@ def check(
     """
     import tempfile
 
-    from graphopt.check import check_models_isolated
+    from graphopt.numerics import check_models_isolated
     from graphopt.report.console import render_numerics
     from graphopt.runner import as_onnx
 

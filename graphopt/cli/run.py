@@ -24,7 +24,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from graphopt.check.budget import DEFAULT_MEMORY_BUDGET
 from graphopt.cli.app import (
     State,
     cli,
@@ -40,6 +39,7 @@ from graphopt.cli.app import (
 )
 from graphopt.cli.progress import PhaseLog, captured_logs, echo_logs, model_line
 from graphopt.errors import GraphoptError, InputError, bounded, one_line
+from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET
 from graphopt.version import __version__
 
 

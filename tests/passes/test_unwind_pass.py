@@ -286,7 +286,7 @@ def test_run_with_input_relayout_checks_numerics_on_transposed_inputs(corpus_dir
 def test_the_check_still_catches_a_relaid_model_that_computes_otherwise(corpus_dir: Path, tmp_path: Path) -> None:
     """The relaid input's feed is transposed for the optimized model only: a model whose
     input was re-laid out with the wrong permutation fails the check."""
-    from graphopt.check import check_models
+    from graphopt.numerics import check_models
 
     source = corpus_dir / "tf_style_nhwc.onnx"
     model = graphopt.load(source)
@@ -308,8 +308,8 @@ def test_the_check_still_catches_a_relaid_model_that_computes_otherwise(corpus_d
 def test_input_layouts_that_do_not_fit_the_model_are_bad_input(
     corpus_dir: Path, layouts: dict[str, list[int]], message: str
 ) -> None:
-    from graphopt.check import check_models
     from graphopt.errors import InputError
+    from graphopt.numerics import check_models
 
     source = corpus_dir / "tf_style_nhwc.onnx"
     with pytest.raises(InputError, match=message):

@@ -26,9 +26,9 @@ import pytest
 from click.testing import Result
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.check import inputs
 from graphopt.evaluate import evaluator
 from graphopt.ir import Model
+from graphopt.numerics import inputs
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from tests.cli_helpers import invoke
 from tests.reliability import builders

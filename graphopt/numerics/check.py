@@ -44,11 +44,12 @@ from typing import Any, Literal
 import numpy as np
 import onnxruntime as ort
 
-from graphopt.check.budget import DEFAULT_MEMORY_BUDGET, footprint, gigabytes
-from graphopt.check.budget import confine as limit_memory  # the name ``confine`` is the option
-from graphopt.check.compare import Criterion, OutputComparison, compare_output
-from graphopt.check.feeds import run as run_session
-from graphopt.check.inputs import (
+from graphopt.errors import InputError, bounded
+from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET, footprint, gigabytes
+from graphopt.numerics.budget import confine as limit_memory  # the name ``confine`` is the option
+from graphopt.numerics.compare import Criterion, OutputComparison, compare_output
+from graphopt.numerics.feeds import run as run_session
+from graphopt.numerics.inputs import (
     Binding,
     ModelSpec,
     bind_dims,
@@ -58,7 +59,6 @@ from graphopt.check.inputs import (
     make_inputs,
     read_spec,
 )
-from graphopt.errors import InputError, bounded
 
 __all__ = ["BindingResult", "CheckResult", "check_models", "json_ready"]
 

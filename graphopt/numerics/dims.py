@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from graphopt.check.paths import inline_array
 from graphopt.ir.node import STANDARD_DOMAINS
+from graphopt.numerics.paths import inline_array
 
 __all__ = ["GraphFacts", "Role", "graph_facts"]
 

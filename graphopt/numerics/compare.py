@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphopt.check.paths import EPSILON, lowest
+from graphopt.numerics.paths import EPSILON, lowest
 
 __all__ = ["Criterion", "OutputComparison", "compare_output"]
 

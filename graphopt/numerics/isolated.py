@@ -24,8 +24,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from graphopt.check.budget import DEFAULT_MEMORY_BUDGET
-from graphopt.check.numerics import CheckResult, check_models
+from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET
+from graphopt.numerics.check import CheckResult, check_models
 
 __all__ = ["check_models_isolated", "run_isolated"]
 

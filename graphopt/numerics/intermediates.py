@@ -19,11 +19,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphopt.check.compare import Criterion, compare_output
-from graphopt.check.feeds import run as run_session
-from graphopt.check.inputs import bind_dims, load_npz, make_inputs, read_spec
-from graphopt.check.numerics import json_ready
-from graphopt.check.paths import output_paths
+from graphopt.numerics.check import json_ready
+from graphopt.numerics.compare import Criterion, compare_output
+from graphopt.numerics.feeds import run as run_session
+from graphopt.numerics.inputs import bind_dims, load_npz, make_inputs, read_spec
+from graphopt.numerics.paths import output_paths
 
 __all__ = ["first_divergence"]
 

@@ -41,10 +41,10 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
-from graphopt.check.dims import GraphFacts, Role, graph_facts, unnamed_key
-from graphopt.check.feeds import exotic
-from graphopt.check.paths import OutputPath, has_opaque_ops, output_paths
 from graphopt.errors import InputError
+from graphopt.numerics.dims import GraphFacts, Role, graph_facts, unnamed_key
+from graphopt.numerics.feeds import exotic
+from graphopt.numerics.paths import OutputPath, has_opaque_ops, output_paths
 
 __all__ = [
     "NPZ_BYTE_LIMIT",

@@ -18,6 +18,7 @@ from graphopt.passes.fuse.rules import (
     lower,
     matmul,
     norm,
+    ort_attention,
     rotary,
     shape,
     tied,
@@ -30,6 +31,7 @@ LIBRARY = RuleSet(
     activation.RULES
     + arith.RULES
     + attention.RULES
+    + ort_attention.RULES
     + conv.RULES
     + embed.RULES
     + expose.RULES

@@ -1,0 +1,365 @@
+"""Attention for ``--target ort``: onnxruntime's MultiHeadAttention (4-D scaled dot-product
+attention with its head merge) and its Attention with the Q, K and V projections packed into
+one weight. The standard Attention (opset 23) and the patterns both share are in attention.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from graphopt.ir import DataType, Node, Value
+from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.rules._helpers import float_array
+from graphopt.passes.fuse.rules._ort import MS
+from graphopt.passes.fuse.rules.attention import (
+    FAMILY,
+    HEADS,
+    NAN_GUARD,
+    SOFTMAX,
+    Plan4,
+    core,
+    head_count,
+    ints_of,
+    merge_refusal,
+    plan_4d,
+    plan_attention,
+    rows_spelled_out,
+    spelled_out,
+    split_count,
+)
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
+
+# -- target ort: onnxruntime's MultiHeadAttention ------------------------------------------------
+#
+# The 4-D attention above with its head merge, Reshape(Transpose(P V, [0, 2, 1, 3]), (B, S, H*d)),
+# becomes com.microsoft MultiHeadAttention(Q (B, S, H*d), K, V (B, H, T, d), attention_bias): Q is
+# taken before its head split where it has one (else transposed and reshaped back), K and V keep their
+# heads (grouped-query attention's repeat stays: MultiHeadAttention has no kv heads), the additive
+# float mask is the attention bias, spelled out over queries and keys.
+
+_PV = op.MatMul(either(NAN_GUARD, SOFTMAX), var("v"), name="pv")
+# The TorchScript exporter reshapes SDPA's output to its own shape (read from it) before the merge.
+_PV_KEPT = either(_PV, op.Reshape(_PV, var("same_shape"), name="same"))
+_MHA = op.Reshape(op.Transpose(_PV_KEPT, perm=HEADS, name="merge_t"), var("merge_shape"), name="merge")
+
+
+def _read_dim(entry: Value | None, source: Value) -> int | None:
+    """i when ``entry`` is the i-th dim of ``source`` as a 1-element shape read from it:
+    Shape(source, start=i, end=i + 1), or Unsqueeze(Gather(Shape(source), i))."""
+    node = entry.producer if entry is not None else None
+    if node is not None and node.op_type == "Shape" and node.inputs[0] is source:
+        start, end = node.attr("start", 0), node.attr("end")
+        return int(start) if end is not None and int(end) == int(start) + 1 and start >= 0 else None
+    gather = node.inputs[0].producer if node is not None and node.op_type == "Unsqueeze" and node.inputs[0] else None
+    if gather is None or gather.op_type != "Gather" or gather.inputs[0] is None or gather.attr("axis", 0) != 0:
+        return None
+    shape = gather.inputs[0].producer
+    index = Site.array(gather.inputs[1]) if len(gather.inputs) > 1 else None
+    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not source or shape.attributes:
+        return None
+    return int(index) if index is not None and index.size == 1 and index.ndim == 0 else None
+
+
+def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -> bool:
+    """Whether Reshape(source, target) keeps the shape of ``source``, the product P V of an attention
+    whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there (the batch and
+    query length may also be Q's), read from it or provably equal to it, with at most one -1."""
+    dims, concat = site.shape(source), target.producer
+    kept = ints_of(site, target)
+    if dims is not None and None not in dims and kept is not None and tuple(kept) == tuple(dims):
+        return True
+    if dims is None or concat is None or concat.op_type != "Concat" or len(concat.inputs) != len(dims):
+        return False
+    free = 0
+    for axis, entry in enumerate(concat.inputs):
+        value = Site.array(entry)
+        if value is not None and value.size == 1 and int(value.ravel()[0]) == -1:
+            free += 1
+            continue
+        read = _read_dim(entry, source) == axis or (axis in (0, 2) and _read_dim(entry, query) == axis)
+        known = ints_of(site, entry) if entry is not None else None
+        same = [dims[axis], *((site.shape(query) or (None,) * 4)[axis : axis + 1] if axis in (0, 2) else ())]
+        if not (read or (known is not None and len(known) == 1 and known[0] is not None and known[0] in same)):
+            return False
+    return free <= 1
+
+
+@dataclass
+class _MhaPlan:
+    plan: Plan4
+    query: Value | None  # Q before its head split, when it has one
+    key_value: tuple[Value, Value] | None  # K and V before their head splits, when both have one
+    rows: bool  # the merge flattens batch and seq into rows: (B * S, H * d)
+
+
+def _split_source(split: Value, site: Site) -> Value | None:
+    """x of a head split Reshape(x (B, S, H * d), (B, S, H, d)), or None."""
+    node = split.producer
+    if node is None or node.op_type != "Reshape" or node.inputs[0] is None or site.rank(node.inputs[0]) != 3:
+        return None
+    return node.inputs[0] if split_count(split, site) is not None else None
+
+
+def _unsplit(value: Value, heads: int, site: Site) -> Value | None:
+    """x when ``value`` is Transpose(Reshape(x, (B, S, heads, d)), [0, 2, 1, 3]), else None."""
+    node = value.producer
+    if node is None or node.op_type != "Transpose" or node.attr("perm") != HEADS or node.inputs[0] is None:
+        return None
+    counts = split_count(node.inputs[0], site)
+    return _split_source(node.inputs[0], site) if counts is not None and counts[0] == heads else None
+
+
+def _plan_mha(m: Match, site: Site) -> _MhaPlan | str:
+    plan = plan_4d(m, site)
+    if isinstance(plan, str):
+        return plan
+    if "same" in m and not _reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
+        return "the Reshape after the attention is not provably to its own shape"
+    if site.dtype(plan.q) != DataType.FLOAT:
+        return "onnxruntime's MultiHeadAttention runs float32 only here"
+    if plan.mask is not None and plan.bias is None:
+        return "the mask is not an additive float bias (MultiHeadAttention's attention_bias)"
+    if plan.bias is not None and (site.rank(plan.bias) != 4 or site.dtype(plan.bias) != DataType.FLOAT):
+        return "the attention bias is not a 4-D float32 tensor"
+    q_dims = site.shape(plan.q) or (None,) * 4
+    size = head_count(plan.repeated[1], site)
+    if size is None or size[0] != plan.heads:
+        return "V does not provably have Q's heads and a static head size"
+    width = plan.heads * size[1]
+    target = ints_of(site, m.value("merge_shape"))
+    rows = target is not None and len(target) == 2 and target[1] == width and target[0] == -1
+    reason = None if rows else merge_refusal(m, site, width, q_dims[0], q_dims[2])
+    if reason is not None:
+        return reason
+    query = _unsplit(plan.q, plan.heads, site)
+    k_heads, v = plan.repeated
+    key = _unsplit(k_heads.value, plan.heads, site) if k_heads.perm is None else _split_source(k_heads.value, site)
+    value = _unsplit(v, plan.heads, site)
+    if key is None or value is None:
+        key = value = None
+    return _MhaPlan(plan, query, (key, value) if key is not None and value is not None else None, rows)
+
+
+def _build_mha(b: Builder, m: Match, found: _MhaPlan) -> Value:
+    plan = found.plan
+    query = found.query
+    if query is None:
+        heads_last = b.op("Transpose", plan.q, perm=HEADS)
+        width = b.constant(np.array([0, 0, -1], np.int64), "width")
+        query = b.op("Reshape", heads_last, width)
+    k_heads, v_heads = plan.repeated
+    if found.key_value is not None:
+        k, v = found.key_value
+    else:
+        k = k_heads.value if k_heads.perm is None else b.op("Transpose", k_heads.value, perm=k_heads.perm)
+        v = v_heads
+    bias = None if plan.bias is None else spelled_out(b, plan.bias, plan.q, v_heads)
+    inputs: list[Value | None] = [query, k, v, None, None, bias]
+    while inputs[-1] is None:
+        inputs.pop()
+    out = b.op("MultiHeadAttention", *inputs, domain=MS, num_heads=plan.heads, scale=plan.scale)
+    return b.op("Reshape", out, m.value("merge_shape")) if found.rows else out
+
+
+# -- target ort: onnxruntime's Attention with packed projections --------------------------------
+
+
+def _weight(name: str) -> Pattern:
+    return either(const(name=name), op.Cast(const(name=name), name=f"{name}_cast"))
+
+
+def _projection(name: str) -> Pattern:
+    matmul = op.MatMul(var("x"), _weight(f"w{name}"), name=f"{name}_mm")
+    return op.Add(matmul, const(name=f"b{name}", rank=1), name=f"{name}_add")
+
+
+_PACKED = _projection("")
+_SPLIT_QKV = [op.Split(_PACKED, optional(const(name="sizes")), name="qkv", output=i) for i in range(3)]
+_PARTS = ("q", "k", "v")
+
+
+def _packed_weights(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray] | str:
+    """The packed ``[Wq Wk Wv]`` (in the stored type) and ``[bq bk bv]``, or why not."""
+    names = ("w",) if "qkv" in m.bindings else tuple(f"w{p}" for p in _PARTS)
+    weights, biases = [], []
+    for name in names:
+        weight, bias = Site.array(m.value(name)), Site.array(m.value("b" + name[1:]))
+        if weight is None or weight.ndim != 2 or bias is None:
+            return "a projection weight or bias is not a readable constant matrix / vector"
+        weights.append(weight)
+        biases.append(bias)
+    casts = {f"{n}_cast" in m.bindings for n in names}
+    if len(casts) != 1 or len({w.dtype for w in weights}) != 1:
+        return "the projection weights are stored in different types"
+    if casts == {True} and any(m.node(f"{n}_cast").attr("to") != DataType.FLOAT for n in names):
+        return "a weight Cast is not to float32"
+    packed = np.concatenate(weights, axis=1)
+    bias = np.concatenate(biases)
+    if bias.dtype != np.float32 or bias.shape != (packed.shape[1],):
+        return "the projection biases are not float32 vectors over the outputs"
+    return packed, bias
+
+
+def _even_split(m: Match, site: Site) -> bool:
+    split = m.node("qkv")
+    rank = site.rank(split.inputs[0])
+    if rank is None or split.attr("axis", 0) not in (-1, rank - 1):
+        return False
+    sizes = Site.array(m.value("sizes")) if "sizes" in m.bindings else split.attr("split")
+    return sizes is None or len(set(int(s) for s in np.asarray(sizes).ravel())) == 1
+
+
+def _raw_mask(mask: Value) -> tuple[Value, float, Node] | None:
+    """For BERT's ``(1 - float(m[:, None, None, :])) * c``: the 2-D mask ``m``, ``c`` and the
+    chain's first node (None: another mask)."""
+    scaled = mask.producer
+    if scaled is None or scaled.op_type != "Mul":
+        return None
+    for inverted, factor in (scaled.inputs, reversed(scaled.inputs)):
+        c = float_array(factor)
+        sub = inverted.producer if inverted is not None else None
+        if c is None or c.size != 1 or sub is None or sub.op_type != "Sub":
+            continue
+        one = float_array(sub.inputs[0])
+        chain = sub.inputs[1].producer if sub.inputs[1] is not None else None
+        if one is None or one.size != 1 or float(one.ravel()[0]) != 1.0:
+            continue
+        found = _unsqueezed_cast(chain)
+        if found is not None:
+            return found[0], float(c.ravel()[0]), found[1]
+    return None
+
+
+def _unsqueezed_cast(node: Node | None) -> tuple[Value, Node] | None:
+    """Unsqueezes and one Cast to float taking a 2-D ``m`` (B, S) to (B, 1, 1, S): (m, first node)."""
+    if node is None:
+        return None
+    out, casts, first = node.outputs[0], 0, node
+    while node is not None and node.op_type in ("Cast", "Unsqueeze"):
+        casts += node.op_type == "Cast"
+        first = node
+        node = node.inputs[0].producer if node.inputs[0] is not None else None
+    source = first.inputs[0]
+    shape, wanted = Site.shape(source), Site.shape(out)
+    if casts != 1 or source is None or shape is None or len(shape) != 2 or None in shape:
+        return None
+    if Site.dtype(out) != DataType.FLOAT or wanted != (shape[0], 1, 1, shape[1]):
+        return None
+    return source, first
+
+
+@dataclass
+class _OrtPlan:
+    plan: dict[str, object]
+    weight: np.ndarray
+    bias: np.ndarray
+    raw: tuple[Value, float, Node] | None
+
+
+def _ort_plan(m: Match, site: Site) -> _OrtPlan | str:
+    plan = plan_attention(m, site)
+    if isinstance(plan, str):
+        return plan
+    if plan["heads"] != plan["kv_heads"]:
+        return "grouped-query attention has no onnxruntime Attention"
+    x = m.value("x")
+    if site.dtype(x) != DataType.FLOAT or site.rank(x) != 3:
+        return "the layer input is not a 3-D float32 tensor"
+    if "qkv" in m.bindings and not _even_split(m, site):
+        return "the packed projection is not split in three equal parts along the last axis"
+    mask = plan["mask"]
+    raw = _raw_mask(mask) if isinstance(mask, Value) else None
+    if isinstance(mask, Value) and raw is None and site.dtype(mask) != DataType.FLOAT:
+        return "a boolean mask that is not the causal band"
+    weights = _packed_weights(m, site)
+    if isinstance(weights, str):
+        return weights
+    width = (site.shape(m.root.outputs[0]) or (None,))[-1]
+    if not isinstance(width, int) or weights[0].shape[1] != 3 * width:
+        return "the projections are not all of the output's width"
+    return _OrtPlan(plan, weights[0], weights[1], raw)
+
+
+def _build_ort(b: Builder, m: Match, found: _OrtPlan) -> Value:
+    site, plan = m.site, found.plan
+    weight = b.constant(found.weight, "qkv_weight")
+    if found.weight.dtype != np.float32:
+        weight = b.op("Cast", weight, to=DataType.FLOAT)
+    mask_index: Value | None = None
+    attention_bias: Value | None = None
+    extra: dict[str, Any] = {}
+    if found.raw is not None:
+        source, fill, first = found.raw
+        mask_index = _int32_mask(site, source, first)
+        extra["mask_filter_value"] = fill
+    elif isinstance(plan["mask"], Value):
+        attention_bias = plan["mask"]
+        if (site.shape(attention_bias) or (0, 0, 0))[2] == 1:
+            attention_bias = rows_spelled_out(b, attention_bias)
+    bias = b.constant(found.bias, "qkv_bias")
+    inputs: list[Value | None] = [m.value("x"), weight, bias, mask_index, None, attention_bias]
+    while inputs[-1] is None:
+        inputs.pop()
+    node = b.node(
+        "Attention",
+        *inputs,
+        domain=MS,
+        num_heads=plan["heads"],
+        scale=plan["scale"],
+        unidirectional=plan["causal"],
+        **extra,
+    )
+    return node.outputs[0]
+
+
+_INT32_MASK = "attention_mask_int32"
+
+
+def _int32_mask(site: Site, source: Value, first: Node) -> Value:
+    """``source`` as int32, made once before the mask chain (every layer reads it)."""
+    for use in source.uses():
+        if use.node.op_type == "Cast" and use.node.name.startswith(_INT32_MASK):
+            return use.node.outputs[0]
+    builder = site.ctx.builder(site.model, site.graph, before=first, tag="ort-attention")
+    return builder.op("Cast", source, to=DataType.INT32, name=_INT32_MASK)
+
+
+_ORT_DOC = "projections, MatMul/scale/mask/Softmax/MatMul, head split and merge -> com.microsoft Attention (target ort)"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        name="ort-multihead-attention",
+        family=FAMILY,
+        pattern=_MHA,
+        plan=_plan_mha,
+        build=_build_mha,
+        targets=frozenset({"ort"}),
+        label="MultiHeadAttention",
+        doc="4-D scaled dot-product attention with its head merge -> com.microsoft MultiHeadAttention (target ort)",
+    ),
+    Rule(
+        name="ort-attention",
+        family=FAMILY,
+        pattern=core(_projection("q"), _projection("k"), _projection("v")),
+        plan=_ort_plan,
+        build=_build_ort,
+        targets=frozenset({"ort"}),
+        label="Attention",
+        doc=_ORT_DOC,
+    ),
+    Rule(
+        name="ort-attention-packed",
+        family=FAMILY,
+        pattern=core(_SPLIT_QKV[0], _SPLIT_QKV[1], _SPLIT_QKV[2]),
+        plan=_ort_plan,
+        build=_build_ort,
+        targets=frozenset({"ort"}),
+        label="Attention",
+        doc=_ORT_DOC,
+    ),
+)

@@ -482,7 +482,9 @@ def _batch(
         copied = _copy_companions(roots, output, set(reads), written_in)
         if copied:
             listed = ", ".join(str(path) for path in copied)
-            console.print(escape(f"copied {len(copied)} other files of the model folders into {output}: {listed}"))
+            files = "other file" if len(copied) == 1 else "other files"
+            copied_line = f"copied {len(copied)} {files} of the model folders into {output}: {listed}"
+            console.print(escape(one_line(copied_line)))
     report = head | {"models": rows, "totals": totals(rows)}
     if rows:
         render_batch(console, report)

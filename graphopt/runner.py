@@ -27,6 +27,7 @@ from graphopt.io.onnx_io import external_locations
 from graphopt.io.onnx_write import is_data_file_of
 from graphopt.io.wire import is_model_file
 from graphopt.ir import Model
+from graphopt.numerics.options import CheckOptions
 from graphopt.passes.pipeline import PassRun
 from graphopt.report import check_report_target, write_report
 from graphopt.version import __version__
@@ -50,14 +51,7 @@ class RunOptions:
     config: Path | None = None
     max_steps: int | None = None
     check: bool = True
-    # A model the check could not verify fails the run (exit 1, nothing written) like a failed check.
-    require_check: bool = False
-    # Bytes the check may use (None: the check's default, check/budget.py).
-    memory_budget: int | None = None
-    dims: dict[str, int] = field(default_factory=dict)
-    inputs: Path | None = None
-    atol: float | None = None
-    rtol: float | None = None
+    numerics: CheckOptions = field(default_factory=CheckOptions)
     keep_failed: bool = False
     blame: bool = False
     strict: bool = False
@@ -189,8 +183,8 @@ def optimize_file(
             if others:  # over the input's own labels: --in-place may not replace what another model reads
                 kind = "the input model" if file == others[0].resolve() else "the tensor data of"
                 reads[file] = f"{kind} {others[0]}"
-        if options.inputs is not None:
-            reads[options.inputs] = "--inputs"
+        if options.numerics.inputs is not None:
+            reads[options.numerics.inputs] = "--inputs"
         if options.config is not None:
             reads[options.config] = "--config"
         kept_name = onnx_data.name if options.external_data_name and onnx_data is not None else None
@@ -260,13 +254,9 @@ def _optimize_file(
                 outcome = check_models_isolated(
                     original,
                     optimized,
-                    dims=options.dims or None,
-                    inputs=options.inputs,
-                    atol=options.atol,
-                    rtol=options.rtol,
                     input_layouts=input_layouts(result.pipeline_run.runs),
                     on_phase=tell,
-                    memory_budget=options.memory_budget,
+                    **options.numerics.arguments(),
                 )
                 # onnxruntime names the files it loads: the user's names, not the staging folder's.
                 named = {optimized: output, staged: output, original: source, workdir: output.parent}
@@ -277,7 +267,7 @@ def _optimize_file(
                     if options.blame:
                         tell("blame: bisect the passes")
                         report["blame"] = blame(source, options, workdir)
-                elif outcome.status == "not checked" and options.require_check:
+                elif outcome.status == "not checked" and options.numerics.required:
                     exit_code = 1
             else:
                 report["numerics"] = {"status": "skipped", "reason": "--no-check"}
@@ -498,12 +488,6 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
     from graphopt.numerics.intermediates import first_divergence
     from graphopt.numerics.isolated import run_isolated
 
-    check_options: dict[str, Any] = {
-        "dims": options.dims or None,
-        "inputs": options.inputs,
-        "atol": options.atol,
-        "rtol": options.rtol,
-    }
     reference = as_onnx(source, workdir / "original")
     runs = _optimize_with(options.load(source, opaque_ops="quiet"), options)
     total = len(runs.pipeline_run.runs)
@@ -527,8 +511,7 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
                 reference,
                 model_after(middle),
                 input_layouts=relaid,
-                memory_budget=options.memory_budget,
-                **check_options,
+                **options.numerics.arguments(),
             ).status
             == "failed"
         ):
@@ -547,7 +530,11 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
         "executions": total,
     }
     divergence = run_isolated(
-        first_divergence, model_after(good), model_after(bad), workdir / "blame" / "marked", **check_options
+        first_divergence,
+        model_after(good),
+        model_after(bad),
+        workdir / "blame" / "marked",
+        **options.numerics.criterion(),
     )
     found["divergence"] = divergence if isinstance(divergence, dict) else {"node": None, "reason": divergence}
     return found

@@ -249,3 +249,22 @@ def test_blame_bisects_and_names_the_first_diverging_node(tmp_path: Path) -> Non
     assert divergence["rel_l2"] > 0.1 and divergence["max_abs"] >= divergence["p99_abs"] > 0
     assert "first diverging node: second (MatMul, output m)" in " ".join(result.stderr.split())
     jsonschema.validate(json.loads(result.stdout), schema("report"))
+
+
+def test_run_and_check_take_the_same_check_options_and_refuse_a_lone_atol_alike(tmp_path: Path) -> None:
+    from graphopt.cli import cli
+
+    def check_flags(command: str) -> dict[str, str | None]:
+        params = cli.commands[command].params  # type: ignore[attr-defined]
+        return {
+            p.name: p.help
+            for p in params
+            if p.name in {"dims", "inputs", "atol", "rtol", "require_check", "check_memory"}
+        }
+
+    assert check_flags("run") == check_flags("check") and len(check_flags("run")) == 6
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"")
+    for command in (["run", model, "--no-check"], ["check", model, model]):
+        result = invoke(*command, "--atol", "1e-5")
+        assert result.exit_code == 2 and "--atol and --rtol go together" in result.output

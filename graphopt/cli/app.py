@@ -219,6 +219,60 @@ def _setting_option(name: str, flag: str, annotation: Any, help_text: str) -> Ca
     return click.option(flag, name, type=annotation, default=None, help=help_text)
 
 
+def with_check_options(func: F) -> F:
+    """Add the numerics check's options (``run`` and ``check`` share them) and hand the
+    command one ``numerics`` value (graphopt.numerics.options.CheckOptions), checked once."""
+    from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET
+    from graphopt.numerics.options import CheckOptions
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        memory = kwargs.pop("check_memory")
+        try:
+            numerics = CheckOptions(
+                dims=parse_dims(kwargs.pop("dims")),
+                inputs=kwargs.pop("inputs"),
+                atol=kwargs.pop("atol"),
+                rtol=kwargs.pop("rtol"),
+                memory_budget=None if memory is None else int(memory * 1e9),
+                required=kwargs.pop("require_check"),
+            )
+        except InputError as err:  # outside the command's guard: the same one line, exit 2
+            fail(str(err), err.exit_code)
+        return func(*args, numerics=numerics, **kwargs)
+
+    options = [
+        click.option(
+            "--dim",
+            "dims",
+            multiple=True,
+            metavar="NAME=VALUE",
+            help="Fix a dynamic dim for the check, by name or as INPUT[AXIS] for an unnamed one (repeatable).",
+        ),
+        click.option(
+            "--inputs",
+            type=click.Path(path_type=Path, exists=True, dir_okay=False),
+            help="Check with these inputs (.npz by input name).",
+        ),
+        click.option("--atol", type=float, help="Element-wise check: absolute tolerance (with --rtol)."),
+        click.option("--rtol", type=float, help="Element-wise check: relative tolerance (with --atol)."),
+        click.option(
+            "--require-check",
+            is_flag=True,
+            help="Exit 1 (and, for run, write nothing) when the check could not verify a model ('not checked').",
+        ),
+        click.option(
+            "--check-memory",
+            type=click.FloatRange(min=0, min_open=True),
+            metavar="GB",
+            help=f"GB of memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it, 'not checked'.",
+        ),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper  # type: ignore[return-value]
+
+
 def parse_dims(values: Sequence[str]) -> dict[str, int]:
     dims: dict[str, int] = {}
     for item in values:

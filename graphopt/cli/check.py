@@ -8,45 +8,21 @@ from pathlib import Path
 
 import click
 
-from graphopt.cli.app import cli, exit_codes, fail, guarded, parse_dims, stderr, warning_line
-from graphopt.errors import InputError
-from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET
+from graphopt.cli.app import cli, exit_codes, fail, guarded, stderr, warning_line, with_check_options
+from graphopt.numerics.options import CheckOptions
 
 
 @cli.command(epilog=exit_codes("the outputs differ"))
 @click.argument("original", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.argument("optimized", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option(
-    "--dim",
-    "dims",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="Fix a dynamic dim, by name or as INPUT[AXIS] for an unnamed one (repeatable).",
-)
-@click.option(
-    "--inputs", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Inputs (.npz by input name)."
-)
-@click.option("--atol", type=float, help="Element-wise check: absolute tolerance (with --rtol).")
-@click.option("--rtol", type=float, help="Element-wise check: relative tolerance (with --atol).")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON on stdout.")
-@click.option("--require-check", is_flag=True, help="Exit 1 when the models could not be compared ('not checked').")
-@click.option(
-    "--check-memory",
-    type=click.FloatRange(min=0, min_open=True),
-    metavar="GB",
-    help=f"GB of memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it, 'not checked'.",
-)
+@with_check_options
 @guarded
 def check(
     original: Path,
     optimized: Path,
-    dims: tuple[str, ...],
-    inputs: Path | None,
-    atol: float | None,
-    rtol: float | None,
     as_json: bool,
-    require_check: bool,
-    check_memory: float | None,
+    numerics: CheckOptions,
 ) -> None:
     """Compare two models' outputs in onnxruntime on the same seeded inputs.
 
@@ -69,18 +45,12 @@ def check(
     from graphopt.report.console import render_numerics
     from graphopt.runner import as_onnx
 
-    if (atol is None) != (rtol is None):
-        raise InputError("--atol and --rtol go together (element-wise check)")
     with tempfile.TemporaryDirectory() as workdir:
         result = check_models_isolated(
             as_onnx(original, Path(workdir) / "original"),
             as_onnx(optimized, Path(workdir) / "optimized"),
-            dims=parse_dims(dims) or None,
-            inputs=inputs,
-            atol=atol,
-            rtol=rtol,
             refuse_other_inputs=True,
-            memory_budget=None if check_memory is None else int(check_memory * 1e9),
+            **numerics.arguments(),
         )
     outcome = result.as_dict()
     render_numerics(stderr(), outcome, per_output=True)
@@ -88,7 +58,7 @@ def check(
         sys.stdout.write(json.dumps(outcome, indent=2, allow_nan=False) + "\n")
     if result.status == "failed":
         fail(f"{optimized}: numerics failed: {result.reason}", 1)
-    if result.status == "not checked" and require_check:
+    if result.status == "not checked" and numerics.required:
         fail(f"{optimized}: numerics not checked (--require-check): {result.reason}", 1)
     if result.status == "not checked":
         warning_line(f"{optimized}: numerics not checked: {result.reason}")

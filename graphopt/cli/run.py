@@ -32,14 +32,14 @@ from graphopt.cli.app import (
     exit_codes,
     fail,
     guarded,
-    parse_dims,
     stderr,
     warning_line,
+    with_check_options,
     with_settings,
 )
 from graphopt.cli.progress import PhaseLog, captured_logs, echo_logs, model_line
 from graphopt.errors import GraphoptError, InputError, bounded, one_line
-from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET
+from graphopt.numerics.options import CheckOptions
 from graphopt.version import __version__
 
 
@@ -155,29 +155,7 @@ def _error_row(source: Path, error: str, exit_code: int) -> dict[str, Any]:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--check/--no-check", default=True, show_default=True, help="Compare outputs in onnxruntime.")
-@click.option(
-    "--require-check",
-    is_flag=True,
-    help="Exit 1 (and write nothing) for a model the check could not verify ('not checked'): a CI gate.",
-)
-@click.option(
-    "--check-memory",
-    type=click.FloatRange(min=0, min_open=True),
-    metavar="GB",
-    help=f"GB of memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it a model is 'not checked'.",
-)
-@click.option(
-    "--dim",
-    "dims",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="Fix a dynamic dim for the check, by name or as INPUT[AXIS] (repeatable).",
-)
-@click.option(
-    "--inputs", type=click.Path(path_type=Path, exists=True, dir_okay=False), help="Check with these inputs (.npz)."
-)
-@click.option("--atol", type=float, help="Element-wise check: absolute tolerance (with --rtol).")
-@click.option("--rtol", type=float, help="Element-wise check: relative tolerance (with --atol).")
+@with_check_options
 @click.option("--keep-failed", is_flag=True, help="Write the output even when the check fails.")
 @click.option("--blame", is_flag=True, help="On a failed check, find the first pass that broke numerics.")
 @click.option("--strict", is_flag=True, help="Exit 3 when a pass fails (default: roll it back and go on).")
@@ -213,12 +191,7 @@ def run(
     report_path: Path | None,
     as_json: bool,
     check: bool,
-    require_check: bool,
-    check_memory: float | None,
-    dims: tuple[str, ...],
-    inputs: Path | None,
-    atol: float | None,
-    rtol: float | None,
+    numerics: CheckOptions,
     keep_failed: bool,
     blame: bool,
     strict: bool,
@@ -247,13 +220,11 @@ def run(
     from graphopt.report import check_report_target
     from graphopt.runner import RunOptions
 
-    if (atol is None) != (rtol is None):
-        raise InputError("--atol and --rtol go together (element-wise check)")
     if in_place and output is not None:
         raise InputError("--in-place and -o exclude each other")
     if report_path == Path("-"):  # the report as a stream on stdout, as --json prints it
         report_path, as_json = None, True
-    if require_check and (not check or check_optimized):
+    if numerics.required and (not check or check_optimized):
         raise InputError(
             f"--require-check: {'--no-check' if not check else '--check-optimized'} runs no numerics check"
         )
@@ -264,12 +235,7 @@ def run(
         config=config,
         max_steps=max_steps,
         check=check,
-        require_check=require_check,
-        memory_budget=None if check_memory is None else int(check_memory * 1e9),
-        dims=parse_dims(dims),
-        inputs=inputs,
-        atol=atol,
-        rtol=rtol,
+        numerics=numerics,
         keep_failed=keep_failed,
         blame=blame,
         strict=strict,
@@ -365,7 +331,7 @@ def _single(console: Console, source: Path, options: Any, report_path: Path | No
     emit(report, None, as_json)  # the report file is committed with the model
     if options.strict and report["failures"]:
         fail(f"pass {report['failures'][0]['pass']!r} failed: {report['failures'][0]['error']}", 3)
-    _say_not_checked(str(source), report, options.require_check)
+    _say_not_checked(str(source), report, options.numerics.required)
     if code == 1 and report["numerics"]["status"] == "failed":
         fail(f"{source}: numerics failed: {report['numerics']['reason']}", 1)
     sys.exit(code)
@@ -493,7 +459,7 @@ def _batch(
         line = failure_line(row)
         if line is not None:
             error_line(line)
-        _say_not_checked(row["input"]["path"], row, options.require_check)
+        _say_not_checked(row["input"]["path"], row, options.numerics.required)
     if options.strict and any(row.get("failures") for row in rows):
         worst = max(worst, 3)
     sys.exit(worst)

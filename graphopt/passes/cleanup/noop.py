@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from graphopt.ir import Graph, Model
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.fuse.engine import RuleSet, RunStats, Site, sweep
-from graphopt.passes.fuse.rules import noop
 
 __all__ = ["NoopElimination"]
-
-_RULES = RuleSet(noop.RULES)
 
 
 @register
@@ -22,10 +18,14 @@ class NoopElimination(Pass, name="noop"):
     """Remove operations that return their input unchanged (Identity, Dropout, Cast to its own type, ...)"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
+        # Imported here: a pipeline that names only dce or cse does not load the fuse package.
+        from graphopt.passes.fuse.engine import RuleSet, RunStats, Site, sweep
+        from graphopt.passes.fuse.rules import noop
+
         stats = RunStats()
 
         def site_for(graph: Graph) -> Site:
             return Site(model, graph, model.opset_in(graph), ctx.settings.target, ctx)
 
-        sweep(model, _RULES, site_for, stats)
+        sweep(model, RuleSet(noop.RULES), site_for, stats)
         return PassResult(bool(stats.applied), {"removed": dict(sorted(stats.applied.items()))})

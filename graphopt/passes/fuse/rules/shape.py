@@ -37,10 +37,10 @@ _LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 
 
 def _perm(m: Match, name: str, rank: int | None) -> list[int] | None:
-    perm = m.node(name).attr("perm")
+    perm = Site.ints_attr(m.node(name), "perm")
     if perm is None:
         return None if rank is None else list(range(rank - 1, -1, -1))
-    return [int(p) for p in perm]
+    return perm
 
 
 def _composed(m: Match, site: Site) -> list[int] | None:

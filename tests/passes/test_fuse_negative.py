@@ -733,7 +733,7 @@ CASES: dict[str, Case] = {
     ),
     "ort-multihead-attention": Case(
         lambda: exported_encoder_attention(opset=20),
-        {"MultiHeadAttention": 1},
+        {"MultiHeadAttention": 1, "IsNaN": 1, "Where": 1},
         "transpose_3",
         Perturb(set_attr("transpose_3", perm=[0, 1, 2, 3]), None, note="merge Transpose perm=[0, 1, 2, 3]"),
         Perturb(set_shape("val_102", None), "not a 2-D to 4-D tensor", note="mask of unknown rank"),

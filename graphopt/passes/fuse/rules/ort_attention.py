@@ -12,7 +12,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import float_array
+from graphopt.passes.fuse.rules._helpers import float_array, new_const
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.fuse.rules.attention import (
     FAMILY,
@@ -162,6 +162,10 @@ def _build_mha(b: Builder, m: Match, found: _MhaPlan) -> Value:
     while inputs[-1] is None:
         inputs.pop()
     out = b.op("MultiHeadAttention", *inputs, domain=MS, num_heads=plan.heads, scale=plan.scale)
+    if "nan_guard" in m:
+        # The export zeroes the weights of a query whose keys are all masked (a left-padded
+        # row); MultiHeadAttention gives NaN there, which later layers spread along the row.
+        out = b.op("Where", b.op("IsNaN", out), new_const(b, np.array(0.0), query, "zero"), out)
     return b.op("Reshape", out, m.value("merge_shape")) if found.rows else out
 
 

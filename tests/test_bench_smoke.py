@@ -70,3 +70,25 @@ def test_opset_sweep_counts_a_refusal_and_a_conversion(tmp_path: Path) -> None:
     assert rows[17]["outcome"] == "refused" and "AveragePool" in rows[17]["why"]
     assert rows[22]["outcome"] == "converted"
     assert "refused by reason" in done.stdout
+
+
+def test_bench_skips_the_exports_with_a_message_when_they_are_not_built(tmp_path: Path, monkeypatch, capsys) -> None:
+    import argparse
+
+    from rich.console import Console
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench
+
+    monkeypatch.setattr(bench, "EXPORTS", tmp_path / "graphopt-exports")
+    args = argparse.Namespace(runs=1, warmup=0, markdown=None, no_markdown=True)
+
+    assert bench.bench_exports(args, Console(width=200)) == 0
+    assert f"skipping the real exports: no index.json in {tmp_path / 'graphopt-exports'}" in capsys.readouterr().out
+
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "export_fusions.py"), "--exports", str(tmp_path), "--no-markdown"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "build the exports first" in done.stdout

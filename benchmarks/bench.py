@@ -15,6 +15,11 @@ sequence 64). A tool that crashes or times out gets an "error" cell.
 The ratios are graphopt / best portable peer (onnxsim, onnxslim, onnxoptimizer, onnxscript,
 ort_basic; ort_extended writes onnxruntime-only ops, so it is shown but not compared):
 below 1 is better. Results go to --json-out and to the corpus section of BENCHMARKS.md.
+
+Then, unless --models or --no-exports is given, the real PyTorch exports of
+../shared/exports/build.py (~/.cache/graphopt-exports; skipped with a message when absent, since
+building them needs torch): exports.py --check (node counts against every peer, independent
+numerics) and export_fusions.py (fused ops per target, latency; the "Real exports" section).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import measure
 import report
+from exports import EXPORTS
 from tools import BUILDER, GRAPHOPT, PEERS, PORTABLE_PEERS, TOOLS, run_tool
 
 DEFAULT_CORPUS = Path.home() / ".cache" / "graphopt-corpus"
@@ -76,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "no --quick, --models or --tools)",
     )
     ap.add_argument("--no-markdown", action="store_true", help="write no markdown at all")
+    ap.add_argument(
+        "--no-exports", action="store_true", help="skip the real PyTorch exports (exports.py and export_fusions.py)"
+    )
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/graphopt-bench"), help="where outputs are written")
     ap.add_argument("--keep", action="store_true", help="keep the optimized models in --work-dir")
     args = ap.parse_args(argv)
@@ -387,7 +396,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown and not args.no_markdown:
         report.write_section("bench-corpus", markdown(result), args.markdown)
         console.print(f"updated: {args.markdown}")
+    if not (args.no_exports or args.models):
+        return bench_exports(args, console)
     return 0
+
+
+def bench_exports(args: argparse.Namespace, console: Console) -> int:
+    """The real PyTorch exports: node counts against every peer (exports.py, with the independent numerics
+    check), then fused ops, targets and latency (export_fusions.py, which owns their BENCHMARKS.md section)."""
+    if not (EXPORTS / "index.json").is_file():
+        console.print(
+            f"skipping the real exports: no index.json in {EXPORTS} "
+            "(they need torch to build: see ../shared/exports/build.py)"
+        )
+        return 0
+    here = Path(__file__).resolve().parent
+    counts = subprocess.run([sys.executable, str(here / "exports.py"), "--check"], check=False)
+    fusions_args = ["--runs", str(args.runs), "--warmup", str(args.warmup)]
+    if not args.markdown or args.no_markdown:
+        fusions_args.append("--no-markdown")
+    fusions = subprocess.run([sys.executable, str(here / "export_fusions.py"), *fusions_args], check=False)
+    return max(counts.returncode, fusions.returncode)
 
 
 if __name__ == "__main__":

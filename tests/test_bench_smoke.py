@@ -70,3 +70,69 @@ def test_opset_sweep_counts_a_refusal_and_a_conversion(tmp_path: Path) -> None:
     assert rows[17]["outcome"] == "refused" and "AveragePool" in rows[17]["why"]
     assert rows[22]["outcome"] == "converted"
     assert "refused by reason" in done.stdout
+
+
+def test_bench_skips_the_exports_with_a_message_when_they_are_not_built(tmp_path: Path, monkeypatch, capsys) -> None:
+    import argparse
+
+    from rich.console import Console
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench
+
+    monkeypatch.setattr(bench, "EXPORTS", tmp_path / "graphopt-exports")
+    args = argparse.Namespace(runs=1, warmup=0, markdown=None, no_markdown=True)
+
+    assert bench.bench_exports(args, Console(width=200)) == 0
+    assert f"skipping the real exports: no index.json in {tmp_path / 'graphopt-exports'}" in capsys.readouterr().out
+
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "export_fusions.py"), "--exports", str(tmp_path), "--no-markdown"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "build the exports first" in done.stdout
+
+
+def test_export_fusions_renders_a_saved_run_and_names_what_misses_the_acceptance(tmp_path: Path) -> None:
+    ratio = {"median_s": 0.002, "min_s": 0.002, "paired": 1.0, "paired_low": 1.0, "paired_high": 1.0}
+    slower = {"median_s": 0.002, "min_s": 0.002, "paired": 1.1, "paired_low": 1.08, "paired_high": 1.12}
+    row = {
+        "model": "llama_ts",
+        "name": "llama",
+        "original": 1100,
+        "graphopt_check": {"default": "passed", "opset23": "passed", "ort": "failed: new NaN"},
+        "independent_check": {"default": "passed", "opset23": "passed", "ort": "passed"},
+        "nodes": {"default": 287, "opset23": 132, "ort": 255},
+        "ops": {
+            "opset23": {"Attention": 4, "RMSNormalization": 9, "RotaryEmbedding": 6},
+            "ort": {"MultiHeadAttention": 4},
+        },
+        "best_peer": "onnxslim",
+        "best_peer_nodes": 391,
+        "load_before": 0.5,
+        "load_after": 0.7,
+        "latency_all": {"original": ratio, "default": ratio, "ort": slower, "ort_extended": ratio},
+        "latency_disable": {"peer": ratio, "default": ratio},
+    }
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"context": _context(), "runs": 3, "warmup": 1, "models": [row]}))
+
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "export_fusions.py"), "--render", str(saved), "--no-markdown"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+
+    assert "| llama_ts | 1100 | 287 | onnxslim 391 | -104 | passed | passed |" in done.stdout
+    assert "| llama_ts | 4 | 132 | 4/4 | 9/9 | 0 | 0 | 6/8 | passed | passed |" in done.stdout
+    (gaps,) = [line for line in done.stdout.splitlines() if line.startswith("- llama_ts: ")]
+    assert "graphopt check at ort: failed: new NaN" in gaps
+    assert "opset 23: RotaryEmbedding 6/8" in gaps
+    assert "ort slower than the original" in gaps and "default slower" not in gaps
+
+
+def _context() -> dict[str, object]:
+    machine = {"cores": 2, "cpu": "cpu", "memory_gb": 1, "system": "Linux", "python": "3.11"}
+    return {"date": "2026-11-26", "machine": machine, "versions": {"graphopt": "0.1.0"}}

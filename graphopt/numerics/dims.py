@@ -31,7 +31,7 @@ import onnx
 from graphopt.ir.node import STANDARD_DOMAINS
 from graphopt.numerics.paths import inline_array
 
-__all__ = ["GraphFacts", "Role", "graph_facts"]
+__all__ = ["GraphFacts", "Role", "graph_facts", "held_tensor"]
 
 # Roles, most constraining first: an input read in two ways takes the first role of the two.
 _ROLE_ORDER = ("index", "ids", "split", "reshape", "axes", "zero", "one", "count", "end", "position", "mask")
@@ -59,6 +59,9 @@ _OPERAND_ROLES: dict[tuple[str, int], str] = {
     ("Pad", 1): "zero",
     ("CumSum", 1): "zero",
     ("CumProd", 1): "zero",
+    ("SequenceInsert", 2): "zero",  # a position in the sequence: 0 is one in any sequence
+    ("SequenceAt", 1): "zero",
+    ("SequenceErase", 1): "zero",
     ("DFT", 2): "one",  # the axis: 1, the first after the batch
     ("Slice", 2): "end",
     ("Slice", 3): "axes",
@@ -504,13 +507,25 @@ def unnamed_key(input_name: str, axis: int) -> str:
     return f"{input_name}[{axis}]"
 
 
-def _place_kind(value: onnx.ValueInfoProto, axis: int, rank: int, conv: bool, role: Role | None) -> str:
+def held_tensor(type_proto: onnx.TypeProto) -> tuple[tuple[str, ...], onnx.TypeProto]:
+    """The containers around a value's tensor, outermost first ("seq", "optional"), and the type
+    inside them: the tensor's, or a map or sparse tensor."""
+    containers: list[str] = []
+    while (kind := type_proto.WhichOneof("value")) in ("sequence_type", "optional_type"):
+        containers.append("seq" if kind == "sequence_type" else "optional")
+        type_proto = (
+            type_proto.sequence_type.elem_type if kind == "sequence_type" else type_proto.optional_type.elem_type
+        )
+    return tuple(containers), type_proto
+
+
+def _place_kind(elem_type: int, axis: int, rank: int, conv: bool, role: Role | None) -> str:
     """The kind a dim's place implies when its name says nothing."""
     if axis == 0 and rank > 1:
         return "batch"
     if conv:
         return "spatial"
-    integer = value.type.tensor_type.elem_type in _INTEGER_TYPES
+    integer = elem_type in _INTEGER_TYPES
     if axis == rank - 1 and rank == 2 and (integer or (role is not None and role.kind == "mask")):
         return "seq"
     return "other"
@@ -525,9 +540,10 @@ def graph_facts(graph: onnx.GraphProto, metadata: Mapping[str, str] | None = Non
     consumers = _consumers(graph)
     kinds: dict[str, str] = {}
     for value in inputs:
-        if value.type.WhichOneof("value") != "tensor_type" or not value.type.tensor_type.HasField("shape"):
+        _, held = held_tensor(value.type)  # a sequence's or optional's tensors bind dims as a tensor does
+        if held.WhichOneof("value") != "tensor_type" or not held.tensor_type.HasField("shape"):
             continue
-        shape = value.type.tensor_type.shape.dim
+        shape = held.tensor_type.shape.dim
         conv = _to_conv(value.name, consumers)
         channels_last = len(shape) == 4 and shape[3].HasField("dim_value") and not shape[1].HasField("dim_value")
         for axis, dim in enumerate(shape):
@@ -538,7 +554,7 @@ def graph_facts(graph: onnx.GraphProto, metadata: Mapping[str, str] | None = Non
             if key in kinds:
                 continue
             spatial_axis = conv and axis > 0 and not (channels_last and axis == 3)
-            place = _place_kind(value, axis, len(shape), spatial_axis, roles.get(value.name))
+            place = _place_kind(held.tensor_type.elem_type, axis, len(shape), spatial_axis, roles.get(value.name))
             hinted = _name_kind(dim.dim_param) if named else None
             kinds[key] = hinted or place
     same = _same_dims(graph, {value.name: _axis_keys(value) for value in inputs})

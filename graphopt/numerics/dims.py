@@ -15,14 +15,21 @@ and the data reaches where a wrong rewrite would show:
   positions (from a Range, a slice of a stored position buffer, or a position-id input), or
   the limit the model's metadata names (max_position_embeddings, n_positions, ...).
 - Each input has a role: ids (a Gather on a stored table reads them: spread over the table),
-  indices into another input (bounded by its static dim), mask, position ids, or an operand
-  that sets a shape, count or axis (Tile repeats, Reshape shape, Expand shape, TopK k, Range
-  limits, Resize sizes, Slice starts, ...), which takes small valid values: the largest
-  value in such an input multiplies what the model allocates.
+  indices into another input (bounded by its static dim: a Gather's, a MaxUnpool's into its
+  output, a TensorScatter's write position, which leaves room for the update), lengths of
+  another input's sequence (an RNN's sequence_lens, an Attention's nonpad_kv_seqlen), mask,
+  position ids, or an operand that sets a shape, count or axis (Tile repeats, Reshape shape,
+  Expand shape, TopK k, Range limits, Slice starts, ...), which takes small valid values: the
+  largest value in such an input multiplies what the model allocates. Sizes that other
+  inputs constrain are solved from those inputs' static dims: split sizes add up to the
+  axis, a Resize keeps the batch and channels, an AffineGrid's N is theta's, a MaxUnpool's
+  output shape is the one its attributes give, a Col2Im's image_shape has as many blocks
+  as its input holds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -34,7 +41,21 @@ from graphopt.numerics.paths import inline_array
 __all__ = ["GraphFacts", "Role", "graph_facts", "held_tensor"]
 
 # Roles, most constraining first: an input read in two ways takes the first role of the two.
-_ROLE_ORDER = ("index", "ids", "split", "reshape", "axes", "zero", "one", "count", "end", "position", "mask")
+_ROLE_ORDER = (
+    "index",
+    "ids",
+    "length",
+    "split",
+    "sizes",
+    "reshape",
+    "axes",
+    "zero",
+    "one",
+    "count",
+    "end",
+    "position",
+    "mask",
+)
 
 # (op, input index) -> the role of an operand that sets a shape, count, axis or index.
 _OPERAND_ROLES: dict[tuple[str, int], str] = {
@@ -47,6 +68,7 @@ _OPERAND_ROLES: dict[tuple[str, int], str] = {
     ("Loop", 0): "count",
     ("STFT", 1): "count",  # frame_step: 0 divides by zero in onnxruntime (SIGFPE)
     ("STFT", 3): "count",
+    ("Col2Im", 2): "one",  # block_shape: blocks of one element, image_shape then follows the input
     ("TopK", 1): "one",
     ("Expand", 1): "one",
     ("Slice", 4): "one",
@@ -79,14 +101,20 @@ _INDEXING: dict[tuple[str, int], tuple[int, int | str]] = {
     ("ScatterElements", 1): (0, "axis"),
     ("Scatter", 1): (0, "axis"),
     ("ScatterND", 1): (0, "axis"),
-    ("ReverseSequence", 1): (0, "time_axis"),
     ("NegativeLogLikelihoodLoss", 1): (0, 1),  # class labels
     ("SoftmaxCrossEntropyLoss", 1): (0, 1),
     ("ArrayFeatureExtractor", 1): (0, -1),
-    ("LSTM", 4): (0, 0),  # sequence lengths, at most the sequence
+}
+# (op, lengths input) -> the input whose sequence they measure and its axis, as in _INDEXING.
+_LENGTHS: dict[tuple[str, int], tuple[int, int | str]] = {
+    ("ReverseSequence", 1): (0, "time_axis"),
+    ("LSTM", 4): (0, 0),
     ("GRU", 4): (0, 0),
     ("RNN", 4): (0, 0),
+    ("Attention", 6): (1, -2),  # nonpad_kv_seqlen: the keys, [batch, (heads,) kv_sequence, size]
 }
+# The values a size operand takes on the axes no other input fixes: small, distinct, non-square.
+_FREE_SIZES = (3, 4, 5, 6)
 # Ops that hand an input on with its values (ids, positions, shapes) unchanged, by the inputs that do.
 _PASSTHROUGH: dict[str, tuple[int, ...]] = {
     "Cast": (0,),
@@ -129,7 +157,8 @@ _SPATIAL_NAMES = frozenset({"h", "w", "height", "width", "img_h", "img_w", "imag
 @dataclass(frozen=True)
 class Role:
     kind: str  # one of _ROLE_ORDER
-    bound: int | None = None  # ids and index: values lie in [0, bound)
+    bound: int | None = None  # ids and index: values lie in [0, bound); length: in [1, bound]; split: their sum
+    values: tuple[int, ...] = ()  # sizes: exactly these
 
 
 @dataclass(frozen=True)
@@ -195,8 +224,8 @@ def _role(
     if not _standard(node) and node.domain != "ai.onnx.ml":
         return None
     op = node.op_type
-    if (op, index) in _INDEXING:
-        data_index, where = _INDEXING[op, index]
+    if (op, index) in _INDEXING or (op, index) in _LENGTHS:
+        data_index, where = _INDEXING.get((op, index)) or _LENGTHS[op, index]
         data = node.input[data_index]
         attribute = _attribute(node, where) if isinstance(where, str) else None
         axis = where if isinstance(where, int) else attribute.i if attribute is not None else 0
@@ -207,15 +236,77 @@ def _role(
         if op in ("GatherND", "ScatterND"):
             known = [d for d in data_dims if d]
             return Role("index", min(known) if known else 1)
-        return Role("index", _axis_size(data_dims, axis) or 1)
+        return Role("length" if (op, index) in _LENGTHS else "index", _axis_size(data_dims, axis) or 1)
     if op.startswith("Reduce") and index == 1:  # every Reduce* takes its axes there
         return Role("axes")
     if op in ("Split", "SplitToSequence") and index == 1:  # sizes that add up to the axis
         attribute = _attribute(node, "axis")
         size = _axis_size(static.get(node.input[0]) or [], attribute.i if attribute is not None else 0)
-        return Role("split", size) if size else None
+        return Role("split", size) if size is not None else None
+    solved = _solved(node, index, static)
+    if solved is not None:
+        return solved
     kind = _OPERAND_ROLES.get((op, index))
     return Role(kind) if kind is not None else None
+
+
+def _solved(node: onnx.NodeProto, index: int, static: dict[str, list[int | None]]) -> Role | None:
+    """The role of an operand whose valid values the op's other inputs decide, when their
+    static dims are known (None otherwise: the table's role applies)."""
+    op = node.op_type
+    first = static.get(node.input[0]) or [] if node.input else []
+    shape = [d for d in first if d is not None] if first and None not in first else None
+    if op == "Resize" and index == 3 and shape:  # sizes: the batch and channels kept, the image resized
+        listed = _attribute(node, "axes")
+        axes = [a % len(shape) for a in listed.ints] if listed is not None else range(len(shape))
+        return Role("sizes", values=tuple(shape[a] if a < len(shape) - 2 else shape[a] + 1 for a in axes))
+    if op == "AffineGrid" and index == 1 and first and first[0] is not None:  # size: N, C, then the grid
+        rank = (static.get(node.input[1]) or [4])[0] or 4
+        return Role("sizes", values=(first[0], 1, *_FREE_SIZES[: rank - 2]))
+    if op == "MaxUnpool" and index in (1, 2) and shape:
+        out = _unpooled(node, shape)
+        if index == 1:  # indices into each image of the output
+            return Role("index", math.prod(out[2:]))
+        return Role("sizes", values=tuple(out))
+    if op == "TensorScatter" and index == 2 and len(node.input) > 1:  # a write that leaves room for the update
+        attribute = _attribute(node, "axis")
+        axis = attribute.i if attribute is not None else -2
+        cache, update = _axis_size(first, axis), _axis_size(static.get(node.input[1]) or [], axis)
+        return Role("index", cache - update + 1) if cache is not None and update is not None else None
+    if op == "Col2Im" and index == 1 and shape and len(shape) == 3:
+        image = _col2im_image(node, shape[2], (static.get(node.input[1]) or [0])[0] or 0)
+        return Role("sizes", values=image) if image else None
+    return None
+
+
+def _ints(node: onnx.NodeProto, name: str, default: list[int]) -> list[int]:
+    attribute = _attribute(node, name)
+    return list(attribute.ints) if attribute is not None and attribute.ints else default
+
+
+def _unpooled(node: onnx.NodeProto, shape: list[int]) -> list[int]:
+    """The output shape of a MaxUnpool over ``shape`` as its attributes give it."""
+    spatial = len(shape) - 2
+    kernel = _ints(node, "kernel_shape", [1] * spatial)
+    strides = _ints(node, "strides", [1] * spatial)
+    pads = _ints(node, "pads", [0] * 2 * spatial)
+    return shape[:2] + [
+        (size - 1) * strides[i] + kernel[i] - pads[i] - pads[i + spatial] for i, size in enumerate(shape[2:])
+    ]
+
+
+def _col2im_image(node: onnx.NodeProto, blocks: int, rank: int) -> tuple[int, ...] | None:
+    """An image_shape whose blocks of one element (block_shape is all ones) number ``blocks``:
+    one block along every axis but the first (as the pads allow), the rest along the first."""
+    if rank < 1:
+        return None
+    strides = _ints(node, "strides", [1] * rank)
+    pads = _ints(node, "pads", [0] * 2 * rank)
+    padding = [pads[i] + pads[i + rank] for i in range(rank)]
+    along = [padding[i] // strides[i] + 1 for i in range(1, rank)]  # blocks of an image one element wide
+    first, left = divmod(blocks, math.prod(along))
+    height = (first - 1) * strides[0] + 1 - padding[0]
+    return (height, *([1] * (rank - 1))) if left == 0 and first >= 1 and height >= 1 else None
 
 
 def _axis_size(dims: list[int | None], axis: int) -> int | None:
@@ -251,7 +342,7 @@ def _input_roles(graph: onnx.GraphProto, inputs: list[onnx.ValueInfoProto]) -> d
         if not found:
             continue
         best = min(found, key=lambda r: (_ROLE_ORDER.index(r.kind), r.bound or 0))
-        if best.kind in ("ids", "index"):
+        if best.kind in ("ids", "index", "length"):
             best = Role(best.kind, min(r.bound or 1 for r in found if r.kind == best.kind))
         roles[value.name] = best
     return roles

@@ -328,7 +328,7 @@ def _regimes(spec: ModelSpec, binding: Binding, seq: int, long: bool) -> list[st
         names.append("positions after the cache" if spec.facts.cache else "positions from 0")
     if any(s.dtype is not None and _floating(s.dtype) and s.role is None for s in spec.inputs):
         names.append("floats at unit scale" if binding.scale == 1.0 else f"floats at scale {binding.scale:g}")
-    if roles & {"index", "split", "reshape", "axes", "zero", "one", "count", "end"}:
+    if roles & {"index", "length", "split", "sizes", "reshape", "axes", "zero", "one", "count", "end"}:
         names.append("small shape, count and index operands")
     return names
 
@@ -403,8 +403,14 @@ def _operand_values(role: Role, shape: tuple[int, ...], binding: Binding, rng: n
         if role.bound:
             positions = np.minimum(positions, role.bound - 1)
         return np.broadcast_to(positions, shape).copy() if shape else positions[:1].reshape(())
+    if role.kind == "length":  # one full length, the others anywhere in [1, bound]
+        lengths = rng.integers(1, max(role.bound or 1, 1) + 1, size=size)
+        lengths[:1] = role.bound or 1
+        return lengths.reshape(shape)
+    if role.kind == "sizes":
+        return np.resize(np.asarray(role.values, np.int64), size).reshape(shape)
     if role.kind == "split":  # equal parts, the remainder in the last
-        total, parts = role.bound or size, max(size, 1)
+        total, parts = size if role.bound is None else role.bound, max(size, 1)
         sizes = np.full(parts, total // parts)
         sizes[-1] += total - sizes.sum()
         return sizes[:size].reshape(shape)

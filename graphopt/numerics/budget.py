@@ -78,9 +78,11 @@ class Footprint:
 
 
 def _nbytes(value: object) -> int:
-    """A feed's bytes: an array, or a scalar (a rank-0 string input is fed as a str)."""
+    """A feed's bytes: an array, a sequence's arrays, or a scalar (a rank-0 string input is fed as a str)."""
     import numpy as np
 
+    if isinstance(value, list):
+        return sum(_nbytes(item) for item in value)
     return int(np.asarray(value).nbytes)
 
 

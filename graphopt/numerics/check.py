@@ -48,6 +48,7 @@ from graphopt.errors import InputError, bounded
 from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET, footprint, gigabytes
 from graphopt.numerics.budget import confine as limit_memory  # the name ``confine`` is the option
 from graphopt.numerics.compare import Criterion, OutputComparison, compare_output
+from graphopt.numerics.feeds import Feed
 from graphopt.numerics.feeds import run as run_session
 from graphopt.numerics.inputs import (
     Binding,
@@ -64,7 +65,7 @@ __all__ = ["BindingResult", "CheckResult", "check_models", "json_ready"]
 
 Status = Literal["passed", "failed", "not checked"]
 # What a run gives for one output: an array, or for a sequence output a list of arrays.
-Output = np.ndarray | list[np.ndarray]
+Output = Feed
 
 
 @dataclass
@@ -115,7 +116,7 @@ class _Deadline:
     def expired(self) -> bool:
         return self.end is not None and time.monotonic() >= self.end
 
-    def run(self, session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[Output]:
+    def run(self, session: ort.InferenceSession, feeds: Mapping[str, Feed]) -> list[Output]:
         if self.expired():
             raise TimeoutError
         options = ort.RunOptions()
@@ -262,7 +263,7 @@ def check_models(
         raise InputError(f"{original} and {optimized} cannot be compared: their {mismatch}")
     if mismatch:
         return result("failed", mismatch)
-    feeds: Iterator[tuple[Binding, dict[str, np.ndarray]]]
+    feeds: Iterator[tuple[Binding, dict[str, Feed]]]
     if inputs is not None:
         arrays, npz_dims = load_npz(Path(inputs), spec_a.inputs)
         feeds, wanted = iter([(Binding(npz_dims, ["the given inputs"]), arrays)]), 1
@@ -289,7 +290,7 @@ def check_models(
         return result("not checked", f"onnxruntime cannot load the original model: {exc}")
     except MemoryError:
         return result("not checked", f"loading the original model {out_of_memory}")
-    ran: list[tuple[Binding, dict[str, np.ndarray], list[Output]]] = []
+    ran: list[tuple[Binding, dict[str, Feed], list[Output]]] = []
     skipped: list[str] = []
     # Outputs the graph shows to be random, and (the backstop, for ops the graph cannot show:
     # custom ops, model-local functions) those on which two runs disagree.
@@ -433,7 +434,7 @@ def _compare(
 
 def _generated(
     spec: ModelSpec, fixed: Mapping[str, int], seed: int, bindings: int
-) -> Iterator[tuple[Binding, dict[str, np.ndarray]]]:
+) -> Iterator[tuple[Binding, dict[str, Feed]]]:
     """Candidate bindings with their data: the requested number, then the fallbacks (at least three)."""
     for k in range(max(bindings, 1) + max(3, candidate_count() - bindings)):
         binding = bind_dims(spec, k, fixed)
@@ -460,10 +461,13 @@ def _check_layouts(spec: ModelSpec, layouts: Mapping[str, Sequence[int]]) -> dic
     return checked
 
 
-def _relaid(feed: Mapping[str, np.ndarray], layouts: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """``feed`` with each input of ``layouts`` transposed into its layout."""
+def _relaid(feed: Mapping[str, Feed], layouts: Mapping[str, tuple[int, ...]]) -> dict[str, Feed]:
+    """``feed`` with each input of ``layouts`` (tensors: the unwind pass re-lays out no sequence)
+    transposed into its layout."""
     return {
-        name: np.ascontiguousarray(array.transpose(layouts[name])) if name in layouts else array
+        name: np.ascontiguousarray(array.transpose(layouts[name]))
+        if name in layouts and isinstance(array, np.ndarray)
+        else array
         for name, array in feed.items()
     }
 

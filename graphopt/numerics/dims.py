@@ -15,14 +15,21 @@ and the data reaches where a wrong rewrite would show:
   positions (from a Range, a slice of a stored position buffer, or a position-id input), or
   the limit the model's metadata names (max_position_embeddings, n_positions, ...).
 - Each input has a role: ids (a Gather on a stored table reads them: spread over the table),
-  indices into another input (bounded by its static dim), mask, position ids, or an operand
-  that sets a shape, count or axis (Tile repeats, Reshape shape, Expand shape, TopK k, Range
-  limits, Resize sizes, Slice starts, ...), which takes small valid values: the largest
-  value in such an input multiplies what the model allocates.
+  indices into another input (bounded by its static dim: a Gather's, a MaxUnpool's into its
+  output, a TensorScatter's write position, which leaves room for the update), lengths of
+  another input's sequence (an RNN's sequence_lens, an Attention's nonpad_kv_seqlen), mask,
+  position ids, or an operand that sets a shape, count or axis (Tile repeats, Reshape shape,
+  Expand shape, TopK k, Range limits, Slice starts, ...), which takes small valid values: the
+  largest value in such an input multiplies what the model allocates. Sizes that other
+  inputs constrain are solved from those inputs' static dims: split sizes add up to the
+  axis, a Resize keeps the batch and channels, an AffineGrid's N is theta's, a MaxUnpool's
+  output shape is the one its attributes give, a Col2Im's image_shape has as many blocks
+  as its input holds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -31,10 +38,24 @@ import onnx
 from graphopt.ir.node import STANDARD_DOMAINS
 from graphopt.numerics.paths import inline_array
 
-__all__ = ["GraphFacts", "Role", "graph_facts"]
+__all__ = ["GraphFacts", "Role", "graph_facts", "held_tensor"]
 
 # Roles, most constraining first: an input read in two ways takes the first role of the two.
-_ROLE_ORDER = ("index", "ids", "split", "reshape", "axes", "zero", "one", "count", "end", "position", "mask")
+_ROLE_ORDER = (
+    "index",
+    "ids",
+    "length",
+    "split",
+    "sizes",
+    "reshape",
+    "axes",
+    "zero",
+    "one",
+    "count",
+    "end",
+    "position",
+    "mask",
+)
 
 # (op, input index) -> the role of an operand that sets a shape, count, axis or index.
 _OPERAND_ROLES: dict[tuple[str, int], str] = {
@@ -47,6 +68,7 @@ _OPERAND_ROLES: dict[tuple[str, int], str] = {
     ("Loop", 0): "count",
     ("STFT", 1): "count",  # frame_step: 0 divides by zero in onnxruntime (SIGFPE)
     ("STFT", 3): "count",
+    ("Col2Im", 2): "one",  # block_shape: blocks of one element, image_shape then follows the input
     ("TopK", 1): "one",
     ("Expand", 1): "one",
     ("Slice", 4): "one",
@@ -59,6 +81,9 @@ _OPERAND_ROLES: dict[tuple[str, int], str] = {
     ("Pad", 1): "zero",
     ("CumSum", 1): "zero",
     ("CumProd", 1): "zero",
+    ("SequenceInsert", 2): "zero",  # a position in the sequence: 0 is one in any sequence
+    ("SequenceAt", 1): "zero",
+    ("SequenceErase", 1): "zero",
     ("DFT", 2): "one",  # the axis: 1, the first after the batch
     ("Slice", 2): "end",
     ("Slice", 3): "axes",
@@ -76,14 +101,20 @@ _INDEXING: dict[tuple[str, int], tuple[int, int | str]] = {
     ("ScatterElements", 1): (0, "axis"),
     ("Scatter", 1): (0, "axis"),
     ("ScatterND", 1): (0, "axis"),
-    ("ReverseSequence", 1): (0, "time_axis"),
     ("NegativeLogLikelihoodLoss", 1): (0, 1),  # class labels
     ("SoftmaxCrossEntropyLoss", 1): (0, 1),
     ("ArrayFeatureExtractor", 1): (0, -1),
-    ("LSTM", 4): (0, 0),  # sequence lengths, at most the sequence
+}
+# (op, lengths input) -> the input whose sequence they measure and its axis, as in _INDEXING.
+_LENGTHS: dict[tuple[str, int], tuple[int, int | str]] = {
+    ("ReverseSequence", 1): (0, "time_axis"),
+    ("LSTM", 4): (0, 0),
     ("GRU", 4): (0, 0),
     ("RNN", 4): (0, 0),
+    ("Attention", 6): (1, -2),  # nonpad_kv_seqlen: the keys, [batch, (heads,) kv_sequence, size]
 }
+# The values a size operand takes on the axes no other input fixes: small, distinct, non-square.
+_FREE_SIZES = (3, 4, 5, 6)
 # Ops that hand an input on with its values (ids, positions, shapes) unchanged, by the inputs that do.
 _PASSTHROUGH: dict[str, tuple[int, ...]] = {
     "Cast": (0,),
@@ -126,7 +157,8 @@ _SPATIAL_NAMES = frozenset({"h", "w", "height", "width", "img_h", "img_w", "imag
 @dataclass(frozen=True)
 class Role:
     kind: str  # one of _ROLE_ORDER
-    bound: int | None = None  # ids and index: values lie in [0, bound)
+    bound: int | None = None  # ids and index: values lie in [0, bound); length: in [1, bound]; split: their sum
+    values: tuple[int, ...] = ()  # sizes: exactly these
 
 
 @dataclass(frozen=True)
@@ -192,8 +224,8 @@ def _role(
     if not _standard(node) and node.domain != "ai.onnx.ml":
         return None
     op = node.op_type
-    if (op, index) in _INDEXING:
-        data_index, where = _INDEXING[op, index]
+    if (op, index) in _INDEXING or (op, index) in _LENGTHS:
+        data_index, where = _INDEXING.get((op, index)) or _LENGTHS[op, index]
         data = node.input[data_index]
         attribute = _attribute(node, where) if isinstance(where, str) else None
         axis = where if isinstance(where, int) else attribute.i if attribute is not None else 0
@@ -204,15 +236,77 @@ def _role(
         if op in ("GatherND", "ScatterND"):
             known = [d for d in data_dims if d]
             return Role("index", min(known) if known else 1)
-        return Role("index", _axis_size(data_dims, axis) or 1)
+        return Role("length" if (op, index) in _LENGTHS else "index", _axis_size(data_dims, axis) or 1)
     if op.startswith("Reduce") and index == 1:  # every Reduce* takes its axes there
         return Role("axes")
     if op in ("Split", "SplitToSequence") and index == 1:  # sizes that add up to the axis
         attribute = _attribute(node, "axis")
         size = _axis_size(static.get(node.input[0]) or [], attribute.i if attribute is not None else 0)
-        return Role("split", size) if size else None
+        return Role("split", size) if size is not None else None
+    solved = _solved(node, index, static)
+    if solved is not None:
+        return solved
     kind = _OPERAND_ROLES.get((op, index))
     return Role(kind) if kind is not None else None
+
+
+def _solved(node: onnx.NodeProto, index: int, static: dict[str, list[int | None]]) -> Role | None:
+    """The role of an operand whose valid values the op's other inputs decide, when their
+    static dims are known (None otherwise: the table's role applies)."""
+    op = node.op_type
+    first = static.get(node.input[0]) or [] if node.input else []
+    shape = [d for d in first if d is not None] if first and None not in first else None
+    if op == "Resize" and index == 3 and shape:  # sizes: the batch and channels kept, the image resized
+        listed = _attribute(node, "axes")
+        axes = [a % len(shape) for a in listed.ints] if listed is not None else range(len(shape))
+        return Role("sizes", values=tuple(shape[a] if a < len(shape) - 2 else shape[a] + 1 for a in axes))
+    if op == "AffineGrid" and index == 1 and first and first[0] is not None:  # size: N, C, then the grid
+        rank = (static.get(node.input[1]) or [4])[0] or 4
+        return Role("sizes", values=(first[0], 1, *_FREE_SIZES[: rank - 2]))
+    if op == "MaxUnpool" and index in (1, 2) and shape:
+        out = _unpooled(node, shape)
+        if index == 1:  # indices into each image of the output
+            return Role("index", math.prod(out[2:]))
+        return Role("sizes", values=tuple(out))
+    if op == "TensorScatter" and index == 2 and len(node.input) > 1:  # a write that leaves room for the update
+        attribute = _attribute(node, "axis")
+        axis = attribute.i if attribute is not None else -2
+        cache, update = _axis_size(first, axis), _axis_size(static.get(node.input[1]) or [], axis)
+        return Role("index", cache - update + 1) if cache is not None and update is not None else None
+    if op == "Col2Im" and index == 1 and shape and len(shape) == 3:
+        image = _col2im_image(node, shape[2], (static.get(node.input[1]) or [0])[0] or 0)
+        return Role("sizes", values=image) if image else None
+    return None
+
+
+def _ints(node: onnx.NodeProto, name: str, default: list[int]) -> list[int]:
+    attribute = _attribute(node, name)
+    return list(attribute.ints) if attribute is not None and attribute.ints else default
+
+
+def _unpooled(node: onnx.NodeProto, shape: list[int]) -> list[int]:
+    """The output shape of a MaxUnpool over ``shape`` as its attributes give it."""
+    spatial = len(shape) - 2
+    kernel = _ints(node, "kernel_shape", [1] * spatial)
+    strides = _ints(node, "strides", [1] * spatial)
+    pads = _ints(node, "pads", [0] * 2 * spatial)
+    return shape[:2] + [
+        (size - 1) * strides[i] + kernel[i] - pads[i] - pads[i + spatial] for i, size in enumerate(shape[2:])
+    ]
+
+
+def _col2im_image(node: onnx.NodeProto, blocks: int, rank: int) -> tuple[int, ...] | None:
+    """An image_shape whose blocks of one element (block_shape is all ones) number ``blocks``:
+    one block along every axis but the first (as the pads allow), the rest along the first."""
+    if rank < 1:
+        return None
+    strides = _ints(node, "strides", [1] * rank)
+    pads = _ints(node, "pads", [0] * 2 * rank)
+    padding = [pads[i] + pads[i + rank] for i in range(rank)]
+    along = [padding[i] // strides[i] + 1 for i in range(1, rank)]  # blocks of an image one element wide
+    first, left = divmod(blocks, math.prod(along))
+    height = (first - 1) * strides[0] + 1 - padding[0]
+    return (height, *([1] * (rank - 1))) if left == 0 and first >= 1 and height >= 1 else None
 
 
 def _axis_size(dims: list[int | None], axis: int) -> int | None:
@@ -248,7 +342,7 @@ def _input_roles(graph: onnx.GraphProto, inputs: list[onnx.ValueInfoProto]) -> d
         if not found:
             continue
         best = min(found, key=lambda r: (_ROLE_ORDER.index(r.kind), r.bound or 0))
-        if best.kind in ("ids", "index"):
+        if best.kind in ("ids", "index", "length"):
             best = Role(best.kind, min(r.bound or 1 for r in found if r.kind == best.kind))
         roles[value.name] = best
     return roles
@@ -504,13 +598,25 @@ def unnamed_key(input_name: str, axis: int) -> str:
     return f"{input_name}[{axis}]"
 
 
-def _place_kind(value: onnx.ValueInfoProto, axis: int, rank: int, conv: bool, role: Role | None) -> str:
+def held_tensor(type_proto: onnx.TypeProto) -> tuple[tuple[str, ...], onnx.TypeProto]:
+    """The containers around a value's tensor, outermost first ("seq", "optional"), and the type
+    inside them: the tensor's, or a map or sparse tensor."""
+    containers: list[str] = []
+    while (kind := type_proto.WhichOneof("value")) in ("sequence_type", "optional_type"):
+        containers.append("seq" if kind == "sequence_type" else "optional")
+        type_proto = (
+            type_proto.sequence_type.elem_type if kind == "sequence_type" else type_proto.optional_type.elem_type
+        )
+    return tuple(containers), type_proto
+
+
+def _place_kind(elem_type: int, axis: int, rank: int, conv: bool, role: Role | None) -> str:
     """The kind a dim's place implies when its name says nothing."""
     if axis == 0 and rank > 1:
         return "batch"
     if conv:
         return "spatial"
-    integer = value.type.tensor_type.elem_type in _INTEGER_TYPES
+    integer = elem_type in _INTEGER_TYPES
     if axis == rank - 1 and rank == 2 and (integer or (role is not None and role.kind == "mask")):
         return "seq"
     return "other"
@@ -525,9 +631,10 @@ def graph_facts(graph: onnx.GraphProto, metadata: Mapping[str, str] | None = Non
     consumers = _consumers(graph)
     kinds: dict[str, str] = {}
     for value in inputs:
-        if value.type.WhichOneof("value") != "tensor_type" or not value.type.tensor_type.HasField("shape"):
+        _, held = held_tensor(value.type)  # a sequence's or optional's tensors bind dims as a tensor does
+        if held.WhichOneof("value") != "tensor_type" or not held.tensor_type.HasField("shape"):
             continue
-        shape = value.type.tensor_type.shape.dim
+        shape = held.tensor_type.shape.dim
         conv = _to_conv(value.name, consumers)
         channels_last = len(shape) == 4 and shape[3].HasField("dim_value") and not shape[1].HasField("dim_value")
         for axis, dim in enumerate(shape):
@@ -538,7 +645,7 @@ def graph_facts(graph: onnx.GraphProto, metadata: Mapping[str, str] | None = Non
             if key in kinds:
                 continue
             spatial_axis = conv and axis > 0 and not (channels_last and axis == 3)
-            place = _place_kind(value, axis, len(shape), spatial_axis, roles.get(value.name))
+            place = _place_kind(held.tensor_type.elem_type, axis, len(shape), spatial_axis, roles.get(value.name))
             hinted = _name_kind(dim.dim_param) if named else None
             kinds[key] = hinted or place
     same = _same_dims(graph, {value.name: _axis_keys(value) for value in inputs})

@@ -19,7 +19,11 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
-__all__ = ["exotic", "run"]
+__all__ = ["Feed", "exotic", "run"]
+
+# What an input is fed, or an output gives: an array, or for a sequence its arrays (a list, as
+# onnxruntime takes and returns them; its tensors may differ in shape, which one array cannot hold).
+Feed = np.ndarray | list[np.ndarray]
 
 # ONNX element types by the ml_dtypes name numpy gives them.
 _ELEMENT_TYPES: dict[str, int] = {
@@ -48,19 +52,26 @@ def exotic(dtype: np.dtype) -> bool:
     return dtype.name in _ELEMENT_TYPES
 
 
-def run(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray], options: ort.RunOptions) -> list[Any]:
+def run(session: ort.InferenceSession, feeds: Mapping[str, Feed], options: ort.RunOptions) -> list[Any]:
     """``session.run`` over every output, for arrays of any element type in or out."""
-    if not any(output.type in _TYPE_TEXTS for output in session.get_outputs()):
+    exotic_out = any(output.type in _TYPE_TEXTS for output in session.get_outputs())
+    # OrtValues in and out hold tensors only: a sequence goes through session.run as a list.
+    if not exotic_out or any(isinstance(feed, list) for feed in feeds.values()):
         return list(session.run(None, _to_ort(feeds), options))
     values = {
-        name: _ort_value(a) if exotic(a.dtype) else ort.OrtValue.ortvalue_from_numpy(a) for name, a in feeds.items()
+        name: _ort_value(a) if exotic(a.dtype) else ort.OrtValue.ortvalue_from_numpy(a)
+        for name, a in feeds.items()
+        if isinstance(a, np.ndarray)
     }
     return [_from_ort(value) for value in session.run_with_ort_values(None, values, options)]
 
 
-def _to_ort(feeds: Mapping[str, np.ndarray]) -> dict[str, Any]:
+def _to_ort(feeds: Mapping[str, Feed]) -> dict[str, Any]:
     """``feeds`` with every array of an exotic dtype as an OrtValue onnxruntime accepts."""
-    return {name: _ort_value(array) if exotic(array.dtype) else array for name, array in feeds.items()}
+    return {
+        name: _ort_value(feed) if isinstance(feed, np.ndarray) and exotic(feed.dtype) else feed
+        for name, feed in feeds.items()
+    }
 
 
 def _ort_value(array: np.ndarray) -> ort.OrtValue:

@@ -22,7 +22,9 @@ The first two bindings are the regimes the check exists for, each named in the r
   after a cache that fills it), images non-square (192 x 320), floats at scale 10.
 
 Every binding spreads ids over the whole table they index and gives position ids that follow
-the cache. Inputs that set a shape, count, axis or index get small valid values. The later
+the cache. Inputs that set a shape, count, axis or index get small valid values. A sequence
+input holds three tensors of its element's shape (a vector where the file states none), an
+optional input holds its value. The later
 bindings are fallbacks for a model whose original rejects those: smaller sizes (a Reshape
 that needs a multiple of 4), then shared values per kind (an exporter that gave one dim two
 names), then all ones.
@@ -42,13 +44,14 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from graphopt.errors import InputError
-from graphopt.numerics.dims import GraphFacts, Role, graph_facts, unnamed_key
-from graphopt.numerics.feeds import exotic
+from graphopt.numerics.dims import GraphFacts, Role, graph_facts, held_tensor, unnamed_key
+from graphopt.numerics.feeds import Feed, exotic
 from graphopt.numerics.paths import OutputPath, has_opaque_ops, output_paths
 
 __all__ = [
     "NPZ_BYTE_LIMIT",
     "Binding",
+    "Feed",
     "InputSpec",
     "ModelSpec",
     "bind_dims",
@@ -90,6 +93,9 @@ _MAX_INT = 100
 _MAX_INPUT_BYTES = 2**30
 # The most bytes the arrays of an --inputs .npz may take once decompressed.
 NPZ_BYTE_LIMIT = 4 * 2**30
+# The tensors a generated sequence input holds: more than one, so an op that reads only the
+# first or the last of them differs from one that reads all.
+SEQUENCE_LENGTH = 3
 
 Dim = int | str | None
 
@@ -98,9 +104,11 @@ Dim = int | str | None
 class InputSpec:
     """One graph input the check must feed.
 
-    ``dtype`` is None for a type the check cannot generate (sequences, maps, optionals);
-    ``shape`` is None when the rank is unknown. A str dim is a named dynamic dim, None an
-    unnamed one. ``role`` is what the graph does with the input (dims.py), None for data.
+    ``dtype`` and ``shape`` are the tensor's, or for a sequence or optional input those of the
+    tensor it holds (``containers``, outermost first: "seq", "optional"). ``dtype`` is None for
+    a type the check cannot generate (maps, sparse tensors); ``shape`` is None when the rank is
+    unknown. A str dim is a named dynamic dim, None an unnamed one. ``role`` is what the graph
+    does with the input (dims.py), None for data.
     """
 
     name: str
@@ -108,6 +116,7 @@ class InputSpec:
     dtype: np.dtype | None
     shape: tuple[Dim, ...] | None
     role: Role | None = None
+    containers: tuple[str, ...] = ()
 
     def unsupported(self) -> str | None:
         """Why this input cannot be generated, or None."""
@@ -171,9 +180,10 @@ def read_spec(path: Path) -> ModelSpec:
 
 def _input_spec(value: onnx.ValueInfoProto, role: Role | None) -> InputSpec:
     type_text = _type_text(value.type)
-    if value.type.WhichOneof("value") != "tensor_type":
+    containers, inner = held_tensor(value.type)
+    if inner.WhichOneof("value") != "tensor_type":
         return InputSpec(value.name, type_text, None, None)
-    tensor_type = value.type.tensor_type
+    tensor_type = inner.tensor_type
     try:
         dtype: np.dtype | None = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
     except (KeyError, TypeError, ValueError):
@@ -181,7 +191,9 @@ def _input_spec(value: onnx.ValueInfoProto, role: Role | None) -> InputSpec:
     shape: tuple[Dim, ...] | None = None
     if tensor_type.HasField("shape"):
         shape = tuple(_dim(d) for d in tensor_type.shape.dim)
-    return InputSpec(value.name, type_text, dtype, shape, role)
+    elif "seq" in containers:  # exporters seldom state a sequence's tensor shapes: vectors
+        shape = (None,)
+    return InputSpec(value.name, type_text, dtype, shape, role, containers)
 
 
 def _dim(dim: onnx.TensorShapeProto.Dimension) -> Dim:
@@ -316,21 +328,24 @@ def _regimes(spec: ModelSpec, binding: Binding, seq: int, long: bool) -> list[st
         names.append("positions after the cache" if spec.facts.cache else "positions from 0")
     if any(s.dtype is not None and _floating(s.dtype) and s.role is None for s in spec.inputs):
         names.append("floats at unit scale" if binding.scale == 1.0 else f"floats at scale {binding.scale:g}")
-    if roles & {"index", "split", "reshape", "axes", "zero", "one", "count", "end"}:
+    if roles & {"index", "length", "split", "sizes", "reshape", "axes", "zero", "one", "count", "end"}:
         names.append("small shape, count and index operands")
     return names
 
 
-def make_inputs(spec: ModelSpec, binding: Binding, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def make_inputs(spec: ModelSpec, binding: Binding, rng: np.random.Generator) -> dict[str, Feed]:
     """Seeded data for every input at ``binding`` (see the module docstring)."""
-    feeds: dict[str, np.ndarray] = {}
+    feeds: dict[str, Feed] = {}
     for input_spec in spec.inputs:
         assert input_spec.dtype is not None and input_spec.shape is not None, input_spec.unsupported()
         shape = tuple(
             binding.dims[key] if key is not None else int(d)  # type: ignore[arg-type]
             for key, d in zip(input_spec.axis_keys(), input_spec.shape, strict=True)
         )
-        feeds[input_spec.name] = _data(input_spec, shape, binding, rng)
+        if "seq" in input_spec.containers:
+            feeds[input_spec.name] = [_data(input_spec, shape, binding, rng) for _ in range(SEQUENCE_LENGTH)]
+        else:
+            feeds[input_spec.name] = _data(input_spec, shape, binding, rng)
     return feeds
 
 
@@ -388,8 +403,14 @@ def _operand_values(role: Role, shape: tuple[int, ...], binding: Binding, rng: n
         if role.bound:
             positions = np.minimum(positions, role.bound - 1)
         return np.broadcast_to(positions, shape).copy() if shape else positions[:1].reshape(())
+    if role.kind == "length":  # one full length, the others anywhere in [1, bound]
+        lengths = rng.integers(1, max(role.bound or 1, 1) + 1, size=size)
+        lengths[:1] = role.bound or 1
+        return lengths.reshape(shape)
+    if role.kind == "sizes":
+        return np.resize(np.asarray(role.values, np.int64), size).reshape(shape)
     if role.kind == "split":  # equal parts, the remainder in the last
-        total, parts = role.bound or size, max(size, 1)
+        total, parts = size if role.bound is None else role.bound, max(size, 1)
         sizes = np.full(parts, total // parts)
         sizes[-1] += total - sizes.sum()
         return sizes[:size].reshape(shape)
@@ -404,7 +425,7 @@ def _operand_values(role: Role, shape: tuple[int, ...], binding: Binding, rng: n
     return np.full(shape, 0 if role.kind == "zero" else 1)
 
 
-def load_npz(path: Path, specs: tuple[InputSpec, ...]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+def load_npz(path: Path, specs: tuple[InputSpec, ...]) -> tuple[dict[str, Feed], dict[str, int]]:
     """The user's arrays and the dims they bind; an array that cannot be fed is an InputError."""
     try:
         arrays = _read_npz(path)
@@ -431,4 +452,4 @@ def load_npz(path: Path, specs: tuple[InputSpec, ...]) -> tuple[dict[str, np.nda
                 dims.setdefault(dim, int(size))
             elif dim is None:
                 dims[unnamed_key(name, axis)] = int(size)
-    return arrays, dims
+    return dict[str, Feed](arrays), dims

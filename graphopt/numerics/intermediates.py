@@ -12,6 +12,7 @@ the way Polygraphy's ``--mark all`` bisects a model by hand.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import onnxruntime as ort
 
 from graphopt.numerics.check import json_ready
 from graphopt.numerics.compare import Criterion, compare_output
+from graphopt.numerics.feeds import Feed
 from graphopt.numerics.feeds import run as run_session
 from graphopt.numerics.inputs import bind_dims, load_npz, make_inputs, read_spec
 from graphopt.numerics.paths import output_paths
@@ -87,7 +89,7 @@ def _marked(proto: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 
 def _run_marked(
-    proto: onnx.ModelProto, source: Path, names: list[str], folder: Path, feed: dict[str, np.ndarray]
+    proto: onnx.ModelProto, source: Path, names: list[str], folder: Path, feed: Mapping[str, Feed]
 ) -> dict[str, np.ndarray]:
     """Every value of ``names`` computed by a copy of ``proto`` that has them as outputs."""
     folder.mkdir(parents=True, exist_ok=True)

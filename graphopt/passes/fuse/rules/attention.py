@@ -459,9 +459,26 @@ def spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
     return expanded.outputs[0]
 
 
+def _off_lowest(b: Builder, mask: Value) -> Value:
+    """``mask`` with a fill of the float type's lowest value moved one step up.
+
+    onnxruntime's Attention reads a mask entry equal to that lowest value as -inf, so a query
+    whose keys all carry it (a left-padded row of a causal decoder) gets zeros, where the
+    export, adding the finite fill, weighs every key alike. One step up is the same fill to
+    the export's arithmetic (the scores vanish next to it) and an ordinary number to onnxruntime."""
+    node = mask.producer
+    if node is None or node.op_type != "Where":
+        return mask
+    fill = Site.array(node.inputs[2])
+    if fill is None or fill.size != 1 or fill.dtype.kind != "f" or fill.ravel()[0] != np.finfo(fill.dtype).min:
+        return mask
+    raised = np.nextafter(fill, np.zeros_like(fill))
+    return b.op("Where", node.inputs[0], node.inputs[1], b.constant(raised, "mask_fill"))
+
+
 def _build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
     k = plan.k.value if plan.k.perm is None else b.op("Transpose", plan.k.value, perm=plan.k.perm)
-    mask = None if plan.mask is None else spelled_out(b, plan.mask, plan.q, plan.v)
+    mask = None if plan.mask is None else spelled_out(b, _off_lowest(b, plan.mask), plan.q, plan.v)
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
     return b.op("Attention", plan.q, k, plan.v, mask, scale=plan.scale)
 

@@ -153,6 +153,38 @@ def test_the_files_each_exit_code_leaves(tmp_path: Path, code: int, args: list[s
         assert report["exit_code"] == code and (report["output"] is None) == (code != 0)
 
 
+def _prose(path: Path) -> str:
+    return " ".join(path.read_text(encoding="utf-8").split())
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_readme_says_what_each_exit_code_leaves() -> None:
+    # The program's side is the test above; the README once said a failed run writes nothing.
+    readme = _prose(REPO / "README.md")
+    assert "the one file a failed run writes is the `--report` of a failed numerics check (exit 1)" in readme
+    assert "Bad input (exit 2) and internal errors (exit 3) write nothing at all" in readme
+
+
+# -- 5. the big model's memory: the README states what BENCHMARKS.md measured ----------------------
+
+
+def test_the_readme_states_the_measured_peak_memory_of_the_big_model() -> None:
+    import re
+
+    readme = re.search(
+        r"peaks at ([\d.]+) GB RSS with `--no-check` and ([\d.]+) GB with the check", _prose(REPO / "README.md")
+    )
+    benchmarks = (REPO / "BENCHMARKS.md").read_text(encoding="utf-8")
+    alone = re.search(r"`graphopt run big\.onnx -o out/big\.onnx --no-check` \| (\d+) MB", benchmarks)
+    checked = re.search(
+        r"`graphopt run big\.onnx -o out/big\.onnx` \(the check at its default dims\) \| (\d+) MB", benchmarks
+    )
+    assert readme and alone and checked
+    assert [float(readme[1]), float(readme[2])] == [round(int(alone[1]) / 1000, 2), round(int(checked[1]) / 1000, 2)]
+
+
 # -- 6. a folder run stays inside its folder ---------------------------------------------------
 
 

@@ -9,6 +9,7 @@ the first one read.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -343,7 +344,7 @@ def _copy_companions(roots: list[Path], output: Path, reads: set[Path], written_
     folder was written: tools load a model folder whole. Each copy is a temporary file
     renamed into place. Left out: what the models read (rewritten beside the outputs),
     hidden files, earlier outputs (``*.opt.*``) and the output folder itself."""
-    from graphopt.files import temporary_file
+    from graphopt.files import atomic_write
 
     excluded = output.resolve()
     copied: list[Path] = []
@@ -358,16 +359,11 @@ def _copy_companions(roots: list[Path], output: Path, reads: set[Path], written_
             target = output / relative
             if target.exists() and target.resolve() == resolved:
                 continue
-            staged = None
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                handle, staged = temporary_file(target.parent, target.name)
-                os.close(handle)
-                shutil.copyfile(path, staged)
-                os.replace(staged, target)
+                with path.open("rb") as source:
+                    atomic_write(target, functools.partial(shutil.copyfileobj, source))
             except OSError as err:
-                if staged is not None:
-                    staged.unlink(missing_ok=True)
                 raise InputError(f"{target}: cannot copy {path} there ({err.strerror or err})") from None
             copied.append(relative)
     return copied

@@ -3,7 +3,7 @@
 Nodes run in topological order through numpy kernels where one models the node (see
 :mod:`graphopt.evaluate.base`); a node without one (or with a body, or reading such a
 node's output) is deferred, and the deferred nodes, a set closed under "reads a deferred
-output", run together in one onnxruntime session (:mod:`graphopt.evaluate.runtime`).
+output", run together in one onnxruntime session (:mod:`graphopt.evaluate.region`).
 
 Never evaluated: ops of a domain with no evaluator (anything but the standard domain,
 and onnxruntime's contrib ops where onnxruntime has a CPU kernel), random ops, and
@@ -33,7 +33,7 @@ import onnxruntime.capi.onnxruntime_pybind11_state as ort_state
 # The kernel modules register themselves on import.
 from graphopt.evaluate import elementwise, reduction, shaping  # noqa: F401
 from graphopt.evaluate.base import Call, EvaluationError, Kernel, Unsupported, describe, kernel_for
-from graphopt.evaluate.runtime import OutOfTime, run_region
+from graphopt.evaluate.region import OutOfTime, run_region
 from graphopt.ir import CONTRIB_DOMAIN, Node, Tensor, TensorType, Value
 from graphopt.ir.constness import is_deterministic
 

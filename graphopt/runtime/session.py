@@ -2,7 +2,7 @@
 model's ``runtime_fold`` once per distinct content of the constant inputs.
 
 The const-cache pass writes runtime folds as calls of ``graphopt.runtime`` functions in the
-main graph (see :mod:`graphopt.passes.constcache.runtime`). This session splits the model
+main graph (see :mod:`graphopt.passes.constcache.fold_once`). This session splits the model
 at those calls: a ``runtime_fold`` session computes the calls' outputs from their inputs
 (graph inputs and initializers), and an ``entry`` session holds those outputs as its own
 initializers. Entry sessions are kept in an LRU under a byte budget (the bytes of their

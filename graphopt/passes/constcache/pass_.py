@@ -26,10 +26,10 @@ from graphopt.passes.constcache.constants import (
     deduplicate_initializers,
     inline_constant_ifs,
 )
+from graphopt.passes.constcache.fold_once import split_runtime
 from graphopt.passes.constcache.folding import Guards, RegionFolder
 from graphopt.passes.constcache.lattice import Rules, analyze
 from graphopt.passes.constcache.postpone import postpone_expansions
-from graphopt.passes.constcache.runtime import split_runtime
 from graphopt.passes.constcache.symbolic import fold_symbolic
 
 __all__ = ["ConstCache", "ConstCacheOptions"]

@@ -164,7 +164,7 @@ def test_covered_nodes_keep_the_match_of_the_later_root(user_rule: list[str]) ->
     assert details["applied"] == {"test-neg-neg": 1}
 
 
-def test_rounds_run_to_a_fixpoint_within_max_steps(user_rule: list[str]) -> None:
+def test_rounds_run_to_a_fixpoint_within_max_rounds(user_rule: list[str]) -> None:
     """Relu(Relu(x)) -> Relu(x) halves a chain of eight per round: three rounds to one."""
     add_rule(
         Rule(
@@ -179,7 +179,7 @@ def test_rounds_run_to_a_fixpoint_within_max_steps(user_rule: list[str]) -> None
     proto = model(nodes, [info("x", [2])], ["y"])
     out, details = fuse(proto, "fuse")
     assert ops(out) == {"Relu": 1} and details["applied"] == {"test-relu-relu": 7}
-    one_round = pipeline_from_config([{"pass": "fuse", "options": {"max_steps": 1}}])
+    one_round = pipeline_from_config([{"pass": "fuse", "options": {"max_rounds": 1}}])
     result = graphopt.optimize(from_proto(proto), one_round)
     assert sum(1 for n in result.model.graph if n.op_type == "Relu") == 4
     assert_same_outputs(proto, out)

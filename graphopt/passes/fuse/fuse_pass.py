@@ -72,7 +72,7 @@ def select_rules(names_on: Iterable[str], names_off: Iterable[str], target: str)
 
 @dataclass
 class FuseOptions:
-    max_steps: int = option(5, "most rounds of shatter then fuse rules per run")
+    max_rounds: int = option(5, "most rounds of shatter then fuse rules per run")
     enable: list[str] = option([], "rules or families to run that are off by default")
     disable: list[str] = option([], "rules or families not to run")
 
@@ -97,7 +97,7 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
             return Site(model, graph, min(model.opset_in(graph), goal), target, ctx)
 
         rounds = 0
-        for _ in range(options.max_steps):
+        for _ in range(options.max_rounds):
             rounds += 1
             if run_round(model, shatter, site_for, stats) + run_round(model, fuse, site_for, stats) == 0:
                 break

@@ -120,7 +120,7 @@ def child_graphopt_run(src: Path, out: Path, passes: str | None) -> dict[str, An
             touched[id(tensor)] = tensor.nbytes
         return tensor
 
-    optimize = runner.optimize
+    optimize = runner.run_pipeline
 
     def counting_optimize(*args: Any, **kwargs: Any) -> Any:
         active[0] = True
@@ -131,11 +131,11 @@ def child_graphopt_run(src: Path, out: Path, passes: str | None) -> dict[str, An
 
     Tensor.numpy = counting_read  # type: ignore[method-assign]
     Tensor.from_array = classmethod(counting_make)  # type: ignore[method-assign,assignment]
-    runner.optimize = counting_optimize  # type: ignore[assignment]
+    runner.run_pipeline = counting_optimize  # type: ignore[assignment]
     pipeline = passes if passes is not None else existing_default_pipeline()
     imported = _rss_now_mb()
     start = time.perf_counter()
-    result, _ = runner.optimize_file(src, runner.RunOptions(output=out, passes=pipeline, check=False))
+    result, _ = runner.optimize_file(src, runner.RunOptions.resolve(pipeline, output=out, check=False))
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,

@@ -85,7 +85,7 @@ def _graphopt(src: Path, out: Path, args: argparse.Namespace) -> tuple[float, li
     from graphopt.runner import RunOptions, optimize_file
 
     passes = args.passes if args.passes is not None else existing_default_pipeline()
-    report, _ = optimize_file(src, RunOptions(output=out, passes=passes, check=False))
+    report, _ = optimize_file(src, RunOptions.resolve(passes, output=out, check=False))
     notes = [f"pass {f['pass']} failed: {f['error']}" for f in report.get("failures", [])]
     if passes is not None and args.passes is None:
         notes.append("default pipeline without the passes not written yet: " + ", ".join(missing_passes()))

@@ -31,6 +31,7 @@ from graphopt.passes.pipeline import (
     load_pipeline_config,
     pipeline_from_names,
 )
+from graphopt.report.model import PipelineReport
 from graphopt.settings import Settings
 
 if TYPE_CHECKING:
@@ -39,7 +40,17 @@ if TYPE_CHECKING:
     from graphopt.evaluate import Evaluator
     from graphopt.numerics.check import CheckResult
 
-__all__ = ["Result", "check", "load", "optimize", "pass_context", "resolve_pipeline", "resolve_settings", "save"]
+__all__ = [
+    "Result",
+    "check",
+    "load",
+    "optimize",
+    "pass_context",
+    "resolve_pipeline",
+    "resolve_settings",
+    "run_pipeline",
+    "save",
+]
 
 
 M = TypeVar("M", Model, "onnx.ModelProto")
@@ -51,8 +62,13 @@ class Result(Generic[M]):
     one) and the report of how it got there."""
 
     model: M
-    report: dict[str, Any]
+    pipeline_report: PipelineReport
     pipeline_run: PipelineRun
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """The report's JSON form (pipeline, passes, failures, summary, seconds)."""
+        return self.pipeline_report.to_json()
 
 
 def resolve_pipeline(
@@ -148,26 +164,50 @@ def optimize(
         model = from_onnx(model, independent_dims=run_settings.independent_dims)
     elif not isinstance(model, Model):
         model = load(model, independent_dims=run_settings.independent_dims)
+    result = run_pipeline(
+        model,
+        pipeline,
+        run_settings,
+        strict=strict,
+        on_pass=on_pass,
+        on_pass_start=on_pass_start,
+        stop_after=stop_after,
+    )
+    if given_proto:
+        from graphopt.io.onnx_write import to_proto
+
+        return Result(to_proto(result.model), result.pipeline_report, result.pipeline_run)
+    return result
+
+
+def run_pipeline(
+    model: Model,
+    pipeline: Pipeline,
+    settings: Settings,
+    *,
+    strict: bool = False,
+    on_pass: Callable[[PassRun], None] | None = None,
+    on_pass_start: Callable[[str, str | None, int], None] | None = None,
+    stop_after: int | None = None,
+) -> Result[Model]:
+    """Run a resolved ``pipeline`` (:func:`resolve_pipeline`) with resolved ``settings``
+    (:func:`resolve_settings`) on ``model`` in place: :func:`optimize` once its arguments are read."""
     before = model_stats(model)
     start = time.perf_counter()
     run = pipeline.run(
-        model, pass_context(run_settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
+        model, pass_context(settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
     )
     seconds = time.perf_counter() - start
     if strict and run.failures:
         failure = run.failures[0]
         raise PassError(failure.name, failure.error or "")
-    report = {
-        "pipeline": pipeline.describe(),
-        "passes": [r.as_dict() for r in run.runs],
-        "failures": [{"pass": r.name, "error": r.error} for r in run.failures],
-        "summary": {"before": before.as_dict(), "after": model_stats(model).as_dict()},
-        "seconds": {"optimize": round(seconds, 6)},
-    }
-    if given_proto:
-        from graphopt.io.onnx_write import to_proto
-
-        return Result(to_proto(model), report, run)
+    report = PipelineReport(
+        pipeline=pipeline.describe(),
+        passes=[r.as_dict() for r in run.runs],
+        failures=[{"pass": r.name, "error": r.error} for r in run.failures],
+        summary={"before": before.as_dict(), "after": model_stats(model).as_dict()},
+        seconds={"optimize": round(seconds, 6)},
+    )
     return Result(model, report, run)
 
 

@@ -12,13 +12,13 @@ import errno
 import hashlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from graphopt.api import Result, optimize, resolve_pipeline, resolve_settings
+from graphopt.api import Result, resolve_pipeline, resolve_settings, run_pipeline
 from graphopt.errors import GraphoptError, InputError
 from graphopt.files import commit, folder_lock, is_staging, staging_folder, unwritable_kind
 from graphopt.io import data_files, load, save
@@ -28,9 +28,10 @@ from graphopt.io.onnx_write import is_data_file_of
 from graphopt.io.wire import is_model_file
 from graphopt.ir import Model
 from graphopt.numerics.options import CheckOptions
-from graphopt.passes.pipeline import PassRun
+from graphopt.passes.pipeline import PassRun, Pipeline, default_pipeline
 from graphopt.report import check_report_target, write_report
-from graphopt.version import __version__
+from graphopt.report.model import ModelReport
+from graphopt.settings import Settings
 
 __all__ = [
     "RunOptions",
@@ -46,10 +47,15 @@ __all__ = [
 
 @dataclass
 class RunOptions:
+    """How to run models file to file. The pipeline and its settings come resolved (once per
+    run, at the edge: :meth:`resolve`), so no model parses or validates them again."""
+
     output: Path | None = None
-    passes: str | None = None
+    pipeline: Pipeline = field(default_factory=default_pipeline)
+    # The run's settings: a config's [settings] under the API keywords and command-line options.
+    settings: Settings = field(default_factory=Settings)
+    # The pipeline's config file: a file the run reads, which no output may replace.
     config: Path | None = None
-    max_steps: int | None = None
     check: bool = True
     numerics: CheckOptions = field(default_factory=CheckOptions)
     keep_failed: bool = False
@@ -59,19 +65,29 @@ class RunOptions:
     external_data: bool | None = None
     # Name the output's external data as the input's (model.onnx_data), not after its content.
     external_data_name: bool = False
-    # Run settings given on the command line (graphopt.settings.Settings), over a config's.
-    settings: dict[str, Any] = field(default_factory=dict)
     # The files the models of a folder run read, resolved, with the models that read them
     # (batch_reads()): no model's output may replace or remove another's.
     batch_reads: dict[Path, list[Path]] = field(default_factory=dict)
+    # The JSON report, committed with the model.
+    report: Path | None = None
+
+    @classmethod
+    def resolve(
+        cls,
+        passes: str | Pipeline | None = None,
+        config: Path | None = None,
+        max_steps: int | None = None,
+        settings: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> RunOptions:
+        """Options for a run of ``passes`` or ``config`` with ``settings`` (keywords of
+        :class:`graphopt.settings.Settings` and pass knobs); a bad pipeline fails here, before any work."""
+        pipeline = resolve_pipeline(passes, config, max_steps)
+        return cls(pipeline=pipeline, settings=resolve_settings(pipeline, settings or {}), config=config, **options)
 
     def load(self, source: Path, **options: Any) -> Model:
         """Load ``source`` as the run's settings ask (independent dims), with io's ``options``."""
-        pipeline = resolve_pipeline(self.passes, self.config, self.max_steps)
-        return load(source, independent_dims=resolve_settings(pipeline, self.settings).independent_dims, **options)
-
-    # The JSON report, committed with the model.
-    report: Path | None = None
+        return load(source, independent_dims=self.settings.independent_dims, **options)
 
 
 def default_output(path: Path) -> Path:
@@ -121,15 +137,13 @@ def _optimize_with(
         if on_phase is not None:
             on_phase(f"pass {name}" if group is None else f"pass {group}/{name} (round {iteration + 1})")
 
-    return optimize(
+    return run_pipeline(
         model,
-        options.passes,
-        config=options.config,
-        max_steps=options.max_steps,
+        options.pipeline,
+        options.settings,
         strict=options.strict,
         on_pass_start=pass_started,
         stop_after=stop_after,
-        **options.settings,
     )
 
 
@@ -219,7 +233,8 @@ def _optimize_file(
     started = time.perf_counter()
     model, load_seconds, data_name = loaded
     result = _optimize_with(model, options, tell)
-    report: dict[str, Any] = {"graphopt_version": __version__, "input": None, **result.report}
+    report = ModelReport(result.pipeline_report)
+    seconds = report.run.seconds
     folders = [output.parent] + ([options.report.parent] if options.report is not None else [])
     created = [p for folder in folders for p in [folder, *folder.parents] if not p.exists()]
     exit_code = 0
@@ -241,9 +256,9 @@ def _optimize_file(
                 if data_name is not None:
                     save_options["location"] = data_name
             written = _writing(output, lambda: save(result.model, staged, **save_options))
-            report["seconds"]["save"] = round(time.perf_counter() - save_start, 6)
-            report["input"] = input_entry.result()
-            report["seconds"]["load"] = round(load_seconds, 6)
+            seconds["save"] = round(time.perf_counter() - save_start, 6)
+            report.input = input_entry.result()
+            seconds["load"] = round(load_seconds, 6)
             if options.check:
                 tell("check numerics")
                 check_start = time.perf_counter()
@@ -260,40 +275,39 @@ def _optimize_file(
                 )
                 # onnxruntime names the files it loads: the user's names, not the staging folder's.
                 named = {optimized: output, staged: output, original: source, workdir: output.parent}
-                report["numerics"] = _renamed(outcome.as_dict(), {str(k): str(v) for k, v in named.items()})
-                report["seconds"]["check"] = round(time.perf_counter() - check_start, 6)
+                report.numerics = _renamed(outcome.as_dict(), {str(k): str(v) for k, v in named.items()})
+                seconds["check"] = round(time.perf_counter() - check_start, 6)
                 if outcome.status == "failed":
                     exit_code = 1
                     if options.blame:
                         tell("blame: bisect the passes")
-                        report["blame"] = blame(source, options, workdir)
+                        report.blame = blame(source, options, workdir)
                 elif outcome.status == "not checked" and options.numerics.required:
                     exit_code = 1
             else:
-                report["numerics"] = {"status": "skipped", "reason": "--no-check"}
+                report.numerics = {"status": "skipped", "reason": "--no-check"}
             moves: list[tuple[Path, Path]] = []
-            report["output"] = None
             if exit_code == 0 or options.keep_failed:
                 sidecars = sorted(p for p in staged.parent.iterdir() if p != staged)
                 moves = [(p, output.parent / p.name) for p in sidecars] + [(staged, output)]
                 weights = next((p for p in sidecars if p.suffix == ".data" or p.name == data_name), None)
-                report["output"] = _file_entry(staged, weights, written)
-                report["output"]["path"] = str(output)  # described before the commit, named as after it
+                report.output = _file_entry(staged, weights, written)
+                report.output["path"] = str(output)  # described before the commit, named as after it
                 if weights is not None:
-                    report["output"]["external_data"]["path"] = str(output.parent / weights.name)
-            report["seconds"]["total"] = round(time.perf_counter() - started, 6)
-            report["status"] = "ok" if exit_code == 0 else "check failed"
-            report["exit_code"] = exit_code
+                    report.output["external_data"]["path"] = str(output.parent / weights.name)
+            seconds["total"] = round(time.perf_counter() - started, 6)
+            report.status = "ok" if exit_code == 0 else "check failed"
+            report.exit_code = exit_code
             if options.report is not None:
                 staged_report = staging[options.report.parent.resolve()] / "report" / options.report.name
-                _writing(options.report, lambda: write_report(report, staged_report))
+                _writing(options.report, lambda: write_report(report.to_json(), staged_report))
                 moves.append((staged_report, options.report))
             _writing(output, lambda: _commit(source, output, moves, reads, options, workdir))
     finally:
         for folder in sorted(set(created), key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):  # only the folders this run made, and only if left empty
                 folder.rmdir()
-    return report, exit_code
+    return report.to_json(), exit_code
 
 
 def _renamed(found: Any, names: dict[str, str]) -> Any:
@@ -410,14 +424,13 @@ def _same_bytes(staged: Path, existing: Path) -> bool:
         return False
 
 
-def batch_reads(sources: Sequence[Path], options: RunOptions) -> dict[Path, list[Path]]:
+def batch_reads(sources: Sequence[Path]) -> dict[Path, list[Path]]:
     """The files the models of a folder run read (each model, its tensor data), resolved,
-    with the models that read them."""
+    with the models that read them; the tensor data files are the ones each model names,
+    read without building the model (each is loaded once, by its own run)."""
     reads: dict[Path, list[Path]] = {}
     for source in sources:
-        files = [source]
-        with contextlib.suppress(GraphoptError):  # a model that cannot load fails in its own run
-            files += data_files(options.load(source))
+        files = [source, *(source.parent / location for location in sorted(_tensor_files_named_by(source)))]
         for file in files:
             reads.setdefault(file.resolve(), []).append(source)
     return reads

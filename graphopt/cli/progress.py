@@ -5,10 +5,7 @@ seconds since the start. Warnings name their model and never land inside a progr
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -19,7 +16,7 @@ from rich.status import Status
 from graphopt.errors import one_line
 from graphopt.report.console import naming
 
-__all__ = ["PhaseLog", "captured_logs", "echo_logs", "model_line"]
+__all__ = ["PhaseLog", "echo_logs", "model_line"]
 
 
 class PhaseLog:
@@ -59,29 +56,6 @@ def model_line(row: dict[str, Any], done: int, total: int, seconds: float) -> st
         return one_line(head + f"error (exit {row['exit_code']}): {error}")
     before, after = row["summary"]["before"]["nodes"], row["summary"]["after"]["nodes"]
     return one_line(head + f"{row['status']}, nodes {before} -> {after}, numerics {row['numerics']['status']}")
-
-
-class _Collector(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[str, str]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((record.levelname.lower(), record.getMessage()))
-
-
-@contextlib.contextmanager
-def captured_logs() -> Iterator[list[tuple[str, str]]]:
-    """graphopt's log records of the block, as (level, message), instead of on stderr: a
-    worker process hands them to the parent, which prints them between progress lines."""
-    logger = logging.getLogger("graphopt")
-    collector = _Collector()
-    saved, saved_propagate = logger.handlers[:], logger.propagate
-    logger.handlers, logger.propagate = [collector], False
-    try:
-        yield collector.records
-    finally:
-        logger.handlers, logger.propagate = saved, saved_propagate
 
 
 def echo_logs(path: str, records: list[tuple[str, str]]) -> None:

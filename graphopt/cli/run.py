@@ -1,24 +1,18 @@
 """`graphopt run`: optimize models (files or folders), check them, write them and a report.
 
-Folder mode reads ``*.onnx`` files and graphopt's own JSON graphs (the ones with its format
-marker) and leaves out, with a note, other JSON files (a Hugging Face export's config.json
-and tokenizer files), hidden files and folders, the default outputs of earlier runs
-(``*.opt.*``) and everything inside the output folder, so that a second run reads what
-the first one read.
+The work is graphopt.runner's (one model) and graphopt.batch's (many: discovery, shards,
+the pool, the gate); this command parses, shows progress, renders and exits.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import shutil
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -38,13 +32,17 @@ from graphopt.cli.app import (
     with_check_options,
     with_settings,
 )
-from graphopt.cli.progress import PhaseLog, captured_logs, echo_logs, model_line
-from graphopt.errors import GraphoptError, InputError, bounded, one_line
+from graphopt.cli.progress import PhaseLog, echo_logs, model_line
+from graphopt.errors import InputError, one_line
 from graphopt.numerics.options import CheckOptions
-from graphopt.version import __version__
+
+if TYPE_CHECKING:
+    from graphopt.report.model import FolderReport, GateReport
+    from graphopt.runner import RunOptions
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
+    """``--shard i/n``."""
     if text is None:
         return None
     index, sep, count = text.partition("/")
@@ -59,83 +57,6 @@ def _parse_output(text: str | None) -> tuple[Path | None, bool]:
         return None, False
     path = Path(text)
     return path, text.endswith(("/", os.sep)) or path.is_dir()
-
-
-@dataclass
-class _Collected:
-    sources: list[Path] = field(default_factory=list)
-    skipped: list[dict[str, str]] = field(default_factory=list)
-
-
-_NOT_A_GRAPH = "JSON that is not a graphopt graph"
-_OUTSIDE = "a symbolic link that leads outside the folder"
-
-
-def _is_other_json(path: Path) -> bool:
-    """A readable JSON file without graphopt's format marker: a model folder's config.json,
-    a tokenizer's files (one that cannot be read is left to the load to report)."""
-    from graphopt.io.json_io import is_graph_file
-
-    return path.suffix.lower() == ".json" and os.access(path, os.R_OK) and not is_graph_file(path)
-
-
-def _collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = False) -> _Collected:
-    """The models among ``sources``; files named on the command line get the rule of the
-    files found in folders (a pre-commit hook names every changed file). A link in a folder
-    that leads outside it is skipped (refused with ``strict``): a pull request can add one,
-    and git stores links; a link named on the command line is the user's choice."""
-    found = _Collected()
-    for source in sources:
-        if not source.exists():
-            raise InputError(f"{source}: no such file or directory")
-        if not source.is_dir():
-            if source.is_file() and _is_other_json(source):
-                found.skipped.append({"path": str(source), "reason": _NOT_A_GRAPH})
-            else:
-                found.sources.append(source)
-            continue
-        # An output folder inside this one holds the results of a run, not inputs (a folder
-        # written onto itself is left to the overwrite check).
-        excluded = output_folder.resolve() if output_folder is not None else None
-        if excluded == source.resolve():
-            excluded = None
-        for path in sorted(source.rglob("*")):
-            relative = path.relative_to(source)
-            if path.suffix.lower() not in (".onnx", ".json") or not path.is_file() or ".opt." in path.name:
-                continue
-            if any(part.startswith(".") for part in relative.parts):  # hidden, graphopt's staging folders too
-                continue
-            if excluded is not None and path.resolve().is_relative_to(excluded):
-                continue
-            if not path.resolve().is_relative_to(source.resolve()):
-                if strict:
-                    raise InputError(f"{path}: {_OUTSIDE} ({path.resolve()}); name it to run it (--strict)")
-                found.skipped.append({"path": str(path), "reason": _OUTSIDE})
-                continue
-            if _is_other_json(path):
-                found.skipped.append({"path": str(path), "reason": _NOT_A_GRAPH})
-                continue
-            found.sources.append(path)
-    return found
-
-
-def _run_one(source: Path, options: Any) -> tuple[dict[str, Any], int, list[tuple[str, str]]]:
-    """One model of a batch, in a worker process: errors become a report row, and the
-    warnings are handed back to be printed, naming the model, between progress lines."""
-    from graphopt.runner import optimize_file
-
-    with captured_logs() as logs:
-        try:
-            row, code = optimize_file(source, options)
-        except GraphoptError as err:
-            row, code = _error_row(source, bounded(str(err)), err.exit_code), err.exit_code
-        except Exception as err:
-            row, code = _error_row(source, bounded(f"internal error: {type(err).__name__}: {err}"), 3), 3
-    return row, code, logs
-
-
-def _error_row(source: Path, error: str, exit_code: int) -> dict[str, Any]:
-    return {"input": {"path": str(source)}, "error": error, "status": "error", "exit_code": exit_code}
 
 
 @cli.command(epilog=exit_codes("a model's numerics check failed, or --check-optimized found a model not optimized"))
@@ -217,8 +138,9 @@ def run(
     The default pipeline is every pass that exists (see `graphopt passes`). A pass that
     fails is rolled back and reported; the run goes on (--strict makes it exit 3).
     """
-    from graphopt.api import resolve_pipeline, resolve_settings
+    from graphopt.batch import NOT_A_GRAPH, OUTSIDE, collect, select_shard
     from graphopt.report import check_report_target
+    from graphopt.report.model import FolderReport, GateReport
     from graphopt.runner import RunOptions
 
     if in_place and output is not None:
@@ -230,11 +152,14 @@ def run(
             f"--require-check: {'--no-check' if not check else '--check-optimized'} runs no numerics check"
         )
     target, into_folder = _parse_output(output)
-    options = RunOptions(
+    selected = _parse_shard(shard)
+    # Resolved once, here: a bad pipeline fails before any work, and no model resolves it again.
+    options = RunOptions.resolve(
+        passes,
+        config,
+        max_steps,
+        settings,
         output=target,
-        passes=passes,
-        config=config,
-        max_steps=max_steps,
         check=check,
         numerics=numerics,
         keep_failed=keep_failed,
@@ -243,16 +168,14 @@ def run(
         in_place=in_place,
         external_data=external_data,
         external_data_name=external_data_name,
-        settings=settings,
         report=report_path,
     )
-    resolve_settings(resolve_pipeline(passes, config, max_steps), settings)  # bad pipelines fail before any work
     console = stderr()
     single = len(models) == 1 and not models[0].is_dir() and shard is None
-    collected = _collect(models, target if (into_folder or not single) else None, strict)
+    collected = collect(models, target if (into_folder or not single) else None, strict)
     for reason, one, many in (
-        (_NOT_A_GRAPH, "JSON file that is not a graphopt graph", "JSON files that are not graphopt graphs"),
-        (_OUTSIDE, "symbolic link that leads outside its folder", "symbolic links that lead outside their folder"),
+        (NOT_A_GRAPH, "JSON file that is not a graphopt graph", "JSON files that are not graphopt graphs"),
+        (OUTSIDE, "symbolic link that leads outside its folder", "symbolic links that lead outside their folder"),
     ):
         listed = [s["path"] for s in collected.skipped if s["reason"] == reason]
         if listed:
@@ -262,20 +185,13 @@ def run(
         if not collected.skipped:
             raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and graphopt *.json)")
         single = False  # only files that are not models were named: an empty batch, exit 0
-    sources = collected.sources
-    selected = _parse_shard(shard)
-    if selected is not None:
-        index, count = selected
-        # A fixed CI matrix may have more jobs than models: the extra shards are empty, not errors.
-        sources = [s for i, s in enumerate(sources) if i % count == index - 1]
+    sources = select_shard(collected.sources, selected)
     if report_path is not None:
         check_report_target(report_path, sources)
-    head: dict[str, Any] = {"graphopt_version": __version__}
-    if not single:
-        head |= {"shard": shard, "skipped": collected.skipped}
 
     if check_optimized:
-        _gate(console, sources, options, head, single, report_path, as_json)
+        gate = GateReport(batch=not single, shard=shard, skipped=collected.skipped)
+        _gate(console, sources, options, gate, report_path, as_json)
     if single:
         if into_folder:
             assert target is not None
@@ -283,45 +199,34 @@ def run(
         _single(console, sources[0], options, report_path, as_json)
     if sources and target is not None and not into_folder and target.suffix.lower() in (".onnx", ".json"):
         raise InputError(f"{target}: with several models, -o names a folder")
+    head = FolderReport(shard=shard, skipped=collected.skipped)
     _batch(console, models, sources, options, head, jobs, report_path, as_json)
 
 
 def _gate(
     console: Console,
     sources: list[Path],
-    options: Any,
-    head: dict[str, Any],
-    single: bool,
+    options: RunOptions,
+    gate: GateReport,
     report_path: Path | None,
     as_json: bool,
 ) -> None:
     """--check-optimized: exit 1 if the pipeline would still change a model; writes nothing."""
-    from graphopt.report import totals
+    from graphopt.batch import check_optimized
     from graphopt.report.console import failure_line
-    from graphopt.runner import is_optimized
 
-    rows: list[dict[str, Any]] = []
-    for source in sources:
-        try:
-            row = is_optimized(source, options)
-        except GraphoptError as err:
-            if single:
-                raise
-            row = {"path": str(source), "optimized": False, "reason": str(err), "exit_code": err.exit_code}
-        rows.append(row)
+    report = check_optimized(sources, options, raise_errors=not gate.batch, report=gate)
+    for row in report.check_optimized:
         if row["optimized"]:  # the others get their error line below
             console.print(f"{escape(one_line(row['path']))}: [green]optimized[/green]")
-    report = head | {"check_optimized": rows}
-    if not single:
-        report["totals"] = totals(rows)
-    emit(report, report_path, as_json)
-    for line in map(failure_line, rows):
+    emit(report.to_json(), report_path, as_json)
+    for line in map(failure_line, report.check_optimized):
         if line is not None:
             error_line(line)
-    sys.exit(max([row.get("exit_code", 0 if row["optimized"] else 1) for row in rows], default=0))
+    sys.exit(report.exit_code)
 
 
-def _single(console: Console, source: Path, options: Any, report_path: Path | None, as_json: bool) -> None:
+def _single(console: Console, source: Path, options: RunOptions, report_path: Path | None, as_json: bool) -> None:
     from graphopt.report.console import render_report
     from graphopt.runner import optimize_file
 
@@ -336,37 +241,6 @@ def _single(console: Console, source: Path, options: Any, report_path: Path | No
     if code == 1 and report["numerics"]["status"] == "failed":
         fail(f"{source}: numerics failed: {report['numerics']['reason']}", 1)
     sys.exit(code)
-
-
-def _copy_companions(roots: list[Path], output: Path, reads: set[Path], written_in: set[Path]) -> list[Path]:
-    """Copy the files beside the models of the folders in ``roots`` (a Hugging Face export's
-    config.json, tokenizer and vocabulary files) into ``output``, where a model of their
-    folder was written: tools load a model folder whole. Each copy is a temporary file
-    renamed into place. Left out: what the models read (rewritten beside the outputs),
-    hidden files, earlier outputs (``*.opt.*``) and the output folder itself."""
-    from graphopt.files import atomic_write
-
-    excluded = output.resolve()
-    copied: list[Path] = []
-    for root in roots:
-        for path in sorted(root.rglob("*")):
-            relative = path.relative_to(root)
-            resolved = path.resolve()
-            if not path.is_file() or resolved in reads or ".opt." in path.name or resolved.parent not in written_in:
-                continue
-            if any(part.startswith(".") for part in relative.parts) or resolved.is_relative_to(excluded):
-                continue
-            target = output / relative
-            if target.exists() and target.resolve() == resolved:
-                continue
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with path.open("rb") as source:
-                    atomic_write(target, functools.partial(shutil.copyfileobj, source))
-            except OSError as err:
-                raise InputError(f"{target}: cannot copy {path} there ({err.strerror or err})") from None
-            copied.append(relative)
-    return copied
 
 
 def _say_not_checked(path: str, row: dict[str, Any], required: bool) -> None:
@@ -384,78 +258,44 @@ def _batch(
     console: Console,
     models: Sequence[Path],
     sources: list[Path],
-    options: Any,
-    head: dict[str, Any],
+    options: RunOptions,
+    head: FolderReport,
     jobs: int,
     report_path: Path | None,
     as_json: bool,
 ) -> None:
-    from graphopt.report import check_report_target, totals
+    from graphopt.batch import Finished, run_models
     from graphopt.report.console import failure_line, render_batch
-    from graphopt.runner import batch_reads
 
-    output = options.output
-    tasks = []
-    roots = [m for m in models if m.is_dir()]
-    written: dict[Path, Path] = {}
-    for source in sources:
-        target = None
-        if output is not None:
-            root = next((r for r in roots if source.is_relative_to(r)), source.parent)
-            target = output / source.relative_to(root)
-            if target in written:  # one result would silently replace the other
-                raise InputError(f"{source}: its output {target} is also the output of {written[target]}")
-            written[target] = source
-        tasks.append((source, replace(options, output=target, report=None)))
-    if report_path is not None:
-        check_report_target(report_path, list(written))
-    if output is not None or options.in_place:
-        with captured_logs():  # quiet: each model's own run reports what loading it finds
-            reads = batch_reads(sources, options)
-        tasks = [(source, replace(task, batch_reads=reads)) for source, task in tasks]
-    rows_by_index: dict[int, dict[str, Any]] = {}
-    worst = 0
     started = time.perf_counter()
+    done = 0
     # A bar on a terminal; in a CI log or a pipe, only the line of each finished model.
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
-        bar = progress.add_task("optimizing", total=len(tasks))
+        bar = progress.add_task("optimizing", total=len(sources))
 
-        def finished(index: int, outcome: tuple[dict[str, Any], int, list[tuple[str, str]]]) -> None:
-            nonlocal worst
-            row, code, logs = outcome
-            rows_by_index[index] = row
-            worst = max(worst, code)
+        def finished(outcome: Finished) -> None:
+            nonlocal done
+            row, _, logs = outcome
+            done += 1
             echo_logs(row["input"]["path"], logs)
-            console.print(escape(model_line(row, len(rows_by_index), len(tasks), time.perf_counter() - started)))
+            console.print(escape(model_line(row, done, len(sources), time.perf_counter() - started)))
             progress.advance(bar)
 
-        if jobs == 1:
-            for i, (source, task_options) in enumerate(tasks):
-                finished(i, _run_one(source, task_options))
-        else:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
-                futures = {pool.submit(_run_one, s, o): i for i, (s, o) in enumerate(tasks)}
-                for future in as_completed(futures):
-                    finished(futures[future], future.result())
-    rows = [rows_by_index[i] for i in range(len(tasks))]
-    if output is not None:
-        written_in = {source.parent.resolve() for source, row in zip(sources, rows) if row.get("output")}
-        copied = _copy_companions(roots, output, set(reads), written_in)
-        if copied:
-            listed = ", ".join(str(path) for path in copied)
-            files = "other file" if len(copied) == 1 else "other files"
-            copied_line = f"copied {len(copied)} {files} of the model folders into {output}: {listed}"
-            console.print(escape(one_line(copied_line)))
-    report = head | {"models": rows, "totals": totals(rows)}
-    if rows:
+        ran = run_models(models, sources, options, jobs=jobs, report=head, report_path=report_path, on_model=finished)
+    if ran.copied:
+        listed = ", ".join(str(path) for path in ran.copied)
+        files = "other file" if len(ran.copied) == 1 else "other files"
+        console.print(
+            escape(one_line(f"copied {len(ran.copied)} {files} of the model folders into {options.output}: {listed}"))
+        )
+    report = ran.report.to_json()
+    if ran.report.models:
         render_batch(console, report)
     emit(report, report_path, as_json)
-    for row in rows:
+    for row in ran.report.models:
         line = failure_line(row)
         if line is not None:
             error_line(line)
         _say_not_checked(row["input"]["path"], row, options.numerics.required)
-    if options.strict and any(row.get("failures") for row in rows):
-        worst = max(worst, 3)
-    sys.exit(worst)
+    sys.exit(ran.exit_code)

@@ -1,7 +1,7 @@
 """The run report: JSON on disk or stdout, a rich view on stderr (see report/console.py).
 
-The report is assembled from what the other parts hand over (pass runs, model stats,
-numerics); this module only writes it, validates it against schemas/report.schema.json,
+The report's model is in report/model.py, filled by the parts of a run; this module writes
+it, validates it against schemas/report.schema.json,
 strips the timings when two reports are compared for determinism, adds up the totals of a
 batch and merges the reports of the shards of one CI matrix.
 """
@@ -16,6 +16,7 @@ from typing import Any
 
 from graphopt.errors import InputError
 from graphopt.files import atomic_write, unwritable_kind
+from graphopt.report.model import totals
 
 __all__ = ["check_report_target", "dumps", "merge_reports", "totals", "without_timings", "write_report"]
 
@@ -68,30 +69,6 @@ def without_timings(report: Any) -> Any:
     if isinstance(report, list):
         return [without_timings(v) for v in report]
     return report
-
-
-def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a batch amounts to: models, failures (exit code other than 0), models the numerics
-    check could not verify (not_checked; a run's rows only, the gate checks no numerics), and
-    the nodes and weight bytes before -> after of the models that were optimized (error rows
-    have none)."""
-    summaries = [row["summary"] for row in rows if "summary" in row]
-    counted: dict[str, Any] = {
-        "models": len(rows),
-        "failures": sum(1 for row in rows if _exit_code(row) != 0),
-    }
-    if not any("optimized" in row for row in rows):
-        counted["not_checked"] = sum(1 for row in rows if row.get("numerics", {}).get("status") == "not checked")
-    return counted | {
-        "nodes": [sum(s[side]["nodes"] for s in summaries) for side in ("before", "after")],
-        "initializer_bytes": [sum(s[side]["initializer_bytes"] for s in summaries) for side in ("before", "after")],
-    }
-
-
-def _exit_code(row: dict[str, Any]) -> int:
-    if "optimized" in row:  # a --check-optimized row
-        return int(row.get("exit_code", 0 if row["optimized"] else 1))
-    return int(row.get("exit_code", 0))
 
 
 def merge_reports(reports: Sequence[tuple[str, dict[str, Any]]], version: str) -> dict[str, Any]:

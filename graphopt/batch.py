@@ -1,0 +1,308 @@
+"""Many models at once: what `graphopt run` does with folders, for the CLI and the Python API.
+
+Discovery reads ``*.onnx`` files and graphopt's own JSON graphs (the ones with its format
+marker) and leaves out, with a note, other JSON files (a Hugging Face export's config.json
+and tokenizer files), hidden files and folders, the default outputs of earlier runs
+(``*.opt.*``) and everything inside the output folder, so that a second run reads what the
+first one read. Then: the shard of a CI matrix, each model's output beside its place in the
+input folder, the files the models read (no output may replace another model's), a process
+pool, the files beside the models copied along, and the CI gate (``check_optimized``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from graphopt.errors import GraphoptError, InputError, bounded
+from graphopt.report import check_report_target
+from graphopt.report.model import FolderReport, GateReport, error_row
+from graphopt.runner import RunOptions, batch_reads, is_optimized, optimize_file
+
+__all__ = [
+    "NOT_A_GRAPH",
+    "OUTSIDE",
+    "Collected",
+    "FolderRun",
+    "captured_logs",
+    "check_optimized",
+    "collect",
+    "optimize_folder",
+    "run_models",
+    "select_shard",
+]
+
+NOT_A_GRAPH = "JSON that is not a graphopt graph"
+OUTSIDE = "a symbolic link that leads outside the folder"
+
+# One finished model: its report row, its exit code, and the log records of its run.
+Finished = tuple[dict[str, Any], int, list[tuple[str, str]]]
+
+
+@dataclass
+class Collected:
+    """The models found, and the files left out with the reason (``NOT_A_GRAPH``, ``OUTSIDE``)."""
+
+    sources: list[Path] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+
+def _is_other_json(path: Path) -> bool:
+    """A readable JSON file without graphopt's format marker: a model folder's config.json,
+    a tokenizer's files (one that cannot be read is left to the load to report)."""
+    from graphopt.io.json_io import is_graph_file
+
+    return path.suffix.lower() == ".json" and os.access(path, os.R_OK) and not is_graph_file(path)
+
+
+def collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = False) -> Collected:
+    """The models among ``sources``; files named on the command line get the rule of the
+    files found in folders (a pre-commit hook names every changed file). A link in a folder
+    that leads outside it is skipped (refused with ``strict``): a pull request can add one,
+    and git stores links; a link named on the command line is the user's choice."""
+    found = Collected()
+    for source in sources:
+        if not source.exists():
+            raise InputError(f"{source}: no such file or directory")
+        if not source.is_dir():
+            if source.is_file() and _is_other_json(source):
+                found.skipped.append({"path": str(source), "reason": NOT_A_GRAPH})
+            else:
+                found.sources.append(source)
+            continue
+        # An output folder inside this one holds the results of a run, not inputs (a folder
+        # written onto itself is left to the overwrite check).
+        excluded = output_folder.resolve() if output_folder is not None else None
+        if excluded == source.resolve():
+            excluded = None
+        for path in sorted(source.rglob("*")):
+            relative = path.relative_to(source)
+            if path.suffix.lower() not in (".onnx", ".json") or not path.is_file() or ".opt." in path.name:
+                continue
+            if any(part.startswith(".") for part in relative.parts):  # hidden, graphopt's staging folders too
+                continue
+            if excluded is not None and path.resolve().is_relative_to(excluded):
+                continue
+            if not path.resolve().is_relative_to(source.resolve()):
+                if strict:
+                    raise InputError(f"{path}: {OUTSIDE} ({path.resolve()}); name it to run it (--strict)")
+                found.skipped.append({"path": str(path), "reason": OUTSIDE})
+                continue
+            if _is_other_json(path):
+                found.skipped.append({"path": str(path), "reason": NOT_A_GRAPH})
+                continue
+            found.sources.append(path)
+    return found
+
+
+def select_shard(sources: list[Path], shard: tuple[int, int] | None) -> list[Path]:
+    """Shard ``i`` of ``n`` (1-based) of ``sources``, every n-th model; a fixed CI matrix may
+    have more jobs than models, and the extra shards are empty, not errors."""
+    if shard is None:
+        return sources
+    index, count = shard
+    if not 1 <= index <= count:
+        raise InputError(f"shard {index}/{count}: expected i/n with 1 <= i <= n")
+    return [s for i, s in enumerate(sources) if i % count == index - 1]
+
+
+@contextlib.contextmanager
+def captured_logs() -> Iterator[list[tuple[str, str]]]:
+    """graphopt's log records of the block, as (level, message), instead of on stderr: a
+    worker process hands them to the parent, which prints them between progress lines."""
+    logger = logging.getLogger("graphopt")
+    collector = _Collector()
+    saved, saved_propagate = logger.handlers[:], logger.propagate
+    logger.handlers, logger.propagate = [collector], False
+    try:
+        yield collector.records
+    finally:
+        logger.handlers, logger.propagate = saved, saved_propagate
+
+
+class _Collector(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.levelname.lower(), record.getMessage()))
+
+
+def _run_one(source: Path, options: RunOptions) -> Finished:
+    """One model of a batch, in a worker process: errors become a report row, and the
+    warnings are handed back to be printed, naming the model, between progress lines."""
+    with captured_logs() as logs:
+        try:
+            row, code = optimize_file(source, options)
+        except GraphoptError as err:
+            row, code = error_row(source, bounded(str(err)), err.exit_code), err.exit_code
+        except Exception as err:
+            row, code = error_row(source, bounded(f"internal error: {type(err).__name__}: {err}"), 3), 3
+    return row, code, logs
+
+
+@dataclass
+class FolderRun:
+    """What a run of many models did: the report (its ``models`` rows in input order), the
+    files copied beside the outputs, and the exit code the CLI gives (the worst model's;
+    3 when a pass failed under ``strict``)."""
+
+    report: FolderReport
+    copied: list[Path]
+    exit_code: int
+
+
+def run_models(
+    roots: Sequence[Path],
+    sources: list[Path],
+    options: RunOptions,
+    *,
+    jobs: int = 1,
+    report: FolderReport | None = None,
+    report_path: Path | None = None,
+    on_model: Callable[[Finished], None] | None = None,
+) -> FolderRun:
+    """Optimize ``sources`` (found in the folders ``roots``, or named) into ``options.output``,
+    a folder, each at its place relative to its root; ``on_model`` is told of each model as
+    it finishes (in finishing order)."""
+    roots = [r for r in roots if r.is_dir()]
+    output = options.output
+    tasks = []
+    written: dict[Path, Path] = {}
+    for source in sources:
+        target = None
+        if output is not None:
+            root = next((r for r in roots if source.is_relative_to(r)), source.parent)
+            target = output / source.relative_to(root)
+            if target in written:  # one result would silently replace the other
+                raise InputError(f"{source}: its output {target} is also the output of {written[target]}")
+            written[target] = source
+        tasks.append((source, replace(options, output=target, report=None)))
+    if report_path is not None:
+        check_report_target(report_path, list(written))
+    reads: dict[Path, list[Path]] = {}
+    if output is not None or options.in_place:
+        reads = batch_reads(sources)
+        tasks = [(source, replace(task, batch_reads=reads)) for source, task in tasks]
+    finished: dict[int, Finished] = {}
+
+    def done(index: int, outcome: Finished) -> None:
+        finished[index] = outcome
+        if on_model is not None:
+            on_model(outcome)
+
+    if jobs == 1:
+        for i, (source, task_options) in enumerate(tasks):
+            done(i, _run_one(source, task_options))
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_run_one, s, o): i for i, (s, o) in enumerate(tasks)}
+            for future in as_completed(futures):
+                done(futures[future], future.result())
+    rows = [finished[i][0] for i in range(len(tasks))]
+    copied: list[Path] = []
+    if output is not None:
+        written_in = {source.parent.resolve() for source, row in zip(sources, rows) if row.get("output")}
+        copied = _copy_companions(roots, output, set(reads), written_in)
+    worst = max((finished[i][1] for i in range(len(tasks))), default=0)
+    if options.strict and any(row.get("failures") for row in rows):
+        worst = max(worst, 3)
+    folder_report = replace(report or FolderReport(), models=rows)
+    return FolderRun(folder_report, copied, worst)
+
+
+def _copy_companions(roots: list[Path], output: Path, reads: set[Path], written_in: set[Path]) -> list[Path]:
+    """Copy the files beside the models of the folders in ``roots`` (a Hugging Face export's
+    config.json, tokenizer and vocabulary files) into ``output``, where a model of their
+    folder was written: tools load a model folder whole. Each copy is a temporary file
+    renamed into place. Left out: what the models read (rewritten beside the outputs),
+    hidden files, earlier outputs (``*.opt.*``) and the output folder itself."""
+    from graphopt.files import atomic_write
+
+    excluded = output.resolve()
+    copied: list[Path] = []
+    for root in roots:
+        for path in sorted(root.rglob("*")):
+            relative = path.relative_to(root)
+            resolved = path.resolve()
+            if not path.is_file() or resolved in reads or ".opt." in path.name or resolved.parent not in written_in:
+                continue
+            if any(part.startswith(".") for part in relative.parts) or resolved.is_relative_to(excluded):
+                continue
+            target = output / relative
+            if target.exists() and target.resolve() == resolved:
+                continue
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("rb") as source:
+                    atomic_write(target, functools.partial(shutil.copyfileobj, source))
+            except OSError as err:
+                raise InputError(f"{target}: cannot copy {path} there ({err.strerror or err})") from None
+            copied.append(relative)
+    return copied
+
+
+def check_optimized(
+    sources: Sequence[Path], options: RunOptions, *, raise_errors: bool = False, report: GateReport | None = None
+) -> GateReport:
+    """The CI gate over ``sources``: would the pipeline still change each model? Writes
+    nothing. A model that cannot be read is a row with its error (raised with ``raise_errors``)."""
+    rows: list[dict[str, Any]] = []
+    for source in sources:
+        try:
+            row = is_optimized(source, options)
+        except GraphoptError as err:
+            if raise_errors:
+                raise
+            row = {"path": str(source), "optimized": False, "reason": str(err), "exit_code": err.exit_code}
+        rows.append(row)
+    return replace(report or GateReport(), check_optimized=rows)
+
+
+def optimize_folder(
+    models: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str] | None = None,
+    *,
+    passes: str | None = None,
+    config: str | os.PathLike[str] | None = None,
+    jobs: int = 1,
+    shard: tuple[int, int] | None = None,
+    check: bool = True,
+    strict: bool = False,
+    in_place: bool = False,
+    options: RunOptions | None = None,
+    on_model: Callable[[Finished], None] | None = None,
+    **settings: Any,
+) -> FolderRun:
+    """Optimize the models of folders (or files) as ``graphopt run DIR -o OUT/`` does: each
+    model checked and written only when it passed, into ``output`` (a folder; beside the
+    input as ``*.opt.onnx`` when None), ``jobs`` processes, shard ``(i, n)`` of a CI matrix.
+    ``settings`` are run settings and pass knobs (``target="ort"``, ``fold_min_group=3``);
+    ``options`` (a :class:`graphopt.runner.RunOptions`) replaces every keyword but ``output``,
+    ``jobs`` and ``shard``. Bad input raises :class:`graphopt.errors.InputError`; a model that
+    fails is a row of the report with its exit code."""
+    named = [Path(models)] if isinstance(models, (str, os.PathLike)) else [Path(m) for m in models]
+    folder = Path(output) if output is not None else None
+    if options is None:
+        options = RunOptions.resolve(
+            passes,
+            Path(config) if config is not None else None,
+            settings=settings,
+            check=check,
+            strict=strict,
+            in_place=in_place,
+        )
+    options = replace(options, output=folder)
+    found = collect(named, folder, options.strict)
+    head = FolderReport(shard=f"{shard[0]}/{shard[1]}" if shard else None, skipped=found.skipped)
+    sources = select_shard(found.sources, shard)
+    return run_models(named, sources, options, jobs=jobs, report=head, on_model=on_model)

@@ -190,6 +190,19 @@ def test_the_default_output_keeps_a_residual_norm_out_of_onnxruntimes_skiplayern
     assert _onnxruntime_ops(out, tmp_path)["SkipLayerNormalization"] == 0
 
 
+def test_a_post_norm_residual_stays_an_add_for_onnxruntimes_attention_fusion() -> None:
+    # BERT's post-norm block: onnxruntime's attention fusion reads LayerNorm -> residual Add.
+    nodes = [
+        node("LayerNormalization", ["x", "gamma", "beta"], "h", epsilon=1e-5),
+        node("MatMul", ["h", "w"], "p"),
+        node("Add", ["p", "h"], "sum"),
+        node("LayerNormalization", ["sum", "gamma", "beta"], "y", epsilon=1e-5),
+    ]
+    params = [init("w", rand_weight(8, 8)), init("gamma", rand_weight(8)), init("beta", rand_weight(8))]
+    details = refused(model(nodes, [info("x", ["b", 3, 8])], ["y"], params), "layernorm-residual-sum")
+    assert "comes from a LayerNormalization" in " ".join(details["near_misses"]["norm"])
+
+
 # -- Attention ------------------------------------------------------------------------------------
 
 

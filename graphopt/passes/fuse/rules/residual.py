@@ -1,7 +1,8 @@
 """The residual sum a LayerNormalization reads, written as ``Sum`` (norm family).
 
 ``LayerNormalization(Add(a, skip))`` -> ``LayerNormalization(Sum(a, skip))`` when ``a`` and
-``skip`` are activations of one 3-D shape and the norm is the sum's only reader.
+``skip`` are activations of one 3-D shape, the norm is over the last axis and is the sum's
+only reader.
 
 Why: onnxruntime (ORT_ENABLE_EXTENDED and up) fuses exactly that Add into
 com.microsoft SkipLayerNormalization wherever its shape inference proves the two operands
@@ -41,7 +42,10 @@ def _plan(m: Match, site: Site) -> str | None:
     shape = site.shape(a)
     if not is_float(a) or shape is None or len(shape) != 3 or None in shape or shape != site.shape(skip):
         return "the operands do not provably have one 3-D float shape"
-    if any(v.is_used() for v in m.node("ln").outputs[1:]):
+    ln = m.node("ln")
+    if Site.int_attr(ln, "axis", -1) not in (-1, 2):
+        return "the norm is not over the last axis (SkipLayerNormalization's)"
+    if any(v.is_used() for v in ln.outputs[1:]):
         return "the norm's statistics are read"
     for operand in (a, skip):
         producer = operand.producer

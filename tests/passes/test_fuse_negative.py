@@ -42,6 +42,7 @@ from tests.passes.fuse_models import (
     gemm_bn,
     group_norm,
     hardswish,
+    keras_layer_norm,
     kronecker,
     layer_norm,
     masked_feeds,
@@ -1020,6 +1021,14 @@ CASES: dict[str, Case] = {
     },
     "ort-skiplayernorm": _skip_case("LayerNormalization", EXPORTED_SUM),
     "layernorm-residual-sum": RESIDUAL_SUM,
+    "layernorm-tf": Case(
+        keras_layer_norm,
+        {"LayerNormalization": 1},
+        "inv",
+        Perturb(set_const("gamma", _w(3, 1)), "more dims than the normalized axes", note="gamma per row"),
+        Perturb(set_shape("x", None), "no known float type and rank"),
+        below(17),
+    ),
     "ort-skiprmsnorm": _skip_case("RMSNormalization", EXPORTED_SUM),
     "ort-skiprmsnorm-decomposed": _skip_case("decomposed", "ms"),
     "transpose-transpose": Case(

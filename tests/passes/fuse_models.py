@@ -408,6 +408,39 @@ def layer_norm(opset: int = 17, gamma_input: bool = False, axes: list[int] | Non
     return model(nodes, inputs, ["y"], params, opset=opset)
 
 
+def keras_layer_norm(mean: str = "GlobalAveragePool", rank: int = 3, extra: str = "") -> onnx.ModelProto:
+    """Keras' LayerNormalization as tf2onnx writes it (tf.nn.moments, then
+    tf.nn.batch_normalization): both means of a rank-3 x over its last axis become
+    GlobalAveragePool (tf2onnx's global pool optimizer; ``mean="ReduceMean"`` keeps them),
+    SquaredDifference is Sub and Mul, Rsqrt is Sqrt and Reciprocal, and the affine part is
+    ``x * inv + (beta - mean * inv)`` with ``inv = gamma / Sqrt(var + eps)``."""
+
+    def reduce(x: str, out: str) -> onnx.NodeProto:
+        if mean == "GlobalAveragePool":
+            return node("GlobalAveragePool", [x], out)
+        return node("ReduceMean", [x], out, axes=list(range(2, rank)), keepdims=1)
+
+    nodes = [
+        reduce("x", "mean"),
+        node("Sub", ["x", "mean"], "d"),
+        node("Mul", ["d", "d"], "sq"),
+        reduce("sq", "var"),
+        node("Add", ["var", "eps"], "ve"),
+        node("Sqrt", ["ve"], "std"),
+        node("Reciprocal", ["std"], "r"),
+        node("Mul", ["r", "gamma"], "inv"),
+        node("Mul", ["x", "inv"], "xi"),
+        node("Mul", ["mean", "inv"], "mi"),
+        node("Sub", ["beta", "mi"], "off"),
+        node("Add", ["xi", "off"], "y"),
+    ]
+    outputs: list[Any] = ["y"]
+    expose(nodes, outputs, "inv", extra)
+    normalized = [8] * (rank - 2)
+    params = [init("eps", 1e-6), init("gamma", rand_weight(*normalized)), init("beta", rand_weight(*normalized))]
+    return model(nodes, [info("x", ["b", 3, *normalized])], outputs, params, opset=17)
+
+
 def group_norm(
     form: str = "instance",
     opset: int = 21,

@@ -42,6 +42,7 @@ from tests.passes.fuse_models import (
     gemm_bn,
     group_norm,
     hardswish,
+    keras_layer_norm,
     kronecker,
     layer_norm,
     masked_feeds,
@@ -591,6 +592,26 @@ def _skip_case(norm: str, interior: str) -> Case:
     )
 
 
+def _constant_skip(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The residual's ``skip`` operand a constant (a bias, to the rule) instead of an input."""
+    out = _copy(proto)
+    kept = [i for i in out.graph.input if i.name != "skip"]
+    del out.graph.input[:]
+    out.graph.input.extend(kept)
+    out.graph.initializer.append(init("skip", _w(1, 3, 8)))
+    return out
+
+
+RESIDUAL_SUM = Case(
+    skip_norm,
+    {"MatMul": 1, "Add": 1, "Sum": 1, "LayerNormalization": 1},
+    "sum",
+    Perturb(_constant_skip, "an operand is a constant", feeds=make_feeds, note="skip a constant"),
+    Perturb(set_shape("skip", None), "do not provably have one 3-D float shape"),
+    NO_GATE,
+)
+
+
 def _lowering_cases() -> dict[str, Case]:
     """The lowering rules fire only below the op's since-version (--target-opset): the opset
     column is a target opset that has the op (or an older form of it), and a refusal stops the
@@ -999,6 +1020,15 @@ CASES: dict[str, Case] = {
         for name, stable in (("softmax", True), ("softmax-unstable", False))
     },
     "ort-skiplayernorm": _skip_case("LayerNormalization", EXPORTED_SUM),
+    "layernorm-residual-sum": RESIDUAL_SUM,
+    "layernorm-tf": Case(
+        keras_layer_norm,
+        {"LayerNormalization": 1},
+        "inv",
+        Perturb(set_const("gamma", _w(3, 1)), "more dims than the normalized axes", note="gamma per row"),
+        Perturb(set_shape("x", None), "no known float type and rank"),
+        below(17),
+    ),
     "ort-skiprmsnorm": _skip_case("RMSNormalization", EXPORTED_SUM),
     "ort-skiprmsnorm-decomposed": _skip_case("decomposed", "ms"),
     "transpose-transpose": Case(

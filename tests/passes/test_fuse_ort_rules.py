@@ -5,6 +5,8 @@ unprovable shape or the default target forbids it."""
 
 from __future__ import annotations
 
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,7 @@ import onnx
 import pytest
 
 from tests.numerics import assert_same_outputs
-from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, refused
+from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, ops, refused
 from tests.passes.fuse_models import (
     HEADS,
     SIZE,
@@ -161,6 +163,44 @@ def test_skip_norm_refusals() -> None:
     exposed.graph.output.append(info("pb", None))
     out, _ = fuse(exposed, target="ort", enable=["norm"])
     assert "Add" in {n.op_type for n in out.graph.node}  # the bias stays outside; the Add is not fused away
+
+
+def _onnxruntime_ops(proto: onnx.ModelProto, tmp_path: Path) -> Counter[str]:
+    """The ops of ``proto`` after onnxruntime's own graph optimizations (extended level)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "ort.onnx")
+    ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ops(onnx.load(options.optimized_model_filepath))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_default_output_keeps_a_residual_norm_out_of_onnxruntimes_skiplayernorm(bias: bool, tmp_path: Path) -> None:
+    # onnxruntime fuses Add -> LayerNormalization into SkipLayerNormalization wherever it can
+    # prove the Add's operands share one 3-D shape (graphopt's static Reshape targets give it
+    # that proof on TorchScript exports); on CPU that kernel measured 4-8x slower than the
+    # Add and the LayerNormalization it replaces. The default output writes the residual as a
+    # two-input Sum, which onnxruntime runs as fast and does not fuse.
+    proto = skip_norm(bias=bias)
+    assert _onnxruntime_ops(proto, tmp_path)["SkipLayerNormalization"] == 1  # the form it fuses
+    expected = {"MatMul": 1, "Sum": 1, "LayerNormalization": 1} | ({"Add": 1} if bias else {})
+    out = fires(proto, "layernorm-residual-sum", expected)
+    assert _onnxruntime_ops(out, tmp_path)["SkipLayerNormalization"] == 0
+
+
+def test_a_post_norm_residual_stays_an_add_for_onnxruntimes_attention_fusion() -> None:
+    # BERT's post-norm block: onnxruntime's attention fusion reads LayerNorm -> residual Add.
+    nodes = [
+        node("LayerNormalization", ["x", "gamma", "beta"], "h", epsilon=1e-5),
+        node("MatMul", ["h", "w"], "p"),
+        node("Add", ["p", "h"], "sum"),
+        node("LayerNormalization", ["sum", "gamma", "beta"], "y", epsilon=1e-5),
+    ]
+    params = [init("w", rand_weight(8, 8)), init("gamma", rand_weight(8)), init("beta", rand_weight(8))]
+    details = refused(model(nodes, [info("x", ["b", 3, 8])], ["y"], params), "layernorm-residual-sum")
+    assert "comes from a LayerNormalization" in " ".join(details["near_misses"]["norm"])
 
 
 # -- Attention ------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from tests.passes.fuse_models import (
     erf_gelu,
     group_norm,
     hardswish,
+    keras_layer_norm,
     layer_norm,
     matmul_add,
     rope_model,
@@ -225,6 +226,15 @@ def test_layernorm_refusals() -> None:
     _refused(layer_norm(axes=[1]), "layernorm")
     details = _refused(layer_norm(opset=16), "layernorm")
     assert "needs opset >= 17" in " ".join(details["near_misses"]["norm"])
+
+
+@pytest.mark.parametrize(("mean", "rank"), [("GlobalAveragePool", 3), ("ReduceMean", 3), ("GlobalAveragePool", 4)])
+def test_keras_layernorm_from_tf2onnx_fuses(mean: str, rank: int) -> None:
+    # Keras' LayerNormalization as tf2onnx writes it: the means as GlobalAveragePool over
+    # axes 2.. (its global pool optimizer), x * inv + (beta - mean * inv).
+    out = _fires(keras_layer_norm(mean, rank), "layernorm-tf", {"LayerNormalization": 1})
+    (ln,) = out.graph.node
+    assert onnx.helper.get_attribute_value(ln.attribute[0]) == 2 - rank  # normalizes axes 2..
 
 
 @pytest.mark.parametrize("form", ["instance", "decomposed"])

@@ -19,6 +19,7 @@ from graphopt.passes.fuse.rules import (
     matmul,
     norm,
     ort_attention,
+    residual,
     rotary,
     shape,
     tied,
@@ -40,6 +41,7 @@ LIBRARY = RuleSet(
     + lower.RULES
     + matmul.RULES
     + norm.RULES
+    + residual.RULES
     + rotary.RULES
     + shape.RULES
     + tied.RULES

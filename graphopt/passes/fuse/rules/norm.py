@@ -6,6 +6,12 @@ or ``d * d``), ``y = d / Sqrt(var + eps)`` (or ``d * Reciprocal(...)``), then ``
 means reduce the same trailing axes with keepdims, eps is a scalar constant and gamma /
 beta are constants varying along the normalized axes only (missing ones become 1 / 0).
 
+Keras' LayerNormalization through tf2onnx (tf.nn.moments, then tf.nn.batch_normalization):
+``x * inv + (beta - mean * inv)`` with ``inv = gamma / Sqrt(var + eps)``, ``d = x - mean``
+squared as ``d * d``. For a rank-3 x normalized over its last axis tf2onnx writes both means
+as ``GlobalAveragePool`` (its global pool optimizer takes every ReduceMean over axes 2..);
+any mean here may be either spelling, GlobalAveragePool standing for the axes from 2 on.
+
 RMSNorm. ``x / Sqrt(ReduceMean(x^2) + eps) * gamma`` (or ``x * Reciprocal(...)``) ->
 ``RMSNormalization(x, gamma, axis, epsilon)`` (opset 23).
 
@@ -40,16 +46,32 @@ FAMILY = "norm"
 _x = var("x")
 
 
-def _normalized(centered: Pattern, square_of: Pattern) -> Pattern:
-    """``centered / Sqrt(ReduceMean(square_of^2) + eps)``, in its spellings."""
+def _mean(of: Pattern, name: str) -> Pattern:
+    """The mean of ``of`` over trailing axes: ReduceMean, or GlobalAveragePool (axes 2..)."""
+    return either(op.ReduceMean(of, optional(const()), name=name), op.GlobalAveragePool(of, name=name))
+
+
+def _std(square_of: Pattern) -> Pattern:
     squared = either(op.Pow(square_of, const(2.0)), op.Mul(square_of, square_of))
-    std = op.Sqrt(op.Add(op.ReduceMean(squared, optional(const()), name="var"), const(name="eps")))
-    inverse = either(op.Reciprocal(std), op.Div(const(1.0), std))  # TorchScript writes rsqrt as 1 / Sqrt
-    return either(op.Div(centered, std), op.Mul(centered, inverse))
+    return op.Sqrt(op.Add(_mean(squared, "var"), const(name="eps")))
 
 
-_D = op.Sub(_x, op.ReduceMean(_x, optional(const()), name="mean"), name="d")
+def _inverse(std: Pattern) -> Pattern:
+    return either(op.Reciprocal(std), op.Div(const(1.0), std))  # TorchScript writes rsqrt as 1 / Sqrt
+
+
+def _normalized(centered: Pattern, square_of: Pattern) -> Pattern:
+    """``centered / Sqrt(mean(square_of^2) + eps)``, in its spellings."""
+    std = _std(square_of)
+    return either(op.Div(centered, std), op.Mul(centered, _inverse(std)))
+
+
+_MEAN = _mean(_x, "mean")
+_D = op.Sub(_x, _MEAN, name="d")
 _LN = _normalized(_D, _D)
+# tf.nn.batch_normalization: x * inv + (beta - mean * inv), inv = gamma / Sqrt(var + eps).
+_INV = op.Mul(_inverse(_std(_D)), var("gamma"), name="inv")
+_LN_TF = op.Add(op.Mul(_x, _INV), op.Sub(var("beta"), op.Mul(_MEAN, _INV)))
 _RMS = _normalized(_x, _x)
 # Hugging Face's RMSNorm of a float16 / bfloat16 x: normalized in float32, cast back, then scaled.
 _UP = op.Cast(_x, name="up")
@@ -62,6 +84,8 @@ def _affine(inner: Pattern, gamma: bool, beta: bool) -> Pattern:
 
 
 def _reduce_axis(node: Node, site: Site, rank: int) -> int | None:
+    if node.op_type == "GlobalAveragePool":
+        return 2 if rank >= 3 else None
     if not node.attr("keepdims", 1) or node.attr("noop_with_empty_axes", 0):
         return None
     return trailing_axes(axes_of(node, site), rank)
@@ -155,6 +179,10 @@ def _rms_norm(b: Builder, m: Match, facts: NormFacts) -> Value:
 
 
 _LN_DOC = "ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add -> LayerNormalization (opset 17)"
+_LN_TF_DOC = (
+    "x * inv + (beta - mean * inv), inv = gamma / Sqrt(var + eps), means as ReduceMean or "
+    "GlobalAveragePool (Keras through tf2onnx) -> LayerNormalization (opset 17)"
+)
 _RMS_DOC = "x / Sqrt(ReduceMean(x^2) + eps) * gamma -> RMSNormalization (opset 23)"
 
 
@@ -369,6 +397,16 @@ RULES: tuple[Rule, ...] = (
         min_opset=17,
         label="LayerNorm",
         doc=_LN_DOC,
+    ),
+    Rule(
+        name="layernorm-tf",
+        family=FAMILY,
+        pattern=_LN_TF,
+        plan=_layer_norm_facts,
+        build=_layer_norm,
+        min_opset=17,
+        label="LayerNorm",
+        doc=_LN_TF_DOC,
     ),
     Rule(
         name="rmsnorm",

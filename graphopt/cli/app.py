@@ -86,6 +86,7 @@ def fail(message: str, code: int) -> None:
 def guarded(func: F) -> F:
     """Add --quiet/--debug to a command and turn every failure into one line and its exit code."""
 
+    @functools.wraps(func)  # with the options of the decorators below it (--dim, ...), which raise inside it
     def wrapper(*args: Any, quiet: bool = False, debug: bool = False, **kwargs: Any) -> Any:
         State.quiet = State.quiet or quiet
         State.debug = State.debug or debug
@@ -106,8 +107,6 @@ def guarded(func: F) -> F:
                 traceback.print_exc()
             fail(f"internal error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", 3)
 
-    wrapper.__name__ = func.__name__
-    wrapper.__doc__ = func.__doc__
     wrapper = click.option("--debug", is_flag=True, help="Show tracebacks of internal errors.")(wrapper)
     wrapper = click.option("-q", "--quiet", is_flag=True, help="Print nothing on stderr except errors and warnings.")(
         wrapper
@@ -221,24 +220,22 @@ def _setting_option(name: str, flag: str, annotation: Any, help_text: str) -> Ca
 
 def with_check_options(func: F) -> F:
     """Add the numerics check's options (``run`` and ``check`` share them) and hand the
-    command one ``numerics`` value (graphopt.numerics.options.CheckOptions), checked once."""
+    command one ``numerics`` value (graphopt.numerics.options.CheckOptions), checked once;
+    goes below ``guarded``, which turns a bad value into one line and exit 2."""
     from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET
     from graphopt.numerics.options import CheckOptions
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         memory = kwargs.pop("check_memory")
-        try:
-            numerics = CheckOptions(
-                dims=parse_dims(kwargs.pop("dims")),
-                inputs=kwargs.pop("inputs"),
-                atol=kwargs.pop("atol"),
-                rtol=kwargs.pop("rtol"),
-                memory_budget=None if memory is None else int(memory * 1e9),
-                required=kwargs.pop("require_check"),
-            )
-        except InputError as err:  # outside the command's guard: the same one line, exit 2
-            fail(str(err), err.exit_code)
+        numerics = CheckOptions(
+            dims=parse_dims(kwargs.pop("dims")),
+            inputs=kwargs.pop("inputs"),
+            atol=kwargs.pop("atol"),
+            rtol=kwargs.pop("rtol"),
+            memory_budget=None if memory is None else int(memory * 1e9),
+            required=kwargs.pop("require_check"),
+        )
         return func(*args, numerics=numerics, **kwargs)
 
     options = [

@@ -16,8 +16,8 @@ from graphopt.numerics.options import CheckOptions
 @click.argument("original", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.argument("optimized", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON on stdout.")
-@with_check_options
 @guarded
+@with_check_options
 def check(
     original: Path,
     optimized: Path,

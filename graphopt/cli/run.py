@@ -77,7 +77,6 @@ def _parse_output(text: str | None) -> tuple[Path | None, bool]:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--check/--no-check", default=True, show_default=True, help="Compare outputs in onnxruntime.")
-@with_check_options
 @click.option("--keep-failed", is_flag=True, help="Write the output even when the check fails.")
 @click.option("--blame", is_flag=True, help="On a failed check, find the first pass that broke numerics.")
 @click.option("--strict", is_flag=True, help="Exit 3 when a pass fails (default: roll it back and go on).")
@@ -104,6 +103,7 @@ def _parse_output(text: str | None) -> tuple[Path | None, bool]:
 @click.option("--shard", help="Process only shard i of n of the models (i/n, 1-based), for CI matrices.")
 @with_settings
 @guarded
+@with_check_options
 def run(
     models: tuple[Path, ...],
     output: str | None,

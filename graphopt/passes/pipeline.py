@@ -173,105 +173,122 @@ class Pipeline:
         ``on_pass(run)`` are told of each pass execution as it starts and ends; ``stop_after``
         ends the run after that many pass executions (used to find the first pass that broke
         numerics)."""
-        ctx = ctx or PassContext()
-        record = PipelineRun()
-        budget = [stop_after if stop_after is not None else sys.maxsize]
-        current = [model_stats(model)]  # the stats after the last pass, reused as the next "before"
-
-        def run_pass(step: Pass, group: str | None, iteration: int, snapshot: Snapshot | None) -> PassRun | None:
-            """Run one pass; without a ``snapshot`` from the caller, take (and restore) one here."""
-            if budget[0] <= 0:
-                return None
-            budget[0] -= 1
-            before = current[0]
-            own_snapshot = Snapshot(model) if snapshot is None else None
-            if on_pass_start is not None:
-                on_pass_start(step.name, group, iteration)
-            start = time.perf_counter()
-            try:
-                result = step.run(model, ctx)
-                _check_result(model, result, ctx)
-            except InputError:
-                raise  # bad input a pass found (a model it cannot convert): the user's to fix, not a pass failure
-            except Exception as err:  # a failing pass must not end the run: restore and report
-                seconds = time.perf_counter() - start
-                logger.debug("pass %s failed and was rolled back:\n%s", step.name, traceback.format_exc())
-                if own_snapshot is not None:
-                    _restore(model, own_snapshot)
-                run = PassRun(
-                    step.name,
-                    group,
-                    iteration,
-                    seconds,
-                    before,
-                    before,
-                    False,
-                    error=bounded(f"{type(err).__name__}: {err}"),
-                    traceback=traceback.format_exc(),
-                )
-            else:
-                seconds = time.perf_counter() - start
-                current[0] = model_stats(model)
-                run = PassRun(step.name, group, iteration, seconds, before, current[0], result.changed, result.details)
-            record.runs.append(run)
-            if on_pass is not None:
-                on_pass(run)
-            return run
-
-        def run_group(group: Group) -> bool:
-            changed_any = False
-            for iteration in range(group.max_steps):
-                changed = _run_iteration(group, iteration)
-                changed_any |= changed
-                if not changed or budget[0] <= 0:
-                    break
-            return changed_any
-
-        def _run_iteration(group: Group, iteration: int) -> bool:
-            # One snapshot per iteration rather than per pass: when a pass fails, the
-            # model goes back to the iteration's start and the passes that succeeded before it
-            # run again (passes are deterministic), then the iteration carries on after it.
-            snapshot = Snapshot(model)
-            failed: set[int] = set()
-            changed = False
-            for index, step in enumerate(group.steps):
-                if isinstance(step, Group):
-                    changed |= run_group(step)
-                    continue
-                run = run_pass(step, group.name, iteration, snapshot)
-                if run is None:
-                    break
-                if run.error is None:
-                    changed |= run.changed
-                    continue
-                failed.add(index)
-                _restore(model, snapshot)  # a snapshot rebuilds as often as asked
-                if not _replay(group.steps[:index], failed):
-                    _restore(model, snapshot)
-                    changed = False
-                current[0] = model_stats(model)
-            return changed
-
-        def _replay(steps: Sequence[Step], skip: set[int]) -> bool:
-            try:
-                for index, step in enumerate(steps):
-                    if index in skip:
-                        continue
-                    if isinstance(step, Group):
-                        Pipeline([step]).run(model, ctx)
-                    else:
-                        step.run(model, ctx)
-            except Exception:
-                logger.debug("replaying the passes before a failed one failed:\n%s", traceback.format_exc())
-                return False
-            return True
-
+        execution = _Execution(model, ctx or PassContext(), on_pass, on_pass_start, stop_after)
         for step in self.steps:
             if isinstance(step, Group):
-                run_group(step)
+                execution.run_group(step)
             else:
-                run_pass(step, None, 0, None)
-        return record
+                execution.run_pass(step, None, 0, None)
+        return execution.record
+
+
+class _Execution:
+    """One run of a pipeline on one model: what has run (``record``), how many pass
+    executions are left (``budget``: ``stop_after``) and the model's stats after the last
+    pass (``current``, reused as the next pass's "before")."""
+
+    def __init__(
+        self,
+        model: Model,
+        ctx: PassContext,
+        on_pass: Callable[[PassRun], None] | None,
+        on_pass_start: Callable[[str, str | None, int], None] | None,
+        stop_after: int | None,
+    ) -> None:
+        self.model, self.ctx = model, ctx
+        self.on_pass, self.on_pass_start = on_pass, on_pass_start
+        self.record = PipelineRun()
+        self.budget = stop_after if stop_after is not None else sys.maxsize
+        self.current = model_stats(model)
+
+    def run_pass(self, step: Pass, group: str | None, iteration: int, snapshot: Snapshot | None) -> PassRun | None:
+        """Run one pass; without a ``snapshot`` from the caller, take (and restore) one here."""
+        if self.budget <= 0:
+            return None
+        self.budget -= 1
+        model, before = self.model, self.current
+        own_snapshot = Snapshot(model) if snapshot is None else None
+        if self.on_pass_start is not None:
+            self.on_pass_start(step.name, group, iteration)
+        start = time.perf_counter()
+        try:
+            result = step.run(model, self.ctx)
+            _check_result(model, result, self.ctx)
+        except InputError:
+            raise  # bad input a pass found (a model it cannot convert): the user's to fix, not a pass failure
+        except Exception as err:  # a failing pass must not end the run: restore and report
+            seconds = time.perf_counter() - start
+            logger.debug("pass %s failed and was rolled back:\n%s", step.name, traceback.format_exc())
+            if own_snapshot is not None:
+                _restore(model, own_snapshot)
+            run = PassRun(
+                step.name,
+                group,
+                iteration,
+                seconds,
+                before,
+                before,
+                False,
+                error=bounded(f"{type(err).__name__}: {err}"),
+                traceback=traceback.format_exc(),
+            )
+        else:
+            seconds = time.perf_counter() - start
+            self.current = model_stats(model)
+            run = PassRun(step.name, group, iteration, seconds, before, self.current, result.changed, result.details)
+        self.record.runs.append(run)
+        if self.on_pass is not None:
+            self.on_pass(run)
+        return run
+
+    def run_group(self, group: Group) -> bool:
+        changed_any = False
+        for iteration in range(group.max_steps):
+            changed = self._run_iteration(group, iteration)
+            changed_any |= changed
+            if not changed or self.budget <= 0:
+                break
+        return changed_any
+
+    def _run_iteration(self, group: Group, iteration: int) -> bool:
+        # One snapshot per iteration rather than per pass: when a pass fails, the
+        # model goes back to the iteration's start and the passes that succeeded before it
+        # run again (passes are deterministic), then the iteration carries on after it.
+        model = self.model
+        snapshot = Snapshot(model)
+        failed: set[int] = set()
+        changed = False
+        for index, step in enumerate(group.steps):
+            if isinstance(step, Group):
+                changed |= self.run_group(step)
+                continue
+            run = self.run_pass(step, group.name, iteration, snapshot)
+            if run is None:
+                break
+            if run.error is None:
+                changed |= run.changed
+                continue
+            failed.add(index)
+            _restore(model, snapshot)  # a snapshot rebuilds as often as asked
+            if not self._replay(group.steps[:index], failed):
+                _restore(model, snapshot)
+                changed = False
+            self.current = model_stats(model)
+        return changed
+
+    def _replay(self, steps: Sequence[Step], skip: set[int]) -> bool:
+        try:
+            for index, step in enumerate(steps):
+                if index in skip:
+                    continue
+                if isinstance(step, Group):
+                    Pipeline([step]).run(self.model, self.ctx)
+                else:
+                    step.run(self.model, self.ctx)
+        except Exception:
+            logger.debug("replaying the passes before a failed one failed:\n%s", traceback.format_exc())
+            return False
+        return True
 
 
 class PassBrokeIR(Exception):

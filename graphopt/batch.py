@@ -170,10 +170,12 @@ def run_models(
     report: FolderReport | None = None,
     report_path: Path | None = None,
     on_model: Callable[[Finished], None] | None = None,
+    found: Sequence[Path] = (),
 ) -> FolderRun:
     """Optimize ``sources`` (found in the folders ``roots``, or named) into ``options.output``,
     a folder, each at its place relative to its root; ``on_model`` is told of each model as
-    it finishes (in finishing order)."""
+    it finishes (in finishing order). ``found``: every model of the run, the other shards'
+    too, which are not copied along as files beside the models."""
     roots = [r for r in roots if r.is_dir()]
     output = options.output
     tasks = []
@@ -212,7 +214,9 @@ def run_models(
     copied: list[Path] = []
     if output is not None:
         written_in = {source.parent.resolve() for source, row in zip(sources, rows) if row.get("output")}
-        copied = _copy_companions(roots, output, set(reads), written_in)
+        # A raw copy of another shard's model would race its optimized output in a CI matrix.
+        models = {path.resolve() for path in found}
+        copied = _copy_companions(roots, output, set(reads) | models, written_in)
     worst = max((finished[i][1] for i in range(len(tasks))), default=0)
     if options.strict and any(row.get("failures") for row in rows):
         worst = max(worst, 3)
@@ -305,4 +309,4 @@ def optimize_folder(
     found = collect(named, folder, options.strict)
     head = FolderReport(shard=f"{shard[0]}/{shard[1]}" if shard else None, skipped=found.skipped)
     sources = select_shard(found.sources, shard)
-    return run_models(named, sources, options, jobs=jobs, report=head, on_model=on_model)
+    return run_models(named, sources, options, jobs=jobs, report=head, on_model=on_model, found=found.sources)

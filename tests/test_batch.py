@@ -4,6 +4,7 @@ run costs: the pipeline resolved once per run, each model loaded once."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +112,24 @@ def test_the_gate_through_the_api(tmp_path: Path) -> None:
     graphopt.optimize_folder(folder, tmp_path / "out", options=options)
     after = check_optimized(sorted((tmp_path / "out").rglob("*.onnx")), options)
     assert after.exit_code == 0 and after.to_json()["totals"]["failures"] == 0
+
+
+def test_a_shard_does_not_copy_the_models_of_other_shards(tmp_path: Path) -> None:
+    """Before: --shard 2/2 -o out/ copied a.onnx (shard 1's model) raw into out/ as a file beside
+    the models, racing shard 1's optimized output in a CI matrix sharing one output folder."""
+    folder = tmp_path / "models"
+    mlp(folder / "a.onnx")
+    mlp(folder / "b.onnx")
+    out = tmp_path / "out"
+    result = invoke("run", folder, "--shard", "2/2", "-o", f"{out}/", "--no-check")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["b.onnx"]
+
+
+def test_the_readme_example_of_optimize_folder_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", readme, re.S) if "optimize_folder(" in c]
+    _model_folder(tmp_path / "models")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    assert (tmp_path / "optimized" / "a.onnx").is_file() and (tmp_path / "optimized" / "nested" / "b.onnx").is_file()

@@ -200,7 +200,7 @@ def run(
     if sources and target is not None and not into_folder and target.suffix.lower() in (".onnx", ".json"):
         raise InputError(f"{target}: with several models, -o names a folder")
     head = FolderReport(shard=shard, skipped=collected.skipped)
-    _batch(console, models, sources, options, head, jobs, report_path, as_json)
+    _batch(console, models, collected.sources, sources, options, head, jobs, report_path, as_json)
 
 
 def _gate(
@@ -257,6 +257,7 @@ def _say_not_checked(path: str, row: dict[str, Any], required: bool) -> None:
 def _batch(
     console: Console,
     models: Sequence[Path],
+    found: list[Path],
     sources: list[Path],
     options: RunOptions,
     head: FolderReport,
@@ -282,7 +283,9 @@ def _batch(
             console.print(escape(model_line(row, done, len(sources), time.perf_counter() - started)))
             progress.advance(bar)
 
-        ran = run_models(models, sources, options, jobs=jobs, report=head, report_path=report_path, on_model=finished)
+        ran = run_models(
+            models, sources, options, jobs=jobs, report=head, report_path=report_path, on_model=finished, found=found
+        )
     if ran.copied:
         listed = ", ".join(str(path) for path in ran.copied)
         files = "other file" if len(ran.copied) == 1 else "other files"

@@ -16,7 +16,7 @@ import pytest
 from graphopt.api import optimize
 from graphopt.io.onnx_io import from_proto
 from graphopt.io.onnx_write import to_proto
-from tests.numerics import assert_same_outputs
+from tests.numerics import assert_same_outputs, run_ort
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "exports"
 EXPORTERS = ("dynamo", "ts")
@@ -113,6 +113,26 @@ def test_grouped_query_attention_keeps_the_kv_heads() -> None:
                 node = producer.get(kv)
                 feeds = [producer[i].op_type for i in node.input if i in producer] if node is not None else []
                 assert not (node is not None and node.op_type == "Reshape" and "Expand" in feeds), (exporter, kv)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_kv_cache_moves_into_attention(exporter: str) -> None:
+    """The cache's Concat(past, new) goes into the Attention (past_key / past_value in, present out): the
+    graph's present outputs are the Attention's, bit for bit the past joined with the new K / V it reads, and
+    the model computes what the export does at left and right padding with a non-empty past."""
+    original, out = _optimized(f"llama_kv_{exporter}", target_opset=23)
+    (attention,) = [n for n in out.graph.node if n.op_type == "Attention"]
+    assert list(attention.input[4:]) == ["past_key", "past_value"], list(attention.input)
+    assert list(attention.output[1:]) == ["present_key", "present_value"], list(attention.output)
+    assert not [n for n in out.graph.node if n.op_type == "Concat" and {"past_key", "past_value"} & set(n.input)]
+    for pad in ("head", "tail"):
+        assert_same_outputs(original, out, _feeds(original, 2, 6, pad), rtol=1e-4, atol=1e-4)
+    new_kv = list(attention.input[1:3])
+    out.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in new_kv)
+    feeds = _feeds(original, 2, 6, "head")
+    got = run_ort(out, feeds)
+    for past, new, present in zip(("past_key", "past_value"), new_kv, ("present_key", "present_value")):
+        assert np.array_equal(got[present], np.concatenate([feeds[past], got[new]], axis=2)), present
 
 
 def exported_attention() -> onnx.ModelProto:

@@ -27,7 +27,8 @@ What PyTorch's exporters write (torch's scaled_dot_product_attention, decomposed
 and the TorchScript exporter alike) is matched from ``P V`` backwards instead (``attention-4d``,
 see the section below for the spellings): the 4-D Q, K, V (after rotary embeddings, with GQA's
 head repeat dropped) become Attention's inputs, and ``attention-heads-3d`` then takes head splits
-and the merge into it where Q, K and V all have them. For ``--target ort`` the same match with
+and the merge into it where Q, K and V all have them, ``attention-kv-cache`` a KV cache's Concat with
+the past (past_key / past_value in, present_key / present_value out). For ``--target ort`` the same match with
 its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``); grouped-query attention
 keeps its repeated heads there (GroupQueryAttention's causal-and-padding mask contract is not
 proven from the exported mask, so it is not written).
@@ -219,7 +220,8 @@ def rows_spelled_out(b: Builder, mask: Value) -> Value:
 #     goes: Attention repeats them itself (kv_num_heads);
 #   - the mask as Add of a float bias (Where(cond, 0, -inf) becomes the boolean cond, whose fully
 #     masked rows Attention zeroes as the exporters' IsNaN guard after Softmax does), or
-#     Where(cond, scores, -inf) directly; a KV cache's Concat with the past stays K / V.
+#     Where(cond, scores, -inf) directly; a KV cache's Concat with the past stays K / V here and goes
+#     into the Attention afterwards (``attention-kv-cache``).
 
 
 def _scalar_steps(value: Value) -> tuple[Value, float]:
@@ -438,8 +440,27 @@ def plan_4d(m: Match, site: Site) -> Plan4 | str:
 
 
 def _length(b: Builder, x: Value, known: bool) -> Value:
-    """x's axis 2 (its sequence) as a 1-element shape: the constant 1 when the mask already has it."""
-    return b.constant(np.ones(1, np.int64), "one") if known else b.op("Shape", x, start=2, end=3)
+    """x's axis 2 (its sequence) as a 1-element shape: the constant 1 when the mask already has it.
+
+    A KV cache's ``Concat(past, new)`` is measured as past plus new, not read: that Concat moves
+    into the Attention (``attention-kv-cache``), which a mask computed from it would wait for."""
+    if known:
+        return b.constant(np.ones(1, np.int64), "one")
+    cache = _cache_parts(x)
+    if cache is not None:
+        return b.op("Add", *(b.op("Shape", part, start=2, end=3) for part in cache))
+    return b.op("Shape", x, start=2, end=3)
+
+
+def _cache_parts(x: Value) -> tuple[Value, Value] | None:
+    """(past, new) where ``x`` is a 4-D KV cache ``Concat(past, new)`` along the sequence axis."""
+    node = x.producer
+    if node is None or node.op_type != "Concat" or len(node.inputs) != 2 or Site.rank(x) != 4:
+        return None
+    past, new = node.inputs
+    if past is None or new is None or node.attr("axis") not in (2, -2):
+        return None
+    return past, new
 
 
 def spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
@@ -547,6 +568,62 @@ def _build_3d(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
     return b.op("Attention", m.value("q"), m.value("k"), m.value("v"), m.optional("mask"), **attrs)
 
 
+# -- a KV cache: Attention on Concat(past, new) keys and values ----------------------------------
+#
+# A decoder with a cache concatenates the past keys and values with this step's and outputs the
+# result as the present ones; ONNX's Attention does that itself (past_key / past_value in,
+# present_key / present_value out, the same Concat along the sequence axis), so the Concats go
+# and their readers (the graph's present outputs) read the Attention's.
+
+_CACHED = op.Attention(
+    var("q"),
+    op.Concat(var("past_key"), var("key"), name="key_cache"),
+    op.Concat(var("past_value"), var("value"), name="value_cache"),
+    optional(var("mask")),
+    name="attention",
+)
+
+
+def _plan_cache(m: Match, site: Site) -> dict[str, Any] | str:
+    attention = m.node("attention")
+    if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
+        return "the Attention's other outputs are read"
+    for name in ("key", "value"):
+        if _cache_parts(m.node(f"{name}_cache").outputs[0]) is None:
+            return f"the {name} Concat is not a 4-D cache joined along the sequence axis"
+        if site.dtype(m.value(f"past_{name}")) != site.dtype(m.value(name)):
+            return f"the past and new {name}s differ in type"
+    mask = m.optional("mask")
+    caches = {id(m.node("key_cache")), id(m.node("value_cache"))}
+    if mask is not None and _reads_any(mask, caches):
+        return "the mask is computed from the cache's Concat (the Attention would wait for itself)"
+    return attrs_of(attention)
+
+
+def _reads_any(value: Value, nodes: set[int], limit: int = 256) -> bool:
+    """Whether ``value`` is computed from the output of one of ``nodes`` (True when the search
+    gives up after ``limit`` nodes: unproven counts as read)."""
+    pending: list[Node | None] = [value.producer]
+    seen: set[int] = set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        if id(node) in nodes or len(seen) >= limit:
+            return True
+        seen.add(id(node))
+        pending.extend(v.producer for v in node.inputs if v is not None)
+    return False
+
+
+def _build_cache(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
+    inputs = (m.value("q"), m.value("key"), m.value("value"), m.optional("mask"))
+    node = b.node("Attention", *inputs, m.value("past_key"), m.value("past_value"), outputs=3, **attrs)
+    m.export("key_cache", node.outputs[1])
+    m.export("value_cache", node.outputs[2])
+    return node.outputs[0]
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         name="attention",
@@ -578,5 +655,17 @@ RULES: tuple[Rule, ...] = (
         min_opset=23,
         label="Attention",
         doc="Attention on head splits of 3-D projections, its output merged back -> Attention on the projections",
+    ),
+    Rule(
+        name="attention-kv-cache",
+        family=FAMILY,
+        pattern=_CACHED,
+        plan=_plan_cache,
+        build=_build_cache,
+        min_opset=23,
+        label="Attention",
+        exports=("key_cache", "value_cache"),
+        doc="Attention on a KV cache's Concat(past, new) keys and values -> Attention with past_key / past_value "
+        "in and present_key / present_value out",
     ),
 )

@@ -16,7 +16,7 @@ import pytest
 from graphopt.api import optimize
 from graphopt.io.onnx_io import from_proto
 from graphopt.io.onnx_write import to_proto
-from tests.numerics import assert_same_outputs, run_ort
+from tests.numerics import assert_same_outputs, make_feeds, run_ort
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "exports"
 EXPORTERS = ("dynamo", "ts")
@@ -145,6 +145,37 @@ def exported_attention() -> onnx.ModelProto:
     del cut.opset_import[:]
     cut.opset_import.append(onnx.helper.make_opsetid("", 23))
     return cut
+
+
+def softcapped(proto: onnx.ModelProto, inner: float, outer: float) -> onnx.ModelProto:
+    """``proto`` (an exported attention) with Gemma 2's score softcap written in as transformers does, between the
+    scores and the mask: ``Mul(Tanh(Div(scores, inner)), outer)`` (a softcap where inner = outer > 0)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    matmuls = {o for n in out.graph.node if n.op_type == "MatMul" for o in n.output}
+    add = next(n for n in out.graph.node if n.op_type == "Add" and n.input[0] in matmuls)
+    scores, add.input[0] = add.input[0], "capped"
+    at = list(out.graph.node).index(add)
+    for offset, made in enumerate(
+        [
+            onnx.helper.make_node("Div", [scores, "cap_in"], ["scores_in"]),
+            onnx.helper.make_node("Tanh", ["scores_in"], ["tanh"]),
+            onnx.helper.make_node("Mul", ["tanh", "cap_out"], ["capped"]),
+        ]
+    ):
+        out.graph.node.insert(at + offset, made)
+    for name, value in (("cap_in", inner), ("cap_out", outer)):
+        out.graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, np.float32), name))
+    return out
+
+
+def test_a_softcap_becomes_attentions_softcap() -> None:
+    original = softcapped(exported_attention(), 2.0, 2.0)
+    optimized = to_proto(optimize(from_proto(original), strict=True, target_opset=23).model)
+    (attention,) = [n for n in optimized.graph.node if n.op_type == "Attention"]
+    assert {a.name: a.f for a in attention.attribute}["softcap"] == 2.0
+    assert "Tanh" not in _ops(optimized), _ops(optimized)
+    assert_same_outputs(original, optimized, make_feeds(original), rtol=1e-4, atol=1e-4)
 
 
 def exported_encoder_attention(opset: int = 23) -> onnx.ModelProto:

@@ -56,7 +56,7 @@ from tests.passes.fuse_models import (
     tanh_gelu,
     tied,
 )
-from tests.passes.test_fuse_exports import exported_attention, exported_encoder_attention, exported_silu
+from tests.passes.test_fuse_exports import exported_attention, exported_encoder_attention, exported_silu, softcapped
 
 RNG = np.random.default_rng(2)
 F16 = TensorProto.FLOAT16
@@ -1224,6 +1224,29 @@ def test_a_mask_computed_from_the_cache_keeps_it() -> None:
     proto.graph.initializer.append(init("rows", np.array([2, 1, 3], np.int64)))
     details = refused(proto, "attention-kv-cache", passes="shape-infer,fuse,dce")
     assert any("computed from the cache's Concat" in m for m in details["near_misses"]["attention"]), details
+
+
+@pytest.mark.parametrize(
+    ("inner", "outer", "reason"),
+    [(2.0, -2.0, "cap is not positive"), (None, None, "go through Sigmoid after MatMul(Q, K^T)")],
+)
+def test_a_score_mod_attention_cannot_express_is_a_near_miss(inner: Any, outer: Any, reason: str) -> None:
+    """A tanh with a negative cap, or another op on the scores (a Sigmoid here), has no Attention attribute."""
+    proto = softcapped(exported_attention(), 2.0, 2.0)
+    if inner is None:
+        tanh = next(n for n in proto.graph.node if n.op_type == "Tanh")
+        tanh.op_type = "Sigmoid"
+    else:
+        proto = softcapped(exported_attention(), inner, outer)
+    details = refused(proto, "attention-4d", passes="shape-infer,fuse,dce")
+    assert any(reason in m for m in details["near_misses"]["attention"]), details
+
+
+def test_multihead_attention_refuses_a_softcap() -> None:
+    """onnxruntime's MultiHeadAttention has no softcap: the softcapped layer stays, and the near miss says why."""
+    proto = softcapped(exported_encoder_attention(opset=20), 2.0, 2.0)
+    details = refused(proto, "ort-multihead-attention", passes="shape-infer,fuse,dce", target="ort")
+    assert any("tanh softcap" in m for m in details["near_misses"]["attention"]), details
 
 
 def test_a_float16_table_is_cast_after_the_slice() -> None:

@@ -213,7 +213,9 @@ def rows_spelled_out(b: Builder, mask: Value) -> Value:
 # before it (often with rotary embeddings in between), so the layer is matched from the
 # probabilities times V backwards and the 4-D Q, K, V become Attention's inputs:
 #   - the scale as Mul / Div by a scalar on the scores, or sqrt(scale) on Q and on K^T (both
-#     exporters), or none (T5);
+#     exporters), or none (T5); a tanh softcap c * Tanh(scores / c) after it (Gemma 2) becomes
+#     Attention's softcap (onnxruntime's MultiHeadAttention has none: there it is a near miss, as is
+#     any other op on the scores);
 #   - K^T as Transpose(k, [0, 1, 3, 2]), Transpose(Reshape(K), [0, 2, 3, 1]), or the dynamo
 #     exporter's Reshape(Transpose(Reshape(k, (B*H, S, d)), [0, 2, 1]), (B, H, d, S));
 #   - grouped-query attention's repeat of the K / V heads, Reshape(Expand(Unsqueeze(kv, 2))),
@@ -370,6 +372,7 @@ class Plan4:
     mask: Value | None
     bias: Value | None  # the additive float mask as written (onnxruntime's attention_bias)
     repeated: tuple[_Heads4, Value]  # K and V with the heads repeated to Q's, as written
+    softcap: float = 0.0
 
 
 def _mask_of(bias: Value) -> Value:
@@ -387,7 +390,41 @@ def _mask_of(bias: Value) -> Value:
     return cond
 
 
-def plan_4d(m: Match, site: Site) -> Plan4 | str:
+@dataclass
+class _Scores:
+    """Scores as ``softcap(scale * MatMul(Q, K^T))`` (softcap 0: none), or, with ``refusal``, scaled Q K^T
+    through a score mod Attention cannot express."""
+
+    qk: Node
+    scale: float
+    softcap: float = 0.0
+    refusal: str | None = None
+
+
+def _scores(value: Value) -> _Scores | None:
+    """``value`` read as scaled Q K^T, with a tanh softcap ``c * Tanh(s * x / c)`` (Gemma 2's) or another
+    one-input op in between; None when no MatMul is that close."""
+    core, factor = _scalar_steps(value)
+    mod = core.producer
+    if mod is None or mod.op_type == "MatMul":
+        return _Scores(mod, factor) if mod is not None else None
+    if not mod.inputs or mod.inputs[0] is None:
+        return None
+    inner, inner_factor = _scalar_steps(mod.inputs[0])
+    qk = inner.producer
+    if qk is None or qk.op_type != "MatMul":
+        return None
+    if mod.op_type != "Tanh":
+        reason = f"the scores go through {mod.op_type} after MatMul(Q, K^T): a score mod Attention cannot express"
+        return _Scores(qk, 0.0, refusal=reason)
+    if factor <= 0:
+        return _Scores(qk, 0.0, refusal="the tanh softcap's cap is not positive")
+    return _Scores(qk, inner_factor * factor, factor)
+
+
+def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
+    """The plan for ``attention-4d``'s match; a tanh softcap on the scores is a refusal unless the caller
+    writes it (``softcap``)."""
     softmax = m.node("softmax")
     if softmax.attr("axis", -1) not in (-1, 3):
         return "the Softmax is not over the last axis"
@@ -395,8 +432,7 @@ def plan_4d(m: Match, site: Site) -> Plan4 | str:
     node = scores.producer
     if node is not None and node.op_type == "Add":
         for core, bias in (node.inputs, reversed(node.inputs)):
-            producer = _scalar_steps(core)[0].producer if core is not None else None
-            if core is not None and producer is not None and producer.op_type == "MatMul" and bias is not None:
+            if core is not None and bias is not None and _scores(core) is not None:
                 scores, mask, added = core, _mask_of(bias), bias
                 break
     elif node is not None and node.op_type == "Where":
@@ -405,12 +441,15 @@ def plan_4d(m: Match, site: Site) -> Plan4 | str:
             return "the Where before Softmax does not fill with -inf"
         scores, mask = node.inputs[1], node.inputs[0]
     assert scores is not None
-    core, scale = _scalar_steps(scores)
-    qk = core.producer
-    if qk is None or qk.op_type != "MatMul" or qk.inputs[0] is None or qk.inputs[1] is None:
+    parts = _scores(scores)
+    if parts is None or parts.qk.inputs[0] is None or parts.qk.inputs[1] is None:
         return "the scores are not MatMul(Q, K^T) scaled by constants"
-    q, q_scale = _scalar_steps(qk.inputs[0])
-    kt, k_scale = _scalar_steps(qk.inputs[1])
+    if parts.refusal is not None:
+        return parts.refusal
+    if parts.softcap and not softcap:
+        return "the scores have a tanh softcap, which this fused op has no attribute for"
+    q, q_scale = _scalar_steps(parts.qk.inputs[0])
+    kt, k_scale = _scalar_steps(parts.qk.inputs[1])
     k = _untransposed_key(kt)
     if k is None:
         return "K^T is not a transpose of a 4-D K in a spelling the rule knows"
@@ -436,7 +475,7 @@ def plan_4d(m: Match, site: Site) -> Plan4 | str:
             return "the mask is not a 2-D to 4-D tensor of Q's type or boolean"
         if len(shape) > 2 and isinstance(shape[-3], int) and shape[-3] not in (1, heads):
             return "the mask's head axis is neither 1 nor the heads"
-    return Plan4(q, k, v, heads, kv_heads, scale * q_scale * k_scale, mask, added, repeated)
+    return Plan4(q, k, v, heads, kv_heads, parts.scale * q_scale * k_scale, mask, added, repeated, parts.softcap)
 
 
 def _length(b: Builder, x: Value, known: bool) -> Value:
@@ -501,7 +540,12 @@ def _build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
     k = plan.k.value if plan.k.perm is None else b.op("Transpose", plan.k.value, perm=plan.k.perm)
     mask = None if plan.mask is None else spelled_out(b, _off_lowest(b, plan.mask), plan.q, plan.v)
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
-    return b.op("Attention", plan.q, k, plan.v, mask, scale=plan.scale)
+    softcap = {"softcap": plan.softcap} if plan.softcap else {}
+    return b.op("Attention", plan.q, k, plan.v, mask, scale=plan.scale, **softcap)
+
+
+def _plan_standard_4d(m: Match, site: Site) -> Plan4 | str:
+    return plan_4d(m, site, softcap=True)
 
 
 SOFTMAX = op.Softmax(var("scores"), name="softmax")
@@ -639,7 +683,7 @@ RULES: tuple[Rule, ...] = (
         name="attention-4d",
         family=FAMILY,
         pattern=op.MatMul(either(NAN_GUARD, SOFTMAX), var("v"), name="pv"),
-        plan=plan_4d,
+        plan=_plan_standard_4d,
         build=_build_4d,
         min_opset=23,
         label="Attention",

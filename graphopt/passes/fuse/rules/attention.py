@@ -688,7 +688,7 @@ RULES: tuple[Rule, ...] = (
         min_opset=23,
         label="Attention",
         doc="scaled dot-product attention on 4-D heads as the PyTorch exporters write it (scale on the scores "
-        "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard) -> Attention (opset 23)",
+        "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard, tanh softcap) -> Attention (opset 23)",
     ),
     Rule(
         name="attention-heads-3d",

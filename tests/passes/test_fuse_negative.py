@@ -1226,6 +1226,14 @@ def test_a_mask_computed_from_the_cache_keeps_it() -> None:
     assert any("computed from the cache's Concat" in m for m in details["near_misses"]["attention"]), details
 
 
+def test_a_causal_attention_keeps_its_cache() -> None:
+    """is_causal on the joined keys is aligned to them; with the past given apart, the diagonal would move by
+    the past's length (onnx and onnxruntime align it bottom-right), so the Concat stays."""
+    proto = set_attr("y", is_causal=1)(_cached_attention())
+    details = refused(proto, "attention-kv-cache", passes="shape-infer,fuse,dce")
+    assert any("is_causal" in m for m in details["near_misses"]["attention"]), details
+
+
 @pytest.mark.parametrize(
     ("inner", "outer", "reason"),
     [(2.0, -2.0, "cap is not positive"), (None, None, "go through Sigmoid after MatMul(Q, K^T)")],

@@ -632,6 +632,8 @@ def _plan_cache(m: Match, site: Site) -> dict[str, Any] | str:
     attention = m.node("attention")
     if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
         return "the Attention's other outputs are read"
+    if site.int_attr(attention, "is_causal", 0):
+        return "the Attention is_causal on the joined keys (a past given apart would move the diagonal)"
     for name in ("key", "value"):
         if _cache_parts(m.node(f"{name}_cache").outputs[0]) is None:
             return f"the {name} Concat is not a 4-D cache joined along the sequence axis"

@@ -16,7 +16,7 @@ import pytest
 from graphopt.api import optimize
 from graphopt.io.onnx_io import from_proto
 from graphopt.io.onnx_write import to_proto
-from tests.numerics import assert_same_outputs
+from tests.numerics import assert_same_outputs, make_feeds, run_ort
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "exports"
 EXPORTERS = ("dynamo", "ts")
@@ -115,6 +115,26 @@ def test_grouped_query_attention_keeps_the_kv_heads() -> None:
                 assert not (node is not None and node.op_type == "Reshape" and "Expand" in feeds), (exporter, kv)
 
 
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_kv_cache_moves_into_attention(exporter: str) -> None:
+    """The cache's Concat(past, new) goes into the Attention (past_key / past_value in, present out): the
+    graph's present outputs are the Attention's, bit for bit the past joined with the new K / V it reads, and
+    the model computes what the export does at left and right padding with a non-empty past."""
+    original, out = _optimized(f"llama_kv_{exporter}", target_opset=23)
+    (attention,) = [n for n in out.graph.node if n.op_type == "Attention"]
+    assert list(attention.input[4:]) == ["past_key", "past_value"], list(attention.input)
+    assert list(attention.output[1:]) == ["present_key", "present_value"], list(attention.output)
+    assert not [n for n in out.graph.node if n.op_type == "Concat" and {"past_key", "past_value"} & set(n.input)]
+    for pad in ("head", "tail"):
+        assert_same_outputs(original, out, _feeds(original, 2, 6, pad), rtol=1e-4, atol=1e-4)
+    new_kv = list(attention.input[1:3])
+    out.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in new_kv)
+    feeds = _feeds(original, 2, 6, "head")
+    got = run_ort(out, feeds)
+    for past, new, present in zip(("past_key", "past_value"), new_kv, ("present_key", "present_value")):
+        assert np.array_equal(got[present], np.concatenate([feeds[past], got[new]], axis=2)), present
+
+
 def exported_attention() -> onnx.ModelProto:
     """The attention of the dynamo llama fixture, as written (opset 23): rotated Q (4 heads) and K (2 heads),
     V, the float mask; the repeat of the K / V heads, K^T as Reshape / Transpose / Reshape, sqrt(scale) on Q
@@ -125,6 +145,37 @@ def exported_attention() -> onnx.ModelProto:
     del cut.opset_import[:]
     cut.opset_import.append(onnx.helper.make_opsetid("", 23))
     return cut
+
+
+def softcapped(proto: onnx.ModelProto, inner: float, outer: float) -> onnx.ModelProto:
+    """``proto`` (an exported attention) with Gemma 2's score softcap written in as transformers does, between the
+    scores and the mask: ``Mul(Tanh(Div(scores, inner)), outer)`` (a softcap where inner = outer > 0)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    matmuls = {o for n in out.graph.node if n.op_type == "MatMul" for o in n.output}
+    add = next(n for n in out.graph.node if n.op_type == "Add" and n.input[0] in matmuls)
+    scores, add.input[0] = add.input[0], "capped"
+    at = list(out.graph.node).index(add)
+    for offset, made in enumerate(
+        [
+            onnx.helper.make_node("Div", [scores, "cap_in"], ["scores_in"]),
+            onnx.helper.make_node("Tanh", ["scores_in"], ["tanh"]),
+            onnx.helper.make_node("Mul", ["tanh", "cap_out"], ["capped"]),
+        ]
+    ):
+        out.graph.node.insert(at + offset, made)
+    for name, value in (("cap_in", inner), ("cap_out", outer)):
+        out.graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, np.float32), name))
+    return out
+
+
+def test_a_softcap_becomes_attentions_softcap() -> None:
+    original = softcapped(exported_attention(), 2.0, 2.0)
+    optimized = to_proto(optimize(from_proto(original), strict=True, target_opset=23).model)
+    (attention,) = [n for n in optimized.graph.node if n.op_type == "Attention"]
+    assert {a.name: a.f for a in attention.attribute}["softcap"] == 2.0
+    assert "Tanh" not in _ops(optimized), _ops(optimized)
+    assert_same_outputs(original, optimized, make_feeds(original), rtol=1e-4, atol=1e-4)
 
 
 def exported_encoder_attention(opset: int = 23) -> onnx.ModelProto:

@@ -28,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 from graphopt.errors import InputError
 from graphopt.passes.fuse import registered_rules
 from tests.numerics import assert_same_outputs, make_feeds
-from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, model, node
+from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, model, node, refused
 from tests.passes.fuse_models import (
     HIDDEN,
     LOWERED,
@@ -57,7 +57,7 @@ from tests.passes.fuse_models import (
     tanh_gelu,
     tied,
 )
-from tests.passes.test_fuse_exports import exported_attention, exported_encoder_attention, exported_silu
+from tests.passes.test_fuse_exports import exported_attention, exported_encoder_attention, exported_silu, softcapped
 
 RNG = np.random.default_rng(2)
 F16 = TensorProto.FLOAT16
@@ -461,6 +461,32 @@ def _standard_attention() -> onnx.ModelProto:
     return at_opset(23)(proto)
 
 
+def _cached_attention() -> onnx.ModelProto:
+    """Attention (opset 23, 2 query heads, 1 KV head) on a KV cache: Concat(past, new) along the sequence axis
+    for K and V, both graph outputs (present); past and new of one length, so the Concat's axis alone decides
+    whether it is a cache."""
+    shape = [2, 1, 3, 8]
+    return model(
+        [
+            node("Concat", ["past_key", "k"], "present_key", axis=2),
+            node("Concat", ["past_value", "v"], "present_value", axis=2),
+            node("Attention", ["q", "present_key", "present_value"], "y"),
+        ],
+        [info("q", [2, 2, 3, 8]), *(info(n, shape) for n in ("k", "v", "past_key", "past_value"))],
+        ["y", "present_key", "present_value"],
+        opset=23,
+    )
+
+
+def _unknown_rank(*names: str) -> Change:
+    def change(proto: onnx.ModelProto) -> onnx.ModelProto:
+        for name in names:
+            proto = set_shape(name, None)(proto)
+        return proto
+
+    return change
+
+
 def _ort_attention_feeds() -> Mapping[str, np.ndarray]:
     return masked_feeds()
 
@@ -778,6 +804,19 @@ CASES: dict[str, Case] = {
         Perturb(set_attr("transpose_3", perm=[0, 1, 2, 3]), None, note="merge Transpose perm=[0, 1, 2, 3]"),
         Perturb(set_shape("linear", None), "head split of Q is not provable", note="Q of unknown rank"),
         Perturb(at_opset(22), None, note="opset 22: no Attention to take the heads into"),
+        passes="shape-infer,fuse,dce",
+    ),
+    "attention-kv-cache": Case(
+        _cached_attention,
+        {"Attention": 1},
+        "n/a: the Concats are the rule's exported entries (the present outputs), and nothing else is interior",
+        Perturb(
+            set_attr("present_key", "present_value", axis=1),
+            "not a 4-D cache joined along the sequence axis",
+            note="Concats along the heads (axis=1)",
+        ),
+        Perturb(_unknown_rank("past_key", "k"), "not a 4-D cache", note="past and new K of unknown rank"),
+        "n/a: the rule's root is an Attention, which no opset below 23 has",
         passes="shape-infer,fuse,dce",
     ),
     **{
@@ -1200,6 +1239,52 @@ def test_the_rule_refuses_the_perturbed_model(name: str, kind: str) -> None:
 def test_every_registered_rule_has_a_case() -> None:
     """A new rule needs a CASE: its model and its perturbations (or why one does not apply)."""
     assert sorted(r.name for r in registered_rules()) == sorted(CASES)
+
+
+def test_a_mask_computed_from_the_cache_keeps_it() -> None:
+    """A mask whose key length is read from the cache's Concat cannot feed the Attention that takes the Concat in
+    (it would wait for its own output): the cache stays and the near miss says why."""
+    proto = _cached_attention()
+    nodes = proto.graph.node
+    nodes.insert(2, node("Shape", ["present_key"], "keys", start=2, end=3))
+    nodes.insert(3, node("Concat", ["rows", "keys"], "mask_shape", axis=0))
+    true = helper.make_tensor("true", TensorProto.BOOL, [1], [True])
+    nodes.insert(4, node("ConstantOfShape", ["mask_shape"], "mask", value=true))
+    nodes[-1].input.append("mask")
+    proto.graph.initializer.append(init("rows", np.array([2, 1, 3], np.int64)))
+    details = refused(proto, "attention-kv-cache", passes="shape-infer,fuse,dce")
+    assert any("computed from the cache's Concat" in m for m in details["near_misses"]["attention"]), details
+
+
+def test_a_causal_attention_keeps_its_cache() -> None:
+    """is_causal on the joined keys is aligned to them; with the past given apart, the diagonal would move by
+    the past's length (onnx and onnxruntime align it bottom-right), so the Concat stays."""
+    proto = set_attr("y", is_causal=1)(_cached_attention())
+    details = refused(proto, "attention-kv-cache", passes="shape-infer,fuse,dce")
+    assert any("is_causal" in m for m in details["near_misses"]["attention"]), details
+
+
+@pytest.mark.parametrize(
+    ("inner", "outer", "reason"),
+    [(2.0, -2.0, "cap is not positive"), (None, None, "go through Sigmoid after MatMul(Q, K^T)")],
+)
+def test_a_score_mod_attention_cannot_express_is_a_near_miss(inner: Any, outer: Any, reason: str) -> None:
+    """A tanh with a negative cap, or another op on the scores (a Sigmoid here), has no Attention attribute."""
+    proto = softcapped(exported_attention(), 2.0, 2.0)
+    if inner is None:
+        tanh = next(n for n in proto.graph.node if n.op_type == "Tanh")
+        tanh.op_type = "Sigmoid"
+    else:
+        proto = softcapped(exported_attention(), inner, outer)
+    details = refused(proto, "attention-4d", passes="shape-infer,fuse,dce")
+    assert any(reason in m for m in details["near_misses"]["attention"]), details
+
+
+def test_multihead_attention_refuses_a_softcap() -> None:
+    """onnxruntime's MultiHeadAttention has no softcap: the softcapped layer stays, and the near miss says why."""
+    proto = softcapped(exported_encoder_attention(opset=20), 2.0, 2.0)
+    details = refused(proto, "ort-multihead-attention", passes="shape-infer,fuse,dce", target="ort")
+    assert any("tanh softcap" in m for m in details["near_misses"]["attention"]), details
 
 
 def test_a_float16_table_is_cast_after_the_slice() -> None:

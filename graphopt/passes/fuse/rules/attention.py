@@ -27,7 +27,8 @@ What PyTorch's exporters write (torch's scaled_dot_product_attention, decomposed
 and the TorchScript exporter alike) is matched from ``P V`` backwards instead (``attention-4d``,
 see the section below for the spellings): the 4-D Q, K, V (after rotary embeddings, with GQA's
 head repeat dropped) become Attention's inputs, and ``attention-heads-3d`` then takes head splits
-and the merge into it where Q, K and V all have them. For ``--target ort`` the same match with
+and the merge into it where Q, K and V all have them, ``attention-kv-cache`` a KV cache's Concat with
+the past (past_key / past_value in, present_key / present_value out). For ``--target ort`` the same match with
 its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``); grouped-query attention
 keeps its repeated heads there (GroupQueryAttention's causal-and-padding mask contract is not
 proven from the exported mask, so it is not written).
@@ -212,14 +213,17 @@ def rows_spelled_out(b: Builder, mask: Value) -> Value:
 # before it (often with rotary embeddings in between), so the layer is matched from the
 # probabilities times V backwards and the 4-D Q, K, V become Attention's inputs:
 #   - the scale as Mul / Div by a scalar on the scores, or sqrt(scale) on Q and on K^T (both
-#     exporters), or none (T5);
+#     exporters), or none (T5); a tanh softcap c * Tanh(scores / c) after it (Gemma 2) becomes
+#     Attention's softcap (onnxruntime's MultiHeadAttention has none: there it is a near miss, as is
+#     any other op on the scores);
 #   - K^T as Transpose(k, [0, 1, 3, 2]), Transpose(Reshape(K), [0, 2, 3, 1]), or the dynamo
 #     exporter's Reshape(Transpose(Reshape(k, (B*H, S, d)), [0, 2, 1]), (B, H, d, S));
 #   - grouped-query attention's repeat of the K / V heads, Reshape(Expand(Unsqueeze(kv, 2))),
 #     goes: Attention repeats them itself (kv_num_heads);
 #   - the mask as Add of a float bias (Where(cond, 0, -inf) becomes the boolean cond, whose fully
 #     masked rows Attention zeroes as the exporters' IsNaN guard after Softmax does), or
-#     Where(cond, scores, -inf) directly; a KV cache's Concat with the past stays K / V.
+#     Where(cond, scores, -inf) directly; a KV cache's Concat with the past stays K / V here and goes
+#     into the Attention afterwards (``attention-kv-cache``).
 
 
 def _scalar_steps(value: Value) -> tuple[Value, float]:
@@ -368,6 +372,7 @@ class Plan4:
     mask: Value | None
     bias: Value | None  # the additive float mask as written (onnxruntime's attention_bias)
     repeated: tuple[_Heads4, Value]  # K and V with the heads repeated to Q's, as written
+    softcap: float = 0.0
 
 
 def _mask_of(bias: Value) -> Value:
@@ -385,7 +390,41 @@ def _mask_of(bias: Value) -> Value:
     return cond
 
 
-def plan_4d(m: Match, site: Site) -> Plan4 | str:
+@dataclass
+class _Scores:
+    """Scores as ``softcap(scale * MatMul(Q, K^T))`` (softcap 0: none), or, with ``refusal``, scaled Q K^T
+    through a score mod Attention cannot express."""
+
+    qk: Node
+    scale: float
+    softcap: float = 0.0
+    refusal: str | None = None
+
+
+def _scores(value: Value) -> _Scores | None:
+    """``value`` read as scaled Q K^T, with a tanh softcap ``c * Tanh(s * x / c)`` (Gemma 2's) or another
+    one-input op in between; None when no MatMul is that close."""
+    core, factor = _scalar_steps(value)
+    mod = core.producer
+    if mod is None or mod.op_type == "MatMul":
+        return _Scores(mod, factor) if mod is not None else None
+    if not mod.inputs or mod.inputs[0] is None:
+        return None
+    inner, inner_factor = _scalar_steps(mod.inputs[0])
+    qk = inner.producer
+    if qk is None or qk.op_type != "MatMul":
+        return None
+    if mod.op_type != "Tanh":
+        reason = f"the scores go through {mod.op_type} after MatMul(Q, K^T): a score mod Attention cannot express"
+        return _Scores(qk, 0.0, refusal=reason)
+    if factor <= 0:
+        return _Scores(qk, 0.0, refusal="the tanh softcap's cap is not positive")
+    return _Scores(qk, inner_factor * factor, factor)
+
+
+def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
+    """The plan for ``attention-4d``'s match; a tanh softcap on the scores is a refusal unless the caller
+    writes it (``softcap``)."""
     softmax = m.node("softmax")
     if softmax.attr("axis", -1) not in (-1, 3):
         return "the Softmax is not over the last axis"
@@ -393,8 +432,7 @@ def plan_4d(m: Match, site: Site) -> Plan4 | str:
     node = scores.producer
     if node is not None and node.op_type == "Add":
         for core, bias in (node.inputs, reversed(node.inputs)):
-            producer = _scalar_steps(core)[0].producer if core is not None else None
-            if core is not None and producer is not None and producer.op_type == "MatMul" and bias is not None:
+            if core is not None and bias is not None and _scores(core) is not None:
                 scores, mask, added = core, _mask_of(bias), bias
                 break
     elif node is not None and node.op_type == "Where":
@@ -403,12 +441,15 @@ def plan_4d(m: Match, site: Site) -> Plan4 | str:
             return "the Where before Softmax does not fill with -inf"
         scores, mask = node.inputs[1], node.inputs[0]
     assert scores is not None
-    core, scale = _scalar_steps(scores)
-    qk = core.producer
-    if qk is None or qk.op_type != "MatMul" or qk.inputs[0] is None or qk.inputs[1] is None:
+    parts = _scores(scores)
+    if parts is None or parts.qk.inputs[0] is None or parts.qk.inputs[1] is None:
         return "the scores are not MatMul(Q, K^T) scaled by constants"
-    q, q_scale = _scalar_steps(qk.inputs[0])
-    kt, k_scale = _scalar_steps(qk.inputs[1])
+    if parts.refusal is not None:
+        return parts.refusal
+    if parts.softcap and not softcap:
+        return "the scores have a tanh softcap, which this fused op has no attribute for"
+    q, q_scale = _scalar_steps(parts.qk.inputs[0])
+    kt, k_scale = _scalar_steps(parts.qk.inputs[1])
     k = _untransposed_key(kt)
     if k is None:
         return "K^T is not a transpose of a 4-D K in a spelling the rule knows"
@@ -434,12 +475,31 @@ def plan_4d(m: Match, site: Site) -> Plan4 | str:
             return "the mask is not a 2-D to 4-D tensor of Q's type or boolean"
         if len(shape) > 2 and isinstance(shape[-3], int) and shape[-3] not in (1, heads):
             return "the mask's head axis is neither 1 nor the heads"
-    return Plan4(q, k, v, heads, kv_heads, scale * q_scale * k_scale, mask, added, repeated)
+    return Plan4(q, k, v, heads, kv_heads, parts.scale * q_scale * k_scale, mask, added, repeated, parts.softcap)
 
 
 def _length(b: Builder, x: Value, known: bool) -> Value:
-    """x's axis 2 (its sequence) as a 1-element shape: the constant 1 when the mask already has it."""
-    return b.constant(np.ones(1, np.int64), "one") if known else b.op("Shape", x, start=2, end=3)
+    """x's axis 2 (its sequence) as a 1-element shape: the constant 1 when the mask already has it.
+
+    A KV cache's ``Concat(past, new)`` is measured as past plus new, not read: that Concat moves
+    into the Attention (``attention-kv-cache``), which a mask computed from it would wait for."""
+    if known:
+        return b.constant(np.ones(1, np.int64), "one")
+    cache = _cache_parts(x)
+    if cache is not None:
+        return b.op("Add", *(b.op("Shape", part, start=2, end=3) for part in cache))
+    return b.op("Shape", x, start=2, end=3)
+
+
+def _cache_parts(x: Value) -> tuple[Value, Value] | None:
+    """(past, new) where ``x`` is a 4-D KV cache ``Concat(past, new)`` along the sequence axis."""
+    node = x.producer
+    if node is None or node.op_type != "Concat" or len(node.inputs) != 2 or Site.rank(x) != 4:
+        return None
+    past, new = node.inputs
+    if past is None or new is None or node.attr("axis") not in (2, -2):
+        return None
+    return past, new
 
 
 def spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
@@ -480,7 +540,12 @@ def _build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
     k = plan.k.value if plan.k.perm is None else b.op("Transpose", plan.k.value, perm=plan.k.perm)
     mask = None if plan.mask is None else spelled_out(b, _off_lowest(b, plan.mask), plan.q, plan.v)
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
-    return b.op("Attention", plan.q, k, plan.v, mask, scale=plan.scale)
+    softcap = {"softcap": plan.softcap} if plan.softcap else {}
+    return b.op("Attention", plan.q, k, plan.v, mask, scale=plan.scale, **softcap)
+
+
+def _plan_standard_4d(m: Match, site: Site) -> Plan4 | str:
+    return plan_4d(m, site, softcap=True)
 
 
 SOFTMAX = op.Softmax(var("scores"), name="softmax")
@@ -547,6 +612,64 @@ def _build_3d(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
     return b.op("Attention", m.value("q"), m.value("k"), m.value("v"), m.optional("mask"), **attrs)
 
 
+# -- a KV cache: Attention on Concat(past, new) keys and values ----------------------------------
+#
+# A decoder with a cache concatenates the past keys and values with this step's and outputs the
+# result as the present ones; ONNX's Attention does that itself (past_key / past_value in,
+# present_key / present_value out, the same Concat along the sequence axis), so the Concats go
+# and their readers (the graph's present outputs) read the Attention's.
+
+_CACHED = op.Attention(
+    var("q"),
+    op.Concat(var("past_key"), var("key"), name="key_cache"),
+    op.Concat(var("past_value"), var("value"), name="value_cache"),
+    optional(var("mask")),
+    name="attention",
+)
+
+
+def _plan_cache(m: Match, site: Site) -> dict[str, Any] | str:
+    attention = m.node("attention")
+    if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
+        return "the Attention's other outputs are read"
+    if site.int_attr(attention, "is_causal", 0):
+        return "the Attention is_causal on the joined keys (a past given apart would move the diagonal)"
+    for name in ("key", "value"):
+        if _cache_parts(m.node(f"{name}_cache").outputs[0]) is None:
+            return f"the {name} Concat is not a 4-D cache joined along the sequence axis"
+        if site.dtype(m.value(f"past_{name}")) != site.dtype(m.value(name)):
+            return f"the past and new {name}s differ in type"
+    mask = m.optional("mask")
+    caches = {id(m.node("key_cache")), id(m.node("value_cache"))}
+    if mask is not None and _reads_any(mask, caches):
+        return "the mask is computed from the cache's Concat (the Attention would wait for itself)"
+    return attrs_of(attention)
+
+
+def _reads_any(value: Value, nodes: set[int], limit: int = 256) -> bool:
+    """Whether ``value`` is computed from the output of one of ``nodes`` (True when the search
+    gives up after ``limit`` nodes: unproven counts as read)."""
+    pending: list[Node | None] = [value.producer]
+    seen: set[int] = set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        if id(node) in nodes or len(seen) >= limit:
+            return True
+        seen.add(id(node))
+        pending.extend(v.producer for v in node.inputs if v is not None)
+    return False
+
+
+def _build_cache(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
+    inputs = (m.value("q"), m.value("key"), m.value("value"), m.optional("mask"))
+    node = b.node("Attention", *inputs, m.value("past_key"), m.value("past_value"), outputs=3, **attrs)
+    m.export("key_cache", node.outputs[1])
+    m.export("value_cache", node.outputs[2])
+    return node.outputs[0]
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         name="attention",
@@ -562,12 +685,12 @@ RULES: tuple[Rule, ...] = (
         name="attention-4d",
         family=FAMILY,
         pattern=op.MatMul(either(NAN_GUARD, SOFTMAX), var("v"), name="pv"),
-        plan=plan_4d,
+        plan=_plan_standard_4d,
         build=_build_4d,
         min_opset=23,
         label="Attention",
         doc="scaled dot-product attention on 4-D heads as the PyTorch exporters write it (scale on the scores "
-        "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard) -> Attention (opset 23)",
+        "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard, tanh softcap) -> Attention (opset 23)",
     ),
     Rule(
         name="attention-heads-3d",
@@ -578,5 +701,17 @@ RULES: tuple[Rule, ...] = (
         min_opset=23,
         label="Attention",
         doc="Attention on head splits of 3-D projections, its output merged back -> Attention on the projections",
+    ),
+    Rule(
+        name="attention-kv-cache",
+        family=FAMILY,
+        pattern=_CACHED,
+        plan=_plan_cache,
+        build=_build_cache,
+        min_opset=23,
+        label="Attention",
+        exports=("key_cache", "value_cache"),
+        doc="Attention on a KV cache's Concat(past, new) keys and values -> Attention with past_key / past_value "
+        "in and present_key / present_value out",
     ),
 )

@@ -19,6 +19,7 @@ over the last axis, the MLP's bias) becomes ``BiasGelu(x, bias)`` / ``FastGelu(x
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 from graphopt.ir import DataType, Node
@@ -124,6 +125,29 @@ def _plan_swish(m: Match, site: Site) -> float | str:
     return "alpha is not a scalar constant" if alpha is None else alpha
 
 
+def _gelu_rules(
+    name: str, ort_name: str, pattern: Pattern, label: str, form: str, attrs: dict[str, str], ort_op: str
+) -> tuple[Rule, Rule]:
+    """A decomposed GELU (``form``) as the standard Gelu with ``attrs`` from opset 20 and, below
+    it with ``--target ort``, as onnxruntime's ``ort_op``."""
+    shared = partial(Rule, family=FAMILY, pattern=pattern, plan=float_x, label=label)
+    return (
+        shared(
+            name=name,
+            build=lambda b, m, plan: b.op("Gelu", m.value("x"), **attrs),
+            min_opset=20,
+            doc=f"decomposed {form} -> Gelu (opset 20)",
+        ),
+        shared(
+            name=ort_name,
+            build=lambda b, m, plan: b.op(ort_op, m.value("x"), domain=MS),
+            max_opset=19,
+            targets=frozenset({"ort"}),
+            doc=f"decomposed GELU -> com.microsoft {ort_op} below opset 20 (target ort)",
+        ),
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         name="swish",
@@ -136,47 +160,9 @@ RULES: tuple[Rule, ...] = (
         label="Swish",
         doc="x * Sigmoid(alpha * x) (SiLU: alpha 1) -> Swish (opset 24)",
     ),
-    Rule(
-        name="gelu-none",
-        family=FAMILY,
-        pattern=_ERF_GELU,
-        plan=float_x,
-        build=lambda b, m, plan: b.op("Gelu", m.value("x")),
-        min_opset=20,
-        label="GELU",
-        doc="decomposed erf GELU -> Gelu (opset 20)",
-    ),
-    Rule(
-        name="ort-gelu",
-        family=FAMILY,
-        pattern=_ERF_GELU,
-        plan=float_x,
-        build=lambda b, m, plan: b.op("Gelu", m.value("x"), domain=MS),
-        max_opset=19,
-        targets=frozenset({"ort"}),
-        label="GELU",
-        doc="decomposed GELU -> com.microsoft Gelu below opset 20 (target ort)",
-    ),
-    Rule(
-        name="gelu-tanh",
-        family=FAMILY,
-        pattern=_TANH_GELU,
-        plan=float_x,
-        build=lambda b, m, plan: b.op("Gelu", m.value("x"), approximate="tanh"),
-        min_opset=20,
-        label="tanh GELU",
-        doc="decomposed tanh GELU -> Gelu (opset 20)",
-    ),
-    Rule(
-        name="ort-fastgelu",
-        family=FAMILY,
-        pattern=_TANH_GELU,
-        plan=float_x,
-        build=lambda b, m, plan: b.op("FastGelu", m.value("x"), domain=MS),
-        max_opset=19,
-        targets=frozenset({"ort"}),
-        label="tanh GELU",
-        doc="decomposed GELU -> com.microsoft FastGelu below opset 20 (target ort)",
+    *_gelu_rules("gelu-none", "ort-gelu", _ERF_GELU, "GELU", "erf GELU", {}, "Gelu"),
+    *_gelu_rules(
+        "gelu-tanh", "ort-fastgelu", _TANH_GELU, "tanh GELU", "tanh GELU", {"approximate": "tanh"}, "FastGelu"
     ),
     Rule(
         name="hardsigmoid",

@@ -180,6 +180,14 @@ def _build_casts(b: Builder, m: Match, plan: None) -> Value:
     return _x_or(b, m, m.site.dtype(m.value("x")) == to, "Cast", to=to)
 
 
+def _reshape_x(b: Builder, m: Match, plan: None) -> Value:
+    return b.op("Reshape", m.value("x"), m.value("shape"))
+
+
+def _reshape_x_static(b: Builder, m: Match, shape: tuple[int, ...]) -> Value:
+    return b.op("Reshape", m.value("x"), b.constant(np.array(shape, np.int64), "shape"))
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         name="transpose-transpose",
@@ -196,7 +204,7 @@ RULES: tuple[Rule, ...] = (
         family=FAMILY,
         pattern=op.Reshape(op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner"), var("shape"), name="outer"),
         plan=lambda m, site: None if _reshape_target(m) is not None else "the target shape is not a constant without 0",
-        build=lambda b, m, plan: b.op("Reshape", m.value("x"), m.value("shape")),
+        build=_reshape_x,
         label="Reshape chain",
         doc="Reshape(Reshape|Flatten|Squeeze|Unsqueeze(x), s) -> Reshape(x, s)",
     ),
@@ -205,7 +213,7 @@ RULES: tuple[Rule, ...] = (
         family=FAMILY,
         pattern=op.Reshape(op.Transpose(var("x"), name="inner"), var("shape"), name="outer"),
         plan=_plan_reshape_transpose,
-        build=lambda b, m, plan: b.op("Reshape", m.value("x"), m.value("shape")),
+        build=_reshape_x,
         label="Reshape of a Transpose",
         doc="Reshape(Transpose(x) moving only dims of 1, s) -> Reshape(x, s)",
     ),
@@ -219,7 +227,7 @@ RULES: tuple[Rule, ...] = (
             name="outer",
         ),
         plan=_static_result,
-        build=lambda b, m, shape: b.op("Reshape", m.value("x"), b.constant(np.array(shape, np.int64), "shape")),
+        build=_reshape_x_static,
         label="Reshape chain",
         doc="Flatten|Squeeze|Unsqueeze(Reshape-like(x)) with a static result -> Reshape(x, const)",
     ),
@@ -237,7 +245,7 @@ RULES: tuple[Rule, ...] = (
         family=FAMILY,
         pattern=op.Reshape(var("x"), var("shape", lambda v: not is_constant(v))),
         plan=_one_unknown,
-        build=lambda b, m, shape: b.op("Reshape", m.value("x"), b.constant(np.array(shape, np.int64), "shape")),
+        build=_reshape_x_static,
         label="Reshape",
         doc="Reshape(x, computed s) with one entry not static -> Reshape(x, constant s with -1 there)",
     ),

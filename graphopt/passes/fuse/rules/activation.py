@@ -29,6 +29,8 @@ from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
 
 FAMILY = "activation"
+# Every rule of the family, with the family given once.
+_rule = partial(Rule, family=FAMILY)
 
 
 def _products(x: Pattern, half: Pattern, rest: Pattern) -> Pattern:
@@ -130,7 +132,7 @@ def _gelu_rules(
 ) -> tuple[Rule, Rule]:
     """A decomposed GELU (``form``) as the standard Gelu with ``attrs`` from opset 20 and, below
     it with ``--target ort``, as onnxruntime's ``ort_op``."""
-    shared = partial(Rule, family=FAMILY, pattern=pattern, plan=float_x, label=label)
+    shared = partial(_rule, pattern=pattern, plan=float_x, label=label)
     return (
         shared(
             name=name,
@@ -149,9 +151,8 @@ def _gelu_rules(
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(
+    _rule(
         name="swish",
-        family=FAMILY,
         pattern=_SWISH,
         plan=_plan_swish,
         build=lambda b, m, alpha: b.op("Swish", m.value("x"), alpha=alpha),
@@ -164,18 +165,16 @@ RULES: tuple[Rule, ...] = (
     *_gelu_rules(
         "gelu-tanh", "ort-fastgelu", _TANH_GELU, "tanh GELU", "tanh GELU", {"approximate": "tanh"}, "FastGelu"
     ),
-    Rule(
+    _rule(
         name="hardsigmoid",
-        family=FAMILY,
         pattern=_divided_by_six(_RELU6),
         plan=_check_relu6,
         build=lambda b, m, plan: b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5),
         label="HardSigmoid",
         doc="Clip(x + 3, 0, 6) / 6 -> HardSigmoid(x, alpha=1/6, beta=0.5)",
     ),
-    Rule(
+    _rule(
         name="hardswish",
-        family=FAMILY,
         pattern=either(_SPELLED_HARDSWISH, op.Mul(_x, op.HardSigmoid(_x, where=_is_sixth_hardsigmoid))),
         plan=lambda m, site: _check_relu6(m, site) if "clip" in m else float_x(m, site),
         build=lambda b, m, plan: b.op("HardSwish", m.value("x")),
@@ -183,9 +182,8 @@ RULES: tuple[Rule, ...] = (
         label="HardSwish",
         doc="x * Clip(x + 3, 0, 6) / 6 or x * HardSigmoid(x, 1/6, 1/2) -> HardSwish(x) (opset 14)",
     ),
-    Rule(
+    _rule(
         name="hardswish-as-hardsigmoid",
-        family=FAMILY,
         pattern=_SPELLED_HARDSWISH,
         plan=_check_relu6,
         build=lambda b, m, plan: b.op("Mul", m.value("x"), b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5)),
@@ -193,9 +191,8 @@ RULES: tuple[Rule, ...] = (
         label="HardSwish",
         doc="x * Clip(x + 3, 0, 6) / 6 -> x * HardSigmoid(x, 1/6, 1/2) below opset 14 (no HardSwish there)",
     ),
-    Rule(
+    _rule(
         name="ort-biasgelu",
-        family=FAMILY,
         pattern=op.any_of(
             ("Gelu", "FastGelu"), op.Add(var("x"), const(name="bias", rank=1)), name="gelu", domain=ANY_DOMAIN
         ),

@@ -25,6 +25,8 @@ from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
 
 FAMILY = "matmul"
+# Every rule of the family, with the family given once.
+_rule = partial(Rule, family=FAMILY)
 
 
 def _check_matmul_add(m: Match, site: Site) -> str | None:
@@ -163,12 +165,11 @@ _GEMM = op.Gemm(var("a"), var("b"), optional(var("c")), name="gemm")
 # Which input a Transpose folds into; which scalar op scales a product.
 _SIDES = ("a", "b")
 _SCALES = ("Mul", "Div")
-_ORT_RULE = partial(Rule, family=FAMILY, targets=frozenset({"ort"}))
+_ORT_RULE = partial(_rule, targets=frozenset({"ort"}))
 
 RULES: tuple[Rule, ...] = (
-    Rule(
+    _rule(
         name="matmul-add-gemm",
-        family=FAMILY,
         pattern=op.Add(op.MatMul(var("a"), var("w"), name="matmul"), var("bias")),
         plan=_check_matmul_add,
         build=lambda b, m, plan: b.op("Gemm", m.value("a"), m.value("w"), m.value("bias")),
@@ -176,9 +177,8 @@ RULES: tuple[Rule, ...] = (
         doc="Add(MatMul(a, W), b) -> Gemm(a, W, b) for 2-D a and W",
     ),
     *(
-        Rule(
+        _rule(
             name=f"transpose-into-gemm-{side}",
-            family=FAMILY,
             pattern=op.Gemm(*_transposed(side), optional(var("c")), name="gemm"),
             plan=_check_2d_swap,
             build=partial(_build_transposed_gemm, side),
@@ -188,9 +188,8 @@ RULES: tuple[Rule, ...] = (
         for side in _SIDES
     ),
     *(
-        Rule(
+        _rule(
             name=f"gemm-{scale.lower()}-scalar",
-            family=FAMILY,
             pattern=getattr(op, scale)(_GEMM, const(name="s")),
             plan=_plan_scaled_gemm,
             build=_build_scaled_gemm,

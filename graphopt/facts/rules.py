@@ -28,6 +28,7 @@ from graphopt.facts.op import (
     d_sub,
     merge_dims,
     norm_axis,
+    registrar,
     tensor,
 )
 from graphopt.ir import DataType, Dim, Tensor, TensorType
@@ -44,13 +45,7 @@ RULES: dict[str, Rule] = {}
 _TO_END = 2**31 - 1
 
 
-def rule(*op_types: str) -> Callable[[Rule], Rule]:
-    def add(fn: Rule) -> Rule:
-        for op_type in op_types:
-            RULES[op_type] = fn
-        return fn
-
-    return add
+rule = registrar(RULES)
 
 
 def _t(dtype: DataType | None, shape: Shape | None) -> TensorType | None:

@@ -14,9 +14,9 @@ arithmetic on ``None`` gives ``None``, so rules do not have to test every operan
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -38,6 +38,7 @@ __all__ = [
     "broadcast",
     "merge_dims",
     "norm_axis",
+    "registrar",
     "tensor",
 ]
 
@@ -48,6 +49,23 @@ SymValue = tuple[Dim, ...]
 MAX_VALUE_LEN = 64
 # Constants larger than this are not read (rules need shapes and small index lists only).
 MAX_CONST_SIZE = 4096
+
+
+Registered = TypeVar("Registered")
+
+
+def registrar(table: dict[str, Registered]) -> Callable[..., Callable[[Registered], Registered]]:
+    """A decorator factory: ``@register("Add", "Sub")`` enters a rule in ``table`` under each op type."""
+
+    def register(*op_types: str) -> Callable[[Registered], Registered]:
+        def add(fn: Registered) -> Registered:
+            for op_type in op_types:
+                table[op_type] = fn
+            return fn
+
+        return add
+
+    return register
 
 
 class SymSource(Protocol):

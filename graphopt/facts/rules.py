@@ -28,10 +28,12 @@ from graphopt.facts.op import (
     d_sub,
     merge_dims,
     norm_axis,
+    registrar,
     tensor,
 )
 from graphopt.ir import DataType, Dim, Tensor, TensorType
 from graphopt.ir.constness import constant_node_tensor
+from graphopt.ir.ops import BITWISE, BROADCASTING_ARITHMETIC, COMPARISONS
 
 __all__ = ["RULES", "Outputs", "Rule", "slice_dim"]
 
@@ -43,13 +45,7 @@ RULES: dict[str, Rule] = {}
 _TO_END = 2**31 - 1
 
 
-def rule(*op_types: str) -> Callable[[Rule], Rule]:
-    def add(fn: Rule) -> Rule:
-        for op_type in op_types:
-            RULES[op_type] = fn
-        return fn
-
-    return add
+rule = registrar(RULES)
 
 
 def _t(dtype: DataType | None, shape: Shape | None) -> TensorType | None:
@@ -80,17 +76,14 @@ def predicate(op: Op) -> Outputs:
 
 
 # (a, b, ...) -> broadcast(a, b, ...) with a's element type
-@rule(
-    "Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "PRelu", "BitShift",
-    "BitwiseAnd", "BitwiseOr", "BitwiseXor",
-)  # fmt: skip
+@rule(*BROADCASTING_ARITHMETIC, *BITWISE)
 def broadcasting(op: Op) -> Outputs:
     dtype = next((op.dtype(i) for i in range(op.n_inputs) if op.dtype(i) is not None), None)
     return [_t(dtype, broadcast([op.shape(i) for i in range(op.n_inputs)]))]
 
 
 # (a, b) -> bool[broadcast(a, b)]
-@rule("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor")
+@rule(*COMPARISONS)
 def comparison(op: Op) -> Outputs:
     return [_t(DataType.BOOL, broadcast([op.shape(0), op.shape(1)]))]
 

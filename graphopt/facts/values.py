@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from graphopt.facts.op import MAX_VALUE_LEN, Op, SymValue, d_add, d_div, d_lower_bound, d_mul, d_prod, d_sub
+from graphopt.facts.op import MAX_VALUE_LEN, Op, SymValue, d_add, d_div, d_lower_bound, d_mul, d_prod, d_sub, registrar
 from graphopt.ir import DataType, Dim, Tensor
 
 __all__ = ["VALUE_RULES", "ValueRule"]
@@ -25,13 +25,7 @@ VALUE_RULES: dict[str, ValueRule] = {}
 _INT_TARGETS = {DataType.INT64, DataType.INT32, DataType.INT16, DataType.INT8, DataType.UINT32, DataType.UINT64}
 
 
-def value_rule(*op_types: str) -> Callable[[ValueRule], ValueRule]:
-    def add(fn: ValueRule) -> ValueRule:
-        for op_type in op_types:
-            VALUE_RULES[op_type] = fn
-        return fn
-
-    return add
+value_rule = registrar(VALUE_RULES)
 
 
 @value_rule("Shape")

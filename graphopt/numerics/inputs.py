@@ -91,7 +91,12 @@ _IN_STRIDES = 8
 _MAX_INT = 100
 # The check does not generate an input larger than this (a declared dim of 2**40 is valid ONNX).
 _MAX_INPUT_BYTES = 2**30
-# The most bytes the arrays of an --inputs .npz may take once decompressed.
+# The most bytes the arrays of an --inputs .npz may take once decompressed, read from the
+# archive's stated sizes before any array is: a guard against a small file that inflates
+# without bound. It is a second figure on purpose, not the check's memory budget
+# (numerics/budget.py DEFAULT_MEMORY_BUDGET, 8 GB unless --check-memory): that one bounds the
+# model run (its constants and the values its nodes make and read) and is only known once the model is
+# loaded; 4 GiB of inputs leaves the default budget room for the rest.
 NPZ_BYTE_LIMIT = 4 * 2**30
 # The tensors a generated sequence input holds: more than one, so an op that reads only the
 # first or the last of them differs from one that reads all.

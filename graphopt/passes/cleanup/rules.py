@@ -255,179 +255,73 @@ def _neutral_operand(node: Node, neutral: int, constant_at: tuple[int, ...]) -> 
     return None
 
 
-@_removable("no neutral operand")
-def add_zero(node: Node, opset: int) -> Value | None:
-    # Add(x, 0) -> x,  Add(0, x) -> x
-    return _neutral_operand(node, 0, (1, 0))
+def _neutral(neutral: int, positions: tuple[int, ...]) -> Plan:
+    """The plan bypassing a binary op whose operand at one of ``positions`` is ``neutral`` everywhere."""
+    return _removable("no neutral operand")(lambda node, opset: _neutral_operand(node, neutral, positions))
 
 
-@_removable("no neutral operand")
-def sub_zero(node: Node, opset: int) -> Value | None:
-    # Sub(x, 0) -> x
-    return _neutral_operand(node, 0, (1,))
+add_zero = _neutral(0, (1, 0))  # Add(x, 0) -> x,  Add(0, x) -> x
+sub_zero = _neutral(0, (1,))  # Sub(x, 0) -> x
+mul_one = _neutral(1, (1, 0))  # Mul(x, 1) -> x,  Mul(1, x) -> x
+div_one = _neutral(1, (1,))  # Div(x, 1) -> x
 
 
-@_removable("no neutral operand")
-def mul_one(node: Node, opset: int) -> Value | None:
-    # Mul(x, 1) -> x,  Mul(1, x) -> x
-    return _neutral_operand(node, 1, (1, 0))
-
-
-@_removable("no neutral operand")
-def div_one(node: Node, opset: int) -> Value | None:
-    # Div(x, 1) -> x
-    return _neutral_operand(node, 1, (1,))
+def _noop(name: str, op_types: Sequence[str], arity: int, plan: Plan, doc: str) -> Rule:
+    """The rule that bypasses one node of ``op_types`` (``arity`` inputs at the most) where ``plan`` agrees."""
+    return Rule(
+        name=name,
+        family=FAMILY,
+        pattern=_single(op_types, arity),
+        plan=plan,
+        build=_bypassed,
+        label=" / ".join(op_types),
+        doc=doc,
+    )
 
 
 # The two the fuse pass's shape family runs as well.
-CAST_TO_SAME_TYPE = Rule(
-    name="cast-to-same-type",
-    family=FAMILY,
-    pattern=_single(("Cast",), 1),
-    plan=cast_to_same_type,
-    build=_bypassed,
-    label="Cast",
-    doc="Cast(x: float, to=float) -> x",
-)
+CAST_TO_SAME_TYPE = _noop("cast-to-same-type", ("Cast",), 1, cast_to_same_type, "Cast(x: float, to=float) -> x")
 
-TRANSPOSE_IDENTITY = Rule(
-    name="transpose-identity",
-    family=FAMILY,
-    pattern=_single(("Transpose",), 1),
-    plan=transpose_identity,
-    build=_bypassed,
-    label="Transpose",
-    doc="Transpose(x, perm=[0, 1, ..., n-1]) -> x",
+TRANSPOSE_IDENTITY = _noop(
+    "transpose-identity", ("Transpose",), 1, transpose_identity, "Transpose(x, perm=[0, 1, ..., n-1]) -> x"
 )
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(
-        name="identity",
-        family=FAMILY,
-        pattern=_single(("Identity",), 1),
-        plan=identity,
-        build=_bypassed,
-        label="Identity",
-        doc="Identity(x) -> x",
-    ),
-    Rule(
-        name="dropout-inference",
-        family=FAMILY,
-        pattern=_single(("Dropout",), 3),
-        plan=dropout_inference,
-        build=_bypassed,
-        label="Dropout",
-        doc="Dropout(x, ratio, training_mode=false) -> x",
-    ),
+    _noop("identity", ("Identity",), 1, identity, "Identity(x) -> x"),
+    _noop("dropout-inference", ("Dropout",), 3, dropout_inference, "Dropout(x, ratio, training_mode=false) -> x"),
     CAST_TO_SAME_TYPE,
-    Rule(
-        name="reshape-to-same-shape",
-        family=FAMILY,
-        pattern=_single(("Reshape",), 2),
-        plan=reshape_to_same_shape,
-        build=_bypassed,
-        label="Reshape",
-        doc="Reshape(x: [b, s, 256], [0, -1, 256]) -> x",
+    _noop(
+        "reshape-to-same-shape", ("Reshape",), 2, reshape_to_same_shape, "Reshape(x: [b, s, 256], [0, -1, 256]) -> x"
     ),
     TRANSPOSE_IDENTITY,
-    Rule(
-        name="pad-nothing",
-        family=FAMILY,
-        pattern=_single(("Pad",), 4),
-        plan=pad_nothing,
-        build=_bypassed,
-        label="Pad",
-        doc="Pad(x, pads=[0, ..., 0]) -> x",
+    _noop("pad-nothing", ("Pad",), 4, pad_nothing, "Pad(x, pads=[0, ..., 0]) -> x"),
+    _noop(
+        "squeeze-nothing",
+        ("Squeeze",),
+        2,
+        squeeze_nothing,
+        "Squeeze(x: [2, 3], axes=[]) -> x   (no axes means every dim of 1, and there is none)",
     ),
-    Rule(
-        name="squeeze-nothing",
-        family=FAMILY,
-        pattern=_single(("Squeeze",), 2),
-        plan=squeeze_nothing,
-        build=_bypassed,
-        label="Squeeze",
-        doc="Squeeze(x: [2, 3], axes=[]) -> x   (no axes means every dim of 1, and there is none)",
+    _noop("unsqueeze-nothing", ("Unsqueeze",), 2, unsqueeze_nothing, "Unsqueeze(x, axes=[]) -> x"),
+    _noop(
+        "slice-everything",
+        ("Slice",),
+        5,
+        slice_everything,
+        "Slice(x: [4, s], starts=[0, 0], ends=[4, INT64_MAX], steps=[1, 1]) -> x",
     ),
-    Rule(
-        name="unsqueeze-nothing",
-        family=FAMILY,
-        pattern=_single(("Unsqueeze",), 2),
-        plan=unsqueeze_nothing,
-        build=_bypassed,
-        label="Unsqueeze",
-        doc="Unsqueeze(x, axes=[]) -> x",
+    _noop("expand-to-own-shape", ("Expand",), 2, expand_to_own_shape, "Expand(x: [b, 3], shape=[1, 3]) -> x"),
+    _noop("tile-once", ("Tile",), 2, tile_once, "Tile(x, repeats=[1, ..., 1]) -> x"),
+    _noop(
+        "single-input",
+        ("Concat", "Sum", "Max", "Min", "Mean"),
+        1,
+        single_input,
+        "Concat(x) -> x,  Sum(x) -> x,  Max(x) -> x, ...",
     ),
-    Rule(
-        name="slice-everything",
-        family=FAMILY,
-        pattern=_single(("Slice",), 5),
-        plan=slice_everything,
-        build=_bypassed,
-        label="Slice",
-        doc="Slice(x: [4, s], starts=[0, 0], ends=[4, INT64_MAX], steps=[1, 1]) -> x",
-    ),
-    Rule(
-        name="expand-to-own-shape",
-        family=FAMILY,
-        pattern=_single(("Expand",), 2),
-        plan=expand_to_own_shape,
-        build=_bypassed,
-        label="Expand",
-        doc="Expand(x: [b, 3], shape=[1, 3]) -> x",
-    ),
-    Rule(
-        name="tile-once",
-        family=FAMILY,
-        pattern=_single(("Tile",), 2),
-        plan=tile_once,
-        build=_bypassed,
-        label="Tile",
-        doc="Tile(x, repeats=[1, ..., 1]) -> x",
-    ),
-    Rule(
-        name="single-input",
-        family=FAMILY,
-        pattern=_single(("Concat", "Sum", "Max", "Min", "Mean"), 1),
-        plan=single_input,
-        build=_bypassed,
-        label="Concat / Sum / Max / Min / Mean",
-        doc="Concat(x) -> x,  Sum(x) -> x,  Max(x) -> x, ...",
-    ),
-    Rule(
-        name="add-zero",
-        family=FAMILY,
-        pattern=_single(("Add",), 2),
-        plan=add_zero,
-        build=_bypassed,
-        label="Add",
-        doc="Add(x, 0) -> x,  Add(0, x) -> x",
-    ),
-    Rule(
-        name="sub-zero",
-        family=FAMILY,
-        pattern=_single(("Sub",), 2),
-        plan=sub_zero,
-        build=_bypassed,
-        label="Sub",
-        doc="Sub(x, 0) -> x",
-    ),
-    Rule(
-        name="mul-one",
-        family=FAMILY,
-        pattern=_single(("Mul",), 2),
-        plan=mul_one,
-        build=_bypassed,
-        label="Mul",
-        doc="Mul(x, 1) -> x,  Mul(1, x) -> x",
-    ),
-    Rule(
-        name="div-one",
-        family=FAMILY,
-        pattern=_single(("Div",), 2),
-        plan=div_one,
-        build=_bypassed,
-        label="Div",
-        doc="Div(x, 1) -> x",
-    ),
+    _noop("add-zero", ("Add",), 2, add_zero, "Add(x, 0) -> x,  Add(0, x) -> x"),
+    _noop("sub-zero", ("Sub",), 2, sub_zero, "Sub(x, 0) -> x"),
+    _noop("mul-one", ("Mul",), 2, mul_one, "Mul(x, 1) -> x,  Mul(1, x) -> x"),
+    _noop("div-one", ("Div",), 2, div_one, "Div(x, 1) -> x"),
 )

@@ -38,7 +38,7 @@ from typing import Literal
 
 import numpy as np
 
-from graphopt.ir import AttrKind, Graph, Model, Node, TensorType, Value
+from graphopt.ir import AttrKind, Graph, Model, Node, TensorType, Value, ops
 from graphopt.ir.constness import constant_array, is_constant
 from graphopt.layout.problem import Problem
 from graphopt.layout.solution import Solution
@@ -93,31 +93,10 @@ UNARY = frozenset(
         "ThresholdedRelu",
     ]
 )
-BROADCASTING = frozenset(
-    [
-        "Add",
-        "Sub",
-        "Mul",
-        "Div",
-        "Pow",
-        "Max",
-        "Min",
-        "Sum",
-        "Mean",
-        "Equal",
-        "Less",
-        "Greater",
-        "LessOrEqual",
-        "GreaterOrEqual",
-        "And",
-        "Or",
-        "Xor",
-        "Mod",
-        "PRelu",
-        "Where",
-        "Clip",
-    ]
-)
+# Clip is here on purpose: its min / max are scalars, so it takes the layout of its data as a
+# broadcasting op does. The integer bit ops never were: adding them could change the layouts
+# chosen for a model that has them; kept as it was.
+BROADCASTING = (ops.BROADCASTING - frozenset(ops.BITWISE)) | {"Clip"}
 REDUCTIONS = frozenset(
     [
         "ReduceMean",

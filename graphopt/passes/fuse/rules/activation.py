@@ -19,6 +19,7 @@ over the last axis, the MLP's bias) becomes ``BiasGelu(x, bias)`` / ``FastGelu(x
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 from graphopt.ir import DataType, Node
@@ -28,6 +29,8 @@ from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
 
 FAMILY = "activation"
+# Every rule of the family, with the family given once.
+_rule = partial(Rule, family=FAMILY)
 
 
 def _products(x: Pattern, half: Pattern, rest: Pattern) -> Pattern:
@@ -124,10 +127,32 @@ def _plan_swish(m: Match, site: Site) -> float | str:
     return "alpha is not a scalar constant" if alpha is None else alpha
 
 
+def _gelu_rules(
+    name: str, ort_name: str, pattern: Pattern, label: str, form: str, attrs: dict[str, str], ort_op: str
+) -> tuple[Rule, Rule]:
+    """A decomposed GELU (``form``) as the standard Gelu with ``attrs`` from opset 20 and, below
+    it with ``--target ort``, as onnxruntime's ``ort_op``."""
+    shared = partial(_rule, pattern=pattern, plan=float_x, label=label)
+    return (
+        shared(
+            name=name,
+            build=lambda b, m, plan: b.op("Gelu", m.value("x"), **attrs),
+            min_opset=20,
+            doc=f"decomposed {form} -> Gelu (opset 20)",
+        ),
+        shared(
+            name=ort_name,
+            build=lambda b, m, plan: b.op(ort_op, m.value("x"), domain=MS),
+            max_opset=19,
+            targets=frozenset({"ort"}),
+            doc=f"decomposed GELU -> com.microsoft {ort_op} below opset 20 (target ort)",
+        ),
+    )
+
+
 RULES: tuple[Rule, ...] = (
-    Rule(
+    _rule(
         name="swish",
-        family=FAMILY,
         pattern=_SWISH,
         plan=_plan_swish,
         build=lambda b, m, alpha: b.op("Swish", m.value("x"), alpha=alpha),
@@ -136,60 +161,20 @@ RULES: tuple[Rule, ...] = (
         label="Swish",
         doc="x * Sigmoid(alpha * x) (SiLU: alpha 1) -> Swish (opset 24)",
     ),
-    Rule(
-        name="gelu-none",
-        family=FAMILY,
-        pattern=_ERF_GELU,
-        plan=float_x,
-        build=lambda b, m, plan: b.op("Gelu", m.value("x")),
-        min_opset=20,
-        label="GELU",
-        doc="decomposed erf GELU -> Gelu (opset 20)",
+    *_gelu_rules("gelu-none", "ort-gelu", _ERF_GELU, "GELU", "erf GELU", {}, "Gelu"),
+    *_gelu_rules(
+        "gelu-tanh", "ort-fastgelu", _TANH_GELU, "tanh GELU", "tanh GELU", {"approximate": "tanh"}, "FastGelu"
     ),
-    Rule(
-        name="ort-gelu",
-        family=FAMILY,
-        pattern=_ERF_GELU,
-        plan=float_x,
-        build=lambda b, m, plan: b.op("Gelu", m.value("x"), domain=MS),
-        max_opset=19,
-        targets=frozenset({"ort"}),
-        label="GELU",
-        doc="decomposed GELU -> com.microsoft Gelu below opset 20 (target ort)",
-    ),
-    Rule(
-        name="gelu-tanh",
-        family=FAMILY,
-        pattern=_TANH_GELU,
-        plan=float_x,
-        build=lambda b, m, plan: b.op("Gelu", m.value("x"), approximate="tanh"),
-        min_opset=20,
-        label="tanh GELU",
-        doc="decomposed tanh GELU -> Gelu (opset 20)",
-    ),
-    Rule(
-        name="ort-fastgelu",
-        family=FAMILY,
-        pattern=_TANH_GELU,
-        plan=float_x,
-        build=lambda b, m, plan: b.op("FastGelu", m.value("x"), domain=MS),
-        max_opset=19,
-        targets=frozenset({"ort"}),
-        label="tanh GELU",
-        doc="decomposed GELU -> com.microsoft FastGelu below opset 20 (target ort)",
-    ),
-    Rule(
+    _rule(
         name="hardsigmoid",
-        family=FAMILY,
         pattern=_divided_by_six(_RELU6),
         plan=_check_relu6,
         build=lambda b, m, plan: b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5),
         label="HardSigmoid",
         doc="Clip(x + 3, 0, 6) / 6 -> HardSigmoid(x, alpha=1/6, beta=0.5)",
     ),
-    Rule(
+    _rule(
         name="hardswish",
-        family=FAMILY,
         pattern=either(_SPELLED_HARDSWISH, op.Mul(_x, op.HardSigmoid(_x, where=_is_sixth_hardsigmoid))),
         plan=lambda m, site: _check_relu6(m, site) if "clip" in m else float_x(m, site),
         build=lambda b, m, plan: b.op("HardSwish", m.value("x")),
@@ -197,9 +182,8 @@ RULES: tuple[Rule, ...] = (
         label="HardSwish",
         doc="x * Clip(x + 3, 0, 6) / 6 or x * HardSigmoid(x, 1/6, 1/2) -> HardSwish(x) (opset 14)",
     ),
-    Rule(
+    _rule(
         name="hardswish-as-hardsigmoid",
-        family=FAMILY,
         pattern=_SPELLED_HARDSWISH,
         plan=_check_relu6,
         build=lambda b, m, plan: b.op("Mul", m.value("x"), b.op("HardSigmoid", m.value("x"), alpha=1 / 6, beta=0.5)),
@@ -207,9 +191,8 @@ RULES: tuple[Rule, ...] = (
         label="HardSwish",
         doc="x * Clip(x + 3, 0, 6) / 6 -> x * HardSigmoid(x, 1/6, 1/2) below opset 14 (no HardSwish there)",
     ),
-    Rule(
+    _rule(
         name="ort-biasgelu",
-        family=FAMILY,
         pattern=op.any_of(
             ("Gelu", "FastGelu"), op.Add(var("x"), const(name="bias", rank=1)), name="gelu", domain=ANY_DOMAIN
         ),

@@ -72,78 +72,30 @@ def _gathered_row(m: Match, site: Site) -> np.ndarray | str:
     return table[row]
 
 
+# (outer op, inner op, the op of the result, how the inner then the outer constant combine)
+_PAIRS: tuple[tuple[str, str, str, Combine], ...] = (
+    ("Mul", "Mul", "Mul", lambda a, b: a * b),
+    ("Add", "Add", "Add", lambda a, b: a + b),
+    ("Add", "Sub", "Add", lambda a, b: b - a),
+    ("Sub", "Add", "Add", lambda a, b: a - b),
+    ("Sub", "Sub", "Sub", lambda a, b: a + b),
+    ("Div", "Div", "Div", lambda a, b: a * b),
+    ("Div", "Mul", "Mul", lambda a, b: a / b),
+    ("Mul", "Div", "Mul", lambda a, b: b / a),
+)
+
 RULES: tuple[Rule, ...] = (
-    Rule(
-        name="mul-mul-constants",
-        family=FAMILY,
-        pattern=_pair("Mul", "Mul"),
-        plan=_constants,
-        build=partial(_combined, "Mul", lambda a, b: a * b),
-        label="Mul+Mul by constants",
-        doc="Mul(Mul(x, a), b) -> Mul(x, combined constant)",
-    ),
-    Rule(
-        name="add-add-constants",
-        family=FAMILY,
-        pattern=_pair("Add", "Add"),
-        plan=_constants,
-        build=partial(_combined, "Add", lambda a, b: a + b),
-        label="Add+Add by constants",
-        doc="Add(Add(x, a), b) -> Add(x, combined constant)",
-    ),
-    Rule(
-        name="sub-add-constants",
-        family=FAMILY,
-        pattern=_pair("Add", "Sub"),
-        plan=_constants,
-        build=partial(_combined, "Add", lambda a, b: b - a),
-        label="Sub+Add by constants",
-        doc="Add(Sub(x, a), b) -> Add(x, combined constant)",
-    ),
-    Rule(
-        name="add-sub-constants",
-        family=FAMILY,
-        pattern=_pair("Sub", "Add"),
-        plan=_constants,
-        build=partial(_combined, "Add", lambda a, b: a - b),
-        label="Add+Sub by constants",
-        doc="Sub(Add(x, a), b) -> Add(x, combined constant)",
-    ),
-    Rule(
-        name="sub-sub-constants",
-        family=FAMILY,
-        pattern=_pair("Sub", "Sub"),
-        plan=_constants,
-        build=partial(_combined, "Sub", lambda a, b: a + b),
-        label="Sub+Sub by constants",
-        doc="Sub(Sub(x, a), b) -> Sub(x, combined constant)",
-    ),
-    Rule(
-        name="div-div-constants",
-        family=FAMILY,
-        pattern=_pair("Div", "Div"),
-        plan=_constants,
-        build=partial(_combined, "Div", lambda a, b: a * b),
-        label="Div+Div by constants",
-        doc="Div(Div(x, a), b) -> Div(x, combined constant)",
-    ),
-    Rule(
-        name="mul-div-constants",
-        family=FAMILY,
-        pattern=_pair("Div", "Mul"),
-        plan=_constants,
-        build=partial(_combined, "Mul", lambda a, b: a / b),
-        label="Mul+Div by constants",
-        doc="Div(Mul(x, a), b) -> Mul(x, combined constant)",
-    ),
-    Rule(
-        name="div-mul-constants",
-        family=FAMILY,
-        pattern=_pair("Mul", "Div"),
-        plan=_constants,
-        build=partial(_combined, "Mul", lambda a, b: b / a),
-        label="Div+Mul by constants",
-        doc="Mul(Div(x, a), b) -> Mul(x, combined constant)",
+    *(
+        Rule(
+            name=f"{inner.lower()}-{outer.lower()}-constants",
+            family=FAMILY,
+            pattern=_pair(outer, inner),
+            plan=_constants,
+            build=partial(_combined, result, combine),
+            label=f"{inner}+{outer} by constants",
+            doc=f"{outer}({inner}(x, a), b) -> {result}(x, combined constant)",
+        )
+        for outer, inner, result, combine in _PAIRS
     ),
     Rule(
         name="add-constant-row",

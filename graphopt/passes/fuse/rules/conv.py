@@ -33,6 +33,7 @@ Conv, FusedConv or pooling (through element-wise ops of those).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -373,6 +374,15 @@ def _channel_rule(root: str) -> Rule:
     )
 
 
+_FUSED_CONV = partial(
+    Rule,
+    family=FAMILY,
+    plan=_check_fused_conv,
+    build=_build_fused_conv,
+    targets=frozenset({"ort"}),
+    label="Conv+activation",
+)
+
 RULES: tuple[Rule, ...] = (
     Rule(
         name="conv-bn",
@@ -386,24 +396,14 @@ RULES: tuple[Rule, ...] = (
     _channel_rule("Mul"),
     _channel_rule("Add"),
     _channel_rule("Sub"),
-    Rule(
+    _FUSED_CONV(
         name="ort-fusedconv",
-        family=FAMILY,
         pattern=activated(_PLAIN_CONV),
-        plan=_check_fused_conv,
-        build=_build_fused_conv,
-        targets=frozenset({"ort"}),
-        label="Conv+activation",
         doc="Act(Conv(x, W, B)) -> com.microsoft FusedConv (target ort)",
     ),
-    Rule(
+    _FUSED_CONV(
         name="ort-fusedconv-sum",
-        family=FAMILY,
         pattern=activated(op.Add(_PLAIN_CONV, var("z"), name="sum")),
-        plan=_check_fused_conv,
-        build=_build_fused_conv,
-        targets=frozenset({"ort"}),
-        label="Conv+activation",
         doc="Act(Conv(x, W, B) + z) -> com.microsoft FusedConv (target ort)",
     ),
     Rule(

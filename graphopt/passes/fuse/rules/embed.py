@@ -19,6 +19,7 @@ embeddings itself there); at ORT_DISABLE_ALL it changed nothing measurable (BENC
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -29,6 +30,8 @@ from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, const, either, op, optional, var
 
 FAMILY = "embed"
+# Every rule of the family, with the family given once.
+_rule = partial(Rule, family=FAMILY)
 _IDS = (DataType.INT32, DataType.INT64)
 
 
@@ -144,9 +147,8 @@ def _build(b: Builder, m: Match, plan: _Plan) -> Value:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(
+    _rule(
         name="ort-embedlayernorm",
-        family=FAMILY,
         pattern=_EMBED,
         plan=_plan,
         build=_build,

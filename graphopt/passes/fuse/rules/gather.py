@@ -24,6 +24,8 @@ rows a call reads are very likely fewer than the table's.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from graphopt.ir import Value
@@ -32,6 +34,8 @@ from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import const, either, op, optional, var
 
 FAMILY = "gather"
+# Every rule of the family, with the family given once.
+_rule = partial(Rule, family=FAMILY)
 # Tables this long (vocabularies, position tables) are cast row by row after the lookup.
 MIN_TABLE_ROWS = 256
 
@@ -95,9 +99,8 @@ def _gather_then_cast(b: Builder, m: Match, plan: None) -> Value:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(
+    _rule(
         name="gather-consecutive-rows",
-        family=FAMILY,
         pattern=op.Gather(
             either(const(name="table"), op.Cast(const(name="table"), name="cast")),
             op.Slice(
@@ -112,9 +115,8 @@ RULES: tuple[Rule, ...] = (
         label="Gather of consecutive rows",
         doc="Gather(T, Slice(0..N-1, s, e)) -> Slice(T, s, e) (a Cast of T goes after the Slice)",
     ),
-    Rule(
+    _rule(
         name="gather-before-cast",
-        family=FAMILY,
         pattern=op.Gather(op.Cast(const(name="table"), name="cast"), var("indices"), name="gather"),
         plan=_check_large_table,
         build=_gather_then_cast,

@@ -38,8 +38,8 @@ import numpy as np
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, is_float
-from graphopt.passes.rewrite.engine import Match, Rule, Site
-from graphopt.passes.rewrite.patterns import op, optional, var
+from graphopt.passes.rewrite.engine import Build, Match, Plan, Rule, Site
+from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
 
 FAMILY = "lower"
 
@@ -360,74 +360,40 @@ def _lower_split(b: Builder, m: Match, sizes: list[int]) -> list[Value]:
     ]
 
 
+def _lowering(name: str, pattern: OpPattern, plan: Plan, build: Build, max_opset: int) -> Rule:
+    """A shatter rule taking ``pattern``'s op to primitives where the target opset is past ``max_opset``."""
+    (op_type,) = pattern.op_types
+    return Rule(
+        name=name,
+        family=FAMILY,
+        pattern=pattern,
+        plan=plan,
+        build=build,
+        kind="shatter",
+        max_opset=max_opset,
+        label=op_type,
+        doc=f"{op_type} -> primitives where the target opset is below {max_opset + 1} (--target-opset)",
+    )
+
+
+_ATTENTION = op.Attention(
+    var("q"), var("k"), var("v"), optional(var("mask")), *(optional(var(f"extra{i}")) for i in range(3))
+)
+
 RULES: tuple[Rule, ...] = (
-    Rule(
-        name="lower-layernorm",
-        family=FAMILY,
-        pattern=op.LayerNormalization(_x, var("scale"), optional(var("bias"))),
-        plan=_plan_norm,
-        build=_lower_layer_norm,
-        kind="shatter",
-        max_opset=16,
-        label="LayerNormalization",
-        doc="LayerNormalization -> primitives where the target opset is below 17 (--target-opset)",
+    _lowering(
+        "lower-layernorm",
+        op.LayerNormalization(_x, var("scale"), optional(var("bias"))),
+        _plan_norm,
+        _lower_layer_norm,
+        16,
     ),
-    Rule(
-        name="lower-gelu",
-        family=FAMILY,
-        pattern=op.Gelu(_x),
-        plan=_float_type,
-        build=_lower_gelu,
-        kind="shatter",
-        max_opset=19,
-        label="Gelu",
-        doc="Gelu -> primitives where the target opset is below 20 (--target-opset)",
+    _lowering("lower-gelu", op.Gelu(_x), _float_type, _lower_gelu, 19),
+    _lowering("lower-rmsnorm", op.RMSNormalization(_x, var("scale")), _plan_norm, _lower_rms_norm, 22),
+    _lowering(
+        "lower-groupnorm", op.GroupNormalization(_x, var("scale"), var("bias")), _plan_group_norm, _lower_group_norm, 20
     ),
-    Rule(
-        name="lower-rmsnorm",
-        family=FAMILY,
-        pattern=op.RMSNormalization(_x, var("scale")),
-        plan=_plan_norm,
-        build=_lower_rms_norm,
-        kind="shatter",
-        max_opset=22,
-        label="RMSNormalization",
-        doc="RMSNormalization -> primitives where the target opset is below 23 (--target-opset)",
-    ),
-    Rule(
-        name="lower-groupnorm",
-        family=FAMILY,
-        pattern=op.GroupNormalization(_x, var("scale"), var("bias")),
-        plan=_plan_group_norm,
-        build=_lower_group_norm,
-        kind="shatter",
-        max_opset=20,
-        label="GroupNormalization",
-        doc="GroupNormalization -> primitives where the target opset is below 21 (--target-opset)",
-    ),
-    Rule(
-        name="lower-attention",
-        family=FAMILY,
-        pattern=op.Attention(
-            var("q"), var("k"), var("v"), optional(var("mask")), *(optional(var(f"extra{i}")) for i in range(3))
-        ),
-        plan=_attention_layout,
-        build=_lower_attention,
-        kind="shatter",
-        max_opset=22,
-        label="Attention",
-        doc="Attention -> primitives where the target opset is below 23 (--target-opset)",
-    ),
+    _lowering("lower-attention", _ATTENTION, _attention_layout, _lower_attention, 22),
     # Split exists at 17, but the version converter has no way from opset 18's Split down to it.
-    Rule(
-        name="lower-split",
-        family=FAMILY,
-        pattern=op.Split(_x, optional(var("split"))),
-        plan=_plan_split,
-        build=_lower_split,
-        kind="shatter",
-        max_opset=17,
-        label="Split",
-        doc="Split -> primitives where the target opset is below 18 (--target-opset)",
-    ),
+    _lowering("lower-split", op.Split(_x, optional(var("split"))), _plan_split, _lower_split, 17),
 )

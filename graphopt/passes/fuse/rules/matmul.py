@@ -25,6 +25,8 @@ from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
 
 FAMILY = "matmul"
+# Every rule of the family, with the family given once.
+_rule = partial(Rule, family=FAMILY)
 
 
 def _check_matmul_add(m: Match, site: Site) -> str | None:
@@ -160,103 +162,74 @@ def _plan_scaled_matmul(m: Match, site: Site) -> float | str:
 
 _GEMM = op.Gemm(var("a"), var("b"), optional(var("c")), name="gemm")
 
+# Which input a Transpose folds into; which scalar op scales a product.
+_SIDES = ("a", "b")
+_SCALES = ("Mul", "Div")
+_ORT_RULE = partial(_rule, targets=frozenset({"ort"}))
+
 RULES: tuple[Rule, ...] = (
-    Rule(
+    _rule(
         name="matmul-add-gemm",
-        family=FAMILY,
         pattern=op.Add(op.MatMul(var("a"), var("w"), name="matmul"), var("bias")),
         plan=_check_matmul_add,
         build=lambda b, m, plan: b.op("Gemm", m.value("a"), m.value("w"), m.value("bias")),
         label="MatMul+Add",
         doc="Add(MatMul(a, W), b) -> Gemm(a, W, b) for 2-D a and W",
     ),
-    Rule(
-        name="transpose-into-gemm-a",
-        family=FAMILY,
-        pattern=op.Gemm(*_transposed("a"), optional(var("c")), name="gemm"),
-        plan=_check_2d_swap,
-        build=partial(_build_transposed_gemm, "a"),
-        label="Transpose+Gemm",
-        doc="Gemm with a Transposed input A -> Gemm with transA flipped",
+    *(
+        _rule(
+            name=f"transpose-into-gemm-{side}",
+            pattern=op.Gemm(*_transposed(side), optional(var("c")), name="gemm"),
+            plan=_check_2d_swap,
+            build=partial(_build_transposed_gemm, side),
+            label="Transpose+Gemm",
+            doc=f"Gemm with a Transposed input {side.upper()} -> Gemm with trans{side.upper()} flipped",
+        )
+        for side in _SIDES
     ),
-    Rule(
-        name="transpose-into-gemm-b",
-        family=FAMILY,
-        pattern=op.Gemm(*_transposed("b"), optional(var("c")), name="gemm"),
-        plan=_check_2d_swap,
-        build=partial(_build_transposed_gemm, "b"),
-        label="Transpose+Gemm",
-        doc="Gemm with a Transposed input B -> Gemm with transB flipped",
+    *(
+        _rule(
+            name=f"gemm-{scale.lower()}-scalar",
+            pattern=getattr(op, scale)(_GEMM, const(name="s")),
+            plan=_plan_scaled_gemm,
+            build=_build_scaled_gemm,
+            label=f"Gemm+{scale}",
+            doc=f"{scale}(Gemm(a, b, c), s) -> Gemm(a, b, c) with alpha and beta scaled",
+        )
+        for scale in _SCALES
     ),
-    Rule(
-        name="gemm-mul-scalar",
-        family=FAMILY,
-        pattern=op.Mul(_GEMM, const(name="s")),
-        plan=_plan_scaled_gemm,
-        build=_build_scaled_gemm,
-        label="Gemm+Mul",
-        doc="Mul(Gemm(a, b, c), s) -> Gemm(a, b, c) with alpha and beta scaled",
-    ),
-    Rule(
-        name="gemm-div-scalar",
-        family=FAMILY,
-        pattern=op.Div(_GEMM, const(name="s")),
-        plan=_plan_scaled_gemm,
-        build=_build_scaled_gemm,
-        label="Gemm+Div",
-        doc="Div(Gemm(a, b, c), s) -> Gemm(a, b, c) with alpha and beta scaled",
-    ),
-    Rule(
+    _ORT_RULE(
         name="ort-fusedgemm",
-        family=FAMILY,
         pattern=activated(_GEMM),
         plan=lambda m, site: (
             "Clip is not a FusedGemm activation" if m.root.op_type == "Clip" else check_activation(m, site)
         ),
         build=_build_fused_gemm,
-        targets=frozenset({"ort"}),
         default=False,
         label="Gemm+activation",
         doc="Act(Gemm(a, b, c)) -> com.microsoft FusedGemm (target ort)",
     ),
-    Rule(
-        name="ort-fusedmatmul-mul",
-        family=FAMILY,
-        pattern=_scaled_matmul("Mul"),
-        plan=_plan_scaled_matmul,
-        build=_build_scaled_matmul,
-        targets=frozenset({"ort"}),
-        label="MatMul+Mul",
-        doc="Mul(MatMul(a, b), s) -> com.microsoft FusedMatMul(a, b, alpha) (target ort)",
+    *(
+        _ORT_RULE(
+            name=f"ort-fusedmatmul-{scale.lower()}",
+            pattern=_scaled_matmul(scale),
+            plan=_plan_scaled_matmul,
+            build=_build_scaled_matmul,
+            label=f"MatMul+{scale}",
+            doc=f"{scale}(MatMul(a, b), s) -> com.microsoft FusedMatMul(a, b, alpha) (target ort)",
+        )
+        for scale in _SCALES
     ),
-    Rule(
-        name="ort-fusedmatmul-div",
-        family=FAMILY,
-        pattern=_scaled_matmul("Div"),
-        plan=_plan_scaled_matmul,
-        build=_build_scaled_matmul,
-        targets=frozenset({"ort"}),
-        label="MatMul+Div",
-        doc="Div(MatMul(a, b), s) -> com.microsoft FusedMatMul(a, b, alpha) (target ort)",
-    ),
-    Rule(
-        name="ort-transpose-into-matmul-a",
-        family=FAMILY,
-        pattern=op.any_of(_MATMULS, *_transposed("a"), name="mm", domain=ANY_DOMAIN, commute=False),
-        plan=_check_transposed_matmul,
-        build=partial(_build_transposed_matmul, "a"),
-        targets=frozenset({"ort"}),
-        label="Transpose+MatMul",
-        doc="MatMul with input A Transposed in its last two dims -> FusedMatMul transA (target ort)",
-    ),
-    Rule(
-        name="ort-transpose-into-matmul-b",
-        family=FAMILY,
-        pattern=op.any_of(_MATMULS, *_transposed("b"), name="mm", domain=ANY_DOMAIN, commute=False),
-        plan=_check_transposed_matmul,
-        build=partial(_build_transposed_matmul, "b"),
-        targets=frozenset({"ort"}),
-        label="Transpose+MatMul",
-        doc="MatMul with input B Transposed in its last two dims -> FusedMatMul transB (target ort)",
+    *(
+        _ORT_RULE(
+            name=f"ort-transpose-into-matmul-{side}",
+            pattern=op.any_of(_MATMULS, *_transposed(side), name="mm", domain=ANY_DOMAIN, commute=False),
+            plan=_check_transposed_matmul,
+            build=partial(_build_transposed_matmul, side),
+            label="Transpose+MatMul",
+            doc=f"MatMul with input {side.upper()} Transposed in its last two dims -> FusedMatMul trans{side.upper()} "
+            "(target ort)",
+        )
+        for side in _SIDES
     ),
 )

@@ -29,6 +29,7 @@ bert_small x1.06 -> x0.945 without them and gpt2_small x1.003 -> x0.924 (BENCHMA
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -367,162 +368,77 @@ def _plan_skip_rms(m: Match, site: Site) -> NormFacts | str:
     return _check_skip(m, site) or found
 
 
+# The affine variants of a norm: (name suffix, whether gamma scales, whether beta shifts).
+_WITH_BIAS = ("", True, True)
+_NO_BIAS = ("-no-bias", True, False)
+_SCALED = ("", True, False)
+_PLAIN = ("-plain", False, False)
+
+RuleOf = Callable[..., Rule]
+
+
+def _affine_rules(rule: RuleOf, name: str, core: Pattern, *variants: tuple[str, bool, bool]) -> list[Rule]:
+    """One ``rule`` per affine variant of ``core``."""
+    return [rule(name=name + suffix, pattern=_affine(core, gamma, beta)) for suffix, gamma, beta in variants]
+
+
+_LAYER_NORM = partial(
+    Rule, family=FAMILY, plan=_layer_norm_facts, build=_layer_norm, min_opset=17, label="LayerNorm", doc=_LN_DOC
+)
+_RMS_NORM = partial(
+    Rule, family=FAMILY, plan=_rms_norm_facts, build=_rms_norm, min_opset=23, label="RMSNorm", doc=_RMS_DOC
+)
+_GROUP_NORM_RULE = partial(
+    Rule, family=FAMILY, plan=_group_plan, build=_group_norm, min_opset=21, label="GroupNorm", doc=_GN_DOC
+)
+_ORT_SKIP = partial(Rule, family=FAMILY, targets=frozenset({"ort"}), label="skip norm", exports=("sum",), default=False)
+_SKIP_RMS_DOC = "norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNormalization (target ort)"
+
 RULES: tuple[Rule, ...] = (
-    Rule(
-        name="layernorm",
-        family=FAMILY,
-        pattern=_affine(_LN, True, True),
-        plan=_layer_norm_facts,
-        build=_layer_norm,
-        min_opset=17,
-        label="LayerNorm",
-        doc=_LN_DOC,
-    ),
-    Rule(
-        name="layernorm-no-bias",
-        family=FAMILY,
-        pattern=_affine(_LN, True, False),
-        plan=_layer_norm_facts,
-        build=_layer_norm,
-        min_opset=17,
-        label="LayerNorm",
-        doc=_LN_DOC,
-    ),
-    Rule(
-        name="layernorm-plain",
-        family=FAMILY,
-        pattern=_affine(_LN, False, False),
-        plan=_layer_norm_facts,
-        build=_layer_norm,
-        min_opset=17,
-        label="LayerNorm",
-        doc=_LN_DOC,
-    ),
-    Rule(
-        name="layernorm-tf",
-        family=FAMILY,
-        pattern=_LN_TF,
-        plan=_layer_norm_facts,
-        build=_layer_norm,
-        min_opset=17,
-        label="LayerNorm",
-        doc=_LN_TF_DOC,
-    ),
-    Rule(
-        name="rmsnorm",
-        family=FAMILY,
-        pattern=_affine(_RMS, True, False),
-        plan=_rms_norm_facts,
-        build=_rms_norm,
-        min_opset=23,
-        label="RMSNorm",
-        doc=_RMS_DOC,
-    ),
-    Rule(
+    *_affine_rules(_LAYER_NORM, "layernorm", _LN, _WITH_BIAS, _NO_BIAS, _PLAIN),
+    _LAYER_NORM(name="layernorm-tf", pattern=_LN_TF, doc=_LN_TF_DOC),
+    *_affine_rules(_RMS_NORM, "rmsnorm", _RMS, _SCALED),
+    _RMS_NORM(
         name="rmsnorm-round-trip",
-        family=FAMILY,
         pattern=_RMS_ROUND_TRIP,
-        plan=_round_trip_facts,
-        build=_rms_norm,  # RMSNormalization's stash_type (float32 by default) is the round trip
-        min_opset=23,
-        label="RMSNorm",
+        plan=_round_trip_facts,  # the build's RMSNormalization has stash_type float32 (its default): the round trip
         doc="Cast(x16 / Sqrt(ReduceMean(x16^2) + eps) in float32 back to x16) * gamma -> RMSNormalization "
         "(opset 23, stash_type float32)",
     ),
-    Rule(
-        name="rmsnorm-plain",
-        family=FAMILY,
-        pattern=_affine(_RMS, False, False),
-        plan=_rms_norm_facts,
-        build=_rms_norm,
-        min_opset=23,
-        label="RMSNorm",
-        doc=_RMS_DOC,
+    *_affine_rules(_RMS_NORM, "rmsnorm", _RMS, _PLAIN),
+    *_affine_rules(_GROUP_NORM_RULE, "groupnorm", _GROUP_NORM, _WITH_BIAS, _NO_BIAS, _PLAIN),
+    *(
+        Rule(
+            name=name,
+            family=FAMILY,
+            pattern=_softmax(stable),
+            plan=_softmax_axis,
+            build=lambda b, m, axis: b.op("Softmax", m.value("x"), axis=axis),
+            min_opset=13,
+            label="Softmax",
+            doc=_SOFTMAX_DOC,
+        )
+        for name, stable in (("softmax", True), ("softmax-unstable", False))
     ),
-    Rule(
-        name="groupnorm",
-        family=FAMILY,
-        pattern=_affine(_GROUP_NORM, True, True),
-        plan=_group_plan,
-        build=_group_norm,
-        min_opset=21,
-        label="GroupNorm",
-        doc=_GN_DOC,
-    ),
-    Rule(
-        name="groupnorm-no-bias",
-        family=FAMILY,
-        pattern=_affine(_GROUP_NORM, True, False),
-        plan=_group_plan,
-        build=_group_norm,
-        min_opset=21,
-        label="GroupNorm",
-        doc=_GN_DOC,
-    ),
-    Rule(
-        name="groupnorm-plain",
-        family=FAMILY,
-        pattern=_affine(_GROUP_NORM, False, False),
-        plan=_group_plan,
-        build=_group_norm,
-        min_opset=21,
-        label="GroupNorm",
-        doc=_GN_DOC,
-    ),
-    Rule(
-        name="softmax",
-        family=FAMILY,
-        pattern=_softmax(True),
-        plan=_softmax_axis,
-        build=lambda b, m, axis: b.op("Softmax", m.value("x"), axis=axis),
-        min_opset=13,
-        label="Softmax",
-        doc=_SOFTMAX_DOC,
-    ),
-    Rule(
-        name="softmax-unstable",
-        family=FAMILY,
-        pattern=_softmax(False),
-        plan=_softmax_axis,
-        build=lambda b, m, axis: b.op("Softmax", m.value("x"), axis=axis),
-        min_opset=13,
-        label="Softmax",
-        doc=_SOFTMAX_DOC,
-    ),
-    Rule(
+    _ORT_SKIP(
         name="ort-skiplayernorm",
-        family=FAMILY,
         pattern=op.LayerNormalization(_SUM, const(name="gamma"), optional(const(name="beta")), name="ln"),
         plan=_check_skip,
         build=partial(_build_skip, "SkipLayerNormalization"),
-        targets=frozenset({"ort"}),
-        label="skip norm",
         doc="norm(a [+ bias] + skip) -> com.microsoft SkipLayerNormalization (target ort)",
-        exports=("sum",),
-        default=False,
     ),
-    Rule(
+    _ORT_SKIP(
         name="ort-skiprmsnorm",
-        family=FAMILY,
         pattern=op.RMSNormalization(_SUM, const(name="gamma"), name="ln"),
         plan=_check_skip,
         build=partial(_build_skip, "SkipSimplifiedLayerNormalization"),
-        targets=frozenset({"ort"}),
-        label="skip norm",
-        doc="norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNormalization (target ort)",
-        exports=("sum",),
-        default=False,
+        doc=_SKIP_RMS_DOC,
     ),
-    Rule(
+    _ORT_SKIP(
         name="ort-skiprmsnorm-decomposed",
-        family=FAMILY,
         pattern=_affine(_normalized(_SUM, _SUM), True, False),
         plan=_plan_skip_rms,
         build=partial(_build_skip, "SkipSimplifiedLayerNormalization"),
-        targets=frozenset({"ort"}),
-        label="skip norm",
-        doc="norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNormalization (target ort)",
-        exports=("sum",),
-        default=False,
+        doc=_SKIP_RMS_DOC,
     ),
 )

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,8 @@ from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, op, optional, var
 
 FAMILY = "shape"
+# Every rule of the family, with the family given once.
+_rule = partial(Rule, family=FAMILY)
 _LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 
 
@@ -180,10 +183,17 @@ def _build_casts(b: Builder, m: Match, plan: None) -> Value:
     return _x_or(b, m, m.site.dtype(m.value("x")) == to, "Cast", to=to)
 
 
+def _reshape_x(b: Builder, m: Match, plan: None) -> Value:
+    return b.op("Reshape", m.value("x"), m.value("shape"))
+
+
+def _reshape_x_static(b: Builder, m: Match, shape: tuple[int, ...]) -> Value:
+    return b.op("Reshape", m.value("x"), b.constant(np.array(shape, np.int64), "shape"))
+
+
 RULES: tuple[Rule, ...] = (
-    Rule(
+    _rule(
         name="transpose-transpose",
-        family=FAMILY,
         pattern=_pair("Transpose"),
         plan=_plan_transposes,
         build=_build_transposes,
@@ -191,27 +201,24 @@ RULES: tuple[Rule, ...] = (
         doc="Transpose(Transpose(x, p), q) -> Transpose(x, p[q]) or x",
     ),
     TRANSPOSE_IDENTITY,
-    Rule(
+    _rule(
         name="reshape-chain",
-        family=FAMILY,
         pattern=op.Reshape(op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner"), var("shape"), name="outer"),
         plan=lambda m, site: None if _reshape_target(m) is not None else "the target shape is not a constant without 0",
-        build=lambda b, m, plan: b.op("Reshape", m.value("x"), m.value("shape")),
+        build=_reshape_x,
         label="Reshape chain",
         doc="Reshape(Reshape|Flatten|Squeeze|Unsqueeze(x), s) -> Reshape(x, s)",
     ),
-    Rule(
+    _rule(
         name="reshape-transpose",
-        family=FAMILY,
         pattern=op.Reshape(op.Transpose(var("x"), name="inner"), var("shape"), name="outer"),
         plan=_plan_reshape_transpose,
-        build=lambda b, m, plan: b.op("Reshape", m.value("x"), m.value("shape")),
+        build=_reshape_x,
         label="Reshape of a Transpose",
         doc="Reshape(Transpose(x) moving only dims of 1, s) -> Reshape(x, s)",
     ),
-    Rule(
+    _rule(
         name="layout-chain-static",
-        family=FAMILY,
         pattern=op.any_of(
             ("Flatten", "Squeeze", "Unsqueeze"),
             op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner"),
@@ -219,31 +226,28 @@ RULES: tuple[Rule, ...] = (
             name="outer",
         ),
         plan=_static_result,
-        build=lambda b, m, shape: b.op("Reshape", m.value("x"), b.constant(np.array(shape, np.int64), "shape")),
+        build=_reshape_x_static,
         label="Reshape chain",
         doc="Flatten|Squeeze|Unsqueeze(Reshape-like(x)) with a static result -> Reshape(x, const)",
     ),
-    Rule(
+    _rule(
         name="unsqueeze-unsqueeze",
-        family=FAMILY,
         pattern=op.Unsqueeze(op.Unsqueeze(var("x"), optional(const()), name="inner"), optional(const()), name="outer"),
         plan=_plan_unsqueezes,
         build=_build_unsqueezes,
         label="Unsqueeze pair",
         doc="Unsqueeze(Unsqueeze(x, a), b) -> Unsqueeze(x, a and b)",
     ),
-    Rule(
+    _rule(
         name="reshape-one-unknown",
-        family=FAMILY,
         pattern=op.Reshape(var("x"), var("shape", lambda v: not is_constant(v))),
         plan=_one_unknown,
-        build=lambda b, m, shape: b.op("Reshape", m.value("x"), b.constant(np.array(shape, np.int64), "shape")),
+        build=_reshape_x_static,
         label="Reshape",
         doc="Reshape(x, computed s) with one entry not static -> Reshape(x, constant s with -1 there)",
     ),
-    Rule(
+    _rule(
         name="cast-chain",
-        family=FAMILY,
         pattern=_pair("Cast"),
         plan=_check_casts,
         build=_build_casts,

@@ -107,52 +107,35 @@ def resolve_settings(pipeline: Pipeline, overrides: Mapping[str, Any]) -> Settin
     return pipeline.configure(overrides)
 
 
+# A pass list ("shape-infer,cleanup"), a pipeline, or None for the default pipeline.
+Passes = str | Pipeline | None
+
+
+# The keywords are the implementation's (config, max_steps, strict, on_pass, run settings);
+# the overloads only tell what a ModelProto or an IR model given gives back.
 @overload
-def optimize(
-    model: onnx.ModelProto,
-    passes: str | Pipeline | None = None,
-    *,
-    config: str | os.PathLike[str] | None = None,
-    max_steps: int | None = None,
-    strict: bool = False,
-    on_pass: Callable[[PassRun], None] | None = None,
-    on_pass_start: Callable[[str, str | None, int], None] | None = None,
-    stop_after: int | None = None,
-    **settings: Any,
-) -> Result[onnx.ModelProto]: ...
+def optimize(model: onnx.ModelProto, passes: Passes = None, **options: Any) -> Result[onnx.ModelProto]: ...
 
 
 @overload
-def optimize(
-    model: Model | str | os.PathLike[str],
-    passes: str | Pipeline | None = None,
-    *,
-    config: str | os.PathLike[str] | None = None,
-    max_steps: int | None = None,
-    strict: bool = False,
-    on_pass: Callable[[PassRun], None] | None = None,
-    on_pass_start: Callable[[str, str | None, int], None] | None = None,
-    stop_after: int | None = None,
-    **settings: Any,
-) -> Result[Model]: ...
+def optimize(model: Model | str | os.PathLike[str], passes: Passes = None, **options: Any) -> Result[Model]: ...
 
 
 def optimize(
     model: Model | onnx.ModelProto | str | os.PathLike[str],
-    passes: str | Pipeline | None = None,
+    passes: Passes = None,
     *,
     config: str | os.PathLike[str] | None = None,
     max_steps: int | None = None,
     strict: bool = False,
     on_pass: Callable[[PassRun], None] | None = None,
-    on_pass_start: Callable[[str, str | None, int], None] | None = None,
-    stop_after: int | None = None,
     **settings: Any,
 ) -> Result[Model] | Result[onnx.ModelProto]:
     """Optimize an IR model in place (or load one from a path) with a pipeline.
 
     Given an ``onnx.ModelProto`` (as ``onnx.load`` returns), the result's ``model`` is a
-    new ModelProto and the one given is left as it was.
+    new ModelProto and the one given is left as it was. ``on_pass`` is told of each pass
+    execution as it ends (:class:`graphopt.passes.pipeline.PassRun`).
 
     ``settings`` are the run settings of :class:`graphopt.settings.Settings` (e.g.
     ``independent_dims=True``, ``provenance=True``); they override a config's [settings].
@@ -164,15 +147,7 @@ def optimize(
         model = from_onnx(model, independent_dims=run_settings.independent_dims)
     elif not isinstance(model, Model):
         model = load(model, independent_dims=run_settings.independent_dims)
-    result = run_pipeline(
-        model,
-        pipeline,
-        run_settings,
-        strict=strict,
-        on_pass=on_pass,
-        on_pass_start=on_pass_start,
-        stop_after=stop_after,
-    )
+    result = run_pipeline(model, pipeline, run_settings, strict=strict, on_pass=on_pass)
     if given_proto:
         from graphopt.io.onnx_write import to_proto
 

@@ -48,34 +48,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from graphopt import ir
 from graphopt.errors import InputError
 from graphopt.io.builder import Annotate, NodeEntry, Scope, build_graph
 from graphopt.io.external import external_file
 from graphopt.io.json_text import parse_type_text
 from graphopt.io.onnx_io import MAX_SUBGRAPH_NESTING
 from graphopt.io.sources import ProtoSource
-from graphopt.ir import (
-    Attr,
-    AttrKind,
-    DataType,
-    Dim,
-    Function,
-    Graph,
-    GraphError,
-    MapType,
-    Model,
-    OpaqueType,
-    OptionalType,
-    SequenceType,
-    SparseTensor,
-    SparseTensorType,
-    Sym,
-    Tensor,
-    TensorType,
-    Type,
-    Value,
-    parse_dim,
-)
 from graphopt.schemas import validate
 
 __all__ = [
@@ -96,8 +75,8 @@ _MARKER_WINDOW = 1 << 16
 # Tensors larger than this many bytes go to a sidecar .npy file instead of the JSON text.
 SIDECAR_THRESHOLD = 4096
 
-DTYPE_NAMES: dict[DataType, str] = {
-    d: {DataType.FLOAT: "float32", DataType.DOUBLE: "float64"}.get(d, d.name.lower()) for d in DataType
+DTYPE_NAMES: dict[ir.DataType, str] = {
+    d: {ir.DataType.FLOAT: "float32", ir.DataType.DOUBLE: "float64"}.get(d, d.name.lower()) for d in ir.DataType
 }
 _DTYPES = {name: d for d, name in DTYPE_NAMES.items()}
 
@@ -112,29 +91,29 @@ FIELDS: dict[str, np.dtype] = {
 _DATA_KEYS = ("data", "base64", "file", "string_data", *FIELDS)
 _NON_FINITE = {"nan": math.nan, "-nan": -math.nan, "inf": math.inf, "-inf": -math.inf}
 
-ATTR_KEYS: dict[AttrKind, str] = {kind: kind.name.lower() for kind in AttrKind}
+ATTR_KEYS: dict[ir.AttrKind, str] = {kind: kind.name.lower() for kind in ir.AttrKind}
 _ATTR_KINDS = {key: kind for kind, key in ATTR_KEYS.items()}
 ELEMENT_KIND = {
-    AttrKind.TENSORS: AttrKind.TENSOR,
-    AttrKind.GRAPHS: AttrKind.GRAPH,
-    AttrKind.SPARSE_TENSORS: AttrKind.SPARSE_TENSOR,
-    AttrKind.TYPE_PROTOS: AttrKind.TYPE_PROTO,
+    ir.AttrKind.TENSORS: ir.AttrKind.TENSOR,
+    ir.AttrKind.GRAPHS: ir.AttrKind.GRAPH,
+    ir.AttrKind.SPARSE_TENSORS: ir.AttrKind.SPARSE_TENSOR,
+    ir.AttrKind.TYPE_PROTOS: ir.AttrKind.TYPE_PROTO,
 }
 
 
 # -- tensor storage -----------------------------------------------------------------------
 
 
-def storage_dtype(dtype: DataType) -> np.dtype | None:
+def storage_dtype(dtype: ir.DataType) -> np.dtype | None:
     """The numpy dtype a sidecar stores ``dtype`` as: itself, or an unsigned int of its width
     for bfloat16 and the float8 types; None for strings and sub-byte types (kept inline)."""
-    if dtype == DataType.STRING:
+    if dtype == ir.DataType.STRING:
         return None
     try:
         return dtype.numpy()
     except TypeError:
         bits = dtype.itemsize_bits
-        return np.dtype(f"<u{bits // 8}") if bits in (8, 16) and dtype != DataType.UNDEFINED else None
+        return np.dtype(f"<u{bits // 8}") if bits in (8, 16) and dtype != ir.DataType.UNDEFINED else None
 
 
 @dataclass
@@ -142,7 +121,7 @@ class NpySource:
     """Tensor values in a sidecar .npy file, memory-mapped when read."""
 
     path: Path
-    dtype: DataType
+    dtype: ir.DataType
     shape: tuple[int, ...]
 
     def read(self) -> np.ndarray:
@@ -153,7 +132,7 @@ class NpySource:
         return array
 
 
-def numpy_or_none(dtype: DataType) -> np.dtype | None:
+def numpy_or_none(dtype: ir.DataType) -> np.dtype | None:
     try:
         return dtype.numpy()
     except TypeError:
@@ -167,7 +146,7 @@ def typed_field(proto: onnx.TensorProto) -> str | None:
     for name in ("string_data", *FIELDS):
         if len(getattr(proto, name)):
             return name
-    return "string_data" if proto.data_type == DataType.STRING else None
+    return "string_data" if proto.data_type == ir.DataType.STRING else None
 
 
 def text_or_base64(data: bytes) -> str | dict[str, str]:
@@ -260,7 +239,7 @@ def is_graph_file(path: str | os.PathLike[str]) -> bool:
 # -- reading -----------------------------------------------------------------------------------
 
 
-def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Model:
+def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> ir.Model:
     """Read a JSON model; sidecar tensors are memory-mapped on first use. Raises InputError."""
     path = Path(path)
     if not path.is_file():
@@ -284,7 +263,7 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
         model = _Reader(path, independent_dims).model(data)
         for graph in model.all_graphs():
             graph.topological()
-    except (InputError, GraphError) as err:
+    except (InputError, ir.GraphError) as err:
         raise InputError(f"{path}: {err}") from None
     return model
 
@@ -315,7 +294,7 @@ class _Reader:
         self.uids = itertools.count(1)
         self.dims: set[str] = set()
 
-    def model(self, data: dict[str, Any]) -> Model:
+    def model(self, data: dict[str, Any]) -> ir.Model:
         version = data["format_version"]
         if version > FORMAT_VERSION:
             raise InputError(f"$.format_version: {version} is newer than this graphopt reads ({FORMAT_VERSION})")
@@ -324,7 +303,7 @@ class _Reader:
         opaque: dict[str, list[bytes]] = {}
         for key, items in data.get("opaque_fields", {}).items():
             opaque[key] = [_b64(item, f"$.opaque_fields.{key}[{i}]") for i, item in enumerate(items)]
-        return Model(
+        return ir.Model(
             graph=self.graph(data["graph"], [], "$.graph"),
             opset_imports=dict(data["opsets"]),
             ir_version=data["ir_version"],
@@ -340,23 +319,23 @@ class _Reader:
         )
 
     # types
-    def dim(self, text: int | str | None, at: str) -> Dim:
+    def dim(self, text: int | str | None, at: str) -> ir.Dim:
         if text is None or isinstance(text, int):
             return text
         if text not in self.dims:
             raise InputError(f"{at}: dim {text!r} is not declared in $.dims")
-        dim = parse_dim(text)
-        if self.independent_dims and isinstance(dim, Sym):
-            return Sym(dim.name, next(self.uids))
+        dim = ir.parse_dim(text)
+        if self.independent_dims and isinstance(dim, ir.Sym):
+            return ir.Sym(dim.name, next(self.uids))
         return dim
 
-    def dtype(self, name: str, at: str) -> DataType:
+    def dtype(self, name: str, at: str) -> ir.DataType:
         try:
             return _DTYPES[name]
         except KeyError:
             raise InputError(f"{at}: unknown dtype {name!r}") from None
 
-    def type(self, data: Any, at: str) -> Type | None:
+    def type(self, data: Any, at: str) -> ir.Type | None:
         if data is None:
             return None
         if isinstance(data, str):
@@ -369,19 +348,19 @@ class _Reader:
             dtype = self.dtype(data["dtype"], at)
             shape = data.get("shape")
             dims = None if shape is None else tuple(self.dim(d, at) for d in shape)
-            return (TensorType if kind == "tensor" else SparseTensorType)(dtype, dims, denotation)
+            return (ir.TensorType if kind == "tensor" else ir.SparseTensorType)(dtype, dims, denotation)
         if kind == "sequence":
-            return SequenceType(self.type(data.get("element"), at), denotation)
+            return ir.SequenceType(self.type(data.get("element"), at), denotation)
         if kind == "optional":
-            return OptionalType(self.type(data.get("element"), at), denotation)
+            return ir.OptionalType(self.type(data.get("element"), at), denotation)
         if kind == "map":
-            return MapType(self.dtype(data["key"], at), self.type(data.get("value"), at), denotation)
+            return ir.MapType(self.dtype(data["key"], at), self.type(data.get("value"), at), denotation)
         if kind == "opaque":
-            return OpaqueType(data.get("domain", ""), data.get("name", ""), denotation)
+            return ir.OpaqueType(data.get("domain", ""), data.get("name", ""), denotation)
         raise InputError(f"{at}: unknown type kind {kind!r}")
 
     # tensors
-    def tensor(self, data: dict[str, Any], at: str, name: str | None = None) -> Tensor:
+    def tensor(self, data: dict[str, Any], at: str, name: str | None = None) -> ir.Tensor:
         dtype = self.dtype(data["dtype"], f"{at}.dtype")
         shape = tuple(data.get("shape", []))
         name = data.get("name", "") if name is None else name
@@ -396,7 +375,7 @@ class _Reader:
             proto = onnx.TensorProto(name=name, data_type=int(dtype), dims=shape)
             self._fill(proto, key, data[key], dtype, shape, f"{at}.{key}")
             source = ProtoSource(proto)
-        return Tensor(
+        return ir.Tensor(
             name,
             dtype,
             shape,
@@ -405,7 +384,7 @@ class _Reader:
             metadata_props=dict(data.get("metadata_props", {})),
         )
 
-    def _fill(self, proto: onnx.TensorProto, key: str, value: Any, dtype: DataType, shape: tuple[int, ...], at: str):
+    def _fill(self, proto: onnx.TensorProto, key: str, value: Any, dtype: ir.DataType, shape: tuple[int, ...], at: str):
         if key == "string_data":
             proto.string_data.extend(_bytes(v, f"{at}[{i}]") for i, v in enumerate(value))
         elif key in FIELDS:
@@ -432,7 +411,7 @@ class _Reader:
                 raise InputError(f"{at}: data has shape {list(array.shape)}, the tensor {list(shape)}")
             proto.raw_data = array.tobytes()
 
-    def _sidecar(self, name: str, dtype: DataType, shape: tuple[int, ...], at: str) -> NpySource:
+    def _sidecar(self, name: str, dtype: ir.DataType, shape: tuple[int, ...], at: str) -> NpySource:
         storage = storage_dtype(dtype)
         if storage is None:
             raise InputError(f"{at}: {DTYPE_NAMES[dtype]} tensors cannot live in a .npy sidecar")
@@ -455,49 +434,49 @@ class _Reader:
             raise InputError(f"{at}: {str(file)!r} is too short ({size - data_start} of its {needed} bytes of data)")
         return NpySource(file, dtype, shape)
 
-    def sparse(self, data: dict[str, Any], at: str, name: str | None = None) -> SparseTensor:
-        return SparseTensor(
+    def sparse(self, data: dict[str, Any], at: str, name: str | None = None) -> ir.SparseTensor:
+        return ir.SparseTensor(
             self.tensor(data["values"], f"{at}.values", name),
             self.tensor(data["indices"], f"{at}.indices"),
             tuple(data.get("dims", [])),
         )
 
     # attributes
-    def attribute(self, name: str, data: dict[str, Any], scope: Scope, at: str) -> Attr:
+    def attribute(self, name: str, data: dict[str, Any], scope: Scope, at: str) -> ir.Attr:
         doc = data.get("doc_string", "")
         if "ref_attr_name" in data:
             kind = _ATTR_KINDS[data.get("kind", "undefined")]
-            return Attr(name, kind, None, data["ref_attr_name"], doc)
+            return ir.Attr(name, kind, None, data["ref_attr_name"], doc)
         keys = [k for k in data if k in _ATTR_KINDS]
         if len(keys) != 1:
             raise InputError(f"{at}: an attribute needs exactly one kind key such as 'int' or 'floats' (has {keys})")
         (key,) = keys
         kind, value, at = _ATTR_KINDS[key], data[key], f"{at}.{key}"
-        return Attr(name, kind, self._attr_value(kind, value, scope, at), "", doc)
+        return ir.Attr(name, kind, self._attr_value(kind, value, scope, at), "", doc)
 
-    def _attr_value(self, kind: AttrKind, value: Any, scope: Scope, at: str) -> Any:
-        if kind == AttrKind.FLOAT:
+    def _attr_value(self, kind: ir.AttrKind, value: Any, scope: Scope, at: str) -> Any:
+        if kind == ir.AttrKind.FLOAT:
             return float(decode_numbers(value, np.dtype(np.float32), at))
-        if kind == AttrKind.FLOATS:
+        if kind == ir.AttrKind.FLOATS:
             return decode_numbers(value, np.dtype(np.float32), at).tolist()
-        if kind in (AttrKind.INT, AttrKind.INTS, AttrKind.UNDEFINED):
+        if kind in (ir.AttrKind.INT, ir.AttrKind.INTS, ir.AttrKind.UNDEFINED):
             return value
-        if kind == AttrKind.STRING:
+        if kind == ir.AttrKind.STRING:
             return _bytes(value, at)
-        if kind == AttrKind.STRINGS:
+        if kind == ir.AttrKind.STRINGS:
             return [_bytes(v, f"{at}[{i}]") for i, v in enumerate(value)]
-        one: dict[AttrKind, Callable[[Any, str], Any]] = {
-            AttrKind.TENSOR: self.tensor,
-            AttrKind.GRAPH: lambda data, where: self.graph(data, scope, where),
-            AttrKind.SPARSE_TENSOR: self.sparse,
-            AttrKind.TYPE_PROTO: self.type,
+        one: dict[ir.AttrKind, Callable[[Any, str], Any]] = {
+            ir.AttrKind.TENSOR: self.tensor,
+            ir.AttrKind.GRAPH: lambda data, where: self.graph(data, scope, where),
+            ir.AttrKind.SPARSE_TENSOR: self.sparse,
+            ir.AttrKind.TYPE_PROTO: self.type,
         }
         if kind in ELEMENT_KIND:
             return [one[ELEMENT_KIND[kind]](v, f"{at}[{i}]") for i, v in enumerate(value)]
         return one[kind](value, at)
 
     # graphs
-    def graph(self, data: dict[str, Any], scope: Scope, at: str) -> Graph:
+    def graph(self, data: dict[str, Any], scope: Scope, at: str) -> ir.Graph:
         initializers = [
             self._initializer(e, f"{at}.initializers[{i}]") for i, e in enumerate(data.get("initializers", []))
         ]
@@ -527,18 +506,18 @@ class _Reader:
         graph.quantization_annotation = [(q["tensor"], dict(q.get("params", {}))) for q in annotations_data]
         return graph
 
-    def _initializer(self, entry: dict[str, Any], at: str) -> Value:
+    def _initializer(self, entry: dict[str, Any], at: str) -> ir.Value:
         if "indices" in entry:
             sparse = self.sparse(entry, at, entry["name"])
-            return Value(entry["name"], SparseTensorType(sparse.values.dtype, sparse.dims), sparse)
+            return ir.Value(entry["name"], ir.SparseTensorType(sparse.values.dtype, sparse.dims), sparse)
         tensor = self.tensor(entry, at)
-        return Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)
+        return ir.Value(tensor.name, ir.TensorType(tensor.dtype, tensor.shape), tensor)
 
     def _listed(self, entries: list[str | dict[str, Any]], at: str) -> list[tuple[str, Annotate]]:
         return [(_name(e), functools.partial(self._annotate, entry=e, at=f"{at}[{i}]")) for i, e in enumerate(entries)]
 
     def _node(self, data: dict[str, Any], at: str) -> NodeEntry:
-        def attributes(scope: Scope) -> list[Attr]:
+        def attributes(scope: Scope) -> list[ir.Attr]:
             return [
                 self.attribute(name, a, scope, f"{at}.attributes.{name}")
                 for name, a in data.get("attributes", {}).items()
@@ -557,19 +536,19 @@ class _Reader:
             metadata_props=dict(data.get("metadata_props", {})),
         )
 
-    def _annotate(self, value: Value, entry: str | dict[str, Any], at: str) -> None:
+    def _annotate(self, value: ir.Value, entry: str | dict[str, Any], at: str) -> None:
         if isinstance(entry, str):
             return
         value.type = self.type(entry.get("type"), f"{at}.type") or value.type
         value.doc_string = entry.get("doc_string", "") or value.doc_string
         value.metadata_props.update(entry.get("metadata_props", {}))
 
-    def function(self, data: dict[str, Any], at: str) -> Function:
+    def function(self, data: dict[str, Any], at: str) -> ir.Function:
         defaults = {
             n: self.attribute(n, a, [], f"{at}.attribute_defaults.{n}")
             for n, a in data.get("attribute_defaults", {}).items()
         }
-        return Function(
+        return ir.Function(
             domain=data.get("domain", ""),
             name=data["name"],
             body=self.graph(data, [], at),

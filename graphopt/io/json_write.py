@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from graphopt import ir
 from graphopt.errors import InputError
 from graphopt.files import temporary_file
 from graphopt.io.json_io import (
@@ -32,30 +33,11 @@ from graphopt.io.json_io import (
 )
 from graphopt.io.json_text import dump, parse_type_text, type_text
 from graphopt.io.sources import ProtoSource, raw_buffer
-from graphopt.ir import (
-    Attr,
-    AttrKind,
-    DataType,
-    Dim,
-    Function,
-    Graph,
-    MapType,
-    Model,
-    Node,
-    OptionalType,
-    SequenceType,
-    SparseTensor,
-    SparseTensorType,
-    Tensor,
-    TensorType,
-    Type,
-    Value,
-)
 
 __all__ = ["save"]
 
 
-def save(model: Model, path: str | os.PathLike[str], *, content_addressed: bool = False) -> None:
+def save(model: ir.Model, path: str | os.PathLike[str], *, content_addressed: bool = False) -> None:
     """Write ``model`` as JSON, large tensors as sidecar .npy files; all or nothing.
 
     Sidecars are named ``<json stem>.<n>.npy``, or with ``content_addressed``
@@ -95,11 +77,11 @@ class _Writer:
         # Sidecars by file name: (temporary path, final path), and the tensors stored there
         # (identical tensors share one file when content-addressed).
         self.sidecars: dict[str, tuple[str, Path]] = {}
-        self.tensors: dict[str, list[Tensor]] = {}
+        self.tensors: dict[str, list[ir.Tensor]] = {}
         # Temporary files written so far, removed again if the save fails.
         self.staged: list[str] = []
 
-    def model(self, model: Model) -> dict[str, Any]:
+    def model(self, model: ir.Model) -> dict[str, Any]:
         graph = self.graph(model.graph)
         functions = [self.function(f) for f in model.functions]
         opaque = {k: [base64.b64encode(b).decode("ascii") for b in v] for k, v in model.opaque_fields.items()}
@@ -125,32 +107,32 @@ class _Writer:
         )
 
     # types
-    def dim(self, dim: Dim) -> int | str | None:
+    def dim(self, dim: ir.Dim) -> int | str | None:
         if dim is None or isinstance(dim, int):
             return dim
         text = str(dim)
         self.dims[text] = None
         return text
 
-    def type(self, value_type: Type | None) -> Any:
+    def type(self, value_type: ir.Type | None) -> Any:
         structured = self._structured(value_type)
         text = type_text(structured)
         return text if text is not None and parse_type_text(text) == structured else structured
 
-    def _structured(self, value_type: Type | None) -> Any:
+    def _structured(self, value_type: ir.Type | None) -> Any:
         if value_type is None:
             return None
         fields: dict[str, Any]
-        if isinstance(value_type, (TensorType, SparseTensorType)):
-            kind = "tensor" if isinstance(value_type, TensorType) else "sparse_tensor"
+        if isinstance(value_type, (ir.TensorType, ir.SparseTensorType)):
+            kind = "tensor" if isinstance(value_type, ir.TensorType) else "sparse_tensor"
             fields = {"kind": kind, "dtype": DTYPE_NAMES[value_type.dtype]}
             if value_type.shape is not None:
                 fields["shape"] = [self.dim(d) for d in value_type.shape]
-        elif isinstance(value_type, SequenceType):
+        elif isinstance(value_type, ir.SequenceType):
             fields = {"kind": "sequence", "element": self._structured(value_type.element)}
-        elif isinstance(value_type, OptionalType):
+        elif isinstance(value_type, ir.OptionalType):
             fields = {"kind": "optional", "element": self._structured(value_type.element)}
-        elif isinstance(value_type, MapType):
+        elif isinstance(value_type, ir.MapType):
             fields = {"kind": "map", "key": DTYPE_NAMES[value_type.key], "value": self._structured(value_type.value)}
         else:
             fields = {"kind": "opaque", "domain": value_type.domain, "name": value_type.name}
@@ -158,7 +140,7 @@ class _Writer:
             fields["denotation"] = value_type.denotation
         return fields
 
-    def value(self, value: Value) -> str | dict[str, Any]:
+    def value(self, value: ir.Value) -> str | dict[str, Any]:
         entry = _given(
             name=value.name,
             type=self.type(value.type),
@@ -168,7 +150,7 @@ class _Writer:
         return value.name if list(entry) == ["name"] else {"name": value.name, **entry}
 
     # tensors
-    def tensor(self, tensor: Tensor, name: bool = True) -> dict[str, Any]:
+    def tensor(self, tensor: ir.Tensor, name: bool = True) -> dict[str, Any]:
         entry: dict[str, Any] = _given(name=tensor.name if name else "")
         entry["dtype"] = DTYPE_NAMES[tensor.dtype]
         entry["shape"] = list(tensor.shape)
@@ -176,10 +158,10 @@ class _Writer:
         entry.update(_given(doc_string=tensor.doc_string, metadata_props=dict(tensor.metadata_props)))
         return entry
 
-    def _tensor_data(self, tensor: Tensor) -> dict[str, Any]:
+    def _tensor_data(self, tensor: ir.Tensor) -> dict[str, Any]:
         source = tensor.source
         field = typed_field(source.proto) if isinstance(source, ProtoSource) else None
-        if field is None and tensor.dtype == DataType.STRING:
+        if field is None and tensor.dtype == ir.DataType.STRING:
             field = "string_data"
         if field == "string_data":
             if isinstance(source, ProtoSource):
@@ -204,7 +186,7 @@ class _Writer:
                 return {"data": nest(values, tensor.shape)}
         return {"base64": base64.b64encode(raw).decode("ascii")}
 
-    def _sidecar(self, tensor: Tensor) -> str:
+    def _sidecar(self, tensor: ir.Tensor) -> str:
         raw = raw_buffer(tensor)
         if self.content_addressed:
             digest = hashlib.blake2b(repr((int(tensor.dtype), tensor.shape)).encode(), digest_size=8)
@@ -223,7 +205,7 @@ class _Writer:
             np.lib.format.write_array(out, array, allow_pickle=False)
         return name
 
-    def sparse(self, sparse: SparseTensor, name: str | None = None) -> dict[str, Any]:
+    def sparse(self, sparse: ir.SparseTensor, name: str | None = None) -> dict[str, Any]:
         head = {"name": name} if name is not None else {}
         return {
             **head,
@@ -233,35 +215,35 @@ class _Writer:
         }
 
     # attributes, nodes, graphs
-    def attribute(self, attr: Attr) -> dict[str, Any]:
+    def attribute(self, attr: ir.Attr) -> dict[str, Any]:
         if attr.ref_attr_name:
             entry: dict[str, Any] = {"ref_attr_name": attr.ref_attr_name, "kind": ATTR_KEYS[attr.kind]}
         else:
             entry = {ATTR_KEYS[attr.kind]: self._attr_value(attr.kind, attr.value)}
         return entry | _given(doc_string=attr.doc_string)
 
-    def _attr_value(self, kind: AttrKind, value: Any) -> Any:
-        if kind == AttrKind.FLOAT:
+    def _attr_value(self, kind: ir.AttrKind, value: Any) -> Any:
+        if kind == ir.AttrKind.FLOAT:
             return short_floats(np.array([value], dtype=np.float32))[0]
-        if kind == AttrKind.FLOATS:
+        if kind == ir.AttrKind.FLOATS:
             return short_floats(np.array(value, dtype=np.float32))
-        if kind in (AttrKind.INT, AttrKind.INTS, AttrKind.UNDEFINED):
+        if kind in (ir.AttrKind.INT, ir.AttrKind.INTS, ir.AttrKind.UNDEFINED):
             return value
-        if kind == AttrKind.STRING:
+        if kind == ir.AttrKind.STRING:
             return text_or_base64(value)
-        if kind == AttrKind.STRINGS:
+        if kind == ir.AttrKind.STRINGS:
             return [text_or_base64(v) for v in value]
-        one: dict[AttrKind, Callable[[Any], Any]] = {
-            AttrKind.TENSOR: self.tensor,
-            AttrKind.GRAPH: self.graph,
-            AttrKind.SPARSE_TENSOR: self.sparse,
-            AttrKind.TYPE_PROTO: self.type,
+        one: dict[ir.AttrKind, Callable[[Any], Any]] = {
+            ir.AttrKind.TENSOR: self.tensor,
+            ir.AttrKind.GRAPH: self.graph,
+            ir.AttrKind.SPARSE_TENSOR: self.sparse,
+            ir.AttrKind.TYPE_PROTO: self.type,
         }
         if kind in ELEMENT_KIND:
             return [one[ELEMENT_KIND[kind]](v) for v in value]
         return one[kind](value)
 
-    def node(self, node: Node) -> dict[str, Any]:
+    def node(self, node: ir.Node) -> dict[str, Any]:
         return _given(
             op=node.op_type,
             domain=node.domain,
@@ -274,12 +256,12 @@ class _Writer:
             metadata_props=dict(node.metadata_props),
         )
 
-    def graph(self, graph: Graph) -> dict[str, Any]:
+    def graph(self, graph: ir.Graph) -> dict[str, Any]:
         initializers: list[dict[str, Any]] = []
         for value in graph.initializers.values():
-            if isinstance(value.const, SparseTensor):
+            if isinstance(value.const, ir.SparseTensor):
                 initializers.append(self.sparse(value.const, value.name))
-            elif isinstance(value.const, Tensor):
+            elif isinstance(value.const, ir.Tensor):
                 initializers.append({"name": value.name, **self.tensor(value.const, name=False)})
         nodes = graph.topological()
         boundary = {id(v) for v in [*graph.inputs, *graph.outputs]}
@@ -301,7 +283,7 @@ class _Writer:
             quantization_annotation=[{"tensor": t, "params": dict(p)} for t, p in graph.quantization_annotation],
         )
 
-    def function(self, function: Function) -> dict[str, Any]:
+    def function(self, function: ir.Function) -> dict[str, Any]:
         body = self.graph(function.body)
         return _given(
             domain=function.domain,

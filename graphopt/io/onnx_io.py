@@ -19,34 +19,12 @@ from typing import Any
 import onnx
 from google.protobuf.message import DecodeError
 
+from graphopt import ir
 from graphopt.errors import InputError, bounded
 from graphopt.io import wire
 from graphopt.io.builder import NodeEntry, Scope, build_graph
 from graphopt.io.external import external_file
 from graphopt.io.sources import TYPED_FIELDS, ProtoSource
-from graphopt.ir import (
-    Attr,
-    AttrKind,
-    DataType,
-    Dim,
-    ExternalSource,
-    Function,
-    Graph,
-    GraphError,
-    MapType,
-    Model,
-    OpaqueType,
-    OptionalType,
-    SequenceType,
-    SparseTensor,
-    SparseTensorType,
-    Sym,
-    Tensor,
-    TensorType,
-    Type,
-    Value,
-    parse_dim,
-)
 
 __all__ = ["MAX_SUBGRAPH_NESTING", "external_locations", "from_proto", "load"]
 
@@ -61,7 +39,7 @@ MAX_SUBGRAPH_NESTING = 31
 # -- loading ------------------------------------------------------------------------------
 
 
-def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Model:
+def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> ir.Model:
     """Read an ONNX file. External data is mapped, not read. Raises InputError on bad input."""
     path = Path(path)
     if not path.is_file():
@@ -88,7 +66,7 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> Mod
     try:
         _check_text(proto, "model")
         return from_proto(proto, base_dir=path.parent, independent_dims=independent_dims, model_file=path)
-    except (InputError, GraphError) as err:
+    except (InputError, ir.GraphError) as err:
         raise InputError(f"{path}: {err}") from None
 
 
@@ -164,7 +142,7 @@ def from_proto(
     base_dir: Path | None = None,
     independent_dims: bool = False,
     model_file: Path | None = None,
-) -> Model:
+) -> ir.Model:
     """The IR of ``proto``; external data is read from ``base_dir`` (``model_file``, the
     file the proto came from, holds the weights io/wire.py left inline)."""
     reader = _Reader(base_dir or Path.cwd(), independent_dims, model_file)
@@ -174,7 +152,7 @@ def from_proto(
         name, dim = reader.negative_dims[0]
         more = f" (and {len(reader.negative_dims) - 1} more)" if len(reader.negative_dims) > 1 else ""
         _log.warning("value %r declares dim %d%s: read as an unknown dim", name, dim, more)
-    model = Model(
+    model = ir.Model(
         graph=graph,
         opset_imports={o.domain: o.version for o in proto.opset_import},
         ir_version=proto.ir_version,
@@ -204,7 +182,7 @@ class _Reader:
         self.annotating = ""
 
     # types
-    def dim(self, proto: onnx.TensorShapeProto.Dimension) -> Dim:
+    def dim(self, proto: onnx.TensorShapeProto.Dimension) -> ir.Dim:
         which = proto.WhichOneof("value")
         if which == "dim_value":
             if proto.dim_value < 0:
@@ -213,34 +191,34 @@ class _Reader:
                 return None
             return int(proto.dim_value)
         if which == "dim_param":
-            dim = parse_dim(proto.dim_param)
-            if self.independent_dims and isinstance(dim, Sym):
-                return Sym(dim.name, next(self.uids))
+            dim = ir.parse_dim(proto.dim_param)
+            if self.independent_dims and isinstance(dim, ir.Sym):
+                return ir.Sym(dim.name, next(self.uids))
             return dim
         return None
 
-    def type(self, proto: onnx.TypeProto) -> Type | None:
+    def type(self, proto: onnx.TypeProto) -> ir.Type | None:
         which = proto.WhichOneof("value")
         denotation = proto.denotation
         if which == "tensor_type" or which == "sparse_tensor_type":
             tensor = proto.tensor_type if which == "tensor_type" else proto.sparse_tensor_type
             shape = tuple(self.dim(d) for d in tensor.shape.dim) if tensor.HasField("shape") else None
             dtype = _dtype(tensor.elem_type, "a value type")
-            cls = TensorType if which == "tensor_type" else SparseTensorType
+            cls = ir.TensorType if which == "tensor_type" else ir.SparseTensorType
             return cls(dtype, shape, denotation)
         if which == "sequence_type":
-            return SequenceType(self.type(proto.sequence_type.elem_type), denotation)
+            return ir.SequenceType(self.type(proto.sequence_type.elem_type), denotation)
         if which == "map_type":
             key = _dtype(proto.map_type.key_type, "a map key")
-            return MapType(key, self.type(proto.map_type.value_type), denotation)
+            return ir.MapType(key, self.type(proto.map_type.value_type), denotation)
         if which == "optional_type":
-            return OptionalType(self.type(proto.optional_type.elem_type), denotation)
+            return ir.OptionalType(self.type(proto.optional_type.elem_type), denotation)
         if which == "opaque_type":
-            return OpaqueType(proto.opaque_type.domain, proto.opaque_type.name, denotation)
+            return ir.OpaqueType(proto.opaque_type.domain, proto.opaque_type.name, denotation)
         return None
 
     # tensors
-    def tensor(self, proto: onnx.TensorProto) -> Tensor:
+    def tensor(self, proto: onnx.TensorProto) -> ir.Tensor:
         dtype = _dtype(proto.data_type, f"tensor {proto.name!r}")
         shape = tuple(int(d) for d in proto.dims)
         if any(d < 0 for d in shape):
@@ -251,7 +229,7 @@ class _Reader:
         else:
             _check_inline_size(proto, dtype, shape)
             source = ProtoSource(proto)
-        return Tensor(
+        return ir.Tensor(
             proto.name,
             dtype,
             shape,
@@ -260,7 +238,7 @@ class _Reader:
             metadata_props={p.key: p.value for p in proto.metadata_props},
         )
 
-    def external(self, proto: onnx.TensorProto, dtype: DataType, shape: tuple[int, ...]) -> ExternalSource:
+    def external(self, proto: onnx.TensorProto, dtype: ir.DataType, shape: tuple[int, ...]) -> ir.ExternalSource:
         """A tensor's bytes in another file, under onnx's rules (see io/external.py): inside
         the model's folder, offset and length non-negative and within the file, and the
         length exactly what the shape needs."""
@@ -286,51 +264,51 @@ class _Reader:
             raise InputError(f"{what}: external data length {length} is not the {needed} bytes its shape {shape} needs")
         if offset + needed > file.stat().st_size:
             raise InputError(f"{what}: external data file {str(file)!r} is too short")
-        return ExternalSource(file, offset, length, dtype, shape, inline=inline)
+        return ir.ExternalSource(file, offset, length, dtype, shape, inline=inline)
 
-    def sparse(self, proto: onnx.SparseTensorProto) -> SparseTensor:
-        return SparseTensor(self.tensor(proto.values), self.tensor(proto.indices), tuple(proto.dims))
+    def sparse(self, proto: onnx.SparseTensorProto) -> ir.SparseTensor:
+        return ir.SparseTensor(self.tensor(proto.values), self.tensor(proto.indices), tuple(proto.dims))
 
     # attributes
-    def attribute(self, proto: onnx.AttributeProto, scope: Scope) -> Attr:
-        kind = AttrKind(proto.type) if proto.type else _infer_attr_kind(proto)
+    def attribute(self, proto: onnx.AttributeProto, scope: Scope) -> ir.Attr:
+        kind = ir.AttrKind(proto.type) if proto.type else _infer_attr_kind(proto)
         value: Any
         if proto.ref_attr_name:
             value = None
-        elif kind == AttrKind.FLOAT:
+        elif kind == ir.AttrKind.FLOAT:
             value = float(proto.f)
-        elif kind == AttrKind.INT:
+        elif kind == ir.AttrKind.INT:
             value = int(proto.i)
-        elif kind == AttrKind.STRING:
+        elif kind == ir.AttrKind.STRING:
             value = bytes(proto.s)
-        elif kind == AttrKind.TENSOR:
+        elif kind == ir.AttrKind.TENSOR:
             value = self.tensor(proto.t)
-        elif kind == AttrKind.GRAPH:
+        elif kind == ir.AttrKind.GRAPH:
             value = self.graph(proto.g, scope)
-        elif kind == AttrKind.SPARSE_TENSOR:
+        elif kind == ir.AttrKind.SPARSE_TENSOR:
             value = self.sparse(proto.sparse_tensor)
-        elif kind == AttrKind.TYPE_PROTO:
+        elif kind == ir.AttrKind.TYPE_PROTO:
             value = self.type(proto.tp)
-        elif kind == AttrKind.FLOATS:
+        elif kind == ir.AttrKind.FLOATS:
             value = [float(x) for x in proto.floats]
-        elif kind == AttrKind.INTS:
+        elif kind == ir.AttrKind.INTS:
             value = [int(x) for x in proto.ints]
-        elif kind == AttrKind.STRINGS:
+        elif kind == ir.AttrKind.STRINGS:
             value = [bytes(x) for x in proto.strings]
-        elif kind == AttrKind.TENSORS:
+        elif kind == ir.AttrKind.TENSORS:
             value = [self.tensor(t) for t in proto.tensors]
-        elif kind == AttrKind.GRAPHS:
+        elif kind == ir.AttrKind.GRAPHS:
             value = [self.graph(g, scope) for g in proto.graphs]
-        elif kind == AttrKind.SPARSE_TENSORS:
+        elif kind == ir.AttrKind.SPARSE_TENSORS:
             value = [self.sparse(t) for t in proto.sparse_tensors]
-        elif kind == AttrKind.TYPE_PROTOS:
+        elif kind == ir.AttrKind.TYPE_PROTOS:
             value = [self.type(t) for t in proto.type_protos]
         else:
             value = None
-        return Attr(proto.name, kind, value, proto.ref_attr_name, proto.doc_string)
+        return ir.Attr(proto.name, kind, value, proto.ref_attr_name, proto.doc_string)
 
     # graphs
-    def graph(self, proto: onnx.GraphProto, scope: Scope) -> Graph:
+    def graph(self, proto: onnx.GraphProto, scope: Scope) -> ir.Graph:
         where = f"graph {proto.name!r}" if proto.name else "the graph"
         initializers = [self._initializer(t) for t in proto.initializer]
         initializers += [self._sparse_initializer(t) for t in proto.sparse_initializer]
@@ -367,30 +345,30 @@ class _Reader:
         ]
         return graph
 
-    def _initializer(self, proto: onnx.TensorProto) -> Value:
+    def _initializer(self, proto: onnx.TensorProto) -> ir.Value:
         tensor = self.tensor(proto)
-        return Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)
+        return ir.Value(tensor.name, ir.TensorType(tensor.dtype, tensor.shape), tensor)
 
-    def _sparse_initializer(self, proto: onnx.SparseTensorProto) -> Value:
+    def _sparse_initializer(self, proto: onnx.SparseTensorProto) -> ir.Value:
         sparse = self.sparse(proto)
-        return Value(sparse.name, SparseTensorType(sparse.values.dtype, sparse.dims), sparse)
+        return ir.Value(sparse.name, ir.SparseTensorType(sparse.values.dtype, sparse.dims), sparse)
 
-    def _attributes(self, proto: onnx.NodeProto, scope: Scope) -> list[Attr]:
+    def _attributes(self, proto: onnx.NodeProto, scope: Scope) -> list[ir.Attr]:
         return [self.attribute(a, scope) for a in proto.attribute]
 
-    def _annotate(self, value: Value, vi: onnx.ValueInfoProto) -> None:
+    def _annotate(self, value: ir.Value, vi: onnx.ValueInfoProto) -> None:
         self.annotating = vi.name
         if vi.HasField("type"):
             value.type = self.type(vi.type) or value.type
         value.doc_string = vi.doc_string or value.doc_string
         value.metadata_props.update({p.key: p.value for p in vi.metadata_props})
 
-    def function(self, proto: onnx.FunctionProto) -> Function:
+    def function(self, proto: onnx.FunctionProto) -> ir.Function:
         body_proto = onnx.GraphProto(node=proto.node, value_info=proto.value_info, name=proto.name)
         body_proto.input.extend(onnx.ValueInfoProto(name=n) for n in proto.input)
         body_proto.output.extend(onnx.ValueInfoProto(name=n) for n in proto.output)
         body = self.graph(body_proto, [])
-        return Function(
+        return ir.Function(
             domain=proto.domain,
             name=proto.name,
             body=body,
@@ -403,9 +381,9 @@ class _Reader:
         )
 
 
-def _check_inline_size(proto: onnx.TensorProto, dtype: DataType, shape: tuple[int, ...]) -> None:
+def _check_inline_size(proto: onnx.TensorProto, dtype: ir.DataType, shape: tuple[int, ...]) -> None:
     """Data that does not fit the declared shape is bad input, found now rather than when a pass reads it."""
-    if proto.HasField("raw_data") and dtype != DataType.STRING:
+    if proto.HasField("raw_data") and dtype != ir.DataType.STRING:
         needed = (math.prod(shape) * dtype.itemsize_bits + 7) // 8
         if len(proto.raw_data) != needed:
             raise InputError(f"tensor {proto.name!r} of shape {shape} holds {len(proto.raw_data)} bytes, not {needed}")
@@ -413,37 +391,37 @@ def _check_inline_size(proto: onnx.TensorProto, dtype: DataType, shape: tuple[in
         raise InputError(f"tensor {proto.name!r} of shape {shape} holds no data")
 
 
-def _dtype(code: int, what: str) -> DataType:
+def _dtype(code: int, what: str) -> ir.DataType:
     try:
-        return DataType(code)
+        return ir.DataType(code)
     except ValueError:
         raise InputError(f"{what} has an unknown element type {code}") from None
 
 
 _ATTR_FIELDS = [
-    ("graphs", AttrKind.GRAPHS),
-    ("tensors", AttrKind.TENSORS),
-    ("sparse_tensors", AttrKind.SPARSE_TENSORS),
-    ("type_protos", AttrKind.TYPE_PROTOS),
-    ("strings", AttrKind.STRINGS),
-    ("ints", AttrKind.INTS),
-    ("floats", AttrKind.FLOATS),
+    ("graphs", ir.AttrKind.GRAPHS),
+    ("tensors", ir.AttrKind.TENSORS),
+    ("sparse_tensors", ir.AttrKind.SPARSE_TENSORS),
+    ("type_protos", ir.AttrKind.TYPE_PROTOS),
+    ("strings", ir.AttrKind.STRINGS),
+    ("ints", ir.AttrKind.INTS),
+    ("floats", ir.AttrKind.FLOATS),
 ]
 
 
-def _infer_attr_kind(proto: onnx.AttributeProto) -> AttrKind:
+def _infer_attr_kind(proto: onnx.AttributeProto) -> ir.AttrKind:
     for single, kind in [
-        ("g", AttrKind.GRAPH),
-        ("t", AttrKind.TENSOR),
-        ("sparse_tensor", AttrKind.SPARSE_TENSOR),
-        ("tp", AttrKind.TYPE_PROTO),
+        ("g", ir.AttrKind.GRAPH),
+        ("t", ir.AttrKind.TENSOR),
+        ("sparse_tensor", ir.AttrKind.SPARSE_TENSOR),
+        ("tp", ir.AttrKind.TYPE_PROTO),
     ]:
         if proto.HasField(single):
             return kind
     for repeated, kind in _ATTR_FIELDS:
         if len(getattr(proto, repeated)):
             return kind
-    for single, kind in [("s", AttrKind.STRING), ("i", AttrKind.INT), ("f", AttrKind.FLOAT)]:
+    for single, kind in [("s", ir.AttrKind.STRING), ("i", ir.AttrKind.INT), ("f", ir.AttrKind.FLOAT)]:
         if proto.HasField(single):
             return kind
-    return AttrKind.UNDEFINED
+    return ir.AttrKind.UNDEFINED

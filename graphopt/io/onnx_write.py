@@ -28,30 +28,10 @@ from typing import Any, BinaryIO
 import numpy as np
 import onnx
 
+from graphopt import ir
 from graphopt.files import HashingFile, atomic_write, temporary_file
 from graphopt.io import wire
 from graphopt.io.sources import TYPED_FIELDS, ProtoSource, raw_buffer, raw_layout, tensor_proto_from_array
-from graphopt.ir import (
-    Attr,
-    AttrKind,
-    DataType,
-    Dim,
-    ExternalSource,
-    Function,
-    Graph,
-    MapType,
-    Model,
-    Node,
-    OpaqueType,
-    OptionalType,
-    SequenceType,
-    SparseTensor,
-    SparseTensorType,
-    Tensor,
-    TensorType,
-    Type,
-    Value,
-)
 
 __all__ = ["all_tensors", "content_addressed_name", "digest", "is_data_file_of", "save", "to_proto"]
 
@@ -65,7 +45,7 @@ PROTOBUF_LIMIT = 2**31 - 2**26
 
 
 def save(
-    model: Model,
+    model: ir.Model,
     path: str | os.PathLike[str],
     *,
     external_data: bool | None = None,
@@ -85,7 +65,7 @@ def save(
     path = Path(path)
     tensors = list(all_tensors(model))
     if external_data is None:
-        external_data = any(isinstance(t.source, ExternalSource) and not t.source.inline for t in tensors) or (
+        external_data = any(isinstance(t.source, ir.ExternalSource) and not t.source.inline for t in tensors) or (
             sum(t.nbytes for t in tensors) > PROTOBUF_LIMIT
         )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,7 +120,7 @@ def _atomic_write(path: Path, payload: bytes) -> str:
     return atomic_write(path, lambda out: out.write(payload))
 
 
-def _write_streaming(out: BinaryIO, model: Model) -> None:
+def _write_streaming(out: BinaryIO, model: ir.Model) -> None:
     """One protobuf message, its main-graph initializers streamed rather than held in memory."""
     writer = _Writer(None, stream=True)
     proto = to_proto(model, writer=writer)
@@ -149,31 +129,31 @@ def _write_streaming(out: BinaryIO, model: Model) -> None:
     wire.write_pieces(out, [proto.SerializeToString(), wire.Frame(wire.MODEL_GRAPH, [graph, *writer.streamed])])
 
 
-def _atomic_write_streaming(path: Path, model: Model) -> str:
+def _atomic_write_streaming(path: Path, model: ir.Model) -> str:
     return atomic_write(path, lambda out: _write_streaming(out, model))
 
 
-def digest(model: Model) -> str:
+def digest(model: ir.Model) -> str:
     """sha256 of the bytes ``save`` would write as one file, computed without holding them."""
     sink = HashingFile()
     _write_streaming(sink, model)  # type: ignore[arg-type]
     return sink.digest.hexdigest()
 
 
-def all_tensors(model: Model) -> Iterable[Tensor]:
+def all_tensors(model: ir.Model) -> Iterable[ir.Tensor]:
     """Every dense tensor of the model: initializers (sparse ones as values and indices) and tensor attributes."""
     for graph in model.all_graphs():
         for value in graph.initializers.values():
-            if isinstance(value.const, Tensor):
+            if isinstance(value.const, ir.Tensor):
                 yield value.const
-            elif isinstance(value.const, SparseTensor):
+            elif isinstance(value.const, ir.SparseTensor):
                 yield value.const.values
                 yield value.const.indices
         for node in graph:
             for attr in node.attributes.values():
-                if attr.kind == AttrKind.TENSOR and attr.value is not None:
+                if attr.kind == ir.AttrKind.TENSOR and attr.value is not None:
                     yield attr.value
-                elif attr.kind == AttrKind.TENSORS:
+                elif attr.kind == ir.AttrKind.TENSORS:
                     yield from attr.value
 
 
@@ -189,11 +169,11 @@ class _ExternalWriter:
         # The tensors whose bytes went in, for relocate().
         self.protos: list[onnx.TensorProto] = []
 
-    def write(self, tensor: Tensor, proto: onnx.TensorProto) -> None:
+    def write(self, tensor: ir.Tensor, proto: onnx.TensorProto) -> None:
         aligned = (self.offset + 4095) // 4096 * 4096
         self.out.write(b"\0" * (aligned - self.offset))
         start = aligned
-        if isinstance(tensor.source, ExternalSource):
+        if isinstance(tensor.source, ir.ExternalSource):
             length = 0
             for chunk in tensor.source.chunks():
                 self.out.write(chunk)
@@ -222,23 +202,23 @@ class _ExternalWriter:
             self.file.close()
 
 
-def _streams_from_array(tensor: Tensor) -> bool:
+def _streams_from_array(tensor: ir.Tensor) -> bool:
     return not isinstance(tensor.source, ProtoSource) and raw_layout(tensor)
 
 
-def _streamable_attribute(attr: Attr) -> bool:
+def _streamable_attribute(attr: ir.Attr) -> bool:
     """A tensor attribute worth streaming: large, and not already bytes in a parsed proto."""
     value = attr.value
     return (
-        attr.kind == AttrKind.TENSOR
-        and isinstance(value, Tensor)
+        attr.kind == ir.AttrKind.TENSOR
+        and isinstance(value, ir.Tensor)
         and value.nbytes >= wire.SPLIT_THRESHOLD
-        and (isinstance(value.source, ExternalSource) or _streams_from_array(value))
+        and (isinstance(value.source, ir.ExternalSource) or _streams_from_array(value))
     )
 
 
 def to_proto(
-    model: Model, external: _ExternalWriter | None = None, *, writer: _Writer | None = None
+    model: ir.Model, external: _ExternalWriter | None = None, *, writer: _Writer | None = None
 ) -> onnx.ModelProto:
     """The model as one ModelProto (tensor data included unless ``external`` or ``writer`` take it)."""
     writer = writer or _Writer(external)
@@ -280,7 +260,7 @@ def _props(container: Any, props: dict[str, str]) -> None:
         container.add(key=key, value=value)
 
 
-def _format_dim(dim: Dim, proto: onnx.TensorShapeProto.Dimension) -> None:
+def _format_dim(dim: ir.Dim, proto: onnx.TensorShapeProto.Dimension) -> None:
     if isinstance(dim, int):
         proto.dim_value = dim
     elif dim is not None:
@@ -296,47 +276,47 @@ class _Writer:
         self.stream = stream
         self.streamed: list[wire.Piece] = []
 
-    def type(self, value_type: Type | None, proto: onnx.TypeProto) -> None:
+    def type(self, value_type: ir.Type | None, proto: onnx.TypeProto) -> None:
         if value_type is None:
             return
         if value_type.denotation:
             proto.denotation = value_type.denotation
-        if isinstance(value_type, (TensorType, SparseTensorType)):
-            tensor = proto.tensor_type if isinstance(value_type, TensorType) else proto.sparse_tensor_type
+        if isinstance(value_type, (ir.TensorType, ir.SparseTensorType)):
+            tensor = proto.tensor_type if isinstance(value_type, ir.TensorType) else proto.sparse_tensor_type
             tensor.elem_type = int(value_type.dtype)
             if value_type.shape is not None:
                 tensor.shape.SetInParent()
                 for dim in value_type.shape:
                     _format_dim(dim, tensor.shape.dim.add())
-        elif isinstance(value_type, SequenceType):
+        elif isinstance(value_type, ir.SequenceType):
             proto.sequence_type.SetInParent()
             self.type(value_type.element, proto.sequence_type.elem_type)
-        elif isinstance(value_type, MapType):
+        elif isinstance(value_type, ir.MapType):
             proto.map_type.key_type = int(value_type.key)
             self.type(value_type.value, proto.map_type.value_type)
-        elif isinstance(value_type, OptionalType):
+        elif isinstance(value_type, ir.OptionalType):
             proto.optional_type.SetInParent()
             self.type(value_type.element, proto.optional_type.elem_type)
-        elif isinstance(value_type, OpaqueType):
+        elif isinstance(value_type, ir.OpaqueType):
             proto.opaque_type.SetInParent()
             proto.opaque_type.domain = value_type.domain
             proto.opaque_type.name = value_type.name
 
     # Every method fills a message in place: building sub-messages and copying them into
     # their parents would copy each weight once per level of nesting.
-    def value_info(self, value: Value, proto: onnx.ValueInfoProto) -> None:
+    def value_info(self, value: ir.Value, proto: onnx.ValueInfoProto) -> None:
         _set(proto, name=value.name, doc_string=value.doc_string)
         if value.type is not None:
             self.type(value.type, proto.type)
         _props(proto.metadata_props, value.metadata_props)
 
-    def tensor(self, tensor: Tensor, proto: onnx.TensorProto, allow_external: bool = True) -> None:
+    def tensor(self, tensor: ir.Tensor, proto: onnx.TensorProto, allow_external: bool = True) -> None:
         source = tensor.source
         if isinstance(source, ProtoSource):
             proto.CopyFrom(source.proto)
             proto.name = tensor.name
             del proto.metadata_props[:]
-        elif isinstance(source, ExternalSource):
+        elif isinstance(source, ir.ExternalSource):
             _set(proto, name=tensor.name, data_type=int(tensor.dtype))
             proto.dims.extend(tensor.shape)
         else:
@@ -347,22 +327,22 @@ class _Writer:
         if (
             allow_external
             and self.external is not None
-            and tensor.dtype != DataType.STRING
+            and tensor.dtype != ir.DataType.STRING
             and tensor.nbytes >= EXTERNAL_THRESHOLD
         ):
             _clear_data_fields(proto)
             self.external.write(tensor, proto)
-        elif isinstance(source, ExternalSource):
+        elif isinstance(source, ir.ExternalSource):
             proto.raw_data = source.raw()
 
-    def tensor_piece(self, number: int, name: str, tensor: Tensor) -> wire.Piece:
+    def tensor_piece(self, number: int, name: str, tensor: ir.Tensor) -> wire.Piece:
         """The tensor as field ``number``: a data-less header, then its bytes in chunks."""
         source = tensor.source
         header = onnx.TensorProto(name=name, data_type=int(tensor.dtype), dims=list(tensor.shape))
         if tensor.doc_string:
             header.doc_string = tensor.doc_string
         _props(header.metadata_props, tensor.metadata_props)
-        if isinstance(source, ExternalSource):
+        if isinstance(source, ir.ExternalSource):
             return wire.tensor_piece(number, header.SerializeToString(), source.size, source.chunks())
         if _streams_from_array(tensor):
             array = np.ascontiguousarray(source.read())
@@ -374,7 +354,7 @@ class _Writer:
         full.name = name
         return wire.length_field(number, full.SerializeToString())
 
-    def node_piece(self, node: Node) -> wire.Piece:
+    def node_piece(self, node: ir.Node) -> wire.Piece:
         """A main-graph node; its large tensor attributes (Constant weights) stream."""
         streamed = [a for a in node.attributes.values() if _streamable_attribute(a)]
         proto = onnx.NodeProto()
@@ -389,51 +369,51 @@ class _Writer:
             pieces.append(wire.Frame(wire.NODE_ATTRIBUTE, [header.SerializeToString(), tensor]))
         return wire.Frame(wire.GRAPH_NODE, pieces)
 
-    def sparse(self, sparse: SparseTensor, proto: onnx.SparseTensorProto) -> None:
+    def sparse(self, sparse: ir.SparseTensor, proto: onnx.SparseTensorProto) -> None:
         proto.dims.extend(sparse.dims)
         self.tensor(sparse.values, proto.values)
         self.tensor(sparse.indices, proto.indices)
 
-    def attribute(self, attr: Attr, proto: onnx.AttributeProto) -> None:
+    def attribute(self, attr: ir.Attr, proto: onnx.AttributeProto) -> None:
         _set(proto, name=attr.name, type=int(attr.kind), doc_string=attr.doc_string)
         if attr.ref_attr_name:
             proto.ref_attr_name = attr.ref_attr_name
             return
         kind, value = attr.kind, attr.value
-        if kind == AttrKind.FLOAT:
+        if kind == ir.AttrKind.FLOAT:
             proto.f = value
-        elif kind == AttrKind.INT:
+        elif kind == ir.AttrKind.INT:
             proto.i = value
-        elif kind == AttrKind.STRING:
+        elif kind == ir.AttrKind.STRING:
             proto.s = value
-        elif kind == AttrKind.TENSOR:
+        elif kind == ir.AttrKind.TENSOR:
             self.tensor(value, proto.t)
-        elif kind == AttrKind.GRAPH:
+        elif kind == ir.AttrKind.GRAPH:
             self.graph(value, proto.g)
-        elif kind == AttrKind.SPARSE_TENSOR:
+        elif kind == ir.AttrKind.SPARSE_TENSOR:
             self.sparse(value, proto.sparse_tensor)
-        elif kind == AttrKind.TYPE_PROTO:
+        elif kind == ir.AttrKind.TYPE_PROTO:
             self.type(value, proto.tp)
-        elif kind == AttrKind.FLOATS:
+        elif kind == ir.AttrKind.FLOATS:
             proto.floats.extend(value)
-        elif kind == AttrKind.INTS:
+        elif kind == ir.AttrKind.INTS:
             proto.ints.extend(value)
-        elif kind == AttrKind.STRINGS:
+        elif kind == ir.AttrKind.STRINGS:
             proto.strings.extend(value)
-        elif kind == AttrKind.TENSORS:
+        elif kind == ir.AttrKind.TENSORS:
             for item in value:
                 self.tensor(item, proto.tensors.add())
-        elif kind == AttrKind.GRAPHS:
+        elif kind == ir.AttrKind.GRAPHS:
             for item in value:
                 self.graph(item, proto.graphs.add())
-        elif kind == AttrKind.SPARSE_TENSORS:
+        elif kind == ir.AttrKind.SPARSE_TENSORS:
             for item in value:
                 self.sparse(item, proto.sparse_tensors.add())
-        elif kind == AttrKind.TYPE_PROTOS:
+        elif kind == ir.AttrKind.TYPE_PROTOS:
             for item in value:
                 self.type(item, proto.type_protos.add())
 
-    def node(self, node: Node, proto: onnx.NodeProto, skip: Collection[str] = ()) -> None:
+    def node(self, node: ir.Node, proto: onnx.NodeProto, skip: Collection[str] = ()) -> None:
         inputs = list(node.inputs)
         while inputs and inputs[-1] is None:
             inputs.pop()
@@ -452,7 +432,7 @@ class _Writer:
                 self.attribute(attr, proto.attribute.add())
         _props(proto.metadata_props, node.metadata_props)
 
-    def body(self, graph: Graph, nodes: Any, value_info: Any, *, streamed: bool = False) -> None:
+    def body(self, graph: ir.Graph, nodes: Any, value_info: Any, *, streamed: bool = False) -> None:
         """A graph's nodes (in topological order; with ``streamed``, as pieces) and the
         value_info of its intermediate values."""
         order = graph.topological()
@@ -471,15 +451,15 @@ class _Writer:
                 ):
                     self.value_info(value, value_info.add())
 
-    def graph(self, graph: Graph, proto: onnx.GraphProto, *, main: bool = False) -> None:
+    def graph(self, graph: ir.Graph, proto: onnx.GraphProto, *, main: bool = False) -> None:
         _set(proto, name=graph.name, doc_string=graph.doc_string)
         initializers: list[wire.Piece] = []
         for value in graph.initializers.values():
-            if isinstance(value.const, SparseTensor):
+            if isinstance(value.const, ir.SparseTensor):
                 self.sparse(value.const, proto.sparse_initializer.add())
-            elif isinstance(value.const, Tensor) and main and self.stream:
+            elif isinstance(value.const, ir.Tensor) and main and self.stream:
                 initializers.append(self.tensor_piece(wire.GRAPH_INITIALIZER, value.name, value.const))
-            elif isinstance(value.const, Tensor):
+            elif isinstance(value.const, ir.Tensor):
                 tensor_proto = proto.initializer.add()
                 self.tensor(value.const, tensor_proto)
                 tensor_proto.name = value.name
@@ -495,7 +475,7 @@ class _Writer:
             annotation = proto.quantization_annotation.add(tensor_name=tensor_name)
             _props(annotation.quant_parameter_tensor_names, params)
 
-    def function(self, function: Function, proto: onnx.FunctionProto) -> None:
+    def function(self, function: ir.Function, proto: onnx.FunctionProto) -> None:
         proto.input.extend(v.name for v in function.body.inputs)
         proto.output.extend(v.name for v in function.body.outputs)
         proto.attribute.extend(function.attributes)

@@ -37,6 +37,7 @@ proven from the exported mask, so it is not written).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -670,46 +671,37 @@ def _build_cache(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
     return node.outputs[0]
 
 
+# Every standard Attention rule: the op came in opset 23.
+_attention = partial(Rule, family=FAMILY, min_opset=23, label="Attention")
+
 RULES: tuple[Rule, ...] = (
-    Rule(
+    _attention(
         name="attention",
-        family=FAMILY,
         pattern=_ATTENTION,
         plan=plan_attention,
         build=_build,
-        min_opset=23,
-        label="Attention",
         doc="MatMul/scale/mask/Softmax/MatMul with head split and merge -> Attention (opset 23)",
     ),
-    Rule(
+    _attention(
         name="attention-4d",
-        family=FAMILY,
         pattern=op.MatMul(either(NAN_GUARD, SOFTMAX), var("v"), name="pv"),
         plan=_plan_standard_4d,
         build=_build_4d,
-        min_opset=23,
-        label="Attention",
         doc="scaled dot-product attention on 4-D heads as the PyTorch exporters write it (scale on the scores "
         "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard, tanh softcap) -> Attention (opset 23)",
     ),
-    Rule(
+    _attention(
         name="attention-heads-3d",
-        family=FAMILY,
         pattern=_MERGED,
         plan=_plan_3d,
         build=_build_3d,
-        min_opset=23,
-        label="Attention",
         doc="Attention on head splits of 3-D projections, its output merged back -> Attention on the projections",
     ),
-    Rule(
+    _attention(
         name="attention-kv-cache",
-        family=FAMILY,
         pattern=_CACHED,
         plan=_plan_cache,
         build=_build_cache,
-        min_opset=23,
-        label="Attention",
         exports=("key_cache", "value_cache"),
         doc="Attention on a KV cache's Concat(past, new) keys and values -> Attention with past_key / past_value "
         "in and present_key / present_value out",

@@ -547,7 +547,7 @@ def blame(source: Path, options: RunOptions, workdir: Path) -> dict[str, Any]:
         model_after(good),
         model_after(bad),
         workdir / "blame" / "marked",
-        **options.numerics.criterion(),
+        options.numerics,
     )
     found["divergence"] = divergence if isinstance(divergence, dict) else {"node": None, "reason": divergence}
     return found

@@ -25,6 +25,7 @@ from graphopt.numerics.compare import Criterion, compare_output
 from graphopt.numerics.feeds import Feed
 from graphopt.numerics.feeds import run as run_session
 from graphopt.numerics.inputs import bind_dims, load_npz, make_inputs, read_spec
+from graphopt.numerics.options import CheckOptions
 from graphopt.numerics.paths import output_paths
 
 __all__ = ["first_divergence"]
@@ -34,18 +35,14 @@ def first_divergence(
     good: str | os.PathLike[str],
     bad: str | os.PathLike[str],
     workdir: str | os.PathLike[str],
-    *,
-    dims: dict[str, int] | None = None,
-    inputs: str | os.PathLike[str] | None = None,
-    atol: float | None = None,
-    rtol: float | None = None,
-    seed: int = 0,
+    check: CheckOptions | None = None,
 ) -> dict[str, Any]:
-    """The first node of ``bad`` whose output differs from the same-named value in ``good``.
+    """The first node of ``bad`` whose output differs from the same-named value in ``good``, fed
+    ``check``'s inputs (or its dims' first binding) and compared by its criterion.
 
-    Returns ``{"node", "op_type", "output", "compared", ...figures}``, or ``{"node": None,
-    "reason"}`` when no shared value differs (the change is in values only one model has)
-    or the models cannot be run.
+        Returns ``{"node", "op_type", "output", "compared", ...figures}``, or ``{"node": None,
+        "reason"}`` when no shared value differs (the change is in values only one model has)
+        or the models cannot be run.
     """
     good, bad, workdir = Path(good), Path(bad), Path(workdir)
     proto_good = onnx.load(str(good), load_external_data=False)
@@ -53,19 +50,20 @@ def first_divergence(
     shared = _values(proto_good.graph) & _values(proto_bad.graph)
     order = [(node, name) for node in proto_bad.graph.node for name in node.output if name in shared]
     names = list(dict.fromkeys(name for _, name in order))
+    check = check or CheckOptions()
     spec = read_spec(good)
-    if inputs is not None:
-        feed, _ = load_npz(Path(inputs), spec.inputs)
+    if check.inputs is not None:
+        feed, _ = load_npz(check.inputs, spec.inputs)
     else:
-        binding = bind_dims(spec, 0, dims or {})
-        feed = make_inputs(spec, binding, np.random.default_rng([seed, 0]))
+        binding = bind_dims(spec, 0, dict(check.dims))
+        feed = make_inputs(spec, binding, np.random.default_rng([0, 0]))
     try:
         values_good = _run_marked(proto_good, good, names, workdir / "good", feed)
         values_bad = _run_marked(proto_bad, bad, names, workdir / "bad", feed)
     except Exception as exc:  # onnxruntime refused a scratch copy: say so, never fail the blame
         text = str(exc).strip().splitlines()
         return {"node": None, "reason": f"onnxruntime cannot run the marked copies: {text[0] if text else exc}"}
-    criterion = Criterion.make(atol, rtol)
+    criterion = Criterion.make(check.atol, check.rtol)
     precisions = output_paths(_marked(proto_good, names).graph)
     for count, (node, name) in enumerate(order, 1):
         comparison = compare_output(name, values_good[name], values_bad[name], criterion, precisions[name].precision)

@@ -31,11 +31,8 @@ class CheckOptions:
         if (self.atol is None) != (self.rtol is None):
             raise InputError("--atol and --rtol go together (element-wise check)")
 
-    def criterion(self) -> dict[str, Any]:
-        """The keyword arguments that choose what is compared and how (check_models, first_divergence)."""
-        return {"dims": dict(self.dims) or None, "inputs": self.inputs, "atol": self.atol, "rtol": self.rtol}
-
     def arguments(self) -> dict[str, Any]:
         """The keyword arguments of check_models and check_models_isolated."""
         budget = {} if self.memory_budget is None else {"memory_budget": self.memory_budget}
-        return {**self.criterion(), **budget}
+        criterion = {"dims": dict(self.dims) or None, "inputs": self.inputs, "atol": self.atol, "rtol": self.rtol}
+        return {**criterion, **budget}

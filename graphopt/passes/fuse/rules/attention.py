@@ -326,27 +326,27 @@ def _without_repeat(value: Value, site: Site) -> Value:
 def head_count(value: Value, site: Site) -> tuple[int, int] | None:
     """(heads, head size) of a 4-D (batch, heads, seq, head size) value: from its shape, or from the
     head split Transpose(Reshape(x, (B, S, H or -1, d)), [0, 2, 1, 3]) that made it."""
-    shape = Site.shape(value)
-    if shape is None or len(shape) != 4:
-        return None
-    if isinstance(shape[1], int) and isinstance(shape[3], int):
-        return shape[1], shape[3]
-    node = value.producer
-    if node is None or node.op_type != "Transpose" or node.attr("perm") != HEADS or node.inputs[0] is None:
-        return None
-    return split_count(node.inputs[0], site)
+    return _counts(value, site, heads_axis=1)
 
 
 def split_count(split: Value, site: Site) -> tuple[int, int] | None:
     """(heads, head size) of a head split (batch, seq, heads, head size): from its shape, or from its
     Reshape's target with the heads given or -1 (then the hidden size of x fixes them)."""
-    shape = Site.shape(split)
+    return _counts(split, site, heads_axis=2)
+
+
+def _counts(value: Value, site: Site, heads_axis: int) -> tuple[int, int] | None:
+    shape = Site.shape(value)
     if shape is None or len(shape) != 4:
         return None
-    if isinstance(shape[2], int) and isinstance(shape[3], int):
-        return shape[2], shape[3]
-    node = split.producer
-    if node is None or node.op_type != "Reshape" or node.inputs[0] is None:
+    if isinstance(shape[heads_axis], int) and isinstance(shape[3], int):
+        return shape[heads_axis], shape[3]
+    node = value.producer
+    if node is None or node.inputs[0] is None:
+        return None
+    if heads_axis == 1:  # the Transpose of a head split
+        return split_count(node.inputs[0], site) if node.op_type == "Transpose" and node.attr("perm") == HEADS else None
+    if node.op_type != "Reshape":
         return None
     target, source = ints_of(site, node.inputs[1]), Site.shape(node.inputs[0])
     if target is None or len(target) != 4 or not isinstance(target[3], int) or target[3] <= 0:

@@ -24,7 +24,7 @@ from graphopt.errors import InputError, bounded
 from graphopt.io import wire
 from graphopt.io.builder import NodeEntry, Scope, build_graph
 from graphopt.io.external import external_file
-from graphopt.io.sources import TYPED_FIELDS, ProtoSource
+from graphopt.io.sources import MODEL_HEADER, TYPED_FIELDS, ProtoSource
 
 __all__ = ["MAX_SUBGRAPH_NESTING", "external_locations", "from_proto", "load"]
 
@@ -155,12 +155,7 @@ def from_proto(
     model = ir.Model(
         graph=graph,
         opset_imports={o.domain: o.version for o in proto.opset_import},
-        ir_version=proto.ir_version,
-        producer_name=proto.producer_name,
-        producer_version=proto.producer_version,
-        domain=proto.domain,
-        model_version=proto.model_version,
-        doc_string=proto.doc_string,
+        **{name: getattr(proto, name) for name in MODEL_HEADER},
         metadata_props={p.key: p.value for p in proto.metadata_props},
         functions=[reader.function(f) for f in proto.functions],
     )

@@ -31,7 +31,7 @@ import onnx
 from graphopt import ir
 from graphopt.files import HashingFile, atomic_write, temporary_file
 from graphopt.io import wire
-from graphopt.io.sources import TYPED_FIELDS, ProtoSource, raw_buffer, raw_layout, tensor_proto_from_array
+from graphopt.io.sources import MODEL_HEADER, TYPED_FIELDS, ProtoSource, raw_buffer, raw_layout, tensor_proto_from_array
 
 __all__ = ["all_tensors", "content_addressed_name", "digest", "is_data_file_of", "save", "to_proto"]
 
@@ -222,16 +222,7 @@ def to_proto(
 ) -> onnx.ModelProto:
     """The model as one ModelProto (tensor data included unless ``external`` or ``writer`` take it)."""
     writer = writer or _Writer(external)
-    proto = onnx.ModelProto(
-        **_given(
-            ir_version=model.ir_version,
-            producer_name=model.producer_name,
-            producer_version=model.producer_version,
-            domain=model.domain,
-            model_version=model.model_version,
-            doc_string=model.doc_string,
-        )
-    )
+    proto = onnx.ModelProto(**_given(**{name: getattr(model, name) for name in MODEL_HEADER}))
     for domain, version in model.opset_imports.items():
         proto.opset_import.add(domain=domain, version=version)
     _props(proto.metadata_props, model.metadata_props)
@@ -250,6 +241,10 @@ def _given(**fields: Any) -> dict[str, Any]:
     return {key: value for key, value in fields.items() if value}
 
 
+# The fields a node and a function both have, under the same names in the IR and the proto.
+_IDENTITY = ("domain", "name", "doc_string", "overload")
+
+
 def _set(proto: Any, **fields: Any) -> None:
     for key, value in _given(**fields).items():
         setattr(proto, key, value)
@@ -265,6 +260,24 @@ def _format_dim(dim: ir.Dim, proto: onnx.TensorShapeProto.Dimension) -> None:
         proto.dim_value = dim
     elif dim is not None:
         proto.dim_param = str(dim)
+
+
+# Where each kind of attribute value goes in an AttributeProto, and for messages which of
+# _Writer's methods writes one.
+_SCALAR_FIELDS = {ir.AttrKind.FLOAT: "f", ir.AttrKind.INT: "i", ir.AttrKind.STRING: "s"}
+_LIST_FIELDS = {ir.AttrKind.FLOATS: "floats", ir.AttrKind.INTS: "ints", ir.AttrKind.STRINGS: "strings"}
+_MESSAGE_FIELDS = {
+    ir.AttrKind.TENSOR: ("t", "tensor"),
+    ir.AttrKind.GRAPH: ("g", "graph"),
+    ir.AttrKind.SPARSE_TENSOR: ("sparse_tensor", "sparse"),
+    ir.AttrKind.TYPE_PROTO: ("tp", "type"),
+}
+_MESSAGE_LIST_FIELDS = {
+    ir.AttrKind.TENSORS: ("tensors", "tensor"),
+    ir.AttrKind.GRAPHS: ("graphs", "graph"),
+    ir.AttrKind.SPARSE_TENSORS: ("sparse_tensors", "sparse"),
+    ir.AttrKind.TYPE_PROTOS: ("type_protos", "type"),
+}
 
 
 class _Writer:
@@ -380,38 +393,17 @@ class _Writer:
             proto.ref_attr_name = attr.ref_attr_name
             return
         kind, value = attr.kind, attr.value
-        if kind == ir.AttrKind.FLOAT:
-            proto.f = value
-        elif kind == ir.AttrKind.INT:
-            proto.i = value
-        elif kind == ir.AttrKind.STRING:
-            proto.s = value
-        elif kind == ir.AttrKind.TENSOR:
-            self.tensor(value, proto.t)
-        elif kind == ir.AttrKind.GRAPH:
-            self.graph(value, proto.g)
-        elif kind == ir.AttrKind.SPARSE_TENSOR:
-            self.sparse(value, proto.sparse_tensor)
-        elif kind == ir.AttrKind.TYPE_PROTO:
-            self.type(value, proto.tp)
-        elif kind == ir.AttrKind.FLOATS:
-            proto.floats.extend(value)
-        elif kind == ir.AttrKind.INTS:
-            proto.ints.extend(value)
-        elif kind == ir.AttrKind.STRINGS:
-            proto.strings.extend(value)
-        elif kind == ir.AttrKind.TENSORS:
+        if kind in _SCALAR_FIELDS:
+            setattr(proto, _SCALAR_FIELDS[kind], value)
+        elif kind in _LIST_FIELDS:
+            getattr(proto, _LIST_FIELDS[kind]).extend(value)
+        elif kind in _MESSAGE_FIELDS:
+            field_name, write = _MESSAGE_FIELDS[kind]
+            getattr(self, write)(value, getattr(proto, field_name))
+        else:  # a list of messages
+            field_name, write = _MESSAGE_LIST_FIELDS[kind]
             for item in value:
-                self.tensor(item, proto.tensors.add())
-        elif kind == ir.AttrKind.GRAPHS:
-            for item in value:
-                self.graph(item, proto.graphs.add())
-        elif kind == ir.AttrKind.SPARSE_TENSORS:
-            for item in value:
-                self.sparse(item, proto.sparse_tensors.add())
-        elif kind == ir.AttrKind.TYPE_PROTOS:
-            for item in value:
-                self.type(item, proto.type_protos.add())
+                getattr(self, write)(item, getattr(proto, field_name).add())
 
     def node(self, node: ir.Node, proto: onnx.NodeProto, skip: Collection[str] = ()) -> None:
         inputs = list(node.inputs)
@@ -419,14 +411,7 @@ class _Writer:
             inputs.pop()
         proto.input.extend(v.name if v is not None else "" for v in inputs)
         proto.output.extend(v.name for v in node.outputs)
-        _set(
-            proto,
-            op_type=node.op_type,
-            domain=node.domain,
-            name=node.name,
-            doc_string=node.doc_string,
-            overload=node.overload,
-        )
+        _set(proto, op_type=node.op_type, **{field: getattr(node, field) for field in _IDENTITY})
         for attr in node.attributes.values():
             if attr.name not in skip:
                 self.attribute(attr, proto.attribute.add())
@@ -480,13 +465,7 @@ class _Writer:
         proto.output.extend(v.name for v in function.body.outputs)
         proto.attribute.extend(function.attributes)
         self.body(function.body, proto.node, proto.value_info)
-        _set(
-            proto,
-            domain=function.domain,
-            name=function.name,
-            doc_string=function.doc_string,
-            overload=function.overload,
-        )
+        _set(proto, **{field: getattr(function, field) for field in _IDENTITY})
         for attr in function.attribute_defaults.values():
             self.attribute(attr, proto.attribute_proto.add())
         for domain, version in function.opset_imports.items():

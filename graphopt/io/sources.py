@@ -11,7 +11,10 @@ from onnx import numpy_helper
 
 from graphopt.ir import DataType, ExternalSource, Tensor
 
-__all__ = ["TYPED_FIELDS", "ProtoSource", "raw_buffer", "raw_layout", "tensor_proto_from_array"]
+__all__ = ["MODEL_HEADER", "TYPED_FIELDS", "ProtoSource", "raw_buffer", "raw_layout", "tensor_proto_from_array"]
+
+# The ModelProto's scalar fields, kept on ir.Model under the same names.
+MODEL_HEADER = ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string")
 
 # The TensorProto fields that hold values as typed numbers (rather than raw_data).
 TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")

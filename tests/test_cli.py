@@ -18,7 +18,7 @@ from graphopt.ir import Model, Tensor
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.schemas import schema
 from samples.build_samples import tiny_encoder
-from tests.cli_helpers import diagnostics, invoke, mlp
+from tests.cli_helpers import diagnostics, invoke, mlp, one_line_error
 
 
 @register
@@ -268,3 +268,9 @@ def test_run_and_check_take_the_same_check_options_and_refuse_a_lone_atol_alike(
     for command in (["run", model, "--no-check"], ["check", model, model]):
         result = invoke(*command, "--atol", "1e-5")
         assert result.exit_code == 2 and "--atol and --rtol go together" in result.output
+
+
+def test_unwind_refuses_a_negative_time_budget(tmp_path: Path) -> None:
+    model = mlp(tmp_path / "m.onnx")
+    assert "time budget is -1.0 seconds" in one_line_error(invoke("unwind", model, "--time-budget", "-1"))
+    assert "time budget is -1.0 seconds" in one_line_error(invoke("run", model, "--unwind-time-budget", "-1"))

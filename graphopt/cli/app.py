@@ -207,6 +207,31 @@ def with_settings(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def with_pass_options(pass_name: str) -> Callable[[F], F]:
+    """Add one option per option of the pass ``pass_name`` (``--time-budget``: the command is
+    the pass's own, so no prefix) and hand the command ``options``, the pass's Options value."""
+    from graphopt.passes.base import get_pass
+
+    options_class = get_pass(pass_name).Options
+    hints = typing.get_type_hints(options_class)
+    fields = dataclasses.fields(options_class)
+
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            given = {f.name: kwargs.pop(f.name) for f in fields}
+            chosen = {name: value for name, value in given.items() if value not in (None, ())}
+            return func(*args, options=options_class(**chosen), **kwargs)
+
+        for f in reversed(fields):
+            flag = "--" + f.name.replace("_", "-")
+            shown = f"{f.metadata.get('help', '')} (default {f.default})"
+            wrapper = _setting_option(f.name, flag, hints[f.name], shown)(wrapper)
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
 def _setting_option(name: str, flag: str, annotation: Any, help_text: str) -> Callable[[F], F]:
     if annotation is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)

@@ -11,52 +11,21 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from graphopt.cli.app import cli, exit_codes, guarded, stderr
+from graphopt.cli.app import cli, exit_codes, guarded, stderr, with_pass_options
 from graphopt.errors import InputError
 
 if TYPE_CHECKING:
     from graphopt.layout import Problem, Solution
-    from graphopt.layout.solvers import SolverName
-    from graphopt.passes.unwind.onnx_layouts import Profile
+    from graphopt.passes.unwind.layout_pass import UnwindOptions
 
 
 @cli.command(epilog=exit_codes())
 @click.argument("source", metavar="MODEL_OR_PROBLEM", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option(
-    "--solver",
-    type=click.Choice(["default", "greedy"]),
-    default="default",
-    show_default=True,
-    help="default: exact on small problems, look-ahead and local search on large ones; greedy: one greedy pass.",
-)
-@click.option(
-    "--time-budget",
-    type=click.FloatRange(min=0),
-    default=10.0,
-    show_default=True,
-    metavar="S",
-    help="Seconds the default solver may search.",
-)
-@click.option(
-    "--profile",
-    type=click.Choice(["onnx", "nhwc"]),
-    default="onnx",
-    show_default=True,
-    help="A model's layouts at Conv, pooling, MatMul, Gemm: onnx (NCHW, row-major) or nhwc.",
-)
-@click.option("--allow-input-relayout", is_flag=True, help="A model's graph inputs may change layout.")
 @click.option("--problem-json", is_flag=True, help="Print the layout problem as JSON on stdout (instead of --json).")
 @click.option("--json", "as_json", is_flag=True, help="Print the solution as JSON on stdout.")
 @guarded
-def unwind(
-    source: Path,
-    solver: SolverName,
-    time_budget: float,
-    profile: Profile,
-    allow_input_relayout: bool,
-    problem_json: bool,
-    as_json: bool,
-) -> None:
+@with_pass_options("unwind")
+def unwind(source: Path, options: UnwindOptions, problem_json: bool, as_json: bool) -> None:
     """Solve a layout problem: the one of an ONNX model or graphopt JSON graph (the problem
     the unwind pass solves), or one given as JSON (README.md, "Layout problems").
 
@@ -78,13 +47,13 @@ def unwind(
     data = _read_json(source) if source.suffix.lower() == ".json" else None
     transposes: tuple[int, int] | None = None
     if data is None or (isinstance(data, dict) and "graph" in data and "layout" not in data):
-        problem, solution, transposes = _of_model(source, solver, time_budget, profile, allow_input_relayout)
+        problem, solution, transposes = _of_model(source, options)
     elif "graph" in data:
         problem = problem_from_json(data["layout"], str(source), "$.layout")
-        solution = solve(problem, solver, time_budget)
+        solution = solve(problem, options.solver, options.time_budget)
     else:
         problem = problem_from_json(data, str(source))
-        solution = solve(problem, solver, time_budget)
+        solution = solve(problem, options.solver, options.time_budget)
     shown = solution.as_dict()
     render_solution(shown)
     if transposes is not None:
@@ -95,20 +64,15 @@ def unwind(
         sys.stdout.write(json.dumps(shown, indent=2) + "\n")
 
 
-def _of_model(
-    source: Path, solver: SolverName, time_budget: float, profile: Profile, allow_input_relayout: bool
-) -> tuple[Problem, Solution, tuple[int, int]]:
+def _of_model(source: Path, options: UnwindOptions) -> tuple[Problem, Solution, tuple[int, int]]:
     """The layout problem the unwind pass derives from the model at ``source`` (after shape
     inference, as in the default pipeline), its solution, and the Transposes before -> after."""
     from graphopt.api import optimize, pass_context
     from graphopt.io import load
-    from graphopt.passes.unwind.layout_pass import UnwindOptions, solve_model
+    from graphopt.passes.unwind.layout_pass import solve_model
 
     model = optimize(load(source), "shape-infer").model
     before = sum(1 for node in model.graph if node.op_type == "Transpose")
-    options = UnwindOptions(
-        solver=solver, time_budget=time_budget, profile=profile, allow_input_relayout=allow_input_relayout
-    )
     derivation, solution, rewrite = solve_model(model, options, pass_context())
     return derivation.problem, solution, (before, min(before, rewrite.transposes))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from graphopt.errors import InputError
 from graphopt.ir import Model
 from graphopt.layout.solution import Solution
 from graphopt.layout.solvers import DEFAULT_TIME_BUDGET, SolverName, solve
@@ -39,6 +40,10 @@ class UnwindOptions:
         "the report says which inputs now take which axis order.",
         knob="allow_input_relayout",
     )
+
+    def __post_init__(self) -> None:
+        if self.time_budget < 0:
+            raise InputError(f"the unwind time budget is {self.time_budget} seconds; give 0 or more")
 
 
 @register

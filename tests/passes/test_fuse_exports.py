@@ -101,6 +101,22 @@ def test_target_ort_writes_multihead_attention(name: str) -> None:
     _same(original, out)
 
 
+# model -> RMSNorms a layer stack holds (t5's layer norm is one too): each becomes onnxruntime's
+# SimplifiedLayerNormalization at --target ort, at the exports' own opsets (17, 18), RMSNormalization's too low
+ORT_RMSNORMS = {"llama": 5, "llama_kv": 3, "t5": 3}
+
+
+@pytest.mark.parametrize(
+    "name", [f"{m}_{e}" for m in ORT_RMSNORMS for e in EXPORTERS if (FIXTURES / f"{m}_{e}.onnx").exists()]
+)
+def test_target_ort_writes_simplified_layer_normalization(name: str) -> None:
+    original, out = _optimized(name, target="ort")
+    found = _ops(out)
+    assert found["SimplifiedLayerNormalization"] == ORT_RMSNORMS[name.rsplit("_", 1)[0]], found
+    assert not {"Pow", "Sqrt", "ReduceMean"} & set(found), found
+    _same(original, out)
+
+
 def test_grouped_query_attention_keeps_the_kv_heads() -> None:
     """Attention repeats the K / V heads itself: the exporters' Reshape(Expand(Unsqueeze(kv))) repeat no longer
     feeds it (4-D inputs carry their heads, so no q_num_heads / kv_num_heads attributes either)."""

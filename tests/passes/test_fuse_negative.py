@@ -923,6 +923,28 @@ CASES: dict[str, Case] = {
         )
         for name, build in (("rmsnorm", _rmsnorm), ("rmsnorm-plain", truncated(_rmsnorm, "n")))
     },
+    # --target ort, at an opset below RMSNormalization's: onnxruntime's SimplifiedLayerNormalization
+    **{
+        name: Case(
+            lambda build=build: at_opset(18)(build()),
+            {"SimplifiedLayerNormalization": 1},
+            "ms",
+            Perturb(set_const("axes", [0]), "trailing axes", note="the axes input"),
+            Perturb(set_shape("x", ["b", "h"]), "normalized dims are not static"),
+            NO_GATE,
+            {"target": "ort"},
+        )
+        for name, build in (("ort-rmsnorm", _rmsnorm), ("ort-rmsnorm-plain", truncated(_rmsnorm, "n")))
+    },
+    "ort-rmsnorm-round-trip": Case(
+        lambda: at_opset(18)(_rms_round_trip()),
+        {"SimplifiedLayerNormalization": 1},
+        "n",
+        Perturb(set_const("eps", np.full(8, 1e-6)), "epsilon is not a scalar", note="a constant: eps per channel"),
+        Perturb(set_shape("x", None), "no known float type and rank"),
+        NO_GATE,
+        {"target": "ort"},
+    ),
     "rmsnorm-round-trip": Case(
         _rms_round_trip,
         {"RMSNormalization": 1},

@@ -19,6 +19,7 @@ from graphopt.passes.fuse.rules import (
     matmul,
     norm,
     ort_attention,
+    ort_norm,
     rotary,
     shape,
     tied,
@@ -39,6 +40,7 @@ LIBRARY = RuleSet(
     + kronecker.RULES
     + lower.RULES
     + matmul.RULES
+    + ort_norm.RULES
     + norm.RULES
     + rotary.RULES
     + shape.RULES

@@ -101,19 +101,25 @@ def test_target_ort_writes_multihead_attention(name: str) -> None:
     _same(original, out)
 
 
-# model -> RMSNorms a layer stack holds (t5's layer norm is one too): each becomes onnxruntime's
-# SimplifiedLayerNormalization at --target ort, at the exports' own opsets (17, 18), RMSNormalization's too low
-ORT_RMSNORMS = {"llama": 5, "llama_kv": 3, "t5": 3}
+# model -> onnxruntime ops every export of it holds after --target ort, at the exports' own opsets (17, 18),
+# below RMSNormalization's and RotaryEmbedding's: each RMSNorm (t5's layer norm is one too) becomes
+# SimplifiedLayerNormalization, each rotate-half rotary of Q and K com.microsoft RotaryEmbedding
+ORT_LLM: dict[str, dict[str, int]] = {
+    "llama": {"SimplifiedLayerNormalization": 5, "RotaryEmbedding": 4},
+    "llama_kv": {"SimplifiedLayerNormalization": 3, "RotaryEmbedding": 2},
+    "t5": {"SimplifiedLayerNormalization": 3},
+}
 
 
 @pytest.mark.parametrize(
-    "name", [f"{m}_{e}" for m in ORT_RMSNORMS for e in EXPORTERS if (FIXTURES / f"{m}_{e}.onnx").exists()]
+    "name", [f"{m}_{e}" for m in ORT_LLM for e in EXPORTERS if (FIXTURES / f"{m}_{e}.onnx").exists()]
 )
-def test_target_ort_writes_simplified_layer_normalization(name: str) -> None:
+def test_target_ort_writes_onnxruntime_norms_and_rotary(name: str) -> None:
     original, out = _optimized(name, target="ort")
     found = _ops(out)
-    assert found["SimplifiedLayerNormalization"] == ORT_RMSNORMS[name.rsplit("_", 1)[0]], found
-    assert not {"Pow", "Sqrt", "ReduceMean"} & set(found), found
+    want = ORT_LLM[name.rsplit("_", 1)[0]]
+    assert {op: found[op] for op in want} == want, found
+    assert not {"Pow", "Sqrt", "ReduceMean", "Neg"} & set(found), found
     _same(original, out)
 
 

@@ -982,6 +982,18 @@ CASES: dict[str, Case] = {
         below(23),
         passes="shape-infer,fuse,dce",
     ),
+    "ort-rotary-embedding": Case(
+        lambda: at_opset(18)(_rope_q()()),
+        {"RotaryEmbedding": 1},
+        "q_neg",
+        Perturb(
+            lambda p: at_opset(18)(_rope_q(swapped=True)()), "not the two halves", note="the Slices' bounds swapped"
+        ),
+        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the head size is not static"),
+        NO_GATE,
+        {"target": "ort"},
+        passes="shape-infer,fuse,dce",
+    ),
     "ort-embedlayernorm": Case(
         lambda: embed("row"),
         {"EmbedLayerNormalization": 1, "Cast": 1},

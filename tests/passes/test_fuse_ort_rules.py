@@ -26,6 +26,7 @@ from tests.passes.fuse_models import (
     padded,
     rand_weight,
     residual_block,
+    rope_model,
     scaled_matmul,
     skip_norm,
 )
@@ -161,6 +162,38 @@ def test_skip_norm_refusals() -> None:
     exposed.graph.output.append(info("pb", None))
     out, _ = fuse(exposed, target="ort", enable=["norm"])
     assert "Add" in {n.op_type for n in out.graph.node}  # the bias stays outside; the Add is not fused away
+
+
+# -- RotaryEmbedding -------------------------------------------------------------------------------
+
+
+# The kernel's caches are 2-D (position, d/2): run-time ones are flattened once (a Reshape each, shared
+# by q and k), the ids (batch, seq) counting their rows (Shape / ReduceProd / Range / Reshape, made once);
+# a constant table keeps its own ids.
+_RUNTIME_IDS = {"Reshape": 3, "Shape": 1, "ReduceProd": 1, "Range": 1}
+
+
+@pytest.mark.parametrize(
+    ("cos", "left"),
+    [
+        ("gathered", {}),
+        ("runtime", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2, **_RUNTIME_IDS}),
+        ("runtime-4d", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2, "Squeeze": 1, **_RUNTIME_IDS}),
+        ("constant", {}),
+    ],
+)
+def test_rotate_half_rope_becomes_contrib_rotaryembedding_below_opset_23(cos: str, left: dict[str, int]) -> None:
+    out = _ort(
+        rope_model(cos, opset=18), "ort-rotary-embedding", {"RotaryEmbedding": 2, **left}, "shape-infer,fuse,dce"
+    )
+    rope = [n for n in out.graph.node if n.op_type == "RotaryEmbedding"]
+    assert {n.domain for n in rope} == {"com.microsoft"}
+
+
+def test_contrib_rotary_refusals() -> None:
+    refused(rope_model(opset=18), "ort-rotary-embedding")  # target onnx
+    details = refused(rope_model("input", opset=18), "ort-rotary-embedding", target="ort")
+    assert "halves of cos are not provably equal" in " ".join(details["near_misses"]["rotary"])
 
 
 # -- Attention ------------------------------------------------------------------------------------

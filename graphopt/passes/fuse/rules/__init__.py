@@ -20,6 +20,7 @@ from graphopt.passes.fuse.rules import (
     norm,
     ort_attention,
     ort_norm,
+    ort_rotary,
     rotary,
     shape,
     tied,
@@ -42,6 +43,7 @@ LIBRARY = RuleSet(
     + matmul.RULES
     + ort_norm.RULES
     + norm.RULES
+    + ort_rotary.RULES
     + rotary.RULES
     + shape.RULES
     + tied.RULES

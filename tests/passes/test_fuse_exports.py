@@ -102,12 +102,13 @@ def test_target_ort_writes_multihead_attention(name: str) -> None:
 
 
 # model -> onnxruntime ops every export of it holds after --target ort, at the exports' own opsets (17, 18),
-# below RMSNormalization's and RotaryEmbedding's: each RMSNorm (t5's layer norm is one too) becomes
-# SimplifiedLayerNormalization, each rotate-half rotary of Q and K com.microsoft RotaryEmbedding
+# below RMSNormalization's and RotaryEmbedding's: each RMSNorm (t5's layer norm is one too) of a residual sum
+# becomes SkipSimplifiedLayerNormalization (the sum carried on by its fourth output), the first one (of the
+# embeddings) SimplifiedLayerNormalization, each rotate-half rotary of Q and K com.microsoft RotaryEmbedding
 ORT_LLM: dict[str, dict[str, int]] = {
-    "llama": {"SimplifiedLayerNormalization": 5, "RotaryEmbedding": 4},
-    "llama_kv": {"SimplifiedLayerNormalization": 3, "RotaryEmbedding": 2},
-    "t5": {"SimplifiedLayerNormalization": 3},
+    "llama": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 4, "RotaryEmbedding": 4},
+    "llama_kv": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2, "RotaryEmbedding": 2},
+    "t5": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2},
 }
 
 

@@ -153,6 +153,15 @@ def test_rmsnorm_of_a_residual_becomes_skipsimplifiedlayernorm(norm: str) -> Non
     _ort(skip_norm(norm, carry=True), rule, {"MatMul": 1, "SkipSimplifiedLayerNormalization": 1, "Relu": 1})
 
 
+def test_an_rmsnorm_whose_residual_is_unprovable_becomes_simplifiedlayernorm_alone() -> None:
+    # Below opset 23 onnxruntime's SimplifiedLayerNormalization stands for RMSNormalization; where the skip
+    # form is refused (the operands' shapes differ) the residual Add stays in front of it.
+    unprovable = skip_norm("decomposed", skip_shape=[1, 3, 8])
+    out = fires(unprovable, "ort-rmsnorm", {"MatMul": 1, "Add": 2, "SimplifiedLayerNormalization": 1}, target="ort")
+    assert [o.domain for o in out.opset_import] == [""]  # onnxruntime has it in the default domain
+    refused(unprovable, "ort-rmsnorm")  # target onnx: the model's opset 17 has no RMS norm at all
+
+
 def test_skip_norm_refusals() -> None:
     details = refused(skip_norm(skip_shape=[1, 3, 8]), "ort-skiplayernorm", target="ort", enable=["norm"])
     assert "do not provably have one" in " ".join(details["near_misses"]["norm"])

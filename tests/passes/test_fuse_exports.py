@@ -101,6 +101,29 @@ def test_target_ort_writes_multihead_attention(name: str) -> None:
     _same(original, out)
 
 
+# model -> onnxruntime ops every export of it holds after --target ort, at the exports' own opsets (17, 18),
+# below RMSNormalization's and RotaryEmbedding's: each RMSNorm (t5's layer norm is one too) of a residual sum
+# becomes SkipSimplifiedLayerNormalization (the sum carried on by its fourth output), the first one (of the
+# embeddings) SimplifiedLayerNormalization, each rotate-half rotary of Q and K com.microsoft RotaryEmbedding
+ORT_LLM: dict[str, dict[str, int]] = {
+    "llama": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 4, "RotaryEmbedding": 4},
+    "llama_kv": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2, "RotaryEmbedding": 2},
+    "t5": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2},
+}
+
+
+@pytest.mark.parametrize(
+    "name", [f"{m}_{e}" for m in ORT_LLM for e in EXPORTERS if (FIXTURES / f"{m}_{e}.onnx").exists()]
+)
+def test_target_ort_writes_onnxruntime_norms_and_rotary(name: str) -> None:
+    original, out = _optimized(name, target="ort")
+    found = _ops(out)
+    want = ORT_LLM[name.rsplit("_", 1)[0]]
+    assert {op: found[op] for op in want} == want, found
+    assert not {"Pow", "Sqrt", "ReduceMean", "Neg"} & set(found), found
+    _same(original, out)
+
+
 def test_grouped_query_attention_keeps_the_kv_heads() -> None:
     """Attention repeats the K / V heads itself: the exporters' Reshape(Expand(Unsqueeze(kv))) repeat no longer
     feeds it (4-D inputs carry their heads, so no q_num_heads / kv_num_heads attributes either)."""

@@ -983,6 +983,28 @@ CASES: dict[str, Case] = {
         )
         for name, build in (("rmsnorm", _rmsnorm), ("rmsnorm-plain", truncated(_rmsnorm, "n")))
     },
+    # --target ort, at an opset below RMSNormalization's: onnxruntime's SimplifiedLayerNormalization
+    **{
+        name: Case(
+            lambda build=build: at_opset(18)(build()),
+            {"SimplifiedLayerNormalization": 1},
+            "ms",
+            Perturb(set_const("axes", [0]), "trailing axes", note="the axes input"),
+            Perturb(set_shape("x", ["b", "h"]), "normalized dims are not static"),
+            NO_GATE,
+            {"target": "ort"},
+        )
+        for name, build in (("ort-rmsnorm", _rmsnorm), ("ort-rmsnorm-plain", truncated(_rmsnorm, "n")))
+    },
+    "ort-rmsnorm-round-trip": Case(
+        lambda: at_opset(18)(_rms_round_trip()),
+        {"SimplifiedLayerNormalization": 1},
+        "n",
+        Perturb(set_const("eps", np.full(8, 1e-6)), "epsilon is not a scalar", note="a constant: eps per channel"),
+        Perturb(set_shape("x", None), "no known float type and rank"),
+        NO_GATE,
+        {"target": "ort"},
+    ),
     "rmsnorm-round-trip": Case(
         _rms_round_trip,
         {"RMSNormalization": 1},
@@ -1018,6 +1040,18 @@ CASES: dict[str, Case] = {
         Perturb(lambda p: _rope_q(swapped=True)(), "not the two halves", note="the Slices' bounds swapped"),
         Perturb(set_shape("q", ["b", 2, "s", "d"]), "the head size is not static"),
         below(23),
+        passes="shape-infer,fuse,dce",
+    ),
+    "ort-rotary-embedding": Case(
+        lambda: at_opset(18)(_rope_q()()),
+        {"RotaryEmbedding": 1},
+        "q_neg",
+        Perturb(
+            lambda p: at_opset(18)(_rope_q(swapped=True)()), "not the two halves", note="the Slices' bounds swapped"
+        ),
+        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the head size is not static"),
+        NO_GATE,
+        {"target": "ort"},
         passes="shape-infer,fuse,dce",
     ),
     "ort-embedlayernorm": Case(

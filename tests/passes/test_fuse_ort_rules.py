@@ -28,6 +28,7 @@ from tests.passes.fuse_models import (
     padded,
     rand_weight,
     residual_block,
+    rope_model,
     scaled_matmul,
     skip_norm,
 )
@@ -154,6 +155,15 @@ def test_rmsnorm_of_a_residual_becomes_skipsimplifiedlayernorm(norm: str) -> Non
     _ort(skip_norm(norm, carry=True), rule, {"MatMul": 1, "SkipSimplifiedLayerNormalization": 1, "Relu": 1})
 
 
+def test_an_rmsnorm_whose_residual_is_unprovable_becomes_simplifiedlayernorm_alone() -> None:
+    # Below opset 23 onnxruntime's SimplifiedLayerNormalization stands for RMSNormalization; where the skip
+    # form is refused (the operands' shapes differ) the residual Add stays in front of it.
+    unprovable = skip_norm("decomposed", skip_shape=[1, 3, 8])
+    out = fires(unprovable, "ort-rmsnorm", {"MatMul": 1, "Add": 2, "SimplifiedLayerNormalization": 1}, target="ort")
+    assert [o.domain for o in out.opset_import] == [""]  # onnxruntime has it in the default domain
+    refused(unprovable, "ort-rmsnorm")  # target onnx: the model's opset 17 has no RMS norm at all
+
+
 def test_skip_norm_refusals() -> None:
     details = refused(skip_norm(skip_shape=[1, 3, 8]), "ort-skiplayernorm", target="ort", enable=["norm"])
     assert "do not provably have one" in " ".join(details["near_misses"]["norm"])
@@ -201,6 +211,38 @@ def test_a_post_norm_residual_stays_an_add_for_onnxruntimes_attention_fusion() -
     params = [init("w", rand_weight(8, 8)), init("gamma", rand_weight(8)), init("beta", rand_weight(8))]
     details = refused(model(nodes, [info("x", ["b", 3, 8])], ["y"], params), "layernorm-residual-sum")
     assert "comes from a LayerNormalization" in " ".join(details["near_misses"]["norm"])
+
+
+# -- RotaryEmbedding -------------------------------------------------------------------------------
+
+
+# The kernel's caches are 2-D (position, d/2): run-time ones are flattened once (a Reshape each, shared
+# by q and k), the ids (batch, seq) counting their rows (Shape / ReduceProd / Range / Reshape, made once);
+# a constant table keeps its own ids.
+_RUNTIME_IDS = {"Reshape": 3, "Shape": 1, "ReduceProd": 1, "Range": 1}
+
+
+@pytest.mark.parametrize(
+    ("cos", "left"),
+    [
+        ("gathered", {}),
+        ("runtime", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2, **_RUNTIME_IDS}),
+        ("runtime-4d", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2, "Squeeze": 1, **_RUNTIME_IDS}),
+        ("constant", {}),
+    ],
+)
+def test_rotate_half_rope_becomes_contrib_rotaryembedding_below_opset_23(cos: str, left: dict[str, int]) -> None:
+    out = _ort(
+        rope_model(cos, opset=18), "ort-rotary-embedding", {"RotaryEmbedding": 2, **left}, "shape-infer,fuse,dce"
+    )
+    rope = [n for n in out.graph.node if n.op_type == "RotaryEmbedding"]
+    assert {n.domain for n in rope} == {"com.microsoft"}
+
+
+def test_contrib_rotary_refusals() -> None:
+    refused(rope_model(opset=18), "ort-rotary-embedding")  # target onnx
+    details = refused(rope_model("input", opset=18), "ort-rotary-embedding", target="ort")
+    assert "halves of cos are not provably equal" in " ".join(details["near_misses"]["rotary"])
 
 
 # -- Attention ------------------------------------------------------------------------------------

@@ -547,10 +547,10 @@ def test_node_suite_models_with_sequence_or_optional_inputs_are_checked(tmp_path
 # inputs: each was "not checked: the original model failed at all 6 bindings tried" (an
 # AffineGrid size whose N is not theta's, a nonpad_kv_seqlen past the keys, a Col2Im
 # image_shape no block count fits, a MaxUnpool index past the output, Resize sizes that scale the
-# batch, split sizes that overrun an empty axis, a TensorScatter write past the cache). Not yet:
-# AffineGrid's expanded function, whose size reaches theta's batch only inside an If.
+# batch, split sizes that overrun an empty axis, a TensorScatter write past the cache), and
+# AffineGrid's expanded function, whose size a Split inside an If takes apart into N, C and the grid.
 _OPERAND_CASES = [
-    *(f"test_affine_grid_{d}{a}" for d in ("2d", "3d") for a in ("", "_align_corners")),
+    *(f"test_affine_grid_{d}{a}{e}" for d in ("2d", "3d") for a in ("", "_align_corners") for e in ("", "_expanded")),
     "test_attention_4d_diff_heads_mask4d_padded_kv",
     "test_attention_4d_gqa_causal_nonpad_decode",
     "test_attention_4d_gqa_causal_nonpad_decode_fp16",

@@ -24,7 +24,9 @@ and the data reaches where a wrong rewrite would show:
   inputs constrain are solved from those inputs' static dims: split sizes add up to the
   axis, a Resize keeps the batch and channels, an AffineGrid's N is theta's, a MaxUnpool's
   output shape is the one its attributes give, a Col2Im's image_shape has as many blocks
-  as its input holds.
+  as its input holds, an integer vector a Split takes apart into its elements is a shape
+  (N the inputs' batch, then 1 and small sizes: an expanded AffineGrid's size). Reads inside
+  If, Loop and Scan bodies count as the outer value's.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from graphopt.ir.node import STANDARD_DOMAINS
-from graphopt.numerics.paths import inline_array
+from graphopt.numerics.paths import bodies, inline_array
 
 __all__ = ["GraphFacts", "Role", "graph_facts", "held_tensor"]
 
@@ -172,11 +174,16 @@ class GraphFacts:
 
 
 def _consumers(graph: onnx.GraphProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+    """The (node, input index) reads of every value, those of nodes inside If, Loop and Scan
+    bodies included: a body reads the outer scope's values by name."""
     found: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for node in graph.node:
-        for index, name in enumerate(node.input):
-            if name:
-                found.setdefault(name, []).append((node, index))
+    pending = [graph]
+    while pending:
+        for node in pending.pop().node:
+            for index, name in enumerate(node.input):
+                if name:
+                    found.setdefault(name, []).append((node, index))
+            pending.extend(body for attribute in node.attribute for body in bodies(attribute))
     return found
 
 
@@ -322,21 +329,43 @@ def _stored(graph: onnx.GraphProto) -> dict[str, list[int]]:
     return stored
 
 
+def _split_into_dims(node: onnx.NodeProto, index: int, length: int | None, batch: int) -> Role | None:
+    """An integer vector a Split cuts into its elements is a shape taken apart into its dims (an
+    expanded AffineGrid's size: N, C, then the grid): N the inputs' batch, the rest small."""
+    equal = len(node.input) < 2 or not node.input[1]
+    if node.op_type != "Split" or index != 0 or not equal or _attribute(node, "split") is not None:
+        return None
+    if length is None or length < 2 or len(node.output) != length:
+        return None
+    return Role("sizes", values=(batch, 1, *_FREE_SIZES[: length - 2]))
+
+
+def _batch(inputs: list[onnx.ValueInfoProto], static: dict[str, list[int | None]]) -> int:
+    """The static first dim the inputs of rank two and more share, else 1."""
+    firsts = {dims[0] for value in inputs if len(dims := static.get(value.name) or []) >= 2}
+    shared = firsts.pop() if len(firsts) == 1 else None
+    return shared or 1
+
+
 def _input_roles(graph: onnx.GraphProto, inputs: list[onnx.ValueInfoProto]) -> dict[str, Role]:
     consumers = _consumers(graph)
     stored = _stored(graph)
     static = _static_dims(graph)
+    batch = _batch(inputs, static)
     roles: dict[str, Role] = {}
     for value in inputs:
+        integer = value.type.tensor_type.elem_type in _INTEGER_TYPES
+        dims = static.get(value.name) or []
+        length = dims[0] if len(dims) == 1 else None
         found = [
             r
             for node, index in _reach(value.name, consumers, _PASSTHROUGH)
             if (r := _role(node, index, stored, static))
+            or (integer and _standard(node) and (r := _split_into_dims(node, index, length, batch)))
         ]
         lowered = value.name.lower()
         if "mask" in lowered:
             found.append(Role("mask"))
-        integer = value.type.tensor_type.elem_type in _INTEGER_TYPES
         if "position" in lowered and integer and all(r.kind in ("ids", "mask") for r in found):
             found = [Role("position", min((r.bound for r in found if r.bound), default=None))]
         if not found:

@@ -578,3 +578,29 @@ _OPERAND_CASES = [
 
 def test_node_suite_operands_that_other_inputs_constrain_get_values_that_fit(tmp_path: Path) -> None:
     _only_onnxruntime_limits(_node_case_statuses(tmp_path, _OPERAND_CASES))
+
+
+def test_the_ids_of_an_embed_layer_normalization_fall_in_its_tables(tmp_path: Path) -> None:
+    """onnxruntime's fused embedding (com.microsoft EmbedLayerNormalization) reads input ids from
+    its word table and segment ids from its segment table: ids past them fail the original."""
+    rng = np.random.default_rng(0)
+    hidden = 8
+    inits = {
+        "word": rng.standard_normal((50, hidden)).astype(np.float32),
+        "position": rng.standard_normal((64, hidden)).astype(np.float32),
+        "segment": rng.standard_normal((2, hidden)).astype(np.float32),
+        "gamma": np.ones(hidden, np.float32),
+        "beta": np.zeros(hidden, np.float32),
+    }
+    node = helper.make_node(
+        "EmbedLayerNormalization",
+        ["input_ids", "segment_ids", "word", "position", "segment", "gamma", "beta"],
+        ["y", "mask_index"],
+        domain="com.microsoft",
+        epsilon=1e-5,
+    )
+    ids = [(name, TensorProto.INT32, ["batch", "sequence"]) for name in ("input_ids", "segment_ids")]
+    outputs = [("y", TensorProto.FLOAT, None), ("mask_index", TensorProto.INT32, None)]
+    path = _save(tmp_path, "m", _model([node], ids, outputs, inits, domains=("com.microsoft",)))
+    result = check_models(path, path)
+    assert result.status == "passed", result.reason

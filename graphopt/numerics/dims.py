@@ -107,6 +107,14 @@ _INDEXING: dict[tuple[str, int], tuple[int, int | str]] = {
     ("SoftmaxCrossEntropyLoss", 1): (0, 1),
     ("ArrayFeatureExtractor", 1): (0, -1),
 }
+# (com.microsoft op, ids input) -> the stored table those ids read rows of: onnxruntime's fused
+# embedding reads input ids from its word table, segment ids from its segment table, position
+# ids from its position table.
+_EMBEDDING_TABLES: dict[tuple[str, int], int] = {
+    ("EmbedLayerNormalization", 0): 2,
+    ("EmbedLayerNormalization", 1): 4,
+    ("EmbedLayerNormalization", 8): 3,
+}
 # (op, lengths input) -> the input whose sequence they measure and its axis, as in _INDEXING.
 _LENGTHS: dict[tuple[str, int], tuple[int, int | str]] = {
     ("ReverseSequence", 1): (0, "time_axis"),
@@ -228,9 +236,12 @@ def _reach(
 def _role(
     node: onnx.NodeProto, index: int, stored: dict[str, list[int]], static: dict[str, list[int | None]]
 ) -> Role | None:
+    op = node.op_type
+    if node.domain == "com.microsoft" and (op, index) in _EMBEDDING_TABLES:
+        table = stored.get(node.input[_EMBEDDING_TABLES[op, index]]) if len(node.input) > 2 else None
+        return Role("ids", table[0]) if table else None
     if not _standard(node) and node.domain != "ai.onnx.ml":
         return None
-    op = node.op_type
     if (op, index) in _INDEXING or (op, index) in _LENGTHS:
         data_index, where = _INDEXING.get((op, index)) or _LENGTHS[op, index]
         data = node.input[data_index]

@@ -547,10 +547,10 @@ def test_node_suite_models_with_sequence_or_optional_inputs_are_checked(tmp_path
 # inputs: each was "not checked: the original model failed at all 6 bindings tried" (an
 # AffineGrid size whose N is not theta's, a nonpad_kv_seqlen past the keys, a Col2Im
 # image_shape no block count fits, a MaxUnpool index past the output, Resize sizes that scale the
-# batch, split sizes that overrun an empty axis, a TensorScatter write past the cache). Not yet:
-# AffineGrid's expanded function, whose size reaches theta's batch only inside an If.
+# batch, split sizes that overrun an empty axis, a TensorScatter write past the cache), and
+# AffineGrid's expanded function, whose size a Split inside an If takes apart into N, C and the grid.
 _OPERAND_CASES = [
-    *(f"test_affine_grid_{d}{a}" for d in ("2d", "3d") for a in ("", "_align_corners")),
+    *(f"test_affine_grid_{d}{a}{e}" for d in ("2d", "3d") for a in ("", "_align_corners") for e in ("", "_expanded")),
     "test_attention_4d_diff_heads_mask4d_padded_kv",
     "test_attention_4d_gqa_causal_nonpad_decode",
     "test_attention_4d_gqa_causal_nonpad_decode_fp16",
@@ -578,3 +578,29 @@ _OPERAND_CASES = [
 
 def test_node_suite_operands_that_other_inputs_constrain_get_values_that_fit(tmp_path: Path) -> None:
     _only_onnxruntime_limits(_node_case_statuses(tmp_path, _OPERAND_CASES))
+
+
+def test_the_ids_of_an_embed_layer_normalization_fall_in_its_tables(tmp_path: Path) -> None:
+    """onnxruntime's fused embedding (com.microsoft EmbedLayerNormalization) reads input ids from
+    its word table and segment ids from its segment table: ids past them fail the original."""
+    rng = np.random.default_rng(0)
+    hidden = 8
+    inits = {
+        "word": rng.standard_normal((50, hidden)).astype(np.float32),
+        "position": rng.standard_normal((64, hidden)).astype(np.float32),
+        "segment": rng.standard_normal((2, hidden)).astype(np.float32),
+        "gamma": np.ones(hidden, np.float32),
+        "beta": np.zeros(hidden, np.float32),
+    }
+    node = helper.make_node(
+        "EmbedLayerNormalization",
+        ["input_ids", "segment_ids", "word", "position", "segment", "gamma", "beta"],
+        ["y", "mask_index"],
+        domain="com.microsoft",
+        epsilon=1e-5,
+    )
+    ids = [(name, TensorProto.INT32, ["batch", "sequence"]) for name in ("input_ids", "segment_ids")]
+    outputs = [("y", TensorProto.FLOAT, None), ("mask_index", TensorProto.INT32, None)]
+    path = _save(tmp_path, "m", _model([node], ids, outputs, inits, domains=("com.microsoft",)))
+    result = check_models(path, path)
+    assert result.status == "passed", result.reason

@@ -86,21 +86,18 @@ REFUSED = {
         17,
         "Hardmax",
     ),
-    # Resize-10 and Upsample map coordinates asymmetrically, Resize-11 by default at half pixels;
-    # the converter sets no coordinate_transformation_mode.
-    **{
-        f"{op.lower()}-{opset}": (
-            _model(
-                [helper.make_node(op, ["x", "scales"], ["y"], mode="linear")],
-                [X, ("scales", FLOAT, [4])],
-                [("y", FLOAT, None)],
-                opset,
-            ),
-            17,
-            op,
-        )
-        for op, opset in (("Resize", 10), ("Upsample", 9))
-    },
+    # Resize-10 maps coordinates asymmetrically, Resize-11 by default at half pixels; the
+    # converter sets no coordinate_transformation_mode.
+    "resize-10": (
+        _model(
+            [helper.make_node("Resize", ["x", "scales"], ["y"], mode="linear")],
+            [X, ("scales", FLOAT, [4])],
+            [("y", FLOAT, None)],
+            10,
+        ),
+        17,
+        "Resize",
+    ),
     # onnxruntime has no kernel for RandomUniformLike-22 (its kernel is registered for -1 only).
     "randomuniformlike-22": (
         _model(
@@ -149,3 +146,25 @@ def test_an_attribute_the_target_lacks_is_dropped_where_it_holds_its_default(tmp
     assert [a.name for a in converted.graph.node[0].attribute] == ["to"]
     feeds = {"x": np.linspace(-70000, 70000, 72, dtype=np.float32).reshape(1, 2, 6, 6)}
     np.testing.assert_array_equal(run_ort(converted, feeds)["y"], run_ort(proto, feeds)["y"])
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_an_upsample_becomes_a_resize_with_its_own_coordinates(mode: str, tmp_path: Path) -> None:
+    """Upsample maps output pixel i to i / scale and, nearest, takes the floor (it only enlarges):
+    the Resize-11+ it becomes says so, where its defaults (half pixels, rounding) would shift it."""
+    proto = _model(
+        [helper.make_node("Upsample", ["x", "scales"], ["y"], mode=mode)],
+        [X, ("scales", FLOAT, [4])],
+        [("y", FLOAT, None)],
+        9,
+    )
+    source, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(proto, source)
+    result = invoke("run", source, "--target-opset", "17", "--no-check", "-o", out)
+    assert result.exit_code == 0, result.output
+    converted = onnx.load(out)
+    assert [n.op_type for n in converted.graph.node if n.op_type in ("Resize", "Upsample")] == ["Resize"]
+    x = np.random.default_rng(0).standard_normal((1, 2, 6, 6)).astype(np.float32)
+    for scales in ([1, 1, 2, 3], [1, 1, 1.5, 2.5], [1, 1, 1.7, 1.3]):
+        feeds = {"x": x, "scales": np.array(scales, np.float32)}
+        np.testing.assert_allclose(run_ort(converted, feeds)["y"], run_ort(proto, feeds)["y"], rtol=0, atol=1e-6)

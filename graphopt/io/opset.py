@@ -7,7 +7,8 @@ bad input; the message names the op that blocks it when onnx's error says which.
 The converter also returns models it did not convert correctly, so its result is held to
 three rules before it is used, and a conversion that breaks one is refused the same way:
 
-- a step the converter takes but gets wrong is refused before it runs (``UNSAFE_STEPS``);
+- a step the converter takes but gets wrong is refused before it runs (``UNSAFE_STEPS``), or
+  set right after it (an Upsample's coordinates on the Resize it becomes);
 - an attribute the op's schema has at the source opset must exist at the target: one the
   target lacks is dropped where it holds the value its op defines as default (what every
   older version does), and refused otherwise (AveragePool's ``dilations`` below opset 19);
@@ -36,7 +37,6 @@ __all__ = ["UNSAFE_STEPS", "convert_opset"]
 UNSAFE_STEPS = {
     "Hardmax": (13, "Hardmax-11 takes the input flattened to 2-D around its axis, Hardmax-13 the one axis"),
     "Resize": (11, "Resize-10 maps coordinates asymmetrically, Resize-11 by default at half pixels"),
-    "Upsample": (10, "Upsample maps coordinates asymmetrically, the Resize-11 it becomes by default at half pixels"),
     "Scan": (9, "Scan-8 iterates over a batch axis that Scan-9 lacks; the converter keeps the inputs as they are"),
 }
 
@@ -54,6 +54,7 @@ def convert_opset(model: Model, version: int) -> Model:
         _refuse_unsafe_steps(proto, source, version)
         converted = version_converter.convert_version(proto, version)
         _fit_attributes(converted, source, version)
+        _pin_upsample_coordinates(proto, converted, version)
     except InputError as err:
         raise InputError(f"cannot convert the model to opset {version}: {err}") from None
     except Exception as err:  # onnx raises assorted C++ exception types
@@ -91,6 +92,26 @@ def _refuse_unsafe_steps(proto: onnx.ModelProto, source: int, version: int) -> N
             before, after = _schema(node.op_type, low), _schema(node.op_type, high)
             if before and after and before.since_version < since <= after.since_version:
                 raise InputError(f"op {node.op_type} blocks it ({why})")
+
+
+def _pin_upsample_coordinates(before: onnx.ModelProto, converted: onnx.ModelProto, version: int) -> None:
+    """Give each Resize an Upsample became its Upsample's coordinates: output pixel i reads
+    input i / scale, nearest its floor (an Upsample only enlarges), where Resize-11 and later
+    default to half pixels and rounding (measured equal in onnxruntime, both modes)."""
+    resize = _schema("Resize", version)
+    if resize is None or "coordinate_transformation_mode" not in resize.attributes:
+        return  # Resize-10 maps coordinates as Upsample does
+    upsampled = {node.output[0] for node in _default_nodes(before.graph) if node.op_type == "Upsample"}
+    for node in _default_nodes(converted.graph):
+        if node.op_type != "Resize" or node.output[0] not in upsampled:
+            continue
+        pinned = {"coordinate_transformation_mode": "asymmetric"}
+        mode = next((a for a in node.attribute if a.name == "mode"), None)
+        if mode is None or mode.s == b"nearest":
+            pinned["nearest_mode"] = "floor"
+        for attr in [a for a in node.attribute if a.name in pinned]:
+            node.attribute.remove(attr)
+        node.attribute.extend(helper.make_attribute(name, value) for name, value in pinned.items())
 
 
 def _fit_attributes(converted: onnx.ModelProto, source: int, version: int) -> None:

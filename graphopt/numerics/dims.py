@@ -24,7 +24,9 @@ and the data reaches where a wrong rewrite would show:
   inputs constrain are solved from those inputs' static dims: split sizes add up to the
   axis, a Resize keeps the batch and channels, an AffineGrid's N is theta's, a MaxUnpool's
   output shape is the one its attributes give, a Col2Im's image_shape has as many blocks
-  as its input holds.
+  as its input holds, an integer vector a Split takes apart into its elements is a shape
+  (N the inputs' batch, then 1 and small sizes: an expanded AffineGrid's size). Reads inside
+  If, Loop and Scan bodies count as the outer value's.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import onnx
 
 from graphopt.ir.node import STANDARD_DOMAINS
 from graphopt.ir.ops import BROADCASTING
-from graphopt.numerics.paths import inline_array
+from graphopt.numerics.paths import bodies, inline_array
 
 __all__ = ["GraphFacts", "Role", "graph_facts", "held_tensor"]
 
@@ -106,6 +108,14 @@ _INDEXING: dict[tuple[str, int], tuple[int, int | str]] = {
     ("SoftmaxCrossEntropyLoss", 1): (0, 1),
     ("ArrayFeatureExtractor", 1): (0, -1),
 }
+# (com.microsoft op, ids input) -> the stored table those ids read rows of: onnxruntime's fused
+# embedding reads input ids from its word table, segment ids from its segment table, position
+# ids from its position table.
+_EMBEDDING_TABLES: dict[tuple[str, int], int] = {
+    ("EmbedLayerNormalization", 0): 2,
+    ("EmbedLayerNormalization", 1): 4,
+    ("EmbedLayerNormalization", 8): 3,
+}
 # (op, lengths input) -> the input whose sequence they measure and its axis, as in _INDEXING.
 _LENGTHS: dict[tuple[str, int], tuple[int, int | str]] = {
     ("ReverseSequence", 1): (0, "time_axis"),
@@ -173,11 +183,16 @@ class GraphFacts:
 
 
 def _consumers(graph: onnx.GraphProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+    """The (node, input index) reads of every value, those of nodes inside If, Loop and Scan
+    bodies included: a body reads the outer scope's values by name."""
     found: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for node in graph.node:
-        for index, name in enumerate(node.input):
-            if name:
-                found.setdefault(name, []).append((node, index))
+    pending = [graph]
+    while pending:
+        for node in pending.pop().node:
+            for index, name in enumerate(node.input):
+                if name:
+                    found.setdefault(name, []).append((node, index))
+            pending.extend(body for attribute in node.attribute for body in bodies(attribute))
     return found
 
 
@@ -222,9 +237,12 @@ def _reach(
 def _role(
     node: onnx.NodeProto, index: int, stored: dict[str, list[int]], static: dict[str, list[int | None]]
 ) -> Role | None:
+    op = node.op_type
+    if node.domain == "com.microsoft" and (op, index) in _EMBEDDING_TABLES:
+        table = stored.get(node.input[_EMBEDDING_TABLES[op, index]]) if len(node.input) > 2 else None
+        return Role("ids", table[0]) if table else None
     if not _standard(node) and node.domain != "ai.onnx.ml":
         return None
-    op = node.op_type
     if (op, index) in _INDEXING or (op, index) in _LENGTHS:
         data_index, where = _INDEXING.get((op, index)) or _LENGTHS[op, index]
         data = node.input[data_index]
@@ -323,21 +341,43 @@ def _stored(graph: onnx.GraphProto) -> dict[str, list[int]]:
     return stored
 
 
+def _split_into_dims(node: onnx.NodeProto, index: int, length: int | None, batch: int) -> Role | None:
+    """An integer vector a Split cuts into its elements is a shape taken apart into its dims (an
+    expanded AffineGrid's size: N, C, then the grid): N the inputs' batch, the rest small."""
+    equal = len(node.input) < 2 or not node.input[1]
+    if node.op_type != "Split" or index != 0 or not equal or _attribute(node, "split") is not None:
+        return None
+    if length is None or length < 2 or len(node.output) != length:
+        return None
+    return Role("sizes", values=(batch, 1, *_FREE_SIZES[: length - 2]))
+
+
+def _batch(inputs: list[onnx.ValueInfoProto], static: dict[str, list[int | None]]) -> int:
+    """The static first dim the inputs of rank two and more share, else 1."""
+    firsts = {dims[0] for value in inputs if len(dims := static.get(value.name) or []) >= 2}
+    shared = firsts.pop() if len(firsts) == 1 else None
+    return shared or 1
+
+
 def _input_roles(graph: onnx.GraphProto, inputs: list[onnx.ValueInfoProto]) -> dict[str, Role]:
     consumers = _consumers(graph)
     stored = _stored(graph)
     static = _static_dims(graph)
+    batch = _batch(inputs, static)
     roles: dict[str, Role] = {}
     for value in inputs:
+        integer = value.type.tensor_type.elem_type in _INTEGER_TYPES
+        dims = static.get(value.name) or []
+        length = dims[0] if len(dims) == 1 else None
         found = [
             r
             for node, index in _reach(value.name, consumers, _PASSTHROUGH)
             if (r := _role(node, index, stored, static))
+            or (integer and _standard(node) and (r := _split_into_dims(node, index, length, batch)))
         ]
         lowered = value.name.lower()
         if "mask" in lowered:
             found.append(Role("mask"))
-        integer = value.type.tensor_type.elem_type in _INTEGER_TYPES
         if "position" in lowered and integer and all(r.kind in ("ids", "mask") for r in found):
             found = [Role("position", min((r.bound for r in found if r.bound), default=None))]
         if not found:

@@ -31,7 +31,16 @@ from onnx import numpy_helper
 from graphopt.ir.constness import RANDOM_OPS
 from graphopt.ir.node import STANDARD_DOMAINS
 
-__all__ = ["EPSILON", "OutputPath", "has_opaque_ops", "inline_array", "lowest", "output_paths", "precision_name"]
+__all__ = [
+    "EPSILON",
+    "OutputPath",
+    "bodies",
+    "has_opaque_ops",
+    "inline_array",
+    "lowest",
+    "output_paths",
+    "precision_name",
+]
 
 # Machine epsilon (the gap between 1 and the next larger number) of each float type.
 EPSILON: dict[str, float] = {
@@ -148,11 +157,12 @@ def _implied(node: onnx.NodeProto, lookup: Callable[[str], str | None]) -> str |
         if node.op_type == "Constant":
             tensor = attributes.get("value")
             return precision_name(tensor.t.data_type) if tensor is not None and tensor.t.data_type else None
-    inside = [_declared(body) for a in node.attribute for body in _bodies(a)]
+    inside = [_declared(body) for a in node.attribute for body in bodies(a)]
     return lowest([*(lookup(name) for name in node.input if name), *inside])
 
 
-def _bodies(attribute: onnx.AttributeProto) -> list[onnx.GraphProto]:
+def bodies(attribute: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    """The subgraphs an attribute holds: an If's branch, a Loop's or Scan's body."""
     if attribute.type == onnx.AttributeProto.GRAPH:
         return [attribute.g]
     return list(attribute.graphs) if attribute.type == onnx.AttributeProto.GRAPHS else []
@@ -168,7 +178,7 @@ def _declared(graph: onnx.GraphProto) -> str | None:
         for attribute in node.attribute:
             if node.op_type == "Cast" and attribute.name == "to":
                 found.append(precision_name(attribute.i))
-            found.extend(_declared(body) for body in _bodies(attribute))
+            found.extend(_declared(body) for body in bodies(attribute))
     return lowest(found)
 
 
@@ -203,7 +213,7 @@ def has_opaque_ops(graph: onnx.GraphProto) -> bool:
     whether it draws numbers is not in the graph, so only two runs of the original can tell."""
     return any(
         node.domain not in (*STANDARD_DOMAINS, "ai.onnx.ml")
-        or any(has_opaque_ops(body) for attribute in node.attribute for body in _bodies(attribute))
+        or any(has_opaque_ops(body) for attribute in node.attribute for body in bodies(attribute))
         for node in graph.node
     )
 
@@ -216,6 +226,6 @@ def _random_ops(node: onnx.NodeProto, off: set[str]) -> Iterator[str]:
         elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] and node.input[2] not in off:
             yield "Dropout"
     for attribute in node.attribute:
-        for body in _bodies(attribute):
+        for body in bodies(attribute):
             for inner in body.node:
                 yield from _random_ops(inner, off)

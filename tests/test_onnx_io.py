@@ -16,6 +16,7 @@ from graphopt.errors import InputError
 from graphopt.io import onnx_io, onnx_write
 from graphopt.ir import ExternalSource, Tensor
 from tests import node_suite
+from tests.cli_helpers import invoke
 from tests.conftest import CORPUS_MODELS
 from tests.protocompare import first_difference
 
@@ -372,3 +373,23 @@ def test_trailing_empty_optional_inputs_are_not_written(tmp_path: Path) -> None:
     expected = ort.InferenceSession(source, providers=["CPUExecutionProvider"]).run(None, feeds)
     actual = ort.InferenceSession(target, providers=["CPUExecutionProvider"]).run(None, feeds)
     assert all(_identical(e, a) for e, a in zip(expected, actual))
+
+
+def test_a_custom_domain_used_without_an_import_is_imported_as_onnxruntime_reads_it(tmp_path: Path) -> None:
+    """onnxruntime's own transformer test models use com.microsoft ops without importing the
+    domain; it runs them, so graphopt reads them (with a warning) and writes the import."""
+    nodes = [onnx.helper.make_node("Gelu", ["x"], ["y"], domain="com.microsoft")]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])],
+    )
+    source = tmp_path / "m.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), source)
+    result = invoke("run", source, "-o", tmp_path / "out.onnx")
+    assert result.exit_code == 0, result.stderr
+    assert "imported at version 1, as onnxruntime reads them" in result.stderr
+    written = onnx.load(tmp_path / "out.onnx")
+    assert {o.domain: o.version for o in written.opset_import}["com.microsoft"] == 1
+    assert invoke("validate", source).exit_code == 2  # strict: the import is missing

@@ -1,10 +1,12 @@
 """Sanity on load, beyond what the formats check: opsets and tensor sizes.
 
-Refused (bad input, one line): an opset import no onnx version defines, a node in a
-domain the model does not import, a tensor no machine could hold.
+Refused (bad input, one line): an opset import no onnx version defines, a node in an
+ONNX domain the model does not import, a tensor no machine could hold.
 
 - Every ONNX domain the model imports must be at a version this onnx package knows (>= 1).
-- Every node in an ONNX domain needs that domain imported.
+- Every node in an ONNX domain needs that domain imported. A custom domain (com.microsoft)
+  the main graph uses without an import is imported at version 1 with a warning, as
+  onnxruntime reads it (an error with ``strict``).
 - An op ONNX defines that does not exist, or is removed, at the imported version
   (LayerNormalization at opset 12, Scatter at opset 17) is accepted with a warning and
   marked opaque: onnxruntime runs such models (older exporters wrote them), and a pass
@@ -85,9 +87,10 @@ def _check_opsets(model: Model, strict: bool) -> list[str]:
             if not low <= version <= high:
                 known_range = f"onnx {onnx.__version__} knows {low}..{high}"
                 raise InputError(f"opset {version} of {_domain_text(domain)} does not exist ({known_range})")
+    local_functions = {f.domain for f in model.functions}
+    adopted = _adopt_custom_domains(model, imports, known, local_functions, strict)
     graphs = [(model.graph, imports)]
     graphs += [(f.body, _normalized(f.opset_imports)) for f in model.functions]
-    local_functions = {f.domain for f in model.functions}
     unknown: Counter[tuple[str, str]] = Counter()
     for root, scope in graphs:
         for graph in [root, *root.subgraphs()]:
@@ -96,7 +99,25 @@ def _check_opsets(model: Model, strict: bool) -> list[str]:
                     raise InputError(f"{_label(node)} {problem}")
                 unknown[node.op_type, problem] += 1
     kept = "kept as an opaque op, nothing is folded or inferred through it"
-    return [f"{op} ({count} node{'s' * (count > 1)}) {problem}: {kept}" for (op, problem), count in unknown.items()]
+    opaque = [f"{op} ({count} node{'s' * (count > 1)}) {problem}: {kept}" for (op, problem), count in unknown.items()]
+    return adopted + opaque
+
+
+def _adopt_custom_domains(
+    model: Model, imports: dict[str, int], known: dict[str, tuple[int, int]], functions: set[str], strict: bool
+) -> list[str]:
+    """Import at version 1 the custom domains (com.microsoft, not an ONNX domain) the main graph's
+    nodes use without an import, as onnxruntime reads such a model (exporters and its own tests
+    write them); the written model then imports them. With ``strict``, an error."""
+    graphs = [model.graph, *model.graph.subgraphs()]
+    used = {_ALIASES.get(node.domain, node.domain) for graph in graphs for node in graph}
+    missing = sorted(used - set(imports) - set(known) - functions)
+    if missing and strict:
+        raise InputError(f"nodes are in {_domain_text(missing[0])}, which the model does not import")
+    for domain in missing:
+        model.opset_imports[domain] = imports[domain] = 1
+    adopted = "without an import of it: imported at version 1, as onnxruntime reads them"
+    return [f"nodes in {_domain_text(domain)} {adopted}" for domain in missing]
 
 
 def _label(node: Node) -> str:

@@ -59,7 +59,7 @@ def test_wide_ensemble_branches_become_one_batched_chain(corpus_dir: Path, tmp_p
 
 def test_bert_qkv_projections_fold_into_one_matmul_add_split(corpus_dir: Path, tmp_path: Path) -> None:
     source = corpus_dir / "bert_small.onnx"
-    folded, details = _fold(source, tmp_path)  # by default: its predicted cost is within the tolerance
+    folded, details = _fold(source, tmp_path, fold_tolerance=0.05)  # a predicted cost within 5% is taken
     shapes = _initializer_shapes(folded)
     matmuls = [n for n in onnx.load(str(folded)).graph.node if n.op_type == "MatMul"]
     wide = [n for n in matmuls if shapes.get(n.input[1]) == (256, 768)]
@@ -73,7 +73,7 @@ def test_bert_qkv_projections_fold_into_one_matmul_add_split(corpus_dir: Path, t
 def test_folds_that_cost_more_than_the_tolerance_are_refused_with_the_predicted_cost(
     corpus_dir: Path, tmp_path: Path
 ) -> None:
-    _, details = _fold(corpus_dir / "bert_small.onnx", tmp_path, fold_tolerance=0.0)
+    _, details = _fold(corpus_dir / "bert_small.onnx", tmp_path)  # by default, nothing predicted to cost
     assert details["folds"] == []
     refused = details["refused"]
     assert len(refused) == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from graphopt.ir.rewrite import Builder
 from graphopt.passes.rewrite.engine import Match, Site
 
 __all__ = [
+    "shared_reader",
     "FLOAT_KINDS",
     "NOT_FLOAT",
     "attrs_of",
@@ -100,3 +102,12 @@ def attrs_of(node: Node, **overrides: Any) -> dict[str, Any]:
     found: dict[str, Any] = dict(node.attributes)
     found.update(overrides)
     return {k: v for k, v in found.items() if v is not None}
+
+
+def shared_reader(value: Value, name: str, make: Callable[[], Value]) -> Value:
+    """The output of ``value``'s reader whose node name starts with ``name``, or else ``make()``'s:
+    a node a rule adds once per model (a mask cast, a flattened cache) and every layer shares."""
+    for use in value.uses():
+        if use.node.name.startswith(name):
+            return use.node.outputs[0]
+    return make()

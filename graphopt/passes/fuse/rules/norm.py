@@ -75,13 +75,13 @@ _LN = _normalized(_D, _D)
 # tf.nn.batch_normalization: x * inv + (beta - mean * inv), inv = gamma / Sqrt(var + eps).
 _INV = op.Mul(_inverse(_std(_D)), var("gamma"), name="inv")
 _LN_TF = op.Add(op.Mul(_x, _INV), op.Sub(var("beta"), op.Mul(_MEAN, _INV)))
-_RMS = _normalized(_x, _x)
+RMS = _normalized(_x, _x)
 # Hugging Face's RMSNorm of a float16 / bfloat16 x: normalized in float32, cast back, then scaled.
 _UP = op.Cast(_x, name="up")
-_RMS_ROUND_TRIP = op.Mul(op.Cast(_normalized(_UP, _UP), name="down"), var("gamma"))
+RMS_ROUND_TRIP = op.Mul(op.Cast(_normalized(_UP, _UP), name="down"), var("gamma"))
 
 
-def _affine(inner: Pattern, gamma: bool, beta: bool) -> Pattern:
+def affine(inner: Pattern, gamma: bool, beta: bool) -> Pattern:
     out = op.Mul(inner, var("gamma")) if gamma else inner
     return op.Add(out, var("beta")) if beta else out
 
@@ -152,7 +152,7 @@ def _layer_norm_facts(m: Match, site: Site) -> NormFacts | str:
     return _norm_facts(m, site, ("mean", "var"))
 
 
-def _rms_norm_facts(m: Match, site: Site) -> NormFacts | str:
+def rms_norm_facts(m: Match, site: Site) -> NormFacts | str:
     return _norm_facts(m, site, ("var",))
 
 
@@ -165,7 +165,7 @@ def _layer_norm(b: Builder, m: Match, facts: NormFacts) -> Value:
 _NARROW_FLOATS = (DataType.FLOAT16, DataType.BFLOAT16)
 
 
-def _round_trip_facts(m: Match, site: Site) -> NormFacts | str:
+def round_trip_facts(m: Match, site: Site) -> NormFacts | str:
     x = m.value("x")
     if site.dtype(x) not in _NARROW_FLOATS:
         return "x is not float16 or bfloat16 (a float32 x has no round trip to fold)"
@@ -173,7 +173,7 @@ def _round_trip_facts(m: Match, site: Site) -> NormFacts | str:
         x
     ):
         return "the Casts are not to float32 and back to x's type"
-    return _rms_norm_facts(m, site)
+    return rms_norm_facts(m, site)
 
 
 def _rms_norm(b: Builder, m: Match, facts: NormFacts) -> Value:
@@ -362,7 +362,7 @@ def _build_skip(op_type: str, b: Builder, m: Match, facts: NormFacts | None) -> 
 
 
 def _plan_skip_rms(m: Match, site: Site) -> NormFacts | str:
-    found = _rms_norm_facts(m, site)
+    found = rms_norm_facts(m, site)
     if isinstance(found, str):
         return found
     if found[0] != -1:
@@ -381,14 +381,14 @@ RuleOf = Callable[..., Rule]
 
 def _affine_rules(rule: RuleOf, name: str, core: Pattern, *variants: tuple[str, bool, bool]) -> list[Rule]:
     """One ``rule`` per affine variant of ``core``."""
-    return [rule(name=name + suffix, pattern=_affine(core, gamma, beta)) for suffix, gamma, beta in variants]
+    return [rule(name=name + suffix, pattern=affine(core, gamma, beta)) for suffix, gamma, beta in variants]
 
 
 _LAYER_NORM = partial(
     Rule, family=FAMILY, plan=_layer_norm_facts, build=_layer_norm, min_opset=17, label="LayerNorm", doc=_LN_DOC
 )
 _RMS_NORM = partial(
-    Rule, family=FAMILY, plan=_rms_norm_facts, build=_rms_norm, min_opset=23, label="RMSNorm", doc=_RMS_DOC
+    Rule, family=FAMILY, plan=rms_norm_facts, build=_rms_norm, min_opset=23, label="RMSNorm", doc=_RMS_DOC
 )
 _GROUP_NORM_RULE = partial(
     Rule, family=FAMILY, plan=_group_plan, build=_group_norm, min_opset=21, label="GroupNorm", doc=_GN_DOC
@@ -399,15 +399,15 @@ _SKIP_RMS_DOC = "norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNor
 RULES: tuple[Rule, ...] = (
     *_affine_rules(_LAYER_NORM, "layernorm", _LN, _WITH_BIAS, _NO_BIAS, _PLAIN),
     _LAYER_NORM(name="layernorm-tf", pattern=_LN_TF, doc=_LN_TF_DOC),
-    *_affine_rules(_RMS_NORM, "rmsnorm", _RMS, _SCALED),
+    *_affine_rules(_RMS_NORM, "rmsnorm", RMS, _SCALED),
     _RMS_NORM(
         name="rmsnorm-round-trip",
-        pattern=_RMS_ROUND_TRIP,
-        plan=_round_trip_facts,  # the build's RMSNormalization has stash_type float32 (its default): the round trip
+        pattern=RMS_ROUND_TRIP,
+        plan=round_trip_facts,  # the build's RMSNormalization has stash_type float32 (its default): the round trip
         doc="Cast(x16 / Sqrt(ReduceMean(x16^2) + eps) in float32 back to x16) * gamma -> RMSNormalization "
         "(opset 23, stash_type float32)",
     ),
-    *_affine_rules(_RMS_NORM, "rmsnorm", _RMS, _PLAIN),
+    *_affine_rules(_RMS_NORM, "rmsnorm", RMS, _PLAIN),
     *_affine_rules(_GROUP_NORM_RULE, "groupnorm", _GROUP_NORM, _WITH_BIAS, _NO_BIAS, _PLAIN),
     *(
         Rule(
@@ -439,7 +439,7 @@ RULES: tuple[Rule, ...] = (
     ),
     _ORT_SKIP(
         name="ort-skiprmsnorm-decomposed",
-        pattern=_affine(_normalized(_SUM, _SUM), True, False),
+        pattern=affine(_normalized(_SUM, _SUM), True, False),
         plan=_plan_skip_rms,
         build=partial(_build_skip, "SkipSimplifiedLayerNormalization"),
         doc=_SKIP_RMS_DOC,

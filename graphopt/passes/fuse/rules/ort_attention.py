@@ -12,7 +12,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import float_array, new_const
+from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_reader
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.fuse.rules.attention import (
     FAMILY,
@@ -331,11 +331,12 @@ _INT32_MASK = "attention_mask_int32"
 
 def _int32_mask(site: Site, source: Value, first: Node) -> Value:
     """``source`` as int32, made once before the mask chain (every layer reads it)."""
-    for use in source.uses():
-        if use.node.op_type == "Cast" and use.node.name.startswith(_INT32_MASK):
-            return use.node.outputs[0]
-    builder = site.ctx.builder(site.model, site.graph, before=first, tag="ort-attention")
-    return builder.op("Cast", source, to=DataType.INT32, name=_INT32_MASK)
+
+    def cast() -> Value:
+        builder = site.ctx.builder(site.model, site.graph, before=first, tag="ort-attention")
+        return builder.op("Cast", source, to=DataType.INT32, name=_INT32_MASK)
+
+    return shared_reader(source, _INT32_MASK, cast)
 
 
 _ORT_DOC = "projections, MatMul/scale/mask/Softmax/MatMul, head split and merge -> com.microsoft Attention (target ort)"

@@ -14,13 +14,13 @@ from graphopt.ir import Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import new_const
 from graphopt.passes.fuse.rules.norm import (
-    _RMS,
-    _RMS_ROUND_TRIP,
     FAMILY,
+    RMS,
+    RMS_ROUND_TRIP,
     NormFacts,
-    _affine,
-    _rms_norm_facts,
-    _round_trip_facts,
+    affine,
+    rms_norm_facts,
+    round_trip_facts,
 )
 from graphopt.passes.rewrite.engine import Match, Plan, Rule
 from graphopt.passes.rewrite.patterns import Pattern
@@ -49,13 +49,13 @@ def _rule(name: str, pattern: Pattern, plan: Plan, doc: str = _DOC) -> Rule:
 
 
 RULES: tuple[Rule, ...] = (
-    _rule("ort-rmsnorm", _affine(_RMS, True, False), _rms_norm_facts),
+    _rule("ort-rmsnorm", affine(RMS, True, False), rms_norm_facts),
     _rule(
         "ort-rmsnorm-round-trip",
-        _RMS_ROUND_TRIP,
-        _round_trip_facts,
+        RMS_ROUND_TRIP,
+        round_trip_facts,
         "Cast(x16 / Sqrt(ReduceMean(x16^2) + eps) in float32 back to x16) * gamma -> SimplifiedLayerNormalization "
         "(target ort, stash_type float32)",
     ),
-    _rule("ort-rmsnorm-plain", _affine(_RMS, False, False), _rms_norm_facts),
+    _rule("ort-rmsnorm-plain", affine(RMS, False, False), rms_norm_facts),
 )

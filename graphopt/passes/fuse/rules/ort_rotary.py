@@ -18,14 +18,14 @@ float32 and float16, with the caches in x's type.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.rules._helpers import shared_reader
 from graphopt.passes.fuse.rules._ort import MS
-from graphopt.passes.fuse.rules.rotary import _ROPE, FAMILY, _cache_value, _Plan, _plan
+from graphopt.passes.fuse.rules.rotary import FAMILY, ROPE, RotaryPlan, cache_value, plan_rotary
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 
 _KERNEL_TYPES = (DataType.FLOAT, DataType.FLOAT16)
@@ -34,40 +34,33 @@ _IDS = "ort_rotary_ids"
 _DIMS = "ort_rotary_dims"
 
 
-def _plan_ort(m: Match, site: Site) -> _Plan | str:
+def _plan_ort(m: Match, site: Site) -> RotaryPlan | str:
     dtype = site.dtype(m.value("x"))
     if dtype not in _KERNEL_TYPES:
         return "onnxruntime's CPU RotaryEmbedding runs float32 and float16 only"
     if any(site.dtype(m.value(name)) != dtype for name in ("cos", "sin")):
         return "cos / sin are not in x's type"
-    return _plan(m, site)
-
-
-def _shared(value: Value, prefix: str, make: Callable[[], Value]) -> Value:
-    """The output of ``value``'s reader named ``prefix``, or ``make()``'s (so the layers share it)."""
-    for use in value.uses():
-        if use.node.name.startswith(prefix):
-            return use.node.outputs[0]
-    return make()
+    return plan_rotary(m, site)
 
 
 def _flat(b: Builder, cache: Value, half: int) -> Value:
     shape = b.constant(np.array([-1, half], np.int64), "shape")
-    return _shared(cache, _FLAT, lambda: b.op("Reshape", cache, shape, name=_FLAT))
+    return shared_reader(cache, _FLAT, lambda: b.op("Reshape", cache, shape, name=_FLAT))
 
 
 def _row_ids(b: Builder, cache: Value) -> Value:
     """(batch, seq) int64 ids counting the rows of the (batch, seq, d/2) ``cache`` flattened."""
-    dims = _shared(cache, _DIMS, lambda: b.op("Shape", cache, start=0, end=2, name=_DIMS))
-    for use in dims.uses():
-        if use.node.name.startswith(_IDS):
-            return use.node.outputs[0]
-    rows = b.op("ReduceProd", dims, keepdims=0)
-    zero, one = b.constant(np.array(0, np.int64), "zero"), b.constant(np.array(1, np.int64), "one")
-    return b.op("Reshape", b.op("Range", zero, rows, one), dims, name=_IDS)
+    dims = shared_reader(cache, _DIMS, lambda: b.op("Shape", cache, start=0, end=2, name=_DIMS))
+
+    def make_ids() -> Value:
+        rows = b.op("ReduceProd", dims, keepdims=0)
+        zero, one = b.constant(np.array(0, np.int64), "zero"), b.constant(np.array(1, np.int64), "one")
+        return b.op("Reshape", b.op("Range", zero, rows, one), dims, name=_IDS)
+
+    return shared_reader(dims, _IDS, make_ids)
 
 
-def _caches(b: Builder, m: Match, plan: _Plan) -> tuple[Value, Value, Value]:
+def _caches(b: Builder, m: Match, plan: RotaryPlan) -> tuple[Value, Value, Value]:
     """(position ids, cos cache, sin cache) as the kernel wants them."""
     half = plan.size // 2
     cos, sin = plan.cos, plan.sin
@@ -80,14 +73,14 @@ def _caches(b: Builder, m: Match, plan: _Plan) -> tuple[Value, Value, Value]:
         return ids, b.constant(tables[0], "cos_cache"), b.constant(tables[1], "sin_cache")
     shared = cos.batch_of is not None
     caches = [
-        _cache_value(b, dataclasses.replace(c, batch_of=None), plan.size, n) for c, n in ((cos, "cos"), (sin, "sin"))
+        cache_value(b, dataclasses.replace(c, batch_of=None), plan.size, n) for c, n in ((cos, "cos"), (sin, "sin"))
     ]
     flat = [_flat(b, c, half) for c in caches]
     ids = b.constant(np.array([0], np.int64), "offset") if shared else _row_ids(b, caches[0])
     return ids, flat[0], flat[1]
 
 
-def _build(b: Builder, m: Match, plan: _Plan) -> Value:
+def _build(b: Builder, m: Match, plan: RotaryPlan) -> Value:
     ids, cos, sin = _caches(b, m, plan)
     return b.op("RotaryEmbedding", m.value("x"), ids, cos, sin, domain=MS)
 
@@ -96,7 +89,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         name="ort-rotary-embedding",
         family=FAMILY,
-        pattern=_ROPE,
+        pattern=ROPE,
         plan=_plan_ort,
         build=_build,
         targets=frozenset({"ort"}),

@@ -40,7 +40,7 @@ def _half(name: str) -> OpPattern:
 
 
 _ROTATED = op.Concat(op.Neg(_half("x2"), name="neg"), _half("x1"), name="rotate")
-_ROPE = op.Add(op.Mul(_x, var("cos"), name="x_cos"), op.Mul(_ROTATED, var("sin"), name="rot_sin"), name="rope")
+ROPE = op.Add(op.Mul(_x, var("cos"), name="x_cos"), op.Mul(_ROTATED, var("sin"), name="rot_sin"), name="rope")
 
 # Element-wise ops that keep equal halves equal (the scale's other input must be a scalar).
 _HALF_KEEPING = frozenset({"Cos", "Sin", "Cast", "Identity", "Mul", "Div"})
@@ -176,13 +176,13 @@ def _slice_bounds(m: Match, site: Site, name: str, rank: int) -> tuple[int, int]
 
 
 @dataclass
-class _Plan:
+class RotaryPlan:
     cos: _Cache
     sin: _Cache
     size: int
 
 
-def _plan(m: Match, site: Site) -> _Plan | str:
+def plan_rotary(m: Match, site: Site) -> RotaryPlan | str:
     x = m.value("x")
     dims = site.shape(x)
     if not is_float(x) or dims is None or len(dims) != 4:
@@ -203,13 +203,13 @@ def _plan(m: Match, site: Site) -> _Plan | str:
         return sin
     if (cos.table is None) != (sin.table is None) or cos.positions is not sin.positions:
         return "cos and sin are not indexed alike"
-    return _Plan(cos, sin, size)
+    return RotaryPlan(cos, sin, size)
 
 
 _HALF_CACHE = "rotary_half_cache"
 
 
-def _cache_value(b: Builder, cache: _Cache, size: int, name: str) -> Value:
+def cache_value(b: Builder, cache: _Cache, size: int, name: str) -> Value:
     """The cache as a value: a constant, or the first half of the run-time value (made once)."""
     if cache.table is not None:
         return b.constant(cache.table, f"{name}_cache")
@@ -248,9 +248,9 @@ def _squeezed(b: Builder, half: Value, source: Value) -> Value:
     return b.op("Squeeze", half, b.constant(np.array([1], np.int64), "axes"))
 
 
-def _build(b: Builder, m: Match, plan: _Plan) -> Value:
-    cos = _cache_value(b, plan.cos, plan.size, "cos")
-    sin = _cache_value(b, plan.sin, plan.size, "sin")
+def _build(b: Builder, m: Match, plan: RotaryPlan) -> Value:
+    cos = cache_value(b, plan.cos, plan.size, "cos")
+    sin = cache_value(b, plan.sin, plan.size, "sin")
     if plan.cos.positions is None:
         return b.op("RotaryEmbedding", m.value("x"), cos, sin)
     return b.op("RotaryEmbedding", m.value("x"), cos, sin, plan.cos.positions)
@@ -260,8 +260,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         name="rotary-embedding",
         family=FAMILY,
-        pattern=_ROPE,
-        plan=_plan,
+        pattern=ROPE,
+        plan=plan_rotary,
         build=_build,
         min_opset=23,
         label="RotaryEmbedding",

@@ -110,7 +110,7 @@ def select_shard(sources: list[Path], shard: tuple[int, int] | None) -> list[Pat
         return sources
     index, count = shard
     if not 1 <= index <= count:
-        raise InputError(f"shard {index}/{count}: expected i/n with 1 <= i <= n")
+        raise InputError(f"--shard {index}/{count}: expected i/n with 1 <= i <= n, e.g. 2/4")
     return [s for i, s in enumerate(sources) if i % count == index - 1]
 
 

@@ -182,7 +182,8 @@ def test_batch_mode_over_a_folder_with_shards(tmp_path: Path) -> None:
     shards = [json.loads(invoke("run", models, "-o", out, "--shard", f"{i}/2", "--json").stdout) for i in (1, 2)]
     names = [sorted(Path(r["input"]["path"]).name for r in s["models"]) for s in shards]
     assert names == [["bad.onnx", "m1.onnx"], ["m0.onnx", "m2.onnx"]]
-    assert invoke("run", models, "--shard", "3/2").exit_code == 2
+    refused = invoke("run", models, "--shard", "3/2")
+    assert refused.exit_code == 2 and "--shard 3/2: expected i/n" in refused.output
 
 
 def test_outputs_get_the_permissions_of_a_plain_write(sample: Path, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -120,6 +121,7 @@ class Expr:
 
 
 Dim = int | Sym | Expr | None
+Term = int | Sym | Expr  # a dim that is known, as arithmetic takes it
 Poly = dict[Monomial, int]
 
 
@@ -181,6 +183,12 @@ def floordiv(a: int | Sym | Expr, divisor: int) -> int | Sym | Expr:
 _TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(//|[-+*()]))")
 
 
+def _divide_by_constant(value: Term, divisor: Term) -> Term:
+    if isinstance(divisor, int) and divisor > 0:
+        return floordiv(value, divisor)
+    raise ValueError("division by a non-constant")
+
+
 class _Parser:
     def __init__(self, text: str) -> None:
         self.tokens: list[str] = []
@@ -204,28 +212,21 @@ class _Parser:
         self.pos += 1
         return token
 
-    def sum(self) -> int | Sym | Expr:
-        value = self.product()
-        while self.peek() in ("+", "-"):
-            op = self.take()
-            rhs = self.product()
-            value = add(value, rhs) if op == "+" else sub(value, rhs)
+    def binary(self, operand: Callable[[], Term], operators: Mapping[str, Callable[[Term, Term], Term]]) -> Term:
+        """A left-associative chain ``operand (op operand)*`` of one precedence level."""
+        value = operand()
+        while (token := self.peek()) is not None and token in operators:
+            self.take()
+            value = operators[token](value, operand())
         return value
 
-    def product(self) -> int | Sym | Expr:
-        value = self.factor()
-        while self.peek() in ("*", "//"):
-            op = self.take()
-            rhs = self.factor()
-            if op == "*":
-                value = mul(value, rhs)
-            elif isinstance(rhs, int) and rhs > 0:
-                value = floordiv(value, rhs)
-            else:
-                raise ValueError("division by a non-constant")
-        return value
+    def sum(self) -> Term:
+        return self.binary(self.product, {"+": add, "-": sub})
 
-    def factor(self) -> int | Sym | Expr:
+    def product(self) -> Term:
+        return self.binary(self.factor, {"*": mul, "//": _divide_by_constant})
+
+    def factor(self) -> Term:
         token = self.take()
         if token == "(":
             value = self.sum()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import ClassVar
 
 import numpy as np
 
@@ -139,12 +140,25 @@ class SparseTensorType:
 
 
 @dataclass(frozen=True)
-class SequenceType:
+class _OneElementType:
+    """A type around one element type; its subclasses differ only in the word they print."""
+
     element: Type | None
     denotation: str = ""
+    keyword: ClassVar[str]
 
     def __str__(self) -> str:
-        return f"seq({self.element})"
+        return f"{self.keyword}({self.element})"
+
+
+@dataclass(frozen=True)
+class SequenceType(_OneElementType):
+    keyword: ClassVar[str] = "seq"
+
+
+@dataclass(frozen=True)
+class OptionalType(_OneElementType):
+    keyword: ClassVar[str] = "optional"
 
 
 @dataclass(frozen=True)
@@ -155,15 +169,6 @@ class MapType:
 
     def __str__(self) -> str:
         return f"map({self.key.name.lower()}, {self.value})"
-
-
-@dataclass(frozen=True)
-class OptionalType:
-    element: Type | None
-    denotation: str = ""
-
-    def __str__(self) -> str:
-        return f"optional({self.element})"
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,6 @@ from graphopt.passes.fuse.rules import (
     matmul,
     norm,
     ort_attention,
-    ort_norm,
-    ort_rotary,
     residual,
     rotary,
     shape,
@@ -42,10 +40,8 @@ LIBRARY = RuleSet(
     + kronecker.RULES
     + lower.RULES
     + matmul.RULES
-    + ort_norm.RULES
     + norm.RULES
     + residual.RULES
-    + ort_rotary.RULES
     + rotary.RULES
     + shape.RULES
     + tied.RULES

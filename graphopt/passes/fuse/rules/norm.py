@@ -18,7 +18,9 @@ RMSNorm. ``x / Sqrt(ReduceMean(x^2) + eps) * gamma`` (or ``x * Reciprocal(...)``
 Softmax. ``Exp(x - ReduceMax(x)) / ReduceSum(Exp(...))`` (with or without the max) over one
 axis with keepdims -> ``Softmax(x, axis)`` (opset 13, where Softmax is per axis).
 
-``--target ort`` (com.microsoft ops onnxruntime's CPU provider runs): ``LayerNormalization(a +
+``--target ort``: RMSNorm (and its float16 round trip) -> ``SimplifiedLayerNormalization(x, gamma,
+axis, epsilon)``, in the default domain where onnxruntime registers it; and com.microsoft ops
+onnxruntime's CPU provider runs: ``LayerNormalization(a +
 skip)`` and ``LayerNormalization(a + bias + skip)`` -> ``SkipLayerNormalization``, and RMSNorm
 of such a sum (decomposed, or ``RMSNormalization``) -> ``SkipSimplifiedLayerNormalization``;
 when the residual sum is read elsewhere too (pre-norm transformers carry it on), the fused
@@ -75,13 +77,13 @@ _LN = _normalized(_D, _D)
 # tf.nn.batch_normalization: x * inv + (beta - mean * inv), inv = gamma / Sqrt(var + eps).
 _INV = op.Mul(_inverse(_std(_D)), var("gamma"), name="inv")
 _LN_TF = op.Add(op.Mul(_x, _INV), op.Sub(var("beta"), op.Mul(_MEAN, _INV)))
-RMS = _normalized(_x, _x)
+_RMS = _normalized(_x, _x)
 # Hugging Face's RMSNorm of a float16 / bfloat16 x: normalized in float32, cast back, then scaled.
 _UP = op.Cast(_x, name="up")
-RMS_ROUND_TRIP = op.Mul(op.Cast(_normalized(_UP, _UP), name="down"), var("gamma"))
+_RMS_ROUND_TRIP = op.Mul(op.Cast(_normalized(_UP, _UP), name="down"), var("gamma"))
 
 
-def affine(inner: Pattern, gamma: bool, beta: bool) -> Pattern:
+def _affine(inner: Pattern, gamma: bool, beta: bool) -> Pattern:
     out = op.Mul(inner, var("gamma")) if gamma else inner
     return op.Add(out, var("beta")) if beta else out
 
@@ -145,18 +147,18 @@ def _norm_facts(m: Match, site: Site, reductions: tuple[str, ...]) -> tuple[int,
     return axis - len(shape), eps, gamma, beta
 
 
-NormFacts = tuple[int, float, np.ndarray, np.ndarray]
+_NormFacts = tuple[int, float, np.ndarray, np.ndarray]
 
 
-def _layer_norm_facts(m: Match, site: Site) -> NormFacts | str:
+def _layer_norm_facts(m: Match, site: Site) -> _NormFacts | str:
     return _norm_facts(m, site, ("mean", "var"))
 
 
-def rms_norm_facts(m: Match, site: Site) -> NormFacts | str:
+def _rms_norm_facts(m: Match, site: Site) -> _NormFacts | str:
     return _norm_facts(m, site, ("var",))
 
 
-def _layer_norm(b: Builder, m: Match, facts: NormFacts) -> Value:
+def _layer_norm(b: Builder, m: Match, facts: _NormFacts) -> Value:
     x, (axis, eps, gamma, beta) = m.value("x"), facts
     scale, bias = new_const(b, gamma, x, "ln_scale"), new_const(b, beta, x, "ln_bias")
     return b.op("LayerNormalization", x, scale, bias, axis=axis, epsilon=eps)
@@ -165,7 +167,7 @@ def _layer_norm(b: Builder, m: Match, facts: NormFacts) -> Value:
 _NARROW_FLOATS = (DataType.FLOAT16, DataType.BFLOAT16)
 
 
-def round_trip_facts(m: Match, site: Site) -> NormFacts | str:
+def _round_trip_facts(m: Match, site: Site) -> _NormFacts | str:
     x = m.value("x")
     if site.dtype(x) not in _NARROW_FLOATS:
         return "x is not float16 or bfloat16 (a float32 x has no round trip to fold)"
@@ -173,12 +175,14 @@ def round_trip_facts(m: Match, site: Site) -> NormFacts | str:
         x
     ):
         return "the Casts are not to float32 and back to x's type"
-    return rms_norm_facts(m, site)
+    return _rms_norm_facts(m, site)
 
 
-def _rms_norm(b: Builder, m: Match, facts: NormFacts) -> Value:
+def _rms_norm(op_type: str, b: Builder, m: Match, facts: _NormFacts) -> Value:
+    """RMSNormalization, or for ``--target ort`` SimplifiedLayerNormalization; both normalize
+    in float32 by default (stash_type 1), which is the round trip's Casts folded in."""
     x, (axis, eps, gamma, _) = m.value("x"), facts
-    return b.op("RMSNormalization", x, new_const(b, gamma, x, "rms_scale"), axis=axis, epsilon=eps)
+    return b.op(op_type, x, new_const(b, gamma, x, "rms_scale"), axis=axis, epsilon=eps)
 
 
 _LN_DOC = "ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div/Mul/Add -> LayerNormalization (opset 17)"
@@ -187,6 +191,10 @@ _LN_TF_DOC = (
     "GlobalAveragePool (Keras through tf2onnx) -> LayerNormalization (opset 17)"
 )
 _RMS_DOC = "x / Sqrt(ReduceMean(x^2) + eps) * gamma -> RMSNormalization (opset 23)"
+_ORT_RMS_DOC = "x / Sqrt(ReduceMean(x^2) + eps) [* gamma] -> SimplifiedLayerNormalization (target ort)"
+_ROUND_TRIP_DOC = (
+    "Cast(x16 / Sqrt(ReduceMean(x16^2) + eps) in float32 back to x16) * gamma -> {} ({}, stash_type float32)"
+)
 
 
 # -- GroupNorm -------------------------------------------------------------------------------------
@@ -336,7 +344,7 @@ def _check_skip(m: Match, site: Site) -> str | None:
     return None
 
 
-def _build_skip(op_type: str, b: Builder, m: Match, facts: NormFacts | None) -> Value:
+def _build_skip(op_type: str, b: Builder, m: Match, facts: _NormFacts | None) -> Value:
     """The com.microsoft skip norm ``op_type``; ``facts`` of a decomposed RMSNorm (else None)."""
     inputs: list[Value | None] = [m.value("a"), m.value("skip")]
     if facts is None:
@@ -361,8 +369,8 @@ def _build_skip(op_type: str, b: Builder, m: Match, facts: NormFacts | None) -> 
     return node.outputs[0]
 
 
-def _plan_skip_rms(m: Match, site: Site) -> NormFacts | str:
-    found = rms_norm_facts(m, site)
+def _plan_skip_rms(m: Match, site: Site) -> _NormFacts | str:
+    found = _rms_norm_facts(m, site)
     if isinstance(found, str):
         return found
     if found[0] != -1:
@@ -381,14 +389,31 @@ RuleOf = Callable[..., Rule]
 
 def _affine_rules(rule: RuleOf, name: str, core: Pattern, *variants: tuple[str, bool, bool]) -> list[Rule]:
     """One ``rule`` per affine variant of ``core``."""
-    return [rule(name=name + suffix, pattern=affine(core, gamma, beta)) for suffix, gamma, beta in variants]
+    return [rule(name=name + suffix, pattern=_affine(core, gamma, beta)) for suffix, gamma, beta in variants]
 
 
 _LAYER_NORM = partial(
     Rule, family=FAMILY, plan=_layer_norm_facts, build=_layer_norm, min_opset=17, label="LayerNorm", doc=_LN_DOC
 )
 _RMS_NORM = partial(
-    Rule, family=FAMILY, plan=rms_norm_facts, build=_rms_norm, min_opset=23, label="RMSNorm", doc=_RMS_DOC
+    Rule,
+    family=FAMILY,
+    plan=_rms_norm_facts,
+    build=partial(_rms_norm, "RMSNormalization"),
+    min_opset=23,
+    label="RMSNorm",
+    doc=_RMS_DOC,
+)
+# onnxruntime registers SimplifiedLayerNormalization in the default domain (since version 1, any
+# opset) and runs it on CPU for float, double and float16: RMSNormalization below opset 23.
+_ORT_RMS_NORM = partial(
+    Rule,
+    family=FAMILY,
+    plan=_rms_norm_facts,
+    build=partial(_rms_norm, "SimplifiedLayerNormalization"),
+    targets=frozenset({"ort"}),
+    label="RMSNorm",
+    doc=_ORT_RMS_DOC,
 )
 _GROUP_NORM_RULE = partial(
     Rule, family=FAMILY, plan=_group_plan, build=_group_norm, min_opset=21, label="GroupNorm", doc=_GN_DOC
@@ -397,17 +422,24 @@ _ORT_SKIP = partial(Rule, family=FAMILY, targets=frozenset({"ort"}), label="skip
 _SKIP_RMS_DOC = "norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNormalization (target ort)"
 
 RULES: tuple[Rule, ...] = (
+    *_affine_rules(_ORT_RMS_NORM, "ort-rmsnorm", _RMS, _SCALED),
+    _ORT_RMS_NORM(
+        name="ort-rmsnorm-round-trip",
+        pattern=_RMS_ROUND_TRIP,
+        plan=_round_trip_facts,
+        doc=_ROUND_TRIP_DOC.format("SimplifiedLayerNormalization", "target ort"),
+    ),
+    *_affine_rules(_ORT_RMS_NORM, "ort-rmsnorm", _RMS, _PLAIN),
     *_affine_rules(_LAYER_NORM, "layernorm", _LN, _WITH_BIAS, _NO_BIAS, _PLAIN),
     _LAYER_NORM(name="layernorm-tf", pattern=_LN_TF, doc=_LN_TF_DOC),
-    *_affine_rules(_RMS_NORM, "rmsnorm", RMS, _SCALED),
+    *_affine_rules(_RMS_NORM, "rmsnorm", _RMS, _SCALED),
     _RMS_NORM(
         name="rmsnorm-round-trip",
-        pattern=RMS_ROUND_TRIP,
-        plan=round_trip_facts,  # the build's RMSNormalization has stash_type float32 (its default): the round trip
-        doc="Cast(x16 / Sqrt(ReduceMean(x16^2) + eps) in float32 back to x16) * gamma -> RMSNormalization "
-        "(opset 23, stash_type float32)",
+        pattern=_RMS_ROUND_TRIP,
+        plan=_round_trip_facts,
+        doc=_ROUND_TRIP_DOC.format("RMSNormalization", "opset 23"),
     ),
-    *_affine_rules(_RMS_NORM, "rmsnorm", RMS, _PLAIN),
+    *_affine_rules(_RMS_NORM, "rmsnorm", _RMS, _PLAIN),
     *_affine_rules(_GROUP_NORM_RULE, "groupnorm", _GROUP_NORM, _WITH_BIAS, _NO_BIAS, _PLAIN),
     *(
         Rule(
@@ -439,7 +471,7 @@ RULES: tuple[Rule, ...] = (
     ),
     _ORT_SKIP(
         name="ort-skiprmsnorm-decomposed",
-        pattern=affine(_normalized(_SUM, _SUM), True, False),
+        pattern=_affine(_normalized(_SUM, _SUM), True, False),
         plan=_plan_skip_rms,
         build=partial(_build_skip, "SkipSimplifiedLayerNormalization"),
         doc=_SKIP_RMS_DOC,

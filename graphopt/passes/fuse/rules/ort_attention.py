@@ -6,6 +6,7 @@ one weight. The standard Attention (opset 23) and the patterns both share are in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -340,7 +341,9 @@ def _int32_mask(site: Site, source: Value, first: Node) -> Value:
 
 
 _ORT_DOC = "projections, MatMul/scale/mask/Softmax/MatMul, head split and merge -> com.microsoft Attention (target ort)"
-
+_ORT_ATTENTION = partial(
+    Rule, family=FAMILY, plan=_ort_plan, build=_build_ort, targets=frozenset({"ort"}), label="Attention", doc=_ORT_DOC
+)
 
 RULES: tuple[Rule, ...] = (
     Rule(
@@ -353,24 +356,6 @@ RULES: tuple[Rule, ...] = (
         label="MultiHeadAttention",
         doc="4-D scaled dot-product attention with its head merge -> com.microsoft MultiHeadAttention (target ort)",
     ),
-    Rule(
-        name="ort-attention",
-        family=FAMILY,
-        pattern=core(_projection("q"), _projection("k"), _projection("v")),
-        plan=_ort_plan,
-        build=_build_ort,
-        targets=frozenset({"ort"}),
-        label="Attention",
-        doc=_ORT_DOC,
-    ),
-    Rule(
-        name="ort-attention-packed",
-        family=FAMILY,
-        pattern=core(_SPLIT_QKV[0], _SPLIT_QKV[1], _SPLIT_QKV[2]),
-        plan=_ort_plan,
-        build=_build_ort,
-        targets=frozenset({"ort"}),
-        label="Attention",
-        doc=_ORT_DOC,
-    ),
+    _ORT_ATTENTION(name="ort-attention", pattern=core(_projection("q"), _projection("k"), _projection("v"))),
+    _ORT_ATTENTION(name="ort-attention-packed", pattern=core(*_SPLIT_QKV)),
 )

@@ -15,17 +15,33 @@ shared by the layers), which the check proves equal to the second: the value is 
 constant with equal halves, or an element-wise function (Cos, Sin, Cast, a scalar scale) of
 ``Concat(f, f)`` along the last axis. onnxruntime wants the caches' batch spelled out, so
 a cos that broadcasts over the batch is refused unless the batch is static.
+
+For ``--target ort`` the same pattern and plan give onnxruntime's
+``com.microsoft RotaryEmbedding(x, position_ids, cos_cache, sin_cache)`` on the 4-D
+(batch, heads, seq, head size) x. Its CPU kernel wants 2-D (max position, d/2) caches indexed
+by (batch, seq) int64 position ids (or by one offset shared by the batch), so:
+
+- a constant table gathered by position ids keeps its half table and the ids;
+- a constant (batch, seq, d/2) cache is flattened to (batch * seq, d/2), the ids counting its rows;
+- a run-time (batch, seq, d/2) cache (cos / sin computed from the ids) likewise, the ids
+  ``Range(0, batch * seq)`` reshaped to (batch, seq), the count read from the cache's shape;
+- a run-time (1, seq, d/2) cache shared by the batch is flattened to (seq, d/2), the ids the offset 0.
+
+The flattening and the ids are made once per cache and shared by the layers. The kernel runs
+float32 and float16, with the caches in x's type.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import is_float
+from graphopt.passes.fuse.rules._helpers import is_float, shared_reader
+from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
 
@@ -40,7 +56,7 @@ def _half(name: str) -> OpPattern:
 
 
 _ROTATED = op.Concat(op.Neg(_half("x2"), name="neg"), _half("x1"), name="rotate")
-ROPE = op.Add(op.Mul(_x, var("cos"), name="x_cos"), op.Mul(_ROTATED, var("sin"), name="rot_sin"), name="rope")
+_ROPE = op.Add(op.Mul(_x, var("cos"), name="x_cos"), op.Mul(_ROTATED, var("sin"), name="rot_sin"), name="rope")
 
 # Element-wise ops that keep equal halves equal (the scale's other input must be a scalar).
 _HALF_KEEPING = frozenset({"Cos", "Sin", "Cast", "Identity", "Mul", "Div"})
@@ -176,13 +192,13 @@ def _slice_bounds(m: Match, site: Site, name: str, rank: int) -> tuple[int, int]
 
 
 @dataclass
-class RotaryPlan:
+class _Plan:
     cos: _Cache
     sin: _Cache
     size: int
 
 
-def plan_rotary(m: Match, site: Site) -> RotaryPlan | str:
+def _plan(m: Match, site: Site) -> _Plan | str:
     x = m.value("x")
     dims = site.shape(x)
     if not is_float(x) or dims is None or len(dims) != 4:
@@ -203,13 +219,13 @@ def plan_rotary(m: Match, site: Site) -> RotaryPlan | str:
         return sin
     if (cos.table is None) != (sin.table is None) or cos.positions is not sin.positions:
         return "cos and sin are not indexed alike"
-    return RotaryPlan(cos, sin, size)
+    return _Plan(cos, sin, size)
 
 
 _HALF_CACHE = "rotary_half_cache"
 
 
-def cache_value(b: Builder, cache: _Cache, size: int, name: str) -> Value:
+def _cache_value(b: Builder, cache: _Cache, size: int, name: str) -> Value:
     """The cache as a value: a constant, or the first half of the run-time value (made once)."""
     if cache.table is not None:
         return b.constant(cache.table, f"{name}_cache")
@@ -248,23 +264,85 @@ def _squeezed(b: Builder, half: Value, source: Value) -> Value:
     return b.op("Squeeze", half, b.constant(np.array([1], np.int64), "axes"))
 
 
-def _build(b: Builder, m: Match, plan: RotaryPlan) -> Value:
-    cos = cache_value(b, plan.cos, plan.size, "cos")
-    sin = cache_value(b, plan.sin, plan.size, "sin")
+def _build(b: Builder, m: Match, plan: _Plan) -> Value:
+    cos = _cache_value(b, plan.cos, plan.size, "cos")
+    sin = _cache_value(b, plan.sin, plan.size, "sin")
     if plan.cos.positions is None:
         return b.op("RotaryEmbedding", m.value("x"), cos, sin)
     return b.op("RotaryEmbedding", m.value("x"), cos, sin, plan.cos.positions)
 
 
+_KERNEL_TYPES = (DataType.FLOAT, DataType.FLOAT16)
+_FLAT = "ort_rotary_flat"
+_IDS = "ort_rotary_ids"
+_DIMS = "ort_rotary_dims"
+
+
+def _plan_ort(m: Match, site: Site) -> _Plan | str:
+    dtype = site.dtype(m.value("x"))
+    if dtype not in _KERNEL_TYPES:
+        return "onnxruntime's CPU RotaryEmbedding runs float32 and float16 only"
+    if any(site.dtype(m.value(name)) != dtype for name in ("cos", "sin")):
+        return "cos / sin are not in x's type"
+    return _plan(m, site)
+
+
+def _flat(b: Builder, cache: Value, half: int) -> Value:
+    shape = b.constant(np.array([-1, half], np.int64), "shape")
+    return shared_reader(cache, _FLAT, lambda: b.op("Reshape", cache, shape, name=_FLAT))
+
+
+def _row_ids(b: Builder, cache: Value) -> Value:
+    """(batch, seq) int64 ids counting the rows of the (batch, seq, d/2) ``cache`` flattened."""
+    dims = shared_reader(cache, _DIMS, lambda: b.op("Shape", cache, start=0, end=2, name=_DIMS))
+
+    def make_ids() -> Value:
+        rows = b.op("ReduceProd", dims, keepdims=0)
+        zero, one = b.constant(np.array(0, np.int64), "zero"), b.constant(np.array(1, np.int64), "one")
+        return b.op("Reshape", b.op("Range", zero, rows, one), dims, name=_IDS)
+
+    return shared_reader(dims, _IDS, make_ids)
+
+
+def _caches(b: Builder, m: Match, plan: _Plan) -> tuple[Value, Value, Value]:
+    """(position ids, cos cache, sin cache) as the kernel wants them."""
+    half = plan.size // 2
+    cos, sin = plan.cos, plan.sin
+    if cos.table is not None and sin.table is not None:
+        if cos.positions is not None:
+            return cos.positions, b.constant(cos.table, "cos_cache"), b.constant(sin.table, "sin_cache")
+        batch, seq = cos.table.shape[:2]
+        ids = b.constant(np.arange(batch * seq, dtype=np.int64).reshape(batch, seq), "position_ids")
+        tables = [np.ascontiguousarray(t.reshape(-1, half)) for t in (cos.table, sin.table)]
+        return ids, b.constant(tables[0], "cos_cache"), b.constant(tables[1], "sin_cache")
+    shared = cos.batch_of is not None
+    caches = [_cache_value(b, replace(c, batch_of=None), plan.size, n) for c, n in ((cos, "cos"), (sin, "sin"))]
+    flat = [_flat(b, c, half) for c in caches]
+    ids = b.constant(np.array([0], np.int64), "offset") if shared else _row_ids(b, caches[0])
+    return ids, flat[0], flat[1]
+
+
+def _build_ort(b: Builder, m: Match, plan: _Plan) -> Value:
+    ids, cos, sin = _caches(b, m, plan)
+    return b.op("RotaryEmbedding", m.value("x"), ids, cos, sin, domain=MS)
+
+
+# Both targets rewrite the same proven pattern.
+_rule = partial(Rule, family=FAMILY, pattern=_ROPE, label="RotaryEmbedding")
+
 RULES: tuple[Rule, ...] = (
-    Rule(
+    _rule(
+        name="ort-rotary-embedding",
+        plan=_plan_ort,
+        build=_build_ort,
+        targets=frozenset({"ort"}),
+        doc="x * cos + Concat(-x2, x1) * sin (rotate half) -> com.microsoft RotaryEmbedding (target ort)",
+    ),
+    _rule(
         name="rotary-embedding",
-        family=FAMILY,
-        pattern=ROPE,
-        plan=plan_rotary,
+        plan=_plan,
         build=_build,
         min_opset=23,
-        label="RotaryEmbedding",
         doc="x * cos + Concat(-x2, x1) * sin (rotate half) -> RotaryEmbedding (opset 23)",
     ),
 )

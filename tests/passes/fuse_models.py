@@ -669,3 +669,74 @@ def tied(shape: list[int | str], opset: int = 17, extra_reader: bool = False) ->
         outputs.append("side")
     inputs = [info("ids", shape[:-1], 7), info("x", shape)]
     return model(nodes, inputs, outputs, [init("wte", W)], opset=opset)
+
+
+def rope_variant_model(
+    interleaved: bool, partial: bool, opset: int = 23, rest_start: int = HALF, odd_start: int = 1
+) -> onnx.ModelProto:
+    """RoPE of 4 entries of each head of q as the exporters write it: rotate half on q (batch,
+    2 heads, seq, d) with cos (batch, 1, seq, 4) from Concat(f, f); or (``interleaved``, GPT-J)
+    pairs on q (batch, seq, 2 heads, d) before its head transpose, ``Stack(-x[..., 1::2],
+    x[..., ::2], -1)`` flattened, with cos ``repeat_interleave(Cos(f), 2)`` over (batch, seq, 1,
+    4). ``partial``: d is 8 and only its first 4 rotate, the rest passed on (Phi, GPT-NeoX,
+    GPT-J); else d is 4. ``f`` (batch, seq, 2) is an input."""
+    r = HALF
+    size = 2 * r if partial else r
+    shape: list[int | str] = ["b", "s", 2, size] if interleaved else ["b", 2, "s", size]
+    values = {"zero": 0, "two": 2, "rot": r, "rest": rest_start, "odd": odd_start, "end": 2**62, "last": -1}
+    params = [init(n, np.array([v], np.int64)) for n, v in values.items()]
+    nodes = []
+    if partial:
+        nodes += [
+            node("Slice", ["q", "zero", "rot", "last"], "x"),
+            node("Slice", ["q", "rest", "end", "last"], "q_pass"),
+        ]
+
+    if interleaved:
+        params += [
+            init("pair_axes", np.array([2, 4], np.int64)),
+            init("repeats", np.array([1, 1, 1, 1, 2], np.int64)),
+            init("cos_shape", np.array([0, 0, 1, -1], np.int64)),
+            init("x_shape", np.array([0, 0, 2, r], np.int64)),
+        ]
+        for part, fn in (("cos", "Cos"), ("sin", "Sin")):
+            nodes += [
+                node(fn, ["freqs"], f"{part}_half"),
+                node("Unsqueeze", [f"{part}_half", "pair_axes"], f"{part}_5d"),
+                node("Tile", [f"{part}_5d", "repeats"], f"{part}_pairs"),
+                node("Reshape", [f"{part}_pairs", "cos_shape"], part),
+            ]
+        nodes += [
+            node("Slice", ["x", "zero", "end", "last", "two"], "x1"),
+            node("Slice", ["x", "odd", "end", "last", "two"], "x2"),
+            node("Neg", ["x2"], "q_neg"),
+            node("Unsqueeze", ["q_neg", "last"], "odd_5d"),
+            node("Unsqueeze", ["x1", "last"], "even_5d"),
+            node("Concat", ["odd_5d", "even_5d"], "stacked", axis=-1),
+            node("Reshape", ["stacked", "x_shape"], "x_rot"),
+        ]
+    else:
+        params.append(init("heads_axis", np.array([1], np.int64)))
+        nodes += [node("Concat", ["freqs", "freqs"], "emb", axis=-1)]
+        for part, fn in (("cos", "Cos"), ("sin", "Sin")):
+            nodes += [node(fn, ["emb"], f"{part}_rows"), node("Unsqueeze", [f"{part}_rows", "heads_axis"], part)]
+        half = init("half", np.array([r // 2], np.int64))
+        params.append(half)
+        nodes += [
+            node("Slice", ["x", "zero", "half", "last"], "x1"),
+            node("Slice", ["x", "half", "end", "last"], "x2"),
+            node("Neg", ["x2"], "q_neg"),
+            node("Concat", ["q_neg", "x1"], "x_rot", axis=-1),
+        ]
+    nodes += [
+        node("Mul", ["x", "cos"], "x_cos"),
+        node("Mul", ["x_rot", "sin"], "x_sin"),
+        node("Add", ["x_cos", "x_sin"], "x_roped" if partial else "y"),
+    ]
+    if partial:
+        nodes.append(node("Concat", ["x_roped", "q_pass"], "y", axis=-1))
+    else:  # x is q itself
+        for found in nodes:
+            found.input[:] = ["q" if name == "x" else name for name in found.input]
+    inputs = [info("q", shape), info("freqs", ["b", "s", r // 2])]
+    return model(nodes, inputs, ["y"], params, opset=opset)

@@ -65,6 +65,8 @@ OPSET_23: dict[str, dict[str, int]] = {
     "llama": {"Attention": 2, "RMSNormalization": 5, "RotaryEmbedding": 4},
     "llama_kv": {"Attention": 1, "RMSNormalization": 3, "RotaryEmbedding": 2},
     "t5": {"Attention": 1, "RMSNormalization": 3, "Gelu": 1},
+    "phi": {"Attention": 2, "LayerNormalization": 3, "Gelu": 2, "RotaryEmbedding": 4},
+    "gptj": {"Attention": 2, "LayerNormalization": 3, "Gelu": 2, "RotaryEmbedding": 4},
 }
 
 
@@ -90,7 +92,30 @@ ORT_MHA = {
     "llama_kv_dynamo": 1,
     "llama_kv_ts": 1,
     "t5_ts": 1,
+    "phi_dynamo": 2,
+    "phi_ts": 2,
+    "gptj_dynamo": 2,
+    "gptj_ts": 2,
 }
+
+
+# model -> (rotary_embedding_dim, interleaved) of each rotary op: phi rotates half of each head of 8 (rotate half),
+# gptj its first 4 in pairs, before its heads are transposed (the op takes that layout as 3-D with num_heads)
+PARTIAL_ROTARY = {"phi": (4, 0), "gptj": (4, 1)}
+
+
+@pytest.mark.parametrize("settings", [{"target_opset": 23}, {"target": "ort"}], ids=["opset23", "ort"])
+@pytest.mark.parametrize("name", [f"{m}_{e}" for m in PARTIAL_ROTARY for e in EXPORTERS])
+def test_partial_and_interleaved_rotary_is_one_op_per_application(name: str, settings: dict[str, Any]) -> None:
+    original, out = _optimized(name, **settings)
+    rotary = [n for n in out.graph.node if n.op_type == "RotaryEmbedding"]
+    dim, interleaved = PARTIAL_ROTARY[name.rsplit("_", 1)[0]]
+    assert len(rotary) == 4
+    for node in rotary:
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert (attributes.get("rotary_embedding_dim"), attributes.get("interleaved", 0)) == (dim, interleaved)
+    assert "Neg" not in _ops(out)
+    _same(original, out)
 
 
 @pytest.mark.parametrize("name", list(ORT_MHA))

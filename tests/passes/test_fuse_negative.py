@@ -30,6 +30,7 @@ from graphopt.passes.fuse import registered_rules
 from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, model, node, refused
 from tests.passes.fuse_models import (
+    HALF,
     HIDDEN,
     LOWERED,
     bias_gelu,
@@ -52,6 +53,7 @@ from tests.passes.fuse_models import (
     projections,
     residual_block,
     rope_model,
+    rope_variant_model,
     scaled_matmul,
     skip_norm,
     tanh_gelu,
@@ -716,7 +718,48 @@ EXPORTED_SUM = (
     "(test_fuse_ort_rules)"
 )
 
+
+def _rope_variant_cases(ort: bool) -> dict[str, Case]:
+    """The interleaved and partial rotary rules: full interleaved (GPT-J without rotary_dim),
+    partial rotate-half (Phi, GPT-NeoX) and partial interleaved (GPT-J)."""
+    opset, prefix = (18, "ort-") if ort else (23, "")
+    # the caches (Cos, Sin of the frequencies; rotate half: of Concat(f, f), then its first half), the 3-D form's
+    # Reshapes (pairs), onnxruntime's flattened caches and their row ids
+    caches = {"Cos": 1, "Sin": 1}
+    ort_ids = {"Reshape": 3, "Shape": 1, "ReduceProd": 1, "Range": 1} if ort else {}
+    forms = {
+        "interleaved": (True, False, {**caches, **ort_ids, "Reshape": 5 if ort else 2}),
+        "partial": (False, True, {**caches, **ort_ids, "Concat": 1, "Slice": 2}),
+        "interleaved-partial": (True, True, {**caches, **ort_ids, "Reshape": 5 if ort else 2}),
+    }
+    cases = {}
+    for suffix, (interleaved, partial, kept) in forms.items():
+
+        def build(i: bool = interleaved, p: bool = partial, **changes: int) -> Callable[[], onnx.ModelProto]:
+            return lambda: rope_variant_model(i, p, opset, **changes)
+
+        wrong = (
+            Perturb(lambda _, b=build: b(rest_start=HALF + 1)(), "the rotated part is not", note="the rest starts late")
+            if partial
+            else Perturb(lambda _, b=build: b(odd_start=0)(), "not the even and odd", note="both Slices start at 0")
+        )
+        dynamic = ["b", "s", 2, "d"] if interleaved else ["b", 2, "s", "d"]
+        cases[f"{prefix}rotary-embedding-{suffix}"] = Case(
+            build(),
+            {"RotaryEmbedding": 1, **kept},
+            "q_neg",
+            wrong,
+            Perturb(set_shape("q", dynamic), "the rotated size is not static"),
+            NO_GATE if ort else below(23),
+            {"target": "ort"} if ort else {},
+            passes="shape-infer,fuse,dce",
+        )
+    return cases
+
+
 CASES: dict[str, Case] = {
+    **_rope_variant_cases(ort=False),
+    **_rope_variant_cases(ort=True),
     **_gelu_cases(ort=False),
     **_gelu_cases(ort=True),
     "hardsigmoid": Case(
@@ -1038,7 +1081,7 @@ CASES: dict[str, Case] = {
         {"RotaryEmbedding": 1},
         "q_neg",
         Perturb(lambda p: _rope_q(swapped=True)(), "not the two halves", note="the Slices' bounds swapped"),
-        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the head size is not static"),
+        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the rotated size is not static"),
         below(23),
         passes="shape-infer,fuse,dce",
     ),
@@ -1049,7 +1092,7 @@ CASES: dict[str, Case] = {
         Perturb(
             lambda p: at_opset(18)(_rope_q(swapped=True)()), "not the two halves", note="the Slices' bounds swapped"
         ),
-        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the head size is not static"),
+        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the rotated size is not static"),
         NO_GATE,
         {"target": "ort"},
         passes="shape-infer,fuse,dce",

@@ -33,30 +33,52 @@ float32 and float16, with the caches in x's type.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import numpy as np
 
-from graphopt.ir import DataType, Value
+from graphopt.ir import DataType, Dim, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import is_float, shared_reader
 from graphopt.passes.fuse.rules._ort import MS
-from graphopt.passes.rewrite.engine import Match, Rule, Site
-from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
+from graphopt.passes.rewrite.engine import Build, Match, Rule, Site
+from graphopt.passes.rewrite.patterns import OpPattern, Pattern, const, op, optional, var
 
 FAMILY = "rotary"
 
 _x = var("x")
 
 
-def _half(name: str) -> OpPattern:
+def _slice_of(source: Pattern, name: str) -> OpPattern:
     bounds = (var(f"{name}_start"), var(f"{name}_end"), optional(var(f"{name}_axes")), optional(var(f"{name}_steps")))
-    return op.Slice(_x, *bounds, name=name)
+    return op.Slice(source, *bounds, name=name)
 
 
-_ROTATED = op.Concat(op.Neg(_half("x2"), name="neg"), _half("x1"), name="rotate")
-_ROPE = op.Add(op.Mul(_x, var("cos"), name="x_cos"), op.Mul(_ROTATED, var("sin"), name="rot_sin"), name="rope")
+# Rotate half: Concat(-x[..., d/2:], x[..., :d/2]).
+_HALVES = op.Concat(op.Neg(_slice_of(_x, "x2"), name="neg"), _slice_of(_x, "x1"), name="rotate")
+# Interleaved (GPT-J's rotate_every_two): stack(-x[..., 1::2], x[..., ::2], -1) flattened back to x's shape.
+_PAIRS = op.Reshape(
+    op.Concat(
+        op.Unsqueeze(op.Neg(_slice_of(_x, "x2"), name="neg"), const(name="odd_axis"), name="odd"),
+        op.Unsqueeze(_slice_of(_x, "x1"), const(name="even_axis"), name="even"),
+        name="rotate",
+    ),
+    var("pairs_shape"),
+    name="merge",
+)
+
+
+def _rope(rotated: Pattern) -> OpPattern:
+    return op.Add(op.Mul(_x, var("cos"), name="x_cos"), op.Mul(rotated, var("sin"), name="rot_sin"), name="rope")
+
+
+def _partial(rope: OpPattern) -> OpPattern:
+    """The rotation of ``x = whole[..., :r]`` followed by the rest ``whole[..., r:]``."""
+    return op.Concat(rope, _slice_of(var("whole"), "rest"), name="partial")
+
 
 # Element-wise ops that keep equal halves equal (the scale's other input must be a scalar).
 _HALF_KEEPING = frozenset({"Cos", "Sin", "Cast", "Identity", "Mul", "Div"})
@@ -65,12 +87,16 @@ _MAX_DEPTH = 8
 
 @dataclass
 class _Cache:
-    """One of cos / sin as RotaryEmbedding wants it: a constant half table (with the
-    position ids that index it, or already (batch, seq, d/2)), or a run-time value to slice."""
+    """One of cos / sin as RotaryEmbedding wants it: a constant table (with the position ids
+    that index it, or already (batch, seq, r/2)), or a run-time value: its first half
+    (``halve``) or the value itself is the cache, its axis ``heads_axis`` (of size 1) dropped
+    where it has one."""
 
     table: np.ndarray | None = None
     positions: Value | None = None
-    runtime: Value | None = None  # (batch, seq, d) or (batch, 1, seq, d): its first half is the cache
+    runtime: Value | None = None
+    halve: bool = True
+    heads_axis: int = 1
     batch_of: Value | None = None  # a graph input whose axis 0 is x's batch, when runtime's batch is 1
 
 
@@ -116,136 +142,263 @@ def _halves_equal(value: Value, axis: int) -> bool:
     return False
 
 
-def _unsqueezed_over_heads(value: Value) -> Value | None:
-    """The input of ``Unsqueeze(v, [1])`` producing ``value``, or None."""
+def _cache_part(table: np.ndarray, interleaved: bool) -> np.ndarray | None:
+    """The cache a constant cos / sin ``table`` (last axis r) stands for: its first half, or
+    its even entries when each pair is equal (interleaved); None when the pairs differ."""
+    if not interleaved:
+        return np.ascontiguousarray(table[..., : table.shape[-1] // 2])
+    even, odd = table[..., ::2], table[..., 1::2]
+    return np.ascontiguousarray(even) if np.array_equal(even, odd) else None
+
+
+def _unsqueezed_at(value: Value, axis: int) -> Value | None:
+    """The input of ``Unsqueeze(v, [axis])`` producing ``value``, or None."""
     node = value.producer
     if node is None or node.op_type != "Unsqueeze" or len(node.inputs) < 2 or node.input(1) is None:
         return None
     axes = Site.array(node.input(1))
-    return node.input(0) if axes is not None and axes.ravel().tolist() == [1] else None
+    return node.input(0) if axes is not None and axes.ravel().tolist() == [axis] else None
 
 
-def _gathered(value: Value, dims: tuple[object, ...]) -> _Cache | None:
-    """``table[positions][:, None]`` with a constant (max position, d) table and int64
-    positions of x's (batch, seq): the half table and the positions."""
-    rows = _unsqueezed_over_heads(value)
+def _repeated_pairs(value: Value) -> Value | None:
+    """``c`` when ``value`` is ``c`` with each entry of its last axis repeated twice
+    (repeat_interleave: Reshape(Tile or Expand(Unsqueeze(c, [..., -1]), [1, ..., 1, 2]))), else None."""
+    merge = value.producer
+    tiled = merge.input(0) if merge is not None and merge.op_type == "Reshape" else None
+    tile = tiled.producer if tiled is not None else None
+    if tiled is None or tile is None or tile.op_type not in ("Tile", "Expand") or not tile.in_standard_domain:
+        return None
+    source = tile.input(0)
+    unsqueeze = source.producer if source is not None else None
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or len(unsqueeze.inputs) < 2:
+        return None
+    repeats, axes = Site.array(tile.input(1)), Site.array(unsqueeze.input(1))
+    shape, merged = Site.shape(tiled), Site.shape(value)
+    if repeats is None or axes is None or shape is None or merged is None:
+        return None
+    rank = len(shape)
+    if not {-1, rank - 1} & {int(a) for a in axes.ravel()} or repeats.ravel().tolist() != [1] * (rank - 1) + [2]:
+        return None  # not a new last axis repeated twice
+    if merged[:-1] != shape[:-2] or not isinstance(shape[-2], int) or merged[-1] != 2 * shape[-2]:
+        return None  # the Reshape does not merge the (r/2, 2) pairs into r
+    return unsqueeze.input(0)
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """x's dims read in one of its layouts: (batch, heads, seq, r), the op's 4-D form, or
+    (batch, seq, heads, r), GPT-J's before its head transpose, which the op takes as 3-D
+    (batch, seq, heads * r) with num_heads."""
+
+    shape: tuple[Dim, ...]
+    heads_axis: int
+
+    @property
+    def batch(self) -> Dim:
+        return self.shape[0]
+
+    @property
+    def seq(self) -> Dim:
+        return self.shape[3 - self.heads_axis]
+
+    @property
+    def heads(self) -> Dim:
+        return self.shape[self.heads_axis]
+
+    @property
+    def size(self) -> int:
+        size = self.shape[3]
+        assert isinstance(size, int)
+        return size
+
+    def with_one_head(self, lead: Dim, width: int) -> tuple[Dim, ...]:
+        """The shape of a cos / sin that broadcasts over the heads."""
+        return (lead, 1, self.seq, width) if self.heads_axis == 1 else (lead, self.seq, 1, width)
+
+
+def _batch_source(site: Site, batch: Dim) -> Value | None:
+    """A graph input whose axis 0 is ``batch``: onnxruntime wants a cache's batch spelled out,
+    taken from an input so that every layer shares the expansion."""
+    return next((v for v in site.graph.inputs if (site.shape(v) or (None,))[0] == batch), None)
+
+
+def _runtime(site: Site, value: Value, dims: _Dims, width: int, halve: bool) -> _Cache | None:
+    """``value`` as a run-time cache source: (batch or 1, seq, width), or that with an axis of
+    1 where x has its heads (dropped through the Unsqueeze that added it, or by a Squeeze)."""
+    shape = site.shape(value)
+    leads: list[tuple[Dim, Value | None]] = [(dims.batch, None)]
+    if dims.batch != 1:
+        leads.append((1, _batch_source(site, dims.batch)))
+    for lead, batch_of in leads:
+        if lead != dims.batch and batch_of is None:
+            continue
+        rows = (lead, dims.seq, width)
+        if shape == dims.with_one_head(lead, width):
+            source = _unsqueezed_at(value, dims.heads_axis)
+            found = source if source is not None and site.shape(source) == rows else value
+            return _Cache(runtime=found, halve=halve, heads_axis=dims.heads_axis, batch_of=batch_of)
+        if shape == rows:
+            return _Cache(runtime=value, halve=halve, heads_axis=dims.heads_axis, batch_of=batch_of)
+    return None
+
+
+def _gathered(value: Value, dims: _Dims, interleaved: bool) -> _Cache | None:
+    """``table[positions]`` unsqueezed over the heads, with a constant (max position, r)
+    table and int64 positions of x's (batch, seq): the table's cache part and the positions."""
+    rows = _unsqueezed_at(value, dims.heads_axis)
     gather = rows.producer if rows is not None else None
     if gather is None or gather.op_type != "Gather" or gather.attr("axis", 0) != 0 or not gather.in_standard_domain:
         return None
     table, positions = Site.array(gather.input(0), limit=1 << 24), gather.input(1)
-    batch, _, seq, size = dims
-    if table is None or table.ndim != 2 or table.shape[1] != size or positions is None:
+    if table is None or table.ndim != 2 or table.shape[1] != dims.size or positions is None:
         return None
-    if Site.shape(positions) != (batch, seq) or Site.dtype(positions) != DataType.INT64:
+    if Site.shape(positions) != (dims.batch, dims.seq) or Site.dtype(positions) != DataType.INT64:
         return None
-    return _Cache(table=np.ascontiguousarray(table[:, : table.shape[1] // 2]), positions=positions)
+    part = _cache_part(table, interleaved)
+    return None if part is None else _Cache(table=part, positions=positions)
 
 
-def _cache(m: Match, site: Site, name: str, dims: tuple[object, ...]) -> _Cache | str:
-    """``cos`` or ``sin`` as a cache for x of shape ``dims`` (batch, heads, seq, d), or why not."""
+def _cache(m: Match, site: Site, name: str, dims: _Dims, interleaved: bool) -> _Cache | str:
+    """``cos`` or ``sin`` as a cache for x of ``dims``, or why not."""
     value = m.value(name)
-    if not _halves_equal(value, -1):
+    if not interleaved and not _halves_equal(value, -1):
         return f"the halves of {name} are not provably equal"
-    gathered = _gathered(value, dims)
+    gathered = _gathered(value, dims, interleaved)
     if gathered is not None:
         return gathered
-    batch, _, seq, size = dims
     array = Site.array(value, limit=1 << 24)
-    if array is not None and isinstance(batch, int) and isinstance(seq, int) and isinstance(size, int):
+    static = [d for d in dims.with_one_head(dims.batch, dims.size) if isinstance(d, int)]
+    if array is not None and len(static) == 4:
         try:
-            table = np.broadcast_to(array, (batch, 1, seq, size))
+            table = np.broadcast_to(array, static)
         except ValueError:
             return f"{name} does not broadcast over x's heads only"
-        return _Cache(table=np.ascontiguousarray(table[:, 0, :, : size // 2]))
-    if site.shape(value) == (batch, 1, seq, size):
-        rows = _unsqueezed_over_heads(value)
-        # Without the heads axis the cache needs no Squeeze.
-        return _Cache(runtime=rows if rows is not None and site.shape(rows) == (batch, seq, size) else value)
-    if site.shape(value) == (1, 1, seq, size):
-        # Positions shared by the batch (computed from one arange): onnxruntime wants the batch spelled out,
-        # taken from a graph input so that every layer can share the expansion.
-        source = next((v for v in site.graph.inputs if (site.shape(v) or (None,))[0] == batch), None)
-        if source is not None:
-            rows = _unsqueezed_over_heads(value)
-            return _Cache(
-                runtime=rows if rows is not None and site.shape(rows) == (1, seq, size) else value, batch_of=source
-            )
-    return f"{name} is not provably (batch or 1, 1, seq, head size) with x's seq (and batch, or a graph input's)"
+        part = _cache_part(np.take(table, 0, axis=dims.heads_axis), interleaved)
+        return f"the pairs of {name} are not equal" if part is None else _Cache(table=part)
+    if interleaved:
+        repeated = _repeated_pairs(value)
+        found = None if repeated is None else _runtime(site, repeated, dims, dims.size // 2, halve=False)
+    else:
+        found = _runtime(site, value, dims, dims.size, halve=True)
+    if found is not None:
+        return found
+    spelled = f"{name} (its entries repeated in pairs)" if interleaved else name
+    return f"{spelled} is not provably (batch or 1, seq, r) over x's heads with x's seq (and batch, or a graph input's)"
 
 
-def _slice_bounds(m: Match, site: Site, name: str, rank: int) -> tuple[int, int] | None:
-    """(start, end) of the Slice ``name`` when it is over the last axis with step 1."""
+def _bounds(site: Site, node: Node) -> tuple[int, int, int] | None:
+    """(start, end, step) of a Slice over the last axis of its 4-D input, when static."""
     facts = site.ctx.facts(site.model)
-    found = {}
-    for part in ("start", "end", "axes", "steps"):
-        value = m.optional(f"{name}_{part}")
-        found[part] = None if value is None else facts.sym(value)
-    axes, steps = found["axes"] or (rank - 1,), found["steps"] or (1,)
-    start, end = found["start"], found["end"]
-    if start is None or end is None or len(start) != 1 or len(end) != 1 or len(axes) != 1 or steps != (1,):
+    start, end, axes, steps = (facts.sym(v) if v is not None else None for v in (*node.inputs[1:], None, None)[:4])
+    axes, steps = axes or (3,), steps or (1,)
+    if start is None or end is None or len(start) != 1 or len(end) != 1 or len(axes) != 1 or len(steps) != 1:
         return None
-    if not isinstance(axes[0], int) or axes[0] % rank != rank - 1:
+    if not isinstance(axes[0], int) or axes[0] % 4 != 3:
         return None
-    if not isinstance(start[0], int) or not isinstance(end[0], int):
-        return None
-    return start[0], end[0]
+    first, last, step = start[0], end[0], steps[0]
+    if isinstance(first, int) and isinstance(last, int) and isinstance(step, int):
+        return first, last, step
+    return None
+
+
+def _rotated(m: Match, site: Site, size: int, interleaved: bool) -> str | None:
+    """Why the rotated term is not x's rotate-half or rotate-pairs of ``size``, or None."""
+    first, second = _bounds(site, m.node("x1")), _bounds(site, m.node("x2"))
+    if first is None or second is None:
+        return "the Slices are not static slices of the last axis"
+    rotate_axis = m.node("rotate").attr("axis")
+    if not interleaved:
+        half = size // 2
+        if first != (0, half, 1) or second[0] != half or second[1] < size or second[2] != 1:
+            return "the Slices are not the two halves of the last axis"
+        return None if rotate_axis in (-1, 3) else "the Concat is not over the last axis"
+    if first[0] != 0 or second[0] != 1 or first[2] != 2 or second[2] != 2 or min(first[1], second[1]) < size:
+        return "the Slices are not the even and odd entries of the last axis"
+    added = [Site.array(m.value(n)) for n in ("odd_axis", "even_axis")]
+    if any(a is None or a.ravel().tolist() not in ([-1], [4]) for a in added) or rotate_axis not in (-1, 4):
+        return "the pairs are not stacked on a new last axis"
+    if site.shape(m.node("merge").outputs[0]) != site.shape(m.value("x")):
+        return "the stacked pairs are not provably flattened back to x's shape"
+    return None
+
+
+def _whole(m: Match, site: Site, size: int) -> int | str:
+    """The full last size of x's source when only its first ``size`` rotate, or why not."""
+    whole, head = m.value("whole"), m.value("x").producer
+    dims = site.shape(whole)
+    if head is None or head.op_type != "Slice" or head.input(0) is not whole:
+        return "x is not a slice of the value the Concat completes"
+    if dims is None or len(dims) != 4 or not isinstance(dims[3], int):
+        return "the full last axis is not static"
+    rest = _bounds(site, m.node("rest"))
+    if _bounds(site, head) != (0, size, 1) or rest is None or rest[0] != size or rest[1] < dims[3] or rest[2] != 1:
+        return f"the rotated part is not whole[..., :{size}] and the rest whole[..., {size}:]"
+    return dims[3] if m.node("partial").attr("axis") in (-1, 3) else "the Concat is not over the last axis"
 
 
 @dataclass
 class _Plan:
     cos: _Cache
     sin: _Cache
-    size: int
+    dims: _Dims
+    interleaved: bool
+    whole: int | None  # x's source's last size when only the first dims.size of it rotate
 
 
-def _plan(m: Match, site: Site) -> _Plan | str:
+def _plan(interleaved: bool, m: Match, site: Site) -> _Plan | str:
     x = m.value("x")
-    dims = site.shape(x)
-    if not is_float(x) or dims is None or len(dims) != 4:
-        return "x is not a 4-D float tensor (batch, heads, seq, head size) of known type"
-    size = dims[3]
-    if not isinstance(size, int) or size % 2 or None in dims:
-        return "the head size is not static and even"
-    half = size // 2
-    first, second = _slice_bounds(m, site, "x1", 4), _slice_bounds(m, site, "x2", 4)
-    if first is None or second is None or first != (0, half) or second[0] != half or second[1] < size:
-        return "the Slices are not the two halves of the last axis"
-    if m.node("rotate").attr("axis") not in (-1, 3):
-        return "the Concat is not over the last axis"
-    cos, sin = _cache(m, site, "cos", tuple(dims)), _cache(m, site, "sin", tuple(dims))
-    if isinstance(cos, str):
-        return cos
-    if isinstance(sin, str):
-        return sin
-    if (cos.table is None) != (sin.table is None) or cos.positions is not sin.positions:
-        return "cos and sin are not indexed alike"
-    return _Plan(cos, sin, size)
+    shape = site.shape(x)
+    if not is_float(x) or shape is None or len(shape) != 4:
+        return "x is not a 4-D float tensor of known type"
+    size = shape[3]
+    if not isinstance(size, int) or size % 2 or None in shape:
+        return "the rotated size is not static and even"
+    reason = _rotated(m, site, size, interleaved)
+    if reason is not None:
+        return reason
+    whole = _whole(m, site, size) if "whole" in m else None
+    if isinstance(whole, str):
+        return whole
+    refusals: list[str] = []
+    for heads_axis in (1, 2):
+        dims = _Dims(tuple(shape), heads_axis)
+        if heads_axis == 2 and not isinstance(dims.heads, int):
+            break  # the 3-D form's num_heads
+        cos, sin = _cache(m, site, "cos", dims, interleaved), _cache(m, site, "sin", dims, interleaved)
+        if isinstance(cos, str):
+            refusals.append(cos)
+        elif isinstance(sin, str):
+            refusals.append(sin)
+        elif (cos.table is None) != (sin.table is None) or cos.positions is not sin.positions:
+            refusals.append("cos and sin are not indexed alike")
+        else:
+            return _Plan(cos, sin, dims, interleaved, whole)
+    return refusals[0]
 
 
 _HALF_CACHE = "rotary_half_cache"
 
 
 def _cache_value(b: Builder, cache: _Cache, size: int, name: str) -> Value:
-    """The cache as a value: a constant, or the first half of the run-time value (made once)."""
+    """The cache as a value: a constant, or made from the run-time value (once per model)."""
     if cache.table is not None:
         return b.constant(cache.table, f"{name}_cache")
     source = cache.runtime
     assert source is not None
-    found = next(
-        (u.node for u in source.uses() if u.node.op_type == "Slice" and u.node.name.startswith(_HALF_CACHE)), None
-    )
-    if found is None:
+    if cache.halve:
+        runtime = source
         bounds = [b.constant(np.array([v], np.int64), "bound") for v in (0, size // 2, -1)]
-        found = b.node("Slice", source, *bounds, name=_HALF_CACHE)
-    half = _squeezed(b, found.outputs[0], source)
-    return half if cache.batch_of is None else _batched(b, half, cache.batch_of)
+        source = shared_reader(runtime, _HALF_CACHE, lambda: b.op("Slice", runtime, *bounds, name=_HALF_CACHE))
+    if Site.rank(cache.runtime) == 4:
+        source = _squeezed(b, source, cache.heads_axis)
+    return source if cache.batch_of is None else _batched(b, source, cache.batch_of)
 
 
 _BATCHED = "rotary_batched_cache"
 
 
 def _batched(b: Builder, half: Value, batch_of: Value) -> Value:
-    """``half`` (1, seq, d/2) expanded to the batch of ``batch_of`` (made once per cache)."""
+    """``half`` (1, seq, r/2) expanded to the batch of ``batch_of`` (made once per cache)."""
     for use in half.uses():
         if use.node.op_type == "Expand" and use.node.name.startswith(_BATCHED):
             return use.node.outputs[0]
@@ -254,22 +407,41 @@ def _batched(b: Builder, half: Value, batch_of: Value) -> Value:
     return b.op("Expand", half, b.op("Concat", batch, ones, axis=0), name=_BATCHED)
 
 
-def _squeezed(b: Builder, half: Value, source: Value) -> Value:
-    """``half`` without the heads axis, when ``source`` has one (shared like the Slice)."""
-    if Site.rank(source) == 3:
-        return half
+def _squeezed(b: Builder, half: Value, heads_axis: int) -> Value:
+    """``half`` without its heads axis (shared like the Slice)."""
     for use in half.uses():
         if use.node.op_type == "Squeeze":
             return use.node.outputs[0]
-    return b.op("Squeeze", half, b.constant(np.array([1], np.int64), "axes"))
+    return b.op("Squeeze", half, b.constant(np.array([heads_axis], np.int64), "axes"))
+
+
+Make = Callable[[Value, dict[str, int]], Value]
+
+
+def _rotary(b: Builder, m: Match, plan: _Plan, make: Make, ort: bool) -> Value:
+    """``make(x, attributes)`` on x, or on the whole value x is the first part of (partial
+    rotation), in the layout the op takes: 4-D heads first, or 3-D with num_heads."""
+    x = m.value("x") if plan.whole is None else m.value("whole")
+    attributes = {"interleaved": 1} if plan.interleaved else {}
+    if plan.whole is not None:
+        attributes["rotary_embedding_dim"] = plan.dims.size
+    heads = plan.dims.heads
+    if plan.dims.heads_axis == 1:
+        if ort and plan.whole is not None and isinstance(heads, int):
+            attributes["num_heads"] = heads  # onnxruntime's kernel wants it with rotary_embedding_dim
+        return make(x, attributes)
+    assert isinstance(heads, int)
+    attributes["num_heads"] = heads
+    flat = b.op("Reshape", x, b.constant(np.array([0, 0, -1], np.int64), "shape"))
+    back = b.constant(np.array([0, 0, heads, plan.whole or plan.dims.size], np.int64), "shape")
+    return b.op("Reshape", make(flat, attributes), back)
 
 
 def _build(b: Builder, m: Match, plan: _Plan) -> Value:
-    cos = _cache_value(b, plan.cos, plan.size, "cos")
-    sin = _cache_value(b, plan.sin, plan.size, "sin")
-    if plan.cos.positions is None:
-        return b.op("RotaryEmbedding", m.value("x"), cos, sin)
-    return b.op("RotaryEmbedding", m.value("x"), cos, sin, plan.cos.positions)
+    cos = _cache_value(b, plan.cos, plan.dims.size, "cos")
+    sin = _cache_value(b, plan.sin, plan.dims.size, "sin")
+    ids = [] if plan.cos.positions is None else [plan.cos.positions]
+    return _rotary(b, m, plan, lambda x, attributes: b.op("RotaryEmbedding", x, cos, sin, *ids, **attributes), False)
 
 
 _KERNEL_TYPES = (DataType.FLOAT, DataType.FLOAT16)
@@ -278,13 +450,13 @@ _IDS = "ort_rotary_ids"
 _DIMS = "ort_rotary_dims"
 
 
-def _plan_ort(m: Match, site: Site) -> _Plan | str:
+def _plan_ort(interleaved: bool, m: Match, site: Site) -> _Plan | str:
     dtype = site.dtype(m.value("x"))
     if dtype not in _KERNEL_TYPES:
         return "onnxruntime's CPU RotaryEmbedding runs float32 and float16 only"
     if any(site.dtype(m.value(name)) != dtype for name in ("cos", "sin")):
         return "cos / sin are not in x's type"
-    return _plan(m, site)
+    return _plan(interleaved, m, site)
 
 
 def _flat(b: Builder, cache: Value, half: int) -> Value:
@@ -306,7 +478,7 @@ def _row_ids(b: Builder, cache: Value) -> Value:
 
 def _caches(b: Builder, m: Match, plan: _Plan) -> tuple[Value, Value, Value]:
     """(position ids, cos cache, sin cache) as the kernel wants them."""
-    half = plan.size // 2
+    half = plan.dims.size // 2
     cos, sin = plan.cos, plan.sin
     if cos.table is not None and sin.table is not None:
         if cos.positions is not None:
@@ -316,7 +488,7 @@ def _caches(b: Builder, m: Match, plan: _Plan) -> tuple[Value, Value, Value]:
         tables = [np.ascontiguousarray(t.reshape(-1, half)) for t in (cos.table, sin.table)]
         return ids, b.constant(tables[0], "cos_cache"), b.constant(tables[1], "sin_cache")
     shared = cos.batch_of is not None
-    caches = [_cache_value(b, replace(c, batch_of=None), plan.size, n) for c, n in ((cos, "cos"), (sin, "sin"))]
+    caches = [_cache_value(b, replace(c, batch_of=None), plan.dims.size, n) for c, n in ((cos, "cos"), (sin, "sin"))]
     flat = [_flat(b, c, half) for c in caches]
     ids = b.constant(np.array([0], np.int64), "offset") if shared else _row_ids(b, caches[0])
     return ids, flat[0], flat[1]
@@ -324,25 +496,35 @@ def _caches(b: Builder, m: Match, plan: _Plan) -> tuple[Value, Value, Value]:
 
 def _build_ort(b: Builder, m: Match, plan: _Plan) -> Value:
     ids, cos, sin = _caches(b, m, plan)
-    return b.op("RotaryEmbedding", m.value("x"), ids, cos, sin, domain=MS)
+    return _rotary(
+        b, m, plan, lambda x, attributes: b.op("RotaryEmbedding", x, ids, cos, sin, domain=MS, **attributes), True
+    )
 
 
-# Both targets rewrite the same proven pattern.
-_rule = partial(Rule, family=FAMILY, pattern=_ROPE, label="RotaryEmbedding")
+# The spellings, each (rule name suffix, pattern, interleaved, what it rewrites).
+_FORMS = (
+    ("", _rope(_HALVES), False, "x * cos + Concat(-x2, x1) * sin (rotate half)"),
+    ("-partial", _partial(_rope(_HALVES)), False, "Concat(rotate half of x[..., :r], x[..., r:])"),
+    ("-interleaved", _rope(_PAIRS), True, "x * cos + Stack(-x[..., 1::2], x[..., ::2]) * sin (pairs)"),
+    ("-interleaved-partial", _partial(_rope(_PAIRS)), True, "Concat(pairs rotation of x[..., :r], x[..., r:])"),
+)
+# The targets, each (rule name prefix, plan, build, the op written, the gate).
+_TARGETS: tuple[tuple[str, Callable[..., _Plan | str], Build, str, dict[str, Any]], ...] = (
+    ("ort-", _plan_ort, _build_ort, "com.microsoft RotaryEmbedding (target ort)", {"targets": frozenset({"ort"})}),
+    ("", _plan, _build, "RotaryEmbedding (opset 23)", {"min_opset": 23}),
+)
 
-RULES: tuple[Rule, ...] = (
-    _rule(
-        name="ort-rotary-embedding",
-        plan=_plan_ort,
-        build=_build_ort,
-        targets=frozenset({"ort"}),
-        doc="x * cos + Concat(-x2, x1) * sin (rotate half) -> com.microsoft RotaryEmbedding (target ort)",
-    ),
-    _rule(
-        name="rotary-embedding",
-        plan=_plan,
-        build=_build,
-        min_opset=23,
-        doc="x * cos + Concat(-x2, x1) * sin (rotate half) -> RotaryEmbedding (opset 23)",
-    ),
+RULES: tuple[Rule, ...] = tuple(
+    Rule(
+        name=f"{prefix}rotary-embedding{suffix}",
+        family=FAMILY,
+        pattern=pattern,
+        plan=partial(plan, interleaved),
+        build=build,
+        label="RotaryEmbedding",
+        doc=f"{spelling} -> {written}",
+        **gate,
+    )
+    for prefix, plan, build, written, gate in _TARGETS
+    for suffix, pattern, interleaved, spelling in _FORMS
 )

@@ -23,7 +23,7 @@ EXPORTERS = ("dynamo", "ts")
 PAST, KV_HEADS, HEAD_SIZE = 3, 2, 8
 
 
-def _feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dict[str, np.ndarray]:
+def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dict[str, np.ndarray]:
     """Inputs at one binding; the last row's mask has 2 zeros at its ``pad`` end ("tail" or "head")."""
     rng = np.random.default_rng(batch * 100 + seq)
     names = [i.name for i in proto.graph.input]
@@ -55,7 +55,7 @@ def _ops(proto: onnx.ModelProto) -> Counter[str]:
 def _same(original: onnx.ModelProto, optimized: onnx.ModelProto) -> None:
     pad = "head" if any(i.name == "past_key" for i in original.graph.input) else "tail"
     for batch, seq in ((1, 4), (2, 6)):
-        assert_same_outputs(original, optimized, _feeds(original, batch, seq, pad), rtol=1e-4, atol=1e-4)
+        assert_same_outputs(original, optimized, fixture_feeds(original, batch, seq, pad), rtol=1e-4, atol=1e-4)
 
 
 # model -> ops every export of it holds after --target-opset 23 (bert, gpt2, llama: two layers)
@@ -149,10 +149,10 @@ def test_kv_cache_moves_into_attention(exporter: str) -> None:
     assert list(attention.output[1:]) == ["present_key", "present_value"], list(attention.output)
     assert not [n for n in out.graph.node if n.op_type == "Concat" and {"past_key", "past_value"} & set(n.input)]
     for pad in ("head", "tail"):
-        assert_same_outputs(original, out, _feeds(original, 2, 6, pad), rtol=1e-4, atol=1e-4)
+        assert_same_outputs(original, out, fixture_feeds(original, 2, 6, pad), rtol=1e-4, atol=1e-4)
     new_kv = list(attention.input[1:3])
     out.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in new_kv)
-    feeds = _feeds(original, 2, 6, "head")
+    feeds = fixture_feeds(original, 2, 6, "head")
     got = run_ort(out, feeds)
     for past, new, present in zip(("past_key", "past_value"), new_kv, ("present_key", "present_value")):
         assert np.array_equal(got[present], np.concatenate([feeds[past], got[new]], axis=2)), present
@@ -235,7 +235,7 @@ def test_target_ort_keeps_a_left_padded_row(name: str) -> None:
     # A causal decoder's left-padded row has queries whose keys are all masked: the export
     # zeroes their weights; MultiHeadAttention alone would give NaN along the row.
     original, out = _optimized(name, target="ort")
-    assert_same_outputs(original, out, _feeds(original, 2, 6, "head"), rtol=1e-4, atol=1e-4)
+    assert_same_outputs(original, out, fixture_feeds(original, 2, 6, "head"), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -245,4 +245,4 @@ def test_opset_23_keeps_a_left_padded_row(name: str) -> None:
     # The dynamo export fills masked scores with float32's lowest value, which onnxruntime's
     # Attention reads as -inf: a query whose keys are all masked must still weigh them alike.
     original, out = _optimized(name, target_opset=23)
-    assert_same_outputs(original, out, _feeds(original, 2, 6, "head"), rtol=1e-4, atol=1e-4)
+    assert_same_outputs(original, out, fixture_feeds(original, 2, 6, "head"), rtol=1e-4, atol=1e-4)

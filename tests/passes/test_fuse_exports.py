@@ -20,11 +20,12 @@ from tests.numerics import assert_same_outputs, make_feeds, run_ort
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "exports"
 EXPORTERS = ("dynamo", "ts")
-PAST, KV_HEADS, HEAD_SIZE = 3, 2, 8
+PAST, KV_HEADS, HEAD_SIZE, IMAGE = 3, 2, 8, 64
 
 
 def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dict[str, np.ndarray]:
-    """Inputs at one binding; the last row's mask has 2 zeros at its ``pad`` end ("tail" or "head")."""
+    """Inputs at one binding (a text model's ids at ``seq`` tokens, an image model's pixels); the last row's mask
+    has 2 zeros at its ``pad`` end ("tail" or "head")."""
     rng = np.random.default_rng(batch * 100 + seq)
     names = [i.name for i in proto.graph.input]
     total = seq + PAST if "past_key" in names else seq
@@ -38,6 +39,7 @@ def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dic
         "position_ids": np.broadcast_to(np.arange(PAST, PAST + seq), (batch, seq)).copy(),
         "past_key": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
         "past_value": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
+        "pixel_values": rng.standard_normal((batch, 3, IMAGE, IMAGE)).astype(np.float32),
     }
     return {name: feeds[name] for name in names}
 

@@ -1368,8 +1368,22 @@ EXPORTED: dict[str, Exported | str] = {
         ORT_DEFAULT_DOMAIN,
         {"target": "ort"},
     ),
-    "ort-rmsnorm-round-trip": "n/a: the fixtures are float32, whose Cast to float32 and back is no round trip",
-    "rmsnorm-round-trip": "n/a: the fixtures are float32, whose Cast to float32 and back is no round trip",
+    "ort-rmsnorm-round-trip": Exported(
+        "llama_fp16_dynamo",
+        {"SimplifiedLayerNormalization": 1},
+        constant_at("eps", _per_channel, "epsilon is not a scalar", "epsilon per channel"),
+        untyped_at(("x",), "no known float type and rank"),
+        ORT_DEFAULT_DOMAIN,
+        {"target": "ort"},
+    ),
+    "rmsnorm-round-trip": Exported(
+        "llama_fp16_ts",
+        {"RMSNormalization": 1},
+        constant_at("eps", _per_channel, "epsilon is not a scalar", "epsilon per channel"),
+        untyped_at(("x",), "no known float type and rank"),
+        target_opset(22, "needs opset >= 23"),
+        {"target_opset": 23},
+    ),
     "ort-rotary-embedding": Exported(
         "llama_dynamo",
         {"RotaryEmbedding": 1},
@@ -1378,7 +1392,13 @@ EXPORTED: dict[str, Exported | str] = {
         NO_GATE,
         {"target": "ort"},
     ),
-    "reshape-transpose": "n/a: ConvNeXt's pooled head; no committed fixture (the exports are transformers)",
+    "reshape-transpose": Exported(
+        "convnext_dynamo",
+        {"Transpose": 17},  # the export's 18, the head's gone
+        attr_at("inner", "moves data", perm=[3, 0, 1, 2]),
+        untyped_at(("x",), "the input's rank is unknown"),
+        NO_GATE,
+    ),
 }
 
 # The rules older than the exporter fixtures (d2e82f6): their cases are built here. One of them gains an exporter

@@ -1272,7 +1272,7 @@ class Exported:
     each perturbation at the values the rule's bindings name (a string: why one does not apply). The interior
     value read elsewhere or made a graph output is the removed value nearest the rule's root."""
 
-    fixture: str
+    fixtures: tuple[str, ...]
     expected: dict[str, int]
     wrong: At | str
     unprovable: At | str
@@ -1303,7 +1303,7 @@ ORT_DEFAULT_DOMAIN = "n/a: no opset gate (onnxruntime registers SimplifiedLayerN
 
 EXPORTED: dict[str, Exported | str] = {
     "swish": Exported(
-        "llama_ts",
+        ("llama_dynamo", "llama_ts"),
         {"Swish": 1},
         "n/a: Sigmoid and Mul have no attributes and read no constant (any scalar alpha is a Swish)",
         "n/a: element-wise; the rule needs no shape",
@@ -1311,7 +1311,7 @@ EXPORTED: dict[str, Exported | str] = {
         {"target_opset": 24},
     ),
     "attention-4d": Exported(
-        "gpt2_ts",
+        ("gpt2_ts", "llama_dynamo"),
         {"Attention": 1},
         attr_at("softmax", "not over the last axis", axis=2),
         untyped_at(("v",), "not static"),
@@ -1319,7 +1319,7 @@ EXPORTED: dict[str, Exported | str] = {
         {"target_opset": 23},
     ),
     "attention-heads-3d": Exported(
-        "bert_dynamo",
+        ("bert_dynamo",),
         {"Attention": 1},
         attr_at("merge_t", None, perm=[0, 1, 2, 3]),
         untyped_at(("q",), "head split of Q is not provable"),
@@ -1327,7 +1327,7 @@ EXPORTED: dict[str, Exported | str] = {
         {"target_opset": 23},
     ),
     "attention-kv-cache": Exported(
-        "llama_kv_ts",
+        ("llama_kv_ts", "llama_kv_dynamo"),
         {"Attention": 1},
         "n/a: the Concats' one attribute is the axis, and the export runs on no other (the repeat of the K / V heads"
         " fails); the case built here joins along the heads",
@@ -1337,15 +1337,15 @@ EXPORTED: dict[str, Exported | str] = {
         interior="n/a: the Concats are the rule's exported entries (the present outputs), and nothing else is interior",
     ),
     "ort-multihead-attention": Exported(
-        "bert_ts",
+        ("bert_ts", "bert_dynamo"),
         {"MultiHeadAttention": 1},
-        attr_at("softmax", None, axis=2),
+        attr_at("softmax", "not over the last axis", axis=2),
         untyped_at(("v",), "not static"),
         NO_GATE,
         {"target": "ort"},
     ),
     "layernorm-residual-sum": Exported(
-        "gpt2_dynamo",
+        ("gpt2_dynamo", "gpt2_ts"),
         {"Sum": 1, "LayerNormalization": 5},
         attr_at("ln", "last axis", axis=1),
         untyped_at(("skip",), "do not provably have one 3-D float shape"),
@@ -1353,7 +1353,7 @@ EXPORTED: dict[str, Exported | str] = {
     ),
     "layernorm-tf": "n/a: tf2onnx's Keras LayerNormalization; no committed fixture (tf2onnx is not installed here)",
     "ort-rmsnorm": Exported(
-        "llama_dynamo",
+        ("llama_dynamo",),
         {"SimplifiedLayerNormalization": 1},
         constant_at("eps", _per_channel, "epsilon is not a scalar", "epsilon per channel"),
         untyped_at(("x",), "no known float type and rank"),
@@ -1361,7 +1361,7 @@ EXPORTED: dict[str, Exported | str] = {
         {"target": "ort"},
     ),
     "ort-rmsnorm-plain": Exported(
-        "llama_ts",
+        ("llama_ts",),
         {"SimplifiedLayerNormalization": 1},
         constant_at("eps", _per_channel, "epsilon is not a scalar", "epsilon per channel"),
         untyped_at(("x",), "no known float type and rank"),
@@ -1369,7 +1369,7 @@ EXPORTED: dict[str, Exported | str] = {
         {"target": "ort"},
     ),
     "ort-rmsnorm-round-trip": Exported(
-        "llama_fp16_dynamo",
+        ("llama_fp16_dynamo", "llama_fp16_ts"),
         {"SimplifiedLayerNormalization": 1},
         constant_at("eps", _per_channel, "epsilon is not a scalar", "epsilon per channel"),
         untyped_at(("x",), "no known float type and rank"),
@@ -1377,7 +1377,7 @@ EXPORTED: dict[str, Exported | str] = {
         {"target": "ort"},
     ),
     "rmsnorm-round-trip": Exported(
-        "llama_fp16_ts",
+        ("llama_fp16_ts", "llama_fp16_dynamo"),
         {"RMSNormalization": 1},
         constant_at("eps", _per_channel, "epsilon is not a scalar", "epsilon per channel"),
         untyped_at(("x",), "no known float type and rank"),
@@ -1385,7 +1385,7 @@ EXPORTED: dict[str, Exported | str] = {
         {"target_opset": 23},
     ),
     "ort-rotary-embedding": Exported(
-        "llama_dynamo",
+        ("llama_dynamo", "llama_ts"),
         {"RotaryEmbedding": 1},
         At(_halves_swapped, "not the two halves", "the two Slices' bounds swapped"),
         untyped_at(("x",), "not a 4-D float tensor"),
@@ -1393,7 +1393,7 @@ EXPORTED: dict[str, Exported | str] = {
         {"target": "ort"},
     ),
     "reshape-transpose": Exported(
-        "convnext_dynamo",
+        ("convnext_dynamo",),
         {"Transpose": 17},  # the export's 18, the head's gone
         attr_at("inner", "moves data", perm=[3, 0, 1, 2]),
         untyped_at(("x",), "the input's rank is unknown"),
@@ -1482,11 +1482,11 @@ BEFORE_EXPORTS = frozenset(
 
 
 @functools.cache
-def exported_case(name: str) -> Case:
+def exported_case(name: str, fixture: str) -> Case:
     """EXPORTED[name] as a Case: its values located on the fixture cut after the rule's first match."""
     spec = EXPORTED[name]
     assert isinstance(spec, Exported), spec
-    base = first_layer(spec.fixture, name, spec.settings)
+    base = first_layer(fixture, name, spec.settings)
     found = locate(base, name, spec.settings)
 
     def perturb(at: At | str) -> Perturb | str:
@@ -1497,7 +1497,7 @@ def exported_case(name: str) -> Case:
         return Perturb(at.change(found), at.reason, cut_feeds(base, [found.names[b] for b in at.cuts]), at.note)
 
     return Case(
-        lambda: first_layer(spec.fixture, name, spec.settings),
+        lambda: first_layer(fixture, name, spec.settings),
         spec.expected,
         spec.interior or found.interior[0],
         perturb(spec.wrong),
@@ -1550,15 +1550,21 @@ def _applicable() -> list[Any]:
     ]
 
 
-def _exporter_cases() -> list[str]:
-    return [name for name, spec in EXPORTED.items() if isinstance(spec, Exported)]
+def _exporter_cases() -> list[Any]:
+    return [
+        pytest.param(name, fixture, id=f"{name}-{fixture}")
+        for name, spec in EXPORTED.items()
+        if isinstance(spec, Exported)
+        for fixture in spec.fixtures
+    ]
 
 
 def _exported_applicable() -> list[Any]:
     return [
-        pytest.param(name, kind, id=f"{name}-{spec.fixture}-{kind}")
+        pytest.param(name, fixture, kind, id=f"{name}-{fixture}-{kind}")
         for name, spec in EXPORTED.items()
         if isinstance(spec, Exported)
+        for fixture in spec.fixtures
         for kind in KINDS
         if not isinstance(_exported_perturbation(spec, kind), str)
     ]
@@ -1573,10 +1579,10 @@ def test_the_rule_fires_on_its_model(name: str) -> None:
     assert_same_outputs(proto, out, _feeds(case, proto), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", _exporter_cases())
-def test_the_rule_fires_on_its_export(name: str) -> None:
+@pytest.mark.parametrize(("name", "fixture"), _exporter_cases())
+def test_the_rule_fires_on_its_export(name: str, fixture: str) -> None:
     """On the export cut after its first match, the rule fires; the fused ops are there, the outputs the same."""
-    case = exported_case(name)
+    case = exported_case(name, fixture)
     proto = case.build()
     out, details = _run(case, proto, Perturb(_copy, None))
     assert details["applied"].get(name, 0) >= 1, details
@@ -1614,9 +1620,9 @@ def test_the_rule_refuses_the_perturbed_model(name: str, kind: str) -> None:
     _refuses(name, CASES[name], kind)
 
 
-@pytest.mark.parametrize(("name", "kind"), _exported_applicable())
-def test_the_rule_refuses_the_perturbed_export(name: str, kind: str) -> None:
-    _refuses(name, exported_case(name), kind)
+@pytest.mark.parametrize(("name", "fixture", "kind"), _exported_applicable())
+def test_the_rule_refuses_the_perturbed_export(name: str, fixture: str, kind: str) -> None:
+    _refuses(name, exported_case(name, fixture), kind)
 
 
 def test_every_registered_rule_has_a_case() -> None:
@@ -1726,7 +1732,7 @@ def coverage_matrix() -> str:
         spec = EXPORTED.get(name)
         if isinstance(spec, Exported):
             cells = [_cell(_exported_perturbation(spec, kind)) for kind in KINDS]
-            lines.append(f"| {name} | export {spec.fixture} | yes | " + " | ".join(cells) + " |")
+            lines.extend(f"| {name} | export {f} | yes | " + " | ".join(cells) + " |" for f in spec.fixtures)
         elif spec is not None:
             lines.append(f"| {name} | export: {spec} |" + " |" * (len(KINDS) + 1))
     return "\n".join(lines)

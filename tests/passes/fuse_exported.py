@@ -102,11 +102,12 @@ def first_layer(fixture: str, rule: str, settings: Mapping[str, Any]) -> onnx.Mo
 
 
 def fixture_inputs(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """The fixtures' own inputs (ids, a padded mask) at batch 2, sequence 6."""
+    """The fixtures' own inputs (ids and a padded mask at batch 2, sequence 6; pixels)."""
     return fixture_feeds(proto, 2, 6, "tail")
 
 
 def constant_of(proto: onnx.ModelProto, name: str) -> np.ndarray:
+    """The value of constant ``name``: an initializer, or a Constant node's output."""
     for tensor in proto.graph.initializer:
         if tensor.name == name:
             return numpy_helper.to_array(tensor)

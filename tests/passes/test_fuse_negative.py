@@ -1267,10 +1267,10 @@ def target_opset(version: int, reason: str | None, why: str = "") -> Perturb:
 
 @dataclass(frozen=True)
 class Exported:
-    """A rule's case on an exporter-written graph: ``fixture`` cut after the rule's first match (the whole export
-    where the rule's root is another rule's node), run at ``settings``; the ops the fused graph holds at least;
-    each perturbation at the values the rule's bindings name (a string: why one does not apply). The interior
-    value read elsewhere or made a graph output is the removed value nearest the rule's root."""
+    """A rule's case on exporter-written graphs: each of ``fixtures`` cut after the rule's first match (the whole
+    export where the rule's root is another rule's node), run at ``settings``; ``expected``: how many of these ops
+    the fused graph holds; each perturbation made at the values the rule's bindings name (a string: why one does
+    not apply). The interior value read elsewhere or made a graph output is the removed value nearest the root."""
 
     fixtures: tuple[str, ...]
     expected: dict[str, int]

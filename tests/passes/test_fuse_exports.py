@@ -20,11 +20,12 @@ from tests.numerics import assert_same_outputs, make_feeds, run_ort
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "exports"
 EXPORTERS = ("dynamo", "ts")
-PAST, KV_HEADS, HEAD_SIZE = 3, 2, 8
+PAST, KV_HEADS, HEAD_SIZE, IMAGE = 3, 2, 8, 64
 
 
-def _feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dict[str, np.ndarray]:
-    """Inputs at one binding; the last row's mask has 2 zeros at its ``pad`` end ("tail" or "head")."""
+def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dict[str, np.ndarray]:
+    """Inputs at one binding (a text model's ids at ``seq`` tokens, an image model's pixels); the last row's mask
+    has 2 zeros at its ``pad`` end ("tail" or "head")."""
     rng = np.random.default_rng(batch * 100 + seq)
     names = [i.name for i in proto.graph.input]
     total = seq + PAST if "past_key" in names else seq
@@ -38,6 +39,7 @@ def _feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dict[str, 
         "position_ids": np.broadcast_to(np.arange(PAST, PAST + seq), (batch, seq)).copy(),
         "past_key": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
         "past_value": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
+        "pixel_values": rng.standard_normal((batch, 3, IMAGE, IMAGE)).astype(np.float32),
     }
     return {name: feeds[name] for name in names}
 
@@ -55,7 +57,7 @@ def _ops(proto: onnx.ModelProto) -> Counter[str]:
 def _same(original: onnx.ModelProto, optimized: onnx.ModelProto) -> None:
     pad = "head" if any(i.name == "past_key" for i in original.graph.input) else "tail"
     for batch, seq in ((1, 4), (2, 6)):
-        assert_same_outputs(original, optimized, _feeds(original, batch, seq, pad), rtol=1e-4, atol=1e-4)
+        assert_same_outputs(original, optimized, fixture_feeds(original, batch, seq, pad), rtol=1e-4, atol=1e-4)
 
 
 # model -> ops every export of it holds after --target-opset 23 (bert, gpt2, llama: two layers)
@@ -174,10 +176,10 @@ def test_kv_cache_moves_into_attention(exporter: str) -> None:
     assert list(attention.output[1:]) == ["present_key", "present_value"], list(attention.output)
     assert not [n for n in out.graph.node if n.op_type == "Concat" and {"past_key", "past_value"} & set(n.input)]
     for pad in ("head", "tail"):
-        assert_same_outputs(original, out, _feeds(original, 2, 6, pad), rtol=1e-4, atol=1e-4)
+        assert_same_outputs(original, out, fixture_feeds(original, 2, 6, pad), rtol=1e-4, atol=1e-4)
     new_kv = list(attention.input[1:3])
     out.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in new_kv)
-    feeds = _feeds(original, 2, 6, "head")
+    feeds = fixture_feeds(original, 2, 6, "head")
     got = run_ort(out, feeds)
     for past, new, present in zip(("past_key", "past_value"), new_kv, ("present_key", "present_value")):
         assert np.array_equal(got[present], np.concatenate([feeds[past], got[new]], axis=2)), present
@@ -260,7 +262,7 @@ def test_target_ort_keeps_a_left_padded_row(name: str) -> None:
     # A causal decoder's left-padded row has queries whose keys are all masked: the export
     # zeroes their weights; MultiHeadAttention alone would give NaN along the row.
     original, out = _optimized(name, target="ort")
-    assert_same_outputs(original, out, _feeds(original, 2, 6, "head"), rtol=1e-4, atol=1e-4)
+    assert_same_outputs(original, out, fixture_feeds(original, 2, 6, "head"), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -270,4 +272,4 @@ def test_opset_23_keeps_a_left_padded_row(name: str) -> None:
     # The dynamo export fills masked scores with float32's lowest value, which onnxruntime's
     # Attention reads as -inf: a query whose keys are all masked must still weigh them alike.
     original, out = _optimized(name, target_opset=23)
-    assert_same_outputs(original, out, _feeds(original, 2, 6, "head"), rtol=1e-4, atol=1e-4)
+    assert_same_outputs(original, out, fixture_feeds(original, 2, 6, "head"), rtol=1e-4, atol=1e-4)

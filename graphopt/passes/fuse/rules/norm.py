@@ -405,7 +405,8 @@ _RMS_NORM = partial(
     doc=_RMS_DOC,
 )
 # onnxruntime registers SimplifiedLayerNormalization in the default domain (since version 1, any
-# opset) and runs it on CPU for float, double and float16: RMSNormalization below opset 23.
+# opset) and runs it on CPU for float, double and float16; for --target ort it is written at every
+# opset, 23 and up included (tried before RMSNormalization, which needs 23).
 _ORT_RMS_NORM = partial(
     Rule,
     family=FAMILY,

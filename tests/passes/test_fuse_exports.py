@@ -54,10 +54,18 @@ def _ops(proto: onnx.ModelProto) -> Counter[str]:
     return Counter(n.op_type for n in proto.graph.node)
 
 
+def _tolerance(original: onnx.ModelProto) -> float:
+    """float16 logits differ by their rounding where a fused op sums in another order (2 units of 2^-10)."""
+    half = any(o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for o in original.graph.output)
+    return 2e-3 if half else 1e-4
+
+
 def _same(original: onnx.ModelProto, optimized: onnx.ModelProto) -> None:
     pad = "head" if any(i.name == "past_key" for i in original.graph.input) else "tail"
+    tolerance = _tolerance(original)
     for batch, seq in ((1, 4), (2, 6)):
-        assert_same_outputs(original, optimized, fixture_feeds(original, batch, seq, pad), rtol=1e-4, atol=1e-4)
+        feeds = fixture_feeds(original, batch, seq, pad)
+        assert_same_outputs(original, optimized, feeds, rtol=tolerance, atol=tolerance)
 
 
 # model -> ops every export of it holds after --target-opset 23 (bert, gpt2, llama: two layers)
@@ -67,6 +75,7 @@ OPSET_23: dict[str, dict[str, int]] = {
     "llama": {"Attention": 2, "RMSNormalization": 5, "RotaryEmbedding": 4},
     "llama_kv": {"Attention": 1, "RMSNormalization": 3, "RotaryEmbedding": 2},
     "t5": {"Attention": 1, "RMSNormalization": 3, "Gelu": 1},
+    "llama_fp16": {"Attention": 1, "RMSNormalization": 3, "RotaryEmbedding": 2},
     "phi": {"Attention": 2, "LayerNormalization": 3, "Gelu": 2, "RotaryEmbedding": 4},
     "gptj": {"Attention": 2, "LayerNormalization": 3, "Gelu": 2, "RotaryEmbedding": 4},
 }
@@ -272,4 +281,5 @@ def test_opset_23_keeps_a_left_padded_row(name: str) -> None:
     # The dynamo export fills masked scores with float32's lowest value, which onnxruntime's
     # Attention reads as -inf: a query whose keys are all masked must still weigh them alike.
     original, out = _optimized(name, target_opset=23)
-    assert_same_outputs(original, out, fixture_feeds(original, 2, 6, "head"), rtol=1e-4, atol=1e-4)
+    tolerance = _tolerance(original)
+    assert_same_outputs(original, out, fixture_feeds(original, 2, 6, "head"), rtol=tolerance, atol=tolerance)

@@ -374,6 +374,7 @@ class Plan4:
     bias: Value | None  # the additive float mask as written (onnxruntime's attention_bias)
     repeated: tuple[_Heads4, Value]  # K and V with the heads repeated to Q's, as written
     softcap: float = 0.0
+    widen: bool = False  # half-precision Q, K, V, all cast to float32 (the written attention is from Q K^T on)
 
 
 def _mask_of(bias: Value) -> Value:
@@ -394,17 +395,22 @@ def _mask_of(bias: Value) -> Value:
 @dataclass
 class _Scores:
     """Scores as ``softcap(scale * MatMul(Q, K^T))`` (softcap 0: none), or, with ``refusal``, scaled Q K^T
-    through a score mod Attention cannot express."""
+    through a score mod Attention cannot express. ``upcast``: the half-precision type of Q K^T, cast to
+    float32 for the rest of the attention (TorchScript's SDPA in float16 / bfloat16)."""
 
     qk: Node
     scale: float
     softcap: float = 0.0
     refusal: str | None = None
+    upcast: DataType | None = None
+
+
+_HALF_FLOATS = (DataType.FLOAT16, DataType.BFLOAT16)
 
 
 def _scores(value: Value) -> _Scores | None:
-    """``value`` read as scaled Q K^T, with a tanh softcap ``c * Tanh(s * x / c)`` (Gemma 2's) or another
-    one-input op in between; None when no MatMul is that close."""
+    """``value`` read as scaled Q K^T, with a tanh softcap ``c * Tanh(s * x / c)`` (Gemma 2's), a Cast of
+    half-precision scores to float32, or another one-input op in between; None when no MatMul is that close."""
     core, factor = _scalar_steps(value)
     mod = core.producer
     if mod is None or mod.op_type == "MatMul":
@@ -415,6 +421,9 @@ def _scores(value: Value) -> _Scores | None:
     qk = inner.producer
     if qk is None or qk.op_type != "MatMul":
         return None
+    source = Site.dtype(mod.inputs[0])
+    if mod.op_type == "Cast" and mod.attr("to") == DataType.FLOAT and source in _HALF_FLOATS:
+        return _Scores(qk, inner_factor * factor, upcast=source)
     if mod.op_type != "Tanh":
         reason = f"the scores go through {mod.op_type} after MatMul(Q, K^T): a score mod Attention cannot express"
         return _Scores(qk, 0.0, refusal=reason)
@@ -449,13 +458,20 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
         return parts.refusal
     if parts.softcap and not softcap:
         return "the scores have a tanh softcap, which this fused op has no attribute for"
+    written_v, widen = m.value("v"), parts.upcast is not None
+    if widen:
+        # From Q K^T on in float32, V cast up to it (TorchScript's SDPA in half precision): all of it in float32.
+        up = written_v.producer
+        if up is None or up.op_type != "Cast" or up.attr("to") != DataType.FLOAT or up.inputs[0] is None:
+            return "the scores are cast to float32 and V is not"
+        written_v = up.inputs[0]
     q, q_scale = _scalar_steps(parts.qk.inputs[0])
     kt, k_scale = _scalar_steps(parts.qk.inputs[1])
     k = _untransposed_key(kt)
     if k is None:
         return "K^T is not a transpose of a 4-D K in a spelling the rule knows"
     repeated = (k, m.value("v"))
-    v = _without_repeat(m.value("v"), site)
+    v = _without_repeat(written_v, site)
     if k.perm is None:
         k = _Heads4(_without_repeat(k.value, site))
     k_value = k.value if k.perm is None else None
@@ -470,13 +486,17 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     dtype = site.dtype(q)
     if not is_float(q) or site.dtype(k.value) != dtype or site.dtype(v) != dtype:
         return "Q, K, V are not float tensors of one known type"
+    if widen and dtype != parts.upcast:
+        return "the scores are cast to float32 from another type than Q's"
     if mask is not None:
         shape = site.shape(mask)
-        if site.dtype(mask) not in (dtype, DataType.BOOL) or shape is None or not 2 <= len(shape) <= 4:
+        typed = site.dtype(mask) in (DataType.FLOAT if widen else dtype, DataType.BOOL)
+        if not typed or shape is None or not 2 <= len(shape) <= 4:
             return "the mask is not a 2-D to 4-D tensor of Q's type or boolean"
         if len(shape) > 2 and isinstance(shape[-3], int) and shape[-3] not in (1, heads):
             return "the mask's head axis is neither 1 nor the heads"
-    return Plan4(q, k, v, heads, kv_heads, parts.scale * q_scale * k_scale, mask, added, repeated, parts.softcap)
+    scale = parts.scale * q_scale * k_scale
+    return Plan4(q, k, v, heads, kv_heads, scale, mask, added, repeated, parts.softcap, widen)
 
 
 def _length(b: Builder, x: Value, known: bool) -> Value:
@@ -538,11 +558,14 @@ def _off_lowest(b: Builder, mask: Value) -> Value:
 
 
 def _build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
-    k = plan.k.value if plan.k.perm is None else b.op("Transpose", plan.k.value, perm=plan.k.perm)
+    q, k, v = plan.q, plan.k.value, plan.v
+    if plan.widen:
+        q, k, v = (b.op("Cast", x, to=int(DataType.FLOAT)) for x in (q, k, v))
+    k = k if plan.k.perm is None else b.op("Transpose", k, perm=plan.k.perm)
     mask = None if plan.mask is None else spelled_out(b, _off_lowest(b, plan.mask), plan.q, plan.v)
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
     softcap = {"softcap": plan.softcap} if plan.softcap else {}
-    return b.op("Attention", plan.q, k, plan.v, mask, scale=plan.scale, **softcap)
+    return b.op("Attention", q, k, v, mask, scale=plan.scale, **softcap)
 
 
 def _plan_standard_4d(m: Match, site: Site) -> Plan4 | str:

@@ -1,4 +1,4 @@
-"""Rotary family: rotate-half rotary embeddings -> RotaryEmbedding (opset 23).
+"""Rotary family: rotate-half and interleaved rotary embeddings, full or partial -> RotaryEmbedding (opset 23).
 
 The exporters write RoPE on a (batch, heads, seq, head size) tensor ``x`` as::
 
@@ -15,6 +15,15 @@ shared by the layers), which the check proves equal to the second: the value is 
 constant with equal halves, or an element-wise function (Cos, Sin, Cast, a scalar scale) of
 ``Concat(f, f)`` along the last axis. onnxruntime wants the caches' batch spelled out, so
 a cos that broadcasts over the batch is refused unless the batch is static.
+
+Interleaved (GPT-J's ``rotate_every_two``): ``x * cos + Reshape(Concat(Unsqueeze(-x[..., 1::2]),
+Unsqueeze(x[..., ::2]), axis=-1), x's shape) * sin`` with ``cos = repeat_interleave(c, 2)`` along
+the last axis is ``RotaryEmbedding`` with ``interleaved=1`` and the caches ``c`` (of a constant
+table, its even entries where each pair is equal). Partial rotation (Phi, GPT-NeoX, GPT-J's
+``rotary_dim``): ``Concat(rope(whole[..., :r]), whole[..., r:])`` is the op on ``whole`` with
+``rotary_embedding_dim=r``. An x of (batch, heads, seq, d) is the op's 4-D input; an x of
+(batch, seq, heads, d) with cos (batch, seq, 1, d) (GPT-J rotates before its head transpose)
+goes through the op's 3-D form: reshaped to (batch, seq, heads * d), ``num_heads``, and back.
 
 For ``--target ort`` the same pattern and plan give onnxruntime's
 ``com.microsoft RotaryEmbedding(x, position_ids, cos_cache, sin_cache)`` on the 4-D

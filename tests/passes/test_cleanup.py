@@ -284,6 +284,26 @@ def test_noop_rule(tmp_path: Path, case: str) -> None:
         assert sum(ops(model).values()) == len(nodes) - 1
 
 
+@pytest.mark.parametrize(
+    ("op_type", "constant", "rule"),
+    [
+        ("And", np.ones((1, 5), bool), "and-true"),
+        ("And", np.array([True, False, True, True, True]), None),
+        ("Or", np.zeros(5, bool), "or-false"),
+        ("Or", np.ones(5, bool), None),
+        ("And", np.ones((2, 1, 4, 5), bool), None),  # broadcasting the constant would grow x's shape
+    ],
+)
+def test_boolean_neutral_operand(tmp_path: Path, op_type: str, constant: np.ndarray, rule: str | None) -> None:
+    # An exporter's mask starts as all-true ones and'ed with the causal condition.
+    nodes = [helper.make_node(op_type, ["c", "x"], ["t"]), helper.make_node("Not", ["t"], ["y"])]
+    bools = [info("x", TensorProto.BOOL)]
+    path = write(tmp_path, nodes, bools, [info("y", TensorProto.BOOL, None)], [tensor("c", constant, bool)])
+    model, results, _ = optimize(path, "noop")
+    assert results["noop"].details["removed"] == ({rule: 1} if rule else {})
+    assert sum(ops(model).values()) == (1 if rule else 2)
+
+
 def test_noop_removes_identity_chain_in_one_sweep(tmp_path: Path) -> None:
     nodes = [
         helper.make_node("Identity", ["x"], ["a"]),

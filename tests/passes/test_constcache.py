@@ -526,3 +526,25 @@ def test_a_target_of_input_dims_and_numbers_is_measured_once_on_the_input(tmp_pa
     dims = [d.dim_param or d.dim_value for d in onnx.load(written).graph.output[0].type.tensor_type.shape.dim]
     assert dims == ["batch", "seq", 12]
     assert_same_outputs(original, written)
+
+
+def test_a_dim_read_as_the_dynamo_exporter_reads_it_is_kept(tmp_path: Path) -> None:
+    # torch.export's sym_size: Squeeze(Shape(ids, start=i, end=i + 1)), the slice shared with a Reshape
+    # target. Measuring the scalar again as Gather(Shape(ids), i) added a Shape and a Gather.
+    nodes = [
+        helper.make_node("Shape", ["ids"], ["batch"], start=0, end=1),
+        helper.make_node("Shape", ["ids"], ["seq"], start=1, end=2),
+        helper.make_node("Squeeze", ["seq"], ["seq_scalar"]),
+        helper.make_node("Range", ["zero", "seq_scalar", "one"], ["positions"]),
+        helper.make_node("Concat", ["batch", "seq"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["rows"]),
+        helper.make_node("Cast", ["positions"], ["offsets"], to=F),
+        helper.make_node("Add", ["rows", "offsets"], ["y"]),
+    ]
+    inits = [tensor("zero", 0, np.int64), tensor("one", 1, np.int64)]
+    inputs = [info("ids", TensorProto.INT64, ["batch", "seq"]), info("x", shape=["batch", "seq"])]
+    proto = model_proto(nodes, inputs, [info("y", shape=None)], inits)
+    original, written, _ = optimized(tmp_path, proto)
+    assert ops(written)["Gather"] == 0 and sum(ops(written).values()) <= len(nodes), ops(written)
+    feeds = {"ids": np.zeros((2, 3), np.int64), "x": np.ones((2, 3), np.float32)}
+    assert_same_outputs(original, written, feeds)

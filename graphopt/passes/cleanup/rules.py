@@ -264,6 +264,8 @@ add_zero = _neutral(0, (1, 0))  # Add(x, 0) -> x,  Add(0, x) -> x
 sub_zero = _neutral(0, (1,))  # Sub(x, 0) -> x
 mul_one = _neutral(1, (1, 0))  # Mul(x, 1) -> x,  Mul(1, x) -> x
 div_one = _neutral(1, (1,))  # Div(x, 1) -> x
+and_true = _neutral(True, (1, 0))  # And(x, True) -> x: the exporters' all-true start of a mask
+or_false = _neutral(False, (1, 0))  # Or(x, False) -> x
 
 
 def _noop(name: str, op_types: Sequence[str], arity: int, plan: Plan, doc: str) -> Rule:
@@ -324,4 +326,6 @@ RULES: tuple[Rule, ...] = (
     _noop("sub-zero", ("Sub",), 2, sub_zero, "Sub(x, 0) -> x"),
     _noop("mul-one", ("Mul",), 2, mul_one, "Mul(x, 1) -> x,  Mul(1, x) -> x"),
     _noop("div-one", ("Div",), 2, div_one, "Div(x, 1) -> x"),
+    _noop("and-true", ("And",), 2, and_true, "And(x, True) -> x,  And(True, x) -> x"),
+    _noop("or-false", ("Or",), 2, or_false, "Or(x, False) -> x,  Or(False, x) -> x"),
 )

@@ -171,12 +171,15 @@ def _roots(model: Model) -> list[Value]:
 
 def _is_measure(value: Value, roots: Sequence[Value]) -> bool:
     """Already the canonical form: ``Shape(root)``, ``Gather(Shape(root), constant)``, or a
-    Concat of those and constants."""
+    Concat of those and constants; or one dim as the dynamo exporter reads it,
+    ``Squeeze(Shape(root, start=i, end=i + 1))``, whose slice its other readers share."""
     node = value.producer
     if node is not None and node.op_type == "Concat":
         return all(v is not None and (is_constant(v) or _is_measure(v, roots)) for v in node.inputs)
     if node is not None and node.op_type == "Gather" and is_constant(node.inputs[1]):
         node = node.inputs[0].producer if node.inputs[0] is not None else None
+    elif node is not None and node.op_type == "Squeeze" and node.inputs[0] is not None:
+        node = node.inputs[0].producer
     return node is not None and node.op_type == "Shape" and any(node.inputs[0] is r for r in roots)
 
 

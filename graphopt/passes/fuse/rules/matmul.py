@@ -13,7 +13,9 @@ and a constant bias over the last axis -> ``Reshape(Gemm(Reshape(x, [-1, K]), W,
 Without onnxruntime's fusions one Gemm with its bias runs faster than MatMul + Add on 3-D
 activations (onnxsim writes the projections so), and at ORT_ENABLE_ALL it measured no slower.
 The target of the Reshape back is a constant, so every dim of the product but one must be
-static (the other is -1): a target computed with Shape / Slice / Concat measured slower.
+static (the other is -1). A target computed as Concat(Shape(x, end=-1), [N]) for a dynamic
+batch and sequence measured no faster beyond noise (bert exports, bert_small, gpt2_small; ORT_ENABLE_ALL:
+0.96 to 1.02 of the MatMul + Add output) and cost 13 to 15 nodes per model.
 
 ``--target ort`` (com.microsoft ops onnxruntime's CPU provider runs):
 

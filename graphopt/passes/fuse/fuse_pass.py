@@ -75,7 +75,9 @@ class FuseOptions:
     max_rounds: int = option(5, "most rounds of shatter then fuse rules per run")
     enable: list[str] = option([], "rules or families to run that are off by default")
     disable: list[str] = option([], "rules or families not to run")
-    late: bool = option(False, "also run the late rules, once the others change nothing (the last simplify)")
+    late: bool = option(
+        False, "also run the late rules, once the others change nothing (on in the default pipeline's last simplify)"
+    )
 
 
 @register

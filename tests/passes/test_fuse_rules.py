@@ -127,6 +127,20 @@ def test_reshape_chains_collapse_unless_a_zero_copies_a_dim() -> None:
     _refused(chain([0, 3, 4]), "reshape-chain")
 
 
+@pytest.mark.parametrize("bias", [(5,), (1, 5), (1, 1, 5), (1,)])
+def test_a_projection_takes_its_bias_as_gemms_in_any_rank(bias: tuple[int, ...]) -> None:
+    proto = model(
+        [node("MatMul", ["x", "w"], "p"), node("Add", ["p", "b"], "y")],
+        [info("x", ["batch", 3, 4])],
+        ["y"],
+        [
+            init("w", np.arange(20, dtype=np.float32).reshape(4, 5) / 10),
+            init("b", np.linspace(-1, 1, np.prod(bias), dtype=np.float32).reshape(bias)),
+        ],
+    )
+    _fires(proto, "matmul-add-gemm-projection", {"Reshape": 2, "Gemm": 1}, fuse_late=True)
+
+
 def test_a_reshape_pair_around_a_scale_goes_for_a_scalar_only() -> None:
     def scaled(scale: np.ndarray) -> onnx.ModelProto:
         return model(

@@ -58,30 +58,39 @@ def _check_matmul_add(m: Match, site: Site) -> str | None:
     return None
 
 
-def _plan_projection(m: Match, site: Site) -> list[int] | str:
-    """The target of the Reshape back to the product's shape, or why not."""
+def _plan_projection(m: Match, site: Site) -> tuple[list[int], np.ndarray | None] | str:
+    """The target of the Reshape back to the product's shape, and the bias as a vector when it
+    has a rank above 2 (Gemm's C broadcasts to [M, N] from a rank of 2 at most); or why not."""
     x, product = m.value("x"), m.node("matmul").outputs[0]
     if site.dtype(x) != DataType.FLOAT:
         return "not a float32 MatMul (measured on float32 only)"
     shape, bias = site.shape(product), site.shape(m.value("bias"))
-    if shape is None or len(shape) < 3 or bias is None:
+    if shape is None or len(shape) < 3:
         return "the product's rank is unknown or below 3 (matmul-add-gemm takes 2-D)"
-    if len(bias) > len(shape) or any(d != 1 for d in bias[:-1]) or (bias and bias[-1] not in (1, shape[-1])):
+    if (
+        bias is None
+        or len(bias) > len(shape)
+        or any(d != 1 for d in bias[:-1])
+        or bias[-1:] not in ((1,), (shape[-1],), ())
+    ):
         return "the bias is not a vector over the last axis"
     dynamic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
     if len(dynamic) > 1:
         return "more than one dim of the product is not static (the Reshape back needs a constant target)"
-    return [-1 if i == (dynamic or [0])[0] else int(d) for i, d in enumerate(shape)]
+    target = [-1 if i == (dynamic or [0])[0] else int(d) for i, d in enumerate(shape)]
+    if len(bias) <= 2:
+        return target, None
+    found = Site.array(m.value("bias"))
+    return "the bias is not readable" if found is None else (target, np.ascontiguousarray(found.reshape(-1)))
 
 
-def _build_projection(b: Builder, m: Match, target: list[int]) -> Value:
-    x, w, bias = m.value("x"), m.value("w"), m.value("bias")
-    if (Site.rank(bias) or 0) > 1:  # Gemm's C broadcasts to [M, N] from a rank of 2 at most
-        flat = Site.array(bias)
-        bias = bias if flat is None else b.constant(np.ascontiguousarray(flat.reshape(-1)), "bias")
-    depth = int((Site.shape(w) or (-1,))[0])
-    rows = b.op("Reshape", x, b.constant(np.array([-1, depth], np.int64), "rows_shape"))
-    return b.op("Reshape", b.op("Gemm", rows, w, bias), b.constant(np.array(target, np.int64), "projection_shape"))
+def _build_projection(b: Builder, m: Match, plan: tuple[list[int], np.ndarray | None]) -> Value:
+    target, vector = plan
+    bias = m.value("bias") if vector is None else b.constant(vector, "bias")
+    depth = int((Site.shape(m.value("w")) or (-1,))[0])
+    rows = b.op("Reshape", m.value("x"), b.constant(np.array([-1, depth], np.int64), "rows_shape"))
+    gemm = b.op("Gemm", rows, m.value("w"), bias)
+    return b.op("Reshape", gemm, b.constant(np.array(target, np.int64), "projection_shape"))
 
 
 def _transposed(which: str) -> tuple[Pattern, Pattern]:

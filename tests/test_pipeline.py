@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import onnx
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from graphopt.errors import InputError
 from graphopt.ir import DataType, Graph, Model, Node, TensorType, Value
 from graphopt.passes.base import Pass, PassContext, PassResult, get_pass, option_specs, register
-from graphopt.passes.pipeline import Group, Pipeline, load_pipeline_config, pipeline_from_names
+from graphopt.passes.pipeline import Group, Pipeline, default_pipeline, load_pipeline_config, pipeline_from_names
 
 
 def _relu_chain(length: int) -> Model:
@@ -205,3 +206,19 @@ def test_a_pass_option_is_a_flag_an_api_keyword_and_a_config_setting(tmp_path: P
     config.write_text('[settings]\ndce_keep_ops = ["Neg"]\n\n[[pipeline]]\npass = "dce"\n')
     assert [n.op_type for n in optimize(source, config=config).model.graph.nodes] == ["Relu", "Neg"]
     assert [n.op_type for n in optimize(source, "dce").model.graph.nodes] == ["Relu"]
+
+
+def test_the_late_rules_run_in_the_last_simplify_only() -> None:
+    """The default pipeline's last simplify runs the fuse pass's late rules; the name
+    ``simplify`` in a pass list means the first, which does not."""
+
+    def fuse_late(steps: list[dict[str, Any]]) -> list[bool]:
+        return [
+            s.get("options", {}).get("late", False)
+            for g in steps
+            for s in g.get("steps", [])
+            if s.get("pass") == "fuse"
+        ]
+
+    assert fuse_late(default_pipeline().describe()) == [False, True]
+    assert fuse_late(pipeline_from_names("simplify").describe()) == [False]

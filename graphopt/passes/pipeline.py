@@ -43,20 +43,25 @@ __all__ = [
 DEFAULT_MAX_STEPS = 8
 logger = logging.getLogger(__name__)
 
-_SIMPLIFY: dict[str, Any] = {
-    "group": "simplify",
-    "steps": [{"pass": "const-cache"}, {"pass": "fuse"}, {"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}],
-}
+
+def _simplify(fuse_options: dict[str, Any]) -> dict[str, Any]:
+    fuse = {"pass": "fuse", **({"options": fuse_options} if fuse_options else {})}
+    return {
+        "group": "simplify",
+        "steps": [{"pass": "const-cache"}, fuse, {"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}],
+    }
+
 
 # The default pipeline: every pass that exists, in the order the design gives. simplify runs
 # again after fold and unwind: a Transpose gone exposes per-channel Mul/Add that fuse into Conv.
+# The fuse pass's late rules run in the last simplify only, after every other rewrite.
 DEFAULT_PIPELINE: list[dict[str, Any]] = [
     {"pass": "shape-infer"},
     {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
-    _SIMPLIFY,
+    _simplify({}),
     {"pass": "fold"},
     {"pass": "unwind"},
-    _SIMPLIFY,
+    _simplify({"late": True}),
     {"pass": "strip-value-info"},
 ]
 
@@ -393,7 +398,8 @@ def default_pipeline(max_steps: int | None = None) -> Pipeline:
 
 
 def _default_groups() -> dict[str, dict[str, Any]]:
-    return {entry["group"]: entry for entry in DEFAULT_PIPELINE if "group" in entry}
+    """The default pipeline's groups by name; a name used twice (simplify) means its first."""
+    return {entry["group"]: entry for entry in reversed(DEFAULT_PIPELINE) if "group" in entry}
 
 
 def pipeline_from_names(names: str, *, max_steps: int | None = None) -> Pipeline:

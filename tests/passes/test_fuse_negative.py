@@ -75,7 +75,13 @@ from tests.passes.fuse_models import (
     tanh_gelu,
     tied,
 )
-from tests.passes.test_fuse_exports import exported_attention, exported_encoder_attention, exported_silu, softcapped
+from tests.passes.test_fuse_exports import (
+    FIXTURES,
+    exported_attention,
+    exported_encoder_attention,
+    exported_silu,
+    softcapped,
+)
 
 RNG = np.random.default_rng(2)
 F16 = TensorProto.FLOAT16
@@ -1416,6 +1422,10 @@ EXPORTED: dict[str, Exported | str] = {
         NO_GATE,
     ),
     "layernorm-tf": "n/a: tf2onnx's Keras LayerNormalization; no committed fixture (tf2onnx is not installed here)",
+    # Late rules fire on static dims only, which no fixture has (their batch and sequence are dynamic): their CASES
+    # are the bert_dynamo fixture's MLP as exported, its sequence fixed as a ViT's or a Whisper encoder's is.
+    "matmul-add-gemm-projection": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
+    "reshape-through-elementwise": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
     "ort-rmsnorm": Exported(
         ("llama_dynamo",),
         {"SimplifiedLayerNormalization": 1},
@@ -1590,6 +1600,50 @@ def exported_case(name: str, fixture: str) -> Case:
         lambda: fixture_inputs(base),
         spec.passes,
     )
+
+
+# -- late rules (the default pipeline's last simplify): the bert dynamo fixture's MLP, exported ---------
+
+
+def _exported_mlp(until: str = "linear_5", seq: int | str = 6) -> onnx.ModelProto:
+    """The first MLP of the dynamo bert fixture as written, MatMul + Add, Gelu, MatMul + Add (to
+    ``until``), its input [batch, ``seq``, 32]: the export's sequence is dynamic, a ViT's is static."""
+    proto = onnx.load(str(FIXTURES / "bert_dynamo.onnx"))
+    cut = onnx.utils.Extractor(proto).extract_model(["layer_norm_1"], [until])
+    del cut.graph.value_info[:]  # the exporter's shapes, with the sequence dynamic
+    for output in cut.graph.output:
+        output.type.tensor_type.ClearField("shape")
+    return set_shape("layer_norm_1", ["batch", seq, 32])(cut)
+
+
+BOTH_DYNAMIC = set_shape("layer_norm_1", ["batch", "sequence", 32])
+LATE = {"fuse_late": True}
+
+CASES |= {
+    "matmul-add-gemm-projection": Case(
+        lambda: _exported_mlp("linear_4"),
+        {"Reshape": 2, "Gemm": 1},
+        "val_124",
+        Perturb(
+            set_const("model.encoder.layer.0.intermediate.dense.bias", _w(6, 64)),
+            "not a vector over the last axis",
+            note="bias [6, 64], a constant",
+        ),
+        Perturb(BOTH_DYNAMIC, "more than one dim of the product is not static", note="batch and sequence dynamic"),
+        NO_GATE,
+        LATE,
+    ),
+    "reshape-through-elementwise": Case(
+        _exported_mlp,
+        {"Reshape": 2, "Gemm": 2, "Gelu": 1},
+        "gelu",
+        "n/a: the pattern reads no attribute (the element-wise op keeps its own)",
+        Perturb(BOTH_DYNAMIC, None, note="no projection Reshapes to take (batch and sequence dynamic)"),
+        NO_GATE,
+        LATE,
+        passes="shape-infer,fuse,noop",  # noop drops the Reshape to the shape Gelu's input has
+    ),
+}
 
 
 # -- the tests --------------------------------------------------------------------------------------

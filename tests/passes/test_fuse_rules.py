@@ -127,6 +127,40 @@ def test_reshape_chains_collapse_unless_a_zero_copies_a_dim() -> None:
     _refused(chain([0, 3, 4]), "reshape-chain")
 
 
+@pytest.mark.parametrize("bias", [(5,), (1, 5), (1, 1, 5), (1,)])
+def test_a_projection_takes_its_bias_as_gemms_in_any_rank(bias: tuple[int, ...]) -> None:
+    proto = model(
+        [node("MatMul", ["x", "w"], "p"), node("Add", ["p", "b"], "y")],
+        [info("x", ["batch", 3, 4])],
+        ["y"],
+        [
+            init("w", np.arange(20, dtype=np.float32).reshape(4, 5) / 10),
+            init("b", np.linspace(-1, 1, np.prod(bias), dtype=np.float32).reshape(bias)),
+        ],
+    )
+    _fires(proto, "matmul-add-gemm-projection", {"Reshape": 2, "Gemm": 1}, fuse_late=True)
+
+
+def test_a_reshape_pair_around_a_scale_goes_for_a_scalar_only() -> None:
+    def scaled(scale: np.ndarray) -> onnx.ModelProto:
+        return model(
+            [node("Reshape", ["x", "rows"], "r"), node("Mul", ["r", "c"], "m"), node("Reshape", ["m", "heads"], "y")],
+            [info("x", [2, 3, 8])],
+            ["y"],
+            [
+                init("rows", np.array([-1, 8], np.int64)),
+                init("heads", np.array([2, 3, 2, 4], np.int64)),
+                init("c", scale),
+            ],
+        )
+
+    late = {"fuse_late": True}
+    _fires(scaled(np.full((1, 1), 0.5, np.float32)), "reshape-through-elementwise", {"Mul": 1, "Reshape": 1}, **late)
+    details = _refused(scaled(np.arange(8, dtype=np.float32)), "reshape-through-elementwise", **late)
+    assert "not a scalar" in " ".join(details["near_misses"]["shape"])
+    _refused(scaled(np.full((1, 1), 0.5, np.float32)), "reshape-through-elementwise")  # not late: not run
+
+
 def test_unsqueeze_pairs_merge() -> None:
     proto = model(
         [node("Unsqueeze", ["x", "a1"], "u"), node("Unsqueeze", ["u", "a2"], "y")],

@@ -75,6 +75,9 @@ class FuseOptions:
     max_rounds: int = option(5, "most rounds of shatter then fuse rules per run")
     enable: list[str] = option([], "rules or families to run that are off by default")
     disable: list[str] = option([], "rules or families not to run")
+    late: bool = option(
+        False, "also run the late rules, once the others change nothing (on in the default pipeline's last simplify)"
+    )
 
 
 @register
@@ -91,6 +94,7 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
         rules = select_rules(options.enable, options.disable, target)
         shatter = RuleSet(r for r in rules if r.kind == "shatter")
         fuse = RuleSet(r for r in rules if r.kind == "fuse")
+        late = [r for r in rules if r.kind == "late" and options.late]
         stats = RunStats()
 
         def site_for(graph: Graph) -> Site:
@@ -100,7 +104,10 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
         for _ in range(options.max_rounds):
             rounds += 1
             if run_round(model, shatter, site_for, stats) + run_round(model, fuse, site_for, stats) == 0:
-                break
+                if not late:
+                    break
+                # The late rules join once the others change nothing (they would take their nodes).
+                fuse, late = fuse + late, []
         if CONTRIB_DOMAIN not in model.opset_imports and any(n.domain == CONTRIB_DOMAIN for n in model.all_nodes()):
             model.opset_imports[CONTRIB_DOMAIN] = 1
         if goal < model.opset:

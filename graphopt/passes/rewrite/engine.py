@@ -60,7 +60,8 @@ __all__ = [
     "sweep",
 ]
 
-Kind = Literal["fuse", "shatter"]
+# "late": a fuse rule the fuse pass runs only with its ``late`` option, once the others are done.
+Kind = Literal["fuse", "shatter", "late"]
 # A plan's refusal is its reason; any other value is the plan handed to the build.
 Plan = Callable[["Match", "Site"], Any]
 Build = Callable[[Builder, "Match", Any], "Value | Sequence[Value]"]
@@ -205,7 +206,9 @@ class Rule:
     shatter rule with ``max_opset`` lowers: it is tried only when the run takes the graph
     below its own opset, see :meth:`retired`);
     ``targets`` lists the targets it may emit for; ``default`` False leaves it off unless
-    the pass's ``enable`` option names it. ``label`` names what it fuses in near-miss
+    the pass's ``enable`` option names it. ``kind`` "late" marks a fuse rule that would take
+    nodes other rules fuse: the fuse pass runs it only with its ``late`` option, and only once
+    the other rules change nothing more. ``label`` names what it fuses in near-miss
     reasons ("LayerNorm at /enc/ln1: gamma is not constant"). ``exports`` names entries whose
     (single) output may be read outside the match or be a graph output; the build calls
     ``m.export(name, value)`` with what stands for it (a fused op's second output, such as

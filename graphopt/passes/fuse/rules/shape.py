@@ -11,6 +11,9 @@
 - ``R2(R1(x))`` for R1, R2 among Flatten / Squeeze / Unsqueeze / Reshape, when R2's output
   shape is static: one Reshape to it.
 - ``Unsqueeze(Unsqueeze(x, a), b)`` -> one Unsqueeze (also with symbolic dims).
+- ``Reshape(E(R(x)), s) -> Reshape(E(x), s)`` for an element-wise E of one activation (and a
+  constant scalar), R as above and ``s`` as above (a late rule: it takes the Reshapes that
+  ``matmul-add-gemm-projection`` writes around a GELU or a scale, which nothing else reads).
 - ``Reshape(x, s)`` with ``s`` computed (``Concat(Shape(x)[0:1], [200])``) whose entries are
   provably static positive ints but one: ``Reshape(x, constant with -1 there)``. The element
   count fixes the one unknown entry, so the shape plumbing goes.
@@ -29,14 +32,16 @@ from graphopt.ir import DataType, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.cleanup.rules import CAST_TO_SAME_TYPE, TRANSPOSE_IDENTITY
-from graphopt.passes.fuse.rules._helpers import static_shape
+from graphopt.passes.fold.plan import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY
+from graphopt.passes.fuse.rules._helpers import attrs_of, static_shape
 from graphopt.passes.rewrite.engine import Match, Rule, Site
-from graphopt.passes.rewrite.patterns import Pattern, const, op, optional, var
+from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 
 FAMILY = "shape"
 # Every rule of the family, with the family given once.
 _rule = partial(Rule, family=FAMILY)
 _LAYOUT = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+_INNER = op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner")
 
 
 def _perm(m: Match, name: str, rank: int | None) -> list[int] | None:
@@ -127,6 +132,23 @@ def _build_unsqueezes(b: Builder, m: Match, axes: list[int]) -> Value:
     return b.listed("Unsqueeze", m.value("x"), "axes", axes, as_input=m.site.opset >= 13).outputs[0]
 
 
+def _plan_reshape_elementwise(m: Match, site: Site) -> str | None:
+    if _reshape_target(m) is None:
+        return "the target shape is not a constant without 0"
+    if "c" not in m:
+        return None
+    scalar, rank = Site.shape(m.value("c")), site.rank(m.value("x"))
+    if scalar is None or rank is None or len(scalar) > rank or any(d != 1 for d in scalar):
+        return "the constant is not a scalar of at most x's rank"
+    return None
+
+
+def _build_reshape_elementwise(b: Builder, m: Match, plan: None) -> Value:
+    e = m.node("e")
+    inputs = [m.value("x") if v is m.node("inner").outputs[0] else v for v in e.inputs]
+    return b.op("Reshape", b.op(e.op_type, *inputs, **attrs_of(e)), m.value("shape"))
+
+
 def _one_unknown(m: Match, site: Site) -> list[int] | str:
     """``s`` as a constant with its one unknown entry as -1, or why not."""
     if m.root.attr("allowzero", 0):
@@ -203,11 +225,27 @@ RULES: tuple[Rule, ...] = (
     TRANSPOSE_IDENTITY,
     _rule(
         name="reshape-chain",
-        pattern=op.Reshape(op.any_of(_LAYOUT, var("x"), optional(var("_")), name="inner"), var("shape"), name="outer"),
+        pattern=op.Reshape(_INNER, var("shape"), name="outer"),
         plan=lambda m, site: None if _reshape_target(m) is not None else "the target shape is not a constant without 0",
         build=_reshape_x,
         label="Reshape chain",
         doc="Reshape(Reshape|Flatten|Squeeze|Unsqueeze(x), s) -> Reshape(x, s)",
+    ),
+    _rule(
+        name="reshape-through-elementwise",
+        pattern=op.Reshape(
+            either(
+                op.any_of(sorted(ELEMENTWISE_UNARY), _INNER, name="e"),
+                op.any_of(sorted(ELEMENTWISE_BINARY), _INNER, const(name="c"), name="e"),
+            ),
+            var("shape"),
+            name="outer",
+        ),
+        plan=_plan_reshape_elementwise,
+        build=_build_reshape_elementwise,
+        kind="late",
+        label="Reshape around an element-wise op",
+        doc="Reshape(E(Reshape-like(x)), s) -> Reshape(E(x), s) for an element-wise E (late)",
     ),
     _rule(
         name="reshape-transpose",

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["BITWISE", "BROADCASTING", "BROADCASTING_ARITHMETIC", "COMPARISONS"]
+__all__ = [
+    "BITWISE",
+    "BROADCASTING",
+    "BROADCASTING_ARITHMETIC",
+    "COMPARISONS",
+    "ELEMENTWISE_BINARY",
+    "ELEMENTWISE_UNARY",
+]
 
 # The ops whose inputs broadcast multidirectionally (numpy-style), grouped by what they give:
 # the type of their inputs, the type of their inputs on integers only, and bool.
@@ -10,3 +17,13 @@ BROADCASTING_ARITHMETIC = ("Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min
 BITWISE = ("BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor")
 COMPARISONS = ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor")
 BROADCASTING = frozenset((*BROADCASTING_ARITHMETIC, *BITWISE, *COMPARISONS, "Where"))
+
+# One-input element-wise ops: the output has the input's shape, each element from its own.
+ELEMENTWISE_UNARY = frozenset(
+    {
+        "Relu", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Elu", "Selu", "Softplus", "Softsign",
+        "Gelu", "Erf", "Exp", "Log", "Sqrt", "Abs", "Neg", "Reciprocal", "Clip", "Cast",
+    }
+)  # fmt: skip
+# The arithmetic that, with a constant operand, is element-wise in its other one.
+ELEMENTWISE_BINARY = frozenset({"Add", "Sub", "Mul", "Div"})

@@ -22,11 +22,12 @@ import numpy as np
 from graphopt.facts import infer_model
 from graphopt.ir import Graph, Model, Node, Value
 from graphopt.ir.constness import constant_array, is_constant
+from graphopt.ir.ops import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY
 from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 from graphopt.passes.fold.costs import LEVELS, chain_estimate, chain_time_us
 from graphopt.passes.fold.index import Fold, FoldIndex, build_folded_graph
-from graphopt.passes.fold.plan import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY, SEED_OPS, Planner, Spec
+from graphopt.passes.fold.plan import SEED_OPS, Planner, Spec
 from graphopt.passes.fold.realize import Realizer, remove_folded
 
 __all__ = ["FoldSiblings"]

@@ -31,11 +31,10 @@ import numpy as np
 
 from graphopt.ir import DataType, Dim, Node, TensorType, Value, tensor_dtype, tensor_shape
 from graphopt.ir.constness import is_deterministic
+from graphopt.ir.ops import ELEMENTWISE_BINARY
 from graphopt.passes.fold.index import Fold, FoldIndex, Group, group_by_key
 
 __all__ = [
-    "ELEMENTWISE_BINARY",
-    "ELEMENTWISE_UNARY",
     "SEED_OPS",
     "folded_constant",
     "Layout",
@@ -45,16 +44,9 @@ __all__ = [
 ]
 
 SEED_OPS = frozenset({"MatMul", "Gemm", "Conv"})
-# Element-wise ops that run on a folded tensor unchanged: one activation, attributes and
-# any other inputs equal across the group.
-ELEMENTWISE_UNARY = frozenset(
-    {
-        "Relu", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Elu", "Selu", "Softplus", "Softsign",
-        "Gelu", "Erf", "Exp", "Log", "Sqrt", "Abs", "Neg", "Reciprocal", "Clip", "Cast",
-    }
-)  # fmt: skip
-# Element-wise ops with one activation and one constant per member, folded along the layout.
-ELEMENTWISE_BINARY = frozenset({"Add", "Sub", "Mul", "Div"})
+# Element-wise ops (graphopt.ir.ops) run on a folded tensor unchanged: one activation,
+# attributes and any other inputs equal across the group; the binary ones with one constant
+# per member, folded along the layout.
 
 Shape = tuple[Dim, ...]
 How = Literal["shared-input", "stacked", "elementwise"]

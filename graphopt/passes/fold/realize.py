@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 
 from graphopt.ir import DataType, Graph, Model, Node, Value, tensor_shape
+from graphopt.ir.ops import ELEMENTWISE_BINARY
 from graphopt.ir.rewrite import Builder, replace_value
 from graphopt.passes.base import PassContext
 from graphopt.passes.fold.index import Fold, FoldIndex
-from graphopt.passes.fold.plan import ELEMENTWISE_BINARY, Layout, Spec, folded_constant
+from graphopt.passes.fold.plan import Layout, Spec, folded_constant
 
 __all__ = ["Realizer", "remove_folded"]
 

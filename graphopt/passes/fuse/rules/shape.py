@@ -30,9 +30,9 @@ import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.constness import is_constant
+from graphopt.ir.ops import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.cleanup.rules import CAST_TO_SAME_TYPE, TRANSPOSE_IDENTITY
-from graphopt.passes.fold.plan import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY
 from graphopt.passes.fuse.rules._helpers import attrs_of, static_shape
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var

@@ -607,17 +607,25 @@ def test_the_ids_of_an_embed_layer_normalization_fall_in_its_tables(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    ("new", "past", "rotary_rows"),
-    [(5, 0, None), (1, 8, None), (1, 8, 9), (1, 8, 8), (5, 12, 12)],
-    ids=["prompt", "decode", "rotary-covers-all", "decode-into-buffer", "prompt-into-buffer"],
+    ("batch", "new", "past", "rotary_rows"),
+    [(2, 5, 0, None), (2, 1, 8, None), (1, 5, 8, None), (2, 1, 8, 9), (2, 1, 8, 8), (2, 5, 12, 12), (2, 5, 12, None)],
+    ids=[
+        "prompt",
+        "decode",
+        "prompt-after-past",
+        "rotary-covers-all",
+        "decode-into-buffer",
+        "prompt-into-buffer",
+        "batched-prompt-into-buffer",
+    ],
 )
 def test_a_group_query_attention_gets_a_total_length_and_key_lengths_it_accepts(
-    tmp_path: Path, new: int, past: int, rotary_rows: int | None
+    tmp_path: Path, batch: int, new: int, past: int, rotary_rows: int | None
 ) -> None:
     """onnxruntime's GroupQueryAttention (com.microsoft) takes total_sequence_length (past keys plus
     new ones, or within a buffer its rotary cache sizes) and seqlens_k (that total less one, per
     batch row): other values fail the original. Shapes as onnxruntime's test_gqa_cpu.py builds them."""
-    batch, heads, kv_heads, size = 2, 4, 2, 16
+    heads, kv_heads, size = 4, 2, 16
     names = ["query", "key", "value", "past_key" if past else "", "past_value" if past else ""]
     names += ["seqlens_k", "total_sequence_length"] + (["cos", "sin"] if rotary_rows else [])
     node = helper.make_node(

@@ -277,19 +277,21 @@ def _role(
 def _gqa_total_length(node: onnx.NodeProto, static: dict[str, list[int | None]]) -> int | None:
     """The total_sequence_length onnxruntime's GroupQueryAttention accepts (each row of seqlens_k
     is that less one): the past keys plus the new ones (a cache that grows), or, where its rotary
-    cache has fewer rows than that, a cache the new keys are written into: a prompt (several new
-    keys) starts it, a decoding step fills it. None where the static dims do not say."""
+    cache has fewer rows than that or several new keys follow a past at a batch above one (which
+    onnxruntime refuses), a cache the new keys are written into: a prompt (several new keys)
+    starts it, a decoding step fills it. None where the static dims do not say."""
 
     def dim(index: int, axis: int) -> int | None:
         name = node.input[index] if len(node.input) > index else ""
         return _axis_size(static.get(name) or [], axis) if name else 0
 
-    new, past, rows = dim(0, 1), dim(3, 2), dim(7, 0)
+    batch, new, past, rows = dim(0, 0), dim(0, 1), dim(3, 2), dim(7, 0)
     if not new or past is None or rows is None:
         return None
-    if not rows or past + new <= rows:
+    within_rotary = not rows or past + new <= rows
+    if within_rotary and (not past or new == 1 or batch == 1):
         return past + new
-    room = min(past, rows)
+    room = min(past, rows) if rows else past
     if new > room:
         return None
     return new if new > 1 else room

@@ -604,3 +604,49 @@ def test_the_ids_of_an_embed_layer_normalization_fall_in_its_tables(tmp_path: Pa
     path = _save(tmp_path, "m", _model([node], ids, outputs, inits, domains=("com.microsoft",)))
     result = check_models(path, path)
     assert result.status == "passed", result.reason
+
+
+@pytest.mark.parametrize(
+    ("batch", "new", "past", "rotary_rows"),
+    [(2, 5, 0, None), (2, 1, 8, None), (1, 5, 8, None), (2, 1, 8, 9), (2, 1, 8, 8), (2, 5, 12, 12), (2, 5, 12, None)],
+    ids=[
+        "prompt",
+        "decode",
+        "prompt-after-past",
+        "rotary-covers-all",
+        "decode-into-buffer",
+        "prompt-into-buffer",
+        "batched-prompt-into-buffer",
+    ],
+)
+def test_a_group_query_attention_gets_a_total_length_and_key_lengths_it_accepts(
+    tmp_path: Path, batch: int, new: int, past: int, rotary_rows: int | None
+) -> None:
+    """onnxruntime's GroupQueryAttention (com.microsoft) takes total_sequence_length (past keys plus
+    new ones, or within a buffer its rotary cache sizes) and seqlens_k (that total less one, per
+    batch row): other values fail the original. Shapes as onnxruntime's test_gqa_cpu.py builds them."""
+    heads, kv_heads, size = 4, 2, 16
+    names = ["query", "key", "value", "past_key" if past else "", "past_value" if past else ""]
+    names += ["seqlens_k", "total_sequence_length"] + (["cos", "sin"] if rotary_rows else [])
+    node = helper.make_node(
+        "GroupQueryAttention",
+        names,
+        ["output", "present_key", "present_value"],
+        domain="com.microsoft",
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        do_rotary=int(rotary_rows is not None),
+    )
+    inputs: list[tuple[str, int, Shape]] = [
+        ("query", FLOAT, [batch, new, heads * size]),
+        ("key", FLOAT, [batch, new, kv_heads * size]),
+        ("value", FLOAT, [batch, new, kv_heads * size]),
+        ("seqlens_k", TensorProto.INT32, [batch]),
+        ("total_sequence_length", TensorProto.INT32, [1]),
+    ]
+    inputs += [(name, FLOAT, [batch, kv_heads, past, size]) for name in ("past_key", "past_value") if past]
+    inputs += [(name, FLOAT, [rotary_rows, size // 2]) for name in ("cos", "sin") if rotary_rows]
+    outputs = [(name, FLOAT, None) for name in ("output", "present_key", "present_value")]
+    path = _save(tmp_path, "gqa", _model([node], inputs, outputs, domains=("com.microsoft",)))
+    result = check_models(path, path)
+    assert result.status == "passed", result.reason

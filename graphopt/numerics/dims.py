@@ -18,6 +18,8 @@ and the data reaches where a wrong rewrite would show:
   indices into another input (bounded by its static dim: a Gather's, a MaxUnpool's into its
   output, a TensorScatter's write position, which leaves room for the update), lengths of
   another input's sequence (an RNN's sequence_lens, an Attention's nonpad_kv_seqlen), mask,
+  a GroupQueryAttention's total_sequence_length and seqlens_k (past plus new keys, within its
+  rotary cache),
   position ids, or an operand that sets a shape, count or axis (Tile repeats, Reshape shape,
   Expand shape, TopK k, Range limits, Slice starts, ...), which takes small valid values: the
   largest value in such an input multiplies what the model allocates. Sizes that other
@@ -241,6 +243,9 @@ def _role(
     if node.domain == "com.microsoft" and (op, index) in _EMBEDDING_TABLES:
         table = stored.get(node.input[_EMBEDDING_TABLES[op, index]]) if len(node.input) > 2 else None
         return Role("ids", table[0]) if table else None
+    if node.domain == "com.microsoft" and op == "GroupQueryAttention" and index in (5, 6):
+        total = _gqa_total_length(node, static)
+        return Role("sizes", values=(total - 1 if index == 5 else total,)) if total else None
     if not _standard(node) and node.domain != "ai.onnx.ml":
         return None
     if (op, index) in _INDEXING or (op, index) in _LENGTHS:
@@ -267,6 +272,29 @@ def _role(
         return solved
     kind = _OPERAND_ROLES.get((op, index))
     return Role(kind) if kind is not None else None
+
+
+def _gqa_total_length(node: onnx.NodeProto, static: dict[str, list[int | None]]) -> int | None:
+    """The total_sequence_length onnxruntime's GroupQueryAttention accepts (each row of seqlens_k
+    is that less one): the past keys plus the new ones (a cache that grows), or, where its rotary
+    cache has fewer rows than that or several new keys follow a past at a batch above one (which
+    onnxruntime refuses), a cache the new keys are written into: a prompt (several new keys)
+    starts it, a decoding step fills it. None where the static dims do not say."""
+
+    def dim(index: int, axis: int) -> int | None:
+        name = node.input[index] if len(node.input) > index else ""
+        return _axis_size(static.get(name) or [], axis) if name else 0
+
+    batch, new, past, rows = dim(0, 0), dim(0, 1), dim(3, 2), dim(7, 0)
+    if not new or past is None or rows is None:
+        return None
+    within_rotary = not rows or past + new <= rows
+    if within_rotary and (not past or new == 1 or batch == 1):
+        return past + new
+    room = min(past, rows) if rows else past
+    if new > room:
+        return None
+    return new if new > 1 else room
 
 
 def _solved(node: onnx.NodeProto, index: int, static: dict[str, list[int | None]]) -> Role | None:

@@ -21,6 +21,7 @@ from tests.numerics import assert_same_outputs, make_feeds, run_ort
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "exports"
 EXPORTERS = ("dynamo", "ts")
 PAST, KV_HEADS, HEAD_SIZE, IMAGE = 3, 2, 8, 64
+KERAS_FEATURES = (6, 16)  # make_keras.py's static sequence and width
 
 
 def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dict[str, np.ndarray]:
@@ -40,6 +41,7 @@ def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dic
         "past_key": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
         "past_value": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
         "pixel_values": rng.standard_normal((batch, 3, IMAGE, IMAGE)).astype(np.float32),
+        "features": rng.standard_normal((batch, *KERAS_FEATURES)).astype(np.float32),
     }
     return {name: feeds[name] for name in names}
 
@@ -311,3 +313,10 @@ def test_static_projections_become_gemm_after_the_attention_fusions(name: str) -
         assert not [n.name for n in out.graph.node if n.op_type == "Add" and products & set(n.input)], settings
         assert fused is None or _ops(out)[fused] == 2, _ops(out)
         assert_same_outputs(original, out, feeds, rtol=1e-4, atol=1e-4)
+
+
+def test_a_keras_layer_norm_as_tf2onnx_writes_it_is_one_op() -> None:
+    # tf2onnx writes the means as GlobalAveragePool, gamma and beta as (1, 1, C), the shift as -mean * inv + beta.
+    original, out = _optimized("keras_layernorm")
+    assert _ops(out) == Counter({"LayerNormalization": 1, "MatMul": 1, "Reshape": 2}), _ops(out)
+    _same(original, out)

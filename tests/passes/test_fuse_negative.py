@@ -1160,7 +1160,7 @@ CASES: dict[str, Case] = {
         keras_layer_norm,
         {"LayerNormalization": 1},
         "inv",
-        Perturb(set_const("gamma", _w(3, 1)), "more dims than the normalized axes", note="gamma per row"),
+        Perturb(set_const("gamma", _w(3, 1)), "varies along axes that are not normalized", note="gamma per row"),
         Perturb(set_shape("x", None), "no known float type and rank"),
         below(17),
     ),
@@ -1331,6 +1331,12 @@ class Exported:
     passes: str = "shape-infer,fuse,dce"
 
 
+def _per_row(values: np.ndarray) -> np.ndarray:
+    """A (1, 1, C) scale made to vary along the 6 rows of make_keras.py's (batch, 6, C) features."""
+    rows = np.linspace(0.5, 1.5, 6, dtype=values.dtype).reshape(1, 6, 1)
+    return (np.broadcast_to(values, (1, 6, values.shape[-1])) * rows).astype(values.dtype)
+
+
 def _per_channel(values: np.ndarray) -> np.ndarray:
     return np.full(32, values.item(), values.dtype)  # the fixtures' hidden size (make.py's H)
 
@@ -1421,7 +1427,13 @@ EXPORTED: dict[str, Exported | str] = {
         untyped_at(("skip",), "do not provably have one 3-D float shape"),
         NO_GATE,
     ),
-    "layernorm-tf": "n/a: tf2onnx's Keras LayerNormalization; no committed fixture (tf2onnx is not installed here)",
+    "layernorm-tf": Exported(
+        ("keras_layernorm",),
+        {"LayerNormalization": 1},
+        constant_at("gamma", _per_row, "varies along axes that are not normalized", "gamma (1, 6, C), per row"),
+        untyped_at(("x",), "no known float type and rank"),
+        target_opset(16, None, "LayerNormalization came in 17; the rule is not tried"),
+    ),
     # Late rules fire on static dims only, which no fixture has (their batch and sequence are dynamic): their CASES
     # are the bert_dynamo fixture's MLP as exported, its sequence fixed as a ViT's or a Whisper encoder's is.
     "matmul-add-gemm-projection": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",

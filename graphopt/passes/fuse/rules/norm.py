@@ -74,9 +74,11 @@ def _normalized(centered: Pattern, square_of: Pattern) -> Pattern:
 _MEAN = _mean(_x, "mean")
 _D = op.Sub(_x, _MEAN, name="d")
 _LN = _normalized(_D, _D)
-# tf.nn.batch_normalization: x * inv + (beta - mean * inv), inv = gamma / Sqrt(var + eps).
+# tf.nn.batch_normalization: x * inv + (beta - mean * inv), inv = gamma / Sqrt(var + eps); tf2onnx
+# writes the shift as -mean * inv + beta.
 _INV = op.Mul(_inverse(_std(_D)), var("gamma"), name="inv")
-_LN_TF = op.Add(op.Mul(_x, _INV), op.Sub(var("beta"), op.Mul(_MEAN, _INV)))
+_SHIFT = either(op.Sub(var("beta"), op.Mul(_MEAN, _INV)), op.Add(op.Mul(op.Neg(_MEAN), _INV), var("beta")))
+_LN_TF = op.Add(op.Mul(_x, _INV), _SHIFT)
 _RMS = _normalized(_x, _x)
 # Hugging Face's RMSNorm of a float16 / bfloat16 x: normalized in float32, cast back, then scaled.
 _UP = op.Cast(_x, name="up")
@@ -108,8 +110,11 @@ def _param(m: Match, name: str, fill: float, normalized: tuple[int, ...]) -> np.
     found = float_array(m.value(name))
     if found is None:
         return f"{name} is not a constant"
-    if found.ndim > len(normalized):
-        return f"{name} has more dims than the normalized axes"
+    leading = found.ndim - len(normalized)
+    if leading > 0:  # (1, 1, C) as Keras writes it: leading axes of 1 broadcast over the rest
+        if any(d != 1 for d in found.shape[:leading]):
+            return f"{name} varies along axes that are not normalized"
+        found = found.reshape(found.shape[leading:])
     try:
         return np.broadcast_to(found, normalized).astype(np.float64)
     except ValueError:

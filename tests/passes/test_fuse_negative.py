@@ -1474,7 +1474,7 @@ EXPORTED: dict[str, Exported | str] = {
         ("llama_dynamo", "llama_ts"),
         {"RotaryEmbedding": 1},
         At(_halves_swapped, "not the two halves", "the two Slices' bounds swapped"),
-        untyped_at(("x",), "not a 4-D float tensor"),
+        untyped_at(("x",), "not a 4-D float32 or float16 tensor"),
         NO_GATE,
         {"target": "ort"},
     ),
@@ -1483,7 +1483,7 @@ EXPORTED: dict[str, Exported | str] = {
             fixtures,
             {"RotaryEmbedding": 1},
             wrong,
-            untyped_at(("x",), "not a 4-D float tensor"),
+            untyped_at(("x",), "not a 4-D float32 or float16 tensor"),
             gate,
             settings,
         )

@@ -12,7 +12,10 @@ import onnx
 import pytest
 from onnx import TensorProto
 
+from graphopt.api import optimize
 from graphopt.errors import InputError
+from graphopt.io.onnx_io import from_proto
+from graphopt.passes.pipeline import pipeline_from_config
 from tests.passes.fuse_helpers import fires as _fires
 from tests.passes.fuse_helpers import fuse, info, init, model, node
 from tests.passes.fuse_helpers import refused as _refused
@@ -359,3 +362,14 @@ def test_rotary_refusals() -> None:
     assert "halves of cos are not provably equal" in " ".join(details["near_misses"]["rotary"])
     details = _refused(rope_model(opset=22), "rotary-embedding")
     assert "needs opset >= 23" in " ".join(details["near_misses"]["rotary"])
+
+
+def test_the_late_rules_get_a_round_after_the_last_of_max_rounds() -> None:
+    # With max_rounds 1 the round that finds nothing else to do is the last: the late rules, which
+    # join after such a round, never ran.
+    nodes = [node("MatMul", ["x", "w"], "product"), node("Add", ["product", "b"], "y")]
+    params = [init("w", RNG.standard_normal((8, 4)).astype(np.float32)), init("b", np.ones(4, np.float32))]
+    proto = model(nodes, [info("x", [2, 6, 8])], ["y"], params)
+    steps = [{"pass": "shape-infer"}, {"pass": "fuse", "options": {"late": True, "max_rounds": 1}}]
+    result = optimize(from_proto(proto), pipeline_from_config(steps), strict=True)
+    assert result.report["passes"][-1]["details"]["applied"] == {"matmul-add-gemm-projection": 1}

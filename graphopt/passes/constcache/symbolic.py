@@ -171,8 +171,9 @@ def _roots(model: Model) -> list[Value]:
 
 def _is_measure(value: Value, roots: Sequence[Value]) -> bool:
     """Already the canonical form: ``Shape(root)``, ``Gather(Shape(root), constant)``, or a
-    Concat of those and constants; or one dim as the dynamo exporter reads it,
-    ``Squeeze(Shape(root, start=i, end=i + 1))``, whose slice its other readers share."""
+    Concat of those and constants; or a Squeeze of ``Shape(root)`` (with or without bounds): the
+    dynamo exporter reads one dim as ``Squeeze(Shape(root, start=i, end=i + 1))``, its slice
+    shared with other readers."""
     node = value.producer
     if node is not None and node.op_type == "Concat":
         return all(v is not None and (is_constant(v) or _is_measure(v, roots)) for v in node.inputs)

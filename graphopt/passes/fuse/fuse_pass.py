@@ -76,7 +76,9 @@ class FuseOptions:
     enable: list[str] = option([], "rules or families to run that are off by default")
     disable: list[str] = option([], "rules or families not to run")
     late: bool = option(
-        False, "also run the late rules, once the others change nothing (on in the default pipeline's last simplify)"
+        False,
+        "also run the late rules, once the others change nothing, or in one more round after max_rounds "
+        "(on in the default pipeline's last simplify)",
     )
 
 
@@ -101,13 +103,19 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
             return Site(model, graph, min(model.opset_in(graph), goal), target, ctx)
 
         rounds = 0
+        pending, late_ran = bool(late), not late
         for _ in range(options.max_rounds):
             rounds += 1
-            if run_round(model, shatter, site_for, stats) + run_round(model, fuse, site_for, stats) == 0:
-                if not late:
+            changed = run_round(model, shatter, site_for, stats) + run_round(model, fuse, site_for, stats)
+            late_ran = late_ran or not pending
+            if changed == 0:
+                if not pending:
                     break
                 # The late rules join once the others change nothing (they would take their nodes).
-                fuse, late = fuse + late, []
+                fuse, pending = fuse + late, False
+        if not late_ran:  # no round was left for them: one more, after the others
+            rounds += 1
+            run_round(model, RuleSet(late), site_for, stats)
         if CONTRIB_DOMAIN not in model.opset_imports and any(n.domain == CONTRIB_DOMAIN for n in model.all_nodes()):
             model.opset_imports[CONTRIB_DOMAIN] = 1
         if goal < model.opset:

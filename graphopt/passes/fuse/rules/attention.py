@@ -374,7 +374,7 @@ class Plan4:
     bias: Value | None  # the additive float mask as written (onnxruntime's attention_bias)
     repeated: tuple[_Heads4, Value]  # K and V with the heads repeated to Q's, as written
     softcap: float = 0.0
-    widen: bool = False  # half-precision Q, K, V, all cast to float32 (the written attention is from Q K^T on)
+    widen: bool = False  # float16 Q, K, V, all cast to float32 (the written attention is from Q K^T on)
 
 
 def _mask_of(bias: Value) -> Value:
@@ -395,22 +395,19 @@ def _mask_of(bias: Value) -> Value:
 @dataclass
 class _Scores:
     """Scores as ``softcap(scale * MatMul(Q, K^T))`` (softcap 0: none), or, with ``refusal``, scaled Q K^T
-    through a score mod Attention cannot express. ``upcast``: the half-precision type of Q K^T, cast to
-    float32 for the rest of the attention (TorchScript's SDPA in float16 / bfloat16)."""
+    through a score mod Attention cannot express. ``upcast``: Q K^T was float16, cast to float32 for the
+    rest of the attention (TorchScript's SDPA in float16)."""
 
     qk: Node
     scale: float
     softcap: float = 0.0
     refusal: str | None = None
-    upcast: DataType | None = None
-
-
-_HALF_FLOATS = (DataType.FLOAT16, DataType.BFLOAT16)
+    upcast: bool = False
 
 
 def _scores(value: Value) -> _Scores | None:
     """``value`` read as scaled Q K^T, with a tanh softcap ``c * Tanh(s * x / c)`` (Gemma 2's), a Cast of
-    half-precision scores to float32, or another one-input op in between; None when no MatMul is that close."""
+    float16 scores to float32, or another one-input op in between; None when no MatMul is that close."""
     core, factor = _scalar_steps(value)
     mod = core.producer
     if mod is None or mod.op_type == "MatMul":
@@ -421,9 +418,8 @@ def _scores(value: Value) -> _Scores | None:
     qk = inner.producer
     if qk is None or qk.op_type != "MatMul":
         return None
-    source = Site.dtype(mod.inputs[0])
-    if mod.op_type == "Cast" and mod.attr("to") == DataType.FLOAT and source in _HALF_FLOATS:
-        return _Scores(qk, inner_factor * factor, upcast=source)
+    if mod.op_type == "Cast" and mod.attr("to") == DataType.FLOAT and Site.dtype(mod.inputs[0]) == DataType.FLOAT16:
+        return _Scores(qk, inner_factor * factor, upcast=True)
     if mod.op_type != "Tanh":
         reason = f"the scores go through {mod.op_type} after MatMul(Q, K^T): a score mod Attention cannot express"
         return _Scores(qk, 0.0, refusal=reason)
@@ -458,9 +454,9 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
         return parts.refusal
     if parts.softcap and not softcap:
         return "the scores have a tanh softcap, which this fused op has no attribute for"
-    written_v, widen = m.value("v"), parts.upcast is not None
+    written_v, widen = m.value("v"), parts.upcast
     if widen:
-        # From Q K^T on in float32, V cast up to it (TorchScript's SDPA in half precision): all of it in float32.
+        # From Q K^T on in float32, V cast up to it (TorchScript's SDPA in float16): all of it in float32.
         up = written_v.producer
         if up is None or up.op_type != "Cast" or up.attr("to") != DataType.FLOAT or up.inputs[0] is None:
             return "the scores are cast to float32 and V is not"
@@ -486,7 +482,7 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     dtype = site.dtype(q)
     if not is_float(q) or site.dtype(k.value) != dtype or site.dtype(v) != dtype:
         return "Q, K, V are not float tensors of one known type"
-    if widen and dtype != parts.upcast:
+    if widen and dtype != DataType.FLOAT16:
         return "the scores are cast to float32 from another type than Q's"
     if mask is not None:
         shape = site.shape(mask)

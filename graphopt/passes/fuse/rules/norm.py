@@ -144,6 +144,8 @@ def _norm_facts(m: Match, site: Site, reductions: tuple[str, ...]) -> tuple[int,
     if not all(isinstance(d, int) for d in normalized):
         return "the normalized dims are not static"
     dims = tuple(int(d) for d in normalized)
+    if any(n in m.bindings and (site.rank(m.value(n)) or 0) > len(shape) for n in ("gamma", "beta")):
+        return "gamma or beta has more dims than x (it would grow the output's rank)"
     gamma, beta = _param(m, "gamma", 1.0, dims), _param(m, "beta", 0.0, dims)
     if isinstance(gamma, str):
         return gamma

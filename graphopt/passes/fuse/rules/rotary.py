@@ -51,7 +51,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Dim, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import is_float, shared_reader
+from graphopt.passes.fuse.rules._helpers import shared_reader
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.rewrite.engine import Build, Match, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, Pattern, const, op, optional, var
@@ -89,6 +89,8 @@ def _partial(rope: OpPattern) -> OpPattern:
     return op.Concat(rope, _slice_of(var("whole"), "rest"), name="partial")
 
 
+# x's types: RotaryEmbedding's float and float16, which onnxruntime's CPU kernels run too (not its bfloat16).
+_TYPES = (DataType.FLOAT, DataType.FLOAT16)
 # Element-wise ops that keep equal halves equal (the scale's other input must be a scalar).
 _HALF_KEEPING = frozenset({"Cos", "Sin", "Cast", "Identity", "Mul", "Div"})
 _MAX_DEPTH = 8
@@ -169,9 +171,10 @@ def _unsqueezed_at(value: Value, axis: int) -> Value | None:
     return node.input(0) if axes is not None and axes.ravel().tolist() == [axis] else None
 
 
-def _repeated_pairs(value: Value) -> Value | None:
+def _repeated_pairs(value: Value) -> tuple[Value, set[int]] | None:
     """``c`` when ``value`` is ``c`` with each entry of its last axis repeated twice
-    (repeat_interleave: Reshape(Tile or Expand(Unsqueeze(c, [..., -1]), [1, ..., 1, 2]))), else None."""
+    (repeat_interleave: Reshape(Tile or Expand(Unsqueeze(c, axes), [1, ..., 1, 2])) with a new
+    last axis among ``axes``), and the axes its Unsqueeze added (of the rank-5 result); else None."""
     merge = value.producer
     tiled = merge.input(0) if merge is not None and merge.op_type == "Reshape" else None
     tile = tiled.producer if tiled is not None else None
@@ -181,16 +184,17 @@ def _repeated_pairs(value: Value) -> Value | None:
     unsqueeze = source.producer if source is not None else None
     if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or len(unsqueeze.inputs) < 2:
         return None
-    repeats, axes = Site.array(tile.input(1)), Site.array(unsqueeze.input(1))
+    repeats, axes, c = Site.array(tile.input(1)), Site.array(unsqueeze.input(1)), unsqueeze.input(0)
     shape, merged = Site.shape(tiled), Site.shape(value)
-    if repeats is None or axes is None or shape is None or merged is None:
+    if repeats is None or axes is None or shape is None or merged is None or c is None:
         return None
     rank = len(shape)
-    if not {-1, rank - 1} & {int(a) for a in axes.ravel()} or repeats.ravel().tolist() != [1] * (rank - 1) + [2]:
+    added = {int(a) % rank for a in axes.ravel()}
+    if rank - 1 not in added or repeats.ravel().tolist() != [1] * (rank - 1) + [2]:
         return None  # not a new last axis repeated twice
     if merged[:-1] != shape[:-2] or not isinstance(shape[-2], int) or merged[-1] != 2 * shape[-2]:
         return None  # the Reshape does not merge the (r/2, 2) pairs into r
-    return unsqueeze.input(0)
+    return c, added
 
 
 @dataclass(frozen=True)
@@ -231,23 +235,15 @@ def _batch_source(site: Site, batch: Dim) -> Value | None:
     return next((v for v in site.graph.inputs if (site.shape(v) or (None,))[0] == batch), None)
 
 
-def _runtime(site: Site, value: Value, dims: _Dims, width: int, halve: bool) -> _Cache | None:
-    """``value`` as a run-time cache source: (batch or 1, seq, width), or that with an axis of
-    1 where x has its heads (dropped through the Unsqueeze that added it, or by a Squeeze)."""
+def _lead(site: Site, value: Value, dims: _Dims, width: int) -> tuple[Dim, Value | None] | None:
+    """The batch of ``value`` when it is (batch or 1, ..., width) with an axis of 1 where x has
+    its heads, and the graph input to take x's batch from when it is 1; None when it is not."""
     shape = site.shape(value)
-    leads: list[tuple[Dim, Value | None]] = [(dims.batch, None)]
-    if dims.batch != 1:
-        leads.append((1, _batch_source(site, dims.batch)))
-    for lead, batch_of in leads:
-        if lead != dims.batch and batch_of is None:
-            continue
-        rows = (lead, dims.seq, width)
-        if shape == dims.with_one_head(lead, width):
-            source = _unsqueezed_at(value, dims.heads_axis)
-            found = source if source is not None and site.shape(source) == rows else value
-            return _Cache(runtime=found, halve=halve, heads_axis=dims.heads_axis, batch_of=batch_of)
-        if shape == rows:
-            return _Cache(runtime=value, halve=halve, heads_axis=dims.heads_axis, batch_of=batch_of)
+    if shape == dims.with_one_head(dims.batch, width):
+        return dims.batch, None
+    if dims.batch != 1 and shape == dims.with_one_head(1, width):
+        source = _batch_source(site, dims.batch)
+        return None if source is None else (1, source)
     return None
 
 
@@ -284,21 +280,35 @@ def _cache(m: Match, site: Site, name: str, dims: _Dims, interleaved: bool) -> _
             return f"{name} does not broadcast over x's heads only"
         part = _cache_part(np.take(table, 0, axis=dims.heads_axis), interleaved)
         return f"the pairs of {name} are not equal" if part is None else _Cache(table=part)
+    lead = _lead(site, value, dims, dims.size)
+    if lead is None:
+        return f"{name} is not provably (batch or 1, seq, r) with an axis of 1 over x's heads"
+    batch, batch_of = lead
+    # The cache's source: cos itself, whose first half is the cache, or the c that cos repeats in pairs.
+    source, width = value, dims.size
     if interleaved:
         repeated = _repeated_pairs(value)
-        found = None if repeated is None else _runtime(site, repeated, dims, dims.size // 2, halve=False)
-    else:
-        found = _runtime(site, value, dims, dims.size, halve=True)
-    if found is not None:
-        return found
-    spelled = f"{name} (its entries repeated in pairs)" if interleaved else name
-    return f"{spelled} is not provably (batch or 1, seq, r) over x's heads with x's seq (and batch, or a graph input's)"
+        width = dims.size // 2
+        if repeated is None:
+            return f"{name} is not provably c repeated in pairs"
+        source, added = repeated
+        rows = added == {dims.heads_axis, 4} and site.shape(source) == (batch, dims.seq, width)
+        if not rows and not (added == {4} and site.shape(source) == dims.with_one_head(batch, width)):
+            return f"the c that {name} repeats in pairs is not (batch or 1, seq, r/2) over x's heads"
+    # Without the heads axis where an Unsqueeze added it (else the cache's Squeeze drops it).
+    unsqueezed = _unsqueezed_at(source, dims.heads_axis) if site.rank(source) == 4 else None
+    if unsqueezed is not None and site.shape(unsqueezed) == (batch, dims.seq, width):
+        source = unsqueezed
+    return _Cache(runtime=source, halve=not interleaved, heads_axis=dims.heads_axis, batch_of=batch_of)
 
 
 def _bounds(site: Site, node: Node) -> tuple[int, int, int] | None:
     """(start, end, step) of a Slice over the last axis of its 4-D input, when static."""
     facts = site.ctx.facts(site.model)
-    start, end, axes, steps = (facts.sym(v) if v is not None else None for v in (*node.inputs[1:], None, None)[:4])
+    given = (*node.inputs[1:], None, None)[:4]
+    start, end, axes, steps = (facts.sym(v) if v is not None else None for v in given)
+    if (given[2] is not None and axes is None) or (given[3] is not None and steps is None):
+        return None  # axes or steps given but not known
     axes, steps = axes or (3,), steps or (1,)
     if start is None or end is None or len(start) != 1 or len(end) != 1 or len(axes) != 1 or len(steps) != 1:
         return None
@@ -357,8 +367,8 @@ class _Plan:
 def _plan(interleaved: bool, m: Match, site: Site) -> _Plan | str:
     x = m.value("x")
     shape = site.shape(x)
-    if not is_float(x) or shape is None or len(shape) != 4:
-        return "x is not a 4-D float tensor of known type"
+    if site.dtype(x) not in _TYPES or shape is None or len(shape) != 4:
+        return "x is not a 4-D float32 or float16 tensor"
     size = shape[3]
     if not isinstance(size, int) or size % 2 or None in shape:
         return "the rotated size is not static and even"
@@ -378,7 +388,11 @@ def _plan(interleaved: bool, m: Match, site: Site) -> _Plan | str:
             refusals.append(cos)
         elif isinstance(sin, str):
             refusals.append(sin)
-        elif (cos.table is None) != (sin.table is None) or cos.positions is not sin.positions:
+        elif (
+            (cos.table is None) != (sin.table is None)
+            or cos.positions is not sin.positions
+            or ((cos.batch_of is None) != (sin.batch_of is None))
+        ):
             refusals.append("cos and sin are not indexed alike")
         else:
             return _Plan(cos, sin, dims, interleaved, whole)
@@ -416,12 +430,13 @@ def _batched(b: Builder, half: Value, batch_of: Value) -> Value:
     return b.op("Expand", half, b.op("Concat", batch, ones, axis=0), name=_BATCHED)
 
 
+_SQUEEZED = "rotary_squeezed_cache"
+
+
 def _squeezed(b: Builder, half: Value, heads_axis: int) -> Value:
-    """``half`` without its heads axis (shared like the Slice)."""
-    for use in half.uses():
-        if use.node.op_type == "Squeeze":
-            return use.node.outputs[0]
-    return b.op("Squeeze", half, b.constant(np.array([heads_axis], np.int64), "axes"))
+    """``half`` without its heads axis (made once, like the Slice)."""
+    axes = b.constant(np.array([heads_axis], np.int64), "axes")
+    return shared_reader(half, _SQUEEZED, lambda: b.op("Squeeze", half, axes, name=_SQUEEZED))
 
 
 Make = Callable[[Value, dict[str, int]], Value]
@@ -453,19 +468,16 @@ def _build(b: Builder, m: Match, plan: _Plan) -> Value:
     return _rotary(b, m, plan, lambda x, attributes: b.op("RotaryEmbedding", x, cos, sin, *ids, **attributes), False)
 
 
-_KERNEL_TYPES = (DataType.FLOAT, DataType.FLOAT16)
 _FLAT = "ort_rotary_flat"
 _IDS = "ort_rotary_ids"
 _DIMS = "ort_rotary_dims"
 
 
 def _plan_ort(interleaved: bool, m: Match, site: Site) -> _Plan | str:
-    dtype = site.dtype(m.value("x"))
-    if dtype not in _KERNEL_TYPES:
-        return "onnxruntime's CPU RotaryEmbedding runs float32 and float16 only"
-    if any(site.dtype(m.value(name)) != dtype for name in ("cos", "sin")):
-        return "cos / sin are not in x's type"
-    return _plan(interleaved, m, site)
+    plan = _plan(interleaved, m, site)
+    if isinstance(plan, _Plan) and plan.whole is not None and not isinstance(plan.dims.heads, int):
+        return "onnxruntime's kernel wants num_heads with rotary_embedding_dim, and the heads are not static"
+    return plan
 
 
 def _flat(b: Builder, cache: Value, half: int) -> Value:

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 
 from tests.numerics import assert_same_outputs
 from tests.passes.fuse_helpers import fuse
+from tests.passes.fuse_models import rope_variant_model
 
 F = TensorProto.FLOAT
 D = 8
@@ -125,3 +126,15 @@ def test_a_double_x_is_not_rotated_by_the_op(settings: dict[str, Any]) -> None:
     double = TensorProto.DOUBLE
     shapes = {"x": (double, [2, 2, 4, D]), "f": (double, [2, 1, 4, D // 2]), "g": (double, [2, 1, 4, D // 2])}
     _refused(_model(nodes, shapes, consts, opset=23 if not settings else 17), "float32 or float16", **settings)
+
+
+def test_pairs_stacked_on_another_axis_are_not_an_interleaved_rotation() -> None:
+    # Unsqueeze(-x[..., 1::2], 3) and Unsqueeze(x[..., ::2], 3) concatenated on the last axis and flattened
+    # back: the halves' entries are laid side by side, not in pairs.
+    proto = rope_variant_model(interleaved=True, partial=False)
+    axis = onnx.numpy_helper.from_array(np.array([3], np.int64), "stack_axis")
+    proto.graph.initializer.append(axis)
+    for found in proto.graph.node:
+        if found.op_type == "Unsqueeze" and found.input[0] in ("q_neg", "x1"):
+            found.input[1] = "stack_axis"
+    _refused(proto, "not stacked on a new last axis")

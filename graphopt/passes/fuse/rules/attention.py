@@ -44,7 +44,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor
+from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor, shared_reader
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 
@@ -199,13 +199,14 @@ _EXPANDED = "attention_mask_rows"
 def rows_spelled_out(b: Builder, mask: Value) -> Value:
     """``mask`` (B, 1, 1, S) as (B, 1, S, S): onnxruntime's Attention wants the query dim
     spelled out (q length = key length = S here). One expansion per mask, shared by layers."""
-    for use in mask.uses():
-        if use.node.op_type == "Expand" and use.node.name.startswith(_EXPANDED):
-            return use.node.outputs[0]
-    length = b.op("Shape", mask, start=-1)
-    ones = b.constant(np.ones(2, np.int64), "ones")
-    shape = b.op("Concat", ones, length, b.constant(np.ones(1, np.int64), "one"), axis=0)
-    return b.op("Expand", mask, shape, name=_EXPANDED)
+
+    def expand() -> Value:
+        length = b.op("Shape", mask, start=-1)
+        ones = b.constant(np.ones(2, np.int64), "ones")
+        shape = b.op("Concat", ones, length, b.constant(np.ones(1, np.int64), "one"), axis=0)
+        return b.op("Expand", mask, shape, name=_EXPANDED)
+
+    return shared_reader(mask, _EXPANDED, expand)
 
 
 # -- the 4-D form: what torch's scaled_dot_product_attention exports to -----------------------------

@@ -25,6 +25,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.rules._helpers import shared_reader
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, const, either, op, optional, var
@@ -115,10 +116,7 @@ def _int32(b: Builder, ids: Value) -> Value:
     """``ids`` as int32: itself, or one Cast shared by every reader."""
     if Site.dtype(ids) == DataType.INT32:
         return ids
-    for use in ids.uses():
-        if use.node.op_type == "Cast" and use.node.name.startswith(_INT32_IDS):
-            return use.node.outputs[0]
-    return b.op("Cast", ids, to=DataType.INT32, name=_INT32_IDS)
+    return shared_reader(ids, _INT32_IDS, lambda: b.op("Cast", ids, to=DataType.INT32, name=_INT32_IDS))
 
 
 def _build(b: Builder, m: Match, plan: _Plan) -> Value:

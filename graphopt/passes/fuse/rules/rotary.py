@@ -422,12 +422,13 @@ _BATCHED = "rotary_batched_cache"
 
 def _batched(b: Builder, half: Value, batch_of: Value) -> Value:
     """``half`` (1, seq, r/2) expanded to the batch of ``batch_of`` (made once per cache)."""
-    for use in half.uses():
-        if use.node.op_type == "Expand" and use.node.name.startswith(_BATCHED):
-            return use.node.outputs[0]
-    batch = b.op("Shape", batch_of, start=0, end=1)
-    ones = b.constant(np.ones(2, np.int64), "ones")
-    return b.op("Expand", half, b.op("Concat", batch, ones, axis=0), name=_BATCHED)
+
+    def expand() -> Value:
+        batch = b.op("Shape", batch_of, start=0, end=1)
+        ones = b.constant(np.ones(2, np.int64), "ones")
+        return b.op("Expand", half, b.op("Concat", batch, ones, axis=0), name=_BATCHED)
+
+    return shared_reader(half, _BATCHED, expand)
 
 
 _SQUEEZED = "rotary_squeezed_cache"

@@ -19,7 +19,8 @@ One round over a graph (:func:`run_round`):
 3. Apply the chosen matches in walk order: the build makes new nodes before the root, the
    engine checks that each replacement keeps the element type and shape of the value it
    replaces (where both are known), then ``replace_nodes`` swaps them in (graph outputs keep
-   their names).
+   their names). A match that a rewrite applied before it gave a reader outside (a plan may
+   read past its pattern) waits for the next round, whose finder sees that reader.
 
 :func:`sweep` applies single-node rules (the noop family) in topological order instead, each
 at once, so a chain such as ``Identity(Identity(x))`` goes in one pass.
@@ -436,6 +437,8 @@ def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
     """Rewrite one match; False when it was refused after the build (nothing changed)."""
     ctx, model, graph = site.ctx, site.model, site.graph
     rule = m.rule
+    if _read_since_found(m):
+        return False  # the next round's finder sees the new reader (a near miss if it stands)
     builder = ctx.builder(model, graph, before=m.root, tag=rule.name)
 
     def undo(reason: str | None) -> bool:
@@ -473,6 +476,20 @@ def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
             after.type = before.type
     replace_nodes([*m.feeders, *m.nodes], replacements, ctx.names(model))
     return True
+
+
+def _read_since_found(m: Match) -> bool:
+    """Whether something outside ``m`` now reads a value it would remove. The finder proved none
+    did, but a rewrite applied before it this round may: a plan may read past its own pattern
+    (attention-4d takes K from behind a K^T chain that another match collapses)."""
+    inside = {id(n) for n in [*m.nodes, *m.feeders]}
+    exported = {id(m.bindings.get(name)) for name in m.rule.exports}
+    return any(
+        _read_outside(value, inside)
+        for node in [*m.feeders, *m.nodes]
+        if node is not m.root and not (id(node) in exported and len(node.outputs) == 1)
+        for value in node.outputs
+    )
 
 
 def _type_change(before: Value, after: Value) -> str | None:

@@ -257,18 +257,9 @@ class _Execution:
             self.current = model_stats(model)
             for failure in result.failures:
                 logger.debug("pass %s: %s; undone alone:\n%s", step.name, failure.error, failure.traceback)
-            run = PassRun(
-                step.name,
-                group,
-                iteration,
-                seconds,
-                before,
-                self.current,
-                result.changed,
-                result.details,
-                traceback=result.failures[0].traceback if result.failures else None,
-                failures=result.failures,
-            )
+            run = PassRun(step.name, group, iteration, seconds, before, self.current, result.changed, result.details)
+            if result.failures:
+                run.failures, run.traceback = result.failures, result.failures[0].traceback
         self.record.runs.append(run)
         if self.on_pass is not None:
             self.on_pass(run)

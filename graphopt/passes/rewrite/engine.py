@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from graphopt.errors import GraphoptError
+from graphopt.errors import GraphoptError, bounded
 from graphopt.ir import AttrKind, DataType, Graph, Model, Node, Value, tensor_dtype, tensor_shape
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, replace_nodes
@@ -310,7 +310,7 @@ class RunStats:
         """Record ``m``'s rule failing at its root (called where ``err`` is being handled)."""
         self._failed_at[(m.rule.name, id(m.root))] = m.root
         labels = {"rule": m.rule.name, "node": m.where()}
-        self.failures.append(Failure(str(err), labels, traceback.format_exc()))
+        self.failures.append(Failure(bounded(str(err)), labels, traceback.format_exc()))
 
     def failed_at(self, rule: Rule, root: Node) -> bool:
         return (rule.name, id(root)) in self._failed_at

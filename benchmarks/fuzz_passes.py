@@ -102,7 +102,7 @@ def run_mutant(model: Model, label: str, findings: dict[tuple[str, str, str], Fi
         signal.alarm(timeout)
         try:
             result = optimize(copy, pipeline, verify=True)
-            runs = [(f.name, f.error or "", f.traceback or "") for f in result.pipeline_run.failures]
+            runs = [(f.name, f.error or f.failures[0].error, f.traceback or "") for f in result.pipeline_run.failures]
         except Timeout:
             runs = [(name, "Timeout: no answer in time", "")]
         except Exception as err:  # the pipeline itself must never raise

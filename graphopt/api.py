@@ -173,13 +173,13 @@ def run_pipeline(
         model, pass_context(settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
     )
     seconds = time.perf_counter() - start
-    if strict and run.failures:
-        failure = run.failures[0]
-        raise PassError(failure.name, failure.error or "")
+    failures = run.failure_records()
+    if strict and failures:
+        raise PassError(failures[0]["pass"], failures[0]["error"])
     report = PipelineReport(
         pipeline=pipeline.describe(),
         passes=[r.as_dict() for r in run.runs],
-        failures=[{"pass": r.name, "error": r.error} for r in run.failures],
+        failures=failures,
         summary={"before": before.as_dict(), "after": model_stats(model).as_dict()},
         seconds={"optimize": round(seconds, 6)},
     )

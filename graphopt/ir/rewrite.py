@@ -110,7 +110,7 @@ class Builder:
 
     ``typer`` gives new nodes their output types (the facts service's shape rules);
     ``tag`` names the rule or pass that made them, written to each node's metadata when
-    ``provenance`` is on.
+    ``provenance`` is on. ``created`` and ``constants`` list what it made, in order.
     """
 
     def __init__(
@@ -130,6 +130,7 @@ class Builder:
         self.provenance = provenance
         self.typer = typer
         self.created: list[Node] = []
+        self.constants: list[Value] = []
 
     def op(self, op_type: str, *inputs: Value | None, **spec: Any) -> Value:
         """Add one node (keywords as for :meth:`node`); its first output."""
@@ -180,6 +181,7 @@ class Builder:
         tensor = array if isinstance(array, Tensor) else Tensor.from_array(array)
         tensor.name = self.names.fresh(name)
         value = Value(tensor.name, TensorType(tensor.dtype, tensor.shape), tensor)
+        self.constants.append(value)
         return self.graph.add_initializer(value)
 
 

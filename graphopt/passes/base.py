@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # passes reach the evaluator through the context, never by im
     from graphopt.evaluate import Evaluator
 
 __all__ = [
+    "Failure",
     "NoOptions",
     "OpsetConverter",
     "Pass",
@@ -48,9 +49,27 @@ __all__ = [
 
 
 @dataclass
+class Failure:
+    """A part of a pass that raised and was undone alone, the pass's other work standing (one
+    fuse rule's rewrite): ``error`` says what failed, ``labels`` name where for the report
+    (the rule and the node), ``traceback`` is for the debug log and the fuzzers."""
+
+    error: str
+    labels: dict[str, str] = field(default_factory=dict)
+    traceback: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return {**self.labels, "error": self.error}
+
+
+@dataclass
 class PassResult:
+    """What a pass did: whether it changed the model, its details for the report, and the
+    parts of it that failed and were undone alone (a pass that raises is rolled back whole)."""
+
     changed: bool
     details: dict[str, Any] = field(default_factory=dict)
+    failures: list[Failure] = field(default_factory=list)
 
 
 T = TypeVar("T")

@@ -25,7 +25,7 @@ from graphopt.ir import GraphError, Model
 from graphopt.ir.clone import Snapshot
 from graphopt.ir.stats import ModelStats, model_stats
 from graphopt.options import coerce, plain, type_name
-from graphopt.passes.base import Knob, Pass, PassContext, PassResult, get_pass, pass_knobs
+from graphopt.passes.base import Failure, Knob, Pass, PassContext, PassResult, get_pass, pass_knobs
 from graphopt.settings import SETTING_NAMES, Settings, settings_from
 
 __all__ = [
@@ -88,7 +88,8 @@ def _describe(step: Step) -> dict[str, Any]:
 
 @dataclass
 class PassRun:
-    """One execution of one pass, as the report shows it."""
+    """One execution of one pass, as the report shows it: ``error`` when the pass raised and was
+    rolled back, ``failures`` for the parts of it undone alone (its other work stands)."""
 
     name: str
     group: str | None
@@ -100,6 +101,7 @@ class PassRun:
     details: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     traceback: str | None = None
+    failures: list[Failure] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         ops = set(self.before.ops) | set(self.after.ops)
@@ -118,6 +120,8 @@ class PassRun:
         }
         if self.error is not None:
             record["error"] = self.error
+        if self.failures:
+            record["failures"] = [f.as_dict() for f in self.failures]
         return record
 
 
@@ -127,7 +131,18 @@ class PipelineRun:
 
     @property
     def failures(self) -> list[PassRun]:
-        return [r for r in self.runs if r.error is not None]
+        """The pass executions that raised (rolled back) or undid a part of their work."""
+        return [r for r in self.runs if r.error is not None or r.failures]
+
+    def failure_records(self) -> list[dict[str, str]]:
+        """The report's failures in the order they happened: ``pass`` and ``error``, and what
+        names a part undone alone (a fuse rule's ``rule`` and ``node``)."""
+        records: list[dict[str, str]] = []
+        for run in self.failures:
+            if run.error is not None:
+                records.append({"pass": run.name, "error": run.error})
+            records.extend({"pass": run.name, **f.as_dict()} for f in run.failures)
+        return records
 
 
 @dataclass
@@ -240,7 +255,11 @@ class _Execution:
         else:
             seconds = time.perf_counter() - start
             self.current = model_stats(model)
+            for failure in result.failures:
+                logger.debug("pass %s: %s; undone alone:\n%s", step.name, failure.error, failure.traceback)
             run = PassRun(step.name, group, iteration, seconds, before, self.current, result.changed, result.details)
+            if result.failures:
+                run.failures, run.traceback = result.failures, result.failures[0].traceback
         self.record.runs.append(run)
         if self.on_pass is not None:
             self.on_pass(run)

@@ -125,19 +125,21 @@ def _by_step(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 def _outcome(runs: list[dict[str, Any]]) -> str:
     """What the executions of one pipeline step did, in one line: op changes, a failure, or
-    no change and, when the pass says, why."""
+    no change and, when the pass says, why; then the first part of it undone alone, if any."""
     failed = [run for run in runs if "error" in run]
     if failed:
         return f"[red]failed, rolled back: {escape(failed[0]['error'])}[/red]"
+    undone = [f for run in runs for f in run.get("failures", [])]
+    also = f"; [red]{escape(undone[0]['error'])}, undone[/red]" if undone else ""
     delta: dict[str, int] = {}
     for run in runs:
         for op, count in run["op_delta"].items():
             delta[op] = delta.get(op, 0) + count
     changes = ", ".join(f"{op} {d:+d}" for op, d in sorted(delta.items(), key=lambda kv: kv[1]) if d)
     if any(run["changed"] for run in runs):
-        return escape(changes or "changed, no op count moved")
+        return escape(changes or "changed, no op count moved") + also
     why = _why_unchanged(runs[-1]["details"])
-    return "[dim]no change[/dim]" + (escape(f": {why}") if why else "")
+    return "[dim]no change[/dim]" + (escape(f": {why}") if why else "") + also
 
 
 def _why_unchanged(details: dict[str, Any]) -> str | None:

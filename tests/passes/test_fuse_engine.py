@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import numpy as np
+import onnx
 import pytest
 
 import graphopt
 from graphopt.io.onnx_io import from_proto
+from graphopt.io.onnx_write import to_proto
 from graphopt.ir import Value
 from graphopt.ir.rewrite import PROVENANCE_KEY, Builder
 from graphopt.passes.fuse import Match, Rule, Site, add_rule, const, either, op, registered_rules, remove_rule, var
 from graphopt.passes.fuse.fuse_pass import select_rules
 from graphopt.passes.pipeline import pipeline_from_config
 from graphopt.passes.rewrite.patterns import match
+from graphopt.schemas import schema
+from tests.cli_helpers import invoke, one_line_error
 from tests.numerics import assert_same_outputs
 from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
 
@@ -368,6 +374,70 @@ def test_an_error_in_a_build_is_the_rules_failure_not_a_silent_decline(user_rule
 
     broken = Rule(name="test-broken-build", family="test", pattern=op.Neg(op.Neg(var("x"))), build=build)
     assert "AttributeError" in _fails_naming_the_rule(broken, user_rule)
+
+
+def _raises(*args: object) -> object:
+    raise RuntimeError("boom")
+
+
+def _triple_neg() -> onnx.ModelProto:
+    """Neg(Neg(Neg(x))) then Transpose(Transpose(., p), p): a shape-family rule takes the Transposes."""
+    nodes = [
+        node("Neg", ["x"], "a"),
+        node("Neg", ["a"], "b"),
+        node("Neg", ["b"], "c", name="neg3"),
+        node("Transpose", ["c"], "t", perm=[1, 0]),
+        node("Transpose", ["t"], "y", perm=[1, 0]),
+    ]
+    return model(nodes, [info("x", [2, 3])], ["y"])
+
+
+@pytest.mark.parametrize("step", ["plan", "build"])
+def test_a_rule_that_raises_is_undone_alone_and_reported(user_rule: list[str], step: str) -> None:
+    """A broken rule (a user rule here, the larger match at its root) fails where it matches: that rewrite is
+    undone, every other rule still applies (the library's Transpose pair, and a smaller rule at the broken
+    rule's root), and the report's failures name the pass, the rule, the node and the error."""
+    build = _raises if step == "build" else (lambda b, m, p: m.value("x"))
+    plan = _raises if step == "plan" else None
+    add_rule(Rule(name="test-broken", family="test", pattern=op.Neg(op.Neg(op.Neg(var("x")))), plan=plan, build=build))
+    add_rule(_neg_neg())
+    user_rule.extend(["test-broken", "test-neg-neg"])
+    original = _triple_neg()
+    result = graphopt.optimize(from_proto(original), "shape-infer,fuse")
+    failures = result.report["failures"]
+    assert failures == [
+        {
+            "pass": "fuse",
+            "rule": "test-broken",
+            "node": "neg3",
+            "error": f"rule 'test-broken' failed in its {step} at neg3: RuntimeError: boom",
+        }
+    ]
+    (fused,) = [r for r in result.report["passes"] if r["pass"] == "fuse"]
+    assert fused["failures"] == [{k: v for k, v in failures[0].items() if k != "pass"}]
+    assert fused["details"]["applied"] == {"test-neg-neg": 1, "transpose-transpose": 1}
+    assert [n.op_type for n in result.model.graph] == ["Neg"]
+    assert_same_outputs(original, to_proto(result.model))
+
+
+def test_a_rule_that_raises_fails_the_run_only_under_strict(user_rule: list[str], tmp_path: Path) -> None:
+    """As for a pass that raises (DESIGN.md): exit 0 with the failure in the report and on the console, exit 3
+    with --strict naming the pass and the rule."""
+    add_rule(Rule(name="test-broken", family="test", pattern=op.Neg(op.Neg(op.Neg(var("x")))), build=_raises))
+    user_rule.append("test-broken")
+    source = tmp_path / "m.onnx"
+    onnx.save(_triple_neg(), source)
+    result = invoke("run", source, "--passes", "shape-infer,fuse", "-o", tmp_path / "out.onnx", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    jsonschema.validate(report, schema("report"))
+    assert [(f["pass"], f["rule"], f["node"]) for f in report["failures"]] == [("fuse", "test-broken", "neg3")]
+    assert "rule 'test-broken' failed in its build at neg3: RuntimeError: boom" in result.stderr
+    assert report["summary"]["after"]["nodes"] == 3  # the Transpose pair went
+    strict = invoke("run", source, "--passes", "shape-infer,fuse", "-o", tmp_path / "strict.onnx", "--strict")
+    assert strict.exit_code == 3
+    assert "pass 'fuse' failed: rule 'test-broken' failed in its build at neg3" in one_line_error(strict, 3)
+    assert not (tmp_path / "strict.onnx").exists()
 
 
 def test_an_unreadable_attribute_is_a_near_miss(user_rule: list[str]) -> None:

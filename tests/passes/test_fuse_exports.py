@@ -5,6 +5,7 @@ masks included, and hold the fused ops a layer has."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ import pytest
 from graphopt.api import optimize
 from graphopt.io.onnx_io import from_proto
 from graphopt.io.onnx_write import to_proto
+from graphopt.passes.fuse import fuse_pass
+from graphopt.passes.fuse.rules import LIBRARY
+from graphopt.passes.rewrite.engine import RuleSet
 from tests.numerics import assert_same_outputs, make_feeds, run_ort
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "exports"
@@ -319,4 +323,42 @@ def test_a_keras_layer_norm_as_tf2onnx_writes_it_is_one_op() -> None:
     # tf2onnx writes the means as GlobalAveragePool, gamma and beta as (1, 1, C), the shift as -mean * inv + beta.
     original, out = _optimized("keras_layernorm")
     assert _ops(out) == Counter({"LayerNormalization": 1, "MatMul": 1, "Reshape": 2}), _ops(out)
+    _same(original, out)
+
+
+@pytest.mark.parametrize(
+    ("settings", "fused"), [({"target_opset": 23}, "Attention"), ({"target": "ort"}, "MultiHeadAttention")]
+)
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_packed_qkv_split_by_unbind_fuses_with_nothing_failing(
+    exporter: str, settings: dict[str, Any], fused: str
+) -> None:
+    # timm's attention unbinds its packed QKV (the dynamo exporter: Slice / Squeeze) and, with a static sequence,
+    # the Reshape of K into K^T collapses onto the unbind while the attention fusion reads K itself: the fuse pass
+    # once failed on every run, and no attention of such a model was fused.
+    original = onnx.load(str(FIXTURES / f"mobilevit_{exporter}.onnx"))
+    result = optimize(from_proto(original), **settings)
+    assert result.report["failures"] == []
+    out = to_proto(result.model)
+    found = _ops(out)
+    assert found[fused] == 1 and "Softmax" not in found, found
+    _same(original, out)
+
+
+def test_a_library_rule_that_raises_leaves_the_other_fusions_standing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """reshape-chain broken in the library's table: its rewrites fail and are undone, the attention still fuses
+    (the same round), and each failure is in the report naming the rule and its node."""
+
+    def boom(*args: object) -> object:
+        raise RuntimeError("boom")
+
+    library = RuleSet(dataclasses.replace(r, build=boom) if r.name == "reshape-chain" else r for r in LIBRARY)
+    monkeypatch.setattr(fuse_pass, "LIBRARY", library)
+    original = onnx.load(str(FIXTURES / "mobilevit_dynamo.onnx"))
+    result = optimize(from_proto(original), target_opset=23)
+    failures = result.report["failures"]
+    assert failures and all(f["pass"] == "fuse" and f["rule"] == "reshape-chain" for f in failures), failures
+    assert all(f"at {f['node']}: RuntimeError: boom" in f["error"] for f in failures), failures
+    out = to_proto(result.model)
+    assert _ops(out)["Attention"] == 1 and "Softmax" not in _ops(out), _ops(out)
     _same(original, out)

@@ -28,4 +28,4 @@ class NoopElimination(Pass, name="noop"):
             return Site(model, graph, model.opset_in(graph), ctx.settings.target, ctx)
 
         sweep(model, _RULES, site_for, stats)
-        return PassResult(bool(stats.applied), {"removed": dict(sorted(stats.applied.items()))})
+        return PassResult(bool(stats.applied), {"removed": dict(sorted(stats.applied.items()))}, stats.failures)

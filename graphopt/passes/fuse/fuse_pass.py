@@ -126,4 +126,4 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
                 raise InputError(f"{err}; not lowered: {'; '.join(why[:3])}" if why else str(err)) from None
         changed = bool(stats.applied) or model.opset != opset_before
         details = {"target": target, "opset": [opset_before, model.opset], "rounds": rounds, **stats.as_dict()}
-        return PassResult(changed, details)
+        return PassResult(changed, details, stats.failures)

@@ -19,7 +19,8 @@ One round over a graph (:func:`run_round`):
 3. Apply the chosen matches in walk order: the build makes new nodes before the root, the
    engine checks that each replacement keeps the element type and shape of the value it
    replaces (where both are known), then ``replace_nodes`` swaps them in (graph outputs keep
-   their names).
+   their names). A match that a rewrite applied before it gave a reader outside (a plan may
+   read past its pattern) waits for the next round, whose finder sees that reader.
 
 :func:`sweep` applies single-node rules (the noop family) in topological order instead, each
 at once, so a chain such as ``Identity(Identity(x))`` goes in one pass.
@@ -27,13 +28,16 @@ at once, so a chain such as ``Identity(Identity(x))`` goes in one pass.
 A structural match refused by a gate, a reader outside it, its plan or the type guard is a
 near miss; near misses whose root no other match covered are reported per family with the
 reason. A rule that cannot read its match raises :class:`Unreadable` (a refusal); any other
-exception from a rule is that rule's failure (:class:`RuleFailed`), which the pipeline
-reports and rolls back like any failing pass.
+exception from its plan or build is that rule's failure there (:class:`RuleFailed`): the
+rewrite is undone (the nodes and constants its build made go), the rule is not tried at that
+root again in the run, the other rules go on, and :attr:`RunStats.failures` carries it to the
+pass's result, which the pipeline reports as it reports a failing pass.
 """
 
 from __future__ import annotations
 
 import itertools
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,11 +45,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from graphopt.errors import GraphoptError
+from graphopt.errors import GraphoptError, bounded
 from graphopt.ir import AttrKind, DataType, Graph, Model, Node, Value, tensor_dtype, tensor_shape
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, replace_nodes
-from graphopt.passes.base import PassContext
+from graphopt.passes.base import Failure, PassContext
 from graphopt.passes.rewrite.patterns import Bindings, OpPattern, Pattern, entries, match, root_ops
 
 __all__ = [
@@ -82,7 +86,8 @@ class Unreadable(Exception):
 
 
 class RuleFailed(Exception):
-    """A rule raised something other than :class:`Unreadable`: a bug in the rule."""
+    """A rule raised something other than :class:`Unreadable`, or its build broke the contract:
+    a bug in the rule, at one match."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +200,11 @@ class Match:
 
     def where(self) -> str:
         """A readable location: the root's name, else its first output's name."""
-        return self.root.name or self.root.outputs[0].name
+        return _where(self.root)
+
+
+def _where(node: Node) -> str:
+    return node.name or node.outputs[0].name
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -286,11 +295,25 @@ class RuleSet:
 
 @dataclass
 class RunStats:
-    """What the pass reports: matches applied per rule, near misses per family."""
+    """What the pass reports: matches applied per rule, near misses per family, and the rules'
+    failures (each rewrite undone alone)."""
 
     applied: Counter[str] = field(default_factory=Counter)
     near_misses: dict[str, list[str]] = field(default_factory=dict)
     near_miss_counts: Counter[str] = field(default_factory=Counter)
+    failures: list[Failure] = field(default_factory=list)
+    # (rule, id of root) -> root for each failure: the rule is not tried there again this run
+    # (the root is kept so that its id is not reused by a new node).
+    _failed_at: dict[tuple[str, int], Node] = field(default_factory=dict)
+
+    def fail(self, m: Match, err: RuleFailed) -> None:
+        """Record ``m``'s rule failing at its root (called where ``err`` is being handled)."""
+        self._failed_at[(m.rule.name, id(m.root))] = m.root
+        labels = {"rule": m.rule.name, "node": m.where()}
+        self.failures.append(Failure(bounded(str(err)), labels, traceback.format_exc()))
+
+    def failed_at(self, rule: Rule, root: Node) -> bool:
+        return (rule.name, id(root)) in self._failed_at
 
     def miss(self, rule: Rule, where: str, reason: str) -> None:
         self.near_miss_counts[rule.family] += 1
@@ -364,14 +387,18 @@ def _candidates(rule: Rule, root: Node, site: Site) -> Iterator[Match]:
             yield m
 
 
-def _guarded(rule: Rule, step: str, call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)``; an exception other than :class:`Unreadable` is ``rule``'s failure."""
+def _guarded(m: Match, step: str, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``; an exception other than :class:`Unreadable` is the failure of ``m``'s rule."""
     try:
         return call(*args)
     except (Unreadable, GraphoptError):
         raise
     except Exception as err:
-        raise RuleFailed(f"rule {rule.name!r} failed in its {step}: {type(err).__name__}: {err}") from err
+        raise _failed(m, f"in its {step}", f"{type(err).__name__}: {err}") from err
+
+
+def _failed(m: Match, step: str, what: str) -> RuleFailed:
+    return RuleFailed(f"rule {m.rule.name!r} failed {step} at {m.where()}: {what}")
 
 
 def _valid(m: Match, site: Site) -> str | None:
@@ -380,7 +407,7 @@ def _valid(m: Match, site: Site) -> str | None:
     if reason is not None or m.rule.plan is None:
         return reason
     try:
-        found = _guarded(m.rule, "plan", m.rule.plan, m, site)
+        found = _guarded(m, "plan", m.rule.plan, m, site)
     except Unreadable as err:
         return f"the match cannot be read ({err})"
     if isinstance(found, str):
@@ -404,13 +431,18 @@ def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> l
             continue
         best: tuple[int, int, Match] | None = None
         for index, rule in rules.rooted_at(node.op_type):
-            if rule.retired(site):
+            if rule.retired(site) or stats.failed_at(rule, node):
                 continue
             refusal: str | None = None
             for m in _candidates(rule, node, site):
                 if any(id(n) in covered for n in m.nodes):
                     continue
-                reason = _valid(m, site)
+                try:
+                    reason = _valid(m, site)
+                except RuleFailed as err:
+                    stats.fail(m, err)
+                    refusal = None
+                    break
                 if reason is not None:
                     refusal = refusal or reason
                     continue
@@ -422,7 +454,7 @@ def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> l
                 refusal = None
                 break
             if refusal is not None:
-                misses.append((node, rule, node.name or node.outputs[0].name, refusal))
+                misses.append((node, rule, _where(node), refusal))
         if best is not None:
             covered.update(id(n) for n in [*best[2].nodes, *best[2].feeders])
             chosen.append(best[2])
@@ -433,46 +465,79 @@ def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> l
 
 
 def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
-    """Rewrite one match; False when it was refused after the build (nothing changed)."""
-    ctx, model, graph = site.ctx, site.model, site.graph
-    rule = m.rule
-    builder = ctx.builder(model, graph, before=m.root, tag=rule.name)
-
-    def undo(reason: str | None) -> bool:
-        if builder.created:
-            graph.remove(list(reversed(builder.created)))
-        if reason is not None:
-            stats.miss(rule, m.where(), reason)
-        return False
-
+    """Rewrite one match; False when it was refused after the build, or its rule failed there
+    (the build's nodes and constants go again: nothing changed)."""
+    ctx, model = site.ctx, site.model
+    if _read_since_found(m):
+        return False  # the next round's finder sees the new reader (a near miss if it stands)
+    builder = ctx.builder(model, site.graph, before=m.root, tag=m.rule.name)
     try:
-        result = _guarded(rule, "build", rule.build, builder, m, m.plan)
+        found = _replacements(builder, m)
     except Unreadable as err:
-        return undo(f"the match cannot be read ({err})")
+        found = f"the match cannot be read ({err})"
+    except RuleFailed as err:
+        stats.fail(m, err)
+        found = None
+    if not isinstance(found, dict):
+        _undo(builder)
+        if found is not None:
+            stats.miss(m.rule, m.where(), found)
+        return False
+    for before, after in found.items():
+        if after.type is None:
+            after.type = before.type
+    replace_nodes([*m.feeders, *m.nodes], found, ctx.names(model))
+    return True
+
+
+def _replacements(b: Builder, m: Match) -> dict[Value, Value] | str | None:
+    """Run the build: the values that replace the root's outputs and the exported entries, or
+    why the rewrite is refused (None: declined without a near miss). RuleFailed when the build
+    raises or breaks the contract."""
+    rule = m.rule
+    result = _guarded(m, "build", rule.build, b, m, m.plan)
     new = [result] if isinstance(result, Value) else list(result)
     old = list(m.root.outputs)
     if len(new) > len(old) or any(v.is_used() for v in old[len(new) :]):
-        raise RuleFailed(f"rule {rule.name!r}: the build must stand for every used output of the root")
+        raise _failed(m, "in its build", "the build must stand for every used output of the root")
     inside = {id(n) for n in [*m.nodes, *m.feeders]}
-    if any(v is not None and id(v.producer) in inside for n in builder.created for v in n.inputs):
+    if any(v is not None and id(v.producer) in inside for n in b.created for v in n.inputs):
         # An entry value computed inside the match itself (Add(MatMul(a, w), f(MatMul(a, w)))):
         # the nodes it needs go with the match, so the rewrite cannot stand.
-        return undo(None)
+        return None
     replacements = dict(zip(old, new, strict=False))
     for name in rule.exports:
         value = m.node(name).outputs[0] if name in m else None
         if value is not None and value not in m.exported and _read_outside(value, inside):
-            raise RuleFailed(f"rule {rule.name!r}: the exported entry {name!r} is read outside and was not given")
+            raise _failed(m, "in its build", f"the exported entry {name!r} is read outside and was not given")
     replacements.update(m.exported)
     for before, after in replacements.items():
         changed = _type_change(before, after)
         if changed is not None:
-            return undo(changed)
-    for before, after in replacements.items():
-        if after.type is None:
-            after.type = before.type
-    replace_nodes([*m.feeders, *m.nodes], replacements, ctx.names(model))
-    return True
+            return changed
+    return replacements
+
+
+def _undo(b: Builder) -> None:
+    """Remove what the build made (its nodes, then its constants)."""
+    if b.created:
+        b.graph.remove(list(reversed(b.created)))
+    for value in b.constants:
+        b.graph.remove_initializer(value)
+
+
+def _read_since_found(m: Match) -> bool:
+    """Whether something outside ``m`` now reads a value it would remove. The finder proved none
+    did, but a rewrite applied before it this round may: a plan may read past its own pattern
+    (attention-4d takes K from behind a K^T chain that another match collapses)."""
+    inside = {id(n) for n in [*m.nodes, *m.feeders]}
+    exported = {id(m.bindings.get(name)) for name in m.rule.exports}
+    return any(
+        _read_outside(value, inside)
+        for node in [*m.feeders, *m.nodes]
+        if node is not m.root and not (id(node) in exported and len(node.outputs) == 1)
+        for value in node.outputs
+    )
 
 
 def _type_change(before: Value, after: Value) -> str | None:
@@ -518,11 +583,22 @@ def sweep(model: Model, rules: RuleSet, site_for: Callable[[Graph], Site], stats
         site = site_for(graph)
         for node in graph.topological():
             for _, rule in rules.rooted_at(node.op_type):
-                if rule.retired(site):
+                if rule.retired(site) or stats.failed_at(rule, node):
                     continue
-                found = next((m for m in _candidates(rule, node, site) if _valid(m, site) is None), None)
+                found = _first_valid(rule, node, site, stats)
                 if found is not None and apply_match(found, site, stats):
                     stats.applied[rule.name] += 1
                     applied += 1
                     break
     return applied
+
+
+def _first_valid(rule: Rule, root: Node, site: Site, stats: RunStats) -> Match | None:
+    for m in _candidates(rule, root, site):
+        try:
+            if _valid(m, site) is None:
+                return m
+        except RuleFailed as err:
+            stats.fail(m, err)
+            return None
+    return None

@@ -255,12 +255,12 @@ def exported_encoder_attention(opset: int = 23) -> onnx.ModelProto:
     return cut
 
 
-def exported_silu() -> onnx.ModelProto:
-    """The SiLU of the dynamo llama fixture's MLP as written, x * Sigmoid(x), at opset 24."""
+def exported_silu(opset: int = 24) -> onnx.ModelProto:
+    """The SiLU of the dynamo llama fixture's MLP as written, x * Sigmoid(x), at ``opset``."""
     proto = onnx.load(str(FIXTURES / "llama_dynamo.onnx"))
     cut = onnx.utils.Extractor(proto).extract_model(["linear_4"], ["silu"])
     del cut.opset_import[:]
-    cut.opset_import.append(onnx.helper.make_opsetid("", 24))
+    cut.opset_import.append(onnx.helper.make_opsetid("", opset))
     return cut
 
 

@@ -840,6 +840,15 @@ CASES: dict[str, Case] = {
         ELEMENTWISE,
         below(24),
     ),
+    "ort-quickgelu": Case(
+        lambda: exported_silu(20),
+        {"QuickGelu": 1},
+        "val_176",
+        "n/a: Sigmoid and Mul have no attributes, and any scalar alpha is a QuickGelu",
+        ELEMENTWISE,
+        Perturb(at_opset(24), None, note="above its max: the standard Swish takes it"),
+        {"target": "ort"},
+    ),
     "ort-multihead-attention": Case(
         lambda: exported_encoder_attention(opset=20),
         {"MultiHeadAttention": 1, "IsNaN": 1, "Where": 1},
@@ -1385,6 +1394,14 @@ EXPORTED: dict[str, Exported | str] = {
         "n/a: element-wise; the rule needs no shape",
         target_opset(23, "needs opset >= 24"),
         {"target_opset": 24},
+    ),
+    "ort-quickgelu": Exported(
+        ("llama_dynamo", "llama_ts"),
+        {"QuickGelu": 1},
+        "n/a: Sigmoid and Mul have no attributes and read no constant (any scalar alpha is a QuickGelu)",
+        "n/a: element-wise; the rule needs no shape",
+        target_opset(24, None, "the standard Swish takes it"),
+        {"target": "ort"},
     ),
     "attention-4d": Exported(
         ("gpt2_ts", "llama_dynamo"),

@@ -250,6 +250,29 @@ def test_hardswish_refusals() -> None:
     assert "not to [0, 6]" in " ".join(details["near_misses"]["activation"])
 
 
+
+def _quick_gelu(alpha: float, elem_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """CLIP's quick GELU as exported: x * Sigmoid(alpha * x)."""
+    dtype = np.float16 if elem_type == TensorProto.FLOAT16 else np.float32
+    return model(
+        [node("Mul", ["x", "alpha"], "ax"), node("Sigmoid", ["ax"], "s"), node("Mul", ["x", "s"], "y")],
+        [info("x", [2, 7, 16], elem_type)],
+        [info("y", None, elem_type)],
+        [init("alpha", alpha, dtype)],
+    )
+
+
+def test_quick_gelu_becomes_the_contrib_op_with_its_alpha_for_target_ort() -> None:
+    out = _fires(_quick_gelu(1.702), "ort-quickgelu", {"QuickGelu": 1}, target="ort")
+    (alpha,) = out.graph.node[0].attribute
+    assert alpha.name == "alpha" and alpha.f == pytest.approx(1.702)
+    _refused(_quick_gelu(1.702), "ort-quickgelu")  # the standard target has no such op
+
+
+def test_quick_gelu_of_float16_stays_for_the_float32_kernel() -> None:
+    details = _refused(_quick_gelu(1.702, TensorProto.FLOAT16), "ort-quickgelu", target="ort")
+    assert "not float32" in " ".join(details["near_misses"]["activation"])
+
 # -- norm -----------------------------------------------------------------------------------------
 
 

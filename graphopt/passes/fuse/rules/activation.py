@@ -13,7 +13,9 @@
 
 With ``--target ort`` below opset 20 the GELUs become onnxruntime's ``Gelu`` / ``FastGelu``
 (com.microsoft), which its CPU provider implements; a GELU of ``x + bias`` (a constant vector
-over the last axis, the MLP's bias) becomes ``BiasGelu(x, bias)`` / ``FastGelu(x, bias)``.
+over the last axis, the MLP's bias) becomes ``BiasGelu(x, bias)`` / ``FastGelu(x, bias)``, and
+``x * Sigmoid(alpha * x)`` of float32 (SiLU, CLIP's quick GELU) onnxruntime's ``QuickGelu(x, alpha)``
+below opset 24.
 """
 
 from __future__ import annotations
@@ -121,6 +123,16 @@ _SWISH = op.Mul(_x, op.Sigmoid(either(op.Mul(_x, const(name="alpha")), _x), name
 def _plan_swish(m: Match, site: Site) -> float | str:
     if not is_float(m.value("x")):
         return NOT_FLOAT
+    return _swish_alpha(m)
+
+
+def _plan_quick_gelu(m: Match, site: Site) -> float | str:
+    if site.dtype(m.value("x")) != DataType.FLOAT:
+        return "x is not float32 (onnxruntime's QuickGelu CPU kernel)"
+    return _swish_alpha(m)
+
+
+def _swish_alpha(m: Match) -> float | str:
     if "alpha" not in m:
         return 1.0
     alpha = scalar_factor(m.value("alpha"), divides=False)
@@ -160,6 +172,16 @@ RULES: tuple[Rule, ...] = (
         max_opset=24,  # onnxruntime 1.32 registers its Swish kernel for opset 24 only
         label="Swish",
         doc="x * Sigmoid(alpha * x) (SiLU: alpha 1) -> Swish (opset 24)",
+    ),
+    _rule(
+        name="ort-quickgelu",
+        pattern=_SWISH,
+        plan=_plan_quick_gelu,
+        build=lambda b, m, alpha: b.op("QuickGelu", m.value("x"), alpha=alpha, domain=MS),
+        max_opset=23,  # from opset 24 the standard Swish
+        targets=frozenset({"ort"}),
+        label="Swish",
+        doc="x * Sigmoid(alpha * x) (SiLU: alpha 1; CLIP's quick GELU: 1.702) -> com.microsoft QuickGelu (target ort)",
     ),
     *_gelu_rules("gelu-none", "ort-gelu", _ERF_GELU, "GELU", "erf GELU", {}, "Gelu"),
     *_gelu_rules(

@@ -315,6 +315,19 @@ def test_static_projections_become_gemm_after_the_attention_fusions(name: str) -
         assert_same_outputs(original, out, feeds, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("settings", [{"target_opset": 23}, {"target": "ort"}], ids=["opset23", "ort"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_tanh_gelu_factored_another_way_is_one_op(exporter: str, settings: dict[str, Any]) -> None:
+    """BLOOM's GELU, x * 0.5 * (1 + tanh(c * x * (1 + 0.044715 * x * x))), is the tanh GELU factored otherwise."""
+    original, out = _optimized(f"bloom_{exporter}", **settings)
+    gelus = [n for n in out.graph.node if n.op_type in ("Gelu", "FastGelu")]
+    assert len(gelus) == 2 and "Tanh" not in _ops(out), _ops(out)
+    for gelu in gelus:
+        approximate = {a.name: onnx.helper.get_attribute_value(a) for a in gelu.attribute}.get("approximate")
+        assert (gelu.op_type, approximate) == (("Gelu", b"tanh") if "target_opset" in settings else ("FastGelu", None))
+    _same(original, out)
+
+
 def test_a_keras_layer_norm_as_tf2onnx_writes_it_is_one_op() -> None:
     # tf2onnx writes the means as GlobalAveragePool, gamma and beta as (1, 1, C), the shift as -mean * inv + beta.
     original, out = _optimized("keras_layernorm")

@@ -1497,6 +1497,33 @@ EXPORTED: dict[str, Exported | str] = {
             ("interleaved-partial", ("gptj_dynamo", "gptj_ts"), REST_STARTS_LATE),
         )
     },
+    **{
+        name: Exported(
+            fixtures,
+            {op_type: 1},
+            constant_at("half", lambda v: v * 0.9, None, "0.45, not a GELU"),
+            ELEMENTWISE,
+            gate,
+            settings,
+        )
+        for name, fixtures, op_type, gate, settings in (
+            (
+                "gelu-tanh",
+                ("bloom_dynamo", "bloom_ts"),
+                "Gelu",
+                target_opset(19, "needs opset >= 20"),
+                {"target_opset": 23},
+            ),
+            # the dynamo export is at opset 20, where the standard Gelu takes it
+            (
+                "ort-fastgelu",
+                ("bloom_ts",),
+                "FastGelu",
+                target_opset(20, None, "standard Gelu takes it"),
+                {"target": "ort"},
+            ),
+        )
+    },
     "reshape-transpose": Exported(
         ("convnext_dynamo",),
         {"Transpose": 17},  # the export's 18, the head's gone
@@ -1525,7 +1552,6 @@ BEFORE_EXPORTS = frozenset(
         "gather-before-cast",
         "gather-consecutive-rows",
         "gelu-none",
-        "gelu-tanh",
         "gemm-as-matmul",
         "gemm-bn",
         "gemm-div-scalar",
@@ -1554,7 +1580,6 @@ BEFORE_EXPORTS = frozenset(
         "ort-attention-packed",
         "ort-biasgelu",
         "ort-embedlayernorm",
-        "ort-fastgelu",
         "ort-fusedconv",
         "ort-fusedconv-sum",
         "ort-fusedgemm",

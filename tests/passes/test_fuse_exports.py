@@ -80,6 +80,8 @@ OPSET_23: dict[str, dict[str, int]] = {
     "llama_fp16": {"Attention": 1, "RMSNormalization": 3, "RotaryEmbedding": 2},
     "phi": {"Attention": 2, "LayerNormalization": 3, "Gelu": 2, "RotaryEmbedding": 4},
     "gptj": {"Attention": 2, "LayerNormalization": 3, "Gelu": 2, "RotaryEmbedding": 4},
+    # attention on merged (batch * heads) 3-D tensors with an ALiBi bias, the tanh GELU factored otherwise
+    "bloom": {"Attention": 2, "LayerNormalization": 6, "Gelu": 2},
 }
 
 
@@ -109,6 +111,8 @@ ORT_MHA = {
     "phi_ts": 2,
     "gptj_dynamo": 2,
     "gptj_ts": 2,
+    "bloom_dynamo": 2,
+    "bloom_ts": 2,
 }
 
 
@@ -205,6 +209,28 @@ def exported_attention() -> onnx.ModelProto:
     cut = onnx.utils.Extractor(proto).extract_model(inputs, ["scaled_dot_product_attention"])
     del cut.opset_import[:]
     cut.opset_import.append(onnx.helper.make_opsetid("", 23))
+    return cut
+
+
+def exported_merged_attention(until: str = "view_4", opset: int = 23) -> onnx.ModelProto:
+    """The first attention of the dynamo bloom fixture, as written (at ``opset``): Q, K, V (batch, heads, seq, d)
+    merged to (batch * heads, seq, d), the scaled 3-D scores plus the merged ALiBi bias, split by heads for the
+    float mask and Softmax, merged for the product with V and split back (``view_4``), then merged (``until``
+    "_unsafe_view_3"). Batch 2, sequence 6: the inputs' dims are static, so that generated feeds fit together."""
+    proto = onnx.load(str(FIXTURES / "bloom_dynamo.onnx"))
+    dims = {"input_ids": [2, 6], "view": [8, 1, 6], "where": [2, 1, 6, 6]}
+    inputs = ["input_ids", "transpose", "transpose_1", "transpose_2", "view", "where"]
+    cut = onnx.utils.Extractor(proto).extract_model(inputs, [until])
+    del cut.graph.value_info[:]  # the exporter's, with batch and sequence dynamic
+    for value in cut.graph.input:
+        shape = value.type.tensor_type.shape
+        shape.ClearField("dim")
+        for dim in dims.get(value.name, [2, 4, 6, 8]):
+            shape.dim.add().dim_value = dim
+    for value in cut.graph.output:
+        value.type.tensor_type.ClearField("shape")
+    del cut.opset_import[:]
+    cut.opset_import.append(onnx.helper.make_opsetid("", opset))
     return cut
 
 

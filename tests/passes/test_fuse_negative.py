@@ -79,6 +79,7 @@ from tests.passes.test_fuse_exports import (
     FIXTURES,
     exported_attention,
     exported_encoder_attention,
+    exported_merged_attention,
     exported_silu,
     softcapped,
 )
@@ -859,6 +860,27 @@ CASES: dict[str, Case] = {
         below(23),
         passes="shape-infer,fuse,dce",
     ),
+    "attention-merged-heads": Case(
+        exported_merged_attention,
+        # the bias split back by heads (Shape, Concat, Reshape) and added to the mask
+        {"Shape": 1, "Concat": 1, "Reshape": 1, "Add": 1, "Attention": 1},
+        "val_94",
+        Perturb(set_attr("val_94", axis=2), "not over the last axis", note="Softmax axis=2"),
+        Perturb(set_shape("transpose", None), "Q or K^T is not provably merged", note="Q of unknown rank"),
+        below(23),
+        passes="shape-infer,fuse,dce",
+    ),
+    "ort-multihead-attention-merged": Case(
+        lambda: exported_merged_attention("_unsafe_view_3", opset=20),
+        # and Q, a graph input here, transposed and merged for the op
+        {"Transpose": 1, "Reshape": 2, "Shape": 1, "Concat": 1, "Add": 1, "MultiHeadAttention": 1},
+        "val_94",
+        Perturb(set_attr("permute", perm=[0, 1, 2, 3]), None, note="merge Transpose perm=[0, 1, 2, 3]"),
+        Perturb(set_shape("transpose", None), "Q or K^T is not provably merged", note="Q of unknown rank"),
+        NO_GATE,
+        {"target": "ort"},
+        passes="shape-infer,fuse,dce",
+    ),
     "attention-heads-3d": Case(
         exported_encoder_attention,
         {"Attention": 1},
@@ -1394,6 +1416,22 @@ EXPORTED: dict[str, Exported | str] = {
         target_opset(22, "needs opset >= 23"),
         {"target_opset": 23},
     ),
+    **{
+        name: Exported(
+            ("bloom_dynamo",),
+            {op_type: 1},
+            attr_at("softmax", "not over the last axis", axis=2),
+            untyped_at(("v3",), "V or the scores are not provably merged"),
+            gate,
+            settings,
+        )
+        # the TorchScript export casts the float32 probabilities to float32 twice, which the noop pass drops before
+        # the fuse pass: as exported, only the dynamo one is the rule's pattern (test_fuse_exports runs both)
+        for name, op_type, gate, settings in (
+            ("attention-merged-heads", "Attention", target_opset(22, "needs opset >= 23"), {"target_opset": 23}),
+            ("ort-multihead-attention-merged", "MultiHeadAttention", NO_GATE, {"target": "ort"}),
+        )
+    },
     "attention-heads-3d": Exported(
         ("bert_dynamo",),
         {"Attention": 1},

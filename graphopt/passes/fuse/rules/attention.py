@@ -695,7 +695,6 @@ def _plan_standard_4d(m: Match, site: Site) -> Plan4 | str:
     return plan_4d(m, site, softcap=True)
 
 
-
 # -- Attention's own head split and merge --------------------------------------------------------
 #
 # Where Q, K and V of a 4-D Attention are all head splits of 3-D projections and its output is

@@ -32,6 +32,10 @@ the past (past_key / past_value in, present_key / present_value out). For ``--ta
 its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``); grouped-query attention
 keeps its repeated heads there (GroupQueryAttention's causal-and-padding mask contract is not
 proven from the exported mask, so it is not written).
+
+Attention computed on merged (batch * heads) 3-D tensors, as BLOOM (with its ALiBi bias) and
+fairseq-style bmm attention write it, is read as the 4-D attention it is (``attention-merged-heads``,
+``ort-multihead-attention-merged``; see that section below).
 """
 
 from __future__ import annotations

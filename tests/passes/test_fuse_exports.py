@@ -82,6 +82,8 @@ OPSET_23: dict[str, dict[str, int]] = {
     "gptj": {"Attention": 2, "LayerNormalization": 3, "Gelu": 2, "RotaryEmbedding": 4},
     # attention on merged (batch * heads) 3-D tensors with an ALiBi bias, the tanh GELU factored otherwise
     "bloom": {"Attention": 2, "LayerNormalization": 6, "Gelu": 2},
+    # fairseq-style attention (OPT, BART, Marian before SDPA): merged heads, bmm, a 3-D Softmax
+    "bmm_attention": {"Attention": 1},
 }
 
 
@@ -113,6 +115,8 @@ ORT_MHA = {
     "gptj_ts": 2,
     "bloom_dynamo": 2,
     "bloom_ts": 2,
+    "bmm_attention_dynamo": 1,
+    "bmm_attention_ts": 1,
 }
 
 

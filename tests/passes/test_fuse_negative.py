@@ -1418,15 +1418,16 @@ EXPORTED: dict[str, Exported | str] = {
     ),
     **{
         name: Exported(
-            ("bloom_dynamo",),
+            ("bloom_dynamo", "bmm_attention_dynamo"),
             {op_type: 1},
-            attr_at("softmax", "not over the last axis", axis=2),
+            attr_at("softmax", "not over the last axis", axis=1),
             untyped_at(("v3",), "V or the scores are not provably merged"),
             gate,
             settings,
         )
-        # the TorchScript export casts the float32 probabilities to float32 twice, which the noop pass drops before
-        # the fuse pass: as exported, only the dynamo one is the rule's pattern (test_fuse_exports runs both)
+        # BLOOM's Softmax on (batch, heads, S, T) and fairseq's on the merged scores, from the dynamo exporter, which
+        # declares the symbolic shapes the rule proves its merges with; the TorchScript exports declare none, and
+        # the cut here gives their Reshapes onnx's unrelated unk__ dims (test_fuse_exports runs them whole)
         for name, op_type, gate, settings in (
             ("attention-merged-heads", "Attention", target_opset(22, "needs opset >= 23"), {"target_opset": 23}),
             ("ort-multihead-attention-merged", "MultiHeadAttention", NO_GATE, {"target": "ort"}),

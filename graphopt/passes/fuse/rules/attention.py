@@ -648,16 +648,24 @@ def _merged_key(kt: Value, heads: int) -> _Heads4 | None:
 def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     """The plan for attention on merged (batch * heads) 3-D tensors, read as the 4-D attention it is."""
     softmax = m.node("softmax")
-    if softmax.attr("axis", -1) not in (-1, 3):
+    rank = site.rank(softmax.outputs[0])
+    if rank is None or softmax.attr("axis", -1) not in (-1, rank - 1):
         return "the Softmax is not over the last axis"
-    probs = _merge_source(m.node("probs_merge").outputs[0], None)
-    heads = (Site.shape(probs) or (None, None))[1] if probs is not None else None
+    heads = (site.shape(m.node("heads_split").outputs[0]) or (0, 0))[1]
     if not isinstance(heads, int) or not _is_split(m.node("heads_split"), heads):
-        return "the probabilities and P V are not provably merged and split by one static head count"
+        return "P V is not provably split back to (batch, heads, seq, head size) by a static head count"
     v = _merge_source(m.value("v3"), heads)
-    found = _split_scores(m.value("scores"), heads)
+    found: tuple[Value, Value | None] | None
+    if "probs_merge" in m:  # Softmax on (batch, heads, S, T), merged for the product with V (BLOOM)
+        merged = _merge_source(m.node("probs_merge").outputs[0], heads)
+        found = None if merged is None else _split_scores(m.value("scores"), heads)
+    else:  # Softmax on the merged scores, split by heads for the mask and merged again (fairseq)
+        scores = m.value("scores")
+        split = _merge_source(scores, heads)
+        found = (scores, None) if split is None else _split_scores(split, heads)
+        found = found if site.rank(scores) == 3 else None
     if v is None or found is None:
-        return "V or the scores are not provably merged from (batch, heads, ...) with the probabilities' heads"
+        return "V or the scores are not provably merged from (batch, heads, ...) with P V's heads"
     scores, mask = found
     bias = None
     node = scores.producer
@@ -677,19 +685,23 @@ def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     kt, k_scale = _scalar_steps(parts.qk.inputs[1])
     q, k = _merge_source(q_merged, heads), _merged_key(kt, heads)
     if q is None or k is None:
-        return "Q or K^T is not provably merged from (batch, heads, ...) with the probabilities' heads"
+        return "Q or K^T is not provably merged from (batch, heads, ...) with P V's heads"
     dtype, sizes = site.dtype(q), [(site.shape(x) or (None,) * 4)[3] for x in (q, v)]
     if not is_float(q) or site.dtype(k.value) != dtype or site.dtype(v) != dtype or not isinstance(sizes[0], int):
         return "Q, K, V are not float tensors of one known type with a static head size"
-    for added, rank in ((bias, 3), (mask, 4)):
-        if added is not None and (site.dtype(added) != dtype or site.rank(added) != rank):
+    for added, want in ((bias, 3), (mask, 4)):
+        if added is not None and (site.dtype(added) != dtype or site.rank(added) != want):
             return "a bias on the scores is not an additive mask of Q's type (the merged bias 3-D, the mask 4-D)"
     scale = parts.scale * q_scale * k_scale
     return Plan4(q, k, v, heads, heads, scale, mask, mask, (k, v), parts.softcap, merged_bias=bias)
 
 
 MERGED_HEADS = op.Reshape(
-    op.MatMul(op.Reshape(either(NAN_GUARD, SOFTMAX), var("probs_shape"), name="probs_merge"), var("v3"), name="pv"),
+    op.MatMul(
+        either(op.Reshape(either(NAN_GUARD, SOFTMAX), var("probs_shape"), name="probs_merge"), SOFTMAX),
+        var("v3"),
+        name="pv",
+    ),
     var("heads_shape"),
     name="heads_split",
 )

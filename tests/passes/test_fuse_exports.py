@@ -84,6 +84,10 @@ OPSET_23: dict[str, dict[str, int]] = {
     "llama_fp16": {"Attention": 1, "RMSNormalization": 3, "RotaryEmbedding": 2},
     "phi": {"Attention": 2, "LayerNormalization": 3, "Gelu": 2, "RotaryEmbedding": 4},
     "gptj": {"Attention": 2, "LayerNormalization": 3, "Gelu": 2, "RotaryEmbedding": 4},
+    # attention on merged (batch * heads) 3-D tensors with an ALiBi bias, the tanh GELU factored otherwise
+    "bloom": {"Attention": 2, "LayerNormalization": 6, "Gelu": 2},
+    # fairseq-style attention (OPT, BART, Marian before SDPA): merged heads, bmm, a 3-D Softmax
+    "bmm_attention": {"Attention": 1},
 }
 
 
@@ -113,6 +117,10 @@ ORT_MHA = {
     "phi_ts": 2,
     "gptj_dynamo": 2,
     "gptj_ts": 2,
+    "bloom_dynamo": 2,
+    "bloom_ts": 2,
+    "bmm_attention_dynamo": 1,
+    "bmm_attention_ts": 1,
 }
 
 
@@ -209,6 +217,28 @@ def exported_attention() -> onnx.ModelProto:
     cut = onnx.utils.Extractor(proto).extract_model(inputs, ["scaled_dot_product_attention"])
     del cut.opset_import[:]
     cut.opset_import.append(onnx.helper.make_opsetid("", 23))
+    return cut
+
+
+def exported_merged_attention(until: str = "view_4", opset: int = 23) -> onnx.ModelProto:
+    """The first attention of the dynamo bloom fixture, as written (at ``opset``): Q, K, V (batch, heads, seq, d)
+    merged to (batch * heads, seq, d), the scaled 3-D scores plus the merged ALiBi bias, split by heads for the
+    float mask and Softmax, merged for the product with V and split back (``view_4``), then merged (``until``
+    "_unsafe_view_3"). Batch 2, sequence 6: the inputs' dims are static, so that generated feeds fit together."""
+    proto = onnx.load(str(FIXTURES / "bloom_dynamo.onnx"))
+    dims = {"input_ids": [2, 6], "view": [8, 1, 6], "where": [2, 1, 6, 6]}
+    inputs = ["input_ids", "transpose", "transpose_1", "transpose_2", "view", "where"]
+    cut = onnx.utils.Extractor(proto).extract_model(inputs, [until])
+    del cut.graph.value_info[:]  # the exporter's, with batch and sequence dynamic
+    for value in cut.graph.input:
+        shape = value.type.tensor_type.shape
+        shape.ClearField("dim")
+        for dim in dims.get(value.name, [2, 4, 6, 8]):
+            shape.dim.add().dim_value = dim
+    for value in cut.graph.output:
+        value.type.tensor_type.ClearField("shape")
+    del cut.opset_import[:]
+    cut.opset_import.append(onnx.helper.make_opsetid("", opset))
     return cut
 
 
@@ -317,6 +347,19 @@ def test_static_projections_become_gemm_after_the_attention_fusions(name: str) -
         assert not [n.name for n in out.graph.node if n.op_type == "Add" and products & set(n.input)], settings
         assert fused is None or _ops(out)[fused] == 2, _ops(out)
         assert_same_outputs(original, out, feeds, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("settings", [{"target_opset": 23}, {"target": "ort"}], ids=["opset23", "ort"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_tanh_gelu_factored_another_way_is_one_op(exporter: str, settings: dict[str, Any]) -> None:
+    """BLOOM's GELU, x * 0.5 * (1 + tanh(c * x * (1 + 0.044715 * x * x))), is the tanh GELU factored otherwise."""
+    original, out = _optimized(f"bloom_{exporter}", **settings)
+    gelus = [n for n in out.graph.node if n.op_type in ("Gelu", "FastGelu")]
+    assert len(gelus) == 2 and "Tanh" not in _ops(out), _ops(out)
+    for gelu in gelus:
+        approximate = {a.name: onnx.helper.get_attribute_value(a) for a in gelu.attribute}.get("approximate")
+        assert (gelu.op_type, approximate) == (("Gelu", b"tanh") if "target_opset" in settings else ("FastGelu", None))
+    _same(original, out)
 
 
 def test_a_keras_layer_norm_as_tf2onnx_writes_it_is_one_op() -> None:

@@ -79,6 +79,7 @@ from tests.passes.test_fuse_exports import (
     FIXTURES,
     exported_attention,
     exported_encoder_attention,
+    exported_merged_attention,
     exported_silu,
     softcapped,
 )
@@ -868,6 +869,27 @@ CASES: dict[str, Case] = {
         below(23),
         passes="shape-infer,fuse,dce",
     ),
+    "attention-merged-heads": Case(
+        exported_merged_attention,
+        # the bias split back by heads (Shape, Concat, Reshape) and added to the mask
+        {"Shape": 1, "Concat": 1, "Reshape": 1, "Add": 1, "Attention": 1},
+        "val_94",
+        Perturb(set_attr("val_94", axis=2), "not over the last axis", note="Softmax axis=2"),
+        Perturb(set_shape("transpose", None), "Q or K^T is not provably merged", note="Q of unknown rank"),
+        below(23),
+        passes="shape-infer,fuse,dce",
+    ),
+    "ort-multihead-attention-merged": Case(
+        lambda: exported_merged_attention("_unsafe_view_3", opset=20),
+        # and Q, a graph input here, transposed and merged for the op
+        {"Transpose": 1, "Reshape": 2, "Shape": 1, "Concat": 1, "Add": 1, "MultiHeadAttention": 1},
+        "val_94",
+        Perturb(set_attr("permute", perm=[0, 1, 2, 3]), None, note="merge Transpose perm=[0, 1, 2, 3]"),
+        Perturb(set_shape("transpose", None), "Q or K^T is not provably merged", note="Q of unknown rank"),
+        NO_GATE,
+        {"target": "ort"},
+        passes="shape-infer,fuse,dce",
+    ),
     "attention-heads-3d": Case(
         exported_encoder_attention,
         {"Attention": 1},
@@ -1411,6 +1433,23 @@ EXPORTED: dict[str, Exported | str] = {
         target_opset(22, "needs opset >= 23"),
         {"target_opset": 23},
     ),
+    **{
+        name: Exported(
+            ("bloom_dynamo", "bmm_attention_dynamo"),
+            {op_type: 1},
+            attr_at("softmax", "not over the last axis", axis=1),
+            untyped_at(("v3",), "V or the scores are not provably merged"),
+            gate,
+            settings,
+        )
+        # BLOOM's Softmax on (batch, heads, S, T) and fairseq's on the merged scores, from the dynamo exporter, which
+        # declares the symbolic shapes the rule proves its merges with; the TorchScript exports declare none, and
+        # the cut here gives their Reshapes onnx's unrelated unk__ dims (test_fuse_exports runs them whole)
+        for name, op_type, gate, settings in (
+            ("attention-merged-heads", "Attention", target_opset(22, "needs opset >= 23"), {"target_opset": 23}),
+            ("ort-multihead-attention-merged", "MultiHeadAttention", NO_GATE, {"target": "ort"}),
+        )
+    },
     "attention-heads-3d": Exported(
         ("bert_dynamo",),
         {"Attention": 1},
@@ -1514,6 +1553,33 @@ EXPORTED: dict[str, Exported | str] = {
             ("interleaved-partial", ("gptj_dynamo", "gptj_ts"), REST_STARTS_LATE),
         )
     },
+    **{
+        name: Exported(
+            fixtures,
+            {op_type: 1},
+            constant_at("half", lambda v: v * 0.9, None, "0.45, not a GELU"),
+            ELEMENTWISE,
+            gate,
+            settings,
+        )
+        for name, fixtures, op_type, gate, settings in (
+            (
+                "gelu-tanh",
+                ("bloom_dynamo", "bloom_ts"),
+                "Gelu",
+                target_opset(19, "needs opset >= 20"),
+                {"target_opset": 23},
+            ),
+            # the dynamo export is at opset 20, where the standard Gelu takes it
+            (
+                "ort-fastgelu",
+                ("bloom_ts",),
+                "FastGelu",
+                target_opset(20, None, "standard Gelu takes it"),
+                {"target": "ort"},
+            ),
+        )
+    },
     "reshape-transpose": Exported(
         ("convnext_dynamo",),
         {"Transpose": 17},  # the export's 18, the head's gone
@@ -1542,7 +1608,6 @@ BEFORE_EXPORTS = frozenset(
         "gather-before-cast",
         "gather-consecutive-rows",
         "gelu-none",
-        "gelu-tanh",
         "gemm-as-matmul",
         "gemm-bn",
         "gemm-div-scalar",
@@ -1571,7 +1636,6 @@ BEFORE_EXPORTS = frozenset(
         "ort-attention-packed",
         "ort-biasgelu",
         "ort-embedlayernorm",
-        "ort-fastgelu",
         "ort-fusedconv",
         "ort-fusedconv-sum",
         "ort-fusedgemm",

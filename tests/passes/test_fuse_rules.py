@@ -4,6 +4,7 @@ low opset forbids it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -218,6 +219,61 @@ def test_gelu_becomes_the_contrib_op_for_target_ort_below_opset_20() -> None:
     _fires(tanh_gelu(17), "ort-fastgelu", {"FastGelu": 1}, target="ort")
 
 
+C, A = math.sqrt(2 / math.pi), 0.044715
+# tanh's argument c * (x + a * x^3), spelled out as other code writes it: (nodes, constants)
+_TANH_ARGUMENTS: dict[str, tuple[list[onnx.NodeProto], dict[str, float]]] = {
+    "expanded, x^3 by Pow": (
+        [
+            node("Mul", ["x", "c"], "cx"),
+            node("Pow", ["x", "three"], "cube"),
+            node("Mul", ["cube", "ca"], "cax3"),
+            node("Add", ["cx", "cax3"], "arg"),
+        ],
+        {"c": C, "three": 3.0, "ca": C * A},
+    ),
+    "c x (1 + a x x), divided by 1 / c": (
+        [
+            node("Div", ["x", "inv_c"], "cx"),
+            node("Mul", ["x", "x"], "xx"),
+            node("Mul", ["a", "xx"], "axx"),
+            node("Add", ["one", "axx"], "poly"),
+            node("Mul", ["cx", "poly"], "arg"),
+        ],
+        {"inv_c": 1 / C, "a": A, "one": 1.0},
+    ),
+    "x minus a negated cube": (
+        [
+            node("Mul", ["x", "x"], "xx"),
+            node("Mul", ["xx", "x"], "cube"),
+            node("Mul", ["cube", "minus_a"], "neg_ax3"),
+            node("Sub", ["x", "neg_ax3"], "sum"),
+            node("Mul", ["c", "sum"], "arg"),
+        ],
+        {"minus_a": -A, "c": C},
+    ),
+}
+
+
+def _tanh_gelu_of(argument: str, factor: float = 1.0) -> onnx.ModelProto:
+    nodes, constants = _TANH_ARGUMENTS[argument]
+    tail = [
+        node("Tanh", ["arg"], "t"),
+        node("Add", ["t", "one_"], "p"),
+        node("Mul", ["x", "half"], "hx"),
+        node("Mul", ["hx", "p"], "y"),
+    ]
+    values = {**constants, "one_": 1.0, "half": 0.5}
+    inits = [init(name, value * (factor if name in ("c", "inv_c") else 1.0)) for name, value in values.items()]
+    return model([*nodes, *tail], [info("x", [2, 5])], ["y"], inits, opset=20)
+
+
+@pytest.mark.parametrize("argument", list(_TANH_ARGUMENTS))
+def test_the_tanh_gelu_is_read_in_any_factorization_of_its_argument(argument: str) -> None:
+    out = _fires(_tanh_gelu_of(argument), "gelu-tanh", {"Gelu": 1})
+    assert [a.s for a in out.graph.node[0].attribute] == [b"tanh"]
+    _refused(_tanh_gelu_of(argument, factor=1.01), "gelu-tanh")  # not sqrt(2 / pi): another function
+
+
 def test_gelu_with_an_intermediate_graph_output_stays() -> None:
     proto = erf_gelu(20)
     proto.graph.output.append(info("e", None))
@@ -250,7 +306,6 @@ def test_hardswish_refusals() -> None:
     assert "not to [0, 6]" in " ".join(details["near_misses"]["activation"])
 
 
-
 def _quick_gelu(alpha: float, elem_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
     """CLIP's quick GELU as exported: x * Sigmoid(alpha * x)."""
     dtype = np.float16 if elem_type == TensorProto.FLOAT16 else np.float32
@@ -272,6 +327,7 @@ def test_quick_gelu_becomes_the_contrib_op_with_its_alpha_for_target_ort() -> No
 def test_quick_gelu_of_float16_stays_for_the_float32_kernel() -> None:
     details = _refused(_quick_gelu(1.702, TensorProto.FLOAT16), "ort-quickgelu", target="ort")
     assert "not float32" in " ".join(details["near_misses"]["activation"])
+
 
 # -- norm -----------------------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ __all__ = [
     "OpPattern",
     "Optional",
     "Pattern",
+    "Polynomial",
     "Var",
     "const",
     "either",
@@ -45,6 +46,7 @@ __all__ = [
     "match",
     "op",
     "optional",
+    "polynomial",
     "root_ops",
     "scalar",
     "var",
@@ -131,6 +133,21 @@ class OpPattern(Pattern):
         return self.name or id(self)
 
 
+@dataclass(frozen=True, eq=False)
+class Polynomial(Pattern):
+    """A value computed from the bound variable ``of`` and scalar constants by Add, Sub, Mul, Neg, Div by a
+    constant and Pow to a small whole power, in any factorization, whose coefficients (degree -> coefficient)
+    pass ``test``. It binds the nodes it covers (under ``(name, i)``), so they go with the match."""
+
+    of: Var
+    test: Callable[[dict[int, float]], bool]
+    name: str = ""
+
+    @property
+    def key(self) -> Any:
+        return self.name or id(self)
+
+
 class _OpFactory:
     """``op.Mul(a, b, name="scale", axis=-1)``: an :class:`OpPattern`; ``op("Add", "Sub", ...)``
     for several op types. Reserved keywords: name, domain, where, output, commute."""
@@ -177,6 +194,10 @@ def scalar(value: float, tol: float = 1e-6) -> ArrayTest:
     return test
 
 
+def polynomial(of: Var, test: Callable[[dict[int, float]], bool], *, name: str = "") -> Polynomial:
+    return Polynomial(of, test, name)
+
+
 def either(*alternatives: Pattern) -> Either:
     return Either(tuple(alternatives))
 
@@ -208,6 +229,8 @@ def match(pattern: Pattern, value: Value | None, bindings: Bindings | None = Non
         yield from _bind(env, pattern.key, value, lambda: _const_fits(pattern, value))
     elif isinstance(pattern, OpPattern):
         yield from _match_op(pattern, value, env)
+    elif isinstance(pattern, Polynomial):
+        yield from _match_polynomial(pattern, value, env)
     else:
         raise TypeError(f"not a pattern: {pattern!r}")
 
@@ -275,6 +298,78 @@ def _match_inputs(wanted: list[Pattern], actual: list[Value | None], env: Bindin
         yield from _match_inputs(wanted[1:], actual[1:], extended)
 
 
+# The most nodes and the highest degree a Polynomial reads (GELU's argument has 2 to 5 nodes, degree 3).
+POLYNOMIAL_NODES, POLYNOMIAL_DEGREE = 12, 6
+Coefficients = dict[int, float]
+
+
+def _match_polynomial(pattern: Polynomial, value: Value, env: Bindings) -> Iterator[Bindings]:
+    variable = env.get(pattern.of.key)
+    if not isinstance(variable, Value):
+        return  # the variable is bound by the entries before this one
+    nodes: dict[int, Node] = {}
+    found = _coefficients(value, variable, nodes, {})
+    taken = {id(n) for n in env.values() if isinstance(n, Node)}
+    if found is None or taken & set(nodes) or not pattern.test(found):
+        return
+    yield {**env, **{(pattern.key, i): node for i, node in enumerate(nodes.values())}}
+
+
+def _coefficients(value: Value, x: Value, nodes: dict[int, Node], seen: dict[int, Coefficients]) -> Coefficients | None:
+    """``value`` as a polynomial in ``x`` (degree -> coefficient), collecting its nodes; None: it is not one."""
+    if value is x:
+        return {1: 1.0}
+    if id(value) in seen:
+        return seen[id(value)]
+    if is_constant(value):
+        array = constant_array(value)
+        if array is None or array.size != 1 or array.dtype.kind != "f":
+            return None
+        return {0: float(array.ravel()[0])}
+    node = value.producer
+    if node is None or not node.in_standard_domain or len(node.outputs) != 1 or len(nodes) >= POLYNOMIAL_NODES:
+        return None
+    nodes[id(node)] = node
+    terms = [_coefficients(v, x, nodes, seen) if v is not None else None for v in node.inputs]
+    if not terms or any(t is None for t in terms):
+        return None
+    found = _combine(node.op_type, terms)  # type: ignore[arg-type]
+    if found is None or max(found, default=0) > POLYNOMIAL_DEGREE:
+        return None
+    seen[id(value)] = found
+    return found
+
+
+def _combine(op_type: str, terms: list[Coefficients]) -> Coefficients | None:
+    first = terms[0]
+    if op_type == "Neg" and len(terms) == 1:
+        return {d: -c for d, c in first.items()}
+    if len(terms) != 2:
+        return None
+    second = terms[1]
+    if op_type in ("Add", "Sub"):
+        sign = 1.0 if op_type == "Add" else -1.0
+        total = dict(first)
+        for degree, c in second.items():
+            total[degree] = total.get(degree, 0.0) + sign * c
+        return total
+    if op_type == "Mul":
+        product: Coefficients = {}
+        for a, ca in first.items():
+            for b, cb in second.items():
+                product[a + b] = product.get(a + b, 0.0) + ca * cb
+        return product
+    constant = second.get(0) if set(second) == {0} else None
+    if op_type == "Div" and constant:
+        return {d: c / constant for d, c in first.items()}
+    if op_type == "Pow" and constant is not None and constant == int(constant) and 1 <= constant <= POLYNOMIAL_DEGREE:
+        power: Coefficients = {0: 1.0}
+        for _ in range(int(constant)):
+            power = _combine("Mul", [power, first]) or {}
+        return power
+    return None
+
+
 def _attr_fits(node: Node, name: str, want: Any) -> bool:
     have = node.attr(name)
     if callable(want):
@@ -304,6 +399,8 @@ def entries(pattern: Pattern) -> Iterator[Pattern]:
             pending.extend(reversed(current.alternatives))
         elif isinstance(current, Optional):
             pending.append(current.pattern)
+        elif isinstance(current, Polynomial):
+            pending.append(current.of)
 
 
 def root_ops(pattern: Pattern) -> frozenset[str] | None:

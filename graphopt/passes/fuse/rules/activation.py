@@ -1,9 +1,10 @@
 """Activation family: decomposed GELU, HardSigmoid, HardSwish and Swish become one op.
 
 - erf GELU ``x * 0.5 * (1 + erf(x / sqrt 2))`` -> ``Gelu(x)`` (opset 20), operands in any
-  order and association, ``x / sqrt 2`` or ``x * (1 / sqrt 2)``.
+  order and association, the argument of erf in any spelling of ``x / sqrt 2``.
 - tanh GELU ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` -> ``Gelu(x, approximate="tanh")``
-  (opset 20), ``x^3`` as ``Pow(x, 3)`` or products.
+  (opset 20), the argument of tanh read as a polynomial in x (any factorization of it: ``x^3`` as
+  ``Pow(x, 3)`` or products, BLOOM's ``c x (1 + a x x)``).
 - ``Clip(x + 3, 0, 6) / 6`` (or ``* 1/6``) -> ``HardSigmoid(x, 1/6, 0.5)``.
 - ``x * Clip(x + 3, 0, 6) / 6`` and ``x * HardSigmoid(x, 1/6, 0.5)`` -> ``HardSwish(x)`` (opset 14);
   below opset 14 the first becomes ``x * HardSigmoid(x, 1/6, 0.5)`` (two ops instead of four).
@@ -21,6 +22,7 @@ below opset 24.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -28,7 +30,7 @@ from graphopt.ir import DataType, Node
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float, scalar_factor
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.rewrite.engine import Match, Rule, Site
-from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
+from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, polynomial, var
 
 FAMILY = "activation"
 # Every rule of the family, with the family given once.
@@ -41,19 +43,29 @@ def _products(x: Pattern, half: Pattern, rest: Pattern) -> Pattern:
 
 
 _x = var("x")
+
+
+def _linear_and_cubic(linear: float, cubic_ratio: float | None, tol: float) -> Callable[[dict[int, float]], bool]:
+    """A test of a polynomial: ``linear * (x + cubic_ratio * x^3)`` (no cubic term when ``cubic_ratio`` is None)."""
+
+    def test(coefficients: dict[int, float]) -> bool:
+        terms = {d: c for d, c in coefficients.items() if c != 0.0}
+        if set(terms) != ({1} if cubic_ratio is None else {1, 3}) or abs(terms[1] - linear) > tol * abs(linear):
+            return False
+        return cubic_ratio is None or abs(terms[3] / terms[1] - cubic_ratio) <= 1e-4 * cubic_ratio
+
+    return test
+
+
+# GELU's inner argument is read as a polynomial in x, so every factorization matches: x / sqrt 2 or
+# x * (1 / sqrt 2); c * (x + a * x^3), or BLOOM's c * x * (1 + a * x * x), or c * x + c * a * Pow(x, 3).
 _ERF_GELU = _products(
-    _x,
-    const(0.5),
-    op.Add(op.Erf(either(op.Div(_x, const(math.sqrt(2))), op.Mul(_x, const(1 / math.sqrt(2))))), const(1.0)),
+    _x, const(0.5), op.Add(op.Erf(polynomial(_x, _linear_and_cubic(1 / math.sqrt(2), None, 1e-6))), const(1.0))
 )
-_CUBE = either(op.Pow(_x, const(3.0)), op.Mul(_x, op.Mul(_x, _x)), op.Mul(op.Mul(_x, _x), _x))
 _TANH_GELU = _products(
     _x,
-    const(0.5),
-    op.Add(
-        op.Tanh(op.Mul(op.Add(_x, op.Mul(_CUBE, const(0.044715, tol=1e-4))), const(math.sqrt(2 / math.pi), tol=1e-5))),
-        const(1.0),
-    ),
+    const(0.5, name="half"),
+    op.Add(op.Tanh(polynomial(_x, _linear_and_cubic(math.sqrt(2 / math.pi), 0.044715, 1e-5))), const(1.0)),
 )
 
 

@@ -32,6 +32,10 @@ the past (past_key / past_value in, present_key / present_value out). For ``--ta
 its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``); grouped-query attention
 keeps its repeated heads there (GroupQueryAttention's causal-and-padding mask contract is not
 proven from the exported mask, so it is not written).
+
+Attention computed on merged (batch * heads) 3-D tensors, as BLOOM (with its ALiBi bias) and
+fairseq-style bmm attention write it, is read as the 4-D attention it is (``attention-merged-heads``,
+``ort-multihead-attention-merged``; see that section below).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from graphopt.ir import DataType, Node, TensorType, Value
+from graphopt.ir.dims import mul
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor, shared_reader
 from graphopt.passes.rewrite.engine import Match, Rule, Site
@@ -376,6 +381,8 @@ class Plan4:
     repeated: tuple[_Heads4, Value]  # K and V with the heads repeated to Q's, as written
     softcap: float = 0.0
     widen: bool = False  # float16 Q, K, V, all cast to float32 (the written attention is from Q K^T on)
+    # An additive bias on the scores with batch and heads merged, (batch * heads, 1 or S, T): BLOOM's ALiBi.
+    merged_bias: Value | None = None
 
 
 def _mask_of(bias: Value) -> Value:
@@ -559,18 +566,150 @@ def _build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
     if plan.widen:
         q, k, v = (b.op("Cast", x, to=int(DataType.FLOAT)) for x in (q, k, v))
     k = k if plan.k.perm is None else b.op("Transpose", k, perm=plan.k.perm)
-    mask = None if plan.mask is None else spelled_out(b, _off_lowest(b, plan.mask), plan.q, plan.v)
+    mask = with_merged_bias(b, plan, None if plan.mask is None else _off_lowest(b, plan.mask))
+    mask = None if mask is None else spelled_out(b, mask, plan.q, plan.v)
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
     softcap = {"softcap": plan.softcap} if plan.softcap else {}
     return b.op("Attention", q, k, v, mask, scale=plan.scale, **softcap)
 
 
+SOFTMAX = op.Softmax(var("scores"), name="softmax")
+NAN_GUARD = op.Where(op.IsNaN(SOFTMAX, name="isnan"), const(0.0), SOFTMAX, name="nan_guard")
+
+
+def with_merged_bias(b: Builder, plan: Plan4, mask: Value | None) -> Value | None:
+    """``mask`` plus the plan's merged-heads bias split back to (batch, heads, 1 or S, T)."""
+    if plan.merged_bias is None:
+        return mask
+    bias = plan.merged_bias
+    rest = b.op("Shape", bias, start=1)
+    split = b.op("Reshape", bias, b.op("Concat", b.constant(np.array([-1, plan.heads], np.int64)), rest, axis=0))
+    return split if mask is None else b.op("Add", split, mask)
+
+
+# -- attention on merged heads: what older torch code writes -------------------------------------------
+#
+# BLOOM, and fairseq-style attention (OPT, BART, Marian before SDPA), compute attention in 3-D with batch and
+# heads merged: Q, K, V (batch, heads, seq, d) reshaped to (batch * heads, seq, d), the scores by a 3-D MatMul
+# (torch's bmm / baddbmm) scaled by a constant, plus an additive bias of the merged shape (BLOOM's ALiBi,
+# (batch * heads, 1, T)), reshaped to (batch, heads, S, T) for the mask Add and the Softmax, back to 3-D for the
+# MatMul with V and back to 4-D. That is the 4-D attention on the un-merged Q, K, V with the bias split back by
+# heads and added to the mask. Every merge and split is proven from the shapes: the (batch, heads) pair and
+# batch * heads with the same static heads, the trailing dims kept (the element count fixes the rest).
+
+
+def _merge_source(merged: Value, heads: int | None) -> Value | None:
+    """x (batch, heads, X, Y) when ``merged`` is Reshape(x) to (batch * heads, X, Y) (with ``heads`` when given)."""
+    node = merged.producer
+    x = node.inputs[0] if node is not None and node.op_type == "Reshape" else None
+    source, out = Site.shape(x), Site.shape(merged)
+    if x is None or source is None or out is None or len(source) != 4 or len(out) != 3:
+        return None
+    if not isinstance(source[1], int) or (heads is not None and source[1] != heads) or None in source[:2]:
+        return None
+    kept = (out[1] is not None and out[1] == source[2]) or (out[2] is not None and out[2] == source[3])
+    return x if out[0] is not None and out[0] == mul(source[0], source[1]) and kept else None
+
+
+def _is_split(node: Node, heads: int) -> bool:
+    """Whether ``node`` is a Reshape of (batch * heads, X, Y) to (batch, heads, X, Y)."""
+    source, out = Site.shape(node.inputs[0]), Site.shape(node.outputs[0])
+    if node.op_type != "Reshape" or source is None or out is None or len(source) != 3 or len(out) != 4:
+        return False
+    if out[1] != heads or None in out[:2] or source[0] is None or source[0] != mul(out[0], out[1]):
+        return False
+    return (out[2] is not None and out[2] == source[1]) or (out[3] is not None and out[3] == source[2])
+
+
+def _split_scores(scores: Value, heads: int) -> tuple[Value, Value | None] | None:
+    """(the merged 3-D scores, the 4-D additive mask or None) for Softmax's input."""
+    node = scores.producer
+    if node is not None and _is_split(node, heads) and node.inputs[0] is not None:
+        return node.inputs[0], None
+    if node is None or node.op_type != "Add":
+        return None
+    for split, mask in (node.inputs, reversed(node.inputs)):
+        inner = split.producer if split is not None else None
+        if inner is not None and mask is not None and _is_split(inner, heads) and inner.inputs[0] is not None:
+            return inner.inputs[0], mask
+    return None
+
+
+def _merged_key(kt: Value, heads: int) -> _Heads4 | None:
+    """K (batch, heads, T, d) from the merged K^T: Transpose(merge(K), [0, 2, 1]) or merge(K^T)."""
+    node = kt.producer
+    if node is not None and node.op_type == "Transpose" and node.attr("perm") == [0, 2, 1] and node.inputs[0]:
+        k = _merge_source(node.inputs[0], heads)
+        return _Heads4(k) if k is not None else None
+    k_t = _merge_source(kt, heads)
+    return _untransposed_key(k_t) if k_t is not None else None
+
+
+def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
+    """The plan for attention on merged (batch * heads) 3-D tensors, read as the 4-D attention it is."""
+    softmax = m.node("softmax")
+    rank = site.rank(softmax.outputs[0])
+    if rank is None or softmax.attr("axis", -1) not in (-1, rank - 1):
+        return "the Softmax is not over the last axis"
+    heads = (site.shape(m.node("heads_split").outputs[0]) or (0, 0))[1]
+    if not isinstance(heads, int) or not _is_split(m.node("heads_split"), heads):
+        return "P V is not provably split back to (batch, heads, seq, head size) by a static head count"
+    v = _merge_source(m.value("v3"), heads)
+    found: tuple[Value, Value | None] | None
+    if "probs_merge" in m:  # Softmax on (batch, heads, S, T), merged for the product with V (BLOOM)
+        merged = _merge_source(m.node("probs_merge").outputs[0], heads)
+        found = None if merged is None else _split_scores(m.value("scores"), heads)
+    else:  # Softmax on the merged scores, split by heads for the mask and merged again (fairseq)
+        scores = m.value("scores")
+        split = _merge_source(scores, heads)
+        found = (scores, None) if split is None else _split_scores(split, heads)
+        found = found if site.rank(scores) == 3 else None
+    if v is None or found is None:
+        return "V or the scores are not provably merged from (batch, heads, ...) with P V's heads"
+    scores, mask = found
+    bias = None
+    node = scores.producer
+    if node is not None and node.op_type == "Add":
+        for core, added in (node.inputs, reversed(node.inputs)):
+            if core is not None and added is not None and _scores(core) is not None:
+                scores, bias = core, added
+                break
+    parts = _scores(scores)
+    if parts is None or parts.qk.inputs[0] is None or parts.qk.inputs[1] is None:
+        return "the merged scores are not MatMul(Q, K^T) scaled by constants (plus a bias)"
+    if parts.refusal is not None or parts.upcast:
+        return parts.refusal or "the merged scores are cast to float32"
+    if parts.softcap and not softcap:
+        return "the scores have a tanh softcap, which this fused op has no attribute for"
+    q_merged, q_scale = _scalar_steps(parts.qk.inputs[0])
+    kt, k_scale = _scalar_steps(parts.qk.inputs[1])
+    q, k = _merge_source(q_merged, heads), _merged_key(kt, heads)
+    if q is None or k is None:
+        return "Q or K^T is not provably merged from (batch, heads, ...) with P V's heads"
+    dtype, sizes = site.dtype(q), [(site.shape(x) or (None,) * 4)[3] for x in (q, v)]
+    if not is_float(q) or site.dtype(k.value) != dtype or site.dtype(v) != dtype or not isinstance(sizes[0], int):
+        return "Q, K, V are not float tensors of one known type with a static head size"
+    for added, want in ((bias, 3), (mask, 4)):
+        if added is not None and (site.dtype(added) != dtype or site.rank(added) != want):
+            return "a bias on the scores is not an additive mask of Q's type (the merged bias 3-D, the mask 4-D)"
+    scale = parts.scale * q_scale * k_scale
+    return Plan4(q, k, v, heads, heads, scale, mask, mask, (k, v), parts.softcap, merged_bias=bias)
+
+
+MERGED_HEADS = op.Reshape(
+    op.MatMul(
+        either(op.Reshape(either(NAN_GUARD, SOFTMAX), var("probs_shape"), name="probs_merge"), SOFTMAX),
+        var("v3"),
+        name="pv",
+    ),
+    var("heads_shape"),
+    name="heads_split",
+)
+
+
 def _plan_standard_4d(m: Match, site: Site) -> Plan4 | str:
     return plan_4d(m, site, softcap=True)
 
-
-SOFTMAX = op.Softmax(var("scores"), name="softmax")
-NAN_GUARD = op.Where(op.IsNaN(SOFTMAX, name="isnan"), const(0.0), SOFTMAX, name="nan_guard")
 
 # -- Attention's own head split and merge --------------------------------------------------------
 #
@@ -709,6 +848,14 @@ RULES: tuple[Rule, ...] = (
         build=_build_4d,
         doc="scaled dot-product attention on 4-D heads as the PyTorch exporters write it (scale on the scores "
         "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard, tanh softcap) -> Attention (opset 23)",
+    ),
+    _attention(
+        name="attention-merged-heads",
+        pattern=MERGED_HEADS,
+        plan=partial(plan_merged, softcap=True),
+        build=_build_4d,
+        doc="attention on merged (batch * heads) 3-D tensors as older torch code writes it (bmm / baddbmm with a "
+        "merged bias such as BLOOM's ALiBi, split by heads for the mask and Softmax) -> Attention on 4-D heads",
     ),
     _attention(
         name="attention-heads-3d",

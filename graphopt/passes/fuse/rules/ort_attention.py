@@ -5,6 +5,7 @@ one weight. The standard Attention (opset 23) and the patterns both share are in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -18,6 +19,7 @@ from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.fuse.rules.attention import (
     FAMILY,
     HEADS,
+    MERGED_HEADS,
     NAN_GUARD,
     SOFTMAX,
     Plan4,
@@ -27,9 +29,11 @@ from graphopt.passes.fuse.rules.attention import (
     merge_refusal,
     plan_4d,
     plan_attention,
+    plan_merged,
     rows_spelled_out,
     spelled_out,
     split_count,
+    with_merged_bias,
 )
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
@@ -120,8 +124,8 @@ def _unsplit(value: Value, heads: int, site: Site) -> Value | None:
     return _split_source(node.inputs[0], site) if counts is not None and counts[0] == heads else None
 
 
-def _plan_mha(m: Match, site: Site) -> _MhaPlan | str:
-    plan = plan_4d(m, site)
+def _plan_mha(m: Match, site: Site, read: Callable[[Match, Site], Plan4 | str] = plan_4d) -> _MhaPlan | str:
+    plan = read(m, site)
     if isinstance(plan, str):
         return plan
     if "same" in m and not _reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
@@ -164,7 +168,8 @@ def _build_mha(b: Builder, m: Match, found: _MhaPlan) -> Value:
     else:
         k = k_heads.value if k_heads.perm is None else b.op("Transpose", k_heads.value, perm=k_heads.perm)
         v = v_heads
-    bias = None if plan.bias is None else spelled_out(b, plan.bias, plan.q, v_heads)
+    bias = with_merged_bias(b, plan, plan.bias)
+    bias = None if bias is None else spelled_out(b, bias, plan.q, v_heads)
     inputs: list[Value | None] = [query, k, v, None, None, bias]
     while inputs[-1] is None:
         inputs.pop()
@@ -355,6 +360,17 @@ RULES: tuple[Rule, ...] = (
         targets=frozenset({"ort"}),
         label="MultiHeadAttention",
         doc="4-D scaled dot-product attention with its head merge -> com.microsoft MultiHeadAttention (target ort)",
+    ),
+    Rule(
+        name="ort-multihead-attention-merged",
+        family=FAMILY,
+        pattern=op.Reshape(op.Transpose(MERGED_HEADS, perm=HEADS, name="merge_t"), var("merge_shape"), name="merge"),
+        plan=partial(_plan_mha, read=plan_merged),
+        build=_build_mha,
+        targets=frozenset({"ort"}),
+        label="MultiHeadAttention",
+        doc="attention on merged (batch * heads) 3-D tensors with its head merge (a merged bias such as BLOOM's "
+        "ALiBi split by heads into the attention_bias) -> com.microsoft MultiHeadAttention (target ort)",
     ),
     _ORT_ATTENTION(name="ort-attention", pattern=core(_projection("q"), _projection("k"), _projection("v"))),
     _ORT_ATTENTION(name="ort-attention-packed", pattern=core(*_SPLIT_QKV)),

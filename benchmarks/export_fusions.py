@@ -127,18 +127,22 @@ def measure_export(entry: dict[str, Any], exports: Path, work: Path, args: argpa
 def _ratio(stats: dict[str, Any] | str | None) -> str:
     if not isinstance(stats, dict):
         return "-" if stats is None else "err"
+    if "paired" not in stats:
+        return "no reference"  # the reference itself failed to run
     return f"{stats['paired']:.3f} [{stats['paired_low']:.3f}, {stats['paired_high']:.3f}]"
 
 
 def _above(stats: dict[str, Any] | str | None, reference: dict[str, Any] | str | None = None) -> bool:
     """Slower beyond noise: more than LATENCY_NOISE above 1 (or above the reference ratio), with the
-    whole 95% interval above 1 (or above the reference's interval)."""
-    if not isinstance(stats, dict):
+    whole 95% interval above 1 (or above the reference's interval). No ratio (the reference
+    failed to run) is not slower."""
+    if not isinstance(stats, dict) or "paired" not in stats:
         return False
     if reference is None:
         return bool(stats["paired"] > 1 + LATENCY_NOISE and stats["paired_low"] > 1)
     return (
         isinstance(reference, dict)
+        and "paired" in reference
         and stats["paired"] > reference["paired"] * (1 + LATENCY_NOISE)
         and stats["paired_low"] > reference["paired_high"]
     )

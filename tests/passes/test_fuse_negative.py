@@ -1186,7 +1186,11 @@ CASES: dict[str, Case] = {
         _layouts("Reshape", [4, -1]),
         {"Reshape": 1},
         "f",
-        Perturb(set_const("s", [0, 3, 4]), "not a constant without 0", note="a constant"),
+        Perturb(
+            lambda proto: set_const("s", [0, -1])(set_shape("x", ["b", 3, 4])(proto)),
+            "copies a dim (0) and has a -1 besides",
+            note="a dynamic dim copied beside a -1",
+        ),
         "n/a: the constant target decides",
         NO_GATE,
     ),

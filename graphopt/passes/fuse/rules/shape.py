@@ -3,8 +3,9 @@
 - ``Transpose(Transpose(x, p), q) -> Transpose(x, p[q])``, or ``x`` when that is the identity;
   a Transpose whose perm is the identity is ``x``.
 - ``Reshape(R(x), s) -> Reshape(x, s)`` for R any of Reshape / Flatten / Squeeze / Unsqueeze,
-  when ``s`` is a constant with no 0 entry (a 0 copies a dim of R's output, which x may
-  not have); -1 is computed from the element count, which R does not change.
+  when ``s`` is a constant; -1 is computed from the element count, which R does not change.
+  A 0 in ``s`` copies a dim of R's output, which x may not have: it is spelled out, as the
+  dim where the result's type knows it, else as -1 where ``s`` has no -1 already.
 - ``Reshape(Transpose(x), s) -> Reshape(x, s)`` when the Transpose moves only dims of size 1
   (the others keep their order, so the data's order in memory does not change), for the same
   ``s`` as above; a dim not provably 1 counts as moved data.
@@ -78,20 +79,42 @@ def _build_transposes(b: Builder, m: Match, perm: list[int]) -> Value:
     return _x_or(b, m, perm == list(range(len(perm))), "Transpose", perm=perm)
 
 
-def _reshape_target(m: Match) -> np.ndarray | None:
+def _reshape_target(m: Match, site: Site) -> np.ndarray | str:
+    """The outer Reshape's constant target with each 0 (a copy of a dim of the inner op's output, which x may not
+    have) spelled out: the dim itself where the result's type knows it, else -1 when that leaves one -1."""
     shape = Site.array(m.value("shape"))
-    return None if shape is None or shape.ndim != 1 or bool(np.any(shape == 0)) else shape
+    if shape is None or shape.ndim != 1:
+        return "the target shape is not a constant"
+    copies = np.flatnonzero(shape == 0)
+    if not copies.size:
+        return shape
+    result = site.shape(m.root.outputs[0])
+    if m.root.attr("allowzero", 0) or result is None or len(result) != len(shape):
+        return "the target copies a dim (0) of unknown size"
+    spelled = shape.copy()
+    for index in copies:
+        dim = result[index]
+        spelled[index] = dim if isinstance(dim, int) and dim > 0 else -1
+    return spelled if np.count_nonzero(spelled == -1) <= 1 else "the target copies a dim (0) and has a -1 besides"
 
 
-def _plan_reshape_transpose(m: Match, site: Site) -> str | None:
-    if _reshape_target(m) is None:
-        return "the target shape is not a constant without 0"
+def _target(b: Builder, m: Match, target: np.ndarray) -> Value:
+    """The target a rewritten Reshape reads: the outer one's own when it had no 0 to spell out."""
+    shape = m.value("shape")
+    own = Site.array(shape)
+    return shape if own is not None and np.array_equal(target, own) else b.constant(target, "shape")
+
+
+def _plan_reshape_transpose(m: Match, site: Site) -> np.ndarray | str:
+    target = _reshape_target(m, site)
+    if isinstance(target, str):
+        return target
     shape = site.shape(m.value("x"))
     perm = _perm(m, "inner", None if shape is None else len(shape))
     if shape is None or perm is None or len(perm) != len(shape):
         return "the input's rank is unknown"
     kept = [axis for axis in perm if shape[axis] != 1]
-    return None if kept == sorted(kept) else "the Transpose moves data (dims not provably 1 change order)"
+    return target if kept == sorted(kept) else "the Transpose moves data (dims not provably 1 change order)"
 
 
 def _static_result(m: Match, site: Site) -> tuple[int, ...] | str:
@@ -132,21 +155,20 @@ def _build_unsqueezes(b: Builder, m: Match, axes: list[int]) -> Value:
     return b.listed("Unsqueeze", m.value("x"), "axes", axes, as_input=m.site.opset >= 13).outputs[0]
 
 
-def _plan_reshape_elementwise(m: Match, site: Site) -> str | None:
-    if _reshape_target(m) is None:
-        return "the target shape is not a constant without 0"
-    if "c" not in m:
-        return None
+def _plan_reshape_elementwise(m: Match, site: Site) -> np.ndarray | str:
+    target = _reshape_target(m, site)
+    if isinstance(target, str) or "c" not in m:
+        return target
     scalar, rank = Site.shape(m.value("c")), site.rank(m.value("x"))
     if scalar is None or rank is None or len(scalar) > rank or any(d != 1 for d in scalar):
         return "the constant is not a scalar of at most x's rank"
-    return None
+    return target
 
 
-def _build_reshape_elementwise(b: Builder, m: Match, plan: None) -> Value:
+def _build_reshape_elementwise(b: Builder, m: Match, target: np.ndarray) -> Value:
     e = m.node("e")
     inputs = [m.value("x") if v is m.node("inner").outputs[0] else v for v in e.inputs]
-    return b.op("Reshape", b.op(e.op_type, *inputs, **attrs_of(e)), m.value("shape"))
+    return b.op("Reshape", b.op(e.op_type, *inputs, **attrs_of(e)), _target(b, m, target))
 
 
 def _one_unknown(m: Match, site: Site) -> list[int] | str:
@@ -205,8 +227,8 @@ def _build_casts(b: Builder, m: Match, plan: None) -> Value:
     return _x_or(b, m, m.site.dtype(m.value("x")) == to, "Cast", to=to)
 
 
-def _reshape_x(b: Builder, m: Match, plan: None) -> Value:
-    return b.op("Reshape", m.value("x"), m.value("shape"))
+def _reshape_x(b: Builder, m: Match, target: np.ndarray) -> Value:
+    return b.op("Reshape", m.value("x"), _target(b, m, target))
 
 
 def _reshape_x_static(b: Builder, m: Match, shape: tuple[int, ...]) -> Value:
@@ -226,7 +248,7 @@ RULES: tuple[Rule, ...] = (
     _rule(
         name="reshape-chain",
         pattern=op.Reshape(_INNER, var("shape"), name="outer"),
-        plan=lambda m, site: None if _reshape_target(m) is not None else "the target shape is not a constant without 0",
+        plan=_reshape_target,
         build=_reshape_x,
         label="Reshape chain",
         doc="Reshape(Reshape|Flatten|Squeeze|Unsqueeze(x), s) -> Reshape(x, s)",

@@ -14,7 +14,9 @@
 - ``Unsqueeze(Unsqueeze(x, a), b)`` -> one Unsqueeze (also with symbolic dims).
 - ``Reshape(E(R(x)), s) -> Reshape(E(x), s)`` for an element-wise E of one activation (and a
   constant scalar), R as above and ``s`` as above (a late rule: it takes the Reshapes that
-  ``matmul-add-gemm-projection`` writes around a GELU or a scale, which nothing else reads).
+  ``matmul-add-gemm-projection`` writes around a GELU or a scale, which nothing else reads);
+  and the same through a few element-wise ops of one such Reshape and scalar constants (the
+  erf GELU of an opset below 20, Div / Erf / Add / Mul / Mul), none read outside them.
 - ``Reshape(x, s)`` with ``s`` computed (``Concat(Shape(x)[0:1], [200])``) whose entries are
   provably static positive ints but one: ``Reshape(x, constant with -1 there)``. The element
   count fixes the one unknown entry, so the shape plumbing goes.
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import DataType, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.ops import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY
 from graphopt.ir.rewrite import Builder
@@ -184,6 +186,73 @@ def _one_unknown(m: Match, site: Site) -> list[int] | str:
     return [-1 if i == unknown[0] else int(d) for i, d in enumerate(found)]  # type: ignore[arg-type]
 
 
+_ELEMENTWISE = ELEMENTWISE_UNARY | ELEMENTWISE_BINARY
+# Most nodes an element-wise region may have (the erf GELU has five).
+_REGION_LIMIT = 16
+
+
+def _walk_region(last: Node) -> tuple[list[Node], Value] | None:
+    """The element-wise nodes ``last`` computes from and the one Reshape-like output they read, besides
+    constants; None when some other value feeds them or they are more than the limit."""
+    region: dict[Node, None] = {}
+    reshaped: Value | None = None
+    pending: list[Node | None] = [last]
+    while pending:
+        node = pending.pop()
+        if node in region:
+            continue
+        if node is None or not node.in_standard_domain or node.op_type not in _ELEMENTWISE or len(node.outputs) != 1:
+            return None
+        region[node] = None
+        if len(region) > _REGION_LIMIT:
+            return None
+        for value in node.inputs:
+            producer = None if value is None or is_constant(value) else value.producer
+            if producer is not None and producer.op_type in _LAYOUT and producer.in_standard_domain:
+                if reshaped is not None and value is not reshaped:
+                    return None
+                reshaped = value
+            elif value is not None and not is_constant(value):
+                pending.append(producer)
+    return (list(region), reshaped) if reshaped is not None and len(region) > 1 else None
+
+
+def _plan_region(m: Match, site: Site) -> tuple[np.ndarray, list[Node], Value] | str:
+    found = _walk_region(m.node("last"))
+    target = _reshape_target(m, site)
+    if found is None or isinstance(target, str):
+        return target if isinstance(target, str) else "the region changed"
+    nodes, reshaped = found
+    rank = site.rank(reshaped.producer.inputs[0]) if reshaped.producer is not None else None
+    if rank is None:
+        return "the reshaped input's rank is unknown"
+    inside = set(nodes)
+    for node in nodes:
+        for value in node.inputs:
+            shape = Site.shape(value) if value is not None and is_constant(value) else (1,)
+            if shape is None or len(shape) > rank or any(d != 1 for d in shape):
+                return "a constant of the region is not a scalar of at most x's rank"
+        out = node.outputs[0]
+        if out.is_graph_output or any(u.node not in inside and u.node is not m.root for u in out.uses()):
+            return "a value of the region has a reader outside it"
+    if reshaped.is_graph_output or any(u.node not in inside for u in reshaped.uses()):
+        return "the Reshape-like output has a reader outside the region"
+    assert m.root.graph is not None
+    position = m.root.graph.positions()
+    return target, sorted(nodes, key=lambda n: position[id(n)]), reshaped
+
+
+def _build_region(b: Builder, m: Match, plan: tuple[np.ndarray, list[Node], Value]) -> Value:
+    target, nodes, reshaped = plan
+    producer = reshaped.producer
+    assert producer is not None and producer.inputs[0] is not None
+    made: dict[Value, Value] = {reshaped: producer.inputs[0]}
+    for node in nodes:
+        inputs = [None if v is None else made.get(v, v) for v in node.inputs]
+        made[node.outputs[0]] = b.op(node.op_type, *inputs, **attrs_of(node))
+    return b.op("Reshape", made[m.node("last").outputs[0]], _target(b, m, target))
+
+
 # Element types each type converts to exactly (every value survives the round trip).
 _FLOATS = (DataType.FLOAT16, DataType.FLOAT, DataType.DOUBLE)
 _LOSSLESS: dict[DataType, set[DataType]] = {
@@ -268,6 +337,26 @@ RULES: tuple[Rule, ...] = (
         kind="late",
         label="Reshape around an element-wise op",
         doc="Reshape(E(Reshape-like(x)), s) -> Reshape(E(x), s) for an element-wise E (late)",
+    ),
+    _rule(
+        name="reshape-through-elementwise-region",
+        pattern=op.Reshape(
+            op.any_of(
+                sorted(_ELEMENTWISE),
+                var("a"),
+                optional(var("b")),
+                optional(var("c")),
+                name="last",
+                where=lambda n: _walk_region(n) is not None,
+            ),
+            var("shape"),
+            name="outer",
+        ),
+        plan=_plan_region,
+        build=_build_region,
+        kind="late",
+        label="Reshape around element-wise ops",
+        doc="Reshape(f(Reshape-like(x)), s) -> Reshape(f(x), s) for f a few element-wise ops of x and scalars (late)",
     ),
     _rule(
         name="reshape-transpose",

@@ -161,10 +161,16 @@ def _plan_reshape_elementwise(m: Match, site: Site) -> np.ndarray | str:
     target = _reshape_target(m, site)
     if isinstance(target, str) or "c" not in m:
         return target
-    scalar, rank = Site.shape(m.value("c")), site.rank(m.value("x"))
-    if scalar is None or rank is None or len(scalar) > rank or any(d != 1 for d in scalar):
+    if not _scalar_of_rank(m.value("c"), site.rank(m.value("x"))):
         return "the constant is not a scalar of at most x's rank"
     return target
+
+
+def _scalar_of_rank(value: Value, rank: int | None) -> bool:
+    """Whether ``value``'s shape is all 1s and of at most ``rank`` dims: a reshape of the value it
+    broadcasts against leaves the broadcast as it was."""
+    shape = Site.shape(value)
+    return shape is not None and rank is not None and len(shape) <= rank and all(d == 1 for d in shape)
 
 
 def _build_reshape_elementwise(b: Builder, m: Match, target: np.ndarray) -> Value:
@@ -228,10 +234,9 @@ def _plan_region(m: Match, site: Site) -> tuple[np.ndarray, list[Node], Value] |
         return "the reshaped input's rank is unknown"
     inside = set(nodes)
     for node in nodes:
-        for value in node.inputs:
-            shape = Site.shape(value) if value is not None and is_constant(value) else (1,)
-            if shape is None or len(shape) > rank or any(d != 1 for d in shape):
-                return "a constant of the region is not a scalar of at most x's rank"
+        constants = [v for v in node.inputs if v is not None and is_constant(v)]
+        if not all(_scalar_of_rank(v, rank) for v in constants):
+            return "a constant of the region is not a scalar of at most x's rank"
         out = node.outputs[0]
         if out.is_graph_output or any(u.node not in inside and u.node is not m.root for u in out.uses()):
             return "a value of the region has a reader outside it"

@@ -4,7 +4,9 @@
 2. symbolic shape folding (:mod:`.symbolic`): static plumbing values become constants,
    Reshape / Expand / Tile targets become constants with 0, -1 or 1 for the dynamic dims;
 3. constness (:mod:`.lattice`), then postponing expanding ops (:mod:`.postpone`);
-4. folding of COMPILE_CONST regions under the size guards (:mod:`.folding`);
+4. folding of COMPILE_CONST regions under the size guards (:mod:`.folding`); when a fold
+   fed a node of an incomplete type, the model is typed again and steps 2-4 repeat (the
+   shape plumbing of TensorFlow "same" padding folds conv after conv this way);
 5. If nodes with a constant condition inlined; equal initializers stored once;
 6. with runtime constants, the runtime_fold split (:mod:`.runtime`).
 """

@@ -159,7 +159,7 @@ def _extract(
             initializers.append(copy)
         else:
             graph_inputs.append(copy)
-            arrays[copy.name] = np.ascontiguousarray(array)
+            arrays[copy.name] = np.asarray(array, order="C")
         copies[id(value)] = copy
     region: list[Node] = []
     for node in nodes:

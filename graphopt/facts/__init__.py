@@ -5,8 +5,8 @@
 (symbolic values); :mod:`op` is what a rule sees of one node.
 """
 
-from graphopt.facts.infer import InferenceSummary, infer_model
+from graphopt.facts.infer import InferenceSummary, fully_known, infer_model
 from graphopt.facts.op import Op, SymValue
 from graphopt.facts.service import Facts, OnnxTypes
 
-__all__ = ["Facts", "InferenceSummary", "OnnxTypes", "Op", "SymValue", "infer_model"]
+__all__ = ["Facts", "InferenceSummary", "OnnxTypes", "Op", "SymValue", "fully_known", "infer_model"]

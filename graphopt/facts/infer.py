@@ -37,7 +37,7 @@ from graphopt.facts.service import Facts
 from graphopt.facts.values import VALUE_RULES
 from graphopt.ir import DataType, Dim, Expr, Graph, Model, Node, Sym, TensorType, Type, Value
 
-__all__ = ["InferenceSummary", "infer_model"]
+__all__ = ["InferenceSummary", "fully_known", "infer_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class _Inference:
 
     # -- recording types ----------------------------------------------------------------
     def assign(self, value: Value, inferred: Type | None) -> None:
-        best = inferred if _complete(inferred) else _fill(inferred, self.seed(value))
+        best = inferred if fully_known(inferred) else _fill(inferred, self.seed(value))
         merged = _merge(value.type, best, user_facing=value.is_graph_output or value.is_graph_input)
         if merged != value.type:
             value.type = merged
@@ -275,7 +275,7 @@ def _fill(mine: Type | None, onnx: Type | None) -> Type | None:
     return replace(mine, shape=tuple(m if m is not None else o for m, o in zip(mine.shape, onnx.shape, strict=False)))
 
 
-def _complete(kind: Type | None) -> bool:
+def fully_known(kind: Type | None) -> bool:
     """A tensor type with every dim known (an int or a name): onnx could add nothing to it."""
     return isinstance(kind, TensorType) and kind.shape is not None and all(d is not None for d in kind.shape)
 

@@ -548,3 +548,17 @@ def test_a_dim_read_as_the_dynamo_exporter_reads_it_is_kept(tmp_path: Path) -> N
     assert ops(written)["Gather"] == 0 and sum(ops(written).values()) <= len(nodes), ops(written)
     feeds = {"ids": np.zeros((2, 3), np.int64), "x": np.ones((2, 3), np.float32)}
     assert_same_outputs(original, written, feeds)
+
+
+def test_tensorflow_same_padding_of_static_images_folds_stage_after_stage(tmp_path: Path) -> None:
+    # timm's Conv2dSame as the TorchScript exporter writes it: each conv's pads computed at run time from its
+    # input's height and width in float arithmetic (Cast, Div, Ceil, Clip), read back through Concat and Pad.
+    # The second conv's pads depend on the first conv's output size, known once the first pads are folded.
+    source = Path(__file__).parent.parent / "fixtures" / "exports" / "conv_same_ts.onnx"
+    result = optimize(source)
+    written = tmp_path / "optimized.onnx"
+    save(result.model, written)
+    assert ops(written) == Counter({"Conv": 2, "Sigmoid": 1, "Mul": 1}), ops(written)
+    refused = [r for d in result.report["passes"] if d["pass"] == "const-cache" for r in d["details"]["refused"]]
+    assert not refused, refused
+    assert_same_outputs(source, written, make_feeds(onnx.load(str(source))))

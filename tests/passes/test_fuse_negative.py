@@ -1217,7 +1217,11 @@ CASES: dict[str, Case] = {
         _layouts("Reshape", [4, -1]),
         {"Reshape": 1},
         "f",
-        Perturb(set_const("s", [0, 3, 4]), "not a constant without 0", note="a constant"),
+        Perturb(
+            lambda proto: set_const("s", [0, -1])(set_shape("x", ["b", 3, 4])(proto)),
+            "copies a dim (0) and has a -1 besides",
+            note="a dynamic dim copied beside a -1",
+        ),
         "n/a: the constant target decides",
         NO_GATE,
     ),
@@ -1494,6 +1498,7 @@ EXPORTED: dict[str, Exported | str] = {
     # are the bert_dynamo fixture's MLP as exported, its sequence fixed as a ViT's or a Whisper encoder's is.
     "matmul-add-gemm-projection": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
     "reshape-through-elementwise": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
+    "reshape-through-elementwise-region": "n/a: its CASES entry is the exported bert_ts MLP at a static sequence",
     "ort-rmsnorm": Exported(
         ("llama_dynamo",),
         {"SimplifiedLayerNormalization": 1},
@@ -1698,15 +1703,27 @@ def exported_case(name: str, fixture: str) -> Case:
 # -- late rules (the default pipeline's last simplify): the bert dynamo fixture's MLP, exported ---------
 
 
-def _exported_mlp(until: str = "linear_5", seq: int | str = 6) -> onnx.ModelProto:
-    """The first MLP of the dynamo bert fixture as written, MatMul + Add, Gelu, MatMul + Add (to
-    ``until``), its input [batch, ``seq``, 32]: the export's sequence is dynamic, a ViT's is static."""
-    proto = onnx.load(str(FIXTURES / "bert_dynamo.onnx"))
-    cut = onnx.utils.Extractor(proto).extract_model(["layer_norm_1"], [until])
+def _exported_mlp(
+    until: str = "linear_5", seq: int | str = 6, fixture: str = "bert_dynamo", start: str = "layer_norm_1"
+) -> onnx.ModelProto:
+    """The first MLP of a bert fixture as written, MatMul + Add, GELU (the dynamo fixture's Gelu, the TorchScript
+    one's erf formula), MatMul + Add (to ``until``), its input [batch, ``seq``, 32]: the export's sequence is
+    dynamic, a ViT's is static."""
+    # the TorchScript exporter writes no value_info, which the extractor needs
+    proto = onnx.shape_inference.infer_shapes(onnx.load(str(FIXTURES / f"{fixture}.onnx")))
+    cut = onnx.utils.Extractor(proto).extract_model([start], [until])
     del cut.graph.value_info[:]  # the exporter's shapes, with the sequence dynamic
     for output in cut.graph.output:
         output.type.tensor_type.ClearField("shape")
-    return set_shape("layer_norm_1", ["batch", seq, 32])(cut)
+    return set_shape(start, ["batch", seq, 32])(cut)
+
+
+_TS_MLP = "/model/encoder/layer.0/"
+_ERF_MLP = {
+    "fixture": "bert_ts",
+    "start": f"{_TS_MLP}attention/output/LayerNorm/LayerNormalization_output_0",
+    "until": f"{_TS_MLP}output/dense/Add_output_0",
+}
 
 
 BOTH_DYNAMIC = set_shape("layer_norm_1", ["batch", "sequence", 32])
@@ -1735,6 +1752,20 @@ CASES |= {
         NO_GATE,
         LATE,
         passes="shape-infer,fuse,noop",  # noop drops the Reshape to the shape Gelu's input has
+    ),
+    "reshape-through-elementwise-region": Case(
+        lambda: _exported_mlp(**_ERF_MLP),
+        {"Reshape": 2, "Gemm": 2, "Constant": 3, "Div": 1, "Erf": 1, "Add": 1, "Mul": 2},
+        f"{_TS_MLP}intermediate/intermediate_act_fn/Mul_1_output_0",
+        "n/a: the pattern reads no attribute (the element-wise ops keep their own)",
+        Perturb(
+            lambda p: set_shape(_ERF_MLP["start"], ["batch", "sequence", 32])(p),
+            None,
+            note="no projection Reshapes to take (batch and sequence dynamic)",
+        ),
+        NO_GATE,
+        LATE,
+        passes="shape-infer,fuse,noop,dce",  # dce drops the element-wise ops the rewritten ones replace
     ),
 }
 

@@ -118,17 +118,20 @@ def test_transpose_pairs_compose_or_vanish() -> None:
     _refused(exposed, "transpose-transpose")
 
 
-def test_reshape_chains_collapse_unless_a_zero_copies_a_dim() -> None:
-    def chain(target: list[int]) -> onnx.ModelProto:
+def test_reshape_chains_collapse_spelling_out_the_dims_a_zero_copies() -> None:
+    def chain(target: list[int], batch: int | str = 2) -> onnx.ModelProto:
         return model(
             [node("Flatten", ["x"], "f", axis=1), node("Reshape", ["f", "s"], "y")],
-            [info("x", [2, 3, 4])],
+            [info("x", [batch, 3, 4])],
             ["y"],
             [init("s", np.array(target, np.int64))],
         )
 
     _fires(chain([4, -1]), "reshape-chain", {"Reshape": 1})
-    _refused(chain([0, 3, 4]), "reshape-chain")
+    # the 0 copies Flatten's first dim: 2, or the batch, which the one -1 then stands for
+    for batch in (2, "batch"):
+        _fires(chain([0, 3, 4], batch), "reshape-chain", {"Reshape": 1})
+    _refused(chain([0, -1], "batch"), "reshape-chain")
 
 
 @pytest.mark.parametrize("bias", [(5,), (1, 5), (1, 1, 5), (1,)])

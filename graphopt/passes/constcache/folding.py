@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from graphopt.facts import fully_known
 from graphopt.ir import Graph, Node, TensorType, Value
 from graphopt.ir.graph import ancestor_in
 from graphopt.ir.rewrite import Namer
@@ -56,6 +57,9 @@ class RegionFolder:
     refused: list[dict[str, Any]] = field(default_factory=list)
     # Nodes of the main graph left unfolded because they would grow the file.
     grew: list[Node] = field(default_factory=list)
+    # Whether a folded value feeds a node whose output type is incomplete: the fold may
+    # make that type known (a Pad's output size, once its pads are constant).
+    retype: bool = False
 
     def graph(self, graph: Graph, lattice: Lattice, opsets: Mapping[str, int]) -> None:
         for region in regions(graph, lattice):
@@ -82,6 +86,7 @@ class RegionFolder:
             self.refused.append(_record(graph, region, 0, "a result differs from its declared type", {}))
             return
         for value in live:
+            self.retype |= any(not fully_known(v.type) for use in value.uses() for v in use.node.outputs)
             replace_by_constant(value, arrays[value], self.names)
         graph.remove(prefix)
         self.guards.budget -= scan.net(kept)

@@ -4,7 +4,9 @@
 2. symbolic shape folding (:mod:`.symbolic`): static plumbing values become constants,
    Reshape / Expand / Tile targets become constants with 0, -1 or 1 for the dynamic dims;
 3. constness (:mod:`.lattice`), then postponing expanding ops (:mod:`.postpone`);
-4. folding of COMPILE_CONST regions under the size guards (:mod:`.folding`);
+4. folding of COMPILE_CONST regions under the size guards (:mod:`.folding`); when a fold
+   fed a node of an incomplete type, the model is typed again and steps 2-4 repeat (the
+   shape plumbing of TensorFlow "same" padding folds conv after conv this way);
 5. If nodes with a constant condition inlined; equal initializers stored once;
 6. with runtime constants, the runtime_fold split (:mod:`.runtime`).
 """
@@ -16,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from graphopt.facts import infer_model
 from graphopt.ir import Graph, Model, Node
 from graphopt.ir.rewrite import Builder
 from graphopt.ir.stats import model_stats
@@ -28,7 +31,7 @@ from graphopt.passes.constcache.constants import (
 )
 from graphopt.passes.constcache.fold_once import split_runtime
 from graphopt.passes.constcache.folding import Guards, RegionFolder
-from graphopt.passes.constcache.lattice import Rules, analyze
+from graphopt.passes.constcache.lattice import Lattice, Rules, analyze
 from graphopt.passes.constcache.postpone import postpone_expansions
 from graphopt.passes.constcache.symbolic import fold_symbolic
 
@@ -73,38 +76,65 @@ class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
         details["constants_to_initializers"] = constants_to_initializers(model, names)
         details["ifs_inlined"] = inline_constant_ifs(model, names)
         make = _Make(model, ctx, self.name)
-        details["symbolic"] = dict(sorted(fold_symbolic(model, ctx.facts(model), make).items()))
+        details["symbolic"] = {}
+        symbolic: Counter[str] = Counter()
+        rounds = 0
+        while True:
+            symbolic += fold_symbolic(model, ctx.facts(model), make)
+            if ctx.evaluator is None:
+                break
+            folder, lattice = self._fold(model, ctx, make, details)
+            # A fold that fed a node of an incomplete type may have made it known (the size
+            # a Pad writes once its pads are constant): the plumbing reading it can fold next.
+            if not (folder.retype and infer_model(ctx.facts(model), use_onnx=False).changed):
+                break
+            rounds += 1
+        details["symbolic"] = dict(sorted(symbolic.items()))
+        if rounds:
+            details["retyped_rounds"] = rounds
         options: ConstCacheOptions = self.options
-        rules = Rules(options.const_input, options.fold_qdq, options.defer_growth, ctx.evaluator)
-        if ctx.evaluator is not None:
-            stored = model_stats(model).initializer_bytes
-            # The stored bytes when the run's first const-cache step saw the model: one budget per run.
-            baseline = ctx.state(model, "const-cache.baseline", lambda: stored)
-            # A small model may still grow by one region's worth.
-            allowed = max(int(baseline * self.options.max_model_growth), self.options.max_growth_bytes)
-            budget = baseline + allowed - stored
-            guards = Guards(self.options.max_growth_bytes, self.options.max_tensor_bytes, budget)
-            folder = RegionFolder(ctx.evaluator, guards, names, ctx.facts(model).infer_node)
-            lattice = analyze(model, rules)
-            graphs = [model.graph, *model.graph.subgraphs()]
-            postponed: Counter[str] = Counter()
-            for graph in graphs:
-                postponed += postpone_expansions(graph, lattice, functools.partial(make, graph))
-            details["postponed"] = dict(sorted(postponed.items()))
-            for graph in graphs:
-                if _attached(graph, model):
-                    folder.graph(graph, lattice, model.opsets_of(graph))
-            details["folded"] = {"regions": folder.folded_regions, "nodes": folder.folded_nodes}
-            details["refused"] = folder.refused
-            details["ifs_inlined"] += inline_constant_ifs(model, names)
-            if options.const_input or options.defer_growth:
-                deferred = folder.grew if options.defer_growth else []
-                details["runtime_fold"] = split_runtime(model, lattice, deferred, names)
+        if ctx.evaluator is not None and (options.const_input or options.defer_growth):
+            deferred = folder.grew if options.defer_growth else []
+            details["runtime_fold"] = split_runtime(model, lattice, deferred, names)
         details["deduplicated"] = deduplicate_initializers(model, names)
         changed = any(
             details[k] for k in ("constants_to_initializers", "ifs_inlined", "deduplicated", "symbolic")
         ) or bool(details.get("folded", {}).get("nodes"))
         return PassResult(changed, details)
+
+    def _fold(
+        self, model: Model, ctx: PassContext, make: _Make, details: dict[str, Any]
+    ) -> tuple[RegionFolder, Lattice]:
+        """One round of postponing and folding; its figures added to ``details``."""
+        assert ctx.evaluator is not None
+        options: ConstCacheOptions = self.options
+        rules = Rules(options.const_input, options.fold_qdq, options.defer_growth, ctx.evaluator)
+        stored = model_stats(model).initializer_bytes
+        # The stored bytes when the run's first const-cache step saw the model: one budget per run.
+        baseline = ctx.state(model, "const-cache.baseline", lambda: stored)
+        # A small model may still grow by one region's worth.
+        allowed = max(int(baseline * options.max_model_growth), options.max_growth_bytes)
+        budget = baseline + allowed - stored
+        guards = Guards(options.max_growth_bytes, options.max_tensor_bytes, budget)
+        folder = RegionFolder(ctx.evaluator, guards, ctx.names(model), ctx.facts(model).infer_node)
+        lattice = analyze(model, rules)
+        graphs = [model.graph, *model.graph.subgraphs()]
+        postponed: Counter[str] = Counter(details.get("postponed", {}))
+        for graph in graphs:
+            postponed += postpone_expansions(graph, lattice, functools.partial(make, graph))
+        details["postponed"] = dict(sorted(postponed.items()))
+        for graph in graphs:
+            if _attached(graph, model):
+                folder.graph(graph, lattice, model.opsets_of(graph))
+        folded = details.get("folded", {"regions": 0, "nodes": 0})
+        details["folded"] = {
+            "regions": folded["regions"] + folder.folded_regions,
+            "nodes": folded["nodes"] + folder.folded_nodes,
+        }
+        # The last round's refusals: a region refused before a retyping may fold after it.
+        details["refused"] = folder.refused
+        details["ifs_inlined"] += inline_constant_ifs(model, ctx.names(model))
+        return folder, lattice
 
 
 def _attached(graph: Graph, model: Model) -> bool:

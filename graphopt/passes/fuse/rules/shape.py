@@ -3,8 +3,9 @@
 - ``Transpose(Transpose(x, p), q) -> Transpose(x, p[q])``, or ``x`` when that is the identity;
   a Transpose whose perm is the identity is ``x``.
 - ``Reshape(R(x), s) -> Reshape(x, s)`` for R any of Reshape / Flatten / Squeeze / Unsqueeze,
-  when ``s`` is a constant with no 0 entry (a 0 copies a dim of R's output, which x may
-  not have); -1 is computed from the element count, which R does not change.
+  when ``s`` is a constant; -1 is computed from the element count, which R does not change.
+  A 0 in ``s`` copies a dim of R's output, which x may not have: it is spelled out, as the
+  dim where the result's type knows it, else as -1 where ``s`` has no -1 already.
 - ``Reshape(Transpose(x), s) -> Reshape(x, s)`` when the Transpose moves only dims of size 1
   (the others keep their order, so the data's order in memory does not change), for the same
   ``s`` as above; a dim not provably 1 counts as moved data.
@@ -13,7 +14,9 @@
 - ``Unsqueeze(Unsqueeze(x, a), b)`` -> one Unsqueeze (also with symbolic dims).
 - ``Reshape(E(R(x)), s) -> Reshape(E(x), s)`` for an element-wise E of one activation (and a
   constant scalar), R as above and ``s`` as above (a late rule: it takes the Reshapes that
-  ``matmul-add-gemm-projection`` writes around a GELU or a scale, which nothing else reads).
+  ``matmul-add-gemm-projection`` writes around a GELU or a scale, which nothing else reads);
+  and the same through a few element-wise ops of one such Reshape and scalar constants (the
+  erf GELU of an opset below 20, Div / Erf / Add / Mul / Mul), none read outside them.
 - ``Reshape(x, s)`` with ``s`` computed (``Concat(Shape(x)[0:1], [200])``) whose entries are
   provably static positive ints but one: ``Reshape(x, constant with -1 there)``. The element
   count fixes the one unknown entry, so the shape plumbing goes.
@@ -28,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import DataType, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.ops import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY
 from graphopt.ir.rewrite import Builder
@@ -78,20 +81,42 @@ def _build_transposes(b: Builder, m: Match, perm: list[int]) -> Value:
     return _x_or(b, m, perm == list(range(len(perm))), "Transpose", perm=perm)
 
 
-def _reshape_target(m: Match) -> np.ndarray | None:
+def _reshape_target(m: Match, site: Site) -> np.ndarray | str:
+    """The outer Reshape's constant target with each 0 (a copy of a dim of the inner op's output, which x may not
+    have) spelled out: the dim itself where the result's type knows it, else -1 when that leaves one -1."""
     shape = Site.array(m.value("shape"))
-    return None if shape is None or shape.ndim != 1 or bool(np.any(shape == 0)) else shape
+    if shape is None or shape.ndim != 1:
+        return "the target shape is not a constant"
+    copies = np.flatnonzero(shape == 0)
+    if not copies.size:
+        return shape
+    result = site.shape(m.root.outputs[0])
+    if m.root.attr("allowzero", 0) or result is None or len(result) != len(shape):
+        return "the target copies a dim (0) of unknown size"
+    spelled = shape.copy()
+    for index in copies:
+        dim = result[index]
+        spelled[index] = dim if isinstance(dim, int) and dim > 0 else -1
+    return spelled if np.count_nonzero(spelled == -1) <= 1 else "the target copies a dim (0) and has a -1 besides"
 
 
-def _plan_reshape_transpose(m: Match, site: Site) -> str | None:
-    if _reshape_target(m) is None:
-        return "the target shape is not a constant without 0"
+def _target(b: Builder, m: Match, target: np.ndarray) -> Value:
+    """The target a rewritten Reshape reads: the outer one's own when it had no 0 to spell out."""
+    shape = m.value("shape")
+    own = Site.array(shape)
+    return shape if own is not None and np.array_equal(target, own) else b.constant(target, "shape")
+
+
+def _plan_reshape_transpose(m: Match, site: Site) -> np.ndarray | str:
+    target = _reshape_target(m, site)
+    if isinstance(target, str):
+        return target
     shape = site.shape(m.value("x"))
     perm = _perm(m, "inner", None if shape is None else len(shape))
     if shape is None or perm is None or len(perm) != len(shape):
         return "the input's rank is unknown"
     kept = [axis for axis in perm if shape[axis] != 1]
-    return None if kept == sorted(kept) else "the Transpose moves data (dims not provably 1 change order)"
+    return target if kept == sorted(kept) else "the Transpose moves data (dims not provably 1 change order)"
 
 
 def _static_result(m: Match, site: Site) -> tuple[int, ...] | str:
@@ -132,21 +157,26 @@ def _build_unsqueezes(b: Builder, m: Match, axes: list[int]) -> Value:
     return b.listed("Unsqueeze", m.value("x"), "axes", axes, as_input=m.site.opset >= 13).outputs[0]
 
 
-def _plan_reshape_elementwise(m: Match, site: Site) -> str | None:
-    if _reshape_target(m) is None:
-        return "the target shape is not a constant without 0"
-    if "c" not in m:
-        return None
-    scalar, rank = Site.shape(m.value("c")), site.rank(m.value("x"))
-    if scalar is None or rank is None or len(scalar) > rank or any(d != 1 for d in scalar):
+def _plan_reshape_elementwise(m: Match, site: Site) -> np.ndarray | str:
+    target = _reshape_target(m, site)
+    if isinstance(target, str) or "c" not in m:
+        return target
+    if not _scalar_of_rank(m.value("c"), site.rank(m.value("x"))):
         return "the constant is not a scalar of at most x's rank"
-    return None
+    return target
 
 
-def _build_reshape_elementwise(b: Builder, m: Match, plan: None) -> Value:
+def _scalar_of_rank(value: Value, rank: int | None) -> bool:
+    """Whether ``value``'s shape is all 1s and of at most ``rank`` dims: a reshape of the value it
+    broadcasts against leaves the broadcast as it was."""
+    shape = Site.shape(value)
+    return shape is not None and rank is not None and len(shape) <= rank and all(d == 1 for d in shape)
+
+
+def _build_reshape_elementwise(b: Builder, m: Match, target: np.ndarray) -> Value:
     e = m.node("e")
     inputs = [m.value("x") if v is m.node("inner").outputs[0] else v for v in e.inputs]
-    return b.op("Reshape", b.op(e.op_type, *inputs, **attrs_of(e)), m.value("shape"))
+    return b.op("Reshape", b.op(e.op_type, *inputs, **attrs_of(e)), _target(b, m, target))
 
 
 def _one_unknown(m: Match, site: Site) -> list[int] | str:
@@ -160,6 +190,72 @@ def _one_unknown(m: Match, site: Site) -> list[int] | str:
     if len(unknown) != 1 or any(isinstance(d, int) and d <= 0 for d in found):
         return "the target shape has more than one entry not provably static and positive"
     return [-1 if i == unknown[0] else int(d) for i, d in enumerate(found)]  # type: ignore[arg-type]
+
+
+_ELEMENTWISE = ELEMENTWISE_UNARY | ELEMENTWISE_BINARY
+# Most nodes an element-wise region may have (the erf GELU has five).
+_REGION_LIMIT = 16
+
+
+def _walk_region(last: Node) -> tuple[list[Node], Value] | None:
+    """The element-wise nodes ``last`` computes from and the one Reshape-like output they read, besides
+    constants; None when some other value feeds them or they are more than the limit."""
+    region: dict[Node, None] = {}
+    reshaped: Value | None = None
+    pending: list[Node | None] = [last]
+    while pending:
+        node = pending.pop()
+        if node in region:
+            continue
+        if node is None or not node.in_standard_domain or node.op_type not in _ELEMENTWISE or len(node.outputs) != 1:
+            return None
+        region[node] = None
+        if len(region) > _REGION_LIMIT:
+            return None
+        for value in node.inputs:
+            producer = None if value is None or is_constant(value) else value.producer
+            if producer is not None and producer.op_type in _LAYOUT and producer.in_standard_domain:
+                if reshaped is not None and value is not reshaped:
+                    return None
+                reshaped = value
+            elif value is not None and not is_constant(value):
+                pending.append(producer)
+    return (list(region), reshaped) if reshaped is not None and len(region) > 1 else None
+
+
+def _plan_region(m: Match, site: Site) -> tuple[np.ndarray, list[Node], Value] | str:
+    found = _walk_region(m.node("last"))
+    target = _reshape_target(m, site)
+    if found is None or isinstance(target, str):
+        return target if isinstance(target, str) else "the region changed"
+    nodes, reshaped = found
+    rank = site.rank(reshaped.producer.inputs[0]) if reshaped.producer is not None else None
+    if rank is None:
+        return "the reshaped input's rank is unknown"
+    inside = set(nodes)
+    for node in nodes:
+        constants = [v for v in node.inputs if v is not None and is_constant(v)]
+        if not all(_scalar_of_rank(v, rank) for v in constants):
+            return "a constant of the region is not a scalar of at most x's rank"
+        out = node.outputs[0]
+        if out.is_graph_output or any(u.node not in inside and u.node is not m.root for u in out.uses()):
+            return "a value of the region has a reader outside it"
+    if reshaped.is_graph_output or any(u.node not in inside for u in reshaped.uses()):
+        return "the Reshape-like output has a reader outside the region"
+    assert m.root.graph is not None
+    position = m.root.graph.positions()
+    return target, sorted(nodes, key=lambda n: position[id(n)]), reshaped
+
+
+def _build_region(b: Builder, m: Match, plan: tuple[np.ndarray, list[Node], Value]) -> Value:
+    target, nodes, reshaped = plan
+    producer = reshaped.producer
+    assert producer is not None and producer.inputs[0] is not None
+    made: dict[Value, Value] = {reshaped: producer.inputs[0]}
+    for node in nodes:
+        inputs = [None if v is None else made.get(v, v) for v in node.inputs]
+        made[node.outputs[0]] = b.op(node.op_type, *inputs, **attrs_of(node))
+    return b.op("Reshape", made[m.node("last").outputs[0]], _target(b, m, target))
 
 
 # Element types each type converts to exactly (every value survives the round trip).
@@ -205,8 +301,8 @@ def _build_casts(b: Builder, m: Match, plan: None) -> Value:
     return _x_or(b, m, m.site.dtype(m.value("x")) == to, "Cast", to=to)
 
 
-def _reshape_x(b: Builder, m: Match, plan: None) -> Value:
-    return b.op("Reshape", m.value("x"), m.value("shape"))
+def _reshape_x(b: Builder, m: Match, target: np.ndarray) -> Value:
+    return b.op("Reshape", m.value("x"), _target(b, m, target))
 
 
 def _reshape_x_static(b: Builder, m: Match, shape: tuple[int, ...]) -> Value:
@@ -226,7 +322,7 @@ RULES: tuple[Rule, ...] = (
     _rule(
         name="reshape-chain",
         pattern=op.Reshape(_INNER, var("shape"), name="outer"),
-        plan=lambda m, site: None if _reshape_target(m) is not None else "the target shape is not a constant without 0",
+        plan=_reshape_target,
         build=_reshape_x,
         label="Reshape chain",
         doc="Reshape(Reshape|Flatten|Squeeze|Unsqueeze(x), s) -> Reshape(x, s)",
@@ -246,6 +342,26 @@ RULES: tuple[Rule, ...] = (
         kind="late",
         label="Reshape around an element-wise op",
         doc="Reshape(E(Reshape-like(x)), s) -> Reshape(E(x), s) for an element-wise E (late)",
+    ),
+    _rule(
+        name="reshape-through-elementwise-region",
+        pattern=op.Reshape(
+            op.any_of(
+                sorted(_ELEMENTWISE),
+                var("a"),
+                optional(var("b")),
+                optional(var("c")),
+                name="last",
+                where=lambda n: _walk_region(n) is not None,
+            ),
+            var("shape"),
+            name="outer",
+        ),
+        plan=_plan_region,
+        build=_build_region,
+        kind="late",
+        label="Reshape around element-wise ops",
+        doc="Reshape(f(Reshape-like(x)), s) -> Reshape(f(x), s) for f a few element-wise ops of x and scalars (late)",
     ),
     _rule(
         name="reshape-transpose",

@@ -436,6 +436,9 @@ def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
     """Rewrite one match; False when it was refused after the build (nothing changed)."""
     ctx, model, graph = site.ctx, site.model, site.graph
     rule = m.rule
+    inside = {id(n) for n in [*m.nodes, *m.feeders]}
+    if _stale(m, inside):
+        return False
     builder = ctx.builder(model, graph, before=m.root, tag=rule.name)
 
     def undo(reason: str | None) -> bool:
@@ -453,7 +456,6 @@ def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
     old = list(m.root.outputs)
     if len(new) > len(old) or any(v.is_used() for v in old[len(new) :]):
         raise RuleFailed(f"rule {rule.name!r}: the build must stand for every used output of the root")
-    inside = {id(n) for n in [*m.nodes, *m.feeders]}
     if any(v is not None and id(v.producer) in inside for n in builder.created for v in n.inputs):
         # An entry value computed inside the match itself (Add(MatMul(a, w), f(MatMul(a, w)))):
         # the nodes it needs go with the match, so the rewrite cannot stand.
@@ -473,6 +475,14 @@ def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
             after.type = before.type
     replace_nodes([*m.feeders, *m.nodes], replacements, ctx.names(model))
     return True
+
+
+def _stale(m: Match, inside: set[int]) -> bool:
+    """Whether a rewrite applied earlier in the round (the matches are all found first) made a value inside
+    ``m`` read outside it: ``m`` no longer holds, and the next round finds what does."""
+    exported = {id(m.node(name)) for name in m.rule.exports if name in m}
+    kept = {id(m.root), *exported}
+    return any(_read_outside(v, inside) for n in [*m.nodes, *m.feeders] if id(n) not in kept for v in n.outputs)
 
 
 def _type_change(before: Value, after: Value) -> str | None:

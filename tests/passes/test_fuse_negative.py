@@ -432,6 +432,18 @@ def _unsqueezes() -> onnx.ModelProto:
     )
 
 
+def _slices() -> onnx.ModelProto:
+    """x[:, ::2][..., 1:7]: the second Slice's axis given as -1."""
+    whole = np.iinfo(np.int64).max
+    bounds = {"s1": [0], "e1": [whole], "a1": [1], "t1": [2], "s2": [1], "e2": [7], "a2": [-1]}
+    return model(
+        [node("Slice", ["x", "s1", "e1", "a1", "t1"], "s"), node("Slice", ["s", "s2", "e2", "a2"], "y")],
+        [info("x", ["b", 6, 8])],
+        ["y"],
+        [init(name, np.array(values, np.int64)) for name, values in bounds.items()],
+    )
+
+
 def _casts(middle: int = TensorProto.FLOAT, source: int = F16) -> onnx.ModelProto:
     return model(
         [node("Cast", ["x"], "c", to=middle), node("Cast", ["c"], "d", to=source), node("Neg", ["d"], "y")],
@@ -545,6 +557,7 @@ def _rope_q(**kwargs: Any) -> Callable[[], onnx.ModelProto]:
 
 
 NO_ATTR = "n/a: the pattern reads no attribute"
+SLICE_INPUTS = "n/a: below opset 10 a Slice's bounds are attributes, which the pattern does not read (no match)"
 ELEMENTWISE = "n/a: element-wise; the rule needs no shape"
 NO_GATE = "n/a: no opset gate"
 ONE_NODE = "n/a: one node"
@@ -1252,6 +1265,14 @@ CASES: dict[str, Case] = {
         Perturb(set_shape("x", None), "the axes or the rank are unknown"),
         NO_GATE,
     ),
+    "slice-slice": Case(
+        _slices,
+        {"Slice": 1},
+        "s",
+        Perturb(set_const("a2", [1]), "share an axis", note="the second Slice's axis the first's"),
+        Perturb(set_shape("x", None), "a negative axis needs x's rank"),
+        SLICE_INPUTS,
+    ),
     "reshape-one-unknown": Case(
         lambda: computed_reshape([4]),
         {"Reshape": 1},
@@ -1543,6 +1564,13 @@ EXPORTED: dict[str, Exported | str] = {
             ("interleaved-partial", ("gptj_dynamo", "gptj_ts"), REST_STARTS_LATE),
         )
     },
+    "slice-slice": Exported(
+        ("levit_dynamo", "levit_ts"),
+        {"Slice": 1},
+        constant_at("axes_outer", lambda axes: axes - 1, "share an axis", "the second Slice's axis the first's"),
+        "n/a: the exporters write non-negative axes, which need no shape (the case built here has a negative one)",
+        SLICE_INPUTS,
+    ),
     "reshape-transpose": Exported(
         ("convnext_dynamo",),
         {"Transpose": 17},  # the export's 18, the head's gone

@@ -423,9 +423,9 @@ RULES: tuple[Rule, ...] = (
         name=_BROADCAST_BIAS,
         plan=partial(_plan_mha, broadcast=True),
         default=False,
-        doc="the same with an attention bias of rank below 4 that broadcasts to (batch or 1, heads or 1, S, T), "
-        "given its leading 1s (LeViT's per-head position bias) -> com.microsoft MultiHeadAttention (target ort; "
-        "off by default: measured slower)",
+        doc="4-D scaled dot-product attention with its head merge and an attention bias of rank below 4 that "
+        "broadcasts to (batch or 1, heads or 1, S, T), given its leading 1s (LeViT's per-head position bias) -> "
+        "com.microsoft MultiHeadAttention (target ort; measured slower)",
     ),
     _ORT_ATTENTION(name="ort-attention", pattern=core(_projection("q"), _projection("k"), _projection("v"))),
     _ORT_ATTENTION(name="ort-attention-packed", pattern=core(*_SPLIT_QKV)),

@@ -288,6 +288,43 @@ def test_a_rewrite_that_would_read_the_match_interior_is_declined() -> None:
     assert_same_outputs(proto, out, rtol=1e-6, atol=1e-6)
 
 
+def _neg_of(m: Match, site: Site) -> Value | str:
+    found = [use.node.outputs[0] for use in m.value("x").uses() if use.node.op_type == "Neg"]
+    return found[0] if found else "no Neg reads x"
+
+
+def _reads_the_neg(b: Builder, m: Match, neg: Value) -> Value:
+    """Sigmoid(Exp(x)) as Sigmoid(Exp(-(-x))), reading -x: a value another rule's match holds inside."""
+    return b.op("Sigmoid", b.op("Exp", b.op("Neg", neg)))
+
+
+def test_a_match_an_earlier_rewrite_of_its_round_reads_into_waits_for_the_next_round(user_rule: list[str]) -> None:
+    """Two matches found in one round: the first rewritten reads a value inside the second (the mobilevit
+    dynamo export: Attention took K, the Squeeze output a Reshape chain held inside). The second no longer holds
+    (the value is read outside it), so it is not applied: the pass used to raise removing a node still read, and
+    was rolled back. Next round it is a near miss like any match with an outside reader."""
+    add_rule(_neg_neg())
+    add_rule(
+        Rule(
+            name="test-sigmoid-exp",
+            family="test",
+            pattern=op.Sigmoid(op.Exp(var("x"))),
+            plan=_neg_of,
+            build=_reads_the_neg,
+        )
+    )
+    user_rule.extend(["test-neg-neg", "test-sigmoid-exp"])
+    proto = model(
+        [node("Neg", ["x"], "a"), node("Neg", ["a"], "y"), node("Exp", ["x"], "c"), node("Sigmoid", ["c"], "z")],
+        [info("x", [2, 3])],
+        ["y", "z"],
+    )
+    out, details = fuse(proto, "fuse")
+    assert details["applied"] == {"test-sigmoid-exp": 1}, details
+    assert any("is also read by" in m for m in details["near_misses"]["test"]), details
+    assert_same_outputs(proto, out)
+
+
 def test_a_cast_without_to_is_left_to_the_checker() -> None:
     """A mutant the fuzzer found: Cast(Cast(x), to=float) whose inner Cast lost its 'to'
     made the cast-chain rule raise (the fuse pass was rolled back); now the rule refuses."""

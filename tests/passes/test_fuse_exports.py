@@ -1,7 +1,7 @@
 """The fusion library on graphs PyTorch's exporters wrote (tests/fixtures/exports, made by its make.py):
-one-layer bert, gpt2, llama (grouped-query attention, rotary, RMSNorm), llama with a KV cache and t5, from
-the dynamo and the TorchScript exporter. Each optimized model must compute what the export does, padded
-masks included, and hold the fused ops a layer has."""
+one-layer bert, gpt2, llama (grouped-query attention, rotary, RMSNorm), llama with a KV cache and t5, LeViT's
+attention (a per-head position bias, V wider than Q and K), from the dynamo and the TorchScript exporter. Each
+optimized model must compute what the export does, padded masks included, and hold the fused ops a layer has."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ FIXTURES = Path(__file__).parent.parent / "fixtures" / "exports"
 EXPORTERS = ("dynamo", "ts")
 PAST, KV_HEADS, HEAD_SIZE, IMAGE = 3, 2, 8, 64
 KERAS_FEATURES = (6, 16)  # make_keras.py's static sequence and width
+LEVIT_TOKENS = (16, 32)  # make.py's levit: a 4x4 grid of 32 channels
 
 
 def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dict[str, np.ndarray]:
@@ -46,6 +47,7 @@ def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dic
         "past_value": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
         "pixel_values": rng.standard_normal((batch, 3, IMAGE, IMAGE)).astype(np.float32),
         "features": rng.standard_normal((batch, *KERAS_FEATURES)).astype(np.float32),
+        "x": rng.standard_normal((batch, *LEVIT_TOKENS)).astype(np.float32),
     }
     return {name: feeds[name] for name in names}
 
@@ -88,6 +90,7 @@ OPSET_23: dict[str, dict[str, int]] = {
     "bloom": {"Attention": 2, "LayerNormalization": 6, "Gelu": 2},
     # fairseq-style attention (OPT, BART, Marian before SDPA): merged heads, bmm, a 3-D Softmax
     "bmm_attention": {"Attention": 1},
+    "levit": {"Attention": 2},
 }
 
 
@@ -172,6 +175,29 @@ def test_target_ort_writes_onnxruntime_norms_and_rotary(name: str) -> None:
     assert {op: found[op] for op in want} == want, found
     assert not {"Pow", "Sqrt", "ReduceMean", "Neg"} & set(found), found
     _same(original, out)
+
+
+BROADCAST_BIAS = "ort-multihead-attention-broadcast-bias"
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_per_head_bias_below_4d_becomes_multihead_attention_where_enabled(exporter: str) -> None:
+    """LeViT's learned (heads, S, T) position bias, gathered from a table, on scores whose V is wider than Q and K:
+    with its rule on, --target ort writes one MultiHeadAttention a layer (K and V in 3-D, the bias given its
+    leading 1); by default the layers stay as written (measured slower), the near miss saying why."""
+    name = f"levit_{exporter}"
+    original, out = _optimized(name, target="ort", fuse_enable=[BROADCAST_BIAS])
+    found = _ops(out)
+    assert found["MultiHeadAttention"] == 2 and "Softmax" not in found, found
+    _same(original, out)
+    result = optimize(from_proto(original), strict=True, target="ort")
+    assert _ops(to_proto(result.model))["Softmax"] == 2
+    misses = [m for run in result.report["passes"] if run["pass"] == "fuse" for m in _misses(run, "attention")]
+    assert any(f"not 4-D ({BROADCAST_BIAS} takes it" in m for m in misses), misses
+
+
+def _misses(run: dict[str, Any], family: str) -> list[str]:
+    return list(run["details"]["near_misses"].get(family, {}).get("examples", []))
 
 
 def test_grouped_query_attention_keeps_the_kv_heads() -> None:

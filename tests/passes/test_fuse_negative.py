@@ -76,6 +76,7 @@ from tests.passes.fuse_models import (
     tied,
 )
 from tests.passes.test_fuse_exports import (
+    BROADCAST_BIAS,
     FIXTURES,
     exported_attention,
     exported_encoder_attention,
@@ -432,6 +433,18 @@ def _unsqueezes() -> onnx.ModelProto:
     )
 
 
+def _slices() -> onnx.ModelProto:
+    """x[:, ::2][..., 1:7]: the second Slice's axis given as -1."""
+    whole = np.iinfo(np.int64).max
+    bounds = {"s1": [0], "e1": [whole], "a1": [1], "t1": [2], "s2": [1], "e2": [7], "a2": [-1]}
+    return model(
+        [node("Slice", ["x", "s1", "e1", "a1", "t1"], "s"), node("Slice", ["s", "s2", "e2", "a2"], "y")],
+        [info("x", ["b", 6, 8])],
+        ["y"],
+        [init(name, np.array(values, np.int64)) for name, values in bounds.items()],
+    )
+
+
 def _casts(middle: int = TensorProto.FLOAT, source: int = F16) -> onnx.ModelProto:
     return model(
         [node("Cast", ["x"], "c", to=middle), node("Cast", ["c"], "d", to=source), node("Neg", ["d"], "y")],
@@ -545,6 +558,7 @@ def _rope_q(**kwargs: Any) -> Callable[[], onnx.ModelProto]:
 
 
 NO_ATTR = "n/a: the pattern reads no attribute"
+SLICE_INPUTS = "n/a: below opset 10 a Slice's bounds are attributes, which the pattern does not read (no match)"
 ELEMENTWISE = "n/a: element-wise; the rule needs no shape"
 NO_GATE = "n/a: no opset gate"
 ONE_NODE = "n/a: one node"
@@ -557,6 +571,32 @@ SPLIT_INPUT = Perturb(
     "not provable",
     feeds=_attention_split_input,
 )
+
+
+BROADCAST_SETTINGS: dict[str, Any] = {"target": "ort", "enable": [BROADCAST_BIAS]}
+
+
+def _bias_fed(name: str) -> Change:
+    """Constant ``name`` (the attention bias) becomes a graph input of unknown rank."""
+
+    def change(proto: onnx.ModelProto) -> onnx.ModelProto:
+        out = _copy(proto)
+        (found,) = [t for t in out.graph.initializer if t.name == name]
+        out.graph.initializer.remove(found)
+        out.graph.input.append(helper.make_tensor_value_info(name, found.data_type, None))
+        return out
+
+    return change
+
+
+def _levit_feeds(name: str) -> Callable[[onnx.ModelProto], Mapping[str, np.ndarray]]:
+    """The inputs of the levit case's model with its constant ``name`` fed: the fixture's, and the constant."""
+
+    def feeds(proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
+        base = first_layer("levit_dynamo", BROADCAST_BIAS, BROADCAST_SETTINGS)
+        return {**fixture_inputs(base), name: constant_of(base, name)}
+
+    return feeds
 
 
 def _mask_of(proto: onnx.ModelProto) -> str:
@@ -858,6 +898,17 @@ CASES: dict[str, Case] = {
         Perturb(set_shape("val_102", None), "not a 2-D to 4-D tensor", note="mask of unknown rank"),
         NO_GATE,
         {"target": "ort"},
+        passes="shape-infer,fuse,dce",
+    ),
+    BROADCAST_BIAS: Case(
+        lambda: first_layer("levit_dynamo", BROADCAST_BIAS, BROADCAST_SETTINGS),
+        {"MatMul": 1, "Reshape": 5, "BatchNormalization": 1, "Split": 1, "MultiHeadAttention": 1},
+        "softmax",
+        Perturb(set_attr("transpose", perm=[0, 1, 2, 3]), None, note="merge Transpose perm=[0, 1, 2, 3]"),
+        Perturb(_bias_fed("index"), "not a 2-D to 4-D tensor", _levit_feeds("index"), "the bias fed, of unknown rank"),
+        NO_GATE,
+        BROADCAST_SETTINGS,
+        lambda: fixture_inputs(first_layer("levit_dynamo", BROADCAST_BIAS, BROADCAST_SETTINGS)),
         passes="shape-infer,fuse,dce",
     ),
     "attention-4d": Case(
@@ -1249,6 +1300,14 @@ CASES: dict[str, Case] = {
         Perturb(set_shape("x", None), "the axes or the rank are unknown"),
         NO_GATE,
     ),
+    "slice-slice": Case(
+        _slices,
+        {"Slice": 1},
+        "s",
+        Perturb(set_const("a2", [1]), "share an axis", note="the second Slice's axis the first's"),
+        Perturb(set_shape("x", None), "a negative axis needs x's rank"),
+        SLICE_INPUTS,
+    ),
     "reshape-one-unknown": Case(
         lambda: computed_reshape([4]),
         {"Reshape": 1},
@@ -1480,6 +1539,14 @@ EXPORTED: dict[str, Exported | str] = {
         NO_GATE,
         {"target": "ort"},
     ),
+    BROADCAST_BIAS: Exported(
+        ("levit_dynamo", "levit_ts"),
+        {"MultiHeadAttention": 1},
+        attr_at("softmax", "not over the last axis", axis=2),
+        untyped_at(("merge_shape",), "not provably back to"),
+        NO_GATE,
+        BROADCAST_SETTINGS,
+    ),
     "layernorm-residual-sum": Exported(
         ("gpt2_dynamo", "gpt2_ts"),
         {"Sum": 1, "LayerNormalization": 5},
@@ -1585,6 +1652,13 @@ EXPORTED: dict[str, Exported | str] = {
             ),
         )
     },
+    "slice-slice": Exported(
+        ("levit_dynamo", "levit_ts"),
+        {"Slice": 1},
+        constant_at("axes_outer", lambda axes: axes - 1, "share an axis", "the second Slice's axis the first's"),
+        "n/a: the exporters write non-negative axes, which need no shape (the case built here has a negative one)",
+        SLICE_INPUTS,
+    ),
     "reshape-transpose": Exported(
         ("convnext_dynamo",),
         {"Transpose": 17},  # the export's 18, the head's gone
@@ -1943,6 +2017,56 @@ def test_multihead_attention_refuses_a_softcap() -> None:
     proto = softcapped(exported_encoder_attention(opset=20), 2.0, 2.0)
     details = refused(proto, "ort-multihead-attention", passes="shape-infer,fuse,dce", target="ort")
     assert any("tanh softcap" in m for m in details["near_misses"]["attention"]), details
+
+
+def _levit_attention(bias: Callable[[np.ndarray], np.ndarray | None]) -> onnx.ModelProto:
+    """The first attention of the dynamo levit fixture (V twice Q's and K's head size) with its constant
+    (heads, S, T) bias replaced by ``bias`` of it (None: no bias added)."""
+    proto = first_layer("levit_dynamo", BROADCAST_BIAS, BROADCAST_SETTINGS)
+    values = bias(constant_of(proto, "index"))
+    if values is not None:
+        return with_constant(proto, "index", values)
+    (add,) = [n for n in proto.graph.node if "index" in n.input]
+    for reader in proto.graph.node:
+        reader.input[:] = [add.input[0] if i == add.output[0] else i for i in reader.input]
+    proto.graph.node.remove(add)
+    return proto
+
+
+def test_multihead_attention_takes_a_v_wider_than_q_and_k_in_3d() -> None:
+    """onnxruntime wants 4-D K and V of one shape; with LeViT's V twice as wide, K and V go in 3-D (any
+    v_hidden_size), by default where there is no bias."""
+    proto = _levit_attention(lambda bias: None)
+    expected = {"MatMul": 1, "Reshape": 5, "BatchNormalization": 1, "Split": 1, "MultiHeadAttention": 1}
+    out = fires(proto, "ort-multihead-attention", expected, passes="shape-infer,fuse,dce", target="ort")
+    (mha,) = [n for n in out.graph.node if n.op_type == "MultiHeadAttention"]
+    producers = {o: n for n in out.graph.node for o in n.output}
+    assert [producers[i].op_type for i in mha.input[:3]] == ["Reshape"] * 3
+
+
+def test_multihead_attention_refuses_a_bias_that_grows_the_scores() -> None:
+    """A bias of static batch 2 on scores of dynamic batch broadcasts a batch of 1 up to 2: not
+    MultiHeadAttention's (batch or 1, heads or 1, S, T)."""
+    proto = _levit_attention(lambda bias: np.stack([bias, bias + 1]))
+    details = refused(proto, "ort-multihead-attention", passes="shape-infer,fuse,dce", target="ort")
+    assert any("does not broadcast to (batch or 1" in m for m in details["near_misses"]["attention"]), details
+
+
+@pytest.mark.parametrize(("fixture", "bias_from"), [("levit_dynamo", "initializer"), ("levit_ts", "Unsqueeze")])
+def test_a_constant_bias_is_reshaped_and_a_computed_one_unsqueezed(fixture: str, bias_from: str) -> None:
+    """The dynamo export's bias is a constant (heads, S, T), read only by its Add: stored again as (1, heads, S,
+    T); TorchScript's is gathered from its table at run time: one Unsqueeze puts the 1 in front."""
+    proto = first_layer(fixture, BROADCAST_BIAS, BROADCAST_SETTINGS)
+    out, details = fuse(proto, "shape-infer,fuse,dce", enable=[BROADCAST_BIAS], target="ort")
+    assert details["applied"][BROADCAST_BIAS] == 1, details
+    (mha,) = [n for n in out.graph.node if n.op_type == "MultiHeadAttention"]
+    initializers = {t.name: list(t.dims) for t in out.graph.initializer}
+    producers = {o: n.op_type for n in out.graph.node for o in n.output}
+    bias = mha.input[5]
+    assert (producers.get(bias) or "initializer") == bias_from
+    if bias_from == "initializer":
+        assert initializers[bias] == [1, 2, 16, 16] and "index" not in initializers  # stored once
+    assert_same_outputs(proto, out, fixture_inputs(proto), rtol=1e-4, atol=1e-4)
 
 
 def test_a_float16_table_is_cast_after_the_slice() -> None:

@@ -29,7 +29,8 @@ see the section below for the spellings): the 4-D Q, K, V (after rotary embeddin
 head repeat dropped) become Attention's inputs, and ``attention-heads-3d`` then takes head splits
 and the merge into it where Q, K and V all have them, ``attention-kv-cache`` a KV cache's Concat with
 the past (past_key / past_value in, present_key / present_value out). For ``--target ort`` the same match with
-its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``); grouped-query attention
+its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``; an attention bias of rank below 4,
+``ort-multihead-attention-broadcast-bias``, off by default); grouped-query attention
 keeps its repeated heads there (GroupQueryAttention's causal-and-padding mask contract is not
 proven from the exported mask, so it is not written).
 

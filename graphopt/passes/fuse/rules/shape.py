@@ -22,6 +22,9 @@
   count fixes the one unknown entry, so the shape plumbing goes.
 - ``Cast(Cast(x, T1), T2) -> Cast(x, T2)`` when ``T0 -> T1`` is lossless (every value of T0
   is exact in T1), and ``x`` itself when T2 is T0; a Cast to x's own type is ``x``.
+- ``Slice(Slice(x, s1, e1, a1, t1), s2, e2, a2, t2)`` with constant bounds on axes the two do not
+  share -> one Slice over both sets of axes (slicing one axis clamps against that axis only, so
+  the two commute); LeViT's subsampling ``x[:, ::2, ::2]``.
 """
 
 from __future__ import annotations
@@ -301,6 +304,45 @@ def _build_casts(b: Builder, m: Match, plan: None) -> Value:
     return _x_or(b, m, m.site.dtype(m.value("x")) == to, "Cast", to=to)
 
 
+def _slice(name: str, x: Pattern) -> Pattern:
+    bounds = (const(name=f"starts_{name}"), const(name=f"ends_{name}"))
+    return op.Slice(x, *bounds, optional(const(name=f"axes_{name}")), optional(const(name=f"steps_{name}")), name=name)
+
+
+_SLICES = _slice("outer", _slice("inner", var("x")))
+
+
+def _slice_parts(m: Match, name: str, rank: int | None) -> tuple[np.ndarray, ...] | None:
+    """(starts, ends, axes made non-negative, steps) of the Slice ``name`` as int64, or None."""
+    starts, ends = Site.array(m.value(f"starts_{name}")), Site.array(m.value(f"ends_{name}"))
+    axes = Site.array(m.value(f"axes_{name}")) if f"axes_{name}" in m else None
+    steps = Site.array(m.value(f"steps_{name}")) if f"steps_{name}" in m else None
+    if starts is None or ends is None or starts.ndim != 1 or starts.shape != ends.shape:
+        return None
+    axes = np.arange(len(starts)) if axes is None else axes.astype(np.int64)
+    if (axes < 0).any():
+        if rank is None:
+            return None
+        axes = np.where(axes < 0, axes + rank, axes)
+    steps = np.ones(len(starts), np.int64) if steps is None else steps
+    return starts.astype(np.int64), ends.astype(np.int64), axes, steps.astype(np.int64)
+
+
+def _plan_slices(m: Match, site: Site) -> tuple[np.ndarray, ...] | str:
+    rank = site.rank(m.value("x"))
+    inner, outer = _slice_parts(m, "inner", rank), _slice_parts(m, "outer", rank)
+    if inner is None or outer is None:
+        return "the bounds are not 1-D int constants with axes that are known (a negative axis needs x's rank)"
+    if set(inner[2].tolist()) & set(outer[2].tolist()):
+        return "the Slices share an axis"
+    return tuple(np.concatenate([a, b]) for a, b in zip(inner, outer, strict=True))
+
+
+def _build_slices(b: Builder, m: Match, parts: tuple[np.ndarray, ...]) -> Value:
+    names = ("starts", "ends", "axes", "steps")
+    return b.op("Slice", m.value("x"), *(b.constant(part, name) for part, name in zip(parts, names, strict=True)))
+
+
 def _reshape_x(b: Builder, m: Match, target: np.ndarray) -> Value:
     return b.op("Reshape", m.value("x"), _target(b, m, target))
 
@@ -409,4 +451,13 @@ RULES: tuple[Rule, ...] = (
         doc="Cast(Cast(x, T1), T2) -> Cast(x, T2) (or x) when the first Cast is lossless",
     ),
     CAST_TO_SAME_TYPE,
+    _rule(
+        name="slice-slice",
+        pattern=_SLICES,
+        plan=_plan_slices,
+        build=_build_slices,
+        min_opset=10,
+        label="Slice pair",
+        doc="Slice(Slice(x)) with constant bounds on axes the two do not share -> one Slice",
+    ),
 )

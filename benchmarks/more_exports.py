@@ -185,10 +185,8 @@ def stablelm():
     return causal(StableLmForCausalLM, dec_cfg(StableLmConfig, partial_rotary_factor=0.25))
 
 
-def bart():
-    from transformers import BartConfig, BartModel
-
-    c = BartConfig(
+def _seq2seq(config_cls, model_cls):
+    c = config_cls(
         vocab_size=VOCAB,
         d_model=H,
         encoder_layers=2,
@@ -200,9 +198,14 @@ def bart():
         max_position_embeddings=512,
         use_cache=False,
     )
-    return text(
-        BartModel(c), ("input_ids", "attention_mask", "decoder_input_ids"), ("last_hidden_state",), use_cache=False
-    )
+    names = ("input_ids", "attention_mask", "decoder_input_ids")
+    return text(model_cls(c), names, ("last_hidden_state",), use_cache=False)
+
+
+def bart():
+    from transformers import BartConfig, BartModel
+
+    return _seq2seq(BartConfig, BartModel)
 
 
 def deit():
@@ -330,21 +333,7 @@ def t5_full():
 def mbart():
     from transformers import MBartConfig, MBartModel
 
-    c = MBartConfig(
-        vocab_size=VOCAB,
-        d_model=H,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=4 * H,
-        decoder_ffn_dim=4 * H,
-        max_position_embeddings=512,
-        use_cache=False,
-    )
-    return text(
-        MBartModel(c), ("input_ids", "attention_mask", "decoder_input_ids"), ("last_hidden_state",), use_cache=False
-    )
+    return _seq2seq(MBartConfig, MBartModel)
 
 
 def falcon():

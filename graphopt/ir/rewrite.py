@@ -110,7 +110,8 @@ class Builder:
 
     ``typer`` gives new nodes their output types (the facts service's shape rules);
     ``tag`` names the rule or pass that made them, written to each node's metadata when
-    ``provenance`` is on. ``created`` and ``constants`` list what it made, in order.
+    ``provenance`` is on. ``created`` and ``constants`` list what it made, in order. ``opset``
+    is the graph's default-domain opset, which :meth:`shape` writes for.
     """
 
     def __init__(
@@ -122,8 +123,10 @@ class Builder:
         tag: str = "",
         provenance: bool = False,
         typer: Callable[[Node], None] | None = None,
+        opset: int | None = None,
     ) -> None:
         self.graph = graph
+        self.opset = opset
         self.names = names
         self.before = before
         self.tag = tag
@@ -166,6 +169,16 @@ class Builder:
             self.typer(node)
         self.created.append(node)
         return node
+
+    def shape(self, x: Value, start: int = 0, end: int | None = None, **spec: Any) -> Value:
+        """``x``'s dims ``start:end`` as a 1-D int64 value: Shape's own ``start`` / ``end`` from opset 15,
+        a Slice of the whole Shape before it (Shape had no attributes). ``spec`` (a name) goes to the last
+        node."""
+        if self.opset is None or self.opset >= 15:
+            return self.op("Shape", x, start=start, **({"end": end} if end is not None else {}), **spec)
+        last = np.iinfo(np.int64).max if end is None else end
+        starts, ends = (self.constant(np.array([v], np.int64), n) for v, n in ((start, "start"), (last, "end")))
+        return self.op("Slice", self.op("Shape", x), starts, ends, **spec)
 
     def listed(self, op_type: str, x: Value, key: str, ints: Sequence[int], *, as_input: bool, **spec: Any) -> Node:
         """``op_type`` of ``x`` given a list of ints (Squeeze / Unsqueeze ``axes``, Split's

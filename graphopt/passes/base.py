@@ -151,6 +151,7 @@ class PassContext:
             tag=tag,
             provenance=self.settings.provenance,
             typer=self.facts(model).infer_node,
+            opset=model.opset_in(graph),
         )
 
 

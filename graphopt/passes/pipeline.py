@@ -135,13 +135,14 @@ class PipelineRun:
         return [r for r in self.runs if r.error is not None or r.failures]
 
     def failure_records(self) -> list[dict[str, str]]:
-        """The report's failures in the order they happened: ``pass`` and ``error``, and what
-        names a part undone alone (a fuse rule's ``rule`` and ``node``)."""
+        """The report's failures in the order they first happened: ``pass`` and ``error``, and what
+        names a part undone alone (a fuse rule's ``rule`` and ``node``). A pass that runs in every
+        round of a group meets the same failure again: it is listed once."""
         records: list[dict[str, str]] = []
         for run in self.failures:
-            if run.error is not None:
-                records.append({"pass": run.name, "error": run.error})
-            records.extend({"pass": run.name, **f.as_dict()} for f in run.failures)
+            found = [{"pass": run.name, "error": run.error}] if run.error is not None else []
+            found += [{"pass": run.name, **f.as_dict()} for f in run.failures]
+            records.extend(r for r in found if r not in records)
         return records
 
 

@@ -513,3 +513,11 @@ def test_the_noop_pass_and_the_shape_family_share_their_common_rules() -> None:
     shared = [r for r in LIBRARY if r.family == "noop"]
     assert {r.name for r in shared} == {"transpose-identity", "cast-to-same-type"}
     assert all(any(r is mine for mine in NOOP_RULES) for r in shared)
+
+
+def test_a_rule_failing_in_every_round_of_the_default_pipeline_is_reported_once(user_rule: list[str]) -> None:
+    add_rule(Rule(name="test-broken", family="test", pattern=op.Neg(op.Neg(var("x"))), build=_raises))
+    user_rule.append("test-broken")
+    proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "y")], [info("x", [2])], ["y"])
+    failures = graphopt.optimize(from_proto(proto)).report["failures"]
+    assert [f["rule"] for f in failures] == ["test-broken"], failures

@@ -17,8 +17,9 @@ from graphopt.api import optimize
 from graphopt.errors import InputError
 from graphopt.io.onnx_io import from_proto
 from graphopt.passes.pipeline import pipeline_from_config
+from tests.numerics import assert_same_outputs
 from tests.passes.fuse_helpers import fires as _fires
-from tests.passes.fuse_helpers import fuse, info, init, model, node
+from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
 from tests.passes.fuse_helpers import refused as _refused
 from tests.passes.fuse_models import (
     conv_bn,
@@ -455,3 +456,114 @@ def test_the_late_rules_get_a_round_after_the_last_of_max_rounds() -> None:
     steps = [{"pass": "shape-infer"}, {"pass": "fuse", "options": {"late": True, "max_rounds": 1}}]
     result = optimize(from_proto(proto), pipeline_from_config(steps), strict=True)
     assert result.report["passes"][-1]["details"]["applied"] == {"matmul-add-gemm-projection": 1}
+
+
+# -- attention on merged heads ----------------------------------------------------------------------
+
+
+def _merged_attention(
+    bias_shape: list[int | str], style: str, opset: int = 17, axis: int | None = -1
+) -> onnx.ModelProto:
+    """bmm attention on (batch * heads, S, d) with a 3-D bias on the merged scores: the Softmax on them (fairseq)
+    or on their (batch, heads, S, S) split (BLOOM); batch 2, 4 heads, S 5, head size 8."""
+    batch, heads, seq, size = 2, 4, 5, 8
+    softmax = {} if axis is None else {"axis": axis}
+    nodes = [node("Reshape", [n, "merged"], f"{n}3") for n in "qkv"]
+    nodes += [
+        node("Transpose", ["k3"], "kt", perm=[0, 2, 1]),
+        node("MatMul", ["q3", "kt"], "qk"),
+        node("Mul", ["qk", "scale"], "scaled"),
+        node("Add", ["scaled", "bias"], "scores"),
+    ]
+    if style == "fairseq":
+        nodes.append(node("Softmax", ["scores"], "p", **softmax))
+    else:
+        nodes += [
+            node("Reshape", ["scores", "split"], "scores4"),
+            node("Softmax", ["scores4"], "p4", **softmax),
+            node("Reshape", ["p4", "merged_scores"], "p"),
+        ]
+    nodes += [
+        node("MatMul", ["p", "v3"], "pv"),
+        node("Reshape", ["pv", "heads"], "y4"),
+        node("Transpose", ["y4"], "yt", perm=[0, 2, 1, 3]),
+        node("Reshape", ["yt", "rows"], "y"),
+    ]
+    shapes = {
+        "merged": [batch * heads, seq, size],
+        "split": [batch, heads, seq, seq],
+        "merged_scores": [batch * heads, seq, seq],
+        "heads": [batch, heads, seq, size],
+        "rows": [batch, seq, heads * size],
+    }
+    inits = [init(name, np.array(shape, np.int64)) for name, shape in shapes.items()] + [init("scale", 0.35)]
+    inputs = [info(n, [batch, heads, seq, size]) for n in "qkv"] + [info("bias", bias_shape)]
+    return model(nodes, inputs, ["y"], inits, opset=opset)
+
+
+MERGED_TARGETS = [
+    ({"target_opset": 23}, "attention-merged-heads", "Attention"),
+    ({"target": "ort"}, "ort-multihead-attention-merged", "MultiHeadAttention"),
+]
+
+
+@pytest.mark.parametrize("style", ["fairseq", "bloom"])
+@pytest.mark.parametrize(("settings", "rule", "fused"), MERGED_TARGETS)
+@pytest.mark.parametrize("bias_shape", [[8, 1, 5], [1, 5, 5]])
+def test_a_merged_bias_per_head_or_shared_by_all_fuses(
+    bias_shape: list[int | str], settings: dict[str, Any], rule: str, fused: str, style: str
+) -> None:
+    # (1, S, T) is fairseq's causal mask unsqueezed at 0: one bias for every (batch, head)
+    proto = _merged_attention(bias_shape, style)
+    out, details = fuse(proto, **settings)
+    assert details["applied"].get(rule) == 1 and dict(ops(out))[fused] == 1, details
+    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("settings", "rule", "fused"), MERGED_TARGETS)
+def test_a_merged_bias_not_provably_per_head_stays(settings: dict[str, Any], rule: str, fused: str) -> None:
+    _, details = fuse(_merged_attention(["n", 1, 5], "fairseq"), **settings)
+    assert rule not in details["applied"]
+    assert any("first dim" in m for m in details["near_misses"]["attention"]), details
+
+
+@pytest.mark.parametrize(("settings", "rule", "fused"), MERGED_TARGETS)
+def test_a_softmax_without_axis_below_opset_13_is_not_over_the_last_axis(
+    settings: dict[str, Any], rule: str, fused: str
+) -> None:
+    # below opset 13 the axis defaults to 1 and the (8, 5, 5) scores are normalized over 5 * 5 values at once
+    details = _refused(_merged_attention([8, 1, 5], "fairseq", opset=11, axis=None), rule, **settings)
+    assert any("not over the last axis" in m for m in details["near_misses"]["attention"]), details
+    _fires_merged = _merged_attention([8, 1, 5], "fairseq", opset=11, axis=2)
+    out, found = fuse(_fires_merged, **settings)
+    assert found["applied"].get(rule) == 1
+    assert_same_outputs(_fires_merged, out, rtol=1e-4, atol=1e-4)
+
+
+def _tanh_gelu_of_pow(exponent: np.ndarray) -> onnx.ModelProto:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 Pow(x, exponent)))), beside an unrelated Relu."""
+    nodes = [
+        node("Pow", ["x", "three"], "x3"),
+        node("Mul", ["x3", "a"], "ax3"),
+        node("Add", ["x", "ax3"], "s"),
+        node("Mul", ["s", "k"], "u"),
+        node("Tanh", ["u"], "t"),
+        node("Add", ["t", "one"], "t1"),
+        node("Mul", ["x", "half"], "hx"),
+        node("Mul", ["hx", "t1"], "y"),
+        node("Relu", ["x"], "z"),
+    ]
+    constants = [init("a", 0.044715), init("k", float(np.sqrt(2 / np.pi))), init("one", 1.0), init("half", 0.5)]
+    return model(nodes, [info("x", [2, 3])], ["y", "z"], [init("three", exponent), *constants], opset=20)
+
+
+def test_a_tanh_gelu_with_an_integer_exponent_fuses() -> None:
+    _fires(_tanh_gelu_of_pow(np.array(3, np.int64)), "gelu-tanh", {"Gelu": 1, "Relu": 1})
+
+
+@pytest.mark.parametrize("exponent", [np.inf, np.nan])
+def test_a_non_finite_exponent_is_no_gelu_and_fails_nothing(exponent: float) -> None:
+    proto = _tanh_gelu_of_pow(np.array(exponent, np.float32))
+    result = optimize(from_proto(proto), "shape-infer,fuse")
+    assert result.report["failures"] == []
+    assert "Gelu" not in {n.op_type for n in result.model.graph}

@@ -323,7 +323,7 @@ def _coefficients(value: Value, x: Value, nodes: dict[int, Node], seen: dict[int
         return seen[id(value)]
     if is_constant(value):
         array = constant_array(value)
-        if array is None or array.size != 1 or array.dtype.kind != "f":
+        if array is None or array.size != 1 or array.dtype.kind not in "fiu":  # Pow may take an int exponent
             return None
         return {0: float(array.ravel()[0])}
     node = value.producer
@@ -362,7 +362,12 @@ def _combine(op_type: str, terms: list[Coefficients]) -> Coefficients | None:
     constant = second.get(0) if set(second) == {0} else None
     if op_type == "Div" and constant:
         return {d: c / constant for d, c in first.items()}
-    if op_type == "Pow" and constant is not None and constant == int(constant) and 1 <= constant <= POLYNOMIAL_DEGREE:
+    if (
+        op_type == "Pow"
+        and constant is not None
+        and float(constant).is_integer()
+        and 1 <= constant <= POLYNOMIAL_DEGREE
+    ):
         power: Coefficients = {0: 1.0}
         for _ in range(int(constant)):
             power = _combine("Mul", [power, first]) or {}

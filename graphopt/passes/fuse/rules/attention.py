@@ -75,7 +75,7 @@ def core(q: Pattern, k: Pattern, v: Pattern) -> Pattern:
         op.Where(var("cond"), scaled, const(name="fill"), name="masking"),
         scaled,
     )
-    probs = op.Softmax(masked, name="softmax", where=lambda n: n.attr("axis", -1) in (-1, 3))
+    probs = op.Softmax(masked, name="softmax")
     return op.Reshape(
         op.Transpose(op.MatMul(probs, split("v", v, HEADS), name="pv"), perm=HEADS, name="merge_t"),
         var("merge_shape"),
@@ -142,6 +142,8 @@ def _causal(m: Match, site: Site) -> bool:
 
 
 def plan_attention(m: Match, site: Site) -> dict[str, object] | str:
+    if not softmax_over_last_axis(m.node("softmax"), site):
+        return "the Softmax is not over the last axis"
     found = [_heads(m, n, site) for n in ("q", "k", "v")]
     if any(f is None for f in found):
         return "the head split shapes are not provable (want static heads and head size on 3-D inputs)"
@@ -207,7 +209,7 @@ def rows_spelled_out(b: Builder, mask: Value) -> Value:
     spelled out (q length = key length = S here). One expansion per mask, shared by layers."""
 
     def expand() -> Value:
-        length = b.op("Shape", mask, start=-1)
+        length = b.shape(mask, -1)
         ones = b.constant(np.ones(2, np.int64), "ones")
         shape = b.op("Concat", ones, length, b.constant(np.ones(1, np.int64), "one"), axis=0)
         return b.op("Expand", mask, shape, name=_EXPANDED)
@@ -437,11 +439,18 @@ def _scores(value: Value) -> _Scores | None:
     return _Scores(qk, inner_factor * factor, factor)
 
 
+def softmax_over_last_axis(softmax: Node, site: Site) -> bool:
+    """Whether ``softmax`` normalizes over its input's last axis alone. Its axis defaults to -1 from opset 13
+    and to 1 below it, where the input is also flattened to 2-D at the axis: the same only at the last axis."""
+    rank = site.rank(softmax.outputs[0])
+    axis = softmax.attr("axis", -1 if site.opset >= 13 else 1)
+    return rank is not None and axis in (-1, rank - 1)
+
+
 def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     """The plan for ``attention-4d``'s match; a tanh softcap on the scores is a refusal unless the caller
     writes it (``softcap``)."""
-    softmax = m.node("softmax")
-    if softmax.attr("axis", -1) not in (-1, 3):
+    if not softmax_over_last_axis(m.node("softmax"), site):
         return "the Softmax is not over the last axis"
     scores, mask, added = m.value("scores"), None, None
     node = scores.producer
@@ -513,8 +522,8 @@ def _length(b: Builder, x: Value, known: bool) -> Value:
         return b.constant(np.ones(1, np.int64), "one")
     cache = _cache_parts(x)
     if cache is not None:
-        return b.op("Add", *(b.op("Shape", part, start=2, end=3) for part in cache))
-    return b.op("Shape", x, start=2, end=3)
+        return b.op("Add", *(b.shape(part, 2, 3) for part in cache))
+    return b.shape(x, 2, 3)
 
 
 def _cache_parts(x: Value) -> tuple[Value, Value] | None:
@@ -579,12 +588,14 @@ NAN_GUARD = op.Where(op.IsNaN(SOFTMAX, name="isnan"), const(0.0), SOFTMAX, name=
 
 
 def with_merged_bias(b: Builder, plan: Plan4, mask: Value | None) -> Value | None:
-    """``mask`` plus the plan's merged-heads bias split back to (batch, heads, 1 or S, T)."""
+    """``mask`` plus the plan's merged-heads bias split back to (batch, heads, 1 or S, T), or to (1, 1, S, T)
+    when one bias serves every (batch, head) (fairseq's causal mask, unsqueezed at 0)."""
     if plan.merged_bias is None:
         return mask
     bias = plan.merged_bias
-    rest = b.op("Shape", bias, start=1)
-    split = b.op("Reshape", bias, b.op("Concat", b.constant(np.array([-1, plan.heads], np.int64)), rest, axis=0))
+    lead = [1, 1] if (Site.shape(bias) or (None,))[0] == 1 else [-1, plan.heads]
+    rest = b.shape(bias, 1)
+    split = b.op("Reshape", bias, b.op("Concat", b.constant(np.array(lead, np.int64)), rest, axis=0))
     return split if mask is None else b.op("Add", split, mask)
 
 
@@ -648,9 +659,7 @@ def _merged_key(kt: Value, heads: int) -> _Heads4 | None:
 
 def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     """The plan for attention on merged (batch * heads) 3-D tensors, read as the 4-D attention it is."""
-    softmax = m.node("softmax")
-    rank = site.rank(softmax.outputs[0])
-    if rank is None or softmax.attr("axis", -1) not in (-1, rank - 1):
+    if not softmax_over_last_axis(m.node("softmax"), site):
         return "the Softmax is not over the last axis"
     heads = (site.shape(m.node("heads_split").outputs[0]) or (0, 0))[1]
     if not isinstance(heads, int) or not _is_split(m.node("heads_split"), heads):
@@ -693,6 +702,8 @@ def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     for added, want in ((bias, 3), (mask, 4)):
         if added is not None and (site.dtype(added) != dtype or site.rank(added) != want):
             return "a bias on the scores is not an additive mask of Q's type (the merged bias 3-D, the mask 4-D)"
+    if bias is not None and (site.shape(bias) or (None,))[0] not in (1, (site.shape(q_merged) or (0,))[0]):
+        return "the merged bias is not provably one per (batch, head) or one for all (its first dim)"
     scale = parts.scale * q_scale * k_scale
     return Plan4(q, k, v, heads, heads, scale, mask, mask, (k, v), parts.softcap, merged_bias=bias)
 

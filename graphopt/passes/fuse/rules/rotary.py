@@ -424,7 +424,7 @@ def _batched(b: Builder, half: Value, batch_of: Value) -> Value:
     """``half`` (1, seq, r/2) expanded to the batch of ``batch_of`` (made once per cache)."""
 
     def expand() -> Value:
-        batch = b.op("Shape", batch_of, start=0, end=1)
+        batch = b.shape(batch_of, 0, 1)
         ones = b.constant(np.ones(2, np.int64), "ones")
         return b.op("Expand", half, b.op("Concat", batch, ones, axis=0), name=_BATCHED)
 
@@ -488,7 +488,7 @@ def _flat(b: Builder, cache: Value, half: int) -> Value:
 
 def _row_ids(b: Builder, cache: Value) -> Value:
     """(batch, seq) int64 ids counting the rows of the (batch, seq, d/2) ``cache`` flattened."""
-    dims = shared_reader(cache, _DIMS, lambda: b.op("Shape", cache, start=0, end=2, name=_DIMS))
+    dims = shared_reader(cache, _DIMS, lambda: b.shape(cache, 0, 2, name=_DIMS))
 
     def make_ids() -> Value:
         rows = b.op("ReduceProd", dims, keepdims=0)

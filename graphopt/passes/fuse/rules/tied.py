@@ -51,7 +51,7 @@ def _build(b: Builder, m: Match, plan: None) -> Value:
     if all(isinstance(d, int) for d in leading) and isinstance(n, int):
         target = b.constant(np.array([*leading, n], np.int64), "tied_shape")
     else:
-        dims = b.op("Shape", x, start=0, end=len(shape) - 1)
+        dims = b.shape(x, 0, len(shape) - 1)
         target = b.op("Concat", dims, b.constant(np.array([-1], np.int64), "tied_width"), axis=0)
     return b.op("Reshape", product, target)
 

@@ -21,12 +21,14 @@ from graphopt.passes.fuse.rules.attention import (
     NAN_GUARD,
     SOFTMAX,
     Plan4,
+    additive_mask,
     core,
     head_count,
     ints_of,
     merge_refusal,
     plan_4d,
     plan_attention,
+    read_dim,
     rows_spelled_out,
     spelled_out,
     split_count,
@@ -54,23 +56,6 @@ _PV_KEPT = either(_PV, op.Reshape(_PV, var("same_shape"), name="same"))
 _MHA = op.Reshape(op.Transpose(_PV_KEPT, perm=HEADS, name="merge_t"), var("merge_shape"), name="merge")
 
 
-def _read_dim(entry: Value | None, source: Value) -> int | None:
-    """i when ``entry`` is the i-th dim of ``source`` as a 1-element shape read from it:
-    Shape(source, start=i, end=i + 1), or Unsqueeze(Gather(Shape(source), i))."""
-    node = entry.producer if entry is not None else None
-    if node is not None and node.op_type == "Shape" and node.inputs[0] is source:
-        start, end = node.attr("start", 0), node.attr("end")
-        return int(start) if end is not None and int(end) == int(start) + 1 and start >= 0 else None
-    gather = node.inputs[0].producer if node is not None and node.op_type == "Unsqueeze" and node.inputs[0] else None
-    if gather is None or gather.op_type != "Gather" or gather.inputs[0] is None or gather.attr("axis", 0) != 0:
-        return None
-    shape = gather.inputs[0].producer
-    index = Site.array(gather.inputs[1]) if len(gather.inputs) > 1 else None
-    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not source or shape.attributes:
-        return None
-    return int(index) if index is not None and index.size == 1 and index.ndim == 0 else None
-
-
 def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -> bool:
     """Whether Reshape(source, target) keeps the shape of ``source``, the product P V of an attention
     whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there (the batch and
@@ -87,7 +72,7 @@ def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) 
         if value is not None and value.size == 1 and int(value.ravel()[0]) == -1:
             free += 1
             continue
-        read = _read_dim(entry, source) == axis or (axis in (0, 2) and _read_dim(entry, query) == axis)
+        read = read_dim(entry, source) == axis or (axis in (0, 2) and read_dim(entry, query) == axis)
         known = ints_of(site, entry) if entry is not None else None
         same = [dims[axis], *((site.shape(query) or (None,) * 4)[axis : axis + 1] if axis in (0, 2) else ())]
         if not (read or (known is not None and len(known) == 1 and known[0] is not None and known[0] in same)):
@@ -130,7 +115,11 @@ def _plan_mha(m: Match, site: Site) -> _MhaPlan | str:
         return "onnxruntime's MultiHeadAttention runs float32 only here"
     if plan.mask is not None and plan.bias is None:
         return "the mask is not an additive float bias (MultiHeadAttention's attention_bias)"
-    if plan.bias is not None and (site.rank(plan.bias) != 4 or site.dtype(plan.bias) != DataType.FLOAT):
+    if (
+        plan.fill is None
+        and plan.bias is not None
+        and (site.rank(plan.bias) != 4 or site.dtype(plan.bias) != DataType.FLOAT)
+    ):
         return "the attention bias is not a 4-D float32 tensor"
     q_dims = site.shape(plan.q) or (None,) * 4
     size = head_count(plan.repeated[1], site)
@@ -164,7 +153,8 @@ def _build_mha(b: Builder, m: Match, found: _MhaPlan) -> Value:
     else:
         k = k_heads.value if k_heads.perm is None else b.op("Transpose", k_heads.value, perm=k_heads.perm)
         v = v_heads
-    bias = None if plan.bias is None else spelled_out(b, plan.bias, plan.q, v_heads)
+    added = additive_mask(b, plan)
+    bias = None if added is None else spelled_out(b, added, plan.q, v_heads)
     inputs: list[Value | None] = [query, k, v, None, None, bias]
     while inputs[-1] is None:
         inputs.pop()

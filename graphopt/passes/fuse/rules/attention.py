@@ -524,7 +524,7 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     elif node is not None and node.op_type == "Where":
         fill = float_array(node.inputs[2])
         if fill is None or fill.size != 1 or float(fill.ravel()[0]) > -1e30 or node.inputs[1] is None:
-            return "the Where before Softmax does not fill with -inf"
+            return "the Where before Softmax is not Where(m, scores, -inf) or Where(m, c, scores), c finite <= -1e30"
         scores, mask = node.inputs[1], node.inputs[0]
     assert scores is not None
     parts = _scores(scores)

@@ -35,6 +35,8 @@ def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dic
     rng = np.random.default_rng(batch * 100 + seq)
     names = [i.name for i in proto.graph.input]
     total = seq + PAST if "past_key" in names else seq
+    past = next((i.type.tensor_type.shape.dim for i in proto.graph.input if i.name == "past_key"), None)
+    heads, size = (past[1].dim_value, past[3].dim_value) if past is not None else (KV_HEADS, HEAD_SIZE)
     mask = np.ones((batch, total), np.int64)
     if batch > 1:
         mask[-1, -2:] = 0 if pad == "tail" else 1
@@ -43,8 +45,8 @@ def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dic
         "input_ids": rng.integers(1, 64, (batch, seq)),
         "attention_mask": mask,
         "position_ids": np.broadcast_to(np.arange(PAST, PAST + seq), (batch, seq)).copy(),
-        "past_key": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
-        "past_value": rng.standard_normal((batch, KV_HEADS, PAST, HEAD_SIZE)).astype(np.float32),
+        "past_key": rng.standard_normal((batch, heads, PAST, size)).astype(np.float32),
+        "past_value": rng.standard_normal((batch, heads, PAST, size)).astype(np.float32),
         "pixel_values": rng.standard_normal((batch, 3, IMAGE, IMAGE)).astype(np.float32),
         "features": rng.standard_normal((batch, *KERAS_FEATURES)).astype(np.float32),
         "x": rng.standard_normal((batch, *LEVIT_TOKENS)).astype(np.float32),
@@ -91,6 +93,8 @@ OPSET_23: dict[str, dict[str, int]] = {
     # fairseq-style attention (OPT, BART, Marian before SDPA): merged heads, bmm, a 3-D Softmax
     "bmm_attention": {"Attention": 1},
     "levit": {"Attention": 2},
+    "mpt": {"Attention": 1},
+    "gpt2_kv": {"Attention": 1},
 }
 
 
@@ -124,6 +128,10 @@ ORT_MHA = {
     "bloom_ts": 2,
     "bmm_attention_dynamo": 1,
     "bmm_attention_ts": 1,
+    "mpt_dynamo": 1,
+    "mpt_ts": 1,
+    "gpt2_kv_dynamo": 1,
+    "gpt2_kv_ts": 1,
 }
 
 
@@ -152,6 +160,20 @@ def test_target_ort_writes_multihead_attention(name: str) -> None:
     found = _ops(out)
     assert found["MultiHeadAttention"] == ORT_MHA[name] and "Softmax" not in found, found
     _same(original, out)
+
+
+@pytest.mark.parametrize("settings", [{"target_opset": 23}, {"target": "ort"}], ids=["opset23", "ort"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_masked_fill_with_the_lowest_float_keeps_fully_masked_rows(exporter: str, settings: dict[str, Any]) -> None:
+    """MPT writes Where(mask, finfo.min, scores + alibi) before its Softmax: a query whose keys are all masked (left
+    padding in a causal LM, or a row whose mask is all zeros) weighs them alike, where a fill of -inf would give NaN.
+    The fused attention (the fill plus the bias as its float mask) computes the same rows."""
+    original, out = _optimized(f"mpt_{exporter}", **settings)
+    assert "Softmax" not in _ops(out), _ops(out)
+    feeds = fixture_feeds(original, 3, 6, "head")
+    feeds["attention_mask"][0] = 0
+    assert all(np.isfinite(v).all() for v in run_ort(original, feeds).values())
+    assert_same_outputs(original, out, feeds, rtol=1e-4, atol=1e-4)
 
 
 # model -> onnxruntime ops every export of it holds after --target ort, at the exports' own opsets (17, 18),

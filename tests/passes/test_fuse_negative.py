@@ -2125,3 +2125,26 @@ def coverage_matrix() -> str:
 
 if __name__ == "__main__":
     sys.stdout.write(coverage_matrix() + "\n")
+
+
+# -- masked_fill of the scores (MPT's Where(mask, finfo.min, scores + alibi)) ------------------------
+
+
+def _mpt_with_fill(value: float) -> onnx.ModelProto:
+    """The dynamo mpt fixture with the fill of its masked scores (Where(mask, fill, scores + alibi)) at ``value``."""
+    proto = onnx.load(str(FIXTURES / "mpt_dynamo.onnx"))
+    producer = {o: n for n in proto.graph.node for o in n.output}
+    softmax = next(n for n in proto.graph.node if n.op_type == "Softmax")
+    where = producer[softmax.input[0]]
+    assert where.op_type == "Where"
+    where.input[1] = "other_fill"
+    proto.graph.initializer.append(init("other_fill", np.array(value, np.float32)))
+    return proto
+
+
+@pytest.mark.parametrize("fill", [-1e4, -np.inf], ids=["small", "-inf"])
+def test_a_masked_fill_the_scores_do_not_round_back_to_stays(fill: float) -> None:
+    """Added to the scores, a fill above -1e30 does not round back to itself (the masked entries would differ),
+    and -inf gives NaN on a fully masked row where the fused op need not: the attention stays, a near miss says why."""
+    details = refused(_mpt_with_fill(fill), "ort-multihead-attention", passes="shape-infer,fuse,dce", target="ort")
+    assert any("c finite <= -1e30" in m for m in details["near_misses"]["attention"]), details

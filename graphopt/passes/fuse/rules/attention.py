@@ -50,7 +50,7 @@ import numpy as np
 from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.dims import mul
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor, shared_reader
+from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, new_const, scalar_factor, shared_reader
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 
@@ -232,8 +232,10 @@ def rows_spelled_out(b: Builder, mask: Value) -> Value:
 #     goes: Attention repeats them itself (kv_num_heads);
 #   - the mask as Add of a float bias (Where(cond, 0, -inf) becomes the boolean cond, whose fully
 #     masked rows Attention zeroes as the exporters' IsNaN guard after Softmax does), or
-#     Where(cond, scores, -inf) directly; a KV cache's Concat with the past stays K / V here and goes
-#     into the Attention afterwards (``attention-kv-cache``).
+#     Where(cond, scores, -inf) directly, or masked_fill(cond, finfo.min) of the scores plus a bias
+#     (MPT's ALiBi), Where(cond, fill, scores + bias), which becomes the float mask Where(cond, fill, bias)
+#     (the scores added to the fill round back to it, so fully masked rows stay uniform); a KV cache's
+#     Concat with the past stays K / V here and goes into the Attention afterwards (``attention-kv-cache``).
 
 
 def _scalar_steps(value: Value) -> tuple[Value, float]:
@@ -386,6 +388,78 @@ class Plan4:
     widen: bool = False  # float16 Q, K, V, all cast to float32 (the written attention is from Q K^T on)
     # An additive bias on the scores with batch and heads merged, (batch * heads, 1 or S, T): BLOOM's ALiBi.
     merged_bias: Value | None = None
+    fill: MaskedFill | None = None  # the scores (plus ``bias``) masked_fill'ed with a finite lowest value
+
+
+@dataclass
+class MaskedFill:
+    """``Where(cond, fill, scores + bias)`` before the Softmax: a boolean mask filling a finite value at or
+    below -1e30 (masked_fill with finfo.min, as MPT and other models building a float mask write). ``shape``:
+    the 4-D broadcast of ``cond`` and the bias, or None where it is not provable."""
+
+    cond: Value
+    fill: Value
+    shape: tuple[Any, ...] | None
+
+
+def _finite_fill(value: Value | None) -> float | None:
+    """The scalar of a finite float constant at or below -1e30, or None."""
+    found = float_array(value) if value is not None else None
+    if found is None or found.size != 1 or not np.isfinite(found.ravel()[0]) or float(found.ravel()[0]) > -1e30:
+        return None
+    return float(found.ravel()[0])
+
+
+def _masked_fill(where: Node) -> tuple[Value, Value | None, MaskedFill] | str:
+    """(scores, bias or None, the fill) of ``Where(cond, fill, scores [+ bias])``, or why not."""
+    cond, fill, scores = where.inputs
+    if cond is None or fill is None or scores is None:
+        return "the masked fill's Where has an empty input"
+    bias = None
+    node = scores.producer
+    if node is not None and node.op_type == "Add":
+        for core, added in (node.inputs, reversed(node.inputs)):
+            if core is not None and added is not None and _scores(core) is not None:
+                scores, bias = core, added
+                break
+    shapes = [Site.shape(v) for v in (cond, bias) if v is not None]
+    return scores, bias, MaskedFill(cond, fill, _broadcast(shapes))
+
+
+def _broadcast(shapes: list[tuple[Any, ...] | None]) -> tuple[Any, ...] | None:
+    """The numpy broadcast of ``shapes`` (symbolic dims as the facts give them; a dim that differs
+    from another that is not 1 is unknown), or None when one is unknown."""
+    if any(shape is None for shape in shapes):
+        return None
+    rank = max(len(shape) for shape in shapes if shape is not None)
+    out: list[Any] = [1] * rank
+    for shape in shapes:
+        assert shape is not None
+        for axis, dim in enumerate(shape, start=rank - len(shape)):
+            if dim == 1:
+                continue
+            out[axis] = dim if out[axis] in (1, dim) else None
+    return tuple(out)
+
+
+def additive_mask(b: Builder, plan: Plan4) -> Value | None:
+    """The float mask to add to the scaled scores: the masked fill's ``Where(cond, fill, bias or 0)``
+    (or the plan's additive bias). The scores added to the fill round back to it, so a query whose keys are
+    all masked weighs them alike, as the export does; a fill of the lowest float moves one step up, as
+    onnxruntime's Attention reads that one as -inf (see _off_lowest)."""
+    filled = plan.fill
+    if filled is None:
+        return plan.bias
+    fill = Site.array(filled.fill)
+    assert fill is not None
+    if fill.ravel()[0] == np.finfo(fill.dtype).min:
+        fill = np.nextafter(fill, np.zeros_like(fill))
+    rest = plan.bias if plan.bias is not None else new_const(b, np.zeros((), fill.dtype), filled.fill, "zero")
+    node = b.node("Where", filled.cond, b.constant(fill, "mask_fill"), rest)
+    dtype = Site.dtype(filled.fill)
+    if dtype is not None and filled.shape is not None:
+        node.outputs[0].type = TensorType(dtype, filled.shape)
+    return node.outputs[0]
 
 
 def _mask_of(bias: Value) -> Value:
@@ -452,17 +526,22 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     writes it (``softcap``)."""
     if not softmax_over_last_axis(m.node("softmax"), site):
         return "the Softmax is not over the last axis"
-    scores, mask, added = m.value("scores"), None, None
+    scores, mask, added, filled = m.value("scores"), None, None, None
     node = scores.producer
     if node is not None and node.op_type == "Add":
         for core, bias in (node.inputs, reversed(node.inputs)):
             if core is not None and bias is not None and _scores(core) is not None:
                 scores, mask, added = core, _mask_of(bias), bias
                 break
+    elif node is not None and node.op_type == "Where" and _finite_fill(node.inputs[1]) is not None:
+        masked = _masked_fill(node)
+        if isinstance(masked, str):
+            return masked
+        scores, added, filled = masked
     elif node is not None and node.op_type == "Where":
         fill = float_array(node.inputs[2])
         if fill is None or fill.size != 1 or float(fill.ravel()[0]) > -1e30 or node.inputs[1] is None:
-            return "the Where before Softmax does not fill with -inf"
+            return "the Where before Softmax is not Where(m, scores, -inf) or Where(m, c, scores), c finite <= -1e30"
         scores, mask = node.inputs[1], node.inputs[0]
     assert scores is not None
     parts = _scores(scores)
@@ -502,7 +581,13 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
         return "Q, K, V are not float tensors of one known type"
     if widen and dtype != DataType.FLOAT16:
         return "the scores are cast to float32 from another type than Q's"
-    if mask is not None:
+    if filled is not None:
+        fill_type = DataType.FLOAT if widen else dtype
+        if site.dtype(filled.cond) != DataType.BOOL or (added is not None and site.dtype(added) != fill_type):
+            return "the masked fill's mask is not boolean or its bias not of the scores' type"
+        if site.dtype(filled.fill) != fill_type or filled.shape is None or len(filled.shape) != 4:
+            return "the masked fill is not of the scores' type, or its mask and bias do not provably make 4-D"
+    elif mask is not None:
         shape = site.shape(mask)
         typed = site.dtype(mask) in (DataType.FLOAT if widen else dtype, DataType.BOOL)
         if not typed or shape is None or not 2 <= len(shape) <= 4:
@@ -510,7 +595,20 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
         if len(shape) > 2 and isinstance(shape[-3], int) and shape[-3] not in (1, heads):
             return "the mask's head axis is neither 1 nor the heads"
     scale = parts.scale * q_scale * k_scale
-    return Plan4(q, k, v, heads, kv_heads, scale, mask, added, repeated, parts.softcap, widen)
+    return Plan4(
+        q,
+        k,
+        v,
+        heads,
+        kv_heads,
+        scale,
+        mask=mask,
+        bias=added,
+        repeated=repeated,
+        softcap=parts.softcap,
+        widen=widen,
+        fill=filled,
+    )
 
 
 def _length(b: Builder, x: Value, known: bool) -> Value:
@@ -576,7 +674,8 @@ def _build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
     if plan.widen:
         q, k, v = (b.op("Cast", x, to=int(DataType.FLOAT)) for x in (q, k, v))
     k = k if plan.k.perm is None else b.op("Transpose", k, perm=plan.k.perm)
-    mask = with_merged_bias(b, plan, None if plan.mask is None else _off_lowest(b, plan.mask))
+    written = additive_mask(b, plan) if plan.fill is not None else plan.mask
+    mask = with_merged_bias(b, plan, None if written is None else _off_lowest(b, written))
     mask = None if mask is None else spelled_out(b, mask, plan.q, plan.v)
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
     softcap = {"softcap": plan.softcap} if plan.softcap else {}
@@ -705,7 +804,9 @@ def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     if bias is not None and (site.shape(bias) or (None,))[0] not in (1, (site.shape(q_merged) or (0,))[0]):
         return "the merged bias is not provably one per (batch, head) or one for all (its first dim)"
     scale = parts.scale * q_scale * k_scale
-    return Plan4(q, k, v, heads, heads, scale, mask, mask, (k, v), parts.softcap, merged_bias=bias)
+    return Plan4(
+        q, k, v, heads, heads, scale, mask=mask, bias=mask, repeated=(k, v), softcap=parts.softcap, merged_bias=bias
+    )
 
 
 MERGED_HEADS = op.Reshape(
@@ -753,11 +854,40 @@ def merge_refusal(m: Match, site: Site, width: int, batch: object, seq: object) 
     wrong = "the merge Reshape is not provably back to (batch, seq, heads * head size)"
     if target is None or len(target) != 3 or target[2] not in (width, -1) or (0 in target and not copies):
         return wrong
-    kept_batch, kept_seq = target[0] in (0, batch), target[1] in (0, seq)
+    kept_batch, kept_seq = (_kept(m, target, axis, dim) for axis, dim in ((0, batch), (1, seq)))
     # With the width fixed, one of batch and seq provably kept fixes the other.
     if not (kept_batch and kept_seq) and not ((kept_batch or kept_seq) and target[2] == width):
         return wrong
     return None
+
+
+def read_dim(entry: Value | None, source: Value) -> int | None:
+    """i when ``entry`` is the i-th dim of ``source`` as a 1-element shape read from it:
+    Shape(source, start=i, end=i + 1), or Unsqueeze(Gather(Shape(source), i))."""
+    node = entry.producer if entry is not None else None
+    if node is not None and node.op_type == "Shape" and node.inputs[0] is source:
+        start, end = node.attr("start", 0), node.attr("end")
+        return int(start) if end is not None and int(end) == int(start) + 1 and start >= 0 else None
+    gather = node.inputs[0].producer if node is not None and node.op_type == "Unsqueeze" and node.inputs[0] else None
+    if gather is None or gather.op_type != "Gather" or gather.inputs[0] is None or gather.attr("axis", 0) != 0:
+        return None
+    shape = gather.inputs[0].producer
+    index = Site.array(gather.inputs[1]) if len(gather.inputs) > 1 else None
+    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not source or shape.attributes:
+        return None
+    return int(index) if index is not None and index.size == 1 and index.ndim == 0 else None
+
+
+def _kept(m: Match, target: tuple[Any, ...], axis: int, dim: object) -> bool:
+    """Whether the merge's target keeps ``axis`` of its (batch, seq, heads, head size) input: a 0 (a copy),
+    the dim ``dim`` the facts know, or that dim read from the merge's own input (TorchScript's
+    Shape / Gather / Unsqueeze, whose value the facts may not know)."""
+    if target[axis] == 0 or (target[axis] is not None and target[axis] == dim):
+        return True
+    merged, concat = m.node("merge").inputs[0], m.value("merge_shape").producer
+    if merged is None or concat is None or concat.op_type != "Concat" or len(concat.inputs) != len(target):
+        return False
+    return read_dim(concat.inputs[axis], merged) == axis
 
 
 def _plan_3d(m: Match, site: Site) -> dict[str, Any] | str:

@@ -23,6 +23,7 @@ from graphopt.passes.fuse.rules.attention import (
     NAN_GUARD,
     SOFTMAX,
     Plan4,
+    additive_mask,
     core,
     head_count,
     ints_of,
@@ -30,6 +31,7 @@ from graphopt.passes.fuse.rules.attention import (
     plan_4d,
     plan_attention,
     plan_merged,
+    read_dim,
     rows_spelled_out,
     spelled_out,
     split_count,
@@ -67,23 +69,6 @@ _PV_KEPT = either(_PV, op.Reshape(_PV, var("same_shape"), name="same"))
 _MHA = op.Reshape(op.Transpose(_PV_KEPT, perm=HEADS, name="merge_t"), var("merge_shape"), name="merge")
 
 
-def _read_dim(entry: Value | None, source: Value) -> int | None:
-    """i when ``entry`` is the i-th dim of ``source`` as a 1-element shape read from it:
-    Shape(source, start=i, end=i + 1), or Unsqueeze(Gather(Shape(source), i))."""
-    node = entry.producer if entry is not None else None
-    if node is not None and node.op_type == "Shape" and node.inputs[0] is source:
-        start, end = node.attr("start", 0), node.attr("end")
-        return int(start) if end is not None and int(end) == int(start) + 1 and start >= 0 else None
-    gather = node.inputs[0].producer if node is not None and node.op_type == "Unsqueeze" and node.inputs[0] else None
-    if gather is None or gather.op_type != "Gather" or gather.inputs[0] is None or gather.attr("axis", 0) != 0:
-        return None
-    shape = gather.inputs[0].producer
-    index = Site.array(gather.inputs[1]) if len(gather.inputs) > 1 else None
-    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not source or shape.attributes:
-        return None
-    return int(index) if index is not None and index.size == 1 and index.ndim == 0 else None
-
-
 def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -> bool:
     """Whether Reshape(source, target) keeps the shape of ``source``, the product P V of an attention
     whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there (the batch and
@@ -100,7 +85,7 @@ def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) 
         if value is not None and value.size == 1 and int(value.ravel()[0]) == -1:
             free += 1
             continue
-        read = _read_dim(entry, source) == axis or (axis in (0, 2) and _read_dim(entry, query) == axis)
+        read = read_dim(entry, source) == axis or (axis in (0, 2) and read_dim(entry, query) == axis)
         known = ints_of(site, entry) if entry is not None else None
         same = [dims[axis], *((site.shape(query) or (None,) * 4)[axis : axis + 1] if axis in (0, 2) else ())]
         if not (read or (known is not None and len(known) == 1 and known[0] is not None and known[0] in same)):
@@ -155,16 +140,19 @@ def _plan_mha(
     size = head_count(plan.repeated[1], site)
     if size is None or size[0] != plan.heads:
         return "V does not provably have Q's heads and a static head size"
-    below_4d = plan.bias is not None and site.rank(plan.bias) != 4
+    # a masked fill is written as one 4-D float mask (attention.additive_mask); else the bias as written
+    added = plan.fill.fill if plan.fill is not None else plan.bias
+    added_shape = plan.fill.shape if plan.fill is not None else site.shape(plan.bias) if plan.bias else None
+    below_4d = plan.fill is None and plan.bias is not None and site.rank(plan.bias) != 4
     if broadcast and not below_4d:
         return "no attention bias of rank below 4 (ort-multihead-attention's case)"
     if below_4d and not broadcast:
         return f"the attention bias is not 4-D ({_BROADCAST_BIAS} takes it: off by default, measured slower)"
-    if plan.bias is not None:
-        if site.dtype(plan.bias) != DataType.FLOAT:
+    if added is not None:
+        if site.dtype(added) != DataType.FLOAT:
             return "the attention bias is not float32"
         scores = (q_dims[0], plan.heads, q_dims[2], (site.shape(plan.repeated[1]) or (None,) * 4)[2])
-        if not _broadcasts_to(site.shape(plan.bias), scores):
+        if not _broadcasts_to(added_shape, scores):
             return "the attention bias does not broadcast to (batch or 1, heads or 1, S, T)"
     width = plan.heads * size[1]
     target = ints_of(site, m.value("merge_shape"))
@@ -214,7 +202,8 @@ def _build_mha(b: Builder, m: Match, found: _MhaPlan) -> Value:
         k = k_heads.value if k_heads.perm is None else b.op("Transpose", k_heads.value, perm=k_heads.perm)
         v = v_heads
     # the rank is read from the plan's own bias: the merged-heads split built here has no shape yet
-    bias = with_merged_bias(b, plan, None if plan.bias is None else _four_d(b, plan.bias, m.site.opset))
+    added = additive_mask(b, plan) if plan.fill is not None else plan.bias
+    bias = with_merged_bias(b, plan, None if added is None else _four_d(b, added, m.site.opset))
     bias = None if bias is None else spelled_out(b, bias, plan.q, v_heads)
     inputs: list[Value | None] = [query, k, v, None, None, bias]
     while inputs[-1] is None:

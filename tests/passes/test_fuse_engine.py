@@ -383,7 +383,7 @@ def test_a_plan_runs_once_and_its_build_gets_the_plan(user_rule: list[str]) -> N
 
 
 def _fails_naming_the_rule(rule: Rule, user_rule: list[str]) -> str:
-    """Run ``rule`` on Neg(Neg(x)): the fuse pass fails, is rolled back, and says which rule broke."""
+    """Run ``rule`` on Neg(Neg(x)): its rewrite is undone, the graph stays, and the report says which rule broke."""
     add_rule(rule)
     user_rule.append(rule.name)
     proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "y")], [info("x", [2])], ["y"])

@@ -1565,6 +1565,14 @@ EXPORTED: dict[str, Exported | str] = {
     # are the bert_dynamo fixture's MLP as exported, its sequence fixed as a ViT's or a Whisper encoder's is.
     "matmul-add-gemm-projection": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
     "reshape-through-elementwise": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
+    "matmul-add-gemm-projection-reshaped": Exported(
+        ("bert_dynamo",),
+        {"Gemm": 1},
+        attr_at("reshape", "may copy a dim of the product", allowzero=0),
+        untyped_at(("x",), "the product's rank is unknown", undeclared=True),
+        NO_GATE,
+        {"fuse_late": True},
+    ),
     "reshape-through-elementwise-region": "n/a: its CASES entry is the exported bert_ts MLP at a static sequence",
     "ort-rmsnorm": Exported(
         ("llama_dynamo",),

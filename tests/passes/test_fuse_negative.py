@@ -72,6 +72,7 @@ from tests.passes.fuse_models import (
     rope_variant_model,
     scaled_matmul,
     skip_norm,
+    split_projections,
     tanh_gelu,
     tied,
 )
@@ -1822,6 +1823,15 @@ CASES |= {
             note="bias [6, 64], a constant",
         ),
         Perturb(BOTH_DYNAMIC, "more than one dim of the product is not static", note="batch and sequence dynamic"),
+        NO_GATE,
+        LATE,
+    ),
+    "matmul-add-gemm-projection-reshaped": Case(
+        lambda: split_projections(names=("q",)),
+        {"Shape": 1, "Concat": 1, "Reshape": 2, "Gemm": 1},
+        "q_biased",
+        Perturb(set_attr("q", allowzero=0), "may copy a dim of the product", note="a computed target"),
+        Perturb(set_shape("x", None), "the product's rank is unknown"),
         NO_GATE,
         LATE,
     ),

@@ -31,6 +31,7 @@ from tests.passes.fuse_models import (
     layer_norm,
     matmul_add,
     rope_model,
+    split_projections,
     tanh_gelu,
 )
 
@@ -149,28 +150,10 @@ def test_a_projection_takes_its_bias_as_gemms_in_any_rank(bias: tuple[int, ...])
     _fires(proto, "matmul-add-gemm-projection", {"Reshape": 2, "Gemm": 1}, fuse_late=True)
 
 
-def _split_projections(allowzero: int) -> onnx.ModelProto:
-    """Two biased projections of one x [batch, seq, 8], each split to heads by a Reshape whose
-    target is computed from x's Shape (both dims dynamic), as the dynamo exporter writes it."""
-    nodes = [node("Shape", ["x"], "dims", end=2), node("Concat", ["dims", "heads"], "target", axis=0)]
-    params = [init("heads", np.array([2, 4], np.int64))]
-    for name in ("q", "k"):
-        nodes += [
-            node("MatMul", ["x", f"w_{name}"], f"{name}_product"),
-            node("Add", [f"{name}_product", f"b_{name}"], f"{name}_biased"),
-            node("Reshape", [f"{name}_biased", "target"], name, allowzero=allowzero),
-        ]
-        params += [
-            init(f"w_{name}", RNG.standard_normal((8, 8)).astype(np.float32)),
-            init(f"b_{name}", RNG.standard_normal(8).astype(np.float32)),
-        ]
-    return model(nodes, [info("x", ["batch", "seq", 8])], ["q", "k"], params)
-
-
 def test_a_projection_split_to_heads_takes_no_reshape_back_and_shares_its_rows() -> None:
     # the target copies no dim (allowzero): the 2-D Gemm output reshapes to the same heads
     out = _fires(
-        _split_projections(allowzero=1),
+        split_projections(allowzero=1),
         "matmul-add-gemm-projection-reshaped",
         {"Shape": 1, "Concat": 1, "Reshape": 3, "Gemm": 2},
         fuse_late=True,
@@ -178,7 +161,7 @@ def test_a_projection_split_to_heads_takes_no_reshape_back_and_shares_its_rows()
     rows = [n for n in out.graph.node if n.op_type == "Reshape" and n.input[0] == "x"]
     assert len(rows) == 1
     # a 0 in a computed target would copy a dim of the 3-D product, which the rows lack
-    details = _refused(_split_projections(allowzero=0), "matmul-add-gemm-projection-reshaped", fuse_late=True)
+    details = _refused(split_projections(allowzero=0), "matmul-add-gemm-projection-reshaped", fuse_late=True)
     assert "may copy a dim of the product" in " ".join(details["near_misses"]["matmul"])
 
 

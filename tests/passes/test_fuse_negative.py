@@ -1566,6 +1566,15 @@ EXPORTED: dict[str, Exported | str] = {
     # are the bert_dynamo fixture's MLP as exported, its sequence fixed as a ViT's or a Whisper encoder's is.
     "matmul-add-gemm-projection": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
     "reshape-through-elementwise": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
+    "unsqueeze-unsqueeze": Exported(
+        ("mpt_dynamo",),
+        {"Unsqueeze": 1},
+        "n/a: the pattern reads no attribute (the axes are constant inputs)",
+        untyped_at(("x",), "the axes or the rank are unknown", undeclared=True),
+        NO_GATE,
+        interior="n/a: the inner Unsqueeze (the causal mask's arange[None, None]) is exported: its other Unsqueeze "
+        "reader keeps a copy; the hand-built case's reader and output perturbations stand",
+    ),
     "matmul-add-gemm-projection-reshaped": Exported(
         ("bert_dynamo",),
         {"Gemm": 1},
@@ -1750,7 +1759,6 @@ BEFORE_EXPORTS = frozenset(
         "transpose-into-gemm-a",
         "transpose-into-gemm-b",
         "transpose-transpose",
-        "unsqueeze-unsqueeze",
     }
 )
 

@@ -18,6 +18,7 @@ from graphopt.errors import InputError
 from graphopt.io.onnx_io import from_proto
 from graphopt.passes.pipeline import pipeline_from_config
 from tests.numerics import assert_same_outputs
+from tests.passes.fuse_exported import FIXTURES, fixture_inputs
 from tests.passes.fuse_helpers import fires as _fires
 from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
 from tests.passes.fuse_helpers import refused as _refused
@@ -193,6 +194,48 @@ def test_unsqueeze_pairs_merge() -> None:
         [init("a1", np.array([1], np.int64)), init("a2", np.array([0, 3], np.int64))],
     )
     _fires(proto, "unsqueeze-unsqueeze", {"Unsqueeze": 1})
+
+
+def test_an_unsqueeze_read_by_unsqueezes_only_goes_into_each() -> None:
+    # a causal mask's row and column indices: arange[None, None, :, None] and arange[None, None, None, :]
+    def fanned(other: str) -> onnx.ModelProto:
+        return model(
+            [
+                node("Unsqueeze", ["x", "a01"], "u"),
+                node("Unsqueeze", ["u", "a3"], "rows"),
+                node(other, ["u", "a2"] if other == "Unsqueeze" else ["u"], "cols"),
+            ],
+            [info("x", ["s"])],
+            ["rows", "cols"],
+            [init(f"a{''.join(map(str, a))}", np.array(a, np.int64)) for a in ([0, 1], [3], [2])],
+        )
+
+    _fires(fanned("Unsqueeze"), "unsqueeze-unsqueeze", {"Unsqueeze": 2})
+    # three in a chain, the first two read twice (llama_ts's positions): each outer one takes x as it is by then
+    tree = model(
+        [
+            node("Unsqueeze", ["x", "a0"], "u0"),
+            node("Unsqueeze", ["u0", "a0"], "u1"),
+            node("Unsqueeze", ["u0", "a2"], "y0"),
+            node("Unsqueeze", ["u1", "a0"], "y1"),
+            node("Unsqueeze", ["u1", "a3"], "y2"),
+        ],
+        [info("x", ["s"])],
+        ["y0", "y1", "y2"],
+        [init(f"a{a}", np.array([a], np.int64)) for a in (0, 2, 3)],
+    )
+    _fires(tree, "unsqueeze-unsqueeze", {"Unsqueeze": 3})
+    details = _refused(fanned("Relu"), "unsqueeze-unsqueeze")
+    assert "'u' is also read by" in " ".join(details["near_misses"]["shape"])
+
+
+def test_the_mpt_exports_causal_mask_indices_take_one_unsqueeze_each() -> None:
+    proto = onnx.load(str(FIXTURES / "mpt_dynamo.onnx"))
+    out, details = fuse(proto)
+    # arange[None, None] read as rows and as columns goes into both; one other pair merged before too
+    assert details["applied"]["unsqueeze-unsqueeze"] == 3
+    assert (ops(proto)["Unsqueeze"], ops(out)["Unsqueeze"]) == (7, 5)
+    assert_same_outputs(proto, out, fixture_inputs(proto), rtol=1e-4, atol=1e-4)
 
 
 def test_lossless_cast_chains_collapse_and_lossy_ones_stay() -> None:

@@ -527,6 +527,21 @@ def rope_model(
     return model(nodes, inputs, outputs, params, opset=opset)
 
 
+def split_projections(allowzero: int = 1, names: tuple[str, ...] = ("q", "k")) -> onnx.ModelProto:
+    """Biased projections of one x [batch, seq, 8], each split to heads by a Reshape whose target
+    is computed from x's Shape (both dims dynamic), as the dynamo exporter writes it."""
+    nodes = [node("Shape", ["x"], "dims", end=2), node("Concat", ["dims", "heads"], "target", axis=0)]
+    params = [init("heads", np.array([2, 4], np.int64))]
+    for name in names:
+        nodes += [
+            node("MatMul", ["x", f"w_{name}"], f"{name}_product"),
+            node("Add", [f"{name}_product", f"b_{name}"], f"{name}_biased"),
+            node("Reshape", [f"{name}_biased", "target"], name, allowzero=allowzero),
+        ]
+        params += [init(f"w_{name}", rand_weight(8, 8)), init(f"b_{name}", rand_weight(8))]
+    return model(nodes, [info("x", ["batch", "seq", 8])], list(names), params)
+
+
 # -- the shatter rules (lowering, expose, kronecker) ---------------------------------------------
 
 

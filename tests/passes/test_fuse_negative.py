@@ -72,6 +72,7 @@ from tests.passes.fuse_models import (
     rope_variant_model,
     scaled_matmul,
     skip_norm,
+    split_projections,
     tanh_gelu,
     tied,
 )
@@ -1565,6 +1566,23 @@ EXPORTED: dict[str, Exported | str] = {
     # are the bert_dynamo fixture's MLP as exported, its sequence fixed as a ViT's or a Whisper encoder's is.
     "matmul-add-gemm-projection": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
     "reshape-through-elementwise": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
+    "unsqueeze-unsqueeze": Exported(
+        ("mpt_dynamo",),
+        {"Unsqueeze": 1},
+        "n/a: the pattern reads no attribute (the axes are constant inputs)",
+        untyped_at(("x",), "the axes or the rank are unknown", undeclared=True),
+        NO_GATE,
+        interior="n/a: the inner Unsqueeze (the causal mask's arange[None, None]) is exported: its other Unsqueeze "
+        "reader keeps a copy; the hand-built case's reader and output perturbations stand",
+    ),
+    "matmul-add-gemm-projection-reshaped": Exported(
+        ("bert_dynamo",),
+        {"Gemm": 1},
+        attr_at("reshape", "may copy a dim of the product", allowzero=0),
+        untyped_at(("x",), "the product's rank is unknown", undeclared=True),
+        NO_GATE,
+        {"fuse_late": True},
+    ),
     "reshape-through-elementwise-region": "n/a: its CASES entry is the exported bert_ts MLP at a static sequence",
     "ort-rmsnorm": Exported(
         ("llama_dynamo",),
@@ -1741,7 +1759,6 @@ BEFORE_EXPORTS = frozenset(
         "transpose-into-gemm-a",
         "transpose-into-gemm-b",
         "transpose-transpose",
-        "unsqueeze-unsqueeze",
     }
 )
 
@@ -1814,6 +1831,15 @@ CASES |= {
             note="bias [6, 64], a constant",
         ),
         Perturb(BOTH_DYNAMIC, "more than one dim of the product is not static", note="batch and sequence dynamic"),
+        NO_GATE,
+        LATE,
+    ),
+    "matmul-add-gemm-projection-reshaped": Case(
+        lambda: split_projections(names=("q",)),
+        {"Shape": 1, "Concat": 1, "Reshape": 2, "Gemm": 1},
+        "q_biased",
+        Perturb(set_attr("q", allowzero=0), "may copy a dim of the product", note="a computed target"),
+        Perturb(set_shape("x", None), "the product's rank is unknown"),
         NO_GATE,
         LATE,
     ),

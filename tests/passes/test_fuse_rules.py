@@ -18,6 +18,7 @@ from graphopt.errors import InputError
 from graphopt.io.onnx_io import from_proto
 from graphopt.passes.pipeline import pipeline_from_config
 from tests.numerics import assert_same_outputs
+from tests.passes.fuse_exported import FIXTURES, fixture_inputs
 from tests.passes.fuse_helpers import fires as _fires
 from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
 from tests.passes.fuse_helpers import refused as _refused
@@ -31,6 +32,7 @@ from tests.passes.fuse_models import (
     layer_norm,
     matmul_add,
     rope_model,
+    split_projections,
     tanh_gelu,
 )
 
@@ -149,6 +151,21 @@ def test_a_projection_takes_its_bias_as_gemms_in_any_rank(bias: tuple[int, ...])
     _fires(proto, "matmul-add-gemm-projection", {"Reshape": 2, "Gemm": 1}, fuse_late=True)
 
 
+def test_a_projection_split_to_heads_takes_no_reshape_back_and_shares_its_rows() -> None:
+    # the target copies no dim (allowzero): the 2-D Gemm output reshapes to the same heads
+    out = _fires(
+        split_projections(allowzero=1),
+        "matmul-add-gemm-projection-reshaped",
+        {"Shape": 1, "Concat": 1, "Reshape": 3, "Gemm": 2},
+        fuse_late=True,
+    )
+    rows = [n for n in out.graph.node if n.op_type == "Reshape" and n.input[0] == "x"]
+    assert len(rows) == 1
+    # a 0 in a computed target would copy a dim of the 3-D product, which the rows lack
+    details = _refused(split_projections(allowzero=0), "matmul-add-gemm-projection-reshaped", fuse_late=True)
+    assert "may copy a dim of the product" in " ".join(details["near_misses"]["matmul"])
+
+
 def test_a_reshape_pair_around_a_scale_goes_for_a_scalar_only() -> None:
     def scaled(scale: np.ndarray) -> onnx.ModelProto:
         return model(
@@ -177,6 +194,48 @@ def test_unsqueeze_pairs_merge() -> None:
         [init("a1", np.array([1], np.int64)), init("a2", np.array([0, 3], np.int64))],
     )
     _fires(proto, "unsqueeze-unsqueeze", {"Unsqueeze": 1})
+
+
+def test_an_unsqueeze_read_by_unsqueezes_only_goes_into_each() -> None:
+    # a causal mask's row and column indices: arange[None, None, :, None] and arange[None, None, None, :]
+    def fanned(other: str) -> onnx.ModelProto:
+        return model(
+            [
+                node("Unsqueeze", ["x", "a01"], "u"),
+                node("Unsqueeze", ["u", "a3"], "rows"),
+                node(other, ["u", "a2"] if other == "Unsqueeze" else ["u"], "cols"),
+            ],
+            [info("x", ["s"])],
+            ["rows", "cols"],
+            [init(f"a{''.join(map(str, a))}", np.array(a, np.int64)) for a in ([0, 1], [3], [2])],
+        )
+
+    _fires(fanned("Unsqueeze"), "unsqueeze-unsqueeze", {"Unsqueeze": 2})
+    # three in a chain, the first two read twice (llama_ts's positions): each outer one takes x as it is by then
+    tree = model(
+        [
+            node("Unsqueeze", ["x", "a0"], "u0"),
+            node("Unsqueeze", ["u0", "a0"], "u1"),
+            node("Unsqueeze", ["u0", "a2"], "y0"),
+            node("Unsqueeze", ["u1", "a0"], "y1"),
+            node("Unsqueeze", ["u1", "a3"], "y2"),
+        ],
+        [info("x", ["s"])],
+        ["y0", "y1", "y2"],
+        [init(f"a{a}", np.array([a], np.int64)) for a in (0, 2, 3)],
+    )
+    _fires(tree, "unsqueeze-unsqueeze", {"Unsqueeze": 3})
+    details = _refused(fanned("Relu"), "unsqueeze-unsqueeze")
+    assert "'u' is also read by" in " ".join(details["near_misses"]["shape"])
+
+
+def test_the_mpt_exports_causal_mask_indices_take_one_unsqueeze_each() -> None:
+    proto = onnx.load(str(FIXTURES / "mpt_dynamo.onnx"))
+    out, details = fuse(proto)
+    # arange[None, None] read as rows and as columns goes into both; one other pair merged before too
+    assert details["applied"]["unsqueeze-unsqueeze"] == 3
+    assert (ops(proto)["Unsqueeze"], ops(out)["Unsqueeze"]) == (7, 5)
+    assert_same_outputs(proto, out, fixture_inputs(proto), rtol=1e-4, atol=1e-4)
 
 
 def test_lossless_cast_chains_collapse_and_lossy_ones_stay() -> None:

@@ -11,7 +11,9 @@
   ``s`` as above; a dim not provably 1 counts as moved data.
 - ``R2(R1(x))`` for R1, R2 among Flatten / Squeeze / Unsqueeze / Reshape, when R2's output
   shape is static: one Reshape to it.
-- ``Unsqueeze(Unsqueeze(x, a), b)`` -> one Unsqueeze (also with symbolic dims).
+- ``Unsqueeze(Unsqueeze(x, a), b)`` -> one Unsqueeze (also with symbolic dims); an inner Unsqueeze
+  that only Unsqueezes read goes into each (a causal mask's row and column indices from one
+  Range: two Unsqueezes, not three).
 - ``Reshape(E(R(x)), s) -> Reshape(E(x), s)`` for an element-wise E of one activation (and a
   constant scalar), R as above and ``s`` as above (a late rule: it takes the Reshapes that
   ``matmul-add-gemm-projection`` writes around a GELU or a scale, which nothing else reads);
@@ -152,12 +154,26 @@ def _unsqueeze_axes(m: Match, name: str, site: Site) -> list[int] | None:
 
 
 def _plan_unsqueezes(m: Match, site: Site) -> list[int] | str:
+    inner = m.node("inner").outputs[0]
+    if inner.is_graph_output:
+        return f"{inner.name!r} is a graph output"
+    for use in inner.uses():
+        if use.node.op_type != "Unsqueeze" or use.index != 0:
+            return f"{inner.name!r} is also read by {use.node.name or use.node.op_type}, not an Unsqueeze"
     found = _merged_axes(m, site)
     return "the axes or the rank are unknown" if found is None else found
 
 
 def _build_unsqueezes(b: Builder, m: Match, axes: list[int]) -> Value:
-    return b.listed("Unsqueeze", m.value("x"), "axes", axes, as_input=m.site.opset >= 13).outputs[0]
+    inner = m.node("inner")
+    # x as the inner node reads it now, not as bound: an Unsqueeze that made x may have been
+    # replaced by its copy this round (three in a chain, the first read by two).
+    x = inner.inputs[0]
+    assert x is not None  # the pattern bound it
+    if len(inner.outputs[0].uses()) > 1:
+        # Other Unsqueezes read the inner one: a copy stands for it until each has taken it in.
+        m.export("inner", b.op("Unsqueeze", *inner.inputs, **attrs_of(inner)))
+    return b.listed("Unsqueeze", x, "axes", axes, as_input=m.site.opset >= 13).outputs[0]
 
 
 def _plan_reshape_elementwise(m: Match, site: Site) -> np.ndarray | str:
@@ -432,7 +448,9 @@ RULES: tuple[Rule, ...] = (
         plan=_plan_unsqueezes,
         build=_build_unsqueezes,
         label="Unsqueeze pair",
-        doc="Unsqueeze(Unsqueeze(x, a), b) -> Unsqueeze(x, a and b)",
+        doc="Unsqueeze(Unsqueeze(x, a), b) -> Unsqueeze(x, a and b); an inner one read by several Unsqueezes "
+        "goes into each",
+        exports=("inner",),
     ),
     _rule(
         name="reshape-one-unknown",

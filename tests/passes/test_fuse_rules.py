@@ -24,6 +24,7 @@ from tests.passes.fuse_helpers import refused as _refused
 from tests.passes.fuse_models import (
     conv_bn,
     conv_channel,
+    conv_input_scale,
     erf_gelu,
     group_norm,
     hardswish,
@@ -68,6 +69,32 @@ def test_conv_per_channel_mul_and_add_fuse_through_a_transpose() -> None:
 def test_conv_mul_refuses_an_operand_that_is_not_per_channel() -> None:
     details = _refused(conv_channel(_w(5, 1)), "conv-mul")
     assert "not per-channel" in details["near_misses"]["conv"][0]
+
+
+def test_a_per_channel_mul_goes_into_the_conv_it_feeds() -> None:
+    _fires(conv_input_scale(_w(4, 1, 1)), "mul-conv", {"Conv": 1})
+    _fires(conv_input_scale(_w(1, 4, 1, 1), group=1), "mul-conv", {"Conv": 1})
+    _fires(conv_input_scale(_w(1)), "mul-conv", {"Conv": 1})
+    _fires(conv_input_scale(_w(4, 1, 1), shift=_w(4, 1, 1), pad=0), "mul-conv", {"Conv": 1})
+    _fires(conv_input_scale(_w(1), group=1, shift=_w(1), pad=0), "mul-conv", {"Conv": 1})
+
+
+@pytest.mark.parametrize(
+    ("scale", "channels", "reason"),
+    [
+        (np.array([1.0, np.inf, 2.0, 3.0], np.float32).reshape(4, 1, 1), 4, "not finite"),
+        (RNG.standard_normal((4, 5, 1)).astype(np.float32), 4, "not per input channel"),
+        (RNG.standard_normal((4, 1, 1)).astype(np.float32), 1, "may broadcast them"),
+    ],
+)
+def test_mul_conv_refusals(scale: np.ndarray, channels: int, reason: str) -> None:
+    details = _refused(conv_input_scale(scale, channels), "mul-conv")
+    assert reason in details["near_misses"]["conv"][0]
+
+
+def test_mul_conv_keeps_a_shift_the_padding_would_miss() -> None:
+    details = _refused(conv_input_scale(_w(4, 1, 1), shift=_w(4, 1, 1)), "mul-conv")
+    assert "would reach the padded zeros" in details["near_misses"]["conv"][0]
 
 
 # -- matmul -------------------------------------------------------------------------------------

@@ -1012,6 +1012,7 @@ CASES: dict[str, Case] = {
         Perturb(set_const("k", _w(4, 5, 1)), "not per input channel", note="the scale varies along H"),
         Perturb(set_shape("x", None), "the input's rank is unknown"),
         NO_GATE,
+        {"fuse_late": True},
     ),
     "ort-fusedconv": Case(
         conv_act,
@@ -1587,6 +1588,7 @@ EXPORTED: dict[str, Exported | str] = {
         constant_at("c", _per_row_of_channels, "not per input channel", "gamma (C, 8, 1), varying along H"),
         untyped_at(("x",), "the input's rank is unknown"),
         NO_GATE,
+        {"fuse_late": True},
     ),
     "ort-rmsnorm": Exported(
         ("llama_dynamo",),

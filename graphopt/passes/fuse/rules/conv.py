@@ -16,7 +16,8 @@ and ``B' = B + sum over j and the kernel of W[m, j] * d[g(m) * C/group + j]`` wh
 ``d`` vary along the input-channel axis only (an affine GroupNorm before a 1x1 Conv, as
 timm's PoolFormer writes it). The Conv pads with zeros, which the scale keeps zero only when
 it is finite, and which the shift would not reach: a shift needs a Conv without padding.
-``x`` must already have the channels (no broadcast widens it).
+``x`` must already have the channels (no broadcast widens it). A late rule: the scale may be
+the last node of a pattern another rule fuses (a GELU's 0.5).
 
 Gemm / MatMul + BatchNormalization. On a 2-D product BN's channels are the columns, so
 ``B' = B * s`` (rows of B when transB) and ``C' = beta_g * C * s + shift`` give one Gemm.
@@ -482,6 +483,7 @@ RULES: tuple[Rule, ...] = (
         pattern=_INPUT_AFFINE,
         plan=_plan_input_affine,
         build=_build_input_affine,
+        kind="late",  # a GELU's closing 0.5 is such a scale: the Gelu fusion reads it first
         label="Mul+Conv",
         doc="Conv(x * c[C,1,1] + d[C,1,1], W, B) -> Conv(x, W * c over its input channels, B + W.d); d: no padding",
     ),

@@ -93,6 +93,17 @@ def test_mul_conv_refusals(scale: np.ndarray, channels: int, reason: str) -> Non
     assert reason in details["near_misses"]["conv"][0]
 
 
+def test_a_per_channel_mul_goes_into_a_fused_conv_for_target_ort() -> None:
+    # at --target ort the Conv + Relu behind the scale has become a FusedConv before the late rule runs
+    proto = conv_input_scale(_w(4, 1, 1))
+    proto.graph.node.append(node("Relu", ["y"], "r"))
+    proto.graph.output[0].name = "r"
+    result = optimize(from_proto(proto), target="ort")
+    out = to_proto(result.model)
+    assert ops(out) == {"FusedConv": 1}, ops(out)
+    assert_same_outputs(proto, out)
+
+
 def test_a_gelu_before_a_conv_keeps_its_half_at_opset_23() -> None:
     """GELU's closing Mul by 0.5 is also a scale a Conv could take; the Gelu fusion reads it first (wav2vec2's
     feature projection), so mul-conv waits until the other rules are done."""

@@ -241,18 +241,10 @@ def _plan_input_affine(m: Match, site: Site) -> _InputAffinePlan | str:
 
 def _build_input_affine(b: Builder, m: Match, plan: _InputAffinePlan) -> Value:
     conv, like = m.node("conv"), m.value("w")
-    weight = new_const(b, plan.w, like, "scaled_weight")
-    bias = () if plan.bias is None else (new_const(b, plan.bias, like, "shifted_bias"),)
-    return b.op("Conv", m.value("x"), weight, *bias, **attrs_of(conv))
-
-
-_SCALED = op.Mul(var("x"), const(name="c"), name="mul")
-_INPUT_AFFINE = op.Conv(
-    either(op.Add(_SCALED, const(name="d"), name="add"), _SCALED),
-    var("w"),
-    optional(var("b")),
-    name="conv",
-)
+    inputs: list[Value | None] = [m.value("x"), new_const(b, plan.w, like, "scaled_weight"), *conv.inputs[2:]]
+    if plan.bias is not None:
+        inputs[2:3] = [new_const(b, plan.bias, like, "shifted_bias")]
+    return b.op(conv.op_type, *inputs, domain=conv.domain, **attrs_of(conv))
 
 
 # What onnxruntime's NCHWc transformer lays out in blocks: these ops' outputs, and element-wise
@@ -445,6 +437,19 @@ _PAD_CONSUMER = op.any_of(
 )
 
 
+_SCALED = op.Mul(var("x"), const(name="c"), name="mul")
+_INPUT_AFFINE = op.any_of(
+    ("Conv", "FusedConv"),
+    either(op.Add(_SCALED, const(name="d"), name="add"), _SCALED),
+    var("w"),
+    optional(var("b")),
+    optional(var("_z")),
+    name="conv",
+    domain=ANY_DOMAIN,
+    where=_pad_consumer,
+)
+
+
 def _channel_rule(root: str) -> Rule:
     return Rule(
         name=f"conv-{root.lower()}",
@@ -485,7 +490,8 @@ RULES: tuple[Rule, ...] = (
         build=_build_input_affine,
         kind="late",  # a GELU's closing 0.5 is such a scale: the Gelu fusion reads it first
         label="Mul+Conv",
-        doc="Conv(x * c[C,1,1] + d[C,1,1], W, B) -> Conv(x, W * c over its input channels, B + W.d); d: no padding",
+        doc="Conv|FusedConv(x * c[C,1,1] + d[C,1,1], W, B) -> Conv(x, W * c over its input channels, B + W.d); "
+        "d: no padding",
     ),
     _channel_rule("Add"),
     _channel_rule("Sub"),

@@ -318,6 +318,20 @@ def conv_channel(c: np.ndarray, op: str = "Mul", through_transpose: bool = True)
     )
 
 
+def conv_input_scale(
+    c: np.ndarray, channels: int = 4, group: int = 2, shift: np.ndarray | None = None, pad: int = 1
+) -> onnx.ModelProto:
+    """Conv(x * c (+ shift), W) of 4 input channels in ``group`` groups, 3x3, zero-padded by ``pad``; ``x`` has
+    ``channels`` channels."""
+    nodes = [node("Mul", ["x", "k"], "m")]
+    params = [init("w", rand_weight(6, 4 // group, 3, 3)), init("b", rand_weight(6)), init("k", c)]
+    if shift is not None:
+        nodes.append(node("Add", ["m", "d"], "a"))
+        params.append(init("d", shift))
+    nodes.append(node("Conv", [nodes[-1].output[0], "w", "b"], "y", group=group, pads=[pad] * 4))
+    return model(nodes, [info("x", [1, channels, 5, 5])], ["y"], params)
+
+
 def matmul_add(a_shape: list[Any], extra_reader: bool = False) -> onnx.ModelProto:
     nodes = [node("MatMul", ["a", "w"], "p"), node("Add", ["p", "b"], "y")]
     outputs: list[Any] = ["y"]

@@ -453,3 +453,13 @@ def test_a_library_rule_that_raises_leaves_the_other_fusions_standing(monkeypatc
     out = to_proto(result.model)
     assert _ops(out)["Attention"] == 1 and "Softmax" not in _ops(out), _ops(out)
     _same(original, out)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_group_norm_scale_before_a_conv_goes_into_its_weight(exporter: str) -> None:
+    # timm's PoolFormer v2 block: the second GroupNorm's gamma (Mul by (C, 1, 1)) feeds the MLP's first 1x1 Conv;
+    # the first norm's gamma, read by the pooling and the Sub, stays
+    original = onnx.load(str(FIXTURES / f"poolformer_{exporter}.onnx"))
+    out = to_proto(optimize(from_proto(original), strict=True).model)
+    assert _ops(out)["Mul"] == 1, _ops(out)
+    _same(original, out)

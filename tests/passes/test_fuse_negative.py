@@ -54,6 +54,7 @@ from tests.passes.fuse_models import (
     conv_act,
     conv_bn,
     conv_channel,
+    conv_input_scale,
     embed,
     erf_gelu,
     gemm_bn,
@@ -1005,6 +1006,15 @@ CASES: dict[str, Case] = {
         )
         for op in ("Mul", "Add", "Sub")
     },
+    "mul-conv": Case(
+        lambda: conv_input_scale(_w(4, 1, 1)),
+        {"Conv": 1},
+        "m",
+        Perturb(set_const("k", _w(4, 5, 1)), "not per input channel", note="the scale varies along H"),
+        Perturb(set_shape("x", None), "the input's rank is unknown"),
+        NO_GATE,
+        {"fuse_late": True},
+    ),
     "ort-fusedconv": Case(
         conv_act,
         {"FusedConv": 1},
@@ -1436,6 +1446,12 @@ def _per_channel(values: np.ndarray) -> np.ndarray:
     return np.full(32, values.item(), values.dtype)  # the fixtures' hidden size (make.py's H)
 
 
+def _per_row_of_channels(values: np.ndarray) -> np.ndarray:
+    """A (C, 1, 1) scale made to vary along the 8 rows of make.py's poolformer maps too."""
+    rows = np.linspace(0.5, 1.5, 8, dtype=values.dtype).reshape(1, 8, 1)
+    return (values.reshape(-1, 1, 1) * rows).astype(values.dtype)
+
+
 def _halves_swapped(found: Found) -> Change:
     """The rotation's two Slices read each other's bounds: x1 the second half, x2 the first."""
 
@@ -1584,6 +1600,14 @@ EXPORTED: dict[str, Exported | str] = {
         {"fuse_late": True},
     ),
     "reshape-through-elementwise-region": "n/a: its CASES entry is the exported bert_ts MLP at a static sequence",
+    "mul-conv": Exported(
+        ("poolformer_dynamo", "poolformer_ts"),
+        {"Mul": 1, "Conv": 2},  # the second norm's gamma gone into the MLP's first Conv
+        constant_at("c", _per_row_of_channels, "not per input channel", "gamma (C, 8, 1), varying along H"),
+        untyped_at(("x",), "the input's rank is unknown"),
+        NO_GATE,
+        {"fuse_late": True},
+    ),
     "ort-rmsnorm": Exported(
         ("llama_dynamo",),
         {"SimplifiedLayerNormalization": 1},

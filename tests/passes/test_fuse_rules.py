@@ -16,6 +16,7 @@ from onnx import TensorProto
 from graphopt.api import optimize
 from graphopt.errors import InputError
 from graphopt.io.onnx_io import from_proto
+from graphopt.io.onnx_write import to_proto
 from graphopt.passes.pipeline import pipeline_from_config
 from tests.numerics import assert_same_outputs
 from tests.passes.fuse_exported import FIXTURES, fixture_inputs
@@ -25,6 +26,7 @@ from tests.passes.fuse_helpers import refused as _refused
 from tests.passes.fuse_models import (
     conv_bn,
     conv_channel,
+    conv_input_scale,
     erf_gelu,
     group_norm,
     hardswish,
@@ -70,6 +72,62 @@ def test_conv_per_channel_mul_and_add_fuse_through_a_transpose() -> None:
 def test_conv_mul_refuses_an_operand_that_is_not_per_channel() -> None:
     details = _refused(conv_channel(_w(5, 1)), "conv-mul")
     assert "not per-channel" in details["near_misses"]["conv"][0]
+
+
+def test_a_per_channel_mul_goes_into_the_conv_it_feeds() -> None:
+    _fires(conv_input_scale(_w(4, 1, 1)), "mul-conv", {"Conv": 1}, fuse_late=True)
+    _fires(conv_input_scale(_w(1, 4, 1, 1), group=1), "mul-conv", {"Conv": 1}, fuse_late=True)
+    _fires(conv_input_scale(_w(1)), "mul-conv", {"Conv": 1}, fuse_late=True)
+    _fires(conv_input_scale(_w(4, 1, 1), shift=_w(4, 1, 1), pad=0), "mul-conv", {"Conv": 1}, fuse_late=True)
+    _fires(conv_input_scale(_w(1), group=1, shift=_w(1), pad=0), "mul-conv", {"Conv": 1}, fuse_late=True)
+
+
+@pytest.mark.parametrize(
+    ("scale", "channels", "reason"),
+    [
+        (np.array([1.0, np.inf, 2.0, 3.0], np.float32).reshape(4, 1, 1), 4, "not finite"),
+        (RNG.standard_normal((4, 5, 1)).astype(np.float32), 4, "not per input channel"),
+        (RNG.standard_normal((4, 1, 1)).astype(np.float32), 1, "may broadcast them"),
+    ],
+)
+def test_mul_conv_refusals(scale: np.ndarray, channels: int, reason: str) -> None:
+    details = _refused(conv_input_scale(scale, channels), "mul-conv", fuse_late=True)
+    assert reason in details["near_misses"]["conv"][0]
+
+
+def test_a_per_channel_mul_goes_into_a_fused_conv_for_target_ort() -> None:
+    # at --target ort the Conv + Relu behind the scale has become a FusedConv before the late rule runs
+    proto = conv_input_scale(_w(4, 1, 1))
+    proto.graph.node.append(node("Relu", ["y"], "r"))
+    proto.graph.output[0].name = "r"
+    result = optimize(from_proto(proto), target="ort")
+    out = to_proto(result.model)
+    assert ops(out) == {"FusedConv": 1}, ops(out)
+    assert_same_outputs(proto, out)
+
+
+def test_a_gelu_before_a_conv_keeps_its_half_at_opset_23() -> None:
+    """GELU's closing Mul by 0.5 is also a scale a Conv could take; the Gelu fusion reads it first (wav2vec2's
+    feature projection), so mul-conv waits until the other rules are done."""
+    half_gelu = [
+        node("Div", ["x", "sqrt2"], "d"),
+        node("Erf", ["d"], "e"),
+        node("Add", ["e", "one"], "p"),
+        node("Mul", ["x", "p"], "m"),
+        node("Mul", ["m", "half"], "g"),
+        node("Conv", ["g", "w"], "y", kernel_shape=[1, 1]),
+    ]
+    params = [init("sqrt2", math.sqrt(2)), init("one", 1.0), init("half", 0.5), init("w", _w(3, 4, 1, 1))]
+    proto = model(half_gelu, [info("x", [1, 4, 5, 5])], ["y"], params)
+    result = optimize(from_proto(proto), target_opset=23)
+    assert ops(to_proto(result.model)) == {"Gelu": 1, "Conv": 1}
+    assert_same_outputs(proto, to_proto(result.model))
+    assert ops(to_proto(optimize(from_proto(proto)).model))["Mul"] == 1  # the 0.5 in the Conv's weight
+
+
+def test_mul_conv_keeps_a_shift_the_padding_would_miss() -> None:
+    details = _refused(conv_input_scale(_w(4, 1, 1), shift=_w(4, 1, 1)), "mul-conv", fuse_late=True)
+    assert "would reach the padded zeros" in details["near_misses"]["conv"][0]
 
 
 # -- matmul -------------------------------------------------------------------------------------

@@ -10,6 +10,15 @@ Conv + per-channel Mul / Add. ``Conv(x, W, B) * c = Conv(x, W * c, B * c)`` and
 A Transpose between them (tf2onnx's NHWC wrappers) is seen through: ``c`` is read in the
 Conv's layout through the inverse permutation.
 
+Per-channel scale and shift into a Conv's input. ``Conv(x * c + d, W, B) = Conv(x, W', B')``
+with ``W'[m, j] = W[m, j] * c[g(m) * C/group + j]`` (``g(m)`` the group of output channel m)
+and ``B' = B + sum over j and the kernel of W[m, j] * d[g(m) * C/group + j]`` when ``c`` and
+``d`` vary along the input-channel axis only (an affine GroupNorm before a 1x1 Conv, as
+timm's PoolFormer writes it). The Conv pads with zeros, which the scale keeps zero only when
+it is finite, and which the shift would not reach: a shift needs a Conv without padding.
+``x`` must already have the channels (no broadcast widens it). A late rule: the scale may be
+the last node of a pattern another rule fuses (a GELU's 0.5).
+
 Gemm / MatMul + BatchNormalization. On a 2-D product BN's channels are the columns, so
 ``B' = B * s`` (rows of B when transB) and ``C' = beta_g * C * s + shift`` give one Gemm.
 
@@ -170,6 +179,72 @@ def _build_channel(b: Builder, m: Match, plan: _ChannelPlan) -> Value:
 
 
 _CONV_MAYBE_T = either(_CONV, op.Transpose(_CONV, name="t"))
+
+
+@dataclass
+class _InputAffinePlan:
+    """The Conv's weight and bias once its input's per-channel scale and shift are taken in."""
+
+    w: np.ndarray
+    bias: np.ndarray | None
+
+
+def _per_input_channel(m: Match, name: str, shape: tuple[object, ...], channels: int) -> np.ndarray | str:
+    """The constant bound to ``name`` as a vector over the Conv's input channels, or why not."""
+    c = float_array(m.value(name))
+    if c is None or c.ndim > len(shape):
+        return "the scale or shift is not a float constant of at most the input's rank"
+    if not np.all(np.isfinite(c)):
+        return "the scale or shift is not finite (the Conv's zero padding would become NaN)"
+    laid: tuple[int, ...] = (1,) * (len(shape) - c.ndim) + tuple(c.shape)
+    if any(d != 1 for i, d in enumerate(laid) if i != 1) or laid[1] not in (1, channels):
+        return "the scale or shift is not per input channel"
+    if laid[1] != 1 and shape[1] != channels:
+        return "the input's channels are not provably the Conv's (the constant may broadcast them)"
+    return np.broadcast_to(c.reshape(-1), (channels,)).astype(np.float64)
+
+
+def _unpadded(conv: Node) -> bool:
+    auto_pad = conv.attr("auto_pad", "NOTSET") or "NOTSET"
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    return auto_pad in ("NOTSET", "VALID") and not any(conv.attr("pads", []) or [])
+
+
+def _plan_input_affine(m: Match, site: Site) -> _InputAffinePlan | str:
+    conv = m.node("conv")
+    w = float_array(m.value("w"))
+    bias = m.optional("b")
+    b = None if bias is None else float_array(bias)
+    if not is_float(conv.outputs[0]) or w is None or w.ndim < 3 or (bias is not None and b is None):
+        return "the weight or bias is not a float constant"
+    shape = site.shape(m.value("x"))
+    if shape is None:
+        return "the input's rank is unknown"
+    group = Site.int_attr(conv, "group", 1)
+    scale = _per_input_channel(m, "c", shape, w.shape[1] * group)
+    if isinstance(scale, str):
+        return scale
+    # W[m, j] reads input channel g(m) * C/group + j
+    index = (np.arange(w.shape[0]) // (w.shape[0] // group))[:, None] * w.shape[1] + np.arange(w.shape[1])[None, :]
+    spread = (1,) * (w.ndim - 2)
+    if "d" in m.bindings:
+        shift = _per_input_channel(m, "d", shape, w.shape[1] * group)
+        if isinstance(shift, str):
+            return shift
+        # the shift reaches the bias only where no padded zero is summed with it
+        if not _unpadded(conv):
+            return "the Conv pads its input, and the shift would reach the padded zeros"
+        shifted = (w * shift[index].reshape(index.shape + spread)).reshape(w.shape[0], -1).sum(axis=1)
+        b = shifted if b is None else b + shifted
+    return _InputAffinePlan(w * scale[index].reshape(index.shape + spread), b)
+
+
+def _build_input_affine(b: Builder, m: Match, plan: _InputAffinePlan) -> Value:
+    conv, like = m.node("conv"), m.value("w")
+    inputs: list[Value | None] = [m.value("x"), new_const(b, plan.w, like, "scaled_weight"), *conv.inputs[2:]]
+    if plan.bias is not None:
+        inputs[2:3] = [new_const(b, plan.bias, like, "shifted_bias")]
+    return b.op(conv.op_type, *inputs, domain=conv.domain, **attrs_of(conv))
 
 
 # What onnxruntime's NCHWc transformer lays out in blocks: these ops' outputs, and element-wise
@@ -362,6 +437,19 @@ _PAD_CONSUMER = op.any_of(
 )
 
 
+_SCALED = op.Mul(var("x"), const(name="c"), name="mul")
+_INPUT_AFFINE = op.any_of(
+    ("Conv", "FusedConv"),
+    either(op.Add(_SCALED, const(name="d"), name="add"), _SCALED),
+    var("w"),
+    optional(var("b")),
+    optional(var("_z")),
+    name="conv",
+    domain=ANY_DOMAIN,
+    where=_pad_consumer,
+)
+
+
 def _channel_rule(root: str) -> Rule:
     return Rule(
         name=f"conv-{root.lower()}",
@@ -394,6 +482,17 @@ RULES: tuple[Rule, ...] = (
         doc="BatchNormalization(Conv(x, W, B)) -> Conv(x, W*s, (B-mean)*s+beta)",
     ),
     _channel_rule("Mul"),
+    Rule(
+        name="mul-conv",
+        family=FAMILY,
+        pattern=_INPUT_AFFINE,
+        plan=_plan_input_affine,
+        build=_build_input_affine,
+        kind="late",  # a GELU's closing 0.5 is such a scale: the Gelu fusion reads it first
+        label="Mul+Conv",
+        doc="Conv|FusedConv(x * c[C,1,1] + d[C,1,1], W, B) -> Conv(x, W * c over its input channels, B + W.d); "
+        "d: no padding",
+    ),
     _channel_rule("Add"),
     _channel_rule("Sub"),
     _FUSED_CONV(

@@ -122,7 +122,8 @@ def test_a_gelu_before_a_conv_keeps_its_half_at_opset_23() -> None:
     result = optimize(from_proto(proto), target_opset=23)
     assert ops(to_proto(result.model)) == {"Gelu": 1, "Conv": 1}
     assert_same_outputs(proto, to_proto(result.model))
-    assert ops(to_proto(optimize(from_proto(proto)).model))["Mul"] == 1  # the 0.5 in the Conv's weight
+    # below opset 20 the GELU stays decomposed, its 0.5 with it: onnxruntime's own Gelu fusion reads it
+    assert ops(to_proto(optimize(from_proto(proto)).model))["Mul"] == 2
 
 
 def test_mul_conv_keeps_a_shift_the_padding_would_miss() -> None:

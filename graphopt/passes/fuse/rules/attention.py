@@ -410,18 +410,23 @@ def _finite_fill(value: Value | None) -> float | None:
     return float(found.ravel()[0])
 
 
+def _bias_off(scores: Value) -> tuple[Value, Value | None]:
+    """``(core, bias)`` when ``scores`` is ``core + bias`` (either order) with ``core`` the scaled Q K^T, else
+    ``(scores, None)``."""
+    node = scores.producer
+    if node is not None and node.op_type == "Add":
+        for core, added in (node.inputs, reversed(node.inputs)):
+            if core is not None and added is not None and _scores(core) is not None:
+                return core, added
+    return scores, None
+
+
 def _masked_fill(where: Node) -> tuple[Value, Value | None, MaskedFill] | str:
     """(scores, bias or None, the fill) of ``Where(cond, fill, scores [+ bias])``, or why not."""
     cond, fill, scores = where.inputs
     if cond is None or fill is None or scores is None:
         return "the masked fill's Where has an empty input"
-    bias = None
-    node = scores.producer
-    if node is not None and node.op_type == "Add":
-        for core, added in (node.inputs, reversed(node.inputs)):
-            if core is not None and added is not None and _scores(core) is not None:
-                scores, bias = core, added
-                break
+    scores, bias = _bias_off(scores)
     shapes = [Site.shape(v) for v in (cond, bias) if v is not None]
     return scores, bias, MaskedFill(cond, fill, _broadcast(shapes))
 
@@ -776,13 +781,7 @@ def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     if v is None or found is None:
         return "V or the scores are not provably merged from (batch, heads, ...) with P V's heads"
     scores, mask = found
-    bias = None
-    node = scores.producer
-    if node is not None and node.op_type == "Add":
-        for core, added in (node.inputs, reversed(node.inputs)):
-            if core is not None and added is not None and _scores(core) is not None:
-                scores, bias = core, added
-                break
+    scores, bias = _bias_off(scores)
     parts = _scores(scores)
     if parts is None or parts.qk.inputs[0] is None or parts.qk.inputs[1] is None:
         return "the merged scores are not MatMul(Q, K^T) scaled by constants (plus a bias)"

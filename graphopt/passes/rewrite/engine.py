@@ -338,18 +338,14 @@ def _outside_readers(m: Match) -> str | None:
     its values (:func:`apply_match` checks).
     """
     inside = {id(n) for n in m.nodes}
-    exported = {id(m.bindings.get(name)) for name in m.rule.exports}
     feeders: dict[int, Node] = {}
-    for node in m.nodes:
-        if node is m.root or (id(node) in exported and len(node.outputs) == 1):
-            continue
-        for value in node.outputs:
-            if value.is_graph_output:
-                return f"{value.name!r} is a graph output"
-            for use in value.uses():
-                if id(use.node) not in inside and not _feeds_only(use.node, inside, feeders):
-                    reader = use.node.name or use.node.op_type
-                    return f"{value.name!r} is also read by {reader}"
+    for value in _removed_outputs(m, m.nodes):
+        if value.is_graph_output:
+            return f"{value.name!r} is a graph output"
+        for use in value.uses():
+            if id(use.node) not in inside and not _feeds_only(use.node, inside, feeders):
+                reader = use.node.name or use.node.op_type
+                return f"{value.name!r} is also read by {reader}"
     m.feeders = sorted(feeders.values(), key=lambda n: m.order.get(id(n), 0))
     return None
 
@@ -531,13 +527,16 @@ def _read_since_found(m: Match) -> bool:
     did, but a rewrite applied before it this round may: a plan may read past its own pattern
     (attention-4d takes K from behind a K^T chain that another match collapses)."""
     inside = {id(n) for n in [*m.nodes, *m.feeders]}
+    return any(_read_outside(value, inside) for value in _removed_outputs(m, [*m.feeders, *m.nodes]))
+
+
+def _removed_outputs(m: Match, nodes: Iterable[Node]) -> Iterator[Value]:
+    """The outputs of ``nodes`` that the rewrite removes: all but the root's and a one-output exported
+    entry's, which the build stands for."""
     exported = {id(m.bindings.get(name)) for name in m.rule.exports}
-    return any(
-        _read_outside(value, inside)
-        for node in [*m.feeders, *m.nodes]
-        if node is not m.root and not (id(node) in exported and len(node.outputs) == 1)
-        for value in node.outputs
-    )
+    for node in nodes:
+        if node is not m.root and not (id(node) in exported and len(node.outputs) == 1):
+            yield from node.outputs
 
 
 def _type_change(before: Value, after: Value) -> str | None:

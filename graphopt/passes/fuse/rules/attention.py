@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from graphopt.facts.op import broadcast
 from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.dims import mul
 from graphopt.ir.rewrite import Builder
@@ -428,23 +429,7 @@ def _masked_fill(where: Node) -> tuple[Value, Value | None, MaskedFill] | str:
         return "the masked fill's Where has an empty input"
     scores, bias = _bias_off(scores)
     shapes = [Site.shape(v) for v in (cond, bias) if v is not None]
-    return scores, bias, MaskedFill(cond, fill, _broadcast(shapes))
-
-
-def _broadcast(shapes: list[tuple[Any, ...] | None]) -> tuple[Any, ...] | None:
-    """The numpy broadcast of ``shapes`` (symbolic dims as the facts give them; a dim that differs
-    from another that is not 1 is unknown), or None when one is unknown."""
-    if any(shape is None for shape in shapes):
-        return None
-    rank = max(len(shape) for shape in shapes if shape is not None)
-    out: list[Any] = [1] * rank
-    for shape in shapes:
-        assert shape is not None
-        for axis, dim in enumerate(shape, start=rank - len(shape)):
-            if dim == 1:
-                continue
-            out[axis] = dim if out[axis] in (1, dim) else None
-    return tuple(out)
+    return scores, bias, MaskedFill(cond, fill, broadcast(shapes))
 
 
 def additive_mask(b: Builder, plan: Plan4) -> Value | None:

@@ -160,9 +160,8 @@ class Match:
         self.root = root
         self.site = site
         self.bindings = bindings
-        self.order = root.graph.positions() if root.graph is not None else {}
-        found = {id(v): v for v in bindings.values() if isinstance(v, Node)}
-        self.nodes: list[Node] = sorted(found.values(), key=lambda n: self.order.get(id(n), 0))
+        found = [v for v in bindings.values() if isinstance(v, Node)]
+        self.nodes: list[Node] = root.graph.ordered(found) if root.graph is not None else found
         # Readers outside the match whose results feed only the match; they go with it.
         self.feeders: list[Node] = []
         # Exported entries' replacements (see Rule.exports), set by the build.
@@ -346,7 +345,7 @@ def _outside_readers(m: Match) -> str | None:
             if id(use.node) not in inside and not _feeds_only(use.node, inside, feeders):
                 reader = use.node.name or use.node.op_type
                 return f"{value.name!r} is also read by {reader}"
-    m.feeders = sorted(feeders.values(), key=lambda n: m.order.get(id(n), 0))
+    m.feeders = m.root.graph.ordered(feeders.values()) if m.root.graph is not None else list(feeders.values())
     return None
 
 

@@ -262,8 +262,7 @@ def _plan_region(m: Match, site: Site) -> tuple[np.ndarray, list[Node], Value] |
     if reshaped.is_graph_output or any(u.node not in inside for u in reshaped.uses()):
         return "the Reshape-like output has a reader outside the region"
     assert m.root.graph is not None
-    position = m.root.graph.positions()
-    return target, sorted(nodes, key=lambda n: position[id(n)]), reshaped
+    return target, m.root.graph.ordered(nodes), reshaped
 
 
 def _build_region(b: Builder, m: Match, plan: tuple[np.ndarray, list[Node], Value]) -> Value:

@@ -158,7 +158,8 @@ def run_graphopt(src: Path, out: Path, flags: list[str]) -> dict[str, Any]:
         found["error"] = (done.stderr.strip().splitlines() or [""])[-1]
         return found
     found["check"] = numerics.get("status")
-    found["criterion"] = numerics.get("criterion")
+    criterion = numerics.get("criterion")
+    found["criterion"] = criterion.get("kind") if isinstance(criterion, dict) else criterion
     if numerics.get("status") != "passed":
         found["reason"] = numerics.get("reason")
     return found

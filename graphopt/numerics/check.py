@@ -21,6 +21,12 @@ Such an output never fails the check. Outcomes:
 - "not checked": onnxruntime cannot load the original, it fails at every binding tried, an
   input has a type the check cannot generate, or time ran out before a comparison was made.
   Never "passed".
+
+The check's time limit is ``timeout`` seconds (``--check-timeout``), or by default
+TIME_FACTOR times what the original's first run took (reading the models, loading the original
+and running it at the first binding), and at least FIRST_RUN_SECONDS, which is also what that
+first run may take. onnxruntime stops a run when time is up (RunOptions.terminate, which its
+Loop and Scan kernels also heed).
 - "failed": the inputs or outputs of the two models differ in names or types, an output
   differs, or the optimized model cannot be loaded or run where the original could (a model
   that onnxruntime ran before optimizing and rejects after is a broken model, not an
@@ -60,8 +66,16 @@ from graphopt.numerics.inputs import (
     make_inputs,
     read_spec,
 )
+from graphopt.numerics.options import FIRST_RUN_SECONDS, TIME_FACTOR, check_numbers
 
-__all__ = ["BindingResult", "CheckResult", "check_models", "json_ready"]
+__all__ = [
+    "TIMEOUT_REMEDY",
+    "BindingResult",
+    "CheckResult",
+    "check_models",
+    "json_ready",
+    "seconds_text",
+]
 
 Status = Literal["passed", "failed", "not checked"]
 # What a run gives for one output: an array, or for a sequence output a list of arrays.
@@ -107,24 +121,47 @@ class _OrtError(Exception):
     """onnxruntime refused: the message is the first line of its error."""
 
 
-class _Deadline:
-    """The check's time budget; ``run`` aborts a session run through RunOptions.terminate."""
+TIMEOUT_REMEDY = "--check-timeout SECONDS gives the check more time"
 
-    def __init__(self, seconds: float | None) -> None:
-        self.end = None if seconds is None else time.monotonic() + seconds
+
+def seconds_text(seconds: float) -> str:
+    return f"{round(seconds, 1):g}"
+
+
+class _Deadline:
+    """The check's time limit from now (module docstring); ``run`` aborts a session run through
+    RunOptions.terminate, and ``on_change(end, seconds)`` is told of each limit set."""
+
+    def __init__(self, seconds: float | None, on_change: Callable[[float, float], None] | None) -> None:
+        self.start = time.monotonic()
+        self.on_change = on_change
+        self.proportional = seconds is None
+        self._limit(FIRST_RUN_SECONDS if seconds is None else seconds)
+
+    def _limit(self, seconds: float) -> None:
+        self.seconds, self.end = seconds, self.start + seconds
+        if self.on_change is not None:
+            self.on_change(self.end, seconds)
+
+    def first_run_done(self) -> None:
+        """The original has run once: a default limit becomes what that run took, TIME_FACTOR times."""
+        if self.proportional:
+            self.proportional = False
+            self._limit(max(FIRST_RUN_SECONDS, TIME_FACTOR * (time.monotonic() - self.start)))
+
+    def timed_out(self, doing: str) -> str:
+        return f"timed out after {seconds_text(self.seconds)} s {doing}"
 
     def expired(self) -> bool:
-        return self.end is not None and time.monotonic() >= self.end
+        return time.monotonic() >= self.end
 
     def run(self, session: ort.InferenceSession, feeds: Mapping[str, Feed]) -> list[Output]:
         if self.expired():
             raise TimeoutError
         options = ort.RunOptions()
         options.log_severity_level = 4
-        timer = None
-        if self.end is not None:
-            timer = threading.Timer(max(0.0, self.end - time.monotonic()), lambda: setattr(options, "terminate", True))
-            timer.start()
+        timer = threading.Timer(max(0.0, self.end - time.monotonic()), lambda: setattr(options, "terminate", True))
+        timer.start()
         try:
             return [_as_numpy(out) for out in run_session(session, feeds, options)]
         except Exception as exc:
@@ -132,8 +169,7 @@ class _Deadline:
                 raise TimeoutError from None
             raise _OrtError(_first_line(exc)) from None
         finally:
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
 
 
 def _as_numpy(output: Any) -> Output:
@@ -208,6 +244,7 @@ def check_models(
     on_phase: Callable[[str], None] | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     confine: bool = False,
+    on_deadline: Callable[[float, float], None] | None = None,
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
 
@@ -219,7 +256,8 @@ def check_models(
         atol, rtol: switch to element-wise allclose (the other defaults to numpy's value).
         seed: the seed for the generated inputs.
         bindings: how many dim bindings to compare (each with its own data).
-        timeout: seconds for the whole check; a run in progress is aborted when they are up.
+        timeout: seconds for the whole check (None: proportional to the original's first run,
+            see the module docstring); a run in progress is aborted when they are up.
         threads: onnxruntime intra-op threads (1 keeps runs repeatable).
         refuse_other_inputs: two models whose inputs differ are bad input (comparing two
             arbitrary files), not a failed check (an optimization that changed the interface).
@@ -230,15 +268,23 @@ def check_models(
         memory_budget: bytes the check may use: a binding at which the original is estimated
             to need more (budget.py) is not run, and one that runs out of memory (MemoryError,
             or onnxruntime failing to allocate) is "not checked", never failed.
-        confine: limit this process's memory to ``memory_budget`` before onnxruntime starts
-            (budget.confine; for the check's child process, never the caller's).
+        confine: limit this process's memory to ``memory_budget`` before the models are read
+            (budget.confine; for the check's child process, never the caller's), and the
+            estimate's to less.
+        on_deadline: told ``(end, seconds)`` of each time limit set, ``end`` on the
+            time.monotonic clock (the parent of the check's process kills it past that).
 
     Raises:
-        InputError: a file cannot be read, the .npz does not fit the model, ``dims`` names
-            a dim the model does not have, ``input_layouts`` names no input of the original or
-            gives no permutation of its axes, or (``refuse_other_inputs``) the inputs differ.
+        InputError: a tolerance or limit is out of its range (options.check_numbers), a file
+            cannot be read, the .npz does not fit the model, ``dims`` names a dim the model
+            does not have, ``input_layouts`` names no input of the original or gives no
+            permutation of its axes, or (``refuse_other_inputs``) the inputs differ.
     """
     started = time.perf_counter()
+    check_numbers(atol=atol, rtol=rtol, memory_budget=memory_budget, timeout=timeout)
+    if confine:  # first: reading the models and estimating their needs count against the budget too
+        limit_memory(memory_budget)
+    deadline = _Deadline(timeout, on_deadline)
     criterion = Criterion.make(atol, rtol)
     criterion_dict: dict[str, Any] = {
         **criterion.as_dict(),
@@ -272,14 +318,11 @@ def check_models(
         if unsupported:
             return result("not checked", f"{unsupported}; pass --inputs data.npz")
         feeds, wanted = _generated(spec_a, dims or {}, seed, bindings), max(1, bindings)
-    deadline = _Deadline(timeout)
-    needs = footprint(original)
+    needs = footprint(original, bounded=confine)
     over_budget = f"exceeds the check's memory budget of {gigabytes(memory_budget)} (--check-memory GB)"
     if needs.load_bytes > memory_budget:
         load = f"loading the original model needs about {gigabytes(needs.load_bytes)} (its constants, twice)"
         return result("not checked", f"{load}, which {over_budget}")
-    if confine:
-        limit_memory(memory_budget)
 
     out_of_memory = f"ran out of the check's memory budget of {gigabytes(memory_budget)} (--check-memory GB)"
     try:
@@ -307,6 +350,7 @@ def check_models(
                 on_phase(f"check: the original at {_dims_text(binding.dims)}")
             try:
                 expected = deadline.run(session, feed)
+                deadline.first_run_done()
                 if not ran and spec_a.opaque:
                     again = deadline.run(session, feed)
                     unstable |= {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
@@ -316,7 +360,8 @@ def check_models(
                 attempts.append({"dims": binding.dims, "error": error})
                 skipped.append(f"the original model failed at {_dims_text(binding.dims)}: {error}")
             except TimeoutError:
-                skipped.append(f"timed out at {_dims_text(binding.dims)} after {timeout:g} s")
+                where = f" at {_dims_text(binding.dims)}" if binding.dims else ""
+                skipped.append(deadline.timed_out(f"running the original model{where}"))
                 break
             if len(ran) == wanted:
                 break
@@ -326,7 +371,7 @@ def check_models(
     del session
     if not ran:
         if not attempts:  # timed out before any binding ran
-            return result("not checked", "; ".join(skipped))
+            return result("not checked", "; ".join([*skipped, TIMEOUT_REMEDY]))
         return result("not checked", _unrunnable(attempts, spec_a, inputs is not None))
 
     try:
@@ -368,7 +413,8 @@ def check_models(
     if failure is not None:
         return result("failed", "; ".join([failure, *notes]), done)
     if not done:
-        return result("not checked", "; ".join([f"timed out after {timeout:g} s", *notes]), done)
+        timed_out = deadline.timed_out("running the optimized model")
+        return result("not checked", "; ".join([timed_out, TIMEOUT_REMEDY, *notes]), done)
     if not any(o.passed for b in done for o in b.outputs) and unstable:
         return result("not checked", "; ".join(notes), done)
     if len(done) < wanted:

@@ -12,11 +12,13 @@ end), with shapes from onnx's shape inference and the binding's dims. Values who
 file does not tell (data-dependent shapes) count as nothing: the estimate is a floor, and
 :func:`confine` stops what it misses.
 
-The estimate cannot explode itself: shape inference sees no constant's values but the small
-ones (a Reshape's shape), and in the check's process it may take at most
-``INFERENCE_MEMORY`` more (onnx's data propagation holds each value it computes as a list of
-dimension messages, tens of bytes an element: a Concat that doubles a 4 MiB constant four
-times took 3.6 GB); past that it fails, and the declared shapes remain.
+The estimate cannot explode itself. onnx's data propagation (which finds the shapes that
+Shape, Concat and Gather compute for a Reshape) holds each element of every vector it follows
+as a dimension message, about 115 bytes, values known or not: Concat doublings of a 4 MiB
+constant took it to 3.6 GB. So shape inference runs without it first, and with it only when
+no vector of the model is longer than ``_PROPAGATED_ELEMENTS``; and in the check's process it
+may take at most ``INFERENCE_MEMORY`` more than the process holds, past which it fails and the
+declared shapes remain.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ DEFAULT_MEMORY_BUDGET = 8 * 10**9
 _KEPT_FOR_INFERENCE = 4096
 # Bytes onnx's shape inference may take beyond what the process holds, when the estimate is bounded.
 INFERENCE_MEMORY = 1 << 30
+# The longest vector (rank 0 or 1) with which data propagation runs: shape vectors are short.
+_PROPAGATED_ELEMENTS = 1 << 16
 
 Dim = int | str | None
 
@@ -156,7 +160,9 @@ def footprint(path: Path, *, bounded: bool = False) -> Footprint:
             _hide_data(tensor)
     try:
         with _at_most(INFERENCE_MEMORY) if bounded else contextlib.nullcontext():
-            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+            if _longest_vector(inferred.graph) <= _PROPAGATED_ELEMENTS:
+                inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception:  # onnx's inference raises on models it does not understand (or out of memory)
         inferred = model
     graph = inferred.graph
@@ -166,6 +172,16 @@ def footprint(path: Path, *, bounded: bool = False) -> Footprint:
         if known is not None:
             sizes[value.name] = known
     return Footprint(constant_bytes, sizes, lifetimes)
+
+
+def _longest_vector(graph: onnx.GraphProto) -> int:
+    """The most elements of a value of rank 0 or 1 whose length ``graph`` tells (0: none)."""
+    lengths = [math.prod(tensor.dims) for tensor in graph.initializer if len(tensor.dims) <= 1]
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        known = _size(value.type)
+        if known is not None and len(known[1]) <= 1 and all(isinstance(d, int) for d in known[1]):
+            lengths.append(math.prod(d for d in known[1] if isinstance(d, int)))
+    return max(lengths, default=0)
 
 
 def _lifetimes(graph: onnx.GraphProto) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:

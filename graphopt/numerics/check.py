@@ -384,6 +384,7 @@ def check_models(
         return result("failed", f"onnxruntime cannot load the optimized model: {exc}")
     done: list[BindingResult] = []
     failure: str | None = None
+    compared = False  # an element that is not NaN in both models, in some output
     for binding, feed, expected in ran:
         if on_phase is not None:
             on_phase(f"check: the optimized model at {_dims_text(binding.dims)}")
@@ -404,6 +405,7 @@ def check_models(
             break
         passed = all(o.passed is not False for o in outputs)
         done.append(BindingResult(binding.dims, outputs, passed, binding.regimes))
+        compared = compared or any(map(_comparable, expected, actual))
     del session
 
     notes = [f"output {name!r} {_nondeterministic(spec_a, name)}" for name in spec_a.outputs if name in unstable]
@@ -417,6 +419,9 @@ def check_models(
         return result("not checked", "; ".join([timed_out, TIMEOUT_REMEDY, *notes]), done)
     if not any(o.passed for b in done for o in b.outputs) and unstable:
         return result("not checked", "; ".join(notes), done)
+    if not compared:
+        nothing = "nothing was compared: every output is empty or NaN in both models (inputs with no rows or all NaN?)"
+        return result("not checked", "; ".join([nothing, *notes]), done)
     if len(done) < wanted:
         notes.insert(0, f"{len(done)} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
     return result("passed", "; ".join(notes) or None, done)
@@ -452,6 +457,17 @@ def _unrunnable(attempts: list[dict[str, Any]], spec: ModelSpec, given: bool) ->
     tail = f" (and {len(errors) - 1} other errors)" if len(errors) > 1 else ""
     room = NOT_CHECKED_REASON_LIMIT - len(head) - len(tail) - len(remedy)
     return head + _clipped(errors[0], max(room, 40)) + tail + remedy
+
+
+def _comparable(a: Output, b: Output) -> bool:
+    """Whether ``a`` and ``b`` hold an element to compare, one not NaN in both: an empty output,
+    or one that is NaN wherever the other is, says nothing of the optimization. (Outputs that
+    differ in shape or length fail their comparison.)"""
+    if isinstance(a, list) or isinstance(b, list):
+        return not (isinstance(a, list) and isinstance(b, list)) or any(map(_comparable, a, b))
+    if a.size == 0 or a.shape != b.shape or a.dtype.kind not in "fc" or b.dtype.kind not in "fc":
+        return a.size != 0
+    return bool(np.any(~(np.isnan(a) & np.isnan(b))))
 
 
 def _identical(a: Output, b: Output) -> bool:

@@ -19,20 +19,20 @@ at the first binding, and an output on which it disagrees with itself is not che
 Such an output never fails the check. Outcomes:
 
 - "not checked": onnxruntime cannot load the original, it fails at every binding tried, an
-  input has a type the check cannot generate, or time ran out before a comparison was made.
-  Never "passed".
-
-The check's time limit is ``timeout`` seconds (``--check-timeout``), or by default
-TIME_FACTOR times what the original's first run took (reading the models, loading the original
-and running it at the first binding), and at least FIRST_RUN_SECONDS, which is also what that
-first run may take. onnxruntime stops a run when time is up (RunOptions.terminate, which its
-Loop and Scan kernels also heed).
+  input has a type the check cannot generate, time ran out before a comparison was made, or
+  nothing was compared (every output empty or NaN in both models). Never "passed".
 - "failed": the inputs or outputs of the two models differ in names or types, an output
   differs, or the optimized model cannot be loaded or run where the original could (a model
   that onnxruntime ran before optimizing and rejects after is a broken model, not an
   unverifiable one).
 - "passed": every output of every binding that ran met the criterion (outputs that are not
   checked are named in the reason).
+
+The check's time limit is ``timeout`` seconds (``--check-timeout``), or by default
+TIME_FACTOR times what the original's first run took (reading the models, loading the original
+and running it at the first binding), and at least FIRST_RUN_SECONDS, which is also what that
+first run may take. onnxruntime stops a run when time is up (RunOptions.terminate, which its
+Loop and Scan kernels also heed).
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def check_models(
         memory_budget: bytes the check may use: a binding at which the original is estimated
             to need more (budget.py) is not run, and one that runs out of memory (MemoryError,
             or onnxruntime failing to allocate) is "not checked", never failed.
-        confine: limit this process's memory to ``memory_budget`` before the models are read
+        confine: limit this process's memory to ``memory_budget`` before the estimate
             (budget.confine; for the check's child process, never the caller's), and the
             estimate's to less.
         on_deadline: told ``(end, seconds)`` of each time limit set, ``end`` on the

@@ -8,8 +8,8 @@ a second child runs the original against itself to find out which model crashed:
 - the original crashes too: "not checked" (onnxruntime cannot run this model at all);
 - only the optimized model crashes: "failed" (the optimization broke something).
 
-The child confines its own memory to the check's budget before it reads the models
-(``confine``, see budget.py), so a model that allocates past it fails an allocation there
+The child confines its own memory to the check's budget before it estimates what the
+original needs (``confine``, see budget.py), so a model that allocates past it fails an allocation there
 ("not checked: ... ran out of the check's memory budget") instead of having the machine's
 out-of-memory killer end whatever process it picks.
 

@@ -252,7 +252,7 @@ class Number(click.ParamType):
             return value
         text = str(value).strip()
         if not (_WHOLE if self.whole else _DECIMAL).fullmatch(text):
-            self.fail(f"{value!r} is not {'a whole number' if self.whole else 'a number'} (ASCII digits)", param, ctx)
+            self.fail(f"{value!r} is not a valid {self.name} (ASCII digits)", param, ctx)
         number = int(text) if self.whole else float(text)
         if not math.isfinite(number):
             self.fail(f"{value!r} is too large", param, ctx)

@@ -7,6 +7,7 @@ the pool, the gate); this command parses, shows progress, renders and exits.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from graphopt.cli.app import (
+    Number,
     State,
     cli,
     emit,
@@ -41,12 +43,17 @@ if TYPE_CHECKING:
     from graphopt.runner import RunOptions
 
 
+_DIGITS = re.compile("[0-9]+")
+# Worker processes of a folder run: at most one per model, and this many in all.
+MAX_JOBS = 1024
+
+
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
     """``--shard i/n``, read; :func:`graphopt.batch.select_shard` checks the range."""
     if text is None:
         return None
     index, sep, count = text.partition("/")
-    if not sep or not index.isdigit() or not count.isdigit():
+    if not sep or not _DIGITS.fullmatch(index) or not _DIGITS.fullmatch(count):
         raise InputError(f"--shard {text!r}: expected i/n with 1 <= i <= n, e.g. 2/4")
     return int(index), int(count)
 
@@ -71,7 +78,9 @@ def _parse_output(text: str | None) -> tuple[Path | None, bool]:
 @click.option(
     "--config", type=click.Path(path_type=Path), help="Pipeline config, TOML or JSON (schemas/pipeline.schema.json)."
 )
-@click.option("--max-steps", type=click.IntRange(min=1), help="Most iterations of each group (default 8).")
+@click.option(
+    "--max-steps", type=Number(whole=True, low=1, high=10**6), help="Most iterations of each group (default 8)."
+)
 @click.option(
     "--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here ('-': stdout)."
 )
@@ -95,10 +104,10 @@ def _parse_output(text: str | None) -> tuple[Path | None, bool]:
 @click.option(
     "-j",
     "--jobs",
-    type=click.IntRange(min=1),
+    type=Number(whole=True, low=1, high=MAX_JOBS),
     default=1,
     show_default=True,
-    help="Worker processes for several models.",
+    help=f"Worker processes for several models (at most {MAX_JOBS}).",
 )
 @click.option("--shard", help="Process only shard i of n of the models (i/n, 1-based), for CI matrices.")
 @with_settings

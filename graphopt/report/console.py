@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import textwrap
-from collections import Counter
 from typing import Any
 
 from rich.console import Console
@@ -12,7 +11,7 @@ from rich.table import Table
 
 from graphopt.errors import bounded, one_line
 from graphopt.passes.pipeline import DEFAULT_MAX_STEPS
-from graphopt.report.views import Step, not_fused, op_rows, steps
+from graphopt.report.views import not_fused, op_rows, rows
 
 __all__ = [
     "dims_text",
@@ -22,6 +21,7 @@ __all__ = [
     "naming",
     "render_batch",
     "render_diff",
+    "render_gate",
     "render_inspection",
     "render_numerics",
     "render_ops",
@@ -74,17 +74,16 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     table = Table(title=escape(one_line(f"graphopt {report['input']['path']}")), title_justify="left")
     for column in ("pass", "nodes", "initializers", "time", "outcome"):
         table.add_column(column, justify="right" if column in ("nodes", "initializers", "time") else "left")
-    for row in _collapsed(steps(report)):
-        seconds = sum(step.seconds for step in row)
-        first, last = row[0], row[-1]
-        nodes, initializers = [first.nodes[0], last.nodes[1]], [first.initializers[0], last.initializers[1]]
-        table.add_row(
-            escape(_row_label(row, report)),
-            _arrow(nodes),
-            _arrow(initializers),
-            f"{seconds * 1000:.0f} ms",
-            _outcome(row),
-        )
+    for row in rows(report):
+        shown = escape(row.outcome)
+        if row.kind == "failed":
+            shown = f"[red]{shown}[/red]"
+        elif row.kind == "idle":
+            shown = shown.replace("no change", "[dim]no change[/dim]", 1)
+        if row.undone:
+            shown += f"; [red]{escape(row.undone)}, undone[/red]"
+        cells = (_arrow(list(row.nodes)), _arrow(list(row.initializers)), f"{row.seconds * 1000:.0f} ms")
+        table.add_row(escape(row.label), *cells, shown)
     console.print(table)
     before, after = report["summary"]["before"], report["summary"]["after"]
     console.print(
@@ -122,9 +121,9 @@ def render_ops(
         for column in ("op", *sides, "change"):
             table.add_column(column, justify="left" if column == "op" else "right")
         for row in moved:
-            table.add_row(escape(row.op), str(row.before), str(row.after), f"{row.change:+d}")
+            table.add_row(escape(row.name), str(row.before), str(row.after), f"{row.change:+d}")
         console.print(table)
-    same = ", ".join(f"{row.op} {row.after}" for row in rows if not row.change)
+    same = ", ".join(f"{row.name} {row.after}" for row in rows if not row.change)
     if same:
         console.print(escape(f"unchanged: {same}"))
 
@@ -140,50 +139,6 @@ def _file_sizes(report: dict[str, Any]) -> str | None:
 def file_bytes(entry: dict[str, Any]) -> int:
     """A report's file entry in bytes: the model file and its external data."""
     return int(entry["bytes"]) + int(entry.get("external_data", {}).get("bytes", 0))
-
-
-def _collapsed(found: list[Step]) -> list[list[Step]]:
-    """The steps, the consecutive ones that did nothing in one row."""
-    rows: list[list[Step]] = []
-    for step in found:
-        if rows and step.idle and rows[-1][-1].idle:
-            rows[-1].append(step)
-        else:
-            rows.append([step])
-    return rows
-
-
-def _row_label(row: list[Step], report: dict[str, Any]) -> str:
-    """A row's steps: ``fuse x2`` for one step run twice; a whole group occurrence by its
-    name (``simplify (2)``), otherwise each step by its label."""
-    if len(row) == 1:
-        return row[0].label + (f" x{row[0].executions}" if row[0].executions > 1 else "")
-    per_group = Counter(step.label.rpartition("/")[0] for step in steps(report))
-    labels: list[str] = []
-    for step in row:
-        group = step.label.rpartition("/")[0]
-        if group and sum(1 for s in row if s.label.rpartition("/")[0] == group) == per_group[group]:
-            if group not in labels:
-                labels.append(group)
-        else:
-            labels.append(step.label)
-    return ", ".join(labels)
-
-
-def _outcome(row: list[Step]) -> str:
-    """What a row's steps did, in one line: op changes, a failure, or no change and, when
-    the passes say, why; then the first part of it undone alone, if any."""
-    step = row[0]
-    if len(row) > 1:
-        whys = "; ".join(f"{s.label}: {s.why}" for s in row if s.why)
-        return "[dim]no change[/dim]" + (escape(f" ({whys})") if whys else "")
-    if step.error is not None:
-        return f"[red]failed, rolled back: {escape(step.error)}[/red]"
-    also = f"; [red]{escape(step.undone)}, undone[/red]" if step.undone else ""
-    changes = ", ".join(f"{op} {d:+d}" for op, d in step.op_delta.items())
-    if step.changed:
-        return escape(changes or "changed, no op count moved") + also
-    return "[dim]no change[/dim]" + (escape(f": {step.why}") if step.why else "") + also
 
 
 def render_numerics(console: Console, numerics: dict[str, Any], *, per_output: bool = False) -> None:
@@ -274,6 +229,15 @@ def render_batch(console: Console, report: dict[str, Any]) -> None:
         table.add_row(escape(one_line(row["input"]["path"])), nodes, row["numerics"]["status"], row["status"])
     console.print(table)
     console.print(totals_line(report["totals"]))
+
+
+def render_gate(console: Console, report: dict[str, Any]) -> None:
+    """A --check-optimized report: each model's verdict, then the totals of a batch."""
+    for row in report["check_optimized"]:
+        line = failure_line(row)
+        console.print(escape(one_line(line)) if line else f"{escape(one_line(row['path']))}: [green]optimized[/green]")
+    if "totals" in report:
+        console.print(totals_line(report["totals"]))
 
 
 def totals_line(totals: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ def diff_inspections(a: Json, b: Json) -> Json:
     model lacks that input or output), op histograms with their change, the ops B has more
     of than A (what fusing made), sizes and opsets."""
     rows = op_rows(a["ops"], b["ops"])
-    ops = [{"op": r.op, "a": r.before, "b": r.after, "change": r.change} for r in rows]
+    ops = [{"op": r.name, "a": r.before, "b": r.after, "change": r.change} for r in rows]
     domains = list(dict.fromkeys([*a["opsets"], *b["opsets"]]))
     return {
         "a": a["path"],
@@ -28,7 +28,7 @@ def diff_inspections(a: Json, b: Json) -> Json:
         "outputs": _signature(a["outputs"], b["outputs"]),
         "nodes": [a["nodes"], b["nodes"]],
         "ops": ops,
-        "fused": {r.op: r.change for r in rows if r.change > 0},
+        "fused": {r.name: r.change for r in rows if r.change > 0},
         **{key: [a[key], b[key]] for key in _PAIRED},
         "opsets": {domain: [a["opsets"].get(domain), b["opsets"].get(domain)] for domain in domains},
     }

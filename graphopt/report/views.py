@@ -15,13 +15,17 @@ from typing import Any
 __all__ = [
     "NearMiss",
     "NotFused",
-    "OpRow",
+    "Counted",
+    "Row",
     "Step",
+    "criterion",
     "fused_ops",
     "near_misses",
     "not_fused",
     "op_rows",
+    "rows",
     "steps",
+    "verdict",
 ]
 
 Json = dict[str, Any]
@@ -82,6 +86,80 @@ def steps(report: Json) -> list[Step]:
     return found
 
 
+@dataclass(frozen=True)
+class Row:
+    """A row of a pass table: one step, or consecutive steps that all did nothing."""
+
+    label: str
+    steps: list[Step]
+
+    @property
+    def nodes(self) -> tuple[int, int]:
+        return self.steps[0].nodes[0], self.steps[-1].nodes[1]
+
+    @property
+    def initializers(self) -> tuple[int, int]:
+        return self.steps[0].initializers[0], self.steps[-1].initializers[1]
+
+    @property
+    def seconds(self) -> float:
+        return sum(step.seconds for step in self.steps)
+
+    @property
+    def kind(self) -> str:
+        """ "failed" (rolled back), "changed", or "idle"."""
+        step = self.steps[0]
+        return "failed" if step.error is not None else "changed" if step.changed else "idle"
+
+    @property
+    def outcome(self) -> str:
+        """What the row's steps did, in one line: op changes, a failure, or no change and,
+        when the passes say, why (the first rewrite undone alone is in :attr:`undone`)."""
+        step = self.steps[0]
+        if len(self.steps) > 1:
+            whys = "; ".join(f"{s.label}: {s.why}" for s in self.steps if s.why)
+            return "no change" + (f" ({whys})" if whys else "")
+        if step.error is not None:
+            return f"failed, rolled back: {step.error}"
+        if step.changed:
+            return ", ".join(f"{op} {d:+d}" for op, d in step.op_delta.items()) or "changed, no op count moved"
+        return "no change" + (f": {step.why}" if step.why else "")
+
+    @property
+    def undone(self) -> str | None:
+        return self.steps[0].undone if len(self.steps) == 1 and self.steps[0].error is None else None
+
+
+def rows(report: Json) -> list[Row]:
+    """The pass table of a model's report: a row per step, consecutive idle steps in one row
+    (a whole group occurrence by its name, ``simplify (2)``)."""
+    found = steps(report)
+    runs: list[list[Step]] = []
+    for step in found:
+        if runs and step.idle and runs[-1][-1].idle:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    per_group = Counter(step.label.rpartition("/")[0] for step in found)
+    return [Row(_row_label(run, per_group), run) for run in runs]
+
+
+def _row_label(run: list[Step], per_group: Counter[str]) -> str:
+    """``fuse x2`` for one step run twice; a whole group occurrence by its name, otherwise
+    each step by its label."""
+    if len(run) == 1:
+        return run[0].label + (f" x{run[0].executions}" if run[0].executions > 1 else "")
+    labels: list[str] = []
+    for step in run:
+        group = step.label.rpartition("/")[0]
+        if group and sum(1 for s in run if s.label.rpartition("/")[0] == group) == per_group[group]:
+            if group not in labels:
+                labels.append(group)
+        else:
+            labels.append(step.label)
+    return ", ".join(labels)
+
+
 def _by_step(runs: list[Json]) -> dict[str, list[Json]]:
     """The pass executions of a report by the pipeline step they ran, labelled
     ``group/pass``; a group that occurs more than once is numbered: simplify (1), simplify (2)."""
@@ -126,8 +204,10 @@ def _why_unchanged(details: Json) -> str | None:
 
 
 @dataclass(frozen=True)
-class OpRow:
-    op: str
+class Counted:
+    """A count before and after: of an op type, or of a model's nodes."""
+
+    name: str
     before: int
     after: int
 
@@ -136,11 +216,11 @@ class OpRow:
         return self.after - self.before
 
 
-def op_rows(before: dict[str, int], after: dict[str, int]) -> list[OpRow]:
+def op_rows(before: dict[str, int], after: dict[str, int]) -> list[Counted]:
     """Every op type of either histogram, the most frequent (before or after) first."""
     ops = set(before) | set(after)
-    rows = [OpRow(op, before.get(op, 0), after.get(op, 0)) for op in ops]
-    return sorted(rows, key=lambda r: (-max(r.before, r.after), r.op))
+    rows = [Counted(op, before.get(op, 0), after.get(op, 0)) for op in ops]
+    return sorted(rows, key=lambda r: (-max(r.before, r.after), r.name))
 
 
 def _fuse_details(report: Json) -> list[Json]:
@@ -241,3 +321,21 @@ def _ort_labels(opset: int) -> set[str]:
     from graphopt.passes.fuse import registered_rules
 
     return {r.what for r in registered_rules() if r.default and "onnx" not in r.targets and r.min_opset <= opset}
+
+
+def criterion(numerics: Json) -> str | None:
+    """The criterion a check judged by, as its report names it: how it passed (``passed_by``),
+    else the kind of its criterion."""
+    if isinstance(numerics.get("passed_by"), str):
+        return str(numerics["passed_by"])
+    found = numerics.get("criterion")
+    return str(found["kind"]) if isinstance(found, dict) and found.get("kind") else None
+
+
+def verdict(output: Json) -> str:
+    """An output's verdict: passed (with the criterion it passed by, when the report says), failed or not checked."""
+    if output["passed"] is None:
+        return "not checked"
+    if output["passed"] is False:
+        return "failed"
+    return "passed" + (f" ({output['criterion']})" if isinstance(output.get("criterion"), str) else "")

@@ -255,7 +255,7 @@ class Rule:
     def gate(self, site: Site) -> str | None:
         """Why the rule cannot apply at ``site`` whatever matched (None: it can)."""
         if site.opset < self.min_opset:
-            return f"needs opset >= {self.min_opset} (the model has {site.opset}; see --target-opset)"
+            return f"needs opset >= {self.min_opset} (the model has {site.opset})"
         return None
 
     def retired(self, site: Site) -> bool:

@@ -153,6 +153,7 @@ def _numerics(numerics: Json, heading: str) -> list[str]:
 
 def _folder(report: Json, limit: int) -> str:
     shards = f" (shards {', '.join(report['shards'])})" if report.get("shards") else ""
+    shards = f" (shard {report['shard']})" if report.get("shard") else shards
     head = f"## graphopt: {len(report['models'])} models{shards}\n\n{totals_line(report['totals'])}\n\n"
     body = []
     for row in report["models"]:

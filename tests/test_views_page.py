@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -212,16 +213,21 @@ _GREY = (175, 184, 193)  # the "before" bars
 _WINDOW = {"single": "1100,2000", "folder": "1100,900"}
 
 
-def _screenshot(page: Path, kind: str, out: Path) -> np.ndarray:
+def _chromium(*arguments: str) -> str:
+    """Run headless Chromium; its stdout."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("Chromium is not installed (apt-get install chromium): the page is not rendered")
+    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", *arguments]
+    return subprocess.run(command, check=True, capture_output=True, text=True, timeout=120).stdout
+
+
+def _screenshot(page: Path, kind: str, out: Path) -> np.ndarray:
     shot = out / f"{kind}.png"
-    command = [
-        browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--force-device-scale-factor=0.5",
-        f"--window-size={_WINDOW[kind]}", f"--screenshot={shot}", page.resolve().as_uri(),
-    ]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    _chromium(
+        "--hide-scrollbars", "--force-device-scale-factor=0.5", f"--window-size={_WINDOW[kind]}",
+        f"--screenshot={shot}", page.resolve().as_uri(),
+    )  # fmt: skip
     if os.environ.get("GRAPHOPT_UPDATE_PAGES"):  # refresh the references after a change of the page
         REFERENCES.mkdir(exist_ok=True)
         shutil.copy(shot, REFERENCES / shot.name)
@@ -281,3 +287,15 @@ def test_the_folder_page_renders_with_its_table_and_chart(folder: Path, tmp_path
     header = _near(image, (246, 248, 250)).any(axis=1)  # the models table's head
     assert header[: image.shape[0] // 2].any()
     _like_the_reference(image, "folder")
+
+
+@pytest.mark.slow
+def test_a_click_on_a_column_sorts_the_models(folder: Path, tmp_path: Path) -> None:
+    clicked = tmp_path / "clicked.html"
+    script = '<script>document.querySelectorAll("th[data-sort]")[1].click();</script></body>'  # the nodes column
+    clicked.write_text((folder / "all.html").read_text().replace("</body>", script))
+    rows = re.findall(r'<tr><td>([^<]*)</td><td class="n" data-v="(\d+)"', _chromium("--dump-dom", clicked.as_uri()))
+    nodes = [int(after) for _, after in rows]
+    assert len(rows) == len(FOLDER_MODELS) and nodes == sorted(nodes, reverse=True), rows
+    report = _load(folder / "all.json")
+    assert nodes != [row["summary"]["after"]["nodes"] for row in report["models"]]  # the order did change

@@ -114,8 +114,8 @@ def render_ops(
 ) -> None:
     """The op histograms side by side: a row per op type whose count moved, then the
     unchanged ones in one line."""
-    rows = op_rows(before, after)
-    moved = [row for row in rows if row.change]
+    counted = op_rows(before, after)
+    moved = [row for row in counted if row.change]
     if moved:
         table = Table(title=title, title_justify="left")
         for column in ("op", *sides, "change"):
@@ -123,7 +123,7 @@ def render_ops(
         for row in moved:
             table.add_row(escape(row.name), str(row.before), str(row.after), f"{row.change:+d}")
         console.print(table)
-    same = ", ".join(f"{row.name} {row.after}" for row in rows if not row.change)
+    same = ", ".join(f"{row.name} {row.after}" for row in counted if not row.change)
     if same:
         console.print(escape(f"unchanged: {same}"))
 

@@ -75,7 +75,7 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     for column in ("pass", "nodes", "initializers", "time", "outcome"):
         table.add_column(column, justify="right" if column in ("nodes", "initializers", "time") else "left")
     for row in rows(report):
-        shown = escape(row.outcome)
+        shown = escape(one_line(row.outcome))  # op types are the model's names: one line whatever they hold
         if row.kind == "failed":
             shown = f"[red]{shown}[/red]"
         elif row.kind == "idle":
@@ -121,11 +121,11 @@ def render_ops(
         for column in ("op", *sides, "change"):
             table.add_column(column, justify="left" if column == "op" else "right")
         for row in moved:
-            table.add_row(escape(row.name), str(row.before), str(row.after), f"{row.change:+d}")
+            table.add_row(escape(one_line(row.name)), str(row.before), str(row.after), f"{row.change:+d}")
         console.print(table)
     same = ", ".join(f"{row.name} {row.after}" for row in counted if not row.change)
     if same:
-        console.print(escape(f"unchanged: {same}"))
+        console.print(escape(one_line(f"unchanged: {same}")))
 
 
 def _file_sizes(report: dict[str, Any]) -> str | None:
@@ -335,7 +335,8 @@ def render_diff(console: Console, found: dict[str, Any]) -> None:
         for entry in found[kind]:
             same = entry["a"] == entry["b"]
             b = "same" if same else (entry["b"] or "(none)")
-            io_table.add_row(kind[:-1], escape(entry["name"]), escape(entry["a"] or "(none)"), escape(b))
+            cells = (entry["name"], entry["a"] or "(none)", b)
+            io_table.add_row(kind[:-1], *(escape(one_line(cell)) for cell in cells))
     console.print(io_table)
     nodes = found["nodes"]
     ops = (
@@ -344,7 +345,7 @@ def render_diff(console: Console, found: dict[str, Any]) -> None:
     )
     render_ops(console, *ops, title=f"ops ({_arrow(nodes)} nodes)", sides=("a", "b"))
     if found["fused"]:
-        console.print(escape("more in b: " + ", ".join(f"{op} +{n}" for op, n in found["fused"].items())))
+        console.print(escape(one_line("more in b: " + ", ".join(f"{op} +{n}" for op, n in found["fused"].items()))))
     console.print(
         f"parameters {_pair(found['parameters'], '{:,}')}, initializers {_arrow(found['initializers'])},"
         f" weights {_pair(found['parameter_bytes'], size)}, file {_pair(found['file_bytes'], size)}"

@@ -47,7 +47,16 @@ import onnxruntime as ort
 from graphopt.errors import InputError, bounded
 from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET, footprint, gigabytes
 from graphopt.numerics.budget import confine as limit_memory  # the name ``confine`` is the option
-from graphopt.numerics.compare import Criterion, OutputComparison, compare_output, rejudge, second_chance
+from graphopt.numerics.compare import (
+    ALLCLOSE,
+    FIXED,
+    OWN_ROUNDING,
+    Criterion,
+    OutputComparison,
+    compare_output,
+    rejudge,
+    second_chance,
+)
 from graphopt.numerics.feeds import Feed
 from graphopt.numerics.feeds import run as run_session
 from graphopt.numerics.inputs import (
@@ -87,6 +96,9 @@ class CheckResult:
     seconds: float = 0.0
     # Each binding at which the original did not run: its dims and why (onnxruntime's words).
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    # A passed check's criterion: OWN_ROUNDING when some output needed it, else FIXED (ALLCLOSE
+    # with --atol/--rtol); None when nothing float was judged or the check did not pass.
+    passed_by: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite floats become the strings "nan", "inf" and "-inf"."""
@@ -258,7 +270,9 @@ def check_models(
     def result(status: Status, reason: str | None, done: list[BindingResult] | None = None) -> CheckResult:
         if status == "not checked" and reason is not None:
             reason = _clipped(reason, NOT_CHECKED_REASON_LIMIT)
-        return CheckResult(status, reason, criterion_dict, done or [], time.perf_counter() - started, attempts)
+        seconds = time.perf_counter() - started
+        by = _passed_by(done or []) if status == "passed" else None
+        return CheckResult(status, reason, criterion_dict, done or [], seconds, attempts, by)
 
     original, optimized = Path(original), Path(optimized)
     spec_a, spec_b = read_spec(original), read_spec(optimized)
@@ -484,6 +498,11 @@ def _judge_by_own_rounding(
             noise, usable = self_noise(ran[number][2][k], [runs[k] for runs in draws[number]])
             rejudge(binding.outputs[k], noise, usable)
         binding.passed = all(o.passed is not False for o in binding.outputs)
+
+
+def _passed_by(done: list[BindingResult]) -> str | None:
+    criteria = {output.criterion for binding in done for output in binding.outputs if output.passed}
+    return next((c for c in (OWN_ROUNDING, FIXED, ALLCLOSE) if c in criteria), None)
 
 
 def _generated(

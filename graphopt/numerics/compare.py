@@ -34,18 +34,20 @@ the output passes when
 - relative L2 <= min(NOISE_FACTOR x self-noise, NOISE_CEILING) = min(3 x self-noise, 3e-2).
 
 The factor 3, from the fixtures of tests/test_check_precision.py (five precisions, a right
-rewrite and four seeded wrong ones, two input scales) and graphopt's own output of the corpus
-BERT and GPT-2 in dynamic int8: a right rewrite moved the output by at most 1.65 x the
-self-noise (BERT's pooler output at 128 tokens: 1.82e-2 against 1.10e-2; where moving last
-bits flips quantization steps, a Poisson-like count), a wrong one by at least 8.3 x (a wrong
-attention scale in float16 at input scale 10, where the residual dilutes it); 3 leaves 1.8x
-on the one side and 2.8x on the other. The ceiling 3e-2 holds whatever the self-noise (an
-original whose runs scatter, a discontinuous one, cannot open the gate wider): below what
-quantizing those models cost them against float32 (3.2e-2 to 4.4e-2), so no rewrite may move
-an output as far as quantization did, and 1.65x above the largest right move measured. A
-model whose self-noise cannot be measured (fewer than four of the six runs usable) keeps the
-fixed verdict. The fixed limits stay the first criterion: a float32 model passes or fails as
-before, and the extra runs are made only for an output that failed them.
+rewrite and four seeded wrong ones, two input scales) and graphopt's own output of real
+exports in dynamic int8 (BERT, GPT-2, Llama with and without a KV cache, ViT): a right
+rewrite moved the output by at most 1.68 x the self-noise (the Llama at 128 tokens: 1.68e-2
+against 1.00e-2; moving last bits flips quantization steps, a Poisson-like count), a wrong
+one on the fixtures by at least 8.3 x (a wrong attention scale in float16 at input scale 10,
+where the residual dilutes it); 3 leaves 1.8x on the one side and 2.8x on the other. The
+ceiling 3e-2 holds whatever the self-noise (an original whose runs scatter, a discontinuous
+one, cannot open the gate wider): 1.65x above the largest right move measured (1.82e-2,
+BERT's pooler output in dynamic int8), about what quantizing those models cost them against
+float32 (1.5e-2 for ViT to 4.4e-2 for GPT-2). Where the original's own noise is that large,
+an error of its size cannot be told from rounding at that binding (README); every binding
+must pass. A model whose self-noise cannot be measured (fewer than four of the six runs
+usable) keeps the fixed verdict. The fixed limits stay the first criterion: a float32 model
+passes or fails as before, and the extra runs are made only for an output that failed them.
 
 ``atol``/``rtol`` switch to element-wise ``|a - b| <= atol + rtol |a|``, with no floor and no
 second criterion.

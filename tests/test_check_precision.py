@@ -134,9 +134,11 @@ def test_masks_scalars_and_integers_are_not_perturbed(tmp_path: Path) -> None:
         "mask": np.ones((2, 8), np.float32),
         "ids": np.arange(16, dtype=np.int64),
         "x": np.linspace(1, 2, 64, dtype=np.float32),
+        # An additive mask at float16's minimum: half an ulp more is -inf.
+        "additive_mask": np.where(np.arange(64) % 2, np.float16(-65504), np.float16(0.5)).astype(np.float16),
     }
     moved = perturbation.feed(feed, rng)
-    assert moved["mask"] is feed["mask"] and moved["ids"] is feed["ids"]
+    assert all(moved[name] is feed[name] for name in ("mask", "ids", "additive_mask"))
     change = np.abs(moved["x"] / feed["x"] - 1)
     assert 0 < change.max() <= 2.0**-11 * 1.001  # half an eps of float16, no more
     weights = variant("float32")

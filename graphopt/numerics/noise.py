@@ -17,10 +17,11 @@ there is no rounding but another program: integer and quantized tensors (a quant
 last bit is a whole step), tensors of fewer than ``SMALLEST`` elements (exponents, Clip
 bounds, Resize scales, epsilons: scalars and small parameter vectors, where an ulp can change
 a shape or turn Pow of a negative base into NaN), and tensors that look like masks or
-sentinels (every value 0 or 1, or any value non-finite or beyond 1e30, where ``(1 - mask) x
-min`` would turn an ulp into 1e31). Nor are tensors stored outside the file, tensors in an
-If, Loop or Scan body, and the tensors past the check's memory budget: the draws then move less,
-which can only make the bound tighter.
+sentinels (every value 0 or 1, or any value non-finite or beyond 1e30 or half its type's
+largest, where ``(1 - mask) x min`` would turn an ulp into 1e31, and float16's -65504 into
+-inf). Nor are tensors stored outside the file, tensors in an If, Loop or Scan body, and the
+tensors past the check's memory budget: the draws then move less, which can only make the
+bound tighter.
 
 Why not a reference run with the float16 or quantized parts in float32 instead: against that,
 a quantized model is off by its whole quantization error (1.5e-2 on ViT in dynamic int8, issue
@@ -107,7 +108,8 @@ class Perturbation:
 def _movable(array: np.ndarray, *, inputs: bool = False) -> bool:
     if array.dtype.kind != "f" or array.dtype.itemsize < 2 or (not inputs and array.size < SMALLEST):
         return False
-    if array.size == 0 or not np.isfinite(array).all() or float(np.abs(array).max()) > _SENTINEL:
+    sentinel = min(_SENTINEL, float(np.finfo(array.dtype).max) / 2)  # float16's -65504 masks too
+    if array.size == 0 or not np.isfinite(array).all() or float(np.abs(array).max()) > sentinel:
         return False
     return not bool(np.isin(array, (0.0, 1.0)).all())
 

@@ -18,7 +18,6 @@ from graphopt.passes.fuse.rules import (
     lower,
     matmul,
     norm,
-    ort_attention,
     residual,
     rotary,
     shape,
@@ -32,7 +31,6 @@ LIBRARY = RuleSet(
     activation.RULES
     + arith.RULES
     + attention.RULES
-    + ort_attention.RULES
     + conv.RULES
     + embed.RULES
     + expose.RULES

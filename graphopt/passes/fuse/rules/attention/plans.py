@@ -1,90 +1,19 @@
-"""Attention family: scaled dot-product attention with head split / merge -> Attention (opset 23).
-
-The exporters write one attention layer as::
-
-    q = Transpose(Reshape(Q, [B, S, H, d]), [0, 2, 1, 3])       # (B, H, S, d)
-    k = Transpose(Reshape(K, [B, S, Hkv, d]), [0, 2, 3, 1])     # (B, Hkv, d, S), or k^T later
-    v = Transpose(Reshape(V, [B, S, Hkv, d]), [0, 2, 1, 3])
-    p = Softmax(mask(MatMul(q, k) / sqrt(d)), axis=-1)           # additive mask or Where(cond, s, -inf)
-    y = Reshape(Transpose(MatMul(p, v), [0, 2, 1, 3]), [B, S, H*d])
-
-which is ``Attention(Q, K, V, mask, q_num_heads=H, kv_num_heads=Hkv, scale=...)`` on the 3-D
-projections (ONNX splits and merges the heads itself; Hkv < H is grouped-query attention).
-The mask: an additive float mask is passed as is; ``Where(cond, s, c)`` with ``c`` at or
-below -1e30 is a boolean mask; when ``cond`` is the causal band a GPT-2 export slices from
-its ``tril`` buffer (``buf[:, :, klen-qlen:klen, :klen]`` with qlen = klen provably), the
-plumbing goes and ``is_causal=1`` stands for it.
-
-``--target ort``: the same layer with its projections, ``Q = x @ Wq + bq`` (likewise K, V;
-weights constant, or a float16 constant Cast to float), or one packed projection ``Split``
-into Q, K, V (GPT-2's c_attn), becomes onnxruntime's ``Attention`` (com.microsoft, packed
-weights ``[Wq Wk Wv]``; float16 weights are packed as float16 and Cast once). The causal band
-becomes ``unidirectional=1``; BERT's additive mask ``(1 - float(m[:, None, None, :])) * c``
-becomes the raw 2-D mask ``m`` as int32 with ``mask_filter_value=c`` (masks are 0 / 1 by
-contract, as onnxruntime's own fusion assumes); another additive mask is its attention_bias.
-
-What PyTorch's exporters write (torch's scaled_dot_product_attention, decomposed by the dynamo
-and the TorchScript exporter alike) is matched from ``P V`` backwards instead (``attention-4d``,
-see the section below for the spellings): the 4-D Q, K, V (after rotary embeddings, with GQA's
-head repeat dropped) become Attention's inputs, and ``attention-heads-3d`` then takes head splits
-and the merge into it where Q, K and V all have them, ``attention-kv-cache`` a KV cache's Concat with
-the past (past_key / past_value in, present_key / present_value out). For ``--target ort`` the same match with
-its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``; an attention bias of rank below 4,
-``ort-multihead-attention-broadcast-bias``, off by default); grouped-query attention
-keeps its repeated heads there (GroupQueryAttention's causal-and-padding mask contract is not
-proven from the exported mask, so it is not written).
-
-Attention computed on merged (batch * heads) 3-D tensors, as BLOOM (with its ALiBi bias) and
-fairseq-style bmm attention write it, is read as the 4-D attention it is (``attention-merged-heads``,
-``ort-multihead-attention-merged``; see that section below).
-"""
+"""What the attention rules prove before they rewrite: the head splits and merges, the scale, the mask, and
+the spellings of Q K^T the exporters write (the plans of the standard and the onnxruntime rules)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
 
 from graphopt.facts.op import broadcast
-from graphopt.ir import DataType, Node, TensorType, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.dims import mul
-from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, new_const, scalar_factor, shared_reader
-from graphopt.passes.rewrite.engine import Match, Rule, Site
-from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
-
-FAMILY = "attention"
-HEADS = [0, 2, 1, 3]
-
-
-def core(q: Pattern, k: Pattern, v: Pattern) -> Pattern:
-    """The attention layer around the 3-D projections ``q``, ``k``, ``v``."""
-
-    def split(name: str, source: Pattern, perm: list[int]) -> Pattern:
-        reshape = op.Reshape(source, var(f"{name}_shape"), name=f"{name}_split")
-        return op.Transpose(reshape, perm=perm, name=f"{name}_t")
-
-    k_t = either(split("k", k, [0, 2, 3, 1]), op.Transpose(split("k", k, HEADS), perm=[0, 1, 3, 2], name="k_tt"))
-    scores = op.MatMul(split("q", q, HEADS), k_t, name="qk")
-    scaled = either(
-        op.Div(scores, const(name="scale"), name="scaling"), op.Mul(scores, const(name="scale"), name="scaling"), scores
-    )
-    masked = either(
-        op.Add(scaled, var("mask"), name="masking"),
-        op.Where(var("cond"), scaled, const(name="fill"), name="masking"),
-        scaled,
-    )
-    probs = op.Softmax(masked, name="softmax")
-    return op.Reshape(
-        op.Transpose(op.MatMul(probs, split("v", v, HEADS), name="pv"), perm=HEADS, name="merge_t"),
-        var("merge_shape"),
-        name="merge",
-    )
-
-
-_ATTENTION = core(var("q"), var("k"), var("v"))
+from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor
+from graphopt.passes.fuse.rules.attention.spellings import HEADS
+from graphopt.passes.rewrite.engine import Match, Site
 
 
 def _source(m: Match, name: str) -> Value:
@@ -182,40 +111,6 @@ def plan_attention(m: Match, site: Site) -> dict[str, object] | str:
         else:
             plan["mask"] = m.value("cond")
     return plan
-
-
-def _build(b: Builder, m: Match, plan: dict[str, object]) -> Value:
-    mask = plan["mask"]
-    if isinstance(mask, Value) and (m.site.shape(mask) or (0, 0, 0))[2] == 1:
-        mask = rows_spelled_out(b, mask)
-    node: Node = b.node(
-        "Attention",
-        m.value("q"),
-        m.value("k"),
-        m.value("v"),
-        mask if isinstance(mask, Value) else None,
-        q_num_heads=plan["heads"],
-        kv_num_heads=plan["kv_heads"],
-        scale=plan["scale"],
-        is_causal=plan["causal"],
-    )
-    return node.outputs[0]
-
-
-_EXPANDED = "attention_mask_rows"
-
-
-def rows_spelled_out(b: Builder, mask: Value) -> Value:
-    """``mask`` (B, 1, 1, S) as (B, 1, S, S): onnxruntime's Attention wants the query dim
-    spelled out (q length = key length = S here). One expansion per mask, shared by layers."""
-
-    def expand() -> Value:
-        length = b.shape(mask, -1)
-        ones = b.constant(np.ones(2, np.int64), "ones")
-        shape = b.op("Concat", ones, length, b.constant(np.ones(1, np.int64), "one"), axis=0)
-        return b.op("Expand", mask, shape, name=_EXPANDED)
-
-    return shared_reader(mask, _EXPANDED, expand)
 
 
 # -- the 4-D form: what torch's scaled_dot_product_attention exports to -----------------------------
@@ -432,26 +327,6 @@ def _masked_fill(where: Node) -> tuple[Value, Value | None, MaskedFill] | str:
     return scores, bias, MaskedFill(cond, fill, broadcast(shapes))
 
 
-def additive_mask(b: Builder, plan: Plan4) -> Value | None:
-    """The float mask to add to the scaled scores: the masked fill's ``Where(cond, fill, bias or 0)``
-    (or the plan's additive bias). The scores added to the fill round back to it, so a query whose keys are
-    all masked weighs them alike, as the export does; a fill of the lowest float moves one step up, as
-    onnxruntime's Attention reads that one as -inf (see _off_lowest)."""
-    filled = plan.fill
-    if filled is None:
-        return plan.bias
-    fill = Site.array(filled.fill)
-    assert fill is not None
-    if fill.ravel()[0] == np.finfo(fill.dtype).min:
-        fill = np.nextafter(fill, np.zeros_like(fill))
-    rest = plan.bias if plan.bias is not None else new_const(b, np.zeros((), fill.dtype), filled.fill, "zero")
-    node = b.node("Where", filled.cond, b.constant(fill, "mask_fill"), rest)
-    dtype = Site.dtype(filled.fill)
-    if dtype is not None and filled.shape is not None:
-        node.outputs[0].type = TensorType(dtype, filled.shape)
-    return node.outputs[0]
-
-
 def _mask_of(bias: Value) -> Value:
     """The mask to pass for an added ``bias``: the boolean ``cond`` of Where(cond, 0, -inf)."""
     node = bias.producer
@@ -601,20 +476,7 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     )
 
 
-def _length(b: Builder, x: Value, known: bool) -> Value:
-    """x's axis 2 (its sequence) as a 1-element shape: the constant 1 when the mask already has it.
-
-    A KV cache's ``Concat(past, new)`` is measured as past plus new, not read: that Concat moves
-    into the Attention (``attention-kv-cache``), which a mask computed from it would wait for."""
-    if known:
-        return b.constant(np.ones(1, np.int64), "one")
-    cache = _cache_parts(x)
-    if cache is not None:
-        return b.op("Add", *(b.shape(part, 2, 3) for part in cache))
-    return b.shape(x, 2, 3)
-
-
-def _cache_parts(x: Value) -> tuple[Value, Value] | None:
+def cache_parts(x: Value) -> tuple[Value, Value] | None:
     """(past, new) where ``x`` is a 4-D KV cache ``Concat(past, new)`` along the sequence axis."""
     node = x.producer
     if node is None or node.op_type != "Concat" or len(node.inputs) != 2 or Site.rank(x) != 4:
@@ -623,69 +485,6 @@ def _cache_parts(x: Value) -> tuple[Value, Value] | None:
     if past is None or new is None or node.attr("axis") not in (2, -2):
         return None
     return past, new
-
-
-def spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
-    """``mask`` with its query and key axes provably Q's and K's lengths, as onnxruntime's
-    Attention wants (a mask broadcasting over queries is expanded). Not shared between layers:
-    the lengths are read from this layer's Q and K, which later layers' masks cannot wait for."""
-    shape, q_len, k_len = Site.shape(mask) or (), (Site.shape(q) or (None,) * 4)[2], (Site.shape(k) or (None,) * 4)[2]
-    rows, keys = q_len is not None and shape[-2] == q_len, k_len is not None and shape[-1] == k_len
-    if rows and keys:
-        return mask
-    ones = b.constant(np.ones(len(shape) - 2, np.int64), "ones")
-    target = b.op("Concat", ones, _length(b, q, rows), _length(b, k, keys), axis=0)
-    expanded = b.node("Expand", mask, target, name="attention_mask_spelled")
-    dtype = Site.dtype(mask)
-    if dtype is not None:
-        expanded.outputs[0].type = TensorType(dtype, (*shape[:-2], q_len, k_len))
-    return expanded.outputs[0]
-
-
-def _off_lowest(b: Builder, mask: Value) -> Value:
-    """``mask`` with a fill of the float type's lowest value moved one step up.
-
-    onnxruntime's Attention reads a mask entry equal to that lowest value as -inf, so a query
-    whose keys all carry it (a left-padded row of a causal decoder) gets zeros, where the
-    export, adding the finite fill, weighs every key alike. One step up is the same fill to
-    the export's arithmetic (the scores vanish next to it) and an ordinary number to onnxruntime."""
-    node = mask.producer
-    if node is None or node.op_type != "Where":
-        return mask
-    fill = Site.array(node.inputs[2])
-    if fill is None or fill.size != 1 or fill.dtype.kind != "f" or fill.ravel()[0] != np.finfo(fill.dtype).min:
-        return mask
-    raised = np.nextafter(fill, np.zeros_like(fill))
-    return b.op("Where", node.inputs[0], node.inputs[1], b.constant(raised, "mask_fill"))
-
-
-def _build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
-    q, k, v = plan.q, plan.k.value, plan.v
-    if plan.widen:
-        q, k, v = (b.op("Cast", x, to=int(DataType.FLOAT)) for x in (q, k, v))
-    k = k if plan.k.perm is None else b.op("Transpose", k, perm=plan.k.perm)
-    written = additive_mask(b, plan) if plan.fill is not None else plan.mask
-    mask = with_merged_bias(b, plan, None if written is None else _off_lowest(b, written))
-    mask = None if mask is None else spelled_out(b, mask, plan.q, plan.v)
-    # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
-    softcap = {"softcap": plan.softcap} if plan.softcap else {}
-    return b.op("Attention", q, k, v, mask, scale=plan.scale, **softcap)
-
-
-SOFTMAX = op.Softmax(var("scores"), name="softmax")
-NAN_GUARD = op.Where(op.IsNaN(SOFTMAX, name="isnan"), const(0.0), SOFTMAX, name="nan_guard")
-
-
-def with_merged_bias(b: Builder, plan: Plan4, mask: Value | None) -> Value | None:
-    """``mask`` plus the plan's merged-heads bias split back to (batch, heads, 1 or S, T), or to (1, 1, S, T)
-    when one bias serves every (batch, head) (fairseq's causal mask, unsqueezed at 0)."""
-    if plan.merged_bias is None:
-        return mask
-    bias = plan.merged_bias
-    lead = [1, 1] if (Site.shape(bias) or (None,))[0] == 1 else [-1, plan.heads]
-    rest = b.shape(bias, 1)
-    split = b.op("Reshape", bias, b.op("Concat", b.constant(np.array(lead, np.int64)), rest, axis=0))
-    return split if mask is None else b.op("Add", split, mask)
 
 
 # -- attention on merged heads: what older torch code writes -------------------------------------------
@@ -793,44 +592,6 @@ def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     )
 
 
-MERGED_HEADS = op.Reshape(
-    op.MatMul(
-        either(op.Reshape(either(NAN_GUARD, SOFTMAX), var("probs_shape"), name="probs_merge"), SOFTMAX),
-        var("v3"),
-        name="pv",
-    ),
-    var("heads_shape"),
-    name="heads_split",
-)
-
-
-def _plan_standard_4d(m: Match, site: Site) -> Plan4 | str:
-    return plan_4d(m, site, softcap=True)
-
-
-# -- Attention's own head split and merge --------------------------------------------------------
-#
-# Where Q, K and V of a 4-D Attention are all head splits of 3-D projections and its output is
-# merged back, ``Reshape(Transpose(Attention(split(Q), split(K), split(V)), [0, 2, 1, 3]), (B, S, H*d))``
-# is the same Attention on the projections (ONNX splits and merges the heads itself).
-
-
-def _split_entry(name: str) -> Pattern:
-    reshape = op.Reshape(var(name), var(f"{name}_shape"), name=f"{name}_split")
-    return op.Transpose(reshape, perm=HEADS, name=f"{name}_t")
-
-
-_MERGED = op.Reshape(
-    op.Transpose(
-        op.Attention(_split_entry("q"), _split_entry("k"), _split_entry("v"), optional(var("mask")), name="attention"),
-        perm=HEADS,
-        name="merge_t",
-    ),
-    var("merge_shape"),
-    name="merge",
-)
-
-
 def merge_refusal(m: Match, site: Site, width: int, batch: object, seq: object) -> str | None:
     """Why the merge Reshape is not provably to (batch, seq, width), or None."""
     target = ints_of(site, m.value("merge_shape"))
@@ -874,7 +635,7 @@ def _kept(m: Match, target: tuple[Any, ...], axis: int, dim: object) -> bool:
     return read_dim(concat.inputs[axis], merged) == axis
 
 
-def _plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
+def plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
     attention = m.node("attention")
     if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
         return "the Attention's other outputs are read"
@@ -894,34 +655,14 @@ def _plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
     return attrs_of(attention, q_num_heads=counts["q"], kv_num_heads=counts["k"])
 
 
-def _build_3d(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
-    return b.op("Attention", m.value("q"), m.value("k"), m.value("v"), m.optional("mask"), **attrs)
-
-
-# -- a KV cache: Attention on Concat(past, new) keys and values ----------------------------------
-#
-# A decoder with a cache concatenates the past keys and values with this step's and outputs the
-# result as the present ones; ONNX's Attention does that itself (past_key / past_value in,
-# present_key / present_value out, the same Concat along the sequence axis), so the Concats go
-# and their readers (the graph's present outputs) read the Attention's.
-
-_CACHED = op.Attention(
-    var("q"),
-    op.Concat(var("past_key"), var("key"), name="key_cache"),
-    op.Concat(var("past_value"), var("value"), name="value_cache"),
-    optional(var("mask")),
-    name="attention",
-)
-
-
-def _plan_cache(m: Match, site: Site) -> dict[str, Any] | str:
+def plan_cache(m: Match, site: Site) -> dict[str, Any] | str:
     attention = m.node("attention")
     if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
         return "the Attention's other outputs are read"
     if site.int_attr(attention, "is_causal", 0):
         return "the Attention is_causal on the joined keys (a past given apart would move the diagonal)"
     for name in ("key", "value"):
-        if _cache_parts(m.node(f"{name}_cache").outputs[0]) is None:
+        if cache_parts(m.node(f"{name}_cache").outputs[0]) is None:
             return f"the {name} Concat is not a 4-D cache joined along the sequence axis"
         if site.dtype(m.value(f"past_{name}")) != site.dtype(m.value(name)):
             return f"the past and new {name}s differ in type"
@@ -946,57 +687,3 @@ def _reads_any(value: Value, nodes: set[int], limit: int = 256) -> bool:
         seen.add(id(node))
         pending.extend(v.producer for v in node.inputs if v is not None)
     return False
-
-
-def _build_cache(b: Builder, m: Match, attrs: dict[str, Any]) -> Value:
-    inputs = (m.value("q"), m.value("key"), m.value("value"), m.optional("mask"))
-    node = b.node("Attention", *inputs, m.value("past_key"), m.value("past_value"), outputs=3, **attrs)
-    m.export("key_cache", node.outputs[1])
-    m.export("value_cache", node.outputs[2])
-    return node.outputs[0]
-
-
-# Every standard Attention rule: the op came in opset 23.
-_attention = partial(Rule, family=FAMILY, min_opset=23, label="Attention")
-
-RULES: tuple[Rule, ...] = (
-    _attention(
-        name="attention",
-        pattern=_ATTENTION,
-        plan=plan_attention,
-        build=_build,
-        doc="MatMul/scale/mask/Softmax/MatMul with head split and merge -> Attention (opset 23)",
-    ),
-    _attention(
-        name="attention-4d",
-        pattern=op.MatMul(either(NAN_GUARD, SOFTMAX), var("v"), name="pv"),
-        plan=_plan_standard_4d,
-        build=_build_4d,
-        doc="scaled dot-product attention on 4-D heads as the PyTorch exporters write it (scale on the scores "
-        "or on Q and K, GQA head repeat, additive or boolean mask, IsNaN guard, tanh softcap) -> Attention (opset 23)",
-    ),
-    _attention(
-        name="attention-merged-heads",
-        pattern=MERGED_HEADS,
-        plan=partial(plan_merged, softcap=True),
-        build=_build_4d,
-        doc="attention on merged (batch * heads) 3-D tensors as older torch code writes it (bmm / baddbmm with a "
-        "merged bias such as BLOOM's ALiBi, split by heads for the mask and Softmax) -> Attention on 4-D heads",
-    ),
-    _attention(
-        name="attention-heads-3d",
-        pattern=_MERGED,
-        plan=_plan_3d,
-        build=_build_3d,
-        doc="Attention on head splits of 3-D projections, its output merged back -> Attention on the projections",
-    ),
-    _attention(
-        name="attention-kv-cache",
-        pattern=_CACHED,
-        plan=_plan_cache,
-        build=_build_cache,
-        exports=("key_cache", "value_cache"),
-        doc="Attention on a KV cache's Concat(past, new) keys and values -> Attention with past_key / past_value "
-        "in and present_key / present_value out",
-    ),
-)

@@ -1,6 +1,7 @@
 """Attention for ``--target ort``: onnxruntime's MultiHeadAttention (4-D scaled dot-product
 attention with its head merge) and its Attention with the Q, K and V projections packed into
-one weight. The standard Attention (opset 23) and the patterns both share are in attention.py.
+one weight. The standard Attention (opset 23) is in standard.py, the patterns and proofs both share in
+spellings.py, plans.py and builds.py.
 """
 
 from __future__ import annotations
@@ -16,15 +17,9 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_reader
 from graphopt.passes.fuse.rules._ort import MS
-from graphopt.passes.fuse.rules.attention import (
-    FAMILY,
-    HEADS,
-    MERGED_HEADS,
-    NAN_GUARD,
-    SOFTMAX,
+from graphopt.passes.fuse.rules.attention.builds import additive_mask, rows_spelled_out, spelled_out, with_merged_bias
+from graphopt.passes.fuse.rules.attention.plans import (
     Plan4,
-    additive_mask,
-    core,
     head_count,
     ints_of,
     merge_refusal,
@@ -32,11 +27,9 @@ from graphopt.passes.fuse.rules.attention import (
     plan_attention,
     plan_merged,
     read_dim,
-    rows_spelled_out,
-    spelled_out,
     split_count,
-    with_merged_bias,
 )
+from graphopt.passes.fuse.rules.attention.spellings import FAMILY, HEADS, MERGED_HEADS, NAN_GUARD, SOFTMAX, core
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 

@@ -18,7 +18,6 @@ from graphopt.passes.fuse.rules import (
     lower,
     matmul,
     norm,
-    residual,
     rotary,
     shape,
     tied,
@@ -39,7 +38,6 @@ LIBRARY = RuleSet(
     + lower.RULES
     + matmul.RULES
     + norm.RULES
-    + residual.RULES
     + rotary.RULES
     + shape.RULES
     + tied.RULES

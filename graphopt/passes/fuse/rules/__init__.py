@@ -20,7 +20,6 @@ from graphopt.passes.fuse.rules import (
     norm,
     rotary,
     shape,
-    tied,
 )
 from graphopt.passes.rewrite.engine import RuleSet
 
@@ -36,9 +35,9 @@ LIBRARY = RuleSet(
     + gather.RULES
     + kronecker.RULES
     + lower.RULES
-    + matmul.RULES
+    + matmul.standard.RULES
     + norm.RULES
     + rotary.RULES
     + shape.RULES
-    + tied.RULES
+    + matmul.tied.RULES
 )

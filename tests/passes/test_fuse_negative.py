@@ -44,6 +44,15 @@ from tests.passes.fuse_exported import (
     untyped_cut,
     with_constant,
 )
+from tests.passes.fuse_fixtures import (
+    BROADCAST_BIAS,
+    FIXTURES,
+    exported_attention,
+    exported_encoder_attention,
+    exported_merged_attention,
+    exported_silu,
+    softcapped,
+)
 from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, model, node, ops, refused
 from tests.passes.fuse_models import (
     HALF,
@@ -76,15 +85,6 @@ from tests.passes.fuse_models import (
     split_projections,
     tanh_gelu,
     tied,
-)
-from tests.passes.test_fuse_exports import (
-    BROADCAST_BIAS,
-    FIXTURES,
-    exported_attention,
-    exported_encoder_attention,
-    exported_merged_attention,
-    exported_silu,
-    softcapped,
 )
 
 RNG = np.random.default_rng(2)

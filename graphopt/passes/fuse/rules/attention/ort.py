@@ -18,20 +18,19 @@ from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_reader
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.fuse.rules.attention.builds import additive_mask, rows_spelled_out, spelled_out, with_merged_bias
-from graphopt.passes.fuse.rules.attention.plans import (
-    Plan4,
+from graphopt.passes.fuse.rules.attention.plans import Plan4, plan_4d, plan_attention, plan_merged
+from graphopt.passes.fuse.rules.attention.spellings import FAMILY, MERGED_HEADS, NAN_GUARD, SOFTMAX, core
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
+from graphopt.passes.rewrite.proofs import (
+    HEADS,
     head_count,
     ints_of,
     merge_refusal,
-    plan_4d,
-    plan_attention,
-    plan_merged,
-    read_dim,
-    split_count,
+    reshaped_to_itself,
+    split_source,
+    unsplit,
 )
-from graphopt.passes.fuse.rules.attention.spellings import FAMILY, HEADS, MERGED_HEADS, NAN_GUARD, SOFTMAX, core
-from graphopt.passes.rewrite.engine import Match, Rule, Site
-from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 
 # -- target ort: onnxruntime's MultiHeadAttention ------------------------------------------------
 #
@@ -62,30 +61,6 @@ _PV_KEPT = either(_PV, op.Reshape(_PV, var("same_shape"), name="same"))
 _MHA = op.Reshape(op.Transpose(_PV_KEPT, perm=HEADS, name="merge_t"), var("merge_shape"), name="merge")
 
 
-def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -> bool:
-    """Whether Reshape(source, target) keeps the shape of ``source``, the product P V of an attention
-    whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there (the batch and
-    query length may also be Q's), read from it or provably equal to it, with at most one -1."""
-    dims, concat = site.shape(source), target.producer
-    kept = ints_of(site, target)
-    if dims is not None and None not in dims and kept is not None and tuple(kept) == tuple(dims):
-        return True
-    if dims is None or concat is None or concat.op_type != "Concat" or len(concat.inputs) != len(dims):
-        return False
-    free = 0
-    for axis, entry in enumerate(concat.inputs):
-        value = Site.array(entry)
-        if value is not None and value.size == 1 and int(value.ravel()[0]) == -1:
-            free += 1
-            continue
-        read = read_dim(entry, source) == axis or (axis in (0, 2) and read_dim(entry, query) == axis)
-        known = ints_of(site, entry) if entry is not None else None
-        same = [dims[axis], *((site.shape(query) or (None,) * 4)[axis : axis + 1] if axis in (0, 2) else ())]
-        if not (read or (known is not None and len(known) == 1 and known[0] is not None and known[0] in same)):
-            return False
-    return free <= 1
-
-
 @dataclass
 class _MhaPlan:
     plan: Plan4
@@ -93,23 +68,6 @@ class _MhaPlan:
     key_value: tuple[Value, Value] | None  # K and V before their head splits, when both have one
     rows: bool  # the merge flattens batch and seq into rows: (B * S, H * d)
     flat_kv: bool  # V's head size is not K's: K and V go in 3-D
-
-
-def _split_source(split: Value, site: Site) -> Value | None:
-    """x of a head split Reshape(x (B, S, H * d), (B, S, H, d)), or None."""
-    node = split.producer
-    if node is None or node.op_type != "Reshape" or node.inputs[0] is None or site.rank(node.inputs[0]) != 3:
-        return None
-    return node.inputs[0] if split_count(split, site) is not None else None
-
-
-def _unsplit(value: Value, heads: int, site: Site) -> Value | None:
-    """x when ``value`` is Transpose(Reshape(x, (B, S, heads, d)), [0, 2, 1, 3]), else None."""
-    node = value.producer
-    if node is None or node.op_type != "Transpose" or node.attr("perm") != HEADS or node.inputs[0] is None:
-        return None
-    counts = split_count(node.inputs[0], site)
-    return _split_source(node.inputs[0], site) if counts is not None and counts[0] == heads else None
 
 
 _BROADCAST_BIAS = "ort-multihead-attention-broadcast-bias"
@@ -123,7 +81,7 @@ def _plan_mha(
     plan = read(m, site)
     if isinstance(plan, str):
         return plan
-    if "same" in m and not _reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
+    if "same" in m and not reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
         return "the Reshape after the attention is not provably to its own shape"
     if site.dtype(plan.q) != DataType.FLOAT:
         return "onnxruntime's MultiHeadAttention runs float32 only here"
@@ -150,13 +108,13 @@ def _plan_mha(
     width = plan.heads * size[1]
     target = ints_of(site, m.value("merge_shape"))
     rows = target is not None and len(target) == 2 and target[1] == width and target[0] == -1
-    reason = None if rows else merge_refusal(m, site, width, q_dims[0], q_dims[2])
+    reason = None if rows else merge_refusal(m.node("merge"), site, width, q_dims[0], q_dims[2])
     if reason is not None:
         return reason
-    query = _unsplit(plan.q, plan.heads, site)
+    query = unsplit(plan.q, plan.heads, site)
     k_heads, v = plan.repeated
-    key = _unsplit(k_heads.value, plan.heads, site) if k_heads.perm is None else _split_source(k_heads.value, site)
-    value = _unsplit(v, plan.heads, site)
+    key = unsplit(k_heads.value, plan.heads, site) if k_heads.perm is None else split_source(k_heads.value, site)
+    value = unsplit(v, plan.heads, site)
     if key is None or value is None:
         key = value = None
     qk_size = head_count(plan.q, site)

@@ -10,10 +10,20 @@ import numpy as np
 
 from graphopt.facts.op import broadcast
 from graphopt.ir import DataType, Node, Value
-from graphopt.ir.dims import mul
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor
-from graphopt.passes.fuse.rules.attention.spellings import HEADS
 from graphopt.passes.rewrite.engine import Match, Site
+from graphopt.passes.rewrite.proofs import (
+    Key,
+    head_count,
+    merge_refusal,
+    merged_key,
+    merged_source,
+    split_count,
+    splits_merged_heads,
+    static_split,
+    unrepeated,
+    untransposed_key,
+)
 
 
 def _source(m: Match, name: str) -> Value:
@@ -21,16 +31,6 @@ def _source(m: Match, name: str) -> Value:
     found = m.node(f"{name}_split").inputs[0]
     assert found is not None
     return found
-
-
-def _heads(m: Match, name: str, site: Site) -> tuple[int, int] | None:
-    """(heads, head size) of one split, from its Reshape's static last two dims."""
-    shape = site.shape(m.node(f"{name}_split").outputs[0])
-    if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[2:]):
-        return None
-    if site.rank(_source(m, name)) != 3:
-        return None
-    return int(shape[2]), int(shape[3])
 
 
 def _scale(m: Match, head_size: int) -> float | None:
@@ -74,7 +74,7 @@ def _causal(m: Match, site: Site) -> bool:
 def plan_attention(m: Match, site: Site) -> dict[str, object] | str:
     if not softmax_over_last_axis(m.node("softmax"), site):
         return "the Softmax is not over the last axis"
-    found = [_heads(m, n, site) for n in ("q", "k", "v")]
+    found = [static_split(m.node(f"{n}_split")) for n in ("q", "k", "v")]
     if any(f is None for f in found):
         return "the head split shapes are not provable (want static heads and head size on 3-D inputs)"
     (heads, size), (kv_heads, k_size), (v_heads, v_size) = found  # type: ignore[misc]
@@ -153,133 +153,16 @@ def _scalar_steps(value: Value) -> tuple[Value, float]:
 
 
 @dataclass
-class _Heads4:
-    """A 4-D input of the layer: the value to pass, and the Transpose perm to apply first."""
-
-    value: Value
-    perm: list[int] | None = None
-
-
-def _untransposed_key(kt: Value) -> _Heads4 | None:
-    """K (B, H, S, d) from K^T (B, H, d, S) in the exporters' spellings."""
-    node = kt.producer
-    if node is None:
-        return None
-    source = node.inputs[0] if node.inputs else None
-    if node.op_type == "Transpose" and source is not None:
-        perm = list(node.attr("perm", []))
-        if perm == [0, 1, 3, 2]:
-            return _Heads4(source)
-        if perm == [0, 2, 3, 1] and Site.rank(source) == 4:
-            return _Heads4(source, HEADS)
-        return None
-    if node.op_type != "Reshape" or source is None or source.producer is None:
-        return None
-    swap = source.producer
-    merged = swap.inputs[0] if swap.op_type == "Transpose" and swap.attr("perm") == [0, 2, 1] else None
-    split = merged.producer if merged is not None else None
-    if split is None or split.op_type != "Reshape" or split.inputs[0] is None:
-        return None
-    k, out, flat = Site.shape(split.inputs[0]), Site.shape(kt), Site.shape(merged)
-    if k is None or out is None or flat is None or len(k) != 4 or len(flat) != 3 or tuple(flat[1:]) != k[2:]:
-        return None
-    if None in k:
-        return None
-    return _Heads4(split.inputs[0]) if out == (k[0], k[1], k[3], k[2]) else None
-
-
-def ints_of(site: Site, value: Value | None) -> tuple[Any, ...] | None:
-    """A small int tensor's entries (ints or symbolic dims), as the shape facts know them."""
-    return None if value is None else site.ctx.facts(site.model).sym(value)
-
-
-def _without_repeat(value: Value, site: Site) -> Value:
-    """``value`` without grouped-query attention's repeat of its heads:
-    Reshape(Expand(Unsqueeze(kv, [2]), (B, Hkv, n, S, d)), (B, Hkv * n, S, d))."""
-    reshape = value.producer
-    if reshape is None or reshape.op_type != "Reshape" or reshape.inputs[0] is None:
-        return value
-    expand = reshape.inputs[0].producer
-    if expand is None or expand.op_type != "Expand" or expand.inputs[0] is None:
-        return value
-    unsqueeze = expand.inputs[0].producer
-    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or unsqueeze.inputs[0] is None:
-        return value
-    axes = ints_of(site, unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else tuple(unsqueeze.attr("axes", ()))
-    kv, wide, target = (
-        Site.shape(unsqueeze.inputs[0]),
-        ints_of(site, expand.inputs[1]),
-        ints_of(site, reshape.inputs[1]),
-    )
-    if axes != (2,) or kv is None or len(kv) != 4 or wide is None or len(wide) != 5 or target is None:
-        return value
-    repeats, heads, size = wide[2], kv[1], kv[3]
-    if not all(isinstance(d, int) for d in (repeats, heads, size)):
-        return value
-    if len(target) != 4 or target[1] != heads * repeats or target[3] != size or wide[1] not in (1, heads):
-        return value
-    batch = (target[0] == 0 and not reshape.attr("allowzero", 0)) or target[0] == kv[0]
-    # The merge keeps the element count: with batch and seq both provably kept, the Expand cannot
-    # have broadcast either (a dim it grows from 1 would not fit), so its unknown entries are fine.
-    both = batch and target[2] == kv[2]
-    if any(not (w in (1, d) or (w is None and both)) for w, d in zip((wide[0], wide[3], wide[4]), kv[::2] + kv[3:])):
-        return value
-    # With the heads and head size fixed, one of batch and seq provably right fixes the other.
-    if batch or target[2] == kv[2]:
-        return unsqueeze.inputs[0]
-    return value
-
-
-def head_count(value: Value, site: Site) -> tuple[int, int] | None:
-    """(heads, head size) of a 4-D (batch, heads, seq, head size) value: from its shape, or from the
-    head split Transpose(Reshape(x, (B, S, H or -1, d)), [0, 2, 1, 3]) that made it."""
-    return _counts(value, site, heads_axis=1)
-
-
-def split_count(split: Value, site: Site) -> tuple[int, int] | None:
-    """(heads, head size) of a head split (batch, seq, heads, head size): from its shape, or from its
-    Reshape's target with the heads given or -1 (then the hidden size of x fixes them)."""
-    return _counts(split, site, heads_axis=2)
-
-
-def _counts(value: Value, site: Site, heads_axis: int) -> tuple[int, int] | None:
-    shape = Site.shape(value)
-    if shape is None or len(shape) != 4:
-        return None
-    if isinstance(shape[heads_axis], int) and isinstance(shape[3], int):
-        return shape[heads_axis], shape[3]
-    node = value.producer
-    if node is None or node.inputs[0] is None:
-        return None
-    if heads_axis == 1:  # the Transpose of a head split
-        return split_count(node.inputs[0], site) if node.op_type == "Transpose" and node.attr("perm") == HEADS else None
-    if node.op_type != "Reshape":
-        return None
-    target, source = ints_of(site, node.inputs[1]), Site.shape(node.inputs[0])
-    if target is None or len(target) != 4 or not isinstance(target[3], int) or target[3] <= 0:
-        return None
-    heads, size = target[2], target[3]
-    if isinstance(heads, int) and heads > 0:
-        return heads, size
-    width = source[-1] if source is not None and len(source) == 3 else None
-    if heads != -1 or not isinstance(width, int) or width % size or source is None:
-        return None
-    zero_copies = not node.attr("allowzero", 0)
-    leading = all((t == 0 and zero_copies) or t == d for t, d in zip(target[:2], source[:2], strict=True))
-    return (width // size, size) if leading else None
-
-
-@dataclass
 class Plan4:
     q: Value
-    k: _Heads4
+    k: Key
     v: Value
     heads: int
     kv_heads: int
     scale: float
     mask: Value | None
     bias: Value | None  # the additive float mask as written (onnxruntime's attention_bias)
-    repeated: tuple[_Heads4, Value]  # K and V with the heads repeated to Q's, as written
+    repeated: tuple[Key, Value]  # K and V with the heads repeated to Q's, as written
     softcap: float = 0.0
     widen: bool = False  # float16 Q, K, V, all cast to float32 (the written attention is from Q K^T on)
     # An additive bias on the scores with batch and heads merged, (batch * heads, 1 or S, T): BLOOM's ALiBi.
@@ -425,13 +308,13 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
         written_v = up.inputs[0]
     q, q_scale = _scalar_steps(parts.qk.inputs[0])
     kt, k_scale = _scalar_steps(parts.qk.inputs[1])
-    k = _untransposed_key(kt)
+    k = untransposed_key(kt)
     if k is None:
         return "K^T is not a transpose of a 4-D K in a spelling the rule knows"
     repeated = (k, m.value("v"))
-    v = _without_repeat(written_v, site)
+    v = unrepeated(written_v, site)
     if k.perm is None:
-        k = _Heads4(_without_repeat(k.value, site))
+        k = Key(unrepeated(k.value, site))
     k_value = k.value if k.perm is None else None
     found = [head_count(q, site), head_count(k_value, site) if k_value is not None else None, head_count(v, site)]
     if k.perm is not None:
@@ -498,51 +381,18 @@ def cache_parts(x: Value) -> tuple[Value, Value] | None:
 # batch * heads with the same static heads, the trailing dims kept (the element count fixes the rest).
 
 
-def _merge_source(merged: Value, heads: int | None) -> Value | None:
-    """x (batch, heads, X, Y) when ``merged`` is Reshape(x) to (batch * heads, X, Y) (with ``heads`` when given)."""
-    node = merged.producer
-    x = node.inputs[0] if node is not None and node.op_type == "Reshape" else None
-    source, out = Site.shape(x), Site.shape(merged)
-    if x is None or source is None or out is None or len(source) != 4 or len(out) != 3:
-        return None
-    if not isinstance(source[1], int) or (heads is not None and source[1] != heads) or None in source[:2]:
-        return None
-    kept = (out[1] is not None and out[1] == source[2]) or (out[2] is not None and out[2] == source[3])
-    return x if out[0] is not None and out[0] == mul(source[0], source[1]) and kept else None
-
-
-def _is_split(node: Node, heads: int) -> bool:
-    """Whether ``node`` is a Reshape of (batch * heads, X, Y) to (batch, heads, X, Y)."""
-    source, out = Site.shape(node.inputs[0]), Site.shape(node.outputs[0])
-    if node.op_type != "Reshape" or source is None or out is None or len(source) != 3 or len(out) != 4:
-        return False
-    if out[1] != heads or None in out[:2] or source[0] is None or source[0] != mul(out[0], out[1]):
-        return False
-    return (out[2] is not None and out[2] == source[1]) or (out[3] is not None and out[3] == source[2])
-
-
 def _split_scores(scores: Value, heads: int) -> tuple[Value, Value | None] | None:
     """(the merged 3-D scores, the 4-D additive mask or None) for Softmax's input."""
     node = scores.producer
-    if node is not None and _is_split(node, heads) and node.inputs[0] is not None:
+    if node is not None and splits_merged_heads(node, heads) and node.inputs[0] is not None:
         return node.inputs[0], None
     if node is None or node.op_type != "Add":
         return None
     for split, mask in (node.inputs, reversed(node.inputs)):
         inner = split.producer if split is not None else None
-        if inner is not None and mask is not None and _is_split(inner, heads) and inner.inputs[0] is not None:
+        if inner is not None and mask is not None and splits_merged_heads(inner, heads) and inner.inputs[0] is not None:
             return inner.inputs[0], mask
     return None
-
-
-def _merged_key(kt: Value, heads: int) -> _Heads4 | None:
-    """K (batch, heads, T, d) from the merged K^T: Transpose(merge(K), [0, 2, 1]) or merge(K^T)."""
-    node = kt.producer
-    if node is not None and node.op_type == "Transpose" and node.attr("perm") == [0, 2, 1] and node.inputs[0]:
-        k = _merge_source(node.inputs[0], heads)
-        return _Heads4(k) if k is not None else None
-    k_t = _merge_source(kt, heads)
-    return _untransposed_key(k_t) if k_t is not None else None
 
 
 def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
@@ -550,16 +400,16 @@ def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     if not softmax_over_last_axis(m.node("softmax"), site):
         return "the Softmax is not over the last axis"
     heads = (site.shape(m.node("heads_split").outputs[0]) or (0, 0))[1]
-    if not isinstance(heads, int) or not _is_split(m.node("heads_split"), heads):
+    if not isinstance(heads, int) or not splits_merged_heads(m.node("heads_split"), heads):
         return "P V is not provably split back to (batch, heads, seq, head size) by a static head count"
-    v = _merge_source(m.value("v3"), heads)
+    v = merged_source(m.value("v3"), heads)
     found: tuple[Value, Value | None] | None
     if "probs_merge" in m:  # Softmax on (batch, heads, S, T), merged for the product with V (BLOOM)
-        merged = _merge_source(m.node("probs_merge").outputs[0], heads)
+        merged = merged_source(m.node("probs_merge").outputs[0], heads)
         found = None if merged is None else _split_scores(m.value("scores"), heads)
     else:  # Softmax on the merged scores, split by heads for the mask and merged again (fairseq)
         scores = m.value("scores")
-        split = _merge_source(scores, heads)
+        split = merged_source(scores, heads)
         found = (scores, None) if split is None else _split_scores(split, heads)
         found = found if site.rank(scores) == 3 else None
     if v is None or found is None:
@@ -575,7 +425,7 @@ def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
         return "the scores have a tanh softcap, which this fused op has no attribute for"
     q_merged, q_scale = _scalar_steps(parts.qk.inputs[0])
     kt, k_scale = _scalar_steps(parts.qk.inputs[1])
-    q, k = _merge_source(q_merged, heads), _merged_key(kt, heads)
+    q, k = merged_source(q_merged, heads), merged_key(kt, heads)
     if q is None or k is None:
         return "Q or K^T is not provably merged from (batch, heads, ...) with P V's heads"
     dtype, sizes = site.dtype(q), [(site.shape(x) or (None,) * 4)[3] for x in (q, v)]
@@ -592,49 +442,6 @@ def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     )
 
 
-def merge_refusal(m: Match, site: Site, width: int, batch: object, seq: object) -> str | None:
-    """Why the merge Reshape is not provably to (batch, seq, width), or None."""
-    target = ints_of(site, m.value("merge_shape"))
-    copies = not m.node("merge").attr("allowzero", 0)  # a 0 entry copies the input's dim
-    wrong = "the merge Reshape is not provably back to (batch, seq, heads * head size)"
-    if target is None or len(target) != 3 or target[2] not in (width, -1) or (0 in target and not copies):
-        return wrong
-    kept_batch, kept_seq = (_kept(m, target, axis, dim) for axis, dim in ((0, batch), (1, seq)))
-    # With the width fixed, one of batch and seq provably kept fixes the other.
-    if not (kept_batch and kept_seq) and not ((kept_batch or kept_seq) and target[2] == width):
-        return wrong
-    return None
-
-
-def read_dim(entry: Value | None, source: Value) -> int | None:
-    """i when ``entry`` is the i-th dim of ``source`` as a 1-element shape read from it:
-    Shape(source, start=i, end=i + 1), or Unsqueeze(Gather(Shape(source), i))."""
-    node = entry.producer if entry is not None else None
-    if node is not None and node.op_type == "Shape" and node.inputs[0] is source:
-        start, end = node.attr("start", 0), node.attr("end")
-        return int(start) if end is not None and int(end) == int(start) + 1 and start >= 0 else None
-    gather = node.inputs[0].producer if node is not None and node.op_type == "Unsqueeze" and node.inputs[0] else None
-    if gather is None or gather.op_type != "Gather" or gather.inputs[0] is None or gather.attr("axis", 0) != 0:
-        return None
-    shape = gather.inputs[0].producer
-    index = Site.array(gather.inputs[1]) if len(gather.inputs) > 1 else None
-    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not source or shape.attributes:
-        return None
-    return int(index) if index is not None and index.size == 1 and index.ndim == 0 else None
-
-
-def _kept(m: Match, target: tuple[Any, ...], axis: int, dim: object) -> bool:
-    """Whether the merge's target keeps ``axis`` of its (batch, seq, heads, head size) input: a 0 (a copy),
-    the dim ``dim`` the facts know, or that dim read from the merge's own input (TorchScript's
-    Shape / Gather / Unsqueeze, whose value the facts may not know)."""
-    if target[axis] == 0 or (target[axis] is not None and target[axis] == dim):
-        return True
-    merged, concat = m.node("merge").inputs[0], m.value("merge_shape").producer
-    if merged is None or concat is None or concat.op_type != "Concat" or len(concat.inputs) != len(target):
-        return False
-    return read_dim(concat.inputs[axis], merged) == axis
-
-
 def plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
     attention = m.node("attention")
     if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
@@ -649,7 +456,7 @@ def plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
     if counts["k"] != counts["v"] or counts["q"] % counts["k"]:
         return "the head splits of Q, K and V do not fit together"
     split = site.shape(m.value("q")) or (None, None)
-    reason = merge_refusal(m, site, counts["q"] * sizes["v"], split[0], split[1])
+    reason = merge_refusal(m.node("merge"), site, counts["q"] * sizes["v"], split[0], split[1])
     if reason is not None:
         return reason
     return attrs_of(attention, q_num_heads=counts["q"], kv_num_heads=counts["k"])

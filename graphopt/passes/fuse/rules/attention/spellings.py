@@ -4,9 +4,9 @@ exporters' IsNaN guard, attention on merged heads, Attention's own head split an
 from __future__ import annotations
 
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
+from graphopt.passes.rewrite.proofs import HEADS
 
 FAMILY = "attention"
-HEADS = [0, 2, 1, 3]
 
 
 def core(q: Pattern, k: Pattern, v: Pattern) -> Pattern:

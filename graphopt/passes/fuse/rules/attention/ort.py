@@ -21,7 +21,7 @@ from graphopt.passes.fuse.rules.attention.builds import additive_mask, rows_spel
 from graphopt.passes.fuse.rules.attention.plans import Plan4, plan_4d, plan_attention, plan_merged
 from graphopt.passes.fuse.rules.attention.spellings import FAMILY, MERGED_HEADS, NAN_GUARD, SOFTMAX, core
 from graphopt.passes.rewrite.engine import Match, Rule, Site
-from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
+from graphopt.passes.rewrite.patterns import Pattern, chain, const, either, match, op, optional, var
 from graphopt.passes.rewrite.proofs import (
     HEADS,
     head_count,
@@ -248,31 +248,32 @@ def _raw_mask(mask: Value) -> tuple[Value, float, Node] | None:
         if c is None or c.size != 1 or sub is None or sub.op_type != "Sub":
             continue
         one = float_array(sub.inputs[0])
-        chain = sub.inputs[1].producer if sub.inputs[1] is not None else None
-        if one is None or one.size != 1 or float(one.ravel()[0]) != 1.0:
+        if one is None or one.size != 1 or float(one.ravel()[0]) != 1.0 or sub.inputs[1] is None:
             continue
-        found = _unsqueezed_cast(chain)
+        found = _unsqueezed_cast(sub.inputs[1])
         if found is not None:
             return found[0], float(c.ravel()[0]), found[1]
     return None
 
 
-def _unsqueezed_cast(node: Node | None) -> tuple[Value, Node] | None:
-    """Unsqueezes and one Cast to float taking a 2-D ``m`` (B, S) to (B, 1, 1, S): (m, first node)."""
-    if node is None:
+# BERT's mask m[:, None, None, :] as float: the 2-D ``m`` behind a run of Unsqueezes and Casts.
+_MASK_CHAIN = chain(("Cast", "Unsqueeze"), var("m"), name="chain")
+
+
+def _unsqueezed_cast(value: Value) -> tuple[Value, Node] | None:
+    """Unsqueezes and one Cast to float taking a 2-D ``m`` (B, S) to ``value`` (B, 1, 1, S): (m, the chain's first
+    node)."""
+    bound = next(match(_MASK_CHAIN, value))  # the longest run: the chain always matches, with no node at least
+    run = [node for key, node in bound.items() if isinstance(key, tuple) and isinstance(node, Node)]
+    source = bound["m"]
+    if sum(node.op_type == "Cast" for node in run) != 1 or not isinstance(source, Value):
         return None
-    out, casts, first = node.outputs[0], 0, node
-    while node is not None and node.op_type in ("Cast", "Unsqueeze"):
-        casts += node.op_type == "Cast"
-        first = node
-        node = node.inputs[0].producer if node.inputs[0] is not None else None
-    source = first.inputs[0]
-    shape, wanted = Site.shape(source), Site.shape(out)
-    if casts != 1 or source is None or shape is None or len(shape) != 2 or None in shape:
+    shape, wanted = Site.shape(source), Site.shape(value)
+    if shape is None:
         return None
-    if Site.dtype(out) != DataType.FLOAT or wanted != (shape[0], 1, 1, shape[1]):
+    if len(shape) != 2 or None in shape or Site.dtype(value) != DataType.FLOAT or wanted != (shape[0], 1, 1, shape[1]):
         return None
-    return source, first
+    return source, run[-1]
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Attention for ``--target ort``: onnxruntime's MultiHeadAttention (4-D scaled dot-product
 attention with its head merge) and its Attention with the Q, K and V projections packed into
-one weight. The standard Attention (opset 23) is in standard.py, the patterns and proofs both share in
-spellings.py, plans.py and builds.py.
+one weight. The standard Attention (opset 23) is in standard.py; the patterns, plans and builds both read are
+in spellings.py, plans.py and builds.py, the shape proofs in graphopt/passes/rewrite/proofs.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from graphopt.passes.rewrite.proofs import (
 
 # -- target ort: onnxruntime's MultiHeadAttention ------------------------------------------------
 #
-# The 4-D attention above with its head merge, Reshape(Transpose(P V, [0, 2, 1, 3]), (B, S, H*d)),
+# The 4-D attention (plans.py's plan_4d) with its head merge, Reshape(Transpose(P V, [0, 2, 1, 3]), (B, S, H*d)),
 # becomes com.microsoft MultiHeadAttention(Q (B, S, H*d), K, V (B, H, T, d), attention_bias): Q is
 # taken before its head split where it has one (else transposed and reshaped back), K and V keep their
 # heads (grouped-query attention's repeat stays: MultiHeadAttention has no kv heads), the additive

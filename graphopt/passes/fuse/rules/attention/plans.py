@@ -1,5 +1,6 @@
-"""What the attention rules prove before they rewrite: the head splits and merges, the scale, the mask, and
-the spellings of Q K^T the exporters write (the plans of the standard and the onnxruntime rules)."""
+"""What the attention rules prove before they rewrite: the scale, the mask, the spellings of Q K^T the exporters
+write, and the heads (through the head split and merge proofs of graphopt/passes/rewrite/proofs.py); the plans of
+the standard and the onnxruntime rules."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-# graphopt: `make run` optimizes a sample model, `make test` runs the tests, `make lint` checks style and types.
+# graphopt: `make run` optimizes a sample model, `make test` runs the tests, `make lint` checks style and types,
+# `make ci` runs what CI runs (.ci/run).
 # Every target creates .venv and installs the package (with its dev tools) on first use.
 
 PYTHON ?= python3
@@ -6,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: install run test test-all lint bench samples clean
+.PHONY: install run test test-all lint ci bench samples clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +35,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check graphopt tests benchmarks samples
 	$(VENV)/bin/ruff format --check graphopt tests benchmarks samples
 	$(VENV)/bin/mypy graphopt
+
+# What CI runs, from this checkout: .ci/run is the one definition.
+ci:
+	bash .ci/run
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'

@@ -26,7 +26,7 @@ from graphopt.passes.pipeline import pipeline_from_config
 from graphopt.passes.rewrite.engine import RuleSet, RunStats, Site, find_matches
 from graphopt.settings import Settings
 from tests.numerics import run_ort
-from tests.passes.test_fuse_exports import FIXTURES, fixture_feeds
+from tests.passes.fuse_fixtures import FIXTURES, fixture_feeds
 
 Change = Callable[[onnx.ModelProto], onnx.ModelProto]
 

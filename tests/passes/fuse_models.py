@@ -1,5 +1,5 @@
 """The models the fuse rule tests build: one builder per rule pattern (and its variants),
-shared by the rule's own tests and by the table-driven negative tests (test_fuse_negative)."""
+shared by the rule's own tests and by the table-driven negative tests (tests/passes/fuse)."""
 
 from __future__ import annotations
 

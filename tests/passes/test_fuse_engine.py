@@ -19,7 +19,7 @@ from graphopt.ir.rewrite import PROVENANCE_KEY, Builder
 from graphopt.passes.fuse import Match, Rule, Site, add_rule, const, either, op, registered_rules, remove_rule, var
 from graphopt.passes.fuse.fuse_pass import select_rules
 from graphopt.passes.pipeline import pipeline_from_config
-from graphopt.passes.rewrite.patterns import match
+from graphopt.passes.rewrite.patterns import Pattern, chain, match
 from graphopt.schemas import schema
 from tests.cli_helpers import invoke, one_line_error
 from tests.numerics import assert_same_outputs
@@ -127,6 +127,27 @@ def test_a_shared_entry_binds_one_node() -> None:
     )
     assert len(list(match(pattern, from_proto(one).graph.nodes[-1].outputs[0]))) >= 1
     assert list(match(pattern, from_proto(two).graph.nodes[-1].outputs[0])) == []
+
+
+def test_a_chain_binds_the_longest_run_first_then_each_shorter_one() -> None:
+    """chain(ops, of) walks back through any run of those ops (first inputs), bound as one under (name, i)."""
+    nodes = [
+        node("Relu", ["x"], "r"),
+        node("Cast", ["r"], "c", to=onnx.TensorProto.FLOAT),
+        node("Unsqueeze", ["c", "axes"], "u1"),
+        node("Unsqueeze", ["u1", "axes"], "u2"),
+    ]
+    proto = model(nodes, [info("x", [2])], ["u2"], [init("axes", np.array([0], np.int64))])
+    end = from_proto(proto).graph.nodes[-1].outputs[0]
+
+    def sources(pattern: Pattern) -> list[str]:
+        return [found["m"].name for found in match(pattern, end) if isinstance(found["m"], Value)]
+
+    assert sources(chain(("Cast", "Unsqueeze"), var("m"))) == ["r", "c", "u1", "u2"]
+    assert sources(chain(("Unsqueeze",), var("m"), least=1)) == ["c", "u1"]
+    longest = next(match(chain(("Cast", "Unsqueeze"), var("m"), name="run"), end))
+    assert [longest[("run", i)].op_type for i in range(3)] == ["Unsqueeze", "Unsqueeze", "Cast"]  # type: ignore[union-attr]
+    assert len(list(match(chain(("Cast", "Unsqueeze"), op.Relu(var("x"))), end))) == 1  # the whole run only
 
 
 def test_commuted_inputs_and_alternatives_match() -> None:

@@ -11,7 +11,8 @@ says "input 1 is produced by a Transpose".
 Patterns are DAGs: a variable's name, or the same entry object used twice, binds one
 value or node, so LayerNorm's ``x - mean(x)`` and GELU's ``h * (1 + erf(h / sqrt 2))``
 name their shared leaf once. :func:`either` gives alternative spellings (``Pow(d, 2)`` or
-``Mul(d, d)``); :func:`optional` matches an input that may be omitted.
+``Mul(d, d)``); :func:`optional` matches an input that may be omitted; :func:`chain` walks back
+through a run of ops of a set (Unsqueezes and Casts in any order and number), bound as one.
 
 The matcher is a generator of bindings, so alternatives and commuted orders backtrack
 without state on the pattern objects; patterns are immutable and shared between rules.
@@ -33,6 +34,7 @@ __all__ = [
     "ANY_DOMAIN",
     "COMMUTATIVE",
     "Bindings",
+    "Chain",
     "Const",
     "Either",
     "OpPattern",
@@ -40,6 +42,7 @@ __all__ = [
     "Pattern",
     "Polynomial",
     "Var",
+    "chain",
     "const",
     "either",
     "entries",
@@ -148,6 +151,24 @@ class Polynomial(Pattern):
         return self.name or id(self)
 
 
+@dataclass(frozen=True, eq=False)
+class Chain(Pattern):
+    """A run of nodes of ``op_types`` (standard domains), each reading the one before through its first input,
+    from the matched value back to a value that matches ``of``: at least ``least`` and at most ``most`` nodes, the
+    longest run first and each shorter one on backtracking. The nodes bind under ``(name, i)``, nearest the
+    matched value first."""
+
+    op_types: tuple[str, ...]
+    of: Pattern
+    name: str = ""
+    least: int = 0
+    most: int = 16
+
+    @property
+    def key(self) -> Any:
+        return self.name or id(self)
+
+
 class _OpFactory:
     """``op.Mul(a, b, name="scale", axis=-1)``: an :class:`OpPattern`; ``op("Add", "Sub", ...)``
     for several op types. Reserved keywords: name, domain, where, output, commute."""
@@ -198,6 +219,11 @@ def polynomial(of: Var, test: Callable[[dict[int, float]], bool], *, name: str =
     return Polynomial(of, test, name)
 
 
+def chain(op_types: Sequence[str], of: Pattern, *, name: str = "", least: int = 0, most: int = 16) -> Chain:
+    """``chain(("Unsqueeze", "Cast"), var("m"), name="mask")``: ``m`` behind any run of those ops."""
+    return Chain(tuple(op_types), of, name, least, most)
+
+
 def either(*alternatives: Pattern) -> Either:
     return Either(tuple(alternatives))
 
@@ -231,6 +257,8 @@ def match(pattern: Pattern, value: Value | None, bindings: Bindings | None = Non
         yield from _match_op(pattern, value, env)
     elif isinstance(pattern, Polynomial):
         yield from _match_polynomial(pattern, value, env)
+    elif isinstance(pattern, Chain):
+        yield from _match_chain(pattern, value, env)
     else:
         raise TypeError(f"not a pattern: {pattern!r}")
 
@@ -296,6 +324,24 @@ def _match_inputs(wanted: list[Pattern], actual: list[Value | None], env: Bindin
         return
     for extended in match(wanted[0], actual[0], env):
         yield from _match_inputs(wanted[1:], actual[1:], extended)
+
+
+def _match_chain(pattern: Chain, value: Value, env: Bindings) -> Iterator[Bindings]:
+    run: list[Node] = []
+    source: Value | None = value
+    while source is not None and len(run) < pattern.most:
+        node = source.producer
+        if node is None or node.op_type not in pattern.op_types or not node.in_standard_domain:
+            break
+        run.append(node)
+        source = node.inputs[0] if node.inputs else None
+    taken = {id(n) for n in env.values() if isinstance(n, Node)}
+    for length in range(len(run), pattern.least - 1, -1):
+        nodes = run[:length]
+        start = nodes[-1].inputs[0] if nodes else value
+        if start is None or taken & {id(n) for n in nodes}:
+            continue
+        yield from match(pattern.of, start, {**env, **{(pattern.key, i): n for i, n in enumerate(nodes)}})
 
 
 # The most nodes and the highest degree a Polynomial reads (GELU's argument has 2 to 5 nodes, degree 3).
@@ -404,7 +450,7 @@ def entries(pattern: Pattern) -> Iterator[Pattern]:
             pending.extend(reversed(current.alternatives))
         elif isinstance(current, Optional):
             pending.append(current.pattern)
-        elif isinstance(current, Polynomial):
+        elif isinstance(current, (Polynomial, Chain)):
             pending.append(current.of)
 
 

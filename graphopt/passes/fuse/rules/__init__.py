@@ -18,11 +18,8 @@ from graphopt.passes.fuse.rules import (
     lower,
     matmul,
     norm,
-    ort_attention,
-    residual,
     rotary,
     shape,
-    tied,
 )
 from graphopt.passes.rewrite.engine import RuleSet
 
@@ -32,17 +29,15 @@ LIBRARY = RuleSet(
     activation.RULES
     + arith.RULES
     + attention.RULES
-    + ort_attention.RULES
     + conv.RULES
     + embed.RULES
     + expose.RULES
     + gather.RULES
     + kronecker.RULES
     + lower.RULES
-    + matmul.RULES
+    + matmul.standard.RULES
     + norm.RULES
-    + residual.RULES
     + rotary.RULES
     + shape.RULES
-    + tied.RULES
+    + matmul.tied.RULES
 )

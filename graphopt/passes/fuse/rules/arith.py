@@ -69,7 +69,8 @@ def _gathered_row(m: Match, site: Site) -> np.ndarray | str:
     e, g = site.shape(m.value("e")), site.shape(m.node("g").outputs[0])
     if e is None or g is None or e != g or None in e:
         return "the Add's operands do not provably have one shape"
-    return table[row]
+    found: np.ndarray = table[row]
+    return found
 
 
 # (outer op, inner op, the op of the result, how the inner then the outer constant combine)

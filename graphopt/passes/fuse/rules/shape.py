@@ -44,6 +44,7 @@ from graphopt.passes.cleanup.rules import CAST_TO_SAME_TYPE, TRANSPOSE_IDENTITY
 from graphopt.passes.fuse.rules._helpers import attrs_of, static_shape
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
+from graphopt.passes.rewrite.proofs import one_unknown, scalar_of_rank, spelled_target
 
 FAMILY = "shape"
 # Every rule of the family, with the family given once.
@@ -86,23 +87,12 @@ def _build_transposes(b: Builder, m: Match, perm: list[int]) -> Value:
     return _x_or(b, m, perm == list(range(len(perm))), "Transpose", perm=perm)
 
 
-def _reshape_target(m: Match, site: Site) -> np.ndarray | str:
-    """The outer Reshape's constant target with each 0 (a copy of a dim of the inner op's output, which x may not
-    have) spelled out: the dim itself where the result's type knows it, else -1 when that leaves one -1."""
-    shape = Site.array(m.value("shape"))
-    if shape is None or shape.ndim != 1:
-        return "the target shape is not a constant"
-    copies = np.flatnonzero(shape == 0)
-    if not copies.size:
-        return shape
-    result = site.shape(m.root.outputs[0])
-    if m.root.attr("allowzero", 0) or result is None or len(result) != len(shape):
-        return "the target copies a dim (0) of unknown size"
-    spelled = shape.copy()
-    for index in copies:
-        dim = result[index]
-        spelled[index] = dim if isinstance(dim, int) and dim > 0 else -1
-    return spelled if np.count_nonzero(spelled == -1) <= 1 else "the target copies a dim (0) and has a -1 besides"
+def _plan_reshape_chain(m: Match, site: Site) -> np.ndarray | str:
+    return spelled_target(m.root, site)
+
+
+def _plan_one_unknown(m: Match, site: Site) -> list[int] | str:
+    return one_unknown(m.root, site)
 
 
 def _target(b: Builder, m: Match, target: np.ndarray) -> Value:
@@ -113,7 +103,7 @@ def _target(b: Builder, m: Match, target: np.ndarray) -> Value:
 
 
 def _plan_reshape_transpose(m: Match, site: Site) -> np.ndarray | str:
-    target = _reshape_target(m, site)
+    target = spelled_target(m.root, site)
     if isinstance(target, str):
         return target
     shape = site.shape(m.value("x"))
@@ -177,38 +167,18 @@ def _build_unsqueezes(b: Builder, m: Match, axes: list[int]) -> Value:
 
 
 def _plan_reshape_elementwise(m: Match, site: Site) -> np.ndarray | str:
-    target = _reshape_target(m, site)
+    target = spelled_target(m.root, site)
     if isinstance(target, str) or "c" not in m:
         return target
-    if not _scalar_of_rank(m.value("c"), site.rank(m.value("x"))):
+    if not scalar_of_rank(m.value("c"), site.rank(m.value("x"))):
         return "the constant is not a scalar of at most x's rank"
     return target
-
-
-def _scalar_of_rank(value: Value, rank: int | None) -> bool:
-    """Whether ``value``'s shape is all 1s and of at most ``rank`` dims: a reshape of the value it
-    broadcasts against leaves the broadcast as it was."""
-    shape = Site.shape(value)
-    return shape is not None and rank is not None and len(shape) <= rank and all(d == 1 for d in shape)
 
 
 def _build_reshape_elementwise(b: Builder, m: Match, target: np.ndarray) -> Value:
     e = m.node("e")
     inputs = [m.value("x") if v is m.node("inner").outputs[0] else v for v in e.inputs]
     return b.op("Reshape", b.op(e.op_type, *inputs, **attrs_of(e)), _target(b, m, target))
-
-
-def _one_unknown(m: Match, site: Site) -> list[int] | str:
-    """``s`` as a constant with its one unknown entry as -1, or why not."""
-    if m.root.attr("allowzero", 0):
-        return "allowzero Reshape"
-    found = site.ctx.facts(site.model).sym(m.value("shape"))
-    if found is None:
-        return "the target shape is not provable"
-    unknown = [i for i, d in enumerate(found) if not isinstance(d, int)]
-    if len(unknown) != 1 or any(isinstance(d, int) and d <= 0 for d in found):
-        return "the target shape has more than one entry not provably static and positive"
-    return [-1 if i == unknown[0] else int(d) for i, d in enumerate(found)]  # type: ignore[arg-type]
 
 
 _ELEMENTWISE = ELEMENTWISE_UNARY | ELEMENTWISE_BINARY
@@ -244,7 +214,7 @@ def _walk_region(last: Node) -> tuple[list[Node], Value] | None:
 
 def _plan_region(m: Match, site: Site) -> tuple[np.ndarray, list[Node], Value] | str:
     found = _walk_region(m.node("last"))
-    target = _reshape_target(m, site)
+    target = spelled_target(m.root, site)
     if found is None or isinstance(target, str):
         return target if isinstance(target, str) else "the region changed"
     nodes, reshaped = found
@@ -254,7 +224,7 @@ def _plan_region(m: Match, site: Site) -> tuple[np.ndarray, list[Node], Value] |
     inside = set(nodes)
     for node in nodes:
         constants = [v for v in node.inputs if v is not None and is_constant(v)]
-        if not all(_scalar_of_rank(v, rank) for v in constants):
+        if not all(scalar_of_rank(v, rank) for v in constants):
             return "a constant of the region is not a scalar of at most x's rank"
         out = node.outputs[0]
         if out.is_graph_output or any(u.node not in inside and u.node is not m.root for u in out.uses()):
@@ -379,7 +349,7 @@ RULES: tuple[Rule, ...] = (
     _rule(
         name="reshape-chain",
         pattern=op.Reshape(_INNER, var("shape"), name="outer"),
-        plan=_reshape_target,
+        plan=_plan_reshape_chain,
         build=_reshape_x,
         label="Reshape chain",
         doc="Reshape(Reshape|Flatten|Squeeze|Unsqueeze(x), s) -> Reshape(x, s)",
@@ -454,7 +424,7 @@ RULES: tuple[Rule, ...] = (
     _rule(
         name="reshape-one-unknown",
         pattern=op.Reshape(var("x"), var("shape", lambda v: not is_constant(v))),
-        plan=_one_unknown,
+        plan=_plan_one_unknown,
         build=_reshape_x_static,
         label="Reshape",
         doc="Reshape(x, computed s) with one entry not static -> Reshape(x, constant s with -1 there)",

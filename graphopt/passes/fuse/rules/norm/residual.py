@@ -17,8 +17,8 @@ fast, and is no Add to that fusion.
 Left alone, so onnxruntime's other fusions still see the Add they match: a sum with an
 operand from a LayerNormalization (its attention fusion reads LayerNorm -> residual Add in
 BERT-style post-norm blocks) or from a Gather (its embedding fusion reads the lookups' Adds).
-``--target ort`` with the ``ort-skiplayernorm`` rule enabled fuses the Add first (rules of the
-norm module win the tie).
+``--target ort`` with the ``ort-skiplayernorm`` rule enabled fuses the Add first (the rules of
+standard.py win the tie).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from graphopt.ir import Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import is_float
-from graphopt.passes.fuse.rules.norm import FAMILY
+from graphopt.passes.fuse.rules.norm.standard import FAMILY
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import op, optional, var
 

@@ -243,7 +243,7 @@ def _check_transposed_matmul(m: Match, site: Site) -> str | None:
 
 def _scaled_matmul(root: str) -> Pattern:
     """``root(MatMul or FusedMatMul(a, b), s)``."""
-    return getattr(op, root)(op.any_of(_MATMULS, var("a"), var("b"), name="mm", domain=ANY_DOMAIN), const(name="s"))
+    return op.any_of((root,), op.any_of(_MATMULS, var("a"), var("b"), name="mm", domain=ANY_DOMAIN), const(name="s"))
 
 
 def _plan_scaled_matmul(m: Match, site: Site) -> float | str:

@@ -20,10 +20,9 @@ import numpy as np
 from graphopt.ir import Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import is_float
+from graphopt.passes.fuse.rules.matmul.standard import FAMILY
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import const, op, var
-
-FAMILY = "matmul"  # a MatMul rewrite, reported and enabled with the matmul family
 
 
 def _check(m: Match, site: Site) -> str | None:

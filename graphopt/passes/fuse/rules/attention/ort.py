@@ -1,6 +1,7 @@
 """Attention for ``--target ort``: onnxruntime's MultiHeadAttention (4-D scaled dot-product
 attention with its head merge) and its Attention with the Q, K and V projections packed into
-one weight. The standard Attention (opset 23) and the patterns both share are in attention.py.
+one weight. The standard Attention (opset 23) is in standard.py; the patterns, plans and builds both read are
+in spellings.py, plans.py and builds.py, the shape proofs in graphopt/passes/rewrite/proofs.py.
 """
 
 from __future__ import annotations
@@ -16,33 +17,24 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_reader
 from graphopt.passes.fuse.rules._ort import MS
-from graphopt.passes.fuse.rules.attention import (
-    FAMILY,
+from graphopt.passes.fuse.rules.attention.builds import additive_mask, rows_spelled_out, spelled_out, with_merged_bias
+from graphopt.passes.fuse.rules.attention.plans import Plan4, plan_4d, plan_attention, plan_merged
+from graphopt.passes.fuse.rules.attention.spellings import FAMILY, MERGED_HEADS, NAN_GUARD, SOFTMAX, core
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import Pattern, chain, const, either, match, op, optional, var
+from graphopt.passes.rewrite.proofs import (
     HEADS,
-    MERGED_HEADS,
-    NAN_GUARD,
-    SOFTMAX,
-    Plan4,
-    additive_mask,
-    core,
     head_count,
     ints_of,
     merge_refusal,
-    plan_4d,
-    plan_attention,
-    plan_merged,
-    read_dim,
-    rows_spelled_out,
-    spelled_out,
-    split_count,
-    with_merged_bias,
+    reshaped_to_itself,
+    split_source,
+    unsplit,
 )
-from graphopt.passes.rewrite.engine import Match, Rule, Site
-from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 
 # -- target ort: onnxruntime's MultiHeadAttention ------------------------------------------------
 #
-# The 4-D attention above with its head merge, Reshape(Transpose(P V, [0, 2, 1, 3]), (B, S, H*d)),
+# The 4-D attention (plans.py's plan_4d) with its head merge, Reshape(Transpose(P V, [0, 2, 1, 3]), (B, S, H*d)),
 # becomes com.microsoft MultiHeadAttention(Q (B, S, H*d), K, V (B, H, T, d), attention_bias): Q is
 # taken before its head split where it has one (else transposed and reshaped back), K and V keep their
 # heads (grouped-query attention's repeat stays: MultiHeadAttention has no kv heads), the additive
@@ -69,30 +61,6 @@ _PV_KEPT = either(_PV, op.Reshape(_PV, var("same_shape"), name="same"))
 _MHA = op.Reshape(op.Transpose(_PV_KEPT, perm=HEADS, name="merge_t"), var("merge_shape"), name="merge")
 
 
-def _reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -> bool:
-    """Whether Reshape(source, target) keeps the shape of ``source``, the product P V of an attention
-    whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there (the batch and
-    query length may also be Q's), read from it or provably equal to it, with at most one -1."""
-    dims, concat = site.shape(source), target.producer
-    kept = ints_of(site, target)
-    if dims is not None and None not in dims and kept is not None and tuple(kept) == tuple(dims):
-        return True
-    if dims is None or concat is None or concat.op_type != "Concat" or len(concat.inputs) != len(dims):
-        return False
-    free = 0
-    for axis, entry in enumerate(concat.inputs):
-        value = Site.array(entry)
-        if value is not None and value.size == 1 and int(value.ravel()[0]) == -1:
-            free += 1
-            continue
-        read = read_dim(entry, source) == axis or (axis in (0, 2) and read_dim(entry, query) == axis)
-        known = ints_of(site, entry) if entry is not None else None
-        same = [dims[axis], *((site.shape(query) or (None,) * 4)[axis : axis + 1] if axis in (0, 2) else ())]
-        if not (read or (known is not None and len(known) == 1 and known[0] is not None and known[0] in same)):
-            return False
-    return free <= 1
-
-
 @dataclass
 class _MhaPlan:
     plan: Plan4
@@ -100,23 +68,6 @@ class _MhaPlan:
     key_value: tuple[Value, Value] | None  # K and V before their head splits, when both have one
     rows: bool  # the merge flattens batch and seq into rows: (B * S, H * d)
     flat_kv: bool  # V's head size is not K's: K and V go in 3-D
-
-
-def _split_source(split: Value, site: Site) -> Value | None:
-    """x of a head split Reshape(x (B, S, H * d), (B, S, H, d)), or None."""
-    node = split.producer
-    if node is None or node.op_type != "Reshape" or node.inputs[0] is None or site.rank(node.inputs[0]) != 3:
-        return None
-    return node.inputs[0] if split_count(split, site) is not None else None
-
-
-def _unsplit(value: Value, heads: int, site: Site) -> Value | None:
-    """x when ``value`` is Transpose(Reshape(x, (B, S, heads, d)), [0, 2, 1, 3]), else None."""
-    node = value.producer
-    if node is None or node.op_type != "Transpose" or node.attr("perm") != HEADS or node.inputs[0] is None:
-        return None
-    counts = split_count(node.inputs[0], site)
-    return _split_source(node.inputs[0], site) if counts is not None and counts[0] == heads else None
 
 
 _BROADCAST_BIAS = "ort-multihead-attention-broadcast-bias"
@@ -130,7 +81,7 @@ def _plan_mha(
     plan = read(m, site)
     if isinstance(plan, str):
         return plan
-    if "same" in m and not _reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
+    if "same" in m and not reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
         return "the Reshape after the attention is not provably to its own shape"
     if site.dtype(plan.q) != DataType.FLOAT:
         return "onnxruntime's MultiHeadAttention runs float32 only here"
@@ -157,13 +108,13 @@ def _plan_mha(
     width = plan.heads * size[1]
     target = ints_of(site, m.value("merge_shape"))
     rows = target is not None and len(target) == 2 and target[1] == width and target[0] == -1
-    reason = None if rows else merge_refusal(m, site, width, q_dims[0], q_dims[2])
+    reason = None if rows else merge_refusal(m.node("merge"), site, width, q_dims[0], q_dims[2])
     if reason is not None:
         return reason
-    query = _unsplit(plan.q, plan.heads, site)
+    query = unsplit(plan.q, plan.heads, site)
     k_heads, v = plan.repeated
-    key = _unsplit(k_heads.value, plan.heads, site) if k_heads.perm is None else _split_source(k_heads.value, site)
-    value = _unsplit(v, plan.heads, site)
+    key = unsplit(k_heads.value, plan.heads, site) if k_heads.perm is None else split_source(k_heads.value, site)
+    value = unsplit(v, plan.heads, site)
     if key is None or value is None:
         key = value = None
     qk_size = head_count(plan.q, site)
@@ -297,31 +248,32 @@ def _raw_mask(mask: Value) -> tuple[Value, float, Node] | None:
         if c is None or c.size != 1 or sub is None or sub.op_type != "Sub":
             continue
         one = float_array(sub.inputs[0])
-        chain = sub.inputs[1].producer if sub.inputs[1] is not None else None
-        if one is None or one.size != 1 or float(one.ravel()[0]) != 1.0:
+        if one is None or one.size != 1 or float(one.ravel()[0]) != 1.0 or sub.inputs[1] is None:
             continue
-        found = _unsqueezed_cast(chain)
+        found = _unsqueezed_cast(sub.inputs[1])
         if found is not None:
             return found[0], float(c.ravel()[0]), found[1]
     return None
 
 
-def _unsqueezed_cast(node: Node | None) -> tuple[Value, Node] | None:
-    """Unsqueezes and one Cast to float taking a 2-D ``m`` (B, S) to (B, 1, 1, S): (m, first node)."""
-    if node is None:
+# BERT's mask m[:, None, None, :] as float: the 2-D ``m`` behind a run of Unsqueezes and Casts.
+_MASK_CHAIN = chain(("Cast", "Unsqueeze"), var("m"), name="chain")
+
+
+def _unsqueezed_cast(value: Value) -> tuple[Value, Node] | None:
+    """Unsqueezes and one Cast to float taking a 2-D ``m`` (B, S) to ``value`` (B, 1, 1, S): (m, the chain's first
+    node)."""
+    bound = next(match(_MASK_CHAIN, value))  # the longest run: the chain always matches, with no node at least
+    run = [node for key, node in bound.items() if isinstance(key, tuple) and isinstance(node, Node)]
+    source = bound["m"]
+    if sum(node.op_type == "Cast" for node in run) != 1 or not isinstance(source, Value):
         return None
-    out, casts, first = node.outputs[0], 0, node
-    while node is not None and node.op_type in ("Cast", "Unsqueeze"):
-        casts += node.op_type == "Cast"
-        first = node
-        node = node.inputs[0].producer if node.inputs[0] is not None else None
-    source = first.inputs[0]
-    shape, wanted = Site.shape(source), Site.shape(out)
-    if casts != 1 or source is None or shape is None or len(shape) != 2 or None in shape:
+    shape, wanted = Site.shape(source), Site.shape(value)
+    if shape is None:
         return None
-    if Site.dtype(out) != DataType.FLOAT or wanted != (shape[0], 1, 1, shape[1]):
+    if len(shape) != 2 or None in shape or Site.dtype(value) != DataType.FLOAT or wanted != (shape[0], 1, 1, shape[1]):
         return None
-    return source, first
+    return source, run[-1]
 
 
 @dataclass

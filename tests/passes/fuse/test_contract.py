@@ -1,0 +1,97 @@
+"""The rule table's contract, over every family's test file: each registered rule has its case (it fires on its
+model and meets the five perturbations, or says why one does not apply) in its own family's file, and each rule
+newer than the exporter fixtures an exporter case. ``python -m tests.passes.fuse.test_contract`` prints the
+coverage matrix."""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+from graphopt.passes.fuse import registered_rules
+from tests.passes.fuse import (
+    test_activation,
+    test_arith,
+    test_attention,
+    test_conv,
+    test_embed,
+    test_expose,
+    test_gather,
+    test_kronecker,
+    test_lower,
+    test_matmul,
+    test_norm,
+    test_rotary,
+    test_shape,
+)
+from tests.passes.fuse.table import KINDS, At, Case, Exported, Perturb, exported_perturbation, perturbation
+
+# The family each test file holds (the shape family's file also holds the two noop rules shape.py shares).
+FAMILIES: dict[str, ModuleType] = {
+    "activation": test_activation,
+    "arith": test_arith,
+    "attention": test_attention,
+    "conv": test_conv,
+    "embed": test_embed,
+    "expose": test_expose,
+    "gather": test_gather,
+    "kronecker": test_kronecker,
+    "lower": test_lower,
+    "matmul": test_matmul,
+    "noop": test_shape,
+    "norm": test_norm,
+    "rotary": test_rotary,
+    "shape": test_shape,
+}
+MODULES = list(dict.fromkeys(FAMILIES.values()))
+CASES: dict[str, Case] = {name: case for module in MODULES for name, case in module.CASES.items()}
+EXPORTED: dict[str, Exported | str] = {n: s for module in MODULES for n, s in module.EXPORTED.items()}
+BEFORE_EXPORTS = frozenset(name for module in MODULES for name in module.BEFORE_EXPORTS)
+
+
+def test_every_registered_rule_has_a_case() -> None:
+    """A new rule needs a CASE: its model and its perturbations (or why one does not apply)."""
+    assert sorted(r.name for r in registered_rules()) == sorted(CASES)
+
+
+def test_every_case_is_in_its_familys_file() -> None:
+    """A rule's case, exporter case and BEFORE_EXPORTS entry sit in its family's test file, and only there."""
+    for rule in registered_rules():
+        holders = [m.__name__ for m in MODULES if rule.name in {*m.CASES, *m.EXPORTED, *m.BEFORE_EXPORTS}]
+        assert holders == [FAMILIES[rule.family].__name__], (rule.name, holders)
+
+
+def test_every_newer_rule_has_an_exporter_case() -> None:
+    """A rule newer than the exporter fixtures needs an EXPORTED entry too: its case on an exporter-written graph,
+    or why there is none."""
+    names = {r.name for r in registered_rules()}
+    assert sorted(names - BEFORE_EXPORTS) == sorted(EXPORTED)
+    assert not BEFORE_EXPORTS - names, "a rule gone: drop it from its family's BEFORE_EXPORTS"
+
+
+def _cell(found: At | Perturb | str) -> str:
+    if isinstance(found, str):
+        return found
+    cell = "near miss" if found.reason else "no match"
+    cell += ", the conversion stops" if isinstance(found, Perturb) and found.stops else ""
+    return f"{cell} ({found.note})" if found.note else cell
+
+
+def coverage_matrix() -> str:
+    """The rule x test-kind matrix as a Markdown table: each rule's case built here, then its case on an
+    exporter-written graph (the graph column names the fixture) or why it has none."""
+    lines = ["| rule | graph | fires, outputs kept | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 3) + "|"]
+    for name, case in CASES.items():
+        cells = [_cell(perturbation(case, kind)) for kind in KINDS]
+        lines.append(f"| {name} | built here | yes | " + " | ".join(cells) + " |")
+        spec = EXPORTED.get(name)
+        if isinstance(spec, Exported):
+            cells = [_cell(exported_perturbation(spec, kind)) for kind in KINDS]
+            lines.extend(f"| {name} | export {f} | yes | " + " | ".join(cells) + " |" for f in spec.fixtures)
+        elif spec is not None:
+            lines.append(f"| {name} | export: {spec} |" + " |" * (len(KINDS) + 1))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(coverage_matrix() + "\n")

@@ -1,0 +1,234 @@
+"""The matmul rules' table: MatMul / Gemm: bias, transposes, scales, tied weights, onnxruntime's FusedGemm /
+FusedMatMul. Each rule fires on its model and refuses its perturbations (tests/passes/fuse/table.py says how); a
+rule newer than the exporter fixtures has its case on an export too, and the family's own tests follow its table."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx
+
+from tests.numerics import assert_same_outputs
+from tests.passes.fuse.table import (
+    BOTH_DYNAMIC,
+    CONSTANTS_ONLY,
+    ELEMENTWISE,
+    LATE,
+    NO_ATTR,
+    NO_GATE,
+    Case,
+    Exported,
+    Perturb,
+    at_opset,
+    attr_at,
+    exported_mlp,
+    set_attr,
+    set_const,
+    set_shape,
+    table_tests,
+    untyped_at,
+    weights,
+)
+from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
+from tests.passes.fuse_models import matmul_add, scaled_matmul, split_projections, tied
+
+
+def _transposed_gemm(which: str) -> onnx.ModelProto:
+    if which == "a":
+        nodes = [node("Transpose", ["a"], "t", perm=[1, 0]), node("Gemm", ["t", "w", "c"], "y")]
+        return model(nodes, [info("a", [3, 3])], ["y"], [init("w", weights(3, 4)), init("c", weights(4))])
+    nodes = [node("Transpose", ["b"], "t", perm=[1, 0]), node("Gemm", ["w", "t", "c"], "y")]
+    return model(nodes, [info("b", [4, 4])], ["y"], [init("w", weights(2, 4)), init("c", weights(4))])
+
+
+def _scaled_gemm(op: str) -> onnx.ModelProto:
+    return model(
+        [node("Gemm", ["a", "w", "c"], "g", alpha=0.5), node(op, ["g", "s"], "y")],
+        [info("a", [2, 3])],
+        ["y"],
+        [init("w", weights(3, 4)), init("c", weights(4)), init("s", 4.0)],
+    )
+
+
+def _gemm_relu() -> onnx.ModelProto:
+    return model(
+        [node("Gemm", ["a", "w", "c"], "g", transB=1), node("Relu", ["g"], "y")],
+        [info("a", [2, 3])],
+        ["y"],
+        [init("w", weights(4, 3)), init("c", weights(4))],
+    )
+
+
+def _transposed_matmul(which: str) -> onnx.ModelProto:
+    if which == "a":
+        nodes = [node("Transpose", ["q"], "t", perm=[0, 2, 1]), node("MatMul", ["t", "k"], "y")]
+    else:
+        nodes = [node("Transpose", ["k"], "t", perm=[0, 2, 1]), node("MatMul", ["q", "t"], "y")]
+    return model(nodes, [info("q", [4, 4, 4]), info("k", [4, 4, 4])], ["y"])
+
+
+CASES: dict[str, Case] = {
+    "matmul-add-gemm": Case(
+        lambda: matmul_add(["n", 3]),
+        {"Gemm": 1},
+        "p",
+        NO_ATTR,
+        Perturb(set_shape("a", None), "not 2-D"),
+        NO_GATE,
+    ),
+    **{
+        f"transpose-into-gemm-{which}": Case(
+            lambda which=which: _transposed_gemm(which),
+            {"Gemm": 1},
+            "t",
+            Perturb(set_attr("t", perm=[0, 1]), "not a 2-D swap"),
+            Perturb(set_shape(which, None), "not a 2-D swap"),
+            NO_GATE,
+        )
+        for which in ("a", "b")
+    },
+    **{
+        f"gemm-{op.lower()}-scalar": Case(
+            lambda op=op: _scaled_gemm(op),
+            {"Gemm": 1},
+            "g",
+            Perturb(set_const("s", [2.0, 3.0, 4.0, 5.0]), "not a scalar", note="a constant"),
+            CONSTANTS_ONLY,
+            NO_GATE,
+        )
+        for op in ("Mul", "Div")
+    },
+    "ort-fusedgemm": Case(
+        _gemm_relu,
+        {"FusedGemm": 1},
+        "g",
+        NO_ATTR,
+        ELEMENTWISE,
+        NO_GATE,
+        {"target": "ort", "enable": ["ort-fusedgemm"]},
+    ),
+    **{
+        f"ort-fusedmatmul-{op.lower()}": Case(
+            lambda op=op: scaled_matmul(op, transpose=False),
+            {"FusedMatMul": 1},
+            "p",
+            Perturb(set_const("s", [2.0, 3.0, 4.0, 5.0, 6.0]), "not a scalar", note="a constant"),
+            Perturb(set_shape("q", None), "rank is unknown"),
+            NO_GATE,
+            {"target": "ort"},
+        )
+        for op in ("Mul", "Div")
+    },
+    **{
+        f"ort-transpose-into-matmul-{which}": Case(
+            lambda which=which: _transposed_matmul(which),
+            {"FusedMatMul": 1},
+            "t",
+            Perturb(set_attr("t", perm=[1, 0, 2]), "does not swap the last two dims"),
+            Perturb(set_shape("q" if which == "a" else "k", None), "does not swap the last two dims"),
+            NO_GATE,
+            {"target": "ort"},
+        )
+        for which in ("a", "b")
+    },
+    "tied-weight-gemm": Case(
+        lambda: tied(["batch", "seq", 6]),
+        {"Gather": 1, "Add": 1, "Flatten": 1, "Gemm": 1, "Shape": 1, "Concat": 1, "Reshape": 1},
+        "wte_t",
+        "n/a: a 2-D Transpose has one perm that swaps",
+        Perturb(lambda p: set_shape("x", None)(set_shape("ids", None)(p)), "rank is not provable"),
+        Perturb(at_opset(14), "needs opset 15", note="dynamic dims need Shape(end), opset 15"),
+    ),
+    "matmul-add-gemm-projection": Case(
+        lambda: exported_mlp("linear_4"),
+        {"Reshape": 2, "Gemm": 1},
+        "val_124",
+        Perturb(
+            set_const("model.encoder.layer.0.intermediate.dense.bias", weights(6, 64)),
+            "not a vector over the last axis",
+            note="bias [6, 64], a constant",
+        ),
+        Perturb(BOTH_DYNAMIC, "more than one dim of the product is not static", note="batch and sequence dynamic"),
+        NO_GATE,
+        LATE,
+    ),
+    "matmul-add-gemm-projection-reshaped": Case(
+        lambda: split_projections(names=("q",)),
+        {"Shape": 1, "Concat": 1, "Reshape": 2, "Gemm": 1},
+        "q_biased",
+        Perturb(set_attr("q", allowzero=0), "may copy a dim of the product", note="a computed target"),
+        Perturb(set_shape("x", None), "the product's rank is unknown"),
+        NO_GATE,
+        LATE,
+    ),
+}
+
+EXPORTED: dict[str, Exported | str] = {
+    # Late rules fire on static dims only, which no fixture has (their batch and sequence are dynamic): their CASES
+    # are the bert_dynamo fixture's MLP as exported, its sequence fixed as a ViT's or a Whisper encoder's is.
+    "matmul-add-gemm-projection": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
+    "matmul-add-gemm-projection-reshaped": Exported(
+        ("bert_dynamo",),
+        {"Gemm": 1},
+        attr_at("reshape", "may copy a dim of the product", allowzero=0),
+        untyped_at(("x",), "the product's rank is unknown", undeclared=True),
+        NO_GATE,
+        {"fuse_late": True},
+    ),
+}
+
+# This family's rules older than the exporter fixtures (d2e82f6): their cases are built here. One of them
+# gains an exporter case by moving to EXPORTED; a newer rule has its entry there (test_contract.py).
+BEFORE_EXPORTS: frozenset[str] = frozenset(
+    {
+        "gemm-div-scalar",
+        "gemm-mul-scalar",
+        "matmul-add-gemm",
+        "ort-fusedgemm",
+        "ort-fusedmatmul-div",
+        "ort-fusedmatmul-mul",
+        "ort-transpose-into-matmul-a",
+        "ort-transpose-into-matmul-b",
+        "tied-weight-gemm",
+        "transpose-into-gemm-a",
+        "transpose-into-gemm-b",
+    }
+)
+
+# test_the_rule_fires_on_its_model and the other table tests, over this family's table
+globals().update(table_tests(CASES, EXPORTED))
+
+
+# -- the tied-weight rule: MatMul(x, Transpose(W)) reads W transposed through Gemm, no copy ---------------------
+
+
+def test_a_tied_weight_is_read_transposed_by_gemm_with_dynamic_leading_dims() -> None:
+    proto = tied(["batch", "seq", 6])
+    out, details = fuse(proto)
+    assert details["applied"]["tied-weight-gemm"] == 1
+    assert ops(out)["Transpose"] == 0 and ops(out)["Gemm"] == 1
+    assert [t.name for t in out.graph.initializer if t.dims == [10, 6]] == ["wte"]  # one copy of the weight
+    assert [o.name for o in out.graph.output] == ["logits"]
+    assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_weight_with_static_and_matrix_activations() -> None:
+    for shape in ([3, 6], [2, 3, 6]):
+        proto = tied(shape)
+        out, details = fuse(proto)
+        assert details["applied"]["tied-weight-gemm"] == 1 and ops(out)["Shape"] == 0
+        assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_weight_refusals() -> None:
+    # the Transposed weight has another reader; dynamic leading dims below opset 15
+    for proto in (tied(["batch", "seq", 6], extra_reader=True), tied(["batch", "seq", 6], opset=14)):
+        out, details = fuse(proto)
+        assert "tied-weight-gemm" not in details["applied"], details
+        assert Counter(ops(out))["Transpose"] == 1
+        assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)
+    # for onnxruntime, FusedMatMul reads the weight transposed instead
+    proto = tied(["batch", "seq", 6])
+    out, details = fuse(proto, target="ort")
+    assert "tied-weight-gemm" not in details["applied"] and ops(out)["FusedMatMul"] == 1, details
+    assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)

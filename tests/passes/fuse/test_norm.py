@@ -1,0 +1,319 @@
+"""The norm rules' table: LayerNorm, RMSNorm, GroupNorm, Softmax and the skip norms. Each rule fires on its model and
+refuses its perturbations (tests/passes/fuse/table.py says how); a rule newer than the exporter fixtures has its
+case on an export too, and the family's own tests follow its table."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from tests.numerics import make_feeds
+from tests.passes.fuse.table import (
+    F16,
+    NO_GATE,
+    RNG,
+    Case,
+    Exported,
+    Perturb,
+    at_opset,
+    attr_at,
+    below,
+    constant_at,
+    copied,
+    set_attr,
+    set_const,
+    set_shape,
+    table_tests,
+    target_opset,
+    truncated,
+    untyped_at,
+    weights,
+)
+from tests.passes.fuse_helpers import info, init, model, node
+from tests.passes.fuse_models import group_norm, keras_layer_norm, layer_norm, skip_norm
+
+
+def _rms_round_trip() -> onnx.ModelProto:
+    """Hugging Face's RMSNorm of a float16 x as the TorchScript exporter writes it: Cast to float32,
+    Pow / ReduceMean / Add / Sqrt / Div(1, .) / Mul, Cast back, times gamma."""
+    nodes = [
+        node("Cast", ["x"], "xf", to=TensorProto.FLOAT),
+        node("Pow", ["xf", "two"], "sq"),
+        node("ReduceMean", ["sq", "axes"], "ms", keepdims=1),
+        node("Add", ["ms", "eps"], "mse"),
+        node("Sqrt", ["mse"], "rms"),
+        node("Div", ["one", "rms"], "inv"),
+        node("Mul", ["xf", "inv"], "n"),
+        node("Cast", ["n"], "n16", to=F16),
+        node("Mul", ["gamma", "n16"], "y"),
+    ]
+    gamma = (1 + 0.1 * RNG.standard_normal(8)).astype(np.float16)
+    constants = [init("two", 2.0), init("axes", np.array([-1], np.int64)), init("eps", 1e-6), init("one", 1.0)]
+    inputs, outputs = [info("x", ["b", "s", 8], F16)], [info("y", ["b", "s", 8], F16)]
+    return model(nodes, inputs, outputs, [*constants, init("gamma", gamma)], opset=23)
+
+
+def _rmsnorm() -> onnx.ModelProto:
+    return model(
+        [
+            node("Mul", ["x", "x"], "sq"),
+            node("ReduceMean", ["sq", "axes"], "ms"),
+            node("Add", ["ms", "eps"], "me"),
+            node("Sqrt", ["me"], "r"),
+            node("Div", ["x", "r"], "n"),
+            node("Mul", ["gamma", "n"], "y"),
+        ],
+        [info("x", ["b", 8])],
+        ["y"],
+        [init("axes", np.array([-1], np.int64)), init("eps", 1e-6), init("gamma", weights(8))],
+        opset=23,
+    )
+
+
+def _softmax(stable: bool, opset: int = 13) -> onnx.ModelProto:
+    nodes = [node("ReduceMax", ["x"], "mx", axes=[1]), node("Sub", ["x", "mx"], "d")] if stable else []
+    nodes.append(node("Exp", ["d" if stable else "x"], "e"))
+    sums = node("ReduceSum", ["e", "axes"], "s") if opset >= 13 else node("ReduceSum", ["e"], "s", axes=[1])
+    nodes += [sums, node("Div", ["e", "s"], "y")]
+    params = [init("axes", np.array([1], np.int64))] if opset >= 13 else []
+    return model(nodes, [info("x", [6, 6])], ["y"], params, opset=opset)
+
+
+def _one_sample(proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
+    """x of batch 1: the only batch a merge Reshape to Shape(x, start=1) takes."""
+    return {"x": weights(1, 6, 4, 5)}
+
+
+def _skip_case(norm: str, interior: str) -> Case:
+    op_type = "SkipLayerNormalization" if norm == "LayerNormalization" else "SkipSimplifiedLayerNormalization"
+    axis: Perturb | str = (
+        Perturb(set_attr("y", axis=1), "not over the last axis")
+        if norm != "decomposed"
+        else Perturb(set_attr("ms", axes=[1]), "trailing axes")
+    )
+    return Case(
+        lambda: skip_norm(norm),
+        {"MatMul": 1, op_type: 1},
+        interior,
+        axis,
+        Perturb(set_shape("skip", None), "do not provably have one" if norm != "decomposed" else "known float type"),
+        NO_GATE,
+        {"target": "ort", "enable": ["norm"]},
+    )
+
+
+def _constant_skip(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The residual's ``skip`` operand a constant (a bias, to the rule) instead of an input."""
+    out = copied(proto)
+    kept = [i for i in out.graph.input if i.name != "skip"]
+    del out.graph.input[:]
+    out.graph.input.extend(kept)
+    out.graph.initializer.append(init("skip", weights(1, 3, 8)))
+    return out
+
+
+RESIDUAL_SUM = Case(
+    skip_norm,
+    {"MatMul": 1, "Add": 1, "Sum": 1, "LayerNormalization": 1},
+    "sum",
+    Perturb(_constant_skip, "an operand is a constant", feeds=make_feeds, note="skip a constant"),
+    Perturb(set_shape("skip", None), "do not provably have one 3-D float shape"),
+    NO_GATE,
+)
+
+
+EXPORTED_SUM = (
+    "n/a: the residual sum is exported (the fused op's 4th output) and a read bias Add leaves the bias out "
+    "(test_fuse_ort_rules)"
+)
+
+
+def _per_row(values: np.ndarray) -> np.ndarray:
+    """A (1, 1, C) scale made to vary along the 6 rows of make_keras.py's (batch, 6, C) features."""
+    rows = np.linspace(0.5, 1.5, 6, dtype=values.dtype).reshape(1, 6, 1)
+    return (np.broadcast_to(values, (1, 6, values.shape[-1])) * rows).astype(values.dtype)
+
+
+def _per_channel(values: np.ndarray) -> np.ndarray:
+    return np.full(32, values.item(), values.dtype)  # the fixtures' hidden size (make.py's H)
+
+
+ORT_DEFAULT_DOMAIN = "n/a: no opset gate (onnxruntime registers SimplifiedLayerNormalization at any opset)"
+
+
+CASES: dict[str, Case] = {
+    **{
+        name: Case(
+            build,
+            {"LayerNormalization": 1},
+            "mean",
+            Perturb(set_attr("mean", "var", axes=[1]), "trailing axes"),
+            Perturb(set_shape("x", ["b", 3, "h"]), "normalized dims are not static"),
+            below(17),
+        )
+        for name, build in (
+            ("layernorm", layer_norm),
+            ("layernorm-no-bias", truncated(layer_norm, "g")),
+            ("layernorm-plain", truncated(layer_norm, "n")),
+        )
+    },
+    **{
+        name: Case(
+            build,
+            {"RMSNormalization": 1},
+            "ms",
+            Perturb(set_const("axes", [0]), "trailing axes", note="the axes input"),
+            Perturb(set_shape("x", ["b", "h"]), "normalized dims are not static"),
+            below(23),
+        )
+        for name, build in (("rmsnorm", _rmsnorm), ("rmsnorm-plain", truncated(_rmsnorm, "n")))
+    },
+    # --target ort, at an opset below RMSNormalization's: onnxruntime's SimplifiedLayerNormalization
+    **{
+        name: Case(
+            lambda build=build: at_opset(18)(build()),
+            {"SimplifiedLayerNormalization": 1},
+            "ms",
+            Perturb(set_const("axes", [0]), "trailing axes", note="the axes input"),
+            Perturb(set_shape("x", ["b", "h"]), "normalized dims are not static"),
+            NO_GATE,
+            {"target": "ort"},
+        )
+        for name, build in (("ort-rmsnorm", _rmsnorm), ("ort-rmsnorm-plain", truncated(_rmsnorm, "n")))
+    },
+    "ort-rmsnorm-round-trip": Case(
+        lambda: at_opset(18)(_rms_round_trip()),
+        {"SimplifiedLayerNormalization": 1},
+        "n",
+        Perturb(set_const("eps", np.full(8, 1e-6)), "epsilon is not a scalar", note="a constant: eps per channel"),
+        Perturb(set_shape("x", None), "no known float type and rank"),
+        NO_GATE,
+        {"target": "ort"},
+    ),
+    "rmsnorm-round-trip": Case(
+        _rms_round_trip,
+        {"RMSNormalization": 1},
+        "n",
+        Perturb(set_const("eps", np.full(8, 1e-6)), "epsilon is not a scalar", note="a constant: eps per channel"),
+        Perturb(set_shape("x", None), "no known float type and rank"),
+        below(23),
+    ),
+    **{
+        name: Case(
+            build,
+            {"GroupNormalization": 1},
+            "grouped",
+            # the merge Reshape drops the batch axis: x's shape is no longer restored
+            Perturb(set_attr("x_shape", start=1), "not provably back to x's shape", _one_sample, "Shape(x) start=1"),
+            Perturb(set_shape("x", ["b", "c", "h", 5]), "the channel dim is not static"),
+            below(21),
+        )
+        for name, build in (
+            ("groupnorm", group_norm),
+            ("groupnorm-no-bias", truncated(lambda: group_norm("decomposed"), "scaled")),
+            # two dynamic dims: reshape-one-unknown cannot take the root, which would hide the near miss
+            (
+                "groupnorm-plain",
+                truncated(lambda: set_shape("x", ["b", 6, "h", 5])(group_norm("decomposed")), "merged"),
+            ),
+        )
+    },
+    **{
+        name: Case(
+            lambda stable=stable: _softmax(stable),
+            {"Softmax": 1},
+            "s",
+            Perturb(set_attr("s", keepdims=0), "with keepdims"),
+            Perturb(set_shape("x", None), "known float type and rank"),
+            Perturb(lambda p, stable=stable: _softmax(stable, opset=12), "needs opset >= 13"),
+        )
+        for name, stable in (("softmax", True), ("softmax-unstable", False))
+    },
+    "ort-skiplayernorm": _skip_case("LayerNormalization", EXPORTED_SUM),
+    "layernorm-residual-sum": RESIDUAL_SUM,
+    "layernorm-tf": Case(
+        keras_layer_norm,
+        {"LayerNormalization": 1},
+        "inv",
+        Perturb(set_const("gamma", weights(3, 1)), "varies along axes that are not normalized", note="gamma per row"),
+        Perturb(set_shape("x", None), "no known float type and rank"),
+        below(17),
+    ),
+    "ort-skiprmsnorm": _skip_case("RMSNormalization", EXPORTED_SUM),
+    "ort-skiprmsnorm-decomposed": _skip_case("decomposed", "ms"),
+}
+
+EXPORTED: dict[str, Exported | str] = {
+    "layernorm-residual-sum": Exported(
+        ("gpt2_dynamo", "gpt2_ts"),
+        {"Sum": 1, "LayerNormalization": 5},
+        attr_at("ln", "last axis", axis=1),
+        untyped_at(("skip",), "do not provably have one 3-D float shape"),
+        NO_GATE,
+    ),
+    "layernorm-tf": Exported(
+        ("keras_layernorm",),
+        {"LayerNormalization": 1},
+        constant_at("gamma", _per_row, "varies along axes that are not normalized", "gamma (1, 6, C), per row"),
+        untyped_at(("x",), "no known float type and rank"),
+        target_opset(16, None, "LayerNormalization came in 17; the rule is not tried"),
+    ),
+    "ort-rmsnorm": Exported(
+        ("llama_dynamo",),
+        {"SimplifiedLayerNormalization": 1},
+        constant_at("eps", _per_channel, "epsilon is not a scalar", "epsilon per channel"),
+        untyped_at(("x",), "no known float type and rank"),
+        ORT_DEFAULT_DOMAIN,
+        {"target": "ort"},
+    ),
+    "ort-rmsnorm-plain": Exported(
+        ("llama_ts",),
+        {"SimplifiedLayerNormalization": 1},
+        constant_at("eps", _per_channel, "epsilon is not a scalar", "epsilon per channel"),
+        untyped_at(("x",), "no known float type and rank"),
+        ORT_DEFAULT_DOMAIN,
+        {"target": "ort"},
+    ),
+    "ort-rmsnorm-round-trip": Exported(
+        ("llama_fp16_dynamo", "llama_fp16_ts"),
+        {"SimplifiedLayerNormalization": 1},
+        constant_at("eps", _per_channel, "epsilon is not a scalar", "epsilon per channel"),
+        untyped_at(("x",), "no known float type and rank"),
+        ORT_DEFAULT_DOMAIN,
+        {"target": "ort"},
+    ),
+    "rmsnorm-round-trip": Exported(
+        ("llama_fp16_ts", "llama_fp16_dynamo"),
+        {"RMSNormalization": 1},
+        constant_at("eps", _per_channel, "epsilon is not a scalar", "epsilon per channel"),
+        untyped_at(("x",), "no known float type and rank"),
+        target_opset(22, "needs opset >= 23"),
+        {"target_opset": 23},
+    ),
+}
+
+# This family's rules older than the exporter fixtures (d2e82f6): their cases are built here. One of them
+# gains an exporter case by moving to EXPORTED; a newer rule has its entry there (test_contract.py).
+BEFORE_EXPORTS: frozenset[str] = frozenset(
+    {
+        "groupnorm",
+        "groupnorm-no-bias",
+        "groupnorm-plain",
+        "layernorm",
+        "layernorm-no-bias",
+        "layernorm-plain",
+        "ort-skiplayernorm",
+        "ort-skiprmsnorm",
+        "ort-skiprmsnorm-decomposed",
+        "rmsnorm",
+        "rmsnorm-plain",
+        "softmax",
+        "softmax-unstable",
+    }
+)
+
+# test_the_rule_fires_on_its_model and the other table tests, over this family's table
+globals().update(table_tests(CASES, EXPORTED))

@@ -60,6 +60,12 @@ class DataType(IntEnum):
     def itemsize_bits(self) -> int:
         return _BITS.get(self, 8 * _NUMPY.get(self, np.dtype(np.uint8)).itemsize)
 
+    @property
+    def epsilon(self) -> float | None:
+        """The spacing of this float type's values just above 1 (None: not a float type): a stored
+        constant is within half of it, relatively, of the number it stands for."""
+        return _EPSILON.get(self)
+
     def numpy(self) -> np.dtype:
         """The numpy dtype graphopt computes with (exotic floats are stored as raw bytes)."""
         try:
@@ -91,6 +97,17 @@ _NUMPY: dict[DataType, np.dtype] = {
     DataType.UINT64: np.dtype(np.uint64),
     DataType.COMPLEX64: np.dtype(np.complex64),
     DataType.COMPLEX128: np.dtype(np.complex128),
+}
+
+_EPSILON: dict[DataType, float] = {
+    DataType.DOUBLE: 2.0**-52,
+    DataType.FLOAT: 2.0**-23,
+    DataType.FLOAT16: 2.0**-10,
+    DataType.BFLOAT16: 2.0**-7,
+    DataType.FLOAT8E4M3FN: 2.0**-3,
+    DataType.FLOAT8E4M3FNUZ: 2.0**-3,
+    DataType.FLOAT8E5M2: 2.0**-2,
+    DataType.FLOAT8E5M2FNUZ: 2.0**-2,
 }
 
 _BITS: dict[DataType, int] = {

@@ -430,7 +430,7 @@ def test_hardswish_refusals() -> None:
 
 def _quick_gelu(alpha: float, elem_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
     """CLIP's quick GELU as exported: x * Sigmoid(alpha * x)."""
-    dtype = np.float16 if elem_type == TensorProto.FLOAT16 else np.float32
+    dtype = {TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64}.get(elem_type, np.float32)
     return model(
         [node("Mul", ["x", "alpha"], "ax"), node("Sigmoid", ["ax"], "s"), node("Mul", ["x", "s"], "y")],
         [info("x", [2, 7, 16], elem_type)],
@@ -446,9 +446,13 @@ def test_quick_gelu_becomes_the_contrib_op_with_its_alpha_for_target_ort() -> No
     _refused(_quick_gelu(1.702), "ort-quickgelu")  # the standard target has no such op
 
 
-def test_quick_gelu_of_float16_stays_for_the_float32_kernel() -> None:
-    details = _refused(_quick_gelu(1.702, TensorProto.FLOAT16), "ort-quickgelu", target="ort")
-    assert "not float32" in " ".join(details["near_misses"]["activation"])
+def test_quick_gelu_of_float16_becomes_the_contrib_op_its_cpu_kernel_takes() -> None:
+    _fires(_quick_gelu(1.702, TensorProto.FLOAT16), "ort-quickgelu", {"QuickGelu": 1}, target="ort")
+
+
+def test_quick_gelu_of_double_stays_naming_the_type() -> None:
+    details = _refused(_quick_gelu(1.702, TensorProto.DOUBLE), "ort-quickgelu", target="ort")
+    assert "takes float32 or float16, not double" in " ".join(details["near_misses"]["activation"])
 
 
 # -- norm -----------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import Node, TensorType, Value
+from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.node import STANDARD_DOMAINS
 
@@ -140,10 +140,13 @@ class OpPattern(Pattern):
 class Polynomial(Pattern):
     """A value computed from the bound variable ``of`` and scalar constants by Add, Sub, Mul, Neg, Div by a
     constant and Pow to a small whole power, in any factorization, whose coefficients (degree -> coefficient)
-    pass ``test``. It binds the nodes it covers (under ``(name, i)``), so they go with the match."""
+    pass ``test``. ``test`` also gets the relative spacing of the variable's float type (float32's when the
+    type is unknown): a float16 model stores its constants rounded to 2**-11, so a test that knows the
+    number they stand for must allow that. It binds the nodes it covers (under ``(name, i)``), so they go
+    with the match."""
 
     of: Var
-    test: Callable[[dict[int, float]], bool]
+    test: Callable[[dict[int, float], float], bool]
     name: str = ""
 
     @property
@@ -215,7 +218,7 @@ def scalar(value: float, tol: float = 1e-6) -> ArrayTest:
     return test
 
 
-def polynomial(of: Var, test: Callable[[dict[int, float]], bool], *, name: str = "") -> Polynomial:
+def polynomial(of: Var, test: Callable[[dict[int, float], float], bool], *, name: str = "") -> Polynomial:
     return Polynomial(of, test, name)
 
 
@@ -356,9 +359,15 @@ def _match_polynomial(pattern: Polynomial, value: Value, env: Bindings) -> Itera
     nodes: dict[int, Node] = {}
     found = _coefficients(value, variable, nodes, {})
     taken = {id(n) for n in env.values() if isinstance(n, Node)}
-    if found is None or taken & set(nodes) or not pattern.test(found):
+    if found is None or taken & set(nodes) or not pattern.test(found, _epsilon(variable)):
         return
     yield {**env, **{(pattern.key, i): node for i, node in enumerate(nodes.values())}}
+
+
+def _epsilon(value: Value) -> float:
+    dtype = value.type.dtype if isinstance(value.type, TensorType) else None
+    found = dtype.epsilon if dtype is not None else None
+    return DataType.FLOAT.epsilon if found is None else found  # type: ignore[return-value]
 
 
 def _coefficients(value: Value, x: Value, nodes: dict[int, Node], seen: dict[int, Coefficients]) -> Coefficients | None:

@@ -5,9 +5,13 @@ rule newer than the exporter fixtures has its case on an export too, and the fam
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import onnx
+from onnxruntime.quantization import QuantType, quantize_dynamic
 
+from tests.cli_helpers import invoke
 from tests.numerics import assert_same_outputs
 from tests.passes.fuse.table import (
     BOTH_DYNAMIC,
@@ -29,8 +33,26 @@ from tests.passes.fuse.table import (
     untyped_at,
     weights,
 )
+from tests.passes.fuse_fixtures import FIXTURES
 from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
 from tests.passes.fuse_models import matmul_add, scaled_matmul, split_projections, tied
+
+
+def _dynamic_int8_matmul(bias: bool) -> onnx.ModelProto:
+    """x @ W as onnxruntime's quantize_dynamic writes it: DynamicQuantizeLinear, MatMulInteger, the
+    scales multiplied, the int32 product cast back and scaled (then the bias added)."""
+    nodes = [
+        onnx.helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+        node("Mul", ["xs", "ws"], "s"),
+        node("MatMulInteger", ["xq", "wq", "xz", "wz"], "i"),
+        node("Cast", ["i"], "f", to=onnx.TensorProto.FLOAT),
+        node("Mul", ["f", "s"], "scaled" if bias else "y"),
+    ]
+    if bias:
+        nodes.append(node("Add", ["scaled", "bias"], "y"))
+    quantized = np.clip(np.round(weights(8, 4) * 40), -127, 127).astype(np.int8)
+    params = [init("wq", quantized), init("ws", 0.025), init("wz", 0, np.int8), init("bias", weights(4))]
+    return model(nodes, [info("x", ["b", 3, 8])], ["y"], params[:3] + params[3:] * bias)
 
 
 def _transposed_gemm(which: str) -> onnx.ModelProto:
@@ -131,6 +153,18 @@ CASES: dict[str, Case] = {
         )
         for which in ("a", "b")
     },
+    **{
+        name: Case(
+            lambda bias=bias: _dynamic_int8_matmul(bias),
+            {"DynamicQuantizeMatMul": 1, "DynamicQuantizeLinear": 1},  # a leaf: dce takes it once unread
+            "f",
+            Perturb(set_const("ws", [[0.025, 0.03, 0.02, 0.025]]), "not a float32 scalar or one per column"),
+            CONSTANTS_ONLY,
+            NO_GATE,
+            {"target": "ort"},
+        )
+        for name, bias in (("ort-dynamic-quantize-matmul", False), ("ort-dynamic-quantize-matmul-bias", True))
+    },
     "tied-weight-gemm": Case(
         lambda: tied(["batch", "seq", 6]),
         {"Gather": 1, "Add": 1, "Flatten": 1, "Gemm": 1, "Shape": 1, "Concat": 1, "Reshape": 1},
@@ -164,6 +198,10 @@ CASES: dict[str, Case] = {
 }
 
 EXPORTED: dict[str, Exported | str] = {
+    **dict.fromkeys(
+        ("ort-dynamic-quantize-matmul", "ort-dynamic-quantize-matmul-bias"),
+        "n/a: no exporter writes integer MatMuls; test_dynamic_int8_export runs quantize_dynamic's output of a fixture",
+    ),
     # Late rules fire on static dims only, which no fixture has (their batch and sequence are dynamic): their CASES
     # are the bert_dynamo fixture's MLP as exported, its sequence fixed as a ViT's or a Whisper encoder's is.
     "matmul-add-gemm-projection": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
@@ -232,3 +270,15 @@ def test_tied_weight_refusals() -> None:
     out, details = fuse(proto, target="ort")
     assert "tied-weight-gemm" not in details["applied"] and ops(out)["FusedMatMul"] == 1, details
     assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_int8_export_gets_one_dynamic_quantize_matmul_per_matmul(tmp_path: Path) -> None:
+    source, quantized = FIXTURES / "bert_ts.onnx", tmp_path / "bert_ts_dyn8.onnx"
+    quantize_dynamic(str(source), str(quantized), weight_type=QuantType.QInt8)
+    integer_matmuls = ops(onnx.load(str(quantized)))["MatMulInteger"]
+    out = tmp_path / "out.onnx"
+    done = invoke("run", quantized, "-o", out, "--target", "ort")
+    assert done.exit_code == 0, done.stderr
+    found = ops(onnx.load(str(out)))
+    assert integer_matmuls > 0 and found["DynamicQuantizeMatMul"] == integer_matmuls
+    assert found["DynamicQuantizeLinear"] == found["MatMulInteger"] == 0

@@ -36,6 +36,7 @@ LIBRARY = RuleSet(
     + kronecker.RULES
     + lower.RULES
     + matmul.standard.RULES
+    + matmul.quantized.RULES
     + norm.RULES
     + rotary.RULES
     + shape.RULES

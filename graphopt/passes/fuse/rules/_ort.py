@@ -5,15 +5,37 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphopt.ir import CONTRIB_DOMAIN, DataType, Node
+from graphopt.ir import CONTRIB_DOMAIN, DataType, Node, Value
 from graphopt.passes.rewrite.engine import Match, Site
 from graphopt.passes.rewrite.patterns import Pattern, op, optional, var
 
-__all__ = ["FUSABLE_ACTIVATIONS", "MS", "activated", "activation_params", "check_activation", "fused_activation"]
+__all__ = [
+    "CPU_FLOATS",
+    "FUSABLE_ACTIVATIONS",
+    "MS",
+    "activated",
+    "activation_params",
+    "check_activation",
+    "cpu_float",
+    "fused_activation",
+]
 
 MS = CONTRIB_DOMAIN
 # Activations onnxruntime's CPU FusedConv / FusedGemm apply in the kernel.
 FUSABLE_ACTIVATIONS = ("Relu", "Sigmoid", "Tanh", "LeakyRelu", "Clip", "HardSigmoid")
+# The element types onnxruntime's CPU kernels of MultiHeadAttention, SkipLayerNormalization,
+# SkipSimplifiedLayerNormalization, FastGelu, BiasGelu and QuickGelu take (each run in a session on
+# onnxruntime 1.32; float16 models exported for deployment need them as much as float32 ones).
+CPU_FLOATS = frozenset({DataType.FLOAT, DataType.FLOAT16})
+
+
+def cpu_float(site: Site, value: Value, contrib: str) -> str | None:
+    """Why ``contrib`` cannot take ``value`` on onnxruntime's CPU (None: its kernel takes the type)."""
+    dtype = site.dtype(value)
+    if dtype in CPU_FLOATS:
+        return None
+    found = "an unknown type" if dtype is None else dtype.name.lower()
+    return f"onnxruntime's CPU {contrib} takes float32 or float16, not {found}"
 
 
 def activation_params(node: Node) -> list[float] | None:

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
-from graphopt.ir import DataType, Node
+from graphopt.ir import Node
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float, scalar_factor
-from graphopt.passes.fuse.rules._ort import MS
+from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, polynomial, var
 
@@ -45,14 +45,21 @@ def _products(x: Pattern, half: Pattern, rest: Pattern) -> Pattern:
 _x = var("x")
 
 
-def _linear_and_cubic(linear: float, cubic_ratio: float | None, tol: float) -> Callable[[dict[int, float]], bool]:
-    """A test of a polynomial: ``linear * (x + cubic_ratio * x^3)`` (no cubic term when ``cubic_ratio`` is None)."""
+PolynomialTest = Callable[[dict[int, float], float], bool]
 
-    def test(coefficients: dict[int, float]) -> bool:
+
+def _linear_and_cubic(linear: float, cubic_ratio: float | None, tol: float) -> PolynomialTest:
+    """A test of a polynomial: ``linear * (x + cubic_ratio * x^3)`` (no cubic term when ``cubic_ratio`` is None),
+    within ``tol`` relative or within the rounding of x's float type (each coefficient is a product of up to
+    three stored constants, each within half a spacing of its number)."""
+
+    def test(coefficients: dict[int, float], epsilon: float) -> bool:
         terms = {d: c for d, c in coefficients.items() if c != 0.0}
-        if set(terms) != ({1} if cubic_ratio is None else {1, 3}) or abs(terms[1] - linear) > tol * abs(linear):
+        if set(terms) != ({1} if cubic_ratio is None else {1, 3}):
             return False
-        return cubic_ratio is None or abs(terms[3] / terms[1] - cubic_ratio) <= 1e-4 * cubic_ratio
+        if abs(terms[1] - linear) > max(tol, 2 * epsilon) * abs(linear):
+            return False
+        return cubic_ratio is None or abs(terms[3] / terms[1] - cubic_ratio) <= max(1e-4, 3 * epsilon) * cubic_ratio
 
     return test
 
@@ -121,10 +128,13 @@ def _plan_bias_gelu(m: Match, site: Site) -> _BiasGelu | str:
         return "not a GELU that takes a bias"
     x = m.value("x")
     shape = site.shape(x)
-    if site.dtype(x) != DataType.FLOAT or not shape:
-        return "x is not a float32 tensor of known rank"
+    unsupported = cpu_float(site, x, contrib)
+    if unsupported is not None or not shape:
+        return unsupported or "x is not of known rank"
     if site.shape(m.value("bias")) != (shape[-1],):
         return "the bias is not a vector over x's last axis"
+    if site.dtype(m.value("bias")) != site.dtype(x):
+        return "the bias is not of x's element type"
     return _BiasGelu(contrib)
 
 
@@ -139,9 +149,7 @@ def _plan_swish(m: Match, site: Site) -> float | str:
 
 
 def _plan_quick_gelu(m: Match, site: Site) -> float | str:
-    if site.dtype(m.value("x")) != DataType.FLOAT:
-        return "x is not float32 (onnxruntime's QuickGelu CPU kernel)"
-    return _swish_alpha(m)
+    return cpu_float(site, m.value("x"), "QuickGelu") or _swish_alpha(m)
 
 
 def _swish_alpha(m: Match) -> float | str:

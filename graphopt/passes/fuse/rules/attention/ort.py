@@ -16,7 +16,7 @@ import numpy as np
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_reader
-from graphopt.passes.fuse.rules._ort import MS
+from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.fuse.rules.attention.builds import additive_mask, rows_spelled_out, spelled_out, with_merged_bias
 from graphopt.passes.fuse.rules.attention.plans import Plan4, plan_4d, plan_attention, plan_merged
 from graphopt.passes.fuse.rules.attention.spellings import FAMILY, MERGED_HEADS, NAN_GUARD, SOFTMAX, core
@@ -83,8 +83,9 @@ def _plan_mha(
         return plan
     if "same" in m and not reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
         return "the Reshape after the attention is not provably to its own shape"
-    if site.dtype(plan.q) != DataType.FLOAT:
-        return "onnxruntime's MultiHeadAttention runs float32 only here"
+    unsupported = cpu_float(site, plan.q, "MultiHeadAttention")
+    if unsupported is not None:
+        return unsupported
     if plan.mask is not None and plan.bias is None:
         return "the mask is not an additive float bias (MultiHeadAttention's attention_bias)"
     q_dims = site.shape(plan.q) or (None,) * 4
@@ -100,8 +101,8 @@ def _plan_mha(
     if below_4d and not broadcast:
         return f"the attention bias is not 4-D ({_BROADCAST_BIAS} takes it: off by default, measured slower)"
     if added is not None:
-        if site.dtype(added) != DataType.FLOAT:
-            return "the attention bias is not float32"
+        if site.dtype(added) != site.dtype(plan.q):
+            return "the attention bias is not of Q's element type"
         scores = (q_dims[0], plan.heads, q_dims[2], (site.shape(plan.repeated[1]) or (None,) * 4)[2])
         if not _broadcasts_to(added_shape, scores):
             return "the attention bias does not broadcast to (batch or 1, heads or 1, S, T)"

@@ -42,7 +42,7 @@ import numpy as np
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, trailing_axes
-from graphopt.passes.fuse.rules._ort import MS
+from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 
@@ -332,8 +332,9 @@ _SUM = either(
 def _check_skip(m: Match, site: Site) -> str | None:
     a, skip = m.value("a"), m.value("skip")
     shape = site.shape(a)
-    if site.dtype(a) != DataType.FLOAT:
-        return "onnxruntime's skip norms are float32 only here"
+    unsupported = cpu_float(site, a, "SkipLayerNormalization")
+    if unsupported is not None:
+        return unsupported
     if shape is None or len(shape) not in (2, 3) or None in shape or shape != site.shape(skip):
         return "the residual's operands do not provably have one 2-D or 3-D shape"
     hidden = shape[-1]
@@ -342,6 +343,8 @@ def _check_skip(m: Match, site: Site) -> str | None:
     for name in ("bias", "gamma", "beta") if "ln" in m else ("bias",):
         if name in m and site.shape(m.value(name)) != (hidden,):
             return f"{name} is not a vector over the hidden size"
+        if name in m and site.dtype(m.value(name)) != site.dtype(a):
+            return f"{name} is not of the residual's element type"
     if "ln" in m:
         ln = m.node("ln")
         if Site.int_attr(ln, "axis", -1) not in (-1, len(shape) - 1):

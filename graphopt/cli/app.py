@@ -260,6 +260,7 @@ def with_check_options(func: F) -> F:
             rtol=kwargs.pop("rtol"),
             memory_budget=None if memory is None else int(memory * 1e9),
             required=kwargs.pop("require_check"),
+            custom_op_libraries=tuple(kwargs.pop("custom_op_libraries")),
         )
         return func(*args, numerics=numerics, **kwargs)
 
@@ -288,6 +289,14 @@ def with_check_options(func: F) -> F:
             type=click.FloatRange(min=0, min_open=True),
             metavar="GB",
             help=f"GB of memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it, 'not checked'.",
+        ),
+        click.option(
+            "--custom-op-library",
+            "custom_op_libraries",
+            multiple=True,
+            type=click.Path(path_type=Path, exists=True, dir_okay=False),
+            metavar="PATH",
+            help="Register this onnxruntime custom-op library in the check's sessions (repeatable).",
         ),
     ]
     for option in reversed(options):

@@ -56,12 +56,15 @@ from graphopt.numerics.inputs import (
     bind_dims,
     candidate_count,
     dim_keys,
+    input_elements,
+    largest_binding,
     load_npz,
     make_inputs,
     read_spec,
+    run_cost,
 )
 
-__all__ = ["BindingResult", "CheckResult", "check_models", "json_ready"]
+__all__ = ["LARGEST_SECONDS", "BindingResult", "CheckResult", "check_models", "json_ready", "session_options"]
 
 Status = Literal["passed", "failed", "not checked"]
 # What a run gives for one output: an array, or for a sequence output a list of arrays.
@@ -115,6 +118,11 @@ class _Deadline:
 
     def expired(self) -> bool:
         return self.end is not None and time.monotonic() >= self.end
+
+    def within(self, seconds: float) -> _Deadline:
+        """A deadline ``seconds`` away, or this one if it comes first."""
+        remaining = seconds if self.end is None else min(seconds, self.end - time.monotonic())
+        return _Deadline(max(remaining, 0.0))
 
     def run(self, session: ort.InferenceSession, feeds: Mapping[str, Feed]) -> list[Output]:
         if self.expired():
@@ -172,7 +180,13 @@ def condensed(message: str) -> str:
     return message.strip()
 
 
-def _session(path: Path, threads: int) -> ort.InferenceSession:
+def session_options(threads: int, libraries: Sequence[str | os.PathLike[str]] = ()) -> ort.SessionOptions:
+    """The options of every session the check creates: the model as written, repeatably, with
+    the custom-op libraries the user gave (``--custom-op-library``) registered.
+
+    Raises:
+        InputError: onnxruntime cannot register a library.
+    """
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = threads
@@ -180,6 +194,16 @@ def _session(path: Path, threads: int) -> ort.InferenceSession:
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     # Fatal only: a failing run is reported in the result, onnxruntime need not print it too.
     options.log_severity_level = 4
+    for library in libraries:
+        try:
+            options.register_custom_ops_library(str(library))
+        except Exception as exc:
+            why = _first_line(exc)
+            raise InputError(f"--custom-op-library {library}: onnxruntime cannot register it: {why}") from None
+    return options
+
+
+def _session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
     try:
         # A path, not bytes: external data then loads from beside the file.
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -208,6 +232,7 @@ def check_models(
     on_phase: Callable[[str], None] | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     confine: bool = False,
+    custom_op_libraries: Sequence[str | os.PathLike[str]] = (),
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
 
@@ -232,9 +257,18 @@ def check_models(
             or onnxruntime failing to allocate) is "not checked", never failed.
         confine: limit this process's memory to ``memory_budget`` before onnxruntime starts
             (budget.confine; for the check's child process, never the caller's).
+        custom_op_libraries: shared libraries of onnxruntime custom ops, registered in every
+            session (``--custom-op-library``).
+
+    Generated inputs are also compared at the largest binding (inputs.largest_binding),
+    unless the original's runs at the smaller ones predict it would take over
+    LARGEST_SECONDS there: then it is skipped with a note. Each model's run there stops
+    after twice that; a timeout or a failure of the original there is a note, never the
+    check's outcome.
 
     Raises:
-        InputError: a file cannot be read, the .npz does not fit the model, ``dims`` names
+        InputError: a file cannot be read, a custom-op library cannot be registered, the
+            .npz does not fit the model, ``dims`` names
             a dim the model does not have, ``input_layouts`` names no input of the original or
             gives no permutation of its axes, or (``refuse_other_inputs``) the inputs differ.
     """
@@ -282,15 +316,18 @@ def check_models(
         limit_memory(memory_budget)
 
     out_of_memory = f"ran out of the check's memory budget of {gigabytes(memory_budget)} (--check-memory GB)"
+    options = session_options(threads, custom_op_libraries)
     try:
-        session = _session(original, threads)
+        session = _session(original, options)
     except _OrtError as exc:
         if _out_of_memory(str(exc)):
             return result("not checked", f"loading the original model {out_of_memory}")
-        return result("not checked", f"onnxruntime cannot load the original model: {exc}")
+        return result("not checked", _unloadable(str(exc), bool(custom_op_libraries)))
     except MemoryError:
         return result("not checked", f"loading the original model {out_of_memory}")
     ran: list[tuple[Binding, dict[str, Feed], list[Output]]] = []
+    took: list[float] = []  # the original's seconds at each binding of ``ran``
+    largest: Binding | None = None
     skipped: list[str] = []
     # Outputs the graph shows to be random, and (the backstop, for ops the graph cannot show:
     # custom ops, model-local functions) those on which two runs disagree.
@@ -306,11 +343,14 @@ def check_models(
             if on_phase is not None:
                 on_phase(f"check: the original at {_dims_text(binding.dims)}")
             try:
+                began = time.perf_counter()
                 expected = deadline.run(session, feed)
+                seconds = time.perf_counter() - began
                 if not ran and spec_a.opaque:
                     again = deadline.run(session, feed)
                     unstable |= {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
                 ran.append((binding, feed, expected))
+                took.append(seconds)
             except _OrtError as exc:
                 error = out_of_memory if _out_of_memory(str(exc)) else str(exc)
                 attempts.append({"dims": binding.dims, "error": error})
@@ -320,6 +360,17 @@ def check_models(
                 break
             if len(ran) == wanted:
                 break
+        if inputs is None and ran and not deadline.expired():
+            chosen = _largest(spec_a, dims or {}, seed, ran, took, lambda b, f: needs.peak(b.dims, f) <= memory_budget)
+            if isinstance(chosen, str):
+                skipped.append(chosen)
+            elif chosen is not None:
+                try:
+                    ran.append((*chosen, deadline.within(2 * LARGEST_SECONDS).run(session, chosen[1])))
+                    largest = chosen[0]
+                except (_OrtError, TimeoutError) as exc:
+                    what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc}"
+                    skipped.append(f"the original model {what} at {_largest_text(chosen[0])}")
     except MemoryError:  # running, or making the inputs of the next binding
         attempts.append({"dims": {}, "error": out_of_memory})
         skipped.append(f"the original model {out_of_memory}")
@@ -330,7 +381,7 @@ def check_models(
         return result("not checked", _unrunnable(attempts, spec_a, inputs is not None))
 
     try:
-        session = _session(optimized, threads)
+        session = _session(optimized, options)
     except MemoryError:
         return result("not checked", f"loading the optimized model {out_of_memory}")
     except _OrtError as exc:
@@ -343,7 +394,8 @@ def check_models(
         if on_phase is not None:
             on_phase(f"check: the optimized model at {_dims_text(binding.dims)}")
         try:
-            actual = deadline.run(session, _relaid(feed, layouts))
+            runs = deadline.within(2 * LARGEST_SECONDS) if binding is largest else deadline
+            actual = runs.run(session, _relaid(feed, layouts))
             outputs = [
                 _compare(name, a, b, criterion, spec_a, name in unstable)
                 for name, a, b in zip(spec_a.outputs, expected, actual, strict=True)
@@ -356,6 +408,9 @@ def check_models(
         except MemoryError:
             return result("not checked", f"the optimized model {out_of_memory}", done)
         except TimeoutError:
+            if binding is largest and not deadline.expired():
+                skipped.append(f"the optimized model timed out at {_largest_text(binding)}")
+                continue
             break
         passed = all(o.passed is not False for o in outputs)
         done.append(BindingResult(binding.dims, outputs, passed, binding.regimes))
@@ -371,9 +426,67 @@ def check_models(
         return result("not checked", "; ".join([f"timed out after {timeout:g} s", *notes]), done)
     if not any(o.passed for b in done for o in b.outputs) and unstable:
         return result("not checked", "; ".join(notes), done)
-    if len(done) < wanted:
-        notes.insert(0, f"{len(done)} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
+    compared = sum(1 for b in done if largest is None or b.dims is not largest.dims)
+    if compared < wanted:
+        notes.insert(0, f"{compared} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
     return result("passed", "; ".join(notes) or None, done)
+
+
+# The largest binding runs where the original is predicted to take at most this long there,
+# and its inputs hold at most this many elements (making and comparing them costs time too).
+LARGEST_SECONDS = 1.0
+LARGEST_ELEMENTS = 2**22
+
+
+def _largest(
+    spec: ModelSpec,
+    fixed: Mapping[str, int],
+    seed: int,
+    ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
+    took: list[float],
+    fits: Callable[[Binding, dict[str, Feed]], bool],
+) -> tuple[Binding, dict[str, Feed]] | str | None:
+    """The largest binding and its inputs; or why it is not run; or None where it is one of
+    those that ran (a model without dynamic dims, or dims all fixed by --dim)."""
+    binding = largest_binding(spec, fixed)
+    if any(binding.dims == done.dims for done, _, _ in ran):
+        return None
+    elements = input_elements(spec, binding.dims)
+    if elements > LARGEST_ELEMENTS:
+        limit = f"the limit is {LARGEST_ELEMENTS}"
+        return f"{_largest_text(binding)} not run: its inputs would hold {elements} elements ({limit})"
+    # From the costliest binding that ran: the nearest, and past the first run's warm-up.
+    seconds, nearest = max(
+        ((t, done) for (done, _, _), t in zip(ran, took, strict=True)), key=lambda r: run_cost(spec, r[1].dims)
+    )
+    predicted = seconds * run_cost(spec, binding.dims) / max(run_cost(spec, nearest.dims), 1)
+    if predicted > LARGEST_SECONDS:
+        return (
+            f"{_largest_text(binding)} not run: the original would take about {predicted:.1f} s there "
+            f"(from its runs at the smaller bindings; the limit is {LARGEST_SECONDS:g} s)"
+        )
+    feed = make_inputs(spec, binding, np.random.default_rng([seed, candidate_count()]))
+    if not fits(binding, feed):
+        return f"{_largest_text(binding)} not run: it exceeds the check's memory budget (--check-memory GB)"
+    return binding, feed
+
+
+def _largest_text(binding: Binding) -> str:
+    return f"the largest binding {_dims_text(binding.dims)}"
+
+
+# What onnxruntime says of an op no library it knows registers.
+_UNREGISTERED = re.compile(r"(\S+):(\S+)\(-?\d+\) is not a registered function/op")
+
+
+def _unloadable(error: str, libraries: bool) -> str:
+    """Why the original does not load, with the next step where a custom op is what is missing."""
+    reason = f"onnxruntime cannot load the original model: {error}"
+    missing = _UNREGISTERED.search(error)
+    if missing is None or missing[1] in ("", "ai.onnx", "ai.onnx.ml", "com.microsoft"):
+        return reason
+    given = " (none of the libraries given registers it)" if libraries else ""
+    return f"{reason}{given}; register the library of its {missing[1]} ops with --custom-op-library PATH"
 
 
 # A "not checked" reason fits one line of a CI log; the report's attempts keep every detail.

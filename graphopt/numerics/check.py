@@ -378,7 +378,7 @@ def check_models(
     if not ran:
         if not attempts:  # timed out before any binding ran
             return result("not checked", "; ".join(skipped))
-        return result("not checked", _unrunnable(attempts, spec_a, inputs is not None))
+        return result("not checked", _unrunnable(attempts, spec_a, inputs is not None, dims or {}))
 
     try:
         session = _session(optimized, options)
@@ -502,17 +502,24 @@ def _out_of_memory(message: str) -> bool:
     return _ALLOCATION_FAILED.search(message) is not None
 
 
-def _unrunnable(attempts: list[dict[str, Any]], spec: ModelSpec, given: bool) -> str:
+def _dim_option(key: str) -> str:
+    """``--dim KEY=N`` as a shell takes it: an unnamed dim's ``input[axis]`` quoted."""
+    return f"--dim '{key}=N'" if key.endswith("]") else f"--dim {key}=N"
+
+
+def _unrunnable(attempts: list[dict[str, Any]], spec: ModelSpec, given: bool, fixed: Mapping[str, int]) -> str:
     """Why the original ran at no binding, with what the user can do about it, in one short line."""
     errors = list(dict.fromkeys(attempt["error"] for attempt in attempts))
     if given:
         return _clipped(f"the original model failed on --inputs: {errors[0]}", NOT_CHECKED_REASON_LIMIT)
     if all("memory budget" in error for error in errors):
         return f"the original model {errors[0]}"
-    named = list(dict.fromkeys(d for s in spec.inputs for d in (s.shape or ()) if isinstance(d, str)))
     remedy = "; give inputs that fit with --inputs data.npz"
-    if named:
-        shown = " ".join(f"--dim {name}=N" for name in named[:3]) + (" ..." if len(named) > 3 else "")
+    # One key per group of equal dims, not those --dim fixed, the batch last: it seldom decides.
+    keys = [k for k in dim_keys(spec) if spec.facts.group(k) == k and k not in fixed]
+    keys.sort(key=lambda k: spec.facts.kinds.get(k) == "batch")
+    if keys:
+        shown = " ".join(_dim_option(key) for key in keys[:3]) + (" ..." if len(keys) > 3 else "")
         remedy = f"; bind the dims with {shown} or give inputs with --inputs data.npz"
     tried = len(attempts)
     head = f"the original model failed at {'the binding' if tried == 1 else f'all {tried} bindings'} tried: "

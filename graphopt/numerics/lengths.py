@@ -244,6 +244,8 @@ class _Walk:
         strides = _ints(node, "strides") or [1] * spatial
         dilations = _ints(node, "dilations") or [1] * spatial
         pads = _ints(node, "pads") or [0] * 2 * spatial
+        if len(strides) != spatial or len(dilations) != spatial or len(pads) != 2 * spatial or min(strides) < 1:
+            return None  # onnxruntime's to refuse
         auto = _attribute(node, "auto_pad")
         same = auto is not None and auto.s.startswith(b"SAME")
         ceil = _int(node, "ceil_mode", 0)
@@ -273,6 +275,8 @@ class _Walk:
         return out
 
     def _sliced(self, axis: Axis, start: int, end: int, step: int) -> Axis:
+        if step == 0:  # onnxruntime's to refuse
+            return None
         if isinstance(axis, int):
             return len(range(axis)[start:end:step])
         to_end = end > LARGEST_RULE
@@ -293,7 +297,7 @@ class _Walk:
     def _stft(self, node: onnx.NodeProto, shape: list[Axis]) -> None:
         length = self._constants(node, 3)
         window = self.shapes.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-        frame = length[0] if length else window[0] if window else None
+        frame = length[0] if length else window[0] if window and len(window) == 1 else None
         if isinstance(frame, int) and len(shape) > 1:
             self.rules.at_least(shape[1], frame)
 

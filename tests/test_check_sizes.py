@@ -99,6 +99,21 @@ def test_a_frame_slice_sets_the_smallest_length(tmp_path: Path) -> None:
     assert [b.dims["time"] for b in result.bindings] == [415, 527, 527]
 
 
+def test_an_stft_takes_one_frame_at_least(tmp_path: Path) -> None:
+    # Frames of 400 (the window's length) every 160 samples (before: all 6 bindings failed,
+    # "STFT node: Ensure that the dft size is smaller than the signal").
+    nodes = [
+        helper.make_node("Unsqueeze", ["audio", "last"], ["signal"]),
+        helper.make_node("STFT", ["signal", "step", "window"], ["spectrum"], onesided=1),
+    ]
+    inits = {"last": np.array([-1]), "step": np.array(160), "window": np.hanning(400).astype(np.float32)}
+    model = _model(nodes, [("audio", FLOAT, ["batch", "samples"])], [("spectrum", FLOAT, None)], inits)
+    path = _save(tmp_path, "m", model)
+    result = check_models(path, path)
+    assert result.status == "passed" and result.reason is None, result.reason
+    assert [b.dims["samples"] for b in result.bindings] == [415, 527, 527]
+
+
 def _decoder() -> onnx.ModelProto:
     """A decoder whose exporter traced it at 7 tokens and baked 4 heads of 16 and the 7 into a
     Reshape target: it runs where batch x sequence is a multiple of 7."""

@@ -1,7 +1,9 @@
 """Prove with onnxruntime that an optimized model computes what the original did.
 
 Both files are run by onnxruntime's CPU provider on the same seeded inputs at two or more
-bindings of the dynamic dims (see inputs.py), and every output is compared (see compare.py).
+bindings of the dynamic dims (see inputs.py), then at the largest binding where the
+original's runs so far predict it is cheap enough, and every output is compared (see
+compare.py). Custom-op libraries the user names are registered in every session.
 
 onnxruntime runs both models with its graph optimizations off (ORT_DISABLE_ALL): the original
 is then evaluated op by op as written, and a difference can only come from graphopt's rewrite,
@@ -373,6 +375,8 @@ def check_models(
             if isinstance(chosen, str):
                 skipped.append(chosen)
             elif chosen is not None:
+                if on_phase is not None:
+                    on_phase(f"check: the original at {_dims_text(chosen[0].dims)}")
                 try:
                     ran.append((*chosen, deadline.within(LARGEST_STOP_SECONDS).run(session, chosen[1])))
                     largest = chosen[0]

@@ -29,6 +29,10 @@ and the data reaches where a wrong rewrite would show:
   as its input holds, an integer vector a Split takes apart into its elements is a shape
   (N the inputs' batch, then 1 and small sizes: an expanded AffineGrid's size). Reads inside
   If, Loop and Scan bodies count as the outer value's.
+- Each group of equal dims may have a smallest size and a factor its ops need (lengths.py:
+  a reflect Pad, a Conv kernel, a frame Slice; a Reshape target's baked constants), and a
+  model that multiplies two computed values (attention) runs in time that grows with a
+  sequence squared.
 """
 
 from __future__ import annotations

@@ -21,6 +21,12 @@ The first two bindings are the regimes the check exists for, each named in the r
 - batch 1 at a long sequence (128, or the position table's rows; a decode step of one token
   after a cache that fills it), images non-square (192 x 320), floats at scale 10.
 
+A third, :func:`largest_binding`, goes to the sizes the model declares or a table bounds
+(the position table's rows, images of 448 x 512, a batch of 5); check.py runs it where it is
+cheap enough. Every size is fitted to what the model's ops accept (lengths.py): at least the
+smallest length they take (a reflect Pad, a Conv kernel, a frame Slice), a multiple of the
+factor a Reshape target bakes in.
+
 Every binding spreads ids over the whole table they index and gives position ids that follow
 the cache. Inputs that set a shape, count, axis or index get small valid values. A sequence
 input holds three tensors of its element's shape (a vector where the file states none), an
@@ -56,13 +62,13 @@ __all__ = [
     "ModelSpec",
     "bind_dims",
     "candidate_count",
+    "dim_keys",
     "input_elements",
     "largest_binding",
-    "run_cost",
-    "dim_keys",
     "load_npz",
     "make_inputs",
     "read_spec",
+    "run_cost",
     "unnamed_key",
 ]
 

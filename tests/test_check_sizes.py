@@ -220,6 +220,14 @@ def test_the_largest_binding_is_skipped_with_a_note_when_it_would_take_too_long(
     )
 
 
+def test_a_run_at_the_largest_binding_past_its_stop_is_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check_module, "LARGEST_STOP_SECONDS", 0.0)
+    path = _save(tmp_path, "a", _positions())
+    result = check_models(path, path)
+    assert result.status == "passed" and len(result.bindings) == 2
+    assert result.reason == "the original model timed out at the largest binding {batch=5, sequence=2048}"
+
+
 def test_no_largest_binding_where_the_dims_are_all_fixed(tmp_path: Path) -> None:
     path = _save(tmp_path, "a", _positions())
     fixed = check_models(path, path, dims={"batch": 2, "sequence": 4})

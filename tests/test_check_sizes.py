@@ -206,6 +206,42 @@ def test_a_position_table_wrong_past_row_600_is_caught_at_the_largest_binding(tm
     assert same.bindings[2].dims == {"batch": 5, "sequence": 2048}
 
 
+def _wrong_above(threshold: int, axis: int, image: bool) -> onnx.ModelProto:
+    """y = f(x) + 1 where ``x``'s dim ``axis`` is over ``threshold`` (a mutant wrong only past
+    a size); ``image``: x[batch, 3, height, width] through a Conv, else x[batch, 4]."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "axis"], ["size"]),
+        helper.make_node("Greater", ["size", "threshold"], ["over"]),
+        helper.make_node("Cast", ["over"], ["shift"], to=FLOAT),
+        helper.make_node("Conv" if image else "Relu", ["x", "kernel"] if image else ["x"], ["f"]),
+        helper.make_node("Add", ["f", "shift"], ["y"]),
+    ]
+    inits = {"axis": np.array(axis), "threshold": np.array(threshold)}
+    if image:
+        inits["kernel"] = _weight(2, 3, 3, 3)
+    shape: list[int | str | None] = ["batch", 3, "height", "width"] if image else ["batch", 4]
+    return _model(nodes, [("x", FLOAT, shape)], [("y", FLOAT, None)], inits)
+
+
+@pytest.mark.parametrize(
+    ("axis", "threshold", "image", "where"),
+    [
+        (0, 4, False, "{batch=5} (largest sizes"),  # batches above 4
+        (3, 400, True, "{batch=5, height=448, width=512} (largest sizes, images 448 x 512"),  # crops above 400 px
+    ],
+)
+def test_a_mutant_wrong_only_past_the_first_two_bindings_sizes_is_caught(
+    tmp_path: Path, axis: int, threshold: int, image: bool, where: str
+) -> None:
+    # Before: "passed" (batches of 3 and 1, images up to 320 px).
+    original = _save(tmp_path, "a", _wrong_above(10**6, axis, image))
+    result = check_models(original, _save(tmp_path, "b", _wrong_above(threshold, axis, image)))
+    assert result.status == "failed" and result.reason is not None
+    assert result.reason.startswith(f"output 'y' at {where}"), result.reason
+    assert [b.passed for b in result.bindings] == [True, True, False]
+
+
 def test_the_largest_binding_is_skipped_with_a_note_when_it_would_take_too_long(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -156,10 +156,7 @@ class _Walk:
         op = node.op_type
         shape = self.shapes.get(node.input[0]) if node.input and node.input[0] else None
         if op == "Constant":
-            value = _attribute(node, "value")
-            if value is not None:
-                self.shapes[node.output[0]] = list(value.t.dims)
-                self._store(node.output[0], value.t)
+            self._constant(node)
             return
         self._vector_op(node)
         out: list[Axis] | None = None
@@ -193,6 +190,17 @@ class _Walk:
             out = shape[:axis] + indices + shape[axis + 1 :] if indices is not None and shape else None
         if out is not None:
             self.shapes[node.output[0]] = out
+
+    def _constant(self, node: onnx.NodeProto) -> None:
+        value, ints, one = _attribute(node, "value"), _ints(node, "value_ints"), _attribute(node, "value_int")
+        name = node.output[0]
+        if value is not None:
+            self.shapes[name] = list(value.t.dims)
+            self._store(name, value.t)
+        elif ints is not None:
+            self.shapes[name], self.vectors[name] = [len(ints)], list(ints)
+        elif one is not None:
+            self.shapes[name], self.vectors[name] = [], [one.i]
 
     def _vector_op(self, node: onnx.NodeProto) -> None:
         """Follow integer vectors that are shapes or parts of them."""

@@ -171,6 +171,17 @@ def test_a_reshape_target_built_from_the_input_shape_is_read(tmp_path: Path) -> 
     assert [b.dims["sequence"] for b in two.bindings] == [16, 128, 128]
 
 
+def test_a_reshape_target_given_as_constant_ints_is_read(tmp_path: Path) -> None:
+    nodes = [
+        helper.make_node("Constant", [], ["target"], value_ints=[-1, 7]),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    path = _save(tmp_path, "m", _model(nodes, [("x", FLOAT, ["batch", "items"])], [("y", FLOAT, None)], {}))
+    result = check_models(path, path)
+    assert result.status == "passed" and result.reason is None, result.reason
+    assert [b.dims["items"] for b in result.bindings] == [21, 28, 35]  # 16, 24 and 32 rounded up to 7s
+
+
 # -- the largest binding ----------------------------------------------------------------------
 
 

@@ -129,12 +129,15 @@ def optimize(
     max_steps: int | None = None,
     strict: bool = False,
     on_pass: Callable[[PassRun], None] | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
     **settings: Any,
 ) -> Result[Model] | Result[onnx.ModelProto]:
     """Optimize an IR model in place (or load one from a path) with a pipeline.
 
     Given an ``onnx.ModelProto`` (as ``onnx.load`` returns), the result's ``model`` is a
-    new ModelProto and the one given is left as it was. ``on_pass`` is told of each pass
+    new ModelProto and the one given is left as it was. A ModelProto loaded without its
+    external data (``load_external_data=False``) needs ``base_dir``, the folder of its file,
+    where the weights are read from (never the working folder): InputError without it. ``on_pass`` is told of each pass
     execution as it ends (:class:`graphopt.passes.pipeline.PassRun`).
 
     ``settings`` are the run settings of :class:`graphopt.settings.Settings` (e.g.
@@ -144,7 +147,7 @@ def optimize(
     run_settings = resolve_settings(pipeline, settings)
     given_proto = not isinstance(model, (Model, str, os.PathLike))
     if not isinstance(model, (Model, str, os.PathLike)):
-        model = from_onnx(model, independent_dims=run_settings.independent_dims)
+        model = from_onnx(model, independent_dims=run_settings.independent_dims, base_dir=base_dir)
     elif not isinstance(model, Model):
         model = load(model, independent_dims=run_settings.independent_dims)
     result = run_pipeline(model, pipeline, run_settings, strict=strict, on_pass=on_pass)

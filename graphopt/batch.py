@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import multiprocessing
 import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.errors import GraphoptError, InputError, bounded
+from graphopt.processes import die_with_parent, ending_children_on_sigterm
 from graphopt.report import check_report_target
 from graphopt.report.model import FolderReport, GateReport, error_row
 from graphopt.runner import RunOptions, batch_reads, is_optimized, optimize_file
@@ -206,7 +208,10 @@ def run_models(
         for i, (source, task_options) in enumerate(tasks):
             done(i, _run_one(source, task_options))
     else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
+        # Workers die with this process, however it ends (processes.py); with fork they all start at once.
+        count = min(jobs, max(1, len(tasks)))
+        workers = ProcessPoolExecutor(count, initializer=die_with_parent, initargs=(os.getpid(),))
+        with workers as pool, ending_children_on_sigterm(multiprocessing.active_children):
             futures = {pool.submit(_run_one, s, o): i for i, (s, o) in enumerate(tasks)}
             for future in as_completed(futures):
                 done(futures[future], future.result())

@@ -260,10 +260,10 @@ def test_run_and_check_take_the_same_check_options_and_refuse_a_lone_atol_alike(
         return {
             p.name: p.help
             for p in params
-            if p.name in {"dims", "inputs", "atol", "rtol", "require_check", "check_memory"}
+            if p.name in {"dims", "inputs", "atol", "rtol", "require_check", "check_memory", "check_timeout"}
         }
 
-    assert check_flags("run") == check_flags("check") and len(check_flags("run")) == 6
+    assert check_flags("run") == check_flags("check") and len(check_flags("run")) == 7
     model = tmp_path / "m.onnx"
     model.write_bytes(b"")
     for command in (["run", model, "--no-check"], ["check", model, model]):

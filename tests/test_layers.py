@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "graphopt"
 
 # Lowest first. A module may import its own room and any room listed before it.
 LAYERS = [
-    {"errors", "options", "files", "schemas", "version"},
+    {"errors", "options", "files", "schemas", "version", "processes"},
     {"settings", "ir"},
     {"facts", "io"},
     {"evaluate"},

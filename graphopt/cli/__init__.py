@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 # Importing the command modules registers their commands on the group.
-from graphopt.cli import check, models, passes, report, run, unwind  # noqa: F401
+from graphopt.cli import check, diff, models, passes, report, run, show, unwind  # noqa: F401
 from graphopt.cli.app import cli
 
 __all__ = ["cli", "main"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
+import re
 import sys
 import traceback
 import typing
@@ -232,6 +234,34 @@ def with_pass_options(pass_name: str) -> Callable[[F], F]:
     return decorate
 
 
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_WHOLE = re.compile(r"[+-]?[0-9]+")
+
+
+class Number(click.ParamType):
+    """A finite number as people type it, in ASCII digits (with a point and an exponent unless
+    ``whole``), from ``low`` to ``high``: Python's float() and int() also take 'nan', 'inf',
+    '1_000' and the digits of other scripts."""
+
+    def __init__(self, whole: bool = False, low: float = -math.inf, high: float = math.inf) -> None:
+        self.whole, self.low, self.high = whole, low, high
+        self.name = "integer" if whole else "number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool):  # a default, already a number
+            return value
+        text = str(value).strip()
+        if not (_WHOLE if self.whole else _DECIMAL).fullmatch(text):
+            self.fail(f"{value!r} is not a valid {self.name} (ASCII digits)", param, ctx)
+        number = int(text) if self.whole else float(text)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is too large", param, ctx)
+        if not self.low <= number <= self.high:
+            bounds = f"from {self.low:g} to {self.high:g}" if math.isfinite(self.high) else f"at least {self.low:g}"
+            self.fail(f"{value!r} is not {bounds}", param, ctx)
+        return number
+
+
 def _setting_option(name: str, flag: str, annotation: Any, help_text: str) -> Callable[[F], F]:
     if annotation is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)
@@ -240,7 +270,8 @@ def _setting_option(name: str, flag: str, annotation: Any, help_text: str) -> Ca
         return click.option(flag, name, type=choices, default=None, help=help_text)
     if typing.get_origin(annotation) is list:
         return click.option(flag, name, multiple=True, help=help_text + " (repeatable)")
-    return click.option(flag, name, type=annotation, default=None, help=help_text)
+    numbers = {int: Number(whole=True), float: Number()}
+    return click.option(flag, name, type=numbers.get(annotation, annotation), default=None, help=help_text)
 
 
 def with_check_options(func: F) -> F:
@@ -248,17 +279,20 @@ def with_check_options(func: F) -> F:
     command one ``numerics`` value (graphopt.numerics.options.CheckOptions), checked once;
     goes below ``guarded``, which turns a bad value into one line and exit 2."""
     from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET
-    from graphopt.numerics.options import CheckOptions
+    from graphopt.numerics.options import FIRST_RUN_SECONDS, TIME_FACTOR, CheckOptions, check_numbers
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         memory = kwargs.pop("check_memory")
+        if memory is not None:  # as given, before a tiny value rounds to 0 bytes
+            check_numbers(memory_budget=memory * 1e9)
         numerics = CheckOptions(
             dims=parse_dims(kwargs.pop("dims")),
             inputs=kwargs.pop("inputs"),
             atol=kwargs.pop("atol"),
             rtol=kwargs.pop("rtol"),
             memory_budget=None if memory is None else int(memory * 1e9),
+            timeout=kwargs.pop("check_timeout"),
             required=kwargs.pop("require_check"),
             custom_op_libraries=tuple(kwargs.pop("custom_op_libraries")),
         )
@@ -277,8 +311,8 @@ def with_check_options(func: F) -> F:
             type=click.Path(path_type=Path, exists=True, dir_okay=False),
             help="Check with these inputs (.npz by input name).",
         ),
-        click.option("--atol", type=float, help="Element-wise check: absolute tolerance (with --rtol)."),
-        click.option("--rtol", type=float, help="Element-wise check: relative tolerance (with --atol)."),
+        click.option("--atol", type=Number(), help="Element-wise check: absolute tolerance (with --rtol)."),
+        click.option("--rtol", type=Number(), help="Element-wise check: relative tolerance (with --atol)."),
         click.option(
             "--require-check",
             is_flag=True,
@@ -286,9 +320,16 @@ def with_check_options(func: F) -> F:
         ),
         click.option(
             "--check-memory",
-            type=click.FloatRange(min=0, min_open=True),
+            type=Number(),
             metavar="GB",
             help=f"GB of memory the check may use (default {DEFAULT_MEMORY_BUDGET / 1e9:g}); past it, 'not checked'.",
+        ),
+        click.option(
+            "--check-timeout",
+            type=Number(),
+            metavar="SECONDS",
+            help=f"Seconds the check may take (default: {TIME_FACTOR} times the original model's first run, at least"
+            f" {FIRST_RUN_SECONDS:g}, which is also what that first run may take); past it, 'not checked'.",
         ),
         click.option(
             "--custom-op-library",
@@ -304,12 +345,16 @@ def with_check_options(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+# The largest value --dim takes: onnxruntime's kernels index most tensors with 32-bit ints.
+MAX_DIM = 2**31 - 1
+
+
 def parse_dims(values: Sequence[str]) -> dict[str, int]:
     dims: dict[str, int] = {}
     for item in values:
         name, sep, number = item.partition("=")
-        if not sep or not name or not number.strip().isdigit() or int(number) < 1:
-            raise InputError(f"--dim {item!r}: expected NAME=VALUE with a positive integer")
+        if not sep or not name or not _WHOLE.fullmatch(number.strip()) or not 1 <= int(number) <= MAX_DIM:
+            raise InputError(f"--dim {item!r}: expected NAME=VALUE with VALUE a whole number from 1 to {MAX_DIM}")
         name = name.strip()
         if dims.get(name, int(number)) != int(number):
             raise InputError(f"--dim {item!r}: {name} is already {dims[name]} (conflicting --dim options)")

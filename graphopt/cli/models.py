@@ -39,22 +39,28 @@ def convert(source: Path, destination: Path, external_data: bool | None) -> None
 
 
 @cli.command(epilog=exit_codes())
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("models", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the inspection as JSON on stdout.")
 @guarded
-def inspect(model: Path, as_json: bool) -> None:
-    """Show a model's inputs and outputs with dims, op histogram, parameters, opsets, subgraphs.
+def inspect(models: tuple[Path, ...], as_json: bool) -> None:
+    """Show a model's inputs and outputs with dims, op histogram, parameters, opsets, subgraphs;
+    given two models, compare them as `graphopt diff A B` does.
 
     \b
     Examples:
       graphopt inspect model.onnx
       graphopt inspect model.onnx --json | jq .ops
+      graphopt inspect model.onnx model.opt.onnx      # side by side
     """
-    from graphopt.io import load
+    from graphopt.cli.diff import inspect_file, show_diff
     from graphopt.report.console import render_inspection
-    from graphopt.report.inspection import inspect_model
 
-    info = inspect_model(load(model), str(model))
+    if len(models) > 2:
+        raise click.UsageError(f"inspect takes one model, or two to compare; got {len(models)}")
+    if len(models) == 2:
+        show_diff(*models, as_json)
+        return
+    info = inspect_file(models[0])
     if as_json:
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import jsonschema
@@ -18,6 +19,20 @@ from graphopt.version import __version__
 @cli.group()
 def report() -> None:
     """Work with run reports (`graphopt run --report FILE`)."""
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    """A report file, read and validated against the report schema (InputError, naming it)."""
+    from graphopt.schemas import schema
+
+    try:
+        document: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        jsonschema.validate(document, schema("report"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{path}: not a JSON report ({err})") from None
+    except jsonschema.ValidationError as err:
+        raise InputError(f"{path}: not a graphopt report ({err.message})") from None
+    return document
 
 
 @report.command(epilog=exit_codes("a merged model failed (its numerics, the gate, or it could not be read)"))
@@ -38,18 +53,8 @@ def merge(reports: tuple[Path, ...], output: Path | None) -> None:
     """
     from graphopt.report import dumps, merge_reports, write_report
     from graphopt.report.console import failure_line, totals_line
-    from graphopt.schemas import schema
 
-    loaded = []
-    for path in reports:
-        try:
-            document = json.loads(path.read_text(encoding="utf-8"))
-            jsonschema.validate(document, schema("report"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise InputError(f"{path}: not a JSON report ({err})") from None
-        except jsonschema.ValidationError as err:
-            raise InputError(f"{path}: not a graphopt report ({err.message})") from None
-        loaded.append((str(path), document))
+    loaded = [(str(path), load_report(path)) for path in reports]
     try:
         merged = merge_reports(loaded, __version__)
         kind = "check_optimized" if "check_optimized" in merged else "models"

@@ -7,6 +7,7 @@ the pool, the gate); this command parses, shows progress, renders and exits.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from graphopt.cli.app import (
+    Number,
     State,
     cli,
     emit,
@@ -35,10 +37,16 @@ from graphopt.cli.app import (
 from graphopt.cli.progress import PhaseLog, echo_logs, model_line
 from graphopt.errors import InputError, one_line
 from graphopt.numerics.options import CheckOptions
+from graphopt.report.pages import Pages
 
 if TYPE_CHECKING:
     from graphopt.report.model import FolderReport, GateReport
     from graphopt.runner import RunOptions
+
+
+_DIGITS = re.compile("[0-9]+")
+# Worker processes of a folder run: at most one per model, and this many in all.
+MAX_JOBS = 1024
 
 
 def _parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -46,7 +54,7 @@ def _parse_shard(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     index, sep, count = text.partition("/")
-    if not sep or not index.isdigit() or not count.isdigit():
+    if not sep or not _DIGITS.fullmatch(index) or not _DIGITS.fullmatch(count):
         raise InputError(f"--shard {text!r}: expected i/n with 1 <= i <= n, e.g. 2/4")
     return int(index), int(count)
 
@@ -71,11 +79,19 @@ def _parse_output(text: str | None) -> tuple[Path | None, bool]:
 @click.option(
     "--config", type=click.Path(path_type=Path), help="Pipeline config, TOML or JSON (schemas/pipeline.schema.json)."
 )
-@click.option("--max-steps", type=click.IntRange(min=1), help="Most iterations of each group (default 8).")
+@click.option(
+    "--max-steps", type=Number(whole=True, low=1, high=10**6), help="Most iterations of each group (default 8)."
+)
 @click.option(
     "--report", "report_path", type=click.Path(path_type=Path), help="Write the JSON report here ('-': stdout)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+@click.option("--html", type=click.Path(path_type=Path), help="Write the report as one self-contained HTML page here.")
+@click.option(
+    "--markdown",
+    type=click.Path(path_type=Path),
+    help="Write the report as Markdown here (a CI job summary; '-': stdout).",
+)
 @click.option("--check/--no-check", default=True, show_default=True, help="Compare outputs in onnxruntime.")
 @click.option("--keep-failed", is_flag=True, help="Write the output even when the check fails.")
 @click.option("--blame", is_flag=True, help="On a failed check, find the first pass that broke numerics.")
@@ -95,10 +111,10 @@ def _parse_output(text: str | None) -> tuple[Path | None, bool]:
 @click.option(
     "-j",
     "--jobs",
-    type=click.IntRange(min=1),
+    type=Number(whole=True, low=1, high=MAX_JOBS),
     default=1,
     show_default=True,
-    help="Worker processes for several models.",
+    help=f"Worker processes for several models (at most {MAX_JOBS}).",
 )
 @click.option("--shard", help="Process only shard i of n of the models (i/n, 1-based), for CI matrices.")
 @with_settings
@@ -112,6 +128,8 @@ def run(
     max_steps: int | None,
     report_path: Path | None,
     as_json: bool,
+    html: Path | None,
+    markdown: Path | None,
     check: bool,
     numerics: CheckOptions,
     keep_failed: bool,
@@ -134,6 +152,7 @@ def run(
       graphopt run model.onnx --dim batch=4 --dim seq=128 --blame
       graphopt run models/ -o optimized/ -j 2 --shard 1/4 --json > report.json
       graphopt run model.onnx --check-optimized        # CI gate: exit 1 if not optimized
+      graphopt run models/ -o out/ --html report.html --markdown - >> "$GITHUB_STEP_SUMMARY"
 
     The default pipeline is every pass that exists (see `graphopt passes`). A pass that
     fails is rolled back and reported; the run goes on (--strict makes it exit 3).
@@ -188,19 +207,21 @@ def run(
     sources = select_shard(collected.sources, selected)
     if report_path is not None:
         check_report_target(report_path, sources)
+    pages = Pages(html, markdown)
+    pages.check(sources, stdout_taken="--json" if as_json else None)
 
     if check_optimized:
         gate = GateReport(batch=not single, shard=shard, skipped=collected.skipped)
-        _gate(console, sources, options, gate, report_path, as_json)
+        _gate(console, sources, options, gate, report_path, as_json, pages)
     if single:
         if into_folder:
             assert target is not None
             options = replace(options, output=target / sources[0].name)
-        _single(console, sources[0], options, report_path, as_json)
+        _single(console, sources[0], options, report_path, as_json, pages)
     if sources and target is not None and not into_folder and target.suffix.lower() in (".onnx", ".json"):
         raise InputError(f"{target}: with several models, -o names a folder")
     head = FolderReport(shard=shard, skipped=collected.skipped)
-    _batch(console, models, collected.sources, sources, options, head, jobs, report_path, as_json)
+    _batch(console, models, collected.sources, sources, options, head, jobs, report_path, as_json, pages)
 
 
 def _gate(
@@ -210,6 +231,7 @@ def _gate(
     gate: GateReport,
     report_path: Path | None,
     as_json: bool,
+    pages: Pages,
 ) -> None:
     """--check-optimized: exit 1 if the pipeline would still change a model; writes nothing."""
     from graphopt.batch import check_optimized
@@ -220,13 +242,16 @@ def _gate(
         if row["optimized"]:  # the others get their error line below
             console.print(f"{escape(one_line(row['path']))}: [green]optimized[/green]")
     emit(report.to_json(), report_path, as_json)
+    pages.write(report.to_json())
     for line in map(failure_line, report.check_optimized):
         if line is not None:
             error_line(line)
     sys.exit(report.exit_code)
 
 
-def _single(console: Console, source: Path, options: RunOptions, report_path: Path | None, as_json: bool) -> None:
+def _single(
+    console: Console, source: Path, options: RunOptions, report_path: Path | None, as_json: bool, pages: Pages
+) -> None:
     from graphopt.report.console import render_report
     from graphopt.runner import optimize_file
 
@@ -235,6 +260,7 @@ def _single(console: Console, source: Path, options: RunOptions, report_path: Pa
         report, code = optimize_file(source, options, on_phase=phases)
     render_report(console, report)
     emit(report, None, as_json)  # the report file is committed with the model
+    pages.write(report)  # its views after it, as a folder run writes its report
     if options.strict and report["failures"]:
         fail(f"pass {report['failures'][0]['pass']!r} failed: {report['failures'][0]['error']}", 3)
     _say_not_checked(str(source), report, options.numerics.required)
@@ -264,6 +290,7 @@ def _batch(
     jobs: int,
     report_path: Path | None,
     as_json: bool,
+    pages: Pages,
 ) -> None:
     from graphopt.batch import Finished, run_models
     from graphopt.report.console import failure_line, render_batch
@@ -296,6 +323,7 @@ def _batch(
     if ran.report.models:
         render_batch(console, report)
     emit(report, report_path, as_json)
+    pages.write(report)
     for row in ran.report.models:
         line = failure_line(row)
         if line is not None:

@@ -39,9 +39,12 @@ def load(
     return _checked(model, str(path), opaque_ops)
 
 
-def from_onnx(proto: onnx.ModelProto, *, independent_dims: bool = False) -> Model:
+def from_onnx(
+    proto: onnx.ModelProto, *, independent_dims: bool = False, base_dir: str | os.PathLike[str] | None = None
+) -> Model:
     """The IR of an in-memory ModelProto (``onnx.load(...)``), checked as :func:`load` checks
-    a file; external data not loaded into it is looked up in the working folder."""
+    a file; external data not loaded into it is read from ``base_dir``, the folder of the
+    model file (InputError without it)."""
     import onnx
 
     from graphopt.io.onnx_io import from_proto
@@ -52,7 +55,8 @@ def from_onnx(proto: onnx.ModelProto, *, independent_dims: bool = False) -> Mode
     if not proto.HasField("graph") or proto.ir_version <= 0:
         raise InputError(f"{where}: not an ONNX model (no graph or no ir_version)")
     try:
-        model = from_proto(proto, independent_dims=independent_dims)
+        folder = Path(base_dir) if base_dir is not None else None
+        model = from_proto(proto, independent_dims=independent_dims, base_dir=folder)
     except (InputError, GraphError) as err:
         raise InputError(f"{where}: {err}") from None
     return _checked(model, where, "warn")

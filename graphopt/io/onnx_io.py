@@ -144,8 +144,9 @@ def from_proto(
     model_file: Path | None = None,
 ) -> ir.Model:
     """The IR of ``proto``; external data is read from ``base_dir`` (``model_file``, the
-    file the proto came from, holds the weights io/wire.py left inline)."""
-    reader = _Reader(base_dir or Path.cwd(), independent_dims, model_file)
+    file the proto came from, holds the weights io/wire.py left inline); a tensor stored
+    as external data is bad input without it."""
+    reader = _Reader(base_dir, independent_dims, model_file)
     graph = reader.graph(proto.graph, [])
     graph.topological()  # a cycle is bad input, found now rather than in a pass
     if reader.negative_dims:
@@ -167,7 +168,7 @@ def from_proto(
 
 
 class _Reader:
-    def __init__(self, base_dir: Path, independent_dims: bool, model_file: Path | None = None) -> None:
+    def __init__(self, base_dir: Path | None, independent_dims: bool, model_file: Path | None = None) -> None:
         self.base_dir = base_dir
         self.independent_dims = independent_dims
         self.model_file = model_file
@@ -243,6 +244,11 @@ class _Reader:
         location = info.get("location", "")
         if inline and self.model_file is not None and location == self.model_file.name:
             file = self.model_file  # weights io/wire.py left in the model file itself
+        elif self.base_dir is None:  # the working folder may hold a file of that name, not the model's
+            raise InputError(
+                f"{what} is stored as external data ({location!r}) and the model's folder is not known:"
+                " give base_dir (the folder of the model file), or load it with its external data"
+            )
         else:
             inline = False
             file = external_file(self.base_dir, location, f"{what}: external data file")

@@ -11,10 +11,19 @@ value lives from the node that makes it to the last node that reads it; graph ou
 end), with shapes from onnx's shape inference and the binding's dims. Values whose size the
 file does not tell (data-dependent shapes) count as nothing: the estimate is a floor, and
 :func:`confine` stops what it misses.
+
+The estimate cannot explode itself. onnx's data propagation (which finds the shapes that
+Shape, Concat and Gather compute for a Reshape) holds each element of every vector it follows
+as a dimension message, about 115 bytes, values known or not: Concat doublings of a 4 MiB
+constant took it to 3.6 GB. So shape inference runs without it first, and with it only when
+no vector of the model is longer than ``_PROPAGATED_ELEMENTS``; and in the check's process it
+may take at most ``INFERENCE_MEMORY`` more than the process holds, past which it fails and the
+declared shapes remain.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -33,6 +42,10 @@ DEFAULT_MEMORY_BUDGET = 8 * 10**9
 # Shape inference may need the values of small constants (a Reshape's shape); the rest of
 # the weights are hidden from it, so estimating never copies a model's weights.
 _KEPT_FOR_INFERENCE = 4096
+# Bytes onnx's shape inference may take beyond what the process holds, when the estimate is bounded.
+INFERENCE_MEMORY = 1 << 30
+# The longest vector (rank 0 or 1) with which data propagation runs: shape vectors are short.
+_PROPAGATED_ELEMENTS = 1 << 16
 
 Dim = int | str | None
 
@@ -95,10 +108,8 @@ def confine(budget: int) -> None:
     Linux only; elsewhere the estimate alone guards the budget."""
     import resource
 
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:"))
-    except (OSError, StopIteration, ValueError):
+    held = _held()
+    if held is None:
         return
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     wanted = held + budget + budget // 4
@@ -107,18 +118,52 @@ def confine(budget: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (wanted, hard))
 
 
-def footprint(path: Path) -> Footprint:
-    """The footprint of the model at ``path`` (its weights are not read)."""
+def _held() -> int | None:
+    """The private memory this process holds now (Linux), as RLIMIT_DATA counts it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _at_most(extra: int) -> Iterator[None]:
+    """Within the block, this process may take at most ``extra`` more bytes (and never more than
+    its limit before); the limit before is restored after it."""
+    import resource
+
+    held = _held()
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if held is None:
+        yield
+        return
+    wanted = held + extra
+    resource.setrlimit(resource.RLIMIT_DATA, (wanted if soft == resource.RLIM_INFINITY else min(soft, wanted), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def footprint(path: Path, *, bounded: bool = False) -> Footprint:
+    """The footprint of the model at ``path`` (its weights are not read); ``bounded``: shape
+    inference may take at most INFERENCE_MEMORY (in the check's process: it lowers the limit
+    of the whole process for a while)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
     constant_bytes = sum(_tensor_bytes(t) for t in _constants(model.graph))
-    for tensor in model.graph.initializer:
+    lifetimes = _lifetimes(model.graph)
+    for tensor in _constants(model.graph):
         if _tensor_bytes(tensor) > _KEPT_FOR_INFERENCE:
             _hide_data(tensor)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except Exception:  # onnx's inference raises on models it does not understand; declared shapes remain
+        with _at_most(INFERENCE_MEMORY) if bounded else contextlib.nullcontext():
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+            if _longest_vector(inferred.graph) <= _PROPAGATED_ELEMENTS:
+                inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:  # onnx's inference raises on models it does not understand (or out of memory)
         inferred = model
     graph = inferred.graph
     sizes = {}
@@ -126,6 +171,21 @@ def footprint(path: Path) -> Footprint:
         known = _size(value.type)
         if known is not None:
             sizes[value.name] = known
+    return Footprint(constant_bytes, sizes, lifetimes)
+
+
+def _longest_vector(graph: onnx.GraphProto) -> int:
+    """The most elements of a value of rank 0 or 1 whose length ``graph`` tells (0: none)."""
+    lengths = [math.prod(tensor.dims) for tensor in graph.initializer if len(tensor.dims) <= 1]
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        known = _size(value.type)
+        if known is not None and len(known[1]) <= 1 and all(isinstance(d, int) for d in known[1]):
+            lengths.append(math.prod(d for d in known[1] if isinstance(d, int)))
+    return max(lengths, default=0)
+
+
+def _lifetimes(graph: onnx.GraphProto) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """Per node of ``graph``: the values it makes, and those it is the last to read."""
     initialized = {t.name for t in graph.initializer}
     outputs = {v.name for v in graph.output}
     last_read: dict[str, int] = {}
@@ -142,7 +202,7 @@ def footprint(path: Path) -> Footprint:
             if last_read[name] == index and name not in initialized and name not in outputs
         )
         lifetimes.append((made, freed))
-    return Footprint(constant_bytes, sizes, tuple(lifetimes))
+    return tuple(lifetimes)
 
 
 def _reads(node: onnx.NodeProto) -> Iterator[str]:

@@ -21,14 +21,20 @@ at the first binding, and an output on which it disagrees with itself is not che
 Such an output never fails the check. Outcomes:
 
 - "not checked": onnxruntime cannot load the original, it fails at every binding tried, an
-  input has a type the check cannot generate, or time ran out before a comparison was made.
-  Never "passed".
+  input has a type the check cannot generate, time ran out before a comparison was made, or
+  nothing was compared (every output empty or NaN in both models). Never "passed".
 - "failed": the inputs or outputs of the two models differ in names or types, an output
   differs, or the optimized model cannot be loaded or run where the original could (a model
   that onnxruntime ran before optimizing and rejects after is a broken model, not an
   unverifiable one).
 - "passed": every output of every binding that ran met the criterion (outputs that are not
   checked are named in the reason).
+
+The check's time limit is ``timeout`` seconds (``--check-timeout``), or by default
+TIME_FACTOR times what the original's first run took (reading the models, loading the original
+and running it at the first binding), and at least FIRST_RUN_SECONDS, which is also what that
+first run may take. onnxruntime stops a run when time is up (RunOptions.terminate, which its
+Loop and Scan kernels also heed).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from typing import Any, Literal
 
 import numpy as np
 import onnxruntime as ort
+from google.protobuf.message import DecodeError
 
 from graphopt.errors import InputError, bounded
 from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET, footprint, gigabytes
@@ -65,15 +72,18 @@ from graphopt.numerics.inputs import (
     read_spec,
     run_cost,
 )
+from graphopt.numerics.options import FIRST_RUN_SECONDS, TIME_FACTOR, check_numbers
 
 __all__ = [
     "LARGEST_SECONDS",
     "LARGEST_STOP_SECONDS",
+    "TIMEOUT_REMEDY",
     "BindingResult",
     "CheckResult",
     "check_models",
     "json_ready",
     "session_options",
+    "seconds_text",
 ]
 
 Status = Literal["passed", "failed", "not checked"]
@@ -120,29 +130,51 @@ class _OrtError(Exception):
     """onnxruntime refused: the message is the first line of its error."""
 
 
-class _Deadline:
-    """The check's time budget; ``run`` aborts a session run through RunOptions.terminate."""
+TIMEOUT_REMEDY = "--check-timeout SECONDS gives the check more time"
 
-    def __init__(self, seconds: float | None) -> None:
-        self.end = None if seconds is None else time.monotonic() + seconds
+
+def seconds_text(seconds: float) -> str:
+    return f"{round(seconds, 1):g}"
+
+
+class _Deadline:
+    """The check's time limit from now (module docstring); ``run`` aborts a session run through
+    RunOptions.terminate, and ``on_change(end, seconds)`` is told of each limit set."""
+
+    def __init__(self, seconds: float | None, on_change: Callable[[float, float], None] | None) -> None:
+        self.start = time.monotonic()
+        self.on_change = on_change
+        self.proportional = seconds is None
+        self._limit(FIRST_RUN_SECONDS if seconds is None else seconds)
+
+    def _limit(self, seconds: float) -> None:
+        self.seconds, self.end = seconds, self.start + seconds
+        if self.on_change is not None:
+            self.on_change(self.end, seconds)
+
+    def first_run_done(self) -> None:
+        """The original has run once: a default limit becomes what that run took, TIME_FACTOR times."""
+        if self.proportional:
+            self.proportional = False
+            self._limit(max(FIRST_RUN_SECONDS, TIME_FACTOR * (time.monotonic() - self.start)))
+
+    def timed_out(self, doing: str) -> str:
+        return f"timed out after {seconds_text(self.seconds)} s {doing}"
 
     def expired(self) -> bool:
-        return self.end is not None and time.monotonic() >= self.end
+        return time.monotonic() >= self.end
 
     def within(self, seconds: float, share: float = 1.0) -> _Deadline:
         """A deadline ``seconds`` away, or at ``share`` of the time this one leaves if that comes first."""
-        remaining = seconds if self.end is None else min(seconds, share * (self.end - time.monotonic()))
-        return _Deadline(max(remaining, 0.0))
+        return _Deadline(max(min(seconds, share * (self.end - time.monotonic())), 0.0), None)
 
     def run(self, session: ort.InferenceSession, feeds: Mapping[str, Feed]) -> list[Output]:
         if self.expired():
             raise TimeoutError
         options = ort.RunOptions()
         options.log_severity_level = 4
-        timer = None
-        if self.end is not None:
-            timer = threading.Timer(max(0.0, self.end - time.monotonic()), lambda: setattr(options, "terminate", True))
-            timer.start()
+        timer = threading.Timer(max(0.0, self.end - time.monotonic()), lambda: setattr(options, "terminate", True))
+        timer.start()
         try:
             return [_as_numpy(out) for out in run_session(session, feeds, options)]
         except Exception as exc:
@@ -150,8 +182,7 @@ class _Deadline:
                 raise TimeoutError from None
             raise _OrtError(_first_line(exc)) from None
         finally:
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
 
 
 def _as_numpy(output: Any) -> Output:
@@ -243,6 +274,7 @@ def check_models(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     confine: bool = False,
     custom_op_libraries: Sequence[str | os.PathLike[str]] = (),
+    on_deadline: Callable[[float, float], None] | None = None,
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
 
@@ -254,7 +286,8 @@ def check_models(
         atol, rtol: switch to element-wise allclose (the other defaults to numpy's value).
         seed: the seed for the generated inputs.
         bindings: how many dim bindings to compare (each with its own data).
-        timeout: seconds for the whole check; a run in progress is aborted when they are up.
+        timeout: seconds for the whole check (None: proportional to the original's first run,
+            see the module docstring); a run in progress is aborted when they are up.
         threads: onnxruntime intra-op threads (1 keeps runs repeatable).
         refuse_other_inputs: two models whose inputs differ are bad input (comparing two
             arbitrary files), not a failed check (an optimization that changed the interface).
@@ -265,8 +298,11 @@ def check_models(
         memory_budget: bytes the check may use: a binding at which the original is estimated
             to need more (budget.py) is not run, and one that runs out of memory (MemoryError,
             or onnxruntime failing to allocate) is "not checked", never failed.
-        confine: limit this process's memory to ``memory_budget`` before onnxruntime starts
-            (budget.confine; for the check's child process, never the caller's).
+        confine: limit this process's memory to ``memory_budget`` before the estimate
+            (budget.confine; for the check's child process, never the caller's), and the
+            estimate's to less.
+        on_deadline: told ``(end, seconds)`` of each time limit set, ``end`` on the
+            time.monotonic clock (the parent of the check's process kills it past that).
         custom_op_libraries: shared libraries of onnxruntime custom ops, registered in every
             session (``--custom-op-library``).
 
@@ -277,12 +313,15 @@ def check_models(
     the check's outcome.
 
     Raises:
-        InputError: a file cannot be read, a custom-op library cannot be registered, the
-            .npz does not fit the model, ``dims`` names
-            a dim the model does not have, ``input_layouts`` names no input of the original or
-            gives no permutation of its axes, or (``refuse_other_inputs``) the inputs differ.
+        InputError: a tolerance or limit is out of its range (options.check_numbers), a file
+            cannot be read, a custom-op library cannot be registered, the .npz does not fit
+            the model, ``dims`` names a dim the model does not have, ``input_layouts`` names
+            no input of the original or gives no permutation of its axes, or
+            (``refuse_other_inputs``) the inputs differ.
     """
     started = time.perf_counter()
+    check_numbers(atol=atol, rtol=rtol, memory_budget=memory_budget, timeout=timeout)
+    deadline = _Deadline(timeout, on_deadline)
     criterion = Criterion.make(atol, rtol)
     criterion_dict: dict[str, Any] = {
         **criterion.as_dict(),
@@ -316,16 +355,17 @@ def check_models(
         if unsupported:
             return result("not checked", f"{unsupported}; pass --inputs data.npz")
         feeds, wanted = _generated(spec_a, dims or {}, seed, bindings), max(1, bindings)
-    deadline = _Deadline(timeout)
-    needs = footprint(original)
+    out_of_memory = f"ran out of the check's memory budget of {gigabytes(memory_budget)} (--check-memory GB)"
+    if confine:  # before the estimate, which counts against the budget too
+        limit_memory(memory_budget)
+    try:
+        needs = footprint(original, bounded=confine)
+    except (MemoryError, DecodeError):  # protobuf's parser says "Arena alloc failed"; read_spec read the file
+        return result("not checked", f"estimating what the original model needs {out_of_memory}")
     over_budget = f"exceeds the check's memory budget of {gigabytes(memory_budget)} (--check-memory GB)"
     if needs.load_bytes > memory_budget:
         load = f"loading the original model needs about {gigabytes(needs.load_bytes)} (its constants, twice)"
         return result("not checked", f"{load}, which {over_budget}")
-    if confine:
-        limit_memory(memory_budget)
-
-    out_of_memory = f"ran out of the check's memory budget of {gigabytes(memory_budget)} (--check-memory GB)"
     options = session_options(threads, custom_op_libraries)
     try:
         session = _session(original, options)
@@ -335,6 +375,8 @@ def check_models(
         return result("not checked", _unloadable(str(exc), bool(custom_op_libraries)))
     except MemoryError:
         return result("not checked", f"loading the original model {out_of_memory}")
+    # Outputs the model declares empty (a dim 0): their shape is all there is to compare.
+    empty = {o.name for o in session.get_outputs() if 0 in (o.shape or ())}
     ran: list[tuple[Binding, dict[str, Feed], list[Output]]] = []
     took: list[float] = []  # the original's CPU seconds at each binding of ``ran``
     largest: Binding | None = None
@@ -356,6 +398,7 @@ def check_models(
                 began = time.process_time()  # CPU time: what the run costs, whatever else the machine runs
                 expected = deadline.run(session, feed)
                 seconds = time.process_time() - began
+                deadline.first_run_done()
                 if not ran and spec_a.opaque:
                     again = deadline.run(session, feed)
                     unstable |= {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
@@ -366,7 +409,8 @@ def check_models(
                 attempts.append({"dims": binding.dims, "error": error})
                 skipped.append(f"the original model failed at {_dims_text(binding.dims)}: {error}")
             except TimeoutError:
-                skipped.append(f"timed out at {_dims_text(binding.dims)} after {timeout:g} s")
+                where = f" at {_dims_text(binding.dims)}" if binding.dims else ""
+                skipped.append(deadline.timed_out(f"running the original model{where}"))
                 break
             if len(ran) == wanted:
                 break
@@ -391,7 +435,7 @@ def check_models(
     del session
     if not ran:
         if not attempts:  # timed out before any binding ran
-            return result("not checked", "; ".join(skipped))
+            return result("not checked", "; ".join([*skipped, TIMEOUT_REMEDY]))
         return result("not checked", _unrunnable(attempts, spec_a, inputs is not None, dims or {}))
 
     try:
@@ -404,6 +448,7 @@ def check_models(
         return result("failed", f"onnxruntime cannot load the optimized model: {exc}")
     done: list[BindingResult] = []
     failure: str | None = None
+    compared = False  # an element that is not NaN in both models, in some output
     for binding, feed, expected in ran:
         if on_phase is not None:
             on_phase(f"check: the optimized model at {_dims_text(binding.dims)}")
@@ -427,6 +472,9 @@ def check_models(
             break
         passed = all(o.passed is not False for o in outputs)
         done.append(BindingResult(binding.dims, outputs, passed, binding.regimes))
+        compared = compared or any(
+            name in empty or _comparable(a, b) for name, a, b in zip(spec_a.outputs, expected, actual)
+        )
     del session
 
     notes = [f"output {name!r} {_nondeterministic(spec_a, name)}" for name in spec_a.outputs if name in unstable]
@@ -436,12 +484,16 @@ def check_models(
     if failure is not None:
         return result("failed", "; ".join([failure, *notes]), done)
     if not done:
-        return result("not checked", "; ".join([f"timed out after {timeout:g} s", *notes]), done)
+        timed_out = deadline.timed_out("running the optimized model")
+        return result("not checked", "; ".join([timed_out, TIMEOUT_REMEDY, *notes]), done)
     if not any(o.passed for b in done for o in b.outputs) and unstable:
         return result("not checked", "; ".join(notes), done)
-    compared = sum(1 for b in done if largest is None or b.dims is not largest.dims)
-    if compared < wanted:
-        notes.insert(0, f"{compared} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
+    if not compared:
+        nothing = "nothing was compared: every output is empty or NaN in both models (inputs with no rows or all NaN?)"
+        return result("not checked", "; ".join([nothing, *notes]), done)
+    regular = sum(1 for b in done if largest is None or b.dims is not largest.dims)
+    if regular < wanted:
+        notes.insert(0, f"{regular} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
     return result("passed", "; ".join(notes) or None, done)
 
 
@@ -540,6 +592,17 @@ def _unrunnable(attempts: list[dict[str, Any]], spec: ModelSpec, given: bool, fi
     tail = f" (and {len(errors) - 1} other errors)" if len(errors) > 1 else ""
     room = NOT_CHECKED_REASON_LIMIT - len(head) - len(tail) - len(remedy)
     return head + _clipped(errors[0], max(room, 40)) + tail + remedy
+
+
+def _comparable(a: Output, b: Output) -> bool:
+    """Whether ``a`` and ``b`` hold an element to compare, one not NaN in both: an empty output,
+    or one that is NaN wherever the other is, says nothing of the optimization. (Outputs that
+    differ in shape or length fail their comparison.)"""
+    if isinstance(a, list) or isinstance(b, list):
+        return not (isinstance(a, list) and isinstance(b, list)) or any(map(_comparable, a, b))
+    if a.size == 0 or a.shape != b.shape or a.dtype.kind not in "fc" or b.dtype.kind not in "fc":
+        return a.size != 0
+    return bool(np.any(~(np.isnan(a) & np.isnan(b))))
 
 
 def _identical(a: Output, b: Output) -> bool:

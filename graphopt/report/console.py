@@ -11,15 +11,20 @@ from rich.table import Table
 
 from graphopt.errors import bounded, one_line
 from graphopt.passes.pipeline import DEFAULT_MAX_STEPS
+from graphopt.report.views import not_fused, op_rows, rows
 
 __all__ = [
     "dims_text",
     "failure_line",
     "figure",
+    "file_bytes",
     "naming",
     "render_batch",
+    "render_diff",
+    "render_gate",
     "render_inspection",
     "render_numerics",
+    "render_ops",
     "render_passes",
     "render_report",
     "size",
@@ -63,14 +68,22 @@ def naming(path: str, message: str) -> str:
 
 
 def render_report(console: Console, report: dict[str, Any]) -> None:
+    """A model's run: the pass table (idle steps in one row, counts chained), then the totals,
+    the op histogram before -> after, what was not fused for the opset alone, the file sizes,
+    the numerics and the output written."""
     table = Table(title=escape(one_line(f"graphopt {report['input']['path']}")), title_justify="left")
     for column in ("pass", "nodes", "initializers", "time", "outcome"):
         table.add_column(column, justify="right" if column in ("nodes", "initializers", "time") else "left")
-    for label, runs in _by_step(report["passes"]).items():
-        seconds = sum(run["seconds"] for run in runs)
-        nodes, initializers = (_own_change(runs, key) for key in ("nodes", "initializers"))
-        shown = label + (f" x{len(runs)}" if len(runs) > 1 else "")
-        table.add_row(escape(shown), _arrow(nodes), _arrow(initializers), f"{seconds * 1000:.0f} ms", _outcome(runs))
+    for row in rows(report):
+        shown = escape(one_line(row.outcome))  # op types are the model's names: one line whatever they hold
+        if row.kind == "failed":
+            shown = f"[red]{shown}[/red]"
+        elif row.kind == "idle":
+            shown = shown.replace("no change", "[dim]no change[/dim]", 1)
+        if row.undone:
+            shown += f"; [red]{escape(row.undone)}, undone[/red]"
+        cells = (_arrow(list(row.nodes)), _arrow(list(row.initializers)), f"{row.seconds * 1000:.0f} ms")
+        table.add_row(escape(row.label), *cells, shown)
     console.print(table)
     before, after = report["summary"]["before"], report["summary"]["after"]
     console.print(
@@ -78,6 +91,12 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         f" initializers {before['initializers']} -> {after['initializers']},"
         f" weights {size(before['initializer_bytes'])} -> {size(after['initializer_bytes'])}"
     )
+    render_ops(console, before["ops"], after["ops"])
+    for group in not_fused(report):
+        console.print(escape(group.line()))
+    files = _file_sizes(report)
+    if files:
+        console.print(files)
     render_numerics(console, report.get("numerics", {}))
     if report.get("blame"):
         _render_blame(console, report["blame"])
@@ -85,73 +104,41 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         console.print(escape(one_line(f"wrote {report['output']['path']}")))
 
 
-def _own_change(runs: list[dict[str, Any]], key: str) -> list[int]:
-    """Before -> after of one figure over a step's executions, counting only what they changed
-    (the passes between two of them count for themselves)."""
-    before = runs[0][key][0]
-    return [before, before + sum(run[key][1] - run[key][0] for run in runs)]
+def render_ops(
+    console: Console,
+    before: dict[str, int],
+    after: dict[str, int],
+    *,
+    title: str = "ops",
+    sides: tuple[str, str] = ("before", "after"),
+) -> None:
+    """The op histograms side by side: a row per op type whose count moved, then the
+    unchanged ones in one line."""
+    counted = op_rows(before, after)
+    moved = [row for row in counted if row.change]
+    if moved:
+        table = Table(title=title, title_justify="left")
+        for column in ("op", *sides, "change"):
+            table.add_column(column, justify="left" if column == "op" else "right")
+        for row in moved:
+            table.add_row(escape(one_line(row.name)), str(row.before), str(row.after), f"{row.change:+d}")
+        console.print(table)
+    same = ", ".join(f"{row.name} {row.after}" for row in counted if not row.change)
+    if same:
+        console.print(escape(one_line(f"unchanged: {same}")))
 
 
-def _by_step(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The pass executions of a report by the pipeline step they ran, labelled
-    ``group/pass``; a group that occurs more than once is numbered: simplify (1), simplify (2)."""
-    labelled: list[tuple[str | None, int, dict[str, Any]]] = []  # (group, its occurrence, run)
-    occurrences: dict[str, int] = {}
-    seen: set[tuple[str, int]] = set()  # (pass, iteration) in the group's current occurrence
-    previous: dict[str, Any] | None = None
-    for run in runs:
-        group = run["group"]
-        if group is not None:
-            key = (run["pass"], run["iteration"])
-            if (
-                previous is None
-                or previous["group"] != group
-                or run["iteration"] < previous["iteration"]
-                or key in seen
-            ):
-                occurrences[group] = occurrences.get(group, 0) + 1  # the group starts again
-                seen = set()
-            seen.add(key)
-        labelled.append((group, occurrences.get(group, 0) if group else 0, run))
-        previous = run
-    grouped: dict[str, list[dict[str, Any]]] = {}
-    for group, occurrence, run in labelled:
-        label = run["pass"]
-        if group is not None:
-            label = f"{group} ({occurrence})/{label}" if occurrences[group] > 1 else f"{group}/{label}"
-        grouped.setdefault(label, []).append(run)
-    return grouped
+def _file_sizes(report: dict[str, Any]) -> str | None:
+    """The model file with its external data, before -> after (None before anything was written)."""
+    source, written = report.get("input") or {}, report.get("output") or {}
+    if "bytes" not in source or "bytes" not in written:
+        return None
+    return f"file {size(file_bytes(source))} -> {size(file_bytes(written))}"
 
 
-def _outcome(runs: list[dict[str, Any]]) -> str:
-    """What the executions of one pipeline step did, in one line: op changes, a failure, or
-    no change and, when the pass says, why; then the first part of it undone alone, if any."""
-    failed = [run for run in runs if "error" in run]
-    if failed:
-        return f"[red]failed, rolled back: {escape(failed[0]['error'])}[/red]"
-    undone = [f for run in runs for f in run.get("failures", [])]
-    also = f"; [red]{escape(undone[0]['error'])}, undone[/red]" if undone else ""
-    delta: dict[str, int] = {}
-    for run in runs:
-        for op, count in run["op_delta"].items():
-            delta[op] = delta.get(op, 0) + count
-    changes = ", ".join(f"{op} {d:+d}" for op, d in sorted(delta.items(), key=lambda kv: kv[1]) if d)
-    if any(run["changed"] for run in runs):
-        return escape(changes or "changed, no op count moved") + also
-    why = _why_unchanged(runs[-1]["details"])
-    return "[dim]no change[/dim]" + (escape(f": {why}") if why else "") + also
-
-
-def _why_unchanged(details: dict[str, Any]) -> str | None:
-    """A pass's own word on why it changed nothing: a ``reason``, or its ``refused`` list."""
-    if isinstance(details.get("reason"), str):
-        return str(details["reason"])
-    refused = details.get("refused")
-    if isinstance(refused, list) and refused:
-        reasons = dict.fromkeys(str(r.get("reason")) for r in refused if isinstance(r, dict) and r.get("reason"))
-        what = ", ".join(reasons) or "see the report"
-        return f"refused {len(refused)} candidate{'s' if len(refused) > 1 else ''}: {what}"
-    return None
+def file_bytes(entry: dict[str, Any]) -> int:
+    """A report's file entry in bytes: the model file and its external data."""
+    return int(entry["bytes"]) + int(entry.get("external_data", {}).get("bytes", 0))
 
 
 def render_numerics(console: Console, numerics: dict[str, Any], *, per_output: bool = False) -> None:
@@ -244,6 +231,15 @@ def render_batch(console: Console, report: dict[str, Any]) -> None:
     console.print(totals_line(report["totals"]))
 
 
+def render_gate(console: Console, report: dict[str, Any]) -> None:
+    """A --check-optimized report: each model's verdict, then the totals of a batch."""
+    for row in report["check_optimized"]:
+        line = failure_line(row)
+        console.print(escape(one_line(line)) if line else f"{escape(one_line(row['path']))}: [green]optimized[/green]")
+    if "totals" in report:
+        console.print(totals_line(report["totals"]))
+
+
 def totals_line(totals: dict[str, Any]) -> str:
     """A batch's or a merged report's totals in one line."""
     counts = f"{totals['models']} models, {totals['failures']} failures"
@@ -321,7 +317,48 @@ def render_inspection(console: Console, info: dict[str, Any]) -> None:
         f" and {info['constant_nodes']} Constant nodes" if info["constant_nodes"] else ""
     )
     console.print(f"parameters: {info['parameters']:,} ({size(info['parameter_bytes'])}) in {held}")
+    if info.get("file_bytes") is not None:
+        console.print(f"file: {size(info['file_bytes'])}")
     if info["subgraphs"]:
         console.print(f"subgraphs: {info['subgraphs']} (in {', '.join(sorted(set(info['subgraph_owners'])))})")
     if info["functions"]:
         console.print("functions: " + ", ".join(info["functions"]))
+
+
+def render_diff(console: Console, found: dict[str, Any]) -> None:
+    """Two models side by side (report/diff.py): what differs is shown ``a -> b``."""
+    console.print(escape(f"{found['a']} -> {found['b']}"), style="bold")
+    io_table = Table(title="inputs and outputs", title_justify="left")
+    for column in ("kind", "name", "a", "b"):
+        io_table.add_column(column)
+    for kind in ("inputs", "outputs"):
+        for entry in found[kind]:
+            same = entry["a"] == entry["b"]
+            b = "same" if same else (entry["b"] or "(none)")
+            cells = (entry["name"], entry["a"] or "(none)", b)
+            io_table.add_row(kind[:-1], *(escape(one_line(cell)) for cell in cells))
+    console.print(io_table)
+    nodes = found["nodes"]
+    ops = (
+        {row["op"]: row["a"] for row in found["ops"] if row["a"]},
+        {row["op"]: row["b"] for row in found["ops"] if row["b"]},
+    )
+    render_ops(console, *ops, title=f"ops ({_arrow(nodes)} nodes)", sides=("a", "b"))
+    if found["fused"]:
+        console.print(escape(one_line("more in b: " + ", ".join(f"{op} +{n}" for op, n in found["fused"].items()))))
+    console.print(
+        f"parameters {_pair(found['parameters'], '{:,}')}, initializers {_arrow(found['initializers'])},"
+        f" weights {_pair(found['parameter_bytes'], size)}, file {_pair(found['file_bytes'], size)}"
+    )
+    opsets = ", ".join(f"{domain or 'ai.onnx'} {_pair(pair, str)}" for domain, pair in found["opsets"].items())
+    console.print(f"opsets: {opsets}; ir_version {_arrow(found['ir_version'])}")
+    if found["producer"][0] != found["producer"][1]:
+        console.print(escape(f"producer: {found['producer'][0]!r} -> {found['producer'][1]!r}"))
+
+
+def _pair(pair: list[Any], shown: Any) -> str:
+    """``a -> b`` with each side formatted by ``shown`` (a callable or a format string); one
+    value when they agree, '(none)' for a side that has none."""
+    show = shown.format if isinstance(shown, str) else shown
+    a, b = ("(none)" if v is None else show(v) for v in pair)
+    return a if a == b else f"{a} -> {b}"

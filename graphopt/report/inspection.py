@@ -10,7 +10,9 @@ from graphopt.ir.stats import model_stats
 __all__ = ["inspect_model"]
 
 
-def inspect_model(model: Model, path: str) -> dict[str, Any]:
+def inspect_model(model: Model, path: str, file_bytes: int | None = None) -> dict[str, Any]:
+    """What `graphopt inspect` shows of ``model``, read from ``path``; ``file_bytes``, the
+    size of its files (the model's and its external data), when known."""
     stats = model_stats(model)
     graph = model.graph
     parameters = 0
@@ -48,6 +50,7 @@ def inspect_model(model: Model, path: str) -> dict[str, Any]:
         "parameters": parameters,
         "constant_nodes": len(constants),
         "parameter_bytes": stats.initializer_bytes,
+        "file_bytes": file_bytes,
         "subgraphs": len(owners),
         "subgraph_owners": owners,
         "functions": [f"{f.domain}.{f.name}" for f in model.functions],

@@ -1,9 +1,9 @@
 """The default pipeline stays linear in the graph's size (issue 40, "linear again").
 
 The noop sweep once sorted the whole graph for every match it tried: a 20,000-node Identity
-chain took 419 s, against about 1 s when each match is ordered by its own nodes. The bound
-below is generous for a linear pipeline on a loaded 2-core machine and out of reach of a
-quadratic one.
+chain took 419 s, against about 1.3 s when each match is ordered by its own nodes (the slowest
+shape here, the Transposed Conv chain, 5.5 s on a quiet 2-core machine; 21 s at a load average
+of 20). The bound is out of reach of a quadratic pass and left room for a loaded CI machine.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from graphopt.api import optimize
 
 SIZE = 20_000
-BOUND_SECONDS = 20.0
+BOUND_SECONDS = 60.0
 
 # The scale benchmark's own graph shapes (benchmarks/scale.py), so the test and the figures in
 # BENCHMARKS.md measure the same graphs.

@@ -255,7 +255,7 @@ class Rule:
     def gate(self, site: Site) -> str | None:
         """Why the rule cannot apply at ``site`` whatever matched (None: it can)."""
         if site.opset < self.min_opset:
-            return f"needs opset >= {self.min_opset} (the model has {site.opset}; see --target-opset)"
+            return f"needs opset >= {self.min_opset} (the model has {site.opset})"
         return None
 
     def retired(self, site: Site) -> bool:
@@ -300,6 +300,10 @@ class RunStats:
     applied: Counter[str] = field(default_factory=Counter)
     near_misses: dict[str, list[str]] = field(default_factory=dict)
     near_miss_counts: Counter[str] = field(default_factory=Counter)
+    # label -> (the lowest opset that lets one of its rules apply, the places it was refused
+    # at for the opset alone, each the names of a match's nodes; overlapping matches of two
+    # rules of one label are one place): what a newer --target-opset would fuse.
+    below_opset: dict[str, tuple[int, list[frozenset[str]]]] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
     # (rule, id of root) -> root for each failure: the rule is not tried there again this run
     # (the root is kept so that its id is not reused by a new node).
@@ -314,7 +318,13 @@ class RunStats:
     def failed_at(self, rule: Rule, root: Node) -> bool:
         return (rule.name, id(root)) in self._failed_at
 
-    def miss(self, rule: Rule, where: str, reason: str) -> None:
+    def miss(self, rule: Rule, where: str, reason: str, *, below_opset: frozenset[str] = frozenset()) -> None:
+        """Record a near miss; ``below_opset``, the nodes of a match refused for the opset alone."""
+        if below_opset:
+            opset, places = self.below_opset.get(rule.what, (rule.min_opset, []))
+            merged = below_opset.union(*(p for p in places if p & below_opset))
+            places = [p for p in places if not p & below_opset] + [merged]
+            self.below_opset[rule.what] = (min(opset, rule.min_opset), places)
         self.near_miss_counts[rule.family] += 1
         kept = self.near_misses.setdefault(rule.family, [])
         message = f"{rule.what} at {where}: {reason}"
@@ -325,6 +335,10 @@ class RunStats:
         return {
             "applied": dict(sorted(self.applied.items())),
             "near_misses": {f: {"count": self.near_miss_counts[f], "examples": m} for f, m in self.near_misses.items()},
+            "below_opset": {
+                what: {"opset": opset, "sites": len(places)}
+                for what, (opset, places) in sorted(self.below_opset.items())
+            },
         }
 
 
@@ -420,7 +434,7 @@ def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> l
     """The matches one round applies, in walk order (outputs backwards)."""
     covered: set[int] = set()
     chosen: list[Match] = []
-    misses: list[tuple[Node, Rule, str, str]] = []
+    misses: list[tuple[Node, Rule, str, str, frozenset[str]]] = []
     for node in reversed(graph.topological()):
         if id(node) in covered:
             continue
@@ -429,6 +443,7 @@ def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> l
             if rule.retired(site) or stats.failed_at(rule, node):
                 continue
             refusal: str | None = None
+            gated: frozenset[str] = frozenset()  # the first refused match's nodes, if the opset refused it
             for m in _candidates(rule, node, site):
                 if any(id(n) in covered for n in m.nodes):
                     continue
@@ -439,6 +454,8 @@ def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> l
                     refusal = None
                     break
                 if reason is not None:
+                    if refusal is None and site.opset < rule.min_opset:
+                        gated = frozenset(_where(n) for n in m.nodes)
                     refusal = refusal or reason
                     continue
                 if any(id(n) in covered for n in m.feeders):
@@ -449,13 +466,13 @@ def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> l
                 refusal = None
                 break
             if refusal is not None:
-                misses.append((node, rule, _where(node), refusal))
+                misses.append((node, rule, _where(node), refusal, gated))
         if best is not None:
             covered.update(id(n) for n in [*best[2].nodes, *best[2].feeders])
             chosen.append(best[2])
-    for node, rule, where, reason in misses:
+    for node, rule, where, reason, gated in misses:
         if id(node) not in covered:
-            stats.miss(rule, where, reason)
+            stats.miss(rule, where, reason, below_opset=gated)
     return chosen
 
 

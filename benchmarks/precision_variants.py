@@ -1,0 +1,247 @@
+"""Reduced-precision and quantized copies of the real PyTorch exports, and what graphopt does with them.
+
+    python benchmarks/precision_variants.py build   [--exports DIR] [--out VARIANTS] [--only NAME ...]
+    python benchmarks/precision_variants.py measure [--variants VARIANTS] [--only STEM ...] [--json-out PATH]
+
+``build`` makes, with onnxruntime's own tools (the ones deployment engineers use; never a
+dependency of graphopt), four variants of every export of DIR's index.json
+(../shared/exports/build.py):
+
+- ``fp16``: ``onnxruntime.transformers.float16.convert_float_to_float16(keep_io_types=True)``;
+- ``qdq``: ``onnxruntime.quantization.quantize_static`` in QDQ format, calibrated on four inputs
+  drawn as the index's first binding describes;
+- ``dyn8``: ``quantize_dynamic`` (MatMulInteger and DynamicQuantizeLinear);
+- ``int4``: ``MatMulNBitsQuantizer`` with blocks of 32.
+
+A variant the tool refuses is listed under "failed" with the tool's error. VARIANTS/index.json
+has build.py's format (each entry gains ``variant`` and ``reference``: the float32 export it was
+made from), so ``benchmarks/export_fusions.py --exports VARIANTS`` measures the variants too.
+
+``measure`` runs graphopt on every variant in the three configurations (default,
+``--target-opset 23``, ``--target ort``) with its numerics check, and compares independently at
+the index's bindings: the relative L2 distance of the variant's outputs to the float32 export's
+and of graphopt's output to the float32 export's; their ratio says whether graphopt moved the
+model away from what it approximates (1.0: no further than the variant itself is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from export_fusions import GRAPHOPT_CLI, ORT_OPS, STANDARD_OPS, TARGETS, op_counts
+from exports import EXPORTS, index_feeds
+from measure import node_count
+
+VARIANTS = Path.home() / ".cache/graphopt-exports-variants"
+KINDS = ("fp16", "qdq", "dyn8", "int4")
+CALIBRATION_DRAWS = 4
+TIMEOUT_S = 900.0
+
+
+class _Calibration:
+    """onnxruntime's CalibrationDataReader protocol over the index's first binding."""
+
+    def __init__(self, entry: dict[str, Any]) -> None:
+        self._feeds: Iterator[dict[str, np.ndarray]] = (
+            index_feeds(entry, 0, seed=seed) for seed in range(CALIBRATION_DRAWS)
+        )
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._feeds, None)
+
+
+def make_variant(kind: str, entry: dict[str, Any], src: Path, dst: Path) -> None:
+    """Write the ``kind`` variant of ``src`` to ``dst`` (raises what the tool raises)."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+    if kind == "fp16":
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+
+        onnx.save(convert_float_to_float16(onnx.load(str(src)), keep_io_types=True), str(dst))
+    elif kind == "qdq":
+        quantize_static(
+            str(src), str(dst), _Calibration(entry), quant_format=QuantFormat.QDQ, weight_type=QuantType.QInt8
+        )
+    elif kind == "dyn8":
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8)
+    elif kind == "int4":
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=32, is_symmetric=True)
+        quantizer.process()
+        quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)
+    else:
+        raise ValueError(f"unknown variant {kind!r}")
+
+
+def build(exports: Path, out: Path, only: list[str]) -> int:
+    index = json.loads((exports / "index.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    made: dict[str, Any] = {"versions": index.get("versions", {}), "models": [], "failed": []}
+    for entry in index["models"]:
+        src = exports / entry["file"]
+        if only and entry["name"] not in only and src.stem not in only:
+            continue
+        for kind in KINDS:
+            dst = out / f"{src.stem}_{kind}.onnx"
+            try:
+                make_variant(kind, entry, src, dst)
+            except Exception as err:  # the tool's refusal is the finding
+                error = f"{type(err).__name__}: {err}"
+                made["failed"].append({"name": entry["name"], "file": dst.name, "error": error})
+                print(f"{dst.name}: failed: {error[:200]}", flush=True)
+                continue
+            variant = {**entry, "file": dst.name, "variant": kind, "reference": str(src.resolve())}
+            variant["nodes"] = node_count(dst).total
+            variant["bytes"] = dst.stat().st_size
+            made["models"].append(variant)
+            print(f"{dst.name}: {variant['nodes']} nodes, {variant['bytes'] / 1e6:.1f} MB", flush=True)
+    (out / "index.json").write_text(json.dumps(made, indent=1))
+    print(f"{len(made['models'])} variants in {out}, {len(made['failed'])} refused by the tools")
+    return 0
+
+
+def _outputs(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in session.get_inputs()}
+    return [np.asarray(o, dtype=np.float64) for o in session.run(None, {k: v for k, v in feeds.items() if k in wanted})]
+
+
+def _rel_l2(found: list[np.ndarray], truth: list[np.ndarray]) -> float:
+    """The worst relative L2 distance over the outputs (finite positions only)."""
+    worst = 0.0
+    for a, b in zip(found, truth, strict=True):
+        both = np.isfinite(a) & np.isfinite(b)
+        scale = float(np.linalg.norm(b[both])) or 1.0
+        worst = max(worst, float(np.linalg.norm(a[both] - b[both])) / scale)
+    return worst
+
+
+def distances(entry: dict[str, Any], variant: Path, optimized: Path) -> dict[str, float]:
+    """The variant's and the optimized model's worst distance to the float32 export, over the bindings."""
+    reference = Path(entry["reference"])
+    found = {"variant": 0.0, "optimized": 0.0}
+    for binding in range(len(entry["feeds"])):
+        feeds = index_feeds(entry, binding)
+        truth = _outputs(reference, feeds)
+        found["variant"] = max(found["variant"], _rel_l2(_outputs(variant, feeds), truth))
+        found["optimized"] = max(found["optimized"], _rel_l2(_outputs(optimized, feeds), truth))
+    return found
+
+
+def run_graphopt(src: Path, out: Path, flags: list[str]) -> dict[str, Any]:
+    """graphopt's exit code and its check's verdict and criterion on ``src``."""
+    cmd = [str(GRAPHOPT_CLI), "run", str(src), "-o", str(out), "--json", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    found: dict[str, Any] = {"exit": done.returncode}
+    try:
+        numerics = json.loads(done.stdout).get("numerics") or {}
+    except json.JSONDecodeError:
+        found["error"] = (done.stderr.strip().splitlines() or [""])[-1]
+        return found
+    found["check"] = numerics.get("status")
+    criterion = numerics.get("criterion")
+    found["criterion"] = criterion.get("kind") if isinstance(criterion, dict) else criterion
+    if numerics.get("status") != "passed":
+        found["reason"] = numerics.get("reason")
+    return found
+
+
+def measure(variants: Path, only: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for entry in json.loads((variants / "index.json").read_text())["models"]:
+            src = variants / entry["file"]
+            if only and src.stem not in only and entry["name"] not in only:
+                continue
+            row: dict[str, Any] = {"model": src.stem, "variant": entry["variant"], "original": node_count(src).total}
+            for target, flags in TARGETS.items():
+                out = Path(tmp) / f"{src.stem}.{target}.onnx"
+                cell = run_graphopt(src, out, flags)
+                if out.is_file():
+                    cell["nodes"] = node_count(out).total
+                    counts = op_counts(out)
+                    cell["fused"] = {op: counts[op] for op in [*STANDARD_OPS, *ORT_OPS] if counts[op]}
+                    cell["distance"] = distances(entry, src, out)
+                    out.unlink()
+                row[target] = cell
+            print(_line(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _line(row: dict[str, Any]) -> str:
+    cells = []
+    for target in TARGETS:
+        cell = row[target]
+        dist = cell.get("distance")
+        ratio = f"{dist['optimized'] / dist['variant']:.3f}" if dist and dist["variant"] else "-"
+        fused = ",".join(f"{op}x{n}" for op, n in cell.get("fused", {}).items())
+        cells.append(
+            f"{target}: exit {cell['exit']} {cell.get('check')} ({cell.get('criterion')}) "
+            f"{row['original']}->{cell.get('nodes')} err-ratio {ratio} [{fused}]"
+        )
+    return f"{row['model']}: " + " | ".join(cells)
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Counts per variant kind: runs, exit 0 with the check passed, the worst error ratio."""
+    by_kind: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    worst: dict[str, float] = collections.defaultdict(float)
+    for row in rows:
+        for target in TARGETS:
+            cell = row[target]
+            by_kind[row["variant"]]["runs"] += 1
+            by_kind[row["variant"]]["passed"] += cell["exit"] == 0 and cell.get("check") == "passed"
+            dist = cell.get("distance")
+            if dist and dist["variant"]:
+                worst[row["variant"]] = max(worst[row["variant"]], dist["optimized"] / dist["variant"])
+    lines = ["| variant | runs | exit 0, check passed | worst error ratio to float32 |", "|---|---|---|---|"]
+    for kind, counts in sorted(by_kind.items()):
+        lines.append(f"| {kind} | {counts['runs']} | {counts['passed']} | {worst[kind]:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["build", "measure"])
+    parser.add_argument("--exports", type=Path, default=EXPORTS, help="the float32 exports with their index.json")
+    parser.add_argument("--variants", "--out", dest="variants", type=Path, default=VARIANTS, help="the variants folder")
+    parser.add_argument("--only", nargs="*", default=[], help="model names or file stems")
+    parser.add_argument("--json-out", type=Path, help="measure: also save the rows as JSON")
+    args = parser.parse_args(argv)
+    if args.action == "build":
+        if not (args.exports / "index.json").is_file():
+            print(f"no index.json in {args.exports}: build the exports first (../shared/exports/build.py, needs torch)")
+            return 2
+        return build(args.exports, args.variants, args.only)
+    if not (args.variants / "index.json").is_file():
+        print(f"no index.json in {args.variants}: run `precision_variants.py build` first")
+        return 2
+    rows = measure(args.variants, args.only)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(rows, indent=1))
+    print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -72,7 +72,7 @@ def test_an_audio_model_with_a_reflect_pad_of_64_is_checked_without_options(tmp_
     path = _save(tmp_path, "vad", _vad())
     result = invoke("check", path, path)
     assert result.exit_code == 0, result.stderr
-    assert diagnostics(result)[0] == "numerics: passed", result.stderr
+    assert diagnostics(result)[0].startswith("numerics: passed"), result.stderr
     checked = check_models(path, path)
     assert [b.dims["samples"] for b in checked.bindings] == [399, 511, 511]  # 384 + 16 - 1, 384 + 128 - 1
     assert checked.attempts == [] and checked.reason is None
@@ -313,7 +313,7 @@ def test_a_custom_op_model_is_checked_with_its_library_and_not_checked_without(t
     assert required.exit_code == 1 and "--custom-op-library PATH" in required.stderr
     assert not (tmp_path / "out.onnx").exists()
     checked = invoke("check", path, path, "--custom-op-library", library)
-    assert checked.exit_code == 0 and diagnostics(checked)[0] == "numerics: passed", checked.stderr
+    assert checked.exit_code == 0 and diagnostics(checked)[0].startswith("numerics: passed"), checked.stderr
     written = invoke("run", path, "-o", tmp_path / "out.onnx", "--require-check", "--custom-op-library", library)
     assert written.exit_code == 0, written.stderr
     assert (tmp_path / "out.onnx").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
 from typing import Any
 
@@ -152,6 +153,8 @@ def render_numerics(console: Console, numerics: dict[str, Any], *, per_output: b
     if reason and status != "passed":
         line += escape(f" ({reason})")
     bindings = numerics.get("bindings", [])
+    if status == "passed" and numerics.get("passed_by"):
+        line += escape(f" ({_passed_by(numerics['passed_by'], bindings)})")
     for number, binding in enumerate(bindings, 1):
         regimes = f"; {', '.join(binding['regimes'])}" if binding.get("regimes") else ""
         where = f"binding {number} ({dims_text(binding['dims'])}{regimes})"
@@ -159,6 +162,8 @@ def render_numerics(console: Console, numerics: dict[str, Any], *, per_output: b
             for output in binding["outputs"]:
                 figures = ", ".join(f"{label} {figure(output.get(key))}" for key, label in _FIGURES if key in output)
                 mark = "ok" if output["passed"] else (output.get("reason") or "differs")
+                if output["passed"] and output.get("criterion") == "own rounding":
+                    mark += f" ({_within(output)})"
                 line += escape(f"\n  {where} {output['name']}: {figures}: {mark}")
         else:
             worst = max((o["rel_l2"] for o in binding["outputs"] if o.get("rel_l2") is not None), default=0.0)
@@ -171,6 +176,25 @@ def render_numerics(console: Console, numerics: dict[str, Any], *, per_output: b
     if reason and status == "passed":
         line += escape(f"\n  note: {bounded(reason, _NOTE_LIMIT)}")
     console.print(line)
+
+
+def _passed_by(criterion: str, bindings: list[dict[str, Any]]) -> str:
+    """How a passed check passed: the criterion, and for the original's own rounding the figures
+    of the output nearest its bound."""
+    judged = [o for b in bindings for o in b["outputs"] if o["passed"] and o.get("criterion") == "own rounding"]
+    if criterion != "own rounding" or not judged:
+        return criterion
+    worst = max(judged, key=lambda o: o["rel_l2"] / o["bound"] if o["bound"] else 0.0)
+    return f"within the original's own rounding: {_within(worst)}"
+
+
+def _within(output: dict[str, Any]) -> str:
+    """``rel L2 1.5e-3 <= 3 x self-noise 9.1e-4``, or the bound's ceiling where it applied."""
+    rel_l2, bound, noise = (figure(output[key]) for key in ("rel_l2", "bound", "self_noise"))
+    factor = output["bound"] / output["self_noise"] if output["self_noise"] else 0.0
+    if factor and math.isclose(factor, round(factor)):
+        return f"rel L2 {rel_l2} <= {round(factor)} x self-noise {noise}"
+    return f"rel L2 {rel_l2} <= {bound}, the ceiling (self-noise {noise})"
 
 
 _NOTE_LIMIT = 240  # a note beside a passed check, onnxruntime's message about a binding it could not run

@@ -1,0 +1,191 @@
+"""The check judges a model by its own precision (issue 34, item 1).
+
+A right rewrite of a dynamic-int8 or float16 model moves its outputs past the fixed tolerance
+(a flipped quantization step, float16 rounding through sharp attention) yet no further than
+the original's own rounding moves them: it passes by that second criterion. Seeded wrong
+rewrites (a wrong scale, a dropped zero point, a swapped axis, one head's weights changed)
+fail on every precision variant, including the ones whose self-noise is largest. The fixtures
+are made with onnxruntime's own converters and quantizers (tests/precision_models.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+from rich.console import Console
+
+from graphopt.numerics import CheckResult, check_models
+from graphopt.numerics.compare import NOISE_CEILING, NOISE_FACTOR, Criterion, compare_output, rejudge
+from graphopt.numerics.noise import FEWEST, Perturbation, self_noise
+from graphopt.report.console import render_numerics
+from graphopt.schemas import schema
+from tests.cli_helpers import invoke
+from tests.precision_models import MISTAKES, SMALL, VARIANTS, Size, fused_norm, variant
+
+# Where the fixed tolerance refuses a right rewrite: enough activations (32 x 128 x 64 per
+# quantized MatMul) that moving their last bits flips quantization steps (dynamic int8), and
+# attention logits of std 36, through which float16 rounding moves the probabilities (float16).
+FLIPPING = Size(batch=32)
+SHARP = Size(sharpness=6.0)
+
+Saved = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Saved]:
+    """A variant written once per session: ``saved(name, mistake=None, size=SMALL, fused=False)``."""
+    folder = tmp_path_factory.mktemp("precision")
+    paths: dict[tuple[str, str | None, Size, bool], Path] = {}
+    logging.getLogger().setLevel(logging.ERROR)  # the quantizers advise pre-processing on every call
+
+    def save(name: str, mistake: str | None = None, size: Size = SMALL, fused: bool = False) -> Path:
+        key = (name, mistake, size, fused)
+        if key not in paths:
+            model = variant(name, mistake, size)
+            path = folder / f"{len(paths)}.onnx"
+            onnx.save(fused_norm(model) if fused else model, path)
+            paths[key] = path
+        return paths[key]
+
+    yield save
+
+
+def _numerics_json(result: CheckResult) -> dict:
+    data = result.as_dict()
+    report = schema("report")
+    jsonschema.validate(data, {"$schema": report["$schema"], "$defs": report["$defs"], "$ref": "#/$defs/numerics"})
+    loaded: dict = json.loads(json.dumps(data, allow_nan=False))
+    return loaded
+
+
+@pytest.mark.parametrize(("name", "size"), [("dynamic int8", FLIPPING), ("float16", SHARP)])
+def test_a_right_rewrite_within_the_originals_rounding_passes(saved: Saved, name: str, size: Size) -> None:
+    result = check_models(saved(name, size=size), saved(name, size=size, fused=True))
+    assert result.status == "passed", result.reason
+    assert result.passed_by == "own rounding"
+    # The fixed tolerance refuses it at a binding, the original's own rounding explains it.
+    second = [o for b in result.bindings for o in b.outputs if o.criterion == "own rounding"]
+    assert second
+    for output in second:
+        assert output.limits is not None and output.rel_l2 > output.limits["rel_l2_max"]
+        assert output.self_noise is not None and output.bound is not None
+        assert output.rel_l2 <= output.bound == min(NOISE_FACTOR * output.self_noise, NOISE_CEILING)
+    data = _numerics_json(result)
+    assert data["passed_by"] == "own rounding"
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_seeded_wrong_rewrite_fails_on_every_variant(saved: Saved, name: str, mistake: str) -> None:
+    result = check_models(saved(name), saved(name, mistake))
+    assert result.status == "failed"
+    assert all(not binding.passed for binding in result.bindings)
+    for output in (o for b in result.bindings for o in b.outputs):
+        assert output.passed is False and output.criterion is None
+        assert output.bound is None or output.rel_l2 > output.bound
+
+
+@pytest.mark.parametrize(("name", "size"), [("dynamic int8", FLIPPING), ("float16", SHARP)])
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_wrong_rewrites_fail_where_the_self_noise_is_largest(saved: Saved, name: str, size: Size, mistake: str) -> None:
+    result = check_models(saved(name, size=size), saved(name, mistake, size))
+    assert result.status == "failed"
+    assert all(not binding.passed for binding in result.bindings)
+    assert all(o.self_noise is not None and o.rel_l2 > (o.bound or 0) for b in result.bindings for o in b.outputs)
+
+
+def test_a_float32_model_passes_by_the_fixed_tolerance_without_extra_runs(saved: Saved) -> None:
+    result = check_models(saved("float32"), saved("float32", fused=True))
+    assert result.status == "passed" and result.passed_by == "fixed tolerance"
+    assert all(o.criterion == "fixed tolerance" and o.self_noise is None for b in result.bindings for o in b.outputs)
+
+
+def test_the_bound_never_exceeds_the_ceiling() -> None:
+    a = np.ones(1000, np.float32)
+    result = compare_output("y", a, a * np.float32(1.04), Criterion(), "float32")
+    assert result.passed is False
+    rejudge(result, noise=10.0, draws=6)  # an original that is all noise
+    assert result.passed is False and result.bound == NOISE_CEILING
+    assert "beyond the original's own rounding" in (result.reason or "") and "the ceiling" in (result.reason or "")
+
+
+def test_draws_that_change_shape_or_gain_nan_measure_nothing() -> None:
+    original = np.linspace(1, 2, 64, dtype=np.float32)
+    nan = original.copy()
+    nan[3] = np.nan
+    usable = [original * np.float32(1 + 1e-3)] * (FEWEST - 1)
+    assert self_noise(original, [*usable, nan, original[:10]]) == (None, FEWEST - 1)
+    noise, draws = self_noise(original, [*usable, original])
+    assert draws == FEWEST and noise == pytest.approx(1e-3 * np.sqrt((FEWEST - 1) / FEWEST), rel=1e-3)
+
+
+def test_masks_scalars_and_integers_are_not_perturbed(tmp_path: Path) -> None:
+    perturbation = Perturbation("float16")
+    rng = np.random.default_rng(0)
+    feed = {
+        "mask": np.ones((2, 8), np.float32),
+        "ids": np.arange(16, dtype=np.int64),
+        "x": np.linspace(1, 2, 64, dtype=np.float32),
+        # An additive mask at float16's minimum: half an ulp more is -inf.
+        "additive_mask": np.where(np.arange(64) % 2, np.float16(-65504), np.float16(0.5)).astype(np.float16),
+    }
+    moved = perturbation.feed(feed, rng)
+    assert all(moved[name] is feed[name] for name in ("mask", "ids", "additive_mask"))
+    change = np.abs(moved["x"] / feed["x"] - 1)
+    assert 0 < change.max() <= 2.0**-11 * 1.001  # half an eps of float16, no more
+    weights = variant("float32")
+    path = tmp_path / "m.onnx"
+    onnx.save(weights, path)
+    chosen = Perturbation.of(path, "float32", room=1 << 30).initializers
+    assert "l0.wq" in chosen and "l0.gamma" in chosen
+    assert not {"eps", "l0.scale", "heads_shape", "hidden_shape"} & set(chosen)  # scalars and shapes
+
+
+def test_cli_check_and_run_say_the_criterion(saved: Saved, tmp_path: Path) -> None:
+    original, rewritten = saved("dynamic int8", size=FLIPPING), saved("dynamic int8", size=FLIPPING, fused=True)
+    result = invoke("check", original, rewritten, "--json")
+    assert result.exit_code == 0, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("numerics: ")]
+    assert line.startswith("numerics: passed (within the original's own rounding: rel L2 ")
+    assert f"<= {NOISE_FACTOR:g} x self-noise " in line
+    assert "ok (rel L2" in result.stderr  # the outputs that needed it, with their figures
+    outcome = json.loads(result.stdout)
+    assert outcome["passed_by"] == "own rounding"
+    judged = [o for b in outcome["bindings"] for o in b["outputs"] if o["criterion"] == "own rounding"]
+    assert judged and all(o["rel_l2"] <= o["bound"] and o["self_noise"] > 0 for o in judged)
+
+    wrong = invoke("check", original, saved("dynamic int8", "swapped axis", FLIPPING))
+    assert wrong.exit_code == 1
+    assert "beyond the original's own rounding: rel L2 " in wrong.stderr
+
+    report = tmp_path / "report.json"
+    ran = invoke("run", saved("float32"), "-o", tmp_path / "out.onnx", "--report", report)
+    assert ran.exit_code == 0, ran.stderr
+    assert "numerics: passed (fixed tolerance)" in ran.stderr
+    numerics = json.loads(report.read_text())["numerics"]
+    assert numerics["passed_by"] == "fixed tolerance"
+    assert {o["criterion"] for b in numerics["bindings"] for o in b["outputs"]} == {"fixed tolerance"}
+
+
+def test_the_console_names_the_ceiling_where_it_bounded() -> None:
+    output = {"name": "y", "passed": True, "rel_l2": 0.02, "criterion": "own rounding", "self_noise": 0.012}
+    numerics = {
+        "status": "passed",
+        "passed_by": "own rounding",
+        "bindings": [{"dims": {}, "outputs": [output | {"bound": NOISE_CEILING}]}],
+    }
+    console = Console(file=io.StringIO(), width=300)
+    render_numerics(console, numerics)
+    first = console.file.getvalue().splitlines()[0]  # type: ignore[attr-defined]
+    assert (
+        first
+        == "numerics: passed (within the original's own rounding: rel L2 0.02 <= 0.03, the ceiling (self-noise 0.012))"
+    )

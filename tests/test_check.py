@@ -75,7 +75,8 @@ def test_identical_models_pass(tmp_path: Path) -> None:
     b = _save(tmp_path, "b", _linear(_weight()))
     result = check_models(a, b)
     assert result.status == "passed", result.reason
-    assert len(result.bindings) == 2
+    assert len(result.bindings) == 3  # the two asked for, then the largest (batch 5)
+    assert result.bindings[2].dims == {"batch": 5} and result.bindings[2].regimes[0] == "largest sizes"
     assert all(o.rel_l2 == 0.0 and o.cosine == pytest.approx(1.0) for bd in result.bindings for o in bd.outputs)
 
 
@@ -199,27 +200,41 @@ def test_dynamic_dims_bound_by_name_at_two_bindings(tmp_path: Path) -> None:
     assert [bd.dims for bd in result.bindings] == [
         {"batch": 3, "seq": 16, "height": 224, "width": 224},
         {"batch": 1, "seq": 128, "height": 192, "width": 320},
+        {"batch": 5, "seq": 128, "height": 448, "width": 512},
     ]
     fixed = check_models(path, path, dims={"batch": 4})
-    assert [bd.dims["batch"] for bd in fixed.bindings] == [4, 4]
+    assert [bd.dims["batch"] for bd in fixed.bindings] == [4, 4, 4]
     assert fixed.bindings[0].dims["seq"] != fixed.bindings[1].dims["seq"]
     with pytest.raises(InputError, match="batchsize"):
         check_models(path, path, dims={"batchsize": 4})
 
 
+def _reshape_by_3(hidden: bool) -> onnx.ModelProto:
+    """Reshape to [-1, 3]: the dim must be a multiple of 3; ``hidden``: the target comes out of
+    a Max, whose values the check does not follow."""
+    nodes = [helper.make_node("Reshape", ["x", "target" if hidden else "shape"], ["y"])]
+    if hidden:
+        nodes.insert(0, helper.make_node("Max", ["shape", "shape"], ["target"]))
+    return _model(nodes, [("x", FLOAT, ["items"])], [("y", FLOAT, [None, 3])], {"shape": np.array([-1, 3], np.int64)})
+
+
 def test_binding_rejected_by_the_original_is_replaced(tmp_path: Path) -> None:
-    # Reshape to [-1, 3] needs the dim to be a multiple of 3: 16 fails, 24 runs, then the fallback 3.
-    model = _model(
-        [helper.make_node("Reshape", ["x", "shape"], ["y"])],
-        [("x", FLOAT, ["items"])],
-        [("y", FLOAT, [None, 3])],
-        {"shape": np.array([-1, 3], np.int64)},
-    )
-    path = _save(tmp_path, "m", model)
+    # 16 fails, 24 runs, then the fallback 3 (the largest binding's 32 fails: a note).
+    path = _save(tmp_path, "m", _reshape_by_3(hidden=True))
     result = check_models(path, path)
     assert result.status == "passed"
     assert [bd.dims for bd in result.bindings] == [{"items": 24}, {"items": 3}]
     assert result.reason is not None and "{items=16}" in result.reason
+    assert "the original model failed: Reshape node" in result.reason
+    assert "at the largest binding {items=32}" in result.reason
+
+
+def test_the_factor_a_reshape_target_bakes_in_is_read(tmp_path: Path) -> None:
+    # The same Reshape with its target stored: every binding a multiple of 3 (before: 16 failed).
+    path = _save(tmp_path, "m", _reshape_by_3(hidden=False))
+    result = check_models(path, path)
+    assert result.status == "passed" and result.reason is None, result.reason
+    assert [bd.dims for bd in result.bindings] == [{"items": 18}, {"items": 24}, {"items": 33}]
 
 
 def test_two_names_for_one_dim_get_one_value(tmp_path: Path) -> None:
@@ -235,6 +250,7 @@ def test_two_names_for_one_dim_get_one_value(tmp_path: Path) -> None:
     assert [bd.dims for bd in result.bindings] == [
         {"batch": 3, "seq": 16, "seq_mask": 16},
         {"batch": 1, "seq": 128, "seq_mask": 128},
+        {"batch": 5, "seq": 128, "seq_mask": 128},
     ]
     assert result.reason is None
 
@@ -248,7 +264,11 @@ def test_unnamed_dims_share_a_value(tmp_path: Path) -> None:
     path = _save(tmp_path, "m", model)
     result = check_models(path, path)
     assert result.status == "passed", result.reason
-    assert [bd.dims for bd in result.bindings] == [{"a[0]": 3, "b[0]": 3}, {"a[0]": 1, "b[0]": 1}]
+    assert [bd.dims for bd in result.bindings] == [
+        {"a[0]": 3, "b[0]": 3},
+        {"a[0]": 1, "b[0]": 1},
+        {"a[0]": 5, "b[0]": 5},
+    ]
 
 
 def test_npz_inputs_are_used_as_given(tmp_path: Path) -> None:
@@ -345,7 +365,11 @@ def test_bert_small_against_itself(corpus_dir: Path) -> None:
     result = check_models(path, path)
     seconds = time.perf_counter() - started
     assert result.status == "passed", result.reason
-    assert len(result.bindings) == 2
+    assert len(result.bindings) == 2  # the largest (batch 5 at the 512 positions) would take over 0.5 s
+    assert result.reason == (
+        "the largest binding {batch=5, sequence=512} not run: "
+        "the original's runs at the smaller ones predict over 0.5 s"
+    )
     assert result.bindings[0].dims != result.bindings[1].dims
     assert {o.name for o in result.bindings[0].outputs} == {"last_hidden_state", "pooler_output"}
     assert seconds < 30, f"bert_small check took {seconds:.1f} s"

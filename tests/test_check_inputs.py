@@ -135,6 +135,7 @@ def test_a_detector_neck_runs_at_sizes_every_stride_divides(tmp_path: Path) -> N
     assert [b.dims for b in result.bindings] == [
         {"images[0]": 3, "height": 224, "width": 224},
         {"images[0]": 1, "height": 192, "width": 320},
+        {"images[0]": 5, "height": 448, "width": 512},
     ]
     assert result.bindings[1].regimes == ["images 192 x 320", "floats at scale 10"]
 
@@ -171,7 +172,9 @@ def test_a_kv_cache_decoder_runs_with_past_plus_sequence_equal_to_total(tmp_path
     assert result.status == "passed" and result.reason is None, result.reason
     for binding in result.bindings:
         assert binding.dims[mask_dim] == binding.dims["past_sequence"] + binding.dims["sequence"]
-    assert [b.dims[mask_dim] for b in result.bindings] == [24, 128]
+    # The largest binding: a batch of 5, a prompt of 64 after a cache of 64.
+    assert [b.dims[mask_dim] for b in result.bindings] == [24, 128, 128]
+    assert [result.bindings[2].dims[k] for k in ("batch", "sequence")] == [5, 64]
     spec = read_spec(path)
     binding = bind_dims(spec, 0, {})
     positions = make_inputs(spec, binding, np.random.default_rng(0))["position_ids"]
@@ -212,7 +215,7 @@ def test_a_vad_model_with_unnamed_dims_runs_and_every_dim_is_addressable(tmp_pat
     assert result.status == "passed" and result.reason is None, result.reason
     assert result.bindings[0].dims["state[1]"] == result.bindings[0].dims["input[0]"]
     fixed = check_models(path, path, dims={"input[1]": 512})
-    assert [b.dims["input[1]"] for b in fixed.bindings] == [512, 512]
+    assert [b.dims["input[1]"] for b in fixed.bindings] == [512, 512, 512]
     with pytest.raises(InputError, match=r"it has: input\[0\], input\[1\], state\[1\]"):
         check_models(path, path, dims={"samples": 4})
     cli = invoke("check", path, path, "--dim", "input[1]=512", "--json")
@@ -293,7 +296,7 @@ def test_every_small_element_type_is_generated_and_compared(tmp_path: Path, type
     path = _save(tmp_path, "m", _cast_model(elem_type, opset, returned, 1.0))
     result = check_models(path, path)
     assert result.status == "passed" and result.reason is None, result.reason
-    assert len(result.bindings) == 2
+    assert len(result.bindings) == 3
     changed = _save(tmp_path, "c", _cast_model(elem_type, opset, returned, -1.0))
     assert check_models(path, changed).status == "failed"
 
@@ -439,7 +442,7 @@ def test_the_long_sequence_stops_at_the_limit_the_metadata_names(tmp_path: Path)
     path = _save(tmp_path, "m", model)
     result = check_models(path, path)
     assert result.status == "passed" and result.reason is None, result.reason
-    assert [b.dims["total_sequence"] for b in result.bindings] == [24, 64]
+    assert [b.dims["total_sequence"] for b in result.bindings] == [24, 64, 64]
     assert result.bindings[1].regimes[0] == "long sequence 64: a cache of 63 + 1 new"
 
 

@@ -137,11 +137,13 @@ def test_a_run_logs_each_phase_as_it_starts(tmp_path: Path) -> None:
     assert phases[0] == f"load {tmp_path / 'm.onnx'}"
     assert phases[1:3] == ["pass cleanup/noop (round 1)", "pass cleanup/dce (round 1)"]
     assert phases.index("pass fold") < phases.index(f"save {tmp_path / 'out.onnx'}") < phases.index("check numerics")
-    assert phases[-4:] == [
+    assert phases[-6:] == [
         "check: the original at {batch=3}",
         "check: the original at {batch=1}",
+        "check: the original at {batch=5}",  # the largest binding
         "check: the optimized model at {batch=3}",
         "check: the optimized model at {batch=1}",
+        "check: the optimized model at {batch=5}",
     ]
     assert result.stderr.index("check: the optimized model") < result.stderr.index("┃ pass")  # then the table
 
@@ -224,7 +226,8 @@ def test_check_prints_figures_as_run_does_and_labels_each_binding(tmp_path: Path
     assert result.exit_code == 0, result.stderr
     assert "{'" not in result.stderr and not re.search(r"\d\.\d{7,}", result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.startswith("  binding")]
-    assert len(lines) == 2 and lines[0].startswith("  binding 1 (batch=") and lines[1].startswith("  binding 2 (batch=")
+    assert [line[:19] for line in lines] == ["  binding 1 (batch=", "  binding 2 (batch=", "  binding 3 (batch="]
+    assert lines[2].startswith("  binding 3 (batch=5; largest sizes, ")
     assert re.search(r"rel L2 \d\.\d\de-0\d", lines[0])
     run = invoke("run", a, "-o", tmp_path / "out.onnx")
     assert "{'" not in run.stderr and "  binding 1 (batch=" in run.stderr

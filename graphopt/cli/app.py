@@ -294,6 +294,7 @@ def with_check_options(func: F) -> F:
             memory_budget=None if memory is None else int(memory * 1e9),
             timeout=kwargs.pop("check_timeout"),
             required=kwargs.pop("require_check"),
+            custom_op_libraries=tuple(kwargs.pop("custom_op_libraries")),
         )
         return func(*args, numerics=numerics, **kwargs)
 
@@ -329,6 +330,14 @@ def with_check_options(func: F) -> F:
             metavar="SECONDS",
             help=f"Seconds the check may take (default: {TIME_FACTOR} times the original model's first run, at least"
             f" {FIRST_RUN_SECONDS:g}, which is also what that first run may take); past it, 'not checked'.",
+        ),
+        click.option(
+            "--custom-op-library",
+            "custom_op_libraries",
+            multiple=True,
+            type=click.Path(path_type=Path, exists=True, dir_okay=False),
+            metavar="PATH",
+            help="Register this onnxruntime custom-op library in the check's sessions (repeatable).",
         ),
     ]
     for option in reversed(options):

@@ -32,7 +32,8 @@ def check(
     own rounding noise (measured by running the original with its floats moved by half an ulp;
     at most 3e-2): float16 and quantized models are judged by their own precision.
     --atol/--rtol switch to element-wise allclose (see the README).
-    Dynamic dims are checked at two different bindings. Exit 1 when they differ, 2 when
+    Dynamic dims are checked at two different bindings, then at the largest sizes where that
+    is cheap (sized to what the model's first ops accept). Exit 1 when they differ, 2 when
     their inputs differ (they cannot be compared); outputs onnxruntime cannot compute, or
     on which the original disagrees with itself, are "not checked" with a warning (exit 0;
     exit 1 with --require-check).
@@ -41,6 +42,7 @@ def check(
     Examples:
       graphopt check model.onnx model.opt.onnx
       graphopt check a.onnx b.onnx --dim batch=2 --atol 1e-5 --rtol 1e-4
+      graphopt check a.onnx b.onnx --custom-op-library libcustom_ops.so
     """
     import tempfile
 

@@ -1,7 +1,9 @@
 """Prove with onnxruntime that an optimized model computes what the original did.
 
 Both files are run by onnxruntime's CPU provider on the same seeded inputs at two or more
-bindings of the dynamic dims (see inputs.py), and every output is compared (see compare.py).
+bindings of the dynamic dims (see inputs.py), then at the largest binding where the
+original's runs so far predict it is cheap enough, and every output is compared (see
+compare.py). Custom-op libraries the user names are registered in every session.
 
 onnxruntime runs both models with its graph optimizations off (ORT_DISABLE_ALL): the original
 is then evaluated op by op as written, and a difference can only come from graphopt's rewrite,
@@ -72,20 +74,26 @@ from graphopt.numerics.inputs import (
     bind_dims,
     candidate_count,
     dim_keys,
+    input_elements,
+    largest_binding,
     load_npz,
     make_inputs,
     read_spec,
+    run_cost,
 )
 from graphopt.numerics.noise import DRAWS, Perturbation, self_noise
 from graphopt.numerics.options import FIRST_RUN_SECONDS, TIME_FACTOR, check_numbers
 from graphopt.numerics.paths import lowest
 
 __all__ = [
+    "LARGEST_SECONDS",
+    "LARGEST_STOP_SECONDS",
     "TIMEOUT_REMEDY",
     "BindingResult",
     "CheckResult",
     "check_models",
     "json_ready",
+    "session_options",
     "seconds_text",
 ]
 
@@ -170,6 +178,10 @@ class _Deadline:
     def expired(self) -> bool:
         return time.monotonic() >= self.end
 
+    def within(self, seconds: float, share: float = 1.0) -> _Deadline:
+        """A deadline ``seconds`` away, or at ``share`` of the time this one leaves if that comes first."""
+        return _Deadline(max(min(seconds, share * (self.end - time.monotonic())), 0.0), None)
+
     def run(self, session: ort.InferenceSession, feeds: Mapping[str, Feed]) -> list[Output]:
         if self.expired():
             raise TimeoutError
@@ -223,9 +235,18 @@ def condensed(message: str) -> str:
     return message.strip()
 
 
-def _session(path: Path, threads: int, overrides: Mapping[str, ort.OrtValue] | None = None) -> ort.InferenceSession:
-    """A session of the model at ``path``; ``overrides`` replace initializers by name (noise.py)
-    and must outlive the session, which reads their memory."""
+def session_options(
+    threads: int,
+    libraries: Sequence[str | os.PathLike[str]] = (),
+    overrides: Mapping[str, ort.OrtValue] | None = None,
+) -> ort.SessionOptions:
+    """The options of every session the check creates: the model as written, repeatably, with
+    the custom-op libraries the user gave (``--custom-op-library``) registered; ``overrides``
+    replace initializers by name (noise.py) and must outlive the session, which reads their memory.
+
+    Raises:
+        InputError: onnxruntime cannot register a library.
+    """
     options = ort.SessionOptions()
     for name, value in (overrides or {}).items():
         options.add_initializer(name, value)
@@ -235,6 +256,16 @@ def _session(path: Path, threads: int, overrides: Mapping[str, ort.OrtValue] | N
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     # Fatal only: a failing run is reported in the result, onnxruntime need not print it too.
     options.log_severity_level = 4
+    for library in libraries:
+        try:
+            options.register_custom_ops_library(str(library))
+        except Exception as exc:
+            why = _first_line(exc)
+            raise InputError(f"--custom-op-library {library}: onnxruntime cannot register it: {why}") from None
+    return options
+
+
+def _session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
     try:
         # A path, not bytes: external data then loads from beside the file.
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -263,6 +294,7 @@ def check_models(
     on_phase: Callable[[str], None] | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     confine: bool = False,
+    custom_op_libraries: Sequence[str | os.PathLike[str]] = (),
     on_deadline: Callable[[float, float], None] | None = None,
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
@@ -292,12 +324,21 @@ def check_models(
             estimate's to less.
         on_deadline: told ``(end, seconds)`` of each time limit set, ``end`` on the
             time.monotonic clock (the parent of the check's process kills it past that).
+        custom_op_libraries: shared libraries of onnxruntime custom ops, registered in every
+            session (``--custom-op-library``).
+
+    Generated inputs are also compared at the largest binding (inputs.largest_binding),
+    unless the original's runs at the smaller ones predict it would take over
+    LARGEST_SECONDS there: then it is skipped with a note. Each model's run there stops
+    after LARGEST_STOP_SECONDS; a timeout or a failure of the original there is a note, never
+    the check's outcome.
 
     Raises:
         InputError: a tolerance or limit is out of its range (options.check_numbers), a file
-            cannot be read, the .npz does not fit the model, ``dims`` names a dim the model
-            does not have, ``input_layouts`` names no input of the original or gives no
-            permutation of its axes, or (``refuse_other_inputs``) the inputs differ.
+            cannot be read, a custom-op library cannot be registered, the .npz does not fit
+            the model, ``dims`` names a dim the model does not have, ``input_layouts`` names
+            no input of the original or gives no permutation of its axes, or
+            (``refuse_other_inputs``) the inputs differ.
     """
     started = time.perf_counter()
     check_numbers(atol=atol, rtol=rtol, memory_budget=memory_budget, timeout=timeout)
@@ -348,17 +389,20 @@ def check_models(
     if needs.load_bytes > memory_budget:
         load = f"loading the original model needs about {gigabytes(needs.load_bytes)} (its constants, twice)"
         return result("not checked", f"{load}, which {over_budget}")
+    options = session_options(threads, custom_op_libraries)
     try:
-        session = _session(original, threads)
+        session = _session(original, options)
     except _OrtError as exc:
         if _out_of_memory(str(exc)):
             return result("not checked", f"loading the original model {out_of_memory}")
-        return result("not checked", f"onnxruntime cannot load the original model: {exc}")
+        return result("not checked", _unloadable(str(exc), bool(custom_op_libraries)))
     except MemoryError:
         return result("not checked", f"loading the original model {out_of_memory}")
     # Outputs the model declares empty (a dim 0): their shape is all there is to compare.
     empty = {o.name for o in session.get_outputs() if 0 in (o.shape or ())}
     ran: list[tuple[Binding, dict[str, Feed], list[Output]]] = []
+    took: list[float] = []  # the original's CPU seconds at each binding of ``ran``
+    largest: Binding | None = None
     skipped: list[str] = []
     # Outputs the graph shows to be random, and (the backstop, for ops the graph cannot show:
     # custom ops, model-local functions) those on which two runs disagree.
@@ -374,12 +418,15 @@ def check_models(
             if on_phase is not None:
                 on_phase(f"check: the original at {_dims_text(binding.dims)}")
             try:
+                began = time.process_time()  # CPU time: what the run costs, whatever else the machine runs
                 expected = deadline.run(session, feed)
+                seconds = time.process_time() - began
                 deadline.first_run_done()
                 if not ran and spec_a.opaque:
                     again = deadline.run(session, feed)
                     unstable |= {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
                 ran.append((binding, feed, expected))
+                took.append(seconds)
             except _OrtError as exc:
                 error = out_of_memory if _out_of_memory(str(exc)) else str(exc)
                 attempts.append({"dims": binding.dims, "error": error})
@@ -390,6 +437,21 @@ def check_models(
                 break
             if len(ran) == wanted:
                 break
+        if inputs is None and ran and not deadline.expired():
+            chosen = _largest(spec_a, dims or {}, seed, ran, took, lambda b, f: needs.peak(b.dims, f) <= memory_budget)
+            if isinstance(chosen, str):
+                skipped.append(chosen)
+            elif chosen is not None:
+                if on_phase is not None:
+                    on_phase(f"check: the original at {_dims_text(chosen[0].dims)}")
+                try:
+                    # A third of the time left at most: the optimized model still runs the others.
+                    stop = deadline.within(LARGEST_STOP_SECONDS, share=1 / 3)
+                    ran.append((*chosen, stop.run(session, chosen[1])))
+                    largest = chosen[0]
+                except (_OrtError, TimeoutError) as exc:
+                    what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc}"
+                    skipped.append(f"the original model {what} at {_largest_text(chosen[0])}")
     except MemoryError:  # running, or making the inputs of the next binding
         attempts.append({"dims": {}, "error": out_of_memory})
         skipped.append(f"the original model {out_of_memory}")
@@ -397,10 +459,10 @@ def check_models(
     if not ran:
         if not attempts:  # timed out before any binding ran
             return result("not checked", "; ".join([*skipped, TIMEOUT_REMEDY]))
-        return result("not checked", _unrunnable(attempts, spec_a, inputs is not None))
+        return result("not checked", _unrunnable(attempts, spec_a, inputs is not None, dims or {}))
 
     try:
-        session = _session(optimized, threads)
+        session = _session(optimized, options)
     except MemoryError:
         return result("not checked", f"loading the optimized model {out_of_memory}")
     except _OrtError as exc:
@@ -414,7 +476,8 @@ def check_models(
         if on_phase is not None:
             on_phase(f"check: the optimized model at {_dims_text(binding.dims)}")
         try:
-            actual = deadline.run(session, _relaid(feed, layouts))
+            runs = deadline.within(LARGEST_STOP_SECONDS) if binding is largest else deadline
+            actual = runs.run(session, _relaid(feed, layouts))
             outputs = [
                 _compare(name, a, b, criterion, spec_a, name in unstable)
                 for name, a, b in zip(spec_a.outputs, expected, actual, strict=True)
@@ -427,6 +490,8 @@ def check_models(
         except MemoryError:
             return result("not checked", f"the optimized model {out_of_memory}", done)
         except TimeoutError:
+            if binding is largest:
+                skipped.append(f"the optimized model timed out at {_largest_text(binding)}")
             break
         passed = all(o.passed is not False for o in outputs)
         done.append(BindingResult(binding.dims, outputs, passed, binding.regimes))
@@ -436,7 +501,9 @@ def check_models(
     del session
     if failure is None and not criterion.elementwise:
         room = max(0, memory_budget - needs.load_bytes)
-        _judge_by_own_rounding(original, ran, done, spec_a, deadline, threads, seed, room, on_phase)
+        _judge_by_own_rounding(
+            original, ran, done, spec_a, deadline, threads, custom_op_libraries, seed, room, on_phase
+        )
 
     notes = [f"output {name!r} {_nondeterministic(spec_a, name)}" for name in spec_a.outputs if name in unstable]
     notes += skipped
@@ -452,9 +519,68 @@ def check_models(
     if not compared:
         nothing = "nothing was compared: every output is empty or NaN in both models (inputs with no rows or all NaN?)"
         return result("not checked", "; ".join([nothing, *notes]), done)
-    if len(done) < wanted:
-        notes.insert(0, f"{len(done)} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
+    regular = sum(1 for b in done if largest is None or b.dims is not largest.dims)
+    if regular < wanted:
+        notes.insert(0, f"{regular} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
     return result("passed", "; ".join(notes) or None, done)
+
+
+# The largest binding runs where the original is predicted to take at most this many CPU
+# seconds there (CPU time, so that a busy machine does not change the decision), and its
+# inputs hold at most this many elements (making and comparing them costs time too).
+LARGEST_SECONDS = 0.5
+# A run at the largest binding that the prediction got wrong stops after this many seconds.
+LARGEST_STOP_SECONDS = 10.0
+LARGEST_ELEMENTS = 2**22
+
+
+def _largest(
+    spec: ModelSpec,
+    fixed: Mapping[str, int],
+    seed: int,
+    ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
+    took: list[float],
+    fits: Callable[[Binding, dict[str, Feed]], bool],
+) -> tuple[Binding, dict[str, Feed]] | str | None:
+    """The largest binding and its inputs; or why it is not run; or None where it is one of
+    those that ran (a model without dynamic dims, or dims all fixed by --dim)."""
+    binding = largest_binding(spec, fixed)
+    if any(binding.dims == done.dims for done, _, _ in ran):
+        return None
+    elements = input_elements(spec, binding.dims)
+    if elements > LARGEST_ELEMENTS:
+        limit = f"the limit is {LARGEST_ELEMENTS}"
+        return f"{_largest_text(binding)} not run: its inputs would hold {elements} elements ({limit})"
+    # From the costliest binding that ran: the nearest, and past the first run's warm-up.
+    seconds, nearest = max(
+        ((t, done) for (done, _, _), t in zip(ran, took, strict=True)), key=lambda r: run_cost(spec, r[1].dims)
+    )
+    predicted = seconds * run_cost(spec, binding.dims) / max(run_cost(spec, nearest.dims), 1)
+    if predicted > LARGEST_SECONDS:  # no figure in the note: the report stays the same from run to run
+        over = f"predict over {LARGEST_SECONDS:g} s"
+        return f"{_largest_text(binding)} not run: the original's runs at the smaller ones {over}"
+    feed = make_inputs(spec, binding, np.random.default_rng([seed, candidate_count()]))
+    if not fits(binding, feed):
+        return f"{_largest_text(binding)} not run: it exceeds the check's memory budget (--check-memory GB)"
+    return binding, feed
+
+
+def _largest_text(binding: Binding) -> str:
+    return f"the largest binding {_dims_text(binding.dims)}"
+
+
+# What onnxruntime says of an op no library it knows registers.
+_UNREGISTERED = re.compile(r"(\S+):(\S+)\(-?\d+\) is not a registered function/op")
+
+
+def _unloadable(error: str, libraries: bool) -> str:
+    """Why the original does not load, with the next step where a custom op is what is missing."""
+    reason = f"onnxruntime cannot load the original model: {error}"
+    missing = _UNREGISTERED.search(error)
+    if missing is None or missing[1] in ("", "ai.onnx", "ai.onnx.ml", "com.microsoft"):
+        return reason
+    given = " (none of the libraries given registers it)" if libraries else ""
+    return f"{reason}{given}; register the library of its {missing[1]} ops with --custom-op-library PATH"
 
 
 # A "not checked" reason fits one line of a CI log; the report's attempts keep every detail.
@@ -470,17 +596,24 @@ def _out_of_memory(message: str) -> bool:
     return _ALLOCATION_FAILED.search(message) is not None
 
 
-def _unrunnable(attempts: list[dict[str, Any]], spec: ModelSpec, given: bool) -> str:
+def _dim_option(key: str) -> str:
+    """``--dim KEY=N`` as a shell takes it: an unnamed dim's ``input[axis]`` quoted."""
+    return f"--dim '{key}=N'" if key.endswith("]") else f"--dim {key}=N"
+
+
+def _unrunnable(attempts: list[dict[str, Any]], spec: ModelSpec, given: bool, fixed: Mapping[str, int]) -> str:
     """Why the original ran at no binding, with what the user can do about it, in one short line."""
     errors = list(dict.fromkeys(attempt["error"] for attempt in attempts))
     if given:
         return _clipped(f"the original model failed on --inputs: {errors[0]}", NOT_CHECKED_REASON_LIMIT)
     if all("memory budget" in error for error in errors):
         return f"the original model {errors[0]}"
-    named = list(dict.fromkeys(d for s in spec.inputs for d in (s.shape or ()) if isinstance(d, str)))
     remedy = "; give inputs that fit with --inputs data.npz"
-    if named:
-        shown = " ".join(f"--dim {name}=N" for name in named[:3]) + (" ..." if len(named) > 3 else "")
+    # One key per group of equal dims, not those --dim fixed, the batch last: it seldom decides.
+    keys = [k for k in dim_keys(spec) if spec.facts.group(k) == k and k not in fixed]
+    keys.sort(key=lambda k: spec.facts.kinds.get(k) == "batch")
+    if keys:
+        shown = " ".join(_dim_option(key) for key in keys[:3]) + (" ..." if len(keys) > 3 else "")
         remedy = f"; bind the dims with {shown} or give inputs with --inputs data.npz"
     tried = len(attempts)
     head = f"the original model failed at {'the binding' if tried == 1 else f'all {tried} bindings'} tried: "
@@ -531,6 +664,7 @@ def _judge_by_own_rounding(
     spec: ModelSpec,
     deadline: _Deadline,
     threads: int,
+    libraries: Sequence[str | os.PathLike[str]],
     seed: int,
     room: int,
     on_phase: Callable[[str], None] | None,
@@ -552,7 +686,7 @@ def _judge_by_own_rounding(
         rng = np.random.default_rng([seed, 34, draw])
         overrides = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in perturbation.draw(rng).items()}
         try:
-            session = _session(original, threads, overrides)
+            session = _session(original, session_options(threads, libraries, overrides))
             for number in retried:
                 draws[number].append(deadline.run(session, perturbation.feed(ran[number][1], rng)))
         except (_OrtError, MemoryError):

@@ -29,6 +29,10 @@ and the data reaches where a wrong rewrite would show:
   as its input holds, an integer vector a Split takes apart into its elements is a shape
   (N the inputs' batch, then 1 and small sizes: an expanded AffineGrid's size). Reads inside
   If, Loop and Scan bodies count as the outer value's.
+- Each group of equal dims may have a smallest size and a factor its ops need (lengths.py:
+  a reflect Pad, a Conv kernel, a frame Slice; a Reshape target's baked constants), and a
+  model that multiplies two computed values (attention) runs in time that grows with a
+  sequence squared.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import onnx
 
 from graphopt.ir.node import STANDARD_DOMAINS
 from graphopt.ir.ops import BROADCASTING
+from graphopt.numerics.lengths import size_rules
 from graphopt.numerics.paths import bodies, inline_array
 
 __all__ = ["GraphFacts", "Role", "graph_facts", "held_tensor"]
@@ -182,6 +187,15 @@ class GraphFacts:
     seq_limit: int | None = None  # the rows of the position table
     cache: bool = False  # the model takes a KV cache (a past dim)
     same: dict[str, str] = field(default_factory=dict)  # dim key -> the key the graph shows it equal to
+    # By the key of a group of equal dims (``same``): the least value its ops accept, and a
+    # factor its value must have (lengths.py).
+    smallest: dict[str, int] = field(default_factory=dict)
+    multiple: dict[str, int] = field(default_factory=dict)
+    attends: bool = False  # it multiplies two computed values (attention): time grows with a sequence squared
+
+    def group(self, key: str) -> str:
+        """The key that stands for every dim the graph shows equal to ``key``."""
+        return self.same.get(key, key)
 
 
 def _consumers(graph: onnx.GraphProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
@@ -713,12 +727,41 @@ def graph_facts(graph: onnx.GraphProto, metadata: Mapping[str, str] | None = Non
     positions = {name for name, role in roles.items() if role.kind == "position"}
     stride = _stride(graph) if "spatial" in kinds.values() else 1
     limits = [n for n in (_seq_limit(graph, positions), _metadata_limit(metadata or {})) if n]
-    return GraphFacts(roles, kinds, stride, min(limits, default=None), cache, same)
+    facts = GraphFacts(roles, kinds, stride, min(limits, default=None), cache, same, attends=_attends(graph))
+    rules = size_rules(graph, {value.name: axes for value in inputs if (axes := _input_axes(value)) is not None})
+    for key, smallest in rules.smallest.items():
+        facts.smallest[facts.group(key)] = max(smallest, facts.smallest.get(facts.group(key), 1))
+    for keys, factor in rules.factors:  # on a dim other than the batch where there is one
+        key = facts.group(next((k for k in reversed(keys) if kinds.get(k) != "batch"), keys[-1]))
+        facts.multiple[key] = math.lcm(factor, facts.multiple.get(key, 1))
+    return facts
+
+
+# Ops that compare every position with every other.
+_ATTENTION = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention"})
+
+
+def _attends(graph: onnx.GraphProto) -> bool:
+    """Whether ``graph`` multiplies two computed values (scores of queries by keys) or calls an attention op."""
+    stored = set(_stored(graph)) | {name for node in graph.node if node.op_type == "Constant" for name in node.output}
+    return any(
+        node.op_type in _ATTENTION
+        or (_standard(node) and node.op_type in ("MatMul", "Einsum") and not stored & set(node.input))
+        for node in graph.node
+    )
 
 
 def _metadata_limit(metadata: Mapping[str, str]) -> int | None:
     values = [v.strip() for k, v in metadata.items() if k.lower() in _LIMIT_KEYS]
     return min((int(v) for v in values if v.isdigit() and int(v) > 0), default=None)
+
+
+def _input_axes(value: onnx.ValueInfoProto) -> list[int | str] | None:
+    """Each axis of a tensor input: its static size, or its dim key."""
+    if value.type.WhichOneof("value") != "tensor_type" or not value.type.tensor_type.HasField("shape"):
+        return None
+    keys = _axis_keys(value)
+    return [key if key is not None else dim.dim_value for key, dim in zip(keys, value.type.tensor_type.shape.dim)]
 
 
 def _axis_keys(value: onnx.ValueInfoProto) -> Axes:

@@ -21,6 +21,12 @@ The first two bindings are the regimes the check exists for, each named in the r
 - batch 1 at a long sequence (128, or the position table's rows; a decode step of one token
   after a cache that fills it), images non-square (192 x 320), floats at scale 10.
 
+A third, :func:`largest_binding`, goes to the sizes the model declares or a table bounds
+(the position table's rows, images of 448 x 512, a batch of 5); check.py runs it where it is
+cheap enough. Every size is fitted to what the model's ops accept (lengths.py): at least the
+smallest length they take (a reflect Pad, a Conv kernel, a frame Slice), a multiple of the
+factor a Reshape target bakes in.
+
 Every binding spreads ids over the whole table they index and gives position ids that follow
 the cache. Inputs that set a shape, count, axis or index get small valid values. A sequence
 input holds three tensors of its element's shape (a vector where the file states none), an
@@ -57,9 +63,12 @@ __all__ = [
     "bind_dims",
     "candidate_count",
     "dim_keys",
+    "input_elements",
+    "largest_binding",
     "load_npz",
     "make_inputs",
     "read_spec",
+    "run_cost",
     "unnamed_key",
 ]
 
@@ -74,9 +83,15 @@ class _Candidate:
     distinct: bool  # names of one kind get distinct values
     scale: float  # of float data
     padded: bool  # masks with padded rows
+    largest: bool = False  # the long sequence is the position table's rows, past _LONG
 
 
 _LONG = 128
+# The largest binding: sequences up to the position table's rows (at most this many), images
+# above 400 px, a batch above 4: where an embedding row, a crop or a batch that the first two
+# bindings never reach is wrong.
+_LARGEST_SEQUENCE = 4096
+_LARGEST = _Candidate(5, None, None, (448, 512), 32, True, 1.0, True, largest=True)
 _CANDIDATES = (
     _Candidate(3, 16, 8, (224, 224), 16, True, 1.0, True),
     _Candidate(1, None, None, (192, 320), 24, True, 10.0, False),
@@ -234,12 +249,27 @@ def bind_dims(spec: ModelSpec, k: int, fixed: Mapping[str, int]) -> Binding:
 
     ``fixed`` (the user's ``--dim KEY=VALUE``, KEY a name or ``input[axis]``) wins in every binding.
     """
-    candidate = _CANDIDATES[k % len(_CANDIDATES)]
+    return _bind(spec, _CANDIDATES[k % len(_CANDIDATES)], fixed)
+
+
+def largest_binding(spec: ModelSpec, fixed: Mapping[str, int]) -> Binding:
+    """The binding at the largest sizes the model declares or a table bounds: sequences up to
+    the position table's rows (a prompt over the second half of them after a cache of the
+    first), images of 448 x 512, a batch of 5. ``fixed`` wins, as in :func:`bind_dims`."""
+    return _bind(spec, _LARGEST, fixed)
+
+
+def _bind(spec: ModelSpec, candidate: _Candidate, fixed: Mapping[str, int]) -> Binding:
     facts = spec.facts
-    limit = min(_LONG, facts.seq_limit or _LONG)
+    if candidate.largest:
+        limit = min(_LARGEST_SEQUENCE, facts.seq_limit or _LONG)
+    else:
+        limit = min(_LONG, facts.seq_limit or _LONG)
     long = candidate.seq is None
     seq = min(limit, candidate.seq or limit)
-    if facts.cache:
+    if facts.cache and candidate.largest:
+        seq, past = limit - limit // 2, limit // 2
+    elif facts.cache:
         seq, past = (1, max(limit - 1, 0)) if long else (seq, min(candidate.past or 0, limit - seq))
     else:
         past = 0
@@ -249,7 +279,7 @@ def bind_dims(spec: ModelSpec, k: int, fixed: Mapping[str, int]) -> Binding:
     dims: dict[str, int] = {}
     seen: dict[str, int] = {}
     for key in dim_keys(spec):
-        first = next((k for k in dims if facts.same.get(k, k) == facts.same.get(key, key)), None)
+        first = next((k for k in dims if facts.group(k) == facts.group(key)), None)
         if first is not None:  # the graph shows this dim equal to one bound already
             dims[key] = fixed.get(key, dims[first])
             continue
@@ -258,18 +288,54 @@ def bind_dims(spec: ModelSpec, k: int, fixed: Mapping[str, int]) -> Binding:
         seen[kind] = offset + 1
         named = not key.endswith("]")
         if kind == "spatial":
-            value = spatial[offset % 2] + (stride * (offset // 2) if candidate.distinct else 0)
+            value = _fitted(spatial[offset % 2] + (stride * (offset // 2) if candidate.distinct else 0), key, spec)
         elif kind == "total":
             value = -1  # past + sequence, once both are known
         else:
-            value = values[kind] + (offset if candidate.distinct and named and kind != "past" else 0)
+            apart = offset if candidate.distinct and named and kind != "past" else 0
+            value = _fitted(values[kind] + apart, key, spec)
         dims[key] = fixed.get(key, value)
     sequence = next((v for key, v in dims.items() if facts.kinds.get(key) == "seq"), seq)
     cache = next((v for key, v in dims.items() if facts.kinds.get(key) == "past"), past)
     dims = {key: sequence + cache if value == -1 else value for key, value in dims.items()}
     binding = Binding(dims, [], candidate.scale, candidate.padded, cache)
-    binding.regimes = _regimes(spec, binding, sequence, long)
+    binding.regimes = _regimes(spec, binding, sequence, long, candidate.largest)
     return binding
+
+
+def _fitted(value: int, key: str, spec: ModelSpec) -> int:
+    """``value`` as the model's ops accept it (lengths.py): raised past the smallest size they
+    take, by what it lacked (so the bindings keep different sizes), then rounded up to the
+    factor a Reshape bakes in (down where that passes the position table and still fits)."""
+    facts = spec.facts
+    group, kind = facts.group(key), facts.kinds.get(key, "other")
+    smallest = facts.smallest.get(group, 1)
+    if value < smallest:
+        value += smallest - 1
+    step = math.lcm(facts.multiple.get(group, 1), facts.stride if kind == "spatial" else 1)
+    fitted = -(-value // step) * step
+    limit = facts.seq_limit
+    if kind == "seq" and limit and fitted > limit >= smallest and limit // step * step >= smallest:
+        fitted = limit // step * step
+    return fitted
+
+
+def input_elements(spec: ModelSpec, dims: Mapping[str, int]) -> int:
+    """How many elements the generated inputs hold at ``dims`` (what making and comparing data costs)."""
+    count = 0
+    for input_spec in spec.inputs:
+        axes = zip(input_spec.axis_keys(), input_spec.shape or (), strict=True)
+        size = math.prod(dims.get(key, 1) if key is not None else int(d or 1) for key, d in axes)
+        count += size * (SEQUENCE_LENGTH if "seq" in input_spec.containers else 1)
+    return count
+
+
+def run_cost(spec: ModelSpec, dims: Mapping[str, int]) -> int:
+    """How a run's time grows with its dims: their product over the groups of equal dims, a
+    sequence's squared where the model attends (compares every position with every other)."""
+    groups = {spec.facts.group(key): value for key, value in dims.items()}
+    sequences = ("seq", "past", "total") if spec.facts.attends else ()
+    return math.prod(v ** (2 if spec.facts.kinds.get(k) in sequences else 1) for k, v in groups.items())
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
@@ -313,10 +379,10 @@ def _spatial(size: int, stride: int) -> int:
     return -(-size // stride) * stride
 
 
-def _regimes(spec: ModelSpec, binding: Binding, seq: int, long: bool) -> list[str]:
+def _regimes(spec: ModelSpec, binding: Binding, seq: int, long: bool, largest: bool) -> list[str]:
     kinds = {spec.facts.kinds.get(key) for key in binding.dims}
     roles = {s.role.kind for s in spec.inputs if s.role is not None}
-    names: list[str] = []
+    names: list[str] = ["largest sizes"] if largest else []
     batch = next((v for key, v in binding.dims.items() if spec.facts.kinds.get(key) == "batch"), 1)
     if spec.facts.cache:
         names.append(f"{'long ' if long else ''}sequence {binding.past + seq}: a cache of {binding.past} + {seq} new")

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphopt.numerics.check import json_ready
+from graphopt.numerics.check import json_ready, session_options
 from graphopt.numerics.compare import Criterion, compare_output
 from graphopt.numerics.feeds import Feed
 from graphopt.numerics.feeds import run as run_session
@@ -58,8 +58,9 @@ def first_divergence(
         binding = bind_dims(spec, 0, dict(check.dims))
         feed = make_inputs(spec, binding, np.random.default_rng([0, 0]))
     try:
-        values_good = _run_marked(proto_good, good, names, workdir / "good", feed)
-        values_bad = _run_marked(proto_bad, bad, names, workdir / "bad", feed)
+        options = session_options(1, check.custom_op_libraries)
+        values_good = _run_marked(proto_good, good, names, workdir / "good", feed, options)
+        values_bad = _run_marked(proto_bad, bad, names, workdir / "bad", feed, options)
     except Exception as exc:  # onnxruntime refused a scratch copy: say so, never fail the blame
         text = str(exc).strip().splitlines()
         return {"node": None, "reason": f"onnxruntime cannot run the marked copies: {text[0] if text else exc}"}
@@ -87,7 +88,12 @@ def _marked(proto: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 
 def _run_marked(
-    proto: onnx.ModelProto, source: Path, names: list[str], folder: Path, feed: Mapping[str, Feed]
+    proto: onnx.ModelProto,
+    source: Path,
+    names: list[str],
+    folder: Path,
+    feed: Mapping[str, Feed],
+    options: ort.SessionOptions,
 ) -> dict[str, np.ndarray]:
     """Every value of ``names`` computed by a copy of ``proto`` that has them as outputs."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -99,10 +105,6 @@ def _run_marked(
             link.symlink_to((source.parent / location).resolve())
     path = folder / "marked.onnx"
     onnx.save(marked, str(path))
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.intra_op_num_threads = 1
-    options.log_severity_level = 4
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     wanted = [output.name for output in session.get_outputs()]
     return {name: np.asarray(value) for name, value in zip(wanted, run_session(session, feed, ort.RunOptions()))}

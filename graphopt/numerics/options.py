@@ -42,6 +42,8 @@ class CheckOptions:
     timeout: float | None = None
     # A model the check could not verify fails the run, like a failed check (``--require-check``).
     required: bool = False
+    # onnxruntime custom-op libraries registered in every session of the check (``--custom-op-library``).
+    custom_op_libraries: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.atol is None) != (self.rtol is None):
@@ -52,7 +54,8 @@ class CheckOptions:
         """The keyword arguments of check_models and check_models_isolated."""
         limits = {} if self.memory_budget is None else {"memory_budget": self.memory_budget}
         criterion = {"dims": dict(self.dims) or None, "inputs": self.inputs, "atol": self.atol, "rtol": self.rtol}
-        return {**criterion, **limits, "timeout": self.timeout}
+        libraries = {"custom_op_libraries": self.custom_op_libraries} if self.custom_op_libraries else {}
+        return {**criterion, **limits, "timeout": self.timeout, **libraries}
 
 
 def check_numbers(

@@ -210,6 +210,18 @@ def test_sidecars_a_copy_of_a_json_graph_reads_are_kept(tmp_path: Path) -> None:
     assert {name: (dst / name).read_bytes() for name in read} == before
 
 
+def test_a_copied_file_never_replaces_what_a_model_of_the_output_folder_reads(tmp_path: Path) -> None:
+    (folder := tmp_path / "m").mkdir()
+    mlp(folder / "model.onnx")
+    (folder / "shared.bin").write_bytes(b"not weights")
+    (out := tmp_path / "out").mkdir()
+    (reader,) = sharing_weights(out, ["other.onnx"])  # out/other.onnx reads out/shared.bin
+    expected = run_model(reader)
+    line = only_error(invoke("run", folder, "-o", f"{out}/", "--no-check"))
+    assert str(out / "shared.bin") in line and str(reader) in line
+    np.testing.assert_array_equal(run_model(reader), expected)
+
+
 # -- N13: companions of two input folders on one name ---------------------------------------
 
 

@@ -198,7 +198,7 @@ def run_models(
         # A raw copy of another shard's model would race its optimized output in a CI matrix.
         models = {path.resolve() for path in found}
         companions = _companions(roots, output, set(reads) | models) if output is not None else []
-        plan = _plan(tasks, companions, options.external_data_name)
+        plan = _plan(tasks, companions, options.external_data_name, report_path)
         tasks = [(source, replace(task, batch_reads=reads, reserved=_others(plan, source))) for source, task in tasks]
     finished: dict[int, Finished] = {}
 
@@ -261,10 +261,14 @@ _Planned = tuple[Path | None, str]
 
 
 def _plan(
-    tasks: Sequence[tuple[Path, RunOptions]], companions: Sequence[tuple[Path, Path]], keep_names: bool
+    tasks: Sequence[tuple[Path, RunOptions]],
+    companions: Sequence[tuple[Path, Path]],
+    keep_names: bool,
+    report: Path | None,
 ) -> dict[Path, _Planned]:
     """Every path the run writes under a name known before it starts (resolved): each model's
-    output, its weights under a kept name (``--external-data-name``), each companion's copy.
+    output, its weights under a kept name (``--external-data-name``), each companion's copy,
+    the ``--report``.
     Two on one path are refused now, before anything is written; content-addressed weights
     names are checked against these when each model is committed."""
     planned: dict[Path, _Planned] = {}
@@ -287,6 +291,8 @@ def _plan(
             )
     for path, target in companions:
         add(target, None, f"the copy of {path}")
+    if report is not None:
+        add(report, None, f"the --report {report}")
     return planned
 
 

@@ -120,6 +120,21 @@ def test_a_kept_weights_name_that_is_another_output_is_refused(tmp_path: Path, c
     assert not dst.exists()
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["kept name", "content-addressed"])
+def test_a_folder_runs_report_never_takes_a_weights_name(tmp_path: Path, keep: bool) -> None:
+    (folder := tmp_path / "a").mkdir()
+    with_external_data(folder)
+    out = tmp_path / "out"
+    if keep:
+        args: list[str | Path] = ["--external-data-name", "--report", out / "model.onnx.data"]
+    else:
+        assert invoke("run", folder, "-o", f"{tmp_path / 'probe'}/", "--no-check").exit_code == 0
+        (weights,) = (tmp_path / "probe").glob("model.onnx.*.data")
+        args = ["--report", out / weights.name]
+    line = only_error(invoke("run", folder, "-o", f"{out}/", "--no-check", *args))
+    assert str(args[-1]) in line and not (out / "model.onnx").exists()
+
+
 # -- N3: report merge -o --------------------------------------------------------------------
 
 

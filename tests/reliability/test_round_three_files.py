@@ -192,6 +192,27 @@ def test_report_merge_does_not_replace_its_own_input(tmp_path: Path) -> None:
     assert merged.read_bytes().startswith(b'{\n  "graphopt_version": ')
 
 
+@pytest.mark.parametrize("make", [_text, _fifo, _folder], ids=["a text file", "a FIFO", "a folder"])
+def test_convert_writes_only_models(tmp_path: Path, make: object) -> None:
+    source = mlp(tmp_path / "m.onnx")
+    (place := tmp_path / "place").mkdir()
+    target = make(place / "target")  # type: ignore[operator]
+    kind = stat.S_IFMT(target.lstat().st_mode)
+    line = assert_one_line_error(invoke("convert", source, target))
+    assert str(target) in line and stat.S_IFMT(target.lstat().st_mode) == kind
+
+
+def test_convert_never_replaces_weights_another_model_reads(tmp_path: Path) -> None:
+    (src := tmp_path / "src").mkdir()
+    source = with_external_data(src)
+    (dst := tmp_path / "dst").mkdir()
+    other = with_external_data(dst, scale=2.0).rename(dst / "other.onnx")  # reads model.onnx.data
+    expected = run_model(other)
+    line = assert_one_line_error(invoke("convert", source, dst / "model.onnx", "--external-data"))
+    assert str(dst / "model.onnx.data") in line and str(other) in line
+    np.testing.assert_array_equal(run_model(other), expected)
+
+
 # -- N6: weights kept for every file that reads them ---------------------------------------
 
 

@@ -1,8 +1,10 @@
 """The guards every file graphopt writes goes through, in one place.
 
-`graphopt run`'s model, its weights and its ``--report``, ``graphopt report merge -o`` and
-the files a folder run copies beside its outputs are all checked here before anything is
-written, and refused (InputError, exit 2, one line naming both files) when the write would:
+`graphopt run`'s model, its weights, its ``--report`` and the report's views (``--html``,
+``--markdown``), ``graphopt report merge -o``, ``graphopt convert``'s destination and the
+files a folder run copies beside its outputs are all checked here before anything is
+written (``graphopt unwind`` writes only to stdout), and refused (InputError, exit 2, one
+line naming both files) when the write would:
 
 - replace a folder, a special file (FIFO, device node, socket) or anything in /dev, /proc
   or /sys (:func:`graphopt.files.unwritable_kind`);

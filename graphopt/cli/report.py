@@ -56,7 +56,7 @@ def merge(reports: tuple[Path, ...], output: Path | None) -> None:
     from graphopt.writer import check_report_output
 
     if output is not None:  # run's guards: never a folder, a special file, an input or a file not a report
-        check_report_output(output, reports, "-o")
+        check_report_output(output, reports, "-o", reads_are="one of the reports it merges")
 
     loaded = [(str(path), load_report(path)) for path in reports]
     try:

@@ -12,11 +12,9 @@ pool, the files beside the models copied along, and the CI gate (``check_optimiz
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import multiprocessing
 import os
-import shutil
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
@@ -25,9 +23,9 @@ from typing import Any
 
 from graphopt.errors import GraphoptError, InputError, bounded
 from graphopt.processes import die_with_parent, ending_children_on_sigterm
-from graphopt.report import check_report_target
 from graphopt.report.model import FolderReport, GateReport, error_row
 from graphopt.runner import RunOptions, batch_reads, is_optimized, optimize_file
+from graphopt.writer import check_report_output, copy_file, tensor_files_named_by
 
 __all__ = [
     "NOT_A_GRAPH",
@@ -192,11 +190,16 @@ def run_models(
             written[target] = source
         tasks.append((source, replace(options, output=target, report=None)))
     if report_path is not None:
-        check_report_target(report_path, list(written))
+        check_report_output(report_path, list(written))
     reads: dict[Path, list[Path]] = {}
+    companions: list[tuple[Path, Path]] = []
     if output is not None or options.in_place:
         reads = batch_reads(sources)
-        tasks = [(source, replace(task, batch_reads=reads)) for source, task in tasks]
+        # A raw copy of another shard's model would race its optimized output in a CI matrix.
+        models = {path.resolve() for path in found}
+        companions = _companions(roots, output, set(reads) | models) if output is not None else []
+        plan = _plan(tasks, companions, options.external_data_name, report_path)
+        tasks = [(source, replace(task, batch_reads=reads, reserved=_others(plan, source))) for source, task in tasks]
     finished: dict[int, Finished] = {}
 
     def done(index: int, outcome: Finished) -> None:
@@ -219,9 +222,7 @@ def run_models(
     copied: list[Path] = []
     if output is not None:
         written_in = {source.parent.resolve() for source, row in zip(sources, rows) if row.get("output")}
-        # A raw copy of another shard's model would race its optimized output in a CI matrix.
-        models = {path.resolve() for path in found}
-        copied = _copy_companions(roots, output, set(reads) | models, written_in)
+        copied = _copy_companions(companions, output, written_in)
     worst = max((finished[i][1] for i in range(len(tasks))), default=0)
     if options.strict and any(row.get("failures") for row in rows):
         worst = max(worst, 3)
@@ -229,34 +230,85 @@ def run_models(
     return FolderRun(folder_report, copied, worst)
 
 
-def _copy_companions(roots: list[Path], output: Path, reads: set[Path], written_in: set[Path]) -> list[Path]:
-    """Copy the files beside the models of the folders in ``roots`` (a Hugging Face export's
-    config.json, tokenizer and vocabulary files) into ``output``, where a model of their
-    folder was written: tools load a model folder whole. Each copy is a temporary file
-    renamed into place. Left out: what the models read (rewritten beside the outputs),
-    hidden files, earlier outputs (``*.opt.*``) and the output folder itself."""
-    from graphopt.files import atomic_write
-
+def _companions(roots: list[Path], output: Path, reads: set[Path]) -> list[tuple[Path, Path]]:
+    """The files beside the models of the folders in ``roots`` (a Hugging Face export's
+    config.json, tokenizer and vocabulary files) and where each is copied in ``output``:
+    tools load a model folder whole. Left out: what the models read (rewritten beside the
+    outputs), hidden files and what a link leads to that is hidden (``notes.txt -> .env``),
+    earlier outputs (``*.opt.*``), graphopt's temporary files and the output folder itself."""
     excluded = output.resolve()
-    copied: list[Path] = []
+    found: list[tuple[Path, Path]] = []
     for root in roots:
+        inside = root.resolve()
         for path in sorted(root.rglob("*")):
             relative = path.relative_to(root)
             resolved = path.resolve()
-            if not path.is_file() or resolved in reads or ".opt." in path.name or resolved.parent not in written_in:
+            if not path.is_file() or resolved in reads or ".opt." in path.name or resolved.is_relative_to(excluded):
                 continue
-            if any(part.startswith(".") for part in relative.parts) or resolved.is_relative_to(excluded):
+            if not resolved.is_relative_to(inside):  # a link out of the folder (git stores them)
+                continue
+            # Links resolved first: a visible name may lead to a hidden file of the folder.
+            if any(part.startswith(".") for part in (*relative.parts, *resolved.relative_to(inside).parts)):
                 continue
             target = output / relative
-            if target.exists() and target.resolve() == resolved:
-                continue
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with path.open("rb") as source:
-                    atomic_write(target, functools.partial(shutil.copyfileobj, source))
-            except OSError as err:
-                raise InputError(f"{target}: cannot copy {path} there ({err.strerror or err})") from None
-            copied.append(relative)
+            if not (target.exists() and target.resolve() == resolved):
+                found.append((path, target))
+    return found
+
+
+# A path the run writes: the model whose run writes it (None for a companion) and what it is.
+_Planned = tuple[Path | None, str]
+
+
+def _plan(
+    tasks: Sequence[tuple[Path, RunOptions]],
+    companions: Sequence[tuple[Path, Path]],
+    keep_names: bool,
+    report: Path | None,
+) -> dict[Path, _Planned]:
+    """Every path the run writes under a name known before it starts (resolved): each model's
+    output, its weights under a kept name (``--external-data-name``), each companion's copy,
+    the ``--report``.
+    Two on one path are refused now, before anything is written; content-addressed weights
+    names are checked against these when each model is committed."""
+    planned: dict[Path, _Planned] = {}
+
+    def add(target: Path, owner: Path | None, what: str) -> None:
+        earlier = planned.setdefault(target.resolve(), (owner, what))
+        if earlier != (owner, what):
+            raise InputError(f"{target}: {earlier[1]} and {what} would both be written there; rename one of them")
+
+    for source, task in tasks:
+        if task.output is None or task.output.resolve() == source.resolve():
+            continue  # an output onto its input is refused by the model's own run
+        add(task.output, source, f"the output of {source}")
+        locations = tensor_files_named_by(source) if keep_names and source.suffix.lower() != ".json" else set()
+        if len(locations) == 1:  # the name the output's weights keep (the first file read, when several)
+            add(
+                task.output.parent / Path(next(iter(locations))).name,
+                source,
+                f"the weights of {task.output} (--external-data-name)",
+            )
+    for path, target in companions:
+        add(target, None, f"the copy of {path}")
+    if report is not None:
+        add(report, None, f"the --report {report}")
+    return planned
+
+
+def _others(plan: dict[Path, _Planned], source: Path) -> dict[Path, str]:
+    """What the run writes that is not the model ``source``'s, by path (RunOptions.reserved)."""
+    return {path: what for path, (owner, what) in plan.items() if owner != source}
+
+
+def _copy_companions(companions: list[tuple[Path, Path]], output: Path, written_in: set[Path]) -> list[Path]:
+    """Copy ``companions`` whose folder had a model written, each through a temporary file
+    renamed into place (graphopt.writer.copy_file); returns them relative to ``output``."""
+    copied: list[Path] = []
+    for path, target in companions:
+        if path.resolve().parent in written_in:
+            copy_file(path, target)
+            copied.append(target.relative_to(output))
     return copied
 
 

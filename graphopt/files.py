@@ -42,6 +42,7 @@ __all__ = [
     "LOCK_TIMEOUT",
     "STAGING_PREFIX",
     "commit",
+    "file_digest",
     "folder_lock",
     "is_staging",
     "not_regular",
@@ -71,9 +72,11 @@ def _default_mode() -> int:
     return 0o666 & ~umask
 
 
-def temporary_file(directory: Path, name: str) -> tuple[int, Path]:
-    """A new hidden file beside ``name`` in ``directory``: its descriptor and path."""
-    handle, path = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+def temporary_file(directory: Path) -> tuple[int, Path]:
+    """A new hidden file in ``directory``: its descriptor and path. It is named as a staging
+    folder is, after its owner, so that a run killed while writing it (a copy of a 400 MB
+    tokenizer, a report) leaves nothing the next run into that folder keeps."""
+    handle, path = tempfile.mkstemp(prefix=_owned_prefix(), suffix=".tmp", dir=directory)
     os.fchmod(handle, _default_mode())
     return handle, Path(path)
 
@@ -130,9 +133,7 @@ def staging_folder(folder: Path) -> Iterator[Path]:
     """A new private staging folder in ``folder``, marked with its owner and removed when
     the block ends; stale ones of dead runs in ``folder`` are removed first."""
     remove_stale_staging(folder)
-    # Owned from its first moment: "<prefix><host tag>-<pid>-<random>".
-    prefix = f"{STAGING_PREFIX}{_host_tag()}-{os.getpid()}-"
-    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=folder)).resolve()
+    staging = Path(tempfile.mkdtemp(prefix=_owned_prefix(), dir=folder)).resolve()
     _LIVE.add(staging)  # another model of this process must not take it for stale
     try:
         yield staging
@@ -141,13 +142,24 @@ def staging_folder(folder: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _owned_prefix() -> str:
+    """How the name of a staging folder or temporary file of this process begins, so that it
+    is owned from its first moment: "<prefix><host tag>-<pid>-" (a random part follows)."""
+    return f"{STAGING_PREFIX}{_host_tag()}-{os.getpid()}-"
+
+
 def remove_stale_staging(folder: Path) -> None:
-    """Remove the staging folders in ``folder`` whose run is dead."""
+    """Remove the staging folders and temporary files in ``folder`` whose run is dead (only
+    names graphopt gives them, never a user's file)."""
     with contextlib.suppress(OSError):
         for candidate in folder.iterdir():
-            if candidate.name.startswith(STAGING_PREFIX) and candidate.is_dir() and _is_stale(candidate):
-                _log.info("removing %s, left by a graphopt run that is gone", candidate)
+            if not candidate.name.startswith(STAGING_PREFIX) or not _is_stale(candidate):
+                continue
+            _log.info("removing %s, left by a graphopt run that is gone", candidate)
+            if candidate.is_dir() and not candidate.is_symlink():
                 shutil.rmtree(candidate, ignore_errors=True)
+            elif candidate.is_file() and not candidate.is_symlink():
+                candidate.unlink(missing_ok=True)
 
 
 @cache
@@ -171,6 +183,8 @@ def _owner(staging: Path) -> tuple[bool, str] | None:
 
 def _is_stale(staging: Path) -> bool:
     owner = _owner(staging)
+    if not staging.is_dir() and (owner is None or not staging.name.endswith(".tmp")):
+        return False  # a file is graphopt's only when its whole name says so
     if owner is None:
         with contextlib.suppress(OSError):
             return time.time() - staging.stat().st_mtime > _UNMARKED_STALE_SECONDS
@@ -184,7 +198,8 @@ def _is_stale(staging: Path) -> bool:
         return True
     except OSError:  # alive, owned by someone else
         return False
-    return int(pid) == os.getpid() and staging.resolve() not in _LIVE  # a dead run's pid, reused by this process
+    # A dead run's pid, reused by this process (a temporary file of this process is in use).
+    return int(pid) == os.getpid() and staging.is_dir() and staging.resolve() not in _LIVE
 
 
 @contextlib.contextmanager
@@ -256,6 +271,15 @@ def commit(moves: Sequence[tuple[Path, Path]], backups: Path, withdrawn: Collect
         raise
 
 
+def file_digest(path: Path) -> str:
+    """The sha256 of the file at ``path``, read in chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 class HashingFile(io.RawIOBase):
     """A write-only file that also hashes what goes through it (with no file: hashes only)."""
 
@@ -274,8 +298,10 @@ class HashingFile(io.RawIOBase):
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> str:
-    """Write through ``write`` into a temporary file, rename it to ``path``; return its sha256."""
-    handle, tmp = temporary_file(path.parent, path.name)
+    """Write through ``write`` into a temporary file, rename it to ``path``; return its sha256.
+    What a killed run left in that folder goes first."""
+    remove_stale_staging(path.parent)
+    handle, tmp = temporary_file(path.parent)
     try:
         with os.fdopen(handle, "wb") as out:
             hashing = HashingFile(out)

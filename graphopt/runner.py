@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,18 +19,25 @@ from typing import Any, TypeVar
 
 from graphopt.api import Result, resolve_pipeline, resolve_settings, run_pipeline
 from graphopt.errors import GraphoptError, InputError
-from graphopt.files import commit, folder_lock, is_staging, staging_folder, unwritable_kind
+from graphopt.files import commit, file_digest, folder_lock, is_staging, staging_folder
 from graphopt.io import data_files, load, save
-from graphopt.io.json_io import is_graph_file, is_sidecar_of, sidecar_locations
-from graphopt.io.onnx_io import external_locations
+from graphopt.io.json_io import is_sidecar_of
 from graphopt.io.onnx_write import is_data_file_of
-from graphopt.io.wire import is_model_file
 from graphopt.ir import Model
 from graphopt.numerics.options import CheckOptions
 from graphopt.passes.pipeline import PassRun, Pipeline, default_pipeline
-from graphopt.report import check_report_target, write_report
+from graphopt.report import write_report
 from graphopt.report.model import ModelReport
 from graphopt.settings import Settings
+from graphopt.writer import (
+    check_model_output,
+    check_report_output,
+    readers,
+    refuse_read_by_others,
+    refuse_reserved,
+    same_bytes,
+    tensor_files_named_by,
+)
 
 __all__ = [
     "RunOptions",
@@ -68,6 +74,10 @@ class RunOptions:
     # The files the models of a folder run read, resolved, with the models that read them
     # (batch_reads()): no model's output may replace or remove another's.
     batch_reads: dict[Path, list[Path]] = field(default_factory=dict)
+    # The paths (resolved) other files of the run are written under, with what each is: the
+    # other models' outputs and kept weights, the files copied beside them. This model's
+    # weights may take none of these names.
+    reserved: dict[Path, str] = field(default_factory=dict)
     # The JSON report, committed with the model.
     report: Path | None = None
 
@@ -92,14 +102,6 @@ class RunOptions:
 
 def default_output(path: Path) -> Path:
     return path.with_name(f"{path.stem}.opt{path.suffix or '.onnx'}")
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _file_entry(path: Path, data: Path | None, known: dict[str, str] | None = None) -> dict[str, Any]:
@@ -170,17 +172,11 @@ def optimize_file(
             )
     else:
         output = options.output or default_output(source)
-    if output.is_dir():
-        raise InputError(f"{output}: is a folder; -o needs a file name for one model")
-    unwritable = unwritable_kind(output)
-    if unwritable is not None:
-        raise InputError(f"{output}: {unwritable}; -o writes regular files only")
+    check_model_output(output)
     if output.resolve() == source.resolve() and not options.in_place:
         raise InputError(f"{output}: refusing to overwrite the input (use --in-place)")
-    if output.is_file() and not _replaceable(output):
-        raise InputError(f"{output}: exists and is not an ONNX model or a graphopt graph; -o will not replace it")
     if options.report is not None:
-        check_report_target(options.report, [source, output])
+        check_report_output(options.report, [source, output])
     tell = on_phase or (lambda phase: None)
     tell(f"load {source}")
     load_start = time.perf_counter()
@@ -202,16 +198,17 @@ def optimize_file(
         if options.config is not None:
             reads[options.config] = "--config"
         kept_name = onnx_data.name if options.external_data_name and onnx_data is not None else None
+        if kept_name is not None:  # found now, before any work; content-addressed names when committed
+            kept, what = output.parent / kept_name, f"the weights of {output} (--external-data-name)"
+            refuse_reserved([kept], {output.resolve(): f"the output model {output}", **_reserved(options)}, what)
+            refuse_read_by_others([kept], what, ignoring=[output])
         return _optimize_file(source, output, (model, load_seconds, kept_name), reads, options, tell, input_entry)
 
 
-def _replaceable(output: Path) -> bool:
-    """Whether the file at ``output`` may be replaced by a model: one named .onnx, or one
-    that is a model (a file without a model's extension may be anything, NOTES or a key)."""
-    suffix = output.suffix.lower()
-    if suffix == ".json":
-        return is_graph_file(output)
-    return suffix == ".onnx" or is_model_file(output)
+def _reserved(options: RunOptions) -> dict[Path, str]:
+    """What the run writes beside this model's own files (see RunOptions.reserved), the report included."""
+    report = {options.report.resolve(): f"the --report {options.report}"} if options.report is not None else {}
+    return {**options.reserved, **report}
 
 
 def _read_only(path: Path) -> bool:
@@ -397,8 +394,11 @@ def _commit(
         removals = _old_weights(output, moves)
         # Weights of this content already in place under their content-addressed name stay,
         # once their bytes are seen to be that content (a bad cache restore, a planted file).
-        moves = [(s, t) for s, t in moves if not (_is_weights_of(output, t, hashed=True) and _same_bytes(s, t))]
+        moves = [(s, t) for s, t in moves if not (_is_weights_of(output, t, hashed=True) and same_bytes(s, t))]
         _refuse_clashes(source, output, [t for _, t in moves], removals, reads, options)
+        weights = [t for _, t in moves if t not in (output, options.report)]
+        refuse_reserved(weights, _reserved(options), f"the weights of {output}")
+        refuse_read_by_others(weights, f"the weights of {output}", ignoring=[output])
         if output.is_file():  # the new weights keep the permissions of the model they replace
             mode = output.stat().st_mode & 0o7777
             for staged, target in moves:
@@ -412,25 +412,13 @@ def _commit(
                 stale.unlink()
 
 
-def _same_bytes(staged: Path, existing: Path) -> bool:
-    """Whether ``existing`` is a regular file holding the bytes of ``staged`` (read in chunks)."""
-    try:
-        return (
-            existing.is_file()
-            and existing.stat().st_size == staged.stat().st_size
-            and file_digest(existing) == file_digest(staged)
-        )
-    except OSError:
-        return False
-
-
 def batch_reads(sources: Sequence[Path]) -> dict[Path, list[Path]]:
     """The files the models of a folder run read (each model, its tensor data), resolved,
     with the models that read them; the tensor data files are the ones each model names,
     read without building the model (each is loaded once, by its own run)."""
     reads: dict[Path, list[Path]] = {}
     for source in sources:
-        files = [source, *(source.parent / location for location in sorted(_tensor_files_named_by(source)))]
+        files = [source, *(source.parent / location for location in sorted(tensor_files_named_by(source)))]
         for file in files:
             reads.setdefault(file.resolve(), []).append(source)
     return reads
@@ -438,30 +426,22 @@ def batch_reads(sources: Sequence[Path]) -> dict[Path, list[Path]]:
 
 def _old_weights(output: Path, moves: list[tuple[Path, Path]]) -> list[Path]:
     """The tensor data files (external data, .npy sidecars) that the model at ``output``
-    reads, that the new one does not, and that no other model in that folder reads: a
-    renamed export may still read ``model.onnx.data``."""
+    reads, that the new one does not, and that no other file in that folder reads, whatever
+    its name: a renamed export may still read ``model.onnx.data``, a copy made with ``cp
+    model.onnx model.onnx.bak`` the content-addressed weights."""
     if all(t != output for _, t in moves) or not output.is_file():
         return []
     new = {t.name for _, t in moves}
     folder = output.parent
     candidates = {
         p.resolve(): p
-        for p in map(folder.joinpath, _tensor_files_named_by(output))
+        for p in map(folder.joinpath, tensor_files_named_by(output))
         if _is_weights_of(output, p) and p.name not in new and p.is_file()
     }
-    replaced = output.resolve()
-    for neighbour in sorted(folder.iterdir()) if candidates else []:
-        is_model = neighbour.suffix.lower() in (".onnx", ".pb", ".json") and neighbour.is_file()
-        if is_model and neighbour.resolve() != replaced:
-            for location in _tensor_files_named_by(neighbour):
-                candidates.pop((folder / location).resolve(), None)
+    if candidates:
+        kept = readers(folder, ignoring=[output])
+        candidates = {path: file for path, file in candidates.items() if path not in kept}
     return sorted(candidates.values())
-
-
-def _tensor_files_named_by(model_file: Path) -> set[str]:
-    if model_file.suffix.lower() == ".json":
-        return sidecar_locations(model_file) if is_graph_file(model_file) else set()
-    return external_locations(model_file)
 
 
 def _is_weights_of(output: Path, candidate: Path, *, hashed: bool = False) -> bool:

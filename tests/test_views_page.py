@@ -143,7 +143,7 @@ def test_view_targets_are_checked_before_any_work(tmp_path: Path) -> None:
     notes = tmp_path / "notes.html"
     notes.write_text("mine")
     line = one_line_error(invoke("run", model, "-o", tmp_path / "out.onnx", "--html", notes))
-    assert "notes.html: exists and was not written by graphopt --html; it will not be replaced" in line
+    assert "notes.html: exists and was not written by --html; --html will not replace it" in line
     assert notes.read_text() == "mine" and not (tmp_path / "out.onnx").exists()
     line = one_line_error(invoke("run", model, "-o", tmp_path / "out.onnx", "--markdown", model))
     assert "--markdown names a model of this run" in line

@@ -27,9 +27,14 @@ def convert(source: Path, destination: Path, external_data: bool | None) -> None
       graphopt convert model.json model.onnx
     """
     from graphopt.io import load, save
+    from graphopt.writer import check_model_output, refuse_read_by_others
 
+    check_model_output(destination, "DESTINATION")
     if destination.exists() and destination.resolve() == source.resolve():
         raise InputError(f"{destination}: refusing to overwrite the input")
+    # The model and the weights file it would name: never what another model there reads.
+    weights = destination.with_name(f"{destination.name}.data")
+    refuse_read_by_others([destination, weights], f"the conversion of {source}", ignoring=[destination])
     model = load(source)
     options: dict[str, Any] = {}
     if destination.suffix.lower() != ".json" and external_data is not None:

@@ -53,6 +53,10 @@ def merge(reports: tuple[Path, ...], output: Path | None) -> None:
     """
     from graphopt.report import dumps, merge_reports, write_report
     from graphopt.report.console import failure_line, totals_line
+    from graphopt.writer import check_report_output
+
+    if output is not None:  # run's guards: never a folder, a special file, an input or a file not a report
+        check_report_output(output, reports, "-o", reads_are="one of the reports it merges")
 
     loaded = [(str(path), load_report(path)) for path in reports]
     try:

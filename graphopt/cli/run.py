@@ -158,9 +158,9 @@ def run(
     fails is rolled back and reported; the run goes on (--strict makes it exit 3).
     """
     from graphopt.batch import NOT_A_GRAPH, OUTSIDE, collect, select_shard
-    from graphopt.report import check_report_target
     from graphopt.report.model import FolderReport, GateReport
     from graphopt.runner import RunOptions
+    from graphopt.writer import check_report_output
 
     if in_place and output is not None:
         raise InputError("--in-place and -o exclude each other")
@@ -206,7 +206,7 @@ def run(
         single = False  # only files that are not models were named: an empty batch, exit 0
     sources = select_shard(collected.sources, selected)
     if report_path is not None:
-        check_report_target(report_path, sources)
+        check_report_output(report_path, sources)
     pages = Pages(html, markdown)
     pages.check(sources, stdout_taken="--json" if as_json else None)
 

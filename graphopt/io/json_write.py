@@ -50,7 +50,7 @@ def save(model: ir.Model, path: str | os.PathLike[str], *, content_addressed: bo
     staged = writer.staged
     try:
         text = dump(writer.model(model)) + "\n"
-        handle, tmp_json = temporary_file(path.parent, path.name)
+        handle, tmp_json = temporary_file(path.parent)
         staged.append(str(tmp_json))
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)
@@ -197,7 +197,7 @@ class _Writer:
         self.tensors.setdefault(name, []).append(tensor)
         if name in self.sidecars:
             return name  # the same values again: one file serves both
-        handle, tmp_path = temporary_file(self.path.parent, name)
+        handle, tmp_path = temporary_file(self.path.parent)
         self.staged.append(str(tmp_path))
         self.sidecars[name] = (str(tmp_path), self.path.parent / name)
         with os.fdopen(handle, "wb") as out:

@@ -73,7 +73,7 @@ def save(
     data_tmp: Path | None = None
     writer: _ExternalWriter | None = None
     if external_data:
-        handle, data_tmp = temporary_file(path.parent, data_name)
+        handle, data_tmp = temporary_file(path.parent)
         os.close(handle)
         writer = _ExternalWriter(data_tmp, data_name)
     digests: dict[str, str] = {}

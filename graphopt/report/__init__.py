@@ -9,19 +9,14 @@ batch and merges the reports of the shards of one CI matrix.
 from __future__ import annotations
 
 import json
-import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from graphopt.errors import InputError
-from graphopt.files import atomic_write, unwritable_kind
+from graphopt.files import atomic_write
 from graphopt.report.model import totals
 
-__all__ = ["check_report_target", "dumps", "merge_reports", "totals", "without_timings", "write_report"]
-
-# How every report graphopt writes begins (dumps keeps the key order).
-_REPORT_HEAD = b'{\n  "graphopt_version": '
+__all__ = ["dumps", "merge_reports", "totals", "without_timings", "write_report"]
 
 
 def dumps(report: Any) -> str:
@@ -33,33 +28,6 @@ def write_report(report: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = dumps(report).encode("utf-8")
     atomic_write(path, lambda out: out.write(text))
-
-
-def check_report_target(path: Path, models: Iterable[Path]) -> None:
-    """Refuse a --report that would replace something other than an earlier report: a
-    folder, one of ``models`` (read or written by the run), or any file that is not a report."""
-    if path.is_dir():
-        raise InputError(f"{path}: --report names a folder; give a file name")
-    unwritable = unwritable_kind(path)
-    if unwritable is not None:  # a FIFO would block the run, a pipe behind /dev/stdout too
-        raise InputError(f"{path}: {unwritable}; --report writes a regular file, or stdout with '--report -'")
-    if path.resolve() in {model.resolve() for model in models}:
-        raise InputError(f"{path}: --report names a model of this run; give another file name")
-    if path.exists():
-        try:
-            with path.open("rb") as existing:
-                head = existing.read(len(_REPORT_HEAD))
-        except OSError as err:
-            raise InputError(f"{path}: --report cannot replace it ({err.strerror or err})") from None
-        if head != _REPORT_HEAD:
-            raise InputError(f"{path}: exists and is not a graphopt report; --report will not replace it")
-    if path.parent.is_dir():  # found now, before any model is written, rather than after
-        try:
-            # A file without a name where the system has them (O_TMPFILE): a kill leaves nothing.
-            with tempfile.TemporaryFile(dir=path.parent):
-                pass
-        except OSError as err:
-            raise InputError(f"{path}: --report cannot write into {path.parent} ({err.strerror or err})") from None
 
 
 def without_timings(report: Any) -> Any:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.errors import InputError
-from graphopt.files import atomic_write, unwritable_kind
+from graphopt.files import atomic_write
+from graphopt.writer import check_report_output
 
 __all__ = ["Pages"]
 
@@ -44,17 +45,8 @@ class Pages:
         if len(on_stdout) > 1:
             raise InputError(f"{' and '.join(on_stdout)} would both print on stdout; give one of them a file")
         for flag, path, mark in views:
-            if path == Path("-"):
-                continue
-            if path.is_dir():
-                raise InputError(f"{path}: {flag} names a folder; give a file name")
-            unwritable = unwritable_kind(path)
-            if unwritable is not None:
-                raise InputError(f"{path}: {unwritable}; {flag} writes a regular file, or stdout with '{flag} -'")
-            if path.resolve() in resolved:
-                raise InputError(f"{path}: {flag} names a model of this run; give another file name")
-            if path.exists() and not _begins_with(path, mark):
-                raise InputError(f"{path}: exists and was not written by graphopt {flag}; it will not be replaced")
+            if path != Path("-"):  # the guards of every file graphopt writes (graphopt.writer)
+                check_report_output(path, resolved, flag, mark=mark.encode(), stranger=f"was not written by {flag}")
 
     def write(self, report: dict[str, Any]) -> None:
         """Render and write the views asked for of ``report`` (its JSON form)."""
@@ -69,11 +61,3 @@ class Pages:
                 data = text.encode("utf-8")
                 path.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(path, lambda out, data=data: out.write(data))  # type: ignore[misc]
-
-
-def _begins_with(path: Path, mark: str) -> bool:
-    try:
-        with path.open("rb") as existing:
-            return existing.read(len(mark.encode())) == mark.encode()
-    except OSError as err:
-        raise InputError(f"{path}: cannot be replaced ({err.strerror or err})") from None

@@ -21,8 +21,8 @@ from graphopt import files
 from graphopt.io import wire as onnx_wire
 from graphopt.ir import Model
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.report import check_report_target
 from graphopt.runner import file_digest
+from graphopt.writer import check_report_output
 from tests.cli_helpers import invoke
 from tests.reliability import builders
 from tests.reliability.test_atomic_writes import with_external_data
@@ -82,7 +82,7 @@ def test_the_report_folder_probe_leaves_nothing_when_killed(tmp_path: Path) -> N
     def killed_while_probing() -> None:
         os.unlink = lambda *a, **k: os._exit(KILLED)  # type: ignore[assignment]
         os.close = lambda *a, **k: os._exit(KILLED)  # type: ignore[assignment]
-        check_report_target(tmp_path / "r.json", [])
+        check_report_output(tmp_path / "r.json", [])
 
     _die_in_a_child(killed_while_probing)
     assert list(tmp_path.iterdir()) == []

@@ -180,7 +180,10 @@ def measure(variants: Path, only: list[str]) -> list[dict[str, Any]]:
                     cell["nodes"] = node_count(out).total
                     counts = op_counts(out)
                     cell["fused"] = {op: counts[op] for op in [*STANDARD_OPS, *ORT_OPS] if counts[op]}
-                    cell["distance"] = distances(entry, src, out)
+                    try:
+                        cell["distance"] = distances(entry, src, out)
+                    except Exception as err:  # onnxruntime refused a model at a binding: recorded, not fatal
+                        cell["distance_error"] = f"{type(err).__name__}: {str(err)[:200]}"
                     out.unlink()
                 row[target] = cell
             print(_line(row), flush=True)

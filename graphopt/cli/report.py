@@ -36,6 +36,7 @@ def merge(reports: tuple[Path, ...], output: Path | None) -> None:
       graphopt report merge shard*.json -o all.json
       graphopt report merge shard1.json shard2.json | jq .totals
     """
+    from graphopt.io.sources import input_file
     from graphopt.report import dumps, merge_reports, write_report
     from graphopt.report.console import failure_line, totals_line
     from graphopt.schemas import schema
@@ -43,10 +44,12 @@ def merge(reports: tuple[Path, ...], output: Path | None) -> None:
     loaded = []
     for path in reports:
         try:
-            document = json.loads(path.read_text(encoding="utf-8"))
+            document = json.loads(input_file(path).read_text(encoding="utf-8"))
             jsonschema.validate(document, schema("report"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise InputError(f"{path}: not a JSON report ({err})") from None
+        except RecursionError:  # a report graphopt writes is a few levels deep
+            raise InputError(f"{path}: not a graphopt report (nested deeper than Python's JSON parser reads)") from None
         except jsonschema.ValidationError as err:
             raise InputError(f"{path}: not a graphopt report ({err.message})") from None
         loaded.append((str(path), document))

@@ -298,7 +298,8 @@ def _batch(
     emit(report, report_path, as_json)
     for row in ran.report.models:
         line = failure_line(row)
-        if line is not None:
+        if line is not None:  # a model not checked under --require-check among them
             error_line(line)
-        _say_not_checked(row["input"]["path"], row, options.numerics.required)
+        else:
+            _say_not_checked(row["input"]["path"], row, options.numerics.required)
     sys.exit(ran.exit_code)

@@ -163,6 +163,7 @@ def _check_shards(reports: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
         found = _SHARD.fullmatch(shard)
         if found is None or not 1 <= int(found[1]) <= int(found[2]):
             raise ValueError(f"{name}: shard {shard!r} is not i/n with 1 <= i <= n")
+        shard = f"{int(found[1])}/{int(found[2])}"  # 01/3 is 1/3
         if shard in by_shard:
             raise ValueError(f"shard {shard} is given twice ({by_shard[shard]} and {name})")
         by_shard[shard] = name

@@ -84,6 +84,12 @@ def test_merge_refuses_a_shard_out_of_range(tmp_path: Path, shard: str) -> None:
     assert f"shard '{shard}' is not i/n with 1 <= i <= n" in line and "shard1.json" in line
 
 
+def test_merge_reads_a_shard_written_with_a_leading_zero_as_the_same_shard(tmp_path: Path) -> None:
+    report = _run_report(tmp_path, "one")
+    line = _merge(tmp_path, _shard(report, "1/2"), _shard(report, "01/2"))
+    assert "shard 1/2 is given twice" in line
+
+
 def test_merge_refuses_reports_of_another_graphopt_version(tmp_path: Path) -> None:
     report = _run_report(tmp_path, "one")
     line = _merge(tmp_path, report | {"graphopt_version": "0.0.1"})

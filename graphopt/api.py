@@ -101,9 +101,9 @@ def _evaluator() -> Evaluator:
     return Evaluator()
 
 
-def resolve_settings(pipeline: Pipeline, overrides: Mapping[str, Any]) -> Settings:
-    """The run's settings: a config's [settings], then ``overrides`` (API keywords, CLI options);
-    the pass knobs among them go onto the pipeline's passes."""
+def resolve_settings(pipeline: Pipeline, overrides: Mapping[str, Any]) -> tuple[Pipeline, Settings]:
+    """The run's settings: a config's [settings], then ``overrides`` (API keywords, CLI options),
+    and a copy of ``pipeline`` with the pass knobs among them on its passes."""
     return pipeline.configure(overrides)
 
 
@@ -143,8 +143,7 @@ def optimize(
     ``settings`` are the run settings of :class:`graphopt.settings.Settings` (e.g.
     ``independent_dims=True``, ``provenance=True``); they override a config's [settings].
     """
-    pipeline = resolve_pipeline(passes, config, max_steps)
-    run_settings = resolve_settings(pipeline, settings)
+    pipeline, run_settings = resolve_settings(resolve_pipeline(passes, config, max_steps), settings)
     given_proto = not isinstance(model, (Model, str, os.PathLike))
     if not isinstance(model, (Model, str, os.PathLike)):
         model = from_onnx(model, independent_dims=run_settings.independent_dims, base_dir=base_dir)

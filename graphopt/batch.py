@@ -12,6 +12,7 @@ pool, the files beside the models copied along, and the CI gate (``check_optimiz
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import multiprocessing
 import os
@@ -56,11 +57,37 @@ class Collected:
 
 
 def _is_other_json(path: Path) -> bool:
-    """A readable JSON file without graphopt's format marker: a model folder's config.json,
-    a tokenizer's files (one that cannot be read is left to the load to report)."""
-    from graphopt.io.json_io import is_graph_file
+    """Well-formed JSON that does not claim graphopt's format: a model folder's config.json,
+    a tokenizer's files. A JSON file that cannot be read or parsed (an export cut short), or
+    that has the format marker, is taken as a model: its load reports what is wrong (exit 2)."""
+    from graphopt.io.json_io import FORMAT_MARKER, is_graph_file
+    from graphopt.io.sources import input_file
 
-    return path.suffix.lower() == ".json" and os.access(path, os.R_OK) and not is_graph_file(path)
+    if path.suffix.lower() != ".json" or not os.access(path, os.R_OK) or is_graph_file(path):
+        return False
+    try:
+        document = json.loads(input_file(path).read_bytes())
+    except (InputError, OSError, ValueError, RecursionError):  # ValueError: not JSON, or not UTF-8
+        return False
+    return not (isinstance(document, dict) and document.get("format") == FORMAT_MARKER)
+
+
+def _listing(folder: Path) -> str:
+    """What ``folder`` holds, for the refusal of a folder without a model: a few file names."""
+    files = sorted(
+        str(path.relative_to(folder))
+        for path in folder.rglob("*")
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    )
+    if not files:
+        return "no file"
+    shown = ", ".join(files[:_LISTED])
+    more = len(files) - _LISTED
+    return shown + (f" and {more} other file{'s' if more > 1 else ''}" if more > 0 else "")
+
+
+# The file names the refusal of a folder without a model lists.
+_LISTED = 3
 
 
 def collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = False) -> Collected:
@@ -79,10 +106,12 @@ def collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = 
                 found.sources.append(source)
             continue
         # An output folder inside this one holds the results of a run, not inputs (a folder
-        # written onto itself is left to the overwrite check).
+        # written onto itself is left to the overwrite check; a folder inside the output
+        # folder is read as any other).
         excluded = output_folder.resolve() if output_folder is not None else None
-        if excluded == source.resolve():
+        if excluded is not None and (excluded == source.resolve() or not excluded.is_relative_to(source.resolve())):
             excluded = None
+        models_before = len(found.sources)
         for path in sorted(source.rglob("*")):
             relative = path.relative_to(source)
             if path.suffix.lower() not in (".onnx", ".json") or not path.is_file() or ".opt." in path.name:
@@ -100,6 +129,10 @@ def collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = 
                 found.skipped.append({"path": str(path), "reason": NOT_A_GRAPH})
                 continue
             found.sources.append(path)
+        if len(found.sources) == models_before:  # an export that failed half way, a wrong path in a matrix
+            raise InputError(
+                f"no model in {source}: found {_listing(source)} (looked for *.onnx and graphopt's *.json graphs)"
+            )
     return found
 
 

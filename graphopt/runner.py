@@ -92,8 +92,8 @@ class RunOptions:
     ) -> RunOptions:
         """Options for a run of ``passes`` or ``config`` with ``settings`` (keywords of
         :class:`graphopt.settings.Settings` and pass knobs); a bad pipeline fails here, before any work."""
-        pipeline = resolve_pipeline(passes, config, max_steps)
-        return cls(pipeline=pipeline, settings=resolve_settings(pipeline, settings or {}), config=config, **options)
+        pipeline, run_settings = resolve_settings(resolve_pipeline(passes, config, max_steps), settings or {})
+        return cls(pipeline=pipeline, settings=run_settings, config=config, **options)
 
     def load(self, source: Path, **options: Any) -> Model:
         """Load ``source`` as the run's settings ask (independent dims), with io's ``options``."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.schemas import schema
@@ -112,6 +113,53 @@ def test_a_named_json_that_is_not_a_graph_is_skipped_with_a_note(tmp_path: Path)
     report = json.loads(gate.stdout)
     assert [row["path"] for row in report["check_optimized"]] == [str(model)]
     assert report["skipped"] == [{"path": str(config), "reason": "JSON that is not a graphopt graph"}]
+
+
+@pytest.mark.parametrize("gate", [[], ["--require-check"], ["--check-optimized"]])
+def test_a_folder_without_a_model_is_bad_input_naming_what_it_holds(tmp_path: Path, gate: list[str]) -> None:
+    """An export that failed half way (only config.json): exit 0 with a note, under
+    --require-check and --check-optimized too (issue 35)."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    result = invoke("run", export, "-o", f"{tmp_path / 'out'}/", *gate)
+    line = one_line_error(result)
+    assert (
+        line
+        == f"graphopt: error: no model in {export}: found config.json (looked for *.onnx and graphopt's *.json graphs)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("gate", ["--require-check", "--check-optimized"])
+def test_a_gate_that_found_no_model_to_check_fails(tmp_path: Path, gate: str) -> None:
+    """Only files that are not models named: exit 0 with a note before; a gate must check one."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "bert"}))
+    line = one_line_error(invoke("run", config, gate))
+    assert f"{config}: no model to check (JSON that is not a graphopt graph)" in line and gate in line
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"format":\n "graphopt-gr', "invalid JSON at line 2"),  # cut short before its marker is whole
+        ('{"model_type": "bert"', "invalid JSON at line 1"),  # a truncated config.json
+        ('{"nodes": [' + " " * 70_000 + '], "format": "graphopt-graph"}', "'format_version' is a required property"),
+    ],
+)
+def test_a_json_file_that_is_broken_or_claims_the_format_is_bad_input(tmp_path: Path, text: str, message: str) -> None:
+    """Named or found in a folder beside a model: skipped as "not a graphopt graph", exit 0
+    (the marker is looked for in the first 64 KiB; the third claims it after them)."""
+    broken = tmp_path / "models" / "graph.json"
+    mlp(tmp_path / "models" / "model.onnx")
+    broken.write_text(text)
+    line = one_line_error(invoke("run", broken, "--no-check"))
+    assert str(broken) in line and message in line
+    folder = invoke("run", tmp_path / "models", "-o", f"{tmp_path / 'out'}/", "--no-check")
+    assert folder.exit_code == 2 and "note: skipped" not in folder.stderr
+    (line,) = error_lines(folder)
+    assert str(broken) in line and message in line
 
 
 def test_the_pre_commit_hook_gates_changed_onnx_files() -> None:

@@ -208,6 +208,19 @@ def test_a_pass_option_is_a_flag_an_api_keyword_and_a_config_setting(tmp_path: P
     assert [n.op_type for n in optimize(source, "dce").model.graph.nodes] == ["Relu"]
 
 
+def test_the_options_of_one_optimize_call_do_not_carry_over_to_the_next(tmp_path: Path) -> None:
+    """One Pipeline object given to two calls: the second runs without the first's option
+    (configure used to set it on the caller's passes, so the dead Neg stayed)."""
+    from graphopt.api import optimize
+
+    source = _dead_neg_model(tmp_path)
+    pipeline = pipeline_from_names("dce")
+    kept = optimize(source, pipeline, dce_keep_ops=["Neg"])
+    assert [n.op_type for n in kept.model.graph.nodes] == ["Relu", "Neg"]
+    assert [n.op_type for n in optimize(source, pipeline).model.graph.nodes] == ["Relu"]
+    assert pipeline.describe() == pipeline_from_names("dce").describe()
+
+
 def test_the_late_rules_run_in_the_last_simplify_only() -> None:
     """The default pipeline's last simplify runs the fuse pass's late rules; the name
     ``simplify`` in a pass list means the first, which does not."""

@@ -23,13 +23,16 @@ def report() -> None:
 
 def load_report(path: Path) -> dict[str, Any]:
     """A report file, read and validated against the report schema (InputError, naming it)."""
+    from graphopt.io.sources import input_file
     from graphopt.schemas import schema
 
     try:
-        document: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        document: dict[str, Any] = json.loads(input_file(path).read_text(encoding="utf-8"))
         jsonschema.validate(document, schema("report"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise InputError(f"{path}: not a JSON report ({err})") from None
+    except RecursionError:  # a report graphopt writes is a few levels deep
+        raise InputError(f"{path}: not a graphopt report (nested deeper than Python's JSON parser reads)") from None
     except jsonschema.ValidationError as err:
         raise InputError(f"{path}: not a graphopt report ({err.message})") from None
     return document

@@ -192,6 +192,10 @@ def run(
     console = stderr()
     single = len(models) == 1 and not models[0].is_dir() and shard is None
     collected = collect(models, target if (into_folder or not single) else None, strict)
+    if not collected.sources and (check_optimized or numerics.required):  # only files that are not models named
+        flag = "--check-optimized" if check_optimized else "--require-check"
+        named = ", ".join(s["path"] for s in collected.skipped)
+        raise InputError(f"{named}: no model to check ({NOT_A_GRAPH}); {flag} passes only a run that checked one")
     for reason, one, many in (
         (NOT_A_GRAPH, "JSON file that is not a graphopt graph", "JSON files that are not graphopt graphs"),
         (OUTSIDE, "symbolic link that leads outside its folder", "symbolic links that lead outside their folder"),
@@ -201,8 +205,6 @@ def run(
             kind = one if len(listed) == 1 else many
             console.print(escape(one_line(f"note: skipped {len(listed)} {kind}: {', '.join(listed)}")))
     if not collected.sources:
-        if not collected.skipped:
-            raise InputError(f"{', '.join(map(str, models))}: no models found (looked for *.onnx and graphopt *.json)")
         single = False  # only files that are not models were named: an empty batch, exit 0
     sources = select_shard(collected.sources, selected)
     if report_path is not None:
@@ -326,7 +328,8 @@ def _batch(
     pages.write(report)
     for row in ran.report.models:
         line = failure_line(row)
-        if line is not None:
+        if line is not None:  # a model not checked under --require-check among them
             error_line(line)
-        _say_not_checked(row["input"]["path"], row, options.numerics.required)
+        else:
+            _say_not_checked(row["input"]["path"], row, options.numerics.required)
     sys.exit(ran.exit_code)

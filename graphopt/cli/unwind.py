@@ -78,12 +78,16 @@ def _of_model(source: Path, options: UnwindOptions) -> tuple[Problem, Solution, 
 
 
 def _read_json(path: Path) -> Any:
+    from graphopt.io.sources import input_file
+
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(input_file(path).read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise InputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except json.JSONDecodeError as err:
         raise InputError(f"{path}: invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
+    except RecursionError:  # a layout problem is a few levels deep
+        raise InputError(f"{path}: nested deeper than Python's JSON parser reads") from None
 
 
 def render_solution(solution: dict[str, Any]) -> None:

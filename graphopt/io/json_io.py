@@ -54,7 +54,7 @@ from graphopt.io.builder import Annotate, NodeEntry, Scope, build_graph
 from graphopt.io.external import external_file
 from graphopt.io.json_text import parse_type_text
 from graphopt.io.onnx_io import MAX_SUBGRAPH_NESTING
-from graphopt.io.sources import ProtoSource
+from graphopt.io.sources import ProtoSource, input_file
 from graphopt.schemas import validate
 
 __all__ = [
@@ -241,9 +241,7 @@ def is_graph_file(path: str | os.PathLike[str]) -> bool:
 
 def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> ir.Model:
     """Read a JSON model; sidecar tensors are memory-mapped on first use. Raises InputError."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
+    path = input_file(Path(path))
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
@@ -255,8 +253,9 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> ir.
     depth = _nesting(data)
     if depth > MAX_NESTING:
         raise InputError(
-            f"{path}: nested {depth} levels deep, over the {MAX_NESTING} of {MAX_SUBGRAPH_NESTING} subgraphs "
-            "inside one another, the most an ONNX file can hold (onnx and onnxruntime parse no deeper)"
+            f"{path}: JSON nested {depth} levels deep; a graph may nest at most {MAX_NESTING} levels,"
+            f" {MAX_SUBGRAPH_NESTING} subgraphs inside one another, the most an ONNX file can hold"
+            " (onnx and onnxruntime parse no deeper)"
         )
     validate(data, "graph", str(path))
     try:

@@ -24,7 +24,7 @@ from graphopt.errors import InputError, bounded
 from graphopt.io import wire
 from graphopt.io.builder import NodeEntry, Scope, build_graph
 from graphopt.io.external import external_file
-from graphopt.io.sources import MODEL_HEADER, TYPED_FIELDS, ProtoSource
+from graphopt.io.sources import MODEL_HEADER, TYPED_FIELDS, ProtoSource, input_file
 
 __all__ = ["MAX_SUBGRAPH_NESTING", "external_locations", "from_proto", "load"]
 
@@ -41,9 +41,7 @@ MAX_SUBGRAPH_NESTING = 31
 
 def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> ir.Model:
     """Read an ONNX file. External data is mapped, not read. Raises InputError on bad input."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
+    path = input_file(Path(path))
     proto = onnx.ModelProto()
     try:
         # Large inline weights stay in the file, mapped on demand (see io/wire.py).

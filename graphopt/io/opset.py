@@ -58,7 +58,7 @@ def convert_opset(model: Model, version: int) -> Model:
     except InputError as err:
         raise InputError(f"cannot convert the model to opset {version}: {err}") from None
     except Exception as err:  # onnx raises assorted C++ exception types
-        raise InputError(f"cannot convert the model to opset {version}: {_blocking_op(err, proto)}") from None
+        raise InputError(f"cannot convert the model to opset {version}: {_blocking_op(err, proto, version)}") from None
     _refuse_what_onnxruntime_cannot_load(proto, converted, version)
     return from_proto(converted)
 
@@ -69,12 +69,16 @@ def _default_opset(proto: onnx.ModelProto) -> int:
 
 def _default_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     """The default-domain nodes of ``graph`` and of its subgraphs, at any depth."""
+    return (node for node in _all_nodes(graph) if node.domain in ("", "ai.onnx"))
+
+
+def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """The nodes of ``graph`` and of its subgraphs, at any depth, of every domain."""
     for node in graph.node:
-        if node.domain in ("", "ai.onnx"):
-            yield node
+        yield node
         for attr in node.attribute:
             for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-                yield from _default_nodes(sub)
+                yield from _all_nodes(sub)
 
 
 def _schema(op_type: str, version: int) -> defs.OpSchema | None:
@@ -183,9 +187,34 @@ def _without_weights(proto: onnx.ModelProto) -> onnx.ModelProto:
     )
 
 
-def _blocking_op(err: BaseException, proto: onnx.ModelProto) -> str:
+def _blocking_op(err: BaseException, proto: onnx.ModelProto, target: int | None = None) -> str:
+    """``err`` as a refusal that names the op behind it: the op its text names, else (the
+    converter's messages often name none: "Attribute layout must have value 0") the ops of
+    the model the conversion to ``target`` has to adapt, those whose schema differs between
+    the two opsets, or those of domains the converter does not know."""
     text = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
     text = re.sub(r"^.*?(Assertion `[^`]*` failed: )", "", text)
-    ops = {node.op_type for node in proto.graph.node}
+    nodes = list(_all_nodes(proto.graph))
+    ops = {node.op_type for node in nodes}
     named = [op for op in sorted(ops) if re.search(rf"\b{re.escape(op)}\b", text)]
-    return f"op {named[0]} blocks it ({text})" if named else text
+    if not named and target is not None:
+        source = _default_opset(proto)
+        named = sorted(
+            {
+                node.op_type
+                for node in nodes
+                if node.domain in ("", "ai.onnx") and _adapted(node.op_type, source, target)
+            }
+        ) or sorted({node.op_type for node in nodes if node.domain not in ("", "ai.onnx")})
+    if not named:
+        return text
+    if len(named) == 1:
+        return f"op {named[0]} blocks it ({text})"
+    return f"one of the ops {', '.join(named)} blocks it ({text})"
+
+
+def _adapted(op_type: str, source: int, target: int) -> bool:
+    """Whether converting between the two opsets changes ``op_type``'s schema (the converter
+    adapts it, or finds no adapter)."""
+    before, after = _schema(op_type, source), _schema(op_type, target)
+    return before is None or after is None or before.since_version != after.since_version

@@ -1,23 +1,48 @@
-"""Tensor data as ONNX holds it: values still inside a parsed TensorProto, and the raw bytes
-of any tensor as a TensorProto's raw_data would hold them (used by both writers)."""
+"""Where input bytes come from: the files graphopt reads (regular files only), tensor data
+as ONNX holds it (values still inside a parsed TensorProto), and the raw bytes of any tensor
+as a TensorProto's raw_data would hold them (used by both writers)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from graphopt.errors import InputError
+from graphopt.files import not_regular
 from graphopt.ir import DataType, ExternalSource, Tensor
 
-__all__ = ["MODEL_HEADER", "TYPED_FIELDS", "ProtoSource", "raw_buffer", "raw_layout", "tensor_proto_from_array"]
+__all__ = [
+    "MODEL_HEADER",
+    "TYPED_FIELDS",
+    "ProtoSource",
+    "input_file",
+    "raw_buffer",
+    "raw_layout",
+    "tensor_proto_from_array",
+]
 
 # The ModelProto's scalar fields, kept on ir.Model under the same names.
 MODEL_HEADER = ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string")
 
 # The TensorProto fields that hold values as typed numbers (rather than raw_data).
 TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
+
+
+def input_file(path: Path, what: str = "") -> Path:
+    """``path`` when it names a regular file (links followed), for every reader of an input
+    (models, reports, layout problems, --inputs, configs): InputError "no such file", or "not
+    a regular file" for a FIFO or a device, whose reading would block or never end. ``what``
+    names the file's role in the message ("config file")."""
+    special = not_regular(path)
+    if special is not None:
+        raise InputError(f"{path}: not a regular file but {special}; graphopt reads inputs from regular files")
+    if not path.is_file():
+        raise InputError(f"{path}: no such {what or 'file'}")
+    return path
 
 
 @dataclass

@@ -26,6 +26,10 @@ agree with. Sink slots linked by pairwise gains form components that are solved 
 Every step keeps the best answer so far, and the greedy answer is one of the starts, so
 the default never scores below greedy. ``exact`` is true when every component was
 settled by a finished branch and bound.
+
+Both honour their time budget: every loop reads the clock, and when the budget is spent
+the solver answers with what it has (greedy: the slots it gave mappings so far, the
+others fresh; the default: its best answer so far, or greedy's).
 """
 
 from __future__ import annotations
@@ -48,6 +52,16 @@ EXACT_SLOTS = 64
 # ... and gives up (keeping the best answer found) after this many search nodes.
 NODE_LIMIT = 200_000
 _EPS = 1e-9
+# The loops over many cheap steps read the clock once in this many.
+_CLOCK_EVERY = 4096
+
+
+class _OutOfTime(Exception):
+    """The budget ran out while the default solver set up a step: it answers with greedy's."""
+
+
+def _spent(deadline: float) -> bool:
+    return time.perf_counter() >= deadline
 
 
 def solve(problem: Problem, solver: SolverName = "default", time_budget: float = DEFAULT_TIME_BUDGET) -> Solution:
@@ -61,6 +75,7 @@ def solve(problem: Problem, solver: SolverName = "default", time_budget: float =
 
 
 def solve_greedy(problem: Problem, time_budget: float = DEFAULT_TIME_BUDGET) -> tuple[np.ndarray, bool]:
+    deadline = time.perf_counter() + time_budget
     kinds = problem.slot_kinds()
     labels = np.arange(problem.slot_count, dtype=np.int64)
     known = kinds == FIXED
@@ -77,7 +92,7 @@ def solve_greedy(problem: Problem, time_budget: float = DEFAULT_TIME_BUDGET) -> 
 
     def open_gates() -> None:
         opened = True
-        while opened:
+        while opened and not _spent(deadline):
             opened = False
             for origin, ins in list(pending_gates.items()):
                 if all(is_complete(x) for x in ins):
@@ -107,6 +122,8 @@ def solve_greedy(problem: Problem, time_budget: float = DEFAULT_TIME_BUDGET) -> 
         progressed = False
         kept: list[int] = []
         for position, i in enumerate(active):
+            if _spent(deadline):
+                return labels, False
             pair = problem.pairs[i]
             a_done, b_done = is_complete(pair.a), is_complete(pair.b)
             if a_done and b_done:
@@ -127,8 +144,9 @@ def solve_greedy(problem: Problem, time_budget: float = DEFAULT_TIME_BUDGET) -> 
 class _Terms:
     """The objective as unary and pairwise gains of sink slots (see the module docstring)."""
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, deadline: float) -> None:
         self.problem = problem
+        self.deadline = deadline
         n = problem.slot_count
         kinds = problem.slot_kinds()
         lookup = np.arange(n, dtype=np.int64)
@@ -149,7 +167,9 @@ class _Terms:
             u, v, w = np.concatenate(firsts), np.concatenate(seconds), np.concatenate(weights)
             keys, inverse = np.unique(u * n + v, return_inverse=True)
             totals = np.bincount(inverse, weights=w)
-            for key, total in zip(keys.tolist(), totals.tolist()):
+            for count, (key, total) in enumerate(zip(keys.tolist(), totals.tolist())):
+                if count % _CLOCK_EVERY == 0 and _spent(deadline):
+                    raise _OutOfTime
                 if total <= 0:
                     continue
                 x, y = divmod(key, n)
@@ -193,7 +213,9 @@ class _Terms:
                 s = parent[s]
             return s
 
-        for s, others in self.neighbours.items():
+        for count, (s, others) in enumerate(self.neighbours.items()):
+            if count % _CLOCK_EVERY == 0 and _spent(self.deadline):
+                raise _OutOfTime
             for t in others:
                 rs, rt = root(s), root(t)
                 if rs != rt:
@@ -231,18 +253,25 @@ class _Terms:
 
 def solve_default(problem: Problem, time_budget: float = DEFAULT_TIME_BUDGET) -> tuple[np.ndarray, bool]:
     deadline = time.perf_counter() + time_budget
-    greedy_labels, _ = solve_greedy(problem)
-    terms = _Terms(problem)
+    greedy_labels, _ = solve_greedy(problem, time_budget)
+    try:
+        terms = _Terms(problem, deadline)
+        components = terms.components()
+    except _OutOfTime:
+        return greedy_labels, False
     from_greedy = greedy_labels.copy()
     _local_search(terms, from_greedy, deadline)
-    ahead = _look_ahead(terms, greedy_labels)
+    ahead = _look_ahead(terms, greedy_labels, deadline)
     _local_search(terms, ahead, deadline)
     labels = greedy_labels.copy()
     exact = True
-    for component in terms.components():
+    for component in components:
+        if _spent(deadline):  # the components not reached keep greedy's answer
+            exact = False
+            break
         best = max((from_greedy, ahead, greedy_labels), key=lambda lab: terms.score(component, lab))
         labels[component] = best[component]
-        if len(component) <= EXACT_SLOTS and time.perf_counter() < deadline:
+        if len(component) <= EXACT_SLOTS and not _spent(deadline):
             exact &= _branch_and_bound(terms, component, labels, deadline)
         else:
             exact = False
@@ -251,9 +280,9 @@ def solve_default(problem: Problem, time_budget: float = DEFAULT_TIME_BUDGET) ->
     return labels, exact
 
 
-def _look_ahead(terms: _Terms, start: np.ndarray) -> np.ndarray:
+def _look_ahead(terms: _Terms, start: np.ndarray, deadline: float) -> np.ndarray:
     """Decide slots by decreasing best unary gain, each the label worth most given the
-    slots decided before it."""
+    slots decided before it (until the deadline: the others keep ``start``'s label)."""
     labels = start.copy()
     decided: set[int] = set()
 
@@ -261,6 +290,8 @@ def _look_ahead(terms: _Terms, start: np.ndarray) -> np.ndarray:
         return max(terms.unary.get(slot, {}).values(), default=0.0)
 
     for slot in sorted(terms.slots, key=lambda s: (-best_unary(s), s)):
+        if _spent(deadline):
+            break
         unary = terms.unary.get(slot, {})
         neighbours = terms.neighbours.get(slot, {})
         options = set(unary) | {int(labels[t]) for t in neighbours if t in decided}
@@ -284,6 +315,8 @@ def _local_search(terms: _Terms, labels: np.ndarray, deadline: float) -> None:
         for target, given in ((pair.a, pair.b), (pair.b, pair.a)):
             slots = terms.lookup[problem.ref[target].ravel()]
             sources = terms.lookup[problem.ref[given].ravel()]
+            if _spent(deadline):
+                return
             sink = kinds[slots] == SINK
             if sink.any():
                 regions.append(list(zip(slots[sink].tolist(), sources[sink].tolist())))
@@ -291,6 +324,8 @@ def _local_search(terms: _Terms, labels: np.ndarray, deadline: float) -> None:
     while improved and time.perf_counter() < deadline:
         improved = False
         for slot in terms.slots:
+            if _spent(deadline):
+                return
             current = terms.gain(slot, int(labels[slot]), labels)
             for label in sorted(terms.candidates(slot, labels)):
                 if terms.gain(slot, label, labels) > current + _EPS:

@@ -5,23 +5,43 @@
      "pairs": [{"a": "A", "b": "B", "value": 5}]}
 
 The same object may be the ``layout`` section of a graphopt JSON graph. Every error,
-of form or of meaning (an unknown tensor, shapes that do not fit), names its JSON path.
+of form or of meaning (an unknown tensor, shapes that do not fit, a problem over the size
+limits), names its JSON path. The limits are checked before anything is allocated: a
+problem of a few bytes may claim tensors of 2**62 elements.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from graphopt.errors import InputError
 from graphopt.layout.problem import Problem, ProblemError
 from graphopt.schemas import validate
 
-__all__ = ["problem_from_json", "problem_to_json"]
+__all__ = ["MAX_ELEMENTS", "MAX_ENTRIES", "MAX_RANK", "problem_from_json", "problem_to_json"]
+
+# A problem read from JSON holds at most this many elements over the tensors that have
+# their own (sinks, sources, the outputs of fixed points, barriers, reductions and calls)
+# and in any one tensor (a 700 x 700 sink paired with a source, 980,000 elements, takes
+# 460 MB to solve). The unwind pass's own problems are far smaller (a proxy of at most 64
+# elements per value).
+MAX_ELEMENTS = 1 << 20
+# The most axes a tensor of a problem has (numpy's arrays have at most 64).
+MAX_RANK = 32
+# The most ops and pairs, together, of a problem read from JSON: the schema check takes about
+# half a millisecond for each, so a bigger problem would spend the solver's default budget
+# before the solver starts.
+MAX_ENTRIES = 10_000
 
 
 def problem_from_json(data: Any, where: str, path: str = "$") -> Problem:
     """Build the problem ``data`` describes; ``where`` (the file) and ``path`` (the JSON path
     of ``data`` in it) prefix every error message."""
+    entries = [data.get(key) for key in ("ops", "pairs")] if isinstance(data, dict) else []
+    count = sum(len(found) for found in entries if isinstance(found, list))
+    if count > MAX_ENTRIES:
+        raise InputError(f"{where}: {path}: {count} ops and pairs; a problem read from JSON has at most {MAX_ENTRIES}")
     try:
         validate(data, "unwind", where)
     except InputError as err:
@@ -29,6 +49,7 @@ def problem_from_json(data: Any, where: str, path: str = "$") -> Problem:
     problem = Problem()
     for i, entry in enumerate(data["ops"]):
         try:
+            _check_size(problem, entry)
             _add(problem, entry)
         except ProblemError as err:
             raise InputError(f"{where}: {path}.ops[{i}]: {err}") from None
@@ -58,6 +79,33 @@ _BUILDERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "Call": ("call", ("ins", "callee_ins", "callee_outs", "value", "outs")),
 }
 _OPTIONAL_DEFAULTS = {"unwind_index": 0}
+
+
+def _check_size(problem: Problem, op: dict[str, Any]) -> None:
+    """Refuse ``op`` when a tensor it makes would pass :data:`MAX_RANK` or :data:`MAX_ELEMENTS`,
+    or the elements of the problem's origin tensors would pass :data:`MAX_ELEMENTS` with it."""
+    kind = op["op"]
+    shapes = [o["shape"] for o in op["outs"]] if kind in ("FixedPoint", "Barrier") else []
+    if "shape" in op:
+        shapes.append(op["shape"])
+    if kind == "Call":  # its outputs are new sinks of the callee outputs' shapes
+        shapes += [list(problem.shapes[out]) for out in op["callee_outs"] if out in problem.shapes]
+    if kind == "Concat":
+        shapes.append([sum(math.prod(problem.shapes[x]) for x in op["ins"] if x in problem.shapes)])
+    for shape in shapes:
+        if len(shape) > MAX_RANK:
+            raise ProblemError(f"a shape of rank {len(shape)}; a problem's tensors have at most {MAX_RANK} axes")
+        if math.prod(shape) > MAX_ELEMENTS:
+            raise ProblemError(
+                f"a tensor of {math.prod(shape)} elements; a problem's tensors have at most {MAX_ELEMENTS}"
+            )
+    if kind in ("Sink", "Source", "FixedPoint", "Barrier", "SumLikeReduce", "Call"):
+        made = sum(math.prod(shape) for shape in shapes)
+        if problem.slot_count + made > MAX_ELEMENTS:
+            raise ProblemError(
+                f"the problem would hold {problem.slot_count + made} elements in its sinks, sources and other"
+                f" origins; at most {MAX_ELEMENTS}"
+            )
 
 
 def _add(problem: Problem, op: dict[str, Any]) -> None:

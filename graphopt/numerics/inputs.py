@@ -50,6 +50,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from graphopt.errors import InputError
+from graphopt.io.sources import input_file
 from graphopt.numerics.dims import GraphFacts, Role, graph_facts, held_tensor, unnamed_key
 from graphopt.numerics.feeds import Feed, exotic
 from graphopt.numerics.paths import OutputPath, has_opaque_ops, output_paths
@@ -183,7 +184,7 @@ class Binding:
 def read_spec(path: Path) -> ModelSpec:
     """The inputs (without initializer-backed ones), output names and output paths of the model at ``path``."""
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        model = onnx.load(str(input_file(path)), load_external_data=False)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except (DecodeError, OSError, ValueError) as exc:
@@ -499,7 +500,7 @@ def _operand_values(role: Role, shape: tuple[int, ...], binding: Binding, rng: n
 def load_npz(path: Path, specs: tuple[InputSpec, ...]) -> tuple[dict[str, Feed], dict[str, int]]:
     """The user's arrays and the dims they bind; an array that cannot be fed is an InputError."""
     try:
-        arrays = _read_npz(path)
+        arrays = _read_npz(input_file(path))
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:

@@ -9,6 +9,7 @@ ran) and the pipeline goes on.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -155,15 +156,24 @@ class Pipeline:
     def describe(self) -> list[dict[str, Any]]:
         return [_describe(s) for s in self.steps]
 
-    def configure(self, overrides: Mapping[str, Any]) -> Settings:
+    def configure(self, overrides: Mapping[str, Any]) -> tuple[Pipeline, Settings]:
         """The run's settings from the config's [settings] and then ``overrides`` (API keywords,
-        CLI options); the pass knobs among them set their option on every step of their pass."""
+        CLI options), and a copy of the pipeline on which the pass knobs among them set their
+        option on every step of their pass. This pipeline is left as it was: options given to
+        one run do not carry over to the next run of the same Pipeline object."""
         settings, knobs = split_settings({**self.settings, **overrides}, "settings")
-        for step in self._passes():
+
+        def configured(step: Step) -> Step:
+            if isinstance(step, Group):
+                return dataclasses.replace(step, steps=[configured(s) for s in step.steps])
             chosen = {knob.option: value for knob, value in knobs if knob.pass_name == step.name}
-            if chosen:
-                step.options = dataclasses.replace(step.options, **chosen)
-        return settings
+            if not chosen:
+                return step
+            copied = copy.copy(step)
+            copied.options = dataclasses.replace(step.options, **chosen)
+            return copied
+
+        return dataclasses.replace(self, steps=[configured(s) for s in self.steps]), settings
 
     def _passes(self) -> list[Pass]:
         found: list[Pass] = []

@@ -8,7 +8,10 @@ batch and merges the reports of the shards of one CI matrix.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,25 +46,43 @@ def merge_reports(reports: Sequence[tuple[str, dict[str, Any]]], version: str) -
     """One report of several batch (or --check-optimized) reports, each given with its file
     name, rows sorted by path.
 
-    Raises ValueError, naming the reports, for what a CI matrix gets wrong: reports of two
-    kinds, shards of different matrices, a shard given twice, a shard missing, and a model
-    in two reports (which would count it twice).
+    Raises ValueError, naming the reports, for what a CI matrix gets wrong or a hand-made
+    report claims: reports of two kinds, of another graphopt version than ``version``, of two
+    pipelines, shards of different matrices, a shard given twice, a shard missing or out of
+    range, a model in two reports (its paths compared normalized, ``./m.onnx`` is ``m.onnx``),
+    which would count it twice, and a row whose status and exit code disagree.
     """
     kinds = {"check_optimized" if "check_optimized" in r else "models" for _, r in reports}
     if len(kinds) != 1:
         raise ValueError("cannot merge run reports with --check-optimized reports")
     (kind,) = kinds
+    for name, report in reports:
+        if report["graphopt_version"] != version:
+            written = report["graphopt_version"]
+            raise ValueError(
+                f"{name} was written by graphopt {written!r}, this is {version}: merge with the same version"
+            )
     shards = _check_shards(reports)
     rows: list[dict[str, Any]] = []
     seen: dict[str, str] = {}
+    pipelines: dict[str, str] = {}
     for name, report in reports:
         for row in report.get(kind, [report]):
             path = row["path"] if kind == "check_optimized" else row["input"]["path"]
-            if path in seen:
-                raise ValueError(f"{path} is in both {seen[path]} and {name}: each model once")
-            seen[path] = name
+            disagreement = _outcome_disagreement(row)
+            if disagreement is not None:
+                raise ValueError(f"{name}: {path}: {disagreement}, as graphopt never reports")
+            normalized = os.path.normpath(path)
+            if normalized in seen:
+                raise ValueError(f"{path} is in both {seen[normalized]} and {name}: each model once")
+            seen[normalized] = name
+            if "pipeline" in row:
+                pipelines.setdefault(json.dumps(row["pipeline"], sort_keys=True), name)
             rows.append(row)
-    rows.sort(key=lambda row: row["path"] if kind == "check_optimized" else row["input"]["path"])
+    if len(pipelines) > 1:
+        first, second = list(pipelines.values())[:2]
+        raise ValueError(f"{first} and {second} ran different pipelines: merge the shards of one run")
+    rows.sort(key=lambda row: os.path.normpath(row["path"] if kind == "check_optimized" else row["input"]["path"]))
     # Every shard of a folder run notes the same skipped files.
     skipped = {s["path"]: s for _, r in reports for s in r.get("skipped", [])}
     return {
@@ -73,26 +94,64 @@ def merge_reports(reports: Sequence[tuple[str, dict[str, Any]]], version: str) -
     }
 
 
+def _outcome_disagreement(row: dict[str, Any]) -> str | None:
+    """How a row's outcome contradicts itself (a failure with exit code 0, an exit code no
+    graphopt run has), or None; totals count failures by exit code, so the two must agree."""
+    code = row.get("exit_code")
+    if code is not None and code not in (0, 1, 2, 3):
+        return f"exit code {code}"
+    if "optimized" in row:  # a gate row has an exit code only when the model could not be read
+        if code is not None and (code == 0 or row["optimized"]):
+            return f"optimized {str(row['optimized']).lower()} with exit code {code}"
+        return None
+    numerics = (row.get("numerics") or {}).get("status")
+    failed = row["status"] != "ok" or numerics == "failed"
+    if failed != (code != 0):
+        return (
+            f"status {row['status']!r}"
+            + (", numerics 'failed'" if numerics == "failed" else "")
+            + f" with exit code {code}"
+        )
+    return None
+
+
+# A shard as --shard writes it, i/n; 18 digits keep int() cheap and below any real matrix.
+_SHARD = re.compile(r"([0-9]{1,18})/([0-9]{1,18})")
+
+
 def _check_shards(reports: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
-    """The shards of ``reports`` (i/n), all n of one matrix, each once; reports of unsharded
-    runs may come beside them."""
+    """The shards of ``reports`` (i/n with 1 <= i <= n), all n of one matrix, each once;
+    reports of unsharded runs may come beside them."""
     by_shard: dict[str, str] = {}
     counts: set[int] = set()
     for name, report in reports:
         shard = report.get("shard")
         if not shard:
             continue
+        found = _SHARD.fullmatch(shard)
+        if found is None or not 1 <= int(found[1]) <= int(found[2]):
+            raise ValueError(f"{name}: shard {shard!r} is not i/n with 1 <= i <= n")
+        shard = f"{int(found[1])}/{int(found[2])}"  # 01/3 is 1/3
         if shard in by_shard:
             raise ValueError(f"shard {shard} is given twice ({by_shard[shard]} and {name})")
         by_shard[shard] = name
-        counts.add(int(shard.partition("/")[2]))
+        counts.add(int(found[2]))
     if len(counts) > 1:
         listed = ", ".join(f"{shard} ({name})" for shard, name in by_shard.items())
         raise ValueError(f"the shards come from matrices of different sizes: {listed}")
     if counts:
         (count,) = counts
-        missing = [f"{i}/{count}" for i in range(1, count + 1) if f"{i}/{count}" not in by_shard]
-        if missing:
-            verb = "is" if len(missing) == 1 else "are"
-            raise ValueError(f"shard {', '.join(missing)} {verb} missing (merge every shard of the matrix)")
+        if len(by_shard) < count:  # named without building the list: a report may claim 1/99999999999
+            given = {int(shard.partition("/")[0]) for shard in by_shard}
+            first = list(itertools.islice((i for i in range(1, count + 1) if i not in given), _MISSING_NAMED))
+            missing = count - len(by_shard)
+            listed = ", ".join(f"{i}/{count}" for i in first) + (
+                f" and {missing - len(first)} more" if missing > len(first) else ""
+            )
+            verb = "is" if missing == 1 else "are"
+            raise ValueError(f"shard {listed} {verb} missing (merge every shard of the matrix)")
     return sorted(by_shard, key=lambda shard: int(shard.partition("/")[0]))
+
+
+# The missing shards a refusal names.
+_MISSING_NAMED = 5

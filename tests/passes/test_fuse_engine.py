@@ -450,14 +450,17 @@ def _triple_neg() -> onnx.ModelProto:
     return model(nodes, [info("x", [2, 3])], ["y"])
 
 
-@pytest.mark.parametrize("step", ["plan", "build"])
+@pytest.mark.parametrize("step", ["plan", "build", "where= predicate"])
 def test_a_rule_that_raises_is_undone_alone_and_reported(user_rule: list[str], step: str) -> None:
     """A broken rule (a user rule here, the larger match at its root) fails where it matches: that rewrite is
     undone, every other rule still applies (the library's Transpose pair, and a smaller rule at the broken
-    rule's root), and the report's failures name the pass, the rule, the node and the error."""
+    rule's root), and the report's failures name the pass, the rule, the node and the error. A raising
+    ``where=`` predicate (on the innermost Neg) used to roll the whole fuse pass back."""
     build = _raises if step == "build" else (lambda b, m, p: m.value("x"))
     plan = _raises if step == "plan" else None
-    add_rule(Rule(name="test-broken", family="test", pattern=op.Neg(op.Neg(op.Neg(var("x")))), plan=plan, build=build))
+    where = _raises if step == "where= predicate" else None
+    pattern = op.Neg(op.Neg(op.Neg(var("x"), where=where)))
+    add_rule(Rule(name="test-broken", family="test", pattern=pattern, plan=plan, build=build))
     add_rule(_neg_neg())
     user_rule.extend(["test-broken", "test-neg-neg"])
     original = _triple_neg()

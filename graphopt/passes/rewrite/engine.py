@@ -28,10 +28,11 @@ at once, so a chain such as ``Identity(Identity(x))`` goes in one pass.
 A structural match refused by a gate, a reader outside it, its plan or the type guard is a
 near miss; near misses whose root no other match covered are reported per family with the
 reason. A rule that cannot read its match raises :class:`Unreadable` (a refusal); any other
-exception from its plan or build is that rule's failure there (:class:`RuleFailed`): the
-rewrite is undone (the nodes and constants its build made go), the rule is not tried at that
-root again in the run, the other rules go on, and :attr:`RunStats.failures` carries it to the
-pass's result, which the pipeline reports as it reports a failing pass.
+exception from its plan, its build or a ``where=`` predicate of its pattern is that rule's
+failure there (:class:`RuleFailed`): the rewrite is undone (the nodes and constants its build
+made go), the rule is not tried at that root again in the run, the other rules go on, and
+:attr:`RunStats.failures` carries it to the pass's result, which the pipeline reports as it
+reports a failing pass.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from graphopt.ir import AttrKind, DataType, Graph, Model, Node, Value, tensor_dt
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, replace_nodes
 from graphopt.passes.base import Failure, PassContext
-from graphopt.passes.rewrite.patterns import Bindings, OpPattern, Pattern, entries, match, root_ops
+from graphopt.passes.rewrite.patterns import Bindings, OpPattern, Pattern, PredicateFailed, entries, match, root_ops
 
 __all__ = [
     "Match",
@@ -309,10 +310,10 @@ class RunStats:
     # (the root is kept so that its id is not reused by a new node).
     _failed_at: dict[tuple[str, int], Node] = field(default_factory=dict)
 
-    def fail(self, m: Match, err: RuleFailed) -> None:
-        """Record ``m``'s rule failing at its root (called where ``err`` is being handled)."""
-        self._failed_at[(m.rule.name, id(m.root))] = m.root
-        labels = {"rule": m.rule.name, "node": m.where()}
+    def fail(self, rule: Rule, root: Node, err: RuleFailed) -> None:
+        """Record ``rule`` failing at ``root`` (called where ``err`` is being handled)."""
+        self._failed_at[(rule.name, id(root))] = root
+        labels = {"rule": rule.name, "node": _where(root)}
         self.failures.append(Failure(bounded(str(err)), labels, traceback.format_exc()))
 
     def failed_at(self, rule: Rule, root: Node) -> bool:
@@ -384,16 +385,22 @@ def _feeds_only(start: Node, inside: set[int], feeders: dict[int, Node]) -> bool
     return True
 
 
-def _candidates(rule: Rule, root: Node, site: Site) -> Iterator[Match]:
+def _candidates(rule: Rule, root: Node, site: Site, stats: RunStats) -> Iterator[Match]:
+    """The structural matches of ``rule`` at ``root``; none more once a ``where=`` predicate
+    raises, which is the rule's failure there (recorded in ``stats``), not the pass's."""
     index = _root_output_pattern(rule)
     found = match(rule.pattern, root.outputs[index] if index < len(root.outputs) else None)
-    for bindings in itertools.islice(found, MAX_BINDINGS):
-        m = Match(rule, root, bindings, site)
-        inside = {id(n) for n in m.nodes}
-        # A leaf computed inside the match (Add(p, p) for MatMul + bias) would outlive its producer.
-        leaves_outside = not any(isinstance(v, Value) and id(v.producer) in inside for v in bindings.values())
-        if m.nodes and leaves_outside and all(n.graph is root.graph for n in m.nodes) and root in m.nodes:
-            yield m
+    try:
+        for bindings in itertools.islice(found, MAX_BINDINGS):
+            m = Match(rule, root, bindings, site)
+            inside = {id(n) for n in m.nodes}
+            # A leaf computed inside the match (Add(p, p) for MatMul + bias) would outlive its producer.
+            leaves_outside = not any(isinstance(v, Value) and id(v.producer) in inside for v in bindings.values())
+            if m.nodes and leaves_outside and all(n.graph is root.graph for n in m.nodes) and root in m.nodes:
+                yield m
+    except PredicateFailed as err:
+        failed = f"rule {rule.name!r} failed in its where= predicate at {_where(root)}: {err}"
+        stats.fail(rule, root, RuleFailed(failed))
 
 
 def _guarded(m: Match, step: str, call: Callable[..., Any], *args: Any) -> Any:
@@ -444,13 +451,13 @@ def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> l
                 continue
             refusal: str | None = None
             gated: frozenset[str] = frozenset()  # the first refused match's nodes, if the opset refused it
-            for m in _candidates(rule, node, site):
+            for m in _candidates(rule, node, site, stats):
                 if any(id(n) in covered for n in m.nodes):
                     continue
                 try:
                     reason = _valid(m, site)
                 except RuleFailed as err:
-                    stats.fail(m, err)
+                    stats.fail(m.rule, m.root, err)
                     refusal = None
                     break
                 if reason is not None:
@@ -488,7 +495,7 @@ def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
     except Unreadable as err:
         found = f"the match cannot be read ({err})"
     except RuleFailed as err:
-        stats.fail(m, err)
+        stats.fail(m.rule, m.root, err)
         found = None
     if not isinstance(found, dict):
         _undo(builder)
@@ -609,11 +616,11 @@ def sweep(model: Model, rules: RuleSet, site_for: Callable[[Graph], Site], stats
 
 
 def _first_valid(rule: Rule, root: Node, site: Site, stats: RunStats) -> Match | None:
-    for m in _candidates(rule, root, site):
+    for m in _candidates(rule, root, site, stats):
         try:
             if _valid(m, site) is None:
                 return m
         except RuleFailed as err:
-            stats.fail(m, err)
+            stats.fail(m.rule, m.root, err)
             return None
     return None

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from graphopt.errors import GraphoptError
 from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.node import STANDARD_DOMAINS
@@ -306,7 +307,7 @@ def _match_op(pattern: OpPattern, value: Value, env: Bindings) -> Iterator[Bindi
         return  # two different entries never match one node (a shared entry is one object)
     if not all(_attr_fits(node, name, want) for name, want in pattern.attrs.items()):
         return
-    if pattern.where is not None and not pattern.where(node):
+    if pattern.where is not None and not _holds(pattern.where, node):
         return
     env = {**env, key: node}
     actual = list(node.inputs)
@@ -319,6 +320,20 @@ def _match_op(pattern: OpPattern, value: Value, env: Bindings) -> Iterator[Bindi
         orders.append([actual[1], actual[0]])
     for order in orders:
         yield from _match_inputs(wanted, order, env)
+
+
+class PredicateFailed(Exception):
+    """A ``where=`` predicate raised (the exception is the cause): the failure of the rule
+    being matched, at its root, as an exception from its plan is."""
+
+
+def _holds(where: Callable[[Node], bool], node: Node) -> bool:
+    try:
+        return bool(where(node))
+    except GraphoptError:
+        raise
+    except Exception as err:
+        raise PredicateFailed(f"{type(err).__name__}: {err}") from err
 
 
 def _match_inputs(wanted: list[Pattern], actual: list[Value | None], env: Bindings) -> Iterator[Bindings]:

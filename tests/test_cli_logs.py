@@ -86,11 +86,22 @@ def test_every_requested_pass_is_shown_with_its_outcome(corpus_dir: Path, tmp_pa
 
 
 def test_two_groups_of_one_name_get_two_labels(tmp_path: Path) -> None:
+    config = tmp_path / "twice.toml"
+    group = '[[pipeline]]\ngroup = "simplify"\nsteps = [{ pass = "fuse" }, { pass = "dce" }]\n'
+    config.write_text(f'{group}\n[[pipeline]]\npass = "fold"\n\n{group}')
+    result = invoke("run", mlp(tmp_path / "m.onnx"), "--config", config, "--no-check")
+    assert result.exit_code == 0, result.stderr
+    labels = list(_table_rows(result.stderr))
+    assert labels == ["simplify (1)/fuse", "simplify (1)/dce", "fold", "simplify (2)/fuse", "simplify (2)/dce"]
+
+
+def test_the_default_pipeline_shows_each_step_once(tmp_path: Path) -> None:
     result = invoke("run", mlp(tmp_path / "m.onnx"), "--no-check")
     assert result.exit_code == 0, result.stderr
     labels = list(_table_rows(result.stderr))
-    assert "simplify (1)/fuse" in labels and "simplify (2)/fuse" in labels
-    assert "shape-infer" in labels and "strip-value-info" in labels and "cleanup/dce" in labels
+    assert labels[:3] == ["shape-infer", "cleanup/noop", "cleanup/dce"]
+    assert "simplify/fuse" in labels and "settle/fold" in labels and "settle/fuse" in labels
+    assert labels[-2:] == ["settle/shape-infer", "strip-value-info"]
 
 
 # -- 7: a named file gets the folder's rule; the pre-commit hook ----------------------------

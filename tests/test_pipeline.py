@@ -209,8 +209,8 @@ def test_a_pass_option_is_a_flag_an_api_keyword_and_a_config_setting(tmp_path: P
 
 
 def test_the_late_rules_run_in_the_last_simplify_only() -> None:
-    """The default pipeline's last simplify runs the fuse pass's late rules; the name
-    ``simplify`` in a pass list means the first, which does not."""
+    """The default pipeline's settle group runs the fuse pass's late rules; the name
+    ``simplify`` in a pass list means the group that does not."""
 
     def fuse_late(steps: list[dict[str, Any]]) -> list[bool]:
         return [

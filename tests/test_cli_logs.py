@@ -87,13 +87,23 @@ def test_every_requested_pass_is_shown_with_its_outcome(corpus_dir: Path, tmp_pa
 
 
 def test_two_groups_of_one_name_get_two_labels(tmp_path: Path) -> None:
+    config = tmp_path / "twice.toml"
+    group = '[[pipeline]]\ngroup = "simplify"\nsteps = [{ pass = "fuse" }, { pass = "dce" }]\n'
+    config.write_text(f'{group}\n[[pipeline]]\npass = "fold"\n\n{group}')
+    result = invoke("run", mlp(tmp_path / "m.onnx"), "--config", config, "--no-check")
+    assert result.exit_code == 0, result.stderr
+    labels = list(_table_rows(result.stderr))
+    assert labels == ["simplify (1), fold, simplify (2)"]  # all idle: one row, each group's label numbered
+
+
+def test_the_default_pipeline_shows_each_step_once(tmp_path: Path) -> None:
     result = invoke("run", mlp(tmp_path / "m.onnx"), "--no-check")
     assert result.exit_code == 0, result.stderr
     labels = list(_table_rows(result.stderr))
     assert labels == [
         "shape-infer",
         "cleanup/noop",
-        "cleanup/dce, cleanup/cse, simplify (1), fold, unwind, simplify (2), strip-value-info",  # all idle
+        "cleanup/dce, cleanup/cse, simplify, settle, strip-value-info",  # all idle
     ]
 
 

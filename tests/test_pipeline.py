@@ -222,8 +222,8 @@ def test_the_options_of_one_optimize_call_do_not_carry_over_to_the_next(tmp_path
 
 
 def test_the_late_rules_run_in_the_last_simplify_only() -> None:
-    """The default pipeline's last simplify runs the fuse pass's late rules; the name
-    ``simplify`` in a pass list means the first, which does not."""
+    """The default pipeline's settle group runs the fuse pass's late rules; the name
+    ``simplify`` in a pass list means the group that does not."""
 
     def fuse_late(steps: list[dict[str, Any]]) -> list[bool]:
         return [

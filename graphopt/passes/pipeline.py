@@ -45,24 +45,29 @@ DEFAULT_MAX_STEPS = 8
 logger = logging.getLogger(__name__)
 
 
-def _simplify(fuse_options: dict[str, Any]) -> dict[str, Any]:
+_CLEANUP = [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]
+
+
+def _simplify(fuse_options: dict[str, Any]) -> list[dict[str, Any]]:
     fuse = {"pass": "fuse", **({"options": fuse_options} if fuse_options else {})}
-    return {
-        "group": "simplify",
-        "steps": [{"pass": "const-cache"}, fuse, {"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}],
-    }
+    return [{"pass": "const-cache"}, fuse, *_CLEANUP]
 
 
-# The default pipeline: every pass that exists, in the order the design gives. simplify runs
-# again after fold and unwind: a Transpose gone exposes per-channel Mul/Add that fuse into Conv.
-# The fuse pass's late rules run in the last simplify only, after every other rewrite.
+# The default pipeline: every pass that exists, in the order the design gives. The passes after
+# the first simplify repeat as one group, settle, until none of them changes the model: a
+# Transpose unwound exposes per-channel Mul/Add that fuse into Conv, the late fuse rules (run
+# there only, after every other rewrite) make Gemms that fold batches, and shape-infer types
+# what the rewrites made as a fresh inference would. So the output is a fixed point: a second
+# run (and --check-optimized) changes nothing.
+_SHAPE_INFER_AFRESH = {"pass": "shape-infer", "options": {"afresh": True}}
 DEFAULT_PIPELINE: list[dict[str, Any]] = [
     {"pass": "shape-infer"},
-    {"group": "cleanup", "steps": [{"pass": "noop"}, {"pass": "dce"}, {"pass": "cse"}]},
-    _simplify({}),
-    {"pass": "fold"},
-    {"pass": "unwind"},
-    _simplify({"late": True}),
+    {"group": "cleanup", "steps": _CLEANUP},
+    {"group": "simplify", "steps": _simplify({})},
+    {
+        "group": "settle",
+        "steps": [{"pass": "fold"}, {"pass": "unwind"}, *_simplify({"late": True}), _SHAPE_INFER_AFRESH],
+    },
     {"pass": "strip-value-info"},
 ]
 

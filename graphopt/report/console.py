@@ -309,14 +309,21 @@ def render_passes(
         out.append("")
     if pipeline is not None:
         out.append("default pipeline:")
-        out += [f"  {_step_text(step)}" for step in pipeline]
+        for step in pipeline:  # a long group wraps between its steps, never inside a step's options
+            lines = textwrap.wrap(
+                _step_text(step), _WIDTH, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False
+            )
+            out += [line.replace(_UNBROKEN_SPACE, " ") for line in lines]
     console.print(escape("\n".join(out).rstrip("\n")), soft_wrap=True)
+
+
+_UNBROKEN_SPACE = "\N{NO-BREAK SPACE}"  # textwrap breaks lines at ASCII spaces only
 
 
 def _step_text(step: dict[str, Any]) -> str:
     if "group" not in step:
         options = step.get("options")
-        return step["pass"] + (f" {options}" if options else "")
+        return step["pass"] + (f" {options}".replace(" ", _UNBROKEN_SPACE) if options else "")
     inner = ", ".join(_step_text(s) for s in step["steps"])
     return f"{step['group']} ({inner}), up to {step.get('max_steps', DEFAULT_MAX_STEPS)} rounds"
 

@@ -19,6 +19,7 @@ from graphopt.api import optimize
 
 SIZE = 20_000
 BOUND_SECONDS = 60.0
+pytestmark = pytest.mark.timed
 
 # The scale benchmark's own graph shapes (benchmarks/scale.py), so the test and the figures in
 # BENCHMARKS.md measure the same graphs.

@@ -78,7 +78,7 @@ class FuseOptions:
     late: bool = option(
         False,
         "also run the late rules, once the others change nothing, or in one more round after max_rounds "
-        "(on in the default pipeline's last simplify)",
+        "(on in the default pipeline's settle group)",
     )
 
 

@@ -8,6 +8,7 @@ from graphopt.facts import infer_model
 from graphopt.ir import Model
 from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
+from graphopt.passes.shapes.strip import intermediate_values
 
 __all__ = ["ShapeInference"]
 
@@ -19,6 +20,11 @@ class ShapeInferOptions:
         "fill what the shape rules leave unknown from onnx's own inference (run on demand, on a copy without weights)",
     )
     onnx_max_nodes: int = option(50_000, "skip onnx's inference on models with more nodes than this")
+    afresh: bool = option(
+        False,
+        "first forget the intermediate types (those strip-value-info leaves out), so the passes after it see "
+        "what a run on the written model sees (on in the default pipeline's settle group)",
+    )
 
 
 @register
@@ -26,7 +32,12 @@ class ShapeInference(Pass, name="shape-infer", options=ShapeInferOptions):
     """Infer tensor types with symbolic dims, past ops onnx's own inference gives up on"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
-        summary = infer_model(
-            ctx.facts(model), use_onnx=self.options.use_onnx, onnx_max_nodes=self.options.onnx_max_nodes
-        )
+        facts = ctx.facts(model)
+        forgotten = {value: value.type for value in intermediate_values(model)} if self.options.afresh else {}
+        for value in forgotten:
+            value.type = None
+            facts.forget(value)
+        summary = infer_model(facts, use_onnx=self.options.use_onnx, onnx_max_nodes=self.options.onnx_max_nodes)
+        if self.options.afresh:  # changed: the types are not those it forgot
+            return PassResult(forgotten != {value: value.type for value in intermediate_values(model)}, summary.details)
         return PassResult(summary.changed, summary.details)

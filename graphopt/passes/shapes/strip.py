@@ -12,13 +12,23 @@ what a custom op returns. Graph inputs and outputs always keep their types.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from graphopt.ir import Model
+from graphopt.ir import Model, Value
 from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 
-__all__ = ["StripValueInfo"]
+__all__ = ["StripValueInfo", "intermediate_values"]
+
+
+def intermediate_values(model: Model, *, keep_custom: bool = True) -> Iterator[Value]:
+    """The typed values whose types the pass leaves out (a reload of the written model lacks them)."""
+    for graph in model.all_graphs():
+        for node in graph:
+            if keep_custom and not node.in_standard_domain:
+                continue
+            yield from (v for v in node.outputs if v.type is not None and not v.is_graph_output)
 
 
 @register
@@ -31,12 +41,7 @@ class StripValueInfo(Pass, name="strip-value-info"):
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         stripped = 0
-        for graph in model.all_graphs():
-            for node in graph:
-                if self.options.keep_custom and not node.in_standard_domain:
-                    continue
-                for value in node.outputs:
-                    if value.type is not None and not value.is_graph_output:
-                        value.type = None
-                        stripped += 1
+        for value in list(intermediate_values(model, keep_custom=self.options.keep_custom)):
+            value.type = None
+            stripped += 1
         return PassResult(stripped > 0, {"stripped": stripped})

@@ -171,7 +171,7 @@ def test_a_model_summary_has_every_section(single: Path) -> None:
     for section in (
         "## `",
         "### Pipeline",
-        "| fold, unwind, simplify (2) | 103 |",
+        "| settle | 103 |",
         "### Ops before → after",
         "| `Constant` | 107 | 0 | -107 |",
         "### Fused",

@@ -24,8 +24,11 @@ run: samples
 	$(VENV)/bin/graphopt run samples/tiny_encoder.onnx -o samples/tiny_encoder.opt.onnx --report samples/report.json
 	@echo "optimized model: samples/tiny_encoder.opt.onnx   report: samples/report.json"
 
+# The default suite, then the timed tests apart (they assert wall times; coverage's tracer would triple them).
+# COV: extra pytest options for the default suite (.ci/run passes coverage's).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 -m "not slow and not timed" $(COV)
+	$(PY) -m pytest -q -n 2 -m timed
 
 # The slow suites too (the whole ONNX node test suite through the default pipeline).
 test-all: $(STAMP)

@@ -108,6 +108,7 @@ _EPSILON: dict[DataType, float] = {
     DataType.FLOAT8E4M3FNUZ: 2.0**-3,
     DataType.FLOAT8E5M2: 2.0**-2,
     DataType.FLOAT8E5M2FNUZ: 2.0**-2,
+    DataType.FLOAT4E2M1: 2.0**-1,
 }
 
 _BITS: dict[DataType, int] = {

@@ -30,6 +30,7 @@ from onnx import numpy_helper
 
 from graphopt.ir.constness import RANDOM_OPS
 from graphopt.ir.node import STANDARD_DOMAINS
+from graphopt.ir.types import DataType
 
 __all__ = [
     "EPSILON",
@@ -42,18 +43,10 @@ __all__ = [
     "precision_name",
 ]
 
-# Machine epsilon (the gap between 1 and the next larger number) of each float type.
-EPSILON: dict[str, float] = {
-    "float64": 2.0**-52,
-    "float32": 2.0**-23,
-    "float16": 2.0**-10,
-    "bfloat16": 2.0**-7,
-    "float8e4m3fn": 2.0**-3,
-    "float8e4m3fnuz": 2.0**-3,
-    "float8e5m2": 2.0**-2,
-    "float8e5m2fnuz": 2.0**-2,
-    "float4e2m1": 2.0**-1,
-}
+# Machine epsilon (the gap between 1 and the next larger number) of each float type, by its numpy-style name
+# (the IR's table, DataType.epsilon).
+_NAMES = {DataType.DOUBLE: "float64", DataType.FLOAT: "float32"}
+EPSILON: dict[str, float] = {_NAMES.get(t, t.name.lower()): t.epsilon for t in DataType if t.epsilon is not None}
 _ALIASES = {"float": "float32", "double": "float64", "complex64": "float32", "complex128": "float64"}
 _NEVER_FLOAT = frozenset(
     {

@@ -11,6 +11,7 @@ gate, blame) lives beside this module, in :mod:`graphopt.runner`.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from graphopt.passes.pipeline import (
     default_pipeline,
     load_pipeline_config,
     pipeline_from_names,
+    restore_model,
 )
 from graphopt.report.model import PipelineReport
 from graphopt.settings import Settings
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 
     from graphopt.evaluate import Evaluator
     from graphopt.numerics.check import CheckResult
+    from graphopt.runtime.guard import RuntimeGuard
 
 __all__ = [
     "Result",
@@ -54,6 +57,7 @@ __all__ = [
 
 
 M = TypeVar("M", Model, "onnx.ModelProto")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -171,10 +175,20 @@ def run_pipeline(
     (:func:`resolve_settings`) on ``model`` in place: :func:`optimize` once its arguments are read."""
     before = model_stats(model)
     start = time.perf_counter()
-    run = pipeline.run(
-        model, pass_context(settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
-    )
-    seconds = time.perf_counter() - start
+    guard = _runtime_guard(model, pipeline, settings, stop_after)
+    try:
+        run = pipeline.run(
+            model, pass_context(settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
+        )
+    except BaseException:
+        if guard is not None:
+            guard.cancel()
+        raise
+    seconds = {"optimize": round(time.perf_counter() - start, 6)}
+    guarded: dict[str, Any] | None = None
+    if guard is not None:
+        pipeline, run, guarded = _guard(guard, model, run, pipeline, settings)
+        seconds["runtime_guard"] = guarded["seconds"]
     failures = run.failure_records()
     if strict and failures:
         raise PassError(failures[0]["pass"], failures[0]["error"])
@@ -183,9 +197,37 @@ def run_pipeline(
         passes=[r.as_dict() for r in run.runs],
         failures=failures,
         summary={"before": before.as_dict(), "after": model_stats(model).as_dict()},
-        seconds={"optimize": round(seconds, 6)},
+        seconds=seconds,
+        runtime_guard=guarded,
     )
     return Result(model, report, run)
+
+
+def _runtime_guard(model: Model, pipeline: Pipeline, settings: Settings, stop_after: int | None) -> RuntimeGuard | None:
+    """The runtime guard of this run, started (graphopt.runtime.guard): on the whole of the
+    default pipeline unless --no-runtime-guard (a run stopped after some passes is blame's)."""
+    if not settings.runtime_guard or stop_after is not None:
+        return None
+    from graphopt.runtime.guard import RuntimeGuard, guards
+
+    return RuntimeGuard(model) if guards(pipeline) else None
+
+
+def _guard(
+    guard: RuntimeGuard, model: Model, run: PipelineRun, pipeline: Pipeline, settings: Settings
+) -> tuple[Pipeline, PipelineRun, dict[str, Any]]:
+    """Finish the runtime guard: the rewrites that cost onnxruntime a fusion are undone, ``model``
+    taking the rerun's result in place; its messages are logged (the report has them)."""
+
+    def rerun(steps: Pipeline, fresh: Model) -> PipelineRun:
+        return steps.run(fresh, pass_context(settings))
+
+    outcome = guard.finish(model, run, pipeline, rerun)
+    if outcome.model is not None:
+        restore_model(model, outcome.model)
+    for line in outcome.messages():
+        logger.info("%s", line)
+    return outcome.pipeline, outcome.run, outcome.as_dict()
 
 
 def check(

@@ -39,6 +39,12 @@ class Settings:
         "Default-domain opset of the output (0: the model's own). The fuse pass converts "
         "the model with onnx's version converter, lowering ops the target lacks first.",
     )
+    runtime_guard: bool = option(
+        True,
+        "On a run of the default pipeline, load the original and the output in onnxruntime "
+        "(CPU, ORT_ENABLE_ALL), count the fused kernels it forms, and undo the rewrite that cost "
+        "one (--no-runtime-guard: skip it).",
+    )
     verify: bool = field(
         default_factory=lambda: os.environ.get("GRAPHOPT_VERIFY", "") not in ("", "0"),
         metadata={

@@ -29,13 +29,13 @@ import signal
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET
 from graphopt.numerics.check import TIMEOUT_REMEDY, CheckResult, check_models, seconds_text
 from graphopt.processes import die_with_parent, ending_children_on_sigterm
 
-__all__ = ["GRACE_SECONDS", "TimedOut", "check_models_isolated", "run_isolated"]
+__all__ = ["GRACE_SECONDS", "Isolated", "TimedOut", "check_models_isolated", "run_isolated", "start_isolated"]
 
 # How long past the deadline it set itself a child may take to report before it is killed:
 # onnxruntime stops a run at the deadline, then the child compares what ran and reports.
@@ -79,6 +79,62 @@ def run_isolated(function: Callable[..., T], *args: Any, watch_deadline: bool = 
     ``on_deadline(end, seconds)`` option, to tell of each deadline it sets (``end`` on the
     time.monotonic clock, which both processes share); past ``end`` and GRACE_SECONDS the
     child is killed and the description is a :class:`TimedOut`."""
+    return start_isolated(function, *args, watch_deadline=watch_deadline, **options).wait()
+
+
+class Isolated(Generic[T]):
+    """A function running in a child process (:func:`start_isolated`): :meth:`wait` for its
+    outcome, or :meth:`cancel` it."""
+
+    def __init__(self, process: Any, receiver: Connection, on_phase: Callable[[str], None] | None) -> None:
+        self.process, self.receiver, self.on_phase = process, receiver, on_phase
+
+    def wait(self) -> T | str:
+        """As :func:`run_isolated` describes it."""
+        process, receiver = self.process, self.receiver
+        end: float | None = None
+        limit = 0.0
+        try:
+            with ending_children_on_sigterm(lambda: [process]):
+                kind = None
+                while kind != _DONE:
+                    wait = None if end is None else max(0.0, end + GRACE_SECONDS - time.monotonic())
+                    if not receiver.poll(wait):
+                        process.kill()
+                        return TimedOut(f"timed out after {seconds_text(limit)} s (the check's process was killed)")
+                    kind, outcome = receiver.recv()
+                    if kind == _PHASE and self.on_phase is not None:
+                        self.on_phase(outcome)
+                    elif kind == _DEADLINE:
+                        end, limit = outcome
+            received = True
+        except EOFError:
+            outcome, received = None, False
+        except BaseException:  # interrupted: the child must not outlive the wait for it
+            process.kill()
+            raise
+        finally:
+            receiver.close()
+            process.join()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if received:
+            return outcome  # type: ignore[no-any-return]
+        code = process.exitcode or 0
+        if code < 0:
+            return f"onnxruntime crashed with {signal.Signals(-code).name}"
+        return f"the check's process ended with exit code {code}"
+
+    def cancel(self) -> None:
+        """End the child, its outcome unread."""
+        self.process.kill()
+        self.receiver.close()
+        self.process.join()
+
+
+def start_isolated(function: Callable[..., T], *args: Any, watch_deadline: bool = False, **options: Any) -> Isolated[T]:
+    """Start ``function(*args, **options)`` in a child process and return at once (options as
+    :func:`run_isolated`): the caller works on meanwhile and then waits for it."""
     on_phase = options.pop("on_phase", None)
     if on_phase is not None:
         options[_RELAY] = True
@@ -91,38 +147,7 @@ def run_isolated(function: Callable[..., T], *args: Any, watch_deadline: bool = 
     )
     process.start()
     sender.close()
-    end: float | None = None
-    limit = 0.0
-    try:
-        with ending_children_on_sigterm(lambda: [process]):
-            kind = None
-            while kind != _DONE:
-                wait = None if end is None else max(0.0, end + GRACE_SECONDS - time.monotonic())
-                if not receiver.poll(wait):
-                    process.kill()
-                    return TimedOut(f"timed out after {seconds_text(limit)} s (the check's process was killed)")
-                kind, outcome = receiver.recv()
-                if kind == _PHASE:
-                    on_phase(outcome)
-                elif kind == _DEADLINE:
-                    end, limit = outcome
-        received = True
-    except EOFError:
-        outcome, received = None, False
-    except BaseException:  # interrupted: the child must not outlive the wait for it
-        process.kill()
-        raise
-    finally:
-        receiver.close()
-        process.join()
-    if isinstance(outcome, BaseException):
-        raise outcome
-    if received:
-        return outcome  # type: ignore[no-any-return]
-    code = process.exitcode or 0
-    if code < 0:
-        return f"onnxruntime crashed with {signal.Signals(-code).name}"
-    return f"the check's process ended with exit code {code}"
+    return Isolated(process, receiver, on_phase)
 
 
 def check_models_isolated(

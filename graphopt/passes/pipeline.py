@@ -39,6 +39,7 @@ __all__ = [
     "load_pipeline_config",
     "pipeline_from_config",
     "pipeline_from_names",
+    "restore_model",
 ]
 
 DEFAULT_MAX_STEPS = 8
@@ -256,7 +257,7 @@ class _Execution:
             seconds = time.perf_counter() - start
             logger.debug("pass %s failed and was rolled back:\n%s", step.name, traceback.format_exc())
             if own_snapshot is not None:
-                _restore(model, own_snapshot)
+                restore_model(model, own_snapshot)
             run = PassRun(
                 step.name,
                 group,
@@ -309,9 +310,9 @@ class _Execution:
                 changed |= run.changed
                 continue
             failed.add(index)
-            _restore(model, snapshot)  # a snapshot rebuilds as often as asked
+            restore_model(model, snapshot)  # a snapshot rebuilds as often as asked
             if not self._replay(group.steps[:index], failed):
-                _restore(model, snapshot)
+                restore_model(model, snapshot)
                 changed = False
             self.current = model_stats(model)
         return changed
@@ -349,8 +350,9 @@ def _check_result(model: Model, result: PassResult, ctx: PassContext) -> None:
             raise PassBrokeIR(f"it left the IR invalid: {err}") from None
 
 
-def _restore(model: Model, snapshot: Snapshot) -> None:
-    restored = snapshot.model()
+def restore_model(model: Model, snapshot: Snapshot | Model) -> None:
+    """Make ``model`` (in place) the model ``snapshot`` was taken of, or another model."""
+    restored = snapshot.model() if isinstance(snapshot, Snapshot) else snapshot
     for name in vars(restored):
         setattr(model, name, getattr(restored, name))
 

@@ -98,6 +98,8 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     render_ops(console, before["ops"], after["ops"])
     for group in not_fused(report):
         console.print(escape(group.line()))
+    for line in guard_lines(report.get("runtime_guard")):
+        console.print(escape(one_line(line)))
     files = _file_sizes(report)
     if files:
         console.print(files)
@@ -106,6 +108,20 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         _render_blame(console, report["blame"])
     if report.get("output"):
         console.print(escape(one_line(f"wrote {report['output']['path']}")))
+
+
+def guard_lines(guard: dict[str, Any] | None) -> list[str]:
+    """What the runtime guard found (graphopt.runtime.guard): a line per rewrite undone and per
+    fusion lost, or one line saying all were kept, or why it was not taken."""
+    if guard is None:
+        return []
+    took = f"{guard['seconds']:.2f} s"
+    if guard["status"] == "not taken":
+        return [f"runtime guard: not taken ({guard['reason']})"]
+    lines = [entry["message"] for entry in guard["undone"] + guard["lost"]]
+    if not lines:
+        lines = ["runtime guard: onnxruntime fuses the output as it fused the original"]
+    return [*lines[:-1], f"{lines[-1]} (runtime guard {took}, {guard['reruns']} reruns)"]
 
 
 def render_ops(

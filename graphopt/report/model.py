@@ -30,15 +30,20 @@ class PipelineReport:
     failures: list[Json]
     summary: Json
     seconds: dict[str, float]
+    # What the runtime guard found (graphopt.runtime.guard), when it ran.
+    runtime_guard: Json | None = None
 
     def to_json(self) -> Json:
-        return {
+        found = {
             "pipeline": self.pipeline,
             "passes": self.passes,
             "failures": self.failures,
             "summary": self.summary,
             "seconds": dict(self.seconds),
         }
+        if self.runtime_guard is not None:
+            found["runtime_guard"] = self.runtime_guard
+        return found
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 from graphopt.errors import CheckFailed, InputError, PassError
 from graphopt.io import from_onnx, load, save
 from graphopt.ir import Model
+from graphopt.ir.clone import Snapshot
 from graphopt.ir.stats import model_stats
 from graphopt.passes.base import PassContext
 from graphopt.passes.pipeline import (
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
     from graphopt.evaluate import Evaluator
     from graphopt.numerics.check import CheckResult
-    from graphopt.runtime.guard import RuntimeGuard
+    from graphopt.runtime.guard import Rerun, RuntimeGuard, Undoable
 
 __all__ = [
     "Result",
@@ -175,7 +176,12 @@ def run_pipeline(
     (:func:`resolve_settings`) on ``model`` in place: :func:`optimize` once its arguments are read."""
     before = model_stats(model)
     start = time.perf_counter()
+    if settings.tune and (settings.tune_budget <= 0 or settings.tune_threads < 0):
+        raise InputError("--tune-budget must be positive and --tune-threads at least 0")
     guard = _runtime_guard(model, pipeline, settings, stop_after)
+    original = None
+    if settings.tune and stop_after is None:
+        original = guard.original if guard is not None else Snapshot(model)
     try:
         run = pipeline.run(
             model, pass_context(settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
@@ -186,9 +192,14 @@ def run_pipeline(
         raise
     seconds = {"optimize": round(time.perf_counter() - start, 6)}
     guarded: dict[str, Any] | None = None
+    tuned: dict[str, Any] | None = None
+    undone: list[Undoable] = []
     if guard is not None:
-        pipeline, run, guarded = _guard(guard, model, run, pipeline, settings)
+        pipeline, run, guarded, undone = _guard(guard, model, run, pipeline, settings)
         seconds["runtime_guard"] = guarded["seconds"]
+    if original is not None:
+        pipeline, run, tuned = _tune(original, model, run, pipeline, settings, undone)
+        seconds["tune"] = tuned["seconds"]
     failures = run.failure_records()
     if strict and failures:
         raise PassError(failures[0]["pass"], failures[0]["error"])
@@ -199,6 +210,7 @@ def run_pipeline(
         summary={"before": before.as_dict(), "after": model_stats(model).as_dict()},
         seconds=seconds,
         runtime_guard=guarded,
+        tune=tuned,
     )
     return Result(model, report, run)
 
@@ -215,18 +227,51 @@ def _runtime_guard(model: Model, pipeline: Pipeline, settings: Settings, stop_af
 
 def _guard(
     guard: RuntimeGuard, model: Model, run: PipelineRun, pipeline: Pipeline, settings: Settings
-) -> tuple[Pipeline, PipelineRun, dict[str, Any]]:
+) -> tuple[Pipeline, PipelineRun, dict[str, Any], list[Undoable]]:
     """Finish the runtime guard: the rewrites that cost onnxruntime a fusion are undone, ``model``
     taking the rerun's result in place; its messages are logged (the report has them)."""
-
-    def rerun(steps: Pipeline, fresh: Model) -> PipelineRun:
-        return steps.run(fresh, pass_context(settings))
-
-    outcome = guard.finish(model, run, pipeline, rerun)
+    outcome = guard.finish(model, run, pipeline, _rerun(settings))
     if outcome.model is not None:
         restore_model(model, outcome.model)
     for line in outcome.messages():
         logger.info("%s", line)
+    return outcome.pipeline, outcome.run, outcome.as_dict(), [u for u, _ in outcome.undone]
+
+
+def _rerun(settings: Settings) -> Rerun:
+    """How the guard and tuning rerun the pipeline: on a fresh model, with a fresh context."""
+
+    def rerun(steps: Pipeline, fresh: Model) -> PipelineRun:
+        return steps.run(fresh, pass_context(settings))
+
+    return rerun
+
+
+def _tune(
+    original: Snapshot,
+    model: Model,
+    run: PipelineRun,
+    pipeline: Pipeline,
+    settings: Settings,
+    undone: list[Undoable],
+) -> tuple[Pipeline, PipelineRun, dict[str, Any]]:
+    """--tune (graphopt.runtime.tune) after the runtime guard: ``model`` takes the tuned rerun's
+    result in place when it is kept."""
+    from graphopt.runtime.tune import tune
+
+    outcome = tune(
+        original,
+        model,
+        run,
+        pipeline,
+        _rerun(settings),
+        undone,
+        level=settings.tune_level,
+        threads=settings.tune_threads,
+        budget=settings.tune_budget,
+    )
+    if outcome.model is not None:
+        restore_model(model, outcome.model)
     return outcome.pipeline, outcome.run, outcome.as_dict()
 
 

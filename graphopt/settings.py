@@ -45,6 +45,17 @@ class Settings:
         "(CPU, ORT_ENABLE_ALL), count the fused kernels it forms, and undo the rewrite that cost "
         "one (--no-runtime-guard: skip it).",
     )
+    tune: bool = option(
+        False,
+        "Time each rewrite that applied on this machine's onnxruntime, on the check's inputs, and "
+        "undo those not faster beyond noise; the tuned model is kept only if not slower (--tune-level, "
+        "--tune-threads, --tune-budget).",
+    )
+    tune_level: Literal["all", "disable"] = option(
+        "all", "onnxruntime's graph optimization level --tune times at: ORT_ENABLE_ALL or ORT_DISABLE_ALL."
+    )
+    tune_threads: int = option(1, "onnxruntime intra-op threads --tune times with (0: onnxruntime's default).")
+    tune_budget: float = option(120.0, "Seconds --tune may take; candidates left when they run out stay untimed.")
     verify: bool = field(
         default_factory=lambda: os.environ.get("GRAPHOPT_VERIFY", "") not in ("", "0"),
         metadata={

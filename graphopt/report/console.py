@@ -98,7 +98,7 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     render_ops(console, before["ops"], after["ops"])
     for group in not_fused(report):
         console.print(escape(group.line()))
-    for line in guard_lines(report.get("runtime_guard")):
+    for line in guard_lines(report.get("runtime_guard")) + tune_lines(report.get("tune")):
         console.print(escape(one_line(line)))
     files = _file_sizes(report)
     if files:
@@ -122,6 +122,24 @@ def guard_lines(guard: dict[str, Any] | None) -> list[str]:
     if not lines:
         lines = ["runtime guard: onnxruntime fuses the output as it fused the original"]
     return [*lines[:-1], f"{lines[-1]} (runtime guard {took}, {guard['reruns']} reruns)"]
+
+
+def tune_lines(tune: dict[str, Any] | None) -> list[str]:
+    """What --tune decided: a line per decision with its measured ratio, then the outcome."""
+    if tune is None:
+        return []
+    lines = []
+    for decision in tune["decisions"]:
+        name = decision.get("rule", decision["pass"])
+        measured = f" ({decision['ratio']:.3f} +- {decision['spread']:.3f})" if "ratio" in decision else ""
+        lines.append(f"tune: {name} {decision['decision']}{measured}: {decision['reason']}")
+    final = tune["final"]
+    outcome = tune["status"] if final is None else f"{final['kept']} kept, tuned / untuned {final['ratio']:.3f}"
+    noise = "" if tune["noise"] is None else f", noise {tune['noise']:.3f}"
+    lines.append(f"tune: {outcome}{noise} ({tune['seconds']:.1f} s, {tune['rounds']} rounds)")
+    if tune.get("reason"):
+        lines[-1] += f": {tune['reason']}"
+    return lines
 
 
 def render_ops(

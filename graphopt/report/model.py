@@ -32,6 +32,8 @@ class PipelineReport:
     seconds: dict[str, float]
     # What the runtime guard found (graphopt.runtime.guard), when it ran.
     runtime_guard: Json | None = None
+    # What --tune decided (graphopt.runtime.tune), when it ran.
+    tune: Json | None = None
 
     def to_json(self) -> Json:
         found = {
@@ -43,6 +45,8 @@ class PipelineReport:
         }
         if self.runtime_guard is not None:
             found["runtime_guard"] = self.runtime_guard
+        if self.tune is not None:
+            found["tune"] = self.tune
         return found
 
 

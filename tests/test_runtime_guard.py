@@ -258,3 +258,32 @@ DOUBLES_A_CONV = Rule(
     pattern=op.Conv(var("x", lambda v: v.producer is None), const(name="w"), optional(var("b")), name="conv"),
     build=_doubled,
 )
+
+
+def test_skip_layer_normalization_is_counted_not_guarded(tmp_path: Path) -> None:
+    """onnxruntime's CPU SkipLayerNormalization measured slower than the Add and the norm it
+    replaces, and layernorm-residual-sum keeps it from forming: the guard must not undo that."""
+    hidden = 16
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["a"]),
+            helper.make_node("Add", ["a", "x"], ["sum"]),
+            helper.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["y"], axis=-1),
+        ],
+        "residual",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, hidden])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, hidden])],
+        [
+            _init("w", RNG.standard_normal((hidden, hidden))),
+            _init("gamma", np.ones(hidden)),
+            _init("beta", np.zeros(hidden)),
+        ],
+    )
+    source = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
+    result = graphopt.optimize(source)
+    guard = result.report["runtime_guard"]
+    assert guard["census"]["original"]["SkipLayerNormalization"] == 1
+    assert "SkipLayerNormalization" not in guard["census"]["output"]
+    assert guard["status"] == "kept" and guard["undone"] == []
+    assert "Sum" in [n.op_type for n in result.model.graph.nodes]

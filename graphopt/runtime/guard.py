@@ -14,7 +14,10 @@ applied, in the order they first applied, keeps the kind at k = n (else no rewri
 blame, and the loss is reported as it is) and loses it at k = 0, so a bisection finds the
 smallest k that keeps it in log2(n) reruns: the k-th is the culprit. The pipeline then
 reruns without it alone; a kind still lost (two rewrites that each cost it) starts another
-search with the culprits found left out, at most :data:`MAX_UNDONE` times.
+search with the culprits found left out, at most :data:`MAX_UNDONE` times. A culprit whose
+undoing costs a fusion the output has (a MultiHeadAttention graphopt wrote, undone for one
+SkipLayerNormalization) is spared, and the search goes on without it; at the end each
+rewrite undone is put back if the others suffice.
 
 The census cannot see a kernel that is kept but slower (a MultiHeadAttention with a 4-D
 bias where onnxruntime formed no attention kernel at all): timing is ``--tune``'s work.
@@ -191,16 +194,23 @@ class RuntimeGuard:
         search = _Search(self.original, pipeline, rerun, before)
         current = Trial(model, run, after, losses(before, after))
         unexplained: set[str] = set()
-        while len(outcome.undone) < MAX_UNDONE:
+        spared: set[Undoable] = set()
+        for _ in range(2 * MAX_UNDONE):
             target = next((loss for loss in current.losses if loss.kind not in unexplained), None)
-            if target is None:
+            if target is None or len(outcome.undone) == MAX_UNDONE:
                 break
-            culprit = search.culprit(target.kind, [u for u, _ in outcome.undone], current.run)
+            undone = [u for u, _ in outcome.undone]
+            culprit = search.culprit(target.kind, undone, current.run, spared)
             if culprit is None:
                 unexplained.add(target.kind)
                 continue
+            found = search.trial([*undone, culprit])
+            if _trades(current, found):  # undoing it costs a fusion the output has: search again without it
+                spared.add(culprit)
+                continue
             outcome.undone.append((culprit, target))
-            current = search.trial([u for u, _ in outcome.undone])
+            current = found
+        current = self._minimal(outcome, search, current)
         if outcome.undone:
             outcome.status, outcome.model, outcome.run = "undone", current.model, current.run
             outcome.pipeline = without(pipeline, [u for u, _ in outcome.undone])
@@ -212,6 +222,26 @@ class RuntimeGuard:
         outcome.reruns = search.reruns
         outcome.seconds = time.perf_counter() - start
         return outcome
+
+    @staticmethod
+    def _minimal(outcome: GuardOutcome, search: _Search, current: Trial) -> Trial:
+        """Put back each rewrite undone whose undoing turned out not to be needed (two rewrites
+        that cost one fusion together are found one after the other)."""
+        if len(outcome.undone) < 2:
+            return current
+        for pair in list(outcome.undone):
+            fewer = search.trial([u for u, _ in outcome.undone if (u, _) != pair])
+            if len(fewer.losses) <= len(current.losses) and not _trades(current, fewer):
+                outcome.undone.remove(pair)
+                current = fewer
+        return current
+
+
+def _trades(current: Trial, found: Trial) -> bool:
+    """Whether ``found`` has fewer of some fused kernel than ``current`` (or no census)."""
+    if found.census is None:
+        return True
+    return current.census is not None and bool(losses(current.census, found.census))
 
 
 class _Search:
@@ -235,10 +265,10 @@ class _Search:
             found = self.trials[key] = Trial(model, run, None if isinstance(census, str) else census, lost)
         return found
 
-    def culprit(self, kind: str, undone: list[Undoable], run: PipelineRun) -> Undoable | None:
-        """The rewrite whose undoing keeps ``kind``, with ``undone`` left out already; None when
-        leaving out every rewrite that applied loses it still."""
-        candidates = [u for u in undoable(run.runs) if u not in undone]
+    def culprit(self, kind: str, undone: list[Undoable], run: PipelineRun, spared: set[Undoable]) -> Undoable | None:
+        """The rewrite whose undoing keeps ``kind``, with ``undone`` left out already and
+        ``spared`` never left out; None when leaving out all the others loses it still."""
+        candidates = [u for u in undoable(run.runs) if u not in undone and u not in spared]
 
         def lost(count: int) -> bool:
             return any(loss.kind == kind for loss in self.trial([*undone, *candidates[:count]]).losses)

@@ -150,11 +150,13 @@ def optimize(
     """
     pipeline, run_settings = resolve_settings(resolve_pipeline(passes, config, max_steps), settings)
     given_proto = not isinstance(model, (Model, str, os.PathLike))
+    onnx_file: Path | None = None
     if not isinstance(model, (Model, str, os.PathLike)):
         model = from_onnx(model, independent_dims=run_settings.independent_dims, base_dir=base_dir)
     elif not isinstance(model, Model):
+        onnx_file = Path(model) if Path(model).suffix.lower() != ".json" else None
         model = load(model, independent_dims=run_settings.independent_dims)
-    result = run_pipeline(model, pipeline, run_settings, strict=strict, on_pass=on_pass)
+    result = run_pipeline(model, pipeline, run_settings, strict=strict, on_pass=on_pass, original_file=onnx_file)
     if given_proto:
         from graphopt.io.onnx_write import to_proto
 
@@ -171,14 +173,16 @@ def run_pipeline(
     on_pass: Callable[[PassRun], None] | None = None,
     on_pass_start: Callable[[str, str | None, int], None] | None = None,
     stop_after: int | None = None,
+    original_file: Path | None = None,
 ) -> Result[Model]:
     """Run a resolved ``pipeline`` (:func:`resolve_pipeline`) with resolved ``settings``
-    (:func:`resolve_settings`) on ``model`` in place: :func:`optimize` once its arguments are read."""
+    (:func:`resolve_settings`) on ``model`` in place: :func:`optimize` once its arguments are read.
+    ``original_file``: the ONNX file ``model`` was loaded from, for the runtime guard to load."""
     before = model_stats(model)
     start = time.perf_counter()
     if settings.tune and (settings.tune_budget <= 0 or settings.tune_threads < 0):
         raise InputError("--tune-budget must be positive and --tune-threads at least 0")
-    guard = _runtime_guard(model, pipeline, settings, stop_after)
+    guard = _runtime_guard(model, pipeline, settings, stop_after, original_file)
     original = None
     if settings.tune and stop_after is None:
         original = guard.original if guard is not None else Snapshot(model)
@@ -215,14 +219,16 @@ def run_pipeline(
     return Result(model, report, run)
 
 
-def _runtime_guard(model: Model, pipeline: Pipeline, settings: Settings, stop_after: int | None) -> RuntimeGuard | None:
+def _runtime_guard(
+    model: Model, pipeline: Pipeline, settings: Settings, stop_after: int | None, original_file: Path | None
+) -> RuntimeGuard | None:
     """The runtime guard of this run, started (graphopt.runtime.guard): on the whole of the
     default pipeline unless --no-runtime-guard (a run stopped after some passes is blame's)."""
     if not settings.runtime_guard or stop_after is not None:
         return None
     from graphopt.runtime.guard import RuntimeGuard, guards
 
-    return RuntimeGuard(model) if guards(pipeline) else None
+    return RuntimeGuard(model, original_file) if guards(pipeline) else None
 
 
 def _guard(

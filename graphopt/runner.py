@@ -134,6 +134,7 @@ def _optimize_with(
     options: RunOptions,
     on_phase: Callable[[str], None] | None = None,
     stop_after: int | None = None,
+    source: Path | None = None,
 ) -> Result:
     def pass_started(name: str, group: str | None, iteration: int) -> None:
         if on_phase is not None:
@@ -146,6 +147,7 @@ def _optimize_with(
         strict=options.strict,
         on_pass_start=pass_started,
         stop_after=stop_after,
+        original_file=source if source is not None and source.suffix.lower() != ".json" else None,
     )
 
 
@@ -229,7 +231,7 @@ def _optimize_file(
 ) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
     model, load_seconds, data_name = loaded
-    result = _optimize_with(model, options, tell)
+    result = _optimize_with(model, options, tell, source=source)
     report = ModelReport(result.pipeline_report)
     seconds = report.run.seconds
     folders = [output.parent] + ([options.report.parent] if options.report is not None else [])
@@ -539,7 +541,7 @@ def is_optimized(source: Path, options: RunOptions) -> dict[str, Any]:
 
     model = options.load(source)
     before = digest(model)
-    result = _optimize_with(model, options)
+    result = _optimize_with(model, options, source=source)
     after = digest(result.model)
     optimized = before == after
     return {"path": str(source), "optimized": optimized, "reason": None if optimized else _gain(result.report)}

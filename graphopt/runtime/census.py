@@ -144,6 +144,7 @@ def census_of_file(path: str | os.PathLike[str], names: Collection[str] | None =
         options.optimized_model_filepath = str(runtime_graph)
         options.log_severity_level = 3  # the NCHWc transformer's "hardware specific" warning
         options.intra_op_num_threads = 1
+        options.add_session_config_entry("session.disable_prepacking", "1")  # the graph is the same, sooner
         # Weights go to a file of their own: a model past protobuf's 2 GB saves as well.
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
         options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")

@@ -161,16 +161,17 @@ Rerun = Callable[[Pipeline, Model], PipelineRun]
 
 
 class RuntimeGuard:
-    """The guard of one run: :meth:`start` it on the input before the pipeline changes it (the
-    original's census is taken meanwhile, in a child process), then :meth:`finish` it on the
-    output (or :meth:`cancel` it when the pipeline raised)."""
+    """The guard of one run: made on the input before the pipeline changes it (the original's
+    census is taken meanwhile, in a child process), then :meth:`finish` ed on the output (or
+    :meth:`cancel` ed when the pipeline raised)."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, original_file: Path | None = None) -> None:
+        """``original_file``: the ONNX file ``model`` was read from, which onnxruntime then loads
+        as it is (a model saved again costs the time of writing its weights)."""
         from graphopt.numerics.isolated import start_isolated
 
-        self.started = time.perf_counter()
         self.original = Snapshot(model)
-        self._census = start_isolated(_take_censuses, [model])
+        self._census = start_isolated(_take_censuses, [original_file or model])
 
     def cancel(self) -> None:
         self._census.cancel()
@@ -230,7 +231,7 @@ class RuntimeGuard:
         if len(outcome.undone) < 2:
             return current
         for pair in list(outcome.undone):
-            fewer = search.trial([u for u, _ in outcome.undone if (u, _) != pair])
+            fewer = search.trial([u for u, loss in outcome.undone if (u, loss) != pair])
             if len(fewer.losses) <= len(current.losses) and not _trades(current, fewer):
                 outcome.undone.remove(pair)
                 current = fewer
@@ -287,7 +288,7 @@ class _Search:
         return candidates[kept - 1]
 
 
-def _censuses(models: list[Model]) -> list[Census | str]:
+def _censuses(models: list[Model | Path]) -> list[Census | str]:
     """The census of each model, taken in a child process, or why it could not be: onnxruntime
     refused the model (its message), or crashed (a crash there is a reason, not graphopt's end)."""
     from graphopt.numerics.isolated import run_isolated
@@ -299,15 +300,19 @@ def _outcome(found: list[Census | str] | str, count: int) -> list[Census | str]:
     return [found] * count if isinstance(found, str) else found
 
 
-def _take_censuses(models: list[Model]) -> list[Census | str]:
+def _take_censuses(models: list[Model | Path]) -> list[Census | str]:
     from graphopt.io import save
 
     found: list[Census | str] = []
     with tempfile.TemporaryDirectory(prefix="graphopt-guard-") as folder:
         for index, model in enumerate(models):
-            path = Path(folder) / str(index) / "model.onnx"
-            save(model, path)
-            names = {v.name for v in model.graph.inputs} | {v.name for n in model.all_nodes() for v in n.outputs}
+            if isinstance(model, Model):
+                path = Path(folder) / str(index) / "model.onnx"
+                save(model, path)
+                made = {v.name for n in model.all_nodes() for v in n.outputs}
+                names: set[str] | None = made | {v.name for v in model.graph.inputs}
+            else:
+                path, names = model, None
             try:
                 found.append(census_of_file(path, names))
             except Exception as err:  # onnxruntime's refusal, in one line

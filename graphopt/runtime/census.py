@@ -86,7 +86,7 @@ KINDS: tuple[Kind, ...] = (
         absorbed_by=("SkipSimplifiedLayerNormalization",),
     ),
     Kind("Gelu", _ops("Gelu", "FastGelu", "BiasGelu")),
-    Kind("QuickGelu", _ops("QuickGelu")),
+    Kind("QuickGelu", _ops("QuickGelu", "Swish")),  # x * sigmoid(alpha x): opset 24's Swish is graphopt's
     Kind("FusedConv", _ops("FusedConv", "NhwcFusedConv")),
     Kind("FusedGemm", _ops("FusedGemm")),
     Kind("FusedMatMul", _ops("FusedMatMul"), absorbed_by=("Attention",)),

@@ -26,8 +26,10 @@ bias where onnxruntime formed no attention kernel at all): timing is ``--tune``'
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,8 @@ from graphopt.passes.pipeline import Group, PassRun, Pipeline, PipelineRun, Step
 from graphopt.runtime.census import Census, Loss, census_of_file, losses
 
 __all__ = ["MAX_UNDONE", "GuardOutcome", "RuntimeGuard", "Undoable", "guards", "undoable", "without"]
+
+logger = logging.getLogger(__name__)
 
 # Most rewrites undone for one model: each costs a bisection (log2 of the rewrites applied).
 MAX_UNDONE = 4
@@ -65,10 +69,16 @@ class Undoable:
 
 def undoable(runs: Sequence[PassRun]) -> list[Undoable]:
     """The rewrites that applied in ``runs``, in the order they first applied."""
+    from graphopt.passes.fuse import registered_rules
+    from graphopt.passes.fuse.rules.lower import FAMILY as LOWERING
+
+    # The lowering rules take the model to the target opset: without them it cannot get there.
+    lowering = {rule.name for rule in registered_rules() if rule.family == LOWERING}
     found: dict[Undoable, None] = {}
     for run in runs:
         if run.name == _RULE_PASS:
-            found.update((Undoable(run.name, rule), None) for rule in run.details.get("applied", {}))
+            rules = [rule for rule in run.details.get("applied", {}) if rule not in lowering]
+            found.update((Undoable(run.name, rule), None) for rule in rules)
         elif run.name not in _KEPT and run.error is None and run.changed:
             found[Undoable(run.name)] = None
     return list(found)
@@ -258,10 +268,16 @@ class _Search:
         found = self.trials.get(key)
         if found is None:
             model = self.original.model()
-            run = self.rerun(without(self.pipeline, undone), model)
             self.reruns += 1
-            (census,) = _censuses([model])
-            # A rerun's output onnxruntime cannot load is no way out: it counts as losing all.
+            census: Census | str
+            try:
+                run = self.rerun(without(self.pipeline, undone), model)
+            except Exception:  # a rerun that fails (bad input without a rewrite) is no way out
+                logger.debug("a rerun without %s failed:\n%s", undone, traceback.format_exc())
+                run, census = PipelineRun(), "the rerun failed"
+            else:
+                (census,) = _censuses([model])
+            # A rerun's output onnxruntime cannot load is no way out either: it counts as losing all.
             lost = losses(self.before, census if not isinstance(census, str) else Census())
             found = self.trials[key] = Trial(model, run, None if isinstance(census, str) else census, lost)
         return found

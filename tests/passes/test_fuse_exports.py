@@ -32,7 +32,9 @@ from tests.passes.fuse_fixtures import (
 
 def _optimized(name: str, **settings: Any) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     proto = onnx.load(str(FIXTURES / f"{name}.onnx"))
-    result = optimize(from_proto(proto), strict=True, **settings)
+    # The rules' own output: the runtime guard would undo opset 24's Swish, which onnxruntime
+    # 1.32 runs decomposed where it formed a QuickGelu on the original.
+    result = optimize(from_proto(proto), strict=True, **{"runtime_guard": False, **settings})
     return proto, to_proto(result.model)
 
 

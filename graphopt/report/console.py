@@ -105,7 +105,14 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     if report.get("blame"):
         _render_blame(console, report["blame"])
     if report.get("output"):
-        console.print(escape(one_line(f"wrote {report['output']['path']}")))
+        cache = report.get("cache") or {}
+        cached = (
+            f" from the cache (the pipeline and the check above are the run of {cache['stored_seconds']:.1f} s "
+            "that stored it)"
+            if cache.get("status") == "hit"
+            else ""
+        )
+        console.print(escape(one_line(f"wrote {report['output']['path']}{cached}")))
 
 
 def render_ops(
@@ -272,6 +279,8 @@ def totals_line(totals: dict[str, Any]) -> str:
     counts = f"{totals['models']} models, {totals['failures']} failures"
     if "not_checked" in totals:
         counts += f", {totals['not_checked']} not checked"
+    if "cached" in totals:
+        counts += f", {totals['cached']} from the cache"
     nodes, weights = totals["nodes"], totals["initializer_bytes"]
     return f"{counts}, nodes {nodes[0]} -> {nodes[1]}, weights {size(weights[0])} -> {size(weights[1])}"
 

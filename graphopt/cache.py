@@ -26,6 +26,8 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from importlib import import_module
+from importlib.metadata import packages_distributions, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,10 +161,8 @@ def _by_content(value: Any) -> Any:
 
 @cache
 def _tools() -> dict[str, str]:
-    """graphopt's version and the digest of its own source, and the versions of onnx and onnxruntime."""
-    import onnx
-    import onnxruntime
-
+    """graphopt's version and the digest of its own source, and the versions of onnx and onnxruntime
+    (read from their metadata: importing onnxruntime would cost a cache hit most of its time)."""
     package = Path(__file__).parent
     source = hashlib.sha256()
     for file in sorted(package.rglob("*.py")):
@@ -171,9 +171,16 @@ def _tools() -> dict[str, str]:
     return {
         "graphopt": __version__,
         "graphopt_source": source.hexdigest(),
-        "onnx": onnx.__version__,
-        "onnxruntime": onnxruntime.__version__,
+        "onnx": _installed("onnx"),
+        "onnxruntime": _installed("onnxruntime"),
     }
+
+
+def _installed(module: str) -> str:
+    """The distributions that provide ``module`` with their versions (onnxruntime comes as
+    onnxruntime, onnxruntime-gpu, ...); the module's own version where none is known."""
+    found = sorted(f"{name} {version(name)}" for name in packages_distributions().get(module, []))
+    return ", ".join(found) or str(import_module(module).__version__)
 
 
 def _digest(value: Any) -> str:

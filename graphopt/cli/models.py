@@ -57,7 +57,8 @@ def inspect(models: tuple[Path, ...], as_json: bool) -> None:
       graphopt inspect model.onnx --json | jq .ops
       graphopt inspect model.onnx model.opt.onnx      # side by side
     """
-    from graphopt.cli.diff import inspect_file, show_diff
+    from graphopt.api import inspect as inspect_model
+    from graphopt.cli.diff import show_diff
     from graphopt.report.console import render_inspection
 
     if len(models) > 2:
@@ -65,7 +66,7 @@ def inspect(models: tuple[Path, ...], as_json: bool) -> None:
     if len(models) == 2:
         show_diff(*models, as_json)
         return
-    info = inspect_file(models[0])
+    info = inspect_model(models[0])
     if as_json:
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
     else:

@@ -93,6 +93,6 @@ def test_the_readme_api_examples_run_as_written(
     for name, scale in (("a", 1.0), ("b", 3.0)):
         mlp(tmp_path / "models" / f"{name}.onnx", scale)
     monkeypatch.chdir(tmp_path)
-    exec(compile(_readme_api_examples()[index], f"README.md API example {index + 1}", "exec"), {})  # noqa: S102
+    exec(compile(_readme_api_examples()[index], f"README.md API example {index + 1}", "exec"), {})
     printed = capsys.readouterr().out
     assert "passed" in printed  # every example prints a check's outcome

@@ -27,9 +27,9 @@ def test_strips_standard_intermediates_only(tmp_path: Path) -> None:
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)], ir_version=10
     )
     onnx.save(model, tmp_path / "in.onnx")
-    inferred = optimize(io.load(tmp_path / "in.onnx"), "shape-infer")
+    inferred = optimize(io.load(tmp_path / "in.onnx"), "shape-infer", check=False)
     assert inferred.model.graph.nodes[0].outputs[0].type is not None
-    result = optimize(inferred.model, "strip-value-info")
+    result = optimize(inferred.model, "strip-value-info", check=False)
     assert result.report["passes"][0]["details"] == {"stripped": 1}
     io.save(result.model, tmp_path / "out.onnx")
     saved = onnx.load(tmp_path / "out.onnx")

@@ -1,0 +1,249 @@
+"""Control flow: If nodes decided by shapes and constants, inside bodies too, to a fixed point.
+
+The model here is built like silero-VAD's TorchScript export: a sample-rate input chosen by
+``If(sr == 16000)``, shape checks (``Equal(Shape(x)[1], 512)``, ``Greater``), Ifs nested in
+branches, ``x.squeeze(-1)`` as an If whose branches differ in rank, and LSTMCell's
+``if input.dim() != 2`` whose not-taken branch declares the rank. Every test runs the
+default pipeline and compares outputs in onnxruntime.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.api import optimize
+from tests.numerics import run_ort
+
+F, I64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+
+
+def tensor(name: str, values: object, dtype: type = np.float32) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(values, dtype=dtype), name)
+
+
+def info(name: str, elem_type: int = F, shape: Sequence[int | str | None] | None = None) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem_type, shape)
+
+
+def body(
+    name: str, nodes: list[onnx.NodeProto], outputs: list[onnx.ValueInfoProto], inits: Sequence[onnx.TensorProto] = ()
+) -> onnx.GraphProto:
+    return helper.make_graph(nodes, name, [], outputs, list(inits))
+
+
+def if_node(cond: str, outputs: list[str], then: onnx.GraphProto, other: onnx.GraphProto) -> onnx.NodeProto:
+    return helper.make_node("If", [cond], outputs, then_branch=then, else_branch=other)
+
+
+def model(
+    nodes: list[onnx.NodeProto],
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    inits: Sequence[onnx.TensorProto] = (),
+) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(proto, full_check=True)
+    return proto
+
+
+def counts(proto: onnx.ModelProto) -> tuple[int, int, Counter[str]]:
+    """Nodes of the main graph, nodes with those in bodies, and op types with bodies."""
+    found: Counter[str] = Counter()
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            found[node.op_type] += 1
+            for attr in node.attribute:
+                for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                    walk(sub)
+
+    walk(proto.graph)
+    return len(proto.graph.node), sum(found.values()), found
+
+
+def same_outputs(original: onnx.ModelProto, optimized: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
+    want, got = run_ort(original, feeds), run_ort(optimized, feeds)
+    assert want.keys() == got.keys()
+    for name, array in want.items():
+        np.testing.assert_allclose(got[name], array, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# -- the silero-VAD-like model ---------------------------------------------------------------
+
+
+def _features(
+    p: str, samples: int, frame: int, weight: np.ndarray
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """One rate's path, on ``{p}_x``: frames of ``frame`` when the chunk has ``samples``
+    (an If on ``Shape(x)[1]``), projected by ``weight`` (in a branch nested two deep, whose
+    If tests the frames' last dim) or averaged when the chunk is short (``Greater``)."""
+    full = body(
+        f"{p}_full",
+        [helper.make_node("Reshape", [f"{p}_x", f"{p}_target"], [f"{p}_fr_t"])],
+        [info(f"{p}_fr_t")],
+        [tensor(f"{p}_target", [0, -1, frame], np.int64)],
+    )
+    padded = body(
+        f"{p}_pad",
+        [
+            helper.make_node("Pad", [f"{p}_x", f"{p}_pads"], [f"{p}_padded"]),
+            helper.make_node("Reshape", [f"{p}_padded", f"{p}_target"], [f"{p}_fr_e"]),
+        ],
+        [info(f"{p}_fr_e")],
+        [tensor(f"{p}_pads", [0, 0, 0, samples], np.int64), tensor(f"{p}_target", [0, -1, frame], np.int64)],
+    )
+    project = body(
+        f"{p}_mm",
+        [helper.make_node("MatMul", [f"{p}_frames", f"{p}_w"], [f"{p}_feat_a"])],
+        [info(f"{p}_feat_a")],
+        [tensor(f"{p}_w", weight)],
+    )
+    negate = body(
+        f"{p}_mm2",
+        [helper.make_node("MatMul", [f"{p}_frames", f"{p}_w"], [f"{p}_feat_b"])],
+        [info(f"{p}_feat_b")],
+        [tensor(f"{p}_w", -weight)],
+    )
+    long_chunk = body(
+        f"{p}_long",
+        [
+            helper.make_node("Shape", [f"{p}_frames"], [f"{p}_fs"]),
+            helper.make_node("Gather", [f"{p}_fs", f"{p}_two"], [f"{p}_fl"], axis=0),
+            helper.make_node("Equal", [f"{p}_fl", f"{p}_frame"], [f"{p}_fok"]),
+            if_node(f"{p}_fok", [f"{p}_feat_i"], project, negate),
+        ],
+        [info(f"{p}_feat_i")],
+        [tensor(f"{p}_two", 2, np.int64), tensor(f"{p}_frame", frame, np.int64)],
+    )
+    short_chunk = body(
+        f"{p}_short",
+        [
+            helper.make_node("ReduceMean", [f"{p}_frames"], [f"{p}_mean"], axes=[2], keepdims=1),
+            helper.make_node("Expand", [f"{p}_mean", f"{p}_width"], [f"{p}_feat_s"]),
+        ],
+        [info(f"{p}_feat_s")],
+        [tensor(f"{p}_width", [1, 1, weight.shape[1]], np.int64)],
+    )
+    nodes = [
+        helper.make_node("Shape", [f"{p}_x"], [f"{p}_shape"]),
+        helper.make_node("Gather", [f"{p}_shape", "one"], [f"{p}_n"], axis=0),
+        helper.make_node("Equal", [f"{p}_n", f"{p}_samples"], [f"{p}_is_full"]),
+        if_node(f"{p}_is_full", [f"{p}_frames"], full, padded),
+        helper.make_node("Greater", [f"{p}_n", f"{p}_frame_len"], [f"{p}_is_long"]),
+        if_node(f"{p}_is_long", [f"{p}_feat"], long_chunk, short_chunk),
+        helper.make_node("ReduceMean", [f"{p}_feat"], [f"{p}_pooled"], axes=[1], keepdims=0),
+    ]
+    return nodes, [tensor(f"{p}_samples", samples, np.int64), tensor(f"{p}_frame_len", frame, np.int64)]
+
+
+def vad() -> onnx.ModelProto:
+    """input[batch, 512], sr, state[2, batch, 16], frames[batch, 16, frames] (1 in every valid run)."""
+    rng = np.random.default_rng(0)
+    unsqueezed = body("unsq", [helper.make_node("Unsqueeze", ["input", "ax0"], ["x_u"])], [info("x_u")])
+    kept = body("keep", [helper.make_node("Identity", ["input"], ["x_k"])], [info("x_k")])
+    nodes16, inits16 = _features("k16", 512, 128, 0.1 * rng.standard_normal((128, 16)))
+    rate16 = body(
+        "sr16",
+        [
+            helper.make_node("Identity", ["x"], ["k16_x"]),
+            *nodes16,
+            helper.make_node("Gather", ["state", "zero"], ["k16_h"], axis=0),
+            helper.make_node("Add", ["k16_pooled", "k16_h"], ["k16_mixed"]),
+        ],
+        [info("k16_mixed")],
+        inits16,
+    )
+    nodes8, inits8 = _features("k8", 256, 64, 0.1 * rng.standard_normal((64, 16)))
+    every_other = [
+        tensor("s0", [0], np.int64),
+        tensor("s_end", [1 << 62], np.int64),
+        tensor("s_ax", [1], np.int64),
+        tensor("s_step", [2], np.int64),
+    ]
+    rate8 = body(
+        "sr8",
+        [
+            helper.make_node("Slice", ["x", "s0", "s_end", "s_ax", "s_step"], ["k8_x"]),
+            *nodes8,
+            helper.make_node("Gather", ["state", "one"], ["k8_h"], axis=0),
+            helper.make_node("Add", ["k8_pooled", "k8_h"], ["k8_mixed"]),
+        ],
+        [info("k8_mixed")],
+        [*inits8, *every_other],
+    )
+    # x.squeeze(-1) of [batch, 16, frames]: an If whose branches differ in rank...
+    squeezed = body("sq", [helper.make_node("Squeeze", ["ctx", "ax2"], ["sq_t"])], [info("sq_t", F, ["batch", 16])])
+    unsqueezed_ctx = body(
+        "sq_no", [helper.make_node("Identity", ["ctx"], ["sq_e"])], [info("sq_e", F, ["batch", 16, "frames"])]
+    )
+    # ... then LSTMCell's "if input.dim() != 2: input = input.unsqueeze(0)", the rank declared by the export.
+    batched = body(
+        "cell_b", [helper.make_node("Unsqueeze", ["cell_in", "ax0"], ["cell_u"])], [info("cell_u", F, [1, "b", 16])]
+    )
+    as_is = body("cell_k", [helper.make_node("Identity", ["cell_in"], ["cell_i"])], [info("cell_i", F, ["b", 16])])
+    nodes = [
+        helper.make_node("Shape", ["input"], ["in_shape"]),
+        helper.make_node("Size", ["in_shape"], ["rank"]),
+        helper.make_node("Equal", ["rank", "one"], ["is_1d"]),
+        if_node("is_1d", ["x"], unsqueezed, kept),
+        helper.make_node("Equal", ["sr", "sr16k"], ["is16k"]),
+        if_node("is16k", ["mixed"], rate16, rate8),
+        helper.make_node("Unsqueeze", ["mixed", "ax2"], ["mixed3"]),
+        helper.make_node("Add", ["mixed3", "frames"], ["ctx"]),
+        helper.make_node("Shape", ["ctx"], ["ctx_shape"]),
+        helper.make_node("Gather", ["ctx_shape", "two"], ["ctx_last"], axis=0),
+        helper.make_node("Equal", ["ctx_last", "one"], ["last_is_1"]),
+        if_node("last_is_1", ["cell_in"], squeezed, unsqueezed_ctx),
+        helper.make_node("Shape", ["cell_in"], ["cell_shape"]),
+        helper.make_node("Size", ["cell_shape"], ["cell_rank"]),
+        helper.make_node("Equal", ["cell_rank", "two"], ["is_2d"]),
+        helper.make_node("Not", ["is_2d"], ["not_2d"]),
+        if_node("not_2d", ["cell_x"], batched, as_is),
+        helper.make_node("Relu", ["cell_x"], ["act"]),
+        helper.make_node("MatMul", ["act", "head"], ["logit"]),
+        helper.make_node("Sigmoid", ["logit"], ["output"]),
+    ]
+    inits = [
+        tensor("one", 1, np.int64),
+        tensor("two", 2, np.int64),
+        tensor("zero", 0, np.int64),
+        tensor("ax0", [0], np.int64),
+        tensor("ax2", [2], np.int64),
+        tensor("sr16k", 16000, np.int64),
+        tensor("head", rng.standard_normal((16, 1))),
+    ]
+    inputs = [
+        info("input", F, ["batch", 512]),
+        info("sr", I64, []),
+        info("state", F, [2, "batch", 16]),
+        info("frames", F, ["batch", 16, "frames"]),
+    ]
+    return model(nodes, inputs, [info("output", F, ["batch", 1])], inits)
+
+
+def vad_feeds(rate: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(rate)
+    return {
+        "input": rng.standard_normal((3, 512)).astype(np.float32),
+        "sr": np.array(rate, np.int64),
+        "state": rng.standard_normal((2, 3, 16)).astype(np.float32),
+        "frames": rng.standard_normal((3, 16, 1)).astype(np.float32),
+    }
+
+
+def test_a_vad_like_model_keeps_only_the_if_on_the_sample_rate() -> None:
+    original = vad()
+    assert counts(original)[:2] == (20, 68) and counts(original)[2]["If"] == 10
+    optimized = optimize(original).model
+    top, total, ops = counts(optimized)
+    # The rate is an input and squeeze(-1) tests a dim the input leaves open: those two Ifs
+    # stay. Every other test, nested ones included, is decided (before: 3 If, 16 / 31 nodes).
+    assert ops["If"] == 2 and (top, total) == (11, 24)
+    for rate in (16000, 8000):
+        same_outputs(original, optimized, vad_feeds(rate))

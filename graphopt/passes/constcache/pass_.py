@@ -7,7 +7,8 @@
 4. folding of COMPILE_CONST regions under the size guards (:mod:`.folding`); when a fold
    fed a node of an incomplete type, the model is typed again and steps 2-4 repeat (the
    shape plumbing of TensorFlow "same" padding folds conv after conv this way);
-5. If nodes with a constant condition inlined; equal initializers stored once;
+5. If nodes decided (a constant condition, or branches that compute the same) inlined
+   (:mod:`.branches`); equal initializers stored once;
 6. with runtime constants, the runtime_fold split (:mod:`.runtime`).
 """
 
@@ -24,11 +25,8 @@ from graphopt.ir.rewrite import Builder
 from graphopt.ir.stats import model_stats
 from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.constcache.constants import (
-    constants_to_initializers,
-    deduplicate_initializers,
-    inline_constant_ifs,
-)
+from graphopt.passes.constcache.branches import inline_decided_ifs
+from graphopt.passes.constcache.constants import constants_to_initializers, deduplicate_initializers
 from graphopt.passes.constcache.fold_once import split_runtime
 from graphopt.passes.constcache.folding import Guards, RegionFolder
 from graphopt.passes.constcache.lattice import Lattice, Rules, analyze
@@ -74,7 +72,7 @@ class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
         names = ctx.names(model)
         details: dict[str, Any] = {}
         details["constants_to_initializers"] = constants_to_initializers(model, names)
-        details["ifs_inlined"] = inline_constant_ifs(model, names)
+        details["ifs_inlined"] = inline_decided_ifs(model, names)
         make = _Make(model, ctx, self.name)
         details["symbolic"] = {}
         symbolic: Counter[str] = Counter()
@@ -133,7 +131,7 @@ class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
         }
         # The last round's refusals: a region refused before a retyping may fold after it.
         details["refused"] = folder.refused
-        details["ifs_inlined"] += inline_constant_ifs(model, ctx.names(model))
+        details["ifs_inlined"] += inline_decided_ifs(model, ctx.names(model))
         return folder, lattice
 
 

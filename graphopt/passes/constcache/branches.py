@@ -1,0 +1,181 @@
+"""If nodes decided at compile time, replaced by the branch they take, inlined.
+
+An If is decided when
+
+- its condition is a constant: a literal, or a test of shapes that symbolic folding made one
+  (``Equal(Gather(Shape(x), 1), 512)`` where that dim is 512; in bodies too, where the types
+  of the outer values are in view), or
+- its two branches compute the same thing: equal node for node (op, attributes, constants,
+  the same outer values read; an Identity stands for its input), so it does not matter which
+  one runs. Bodies nested in the branches are compared the same way.
+
+Inlining moves the branch's nodes and initializers into the If's graph, before it, and the
+branch's outputs stand for the If's:
+
+- names: a moved value keeps its name unless another value of the model has it too (sibling
+  branches may reuse a name, and the graph they now sit in would shadow it): then it gets a
+  fresh one;
+- types: what the model declares for the If's output stays; the branch fills in only the
+  dims (or the rank) it leaves unknown;
+- a branch output that is an outer value (a graph input, a value of an enclosing graph)
+  stands for the If's output as it is, its type untouched; a graph output keeps its name
+  (where the value cannot take the name over, an Identity carries it: see ``replace_value``);
+- a function body holds no initializers: an If there whose branch has some stays.
+
+The pipeline repeats const-cache to a fixed point: inlining an If brings the Ifs nested in
+its branch into the outer graph, whose conditions may fold next (their dims are known there).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable
+
+from graphopt.ir import Graph, Model, Node, TensorType, Type, Value
+from graphopt.ir.constness import constant_array, constant_tensor, is_deterministic
+from graphopt.ir.rewrite import Namer, replace_value
+from graphopt.passes.cleanup.cse import attribute_key
+
+__all__ = ["inline_decided_ifs"]
+
+
+def inline_decided_ifs(model: Model, names: Namer) -> int:
+    """Replace each decided If (see the module docstring) by its branch; return how many went."""
+    # Innermost bodies first: an If whose branches hold decided Ifs compares them inlined.
+    graphs = list(model.all_graphs())[::-1]
+    in_functions = {id(g) for f in model.functions for g in [f.body, *f.body.subgraphs()]}
+    ifs = [n for g in graphs for n in g.topological() if n.op_type == "If" and n.in_standard_domain]
+    counts = Counter(v.name for g in graphs for v in g.values())
+    inlined = 0
+    for node in ifs:
+        graph = node.graph
+        if graph is None or node.opaque:  # its owner went with a branch not taken
+            continue
+        branch = _taken_branch(node)
+        if branch is None or len(branch.outputs) != len(node.outputs):
+            continue
+        if branch.initializers and id(graph) in in_functions:
+            continue
+        _inline(graph, node, branch, names, counts)
+        inlined += 1
+    return inlined
+
+
+def _taken_branch(node: Node) -> Graph | None:
+    """The branch ``node`` runs whatever its inputs, or None when that depends on them."""
+    then, other = node.attr("then_branch"), node.attr("else_branch")
+    if not isinstance(then, Graph) or not isinstance(other, Graph) or node.input(0) is None:
+        return None
+    condition = constant_array(node.input(0), limit=1)
+    if condition is not None and condition.size == 1:
+        return then if bool(condition.ravel()[0]) else other
+    return then if _same_computation(then, other) else None
+
+
+# -- equal branches ------------------------------------------------------------------------
+
+
+def _same_computation(a: Graph, b: Graph) -> bool:
+    """Whether two bodies compute equal outputs from the same outer values."""
+    if len(a.outputs) != len(b.outputs):
+        return False
+    found_a, found_b = _Keys().body(a, 0), _Keys().body(b, 0)
+    return found_a is not None and found_a == found_b
+
+
+class _Keys:
+    """Keys of the values of one body, equal where two bodies compute the same thing: a
+    node output is keyed by its op, attributes and its inputs' keys, a constant by its
+    content, a body input by its depth and position, an outer value by itself."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, Hashable] = {}
+
+    def value(self, value: Value) -> Hashable:
+        return self.known.get(id(value), ("outer", id(value)))
+
+    def body(self, graph: Graph, depth: int) -> tuple[Hashable, ...] | None:
+        """The keys of ``graph``'s outputs, or None if a node in it may differ run to run."""
+        for position, value in enumerate(graph.inputs):
+            self.known[id(value)] = ("input", depth, position)
+        for value in graph.initializers.values():
+            tensor = constant_tensor(value)
+            if tensor is None:
+                return None
+            self.known[id(value)] = ("constant", tensor.dtype, tensor.shape, tensor.digest())
+        for node in graph.topological():
+            passed_on = node.input(0) if node.op_type == "Identity" and node.in_standard_domain else None
+            if passed_on is not None:
+                self.known[id(node.outputs[0])] = self.value(passed_on)  # keyed as what it passes on
+                continue
+            key = self.node(node, depth)
+            if key is None:
+                return None
+            for index, value in enumerate(node.outputs):
+                self.known[id(value)] = (key, index)
+        return tuple(self.value(v) for v in graph.outputs)
+
+    def node(self, node: Node, depth: int) -> Hashable | None:
+        if not node.in_standard_domain or node.opaque or not is_deterministic(node):
+            return None
+        inputs = tuple(None if v is None else self.value(v) for v in node.inputs)
+        attributes: list[Hashable] = []
+        for name in sorted(node.attributes):
+            attr = node.attributes[name]
+            bodies = attr.graphs()
+            if attr.ref_attr_name:
+                found: Hashable | None = ("ref", attr.ref_attr_name)
+            elif bodies:
+                keyed = [self.body(g, depth + 1) for g in bodies]
+                found = None if any(k is None for k in keyed) else tuple(keyed)
+            else:
+                found = attribute_key(attr)
+            if found is None:
+                return None
+            attributes.append((name, found))
+        produced = tuple(bool(v.name) for v in node.outputs)
+        return (node.op_type, node.overload, inputs, produced, tuple(attributes))
+
+
+# -- inlining ------------------------------------------------------------------------------
+
+
+def _inline(graph: Graph, owner: Node, branch: Graph, names: Namer, counts: Counter[str]) -> None:
+    for body in [*owner.subgraphs(), *(g for b in owner.subgraphs() for g in b.subgraphs())]:
+        counts.subtract(v.name for v in body.values())  # the If goes, and its names with it
+    moved = {id(v) for v in branch.values()}
+    for value in list(branch.initializers.values()):
+        branch.initializers.pop(value.name)
+        _claim(value, names, counts)
+        graph.add_initializer(value)
+    results = branch.outputs
+    branch.outputs = []
+    for inner in branch.topological():
+        branch.remove(inner, safe=False)
+        for value in inner.outputs:
+            _claim(value, names, counts)
+        graph.insert_before(owner, inner)
+        for body in inner.subgraphs():
+            counts.update(v.name for g in [body, *body.subgraphs()] for v in g.values())
+    for old, new in zip(owner.outputs, results, strict=True):
+        if id(new) in moved:  # an outer value keeps its own type
+            new.type = _declared_first(old.type, new.type)
+        replace_value(old, new, names)
+    graph.remove(owner)
+
+
+def _claim(value: Value, names: Namer, counts: Counter[str]) -> None:
+    """Give a moved value a fresh name if another value of the model has its name."""
+    if value.name and counts[value.name] > 0:
+        value.name = names.fresh(value.name)
+    counts[value.name] += 1
+
+
+def _declared_first(declared: Type | None, found: Type | None) -> Type | None:
+    """``declared``, with the rank or dims it leaves unknown taken from ``found``."""
+    if not isinstance(declared, TensorType) or not isinstance(found, TensorType) or declared.dtype != found.dtype:
+        return declared if declared is not None else found
+    if declared.shape is None or found.shape is None or len(declared.shape) != len(found.shape):
+        return declared if declared.shape is not None else found
+    shape = tuple(d if d is not None else f for d, f in zip(declared.shape, found.shape, strict=True))
+    return TensorType(declared.dtype, shape)

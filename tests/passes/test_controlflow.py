@@ -383,3 +383,75 @@ def test_an_inlined_value_keeps_the_type_declared_for_the_if_and_gains_what_the_
     optimized = optimize(path, "const-cache").model
     types = {v.name: str(v.type) for v in optimized.graph.values()}
     assert (types["t"], types["u"]) == (str(TensorType(DataType.FLOAT, (2, 3))),) * 2
+
+
+# -- loops of no or one iteration ------------------------------------------------------------
+
+
+def _accumulate(trips: Sequence[onnx.NodeProto] | None, condition: str = "") -> onnx.ModelProto:
+    """Loop(trips, condition, acc = start): acc += x * i and a scan output of Relu(acc) per
+    iteration; the body reads x from outside and passes its condition on."""
+    loop_body = helper.make_graph(
+        [
+            helper.make_node("Cast", ["i"], ["i_f"], to=F),
+            helper.make_node("Mul", ["x", "i_f"], ["xi"]),
+            helper.make_node("Add", ["acc_in", "xi"], ["acc_more"]),
+            helper.make_node("Add", ["acc_more", "x"], ["acc_out"]),
+            helper.make_node("Relu", ["acc_out"], ["per_step"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [info("i", I64, []), info("cond_in", BOOL, []), info("acc_in", F, [2, 3])],
+        [info("cond_out", BOOL, []), info("acc_out", F, [2, 3]), info("per_step", F, [2, 3])],
+    )
+    nodes = [
+        *(trips or []),
+        helper.make_node(
+            "Loop", ["trips" if trips is not None else "", condition, "start"], ["acc", "steps"], body=loop_body
+        ),
+    ]
+    inits = [tensor("yes", True, np.bool_), tensor("no", False, np.bool_)]
+    return model(
+        nodes,
+        [info("x", F, [2, 3]), info("start", F, [2, 3]), info("n", I64, [])],
+        [info("acc", F, [2, 3]), info("steps", F, ["k", 2, 3])],
+        inits,
+    )
+
+
+def _x_and(n: int) -> dict[str, np.ndarray]:
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    return {"x": x, "start": x[::-1].copy(), "n": np.array(n, np.int64)}
+
+
+def test_a_loop_of_one_iteration_becomes_its_body() -> None:
+    # The trip count is the constant 1, or a difference of dims that is 1 (x is [2, 3]).
+    one = [helper.make_node("Constant", [], ["trips"], value=tensor("", 1, np.int64))]
+    from_dims = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("ReduceMax", ["shape"], ["longest"], keepdims=0),
+        helper.make_node("ReduceMin", ["shape"], ["shortest"], keepdims=0),
+        helper.make_node("Sub", ["longest", "shortest"], ["trips"]),
+    ]
+    for original in (_accumulate(one, "yes"), _accumulate(one), _accumulate(from_dims, "yes")):
+        optimized = optimize(original).model
+        assert counts(optimized)[2]["Loop"] == 0 and counts(optimized)[2]["Unsqueeze"] == 1
+        same_outputs(original, optimized, _x_and(0))
+
+
+def test_a_loop_that_runs_no_iteration_passes_its_values_on() -> None:
+    zero = [helper.make_node("Constant", [], ["trips"], value=tensor("", 0, np.int64))]
+    for original in (_accumulate(zero, "yes"), _accumulate(None, "no")):
+        original.graph.output.pop()  # the scan output unread: its empty stack has a shape not known here
+        optimized = optimize(original).model
+        assert counts(optimized)[2] == Counter({"Identity": 1})  # the input "start" goes out as "acc"
+        assert [o.name for o in optimized.graph.output] == ["acc"]
+        same_outputs(original, optimized, _x_and(0))
+
+
+def test_a_loop_whose_trip_count_is_an_input_stays() -> None:
+    original = _accumulate([helper.make_node("Identity", ["n"], ["trips"])], "yes")
+    optimized = optimize(original).model
+    assert counts(optimized)[2]["Loop"] == 1
+    for n in (0, 1, 3):
+        same_outputs(original, optimized, _x_and(n))

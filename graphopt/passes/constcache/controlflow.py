@@ -1,4 +1,5 @@
-"""If nodes decided at compile time, replaced by the branch they take, inlined.
+"""Control flow decided at compile time: If nodes replaced by the branch they take, and
+Loops that run at most once replaced by their body, inlined.
 
 An If is decided when
 
@@ -22,6 +23,12 @@ branch's outputs stand for the If's:
   (where the value cannot take the name over, an Identity carries it: see ``replace_value``);
 - a function body holds no initializers: an If there whose branch has some stays.
 
+A Loop runs no iteration when its condition is the constant false or its trip count the
+constant 0: its carried values come out as they went in (a Loop with scan outputs stays,
+their empty shape is not known). It runs one when its trip count is the constant 1: its
+body is inlined as a branch is, reading the iteration number 0, the loop's condition and
+the initial values, and each scan output is the body's, unsqueezed to a stack of one.
+
 The pipeline repeats const-cache to a fixed point: inlining an If brings the Ifs nested in
 its branch into the outer graph, whose conditions may fold next (their dims are known there).
 """
@@ -31,34 +38,41 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable
 
+import numpy as np
+
 from graphopt.ir import Graph, Model, Node, TensorType, Type, Value
 from graphopt.ir.constness import constant_array, constant_tensor, is_deterministic
 from graphopt.ir.rewrite import Namer, replace_value
 from graphopt.passes.cleanup.cse import attribute_key
+from graphopt.passes.constcache.symbolic import MakeBuilder
 
-__all__ = ["inline_decided_ifs"]
+__all__ = ["inline_decided_control_flow"]
 
 
-def inline_decided_ifs(model: Model, names: Namer) -> int:
-    """Replace each decided If (see the module docstring) by its branch; return how many went."""
+def inline_decided_control_flow(model: Model, make: MakeBuilder) -> dict[str, int]:
+    """Inline each decided If and each Loop of at most one iteration (see the module
+    docstring); how many of each went."""
     # Innermost bodies first: an If whose branches hold decided Ifs compares them inlined.
     graphs = list(model.all_graphs())[::-1]
-    in_functions = {id(g) for f in model.functions for g in [f.body, *f.body.subgraphs()]}
-    ifs = [n for g in graphs for n in g.topological() if n.op_type == "If" and n.in_standard_domain]
+    function_bodies = {id(f.body) for f in model.functions}  # they hold no initializers
+    owners = [n for g in graphs for n in g.topological() if n.op_type in ("If", "Loop") and n.in_standard_domain]
     counts = Counter(v.name for g in graphs for v in g.values())
-    inlined = 0
-    for node in ifs:
+    done: Counter[str] = Counter()
+    for node in owners:
         graph = node.graph
         if graph is None or node.opaque:  # its owner went with a branch not taken
             continue
-        branch = _taken_branch(node)
-        if branch is None or len(branch.outputs) != len(node.outputs):
-            continue
-        if branch.initializers and id(graph) in in_functions:
-            continue
-        _inline(graph, node, branch, names, counts)
-        inlined += 1
-    return inlined
+        if node.op_type == "If":
+            branch = _taken_branch(node)
+            if branch is None or len(branch.outputs) != len(node.outputs):
+                continue
+            if branch.initializers and id(graph) in function_bodies:
+                continue
+            _replace_outputs(graph, node, *_hoist(graph, node, branch, make.names, counts), make.names)
+            done["ifs_inlined"] += 1
+        elif id(graph) not in function_bodies and _unroll(graph, node, make, counts):
+            done["loops_unrolled"] += 1
+    return dict(done)
 
 
 def _taken_branch(node: Node) -> Graph | None:
@@ -137,13 +151,65 @@ class _Keys:
         return (node.op_type, node.overload, inputs, produced, tuple(attributes))
 
 
+# -- loops of no or one iteration ------------------------------------------------------------
+
+
+def _trip_count(loop: Node) -> int | None:
+    """0 or 1 when the Loop is known to run that many iterations, else None."""
+    condition = constant_array(loop.input(1), limit=1)
+    if condition is not None and condition.size == 1 and not bool(condition.ravel()[0]):
+        return 0
+    count = constant_array(loop.input(0), limit=1)
+    if count is None or count.size != 1 or int(count.ravel()[0]) not in (0, 1):
+        return None
+    return int(count.ravel()[0])
+
+
+def _unroll(graph: Graph, loop: Node, make: MakeBuilder, counts: Counter[str]) -> bool:
+    """Replace a Loop of no or one iteration by what it computes; whether it did."""
+    body, trips = loop.attr("body"), _trip_count(loop)
+    initial = loop.inputs[2:]
+    n_carried = len(initial)
+    if not isinstance(body, Graph) or trips is None or any(v is None for v in initial):
+        return False
+    if len(body.inputs) != n_carried + 2 or len(body.outputs) != len(loop.outputs) + 1:
+        return False
+    carried_in = [v for v in initial if v is not None]
+    if trips == 0:
+        if any(v.is_used() for v in loop.outputs[n_carried:]):
+            return False  # scan outputs: empty stacks of a shape not known here
+        _replace_outputs(graph, loop, carried_in, set(), make.names)
+        return True
+    b = make(graph, loop)
+    iteration, condition = body.inputs[:2]
+    first = {
+        id(iteration): b.constant(np.array(0, np.int64), "iteration") if iteration.uses() else None,
+        id(condition): loop.input(1) or (b.constant(np.array(True), "condition") if condition.uses() else None),
+        **{id(v): value for v, value in zip(body.inputs[2:], carried_in, strict=True)},
+    }
+    for value in body.inputs:
+        replacement = first[id(value)]
+        for use in value.uses():
+            use.node.set_input(use.index, replacement)
+    outputs, moved = _hoist(graph, loop, body, make.names, counts)
+    results = [first.get(id(v)) or v for v in outputs[1:]]  # a carried value the body passes on as it is
+    opset = b.opset or 13
+    stacked = [b.listed("Unsqueeze", v, "axes", [0], as_input=opset >= 13).outputs[0] for v in results[n_carried:]]
+    _replace_outputs(graph, loop, [*results[:n_carried], *stacked], moved, make.names)
+    return True
+
+
 # -- inlining ------------------------------------------------------------------------------
 
 
-def _inline(graph: Graph, owner: Node, branch: Graph, names: Namer, counts: Counter[str]) -> None:
-    for body in [*owner.subgraphs(), *(g for b in owner.subgraphs() for g in b.subgraphs())]:
-        counts.subtract(v.name for v in body.values())  # the If goes, and its names with it
+def _hoist(
+    graph: Graph, owner: Node, branch: Graph, names: Namer, counts: Counter[str]
+) -> tuple[list[Value], set[int]]:
+    """Move ``branch``'s nodes and initializers before ``owner``; the branch's outputs, and
+    the ids of the values that moved."""
     moved = {id(v) for v in branch.values()}
+    for body in [*owner.subgraphs(), *(g for b in owner.subgraphs() for g in b.subgraphs())]:
+        counts.subtract(v.name for v in body.values())  # the owner goes, and its names with it
     for value in list(branch.initializers.values()):
         branch.initializers.pop(value.name)
         _claim(value, names, counts)
@@ -157,7 +223,13 @@ def _inline(graph: Graph, owner: Node, branch: Graph, names: Namer, counts: Coun
         graph.insert_before(owner, inner)
         for body in inner.subgraphs():
             counts.update(v.name for g in [body, *body.subgraphs()] for v in g.values())
-    for old, new in zip(owner.outputs, results, strict=True):
+    return results, moved
+
+
+def _replace_outputs(graph: Graph, owner: Node, results: list[Value], moved: set[int], names: Namer) -> None:
+    """Make ``results`` stand for ``owner``'s first outputs (those after them are unused), then
+    remove it."""
+    for old, new in zip(owner.outputs[: len(results)], results, strict=True):
         if id(new) in moved:  # an outer value keeps its own type
             new.type = _declared_first(old.type, new.type)
         replace_value(old, new, names)

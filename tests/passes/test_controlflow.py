@@ -455,3 +455,22 @@ def test_a_loop_whose_trip_count_is_an_input_stays() -> None:
     assert counts(optimized)[2]["Loop"] == 1
     for n in (0, 1, 3):
         same_outputs(original, optimized, _x_and(n))
+
+
+def test_a_loop_of_one_iteration_whose_body_returns_its_inputs_as_they_are() -> None:
+    # The condition (true: the Loop has none) goes out as the scan output and the carried
+    # value passes through: no node in the body reads them, only its outputs do.
+    loop_body = helper.make_graph(
+        [],
+        "body",
+        [info("i", I64, []), info("cond_in", BOOL, []), info("acc_in", F, [2])],
+        [info("cond_in", BOOL, []), info("acc_in", F, [2]), info("cond_in", BOOL, [])],
+    )
+    nodes = [
+        helper.make_node("Constant", [], ["one"], value=tensor("", 1, np.int64)),
+        helper.make_node("Loop", ["one", "", "x"], ["acc", "steps"], body=loop_body),
+    ]
+    original = model(nodes, [info("x", F, [2])], [info("acc", F, [2]), info("steps", BOOL, [1])])
+    optimized = optimize(original).model
+    assert counts(optimized)[2]["Loop"] == 0
+    same_outputs(original, optimized, {"x": np.array([1.0, -2.0], np.float32)})

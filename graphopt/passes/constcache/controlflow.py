@@ -91,45 +91,57 @@ def _taken_branch(node: Node) -> Graph | None:
 
 def _same_computation(a: Graph, b: Graph) -> bool:
     """Whether two bodies compute equal outputs from the same outer values."""
-    if len(a.outputs) != len(b.outputs):
+    if len(a.outputs) != len(b.outputs) or _op_census(a) != _op_census(b):
         return False
-    found_a, found_b = _Keys().body(a, 0), _Keys().body(b, 0)
+    numbers: dict[Hashable, int] = {}  # one table: equal keys, equal numbers, in either body
+    found_a, found_b = _Keys(numbers).body(a, 0), _Keys(numbers).body(b, 0)
     return found_a is not None and found_a == found_b
 
 
+def _op_census(graph: Graph) -> Counter[str]:
+    """The op types of ``graph`` and of the bodies in it (Identity aside): a quick refusal."""
+    return Counter(n.op_type for n in [*graph, *(m for g in graph.subgraphs() for m in g)] if n.op_type != "Identity")
+
+
 class _Keys:
-    """Keys of the values of one body, equal where two bodies compute the same thing: a
-    node output is keyed by its op, attributes and its inputs' keys, a constant by its
-    content, a body input by its depth and position, an outer value by itself."""
+    """Numbers for the values of one body, equal where two bodies compute the same thing: a
+    node output is numbered by its op, attributes and its inputs' numbers, a constant by its
+    content, a body input by its depth and position, an outer value by itself. Keys are
+    numbered as they are made, so a key holds numbers, never a whole chain of nested keys."""
 
-    def __init__(self) -> None:
-        self.known: dict[int, Hashable] = {}
+    def __init__(self, numbers: dict[Hashable, int]) -> None:
+        self.numbers = numbers
+        self.known: dict[int, int] = {}
 
-    def value(self, value: Value) -> Hashable:
-        return self.known.get(id(value), ("outer", id(value)))
+    def number(self, key: Hashable) -> int:
+        return self.numbers.setdefault(key, len(self.numbers))
 
-    def body(self, graph: Graph, depth: int) -> tuple[Hashable, ...] | None:
-        """The keys of ``graph``'s outputs, or None if a node in it may differ run to run."""
+    def value(self, value: Value) -> int:
+        found = self.known.get(id(value))
+        return self.number(("outer", id(value))) if found is None else found
+
+    def body(self, graph: Graph, depth: int) -> tuple[int, ...] | None:
+        """The numbers of ``graph``'s outputs, or None if a node in it may differ run to run."""
         for position, value in enumerate(graph.inputs):
-            self.known[id(value)] = ("input", depth, position)
+            self.known[id(value)] = self.number(("input", depth, position))
         for value in graph.initializers.values():
             tensor = constant_tensor(value)
             if tensor is None:
                 return None
-            self.known[id(value)] = ("constant", tensor.dtype, tensor.shape, tensor.digest())
+            self.known[id(value)] = self.number(("constant", tensor.dtype, tensor.shape, tensor.digest()))
         for node in graph.topological():
             passed_on = node.input(0) if node.op_type == "Identity" and node.in_standard_domain else None
             if passed_on is not None:
-                self.known[id(node.outputs[0])] = self.value(passed_on)  # keyed as what it passes on
+                self.known[id(node.outputs[0])] = self.value(passed_on)  # numbered as what it passes on
                 continue
             key = self.node(node, depth)
             if key is None:
                 return None
             for index, value in enumerate(node.outputs):
-                self.known[id(value)] = (key, index)
+                self.known[id(value)] = self.number((key, index))
         return tuple(self.value(v) for v in graph.outputs)
 
-    def node(self, node: Node, depth: int) -> Hashable | None:
+    def node(self, node: Node, depth: int) -> int | None:
         if not node.in_standard_domain or node.opaque or not is_deterministic(node):
             return None
         inputs = tuple(None if v is None else self.value(v) for v in node.inputs)
@@ -148,7 +160,7 @@ class _Keys:
                 return None
             attributes.append((name, found))
         produced = tuple(bool(v.name) for v in node.outputs)
-        return (node.op_type, node.overload, inputs, produced, tuple(attributes))
+        return self.number((node.op_type, node.overload, inputs, produced, tuple(attributes)))
 
 
 # -- loops of no or one iteration ------------------------------------------------------------
@@ -183,8 +195,8 @@ def _unroll(graph: Graph, loop: Node, make: MakeBuilder, counts: Counter[str]) -
     b = make(graph, loop)
     iteration, condition = body.inputs[:2]
     first = {
-        id(iteration): b.constant(np.array(0, np.int64), "iteration") if iteration.uses() else None,
-        id(condition): loop.input(1) or (b.constant(np.array(True), "condition") if condition.uses() else None),
+        id(iteration): b.constant(np.array(0, np.int64), "iteration") if iteration.is_used() else None,
+        id(condition): loop.input(1) or (b.constant(np.array(True), "condition") if condition.is_used() else None),
         **{id(v): value for v, value in zip(body.inputs[2:], carried_in, strict=True)},
     }
     for value in body.inputs:

@@ -265,6 +265,28 @@ def test_a_vad_like_model_keeps_only_the_if_on_the_sample_rate() -> None:
         same_outputs(original, optimized, vad_feeds(rate))
 
 
+def test_an_if_decided_only_once_another_is_inlined() -> None:
+    # "a" is Unsqueeze(x) or x: its rank is known only once the first If is inlined, and then
+    # the second If's rank test is decided too.
+    first = body("first", [helper.make_node("Unsqueeze", ["x", "ax0"], ["u"])], [info("u")])
+    other = body("other", [helper.make_node("Identity", ["x"], ["i"])], [info("i")])
+    squeeze = body("squeeze", [helper.make_node("Squeeze", ["a", "ax0"], ["s"])], [info("s")])
+    keep = body("keep", [helper.make_node("Neg", ["a"], ["k"])], [info("k")])
+    nodes = [
+        helper.make_node("Constant", [], ["yes"], value=tensor("", True, np.bool_)),
+        if_node("yes", ["a"], first, other),
+        helper.make_node("Shape", ["a"], ["shape"]),
+        helper.make_node("Size", ["shape"], ["rank"]),
+        helper.make_node("Equal", ["rank", "three"], ["is_3d"]),
+        if_node("is_3d", ["y"], squeeze, keep),
+    ]
+    inits = [tensor("ax0", [0], np.int64), tensor("three", 3, np.int64)]
+    original = model(nodes, [info("x", F, ["n", 4])], [info("y", F, ["n", 4])], inits)
+    optimized = optimize(original).model
+    assert counts(optimized)[2] == Counter({"Unsqueeze": 1, "Squeeze": 1})
+    same_outputs(original, optimized, {"x": np.arange(12, dtype=np.float32).reshape(3, 4)})
+
+
 # -- what must stay --------------------------------------------------------------------------
 
 

@@ -66,7 +66,8 @@ class ConstCacheOptions:
 
 @register
 class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
-    """Fold constant regions under size guards, fold shape plumbing symbolically, cache runtime constants"""
+    """Fold constant regions under size guards, fold shape plumbing symbolically, inline decided If and
+    one-iteration Loop nodes, cache runtime constants"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         names = ctx.names(model)

@@ -435,7 +435,7 @@ def _accumulate(trips: Sequence[onnx.NodeProto] | None, condition: str = "") -> 
     inits = [tensor("yes", True, np.bool_), tensor("no", False, np.bool_)]
     return model(
         nodes,
-        [info("x", F, [2, 3]), info("start", F, [2, 3]), info("n", I64, [])],
+        [info("x", F, [2, 3]), info("start", F, [2, 3]), info("n", I64, []), info("go", BOOL, [])],
         [info("acc", F, [2, 3]), info("steps", F, ["k", 2, 3])],
         inits,
     )
@@ -443,7 +443,7 @@ def _accumulate(trips: Sequence[onnx.NodeProto] | None, condition: str = "") -> 
 
 def _x_and(n: int) -> dict[str, np.ndarray]:
     x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
-    return {"x": x, "start": x[::-1].copy(), "n": np.array(n, np.int64)}
+    return {"x": x, "start": x[::-1].copy(), "n": np.array(n, np.int64), "go": np.array(n > 0)}
 
 
 def test_a_loop_of_one_iteration_becomes_its_body() -> None:
@@ -471,12 +471,14 @@ def test_a_loop_that_runs_no_iteration_passes_its_values_on() -> None:
         same_outputs(original, optimized, _x_and(0))
 
 
-def test_a_loop_whose_trip_count_is_an_input_stays() -> None:
-    original = _accumulate([helper.make_node("Identity", ["n"], ["trips"])], "yes")
-    optimized = optimize(original).model
-    assert counts(optimized)[2]["Loop"] == 1
-    for n in (0, 1, 3):
-        same_outputs(original, optimized, _x_and(n))
+def test_a_loop_whose_trip_count_or_condition_is_an_input_stays() -> None:
+    # Trip count n; or one trip while "go", which may be false: then it runs none.
+    one = [helper.make_node("Constant", [], ["trips"], value=tensor("", 1, np.int64))]
+    for original in (_accumulate([helper.make_node("Identity", ["n"], ["trips"])], "yes"), _accumulate(one, "go")):
+        optimized = optimize(original).model
+        assert counts(optimized)[2]["Loop"] == 1
+        for n in (0, 1, 3):
+            same_outputs(original, optimized, _x_and(n))
 
 
 def test_a_loop_of_one_iteration_whose_body_returns_its_inputs_as_they_are() -> None:

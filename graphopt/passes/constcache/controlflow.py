@@ -167,14 +167,16 @@ class _Keys:
 
 
 def _trip_count(loop: Node) -> int | None:
-    """0 or 1 when the Loop is known to run that many iterations, else None."""
-    condition = constant_array(loop.input(1), limit=1)
-    if condition is not None and condition.size == 1 and not bool(condition.ravel()[0]):
-        return 0
+    """0 or 1 when the Loop is known to run that many iterations, else None. It runs while
+    ``i < M and condition``: one iteration needs the condition absent or the constant true."""
+    condition = loop.input(1)
+    flag = constant_array(condition, limit=1)
+    known = None if flag is None or flag.size != 1 else bool(flag.ravel()[0])
     count = constant_array(loop.input(0), limit=1)
-    if count is None or count.size != 1 or int(count.ravel()[0]) not in (0, 1):
-        return None
-    return int(count.ravel()[0])
+    trips = int(count.ravel()[0]) if count is not None and count.size == 1 else None
+    if known is False or trips == 0:
+        return 0
+    return 1 if trips == 1 and (condition is None or known) else None
 
 
 def _unroll(graph: Graph, loop: Node, make: MakeBuilder, counts: Counter[str]) -> bool:

@@ -407,6 +407,31 @@ def test_an_inlined_value_keeps_the_type_declared_for_the_if_and_gains_what_the_
     assert (types["t"], types["u"]) == (str(TensorType(DataType.FLOAT, (2, 3))),) * 2
 
 
+def test_an_if_in_a_function_is_inlined_unless_its_branch_holds_initializers() -> None:
+    # A function body holds no initializers: a branch with one stays where it is.
+    def function_model(initializer: bool) -> onnx.ModelProto:
+        double = (
+            body("then", [helper.make_node("Mul", ["a", "w"], ["t"])], [info("t")], [tensor("w", 2.0)])
+            if initializer
+            else body("then", [helper.make_node("Add", ["a", "a"], ["t"])], [info("t")])
+        )
+        negate = body("else", [helper.make_node("Neg", ["a"], ["e"])], [info("e")])
+        yes = helper.make_node("Constant", [], ["yes"], value=tensor("", True, np.bool_))
+        opsets = [helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+        function = helper.make_function(
+            "local", "Pick", ["a"], ["b"], [yes, if_node("yes", ["b"], double, negate)], opsets[:1]
+        )
+        call = helper.make_node("Pick", ["x"], ["y"], domain="local")
+        graph = helper.make_graph([call], "g", [info("x", F, [3])], [info("y", F, [3])])
+        return helper.make_model(graph, opset_imports=opsets, functions=[function], ir_version=8)
+
+    for initializer, kept in ((True, ["Constant", "If"]), (False, ["Add"])):
+        original = function_model(initializer)
+        optimized = optimize(original).model
+        assert [n.op_type for n in optimized.functions[0].node] == kept
+        same_outputs(original, optimized, {"x": np.array([1.0, -2.0, 3.0], np.float32)})
+
+
 # -- loops of no or one iteration ------------------------------------------------------------
 
 

@@ -523,3 +523,36 @@ def test_a_loop_of_one_iteration_whose_body_returns_its_inputs_as_they_are() -> 
     optimized = optimize(original).model
     assert counts(optimized)[2]["Loop"] == 0
     same_outputs(original, optimized, {"x": np.array([1.0, -2.0], np.float32)})
+
+
+def test_a_scan_over_one_slice_becomes_its_body() -> None:
+    # acc += x_t; y_t = 2 acc, scanned along axis 0 of a [1, 2] input and axis 1 of a [2, 1]
+    # one (stacked at axis 1); over [3, 2] it stays.
+    def scan(name: str, xs: str, axis: int) -> onnx.NodeProto:
+        scan_body = helper.make_graph(
+            [
+                helper.make_node("Add", ["acc_in", "x_t"], ["acc_out"]),
+                helper.make_node("Add", ["acc_out", "acc_out"], ["y_t"]),
+            ],
+            "body",
+            [info("acc_in", F, [2]), info("x_t", F, [2])],
+            [info("acc_out", F, [2]), info("y_t", F, [2])],
+        )
+        attrs = {"scan_input_axes": [axis], "scan_output_axes": [axis]}
+        return helper.make_node(
+            "Scan", ["start", xs], [f"{name}_acc", f"{name}_ys"], body=scan_body, num_scan_inputs=1, **attrs
+        )
+
+    nodes = [scan("a", "rows", 0), scan("b", "columns", 1), scan("c", "three", 0)]
+    inputs = [info("start", F, [2]), info("rows", F, [1, 2]), info("columns", F, [2, 1]), info("three", F, [3, 2])]
+    shapes = {"a_acc": [2], "a_ys": [1, 2], "b_acc": [2], "b_ys": [2, 1], "c_acc": [2], "c_ys": [3, 2]}
+    outputs = [info(name, F, shape) for name, shape in shapes.items()]
+    original = model(nodes, inputs, outputs)
+    optimized = optimize(original).model
+    assert counts(optimized)[2]["Scan"] == 1
+    rng = np.random.default_rng(3)
+    feeds = {
+        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+        for i in inputs
+    }
+    same_outputs(original, optimized, feeds)

@@ -25,9 +25,12 @@ branch's outputs stand for the If's:
 
 A Loop runs no iteration when its condition is the constant false or its trip count the
 constant 0: its carried values come out as they went in (a Loop with scan outputs stays,
-their empty shape is not known). It runs one when its trip count is the constant 1: its
-body is inlined as a branch is, reading the iteration number 0, the loop's condition and
-the initial values, and each scan output is the body's, unsqueezed to a stack of one.
+their empty shape is not known). It runs one when its trip count is the constant 1 and its
+condition absent or the constant true: its body is inlined as a branch is, reading the
+iteration number 0, the loop's condition and the initial values, and each scan output is
+the body's, unsqueezed to a stack of one. A Scan (opset 9 on) whose scan inputs all have
+length 1 along their axis runs one iteration too: its body reads the initial states and
+each input squeezed at its axis, and each scan output is unsqueezed at its own.
 
 The pipeline repeats const-cache to a fixed point: inlining an If brings the Ifs nested in
 its branch into the outer graph, whose conditions may fold next (their dims are known there).
@@ -40,7 +43,8 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from graphopt.ir import Graph, Model, Node, TensorType, Type, Value
+from graphopt.facts.op import norm_axis
+from graphopt.ir import Graph, Model, Node, TensorType, Type, Value, tensor_shape
 from graphopt.ir.constness import constant_array, constant_tensor, is_deterministic
 from graphopt.ir.rewrite import Namer, replace_value
 from graphopt.passes.cleanup.cse import attribute_key
@@ -55,7 +59,7 @@ def inline_decided_control_flow(model: Model, make: MakeBuilder) -> dict[str, in
     # Innermost bodies first: an If whose branches hold decided Ifs compares them inlined.
     graphs = list(model.all_graphs())[::-1]
     function_bodies = {id(f.body) for f in model.functions}  # they hold no initializers
-    owners = [n for g in graphs for n in g.topological() if n.op_type in ("If", "Loop") and n.in_standard_domain]
+    owners = [n for g in graphs for n in g.topological() if n.op_type in _CONTROL_FLOW and n.in_standard_domain]
     counts = Counter(v.name for g in graphs for v in g.values())
     done: Counter[str] = Counter()
     for node in owners:
@@ -70,8 +74,8 @@ def inline_decided_control_flow(model: Model, make: MakeBuilder) -> dict[str, in
                 continue
             _replace_outputs(graph, node, *_hoist(graph, node, branch, make.names, counts), make.names)
             done["ifs_inlined"] += 1
-        elif id(graph) not in function_bodies and _unroll(graph, node, make, counts):
-            done["loops_unrolled"] += 1
+        elif id(graph) not in function_bodies and _UNROLL[node.op_type](graph, node, make, counts):
+            done[f"{node.op_type.lower()}s_unrolled"] += 1
     return dict(done)
 
 
@@ -196,21 +200,81 @@ def _unroll(graph: Graph, loop: Node, make: MakeBuilder, counts: Counter[str]) -
         return True
     b = make(graph, loop)
     iteration, condition = body.inputs[:2]
-    first = {
-        id(iteration): b.constant(np.array(0, np.int64), "iteration") if iteration.is_used() else None,
-        id(condition): loop.input(1) or (b.constant(np.array(True), "condition") if condition.is_used() else None),
-        **{id(v): value for v, value in zip(body.inputs[2:], carried_in, strict=True)},
-    }
-    for value in body.inputs:
-        replacement = first[id(value)]
+    first = [
+        b.constant(np.array(0, np.int64), "iteration") if iteration.is_used() else None,
+        loop.input(1) or (b.constant(np.array(True), "condition") if condition.is_used() else None),
+        *carried_in,
+    ]
+    n_scans = len(loop.outputs) - n_carried
+    _inline_iteration(graph, loop, body, first, [0] * n_scans, make, counts, skip=1)
+    return True
+
+
+def _unroll_scan(graph: Graph, scan: Node, make: MakeBuilder, counts: Counter[str]) -> bool:
+    """Replace a Scan whose every scan input has length 1 (a known dim) by its body, each
+    input's one slice squeezed out of it; whether it did."""
+    body, n_scan_inputs = scan.attr("body"), scan.attr("num_scan_inputs", 0)
+    n_states = len(scan.inputs) - n_scan_inputs
+    b = make(graph, scan)
+    opset = b.opset or 13
+    if opset < 9 or not isinstance(body, Graph) or n_scan_inputs < 1 or n_states < 0:
+        return False  # Scan-8 scans a batch of sequences
+    if any(v is None for v in scan.inputs):
+        return False
+    if len(body.inputs) != len(scan.inputs) or len(body.outputs) != len(scan.outputs):
+        return False
+    input_axes = scan.attr("scan_input_axes") or [0] * n_scan_inputs
+    axes: list[int] = []
+    for value, axis in zip(scan.inputs[n_states:], input_axes, strict=False):
+        shape = tensor_shape(value)
+        index = None if shape is None else norm_axis(axis, len(shape))
+        if shape is None or index is None or shape[index] != 1:
+            return False
+        axes.append(index)
+    slices = [
+        b.listed("Squeeze", v, "axes", [a], as_input=opset >= 13).outputs[0]
+        for v, a in zip(scan.inputs[n_states:], axes, strict=True)
+        if v is not None
+    ]
+    states = [v for v in scan.inputs[:n_states] if v is not None]
+    output_axes = scan.attr("scan_output_axes") or [0] * (len(scan.outputs) - n_states)
+    _inline_iteration(graph, scan, body, [*states, *slices], list(output_axes), make, counts, skip=0)
+    return True
+
+
+def _inline_iteration(
+    graph: Graph,
+    owner: Node,
+    body: Graph,
+    first: list[Value | None],
+    stack_axes: list[int],
+    make: MakeBuilder,
+    counts: Counter[str],
+    *,
+    skip: int,
+) -> None:
+    """Inline one iteration of ``owner``'s ``body``: its inputs read ``first`` (None where
+    nothing reads them), the outputs after the ``skip`` first (a Loop's condition) stand for
+    ``owner``'s: the carried ones as they are, the last ``len(stack_axes)`` unsqueezed at
+    their axis to a stack of one."""
+    replacements = {id(v): value for v, value in zip(body.inputs, first, strict=True)}
+    for value, replacement in zip(body.inputs, first, strict=True):
         for use in value.uses():
             use.node.set_input(use.index, replacement)
-    outputs, moved = _hoist(graph, loop, body, make.names, counts)
-    results = [first.get(id(v)) or v for v in outputs[1:]]  # a carried value the body passes on as it is
+    outputs, moved = _hoist(graph, owner, body, make.names, counts)
+    results = [replacements.get(id(v)) or v for v in outputs[skip:]]  # a value the body passes on as it is
+    n_carried = len(results) - len(stack_axes)
+    b = make(graph, owner)
     opset = b.opset or 13
-    stacked = [b.listed("Unsqueeze", v, "axes", [0], as_input=opset >= 13).outputs[0] for v in results[n_carried:]]
-    _replace_outputs(graph, loop, [*results[:n_carried], *stacked], moved, make.names)
-    return True
+    stacked = [
+        b.listed("Unsqueeze", v, "axes", [axis], as_input=opset >= 13).outputs[0]
+        for v, axis in zip(results[n_carried:], stack_axes, strict=True)
+    ]
+    _replace_outputs(graph, owner, [*results[:n_carried], *stacked], moved, make.names)
+
+
+_UNROLL = {"Loop": _unroll, "Scan": _unroll_scan}
+_CONTROL_FLOW = ("If", *_UNROLL)
 
 
 # -- inlining ------------------------------------------------------------------------------

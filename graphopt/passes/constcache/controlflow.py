@@ -1,5 +1,5 @@
 """Control flow decided at compile time: If nodes replaced by the branch they take, and
-Loops that run at most once replaced by their body, inlined.
+Loops and Scans that run at most once replaced by their body, inlined.
 
 An If is decided when
 
@@ -54,7 +54,7 @@ __all__ = ["inline_decided_control_flow"]
 
 
 def inline_decided_control_flow(model: Model, make: MakeBuilder) -> dict[str, int]:
-    """Inline each decided If and each Loop of at most one iteration (see the module
+    """Inline each decided If and each Loop or Scan of at most one iteration (see the module
     docstring); how many of each went."""
     # Innermost bodies first: an If whose branches hold decided Ifs compares them inlined.
     graphs = list(model.all_graphs())[::-1]

@@ -7,8 +7,9 @@
 4. folding of COMPILE_CONST regions under the size guards (:mod:`.folding`); when a fold
    fed a node of an incomplete type, the model is typed again and steps 2-4 repeat (the
    shape plumbing of TensorFlow "same" padding folds conv after conv this way);
-5. If nodes decided (a constant condition, or branches that compute the same) and Loops of
-   no or one iteration inlined (:mod:`.controlflow`); equal initializers stored once;
+5. If nodes decided (a constant condition, or branches that compute the same), Loops of no
+   or one iteration and Scans of one inlined (:mod:`.controlflow`); equal initializers
+   stored once;
 6. with runtime constants, the runtime_fold split (:mod:`.runtime`).
 """
 
@@ -67,7 +68,7 @@ class ConstCacheOptions:
 @register
 class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
     """Fold constant regions under size guards, fold shape plumbing symbolically, inline decided If and
-    one-iteration Loop nodes, cache runtime constants"""
+    one-iteration Loop / Scan nodes, cache runtime constants"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         names = ctx.names(model)

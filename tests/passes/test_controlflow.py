@@ -287,6 +287,26 @@ def test_an_if_decided_only_once_another_is_inlined() -> None:
     same_outputs(original, optimized, {"x": np.arange(12, dtype=np.float32).reshape(3, 4)})
 
 
+def test_an_if_nested_in_a_branch_of_an_if_on_the_same_condition_is_decided() -> None:
+    # Inside If(c)'s then branch c is true, inside its else branch false, whatever c is.
+    def inner(name: str, when_true: str, when_false: str) -> onnx.GraphProto:
+        yes = body(f"{name}_yes", [helper.make_node(when_true, ["x"], [f"{name}_t"])], [info(f"{name}_t")])
+        no = body(f"{name}_no", [helper.make_node(when_false, ["x"], [f"{name}_f"])], [info(f"{name}_f")])
+        return body(name, [if_node("c", [f"{name}_out"], yes, no)], [info(f"{name}_out")])
+
+    nodes = [
+        helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+        helper.make_node("Greater", ["s", "zero"], ["c"]),
+        if_node("c", ["y"], inner("then", "Relu", "Neg"), inner("else", "Abs", "Sigmoid")),
+    ]
+    original = model(nodes, [info("x", F, [3, 4])], [info("y", F, [3, 4])], [tensor("zero", 0.0)])
+    optimized = optimize(original).model
+    assert counts(optimized)[2] == Counter({"ReduceSum": 1, "Greater": 1, "If": 1, "Relu": 1, "Sigmoid": 1})
+    for sign in (1.0, -1.0):
+        x = sign * np.abs(np.random.default_rng(2).standard_normal((3, 4))).astype(np.float32)
+        same_outputs(original, optimized, {"x": x})
+
+
 # -- what must stay --------------------------------------------------------------------------
 
 

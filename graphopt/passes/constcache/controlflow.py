@@ -6,6 +6,7 @@ An If is decided when
 - its condition is a constant: a literal, or a test of shapes that symbolic folding made one
   (``Equal(Gather(Shape(x), 1), 512)`` where that dim is 512; in bodies too, where the types
   of the outer values are in view), or
+- it sits in a branch of an If on the same condition value (true in the then branch), or
 - its two branches compute the same thing: equal node for node (op, attributes, constants,
   the same outer values read; an Identity stands for its input), so it does not matter which
   one runs. Bodies nested in the branches are compared the same way.
@@ -87,7 +88,23 @@ def _taken_branch(node: Node) -> Graph | None:
     condition = constant_array(node.input(0), limit=1)
     if condition is not None and condition.size == 1:
         return then if bool(condition.ravel()[0]) else other
+    known = _known_inside(node)
+    if known is not None:
+        return then if known else other
     return then if _same_computation(then, other) else None
+
+
+def _known_inside(node: Node) -> bool | None:
+    """The condition of an If nested in a branch of an If on the same condition value: true
+    in a then branch, false in an else branch."""
+    condition = node.input(0)
+    graph = node.graph
+    while graph is not None and graph.parent is not None:
+        owner = graph.parent
+        if owner.op_type == "If" and owner.in_standard_domain and owner.input(0) is condition:
+            return graph is owner.attr("then_branch")
+        graph = owner.graph
+    return None
 
 
 # -- equal branches ------------------------------------------------------------------------

@@ -60,6 +60,7 @@ def infer_model(facts: Facts, *, use_onnx: bool = True, onnx_max_nodes: int = 50
     before = _census(model)
     n_nodes = sum(1 for _ in model.graph.all_nodes())
     inference = _Inference(facts, use_onnx=use_onnx and n_nodes <= onnx_max_nodes)
+    inference.changed = _ranks_through_identities(model)
     inference.graph(model.graph)
     after = _census(model)
     details: dict[str, Any] = {
@@ -260,6 +261,33 @@ class _Inference:
 
 
 # -- merging -------------------------------------------------------------------------------
+
+
+def _ranks_through_identities(model: Model) -> bool:
+    """Give a value of unknown rank the rank (and int dims) an Identity of it declares.
+
+    An Identity's output is its input, so the type the model declares for the output is the
+    input's. TorchScript exports rely on it: ``x.squeeze(-1)`` becomes an If whose branches
+    differ in rank, so the If's output has none, and the LSTMCell after it tests
+    ``input.dim() != 2`` in Ifs whose not-taken branch returns ``Identity(input)`` declared
+    ``[?, 128]``: that declaration decides every one of those Ifs. Names of dims are not
+    carried over (the exporter's are placeholders); inference fills them in.
+    """
+    changed = False
+    for graph in [model.graph, *model.graph.subgraphs()]:  # function bodies declare no types
+        for node in graph:
+            if node.op_type != "Identity" or not node.in_standard_domain or node.opaque:
+                continue
+            source, declared = node.input(0), node.outputs[0].type
+            if source is None or not isinstance(declared, TensorType) or declared.shape is None:
+                continue
+            kind = source.type
+            if kind is None or (isinstance(kind, TensorType) and kind.shape is None and kind.dtype == declared.dtype):
+                source.type = TensorType(
+                    declared.dtype, tuple(d if isinstance(d, int) else None for d in declared.shape)
+                )
+                changed = True
+    return changed
 
 
 def _fill(mine: Type | None, onnx: Type | None) -> Type | None:

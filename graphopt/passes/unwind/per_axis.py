@@ -120,14 +120,15 @@ def read_params(node: Node, rank: int) -> tuple[Reading, ...] | None:
         values = _values(node, param)
         if values is False:
             unread.append(param)
-            values = None
-        elif values is not None and not _fits(param.maps, values, rank):
-            return None
-        readings.append((param, values))
+        readings.append((param, values or None))
     listed = any(param.maps == "axes" and values is not None for param, values in readings)
-    # A vector per listed axis stays as it is, so it need not be a constant.
-    if unread and not (listed and all(param.maps in ("per_axis", "begin_end") for param in unread)):
-        return None
+    for param, values in readings:
+        # A vector per listed axis stays as it is: it need not fit the rank, nor be a constant.
+        vector = param.maps in ("per_axis", "begin_end")
+        if values is not None and not (listed and vector) and not _fits(param.maps, values, rank):
+            return None
+        if param in unread and not (listed and vector):
+            return None
     if node.op_type == "Resize" and not _nearest(node) and not _scaled(readings):
         return None
     return tuple(readings)
@@ -179,7 +180,8 @@ def mapped(readings: tuple[Reading, ...], layout: tuple[int, ...]) -> dict[Param
 def runs_in(node: Node, readings: tuple[Reading, ...], layout: tuple[int, ...]) -> bool:
     """Whether onnxruntime runs the op with its parameters mapped to ``layout``: a linear or
     cubic Resize only with unit scales on the outermost two axes, or on the outermost and
-    the innermost of four (its kernels' own conditions; a nearest one runs in any)."""
+    the innermost of four (its kernels' own conditions, upsamplebase.h; a nearest one runs
+    in any layout)."""
     if node.op_type != "Resize" or _nearest(node):
         return True
     scales = next((new for param, new in mapped(readings, layout).items() if param.at == 2), _scaled(readings))
@@ -187,8 +189,11 @@ def runs_in(node: Node, readings: tuple[Reading, ...], layout: tuple[int, ...]) 
     rank = len(scales)
     if rank <= 2 or (rank == 3 and node.attr("mode") == b"linear"):
         return True
-    outer = scales[0] == 1 and scales[1] == 1
-    return outer or (rank == 4 and scales[0] == 1 and scales[3] == 1)
+    if scales[0] == 1 and scales[1] == 1:
+        return True
+    # A cubic one in this form either antialiases or only enlarges.
+    cubic_form = node.attr("mode") != b"cubic" or bool(node.attr("antialias", 0)) or min(scales) >= 1
+    return rank == 4 and scales[0] == 1 and scales[3] == 1 and cubic_form
 
 
 def as_array(original: np.ndarray | None, values: tuple[Number, ...]) -> np.ndarray:

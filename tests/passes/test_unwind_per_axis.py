@@ -170,3 +170,28 @@ def test_a_linear_resize_the_runtime_cannot_run_in_the_new_layout_stays_put(tmp_
     written, details = _unwind_file(_save(graph, tmp_path / "m.onnx"), tmp_path, "shape-infer")
     assert details["transposes"] == [2, 2] and not details["changed"]
     assert _count(written, "Resize") == 1
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+def test_squeeze_drops_its_axis_from_the_layout(opset: int, tmp_path: Path) -> None:
+    """Squeeze (axes an attribute before opset 13, an input from 13) of an NHWC Conv's unit
+    channel: it squeezes the NCHW Conv output's axis 1, and no Transpose is left after it."""
+    axes: dict = {"axes": [3]} if opset < 13 else {}
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["x_nchw"], perm=nhwc_nets.TO_NCHW),
+        helper.make_node("Conv", ["x_nchw", "w"], ["conv"], pads=[1, 1, 1, 1]),
+        helper.make_node("Transpose", ["conv"], ["a"], perm=nhwc_nets.TO_NHWC),
+        helper.make_node("Squeeze", ["a"] if opset < 13 else ["a", "axes"], ["y"], **axes),
+    ]
+    initializers = [numpy_helper.from_array(np.ones((1, 3, 3, 3), np.float32), "w")]
+    if opset >= 13:
+        initializers.append(numpy_helper.from_array(_i64(-1), "axes"))
+    graph = helper.make_graph(
+        nodes,
+        "squeeze",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 6, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 6])],
+        initializers,
+    )
+    written, details = _unwind_file(_save(graph, tmp_path / "m.onnx", opset), tmp_path, "shape-infer")
+    assert details["transposes"] == [2, 1] and transposes(written) == 1

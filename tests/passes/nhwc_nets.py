@@ -80,7 +80,7 @@ def zero_padding(net: NhwcNet, x: str) -> str:
 MOBILENET_BLOCKS = ((32, 1), (64, 2), (64, 1), (128, 2), (128, 1), (128, 2))
 
 
-def mobilenet(blocks: tuple[tuple[int, int], ...] = MOBILENET_BLOCKS) -> onnx.ModelProto:
+def mobilenet(blocks: tuple[tuple[int, int], ...] = MOBILENET_BLOCKS, size: int = 32) -> onnx.ModelProto:
     """MobileNet (v1) as tf2onnx writes Keras's: stem Conv, then per block a depthwise Conv
     (strided ones after a ZeroPadding2D Pad and with 'valid' padding) and a pointwise Conv,
     ReLU6 after each; global average pool, dense, softmax."""
@@ -97,10 +97,10 @@ def mobilenet(blocks: tuple[tuple[int, int], ...] = MOBILENET_BLOCKS) -> onnx.Mo
     y = net.one("ReduceMean", [y, net.const(np.array([1, 2], dtype=np.int64), "axes")], keepdims=0)
     y = net.one("MatMul", [y, net.const(net.rng.standard_normal((c, 10)).astype(np.float32) / 8, "dense")])
     y = net.one("Softmax", [y], axis=-1)
-    return net.model(["n", 32, 32, 3], [(y, ["n", 10])])
+    return net.model(["n", size, size, 3], [(y, ["n", 10])])
 
 
-def unet() -> onnx.ModelProto:
+def unet(size: int = 16) -> onnx.ModelProto:
     """A UNet in NHWC: two down levels (Pad then strided Conv), two up levels (Resize
     upsampling, Concat with the skip on the channel axis), NHWC output."""
     net = NhwcNet("unet_nhwc", seed=1)
@@ -117,4 +117,4 @@ def unet() -> onnx.ModelProto:
         y = net.one("Relu", [net.conv(y, c + cskip, cskip)])
         c = cskip
     y = net.one("Sigmoid", [net.conv(y, c, 2, k=1)])
-    return net.model(["n", 16, 16, 3], [(y, ["n", 16, 16, 2])])
+    return net.model(["n", size, size, 3], [(y, ["n", size, size, 2])])

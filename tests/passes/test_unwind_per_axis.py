@@ -195,3 +195,11 @@ def test_squeeze_drops_its_axis_from_the_layout(opset: int, tmp_path: Path) -> N
     )
     written, details = _unwind_file(_save(graph, tmp_path / "m.onnx", opset), tmp_path, "shape-infer")
     assert details["transposes"] == [2, 1] and transposes(written) == 1
+
+
+def test_axes_that_the_layout_leaves_in_place_are_not_rewritten(tmp_path: Path) -> None:
+    """The MobileNet's Softmax over its last axis, after the layout changed upstream: its
+    ``axis=-1`` stays as written."""
+    written, _ = _run(nhwc_nets.mobilenet(), tmp_path)
+    (softmax,) = [n for n in written.graph.node if n.op_type == "Softmax"]
+    assert [(a.name, a.i) for a in softmax.attribute] == [("axis", -1)]

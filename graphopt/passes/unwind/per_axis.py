@@ -165,6 +165,8 @@ def mapped(readings: tuple[Reading, ...], layout: tuple[int, ...]) -> dict[Param
             continue
         new: tuple[Number, ...]
         if param.maps in ("axis", "axes"):
+            if all(where[int(v) % rank] == int(v) % rank for v in values):
+                continue  # the same axes, however written (-1 stays -1)
             new = tuple(where[int(v) % rank] for v in values)
         elif listed:  # vectors per listed axis
             continue

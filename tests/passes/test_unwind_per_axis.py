@@ -41,6 +41,9 @@ def test_mobilenet_with_zero_padding_keeps_only_the_input_transpose(tmp_path: Pa
     written, _ = _run(model, tmp_path)
     assert transposes(written) == 1
     assert written.graph.node[0].op_type == "Transpose"  # the NHWC input's
+    # An axis the layout leaves in place stays as written.
+    (softmax,) = [n for n in written.graph.node if n.op_type == "Softmax"]
+    assert [(a.name, a.i) for a in softmax.attribute] == [("axis", -1)]
 
 
 def test_unet_with_pad_resize_and_skip_concats_keeps_the_interface_transposes(tmp_path: Path) -> None:
@@ -89,20 +92,26 @@ CASES = {
 }
 
 
-def _between_convs(op: str, extra: list, attrs: dict, channels: int, opset: int) -> onnx.GraphProto:
-    """x (NHWC) -> Transpose -> Conv -> Transpose -> op in NHWC -> Transpose -> Conv -> y (NCHW)."""
-    rng = np.random.default_rng(0)
-    initializers = [
-        numpy_helper.from_array(rng.standard_normal((C, 3, 3, 3)).astype(np.float32), "w1"),
-        numpy_helper.from_array(rng.standard_normal((2, channels, 1, 1)).astype(np.float32), "w2"),
-    ]
-    inputs = ["a"]
+def _operands(data: str, extra: list) -> tuple[list[str], list[onnx.TensorProto]]:
+    """The op's inputs: ``data``, then ``extra`` (arrays as initializers, "self" is ``data``)."""
+    inputs, initializers = [data], []
     for k, item in enumerate(extra):
         if isinstance(item, str):
-            inputs.append("a" if item == "self" else item)
+            inputs.append(data if item == "self" else item)
         else:
             initializers.append(numpy_helper.from_array(np.asarray(item), f"p{k}"))
             inputs.append(f"p{k}")
+    return inputs, initializers
+
+
+def _between_convs(op: str, extra: list, attrs: dict, channels: int) -> onnx.GraphProto:
+    """x (NHWC) -> Transpose -> Conv -> Transpose -> op in NHWC -> Transpose -> Conv -> y (NCHW)."""
+    rng = np.random.default_rng(0)
+    inputs, initializers = _operands("a", extra)
+    initializers += [
+        numpy_helper.from_array(rng.standard_normal((C, 3, 3, 3)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal((2, channels, 1, 1)).astype(np.float32), "w2"),
+    ]
     outputs = ["b", "unused"] if op == "Split" else ["b"]
     nodes = [
         helper.make_node("Transpose", ["x"], ["x_nchw"], perm=nhwc_nets.TO_NCHW),
@@ -124,7 +133,7 @@ def _between_convs(op: str, extra: list, attrs: dict, channels: int, opset: int)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_per_axis_op_between_transposed_convs_follows_the_layout(case: str, tmp_path: Path) -> None:
     op, extra, attrs, channels, opset = CASES[case]
-    source = _save(_between_convs(op, extra, attrs, channels, opset), tmp_path / "m.onnx", opset)
+    source = _save(_between_convs(op, extra, attrs, channels), tmp_path / "m.onnx", opset)
     written, details = _unwind_file(source, tmp_path, "shape-infer")
     assert details["transposes"] == [3, 1]
     assert transposes(written) == 1 and _count(written, op) == 1
@@ -133,7 +142,7 @@ def test_a_per_axis_op_between_transposed_convs_follows_the_layout(case: str, tm
 def test_pads_from_a_graph_input_keep_the_pad_a_barrier(tmp_path: Path) -> None:
     """Pads that are not a constant cannot be rewritten: the Pad reads NHWC data as before."""
     # make_feeds fills an integer input named like a mask with ones: every axis padded by 1
-    graph = _between_convs("Pad", ["pads_mask"], {}, C + 2, 18)
+    graph = _between_convs("Pad", ["pads_mask"], {}, C + 2)
     graph.input.append(helper.make_tensor_value_info("pads_mask", TensorProto.INT64, [8]))
     source = _save(graph, tmp_path / "m.onnx")
     model = onnx.load(source)
@@ -144,7 +153,7 @@ def test_pads_from_a_graph_input_keep_the_pad_a_barrier(tmp_path: Path) -> None:
 
 def test_slice_starts_from_a_graph_input_follow_with_constant_axes(tmp_path: Path) -> None:
     """Starts per listed axis need no rewrite: only the axes are renumbered."""
-    graph = _between_convs("Slice", ["starts", _i64(5, 6), _i64(1, 2)], {}, C, 18)
+    graph = _between_convs("Slice", ["starts", _i64(5, 6), _i64(1, 2)], {}, C)
     graph.input.append(helper.make_tensor_value_info("starts", TensorProto.INT64, [2]))
     source = _save(graph, tmp_path / "m.onnx")
     written, details = _unwind_file(source, tmp_path, "shape-infer")
@@ -197,9 +206,36 @@ def test_squeeze_drops_its_axis_from_the_layout(opset: int, tmp_path: Path) -> N
     assert details["transposes"] == [2, 1] and transposes(written) == 1
 
 
-def test_axes_that_the_layout_leaves_in_place_are_not_rewritten(tmp_path: Path) -> None:
-    """The MobileNet's Softmax over its last axis, after the layout changed upstream: its
-    ``axis=-1`` stays as written."""
-    written, _ = _run(nhwc_nets.mobilenet(), tmp_path)
-    (softmax,) = [n for n in written.graph.node if n.op_type == "Softmax"]
-    assert [(a.name, a.i) for a in softmax.attribute] == [("axis", -1)]
+RANK3 = {
+    "Pad": ("Pad", [_i64(1, 0, 2, 0, 1, 1)], {}),
+    "Slice-no-axes": ("Slice", [_i64(1, 0, 1), _i64(4, 2, 3)], {}),
+    "Slice-axes-steps": ("Slice", [_i64(2, 0), _i64(3, 4), _i64(2, 0), _i64(1, 2)], {}),
+    "Tile": ("Tile", [_i64(1, 2, 3)], {}),
+    "Resize": ("Resize", ["", _f32(2, 1, 3)], {"mode": "nearest"}),
+    "Gather": ("Gather", [_i64(1, 0, 1)], {"axis": 1}),
+    "Split": ("Split", [_i64(1, 2)], {"axis": -1}),
+    "Concat": ("Concat", ["self"], {"axis": 0}),
+    "Softmax": ("Softmax", [], {"axis": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(RANK3))
+def test_a_per_axis_op_between_cancelling_transposes_runs_on_the_input(case: str, tmp_path: Path) -> None:
+    """x -> Transpose [2, 0, 1] -> op -> Transpose [1, 2, 0]: the op runs on x itself (a
+    cyclic layout, where a mapping read backwards would show)."""
+    op, extra, attrs = RANK3[case]
+    inputs, initializers = _operands("t", extra)
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=[2, 0, 1]),
+        helper.make_node(op, inputs, ["o", "unused"] if op == "Split" else ["o"], **attrs),
+        helper.make_node("Transpose", ["o"], ["y"], perm=[1, 2, 0]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        case,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None] * 3)],
+        initializers,
+    )
+    written, details = _unwind_file(_save(graph, tmp_path / "m.onnx"), tmp_path, "shape-infer")
+    assert details["transposes"] == [2, 0] and transposes(written) == 0

@@ -216,6 +216,16 @@ RANK3 = {
     "Split": ("Split", [_i64(1, 2)], {"axis": -1}),
     "Concat": ("Concat", ["self"], {"axis": 0}),
     "Softmax": ("Softmax", [], {"axis": 1}),
+    "GatherElements": ("GatherElements", [np.array([[[1, 0, 2]] * 2] * 4, np.int64)], {"axis": 2}),
+    "ScatterElements": (
+        "ScatterElements",
+        [np.array([[[1], [0]]] * 4, np.int64), np.ones((4, 2, 1), np.float32)],
+        {"axis": 1, "reduction": "add"},
+    ),
+    "CumSum": ("CumSum", [np.array(-2, np.int64)], {"reverse": 1}),
+    "TopK": ("TopK", [_i64(2)], {"axis": 0}),
+    "ArgMax": ("ArgMax", [], {"axis": 2, "keepdims": 1}),
+    "LpNormalization": ("LpNormalization", [], {"axis": 0, "p": 1}),
 }
 
 
@@ -227,15 +237,53 @@ def test_a_per_axis_op_between_cancelling_transposes_runs_on_the_input(case: str
     inputs, initializers = _operands("t", extra)
     nodes = [
         helper.make_node("Transpose", ["x"], ["t"], perm=[2, 0, 1]),
-        helper.make_node(op, inputs, ["o", "unused"] if op == "Split" else ["o"], **attrs),
+        helper.make_node(op, inputs, ["o", "unused"] if op in ("Split", "TopK") else ["o"], **attrs),
         helper.make_node("Transpose", ["o"], ["y"], perm=[1, 2, 0]),
     ]
     graph = helper.make_graph(
         nodes,
         case,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None] * 3)],
+        [helper.make_tensor_value_info("y", TensorProto.INT64 if op == "ArgMax" else TensorProto.FLOAT, [None] * 3)],
         initializers,
     )
     written, details = _unwind_file(_save(graph, tmp_path / "m.onnx"), tmp_path, "shape-infer")
     assert details["transposes"] == [2, 0] and transposes(written) == 0
+
+
+def test_gather_elements_indices_from_a_graph_input_are_transposed_to_the_data(tmp_path: Path) -> None:
+    """Indices that are not a constant are laid out as the data by a Transpose of their own."""
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=[2, 0, 1]),
+        helper.make_node("GatherElements", ["t", "indices"], ["o"], axis=1),
+        helper.make_node("Transpose", ["o"], ["y"], perm=[1, 2, 0]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "gather-elements",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4]),
+            helper.make_tensor_value_info("indices", TensorProto.INT64, [4, 2, 3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4])],
+    )
+    written, details = _unwind_file(_save(graph, tmp_path / "m.onnx"), tmp_path, "shape-infer")
+    assert details["transposes"] == [2, 1]
+    (transpose,) = [n for n in written.graph.node if n.op_type == "Transpose"]
+    assert list(transpose.input) == ["indices"]
+
+
+def test_argmax_without_keepdims_changes_the_rank_and_stays_fixed(tmp_path: Path) -> None:
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=[2, 0, 1]),
+        helper.make_node("ArgMax", ["t"], ["o"], axis=0, keepdims=0),
+        helper.make_node("Transpose", ["o"], ["y"], perm=[1, 0]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "argmax",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [3, 2])],
+    )
+    _, details = _unwind_file(_save(graph, tmp_path / "m.onnx"), tmp_path, "shape-infer")
+    assert details["transposes"] == [2, 2] and not details["changed"]

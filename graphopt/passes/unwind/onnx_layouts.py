@@ -18,7 +18,7 @@ only; :func:`role` is the classification the rewrite shares):
   away, so the output's layout is the input's without them; with ``keepdims=1`` the
   output keeps the input's layout;
 - the ops of :data:`per_axis.PER_AXIS_OPS` (Pad, Slice, Resize, Tile, Expand, Concat,
-  Split, Gather, Softmax-like) keep their input's layout, their per-axis parameters
+  Split, Gather, Softmax-like, ...) keep their input's layout, their per-axis parameters
   rewritten for it (a Concat's inputs are paired); a per-axis input that is not a
   constant makes the op fixed;
 - every other node (Conv, pooling, MatMul, Gemm, reshapes, anything unknown) is a
@@ -229,7 +229,7 @@ def _per_axis_role(node: Node, ranks: dict[Value, int], opset: int) -> Role:
     rank = rank_of(node.input(0), ranks)
     if opset < spec.since or rank is None or not 1 <= rank <= MAX_RANK:
         return Role("fixed")
-    data = [v for v in node.inputs if v is not None] if spec.all_data else [node.input(0)]
+    data = [node.input(index) for index in spec.data_inputs(node)]
     if any(rank_of(v, ranks) != rank for v in [*data, *node.outputs]):
         return Role("fixed")
     params = read_params(node, rank)
@@ -260,7 +260,7 @@ def infer_ranks(graph: Graph) -> dict[Value, int]:
     ranks: dict[Value, int] = {}
     for node in graph.topological():
         rank = _output_rank(node, ranks)
-        for value in node.outputs if node.op_type == "Split" else node.outputs[:1]:
+        for value in node.outputs if node.op_type in PER_AXIS_OPS else node.outputs[:1]:
             if rank_of(value, ranks) is None and rank is not None:
                 ranks[value] = rank
     return ranks
@@ -278,7 +278,7 @@ def _output_rank(node: Node, ranks: dict[Value, int]) -> int | None:
         return None if any(r is None for r in inputs) else max(r for r in inputs if r is not None)
     if op in SPATIAL or op in ("Transpose", "Dropout"):
         return first
-    if op in PER_AXIS_OPS and op != "Gather" and op != "Expand":
+    if op in PER_AXIS_OPS and op not in ("Gather", "Expand") and node.attr("keepdims", 1):  # ArgMax's
         return first
     if op in REDUCTIONS and first is not None and not node.attr("keepdims", 1):
         listed = node.attr("axes")
@@ -441,10 +441,10 @@ def derive(model: Model, profile: Profile = "onnx", allow_input_relayout: bool =
                 tensors[out] = problem.reshape(kept, (2,) * (rank - len(node_role.axes)), fresh(out.name))
         elif node_role.kind == "per_axis" and ins[0] is not None:
             first = ins[0]
-            if PER_AXIS_OPS[node.op_type].all_data:  # a constant is re-laid out offline
-                for value, tensor in zip(node.inputs[1:], ins[1:]):
-                    if tensor is not None and value is not None and not is_constant(value):
-                        problem.pair(tensor, first, weight(value))
+            for index in PER_AXIS_OPS[node.op_type].data_inputs(node)[1:]:
+                value, tensor = node.inputs[index], ins[index]
+                if tensor is not None and value is not None and not is_constant(value):  # a constant is re-laid out
+                    problem.pair(tensor, first, weight(value))
             for value in node.outputs:
                 tensors[value] = problem.identity(first, fresh(value.name))
         else:

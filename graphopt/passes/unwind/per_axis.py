@@ -6,7 +6,7 @@ its input's layout, a view in the layout problem, and a Transpose pair around it
 Each op is described here by data, not code: which inputs carry the layout and, for each
 per-axis parameter (an attribute, or an input that must be a constant), how it maps:
 
-- ``axis``: one axis, renumbered (Concat, Split, Gather, Softmax);
+- ``axis``: one axis, renumbered (Concat, Split, Gather, Softmax, CumSum, TopK, ...);
 - ``axes``: a list of axes, each renumbered (Pad's and Slice's ``axes`` input);
 - ``per_axis``: one entry per axis, permuted (Tile's repeats, Resize's scales / sizes,
   Expand's shape, Slice's starts / ends / steps without ``axes``);
@@ -49,10 +49,14 @@ class Param:
 @dataclass(frozen=True)
 class AxisOp:
     params: tuple[Param, ...]
-    # Every input carries the layout (Concat); otherwise input 0 only.
-    all_data: bool = False
+    # The inputs that carry the layout, the first one leading (None: every input, as Concat's).
+    data: tuple[int, ...] | None = (0,)
     # The first opset this description holds for.
     since: int = 1
+
+    def data_inputs(self, node: Node) -> list[int]:
+        indices = range(len(node.inputs)) if self.data is None else self.data
+        return [index for index in indices if node.input(index) is not None]
 
 
 def _axis(default: int | None = None) -> tuple[Param, ...]:
@@ -81,9 +85,17 @@ PER_AXIS_OPS: dict[str, AxisOp] = {
     ),
     "Tile": AxisOp((Param(1, "per_axis"),), since=6),
     "Expand": AxisOp((Param(1, "per_axis"),), since=8),
-    "Concat": AxisOp(_axis(), all_data=True, since=4),
+    "Concat": AxisOp(_axis(), data=None, since=4),
     "Split": AxisOp(_axis(0), since=2),  # the split sizes run along the axis: unchanged
     "Gather": AxisOp(_axis(0)),  # the indices are positions along the axis: unchanged
+    # Indices (and updates) of the data's shape, laid out as the data.
+    "GatherElements": AxisOp(_axis(0), data=(0, 1), since=11),
+    "ScatterElements": AxisOp(_axis(0), data=(0, 1, 2), since=11),
+    "CumSum": AxisOp((Param(1, "axis"),), since=11),
+    "TopK": AxisOp(_axis(-1), since=10),  # values and indices, both of the input's rank
+    "ArgMax": AxisOp(_axis(0)),  # keepdims=1 only: the output keeps the rank
+    "ArgMin": AxisOp(_axis(0)),
+    "LpNormalization": AxisOp(_axis(-1)),
     "Softmax": _SOFTMAX,
     "LogSoftmax": _SOFTMAX,
     "Hardmax": _SOFTMAX,
@@ -108,7 +120,7 @@ def _values(node: Node, param: Param) -> tuple[Number, ...] | Literal[False] | N
     array = constant_array(value)
     if array is None or array.ndim > 1 or array.dtype.kind not in "iuf":
         return False
-    return tuple(array.tolist()) if array.size else None  # Resize's empty roi / scales: absent
+    return tuple(array.ravel().tolist()) if array.size else None  # Resize's empty roi / scales: absent
 
 
 def read_params(node: Node, rank: int) -> tuple[Reading, ...] | None:
@@ -199,5 +211,7 @@ def runs_in(node: Node, readings: tuple[Reading, ...], layout: tuple[int, ...]) 
 
 
 def as_array(original: np.ndarray | None, values: tuple[Number, ...]) -> np.ndarray:
-    """``values`` in the dtype of the input they replace."""
-    return np.array(values, dtype=original.dtype if original is not None else np.int64)
+    """``values`` in the dtype and shape of the input they replace (CumSum's axis is 0-d)."""
+    if original is None:
+        return np.array(values, dtype=np.int64)
+    return np.array(values, dtype=original.dtype).reshape(original.shape)

@@ -251,10 +251,10 @@ class _Planner:
 
     def _elementwise(self, node: Node) -> None:
         main_index = self._role(node).unwind
-        target = self._carry(node, main_index, range(len(node.inputs)))
+        target = self._carry(node, main_index, list(range(len(node.inputs))))
         self._output_layout(node.outputs[0], target)
 
-    def _carry(self, node: Node, main_index: int, indices: range) -> Layout:
+    def _carry(self, node: Node, main_index: int, indices: list[int]) -> Layout:
         """Let ``node`` read its inputs at ``indices`` in the flow layout of input
         ``main_index`` (a constant re-laid out offline, anything else converted); that layout."""
         main = node.inputs[main_index]
@@ -281,8 +281,7 @@ class _Planner:
         if not runs_in(node, readings, source):
             self._fixed(node)
             return
-        data = len(node.inputs) if PER_AXIS_OPS[node.op_type].all_data else 1
-        self._carry(node, 0, range(data))
+        self._carry(node, 0, PER_AXIS_OPS[node.op_type].data_inputs(node))
         for param, values in mapped(readings, source).items():
             if isinstance(param.at, str):
                 self._edit(_set_attribute, node, param.at, values[0] if param.maps == "axis" else list(values))

@@ -76,6 +76,13 @@ CASES = {
     "Slice-attributes": ("Slice", [], {"starts": [1, 1], "ends": [5, 100], "axes": [2, 3]}, C - 1, 9),
     "Resize-nearest": ("Resize", ["", _f32(1, 2, 2, 1)], {"mode": "nearest"}, C, 18),
     "Resize-linear": ("Resize", ["", _f32(1, 2, 2, 1)], {"mode": "linear"}, C, 18),
+    "Resize-roi": (
+        "Resize",
+        [_f32(0, 0.1, 0.3, 0, 1, 0.9, 0.6, 1), _f32(1, 2, 2, 1)],
+        {"mode": "linear", "coordinate_transformation_mode": "tf_crop_and_resize"},
+        C,
+        18,
+    ),
     "Resize-sizes": ("Resize", ["", "", _i64(1, 9, 12, C)], {"mode": "nearest"}, C, 18),
     "Resize-axes": ("Resize", ["", _f32(2, 3)], {"mode": "nearest", "axes": [1, 2]}, C, 18),
     "ReduceMean-attribute": ("ReduceMean", [], {"axes": [3], "keepdims": 1}, 1, 13),

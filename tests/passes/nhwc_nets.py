@@ -118,3 +118,24 @@ def unet(size: int = 16) -> onnx.ModelProto:
         c = cskip
     y = net.one("Sigmoid", [net.conv(y, c, 2, k=1)])
     return net.model(["n", size, size, 3], [(y, ["n", size, size, 2])])
+
+
+def squeeze_excite() -> onnx.ModelProto:
+    """An EfficientNet-style block in NHWC: ZeroPadding2D and a strided depthwise Conv, a
+    squeeze-excite gate (ReduceMean keeping dims, two 1x1 Convs, HardSigmoid, Mul), a
+    strided Slice shortcut, bilinear upsampling and a Concat with a tiled constant."""
+    net = NhwcNet("squeeze_excite_nhwc", seed=2)
+
+    def ints(*values: int) -> str:
+        return net.const(np.array(values, dtype=np.int64), "ints")
+
+    y = net.relu6(net.conv("input", 3, 16, stride=2))
+    h = net.relu6(net.conv(zero_padding(net, y), 16, 16, stride=2, pad=0, group=16))
+    gate = net.one("ReduceMean", [h, ints(1, 2)], keepdims=1)
+    gate = net.one("HardSigmoid", [net.conv(net.one("Relu", [net.conv(gate, 16, 4, k=1)]), 4, 16, k=1)])
+    h = net.conv(net.one("Mul", [h, gate]), 16, 16, k=1)
+    y = net.one("Add", [h, net.one("Slice", [y, ints(0, 0), ints(16, 16), ints(1, 2), ints(2, 2)])])
+    y = net.one("Resize", [y, "", net.const(np.array([1, 2, 2, 1], dtype=np.float32), "scales")], mode="linear")
+    side = net.one("Tile", [net.const(np.ones((1, 1, 1, 2), np.float32), "side"), ints(1, 16, 16, 1)])
+    y = net.one("Concat", [y, side], axis=3)
+    return net.model(["n", 32, 32, 3], [(y, ["n", 16, 16, 18])])

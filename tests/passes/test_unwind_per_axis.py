@@ -56,6 +56,15 @@ def test_unet_with_pad_resize_and_skip_concats_keeps_the_interface_transposes(tm
     assert {_count(written, op) for op in ("Resize", "Concat")} == {2}
 
 
+def test_a_squeeze_excite_block_keeps_the_interface_transposes(tmp_path: Path) -> None:
+    """Pad, a keepdims ReduceMean, a strided Slice, a linear Resize, a Tile and a Concat
+    together: the NHWC input's and output's Transposes stay, no other."""
+    model = nhwc_nets.squeeze_excite()
+    assert transposes(model) == 10
+    written, _ = _run(model, tmp_path)
+    assert transposes(written) == 2
+
+
 def _i64(*values: int) -> np.ndarray:
     return np.array(values, dtype=np.int64)
 

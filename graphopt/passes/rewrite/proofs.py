@@ -3,12 +3,13 @@
 What a Reshape does to the dims: a head split (batch, seq, heads * head size) -> (batch, seq, heads, head size),
 batch and heads merged to one dim and split again, the merge back to (batch, seq, heads * head size), a target
 that keeps its input's dims (static, symbolic, or read back from the exporters' Shape / Gather plumbing), a
-constant target with its copied dims spelled out; a scalar of a rank; and K and V as attention reads them (K from
-K^T, K and V without grouped-query attention's head repeat).
+constant target with its copied dims spelled out, a Reshape back to its source's shape (a group norm's merge); a
+scalar of a rank; and K and V as attention reads them (K from K^T, K and V without grouped-query attention's head
+repeat).
 
 Each proof answers None (or False, or a reason) where the facts do not prove it, and a rule refuses then. The
-attention rules (rules/attention/) and the shape rules (rules/shape.py) read them; tests/passes/test_proofs.py
-holds their own tests.
+attention rules (rules/attention/), the shape rules (rules/shape.py) and the group norm (rules/norm/) read them;
+tests/passes/test_proofs.py holds their own tests.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Normalization family: LayerNorm, RMSNorm and Softmax decompositions become one op.
+"""Normalization family: LayerNorm, RMSNorm, GroupNorm and Softmax decompositions become one op.
 
 LayerNorm. ``mean = ReduceMean(x)``, ``d = x - mean``, ``var = ReduceMean(d^2)`` (``Pow(d, 2)``
 or ``d * d``), ``y = d / Sqrt(var + eps)`` (or ``d * Reciprocal(...)``), then ``* gamma`` and
@@ -14,6 +14,14 @@ any mean here may be either spelling, GlobalAveragePool standing for the axes fr
 
 RMSNorm. ``x / Sqrt(ReduceMean(x^2) + eps) * gamma`` (or ``x * Reciprocal(...)``) ->
 ``RMSNormalization(x, gamma, axis, epsilon)`` (opset 23).
+
+GroupNorm, as both PyTorch exporters write nn.GroupNorm (diffusers' UNets and VAEs): ``Reshape(x, [N, G, -1])``,
+``InstanceNormalization`` (or the mean-variance spelling) over each group, ``Reshape`` back to x's shape, ``* gamma``
+``+ beta`` per channel -> ``GroupNormalization(x, scale, bias, num_groups, epsilon)`` (opset 21, whose scale and
+bias are per channel; opset 18's were per group), the InstanceNormalization's own scale and bias folded into them.
+The split keeps x's batch (a 0, or the batch read from x) and G divides the channels; the merge is provably back
+to x's shape (Shape(x), or a target whose entries are x's dims, a 0 copying the batch or the one -1), which holds
+at dynamic batch and spatial dims; a SiLU after it is the activation rules'. Not for ``--target ort``, see the rule.
 
 Softmax. ``Exp(x - ReduceMax(x)) / ReduceSum(Exp(...))`` (with or without the max) over one
 axis with keepdims -> ``Softmax(x, axis)`` (opset 13, where Softmax is per axis).
@@ -307,7 +315,7 @@ def _group_norm(b: Builder, m: Match, plan: _GroupPlan) -> Value:
 
 _GN_DOC = (
     "Reshape [N, G, -1] / InstanceNormalization or mean-variance / Reshape back / Mul / Add -> "
-    "GroupNormalization (opset 21, per-channel scale and bias)"
+    "GroupNormalization (opset 21, per-channel scale and bias; not for --target ort)"
 )
 
 

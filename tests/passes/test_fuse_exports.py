@@ -71,6 +71,8 @@ OPSET_23: dict[str, dict[str, int]] = {
     "levit": {"Attention": 2},
     "mpt": {"Attention": 1},
     "gpt2_kv": {"Attention": 1},
+    # a diffusers-style UNet: every GroupNorm (InstanceNormalization between Reshapes), self and cross attention
+    "unet": {"GroupNormalization": 18, "InstanceNormalization": 0, "Attention": 2},
 }
 
 
@@ -255,7 +257,8 @@ def test_target_ort_keeps_a_left_padded_row(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [f"{m}_{e}" for m in OPSET_23 for e in EXPORTERS if (FIXTURES / f"{m}_{e}.onnx").exists()]
+    "name",
+    [f"{m}_{e}" for m in OPSET_23 for e in EXPORTERS if (FIXTURES / f"{m}_{e}.onnx").exists() and m != "unet"],
 )
 def test_opset_23_keeps_a_left_padded_row(name: str) -> None:
     # The dynamo export fills masked scores with float32's lowest value, which onnxruntime's
@@ -348,6 +351,14 @@ def test_a_library_rule_that_raises_leaves_the_other_fusions_standing(monkeypatc
     assert all(f"at {f['node']}: RuntimeError: boom" in f["error"] for f in failures), failures
     out = to_proto(result.model)
     assert _ops(out)["Attention"] == 1 and "Softmax" not in _ops(out), _ops(out)
+    _same(original, out)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_target_ort_keeps_the_unet_group_norms_as_exported(exporter: str) -> None:
+    # onnxruntime's CPU has no GroupNormalization kernel (it runs the function body) and no com.microsoft GroupNorm
+    original, out = _optimized(f"unet_{exporter}", target="ort", target_opset=23)
+    assert _ops(out)["InstanceNormalization"] == 18 and "GroupNormalization" not in _ops(out), _ops(out)
     _same(original, out)
 
 

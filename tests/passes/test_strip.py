@@ -56,7 +56,7 @@ def test_keeps_the_types_a_softmax_reads_and_writes(tmp_path: Path) -> None:
     onnx.save(
         helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), tmp_path / "in.onnx"
     )
-    result = optimize(io.load(tmp_path / "in.onnx"), "shape-infer,strip-value-info")
+    result = optimize(io.load(tmp_path / "in.onnx"), "shape-infer,strip-value-info", check=False)
     assert result.report["passes"][1]["details"] == {"stripped": 1}  # mixed
     io.save(result.model, tmp_path / "out.onnx")
     saved = onnx.load(tmp_path / "out.onnx")

@@ -343,7 +343,7 @@ globals().update(table_tests(CASES, EXPORTED))
 def _group_norm_runs(proto: onnx.ModelProto, **settings: object) -> tuple[onnx.ModelProto, dict]:
     """The default pipeline on ``proto`` (whose shape rules fold Shape(x) where only the batch is dynamic); the
     result and the fuse runs' details."""
-    result = optimize(from_proto(proto), strict=True, **settings)  # type: ignore[arg-type]
+    result = optimize(from_proto(proto), strict=True, **settings, check=False)  # type: ignore[arg-type]
     misses = [m for run in result.report["passes"] if run["pass"] == "fuse" for m in _norm_misses(run)]
     return to_proto(result.model), {"near_misses": misses}
 

@@ -1,0 +1,264 @@
+"""QDQ family: the Q/DQ clean-up of statically quantized models, where it is exact.
+
+A QDQ model (``onnxruntime.quantization.quantize_static``, QDQ format) computes every op on
+dequantized values and quantizes its result again. Around an op that only moves data the
+quantization is then a round trip: ``Q(Move(DQ(q, s, z)), s, z)`` with the same scale, zero
+point and integer type reads each element of ``q`` back. ``DQ`` gives ``y = (q - z) * s``
+rounded to the float type, ``Q`` gives ``round(y / s) + z``: two roundings of relative size
+``u`` (half the float type's spacing) move ``q - z`` by at most ``|q - z| * 2u`` (``3u`` for a
+runtime that divides by multiplying with ``1 / s``), under a half for every int8 or int16
+value in float32 and for int8 in float16, so the round trip gives ``q`` itself, and the
+integer type holds it (no saturation). So:
+
+- ``Q(Move(DQ(q, s, z)), s, z) -> Move(q)`` for Move a Transpose, Reshape, Flatten, Squeeze,
+  Unsqueeze, Slice or Gather (8- and 16-bit integers, whose moves onnxruntime's CPU kernels
+  take): the data moves as integers, as onnxruntime's own QDQ clean-up (its "drop" action on
+  DQ -> Transpose -> Q and the like) does it at session time. A per-axis quantization stays
+  only where the move carries the DQ's axis to the Q's (a Transpose's perm, a Reshape that keeps
+  the elements of each channel together, a Slice or Gather along another axis). The DQ stays
+  when something else reads it.
+- ``Q(DQ(q, s, z), s, z) -> q``: a requantization to the same parameters is the identity
+  (also for 4-bit integers).
+
+A ``Q -> DQ`` on a float activation rounds it to the grid of ``s``: that is the quantization
+itself, and stays. These rules are late: a fusion that sees through an activation's Q -> DQ
+pair (attention's K^T, a rotary's halves) reads the float data movement they would hide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from math import prod
+
+import numpy as np
+
+from graphopt.ir import DataType, Node, Value
+from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, static_shape
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import op, optional, var
+
+__all__ = ["RULES"]
+
+FAMILY = "qdq"
+# Every rule of the family, with the family given once.
+_rule = partial(Rule, family=FAMILY, kind="late")
+
+# Integer types and their value ranges: those a moved tensor may have, then those a requantization may.
+_MOVABLE = {
+    DataType.INT8: (-128, 127),
+    DataType.UINT8: (0, 255),
+    DataType.INT16: (-32768, 32767),
+    DataType.UINT16: (0, 65535),
+}
+_QUANTIZED = {**_MOVABLE, DataType.INT4: (-8, 7), DataType.UINT4: (0, 15)}
+# Ops that move elements without computing on them; input 0 is the data.
+_MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather")
+_RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+# Roundings between q and Q's rounding to an integer (DQ's product, Q's division or its
+# reciprocal and product), each of relative size half the float type's spacing.
+_ROUNDINGS = 3
+
+
+@dataclass(frozen=True)
+class _Params:
+    """A QuantizeLinear's or DequantizeLinear's parameters: the integer type, scale and zero
+    point (float64 arrays, the zero point broadcast like the scale), the scale's float type, and
+    the axis of a per-axis quantization (None: per tensor)."""
+
+    integer: DataType
+    scale: np.ndarray
+    zero: np.ndarray
+    float_type: DataType
+    axis: int | None
+
+
+def _bound_at_call_site(node: Node) -> bool:
+    """Whether an attribute of ``node`` refers to its function's own (known only where it is called)."""
+    return node.opaque or any(attr.ref_attr_name for attr in node.attributes.values())
+
+
+def _params(node: Node, integer: DataType | None, floats: Value | None, rank: int | None) -> _Params | str:
+    """``node``'s parameters, with ``integer`` its integer type, ``floats`` its float tensor and
+    ``rank`` that tensor's rank."""
+    if _bound_at_call_site(node):
+        return f"the {node.op_type}'s attributes are bound at a function's call site"
+    if Site.int_attr(node, "block_size", 0):
+        return "a blocked quantization"
+    if integer is None or integer not in _QUANTIZED:
+        return f"the {node.op_type}'s integer type is not 4-, 8- or 16-bit"
+    scale_type = Site.dtype(node.inputs[1])
+    scale = float_array(node.inputs[1])
+    if scale is None or scale_type is None:
+        return "a scale is not a float constant"
+    if Site.dtype(floats) != scale_type:
+        return f"the {node.op_type}'s float tensor is not of its scale's type"
+    zero_given = node.inputs[2] if len(node.inputs) > 2 else None
+    zero = np.zeros_like(scale) if zero_given is None else Site.array(zero_given)
+    if zero is None or zero.shape != scale.shape:
+        return "a zero point is not a constant of the scale's shape"
+    axis = None
+    if scale.size > 1:
+        if rank is None or scale.ndim != 1:
+            return "a per-axis quantization of unknown rank"
+        axis = Site.int_attr(node, "axis", 1) % rank
+    return _Params(integer, scale.ravel(), zero.astype(np.float64).ravel(), scale_type, axis)
+
+
+def _exact(p: _Params) -> str | None:
+    """Why quantizing ``p``'s dequantized values again may not give them back (None: it does)."""
+    low, high = _QUANTIZED[p.integer]
+    spacing = p.float_type.epsilon
+    span = high - low  # the largest |q - z|
+    if spacing is None:
+        return "the scale's float type is unknown"
+    if span * _ROUNDINGS * spacing / 2 >= 0.5:
+        return f"{p.float_type.name.lower()} cannot hold every {p.integer.name.lower()} step exactly"
+    try:
+        finfo = np.finfo(p.float_type.numpy())
+    except TypeError:
+        return f"no numpy type for {p.float_type.name.lower()}"
+    if not (np.all(np.isfinite(p.scale)) and np.all(p.scale >= finfo.tiny) and span * p.scale.max() < finfo.max):
+        return "a scale is not a positive normal number whose steps stay finite"
+    return None
+
+
+def _same(dq: _Params, q: _Params) -> str | None:
+    """Why ``q`` does not undo ``dq`` (axes aside): another type, scale or zero point."""
+    if dq.integer != q.integer:
+        return f"the integer types differ ({dq.integer.name.lower()} dequantized, {q.integer.name.lower()} quantized)"
+    if dq.float_type != q.float_type or not np.array_equal(dq.scale, q.scale):
+        return "the scales differ"
+    if not np.array_equal(dq.zero, q.zero):
+        return "the zero points differ"
+    return _exact(dq)
+
+
+def _dequantizer(value: Value) -> Node:
+    """The DequantizeLinear that computes ``value`` (the pattern's test found it)."""
+    node = value.producer
+    assert node is not None
+    return node
+
+
+def _is_dequantized(value: Value) -> bool:
+    """Whether a DequantizeLinear computes ``value`` (a structural test: other values are no near miss)."""
+    node = value.producer
+    return node is not None and node.op_type == "DequantizeLinear" and node.in_standard_domain
+
+
+def _dq_params(dq: Node) -> _Params | str:
+    return _params(dq, Site.dtype(dq.inputs[0]), dq.outputs[0], Site.rank(dq.inputs[0]))
+
+
+def _q_params(q: Node) -> _Params | str:
+    return _params(q, Site.dtype(q.outputs[0]), q.inputs[0], Site.rank(q.inputs[0]))
+
+
+# -- Q(DQ(q)) -> q -------------------------------------------------------------------------------
+
+
+def _plan_requantize(m: Match, site: Site) -> str | None:
+    dq = _dequantizer(m.value("x"))
+    before, after = _dq_params(dq), _q_params(m.root)
+    if isinstance(before, str) or isinstance(after, str):
+        return before if isinstance(before, str) else str(after)
+    if before.axis != after.axis:
+        return "the per-axis quantizations are along different axes"
+    return _same(before, after)
+
+
+def _build_requantized(b: Builder, m: Match, plan: None) -> Value:
+    quantized = _dequantizer(m.value("x")).inputs[0]
+    assert quantized is not None  # a DequantizeLinear's input 0 is never omitted
+    return quantized
+
+
+# -- Q(Move(DQ(q))) -> Move(q) -------------------------------------------------------------------
+
+
+def _moved_axis(move: Node, axis: int) -> int | None:
+    """Where ``move`` takes the elements of one index along ``axis`` of its input: the output
+    axis holding exactly them (None: the move mixes or cuts that axis, or it is not provable)."""
+    rank = Site.rank(move.inputs[0])
+    if rank is None:
+        return None
+    if move.op_type == "Transpose":
+        perm = Site.ints_attr(move, "perm") or list(range(rank - 1, -1, -1))
+        return perm.index(axis) if axis in perm else None
+    if move.op_type in _RESHAPES:
+        return _reshaped_axis(move, axis)
+    if move.op_type == "Slice":
+        ends = Site.array(move.inputs[2]) if len(move.inputs) > 2 else None
+        given = move.inputs[3] if len(move.inputs) > 3 else None
+        axes = Site.array(given) if given is not None else None if ends is None else np.arange(ends.size)
+        return None if axes is None or axis in {int(a) % rank for a in axes.ravel()} else axis
+    gathered = Site.int_attr(move, "axis", 0) % rank
+    indices = Site.rank(move.inputs[1])
+    if gathered == axis or indices is None:
+        return None
+    return axis if axis < gathered else axis + indices - 1
+
+
+def _reshaped_axis(move: Node, axis: int) -> int | None:
+    """The output axis of a Reshape-like ``move`` with the same dims before it and the same size:
+    the row-major order is kept, so each element keeps its index along it."""
+    before, after = static_shape(move.inputs[0]), static_shape(move.outputs[0])
+    if before is None or after is None:
+        return None
+    leading = prod(before[:axis])
+    for index, dim in enumerate(after):
+        if prod(after[:index]) == leading and dim == before[axis]:
+            return index
+    return None
+
+
+def _plan_move(m: Match, site: Site) -> str | None:
+    dq = _dequantizer(m.value("x"))
+    before, after = _dq_params(dq), _q_params(m.root)
+    if isinstance(before, str) or isinstance(after, str):
+        return before if isinstance(before, str) else str(after)
+    if _bound_at_call_site(m.node("move")):
+        return "the move's attributes are bound at a function's call site"
+    if before.integer not in _MOVABLE:
+        return f"onnxruntime's CPU kernels do not move {before.integer.name.lower()}"
+    if before.axis is not None and _moved_axis(m.node("move"), before.axis) != after.axis:
+        return "the move does not carry the per-axis quantization's axis to the QuantizeLinear's"
+    if (before.axis is None) != (after.axis is None):
+        return "one quantization is per axis, the other per tensor"
+    return _same(before, after)
+
+
+def _build_moved(b: Builder, m: Match, plan: None) -> Value:
+    move = m.node("move")
+    return b.op(move.op_type, _dequantizer(m.value("x")).inputs[0], *move.inputs[1:], **attrs_of(move))
+
+
+_QUANTIZE = partial(op.QuantizeLinear, name="q", commute=False)
+_PARAMS = (var("scale"), optional(var("zero")))
+_DEQUANTIZED = var("x", _is_dequantized)
+
+RULES: tuple[Rule, ...] = (
+    _rule(
+        name="qdq-move-integers",
+        pattern=_QUANTIZE(
+            op.any_of(_MOVES, _DEQUANTIZED, *(optional(var(f"_{i}")) for i in range(1, 5)), name="move", commute=False),
+            *_PARAMS,
+        ),
+        plan=_plan_move,
+        build=_build_moved,
+        min_opset=10,
+        label="DequantizeLinear -> move -> QuantizeLinear",
+        doc="Q(Transpose(DQ(q, s, z)), s, z) -> Transpose(q), and Reshape, Flatten, Squeeze, Unsqueeze, Slice, Gather",
+    ),
+    _rule(
+        name="qdq-requantize-same",
+        pattern=_QUANTIZE(_DEQUANTIZED, *_PARAMS),
+        plan=_plan_requantize,
+        build=_build_requantized,
+        min_opset=10,
+        label="DequantizeLinear -> QuantizeLinear",
+        doc="Q(DQ(q, s, z), s, z) -> q",
+    ),
+)

@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from tests.cli_helpers import invoke
-from tests.passes.fuse.table import LATE, Case, Perturb, set_const, table_tests, weights
+from tests.numerics import run_ort
+from tests.passes.fuse.table import F16, LATE, Case, Perturb, set_const, table_tests, weights
 from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, ops, refused
 
 I8 = TensorProto.INT8
@@ -257,3 +258,35 @@ def test_the_default_pipeline_moves_the_integers_and_the_check_passes(tmp_path: 
     found = ops(onnx.load(out))
     assert found["QuantizeLinear"] == 2 and found["DequantizeLinear"] == 2, found
     assert found["Transpose"] == 1 and found["Reshape"] == 1, found
+
+
+@pytest.mark.parametrize(
+    ("integer", "float_type"),
+    [(TensorProto.INT8, TensorProto.FLOAT), (TensorProto.INT16, TensorProto.FLOAT), (TensorProto.INT8, F16)],
+    ids=["int8-float32", "int16-float32", "int8-float16"],
+)
+def test_the_round_trip_it_removes_gives_every_integer_back(integer: int, float_type: int) -> None:
+    """The exactness the rules rely on, in onnxruntime: DQ -> Transpose -> Q of every integer value of the type,
+    at awkward scales and zero points, gives the integers back bit for bit, as the moved integers do."""
+    dtype = helper.tensor_dtype_to_np_dtype(integer)
+    info_of = np.iinfo(dtype)
+    every = np.arange(info_of.min, info_of.max + 1).astype(dtype).reshape(1, -1)
+    float_np = helper.tensor_dtype_to_np_dtype(float_type)
+    for scale, zero in [
+        (0.1, 0),
+        (1 / 3, 5),
+        (0.0123, info_of.min),
+        (7e-5, info_of.max),
+        (3.7, -1 if info_of.min else 1),
+    ]:
+        nodes = [
+            node("DequantizeLinear", ["q", "s", "z"], "d"),
+            node("Transpose", ["d"], "m", perm=[1, 0]),
+            node("QuantizeLinear", ["m", "s", "z"], "y"),
+        ]
+        params = [init("s", np.asarray(scale, float_np)), init("z", np.asarray(zero, dtype))]
+        proto = model(nodes, [info("q", [1, every.size], integer)], [info("y", None, integer)], params, opset=21)
+        out = fires(proto, "qdq-move-integers", {"Transpose": 1}, passes=PASSES, **LATE)
+        (moved,) = run_ort(out, {"q": every}).values()
+        (original,) = run_ort(proto, {"q": every}).values()
+        assert np.array_equal(original, every.T) and np.array_equal(moved, every.T), (scale, zero)

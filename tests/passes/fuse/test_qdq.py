@@ -65,30 +65,58 @@ def _requantized() -> onnx.ModelProto:
     return _around(None)
 
 
+def _joined() -> onnx.ModelProto:
+    """A rotary's halves: the DQ's output and its negation, each quantized, joined and quantized again."""
+    proto = _around(node("Concat", ["d", "nd"], "m", axis=-1))
+    nodes = list(proto.graph.node)
+    nodes[2:2] = [
+        node("Neg", ["d"], "n"),
+        node("QuantizeLinear", ["n", "a_s", "a_z"], "nq"),
+        node("DequantizeLinear", ["nq", "a_s", "a_z"], "nd"),
+    ]
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    return proto
+
+
+NO_SHAPE = "n/a: a per-tensor quantization needs no shape"
+WRONG_SCALE = Perturb(set_const("b_s", SCALE * 1.01), "the scales differ", note="the QuantizeLinear's scale")
+
+
+def _case(build: Callable[[], onnx.ModelProto], expected: dict[str, int], interior: str, **kinds: Any) -> Case:
+    """A qdq rule's case: the late rules' settings, the table's perturbations as given or the family's own."""
+    return Case(
+        build,
+        expected,
+        interior,
+        kinds.get("wrong_attr", WRONG_SCALE),
+        kinds.get("unprovable", NO_SHAPE),
+        "n/a: QuantizeLinear exists from opset 10, the rule's gate",
+        settings=LATE,
+        passes=PASSES,
+    )
+
+
 CASES: dict[str, Case] = {
-    "qdq-move-integers": Case(
+    "qdq-move-integers": _case(
         _transposed,
         {"QuantizeLinear": 1, "Transpose": 1, "DequantizeLinear": 1},
         "m",
-        Perturb(set_const("b_s", SCALE * 1.01), "the scales differ", note="the QuantizeLinear's scale"),
-        "n/a: a per-tensor quantization needs no shape (per axis: test_a_per_axis_quantization_...)",
-        "n/a: QuantizeLinear exists from opset 10, the rule's gate",
-        settings=LATE,
-        passes=PASSES,
+        unprovable=NO_SHAPE + " (per axis: test_a_per_axis_quantization_...)",
     ),
-    "qdq-requantize-same": Case(
+    "qdq-concat-integers": _case(_joined, {"QuantizeLinear": 2, "DequantizeLinear": 2, "Neg": 1, "Concat": 1}, "m"),
+    "qdq-requantize-same": _case(
         _requantized,
         {"QuantizeLinear": 1, "DequantizeLinear": 1},
         "n/a: one node (the DequantizeLinear stays while something reads it)",
-        Perturb(set_const("b_z", ZERO + 1), "the zero points differ", note="the QuantizeLinear's zero point"),
-        "n/a: a per-tensor quantization needs no shape",
-        "n/a: QuantizeLinear exists from opset 10, the rule's gate",
-        settings=LATE,
-        passes=PASSES,
+        wrong_attr=Perturb(
+            set_const("b_z", ZERO + 1), "the zero points differ", note="the QuantizeLinear's zero point"
+        ),
     ),
 }
 
 EXPORTED: dict[str, Any] = {
+    "qdq-concat-integers": "no exporter fixture is quantized (quantize_static writes the Q/DQ after export)",
     "qdq-move-integers": "no exporter fixture is quantized (quantize_static writes the Q/DQ after export)",
     "qdq-requantize-same": "no exporter fixture is quantized (quantize_static writes the Q/DQ after export)",
 }
@@ -116,6 +144,11 @@ MOVES: dict[str, tuple[onnx.NodeProto, list[onnx.TensorProto], list[int | str]]]
         ["b", 4, 6],
     ),
     "Gather": (node("Gather", ["d", "idx"], "m", axis=2), [_const("idx", [[5, 0], [2, 2]])], ["b", 4, 6]),
+    "MaxPool": (
+        node("MaxPool", ["d"], "m", kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[2, 2]),
+        [],
+        ["b", 2, 5, 5],
+    ),
 }
 
 
@@ -290,3 +323,16 @@ def test_the_round_trip_it_removes_gives_every_integer_back(integer: int, float_
         (moved,) = run_ort(out, {"q": every}).values()
         (original,) = run_ort(proto, {"q": every}).values()
         assert np.array_equal(original, every.T) and np.array_equal(moved, every.T), (scale, zero)
+
+
+def test_a_concat_of_a_part_not_dequantized_alike_stays() -> None:
+    """Concat(DQ(a), x) with x a float activation, or a part dequantized with another scale: Concat stays float."""
+    float_part = _around(node("Concat", ["d", "x"], "m", axis=-1))
+    details = refused(float_part, "qdq-concat-integers", passes=PASSES, **LATE)
+    assert details["applied"] == {}, details
+    other_scale = _joined()
+    for quantizer in other_scale.graph.node[3:5]:  # the negated half's Q and DQ
+        quantizer.input[1] = "c_s"
+    other_scale.graph.initializer.append(init("c_s", np.asarray(SCALE * 2, np.float32)))
+    details = refused(other_scale, "qdq-concat-integers", passes=PASSES, **LATE)
+    assert any("scales differ" in m for m in details["near_misses"]["qdq"]), details

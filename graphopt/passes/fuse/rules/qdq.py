@@ -11,12 +11,15 @@ value in float32 and for int8 in float16, so the round trip gives ``q`` itself, 
 integer type holds it (no saturation). So:
 
 - ``Q(Move(DQ(q, s, z)), s, z) -> Move(q)`` for Move a Transpose, Reshape, Flatten, Squeeze,
-  Unsqueeze, Slice or Gather (8- and 16-bit integers, whose moves onnxruntime's CPU kernels
-  take): the data moves as integers, as onnxruntime's own QDQ clean-up (its "drop" action on
-  DQ -> Transpose -> Q and the like) does it at session time. A per-axis quantization stays
-  only where the move carries the DQ's axis to the Q's (a Transpose's perm, a Reshape that keeps
-  the elements of each channel together, a Slice or Gather along another axis). The DQ stays
-  when something else reads it.
+  Unsqueeze, Slice, Gather or MaxPool (8- and 16-bit integers, 8-bit for MaxPool: the types
+  onnxruntime's CPU kernels take): the data moves as integers, as onnxruntime's own QDQ clean-up
+  (its "drop" action on DQ -> Transpose -> Q and the like) does it at session time. MaxPool picks
+  the largest element of each window, which the increasing map ``q -> (q - z) * s`` keeps the
+  largest. A per-axis quantization stays only where the move carries the DQ's axis to the Q's
+  (a Transpose's perm, a Reshape that keeps the elements of each channel together, a Slice or
+  Gather along another axis). The DQ stays when something else reads it.
+- ``Q(Concat(DQ(a, s, z), DQ(b, s, z), ...), s, z) -> Concat(a, b, ...)`` when every part is
+  dequantized with the Q's parameters (a rotary's halves, a KV cache and its new step).
 - ``Q(DQ(q, s, z), s, z) -> q``: a requantization to the same parameters is the identity
   (also for 4-bit integers).
 
@@ -52,9 +55,11 @@ _MOVABLE = {
     DataType.INT16: (-32768, 32767),
     DataType.UINT16: (0, 65535),
 }
+_EIGHT_BIT = frozenset({DataType.INT8, DataType.UINT8})
 _QUANTIZED = {**_MOVABLE, DataType.INT4: (-8, 7), DataType.UINT4: (0, 15)}
-# Ops that move elements without computing on them; input 0 is the data.
-_MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather")
+# Ops that move elements without computing on them, input 0 the data; MaxPool picks one element of
+# each window, the largest, which an increasing map (DQ's, with a positive scale) keeps the largest.
+_MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather", "MaxPool")
 _RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 # Roundings between q and Q's rounding to an integer (DQ's product, Q's division or its
 # reciprocal and product), each of relative size half the float type's spacing.
@@ -159,11 +164,19 @@ def _q_params(q: Node) -> _Params | str:
 # -- Q(DQ(q)) -> q -------------------------------------------------------------------------------
 
 
-def _plan_requantize(m: Match, site: Site) -> str | None:
-    dq = _dequantizer(m.value("x"))
-    before, after = _dq_params(dq), _q_params(m.root)
+def _pair(x: Value, q: Node) -> tuple[_Params, _Params] | str:
+    """The parameters of the DequantizeLinear computing ``x`` and of QuantizeLinear ``q``, or why not readable."""
+    before, after = _dq_params(_dequantizer(x)), _q_params(q)
     if isinstance(before, str) or isinstance(after, str):
         return before if isinstance(before, str) else str(after)
+    return before, after
+
+
+def _plan_requantize(m: Match, site: Site) -> str | None:
+    found = _pair(m.value("x"), m.root)
+    if isinstance(found, str):
+        return found
+    before, after = found
     if before.axis != after.axis:
         return "the per-axis quantizations are along different axes"
     return _same(before, after)
@@ -194,11 +207,13 @@ def _moved_axis(move: Node, axis: int) -> int | None:
         given = move.inputs[3] if len(move.inputs) > 3 else None
         axes = Site.array(given) if given is not None else None if ends is None else np.arange(ends.size)
         return None if axes is None or axis in {int(a) % rank for a in axes.ravel()} else axis
-    gathered = Site.int_attr(move, "axis", 0) % rank
-    indices = Site.rank(move.inputs[1])
-    if gathered == axis or indices is None:
-        return None
-    return axis if axis < gathered else axis + indices - 1
+    if move.op_type == "Gather":
+        gathered = Site.int_attr(move, "axis", 0) % rank
+        indices = Site.rank(move.inputs[1])
+        if gathered == axis or indices is None:
+            return None
+        return axis if axis < gathered else axis + indices - 1
+    return None  # a MaxPool: per tensor only
 
 
 def _reshaped_axis(move: Node, axis: int) -> int | None:
@@ -214,16 +229,25 @@ def _reshaped_axis(move: Node, axis: int) -> int | None:
     return None
 
 
+def _kernel_refusal(op_type: str, integer: DataType) -> str | None:
+    """Why onnxruntime's CPU kernel of ``op_type`` may not take ``integer`` (None: it takes it)."""
+    if integer in _EIGHT_BIT or (integer in _MOVABLE and op_type != "MaxPool"):
+        return None
+    return f"onnxruntime's CPU {op_type} does not take {integer.name.lower()}"
+
+
 def _plan_move(m: Match, site: Site) -> str | None:
-    dq = _dequantizer(m.value("x"))
-    before, after = _dq_params(dq), _q_params(m.root)
-    if isinstance(before, str) or isinstance(after, str):
-        return before if isinstance(before, str) else str(after)
-    if _bound_at_call_site(m.node("move")):
+    move = m.node("move")
+    found = _pair(m.value("x"), m.root)
+    if isinstance(found, str):
+        return found
+    before, after = found
+    if _bound_at_call_site(move):
         return "the move's attributes are bound at a function's call site"
-    if before.integer not in _MOVABLE:
-        return f"onnxruntime's CPU kernels do not move {before.integer.name.lower()}"
-    if before.axis is not None and _moved_axis(m.node("move"), before.axis) != after.axis:
+    refusal = _kernel_refusal(move.op_type, before.integer)
+    if refusal is not None:
+        return refusal
+    if before.axis is not None and _moved_axis(move, before.axis) != after.axis:
         return "the move does not carry the per-axis quantization's axis to the QuantizeLinear's"
     if (before.axis is None) != (after.axis is None):
         return "one quantization is per axis, the other per tensor"
@@ -235,9 +259,39 @@ def _build_moved(b: Builder, m: Match, plan: None) -> Value:
     return b.op(move.op_type, _dequantizer(m.value("x")).inputs[0], *move.inputs[1:], **attrs_of(move))
 
 
+# -- Q(Concat(DQ(a), DQ(b), ...)) -> Concat(a, b, ...) ---------------------------------------------
+
+
+def _plan_concat(m: Match, site: Site) -> str | None:
+    concat = m.node("concat")
+    if _bound_at_call_site(concat):
+        return "the Concat's attributes are bound at a function's call site"
+    rank = site.rank(m.root.inputs[0])
+    joined = None if rank is None else site.int_attr(concat, "axis", 0) % rank
+    for part in concat.inputs:
+        found = _pair(part, m.root) if part is not None and _is_dequantized(part) else "a part is not dequantized"
+        if isinstance(found, str):
+            return found
+        before, after = found
+        refusal = _kernel_refusal("Concat", before.integer) or _same(before, after)
+        if refusal is not None:
+            return refusal
+        if before.axis != after.axis or (before.axis is not None and before.axis == joined):
+            return "a per-axis quantization is not along the same axis, other than the joined one"
+    return None
+
+
+def _build_concat(b: Builder, m: Match, plan: None) -> Value:
+    concat = m.node("concat")
+    parts = [_dequantizer(part).inputs[0] for part in concat.inputs if part is not None]
+    return b.op("Concat", *parts, **attrs_of(concat))
+
+
 _QUANTIZE = partial(op.QuantizeLinear, name="q", commute=False)
 _PARAMS = (var("scale"), optional(var("zero")))
 _DEQUANTIZED = var("x", _is_dequantized)
+# The most parts of a Concat the rule reads (a rotary's halves, a cache and its new step, ViT's class token).
+_MOST_PARTS = 8
 
 RULES: tuple[Rule, ...] = (
     _rule(
@@ -250,7 +304,24 @@ RULES: tuple[Rule, ...] = (
         build=_build_moved,
         min_opset=10,
         label="DequantizeLinear -> move -> QuantizeLinear",
-        doc="Q(Transpose(DQ(q, s, z)), s, z) -> Transpose(q), and Reshape, Flatten, Squeeze, Unsqueeze, Slice, Gather",
+        doc="Q(Transpose(DQ(q, s, z)), s, z) -> Transpose(q); Reshape, Flatten, (Un)Squeeze, Slice, Gather, MaxPool",
+    ),
+    _rule(
+        name="qdq-concat-integers",
+        pattern=_QUANTIZE(
+            op.Concat(
+                _DEQUANTIZED,
+                *(optional(var(f"x{i}", _is_dequantized)) for i in range(1, _MOST_PARTS)),
+                name="concat",
+                commute=False,
+            ),
+            *_PARAMS,
+        ),
+        plan=_plan_concat,
+        build=_build_concat,
+        min_opset=10,
+        label="DequantizeLinear -> Concat -> QuantizeLinear",
+        doc="Q(Concat(DQ(a, s, z), DQ(b, s, z)), s, z) -> Concat(a, b), every part of the same parameters",
     ),
     _rule(
         name="qdq-requantize-same",

@@ -257,14 +257,19 @@ def _build_moved(b: Builder, m: Match, plan: None) -> Value:
 # -- Q(Concat(DQ(a), DQ(b), ...)) -> Concat(a, b, ...) ---------------------------------------------
 
 
+def _parts(concat: Node) -> list[Value]:
+    """The Concat's inputs, each dequantized (the pattern's tests found it)."""
+    return [part for part in concat.inputs if part is not None]
+
+
 def _plan_concat(m: Match, site: Site) -> str | None:
     concat = m.node("concat")
     if _bound_at_call_site(concat):
         return "the Concat's attributes are bound at a function's call site"
     rank = site.rank(m.root.inputs[0])
     joined = None if rank is None else site.int_attr(concat, "axis", 0) % rank
-    for part in concat.inputs:
-        found = _pair(part, m.root) if part is not None and _is_dequantized(part) else "a part is not dequantized"
+    for part in _parts(concat):
+        found = _pair(part, m.root)
         if isinstance(found, str):
             return found
         before, after = found
@@ -278,8 +283,7 @@ def _plan_concat(m: Match, site: Site) -> str | None:
 
 def _build_concat(b: Builder, m: Match, plan: None) -> Value:
     concat = m.node("concat")
-    parts = [_dequantizer(part).inputs[0] for part in concat.inputs if part is not None]
-    return b.op("Concat", *parts, **attrs_of(concat))
+    return b.op("Concat", *(_dequantizer(part).inputs[0] for part in _parts(concat)), **attrs_of(concat))
 
 
 _QUANTIZE = partial(op.QuantizeLinear, name="q", commute=False)

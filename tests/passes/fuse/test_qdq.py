@@ -19,13 +19,12 @@ from tests.numerics import run_ort
 from tests.passes.fuse.table import F16, LATE, Case, Perturb, set_const, table_tests, weights
 from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, ops, refused
 
-I8 = TensorProto.INT8
-# The quantization's parameters: a scale and an int8 zero point (quantize_static's activations).
-SCALE, ZERO = 0.05, 3
+# The quantization's parameters: a scale and a uint8 zero point (quantize_static's activations as QUInt8).
+SCALE, ZERO = 0.05, 131
 PASSES = "shape-infer,fuse,dce"
 
 
-def _params(prefix: str, scale: Any = SCALE, zero: Any = ZERO, dtype: Any = np.int8) -> list[onnx.TensorProto]:
+def _params(prefix: str, scale: Any = SCALE, zero: Any = ZERO, dtype: Any = np.uint8) -> list[onnx.TensorProto]:
     return [init(f"{prefix}_s", np.asarray(scale, np.float32)), init(f"{prefix}_z", np.asarray(zero, dtype))]
 
 
@@ -149,21 +148,21 @@ MOVES: dict[str, tuple[onnx.NodeProto, list[onnx.TensorProto], list[int | str]]]
 
 @pytest.mark.parametrize("op_type", list(MOVES))
 def test_each_data_movement_op_moves_the_integers(op_type: str) -> None:
-    """DQ -> op -> Q of the same scale and zero point: the op on the int8 tensor, numerics equal in onnxruntime."""
+    """DQ -> op -> Q of the same scale and zero point: the op on the uint8 tensor, numerics equal in onnxruntime."""
     move, constants, shape = MOVES[op_type]
     proto = _around(move, constants, shape)
     expected = {"QuantizeLinear": 1, op_type: 1, "DequantizeLinear": 1}
     out = fires(proto, "qdq-move-integers", expected, passes=PASSES, **LATE)
     (moved,) = (n for n in out.graph.node if n.op_type == op_type)
-    assert moved.input[0] == "xq"  # it reads the int8 tensor now
+    assert moved.input[0] == "xq"  # it reads the uint8 tensor now
 
 
 def _per_axis(
     move: onnx.NodeProto, constants: Sequence[onnx.TensorProto], shape: Sequence[int | str], q_axis: int
 ) -> onnx.ModelProto:
-    """int8 per-axis quantization along axis 1 (4 channels) before ``move``, along ``q_axis`` after it."""
+    """uint8 per-axis quantization along axis 1 (4 channels) before ``move``, along ``q_axis`` after it."""
     scales = np.asarray([0.05, 0.1, 0.02, 0.07], np.float32)
-    zeros = np.asarray([0, 3, -2, 1], np.int8)
+    zeros = np.asarray([128, 131, 126, 129], np.uint8)
     return _around(move, constants, shape, dq_axis=1, q_axis=q_axis, scales=(scales, scales), zeros=(zeros, zeros))
 
 
@@ -243,13 +242,13 @@ def test_a_dequantized_value_read_elsewhere_keeps_its_dequantize() -> None:
 
 
 def test_other_integer_types_or_an_inexact_round_trip_stay() -> None:
-    """int8 dequantized and uint8 quantized (zero points 0 and 128: the same numbers) is a conversion; float16
+    """uint8 dequantized and int8 quantized (zero points 128 and 0: the same numbers) is a conversion; float16
     scales cannot give every int16 step back exactly."""
     proto = _around(node("Transpose", ["d"], "m", perm=[0, 2, 1]))
-    proto.graph.initializer[3].CopyFrom(init("b_z", np.asarray(128, np.uint8)))
-    proto.graph.initializer[1].CopyFrom(init("a_z", np.asarray(0, np.int8)))
+    proto.graph.initializer[1].CopyFrom(init("a_z", np.asarray(128, np.uint8)))
+    proto.graph.initializer[3].CopyFrom(init("b_z", np.asarray(0, np.int8)))
     details = refused(proto, "qdq-move-integers", passes=PASSES, **LATE)
-    assert any("integer types differ (int8 dequantized, uint8 quantized)" in m for m in details["near_misses"]["qdq"])
+    assert any("integer types differ (uint8 dequantized, int8 quantized)" in m for m in details["near_misses"]["qdq"])
     nodes = [
         node("DequantizeLinear", ["q", "s", "z"], "d"),
         node("QuantizeLinear", ["d", "s", "z"], "mq"),
@@ -299,23 +298,24 @@ def test_the_default_pipeline_moves_the_integers_and_the_check_passes(tmp_path: 
 
 @pytest.mark.parametrize(
     ("integer", "float_type"),
-    [(TensorProto.INT8, TensorProto.FLOAT), (TensorProto.INT16, TensorProto.FLOAT), (TensorProto.INT8, F16)],
-    ids=["int8-float32", "int16-float32", "int8-float16"],
+    [
+        (TensorProto.UINT8, TensorProto.FLOAT),
+        (TensorProto.INT8, TensorProto.FLOAT),
+        (TensorProto.INT16, TensorProto.FLOAT),
+        (TensorProto.UINT8, F16),
+        (TensorProto.INT8, F16),
+    ],
+    ids=["uint8-float32", "int8-float32", "int16-float32", "uint8-float16", "int8-float16"],
 )
 def test_the_round_trip_it_removes_gives_every_integer_back(integer: int, float_type: int) -> None:
     """The exactness the rules rely on, in onnxruntime: DQ -> Transpose -> Q of every integer value of the type,
-    at awkward scales and zero points, gives the integers back bit for bit, as the moved integers do."""
+    at awkward scales and zero points, gives the integers back bit for bit, as the moved integers do (int8 is not
+    moved, see test_int8_stays_between_its_quantize_and_dequantize, but requantized alike)."""
     dtype = helper.tensor_dtype_to_np_dtype(integer)
     info_of = np.iinfo(dtype)
     every = np.arange(info_of.min, info_of.max + 1).astype(dtype).reshape(1, -1)
     float_np = helper.tensor_dtype_to_np_dtype(float_type)
-    for scale, zero in [
-        (0.1, 0),
-        (1 / 3, 5),
-        (0.0123, info_of.min),
-        (7e-5, info_of.max),
-        (3.7, -1 if info_of.min else 1),
-    ]:
+    for scale, zero in [(0.1, 0), (1 / 3, 5), (0.0123, info_of.min), (7e-5, info_of.max), (3.7, 1)]:
         nodes = [
             node("DequantizeLinear", ["q", "s", "z"], "d"),
             node("Transpose", ["d"], "m", perm=[1, 0]),
@@ -323,20 +323,27 @@ def test_the_round_trip_it_removes_gives_every_integer_back(integer: int, float_
         ]
         params = [init("s", np.asarray(scale, float_np)), init("z", np.asarray(zero, dtype))]
         proto = model(nodes, [info("q", [1, every.size], integer)], [info("y", None, integer)], params, opset=21)
-        out = fires(proto, "qdq-move-integers", {"Transpose": 1}, passes=PASSES, **LATE)
-        (moved,) = run_ort(out, {"q": every}).values()
         (original,) = run_ort(proto, {"q": every}).values()
-        assert np.array_equal(original, every.T) and np.array_equal(moved, every.T), (scale, zero)
+        assert np.array_equal(original, every.T), (scale, zero)
+        if integer != TensorProto.INT8:
+            out = fires(proto, "qdq-move-integers", {"Transpose": 1}, passes=PASSES, **LATE)
+            (moved,) = run_ort(out, {"q": every}).values()
+            assert np.array_equal(moved, every.T), (scale, zero)
 
 
-def test_a_concat_of_a_part_not_dequantized_alike_stays() -> None:
-    """Concat(DQ(a), x) with x a float activation, or a part dequantized with another scale: Concat stays float."""
-    float_part = _around(node("Concat", ["d", "x"], "m", axis=-1))
-    details = refused(float_part, "qdq-concat-integers", passes=PASSES, **LATE)
-    assert details["applied"] == {}, details
-    other_scale = _joined()
-    for quantizer in other_scale.graph.node[3:5]:  # the negated half's Q and DQ
-        quantizer.input[1] = "c_s"
-    other_scale.graph.initializer.append(init("c_s", np.asarray(SCALE * 2, np.float32)))
-    details = refused(other_scale, "qdq-concat-integers", passes=PASSES, **LATE)
-    assert any("scales differ" in m for m in details["near_misses"]["qdq"]), details
+def _in_int8(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with every zero point an int8 3 (quantize_static's QInt8 activations)."""
+    for found in proto.graph.initializer:
+        if found.name.endswith("_z"):
+            found.CopyFrom(init(found.name, np.asarray(3, np.int8)))
+    return proto
+
+
+def test_int8_stays_between_its_quantize_and_dequantize() -> None:
+    """onnxruntime on x86 makes int8 activations uint8 only at a Q -> DQ pair it finds adjacent: an int8 Transpose
+    or Concat between them kept gpt2_dynamo_qdq's head MatMul in float, 3.6x slower. A requantization still goes."""
+    for rule, build in (("qdq-move-integers", _transposed), ("qdq-concat-integers", _joined)):
+        details = refused(_in_int8(build()), rule, passes=PASSES, **LATE)
+        assert any("adjacent Q -> DQ pairs" in m for m in details["near_misses"]["qdq"]), details
+    expected = {"QuantizeLinear": 1, "DequantizeLinear": 1}
+    fires(_in_int8(_requantized()), "qdq-requantize-same", expected, passes=PASSES, **LATE)

@@ -11,14 +11,14 @@ value in float32 and for int8 in float16, so the round trip gives ``q`` itself, 
 integer type holds it (no saturation). So:
 
 - ``Q(Move(DQ(q, s, z)), s, z) -> Move(q)`` for Move a Transpose, Reshape, Flatten, Squeeze,
-  Unsqueeze, Slice or Gather (8- and 16-bit integers, whose moves onnxruntime's CPU kernels
-  take): the data moves as integers, as onnxruntime's own QDQ clean-up (its "drop" action on
-  DQ -> Transpose -> Q and the like) does it at session time. A per-axis quantization stays
-  only where the move carries the DQ's axis to the Q's (a Transpose's perm, a Reshape that keeps
-  the elements of each channel together, a Slice or Gather along another axis). The DQ stays
-  when something else reads it. Not MaxPool, though exact (the largest of a window stays the
-  largest under DQ's increasing map): onnxruntime's int8 MaxPool ran resnet18_ts_qdq 1.24x slower
-  than its float one at ORT_ENABLE_ALL.
+  Unsqueeze, Slice or Gather (uint8 and 16-bit integers, whose moves onnxruntime's CPU kernels
+  take; not int8, see ``_kernel_refusal``): the data moves as integers, as onnxruntime's own
+  QDQ clean-up (its "drop" action on DQ -> Transpose -> Q and the like) does it at session time.
+  A per-axis quantization stays only where the move carries the DQ's axis to the Q's (a
+  Transpose's perm, a Reshape that keeps the elements of each channel together, a Slice or Gather
+  along another axis). The DQ stays when something else reads it. Not MaxPool, though exact (the
+  largest of a window stays the largest under DQ's increasing map): onnxruntime's int8 MaxPool
+  ran resnet18_ts_qdq 1.24x slower than its float one at ORT_ENABLE_ALL.
 - ``Q(Concat(DQ(a, s, z), DQ(b, s, z), ...), s, z) -> Concat(a, b, ...)`` when every part is
   dequantized with the Q's parameters (a rotary's halves, a KV cache and its new step).
 - ``Q(DQ(q, s, z), s, z) -> q``: a requantization to the same parameters is the identity
@@ -49,7 +49,7 @@ FAMILY = "qdq"
 # Every rule of the family, with the family given once.
 _rule = partial(Rule, family=FAMILY, kind="late")
 
-# Integer types and their value ranges: those a moved tensor may have, then those a requantization may.
+# Integer types and their value ranges: those onnxruntime's moves take, then those a requantization may have.
 _MOVABLE = {
     DataType.INT8: (-128, 127),
     DataType.UINT8: (0, 255),
@@ -227,7 +227,13 @@ def _reshaped_axis(move: Node, axis: int) -> int | None:
 
 
 def _kernel_refusal(op_type: str, integer: DataType) -> str | None:
-    """Why onnxruntime's CPU kernel of ``op_type`` may not take ``integer`` (None: it takes it)."""
+    """Why ``op_type`` should not run on ``integer`` (None: it may): a type onnxruntime's CPU kernels
+    do not take, or int8, which onnxruntime on x86 turns into uint8 for its integer kernels only at
+    a Q -> DQ pair it finds adjacent (its QDQ selectors refuse int8 activations there): moved
+    between them, the int8 tensor keeps the MatMul after it in float (gpt2_dynamo_qdq ran 3.6x
+    slower at ORT_ENABLE_ALL, its 256 x 8000 head dequantized on every run)."""
+    if integer == DataType.INT8:
+        return "onnxruntime (x86) makes int8 activations uint8 only at adjacent Q -> DQ pairs, which this would part"
     return None if integer in _MOVABLE else f"onnxruntime's CPU {op_type} does not take {integer.name.lower()}"
 
 

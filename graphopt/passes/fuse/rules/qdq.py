@@ -25,12 +25,14 @@ integer type holds it (no saturation). So:
   (also for 4-bit integers).
 
 A ``Q -> DQ`` on a float activation rounds it to the grid of ``s``: that is the quantization
-itself, and stays. No rule writes ``DQ(int8 weight) -> MatMul`` as onnxruntime's integer ops for
-``--target ort``: onnxruntime forms QLinearMatMul itself at ORT_ENABLE_ALL (after making int8
-activations uint8), and each form written ahead ran slower there (bert_dynamo_qdq, llama_dynamo_qdq:
-QLinearMatMul 1.99x and 2.74x, 8-bit MatMulNBits 2.13x and 2.16x, with accuracy_level 4 1.04x and
-1.21x); no block of 32 of their int8 weights is exact in 4 bits. These rules are late: a fusion that sees through an activation's Q -> DQ
+itself, and stays. These rules are late: a fusion that sees through an activation's Q -> DQ
 pair (attention's K^T, a rotary's halves) reads the float data movement they would hide.
+
+No rule writes ``DQ(int8 weight) -> MatMul`` as onnxruntime's integer ops for ``--target ort``:
+onnxruntime forms QLinearMatMul itself at ORT_ENABLE_ALL (after making int8 activations uint8),
+and each form written ahead ran slower there (bert_dynamo_qdq, llama_dynamo_qdq: QLinearMatMul
+1.99x and 2.74x, 8-bit MatMulNBits 2.13x and 2.16x, with accuracy_level 4 1.04x and 1.21x); no
+block of 32 of their int8 weights is exact in 4 bits.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from graphopt.passes.fuse.rules import (
     lower,
     matmul,
     norm,
+    qdq,
     rotary,
     shape,
 )
@@ -38,6 +39,7 @@ LIBRARY = RuleSet(
     + matmul.standard.RULES
     + matmul.quantized.RULES
     + norm.RULES
+    + qdq.RULES
     + rotary.RULES
     + shape.RULES
     + matmul.tied.RULES

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from graphopt.evaluate.base import EvaluationError
 from graphopt.ir import Graph, Node, Value, tensor_dtype, tensor_shape
-from graphopt.ir.constness import is_constant
+from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.rewrite import replace_value
 
 if TYPE_CHECKING:
@@ -91,21 +91,34 @@ def _activation_pair(dq: Node, graph: Graph) -> _Hidden | None:
     return _Hidden(dq, q, x) if dtype is not None and dtype == tensor_dtype(dq.outputs[0]) else None
 
 
-def _small_constant(dq: Node) -> bool:
+def _small_constant(dq: Node) -> list[Node] | None:
+    """The nodes computing ``dq``'s output from constants alone (``DQ(q)``, or ``DQ(Q(c))`` of a constant the
+    quantizer took for an activation), when it is of rank 0 or 1 and small; else None."""
     shape = tensor_shape(dq.outputs[0])
     if shape is None or len(shape) > 1 or not all(isinstance(d, int) and d <= SMALL_CONSTANT for d in shape):
-        return False
-    return all(v is None or is_constant(v) for v in dq.inputs)
+        return None
+    region = [dq]
+    quantized = dq.inputs[0] if dq.inputs else None
+    if quantized is not None and _is_op(quantized.producer, "QuantizeLinear") and len(quantized.uses()) == 1:
+        region.insert(0, quantized.producer)  # type: ignore[arg-type]
+    produced = {id(v) for node in region for v in node.outputs}
+    reads = [v for node in region for v in node.inputs if v is not None and id(v) not in produced]
+    return region if all(is_constant(v) for v in reads) else None
 
 
-def _constants(dqs: list[Node], site: Site) -> list[_Hidden]:
+def _constants(regions: list[list[Node]], site: Site) -> list[_Hidden]:
     """Float constants standing in for the DQs of small quantized constants (none without an evaluator)."""
     evaluator = site.ctx.evaluator
-    if evaluator is None or not dqs:
+    if evaluator is None or not regions:
         return []
+    dqs = [region[-1] for region in regions]
     outputs = [dq.outputs[0] for dq in dqs]
+    nodes = [node for region in regions for node in region]
+    produced = {id(v) for node in nodes for v in node.outputs}
+    reads = {v: constant_array(v) for node in nodes for v in node.inputs if v is not None and id(v) not in produced}
     try:
-        arrays = evaluator.evaluate(dqs, {}, outputs, site.model.opsets_of(site.graph))
+        known = {v: array for v, array in reads.items() if array is not None}
+        arrays = evaluator.evaluate(nodes, known, outputs, site.model.opsets_of(site.graph))
     except EvaluationError:
         return []
     builder = site.ctx.builder(site.model, site.graph)
@@ -118,15 +131,16 @@ def hidden(site: Site) -> Iterator[bool]:
     whether anything was hidden (see the module docstring)."""
     graph = site.graph
     found: list[_Hidden] = []
-    constants: list[Node] = []
+    constants: list[list[Node]] = []
     for node in graph.nodes:
         if not _is_op(node, "DequantizeLinear") or _reads(node.outputs[0], graph) is None:
             continue
-        pair = _activation_pair(node, graph)
-        if pair is not None:
+        region = _small_constant(node)
+        pair = _activation_pair(node, graph) if region is None else None
+        if region is not None:
+            constants.append(region)
+        elif pair is not None:
             found.append(pair)
-        elif _small_constant(node):
-            constants.append(node)
     found += _constants(constants, site)
     existing = {id(n): n for n in graph.nodes}  # kept alive, so no new node takes an old one's id
     for entry in found:

@@ -216,3 +216,19 @@ def test_a_pair_inside_the_pattern_read_outside_keeps_it_unfused(reader: str) ->
     names_before = Counter(n.op_type for n in proto.graph.node)
     names_after = Counter(n.op_type for n in out.graph.node)
     assert names_after["QuantizeLinear"] == names_before["QuantizeLinear"]
+
+
+@pytest.mark.parametrize(("name", "case"), list(_cases()))
+def test_a_second_reader_of_the_quantized_interior_value_keeps_the_rule_from_firing(name: str, case: Case) -> None:
+    """The table's perturbation ``interior`` on the quantized model: the interior value's quantized form gets a
+    second DequantizeLinear, a graph output. The pair stays for it, so the pattern cannot drop it: no fusion."""
+    proto = case.build()
+    if any(t.data_type != onnx.TensorProto.FLOAT for t in proto.graph.initializer if t.data_type in FLOATS):
+        pytest.skip("quantize_static takes float32 models")
+    qdq = quantized(proto, _feeds(case, proto))
+    q = next((n for n in qdq.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == case.interior), None)
+    if q is None:
+        pytest.skip(f"the quantizer leaves {case.interior!r} unquantized")
+    extra = helper.make_node("DequantizeLinear", [q.output[0], *q.input[1:]], ["interior_again"])
+    _, details = fuse(_with_output(qdq, extra, "interior_again"), case.passes, **case.settings)
+    assert not details["applied"].get(name), details["applied"]

@@ -9,8 +9,9 @@ inputs, computes in float, and its result is quantized again where the original 
 
 :func:`hidden` gives the rules that contract for one graph, for the length of a ``with`` block:
 
-- an activation pair ``DQ(Q(x))`` whose ``x`` only ``Q`` reads (no reader sees ``x`` unquantized)
-  and whose quantized value only that DQ reads: every reader of the DQ reads ``x`` instead, so
+- an activation pair ``DQ(Q(x))`` whose ``x`` only QuantizeLinear nodes read (no reader sees ``x``
+  unquantized; a Reshape to its own shape removed leaves two Qs of one value) and whose quantized
+  value only that DQ reads: every reader of the DQ reads ``x`` instead, so
   patterns and plans see the float computation. The pair stays, read by nothing: a fusion whose
   match removes ``x`` (the pair strictly inside the pattern) takes Q and DQ with it (the engine's
   feeders: they feed only the match), and a pair whose quantized value has another reader is not
@@ -85,8 +86,10 @@ def _activation_pair(dq: Node, graph: Graph) -> _Hidden | None:
     if quantized is None or q is None or not _is_op(q, "QuantizeLinear") or q.graph is not graph:
         return None
     x = q.inputs[0] if q.inputs else None
-    if x is None or quantized.is_graph_output or len(quantized.uses()) != 1 or len(x.uses()) != 1:
+    if x is None or quantized.is_graph_output or len(quantized.uses()) != 1:
         return None
+    if not all(_is_op(use.node, "QuantizeLinear") and use.index == 0 for use in x.uses()):
+        return None  # read unquantized too
     dtype = tensor_dtype(x)
     return _Hidden(dq, q, x) if dtype is not None and dtype == tensor_dtype(dq.outputs[0]) else None
 
@@ -143,14 +146,22 @@ def hidden(site: Site) -> Iterator[bool]:
             found.append(pair)
     found += _constants(constants, site)
     existing = {id(n): n for n in graph.nodes}  # kept alive, so no new node takes an old one's id
+    by_output = {id(entry.dequantize.outputs[0]): entry for entry in found}
     for entry in found:
+        # A value quantized again (Q, DQ, Q, DQ: a Reshape to its own shape went from between them) stands
+        # in for the first quantization's float value.
+        inner = by_output.get(id(entry.stand_in))
+        while inner is not None:
+            entry.stand_in = inner.stand_in
+            inner = by_output.get(id(entry.stand_in))
         entry.readers = _reads(entry.dequantize.outputs[0], graph) or []
         for node, index in entry.readers:
             node.set_input(index, entry.stand_in)
     try:
         yield bool(found)
     finally:
-        for entry in found:
+        # The last quantization of a value first: a new node reading it reads what its readers read.
+        for entry in reversed(found):
             _restore(entry, existing, site)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from tests.numerics import make_feeds, run_ort
 from tests.passes.fuse import test_activation, test_attention, test_norm, test_rotary
@@ -232,3 +232,41 @@ def test_a_second_reader_of_the_quantized_interior_value_keeps_the_rule_from_fir
     extra = helper.make_node("DequantizeLinear", [q.output[0], *q.input[1:]], ["interior_again"])
     _, details = fuse(_with_output(qdq, extra, "interior_again"), case.passes, **case.settings)
     assert not details["applied"].get(name), details["applied"]
+
+
+def test_gelu_fires_through_a_value_quantized_twice() -> None:
+    """Q, DQ, Q, DQ on one edge (what stays when a Reshape to its own shape goes from between two pairs, as the
+    noop pass does on whisper's attention): both pairs are inside the pattern and go with it."""
+    qdq = _gelu_qdq()
+    q, dq = _inner_pair(qdq, "Erf")
+    readers = [n for n in qdq.graph.node if dq.output[0] in n.input]
+    again = [
+        helper.make_node("QuantizeLinear", [dq.output[0], *q.input[1:]], ["erf_q2"], name="erf_q2"),
+        helper.make_node("DequantizeLinear", ["erf_q2", *q.input[1:]], ["erf_dq2"], name="erf_dq2"),
+    ]
+    for reader in readers:
+        reader.input[:] = ["erf_dq2" if i == dq.output[0] else i for i in reader.input]
+    qdq.graph.node.extend(again)
+    out, details = fuse(qdq, "shape-infer,fuse", target_opset=20)
+    assert details["applied"] == {"gelu-none": 1}
+    assert not {"erf_q2", "erf_dq2"} & {n.name for n in out.graph.node}
+
+
+def test_gelu_fires_where_its_constant_was_quantized_as_an_activation() -> None:
+    """A TorchScript export's constants are Constant nodes, which quantize_static quantizes as activations
+    (Constant -> Q -> DQ); once cse merges one with an equal constant read elsewhere, it is read as a constant."""
+    qdq = _gelu_qdq()
+    one = next(n for n in qdq.graph.node if n.output[0] == "one_DequantizeLinear_Output")
+    requantized = [
+        helper.make_node("Constant", [], ["one_float"], value=numpy_helper.from_array(np.array(1.0, np.float32))),
+        helper.make_node("QuantizeLinear", ["one_float", "one_scale", "one_zero_point"], ["one_q"]),
+        helper.make_node("DequantizeLinear", ["one_q", "one_scale", "one_zero_point"], [one.output[0]]),
+        helper.make_node("Identity", ["one_float"], ["one_read"]),
+    ]
+    qdq.graph.node.remove(one)
+    for found in reversed(requantized):
+        qdq.graph.node.insert(0, found)
+    proto = _with_output(qdq, None, "one_read")
+    out, details = fuse(proto, "shape-infer,fuse", target_opset=20)
+    assert details["applied"] == {"gelu-none": 1}
+    assert Counter(n.op_type for n in out.graph.node)["Gelu"] == 1

@@ -595,14 +595,16 @@ def _read_outside(value: Value, inside: set[int]) -> bool:
     return value.is_graph_output or any(id(use.node) not in inside for use in value.uses())
 
 
-def run_round(model: Model, rules: RuleSet, site_for: Callable[[Graph], Site], stats: RunStats) -> int:
+def run_round(
+    model: Model, rules: RuleSet, site_for: Callable[[Graph], Site], stats: RunStats, *, through_qdq: bool = True
+) -> int:
     """One round of ``rules`` over every graph of ``model``; the number of rewrites.
 
     In a graph with Q/DQ pairs the rules marked ``through_qdq`` go first, with the pairs hidden
-    (:mod:`graphopt.passes.rewrite.qdq`), then the others on the graph as it is; elsewhere all
-    together, as one rule set."""
+    (:mod:`graphopt.passes.rewrite.qdq`), then the others on the graph as it is; elsewhere, or
+    when ``through_qdq`` is off, all together, as one rule set."""
     applied = 0
-    through, others = rules.through_qdq
+    through, others = rules.through_qdq if through_qdq else (RuleSet(), rules)
     for graph in list(model.all_graphs()):
         site = site_for(graph)
         remaining = rules

@@ -18,12 +18,14 @@ import os
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
 
+from tests.cli_helpers import invoke
 from tests.numerics import make_feeds, run_ort
 from tests.passes.fuse import test_activation, test_attention, test_norm, test_rotary
 from tests.passes.fuse.table import Case
@@ -270,3 +272,12 @@ def test_gelu_fires_where_its_constant_was_quantized_as_an_activation() -> None:
     out, details = fuse(proto, "shape-infer,fuse", target_opset=20)
     assert details["applied"] == {"gelu-none": 1}
     assert Counter(n.op_type for n in out.graph.node)["Gelu"] == 1
+
+
+@pytest.mark.parametrize(("flag", "gelus"), [((), 1), (("--no-fuse-through-qdq",), 0)])
+def test_the_cli_fuses_through_qdq_unless_told_not_to(tmp_path: Path, flag: tuple[str, ...], gelus: int) -> None:
+    source, target = tmp_path / "gelu_qdq.onnx", tmp_path / "out.onnx"
+    onnx.save(_gelu_qdq(), source)
+    result = invoke("run", source, "-o", target, "--target-opset", "20", "--no-check", "--quiet", *flag)
+    assert result.exit_code == 0, result.output
+    assert Counter(n.op_type for n in onnx.load(target).graph.node)["Gelu"] == gelus

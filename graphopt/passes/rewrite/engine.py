@@ -609,7 +609,7 @@ def run_round(
         site = site_for(graph)
         remaining = rules
         if through:
-            with hidden(site) as quantized:
+            with hidden(model, graph, site.ctx) as quantized:
                 if quantized:
                     applied += _apply_round(graph, through, site, stats)
                     remaining = others

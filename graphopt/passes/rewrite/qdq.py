@@ -33,15 +33,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from graphopt.evaluate.base import EvaluationError
-from graphopt.ir import Graph, Node, Value, tensor_dtype, tensor_shape
+from graphopt.ir import Graph, Model, Node, Value, tensor_dtype, tensor_shape
 from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.rewrite import replace_value
-
-if TYPE_CHECKING:
-    from graphopt.passes.rewrite.engine import Site
+from graphopt.passes.base import PassContext
 
 __all__ = ["SMALL_CONSTANT", "hidden"]
 
@@ -109,9 +106,9 @@ def _small_constant(dq: Node) -> list[Node] | None:
     return region if all(is_constant(v) for v in reads) else None
 
 
-def _constants(regions: list[list[Node]], site: Site) -> list[_Hidden]:
+def _constants(regions: list[list[Node]], model: Model, graph: Graph, ctx: PassContext) -> list[_Hidden]:
     """Float constants standing in for the DQs of small quantized constants (none without an evaluator)."""
-    evaluator = site.ctx.evaluator
+    evaluator = ctx.evaluator
     if evaluator is None or not regions:
         return []
     dqs = [region[-1] for region in regions]
@@ -121,18 +118,17 @@ def _constants(regions: list[list[Node]], site: Site) -> list[_Hidden]:
     reads = {v: constant_array(v) for node in nodes for v in node.inputs if v is not None and id(v) not in produced}
     try:
         known = {v: array for v, array in reads.items() if array is not None}
-        arrays = evaluator.evaluate(nodes, known, outputs, site.model.opsets_of(site.graph))
+        arrays = evaluator.evaluate(nodes, known, outputs, model.opsets_of(graph))
     except EvaluationError:
         return []
-    builder = site.ctx.builder(site.model, site.graph)
+    builder = ctx.builder(model, graph)
     return [_Hidden(dq, None, builder.constant(arrays[out], f"{out.name}_float")) for dq, out in zip(dqs, outputs)]
 
 
 @contextmanager
-def hidden(site: Site) -> Iterator[bool]:
-    """Hide the Q/DQ pairs and small quantized constants of ``site``'s graph for the block; yields
-    whether anything was hidden (see the module docstring)."""
-    graph = site.graph
+def hidden(model: Model, graph: Graph, ctx: PassContext) -> Iterator[bool]:
+    """Hide the Q/DQ pairs and small quantized constants of ``model``'s ``graph`` for the block;
+    yields whether anything was hidden (see the module docstring)."""
     found: list[_Hidden] = []
     constants: list[list[Node]] = []
     for node in graph.nodes:
@@ -144,7 +140,10 @@ def hidden(site: Site) -> Iterator[bool]:
             constants.append(region)
         elif pair is not None:
             found.append(pair)
-    found += _constants(constants, site)
+    found += _constants(constants, model, graph, ctx)
+    if not found:
+        yield False
+        return
     existing = {id(n): n for n in graph.nodes}  # kept alive, so no new node takes an old one's id
     by_output = {id(entry.dequantize.outputs[0]): entry for entry in found}
     for entry in found:
@@ -158,14 +157,14 @@ def hidden(site: Site) -> Iterator[bool]:
         for node, index in entry.readers:
             node.set_input(index, entry.stand_in)
     try:
-        yield bool(found)
+        yield True
     finally:
         # The last quantization of a value first: a new node reading it reads what its readers read.
         for entry in reversed(found):
-            _restore(entry, existing, site)
+            _restore(entry, existing, model, graph, ctx)
 
 
-def _restore(entry: _Hidden, existing: dict[int, Node], site: Site) -> None:
+def _restore(entry: _Hidden, existing: dict[int, Node], model: Model, graph: Graph, ctx: PassContext) -> None:
     """The moved reads, and the new nodes' reads of the stand-in, read the DQ's output again."""
     stand_in, dequantized = entry.current(), entry.dequantize.outputs[0]
     if stand_in is None or entry.dequantize.graph is None:
@@ -175,5 +174,5 @@ def _restore(entry: _Hidden, existing: dict[int, Node], site: Site) -> None:
         if use.node is not entry.quantize and ((id(use.node), use.index) in moved or id(use.node) not in existing):
             use.node.set_input(use.index, dequantized)
     if entry.quantize is None:  # the float constant goes (a graph output, if a rule made it one, keeps its name)
-        replace_value(stand_in, dequantized, site.ctx.names(site.model))
-        site.graph.remove_initializer(stand_in)
+        replace_value(stand_in, dequantized, ctx.names(model))
+        graph.remove_initializer(stand_in)

@@ -172,6 +172,28 @@ def test_a_reshape_to_its_own_dims_read_back() -> None:
 
 
 @pytest.mark.parametrize(
+    ("target", "allowzero", "same"),
+    [
+        ([0, -1, 0, 8], False, True),  # as the shape rules spell it: the batch and seq copied, the heads follow
+        ([0, 4, 0, 8], False, True),
+        ([0, 4, 0, 8], True, False),  # allowzero: a 0 is a 0
+        ([0, -1, -1, 8], False, False),
+        ([0, 8, 0, 4], False, False),  # heads and head size swapped
+    ],
+)
+def test_a_reshape_to_its_own_dims_from_a_constant_target(target: list[int], allowzero: bool, same: bool) -> None:
+    g = Graph(
+        model(
+            [node("Reshape", ["y", "target"], "out", allowzero=int(allowzero))],
+            [info("y", ["b", 4, "s", 8])],
+            ["out"],
+            [init("target", np.array(target, I64))],
+        )
+    )
+    assert proofs.reshaped_to_itself(g["y"], g["target"], g.site, g["y"], allowzero=allowzero) == same
+
+
+@pytest.mark.parametrize(
     ("target", "found"),
     [
         ([2, 0, 8], [2, 3, 8]),  # the 0 spelled out from the result's known dim

@@ -178,14 +178,19 @@ def _kept(merge: Node, target: tuple[Any, ...], axis: int, dim: object) -> bool:
 # -- Reshape targets -------------------------------------------------------------------------------------------
 
 
-def reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -> bool:
+def reshaped_to_itself(source: Value, target: Value, site: Site, query: Value, *, allowzero: bool = False) -> bool:
     """Whether Reshape(source, target) keeps the shape of ``source``, the product P V of an attention
     whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there (the batch and
-    query length may also be Q's), read from it or provably equal to it, with at most one -1."""
+    query length may also be Q's), read from it or provably equal to it, with at most one -1; or the
+    target is known and each entry is source's static dim there, a 0 that copies it (not ``allowzero``),
+    or the one -1 (the shape rules spell a target so)."""
     dims, concat = site.shape(source), target.producer
     kept = ints_of(site, target)
-    if dims is not None and None not in dims and kept is not None and tuple(kept) == tuple(dims):
-        return True
+    if dims is not None and kept is not None and len(kept) == len(dims):
+        copied = [want == have or (want == 0 and not allowzero) for want, have in zip(kept, dims, strict=True)]
+        unknown = [axis for axis, want in enumerate(kept) if want == -1]
+        if len(unknown) <= 1 and all(copied[axis] or axis in unknown for axis in range(len(dims))):
+            return True
     if dims is None or concat is None or concat.op_type != "Concat" or len(concat.inputs) != len(dims):
         return False
     free = 0

@@ -81,7 +81,11 @@ def _plan_mha(
     plan = read(m, site)
     if isinstance(plan, str):
         return plan
-    if "same" in m and not reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
+    same = m.node("same") if "same" in m else None
+    allowzero = same is not None and bool(site.int_attr(same, "allowzero", 0))
+    if same is not None and not reshaped_to_itself(
+        m.node("pv").outputs[0], m.value("same_shape"), site, plan.q, allowzero=allowzero
+    ):
         return "the Reshape after the attention is not provably to its own shape"
     unsupported = cpu_float(site, plan.q, "MultiHeadAttention")
     if unsupported is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
@@ -50,6 +50,7 @@ __all__ = [
     "Result",
     "check",
     "diff",
+    "input_layouts",
     "inspect",
     "load",
     "optimize",
@@ -185,11 +186,22 @@ def optimize(
     return result
 
 
+def input_layouts(runs: Sequence[PassRun]) -> dict[str, tuple[int, ...]]:
+    """The layouts passes gave graph inputs (the ``relaid_inputs`` of their details, name ->
+    {"layout": perm}), composed in run order: what the check feeds the optimized model."""
+    layouts: dict[str, tuple[int, ...]] = {}
+    for run in runs:
+        for name, relaid in run.details.get("relaid_inputs", {}).items():
+            earlier = layouts.get(name)
+            layout = tuple(relaid["layout"])
+            layouts[name] = layout if earlier is None else tuple(earlier[axis] for axis in layout)
+    return layouts
+
+
 def _check_result(original: Path, result: Result[Model], scratch: Path, check: bool | CheckOptions) -> CheckResult:
     """The check of ``result`` against the model file ``original``; CheckFailed if the outputs differ."""
     from graphopt.numerics.isolated import check_models_isolated
     from graphopt.numerics.options import CheckOptions
-    from graphopt.runner import input_layouts
 
     optimized = scratch / "optimized.onnx"
     save_model(result.model, optimized)

@@ -17,7 +17,6 @@ turns on a lock for that, never for reading or storing.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -29,14 +28,11 @@ from functools import cache
 from importlib import import_module
 from importlib.metadata import packages_distributions, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from graphopt.errors import InputError
 from graphopt.files import file_digest, folder_lock, remove_stale_staging, staging_folder
 from graphopt.version import __version__
-
-if TYPE_CHECKING:
-    from graphopt.runner import RunOptions
 
 __all__ = ["DEFAULT_LIMIT", "CachedResult", "ResultCache"]
 
@@ -74,10 +70,11 @@ class ResultCache:
         if not os.access(self.folder, os.W_OK | os.X_OK):
             raise InputError(f"--cache {self.folder}: not writable")
 
-    def key(self, inputs: Mapping[str, str], output: Path, options: RunOptions) -> str:
+    def key(self, inputs: Mapping[str, str], decided_by: Mapping[str, Any]) -> str:
         """The key of a model whose files have the digests ``inputs`` (the model by its name, its
-        weights files by the location it names them with), optimized into ``output`` with ``options``."""
-        return _digest({"format": _FORMAT, "tools": _tools(), "input": dict(inputs), **_decided_by(options, output)})
+        weights files by the location it names them with), optimized as ``decided_by`` says (the
+        run's options that decide the output: the runner's to say)."""
+        return _digest({"format": _FORMAT, "tools": _tools(), "input": dict(inputs), "run": dict(decided_by)})
 
     def lookup(self, key: str) -> CachedResult | None:
         """The entry of ``key`` if it is whole and its files are what was stored; a damaged one is removed."""
@@ -130,33 +127,6 @@ class ResultCache:
                     break
                 shutil.rmtree(folder, ignore_errors=True)
                 total -= size
-
-
-def _decided_by(options: RunOptions, output: Path) -> dict[str, Any]:
-    """What of a run's options decides its output file and report: the pipeline, the settings,
-    the check's options (a file they name by its digest) and how the output is written."""
-    numerics = {
-        name: _by_content(value) for name, value in dataclasses.asdict(options.numerics).items() if name != "required"
-    }
-    return {
-        "pipeline": options.pipeline.describe(),
-        "settings": dataclasses.asdict(options.settings),
-        "check": options.check,
-        "numerics": numerics,
-        "output": {
-            "name": output.name,
-            "external_data": options.external_data,
-            "external_data_name": options.external_data_name,
-        },
-    }
-
-
-def _by_content(value: Any) -> Any:
-    if isinstance(value, Path):
-        return file_digest(value)
-    if isinstance(value, (tuple, list)):
-        return [_by_content(v) for v in value]
-    return value
 
 
 @cache

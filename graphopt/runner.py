@@ -8,6 +8,7 @@ gate (would the pipeline still change this model?) and blame (which pass broke n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import shutil
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from graphopt.api import Result, resolve_pipeline, resolve_settings, run_pipeline
+from graphopt.api import Result, input_layouts, resolve_pipeline, resolve_settings, run_pipeline
 from graphopt.errors import GraphoptError, InputError
 from graphopt.files import commit, file_digest, folder_lock, is_staging, staging_folder
 from graphopt.io import data_files, load, save
@@ -26,7 +27,7 @@ from graphopt.io.json_io import is_sidecar_of
 from graphopt.io.onnx_write import is_data_file_of
 from graphopt.ir import Model
 from graphopt.numerics.options import CheckOptions
-from graphopt.passes.pipeline import PassRun, Pipeline, default_pipeline
+from graphopt.passes.pipeline import Pipeline, default_pipeline
 from graphopt.report import write_report
 from graphopt.report.model import ModelReport
 from graphopt.settings import Settings
@@ -192,7 +193,7 @@ def optimize_file(
         known = {location: file_digest(source.parent / location) for location in named} | {
             source.name: file_digest(source)
         }
-        cache_key = options.cache.key(known, output, options)
+        cache_key = options.cache.key(known, _decided_by(options, output))
         stored = options.cache.lookup(cache_key)
         if stored is not None:
             data = [source.parent / location for location in named]
@@ -214,6 +215,33 @@ def optimize_file(
             refuse_read_by_others([kept], what, ignoring=[output])
         loaded = (model, load_seconds, kept_name)
         return _optimize_file(source, output, loaded, reads, options, tell, input_entry, cache_key)
+
+
+def _decided_by(options: RunOptions, output: Path) -> dict[str, Any]:
+    """What of a run's options decides its output file and report: the pipeline, the settings,
+    the check's options (a file they name by its digest) and how the output is written."""
+    numerics = {
+        name: _by_content(value) for name, value in dataclasses.asdict(options.numerics).items() if name != "required"
+    }
+    return {
+        "pipeline": options.pipeline.describe(),
+        "settings": dataclasses.asdict(options.settings),
+        "check": options.check,
+        "numerics": numerics,
+        "output": {
+            "name": output.name,
+            "external_data": options.external_data,
+            "external_data_name": options.external_data_name,
+        },
+    }
+
+
+def _by_content(value: Any) -> Any:
+    if isinstance(value, Path):
+        return file_digest(value)
+    if isinstance(value, (tuple, list)):
+        return [_by_content(v) for v in value]
+    return value
 
 
 def _reads(source: Path, data: list[Path], options: RunOptions) -> dict[Path, str]:
@@ -402,18 +430,6 @@ def _renamed(found: Any, names: dict[str, str]) -> Any:
         for old in sorted(names, key=len, reverse=True):
             found = found.replace(old, names[old])
     return found
-
-
-def input_layouts(runs: Sequence[PassRun]) -> dict[str, tuple[int, ...]]:
-    """The layouts passes gave graph inputs (the ``relaid_inputs`` of their details, name ->
-    {"layout": perm}), composed in run order: what the check feeds the optimized model."""
-    layouts: dict[str, tuple[int, ...]] = {}
-    for run in runs:
-        for name, relaid in run.details.get("relaid_inputs", {}).items():
-            earlier = layouts.get(name)
-            layout = tuple(relaid["layout"])
-            layouts[name] = layout if earlier is None else tuple(earlier[axis] for axis in layout)
-    return layouts
 
 
 def _staging(stack: contextlib.ExitStack, folder: Path, output: Path) -> Path:

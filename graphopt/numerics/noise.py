@@ -124,7 +124,7 @@ class Perturbation:
 
 def _scaled(array: np.ndarray, eps: float, rng: np.random.Generator) -> np.ndarray:
     noise = 1.0 + eps * rng.uniform(-AMPLITUDE, AMPLITUDE, array.shape)
-    return (array.astype(np.float64) * noise).astype(array.dtype)
+    return np.asarray(array.astype(np.float64) * noise).astype(array.dtype)  # a scale is often 0-d
 
 
 # Bits of a quantization grid by its zero point's type (QuantizeLinear's default: uint8).

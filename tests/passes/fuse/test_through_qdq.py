@@ -136,7 +136,7 @@ def test_the_rule_fires_through_qdq_and_keeps_the_quantization(name: str, case: 
         pytest.skip("quantize_static takes float32 models")
     feeds = _feeds(case, proto)
     qdq = quantized(proto, feeds)
-    out, details = fuse(qdq, case.passes, **case.settings)
+    out, details = fuse(qdq, case.passes, **case.settings, fuse_through_qdq=True)
     found = Counter(n.op_type for n in out.graph.node)
     assert {op: found[op] for op in case.expected} == case.expected, details["near_misses"]
 
@@ -190,7 +190,7 @@ def _with_output(proto: onnx.ModelProto, extra: onnx.NodeProto | None, value: st
 
 
 def test_gelu_fires_through_its_pairs() -> None:
-    out, details = fuse(_gelu_qdq(), "shape-infer,fuse", target_opset=20)
+    out, details = fuse(_gelu_qdq(), "shape-infer,fuse", target_opset=20, fuse_through_qdq=True)
     assert details["applied"] == {"gelu-none": 1}
     assert Counter(n.op_type for n in out.graph.node)["Gelu"] == 1
 
@@ -212,7 +212,7 @@ def test_a_pair_inside_the_pattern_read_outside_keeps_it_unfused(reader: str) ->
         proto = _with_output(qdq, helper.make_node("Identity", [dq.output[0]], ["erf_read"]), "erf_read")
     else:
         proto = _with_output(qdq, helper.make_node("Identity", [q.input[0]], ["erf_read"]), "erf_read")
-    out, details = fuse(proto, "shape-infer,fuse", target_opset=20)
+    out, details = fuse(proto, "shape-infer,fuse", target_opset=20, fuse_through_qdq=True)
     assert Counter(n.op_type for n in out.graph.node)["Gelu"] == 0
     assert not details["applied"].get("gelu-none")
     names_before = Counter(n.op_type for n in proto.graph.node)
@@ -232,7 +232,7 @@ def test_a_second_reader_of_the_quantized_interior_value_keeps_the_rule_from_fir
     if q is None:
         pytest.skip(f"the quantizer leaves {case.interior!r} unquantized")
     extra = helper.make_node("DequantizeLinear", [q.output[0], *q.input[1:]], ["interior_again"])
-    _, details = fuse(_with_output(qdq, extra, "interior_again"), case.passes, **case.settings)
+    _, details = fuse(_with_output(qdq, extra, "interior_again"), case.passes, **case.settings, fuse_through_qdq=True)
     assert not details["applied"].get(name), details["applied"]
 
 
@@ -249,7 +249,7 @@ def test_gelu_fires_through_a_value_quantized_twice() -> None:
     for reader in readers:
         reader.input[:] = ["erf_dq2" if i == dq.output[0] else i for i in reader.input]
     qdq.graph.node.extend(again)
-    out, details = fuse(qdq, "shape-infer,fuse", target_opset=20)
+    out, details = fuse(qdq, "shape-infer,fuse", target_opset=20, fuse_through_qdq=True)
     assert details["applied"] == {"gelu-none": 1}
     assert not {"erf_q2", "erf_dq2"} & {n.name for n in out.graph.node}
 
@@ -269,13 +269,13 @@ def test_gelu_fires_where_its_constant_was_quantized_as_an_activation() -> None:
     for found in reversed(requantized):
         qdq.graph.node.insert(0, found)
     proto = _with_output(qdq, None, "one_read")
-    out, details = fuse(proto, "shape-infer,fuse", target_opset=20)
+    out, details = fuse(proto, "shape-infer,fuse", target_opset=20, fuse_through_qdq=True)
     assert details["applied"] == {"gelu-none": 1}
     assert Counter(n.op_type for n in out.graph.node)["Gelu"] == 1
 
 
-@pytest.mark.parametrize(("flag", "gelus"), [((), 1), (("--no-fuse-through-qdq",), 0)])
-def test_the_cli_fuses_through_qdq_unless_told_not_to(tmp_path: Path, flag: tuple[str, ...], gelus: int) -> None:
+@pytest.mark.parametrize(("flag", "gelus"), [((), 0), (("--fuse-through-qdq",), 1)])
+def test_the_cli_fuses_through_qdq_when_asked(tmp_path: Path, flag: tuple[str, ...], gelus: int) -> None:
     source, target = tmp_path / "gelu_qdq.onnx", tmp_path / "out.onnx"
     onnx.save(_gelu_qdq(), source)
     result = invoke("run", source, "-o", target, "--target-opset", "20", "--no-check", "--quiet", *flag)

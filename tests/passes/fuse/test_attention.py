@@ -134,15 +134,20 @@ def _weights(*shape: int) -> np.ndarray:
 
 
 def _decoder_layer(
-    batch: int | str = 1, seq: int | str = "seq", fill: float = -np.inf, band: str = "past", guard: bool = True
+    batch: int | str = 1,
+    seq: int | str = "seq",
+    fill: float = -np.inf,
+    band: str = "past",
+    guard: bool = True,
+    kv_heads: int = GQA_KV_HEADS,
 ) -> onnx.ModelProto:
-    """One attention layer of a Llama-style decoder with a KV cache (4 query heads, 2 kv heads of 8): Q, K, V
+    """One attention layer of a Llama-style decoder with a KV cache (4 query heads, ``kv_heads`` of 8): Q, K, V
     projections of ``x`` (batch, ``seq``, 32), K and V joined to the past along the sequence (the present outputs),
-    their heads repeated for the query heads (Unsqueeze, Expand, Reshape), the scores masked by
+    their heads repeated for the query heads (Unsqueeze, Expand, Reshape) where fewer, the scores masked by
     ``Where(band and attention_mask, 0, fill)`` with the causal band over the past (``band`` "past": key j <= past +
     query i; "none": no past offset; "mask": the padding alone), the IsNaN guard after the Softmax (``guard``)."""
     hidden = (batch, seq, GQA_WIDTH)
-    kv = (batch, GQA_KV_HEADS, "past", GQA_SIZE)
+    kv = (batch, kv_heads, "past", GQA_SIZE)
     nodes = [
         node("Shape", ["x"], "seq_1d", start=1, end=2),
         node("Squeeze", ["seq_1d", "zero_axis"], "seq_len"),
@@ -189,6 +194,11 @@ def _decoder_layer(
     ]
     if not guard:
         nodes = [n for n in nodes if n.output[0] not in ("probs_nan", "probs_guarded")]
+    if kv_heads == GQA_HEADS:  # no repeat: the attention reads the caches
+        repeat = {f"{n}_{step}" for n in ("key", "value") for step in ("wide", "expanded", "repeated")}
+        nodes = [n for n in nodes if n.output[0] not in repeat]
+        for found in nodes:
+            found.input[:] = [f"present_{i.split('_')[0]}" if i.endswith("_repeated") else i for i in found.input]
     ints = {
         "zero_axis": [0],
         "i0": 0,
@@ -197,10 +207,10 @@ def _decoder_layer(
         "query_axes": [0, 1, 3],
         "mask_axes": [1, 2],
         "q_split_shape": [0, 0, GQA_HEADS, GQA_SIZE],
-        "k_split_shape": [0, 0, GQA_KV_HEADS, GQA_SIZE],
-        "v_split_shape": [0, 0, GQA_KV_HEADS, GQA_SIZE],
+        "k_split_shape": [0, 0, kv_heads, GQA_SIZE],
+        "v_split_shape": [0, 0, kv_heads, GQA_SIZE],
         "repeat_axis": [2],
-        "repeat": [1, 1, GQA_HEADS // GQA_KV_HEADS, 1, 1],
+        "repeat": [1, 1, GQA_HEADS // kv_heads, 1, 1],
         "repeated_shape": [0, GQA_HEADS, -1, GQA_SIZE],
         "merge_shape": [0, 0, GQA_WIDTH],
     }
@@ -210,8 +220,8 @@ def _decoder_layer(
         init("fill", fill),
         init("scale", GQA_SIZE**-0.5),
         init("wq", _weights(GQA_WIDTH, GQA_WIDTH)),
-        init("wk", _weights(GQA_WIDTH, GQA_KV_HEADS * GQA_SIZE)),
-        init("wv", _weights(GQA_WIDTH, GQA_KV_HEADS * GQA_SIZE)),
+        init("wk", _weights(GQA_WIDTH, kv_heads * GQA_SIZE)),
+        init("wv", _weights(GQA_WIDTH, kv_heads * GQA_SIZE)),
         init("wo", _weights(GQA_WIDTH, GQA_WIDTH)),
     ]
     inputs = [
@@ -223,13 +233,15 @@ def _decoder_layer(
     return model(nodes, inputs, ["y", "present_key", "present_value"], initializers, opset=18)
 
 
-def _decoder_feeds(batch: int, seq: int, past: int, padded: int = 0) -> dict[str, np.ndarray]:
+def _decoder_feeds(
+    batch: int, seq: int, past: int, padded: int = 0, kv_heads: int = GQA_KV_HEADS
+) -> dict[str, np.ndarray]:
     """Inputs of _decoder_layer: ``seq`` new tokens after ``past`` cached ones, the last row's first ``padded``
     positions masked (left padding)."""
     rng = np.random.default_rng(seq * 100 + past)
     mask = np.ones((batch, past + seq), np.int64)
     mask[-1, :padded] = 0
-    kv = (batch, GQA_KV_HEADS, past, GQA_SIZE)
+    kv = (batch, kv_heads, past, GQA_SIZE)
     return {
         "x": rng.standard_normal((batch, seq, GQA_WIDTH)).astype(np.float32),
         "attention_mask": mask,
@@ -568,10 +580,12 @@ def test_a_masked_fill_the_scores_do_not_round_back_to_stays(fill: float) -> Non
         ({}, [(1, 4, 3, 2), (1, 1, 6, 2), (1, 3, 0, 2)]),
         # one new token: a left-padded batch of 2
         ({"batch": "batch", "seq": 1}, [(2, 1, 6, 3), (3, 1, 0, 0)]),
+        # as many kv heads as query heads: no repeat
+        ({"kv_heads": GQA_HEADS}, [(1, 4, 3, 2, GQA_HEADS), (1, 1, 6, 2, GQA_HEADS)]),
     ],
-    ids=["batch-1", "decode"],
+    ids=["batch-1", "decode", "no-grouping"],
 )
-def test_group_query_attention_on_a_cache(layer: dict[str, Any], steps: list[tuple[int, int, int, int]]) -> None:
+def test_group_query_attention_on_a_cache(layer: dict[str, Any], steps: list[tuple[int, ...]]) -> None:
     """The grouped-query decoder layer becomes one GroupQueryAttention whose present outputs are the graph's, equal
     to the export's in onnxruntime at prompt and decode shapes, left padding included."""
     proto = _decoder_layer(**layer)

@@ -250,6 +250,17 @@ def _decoder_feeds(
     }
 
 
+GQA_ANY_LENGTH = "ort-group-query-attention-any-length"
+GQA_ANY_SETTINGS: dict[str, Any] = {"target": "ort", "enable": [GQA_ANY_LENGTH]}
+# what the decoder layer keeps around its GroupQueryAttention: the mask's plumbing, the projections, K merged back
+# for the op (Transpose, Reshape), seqlens_k and total_sequence_length from the shapes (Shape, Add, Cast, Sub,
+# Expand, Reshape)
+_GQA_OPS = {
+    **{"Shape": 7, "Squeeze": 2, "Add": 4, "Range": 2, "Unsqueeze": 3, "LessOrEqual": 1, "Cast": 2, "And": 1},
+    **{"Where": 2, "MatMul": 4, "Reshape": 2, "Transpose": 1, "Concat": 1, "Expand": 2, "Sub": 1},
+    **{"GroupQueryAttention": 1, "IsNaN": 1},
+}
+
 CASES: dict[str, Case] = {
     "attention": Case(
         _standard_attention,
@@ -282,13 +293,9 @@ CASES: dict[str, Case] = {
         passes="shape-infer,fuse,dce",
     ),
     "ort-group-query-attention": Case(
-        _decoder_layer,
+        lambda: _decoder_layer(batch="batch", seq=1),
         # seqlens_k and total_sequence_length from the shapes (Shape, Add, Cast, Sub, Expand, Reshape), K merged back
-        {
-            **{"Shape": 7, "Squeeze": 2, "Add": 4, "Range": 2, "Unsqueeze": 3, "LessOrEqual": 1, "Cast": 2},
-            **{"And": 1, "Where": 2, "MatMul": 4, "Reshape": 2, "Transpose": 1, "Concat": 1, "Expand": 2, "Sub": 1},
-            **{"GroupQueryAttention": 1, "IsNaN": 1},
-        },
+        _GQA_OPS,
         "key_repeated",
         Perturb(set_attr("probs", axis=2), None, note="Softmax axis=2: no MultiHeadAttention to start from"),
         Perturb(
@@ -298,6 +305,21 @@ CASES: dict[str, Case] = {
         ),
         NO_GATE,
         {"target": "ort"},
+        lambda: _decoder_feeds(2, 1, 6, padded=3),
+        passes="shape-infer,fuse,dce",
+    ),
+    GQA_ANY_LENGTH: Case(
+        _decoder_layer,
+        _GQA_OPS,
+        "key_repeated",
+        Perturb(set_attr("probs", axis=2), None, note="Softmax axis=2: no MultiHeadAttention to start from"),
+        Perturb(
+            set_shape("x", ["batch", "seq", GQA_WIDTH]),
+            "refuses batch > 1 with several new tokens and a past",
+            note="batch, new tokens and past all dynamic",
+        ),
+        NO_GATE,
+        GQA_ANY_SETTINGS,
         lambda: _decoder_feeds(1, 4, 3, padded=2),
         passes="shape-infer,fuse,dce",
     ),
@@ -416,9 +438,12 @@ EXPORTED: dict[str, Exported | str] = {
         {"target_opset": 23},
         interior="n/a: the Concats are the rule's exported entries (the present outputs), and nothing else is interior",
     ),
-    "ort-group-query-attention": "n/a: the llama_kv fixtures have batch, sequence and past all dynamic (onnxruntime's "
-    "kernel refuses batch > 1 with several new tokens and a past) and the dynamo one fills its mask with finfo.min; "
-    "the case built here is HF's Llama layer with the batch static",
+    **{
+        name: "n/a: the llama_kv fixtures have batch, sequence and past all dynamic (onnxruntime's kernel refuses "
+        "batch > 1 with several new tokens and a past) and the dynamo one fills its mask with finfo.min; the case "
+        "built here is HF's Llama layer with one new token or the batch static"
+        for name in ("ort-group-query-attention", GQA_ANY_LENGTH)
+    },
     "ort-multihead-attention": Exported(
         ("bert_ts", "bert_dynamo"),
         {"MultiHeadAttention": 1},
@@ -574,23 +599,23 @@ def test_a_masked_fill_the_scores_do_not_round_back_to_stays(fill: float) -> Non
 
 
 @pytest.mark.parametrize(
-    ("layer", "steps"),
+    ("layer", "steps", "rule"),
     [
-        # batch 1: a prompt after a past, a decode step, a first prompt whose left padding masks whole queries
-        ({}, [(1, 4, 3, 2), (1, 1, 6, 2), (1, 3, 0, 2)]),
-        # one new token: a left-padded batch of 2
-        ({"batch": "batch", "seq": 1}, [(2, 1, 6, 3), (3, 1, 0, 0)]),
+        # one new token: a left-padded batch of 2, a first token
+        ({"batch": "batch", "seq": 1}, [(2, 1, 6, 3), (3, 1, 0, 0)], "ort-group-query-attention"),
+        # batch 1, any length: a prompt after a past, a decode step, a first prompt whose left padding masks queries
+        ({}, [(1, 4, 3, 2), (1, 1, 6, 2), (1, 3, 0, 2)], GQA_ANY_LENGTH),
         # as many kv heads as query heads: no repeat
-        ({"kv_heads": GQA_HEADS}, [(1, 4, 3, 2, GQA_HEADS), (1, 1, 6, 2, GQA_HEADS)]),
+        ({"kv_heads": GQA_HEADS}, [(1, 4, 3, 2, GQA_HEADS), (1, 1, 6, 2, GQA_HEADS)], GQA_ANY_LENGTH),
     ],
-    ids=["batch-1", "decode", "no-grouping"],
+    ids=["decode", "batch-1", "no-grouping"],
 )
-def test_group_query_attention_on_a_cache(layer: dict[str, Any], steps: list[tuple[int, ...]]) -> None:
+def test_group_query_attention_on_a_cache(layer: dict[str, Any], steps: list[tuple[int, ...]], rule: str) -> None:
     """The grouped-query decoder layer becomes one GroupQueryAttention whose present outputs are the graph's, equal
     to the export's in onnxruntime at prompt and decode shapes, left padding included."""
     proto = _decoder_layer(**layer)
-    out, details = fuse(proto, "shape-infer,fuse,dce", target="ort")
-    assert details["applied"].get("ort-group-query-attention") == 1, details
+    out, details = fuse(proto, "shape-infer,fuse,dce", enable=[GQA_ANY_LENGTH], target="ort")
+    assert details["applied"].get(rule) == 1, details
     assert ops(out)["GroupQueryAttention"] == 1 and "MultiHeadAttention" not in ops(out)
     (gqa,) = [n for n in out.graph.node if n.op_type == "GroupQueryAttention"]
     assert list(gqa.output[1:]) == ["present_key", "present_value"]
@@ -606,13 +631,15 @@ def test_group_query_attention_on_a_cache(layer: dict[str, Any], steps: list[tup
         ({"band": "mask"}, "not provably the causal band over the past"),
         ({"guard": False}, "is not zeroed after it"),
         ({"batch": "batch"}, "refuses batch > 1 with several new tokens and a past"),
+        ({}, "not a static count up to 32"),
     ],
-    ids=["finite-fill", "band-without-past", "padding-only", "no-nan-guard", "dynamic-batch-and-seq"],
+    ids=["finite-fill", "band-without-past", "padding-only", "no-nan-guard", "dynamic-batch-and-seq", "prompt"],
 )
 def test_group_query_attention_refusals(layer: dict[str, Any], reason: str) -> None:
     """What GroupQueryAttention would compute otherwise: a finite fill (a fully masked query weighs every key in
     the export, the kernel zeroes it), a causal band not shifted by the past or none (the kernel's is), NaN not
-    zeroed after the attention, and the shapes the CPU kernel refuses. MultiHeadAttention stays."""
+    zeroed after the attention, the shapes the CPU kernel refuses, and new tokens read at run time (slower on long
+    prompts: the any-length rule's, off by default). MultiHeadAttention stays."""
     proto = _decoder_layer(**layer)
     out, details = fuse(proto, "shape-infer,fuse,dce", target="ort")
     assert "ort-group-query-attention" not in details["applied"], details

@@ -211,8 +211,15 @@ def _four_d(b: Builder, bias: Value, opset: int) -> Value:
 #     attention (a finite fill such as finfo.min weighs every key alike in the export);
 #   - the kernel refuses batch > 1 with several new tokens and a past ("batch_size must be 1 when
 #     sequence_length > 1 and past context is given"), so batch 1, one new token or no past must be static.
-# The rotary embedding stays before it (do_rotary reads cos / sin caches by position, whose length the graph
-# does not bound).
+# Against the MultiHeadAttention form (benchmarks/ort_gqa_probe.py, 4 layers of 8 query / 2 kv heads of 32, 1
+# thread, ORT_ENABLE_ALL) its kernel ran a decode step in 0.59x (batch 2, past 17), 0.67x (past 256), 0.44x (batch
+# 1, past 1024), 8 new tokens after 5 in 0.82x and a 32-token prompt in 0.89x, but a 128-token prompt in 1.04x and
+# a 512-token one in 1.12x: ort-group-query-attention takes a static count of new tokens up to 32 (a decode-step
+# graph), ort-group-query-attention-any-length (off by default) also a count read at run time (one graph for the
+# prompt and the decode steps, batch 1).
+# The rotary embedding stays outside: do_rotary reads its cos / sin caches by position, at least
+# total_sequence_length rows of them, and ignores position_ids in a first prompt of several rows; the export
+# computes cos / sin per token from its position_ids at run time.
 
 _KV_AXES = {"key": "k_axes", "value": "v_axes"}
 
@@ -245,7 +252,12 @@ class _GqaPlan:
     mask: Value  # the Where(cond, 0, -inf) under the bias
 
 
-def _plan_gqa(m: Match, site: Site) -> _GqaPlan | str:
+# The most new tokens ort-group-query-attention takes (measured faster up to 32, slower from 128: above).
+_FASTER_NEW_TOKENS = 32
+_ANY_LENGTH = "ort-group-query-attention-any-length"
+
+
+def _plan_gqa(m: Match, site: Site, *, any_length: bool = False) -> _GqaPlan | str:
     mha = m.node("mha")
     if "projection_bias" in m or "key_padding_mask" in m or set(mha.attributes) - {"num_heads", "scale"}:
         return "the MultiHeadAttention has a projection bias, a key padding mask or an attribute besides the scale"
@@ -279,6 +291,14 @@ def _plan_gqa(m: Match, site: Site) -> _GqaPlan | str:
         return (
             "onnxruntime's CPU GroupQueryAttention refuses batch > 1 with several new tokens and a past: "
             "none of batch 1, one new token or no past is static"
+        )
+    short = isinstance(q_shape[1], int) and q_shape[1] <= _FASTER_NEW_TOKENS
+    if short == any_length:
+        return (
+            f"the new tokens are not a static count up to {_FASTER_NEW_TOKENS} (onnxruntime's GroupQueryAttention "
+            f"measured slower on longer prompts; {_ANY_LENGTH} takes them: off by default)"
+            if not short
+            else f"the new tokens are a static count up to {_FASTER_NEW_TOKENS} (ort-group-query-attention's case)"
         )
     scale = mha.attr("scale")
     return _GqaPlan(heads, kv_heads, None if scale is None else float(scale), mask)
@@ -604,6 +624,16 @@ _MHA_RULE = partial(
     Rule, family=FAMILY, pattern=_MHA, build=_build_mha, targets=frozenset({"ort"}), label="MultiHeadAttention"
 )
 
+_GQA_RULE = partial(
+    Rule,
+    family=FAMILY,
+    pattern=_GQA,
+    build=_build_gqa,
+    targets=frozenset({"ort"}),
+    label="GroupQueryAttention",
+    exports=("key_cache", "value_cache"),
+)
+
 RULES: tuple[Rule, ...] = (
     _MHA_RULE(
         name="ort-multihead-attention",
@@ -625,18 +655,21 @@ RULES: tuple[Rule, ...] = (
         "broadcasts to (batch or 1, heads or 1, S, T), given its leading 1s (LeViT's per-head position bias) -> "
         "com.microsoft MultiHeadAttention (target ort; measured slower)",
     ),
-    Rule(
+    _GQA_RULE(
         name="ort-group-query-attention",
-        family=FAMILY,
-        pattern=_GQA,
         plan=_plan_gqa,
-        build=_build_gqa,
-        targets=frozenset({"ort"}),
-        label="GroupQueryAttention",
-        exports=("key_cache", "value_cache"),
         doc="MultiHeadAttention on a KV cache's Concat(past, new) (the K / V heads repeated for grouped-query "
-        "attention), its mask the causal band over the past -> com.microsoft GroupQueryAttention with past_key / "
-        "past_value in and present_key / present_value out (target ort)",
+        f"attention), its mask the causal band over the past, at most {_FASTER_NEW_TOKENS} new tokens (a decode "
+        "step) -> com.microsoft GroupQueryAttention with past_key / past_value in and present_key / present_value "
+        "out (target ort)",
+    ),
+    _GQA_RULE(
+        name=_ANY_LENGTH,
+        plan=partial(_plan_gqa, any_length=True),
+        default=False,
+        doc="ort-group-query-attention for new tokens read at run time or more than "
+        f"{_FASTER_NEW_TOKENS} (prompt and decode steps in one graph; measured slower on prompts of 128 tokens "
+        "and more) -> com.microsoft GroupQueryAttention (target ort)",
     ),
     _ORT_ATTENTION(name="ort-attention", pattern=core(_projection("q"), _projection("k"), _projection("v"))),
     _ORT_ATTENTION(name="ort-attention-packed", pattern=core(*_SPLIT_QKV)),

@@ -261,6 +261,15 @@ _GQA_OPS = {
     **{"GroupQueryAttention": 1, "IsNaN": 1},
 }
 
+_GQA_PERTURBED = (
+    Perturb(set_attr("probs", axis=2), None, note="Softmax axis=2: no MultiHeadAttention to start from"),
+    Perturb(
+        set_shape("x", ["batch", "seq", GQA_WIDTH]),
+        "refuses batch > 1 with several new tokens and a past",
+        note="batch, new tokens and past all dynamic",
+    ),
+)
+
 CASES: dict[str, Case] = {
     "attention": Case(
         _standard_attention,
@@ -297,12 +306,7 @@ CASES: dict[str, Case] = {
         # seqlens_k and total_sequence_length from the shapes (Shape, Add, Cast, Sub, Expand, Reshape), K merged back
         _GQA_OPS,
         "key_repeated",
-        Perturb(set_attr("probs", axis=2), None, note="Softmax axis=2: no MultiHeadAttention to start from"),
-        Perturb(
-            set_shape("x", ["batch", "seq", GQA_WIDTH]),
-            "refuses batch > 1 with several new tokens and a past",
-            note="batch, new tokens and past all dynamic",
-        ),
+        *_GQA_PERTURBED,
         NO_GATE,
         {"target": "ort"},
         lambda: _decoder_feeds(2, 1, 6, padded=3),
@@ -312,12 +316,7 @@ CASES: dict[str, Case] = {
         _decoder_layer,
         _GQA_OPS,
         "key_repeated",
-        Perturb(set_attr("probs", axis=2), None, note="Softmax axis=2: no MultiHeadAttention to start from"),
-        Perturb(
-            set_shape("x", ["batch", "seq", GQA_WIDTH]),
-            "refuses batch > 1 with several new tokens and a past",
-            note="batch, new tokens and past all dynamic",
-        ),
+        *_GQA_PERTURBED,
         NO_GATE,
         GQA_ANY_SETTINGS,
         lambda: _decoder_feeds(1, 4, 3, padded=2),

@@ -278,6 +278,9 @@ def _plan_gqa(m: Match, site: Site, *, any_length: bool = False) -> _GqaPlan | s
     kv_heads, size = past[1], past[3]
     if not isinstance(kv_heads, int) or not isinstance(size, int) or not heads or heads % kv_heads:
         return "the cache's kv heads and head size are not static, or do not divide the query heads"
+    value_past = site.shape(m.value("past_value"))
+    if value_past is None or len(value_past) != 4 or (value_past[1], value_past[3]) != (kv_heads, size):
+        return "the value cache's heads and head size are not provably the key cache's"
     if q_shape[2] != heads * size or new[2] is None or new[2] != q_shape[1]:
         return "Q is not (batch, seq, heads * head size) over the cache's new keys"
     if heads != kv_heads and not ("key_repeat" in m and "value_repeat" in m):

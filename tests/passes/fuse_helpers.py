@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,13 +86,20 @@ def ops(proto: onnx.ModelProto) -> Counter[str]:
     return Counter(n.op_type for n in proto.graph.node)
 
 
-def fires(proto: onnx.ModelProto, rule: str, expected: dict[str, int], **settings: Any) -> onnx.ModelProto:
-    """``rule`` applies, the op counts are ``expected``, outputs keep their names and values."""
+def fires(
+    proto: onnx.ModelProto,
+    rule: str,
+    expected: dict[str, int],
+    feeds: Mapping[str, np.ndarray] | None = None,
+    **settings: Any,
+) -> onnx.ModelProto:
+    """``rule`` applies, the op counts are ``expected``, outputs keep their names and values (on ``feeds``, else
+    seeded inputs)."""
     out, details = fuse(proto, **settings)
     assert details["applied"].get(rule, 0) >= 1, details
     assert dict(ops(out)) == expected
     assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
-    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+    assert_same_outputs(proto, out, feeds, rtol=1e-4, atol=1e-4)
     return out
 
 

@@ -499,6 +499,8 @@ def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
     ctx, model = site.ctx, site.model
     if _read_since_found(m):
         return False  # the next round's finder sees the new reader (a near miss if it stands)
+    if _entry_gone(m):
+        return False  # the next round's finder sees what stands for it
     builder = ctx.builder(model, site.graph, before=m.root, tag=m.rule.name)
     try:
         found = _replacements(builder, m)
@@ -561,6 +563,14 @@ def _read_since_found(m: Match) -> bool:
     (attention-4d takes K from behind a K^T chain that another match collapses)."""
     inside = {id(n) for n in [*m.nodes, *m.feeders]}
     return any(_read_outside(value, inside) for value in _removed_outputs(m, [*m.feeders, *m.nodes]))
+
+
+def _entry_gone(m: Match) -> bool:
+    """Whether a value the match reads lost its producer to a rewrite applied before it this round: an exported
+    entry another match stood for (ort-group-query-attention's KV cache Concat, read by a dead Q K^T MatMul that
+    ort-fusedmatmul-mul matched). Built on, the rewrite would read a value no longer in the graph."""
+    values = (v for v in m.bindings.values() if isinstance(v, Value))
+    return any(v.producer is not None and v.producer.graph is None for v in values)
 
 
 def _removed_outputs(m: Match, nodes: Iterable[Node]) -> Iterator[Value]:

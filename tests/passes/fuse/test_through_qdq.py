@@ -48,6 +48,9 @@ NOT_THROUGH_QDQ = {
     "ort-rotary-embedding": "as rotary-embedding",
     "ort-attention": "onnxruntime's Attention packs the projection weights, which stay quantized (int8 matrices)",
     "ort-attention-packed": "as ort-attention",
+    "ort-group-query-attention": "the case's cache plumbing (Shape, Reshape, Add) comes out otherwise once quantized; "
+    "GroupQueryAttention through Q/DQ is not measured yet",
+    "ort-group-query-attention-any-length": "as ort-group-query-attention",
 }
 QDQ = ("QuantizeLinear", "DequantizeLinear")
 FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)

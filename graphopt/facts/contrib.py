@@ -114,3 +114,27 @@ def group_query_attention(op: Op) -> Outputs:
     if heads <= 0 or kv_heads <= 0:
         return [_t(op.dtype(0), (q[0], q[1], None))]
     return [_t(op.dtype(0), (q[0], q[1], d_mul(d_div(q[2], heads + 2 * kv_heads), heads)))]
+
+
+@rule("Attention")
+def packed_attention(op: Op) -> Outputs:
+    """output (batch, seq, v hidden) of the packed-weights Attention: v hidden is the last of
+    ``qkv_hidden_sizes``, else a third of the weights' columns; present left untyped."""
+    x, w = op.shape(0), op.shape(1)
+    if x is None or len(x) != 3:
+        return [_t(op.dtype(0), None)]
+    sizes = op.attr("qkv_hidden_sizes", [])
+    hidden = sizes[2] if len(sizes) == 3 else (d_div(w[1], 3) if w is not None and len(w) == 2 else None)
+    return [_t(op.dtype(0), (x[0], x[1], hidden))]
+
+
+@rule("EmbedLayerNormalization")
+def embed_layer_norm(op: Op) -> Outputs:
+    """output (batch, seq, hidden) from the ids and the word table (vocab, hidden); mask_index
+    int32 (batch,); the optional embedding sum as the output."""
+    ids, table = op.shape(0), op.shape(2)
+    if ids is None or len(ids) != 2:
+        return [_t(op.dtype(2), None)]
+    hidden = table[1] if table is not None and len(table) == 2 else None
+    out = _t(op.dtype(2), (ids[0], ids[1], hidden))
+    return [out, _t(DataType.INT32, (ids[0],)), out]

@@ -660,31 +660,35 @@ def test_onnxruntime_contrib_ops_are_typed(tmp_path: Path) -> None:
             domain="com.microsoft",
         ),
         helper.make_node("FastGelu", ["normed"], ["y"], domain="com.microsoft"),
+        helper.make_node("Attention", ["x", "w_qkv", "b_qkv"], ["packed"], domain="com.microsoft", num_heads=2),
     ]
     proto = _contrib_model(
         nodes,
         [helper.make_tensor_value_info("x", f, ["batch", "sequence", 32])],
-        ["scores", "summed", "y"],
+        ["scores", "summed", "y", "packed"],
         initializer=[
             numpy_helper.from_array(rng.integers(0, 255, (16, 1, 16)).astype(np.uint8), "w4"),
             numpy_helper.from_array(np.full(16, 0.01, np.float32), "s4"),
             numpy_helper.from_array(rng.integers(0, 255, (32, 16)).astype(np.uint8), "w8"),
             numpy_helper.from_array(np.array(0.01, np.float32), "s8"),
             numpy_helper.from_array(np.ones(16, np.float32), "gamma"),
+            numpy_helper.from_array(rng.standard_normal((32, 48)).astype(np.float32), "w_qkv"),
+            numpy_helper.from_array(np.zeros(48, np.float32), "b_qkv"),
         ],
     )
     model = onnx_io.from_proto(proto)
     infer(model)
     types = {v.name: str(v.type) for v in node_outputs(model) if v.name}
-    for name in ("q", "k", "v", "ctx", "normed", "summed", "y"):
+    for name in ("q", "k", "v", "ctx", "normed", "summed", "y", "packed"):
         assert types[name] == "float[batch, sequence, 16]", (name, types[name])
     assert types["scores"] == "float[batch, sequence, sequence]"
-    assert check_against_ort(model, tmp_path / "contrib.onnx") == 2 * 11
+    assert check_against_ort(model, tmp_path / "contrib.onnx") == 2 * 12
 
 
-def test_group_query_attention_output_takes_the_query_heads() -> None:
+def test_contrib_ops_with_integer_inputs_are_typed() -> None:
     """GroupQueryAttention's output is (batch, seq, heads * head size): the query's hidden size,
-    or a third of packed QKV's when the KV heads equal the query heads."""
+    or from packed QKV hidden / (heads + 2 kv heads) * heads; EmbedLayerNormalization's is
+    (batch, seq, the word table's hidden) with an int32 mask index per batch row."""
     i32 = TensorProto.INT32
     shared = ["", "", "past_k", "past_v", "seqlens", "total"]
     nodes = [
@@ -695,6 +699,12 @@ def test_group_query_attention_output_takes_the_query_heads() -> None:
             domain="com.microsoft",
             num_heads=4,
             kv_num_heads=2,
+        ),
+        helper.make_node(
+            "EmbedLayerNormalization",
+            ["ids", "", "words", "positions", "", "gamma", "beta"],
+            ["embedded", "mask_index"],
+            domain="com.microsoft",
         ),
         helper.make_node(
             "GroupQueryAttention",
@@ -716,10 +726,18 @@ def test_group_query_attention_output_takes_the_query_heads() -> None:
             helper.make_tensor_value_info("past_v", TensorProto.FLOAT, ["batch", 2, "past", 8]),
             helper.make_tensor_value_info("seqlens", i32, ["batch"]),
             helper.make_tensor_value_info("total", i32, []),
+            helper.make_tensor_value_info("ids", i32, ["batch", "sequence"]),
         ],
-        ["a", "p"],
+        ["a", "p", "embedded"],
+        initializer=[
+            numpy_helper.from_array(np.zeros((50, 24), np.float32), "words"),
+            numpy_helper.from_array(np.zeros((64, 24), np.float32), "positions"),
+            numpy_helper.from_array(np.ones(24, np.float32), "gamma"),
+            numpy_helper.from_array(np.zeros(24, np.float32), "beta"),
+        ],
     )
     model = onnx_io.from_proto(proto)
     infer(model, use_onnx=False)
     types = {v.name: str(v.type) for v in node_outputs(model)}
     assert types["a"] == "float[batch, sequence, 32]" and types["p"] == "float[batch, sequence, 16]"
+    assert types["embedded"] == "float[batch, sequence, 24]" and types["mask_index"] == "int32[batch]"

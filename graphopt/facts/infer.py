@@ -16,7 +16,8 @@ Precedence, per dim:
    ``onnx_types``, which io provides) only when a rule leaves a value incomplete, once per
    structural state of the model; the copy already carries the types inferred so far.
 
-An op without a rule (or from another domain) keeps whatever its outputs declare, and
+Ops of onnxruntime's com.microsoft domain have rules of their own (:mod:`contrib`). An op
+without a rule (or from another domain) keeps whatever its outputs declare, and
 inference continues downstream from what is known. Following the tracing seed, a
 loop-carried dim that changes between iterations becomes unknown; with
 ``independent_dims`` each carried dim enters the body as a fresh variable, so two carried
@@ -31,8 +32,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from graphopt.facts.contrib import type_rule
 from graphopt.facts.op import Op, norm_axis
-from graphopt.facts.rules import RULES
 from graphopt.facts.service import Facts
 from graphopt.facts.values import VALUE_RULES
 from graphopt.ir import DataType, Dim, Expr, Graph, Model, Node, Sym, TensorType, Type, Value
@@ -108,19 +109,17 @@ class _Inference:
             return
         op = self.facts.op(node)
         inferred: list[TensorType | None] = []
-        if not node.in_standard_domain:
-            for body in node.subgraphs():
-                self.graph(body)
-        elif node.op_type == "If":
+        control_flow = node.op_type if node.in_standard_domain else None
+        if control_flow == "If":
             inferred = self.if_(node)
-        elif node.op_type == "Loop":
+        elif control_flow == "Loop":
             inferred = self.loop(op)
-        elif node.op_type == "Scan" and op.opset >= 9:
+        elif control_flow == "Scan" and op.opset >= 9:
             inferred = self.scan(op)
         else:
             for body in node.subgraphs():
                 self.graph(body)
-            rule = RULES.get(node.op_type)
+            rule = type_rule(node)
             if rule is not None:
                 inferred = self.apply(node, lambda: rule(op), [])
         for index, value in enumerate(node.outputs):

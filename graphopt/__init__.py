@@ -1,10 +1,12 @@
 """graphopt: an ONNX graph optimizer that checks its own numerics.
 
 import graphopt
-model = graphopt.load("model.onnx")
-result = graphopt.optimize(model)            # the default pipeline
-graphopt.save(result.model, "model.opt.onnx")
+result = graphopt.optimize("model.onnx", output="model.opt.onnx")   # the default pipeline, checked
+print(result.numerics.status)                # "passed"; a failed check raises CheckFailed
+graphopt.optimize(onnx_model).model          # an onnx.ModelProto in, an onnx.ModelProto out
 graphopt.check("model.onnx", "model.opt.onnx")
+graphopt.diff("model.onnx", "model.opt.onnx")             # what `graphopt diff` compares
+graphopt.optimize_file("model.onnx", "model.opt.onnx")    # what `graphopt run model.onnx -o ...` does
 graphopt.optimize_folder("models/", "optimized/", jobs=2)   # what `graphopt run models/ -o optimized/` does
 
 The API loads on first use, so importing a leaf module (graphopt.ir, say) does not import it.
@@ -18,15 +20,26 @@ from typing import TYPE_CHECKING, Any
 from graphopt.version import __version__
 
 if TYPE_CHECKING:
-    from graphopt.api import Result, check, load, optimize, save
-    from graphopt.batch import optimize_folder
+    from graphopt.api import Result, check, diff, inspect, load, optimize, save
+    from graphopt.batch import optimize_file, optimize_folder
 
-__all__ = ["Result", "__version__", "check", "load", "optimize", "optimize_folder", "save"]
+__all__ = [
+    "Result",
+    "__version__",
+    "check",
+    "diff",
+    "inspect",
+    "load",
+    "optimize",
+    "optimize_file",
+    "optimize_folder",
+    "save",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "optimize_folder":
-        return import_module("graphopt.batch").optimize_folder
+    if name in ("optimize_file", "optimize_folder"):
+        return getattr(import_module("graphopt.batch"), name)
     if name in __all__:
         return getattr(import_module("graphopt.api"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

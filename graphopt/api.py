@@ -1,9 +1,9 @@
-"""The Python API: everything the CLI does, a call away.
+"""The Python API: everything the CLI does, a call away. Every entry point takes a path, an
+``onnx.ModelProto`` or a graphopt model.
 
     import graphopt
-    result = graphopt.optimize("model.onnx", passes="shape-infer,cleanup")
-    graphopt.save(result.model, "model.opt.onnx")
-    print(result.report["passes"])
+    result = graphopt.optimize("model.onnx", output="model.opt.onnx")   # checked, then written
+    print(result.numerics.status, result.report["summary"])
 
 The file-to-file run the CLI makes (atomic writes, the numerics check, the report, the CI
 gate, blame) lives beside this module, in :mod:`graphopt.runner`.
@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from graphopt.errors import CheckFailed, InputError, PassError
-from graphopt.io import from_onnx, load, save
+from graphopt.io import from_onnx, load
+from graphopt.io import save as save_model
 from graphopt.ir import Model
 from graphopt.ir.clone import Snapshot
 from graphopt.ir.stats import model_stats
@@ -42,11 +44,18 @@ if TYPE_CHECKING:
 
     from graphopt.evaluate import Evaluator
     from graphopt.numerics.check import CheckResult
+    from graphopt.numerics.options import CheckOptions
     from graphopt.runtime.guard import Rerun, RuntimeGuard, Undoable
+
+    # Where a model comes from: a file (.onnx or a JSON graph), a ModelProto, or a graphopt model.
+    ModelLike = Model | onnx.ModelProto | str | os.PathLike[str]
 
 __all__ = [
     "Result",
     "check",
+    "diff",
+    "input_layouts",
+    "inspect",
     "load",
     "optimize",
     "pass_context",
@@ -69,6 +78,8 @@ class Result(Generic[M]):
     model: M
     pipeline_report: PipelineReport
     pipeline_run: PipelineRun
+    # The numerics check of the optimized model against the given one (None: not asked for).
+    numerics: CheckResult | None = None
 
     @property
     def report(self) -> dict[str, Any]:
@@ -116,8 +127,8 @@ def resolve_settings(pipeline: Pipeline, overrides: Mapping[str, Any]) -> tuple[
 Passes = str | Pipeline | None
 
 
-# The keywords are the implementation's (config, max_steps, strict, on_pass, run settings);
-# the overloads only tell what a ModelProto or an IR model given gives back.
+# The keywords are the implementation's (check, output, config, max_steps, strict, on_pass, run
+# settings); the overloads only tell what a ModelProto or an IR model given gives back.
 @overload
 def optimize(model: onnx.ModelProto, passes: Passes = None, **options: Any) -> Result[onnx.ModelProto]: ...
 
@@ -127,9 +138,11 @@ def optimize(model: Model | str | os.PathLike[str], passes: Passes = None, **opt
 
 
 def optimize(
-    model: Model | onnx.ModelProto | str | os.PathLike[str],
+    model: ModelLike,
     passes: Passes = None,
     *,
+    check: bool | CheckOptions = True,
+    output: str | os.PathLike[str] | None = None,
     config: str | os.PathLike[str] | None = None,
     max_steps: int | None = None,
     strict: bool = False,
@@ -137,31 +150,74 @@ def optimize(
     base_dir: str | os.PathLike[str] | None = None,
     **settings: Any,
 ) -> Result[Model] | Result[onnx.ModelProto]:
-    """Optimize an IR model in place (or load one from a path) with a pipeline.
+    """Optimize a model (a path, an ``onnx.ModelProto`` or a graphopt model, which is changed
+    in place), check its numerics against the model given, and write it to ``output`` if given.
 
-    Given an ``onnx.ModelProto`` (as ``onnx.load`` returns), the result's ``model`` is a
-    new ModelProto and the one given is left as it was. A ModelProto loaded without its
-    external data (``load_external_data=False``) needs ``base_dir``, the folder of its file,
-    where the weights are read from (never the working folder): InputError without it. ``on_pass`` is told of each pass
-    execution as it ends (:class:`graphopt.passes.pipeline.PassRun`).
+    The result's ``model`` is of the kind given: a new ModelProto for a ModelProto (the one
+    given is left as it was), a graphopt model for a path or a graphopt model. ``numerics`` is
+    the check (:class:`graphopt.numerics.check.CheckResult`): a failed check raises
+    :class:`~graphopt.errors.CheckFailed` (its ``result`` is the check) and writes nothing;
+    ``check=False`` skips it, a :class:`graphopt.numerics.options.CheckOptions` sets it up
+    (dims, inputs, tolerances, limits). A ModelProto loaded without its external data
+    (``load_external_data=False``) needs ``base_dir``, the folder of its file, where the
+    weights are read from (never the working folder): InputError without it. ``on_pass`` is
+    told of each pass execution as it ends (:class:`graphopt.passes.pipeline.PassRun`).
 
     ``settings`` are the run settings of :class:`graphopt.settings.Settings` (e.g.
-    ``independent_dims=True``, ``provenance=True``); they override a config's [settings].
+    ``target="ort"``, ``independent_dims=True``) and pass knobs; they override a config's [settings].
     """
     pipeline, run_settings = resolve_settings(resolve_pipeline(passes, config, max_steps), settings)
     given_proto = not isinstance(model, (Model, str, os.PathLike))
-    onnx_file: Path | None = None
-    if not isinstance(model, (Model, str, os.PathLike)):
-        model = from_onnx(model, independent_dims=run_settings.independent_dims, base_dir=base_dir)
-    elif not isinstance(model, Model):
-        onnx_file = Path(model) if Path(model).suffix.lower() != ".json" else None
-        model = load(model, independent_dims=run_settings.independent_dims)
-    result = run_pipeline(model, pipeline, run_settings, strict=strict, on_pass=on_pass, original_file=onnx_file)
+    with tempfile.TemporaryDirectory(prefix="graphopt-") as scratch:
+        original: Path | None = None
+        if isinstance(model, (str, os.PathLike)):
+            original = Path(model)
+            model = load(original, independent_dims=run_settings.independent_dims)
+        elif not isinstance(model, Model):
+            model = from_onnx(model, independent_dims=run_settings.independent_dims, base_dir=base_dir)
+        if check is not False and (original is None or original.suffix.lower() == ".json"):
+            original = Path(scratch) / "original.onnx"  # before the pipeline changes the model
+            save_model(model, original)
+        # The runtime guard loads an ONNX original as it is (no second save of its weights).
+        onnx_file = original if original is not None and original.suffix.lower() != ".json" else None
+        result = run_pipeline(model, pipeline, run_settings, strict=strict, on_pass=on_pass, original_file=onnx_file)
+        if check is not False:
+            assert original is not None
+            result.numerics = _check_result(original, result, Path(scratch), check)
+    if output is not None:
+        save_model(result.model, output)
     if given_proto:
         from graphopt.io.onnx_write import to_proto
 
-        return Result(to_proto(result.model), result.pipeline_report, result.pipeline_run)
+        return Result(to_proto(result.model), result.pipeline_report, result.pipeline_run, result.numerics)
     return result
+
+
+def input_layouts(runs: Sequence[PassRun]) -> dict[str, tuple[int, ...]]:
+    """The layouts passes gave graph inputs (the ``relaid_inputs`` of their details, name ->
+    {"layout": perm}), composed in run order: what the check feeds the optimized model."""
+    layouts: dict[str, tuple[int, ...]] = {}
+    for run in runs:
+        for name, relaid in run.details.get("relaid_inputs", {}).items():
+            earlier = layouts.get(name)
+            layout = tuple(relaid["layout"])
+            layouts[name] = layout if earlier is None else tuple(earlier[axis] for axis in layout)
+    return layouts
+
+
+def _check_result(original: Path, result: Result[Model], scratch: Path, check: bool | CheckOptions) -> CheckResult:
+    """The check of ``result`` against the model file ``original``; CheckFailed if the outputs differ."""
+    from graphopt.numerics.isolated import check_models_isolated
+    from graphopt.numerics.options import CheckOptions
+
+    optimized = scratch / "optimized.onnx"
+    save_model(result.model, optimized)
+    options = check if isinstance(check, CheckOptions) else CheckOptions()
+    layouts = input_layouts(result.pipeline_run.runs)
+    outcome = check_models_isolated(original, optimized, input_layouts=layouts, **options.arguments())
+    if outcome.status == "failed" or (outcome.status == "not checked" and options.required):
+        raise CheckFailed(f"numerics {outcome.status}: {outcome.reason}", outcome)
+    return outcome
 
 
 def run_pipeline(
@@ -282,13 +338,14 @@ def _tune(
 
 
 def check(
-    original: str | os.PathLike[str],
-    optimized: str | os.PathLike[str],
+    original: ModelLike,
+    optimized: ModelLike,
     *,
     raise_on_failure: bool = True,
     **options: Any,
 ) -> CheckResult:
-    """Compare two model files in onnxruntime; options as :func:`graphopt.numerics.check_models`.
+    """Compare two models in onnxruntime (paths, ModelProtos or graphopt models); options as
+    :func:`graphopt.numerics.check_models`.
 
     Returns the result ("passed", or "not checked" with the reason). When the outputs differ
     it raises :class:`~graphopt.errors.CheckFailed` (the result is on its ``result``), unless
@@ -298,7 +355,54 @@ def check(
     """
     from graphopt.numerics.isolated import check_models_isolated
 
-    result = check_models_isolated(original, optimized, refuse_other_inputs=True, **options)
+    with tempfile.TemporaryDirectory(prefix="graphopt-") as scratch:
+        files = [_as_file(model, Path(scratch) / name) for model, name in ((original, "a"), (optimized, "b"))]
+        result = check_models_isolated(*files, refuse_other_inputs=True, **options)
     if result.status == "failed" and raise_on_failure:
-        raise CheckFailed(f"{optimized}: numerics differ from {original}: {result.reason}", result)
+        raise CheckFailed(f"{_named(optimized)}: numerics differ from {_named(original)}: {result.reason}", result)
     return result
+
+
+def save(model: Model | onnx.ModelProto, path: str | os.PathLike[str], **options: Any) -> dict[str, str]:
+    """Write a graphopt model or a ModelProto to ``path`` (.onnx or .json), atomically; options
+    as :func:`graphopt.io.save` (``external_data``, ...). Returns the digests of the files written."""
+    return save_model(model if isinstance(model, Model) else from_onnx(model), path, **options)
+
+
+def inspect(model: ModelLike) -> dict[str, Any]:
+    """What ``graphopt inspect`` shows of a model: inputs and outputs with dims, ops,
+    parameters, opsets, and for a file the bytes of its files."""
+    from graphopt.io import data_files
+    from graphopt.report.inspection import inspect_model
+
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        loaded = load(path)
+        return inspect_model(loaded, str(path), sum(file.stat().st_size for file in [path, *data_files(loaded)]))
+    return inspect_model(model if isinstance(model, Model) else from_onnx(model), _named(model))
+
+
+def diff(a: ModelLike, b: ModelLike) -> dict[str, Any]:
+    """What ``graphopt diff A B`` compares: signatures, op histograms with their change, the
+    ops B has more of (fused), parameters, sizes, opsets."""
+    from graphopt.report.diff import diff_inspections
+
+    return diff_inspections(inspect(a), inspect(b))
+
+
+def _as_file(model: ModelLike, stem: Path) -> Path:
+    """An ONNX file of ``model`` for onnxruntime: its own path, or a copy written under ``stem``."""
+    if isinstance(model, (str, os.PathLike)) and Path(model).suffix.lower() != ".json":
+        return Path(model)
+    stem.mkdir()
+    file = stem / "model.onnx"
+    loaded = load(Path(model)) if isinstance(model, (str, os.PathLike)) else model
+    save(loaded, file)
+    return file
+
+
+def _named(model: ModelLike) -> str:
+    """How a message names a model: its path, or what it is."""
+    if isinstance(model, (str, os.PathLike)):
+        return str(model)
+    return "the graphopt model" if isinstance(model, Model) else "the ModelProto"

@@ -25,7 +25,8 @@ from typing import Any
 from graphopt.errors import GraphoptError, InputError, bounded
 from graphopt.processes import die_with_parent, ending_children_on_sigterm
 from graphopt.report.model import FolderReport, GateReport, error_row
-from graphopt.runner import RunOptions, batch_reads, is_optimized, optimize_file
+from graphopt.runner import RunOptions, batch_reads, is_optimized
+from graphopt.runner import optimize_file as optimize_file_with
 from graphopt.writer import check_report_output, copy_file, tensor_files_named_by
 
 __all__ = [
@@ -175,7 +176,7 @@ def _run_one(source: Path, options: RunOptions) -> Finished:
     warnings are handed back to be printed, naming the model, between progress lines."""
     with captured_logs() as logs:
         try:
-            row, code = optimize_file(source, options)
+            row, code = optimize_file_with(source, options)
         except GraphoptError as err:
             row, code = error_row(source, bounded(str(err)), err.exit_code), err.exit_code
         except Exception as err:
@@ -400,3 +401,35 @@ def optimize_folder(
     head = FolderReport(shard=f"{shard[0]}/{shard[1]}" if shard else None, skipped=found.skipped)
     sources = select_shard(found.sources, shard)
     return run_models(named, sources, options, jobs=jobs, report=head, on_model=on_model, found=found.sources)
+
+
+@dataclass
+class FileRun:
+    """What a run of one model file did: its report (the JSON ``--report`` writes) and the
+    exit code ``graphopt run`` gives (1: the check failed, nothing was written)."""
+
+    report: dict[str, Any]
+    exit_code: int
+
+
+def optimize_file(
+    model: str | os.PathLike[str],
+    output: str | os.PathLike[str] | None = None,
+    *,
+    passes: str | None = None,
+    config: str | os.PathLike[str] | None = None,
+    check: bool = True,
+    report: str | os.PathLike[str] | None = None,
+    options: RunOptions | None = None,
+    **settings: Any,
+) -> FileRun:
+    """Optimize one model file as ``graphopt run MODEL -o OUTPUT --report REPORT`` does: staged,
+    checked, and committed (with the report) only when the check passed; ``output`` defaults to
+    ``*.opt.onnx`` beside the input. ``settings`` and ``options`` as :func:`optimize_folder`."""
+    if options is None:
+        config_path = Path(config) if config is not None else None
+        options = RunOptions.resolve(passes, config_path, settings=settings, check=check)
+    target = Path(output) if output is not None else None
+    options = replace(options, output=target, report=Path(report) if report is not None else options.report)
+    found, exit_code = optimize_file_with(Path(model), options)
+    return FileRun(found, exit_code)

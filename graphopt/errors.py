@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["MESSAGE_LIMIT", "CheckFailed", "GraphoptError", "InputError", "PassError", "bounded", "one_line"]
+__all__ = [
+    "MESSAGE_LIMIT",
+    "CheckFailed",
+    "GraphoptError",
+    "InputError",
+    "InvalidDocument",
+    "PassError",
+    "bounded",
+    "one_line",
+]
 
 
 class GraphoptError(Exception):
@@ -15,6 +24,17 @@ class InputError(GraphoptError):
     """Bad usage or bad input: the message names the file and what is wrong (exit 2)."""
 
     exit_code = 2
+
+
+class InvalidDocument(InputError):
+    """A JSON document (a graph, a pipeline, a layout problem) that breaks its schema in one
+    place or more: the message names the first, ``problems`` every one found (``graphopt validate``
+    lists them)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        more = f" (and {len(problems) - 1} more: `graphopt validate` lists them)" if len(problems) > 1 else ""
+        super().__init__(problems[0] + more)
+        self.problems = problems
 
 
 class CheckFailed(GraphoptError):

@@ -8,16 +8,18 @@ gate (would the pipeline still change this model?) and blame (which pass broke n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from graphopt.api import Result, resolve_pipeline, resolve_settings, run_pipeline
+from graphopt.api import Result, input_layouts, resolve_pipeline, resolve_settings, run_pipeline
 from graphopt.errors import GraphoptError, InputError
 from graphopt.files import commit, file_digest, folder_lock, is_staging, staging_folder
 from graphopt.io import data_files, load, save
@@ -25,7 +27,7 @@ from graphopt.io.json_io import is_sidecar_of
 from graphopt.io.onnx_write import is_data_file_of
 from graphopt.ir import Model
 from graphopt.numerics.options import CheckOptions
-from graphopt.passes.pipeline import PassRun, Pipeline, default_pipeline
+from graphopt.passes.pipeline import Pipeline, default_pipeline
 from graphopt.report import write_report
 from graphopt.report.model import ModelReport
 from graphopt.settings import Settings
@@ -38,6 +40,9 @@ from graphopt.writer import (
     same_bytes,
     tensor_files_named_by,
 )
+
+if TYPE_CHECKING:
+    from graphopt.cache import CachedResult, ResultCache
 
 __all__ = [
     "RunOptions",
@@ -80,6 +85,8 @@ class RunOptions:
     reserved: dict[Path, str] = field(default_factory=dict)
     # The JSON report, committed with the model.
     report: Path | None = None
+    # Results kept by input digest and options (--cache): an unchanged model is copied, not run.
+    cache: ResultCache | None = None
 
     @classmethod
     def resolve(
@@ -180,6 +187,19 @@ def optimize_file(
     if options.report is not None:
         check_report_output(options.report, [source, output])
     tell = on_phase or (lambda phase: None)
+    known: dict[str, str] = {}
+    cache_key = None
+    if options.cache is not None:
+        named = sorted(tensor_files_named_by(source))
+        tell(f"digest {source}")
+        known = {location: file_digest(source.parent / location) for location in named} | {
+            source.name: file_digest(source)
+        }
+        cache_key = options.cache.key(known, _decided_by(options, output))
+        stored = options.cache.lookup(cache_key)
+        if stored is not None:
+            data = [source.parent / location for location in named]
+            return _restore(source, output, stored, _reads(source, data, options), options, tell, cache_key)
     tell(f"load {source}")
     load_start = time.perf_counter()
     model = options.load(source)
@@ -188,23 +208,58 @@ def optimize_file(
     # The input's digest is read beside the real work: hashing releases the GIL.
     onnx_data = data[0] if data and source.suffix.lower() != ".json" else None
     with ThreadPoolExecutor(max_workers=1) as hasher:
-        input_entry = hasher.submit(_file_entry, source, onnx_data)
-        reads = {source: "the input model", **{file: _TENSOR_DATA for file in data}}
-        for file, readers in options.batch_reads.items():
-            others = [r for r in readers if r.resolve() != source.resolve()]
-            if others:  # over the input's own labels: --in-place may not replace what another model reads
-                kind = "the input model" if file == others[0].resolve() else "the tensor data of"
-                reads[file] = f"{kind} {others[0]}"
-        if options.numerics.inputs is not None:
-            reads[options.numerics.inputs] = "--inputs"
-        if options.config is not None:
-            reads[options.config] = "--config"
+        input_entry = hasher.submit(_file_entry, source, onnx_data, {Path(k).name: v for k, v in known.items()})
+        reads = _reads(source, data, options)
         kept_name = onnx_data.name if options.external_data_name and onnx_data is not None else None
         if kept_name is not None:  # found now, before any work; content-addressed names when committed
             kept, what = output.parent / kept_name, f"the weights of {output} (--external-data-name)"
             refuse_reserved([kept], {output.resolve(): f"the output model {output}", **_reserved(options)}, what)
             refuse_read_by_others([kept], what, ignoring=[output])
-        return _optimize_file(source, output, (model, load_seconds, kept_name), reads, options, tell, input_entry)
+        loaded = (model, load_seconds, kept_name)
+        return _optimize_file(source, output, loaded, reads, options, tell, input_entry, cache_key)
+
+
+def _decided_by(options: RunOptions, output: Path) -> dict[str, Any]:
+    """What of a run's options decides its output file and report: the pipeline, the settings,
+    the check's options (a file they name by its digest) and how the output is written."""
+    numerics = {
+        name: _by_content(value) for name, value in dataclasses.asdict(options.numerics).items() if name != "required"
+    }
+    return {
+        "pipeline": options.pipeline.describe(),
+        "settings": dataclasses.asdict(options.settings),
+        "check": options.check,
+        "numerics": numerics,
+        "output": {
+            "name": output.name,
+            "external_data": options.external_data,
+            "external_data_name": options.external_data_name,
+        },
+    }
+
+
+def _by_content(value: Any) -> Any:
+    if isinstance(value, Path):
+        return file_digest(value)
+    if isinstance(value, (tuple, list)):
+        return [_by_content(v) for v in value]
+    return value
+
+
+def _reads(source: Path, data: list[Path], options: RunOptions) -> dict[Path, str]:
+    """The files a run of ``source`` reads (``data``: its weights files), each with what it is
+    to the user: no file the run writes or removes may be one of them."""
+    reads = {source: "the input model", **{file: _TENSOR_DATA for file in data}}
+    for file, read_by in options.batch_reads.items():
+        others = [r for r in read_by if r.resolve() != source.resolve()]
+        if others:  # over the input's own labels: --in-place may not replace what another model reads
+            kind = "the input model" if file == others[0].resolve() else "the tensor data of"
+            reads[file] = f"{kind} {others[0]}"
+    if options.numerics.inputs is not None:
+        reads[options.numerics.inputs] = "--inputs"
+    if options.config is not None:
+        reads[options.config] = "--config"
+    return reads
 
 
 def _reserved(options: RunOptions) -> dict[Path, str]:
@@ -228,63 +283,116 @@ def _optimize_file(
     options: RunOptions,
     tell: Callable[[str], None],
     input_entry: Future[dict[str, Any]],
+    cache_key: str | None,
 ) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
     model, load_seconds, data_name = loaded
     result = _optimize_with(model, options, tell, source=source)
     report = ModelReport(result.pipeline_report)
     seconds = report.run.seconds
+
+    def produce(workdir: Path, staged: Path) -> tuple[dict[str, str], int]:
+        """Save the model into ``staged`` and check it; the digests of the files written and the exit code."""
+        tell(f"save {output}")
+        save_start = time.perf_counter()
+        save_options: dict[str, Any] = {"content_addressed": data_name is None}
+        if staged.suffix.lower() != ".json":
+            # The input's external data stays external even when every weight was rewritten.
+            had = source.suffix.lower() != ".json" and _TENSOR_DATA in reads.values()
+            save_options["external_data"] = options.external_data if options.external_data is not None else had or None
+            if data_name is not None:
+                save_options["location"] = data_name
+        written = _writing(output, lambda: save(result.model, staged, **save_options))
+        seconds["save"] = round(time.perf_counter() - save_start, 6)
+        report.input = input_entry.result()
+        seconds["load"] = round(load_seconds, 6)
+        if not options.check:
+            report.numerics = {"status": "skipped", "reason": "--no-check"}
+            return written, 0
+        tell("check numerics")
+        check_start = time.perf_counter()
+        from graphopt.numerics import check_models_isolated
+
+        original = as_onnx(source, workdir / "original")
+        optimized = as_onnx(staged, workdir / "optimized")
+        outcome = check_models_isolated(
+            original,
+            optimized,
+            input_layouts=input_layouts(result.pipeline_run.runs),
+            on_phase=tell,
+            **options.numerics.arguments(),
+        )
+        # onnxruntime names the files it loads: the user's names, not the staging folder's.
+        named = {optimized: output, staged: output, original: source, workdir: output.parent}
+        report.numerics = _renamed(outcome.as_dict(), {str(k): str(v) for k, v in named.items()})
+        seconds["check"] = round(time.perf_counter() - check_start, 6)
+        if outcome.status == "failed":
+            if options.blame:
+                tell("blame: bisect the passes")
+                report.blame = blame(source, options, workdir)
+            return written, 1
+        return written, 1 if outcome.status == "not checked" and options.numerics.required else 0
+
+    return _write_out(source, output, report, reads, options, produce, started, (data_name, cache_key))
+
+
+def _restore(
+    source: Path,
+    output: Path,
+    stored: CachedResult,
+    reads: dict[Path, str],
+    options: RunOptions,
+    tell: Callable[[str], None],
+    cache_key: str,
+) -> tuple[dict[str, Any], int]:
+    """Commit a cached result as a run would its own: the stored files copied into staging,
+    its report with this run's paths; the numerics were checked by the run that stored it."""
+    started = time.perf_counter()
+    tell(f"cache hit: {output}")
+    was = stored.report
+    paths = {was["input"]["path"]: str(source), was["output"]["path"]: str(output)}
+    report = ModelReport.from_json(_renamed(was, paths))
+    report.cache = {"status": "hit", "key": cache_key, "stored_seconds": was["seconds"].get("total", 0.0)}
+    report.run.seconds = {}
+    # The input is the one whose digest gave the key: described as it is here, under its name here.
+    report.input = {**was["input"], "path": str(source)}
+
+    def produce(workdir: Path, staged: Path) -> tuple[dict[str, str], int]:
+        def copy() -> None:  # the output's name is in the key: the stored files are named as this run's
+            for name in stored.files:
+                shutil.copyfile(stored.folder / name, staged.parent / name)
+
+        _writing(output, copy)
+        return stored.files, 0
+
+    return _write_out(source, output, report, reads, options, produce, started, (None, None))
+
+
+def _write_out(
+    source: Path,
+    output: Path,
+    report: ModelReport,
+    reads: dict[Path, str],
+    options: RunOptions,
+    produce: Callable[[Path, Path], tuple[dict[str, str], int]],
+    started: float,
+    naming: tuple[str | None, str | None],
+) -> tuple[dict[str, Any], int]:
+    """Stage the output (``produce`` writes and checks it), describe it in the report, store
+    it in the cache (a run that passed, given a key) and commit it with the report; a failed
+    run commits nothing unless ``keep_failed``. ``naming``: the weights file's kept name and the cache key."""
+    data_name, cache_key = naming
+    seconds = report.run.seconds
     folders = [output.parent] + ([options.report.parent] if options.report is not None else [])
     created = [p for folder in folders for p in [folder, *folder.parents] if not p.exists()]
-    exit_code = 0
     try:
         with contextlib.ExitStack() as stack:
             staging = {folder.resolve(): _staging(stack, folder, output) for folder in folders}
             workdir = staging[output.parent.resolve()]
             # The output and its sidecars (.data, .npy) alone in one folder: they are committed together.
             staged = workdir / "output" / output.name
-            tell(f"save {output}")
-            save_start = time.perf_counter()
-            save_options: dict[str, Any] = {"content_addressed": data_name is None}
-            if staged.suffix.lower() != ".json":
-                # The input's external data stays external even when every weight was rewritten.
-                had = source.suffix.lower() != ".json" and _TENSOR_DATA in reads.values()
-                save_options["external_data"] = (
-                    options.external_data if options.external_data is not None else had or None
-                )
-                if data_name is not None:
-                    save_options["location"] = data_name
-            written = _writing(output, lambda: save(result.model, staged, **save_options))
-            seconds["save"] = round(time.perf_counter() - save_start, 6)
-            report.input = input_entry.result()
-            seconds["load"] = round(load_seconds, 6)
-            if options.check:
-                tell("check numerics")
-                check_start = time.perf_counter()
-                from graphopt.numerics import check_models_isolated
-
-                original = as_onnx(source, workdir / "original")
-                optimized = as_onnx(staged, workdir / "optimized")
-                outcome = check_models_isolated(
-                    original,
-                    optimized,
-                    input_layouts=input_layouts(result.pipeline_run.runs),
-                    on_phase=tell,
-                    **options.numerics.arguments(),
-                )
-                # onnxruntime names the files it loads: the user's names, not the staging folder's.
-                named = {optimized: output, staged: output, original: source, workdir: output.parent}
-                report.numerics = _renamed(outcome.as_dict(), {str(k): str(v) for k, v in named.items()})
-                seconds["check"] = round(time.perf_counter() - check_start, 6)
-                if outcome.status == "failed":
-                    exit_code = 1
-                    if options.blame:
-                        tell("blame: bisect the passes")
-                        report.blame = blame(source, options, workdir)
-                elif outcome.status == "not checked" and options.numerics.required:
-                    exit_code = 1
-            else:
-                report.numerics = {"status": "skipped", "reason": "--no-check"}
+            staged.parent.mkdir(exist_ok=True)
+            written, exit_code = produce(workdir, staged)
             moves: list[tuple[Path, Path]] = []
             if exit_code == 0 or options.keep_failed:
                 sidecars = sorted(p for p in staged.parent.iterdir() if p != staged)
@@ -297,10 +405,15 @@ def _optimize_file(
             seconds["total"] = round(time.perf_counter() - started, 6)
             report.status = "ok" if exit_code == 0 else "check failed"
             report.exit_code = exit_code
+            if exit_code == 0 and cache_key is not None and options.cache is not None:
+                report.cache = {"status": "stored", "key": cache_key}
+                stored = {key: value for key, value in report.to_json().items() if key != "cache"}
+                options.cache.store(cache_key, [staged, *sidecars], written, stored)
             if options.report is not None:
-                staged_report = staging[options.report.parent.resolve()] / "report" / options.report.name
-                _writing(options.report, lambda: write_report(report.to_json(), staged_report))
-                moves.append((staged_report, options.report))
+                report_path = options.report
+                staged_report = staging[report_path.parent.resolve()] / "report" / report_path.name
+                _writing(report_path, lambda: write_report(report.to_json(), staged_report))
+                moves.append((staged_report, report_path))
             _writing(output, lambda: _commit(source, output, moves, reads, options, workdir))
     finally:
         for folder in sorted(set(created), key=lambda p: len(p.parts), reverse=True):
@@ -319,18 +432,6 @@ def _renamed(found: Any, names: dict[str, str]) -> Any:
         for old in sorted(names, key=len, reverse=True):
             found = found.replace(old, names[old])
     return found
-
-
-def input_layouts(runs: Sequence[PassRun]) -> dict[str, tuple[int, ...]]:
-    """The layouts passes gave graph inputs (the ``relaid_inputs`` of their details, name ->
-    {"layout": perm}), composed in run order: what the check feeds the optimized model."""
-    layouts: dict[str, tuple[int, ...]] = {}
-    for run in runs:
-        for name, relaid in run.details.get("relaid_inputs", {}).items():
-            earlier = layouts.get(name)
-            layout = tuple(relaid["layout"])
-            layouts[name] = layout if earlier is None else tuple(earlier[axis] for axis in layout)
-    return layouts
 
 
 def _staging(stack: contextlib.ExitStack, folder: Path, output: Path) -> Path:

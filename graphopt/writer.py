@@ -69,8 +69,12 @@ def _is_replaceable_model(path: Path) -> bool:
 
 
 def check_model_output(path: Path, option: str = "-o") -> None:
-    """Refuse ``path`` as a model's output: a folder, a special file, a file that is not a model."""
+    """Refuse ``path`` as a model's output: a folder, a special file, a file that is not a model,
+    a name with no format graphopt writes (found before any work)."""
+    from graphopt.io import check_output_format
+
     _refuse_special(path, option)
+    check_output_format(path)
     if path.is_file() and not _is_replaceable_model(path):
         raise InputError(f"{path}: exists and is not an ONNX model or a graphopt graph; {option} will not replace it")
 

@@ -207,7 +207,7 @@ def _int4(model: onnx.ModelProto) -> onnx.ModelProto:
         if weight is None or weight.ndim != 2:
             continue
         rows, cols = weight.shape
-        blocks = rows // block_size
+        blocks = -(-rows // block_size)  # the last block zero-padded where K is no multiple of 32
         packed = np.zeros((cols, blocks, block_size // 2), np.uint8)
         scales = np.zeros((cols, blocks), np.float32)
         zeros = np.zeros((cols, (blocks + 1) // 2), np.uint8)

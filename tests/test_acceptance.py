@@ -67,7 +67,7 @@ def _node_suite(tmp_path: Path) -> tuple[collections.Counter[str], list[str]]:
         if not all(_close(e, o, case.rtol * 10, case.atol * 10) for e, o in zip(expected, original)):
             counts["skipped: onnxruntime disagrees with the suite's expected outputs"] += 1
             continue
-        result = optimize(io.load(source))
+        result = optimize(io.load(source), check=False)
         if result.report["failures"]:
             broken.append(f"{case.name}: pass failed: {result.report['failures'][0]}")
         io.save(result.model, target)

@@ -86,6 +86,27 @@ def test_corrupt_embedding_rows_past_100_fail_on_ids_over_the_table(tmp_path: Pa
     _failed_at(result, "ids over the whole table")
 
 
+def _quantized_table(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with its embedding table stored as int8 and read through DequantizeLinear (a QDQ model)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    index = next(i for i, t in enumerate(out.graph.initializer) if t.name == "table")
+    table = numpy_helper.to_array(out.graph.initializer[index])
+    scale = np.float32(np.abs(table).max() / 127)
+    quantized = np.clip(np.round(table / scale), -127, 127).astype(np.int8)
+    out.graph.initializer[index].CopyFrom(numpy_helper.from_array(quantized, "table_quantized"))
+    out.graph.initializer.append(numpy_helper.from_array(np.array(scale, np.float32), "table_scale"))
+    out.graph.node.insert(0, helper.make_node("DequantizeLinear", ["table_quantized", "table_scale"], ["table"]))
+    return out
+
+
+def test_corrupt_rows_of_a_quantized_embedding_fail_on_ids_over_the_table(tmp_path: Path) -> None:
+    """A QDQ model's embedding is Gather(DequantizeLinear(int8 table), ids): the ids still spread over the table."""
+    original, corrupt = (_quantized_table(_encoder(bad_rows=rows)) for rows in (None, 100))
+    result = check_models(_save(tmp_path, "a", original), _save(tmp_path, "b", corrupt))
+    _failed_at(result, "ids over the whole table")
+
+
 def test_a_model_wrong_past_position_17_fails_on_the_long_sequence(tmp_path: Path) -> None:
     result = check_models(_save(tmp_path, "a", _encoder()), _save(tmp_path, "b", _encoder(bad_after=17)))
     _failed_at(result, "long sequence 128")

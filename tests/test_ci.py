@@ -201,7 +201,7 @@ def test_report_merge_adds_up_the_shards(tmp_path: Path) -> None:
     merged_path = tmp_path / "merged.json"
     result = invoke("report", "merge", *shards, "-o", merged_path)
     assert result.exit_code == 1, result.stderr  # bad.onnx failed, as the run of the whole folder did
-    assert "3 reports (shards 1/3, 2/3, 3/3): 4 models, 1 failures, 0 not checked, nodes 6 -> 3" in result.stderr
+    assert "3 reports (shards 1/3, 2/3, 3/3): 4 models, 1 failure, 0 not checked, nodes 6 -> 3" in result.stderr
     merged = json.loads(merged_path.read_text())
     jsonschema.validate(merged, schema("report"))
     assert merged["totals"] == totals and merged["shards"] == ["1/3", "2/3", "3/3"]

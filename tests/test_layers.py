@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "graphopt"
 LAYERS = [
     {"errors", "options", "files", "schemas", "version", "processes"},
     {"settings", "ir"},
-    {"facts", "io", "writer"},
+    {"facts", "io", "writer", "cache"},
     {"evaluate"},
     {"passes", "layout"},
     {"numerics", "report", "runtime"},

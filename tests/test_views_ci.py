@@ -24,6 +24,7 @@ NODE24 = {
     "actions/setup-python": 6,
     "actions/upload-artifact": 6,
     "actions/download-artifact": 7,
+    "actions/cache": 5,
 }
 
 
@@ -53,6 +54,9 @@ def test_the_workflow_is_complete() -> None:
                 action, _, version = step["uses"].partition("@")
                 assert int(version.lstrip("v").split(".")[0]) >= NODE24[action], step["uses"]
     assert _uses(optimize["steps"], "actions/checkout")
+    # the result cache is kept between runs, where graphopt looks for it
+    kept = _uses(optimize["steps"], "actions/cache")
+    assert [step["with"]["path"] for step in kept] == [workflow["env"]["GRAPHOPT_CACHE"]]
     # the matrix: every job gets its shard, the count matches the matrix
     shards = optimize["strategy"]["matrix"]["shard"]
     assert shards == list(range(1, len(shards) + 1)) and optimize["strategy"]["fail-fast"] is False
@@ -119,3 +123,4 @@ def test_the_recipe_runs_as_written(tmp_path: Path) -> None:
     assert "## graphopt: 2 models (shards 1/3, 2/3, 3/3)" in written
     assert (tmp_path / "report.html").is_file()
     assert sorted(p.name for p in (tmp_path / "optimized").iterdir()) == ["conv_same_ts.onnx", "poolformer_ts.onnx"]
+    assert len(list((tmp_path / ".graphopt-cache").glob("*/entry.json"))) == 2  # the next run copies them

@@ -5,29 +5,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
 from graphopt.cli.app import cli, exit_codes, guarded, stdout
 
 
-def inspect_file(path: Path) -> dict[str, Any]:
-    """`graphopt inspect`'s figures of the model at ``path`` (.onnx or a graphopt JSON graph),
-    with the bytes of its files: the model's and those it reads its tensors from."""
-    from graphopt.io import data_files, load
-    from graphopt.report.inspection import inspect_model
-
-    model = load(path)
-    files = [path, *data_files(model)]
-    return inspect_model(model, str(path), sum(file.stat().st_size for file in files))
-
-
 def show_diff(a: Path, b: Path, as_json: bool) -> None:
+    from graphopt.api import diff as diff_models
     from graphopt.report.console import render_diff
-    from graphopt.report.diff import diff_inspections
 
-    found = diff_inspections(inspect_file(a), inspect_file(b))
+    found = diff_models(a, b)
     if as_json:
         sys.stdout.write(json.dumps(found, indent=2) + "\n")
     else:

@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from graphopt.cli.app import cli, exit_codes, guarded, stderr, stdout
-from graphopt.errors import InputError
+from graphopt.cli.app import cli, error_line, exit_codes, guarded, stderr, stdout
+from graphopt.errors import InputError, InvalidDocument
 
 
 @cli.command(epilog=exit_codes())
@@ -57,7 +57,8 @@ def inspect(models: tuple[Path, ...], as_json: bool) -> None:
       graphopt inspect model.onnx --json | jq .ops
       graphopt inspect model.onnx model.opt.onnx      # side by side
     """
-    from graphopt.cli.diff import inspect_file, show_diff
+    from graphopt.api import inspect as inspect_model
+    from graphopt.cli.diff import show_diff
     from graphopt.report.console import render_inspection
 
     if len(models) > 2:
@@ -65,7 +66,7 @@ def inspect(models: tuple[Path, ...], as_json: bool) -> None:
     if len(models) == 2:
         show_diff(*models, as_json)
         return
-    info = inspect_file(models[0])
+    info = inspect_model(models[0])
     if as_json:
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
     else:
@@ -77,15 +78,30 @@ def inspect(models: tuple[Path, ...], as_json: bool) -> None:
 @guarded
 def validate(files: tuple[Path, ...]) -> None:
     """Validate models: JSON graphs against the schema, then everything with the ONNX checker.
+    Every file is validated, and every place a JSON graph breaks the schema is listed, one
+    error line each; exit 2 if any file is invalid.
 
     \b
     Examples:
       graphopt validate model.onnx
-      graphopt validate graph.json
+      graphopt validate graph.json other.json
     """
     from graphopt.io.validation import validate_file
 
     console = stderr()
+    invalid = 0
     for path in files:
-        validate_file(path)
+        try:
+            validate_file(path)
+        except InvalidDocument as err:
+            invalid += 1
+            for problem in err.problems:
+                error_line(problem)
+            continue
+        except InputError as err:
+            invalid += 1
+            error_line(str(err))
+            continue
         console.print(f"{path}: [green]valid[/green]")
+    if invalid:
+        sys.exit(2)

@@ -55,7 +55,8 @@ def model_line(row: dict[str, Any], done: int, total: int, seconds: float) -> st
         error = row["error"].removeprefix(f"{path}: ")
         return one_line(head + f"error (exit {row['exit_code']}): {error}")
     before, after = row["summary"]["before"]["nodes"], row["summary"]["after"]["nodes"]
-    return one_line(head + f"{row['status']}, nodes {before} -> {after}, numerics {row['numerics']['status']}")
+    cached = " (from the cache)" if row.get("cache", {}).get("status") == "hit" else ""
+    return one_line(head + f"{row['status']}, nodes {before} -> {after}, numerics {row['numerics']['status']}{cached}")
 
 
 def echo_logs(path: str, records: list[tuple[str, str]]) -> None:

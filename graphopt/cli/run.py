@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from graphopt.cache import DEFAULT_LIMIT
 from graphopt.cli.app import (
     Number,
     State,
@@ -117,6 +118,21 @@ def _parse_output(text: str | None) -> tuple[Path | None, bool]:
     help=f"Worker processes for several models (at most {MAX_JOBS}).",
 )
 @click.option("--shard", help="Process only shard i of n of the models (i/n, 1-based), for CI matrices.")
+@click.option(
+    "--cache",
+    "cache_folder",
+    type=click.Path(path_type=Path),
+    envvar="GRAPHOPT_CACHE",
+    help="Keep results in this folder (also GRAPHOPT_CACHE): a model already optimized with the same options, "
+    "graphopt and onnxruntime is copied from there, not run again.",
+)
+@click.option(
+    "--cache-limit",
+    type=Number(low=0, high=1e9),
+    default=DEFAULT_LIMIT / 1e6,
+    show_default=True,
+    help="MB the cache may hold; the results used least recently go first.",
+)
 @with_settings
 @guarded
 @with_check_options
@@ -141,6 +157,8 @@ def run(
     check_optimized: bool,
     jobs: int,
     shard: str | None,
+    cache_folder: Path | None,
+    cache_limit: float,
     settings: dict[str, Any],
 ) -> None:
     """Optimize MODELS (files or folders), check numerics, write the result and a report.
@@ -153,11 +171,13 @@ def run(
       graphopt run models/ -o optimized/ -j 2 --shard 1/4 --json > report.json
       graphopt run model.onnx --check-optimized        # CI gate: exit 1 if not optimized
       graphopt run models/ -o out/ --html report.html --markdown - >> "$GITHUB_STEP_SUMMARY"
+      graphopt run models/ -o out/ --cache ~/.cache/graphopt   # unchanged models: copied
 
     The default pipeline is every pass that exists (see `graphopt passes`). A pass that
     fails is rolled back and reported; the run goes on (--strict makes it exit 3).
     """
     from graphopt.batch import NOT_A_GRAPH, OUTSIDE, collect, select_shard
+    from graphopt.cache import ResultCache
     from graphopt.report.model import FolderReport, GateReport
     from graphopt.runner import RunOptions
     from graphopt.writer import check_report_output
@@ -188,6 +208,7 @@ def run(
         external_data=external_data,
         external_data_name=external_data_name,
         report=report_path,
+        cache=None if cache_folder is None or check_optimized else ResultCache(cache_folder, int(cache_limit * 1e6)),
     )
     console = stderr()
     single = len(models) == 1 and not models[0].is_dir() and shard is None

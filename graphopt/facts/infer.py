@@ -16,7 +16,8 @@ Precedence, per dim:
    ``onnx_types``, which io provides) only when a rule leaves a value incomplete, once per
    structural state of the model; the copy already carries the types inferred so far.
 
-An op without a rule (or from another domain) keeps whatever its outputs declare, and
+Ops of onnxruntime's com.microsoft domain have rules of their own (:mod:`contrib`). An op
+without a rule (or from another domain) keeps whatever its outputs declare, and
 inference continues downstream from what is known. Following the tracing seed, a
 loop-carried dim that changes between iterations becomes unknown; with
 ``independent_dims`` each carried dim enters the body as a fresh variable, so two carried
@@ -31,8 +32,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from graphopt.facts.contrib import type_rule
 from graphopt.facts.op import Op, norm_axis
-from graphopt.facts.rules import RULES
 from graphopt.facts.service import Facts
 from graphopt.facts.values import VALUE_RULES
 from graphopt.ir import DataType, Dim, Expr, Graph, Model, Node, Sym, TensorType, Type, Value
@@ -60,6 +61,7 @@ def infer_model(facts: Facts, *, use_onnx: bool = True, onnx_max_nodes: int = 50
     before = _census(model)
     n_nodes = sum(1 for _ in model.graph.all_nodes())
     inference = _Inference(facts, use_onnx=use_onnx and n_nodes <= onnx_max_nodes)
+    inference.changed = _ranks_through_identities(model)
     inference.graph(model.graph)
     after = _census(model)
     details: dict[str, Any] = {
@@ -107,19 +109,17 @@ class _Inference:
             return
         op = self.facts.op(node)
         inferred: list[TensorType | None] = []
-        if not node.in_standard_domain:
-            for body in node.subgraphs():
-                self.graph(body)
-        elif node.op_type == "If":
+        control_flow = node.op_type if node.in_standard_domain else None
+        if control_flow == "If":
             inferred = self.if_(node)
-        elif node.op_type == "Loop":
+        elif control_flow == "Loop":
             inferred = self.loop(op)
-        elif node.op_type == "Scan" and op.opset >= 9:
+        elif control_flow == "Scan" and op.opset >= 9:
             inferred = self.scan(op)
         else:
             for body in node.subgraphs():
                 self.graph(body)
-            rule = RULES.get(node.op_type)
+            rule = type_rule(node)
             if rule is not None:
                 inferred = self.apply(node, lambda: rule(op), [])
         for index, value in enumerate(node.outputs):
@@ -260,6 +260,33 @@ class _Inference:
 
 
 # -- merging -------------------------------------------------------------------------------
+
+
+def _ranks_through_identities(model: Model) -> bool:
+    """Give a value of unknown rank the rank (and int dims) an Identity of it declares.
+
+    An Identity's output is its input, so the type the model declares for the output is the
+    input's. TorchScript exports rely on it: ``x.squeeze(-1)`` becomes an If whose branches
+    differ in rank, so the If's output has none, and the LSTMCell after it tests
+    ``input.dim() != 2`` in Ifs whose not-taken branch returns ``Identity(input)`` declared
+    ``[?, 128]``: that declaration decides every one of those Ifs. Names of dims are not
+    carried over (the exporter's are placeholders); inference fills them in.
+    """
+    changed = False
+    for graph in [model.graph, *model.graph.subgraphs()]:  # function bodies declare no types
+        for node in graph:
+            if node.op_type != "Identity" or not node.in_standard_domain or node.opaque:
+                continue
+            source, declared = node.input(0), node.outputs[0].type
+            if source is None or not isinstance(declared, TensorType) or declared.shape is None:
+                continue
+            kind = source.type
+            if kind is None or (isinstance(kind, TensorType) and kind.shape is None and kind.dtype == declared.dtype):
+                source.type = TensorType(
+                    declared.dtype, tuple(d if isinstance(d, int) else None for d in declared.shape)
+                )
+                changed = True
+    return changed
 
 
 def _fill(mine: Type | None, onnx: Type | None) -> Type | None:

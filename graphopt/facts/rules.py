@@ -35,7 +35,7 @@ from graphopt.ir import DataType, Dim, Tensor, TensorType
 from graphopt.ir.constness import constant_node_tensor
 from graphopt.ir.ops import BITWISE, BROADCASTING_ARITHMETIC, COMPARISONS
 
-__all__ = ["RULES", "Outputs", "Rule", "slice_dim"]
+__all__ = ["RULES", "Outputs", "Rule", "matmul_shape", "slice_dim"]
 
 Outputs = list[TensorType | None]
 Rule = Callable[[Op], Outputs]
@@ -56,14 +56,14 @@ def _t(dtype: DataType | None, shape: Shape | None) -> TensorType | None:
 # -- elementwise -------------------------------------------------------------------------
 
 
-# x -> x
+# x -> x (SimplifiedLayerNormalization: onnxruntime's RMS norm, registered in the default domain)
 @rule(
     "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "BitwiseNot", "Ceil", "Celu", "Clip", "Cos", "Cosh",
     "CumSum", "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish", "Hardmax", "Identity",
     "InstanceNormalization", "LeakyRelu", "Log", "LogSoftmax", "LpNormalization", "LRN", "MeanVarianceNormalization",
     "Mish", "Neg", "Not", "Reciprocal", "Relu", "ReverseSequence", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin",
     "Sinh", "Softmax", "Softplus", "Softsign", "Sqrt", "Tan", "Tanh", "ThresholdedRelu", "Trilu", "GroupNormalization",
-    "ScatterElements", "ScatterND", "Scatter", "RMSNormalization", "RotaryEmbedding",
+    "ScatterElements", "ScatterND", "Scatter", "RMSNormalization", "RotaryEmbedding", "SimplifiedLayerNormalization",
 )  # fmt: skip
 def same_as_first(op: Op) -> Outputs:
     return [op.type(0)]
@@ -115,6 +115,11 @@ def dequantize(op: Op) -> Outputs:
     return [_t(DataType(to) if to else op.dtype(1), op.shape(0))]
 
 
+@rule("DynamicQuantizeLinear")
+def dynamic_quantize(op: Op) -> Outputs:
+    return [_t(DataType.UINT8, op.shape(0)), _t(DataType.FLOAT, ()), _t(DataType.UINT8, ())]
+
+
 @rule("QuantizeLinear")
 def quantize(op: Op) -> Outputs:
     to = op.attr("output_dtype", 0)
@@ -163,17 +168,20 @@ def attention(op: Op) -> Outputs:
 
 @rule("MatMul", "MatMulInteger")
 def matmul(op: Op) -> Outputs:
-    a, b = op.shape(0), op.shape(1)
     dtype = DataType.INT32 if op.node.op_type == "MatMulInteger" else op.dtype(0)
+    return [_t(dtype, matmul_shape(op.shape(0), op.shape(1)))]
+
+
+def matmul_shape(a: Shape | None, b: Shape | None) -> Shape | None:
+    """numpy.matmul's result shape (1-D operands promoted and the added dim dropped)."""
     if a is None or b is None or not a or not b:
-        return [_t(dtype, None)]
+        return None
     a_mat = a if len(a) > 1 else (1, *a)
     b_mat = b if len(b) > 1 else (*b, 1)
     batch = broadcast([a_mat[:-2], b_mat[:-2]])
     if batch is None:
-        return [_t(dtype, None)]
-    shape = batch + ((a_mat[-2],) if len(a) > 1 else ()) + ((b_mat[-1],) if len(b) > 1 else ())
-    return [_t(dtype, shape)]
+        return None
+    return batch + ((a_mat[-2],) if len(a) > 1 else ()) + ((b_mat[-1],) if len(b) > 1 else ())
 
 
 @rule("Gemm")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from graphopt.facts.contrib import type_rule
 from graphopt.facts.op import MAX_CONST_SIZE, MAX_VALUE_LEN, Op, SymValue
-from graphopt.facts.rules import RULES
 from graphopt.facts.values import VALUE_RULES
 from graphopt.ir import DataType, Model, Node, TensorType, Type, Value
 from graphopt.ir.constness import constant_array
@@ -120,7 +120,7 @@ class Facts:
 
     def infer_node(self, node: Node) -> None:
         """Give ``node``'s untyped outputs the types its rule computes from its inputs' types."""
-        rule = RULES.get(node.op_type) if node.in_standard_domain else None
+        rule = type_rule(node)
         if rule is None:
             return
         try:

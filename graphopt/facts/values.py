@@ -213,3 +213,66 @@ def range_value(op: Op) -> list[SymValue | None]:
     (start,), (limit,), (delta,) = (b for b in bounds if b is not None)
     values = range(start, limit, delta) if delta else range(0)
     return [tuple(values) if len(values) <= MAX_VALUE_LEN else None]
+
+
+# -- conditions: what If nodes test about shapes (rank checks, size checks) ------------------
+
+
+def _greater(a: Dim, b: Dim) -> bool | None:
+    """Whether ``a > b`` holds for every binding of the dims (True), for none (False), or None."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a > b
+    if a is not None and a == b:
+        return False
+    low_a, low_b = d_lower_bound(a), d_lower_bound(b)
+    if isinstance(b, int) and low_a is not None and low_a > b:
+        return True  # a size above a number below its bound: Greater(n + 1, 0)
+    if isinstance(a, int) and low_b is not None and a <= low_b:
+        return False
+    return None
+
+
+def _negated(found: bool | None) -> bool | None:
+    return None if found is None else not found
+
+
+def _bit(dim: Dim) -> bool | None:
+    return bool(dim) if isinstance(dim, int) else None
+
+
+def _truth(fn: Callable[[Dim, Dim], bool | None]) -> ValueRule:
+    """A comparison or logic op's rule: 1 or 0 where ``fn`` decides, unknown where it cannot."""
+
+    def rule(op: Op) -> list[SymValue | None]:
+        def entry(a: Dim, b: Dim) -> Dim:
+            found = fn(a, b)
+            return None if found is None else int(found)
+
+        return _elementwise(op, entry)
+
+    return rule
+
+
+def _logic(fn: Callable[[bool, bool], bool]) -> Callable[[Dim, Dim], bool | None]:
+    def apply(a: Dim, b: Dim) -> bool | None:
+        x, y = _bit(a), _bit(b)
+        return None if x is None or y is None else fn(x, y)
+
+    return apply
+
+
+# Greater(n, 256) -> 1 where n is 512; Less(a, b) is Greater(b, a); a >= b is not (b > a).
+value_rule("Greater")(_truth(_greater))
+value_rule("Less")(_truth(lambda a, b: _greater(b, a)))
+value_rule("GreaterOrEqual")(_truth(lambda a, b: _negated(_greater(b, a))))
+value_rule("LessOrEqual")(_truth(lambda a, b: _negated(_greater(a, b))))
+value_rule("And")(_truth(_logic(lambda x, y: x and y)))
+value_rule("Or")(_truth(_logic(lambda x, y: x or y)))
+value_rule("Xor")(_truth(_logic(lambda x, y: x != y)))
+
+
+@value_rule("Not")
+def not_value(op: Op) -> list[SymValue | None]:
+    # Not(Equal(rank, 2)) -> 0 where the rank is 2: TorchScript's "if input.dim() != 2".
+    found = op.sym(0)
+    return [None if found is None else tuple(None if _bit(d) is None else int(not _bit(d)) for d in found)]

@@ -89,20 +89,25 @@ def data_files(model: Model) -> list[Path]:
     return list(files)
 
 
+def check_output_format(path: str | os.PathLike[str]) -> None:
+    """Refuse (InputError) a path whose extension names no format graphopt writes."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".json", ".onnx", ".pb", ""):
+        raise InputError(f"{path}: unknown output format {suffix!r} (use .onnx or .json)")
+
+
 def save(model: Model, path: str | os.PathLike[str], **options: object) -> dict[str, str]:
     """Save a model atomically, choosing the format by extension. Returns the sha256 of the
     files written, by name, where the writer hashed them on the way out (ONNX)."""
-    suffix = Path(path).suffix.lower()
-    if suffix == ".json":
+    check_output_format(path)
+    if Path(path).suffix.lower() == ".json":
         from graphopt.io import json_write
 
         json_write.save(model, path, content_addressed=bool(options.get("content_addressed")))
         return {}
-    if suffix not in (".onnx", ".pb", ""):
-        raise InputError(f"{path}: unknown output format {suffix!r} (use .onnx or .json)")
     from graphopt.io import onnx_write
 
     return onnx_write.save(model, path, **options)  # type: ignore[arg-type]
 
 
-__all__ = ["data_files", "from_onnx", "load", "save"]
+__all__ = ["check_output_format", "data_files", "from_onnx", "load", "save"]

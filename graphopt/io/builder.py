@@ -80,6 +80,12 @@ def build_graph(
         graph_inputs.append(value)
     # Outputs first, inputs second: a graph whose nodes are out of order still loads.
     unused = set(annotations)
+    for value in graph_initializers:
+        if value.name in annotations:  # an initializer's doc and metadata; its type is its tensor's
+            described = Value(value.name)
+            annotations[value.name](described)
+            value.doc_string, value.metadata_props = described.doc_string, described.metadata_props
+            unused.discard(value.name)
     outputs_of: list[list[Value]] = []
     for entry in nodes:
         produced = [define(Value(output), entry.label) for output in entry.outputs]
@@ -124,3 +130,19 @@ def _unshadowed(name: str, frames: Scope) -> str:
         index += 1
     frames[-1][f"{name}__{index}"] = frames[-1][name]  # a later name in this scope cannot take it
     return f"{name}__{index}"
+
+
+def value_info_of(graph: Graph, order: Iterable[Node]) -> list[Value]:
+    """What a writer lists as ``graph``'s value_info, in node ``order``: the named intermediate
+    values with a type, a doc or metadata, and the initializers with a doc or metadata (their
+    type is their tensor's; build_graph reads the doc and metadata back)."""
+    described = [v for v in graph.initializers.values() if v.doc_string or v.metadata_props]
+    boundary = {id(v) for v in [*graph.inputs, *graph.outputs, *described]}
+    return described + [
+        value
+        for node in order
+        for value in node.outputs
+        if value.name
+        and id(value) not in boundary
+        and (value.type is not None or value.doc_string or value.metadata_props)
+    ]

@@ -14,6 +14,7 @@ import numpy as np
 from graphopt import ir
 from graphopt.errors import InputError
 from graphopt.files import temporary_file
+from graphopt.io.builder import value_info_of
 from graphopt.io.json_io import (
     ATTR_KEYS,
     DTYPE_NAMES,
@@ -264,13 +265,7 @@ class _Writer:
             elif isinstance(value.const, ir.Tensor):
                 initializers.append({"name": value.name, **self.tensor(value.const, name=False)})
         nodes = graph.topological()
-        boundary = {id(v) for v in [*graph.inputs, *graph.outputs]}
-        value_info = [
-            self.value(v)
-            for node in nodes
-            for v in node.outputs
-            if v.name and id(v) not in boundary and (v.type is not None or v.doc_string or v.metadata_props)
-        ]
+        value_info = [self.value(v) for v in value_info_of(graph, nodes)]
         return _given(
             name=graph.name,
             doc_string=graph.doc_string,

@@ -39,6 +39,35 @@ MAX_SUBGRAPH_NESTING = 31
 # -- loading ------------------------------------------------------------------------------
 
 
+# Files people give an ONNX tool by mistake, by their first bytes: (offset, magic, what it is, what to do).
+_OTHER_FORMATS = (
+    (0, b"PK\x03\x04", "a zip archive (a PyTorch checkpoint saved with torch.save?)", "export the model to ONNX"),
+    # The PROTO opcode of pickle protocols 2 to 5 (an ONNX file that failed to parse may start so too: the
+    # table is read only for files that did).
+    (0, b"\x80", "a Python pickle (a PyTorch or scikit-learn checkpoint?)", "export the model to ONNX"),
+    (0, b"\x89HDF", "an HDF5 file (a Keras model?)", "convert it with tf2onnx"),
+    (4, b"TFL3", "a TensorFlow Lite model", "convert it with tf2onnx (--tflite)"),
+    (0, b"GGUF", "a GGUF file (llama.cpp weights)", "export the model to ONNX"),
+)
+
+
+def _not_onnx(path: Path) -> str | None:
+    """What a file that does not parse as ONNX is instead, when its first bytes say so, and
+    what to do with it; None when they say nothing."""
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(16)
+    except OSError:
+        return None
+    for offset, magic, what, remedy in _OTHER_FORMATS:
+        if head[offset : offset + len(magic)] == magic:
+            return f"{path}: {what}, not an ONNX model; {remedy} first (graphopt reads .onnx and .json graphs)"
+    header = int.from_bytes(head[:8], "little")
+    if len(head) > 8 and head[8:9] == b"{" and 0 < header < path.stat().st_size:  # safetensors: length, then JSON
+        return f"{path}: a safetensors file (weights only), not an ONNX model; export the model to ONNX first"
+    return None
+
+
 def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> ir.Model:
     """Read an ONNX file. External data is mapped, not read. Raises InputError on bad input."""
     path = input_file(Path(path))
@@ -58,7 +87,7 @@ def load(path: str | os.PathLike[str], *, independent_dims: bool = False) -> ir.
                 f"{path}: subgraphs nested deeper than protobuf parsers read (at most {MAX_SUBGRAPH_NESTING} "
                 "inside one another; onnx and onnxruntime cannot load it either)"
             ) from None
-        raise InputError(f"{path}: not a valid ONNX protobuf ({_first_line(err)})") from None
+        raise InputError(_not_onnx(path) or f"{path}: not a valid ONNX protobuf ({_first_line(err)})") from None
     if not proto.HasField("graph") or proto.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph or no ir_version)")
     try:
@@ -150,7 +179,9 @@ def from_proto(
     if reader.negative_dims:
         name, dim = reader.negative_dims[0]
         more = f" (and {len(reader.negative_dims) - 1} more)" if len(reader.negative_dims) > 1 else ""
-        _log.warning("value %r declares dim %d%s: read as an unknown dim", name, dim, more)
+        # Named by its file where there is one: `inspect A B` and the CI gate read several models.
+        where = f"{model_file}: " if model_file is not None else ""
+        _log.warning("%svalue %r declares dim %d%s: read as an unknown dim", where, name, dim, more)
     model = ir.Model(
         graph=graph,
         opset_imports={o.domain: o.version for o in proto.opset_import},

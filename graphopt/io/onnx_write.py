@@ -31,6 +31,7 @@ import onnx
 from graphopt import ir
 from graphopt.files import HashingFile, atomic_write, temporary_file
 from graphopt.io import wire
+from graphopt.io.builder import value_info_of
 from graphopt.io.sources import MODEL_HEADER, TYPED_FIELDS, ProtoSource, raw_buffer, raw_layout, tensor_proto_from_array
 
 __all__ = ["all_tensors", "content_addressed_name", "digest", "is_data_file_of", "save", "to_proto"]
@@ -426,15 +427,8 @@ class _Writer:
                 self.streamed.append(self.node_piece(node))
             else:
                 self.node(node, nodes.add())
-        boundary = {id(v) for v in [*graph.inputs, *graph.outputs]}
-        for node in order:
-            for value in node.outputs:
-                if (
-                    value.name
-                    and id(value) not in boundary
-                    and (value.type is not None or value.doc_string or value.metadata_props)
-                ):
-                    self.value_info(value, value_info.add())
+        for value in value_info_of(graph, order):
+            self.value_info(value, value_info.add())
 
     def graph(self, graph: ir.Graph, proto: onnx.GraphProto, *, main: bool = False) -> None:
         _set(proto, name=graph.name, doc_string=graph.doc_string)

@@ -375,10 +375,12 @@ def _axis_size(dims: list[int | None], axis: int) -> int | None:
 
 
 def _stored(graph: onnx.GraphProto) -> dict[str, list[int]]:
-    """The dims of every stored tensor, and of what a Cast or Identity makes of one (a float16 table read as float)."""
+    """The dims of every stored tensor, and of what a Cast, Identity or DequantizeLinear makes of one (a float16
+    or quantized table read as float)."""
     stored = {init.name: list(init.dims) for init in graph.initializer}
     for node in graph.node:
-        if _standard(node) and node.op_type in ("Cast", "Identity") and node.input and node.input[0] in stored:
+        kept = ("Cast", "Identity", "DequantizeLinear")
+        if _standard(node) and node.op_type in kept and node.input and node.input[0] in stored:
             stored[node.output[0]] = stored[node.input[0]]
     return stored
 

@@ -23,6 +23,18 @@ largest, where ``(1 - mask) x min`` would turn an ulp into 1e31, and float16's -
 tensors past the check's memory budget: the draws then move less, which can only make the
 bound tighter.
 
+A statically quantized model (QuantizeLinear -> DequantizeLinear on its activations) rounds
+each activation to its grid, and an ulp of a float rarely moves a value across a grid line: such
+a model would measure no noise at all, and any rewrite that computes a quantized interior in
+float (a fused attention or norm reading the dequantized inputs, as onnxruntime's own QDQ
+fusions do) would fail by the model's own quantization error. So the draws also move each
+activation's grid: the scale of every QuantizeLinear of a value computed at run time is
+multiplied by ``1 + 2^-bits u`` (bits of its zero point's type: 8 for int8, 4 for int4), which
+moves a value k steps from zero by up to k / 2^(bits+1) steps, at most half a step: each value
+is rounded to a grid up to half a step away, what computing it in float instead does at most.
+The DequantizeLinear reading the same scale tensor moves with it, so the grid moves, not the
+gain. Weight scales stay: a weight's grid is part of the program.
+
 Why not a reference run with the float16 or quantized parts in float32 instead: against that,
 a quantized model is off by its whole quantization error (1.5e-2 on ViT in dynamic int8, issue
 34), ten times what a right rewrite moves it (1.5e-3): a bound so wide that a wrong rewrite
@@ -65,10 +77,12 @@ _SENTINEL = 1e30
 
 @dataclass
 class Perturbation:
-    """What the draws move: the model's perturbable float initializers, and eps."""
+    """What the draws move: the model's perturbable float initializers, and eps; and the scales
+    of its activations' quantization grids, each with its own eps (2^-bits)."""
 
     precision: str
     initializers: dict[str, np.ndarray] = field(default_factory=dict)
+    grids: dict[str, tuple[np.ndarray, float]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, path: Path, precision: str, room: int) -> Perturbation:
@@ -76,10 +90,14 @@ class Perturbation:
         and a draw's) fit in ``room`` bytes; past it, the draws move the rest no more."""
         found = cls(precision)
         model = onnx.load(str(path), load_external_data=False)
+        grids = _activation_grids(model.graph)
         for tensor in model.graph.initializer:
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
                 continue  # reading it would double what the check holds; the rest still moves
             array = inline_array(tensor)
+            if array is not None and tensor.name in grids and array.dtype.kind == "f":
+                found.grids[tensor.name] = (array, 2.0 ** -grids[tensor.name])
+                continue
             if array is None or not _movable(array):
                 continue
             room -= 2 * array.nbytes  # this copy, and a draw's moved one
@@ -90,7 +108,8 @@ class Perturbation:
 
     def draw(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """The initializers of one draw, moved."""
-        return {name: self.moved(array, rng) for name, array in self.initializers.items()}
+        moved = {name: self.moved(array, rng) for name, array in self.initializers.items()}
+        return moved | {name: _scaled(array, eps, rng) for name, (array, eps) in self.grids.items()}
 
     def feed(self, feed: Mapping[str, Feed], rng: np.random.Generator) -> dict[str, Feed]:
         """The inputs of one draw: the float inputs that are no mask moved, the rest as they were."""
@@ -100,9 +119,40 @@ class Perturbation:
         }
 
     def moved(self, array: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        eps = EPSILON[self.precision]
-        noise = 1.0 + eps * rng.uniform(-AMPLITUDE, AMPLITUDE, array.shape)
-        return (array.astype(np.float64) * noise).astype(array.dtype)
+        return _scaled(array, EPSILON[self.precision], rng)
+
+
+def _scaled(array: np.ndarray, eps: float, rng: np.random.Generator) -> np.ndarray:
+    noise = 1.0 + eps * rng.uniform(-AMPLITUDE, AMPLITUDE, array.shape)
+    return np.asarray(array.astype(np.float64) * noise).astype(array.dtype)  # a scale is often 0-d
+
+
+# Bits of a quantization grid by its zero point's type (QuantizeLinear's default: uint8).
+_GRID_BITS = {
+    onnx.TensorProto.UINT8: 8,
+    onnx.TensorProto.INT8: 8,
+    onnx.TensorProto.UINT16: 16,
+    onnx.TensorProto.INT16: 16,
+    onnx.TensorProto.UINT4: 4,
+    onnx.TensorProto.INT4: 4,
+}
+
+
+def _activation_grids(graph: onnx.GraphProto) -> dict[str, int]:
+    """The scale initializers of the main graph's QuantizeLinear nodes that quantize a value
+    computed at run time (not a weight), with their grid's bits."""
+    stored = {tensor.name: tensor for tensor in graph.initializer}
+    grids: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type != "QuantizeLinear" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        if node.input[0] in stored or node.input[1] not in stored:
+            continue
+        zero_point = stored.get(node.input[2]) if len(node.input) > 2 else None
+        bits = _GRID_BITS.get(zero_point.data_type if zero_point is not None else onnx.TensorProto.UINT8)
+        if bits is not None:
+            grids[node.input[1]] = min(bits, grids.get(node.input[1], bits))
+    return grids
 
 
 def _movable(array: np.ndarray, *, inputs: bool = False) -> bool:

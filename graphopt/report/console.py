@@ -107,7 +107,14 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     if report.get("blame"):
         _render_blame(console, report["blame"])
     if report.get("output"):
-        console.print(escape(one_line(f"wrote {report['output']['path']}")))
+        cache = report.get("cache") or {}
+        cached = (
+            f" from the cache (the pipeline and the check above are the run of {cache['stored_seconds']:.1f} s "
+            "that stored it)"
+            if cache.get("status") == "hit"
+            else ""
+        )
+        console.print(escape(one_line(f"wrote {report['output']['path']}{cached}")))
 
 
 def guard_lines(guard: dict[str, Any] | None) -> list[str]:
@@ -303,11 +310,19 @@ def render_gate(console: Console, report: dict[str, Any]) -> None:
 
 def totals_line(totals: dict[str, Any]) -> str:
     """A batch's or a merged report's totals in one line."""
-    counts = f"{totals['models']} models, {totals['failures']} failures"
+    counts = f"{_counted(totals['models'], 'model')}, {_counted(totals['failures'], 'failure')}"
     if "not_checked" in totals:
         counts += f", {totals['not_checked']} not checked"
+    if "cached" in totals:
+        counts += f", {totals['cached']} from the cache"
     nodes, weights = totals["nodes"], totals["initializer_bytes"]
+    if totals["failures"] == totals["models"] and nodes == [0, 0]:
+        return f"{counts}, nothing optimized"  # every model failed before it was read: no sizes to add up
     return f"{counts}, nodes {nodes[0]} -> {nodes[1]}, weights {size(weights[0])} -> {size(weights[1])}"
+
+
+def _counted(count: int, thing: str) -> str:
+    return f"{count} {thing}" if count == 1 else f"{count} {thing}s"
 
 
 _WIDTH = 100  # of the pass listing: a product on stdout, read in terminals and pipes alike

@@ -60,15 +60,26 @@ class ModelReport:
     input: Json | None = None
     numerics: Json | None = None
     blame: Json | None = None
+    # --cache: whether the result came from the cache ("hit") or was put there ("stored"), and its key.
+    cache: Json | None = None
     output: Json | None = None
     status: str = "ok"
     exit_code: int = 0
+
+    @classmethod
+    def from_json(cls, found: Json) -> ModelReport:
+        """The report :meth:`to_json` gave (a stored result's, --cache)."""
+        run = PipelineReport(**{name: found[name] for name in ("pipeline", "passes", "failures", "summary", "seconds")})
+        kept = ("input", "numerics", "blame", "cache", "output", "status", "exit_code")
+        return cls(run, **{name: found[name] for name in kept if name in found})
 
     def to_json(self) -> Json:
         found: Json = {"graphopt_version": __version__, "input": self.input, **self.run.to_json()}
         found["numerics"] = self.numerics
         if self.blame is not None:
             found["blame"] = self.blame
+        if self.cache is not None:
+            found["cache"] = self.cache
         return found | {"output": self.output, "status": self.status, "exit_code": self.exit_code}
 
 
@@ -123,7 +134,8 @@ class GateReport:
 
 def totals(rows: list[Json]) -> Json:
     """What a batch amounts to: models, failures (exit code other than 0), models the numerics
-    check could not verify (not_checked; a run's rows only, the gate checks no numerics), and
+    check could not verify (not_checked; a run's rows only, the gate checks no numerics), the
+    models whose result came from the cache (cached, with --cache), and
     the nodes and weight bytes before -> after of the models that were optimized (error rows
     have none)."""
     summaries = [row["summary"] for row in rows if "summary" in row]
@@ -133,6 +145,8 @@ def totals(rows: list[Json]) -> Json:
     }
     if not any("optimized" in row for row in rows):
         counted["not_checked"] = sum(1 for row in rows if row.get("numerics", {}).get("status") == "not checked")
+    if any("cache" in row for row in rows):
+        counted["cached"] = sum(1 for row in rows if row.get("cache", {}).get("status") == "hit")
     return counted | {
         "nodes": [sum(s[side]["nodes"] for s in summaries) for side in ("before", "after")],
         "initializer_bytes": [sum(s[side]["initializer_bytes"] for s in summaries) for side in ("before", "after")],

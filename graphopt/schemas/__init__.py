@@ -7,7 +7,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from graphopt.errors import InputError
+from graphopt.errors import InvalidDocument
 
 __all__ = ["schema", "validate"]
 
@@ -27,11 +27,19 @@ def _json_path(path: Any) -> str:
     return text
 
 
-def validate(data: Any, name: str, where: str) -> None:
-    """Raise InputError naming the JSON path of the first violation (the deepest, most specific one)."""
+def validate(data: Any, name: str, where: str, limit: int = 50) -> None:
+    """Raise InvalidDocument naming the JSON path of each violation (at most ``limit``): first
+    the most specific one of the document, then the others in document order."""
     import jsonschema
 
     validator = jsonschema.Draft202012Validator(schema(name))
-    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
-    if error is not None:
-        raise InputError(f"{where}: {_json_path(error.absolute_path)}: {error.message}")
+    found = list(validator.iter_errors(data))
+    if not found:
+        return
+    places: dict[str, str] = {}
+    first = jsonschema.exceptions.best_match(found)
+    for error in [first, *sorted(found, key=lambda e: [str(part) for part in e.absolute_path])]:
+        best = jsonschema.exceptions.best_match([error])
+        place = _json_path(best.absolute_path)
+        places.setdefault(place, f"{where}: {place}: {best.message}")
+    raise InvalidDocument(list(places.values())[:limit])

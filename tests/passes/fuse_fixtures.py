@@ -13,6 +13,7 @@ EXPORTERS = ("dynamo", "ts")
 PAST, KV_HEADS, HEAD_SIZE, IMAGE = 3, 2, 8, 64
 KERAS_FEATURES = (6, 16)  # make_keras.py's static sequence and width
 LEVIT_TOKENS = (16, 32)  # make.py's levit: a 4x4 grid of 32 channels
+LATENTS = (4, 16, 12)  # make.py's unet: its static latent channels, height and width
 
 
 def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dict[str, np.ndarray]:
@@ -36,6 +37,9 @@ def fixture_feeds(proto: onnx.ModelProto, batch: int, seq: int, pad: str) -> dic
         "pixel_values": rng.standard_normal((batch, 3, IMAGE, IMAGE)).astype(np.float32),
         "features": rng.standard_normal((batch, *KERAS_FEATURES)).astype(np.float32),
         "x": rng.standard_normal((batch, *LEVIT_TOKENS)).astype(np.float32),
+        "sample": rng.standard_normal((batch, *LATENTS)).astype(np.float32),
+        "timestep": rng.uniform(0, 1000, batch).astype(np.float32),
+        "encoder_hidden_states": rng.standard_normal((batch, seq, 32)).astype(np.float32),
     }
     return {name: feeds[name] for name in names}
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,7 +59,7 @@ def fuse(
     steps = [
         {"pass": p, "options": {"enable": list(enable)}} if p == "fuse" else {"pass": p} for p in passes.split(",")
     ]
-    result = optimize(from_proto(proto), pipeline_from_config(steps), strict=True, **settings)
+    result = optimize(from_proto(proto), pipeline_from_config(steps), strict=True, **settings, check=False)
     applied: Counter[str] = Counter()
     misses: dict[str, list[str]] = {}
     for run in result.report["passes"]:
@@ -75,7 +75,7 @@ def lowering_misses(proto: onnx.ModelProto, goal: int) -> list[str]:
 
     Where a lowering refuses, the op stays and the fuse pass's conversion to ``goal`` stops
     (bad input naming the op), so the run's report is lost: the engine is asked directly."""
-    ir = optimize(from_proto(proto), "shape-infer", strict=True).model
+    ir = optimize(from_proto(proto), "shape-infer", strict=True, check=False).model
     stats = RunStats()
     lowering = RuleSet(r for r in registered_rules() if r.family == "lower")
     assert find_matches(ir.graph, lowering, Site(ir, ir.graph, goal, "onnx", pass_context(Settings())), stats) == []
@@ -86,13 +86,20 @@ def ops(proto: onnx.ModelProto) -> Counter[str]:
     return Counter(n.op_type for n in proto.graph.node)
 
 
-def fires(proto: onnx.ModelProto, rule: str, expected: dict[str, int], **settings: Any) -> onnx.ModelProto:
-    """``rule`` applies, the op counts are ``expected``, outputs keep their names and values."""
+def fires(
+    proto: onnx.ModelProto,
+    rule: str,
+    expected: dict[str, int],
+    feeds: Mapping[str, np.ndarray] | None = None,
+    **settings: Any,
+) -> onnx.ModelProto:
+    """``rule`` applies, the op counts are ``expected``, outputs keep their names and values (on ``feeds``, else
+    seeded inputs)."""
     out, details = fuse(proto, **settings)
     assert details["applied"].get(rule, 0) >= 1, details
     assert dict(ops(out)) == expected
     assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
-    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+    assert_same_outputs(proto, out, feeds, rtol=1e-4, atol=1e-4)
     return out
 
 

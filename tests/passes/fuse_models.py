@@ -487,6 +487,67 @@ def group_norm(
     return model(nodes, [info("x", ["b", channels, 4, 5])], outputs, params, opset=opset)
 
 
+def exported_group_norm(
+    split: str = "zero",
+    back: str = "shape",
+    dims: tuple[int | str | None, ...] = ("batch", 32, 4, 6),
+    groups: int = 8,
+    silu: bool = False,
+    elem_type: int = TensorProto.FLOAT,
+    in_scale: np.ndarray | None = None,
+    gamma: np.ndarray | None = None,
+) -> onnx.ModelProto:
+    """nn.GroupNorm as PyTorch's exporters write it (diffusers' UNets and VAEs, 8 groups of 32 channels here):
+    Reshape(x, split) / InstanceNormalization(ones, zeros over the groups) / Reshape(., back) / Mul(gamma (C, 1, 1))
+    / Add(beta (C, 1, 1)), then SiLU (Sigmoid, Mul) where ``silu``.
+
+    ``split``: "zero" [0, G, -1] (both exporters at a dynamic batch), "static" [N, G, -1] (the dynamo exporter at a
+    static batch), "read" Concat(Shape(x, 0, 1), [G], [-1]). ``back``: "shape" Shape(x) (TorchScript), "shape-start"
+    Shape(x, start=0) (dynamo), "zero" [0, C, H, W] and "inferred" [-1, C, H, W] (Shape(x) folded where only the
+    batch is dynamic), "gathered" x's dims read one by one (Shape / Gather / Unsqueeze / Concat); the refusals:
+    "swapped" [0, C, W, H], "flat" [0, C, -1]."""
+    channels, spatial = int(dims[1]), dims[2:]  # type: ignore[arg-type]
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+    shape = [0, channels, *spatial]
+    nodes, params = [], [init("ones", np.ones(groups), dtype), init("zeros", np.zeros(groups), dtype)]
+    if split == "read":
+        nodes.append(node("Shape", ["x"], "batch", start=0, end=1))
+        nodes.append(node("Concat", ["batch", "groups", "rest"], "group_shape", axis=0))
+        params += [init("groups", np.array([groups], np.int64)), init("rest", np.array([-1], np.int64))]
+    else:
+        first = dims[0] if split == "static" else 0
+        params.append(init("group_shape", np.array([first, groups, -1], np.int64)))
+    nodes += [
+        node("Reshape", ["x", "group_shape"], "split"),
+        node("InstanceNormalization", ["split", "in_scale", "zeros"], "grouped", epsilon=1e-6),
+    ]
+    params.append(init("in_scale", np.ones(groups) if in_scale is None else in_scale, dtype))
+    if back in ("shape", "shape-start"):
+        nodes.append(node("Shape", ["x"], "back_shape", **({"start": 0} if back == "shape-start" else {})))
+    elif back == "gathered":
+        nodes.append(node("Shape", ["x"], "x_shape"))
+        for axis in range(len(dims)):
+            params.append(init(f"axis{axis}", np.array(axis, np.int64)))
+            nodes.append(node("Gather", ["x_shape", f"axis{axis}"], f"dim{axis}", axis=0))
+            nodes.append(node("Unsqueeze", [f"dim{axis}", "zero_axis"], f"entry{axis}"))
+        nodes.append(node("Concat", [f"entry{a}" for a in range(len(dims))], "back_shape", axis=0))
+        params.append(init("zero_axis", np.array([0], np.int64)))
+    else:
+        targets = {"zero": shape, "inferred": [-1, *shape[1:]], "swapped": [0, channels, *spatial[::-1]]}
+        params.append(init("back_shape", np.array(targets.get(back, [0, channels, -1]), np.int64)))
+    nodes += [
+        node("Reshape", ["grouped", "back_shape"], "merged"),
+        node("Mul", ["merged", "gamma"], "scaled"),
+        node("Add", ["scaled", "beta"], "normed" if silu else "y"),
+    ]
+    if silu:
+        nodes += [node("Sigmoid", ["normed"], "gate"), node("Mul", ["normed", "gate"], "y")]
+    affine = (channels, *[1] * (1 if back == "flat" else len(dims) - 2))
+    params.append(init("gamma", (1 + 0.1 * rand_weight(*affine)) if gamma is None else gamma, dtype))
+    params.append(init("beta", rand_weight(*affine), dtype))
+    return model(nodes, [info("x", list(dims), elem_type)], [info("y", None, elem_type)], params, opset=17)
+
+
 HALF = 4  # head size 8
 
 

@@ -702,5 +702,5 @@ def test_passes_that_run_again_read_each_weight_once() -> None:
         source = CountingSource(value.const.numpy().copy())
         source.name = value.name
         value.const.source = source
-    optimize(model, "cse,const-cache,cse,const-cache,cse")
+    optimize(model, "cse,const-cache,cse,const-cache,cse", check=False)
     assert reads and max(reads.values()) <= 2  # one probe read, one full read

@@ -50,7 +50,7 @@ def test_the_growth_budget_spans_every_const_cache_step_of_a_run() -> None:
     model = _two_growing_regions()
     before = model_stats(model).initializer_bytes
     # Two const-cache steps, as the default pipeline has (one per simplify group).
-    result = graphopt.optimize(model, "const-cache,dce,const-cache,dce")
+    result = graphopt.optimize(model, "const-cache,dce,const-cache,dce", check=False)
     after = model_stats(result.model).initializer_bytes
     assert after - before <= 0.1 * before
     assert sum(n.op_type == "Neg" for n in result.model.graph.nodes) == 1

@@ -20,7 +20,7 @@ CEILING = {"bert_small": 100, "gpt2_small": 80}
 @pytest.mark.parametrize("name", ["bert_small", "gpt2_small"])
 def test_target_opset_23_fuses_each_layer(corpus_dir: Path, name: str) -> None:
     path = corpus_dir / f"{name}.onnx"
-    result = optimize(path, target_opset=23)
+    result = optimize(path, target_opset=23, check=False)
     counts = Counter(n.op_type for n in result.model.all_nodes())
     assert counts["Attention"] == 4 and counts["Gelu"] == 4 and counts["LayerNormalization"] == 9
     assert not {"Softmax", "Erf", "ReduceMean", "Pow", "Sqrt"} & set(counts)
@@ -36,7 +36,7 @@ ORT_EXTENDED = {"bert_small": 131, "gpt2_small": 145}
 @pytest.mark.parametrize("name", ["bert_small", "gpt2_small"])
 def test_target_ort_fuses_each_layer_into_contrib_ops(corpus_dir: Path, name: str) -> None:
     path = corpus_dir / f"{name}.onnx"
-    result = optimize(path, target="ort")
+    result = optimize(path, target="ort", check=False)
     counts = Counter(n.op_type for n in result.model.all_nodes())
     assert counts["Attention"] == 4 and counts["LayerNormalization"] == 9
     assert sum(counts.values()) <= ORT_EXTENDED[name]

@@ -53,7 +53,7 @@ def test_a_user_rule_fires_through_optimize(user_rule: list[str]) -> None:
     proto = model(
         [node("Neg", ["x"], "a"), node("Neg", ["a"], "b"), node("Relu", ["b"], "y")], [info("x", [2, 3])], ["y"]
     )
-    result = graphopt.optimize(from_proto(proto), "fuse")
+    result = graphopt.optimize(from_proto(proto), "fuse", check=False)
     fused = next(r for r in result.report["passes"] if r["pass"] == "fuse")
     assert fused["details"]["applied"] == {"test-neg-neg": 1}
     assert [n.op_type for n in result.model.graph] == ["Relu"]
@@ -207,7 +207,7 @@ def test_rounds_run_to_a_fixpoint_within_max_rounds(user_rule: list[str]) -> Non
     out, details = fuse(proto, "fuse")
     assert ops(out) == {"Relu": 1} and details["applied"] == {"test-relu-relu": 7}
     one_round = pipeline_from_config([{"pass": "fuse", "options": {"max_rounds": 1}}])
-    result = graphopt.optimize(from_proto(proto), one_round)
+    result = graphopt.optimize(from_proto(proto), one_round, check=False)
     assert sum(1 for n in result.model.graph if n.op_type == "Relu") == 4
     assert_same_outputs(proto, out)
 
@@ -238,7 +238,7 @@ def test_provenance_names_the_rule(user_rule: list[str]) -> None:
         Rule(name="test-abs", family="test", pattern=op.Abs(var("x")), build=lambda b, m, p: b.op("Relu", m.value("x")))
     )
     user_rule.append("test-abs")
-    result = graphopt.optimize(from_proto(proto), "fuse", provenance=True)
+    result = graphopt.optimize(from_proto(proto), "fuse", provenance=True, check=False)
     (relu,) = [n for n in result.model.graph if n.op_type == "Relu"]
     assert relu.metadata_props[PROVENANCE_KEY] == "test-abs"
 
@@ -359,7 +359,7 @@ def test_a_cast_without_to_is_left_to_the_checker() -> None:
     from graphopt.api import optimize
     from graphopt.io.onnx_io import from_proto
 
-    result = optimize(from_proto(proto), "shape-infer,fuse")
+    result = optimize(from_proto(proto), "shape-infer,fuse", check=False)
     assert result.report["failures"] == []
 
 
@@ -408,7 +408,7 @@ def _fails_naming_the_rule(rule: Rule, user_rule: list[str]) -> str:
     add_rule(rule)
     user_rule.append(rule.name)
     proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "y")], [info("x", [2])], ["y"])
-    result = graphopt.optimize(from_proto(proto), "fuse")
+    result = graphopt.optimize(from_proto(proto), "fuse", check=False)
     (failure,) = result.report["failures"]
     assert failure["pass"] == "fuse" and f"rule {rule.name!r} failed" in failure["error"]
     assert [n.op_type for n in result.model.graph] == ["Neg", "Neg"]
@@ -464,7 +464,7 @@ def test_a_rule_that_raises_is_undone_alone_and_reported(user_rule: list[str], s
     add_rule(_neg_neg())
     user_rule.extend(["test-broken", "test-neg-neg"])
     original = _triple_neg()
-    result = graphopt.optimize(from_proto(original), "shape-infer,fuse")
+    result = graphopt.optimize(from_proto(original), "shape-infer,fuse", check=False)
     failures = result.report["failures"]
     assert failures == [
         {
@@ -543,5 +543,5 @@ def test_a_rule_failing_in_every_round_of_the_default_pipeline_is_reported_once(
     add_rule(Rule(name="test-broken", family="test", pattern=op.Neg(op.Neg(var("x"))), build=_raises))
     user_rule.append("test-broken")
     proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "y")], [info("x", [2])], ["y"])
-    failures = graphopt.optimize(from_proto(proto)).report["failures"]
+    failures = graphopt.optimize(from_proto(proto), check=False).report["failures"]
     assert [f["rule"] for f in failures] == ["test-broken"], failures

@@ -100,7 +100,7 @@ def test_a_per_channel_mul_goes_into_a_fused_conv_for_target_ort() -> None:
     proto = conv_input_scale(_w(4, 1, 1))
     proto.graph.node.append(node("Relu", ["y"], "r"))
     proto.graph.output[0].name = "r"
-    result = optimize(from_proto(proto), target="ort")
+    result = optimize(from_proto(proto), target="ort", check=False)
     out = to_proto(result.model)
     assert ops(out) == {"FusedConv": 1}, ops(out)
     assert_same_outputs(proto, out)
@@ -119,11 +119,11 @@ def test_a_gelu_before_a_conv_keeps_its_half_at_opset_23() -> None:
     ]
     params = [init("sqrt2", math.sqrt(2)), init("one", 1.0), init("half", 0.5), init("w", _w(3, 4, 1, 1))]
     proto = model(half_gelu, [info("x", [1, 4, 5, 5])], ["y"], params)
-    result = optimize(from_proto(proto), target_opset=23)
+    result = optimize(from_proto(proto), target_opset=23, check=False)
     assert ops(to_proto(result.model)) == {"Gelu": 1, "Conv": 1}
     assert_same_outputs(proto, to_proto(result.model))
     # below opset 20 the GELU stays decomposed, its 0.5 with it: onnxruntime's own Gelu fusion reads it
-    assert ops(to_proto(optimize(from_proto(proto)).model))["Mul"] == 2
+    assert ops(to_proto(optimize(from_proto(proto), check=False).model))["Mul"] == 2
 
 
 def test_mul_conv_keeps_a_shift_the_padding_would_miss() -> None:
@@ -576,7 +576,7 @@ def test_the_late_rules_get_a_round_after_the_last_of_max_rounds() -> None:
     params = [init("w", RNG.standard_normal((8, 4)).astype(np.float32)), init("b", np.ones(4, np.float32))]
     proto = model(nodes, [info("x", [2, 6, 8])], ["y"], params)
     steps = [{"pass": "shape-infer"}, {"pass": "fuse", "options": {"late": True, "max_rounds": 1}}]
-    result = optimize(from_proto(proto), pipeline_from_config(steps), strict=True)
+    result = optimize(from_proto(proto), pipeline_from_config(steps), strict=True, check=False)
     assert result.report["passes"][-1]["details"]["applied"] == {"matmul-add-gemm-projection": 1}
 
 
@@ -686,6 +686,6 @@ def test_a_tanh_gelu_with_an_integer_exponent_fuses() -> None:
 @pytest.mark.parametrize("exponent", [np.inf, np.nan])
 def test_a_non_finite_exponent_is_no_gelu_and_fails_nothing(exponent: float) -> None:
     proto = _tanh_gelu_of_pow(np.array(exponent, np.float32))
-    result = optimize(from_proto(proto), "shape-infer,fuse")
+    result = optimize(from_proto(proto), "shape-infer,fuse", check=False)
     assert result.report["failures"] == []
     assert "Gelu" not in {n.op_type for n in result.model.graph}

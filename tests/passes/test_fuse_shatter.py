@@ -125,10 +125,10 @@ def test_cli_run_with_target_opset_lowers_and_exits_0(tmp_path: Path) -> None:
 
 def test_bert_small_round_trip_to_opset_23_and_back_to_17(corpus_dir: Path, tmp_path: Path) -> None:
     source = corpus_dir / "bert_small.onnx"
-    fused = optimize(source, target_opset=23)
+    fused = optimize(source, target_opset=23, check=False)
     counts = Counter(n.op_type for n in fused.model.all_nodes())
     assert counts["Attention"] == 4 and counts["Gelu"] == 4
-    lowered = optimize(fused.model, target_opset=17)
+    lowered = optimize(fused.model, target_opset=17, check=False)
     counts = Counter(n.op_type for n in lowered.model.all_nodes())
     assert lowered.model.opset == 17
     assert not {"Attention", "Gelu"} & set(counts)
@@ -151,7 +151,7 @@ def test_a_bias_free_gemm_beside_a_matmul_becomes_a_matmul_and_fold_groups_them(
 
 
 def test_the_gemm_rule_reaches_a_fixpoint_in_two_rounds() -> None:
-    result = optimize(from_proto(projections()), "shape-infer,fuse", strict=True)
+    result = optimize(from_proto(projections()), "shape-infer,fuse", strict=True, check=False)
     fuse_run = result.report["passes"][-1]
     assert fuse_run["details"]["rounds"] == 2  # the second round changes nothing
 
@@ -188,7 +188,7 @@ def _weight_bytes(proto: onnx.ModelProto) -> int:
 
 def test_a_kronecker_weight_becomes_two_small_contractions() -> None:
     proto = kronecker(np.kron(_w(8, 6), _w(32, 48)), ["b", 5, 256])
-    out = to_proto(optimize(from_proto(proto)).model)
+    out = to_proto(optimize(from_proto(proto), check=False).model)
     assert ops(out)["MatMul"] == 2
     assert _weight_bytes(out) * 40 < _weight_bytes(proto)  # 294912 bytes -> 6336 (+ two shapes)
     assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)

@@ -24,7 +24,7 @@ class Graph:
     """``proto`` after shape inference: its values and nodes by (first output) name, and a Site on it."""
 
     def __init__(self, proto: onnx.ModelProto) -> None:
-        ir = optimize(from_proto(proto), "shape-infer", strict=True).model
+        ir = optimize(from_proto(proto), "shape-infer", strict=True, check=False).model
         self.site = Site(ir, ir.graph, ir.opset_in(ir.graph), "onnx", pass_context(Settings()))
         self.values: dict[str, Value] = {v.name: v for v in ir.graph.values()}
         self.nodes: dict[str, Node] = {n.outputs[0].name: n for n in ir.graph.nodes}
@@ -172,6 +172,28 @@ def test_a_reshape_to_its_own_dims_read_back() -> None:
 
 
 @pytest.mark.parametrize(
+    ("target", "allowzero", "same"),
+    [
+        ([0, -1, 0, 8], False, True),  # as the shape rules spell it: the batch and seq copied, the heads follow
+        ([0, 4, 0, 8], False, True),
+        ([0, 4, 0, 8], True, False),  # allowzero: a 0 is a 0
+        ([0, -1, -1, 8], False, False),
+        ([0, 8, 0, 4], False, False),  # heads and head size swapped
+    ],
+)
+def test_a_reshape_to_its_own_dims_from_a_constant_target(target: list[int], allowzero: bool, same: bool) -> None:
+    g = Graph(
+        model(
+            [node("Reshape", ["y", "target"], "out", allowzero=int(allowzero))],
+            [info("y", ["b", 4, "s", 8])],
+            ["out"],
+            [init("target", np.array(target, I64))],
+        )
+    )
+    assert proofs.reshaped_to_itself(g["y"], g["target"], g.site, g["y"], allowzero=allowzero) == same
+
+
+@pytest.mark.parametrize(
     ("target", "found"),
     [
         ([2, 0, 8], [2, 3, 8]),  # the 0 spelled out from the result's known dim
@@ -249,3 +271,41 @@ def test_the_unrepeated_kv_heads() -> None:
     assert proofs.unrepeated(g["repeated"], g.site) is g["kv"]
     wrong = _repeated([3, 2, 2, 5, 8], [3, 4, 5, 8][::-1])  # not (B, Hkv * n, S, d)
     assert proofs.unrepeated(wrong["repeated"], wrong.site) is wrong["repeated"]
+
+
+def _merge_back(target: Sequence[int] | str, x: Sequence[int | str | None] = ("b", 6, 4, 5)) -> bool:
+    """proofs.reshaped_back of Reshape(Reshape(x, [0, -1]), target) to x (the flattening keeps x's batch):
+    ``target`` constant, or "shape" Shape(x), "shape-from-1" Shape(x, start=1), "read" Concat(Shape(x, 0, 1), [6],
+    Shape(x, 2, 3), [-1])."""
+    nodes = [node("Reshape", ["x", "flat"], "flat_x")]
+    params = [init("flat", np.array([0, -1], I64))]
+    if target in ("shape", "shape-from-1"):
+        nodes.append(node("Shape", ["x"], "target", **({"start": 1} if target == "shape-from-1" else {})))
+    elif target == "read":
+        nodes += [node("Shape", ["x"], "batch", start=0, end=1), node("Shape", ["x"], "height", start=2, end=3)]
+        nodes.append(node("Concat", ["batch", "channels", "height", "rest"], "target", axis=0))
+        params += [init("channels", np.array([6], I64)), init("rest", np.array([-1], I64))]
+    else:
+        params.append(init("target", np.array(target, I64)))
+    nodes.append(node("Reshape", ["flat_x", "target"], "back"))
+    graph = Graph(model(nodes, [info("x", list(x))], ["back"], params))
+    return proofs.reshaped_back(graph.nodes["back"], graph["x"], graph.site, (0,))
+
+
+@pytest.mark.parametrize(
+    ("target", "x", "back"),
+    [
+        ("shape", ("b", 6, 4, 5), True),
+        ("shape", (None, 6, None, None), True),  # Shape(x) proves dims no one named
+        ("shape-from-1", ("b", 6, 4, 5), False),
+        ([0, 6, 4, 5], ("b", 6, 4, 5), True),  # the batch copied from the flattening, which kept it
+        ([-1, 6, 4, 5], ("b", 6, 4, 5), True),  # the element count fixes the one -1
+        ([0, 6, 5, 4], ("b", 6, 4, 5), False),
+        ([0, 0, 4, 5], ("b", 6, 4, 5), False),  # a 0 at an axis the flattening did not keep
+        ([0, 6, -1], ("b", 6, 4, 5), False),
+        ([0, 6, 4, 5], ("b", 6, "h", 5), False),  # 4 is not provably h
+        ("read", ("b", 6, "h", "w"), True),
+    ],
+)
+def test_a_reshape_back_to_its_source_shape(target: list[int] | str, x: tuple, back: bool) -> None:
+    assert _merge_back(target, x) is back

@@ -626,3 +626,118 @@ def test_onnx_types_are_asked_again_after_the_graph_changed() -> None:
     model.graph.outputs = [new.outputs[0]]
     infer_model(facts)
     assert str(new.outputs[0].type) == "float[7]"
+
+
+def _contrib_model(
+    nodes: list[onnx.NodeProto], inputs: list[Any], outputs: list[str], **kwargs: Any
+) -> onnx.ModelProto:
+    proto = make_model(
+        nodes, inputs, [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs], **kwargs
+    )
+    proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return proto
+
+
+def test_onnxruntime_contrib_ops_are_typed(tmp_path: Path) -> None:
+    """The com.microsoft ops quantizers write (MatMulNBits, MatMulIntegerToFloat) and the fuse
+    pass emits at --target ort keep their dims, so the rules after them still see shapes: a
+    quantized projection must not hide the head split of the attention it feeds."""
+    rng = np.random.default_rng(0)
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node(
+            "MatMulNBits", ["x", "w4", "s4"], ["q"], domain="com.microsoft", K=32, N=16, bits=4, block_size=32
+        ),
+        helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+        helper.make_node("MatMulIntegerToFloat", ["xq", "w8", "xs", "s8", "xz"], ["k"], domain="com.microsoft"),
+        helper.make_node("DynamicQuantizeMatMul", ["x", "w8", "s8"], ["v"], domain="com.microsoft"),
+        helper.make_node("FusedMatMul", ["q", "k"], ["scores"], domain="com.microsoft", transB=1, alpha=0.5),
+        helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["ctx"], domain="com.microsoft", num_heads=2),
+        helper.make_node(
+            "SkipSimplifiedLayerNormalization",
+            ["ctx", "q", "gamma"],
+            ["normed", "", "", "summed"],
+            domain="com.microsoft",
+        ),
+        helper.make_node("FastGelu", ["normed"], ["y"], domain="com.microsoft"),
+        helper.make_node("Attention", ["x", "w_qkv", "b_qkv"], ["packed"], domain="com.microsoft", num_heads=2),
+    ]
+    proto = _contrib_model(
+        nodes,
+        [helper.make_tensor_value_info("x", f, ["batch", "sequence", 32])],
+        ["scores", "summed", "y", "packed"],
+        initializer=[
+            numpy_helper.from_array(rng.integers(0, 255, (16, 1, 16)).astype(np.uint8), "w4"),
+            numpy_helper.from_array(np.full(16, 0.01, np.float32), "s4"),
+            numpy_helper.from_array(rng.integers(0, 255, (32, 16)).astype(np.uint8), "w8"),
+            numpy_helper.from_array(np.array(0.01, np.float32), "s8"),
+            numpy_helper.from_array(np.ones(16, np.float32), "gamma"),
+            numpy_helper.from_array(rng.standard_normal((32, 48)).astype(np.float32), "w_qkv"),
+            numpy_helper.from_array(np.zeros(48, np.float32), "b_qkv"),
+        ],
+    )
+    model = onnx_io.from_proto(proto)
+    infer(model)
+    types = {v.name: str(v.type) for v in node_outputs(model) if v.name}
+    for name in ("q", "k", "v", "ctx", "normed", "summed", "y", "packed"):
+        assert types[name] == "float[batch, sequence, 16]", (name, types[name])
+    assert types["scores"] == "float[batch, sequence, sequence]"
+    assert check_against_ort(model, tmp_path / "contrib.onnx") == 2 * 12
+
+
+def test_contrib_ops_with_integer_inputs_are_typed() -> None:
+    """GroupQueryAttention's output is (batch, seq, heads * head size): the query's hidden size,
+    or from packed QKV hidden / (heads + 2 kv heads) * heads; EmbedLayerNormalization's is
+    (batch, seq, the word table's hidden) with an int32 mask index per batch row."""
+    i32 = TensorProto.INT32
+    shared = ["", "", "past_k", "past_v", "seqlens", "total"]
+    nodes = [
+        helper.make_node(
+            "GroupQueryAttention",
+            ["q", "k", "v", *shared[2:]],
+            ["a", "pk", "pv"],
+            domain="com.microsoft",
+            num_heads=4,
+            kv_num_heads=2,
+        ),
+        helper.make_node(
+            "EmbedLayerNormalization",
+            ["ids", "", "words", "positions", "", "gamma", "beta"],
+            ["embedded", "mask_index"],
+            domain="com.microsoft",
+        ),
+        helper.make_node(
+            "GroupQueryAttention",
+            ["qkv", *shared],
+            ["p", "pk2", "pv2"],
+            domain="com.microsoft",
+            num_heads=2,
+            kv_num_heads=1,
+        ),
+    ]
+    proto = _contrib_model(
+        nodes,
+        [
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, ["batch", "sequence", 32]),
+            helper.make_tensor_value_info("k", TensorProto.FLOAT, ["batch", "sequence", 16]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, ["batch", "sequence", 16]),
+            helper.make_tensor_value_info("qkv", TensorProto.FLOAT, ["batch", "sequence", 32]),
+            helper.make_tensor_value_info("past_k", TensorProto.FLOAT, ["batch", 2, "past", 8]),
+            helper.make_tensor_value_info("past_v", TensorProto.FLOAT, ["batch", 2, "past", 8]),
+            helper.make_tensor_value_info("seqlens", i32, ["batch"]),
+            helper.make_tensor_value_info("total", i32, []),
+            helper.make_tensor_value_info("ids", i32, ["batch", "sequence"]),
+        ],
+        ["a", "p", "embedded"],
+        initializer=[
+            numpy_helper.from_array(np.zeros((50, 24), np.float32), "words"),
+            numpy_helper.from_array(np.zeros((64, 24), np.float32), "positions"),
+            numpy_helper.from_array(np.ones(24, np.float32), "gamma"),
+            numpy_helper.from_array(np.zeros(24, np.float32), "beta"),
+        ],
+    )
+    model = onnx_io.from_proto(proto)
+    infer(model, use_onnx=False)
+    types = {v.name: str(v.type) for v in node_outputs(model)}
+    assert types["a"] == "float[batch, sequence, 32]" and types["p"] == "float[batch, sequence, 16]"
+    assert types["embedded"] == "float[batch, sequence, 24]" and types["mask_index"] == "int32[batch]"

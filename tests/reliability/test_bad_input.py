@@ -214,10 +214,10 @@ def test_no_shape_rule_through_an_opaque_op(tmp_path: Path) -> None:
     model = graphopt.load(source)
     (node,) = [n for n in model.graph if n.op_type == "LayerNormalization"]
     assert node.opaque
-    graphopt.optimize(model, "shape-infer")
+    graphopt.optimize(model, "shape-infer", check=False)
     assert node.outputs[0].type is None  # opset 17's rule would give float32[batch, 8]
     current = graphopt.load(builders.write(builders.layer_norm_at(17), tmp_path, "current.onnx"))
-    graphopt.optimize(current, "shape-infer")
+    graphopt.optimize(current, "shape-infer", check=False)
     (node,) = [n for n in current.graph if n.op_type == "LayerNormalization"]
     assert not node.opaque and node.outputs[0].type is not None
 

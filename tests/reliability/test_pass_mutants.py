@@ -235,7 +235,7 @@ def test_every_pass_takes_every_mutant_graphopt_loads(model: onnx.ModelProto, se
             except InputError:
                 continue  # refused as bad input: nothing for a pass to handle
             for pipeline in [*passes, None]:
-                result = optimize(clone_model(loaded), pipeline, verify=True)
+                result = optimize(clone_model(loaded), pipeline, verify=True, check=False)
                 assert result.report["failures"] == [], (
                     what,
                     result.report["failures"],

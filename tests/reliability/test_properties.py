@@ -51,7 +51,7 @@ def feeds_at(model: onnx.ModelProto, n: int) -> dict[str, np.ndarray]:
 
 
 def optimized(proto: onnx.ModelProto, passes: str | None) -> onnx.ModelProto:
-    result = optimize(from_proto(proto), passes)
+    result = optimize(from_proto(proto), passes, check=False)
     assert result.report["failures"] == [], f"{passes or 'default pipeline'}: {result.report['failures']}"
     result.model.graph.verify()
     return to_proto(result.model)
@@ -84,12 +84,12 @@ def test_the_property_run_saw_every_pass_change_something() -> None:
     def count(proto: onnx.ModelProto) -> None:
         # Each pass runs on the model as shape-infer leaves it (strip-value-info needs types to strip).
         unchanged = serialized(to_proto(from_proto(proto)))
-        inferred = serialized(to_proto(optimize(from_proto(proto), "shape-infer").model))
+        inferred = serialized(to_proto(optimize(from_proto(proto), "shape-infer", check=False).model))
         for name in PASSES:
             if name == "shape-infer":
-                before, result = unchanged, optimize(from_proto(proto), name)
+                before, result = unchanged, optimize(from_proto(proto), name, check=False)
             else:
-                before, result = inferred, optimize(from_proto(proto), f"shape-infer,{name}")
+                before, result = inferred, optimize(from_proto(proto), f"shape-infer,{name}", check=False)
             if serialized(to_proto(result.model)) != before:
                 seen_changed[name] = seen_changed.get(name, 0) + 1
 
@@ -137,7 +137,7 @@ def _rewrite_randomly(model: Model, data: st.DataObject) -> int:
 @given(random_models(), st.data())
 def test_random_rewrites_through_the_builder_keep_numerics(proto: onnx.ModelProto, data: st.DataObject) -> None:
     model = from_proto(proto)
-    optimize(model, "shape-infer")
+    optimize(model, "shape-infer", check=False)
     assert _rewrite_randomly(model, data) > 0
     after = to_proto(model)
     onnx.checker.check_model(after, full_check=True)

@@ -33,7 +33,7 @@ from graphopt.ir.constness import RANDOM_OPS, constant_node_tensor, constant_ten
 from graphopt.ir.rewrite import Namer, can_take_over, replace_value
 from graphopt.passes.base import Pass, PassContext, PassResult, register
 
-__all__ = ["CommonSubexpressionElimination"]
+__all__ = ["CommonSubexpressionElimination", "attribute_key"]
 
 # Two Dropouts in training mode draw two masks; merging them is never worth proving it safe.
 NONDETERMINISTIC_OPS = RANDOM_OPS | {"Dropout"}
@@ -140,7 +140,7 @@ def _node_key(node: Node, random_functions: set[FunctionKey]) -> Hashable | None
     attributes = []
     for name in sorted(node.attributes):
         attr = node.attributes[name]
-        value = ("ref", attr.ref_attr_name) if attr.ref_attr_name else _attr_key(attr)
+        value = ("ref", attr.ref_attr_name) if attr.ref_attr_name else attribute_key(attr)
         if value is None:
             return None
         attributes.append((name, int(attr.kind), value))
@@ -152,7 +152,8 @@ def _node_key(node: Node, random_functions: set[FunctionKey]) -> Hashable | None
     return (node.domain, node.op_type, node.overload, inputs, produced, tuple(attributes))
 
 
-def _attr_key(attr: Attr) -> Hashable | None:
+def attribute_key(attr: Attr) -> Hashable | None:
+    """What makes two attribute values equal (None for a body, which this does not compare)."""
     kind, value = attr.kind, attr.value
     if kind == AttrKind.FLOAT:
         return _float_bits(value)

@@ -5,7 +5,6 @@
 - Initializers with equal content are stored once; a body's copy of an outer
   initializer reads the outer one. An initializer that is also a graph input is never
   merged: the caller may feed it.
-- An ``If`` whose condition is a constant is replaced by the branch it takes, inlined.
 """
 
 from __future__ import annotations
@@ -16,10 +15,10 @@ from collections.abc import Iterator
 import numpy as np
 
 from graphopt.ir import Attr, AttrKind, DataType, Graph, Model, Node, Tensor, TensorType, Value
-from graphopt.ir.constness import constant_array, constant_node_tensor, constant_tensor
+from graphopt.ir.constness import constant_node_tensor, constant_tensor
 from graphopt.ir.rewrite import Namer, replace_value
 
-__all__ = ["constants_to_initializers", "deduplicate_initializers", "inline_constant_ifs", "replace_by_constant"]
+__all__ = ["constants_to_initializers", "deduplicate_initializers", "replace_by_constant"]
 
 
 def _graphs_with_initializers(model: Model) -> Iterator[Graph]:
@@ -109,37 +108,3 @@ def deduplicate_initializers(model: Model, names: Namer) -> int:
 
 def _visible(defining: Graph, reader: Graph) -> bool:
     return any(g is defining for g in reader.enclosing())
-
-
-def inline_constant_ifs(model: Model, names: Namer) -> int:
-    """Replace each ``If`` with a constant condition by the nodes of the branch it takes."""
-    inlined = 0
-    for graph in list(model.all_graphs()):
-        for node in graph.topological():
-            if node.graph is not graph or node.op_type != "If" or not node.in_standard_domain:
-                continue
-            condition = constant_array(node.input(0), limit=1)
-            if condition is None or condition.size != 1:
-                continue
-            branch = node.attr("then_branch" if bool(condition.ravel()[0]) else "else_branch")
-            if branch is None or len(branch.outputs) != len(node.outputs):
-                continue
-            _inline(graph, node, branch, names)
-            inlined += 1
-    return inlined
-
-
-def _inline(graph: Graph, owner: Node, branch: Graph, names: Namer) -> None:
-    for value in list(branch.initializers.values()):
-        branch.initializers.pop(value.name)
-        graph.add_initializer(value)
-    results = branch.outputs
-    branch.outputs = []
-    for inner in branch.topological():
-        branch.remove(inner, safe=False)
-        graph.insert_before(owner, inner)
-    for old, new in zip(owner.outputs, results, strict=True):
-        if new.type is None:
-            new.type = old.type
-        replace_value(old, new, names)
-    graph.remove(owner)

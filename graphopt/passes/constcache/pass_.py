@@ -7,7 +7,9 @@
 4. folding of COMPILE_CONST regions under the size guards (:mod:`.folding`); when a fold
    fed a node of an incomplete type, the model is typed again and steps 2-4 repeat (the
    shape plumbing of TensorFlow "same" padding folds conv after conv this way);
-5. If nodes with a constant condition inlined; equal initializers stored once;
+5. If nodes decided (a constant condition, or branches that compute the same), Loops of no
+   or one iteration and Scans of one inlined (:mod:`.controlflow`); equal initializers
+   stored once;
 6. with runtime constants, the runtime_fold split (:mod:`.runtime`).
 """
 
@@ -24,11 +26,8 @@ from graphopt.ir.rewrite import Builder
 from graphopt.ir.stats import model_stats
 from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.constcache.constants import (
-    constants_to_initializers,
-    deduplicate_initializers,
-    inline_constant_ifs,
-)
+from graphopt.passes.constcache.constants import constants_to_initializers, deduplicate_initializers
+from graphopt.passes.constcache.controlflow import inline_decided_control_flow
 from graphopt.passes.constcache.fold_once import split_runtime
 from graphopt.passes.constcache.folding import Guards, RegionFolder
 from graphopt.passes.constcache.lattice import Lattice, Rules, analyze
@@ -68,14 +67,15 @@ class ConstCacheOptions:
 
 @register
 class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
-    """Fold constant regions under size guards, fold shape plumbing symbolically, cache runtime constants"""
+    """Fold constant regions under size guards, fold shape plumbing symbolically, inline decided If and
+    one-iteration Loop / Scan nodes, cache runtime constants"""
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         names = ctx.names(model)
         details: dict[str, Any] = {}
         details["constants_to_initializers"] = constants_to_initializers(model, names)
-        details["ifs_inlined"] = inline_constant_ifs(model, names)
         make = _Make(model, ctx, self.name)
+        details["control_flow"] = inline_decided_control_flow(model, make)
         details["symbolic"] = {}
         symbolic: Counter[str] = Counter()
         rounds = 0
@@ -98,7 +98,7 @@ class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
             details["runtime_fold"] = split_runtime(model, lattice, deferred, names)
         details["deduplicated"] = deduplicate_initializers(model, names)
         changed = any(
-            details[k] for k in ("constants_to_initializers", "ifs_inlined", "deduplicated", "symbolic")
+            details[k] for k in ("constants_to_initializers", "control_flow", "deduplicated", "symbolic")
         ) or bool(details.get("folded", {}).get("nodes"))
         return PassResult(changed, details)
 
@@ -133,7 +133,8 @@ class ConstCache(Pass, name="const-cache", options=ConstCacheOptions):
         }
         # The last round's refusals: a region refused before a retyping may fold after it.
         details["refused"] = folder.refused
-        details["ifs_inlined"] += inline_constant_ifs(model, ctx.names(model))
+        inlined = Counter(details["control_flow"]) + Counter(inline_decided_control_flow(model, make))
+        details["control_flow"] = dict(sorted(inlined.items()))
         return folder, lattice
 
 

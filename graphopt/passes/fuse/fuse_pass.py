@@ -75,6 +75,11 @@ class FuseOptions:
     max_rounds: int = option(5, "most rounds of shatter then fuse rules per run")
     enable: list[str] = option([], "rules or families to run that are off by default")
     disable: list[str] = option([], "rules or families not to run")
+    through_qdq: bool = option(
+        False,
+        "match the float fusions (activation, attention, norm, rotary) through a static QDQ model's activation "
+        "Q/DQ pairs, which the fused op drops: it reads the dequantized inputs and its result is quantized again",
+    )
     late: bool = option(
         False,
         "also run the late rules, once the others change nothing, or in one more round after max_rounds "
@@ -106,7 +111,8 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
         pending, late_ran = bool(late), not late
         for _ in range(options.max_rounds):
             rounds += 1
-            changed = run_round(model, shatter, site_for, stats) + run_round(model, fuse, site_for, stats)
+            changed = run_round(model, shatter, site_for, stats)
+            changed += run_round(model, fuse, site_for, stats, through_qdq=options.through_qdq)
             late_ran = late_ran or not pending
             if changed == 0:
                 if not pending:
@@ -115,7 +121,7 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
                 fuse, pending = fuse + late, False
         if not late_ran:  # no round was left for them: one more, after the others
             rounds += 1
-            run_round(model, RuleSet(late), site_for, stats)
+            run_round(model, RuleSet(late), site_for, stats, through_qdq=options.through_qdq)
         if CONTRIB_DOMAIN not in model.opset_imports and any(n.domain == CONTRIB_DOMAIN for n in model.all_nodes()):
             model.opset_imports[CONTRIB_DOMAIN] = 1
         if goal < model.opset:

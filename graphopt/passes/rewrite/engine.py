@@ -42,6 +42,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
@@ -52,6 +53,7 @@ from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, replace_nodes
 from graphopt.passes.base import Failure, PassContext
 from graphopt.passes.rewrite.patterns import Bindings, OpPattern, Pattern, PredicateFailed, entries, match, root_ops
+from graphopt.passes.rewrite.qdq import hidden
 
 __all__ = [
     "Match",
@@ -221,7 +223,9 @@ class Rule:
     reasons ("LayerNorm at /enc/ln1: gamma is not constant"). ``exports`` names entries whose
     (single) output may be read outside the match or be a graph output; the build calls
     ``m.export(name, value)`` with what stands for it (a fused op's second output, such as
-    SkipLayerNormalization's residual sum).
+    SkipLayerNormalization's residual sum). ``through_qdq`` lets the rule match a statically
+    quantized model's float computation through its activations' Q/DQ pairs, which its match then
+    drops: a fusion computing in float (see :mod:`graphopt.passes.rewrite.qdq`).
     """
 
     name: str
@@ -237,6 +241,7 @@ class Rule:
     label: str = ""
     doc: str = ""
     exports: tuple[str, ...] = ()
+    through_qdq: bool = False
 
     # The names the pattern binds (what ``m.value`` / ``m.node`` may ask for).
     names: frozenset[str] = field(init=False, repr=False)
@@ -287,6 +292,11 @@ class RuleSet:
 
     def __len__(self) -> int:
         return len(self.rules)
+
+    @cached_property
+    def through_qdq(self) -> tuple[RuleSet, RuleSet]:
+        """(the rules marked ``through_qdq``, the others), each in priority order."""
+        return RuleSet(r for r in self.rules if r.through_qdq), RuleSet(r for r in self.rules if not r.through_qdq)
 
     def rooted_at(self, op_type: str) -> list[tuple[int, Rule]]:
         """(priority, rule) for the rules whose pattern may be rooted at ``op_type``."""
@@ -489,6 +499,8 @@ def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
     ctx, model = site.ctx, site.model
     if _read_since_found(m):
         return False  # the next round's finder sees the new reader (a near miss if it stands)
+    if _entry_gone(m):
+        return False  # the next round's finder sees what stands for it
     builder = ctx.builder(model, site.graph, before=m.root, tag=m.rule.name)
     try:
         found = _replacements(builder, m)
@@ -553,6 +565,14 @@ def _read_since_found(m: Match) -> bool:
     return any(_read_outside(value, inside) for value in _removed_outputs(m, [*m.feeders, *m.nodes]))
 
 
+def _entry_gone(m: Match) -> bool:
+    """Whether a value the match reads lost its producer to a rewrite applied before it this round: an exported
+    entry another match stood for (ort-group-query-attention's KV cache Concat, read by a dead Q K^T MatMul that
+    ort-fusedmatmul-mul matched). Built on, the rewrite would read a value no longer in the graph."""
+    values = (v for v in m.bindings.values() if isinstance(v, Value))
+    return any(v.producer is not None and v.producer.graph is None for v in values)
+
+
 def _removed_outputs(m: Match, nodes: Iterable[Node]) -> Iterator[Value]:
     """The outputs of ``nodes`` that the rewrite removes: all but the root's and a one-output exported
     entry's, which the build stands for."""
@@ -585,15 +605,34 @@ def _read_outside(value: Value, inside: set[int]) -> bool:
     return value.is_graph_output or any(id(use.node) not in inside for use in value.uses())
 
 
-def run_round(model: Model, rules: RuleSet, site_for: Callable[[Graph], Site], stats: RunStats) -> int:
-    """One round of ``rules`` over every graph of ``model``; the number of rewrites."""
+def run_round(
+    model: Model, rules: RuleSet, site_for: Callable[[Graph], Site], stats: RunStats, *, through_qdq: bool = True
+) -> int:
+    """One round of ``rules`` over every graph of ``model``; the number of rewrites.
+
+    In a graph with Q/DQ pairs the rules marked ``through_qdq`` go first, with the pairs hidden
+    (:mod:`graphopt.passes.rewrite.qdq`), then the others on the graph as it is; elsewhere, or
+    when ``through_qdq`` is off, all together, as one rule set."""
     applied = 0
+    through, others = rules.through_qdq if through_qdq else (RuleSet(), rules)
     for graph in list(model.all_graphs()):
         site = site_for(graph)
-        for m in find_matches(graph, rules, site, stats):
-            if apply_match(m, site, stats):
-                stats.applied[m.rule.name] += 1
-                applied += 1
+        remaining = rules
+        if through:
+            with hidden(model, graph, site.ctx) as quantized:
+                if quantized:
+                    applied += _apply_round(graph, through, site, stats)
+                    remaining = others
+        applied += _apply_round(graph, remaining, site, stats)
+    return applied
+
+
+def _apply_round(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> int:
+    applied = 0
+    for m in find_matches(graph, rules, site, stats):
+        if apply_match(m, site, stats):
+            stats.applied[m.rule.name] += 1
+            applied += 1
     return applied
 
 

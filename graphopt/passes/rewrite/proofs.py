@@ -3,16 +3,18 @@
 What a Reshape does to the dims: a head split (batch, seq, heads * head size) -> (batch, seq, heads, head size),
 batch and heads merged to one dim and split again, the merge back to (batch, seq, heads * head size), a target
 that keeps its input's dims (static, symbolic, or read back from the exporters' Shape / Gather plumbing), a
-constant target with its copied dims spelled out; a scalar of a rank; and K and V as attention reads them (K from
-K^T, K and V without grouped-query attention's head repeat).
+constant target with its copied dims spelled out, a Reshape back to its source's shape (a group norm's merge); a
+scalar of a rank; and K and V as attention reads them (K from K^T, K and V without grouped-query attention's head
+repeat).
 
 Each proof answers None (or False, or a reason) where the facts do not prove it, and a rule refuses then. The
-attention rules (rules/attention/) and the shape rules (rules/shape.py) read them; tests/passes/test_proofs.py
-holds their own tests.
+attention rules (rules/attention/), the shape rules (rules/shape.py) and the group norm (rules/norm/) read them;
+tests/passes/test_proofs.py holds their own tests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,14 +178,19 @@ def _kept(merge: Node, target: tuple[Any, ...], axis: int, dim: object) -> bool:
 # -- Reshape targets -------------------------------------------------------------------------------------------
 
 
-def reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -> bool:
+def reshaped_to_itself(source: Value, target: Value, site: Site, query: Value, *, allowzero: bool = False) -> bool:
     """Whether Reshape(source, target) keeps the shape of ``source``, the product P V of an attention
     whose Q is ``query``: each entry of ``target`` (a Concat) is source's own dim there (the batch and
-    query length may also be Q's), read from it or provably equal to it, with at most one -1."""
+    query length may also be Q's), read from it or provably equal to it, with at most one -1; or the
+    target is known and each entry is source's static dim there, a 0 that copies it (not ``allowzero``),
+    or the one -1 (the shape rules spell a target so)."""
     dims, concat = site.shape(source), target.producer
     kept = ints_of(site, target)
-    if dims is not None and None not in dims and kept is not None and tuple(kept) == tuple(dims):
-        return True
+    if dims is not None and kept is not None and len(kept) == len(dims):
+        copied = [want == have or (want == 0 and not allowzero) for want, have in zip(kept, dims, strict=True)]
+        unknown = [axis for axis, want in enumerate(kept) if want == -1]
+        if len(unknown) <= 1 and all(copied[axis] or axis in unknown for axis in range(len(dims))):
+            return True
     if dims is None or concat is None or concat.op_type != "Concat" or len(concat.inputs) != len(dims):
         return False
     free = 0
@@ -198,6 +205,55 @@ def reshaped_to_itself(source: Value, target: Value, site: Site, query: Value) -
         if not (read or (known is not None and len(known) == 1 and known[0] is not None and known[0] in same)):
             return False
     return free <= 1
+
+
+def reshaped_back(merge: Node, source: Value, site: Site, kept: Collection[int]) -> bool:
+    """Whether the Reshape ``merge`` of a value holding as many elements as ``source`` (and source's own dims at
+    the axes ``kept``) provably gives ``source``'s shape: its target is Shape(source), or each entry is source's dim
+    there (as the facts know it, or read from source by Shape / Gather plumbing), a 0 copying a kept axis, or the
+    one -1 (the element count fixes it). Dims of source the facts do not know are proved only by reading them."""
+    target, dims = merge.inputs[1], site.shape(source)
+    node = target.producer if target is not None else None
+    if node is not None and node.op_type == "Shape" and node.inputs[0] is source and node.attr("start", 0) == 0:
+        end = node.attr("end")
+        if end is None or (dims is not None and int(end) >= len(dims)):
+            return True
+    entries = target_entries(site, target, len(dims)) if dims is not None else None
+    if dims is None or entries is None:
+        return False
+    copies, free = not merge.attr("allowzero", 0), 0
+    for axis, (entry, dim) in enumerate(zip(entries, dims, strict=True)):
+        if entry == -1:
+            free += 1
+        elif not (
+            (entry == 0 and copies and axis in kept)
+            or (entry is not None and dim is not None and entry == dim)
+            or reads_dim(target, axis, source, len(dims))
+        ):
+            return False
+    return free <= 1
+
+
+def target_entries(site: Site, target: Value | None, rank: int) -> list[Any] | None:
+    """The ``rank`` entries of a Reshape target as the facts know them, else those of its Concat of one-element
+    pieces that are constants (None for the others); None when neither gives ``rank`` entries."""
+    known = ints_of(site, target)
+    if known is not None:
+        return list(known) if len(known) == rank else None
+    concat = target.producer if target is not None else None
+    if concat is None or concat.op_type != "Concat" or len(concat.inputs) != rank:
+        return None
+    pieces = [Site.array(piece) for piece in concat.inputs]
+    return [int(p.ravel()[0]) if p is not None and p.size == 1 else None for p in pieces]
+
+
+def reads_dim(target: Value | None, axis: int, source: Value, rank: int) -> bool:
+    """Whether entry ``axis`` of the ``rank`` entries of the Reshape target ``target`` (a Concat of one-element
+    pieces) is read from ``source``'s dim ``axis`` (Shape / Gather plumbing)."""
+    concat = target.producer if target is not None else None
+    if concat is None or concat.op_type != "Concat" or len(concat.inputs) != rank:
+        return False
+    return read_dim(concat.inputs[axis], source) == axis
 
 
 def spelled_target(reshape: Node, site: Site) -> np.ndarray | str:

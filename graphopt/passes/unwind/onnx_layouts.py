@@ -14,9 +14,13 @@ only; :func:`role` is the classification the rewrite shares):
 - element-wise ops are SumLike, unwound through their first full-rank non-constant
   input; another non-constant input is paired with it; constant operands are sinks
   (re-laid out offline per use), tied to it or, when they broadcast, to a SumLikeReduce;
-- reductions with known axes (``keepdims=0``) slice their reduced axes away, so the
-  output's layout is the input's without them; with ``keepdims=1``, and for
-  Softmax-like ops and Concat (inputs paired), the output keeps the input's layout;
+- reductions with known axes (``keepdims=0``, and Squeeze) slice their reduced axes
+  away, so the output's layout is the input's without them; with ``keepdims=1`` the
+  output keeps the input's layout;
+- the ops of :data:`per_axis.PER_AXIS_OPS` (Pad, Slice, Resize, Tile, Expand, Concat,
+  Split, Gather, Softmax-like, ...) keep their input's layout, their per-axis parameters
+  rewritten for it (a Concat's inputs are paired); a per-axis input that is not a
+  constant makes the op fixed;
 - every other node (Conv, pooling, MatMul, Gemm, reshapes, anything unknown) is a
   FixedPoint: its inputs are paired with the layout the target profile prescribes and
   its outputs have that layout (``onnx``: row-major everywhere; ``nhwc``: channels last
@@ -42,6 +46,7 @@ from graphopt.ir import AttrKind, Graph, Model, Node, TensorType, Value, ops
 from graphopt.ir.constness import constant_array, is_constant
 from graphopt.layout.problem import Problem
 from graphopt.layout.solution import Solution
+from graphopt.passes.unwind.per_axis import PER_AXIS_OPS, Reading, read_params
 
 __all__ = ["Derivation", "Layout", "Profile", "Role", "derive", "identity", "inverse", "role"]
 
@@ -111,9 +116,9 @@ REDUCTIONS = frozenset(
         "ReduceSumSquare",
     ]
 )
-# The opset from which each reduction reads its axes from an input rather than an attribute.
-_AXES_INPUT_FROM = {op: 13 if op == "ReduceSum" else 18 for op in REDUCTIONS}
-AXIS_OPS = frozenset({"Softmax", "LogSoftmax", "Hardmax"})
+# The opset from which each reduction (and Squeeze, a reduction of unit axes without
+# keepdims) reads its axes from an input rather than an attribute.
+_AXES_INPUT_FROM = {op: 13 if op == "ReduceSum" else 18 for op in REDUCTIONS} | {"Squeeze": 13}
 # Ops whose data input and output a channels-last profile prescribes as NHWC.
 SPATIAL = frozenset(
     [
@@ -149,14 +154,16 @@ def inverse(layout: Layout) -> Layout:
 class Role:
     """How a node relates its inputs' layouts to its outputs' (see the module docstring).
 
-    ``kind`` is transpose, elementwise, reduce, axis, concat or fixed; ``unwind`` the
-    input whose layout an element-wise output takes; ``axes``/``keepdims`` a reduction's.
+    ``kind`` is transpose, elementwise, reduce, per_axis or fixed; ``unwind`` the input
+    whose layout an element-wise output takes; ``axes``/``keepdims`` a reduction's;
+    ``params`` a per-axis op's parameters as read.
     """
 
     kind: str
     unwind: int = 0
     axes: tuple[int, ...] = ()
     keepdims: bool = True
+    params: tuple[Reading, ...] = ()
 
 
 def rank_of(value: Value | None, ranks: dict[Value, int]) -> int | None:
@@ -175,6 +182,8 @@ def role(node: Node, ranks: dict[Value, int], opset: int) -> Role:
     if not node.in_standard_domain or any(True for _ in node.subgraphs()):
         return fixed
     op = node.op_type
+    if op in PER_AXIS_OPS:
+        return _per_axis_role(node, ranks, opset)
     out_rank = rank_of(node.outputs[0], ranks) if len(node.outputs) == 1 else None
     if out_rank is None or not 1 <= out_rank <= MAX_RANK:
         return fixed
@@ -201,21 +210,30 @@ def role(node: Node, ranks: dict[Value, int], opset: int) -> Role:
                 return fixed
         return Role("elementwise", unwind=unwind)
     in_rank = rank_of(node.inputs[0], ranks) if node.inputs else None
-    if op in REDUCTIONS and in_rank is not None:
+    if op in _AXES_INPUT_FROM and in_rank is not None:
         axes = _reduce_axes(node, opset, in_rank)
         if axes is None:
             return fixed
-        keepdims = bool(node.attr("keepdims", 1))
+        keepdims = op != "Squeeze" and bool(node.attr("keepdims", 1))
         return (
             Role("reduce", axes=axes, keepdims=keepdims)
             if out_rank == (in_rank if keepdims else in_rank - len(axes))
             else fixed
         )
-    if op in AXIS_OPS and opset >= 13 and in_rank == out_rank and len(data) == 1:
-        return Role("axis")
-    if op == "Concat" and all(rank_of(v, ranks) == out_rank for v in data) and data:
-        return Role("concat")
     return fixed
+
+
+def _per_axis_role(node: Node, ranks: dict[Value, int], opset: int) -> Role:
+    """A per-axis op keeps its input's rank and layout when its parameters can be rewritten."""
+    spec = PER_AXIS_OPS[node.op_type]
+    rank = rank_of(node.input(0), ranks)
+    if opset < spec.since or rank is None or not 1 <= rank <= MAX_RANK:
+        return Role("fixed")
+    data = [node.input(index) for index in spec.data_inputs(node)]
+    if any(rank_of(v, ranks) != rank for v in [*data, *node.outputs]):
+        return Role("fixed")
+    params = read_params(node, rank)
+    return Role("fixed") if params is None else Role("per_axis", params=params)
 
 
 def _reduce_axes(node: Node, opset: int, rank: int) -> tuple[int, ...] | None:
@@ -242,7 +260,7 @@ def infer_ranks(graph: Graph) -> dict[Value, int]:
     ranks: dict[Value, int] = {}
     for node in graph.topological():
         rank = _output_rank(node, ranks)
-        for value in node.outputs[:1]:
+        for value in node.outputs if node.op_type in PER_AXIS_OPS else node.outputs[:1]:
             if rank_of(value, ranks) is None and rank is not None:
                 ranks[value] = rank
     return ranks
@@ -258,7 +276,9 @@ def _output_rank(node: Node, ranks: dict[Value, int]) -> int | None:
         return None
     if op in UNARY or op in BROADCASTING:
         return None if any(r is None for r in inputs) else max(r for r in inputs if r is not None)
-    if op in SPATIAL or op in AXIS_OPS or op in ("Transpose", "Concat", "Dropout"):
+    if op in SPATIAL or op in ("Transpose", "Dropout"):
+        return first
+    if op in PER_AXIS_OPS and op not in ("Gather", "Expand") and node.attr("keepdims", 1):  # ArgMax's
         return first
     if op in REDUCTIONS and first is not None and not node.attr("keepdims", 1):
         listed = node.attr("axes")
@@ -419,12 +439,14 @@ def derive(model: Model, profile: Profile = "onnx", allow_input_relayout: bool =
                 ends = [1 if axis in node_role.axes else 2 for axis in range(rank)]
                 kept = problem.slice(ins[0], [0] * rank, ends, None, fresh("kept"))
                 tensors[out] = problem.reshape(kept, (2,) * (rank - len(node_role.axes)), fresh(out.name))
-        elif node_role.kind in ("axis", "concat") and ins[0] is not None and out is not None:
+        elif node_role.kind == "per_axis" and ins[0] is not None:
             first = ins[0]
-            for value, tensor in zip(node.inputs[1:], ins[1:]):
-                if tensor is not None and value is not None:
+            for index in PER_AXIS_OPS[node.op_type].data_inputs(node)[1:]:
+                value, tensor = node.inputs[index], ins[index]
+                if tensor is not None and value is not None and not is_constant(value):  # a constant is re-laid out
                     problem.pair(tensor, first, weight(value))
-            tensors[out] = problem.identity(first, fresh(out.name))
+            for value in node.outputs:
+                tensors[value] = problem.identity(first, fresh(value.name))
         else:
             if node_role.kind != "fixed":
                 derivation.roles[node] = Role("fixed")

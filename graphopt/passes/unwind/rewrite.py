@@ -10,10 +10,12 @@ the first reader that wants the prescribed layout):
 
 - a Transpose is a view: its output's holder is its input's, its layouts the input's
   composed with the permutation, and the node goes;
-- an element-wise op, a Softmax-like op, a reduction and a Concat run on holders in
-  their input's flow layout, with axes attributes (Concat ``axis``, reduction ``axes``,
-  Softmax ``axis``) renumbered to it; a non-constant operand held in another layout
-  gets a Transpose, a constant operand is re-laid out offline (a new initializer);
+- an element-wise op, a reduction and a per-axis op (:mod:`per_axis`: Pad, Slice,
+  Concat, Softmax, ...) run on holders in their input's flow layout, with reduction
+  ``axes`` renumbered and the per-axis parameters mapped to it (an attribute rewritten,
+  a constant input replaced by a new one); a non-constant operand held in another
+  layout gets a Transpose, a constant operand is re-laid out offline (a new initializer);
+  a linear or cubic Resize whose mapped scales onnxruntime does not run is fixed;
 - a fixed node reads its inputs row-major (a Transpose where they are not) and writes
   its outputs row-major;
 - a graph output is converted back to row-major under its own name.
@@ -46,6 +48,7 @@ from graphopt.passes.unwind.onnx_layouts import (
     prescribed,
     rank_of,
 )
+from graphopt.passes.unwind.per_axis import PER_AXIS_OPS, Number, as_array, mapped, runs_in
 
 __all__ = ["Plan", "plan"]
 
@@ -122,6 +125,7 @@ class _Planner:
         self.holders: dict[Value, Carrier] = {}
         self.conversions: dict[tuple[int, Layout], Carrier] = {}
         self.relaid: dict[tuple[int, Layout], Carrier] = {}
+        self.parameters: dict[tuple[int, tuple[Number, ...]], Carrier] = {}
         # Constants some node stopped reading (re-laid out or renumbered axes).
         self.replaced: dict[int, Value] = {}
         # Transposes the derivation could not read as views stay.
@@ -213,10 +217,12 @@ class _Planner:
             if kind == "transpose":
                 views.append(node)
                 self._view(node)
-            elif kind in ("elementwise", "concat"):
+            elif kind == "elementwise":
                 self._elementwise(node)
-            elif kind in ("reduce", "axis"):
+            elif kind == "reduce":
                 self._axes(node)
+            elif kind == "per_axis":
+                self._per_axis(node)
             else:
                 self._fixed(node)
         for value in dict.fromkeys(graph.outputs):  # an output listed twice is restored once
@@ -244,23 +250,60 @@ class _Planner:
         self.holders[y] = self._holder(x)
 
     def _elementwise(self, node: Node) -> None:
-        role = self._role(node)
-        main_index = role.unwind if role.kind == "elementwise" else 0
+        main_index = self._role(node).unwind
+        target = self._carry(node, main_index, list(range(len(node.inputs))))
+        self._output_layout(node.outputs[0], target)
+
+    def _carry(self, node: Node, main_index: int, indices: list[int]) -> Layout:
+        """Let ``node`` read its inputs at ``indices`` in the flow layout of input
+        ``main_index`` (a constant re-laid out offline, anything else converted); that layout."""
         main = node.inputs[main_index]
         assert main is not None
         target = self._flow(main)
         assert target is not None
-        for index, value in enumerate(node.inputs):
+        for index in indices:
+            value = node.inputs[index]
             if value is None or rank_of(value, self.ranks) == 0:
                 continue
             if index != main_index and is_constant(value):
                 self._read(node, index, self._relaid_constant(value, len(target), target))
             else:
                 self._read(node, index, self._convert(value, target, node))
-        if role.kind == "concat":
-            axis = node.attr("axis", 0) % len(target)
-            self._edit(_set_attribute, node, "axis", inverse(target)[axis])
-        self._output_layout(node.outputs[0], target)
+        return target
+
+    def _per_axis(self, node: Node) -> None:
+        """The op runs in its input's flow layout, its per-axis parameters mapped to it."""
+        readings = self._role(node).params
+        x = node.inputs[0]
+        assert x is not None
+        source = self._flow(x)
+        assert source is not None
+        if not runs_in(node, readings, source):
+            self._fixed(node)
+            return
+        self._carry(node, 0, PER_AXIS_OPS[node.op_type].data_inputs(node))
+        for param, values in mapped(readings, source).items():
+            if isinstance(param.at, str):
+                self._edit(_set_attribute, node, param.at, values[0] if param.maps == "axis" else list(values))
+            else:
+                self._read(node, param.at, self._parameter(node, param.at, values))
+        for value in node.outputs:
+            self._output_layout(value, source)
+
+    def _parameter(self, node: Node, index: int, values: tuple[Number, ...]) -> Carrier:
+        """A constant holding ``values`` in the dtype of ``node``'s input ``index``, which it replaces."""
+        original = node.inputs[index]
+        assert original is not None
+        key = (id(original), values)
+        if key not in self.parameters:
+            made = self.parameters[key] = _Made()
+            self.replaced[id(original)] = original
+            self._edit(self._make_parameter, made, original, values)
+        return self.parameters[key]
+
+    def _make_parameter(self, made: _Made, original: Value, values: tuple[Number, ...]) -> None:
+        array = as_array(constant_array(original), values)
+        made.value = self._builder(None).constant(array, original.name or "parameter")
 
     def _axes(self, node: Node) -> None:
         role = self._role(node)
@@ -271,30 +314,18 @@ class _Planner:
         self._read(node, 0, self._convert(x, source, node))
         where = inverse(source)
         rank = len(source)
-        if role.kind == "axis":
-            axis = node.attr("axis", -1) % rank
-            if where[axis] != axis:
-                self._edit(_set_attribute, node, "axis", where[axis])
-            self._output_layout(node.outputs[0], source)
-            return
         physical = sorted(where[a] for a in role.axes)
         if physical != list(role.axes):
             original = node.inputs[1] if node.attr("axes") is None else None
             if original is None:
                 self._edit(_set_attribute, node, "axes", physical)
             else:
-                made = _Made()
-                self.replaced[id(original)] = original
-                self._edit(self._make_axes, made, physical)
-                self._read(node, 1, made)
+                self._read(node, 1, self._parameter(node, 1, tuple(physical)))
         if role.keepdims:
             self._output_layout(node.outputs[0], source)
         else:
             kept = [a for a in range(rank) if a not in role.axes]
             self._output_layout(node.outputs[0], tuple(kept.index(source[j]) for j in range(rank) if j not in physical))
-
-    def _make_axes(self, made: _Made, axes: list[int]) -> None:
-        made.value = self._builder(None).constant(np.array(axes, dtype=np.int64), "axes")
 
     def _fixed(self, node: Node) -> None:
         """Row-major in and out; the nodes after it take the layout the profile prescribes."""

@@ -390,8 +390,7 @@ def exported_case(name: str, fixture: str) -> Case:
 
 def _fires(case: Case, name: str) -> None:
     proto = case.build()
-    out = fires(proto, name, case.expected, passes=case.passes, **dict(case.settings))
-    assert_same_outputs(proto, out, _feeds(case, proto), rtol=1e-4, atol=1e-4)
+    fires(proto, name, case.expected, _feeds(case, proto), passes=case.passes, **dict(case.settings))
 
 
 def _fires_on_export(name: str, fixture: str) -> None:

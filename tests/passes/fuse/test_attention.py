@@ -37,7 +37,7 @@ from tests.passes.fuse_fixtures import (
     exported_merged_attention,
     softcapped,
 )
-from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, refused
+from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, ops, refused
 from tests.passes.fuse_models import HIDDEN, masked_feeds, ort_attention
 
 
@@ -122,6 +122,154 @@ def _packed(proto: onnx.ModelProto) -> bool:
     return any(n.op_type == "Split" for n in proto.graph.node)
 
 
+# -- GroupQueryAttention: a grouped-query decoder layer with a KV cache, as HF's Llama exports write it ----------
+
+RNG = np.random.default_rng(3)
+GQA_HEADS, GQA_KV_HEADS, GQA_SIZE = 4, 2, 8
+GQA_WIDTH = GQA_HEADS * GQA_SIZE
+
+
+def _weights(*shape: int) -> np.ndarray:
+    return (RNG.standard_normal(shape) * 0.3).astype(np.float32)
+
+
+def _decoder_layer(
+    batch: int | str = 1,
+    seq: int | str = "seq",
+    fill: float = -np.inf,
+    band: str = "past",
+    guard: bool = True,
+    kv_heads: int = GQA_KV_HEADS,
+) -> onnx.ModelProto:
+    """One attention layer of a Llama-style decoder with a KV cache (4 query heads, ``kv_heads`` of 8): Q, K, V
+    projections of ``x`` (batch, ``seq``, 32), K and V joined to the past along the sequence (the present outputs),
+    their heads repeated for the query heads (Unsqueeze, Expand, Reshape) where fewer, the scores masked by
+    ``Where(band and attention_mask, 0, fill)`` with the causal band over the past (``band`` "past": key j <= past +
+    query i; "none": no past offset; "mask": the padding alone), the IsNaN guard after the Softmax (``guard``)."""
+    hidden = (batch, seq, GQA_WIDTH)
+    kv = (batch, kv_heads, "past", GQA_SIZE)
+    nodes = [
+        node("Shape", ["x"], "seq_1d", start=1, end=2),
+        node("Squeeze", ["seq_1d", "zero_axis"], "seq_len"),
+        node("Shape", ["past_key"], "past_1d", start=2, end=3),
+        node("Squeeze", ["past_1d", "zero_axis"], "past_len"),
+        node("Add", ["past_len", "seq_len"], "total_len"),
+        node("Range", ["i0", "total_len", "i1"], "key_index"),
+        node("Unsqueeze", ["key_index", "key_axes"], "keys"),
+        node("Range", ["i0", "seq_len", "i1"], "query_index"),
+        node("Add", ["query_index", "past_len" if band == "past" else "i0"], "positions_1d"),
+        node("Unsqueeze", ["positions_1d", "query_axes"], "positions"),
+        node("LessOrEqual", ["keys", "positions"], "band"),
+        node("Cast", ["attention_mask"], "mask_bool", to=TensorProto.BOOL),
+        node("Unsqueeze", ["mask_bool", "mask_axes"], "padding"),
+        node("And", ["band", "padding"], "allowed"),
+        node("Where", ["padding" if band == "mask" else "allowed", "f_zero", "fill"], "bias"),
+    ]
+    for name in ("q", "k", "v"):
+        nodes += [
+            node("MatMul", ["x", f"w{name}"], f"{name}_proj"),
+            node("Reshape", [f"{name}_proj", f"{name}_split_shape"], f"{name}_split"),
+            node("Transpose", [f"{name}_split"], f"{name}_heads", perm=[0, 2, 1, 3]),
+        ]
+    for name in ("key", "value"):
+        nodes += [
+            node("Concat", [f"past_{name}", f"{name[0]}_heads"], f"present_{name}", axis=2),
+            node("Unsqueeze", [f"present_{name}", "repeat_axis"], f"{name}_wide"),
+            node("Expand", [f"{name}_wide", "repeat"], f"{name}_expanded"),
+            node("Reshape", [f"{name}_expanded", "repeated_shape"], f"{name}_repeated"),
+        ]
+    probs = "probs_guarded" if guard else "probs"
+    nodes += [
+        node("Transpose", ["key_repeated"], "key_t", perm=[0, 1, 3, 2]),
+        node("MatMul", ["q_heads", "key_t"], "qk"),
+        node("Mul", ["qk", "scale"], "scores"),
+        node("Add", ["scores", "bias"], "masked"),
+        node("Softmax", ["masked"], "probs", axis=-1),
+        node("IsNaN", ["probs"], "probs_nan"),
+        node("Where", ["probs_nan", "f_zero", "probs"], "probs_guarded"),
+        node("MatMul", [probs, "value_repeated"], "pv"),
+        node("Transpose", ["pv"], "pv_t", perm=[0, 2, 1, 3]),
+        node("Reshape", ["pv_t", "merge_shape"], "merged"),
+        node("MatMul", ["merged", "wo"], "y"),
+    ]
+    if not guard:
+        nodes = [n for n in nodes if n.output[0] not in ("probs_nan", "probs_guarded")]
+    if kv_heads == GQA_HEADS:  # no repeat: the attention reads the caches
+        repeat = {f"{n}_{step}" for n in ("key", "value") for step in ("wide", "expanded", "repeated")}
+        nodes = [n for n in nodes if n.output[0] not in repeat]
+        for found in nodes:
+            found.input[:] = [f"present_{i.split('_')[0]}" if i.endswith("_repeated") else i for i in found.input]
+    ints = {
+        "zero_axis": [0],
+        "i0": 0,
+        "i1": 1,
+        "key_axes": [0, 1, 2],
+        "query_axes": [0, 1, 3],
+        "mask_axes": [1, 2],
+        "q_split_shape": [0, 0, GQA_HEADS, GQA_SIZE],
+        "k_split_shape": [0, 0, kv_heads, GQA_SIZE],
+        "v_split_shape": [0, 0, kv_heads, GQA_SIZE],
+        "repeat_axis": [2],
+        "repeat": [1, 1, GQA_HEADS // kv_heads, 1, 1],
+        "repeated_shape": [0, GQA_HEADS, -1, GQA_SIZE],
+        "merge_shape": [0, 0, GQA_WIDTH],
+    }
+    initializers = [init(name, np.array(values, np.int64)) for name, values in ints.items()]
+    initializers += [
+        init("f_zero", 0.0),
+        init("fill", fill),
+        init("scale", GQA_SIZE**-0.5),
+        init("wq", _weights(GQA_WIDTH, GQA_WIDTH)),
+        init("wk", _weights(GQA_WIDTH, kv_heads * GQA_SIZE)),
+        init("wv", _weights(GQA_WIDTH, kv_heads * GQA_SIZE)),
+        init("wo", _weights(GQA_WIDTH, GQA_WIDTH)),
+    ]
+    inputs = [
+        info("x", list(hidden)),
+        info("attention_mask", [batch, "total"], TensorProto.INT64),
+        info("past_key", list(kv)),
+        info("past_value", list(kv)),
+    ]
+    return model(nodes, inputs, ["y", "present_key", "present_value"], initializers, opset=18)
+
+
+def _decoder_feeds(
+    batch: int, seq: int, past: int, padded: int = 0, kv_heads: int = GQA_KV_HEADS
+) -> dict[str, np.ndarray]:
+    """Inputs of _decoder_layer: ``seq`` new tokens after ``past`` cached ones, the last row's first ``padded``
+    positions masked (left padding)."""
+    rng = np.random.default_rng(seq * 100 + past)
+    mask = np.ones((batch, past + seq), np.int64)
+    mask[-1, :padded] = 0
+    kv = (batch, kv_heads, past, GQA_SIZE)
+    return {
+        "x": rng.standard_normal((batch, seq, GQA_WIDTH)).astype(np.float32),
+        "attention_mask": mask,
+        "past_key": rng.standard_normal(kv).astype(np.float32),
+        "past_value": rng.standard_normal(kv).astype(np.float32),
+    }
+
+
+GQA_ANY_LENGTH = "ort-group-query-attention-any-length"
+GQA_ANY_SETTINGS: dict[str, Any] = {"target": "ort", "enable": [GQA_ANY_LENGTH]}
+# what the decoder layer keeps around its GroupQueryAttention: the mask's plumbing, the projections, K merged back
+# for the op (Transpose, Reshape), seqlens_k and total_sequence_length from the shapes (Shape, Add, Cast, Sub,
+# Expand, Reshape)
+_GQA_OPS = {
+    **{"Shape": 7, "Squeeze": 2, "Add": 4, "Range": 2, "Unsqueeze": 3, "LessOrEqual": 1, "Cast": 2, "And": 1},
+    **{"Where": 2, "MatMul": 4, "Reshape": 2, "Transpose": 1, "Concat": 1, "Expand": 2, "Sub": 1},
+    **{"GroupQueryAttention": 1, "IsNaN": 1},
+}
+
+_GQA_PERTURBED = (
+    Perturb(set_attr("probs", axis=2), None, note="Softmax axis=2: no MultiHeadAttention to start from"),
+    Perturb(
+        set_shape("x", ["batch", "seq", GQA_WIDTH]),
+        "refuses batch > 1 with several new tokens and a past",
+        note="batch, new tokens and past all dynamic",
+    ),
+)
+
 CASES: dict[str, Case] = {
     "attention": Case(
         _standard_attention,
@@ -151,6 +299,27 @@ CASES: dict[str, Case] = {
         NO_GATE,
         BROADCAST_SETTINGS,
         lambda: fixture_inputs(first_layer("levit_dynamo", BROADCAST_BIAS, BROADCAST_SETTINGS)),
+        passes="shape-infer,fuse,dce",
+    ),
+    "ort-group-query-attention": Case(
+        lambda: _decoder_layer(batch="batch", seq=1),
+        # seqlens_k and total_sequence_length from the shapes (Shape, Add, Cast, Sub, Expand, Reshape), K merged back
+        _GQA_OPS,
+        "key_repeated",
+        *_GQA_PERTURBED,
+        NO_GATE,
+        {"target": "ort"},
+        lambda: _decoder_feeds(2, 1, 6, padded=3),
+        passes="shape-infer,fuse,dce",
+    ),
+    GQA_ANY_LENGTH: Case(
+        _decoder_layer,
+        _GQA_OPS,
+        "key_repeated",
+        *_GQA_PERTURBED,
+        NO_GATE,
+        GQA_ANY_SETTINGS,
+        lambda: _decoder_feeds(1, 4, 3, padded=2),
         passes="shape-infer,fuse,dce",
     ),
     "attention-4d": Case(
@@ -268,6 +437,12 @@ EXPORTED: dict[str, Exported | str] = {
         {"target_opset": 23},
         interior="n/a: the Concats are the rule's exported entries (the present outputs), and nothing else is interior",
     ),
+    **{
+        name: "n/a: the llama_kv fixtures have batch, sequence and past all dynamic (onnxruntime's kernel refuses "
+        "batch > 1 with several new tokens and a past) and the dynamo one fills its mask with finfo.min; the case "
+        "built here is HF's Llama layer with one new token or the batch static"
+        for name in ("ort-group-query-attention", GQA_ANY_LENGTH)
+    },
     "ort-multihead-attention": Exported(
         ("bert_ts", "bert_dynamo"),
         {"MultiHeadAttention": 1},
@@ -417,3 +592,56 @@ def test_a_masked_fill_the_scores_do_not_round_back_to_stays(fill: float) -> Non
     and -inf gives NaN on a fully masked row where the fused op need not: the attention stays, a near miss says why."""
     details = refused(_mpt_with_fill(fill), "ort-multihead-attention", passes="shape-infer,fuse,dce", target="ort")
     assert any("c finite <= -1e30" in m for m in details["near_misses"]["attention"]), details
+
+
+# -- GroupQueryAttention on a KV cache ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layer", "steps", "rule"),
+    [
+        # one new token: a left-padded batch of 2, a first token
+        ({"batch": "batch", "seq": 1}, [(2, 1, 6, 3), (3, 1, 0, 0)], "ort-group-query-attention"),
+        # batch 1, any length: a prompt after a past, a decode step, a first prompt whose left padding masks queries
+        ({}, [(1, 4, 3, 2), (1, 1, 6, 2), (1, 3, 0, 2)], GQA_ANY_LENGTH),
+        # as many kv heads as query heads: no repeat
+        ({"kv_heads": GQA_HEADS}, [(1, 4, 3, 2, GQA_HEADS), (1, 1, 6, 2, GQA_HEADS)], GQA_ANY_LENGTH),
+    ],
+    ids=["decode", "batch-1", "no-grouping"],
+)
+def test_group_query_attention_on_a_cache(layer: dict[str, Any], steps: list[tuple[int, ...]], rule: str) -> None:
+    """The grouped-query decoder layer becomes one GroupQueryAttention whose present outputs are the graph's, equal
+    to the export's in onnxruntime at prompt and decode shapes, left padding included."""
+    proto = _decoder_layer(**layer)
+    out, details = fuse(proto, "shape-infer,fuse,dce", enable=[GQA_ANY_LENGTH], target="ort")
+    assert details["applied"].get(rule) == 1, details
+    assert ops(out)["GroupQueryAttention"] == 1 and "MultiHeadAttention" not in ops(out)
+    (gqa,) = [n for n in out.graph.node if n.op_type == "GroupQueryAttention"]
+    assert list(gqa.output[1:]) == ["present_key", "present_value"]
+    for step in steps:
+        assert_same_outputs(proto, out, _decoder_feeds(*step), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("layer", "reason"),
+    [
+        ({"fill": float(np.finfo(np.float32).min)}, "the mask's fill is not -inf"),
+        ({"band": "none"}, "not provably the causal band over the past"),
+        ({"band": "mask"}, "not provably the causal band over the past"),
+        ({"guard": False}, "is not zeroed after it"),
+        ({"batch": "batch"}, "refuses batch > 1 with several new tokens and a past"),
+        ({}, "not a static count up to 32"),
+    ],
+    ids=["finite-fill", "band-without-past", "padding-only", "no-nan-guard", "dynamic-batch-and-seq", "prompt"],
+)
+def test_group_query_attention_refusals(layer: dict[str, Any], reason: str) -> None:
+    """What GroupQueryAttention would compute otherwise: a finite fill (a fully masked query weighs every key in
+    the export, the kernel zeroes it), a causal band not shifted by the past or none (the kernel's is), NaN not
+    zeroed after the attention, the shapes the CPU kernel refuses, and new tokens read at run time (slower on long
+    prompts: the any-length rule's, off by default). MultiHeadAttention stays."""
+    proto = _decoder_layer(**layer)
+    out, details = fuse(proto, "shape-infer,fuse,dce", target="ort")
+    assert "ort-group-query-attention" not in details["applied"], details
+    assert details["applied"].get("ort-multihead-attention") == 1, details
+    assert any(reason in m for m in details["near_misses"]["attention"]), details
+    assert_same_outputs(proto, out, _decoder_feeds(2 if layer.get("batch") else 1, 3, 2, 1), rtol=1e-4, atol=1e-4)

@@ -21,6 +21,7 @@ from tests.passes.fuse import (
     test_lower,
     test_matmul,
     test_norm,
+    test_qdq,
     test_rotary,
     test_shape,
 )
@@ -40,6 +41,7 @@ FAMILIES: dict[str, ModuleType] = {
     "matmul": test_matmul,
     "noop": test_shape,
     "norm": test_norm,
+    "qdq": test_qdq,
     "rotary": test_rotary,
     "shape": test_shape,
 }

@@ -4,13 +4,18 @@ case on an export too, and the family's own tests follow its table."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto
 
-from tests.numerics import make_feeds
+from graphopt.api import optimize
+from graphopt.io.onnx_io import from_proto
+from graphopt.io.onnx_write import to_proto
+from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse.table import (
     F16,
     NO_GATE,
@@ -33,7 +38,7 @@ from tests.passes.fuse.table import (
     weights,
 )
 from tests.passes.fuse_helpers import info, init, model, node
-from tests.passes.fuse_models import group_norm, keras_layer_norm, layer_norm, skip_norm
+from tests.passes.fuse_models import exported_group_norm, group_norm, keras_layer_norm, layer_norm, skip_norm
 
 
 def _rms_round_trip() -> onnx.ModelProto:
@@ -129,6 +134,12 @@ EXPORTED_SUM = (
     "n/a: the residual sum is exported (the fused op's 4th output) and a read bias Add leaves the bias out "
     "(test_fuse_ort_rules)"
 )
+
+
+def _per_channel_and_row(values: np.ndarray) -> np.ndarray:
+    """A (C, 1, 1) gamma made to vary along the 16 rows of the unet fixture's latents too."""
+    rows = np.linspace(0.5, 1.5, 16, dtype=values.dtype).reshape(1, 16, 1)
+    return (values * rows).astype(values.dtype)
 
 
 def _per_row(values: np.ndarray) -> np.ndarray:
@@ -247,6 +258,14 @@ CASES: dict[str, Case] = {
 }
 
 EXPORTED: dict[str, Exported | str] = {
+    "groupnorm": Exported(
+        ("unet_dynamo", "unet_ts"),
+        {"GroupNormalization": 1},
+        constant_at("gamma", _per_channel_and_row, "gamma is not per channel", "gamma (C, 16, 1), per row too"),
+        untyped_at(("x",), "no known float type and rank"),
+        target_opset(20, "needs opset >= 21"),
+        {"target_opset": 23},
+    ),
     "layernorm-residual-sum": Exported(
         ("gpt2_dynamo", "gpt2_ts"),
         {"Sum": 1, "LayerNormalization": 5},
@@ -299,7 +318,6 @@ EXPORTED: dict[str, Exported | str] = {
 # gains an exporter case by moving to EXPORTED; a newer rule has its entry there (test_contract.py).
 BEFORE_EXPORTS: frozenset[str] = frozenset(
     {
-        "groupnorm",
         "groupnorm-no-bias",
         "groupnorm-plain",
         "layernorm",
@@ -317,3 +335,130 @@ BEFORE_EXPORTS: frozenset[str] = frozenset(
 
 # test_the_rule_fires_on_its_model and the other table tests, over this family's table
 globals().update(table_tests(CASES, EXPORTED))
+
+
+# -- GroupNorm as the exporters write it (diffusers' UNets and VAEs) ----------------------------------------------
+
+
+def _group_norm_runs(proto: onnx.ModelProto, **settings: object) -> tuple[onnx.ModelProto, dict]:
+    """The default pipeline on ``proto`` (whose shape rules fold Shape(x) where only the batch is dynamic); the
+    result and the fuse runs' details."""
+    result = optimize(from_proto(proto), strict=True, **settings, check=False)  # type: ignore[arg-type]
+    misses = [m for run in result.report["passes"] if run["pass"] == "fuse" for m in _norm_misses(run)]
+    return to_proto(result.model), {"near_misses": misses}
+
+
+def _norm_misses(run: dict) -> list[str]:
+    return list(run["details"]["near_misses"].get("norm", {}).get("examples", []))
+
+
+def _same_at_two_sizes(original: onnx.ModelProto, out: onnx.ModelProto, tolerance: float = 1e-4) -> None:
+    """Equal outputs at batch 1 and 3, the dynamic spatial dims at two sizes."""
+    declared = [d.dim_value or d.dim_param or None for d in original.graph.input[0].type.tensor_type.shape.dim]
+    elem = onnx.helper.tensor_dtype_to_np_dtype(original.graph.input[0].type.tensor_type.elem_type)
+    for batch, grow in ((1, 1), (3, 2)):
+        shape = [d if isinstance(d, int) else batch if i == 0 else (4 + 2 * i) * grow for i, d in enumerate(declared)]
+        feeds = {"x": RNG.standard_normal(shape).astype(elem)}
+        assert_same_outputs(original, out, feeds, rtol=tolerance, atol=tolerance)
+
+
+def _counts(proto: onnx.ModelProto) -> Counter[str]:
+    return Counter(n.op_type for n in proto.graph.node)
+
+
+SPELLINGS = {
+    # TorchScript, batch dynamic, spatial static: the pipeline folds Shape(x) to [0, 32, 4, 6]
+    "ts-batch": ("zero", "shape", ("batch", 32, 4, 6)),
+    "ts-dynamic": ("zero", "shape", ("batch", 32, "h", "w")),
+    "dynamo-batch": ("zero", "shape-start", ("batch", 32, 4, 6)),
+    "dynamo-static-batch": ("static", "shape-start", (2, 32, "h", "w")),
+    "copied-batch": ("zero", "zero", ("batch", 32, 4, 6)),
+    "inferred-batch": ("zero", "inferred", ("batch", 32, 4, 6)),
+    "read": ("read", "gathered", ("batch", 32, "h", "w")),
+    "read-batch": ("read", "gathered", ("batch", 32, 4, 6)),
+    # dims no one named: only Shape(x) itself proves them
+    "unnamed-dims": ("zero", "shape", (None, 32, None, None)),
+    "rank-3": ("zero", "shape-start", ("batch", 32, 10)),
+}
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_exported_group_norm_becomes_group_normalization(spelling: str) -> None:
+    split, back, dims = SPELLINGS[spelling]
+    original = exported_group_norm(split, back, dims)
+    out, details = _group_norm_runs(original, target_opset=23)
+    assert _counts(out) == {"GroupNormalization": 1}, (_counts(out), details)
+    (fused,) = out.graph.node
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in fused.attribute}
+    assert attributes["num_groups"] == 8 and attributes["epsilon"] == pytest.approx(1e-6)
+    _same_at_two_sizes(original, out)
+
+
+def test_group_norm_before_silu_fuses_the_norm() -> None:
+    original = exported_group_norm(dims=("batch", 32, 4, 6), silu=True)
+    out, _ = _group_norm_runs(original, target_opset=23)
+    assert _counts(out) == {"GroupNormalization": 1, "Sigmoid": 1, "Mul": 1}
+    _same_at_two_sizes(original, out)
+    out, _ = _group_norm_runs(original, target_opset=24)
+    assert _counts(out) == {"GroupNormalization": 1, "Swish": 1}
+
+
+def test_float16_group_norm_fuses_with_float16_weights() -> None:
+    original = exported_group_norm(dims=("batch", 32, "h", "w"), elem_type=F16)
+    out, _ = _group_norm_runs(original, target_opset=23)
+    assert _counts(out) == {"GroupNormalization": 1}
+    weights_of = {t.name: t for t in out.graph.initializer}
+    assert all(weights_of[name].data_type == F16 for name in out.graph.node[0].input[1:])
+    _same_at_two_sizes(original, out, tolerance=4e-3)
+
+
+def test_group_norm_keeps_a_non_trivial_instance_norm_scale() -> None:
+    # gamma_c * (s_g * n + 0) + beta_c: the scale of each group goes into its channels' scale
+    original = exported_group_norm(in_scale=np.linspace(0.5, 2.0, 8).astype(np.float32))
+    out, _ = _group_norm_runs(original, target_opset=23)
+    assert _counts(out) == {"GroupNormalization": 1}
+    _same_at_two_sizes(original, out)
+
+
+def test_target_ort_keeps_the_instance_norm_decomposition() -> None:
+    # onnxruntime's CPU runs GroupNormalization as its function body and has no com.microsoft GroupNorm kernel
+    original = exported_group_norm(dims=("batch", 32, "h", "w"))
+    out, _ = _group_norm_runs(original, target="ort", target_opset=23)
+    assert _counts(out)["InstanceNormalization"] == 1 and "GroupNormalization" not in _counts(out)
+    _same_at_two_sizes(original, out)
+
+
+GROUP_NORM_REFUSALS = {
+    "merge to [0, C, W, H]": (exported_group_norm(back="swapped"), "not provably back to x's shape"),
+    "merge to [0, C, -1]": (exported_group_norm(back="flat"), "not provably back to x's shape"),
+    # 30 * 4 * 6 elements split in 8 groups: each group takes channels in part
+    "30 channels, 8 groups": (exported_group_norm(dims=("batch", 30, 4, 6)), "G dividing the channels"),
+}
+
+
+def test_group_norm_with_a_gamma_not_per_channel_keeps_its_mul_and_add() -> None:
+    original = exported_group_norm(gamma=1 + 0.1 * weights(32, 4, 1))
+    out, details = _group_norm_runs(original, target_opset=23)
+    # groupnorm-plain takes the norm; the scale over (C, H) and the shift stay
+    assert _counts(out) == {"GroupNormalization": 1, "Mul": 1, "Add": 1}
+    assert any("gamma is not per channel" in miss for miss in details["near_misses"]), details
+    _same_at_two_sizes(original, out)
+
+
+@pytest.mark.parametrize("case", list(GROUP_NORM_REFUSALS))
+def test_group_norm_refusals(case: str) -> None:
+    original, reason = GROUP_NORM_REFUSALS[case]
+    out, details = _group_norm_runs(original, target_opset=23)
+    assert "GroupNormalization" not in _counts(out)
+    assert any(reason in miss for miss in details["near_misses"]), details
+    _same_at_two_sizes(original, out)
+
+
+def test_group_norm_with_an_instance_norm_scale_of_run_time_values_is_refused() -> None:
+    original = exported_group_norm()
+    scale = next(t for t in original.graph.initializer if t.name == "in_scale")
+    original.graph.initializer.remove(scale)
+    original.graph.input.append(info("in_scale", [8]))
+    out, details = _group_norm_runs(original, target_opset=23)
+    assert "GroupNormalization" not in _counts(out)
+    assert any("not constants over the groups" in m for m in details["near_misses"]), details

@@ -110,6 +110,39 @@ EVEN_ODD_ONE_START = slice_start_at("x2", -1, "not the even and odd", "the odd e
 REST_STARTS_LATE = slice_start_at("rest", 1, "the rotated part is not", "the rest starts one later")
 
 
+def _rotary_between_split_and_merge() -> onnx.ModelProto:
+    """com.microsoft RotaryEmbedding (opset 18) on the head split (4 heads of 8) of x (batch, seq, 32), merged straight
+    back: what the attention rules leave of a Llama query for MultiHeadAttention / GroupQueryAttention."""
+    rng = np.random.default_rng(4)
+    angles = rng.uniform(0, 6, (16, 4))
+    nodes = [
+        helper.make_node("Reshape", ["x", "split_shape"], ["x_split"]),
+        helper.make_node("Transpose", ["x_split"], ["x_heads"], perm=[0, 2, 1, 3]),
+        helper.make_node("RotaryEmbedding", ["x_heads", "ids", "cos", "sin"], ["rotated"], domain="com.microsoft"),
+        helper.make_node("Transpose", ["rotated"], ["rotated_t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["rotated_t", "merge_shape"], ["y"]),
+    ]
+    initializers = [
+        numpy_helper.from_array(np.array([0, 0, 4, 8], np.int64), "split_shape"),
+        numpy_helper.from_array(np.array([0, 0, 32], np.int64), "merge_shape"),
+        numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"),
+        numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin"),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 32]),
+        helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"]),
+    ]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    graph.initializer.extend(initializers)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def _rotary_feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {"x": rng.standard_normal((2, 3, 32)).astype(np.float32), "ids": rng.integers(0, 16, (2, 3))}
+
+
 CASES: dict[str, Case] = {
     **_rope_variant_cases(ort=False),
     **_rope_variant_cases(ort=True),
@@ -120,6 +153,17 @@ CASES: dict[str, Case] = {
         Perturb(lambda p: _rope_q(swapped=True)(), "not the two halves", note="the Slices' bounds swapped"),
         Perturb(set_shape("q", ["b", 2, "s", "d"]), "the rotated size is not static"),
         below(23),
+        passes="shape-infer,fuse,dce",
+    ),
+    "ort-rotary-embedding-3d": Case(
+        _rotary_between_split_and_merge,
+        {"RotaryEmbedding": 1},
+        "x_heads",
+        "n/a: the pattern's attributes are the Transposes' perms, and another perm leaves no model that runs",
+        Perturb(set_shape("x", None), "head split of x", note="x of unknown rank"),
+        NO_GATE,
+        {"target": "ort"},
+        _rotary_feeds,
         passes="shape-infer,fuse,dce",
     ),
     "ort-rotary-embedding": Case(
@@ -137,6 +181,8 @@ CASES: dict[str, Case] = {
 }
 
 EXPORTED: dict[str, Exported | str] = {
+    "ort-rotary-embedding-3d": "n/a: no export writes com.microsoft RotaryEmbedding; the spelling is the attention "
+    "rules' on the ort-rotary-embedding rule's output (tests/passes/test_fuse_exports.py runs the llama exports whole)",
     "ort-rotary-embedding": Exported(
         ("llama_dynamo", "llama_ts"),
         {"RotaryEmbedding": 1},

@@ -3,8 +3,12 @@
 Each family module exports its rules as ``RULES``; :data:`LIBRARY` lists them in priority
 order: where two rules rooted at the same op cover as many nodes, the earlier one wins.
 The noop family is not in the library (the ``noop`` pass sweeps it); the shape family
-shares two of its rules.
+shares two of its rules. The fusions that compute in float (activations, attention, norms,
+rotary embeddings, with their onnxruntime forms) match through a quantized model's Q/DQ pairs
+(:func:`through_qdq`).
 """
+
+import dataclasses
 
 from graphopt.passes.fuse.rules import (
     activation,
@@ -18,17 +22,24 @@ from graphopt.passes.fuse.rules import (
     lower,
     matmul,
     norm,
+    qdq,
     rotary,
     shape,
 )
-from graphopt.passes.rewrite.engine import RuleSet
+from graphopt.passes.rewrite.engine import Rule, RuleSet
 
-__all__ = ["LIBRARY"]
+__all__ = ["LIBRARY", "through_qdq"]
+
+
+def through_qdq(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """``rules`` marked to match through Q/DQ pairs (see graphopt/passes/rewrite/qdq.py)."""
+    return tuple(dataclasses.replace(rule, through_qdq=True) for rule in rules)
+
 
 LIBRARY = RuleSet(
-    activation.RULES
+    through_qdq(activation.RULES)
     + arith.RULES
-    + attention.RULES
+    + through_qdq(attention.RULES)
     + conv.RULES
     + embed.RULES
     + expose.RULES
@@ -37,8 +48,9 @@ LIBRARY = RuleSet(
     + lower.RULES
     + matmul.standard.RULES
     + matmul.quantized.RULES
-    + norm.RULES
-    + rotary.RULES
+    + through_qdq(norm.RULES)
+    + qdq.RULES
+    + through_qdq(rotary.RULES)
     + shape.RULES
     + matmul.tied.RULES
 )

@@ -97,6 +97,12 @@ def new_const(b: Builder, array: np.ndarray, like: Value | None, name: str) -> V
     return b.constant(np.ascontiguousarray(array.astype(target)), name)
 
 
+def named_after(source: Value | None, role: str) -> str:
+    """The name of a constant a rule makes from ``source``'s: ``conv1.weight_fused``, so that
+    the source name people trace in Netron survives the rewrite; ``role`` alone for a nameless source."""
+    return f"{source.name}_{role}" if source is not None and source.name else role
+
+
 def attrs_of(node: Node, **overrides: Any) -> dict[str, Any]:
     """``node``'s attributes as Builder keywords, with ``overrides`` (None drops one)."""
     found: dict[str, Any] = dict(node.attributes)

@@ -48,7 +48,7 @@ import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, new_const
+from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, named_after, new_const
 from graphopt.passes.fuse.rules._ort import MS, activated, check_activation, fused_activation
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
@@ -114,11 +114,17 @@ def _scaled_conv(b: Builder, m: Match, plan: _ChannelPlan) -> Value:
     node = b.node(
         conv.op_type,
         conv.inputs[0],
-        new_const(b, w, m.value("w"), "fused_weight"),
-        new_const(b, new_bias, m.value("w"), "fused_bias"),
+        new_const(b, w, m.value("w"), named_after(m.value("w"), "fused")),
+        new_const(b, new_bias, m.value("w"), _folded_bias_name(conv, m.value("w"))),
         **attrs_of(conv),
     )
     return node.outputs[0]
+
+
+def _folded_bias_name(node: Node, weight: Value | None) -> str:
+    """A folded bias is named after the bias it replaces (a Conv's or Gemm's third input), or its weight."""
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    return named_after(bias, "fused") if bias is not None else named_after(weight, "bias_fused")
 
 
 def _channels(conv: Node, w: np.ndarray) -> int:
@@ -345,7 +351,8 @@ def _build_gemm_bn(b: Builder, m: Match, found: tuple[np.ndarray, np.ndarray, np
     node = m.node("gemm")
     like = node.inputs[1]
     trans_a = Site.int_attr(node, "transA", 0) if node.op_type == "Gemm" else 0
-    w, c = new_const(b, weight, like, "fused_weight"), new_const(b, bias, like, "fused_bias")
+    w = new_const(b, weight, like, named_after(like, "fused"))
+    c = new_const(b, bias, like, _folded_bias_name(node, like))
     return b.op("Gemm", node.inputs[0], w, c, transA=trans_a, transB=trans_b)
 
 

@@ -37,7 +37,9 @@ by (batch, seq) int64 position ids (or by one offset shared by the batch), so:
 - a run-time (1, seq, d/2) cache shared by the batch is flattened to (seq, d/2), the ids the offset 0.
 
 The flattening and the ids are made once per cache and shared by the layers. The kernel runs
-float32 and float16, with the caches in x's type.
+float32 and float16, with the caches in x's type. Where the rotated x is a head split merged straight back
+after the op (the query the attention rules take in 3-D), ``ort-rotary-embedding-3d`` runs the op on the 3-D
+projection with num_heads, without the split and merge.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from graphopt.passes.fuse.rules._helpers import shared_reader
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.rewrite.engine import Build, Match, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, Pattern, const, op, optional, var
+from graphopt.passes.rewrite.proofs import HEADS, merge_refusal, split_count
 
 FAMILY = "rotary"
 
@@ -523,6 +526,52 @@ def _build_ort(b: Builder, m: Match, plan: _Plan) -> Value:
     )
 
 
+# -- target ort: the rotary on the 3-D projection between a head split and a head merge -----------------------------
+#
+# onnxruntime's RotaryEmbedding takes x as (batch, seq, heads * head size) with num_heads as well as 4-D. Where the x
+# it rotates is a head split Transpose(Reshape(x3, (B, S, H, d)), [0, 2, 1, 3]) merged straight back after it,
+# Reshape(Transpose(rotated, [0, 2, 1, 3]), (B, S, H * d)) (the query, or GroupQueryAttention's new keys, that the
+# attention rules take in 3-D), the op runs on x3 with num_heads = H and the split and merge go (8 such rotaries
+# of 8 heads of 32, 1 thread, ORT_ENABLE_ALL: 0.82x at batch 1 seq 8, 0.88x at batch 2 seq 1, 0.80x at seq 128).
+
+_SPLIT_ROTARY_MERGE = op.Reshape(
+    op.Transpose(
+        op.RotaryEmbedding(
+            op.Transpose(op.Reshape(var("x"), var("split_shape"), name="split"), perm=HEADS, name="split_t"),
+            var("ids"),
+            var("cos"),
+            var("sin"),
+            domain=MS,
+            name="rotary",
+        ),
+        perm=HEADS,
+        name="merge_t",
+    ),
+    var("merge_shape"),
+    name="merge",
+)
+
+
+def _plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
+    rotary = m.node("rotary")
+    counts = split_count(m.node("split").outputs[0], site)
+    x = site.shape(m.value("x"))
+    if counts is None or x is None or len(x) != 3:
+        return "the head split of x (batch, seq, heads * head size) is not provable"
+    heads, size = counts
+    if rotary.attr("num_heads", 0) not in (0, heads):
+        return "the RotaryEmbedding's num_heads is not the head split's"
+    reason = merge_refusal(m.node("merge"), site, heads * size, x[0], x[1])
+    if reason is not None:
+        return reason
+    return {**{name: rotary.attr(name) for name in rotary.attributes}, "num_heads": heads}
+
+
+def _build_3d(b: Builder, m: Match, attributes: dict[str, Any]) -> Value:
+    inputs = (m.value(name) for name in ("x", "ids", "cos", "sin"))
+    return b.op("RotaryEmbedding", *inputs, domain=MS, **attributes)
+
+
 # The spellings, each (rule name suffix, pattern, interleaved, what it rewrites).
 _FORMS = (
     ("", _rope(_HALVES), False, "x * cos + Concat(-x2, x1) * sin (rotate half)"),
@@ -536,17 +585,30 @@ _TARGETS: tuple[tuple[str, Callable[..., _Plan | str], Build, str, dict[str, Any
     ("", _plan, _build, "RotaryEmbedding (opset 23)", {"min_opset": 23}),
 )
 
-RULES: tuple[Rule, ...] = tuple(
+RULES: tuple[Rule, ...] = (
+    *(
+        Rule(
+            name=f"{prefix}rotary-embedding{suffix}",
+            family=FAMILY,
+            pattern=pattern,
+            plan=partial(plan, interleaved),
+            build=build,
+            label="RotaryEmbedding",
+            doc=f"{spelling} -> {written}",
+            **gate,
+        )
+        for prefix, plan, build, written, gate in _TARGETS
+        for suffix, pattern, interleaved, spelling in _FORMS
+    ),
     Rule(
-        name=f"{prefix}rotary-embedding{suffix}",
+        name="ort-rotary-embedding-3d",
         family=FAMILY,
-        pattern=pattern,
-        plan=partial(plan, interleaved),
-        build=build,
+        pattern=_SPLIT_ROTARY_MERGE,
+        plan=_plan_3d,
+        build=_build_3d,
+        targets=frozenset({"ort"}),
         label="RotaryEmbedding",
-        doc=f"{spelling} -> {written}",
-        **gate,
-    )
-    for prefix, plan, build, written, gate in _TARGETS
-    for suffix, pattern, interleaved, spelling in _FORMS
+        doc="head merge of com.microsoft RotaryEmbedding on a head split -> the op on the 3-D projection with "
+        "num_heads (target ort)",
+    ),
 )

@@ -31,8 +31,12 @@ and the merge into it where Q, K and V all have them, ``attention-kv-cache`` a K
 the past (past_key / past_value in, present_key / present_value out). For ``--target ort`` the same match with
 its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``; an attention bias of rank below 4,
 ``ort-multihead-attention-broadcast-bias``, off by default); grouped-query attention
-keeps its repeated heads there (GroupQueryAttention's causal-and-padding mask contract is not
-proven from the exported mask, so it is not written).
+keeps its repeated heads there. On a KV cache whose mask is proven the causal band over the past (any padding
+in the same mask, a -inf fill zeroed after the attention) and whose batch 1, one new token or no past is static,
+that MultiHeadAttention becomes ``GroupQueryAttention`` (``ort-group-query-attention`` for at most 32 new tokens,
+a decode step; ``ort-group-query-attention-any-length``, off by default, for a count read at run time, measured
+slower on long prompts: the K / V heads unrepeated, past_key / past_value in, the Concats' present_key /
+present_value out, the padding kept as its attention_bias).
 
 Attention computed on merged (batch * heads) 3-D tensors, as BLOOM (with its ALiBi bias) and
 fairseq-style bmm attention write it, is read as the 4-D attention it is (``attention-merged-heads``,

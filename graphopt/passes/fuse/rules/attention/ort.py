@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from graphopt.facts.op import SymValue, d_add
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_reader
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.fuse.rules.attention.builds import additive_mask, rows_spelled_out, spelled_out, with_merged_bias
-from graphopt.passes.fuse.rules.attention.plans import Plan4, plan_4d, plan_attention, plan_merged
+from graphopt.passes.fuse.rules.attention.plans import Plan4, cache_parts, plan_4d, plan_attention, plan_merged
 from graphopt.passes.fuse.rules.attention.spellings import FAMILY, MERGED_HEADS, NAN_GUARD, SOFTMAX, core
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, chain, const, either, match, op, optional, var
@@ -29,6 +30,7 @@ from graphopt.passes.rewrite.proofs import (
     merge_refusal,
     reshaped_to_itself,
     split_source,
+    unrepeated,
     unsplit,
 )
 
@@ -49,11 +51,9 @@ from graphopt.passes.rewrite.proofs import (
 # With 4-D K and V onnxruntime wants one shape for both, so where V's head size is not Q's and K's (LeViT's
 # V is twice as wide) K and V go in 3-D, (batch, T, heads * head size), which takes any v_hidden_size.
 #
-# GroupQueryAttention would take grouped-query K / V without the repeat, but its CPU kernel is causal only
-# and reads padding as right padding from seqlens_k, so an export's padding mask stays an attention_bias, and
-# it wants K back in (batch, seq, kv heads * head size) after the rotary: measured against this form
-# (benchmarks/ort_gqa_probe.py, 8 query / 2 kv heads of 32, 1 thread) it ran 0.98x at seq 17 and 1.2x at
-# seq 128, so MultiHeadAttention stays.
+# GroupQueryAttention (for a KV cache) is written from this MultiHeadAttention by ort-group-query-attention
+# below, where it is exact; elsewhere MultiHeadAttention stays: without a past its kernel measured 0.98x at seq 17
+# and 1.2x at seq 128 against this form (benchmarks/ort_gqa_probe.py, 8 query / 2 kv heads of 32, 1 thread).
 
 _PV = op.MatMul(either(NAN_GUARD, SOFTMAX), var("v"), name="pv")
 # The TorchScript exporter reshapes SDPA's output to its own shape (read from it) before the merge.
@@ -81,7 +81,11 @@ def _plan_mha(
     plan = read(m, site)
     if isinstance(plan, str):
         return plan
-    if "same" in m and not reshaped_to_itself(m.node("pv").outputs[0], m.value("same_shape"), site, plan.q):
+    same = m.node("same") if "same" in m else None
+    allowzero = same is not None and bool(site.int_attr(same, "allowzero", 0))
+    if same is not None and not reshaped_to_itself(
+        m.node("pv").outputs[0], m.value("same_shape"), site, plan.q, allowzero=allowzero
+    ):
         return "the Reshape after the attention is not provably to its own shape"
     unsupported = cpu_float(site, plan.q, "MultiHeadAttention")
     if unsupported is not None:
@@ -187,6 +191,270 @@ def _four_d(b: Builder, bias: Value, opset: int) -> Value:
         return b.listed("Unsqueeze", bias, "axes", axes, as_input=opset >= 13, name=_BIAS_4D).outputs[0]
 
     return shared_reader(bias, _BIAS_4D, unsqueeze)
+
+
+# -- target ort: onnxruntime's GroupQueryAttention for a KV cache -------------------------------------
+#
+# A decoder with a KV cache, once the rule above wrote its attention, reads
+# MultiHeadAttention(Q, repeat(Concat(past_key, K)), repeat(Concat(past_value, V)), attention_bias) with the Concats
+# as the present outputs and repeat = Reshape(Expand(Unsqueeze(kv, 2))), grouped-query attention's repeat of the
+# K / V heads. That is com.microsoft GroupQueryAttention(Q, K, V (batch, seq, kv heads * head size), past_key,
+# past_value (batch, kv heads, past, head size), seqlens_k, total_sequence_length, attention_bias) whose
+# present_key / present_value are the Concats (batch, kv heads, past + seq, head size), where its CPU kernel
+# (onnxruntime 1.32, float32 and float16, each run in a session) computes what the export does:
+#   - seqlens_k is total - 1 for every row and total_sequence_length the key length (past + seq), read from the
+#     shapes: then the kernel writes each row's new keys after its whole past, as the Concat does. The form
+#     onnxruntime's model builder writes, seqlens_k = ReduceSum(attention_mask) - 1, compacts a padded row's
+#     cache (its new keys go after its valid past), which moves the present outputs; the padding stays in the
+#     attention bias instead, whichever side it is on;
+#   - the kernel masks keys after past + i for query i (causal with the past): the bias must already, so its
+#     mask is proven to be the causal band j <= past + i (And any padding), as HF's decoders build it from
+#     Range(0, total) over keys and Range(0, seq) + past over queries;
+#   - a query whose keys are all masked (a left-padded row's padding in a prompt) gets zeros (float32) or NaN
+#     (float16) from the kernel: the export must zero it as well, a -inf fill with the IsNaN guard after the
+#     attention (a finite fill such as finfo.min weighs every key alike in the export);
+#   - the kernel refuses batch > 1 with several new tokens and a past ("batch_size must be 1 when
+#     sequence_length > 1 and past context is given"), so batch 1, one new token or no past must be static.
+# Against the MultiHeadAttention form (benchmarks/ort_gqa_probe.py, 4 layers of 8 query / 2 kv heads of 32, 1
+# thread, ORT_ENABLE_ALL) its kernel ran a decode step in 0.59x (batch 2, past 17), 0.67x (past 256), 0.44x (batch
+# 1, past 1024), 8 new tokens after 5 in 0.82x and a 32-token prompt in 0.89x, but a 128-token prompt in 1.04x and
+# a 512-token one in 1.12x: ort-group-query-attention takes a static count of new tokens up to 32 (a decode-step
+# graph), ort-group-query-attention-any-length (off by default) also a count read at run time (one graph for the
+# prompt and the decode steps, batch 1).
+# The rotary embedding stays outside: do_rotary reads its cos / sin caches by position, at least
+# total_sequence_length rows of them, and ignores position_ids in a first prompt of several rows; the export
+# computes cos / sin per token from its position_ids at run time.
+
+_KV_AXES = {"key": "k_axes", "value": "v_axes"}
+
+
+def _kv_cache(name: str) -> Pattern:
+    """The ``name`` cache's Concat(past, new), with or without grouped-query attention's repeat of its heads."""
+    cache = op.Concat(var(f"past_{name}"), var(f"new_{name}"), name=f"{name}_cache")
+    unsqueeze = op.Unsqueeze(cache, optional(var(_KV_AXES[name])), name=f"{name}_unsqueeze")
+    expand = op.Expand(unsqueeze, var(f"{name}_wide"), name=f"{name}_expand")
+    return either(op.Reshape(expand, var(f"{name}_heads"), name=f"{name}_repeat"), cache)
+
+
+_GQA = op.MultiHeadAttention(
+    var("query"),
+    _kv_cache("key"),
+    _kv_cache("value"),
+    optional(var("projection_bias")),
+    optional(var("key_padding_mask")),
+    optional(var("attention_bias")),
+    domain=MS,
+    name="mha",
+)
+
+
+@dataclass
+class _GqaPlan:
+    heads: int
+    kv_heads: int
+    scale: float | None
+    mask: Value  # the Where(cond, 0, -inf) under the bias
+
+
+# The most new tokens ort-group-query-attention takes (measured faster up to 32, slower from 128: above).
+_FASTER_NEW_TOKENS = 32
+_ANY_LENGTH = "ort-group-query-attention-any-length"
+
+
+def _plan_gqa(m: Match, site: Site, *, any_length: bool = False) -> _GqaPlan | str:
+    mha = m.node("mha")
+    if "projection_bias" in m or "key_padding_mask" in m or set(mha.attributes) - {"num_heads", "scale"}:
+        return "the MultiHeadAttention has a projection bias, a key padding mask or an attribute besides the scale"
+    query = m.value("query")
+    unsupported = cpu_float(site, query, "GroupQueryAttention")
+    if unsupported is not None:
+        return unsupported
+    caches = [m.node(f"{name}_cache").outputs[0] for name in ("key", "value")]
+    for name, cache in zip(("key", "value"), caches, strict=True):
+        if cache_parts(cache) is None:
+            return f"the {name}s are not a 4-D cache Concat(past, new) along the sequence axis"
+        if f"{name}_repeat" in m and unrepeated(m.node(f"{name}_repeat").outputs[0], site) is not cache:
+            return f"the {name} heads are not provably repeated in groups (grouped-query attention's repeat)"
+    heads = site.int_attr(mha, "num_heads", 0)
+    q_shape, past, new = site.shape(query), site.shape(m.value("past_key")), site.shape(m.value("new_key"))
+    if q_shape is None or past is None or new is None or len(q_shape) != 3:
+        return "the shapes of Q and the key cache are not known"
+    kv_heads, size = past[1], past[3]
+    if not isinstance(kv_heads, int) or not isinstance(size, int) or not heads or heads % kv_heads:
+        return "the cache's kv heads and head size are not static, or do not divide the query heads"
+    value_past = site.shape(m.value("past_value"))
+    if value_past is None or len(value_past) != 4 or (value_past[1], value_past[3]) != (kv_heads, size):
+        return "the value cache's heads and head size are not provably the key cache's"
+    if q_shape[2] != heads * size or new[2] is None or new[2] != q_shape[1]:
+        return "Q is not (batch, seq, heads * head size) over the cache's new keys"
+    if heads != kv_heads and not ("key_repeat" in m and "value_repeat" in m):
+        return "the query heads are more than the cache's and the K / V heads are not repeated to them"
+    if "attention_bias" not in m:
+        return "no attention bias: MultiHeadAttention attends to every key, GroupQueryAttention's kernel is causal"
+    mask = _causal_mask(m, site, q_shape[1], past[2])
+    if isinstance(mask, str):
+        return mask
+    if not (q_shape[0] == 1 or q_shape[1] == 1 or past[2] == 0):
+        return (
+            "onnxruntime's CPU GroupQueryAttention refuses batch > 1 with several new tokens and a past: "
+            "none of batch 1, one new token or no past is static"
+        )
+    short = isinstance(q_shape[1], int) and q_shape[1] <= _FASTER_NEW_TOKENS
+    if short == any_length:
+        return (
+            f"the new tokens are not a static count up to {_FASTER_NEW_TOKENS} (onnxruntime's GroupQueryAttention "
+            f"measured slower on longer prompts; {_ANY_LENGTH} takes them: off by default)"
+            if not short
+            else f"the new tokens are a static count up to {_FASTER_NEW_TOKENS} (ort-group-query-attention's case)"
+        )
+    scale = mha.attr("scale")
+    return _GqaPlan(heads, kv_heads, None if scale is None else float(scale), mask)
+
+
+def _causal_mask(m: Match, site: Site, q_len: Any, past_len: Any) -> Value | str:
+    """The attention bias's ``Where(band [and padding], 0, -inf)`` with the causal band over the past, every fully
+    masked query zeroed after the attention, or why it is not that."""
+    bias = m.value("attention_bias")
+    where = bias.producer
+    if where is not None and where.op_type == "Expand" and where.inputs[0] is not None:
+        where = where.inputs[0].producer  # the bias spelled out over queries and keys (MultiHeadAttention's)
+    if where is None or where.op_type != "Where" or where.inputs[0] is None:
+        return "the attention bias is not a mask Where(cond, 0, fill)"
+    zero, fill = float_array(where.inputs[1]), float_array(where.inputs[2])
+    if zero is None or fill is None or zero.size != 1 or fill.size != 1 or float(zero.ravel()[0]) != 0.0:
+        return "the attention bias is not a mask Where(cond, 0, fill)"
+    if not np.isneginf(fill.ravel()[0]):
+        return (
+            "the mask's fill is not -inf: a query with every key masked weighs them alike in the export, "
+            "GroupQueryAttention zeroes it"
+        )
+    if not _zeroed_if_nan(m.root.outputs[0]):
+        return "the attention's NaN (a query with every key masked) is not zeroed after it, as the kernel does"
+    # past + seq, not the Concat's declared length: an exporter may name that dim apart
+    total = d_add(past_len, q_len)
+    facts = site.ctx.facts(site.model)
+    if total is None or not _causal_band(where.inputs[0], facts.sym, (q_len, past_len, total)):
+        return "the mask is not provably the causal band over the past (key j <= past + query i)"
+    return where.outputs[0]
+
+
+def _zeroed_if_nan(out: Value) -> bool:
+    """Whether every reader of ``out`` is the guard ``Where(IsNaN(out), 0, out)`` (or its IsNaN)."""
+    readers = [use.node for use in out.uses()]
+    guards = [n for n in readers if n.op_type == "Where" and n.inputs[2] is out and n.inputs[0] is not None]
+    for guard in guards:
+        check, zero = guard.inputs[0].producer if guard.inputs[0] else None, float_array(guard.inputs[1])
+        if check is None or check.op_type != "IsNaN" or check.inputs[0] is not out:
+            continue
+        if zero is not None and zero.size == 1 and float(zero.ravel()[0]) == 0.0 and not out.is_graph_output:
+            return all(n is guard or n is check for n in readers)
+    return False
+
+
+Sym = Callable[[Value], SymValue | None]
+
+
+def _causal_band(cond: Value, sym: Sym, lengths: tuple[Any, Any, Any]) -> bool:
+    """Whether ``cond`` (4-D, queries on axis 2 and keys on axis 3) holds nowhere beyond ``key j <= past + query
+    i``, being that band (LessOrEqual(keys, positions) or GreaterOrEqual(positions, keys)) or And of it."""
+    node = cond.producer
+    if node is None:
+        return False
+    if node.op_type == "And":
+        return any(x is not None and _causal_band(x, sym, lengths) for x in node.inputs)
+    if node.op_type not in ("LessOrEqual", "GreaterOrEqual") or None in node.inputs:
+        return False
+    keys, positions = node.inputs if node.op_type == "LessOrEqual" else reversed(node.inputs)
+    q_len, past_len, total = lengths
+    assert keys is not None and positions is not None
+    return _counts_up(keys, 3, 0, total, sym) and _counts_up(positions, 2, past_len, q_len, sym)
+
+
+def _counts_up(value: Value, axis: int, start: Any, count: Any, sym: Sym) -> bool:
+    """Whether 4-D ``value`` is ``start, start + 1, ..., start + count - 1`` along ``axis`` (1 on the other axes):
+    Unsqueeze(Range(start, start + count, 1)) or Unsqueeze(Range(0, count, 1) + start), or, with ``count``
+    static, any int tensor of that shape whose values the shape facts know (a decode step's one position)."""
+    others = tuple(a for a in range(4) if a != axis)
+    inner = _unsqueezed(value, others, sym)
+    if inner is not None:
+        if _range(inner, sym) == (start, d_add(start, count), 1):
+            return True
+        node = inner.producer
+        if node is not None and node.op_type == "Add":
+            for ranged, offset in (node.inputs, reversed(node.inputs)):
+                if ranged is not None and offset is not None and _range(ranged, sym) == (0, count, 1):
+                    return sym(offset) == (start,)
+    wanted = tuple(count if a == axis else 1 for a in range(4))
+    if not isinstance(count, int) or Site.shape(value) != wanted:
+        return False
+    return _contents(value, sym) == tuple(d_add(start, i) for i in range(count))
+
+
+def _contents(value: Value, sym: Sym) -> tuple[Any, ...] | None:
+    """The flattened values of a small int tensor, read through the Reshapes and Unsqueezes that made it."""
+    found = sym(value)
+    node = value.producer
+    while found is None and node is not None and node.op_type in ("Reshape", "Unsqueeze") and node.inputs[0]:
+        found = sym(node.inputs[0])
+        node = node.inputs[0].producer
+    return found
+
+
+def _unsqueezed(value: Value, axes: tuple[int, ...], sym: Sym) -> Value | None:
+    """x where ``value`` is Unsqueeze(x, ``axes``)."""
+    node = value.producer
+    if node is None or node.op_type != "Unsqueeze" or node.inputs[0] is None:
+        return None
+    found = sym(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else node.attr("axes")
+    return node.inputs[0] if found is not None and tuple(found) == axes else None
+
+
+def _range(value: Value, sym: Sym) -> tuple[Any, Any, Any] | None:
+    """(start, limit, delta) of a scalar ``Range``, as symbolic values."""
+    node = value.producer
+    if node is None or node.op_type != "Range" or None in node.inputs:
+        return None
+    found = [sym(x) for x in node.inputs if x is not None]
+    if any(f is None or len(f) != 1 for f in found):
+        return None
+    return tuple(f[0] for f in found if f is not None)  # type: ignore[return-value]
+
+
+def _kv_tokens(b: Builder, x: Value, kv_heads: int, site: Site) -> Value:
+    """(batch, seq, kv heads * head size) from the cache's new (batch, kv heads, seq, head size): the head split's
+    source where it has one."""
+    source = unsplit(x, kv_heads, site)
+    return source if source is not None else _merged_heads(b, x)
+
+
+def _build_gqa(b: Builder, m: Match, plan: _GqaPlan) -> Value:
+    site, query, new_key = m.site, m.value("query"), m.value("new_key")
+    key, value = (_kv_tokens(b, m.value(f"new_{n}"), plan.kv_heads, site) for n in ("key", "value"))
+    # spelled out again: MultiHeadAttention's reads its key length from the repeat, which goes with the match
+    bias = spelled_out(b, plan.mask, new_key, m.node("key_cache").outputs[0])
+    past_key = m.value("past_key")
+    total = b.op("Cast", b.op("Add", b.shape(past_key, 2, 3), b.shape(query, 1, 2)), to=DataType.INT32)
+    one = b.constant(np.ones(1, np.int32), "one")
+    seqlens_k = b.op("Expand", b.op("Sub", total, one), b.shape(query, 0, 1))
+    total_length = b.op("Reshape", total, b.constant(np.zeros(0, np.int64), "scalar"))
+    inputs = [query, key, value, past_key, m.value("past_value"), seqlens_k, total_length]
+    scale: dict[str, Any] = {} if plan.scale is None else {"scale": plan.scale}
+    node = b.node(
+        "GroupQueryAttention",
+        *inputs,
+        None,
+        None,
+        None,
+        bias,
+        domain=MS,
+        outputs=3,
+        num_heads=plan.heads,
+        kv_num_heads=plan.kv_heads,
+        **scale,
+    )
+    m.export("key_cache", node.outputs[1])
+    m.export("value_cache", node.outputs[2])
+    return node.outputs[0]
 
 
 # -- target ort: onnxruntime's Attention with packed projections --------------------------------
@@ -363,6 +631,16 @@ _MHA_RULE = partial(
     Rule, family=FAMILY, pattern=_MHA, build=_build_mha, targets=frozenset({"ort"}), label="MultiHeadAttention"
 )
 
+_GQA_RULE = partial(
+    Rule,
+    family=FAMILY,
+    pattern=_GQA,
+    build=_build_gqa,
+    targets=frozenset({"ort"}),
+    label="GroupQueryAttention",
+    exports=("key_cache", "value_cache"),
+)
+
 RULES: tuple[Rule, ...] = (
     _MHA_RULE(
         name="ort-multihead-attention",
@@ -383,6 +661,22 @@ RULES: tuple[Rule, ...] = (
         doc="4-D scaled dot-product attention with its head merge and an attention bias of rank below 4 that "
         "broadcasts to (batch or 1, heads or 1, S, T), given its leading 1s (LeViT's per-head position bias) -> "
         "com.microsoft MultiHeadAttention (target ort; measured slower)",
+    ),
+    _GQA_RULE(
+        name="ort-group-query-attention",
+        plan=_plan_gqa,
+        doc="MultiHeadAttention on a KV cache's Concat(past, new) (the K / V heads repeated for grouped-query "
+        f"attention), its mask the causal band over the past, at most {_FASTER_NEW_TOKENS} new tokens (a decode "
+        "step) -> com.microsoft GroupQueryAttention with past_key / past_value in and present_key / present_value "
+        "out (target ort)",
+    ),
+    _GQA_RULE(
+        name=_ANY_LENGTH,
+        plan=partial(_plan_gqa, any_length=True),
+        default=False,
+        doc="ort-group-query-attention for new tokens read at run time or more than "
+        f"{_FASTER_NEW_TOKENS} (prompt and decode steps in one graph; measured slower on prompts of 128 tokens "
+        "and more) -> com.microsoft GroupQueryAttention (target ort)",
     ),
     _ORT_ATTENTION(name="ort-attention", pattern=core(_projection("q"), _projection("k"), _projection("v"))),
     _ORT_ATTENTION(name="ort-attention-packed", pattern=core(*_SPLIT_QKV)),

@@ -1,4 +1,4 @@
-"""Normalization family: LayerNorm, RMSNorm and Softmax decompositions become one op.
+"""Normalization family: LayerNorm, RMSNorm, GroupNorm and Softmax decompositions become one op.
 
 LayerNorm. ``mean = ReduceMean(x)``, ``d = x - mean``, ``var = ReduceMean(d^2)`` (``Pow(d, 2)``
 or ``d * d``), ``y = d / Sqrt(var + eps)`` (or ``d * Reciprocal(...)``), then ``* gamma`` and
@@ -14,6 +14,14 @@ any mean here may be either spelling, GlobalAveragePool standing for the axes fr
 
 RMSNorm. ``x / Sqrt(ReduceMean(x^2) + eps) * gamma`` (or ``x * Reciprocal(...)``) ->
 ``RMSNormalization(x, gamma, axis, epsilon)`` (opset 23).
+
+GroupNorm, as both PyTorch exporters write nn.GroupNorm (diffusers' UNets and VAEs): ``Reshape(x, [N, G, -1])``,
+``InstanceNormalization`` (or the mean-variance spelling) over each group, ``Reshape`` back to x's shape, ``* gamma``
+``+ beta`` per channel -> ``GroupNormalization(x, scale, bias, num_groups, epsilon)`` (opset 21, whose scale and
+bias are per channel; opset 18's were per group), the InstanceNormalization's own scale and bias folded into them.
+The split keeps x's batch (a 0, or the batch read from x) and G divides the channels; the merge is provably back
+to x's shape (Shape(x), or a target whose entries are x's dims, a 0 copying the batch or the one -1), which holds
+at dynamic batch and spatial dims; a SiLU after it is the activation rules'. Not for ``--target ort``, see the rule.
 
 Softmax. ``Exp(x - ReduceMax(x)) / ReduceSum(Exp(...))`` (with or without the max) over one
 axis with keepdims -> ``Softmax(x, axis)`` (opset 13, where Softmax is per axis).
@@ -36,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +54,7 @@ from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, 
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.rewrite.engine import Match, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
+from graphopt.passes.rewrite.proofs import reads_dim, reshaped_back, target_entries
 
 FAMILY = "norm"
 
@@ -206,13 +216,14 @@ _ROUND_TRIP_DOC = (
 
 # -- GroupNorm -------------------------------------------------------------------------------------
 
-_SPLIT = op.Reshape(var("x"), const(name="group_shape"), name="split")
+_SPLIT = op.Reshape(var("x"), var("group_shape"), name="split")
 _D_SPLIT = op.Sub(_SPLIT, op.ReduceMean(_SPLIT, optional(const()), name="mean"), name="d")
 _GROUPED = either(
-    op.InstanceNormalization(_SPLIT, const(name="in_scale"), const(name="in_bias"), name="instance"),
+    op.InstanceNormalization(_SPLIT, var("in_scale"), var("in_bias"), name="instance"),
     _normalized(_D_SPLIT, _D_SPLIT),
 )
-_X_SHAPE = op.Shape(var("x"), name="x_shape", where=lambda n: not n.attributes)
+# Shape(x) goes with the match when only the merge reads it (the dynamo exporter writes its start=0)
+_X_SHAPE = op.Shape(var("x"), where=lambda n: n.attr("start", 0) == 0 and n.attr("end") is None)
 _GROUP_NORM = op.Reshape(_GROUPED, either(_X_SHAPE, var("back_shape")), name="merge")
 
 
@@ -240,24 +251,37 @@ def _per_channel(m: Match, name: str, fill: float, rank: int, channels: int) -> 
         return f"{name} is not per channel"
 
 
+def _group_count(m: Match, site: Site, full: tuple[Any, ...]) -> int | str:
+    """G of the split Reshape(x, [N, G, -1]): N a 0 (a copy of x's batch), x's batch as the facts know it or read
+    from x, or -1 with the group's size given; or why not."""
+    x, target = m.value("x"), m.value("group_shape")
+    entries = target_entries(site, target, 3)
+    if entries is None or m.node("split").attr("allowzero", 0):
+        return "the group Reshape is not to a provable [N, G, -1]"
+    batch, groups, rest = entries
+    channels, spatial = full[1], full[2:]
+    if not isinstance(groups, int) or groups <= 0 or channels % groups:
+        return "the group Reshape is not to [N, G, -1] with G dividing the channels"
+    size = channels // groups * int(np.prod(spatial)) if all(isinstance(d, int) for d in spatial) else None
+    kept = batch == 0 or (batch is not None and batch == full[0]) or reads_dim(target, 0, x, 3)
+    if not ((kept and rest in (-1, size)) or (batch == -1 and size is not None and rest == size)):
+        return "the group Reshape is not to [N, G, -1] with G dividing the channels"
+    return groups
+
+
 def _group_plan(m: Match, site: Site) -> _GroupPlan | str:
     x = m.value("x")
     full = site.shape(x)
     if not is_float(x) or full is None or len(full) < 3:
         return "x has no known float type and rank >= 3"
-    channels, spatial = full[1], full[2:]
+    channels = full[1]
     if not isinstance(channels, int):
         return "the channel dim is not static"
-    target = Site.array(m.value("group_shape"))
-    if target is None or target.shape != (3,) or m.node("split").attr("allowzero", 0):
-        return "the group Reshape is not to a constant [N, G, -1]"
-    groups, rest = int(target[1]), int(target[2])
-    static = all(isinstance(d, int) for d in spatial)
-    size = channels // groups * int(np.prod(spatial)) if groups > 0 and static else -1
-    if groups <= 0 or channels % groups or int(target[0]) not in (0, full[0]) or rest not in (-1, size):
-        return "the group Reshape is not to [N, G, -1] with G dividing the channels"
-    back = site.ctx.facts(site.model).sym(m.value("back_shape")) if "back_shape" in m else full
-    if None in full or back != full:
+    groups = _group_count(m, site, full)
+    if isinstance(groups, str):
+        return groups
+    # the groups keep x's batch (axis 0), and its channels (axis 1) when each group is one channel
+    if not reshaped_back(m.node("merge"), x, site, (0, 1) if groups == channels else (0,)):
         return "the merge Reshape is not provably back to x's shape"
     if "instance" in m:
         eps = Site.float_attr(m.node("instance"), "epsilon", 1e-5)
@@ -291,7 +315,7 @@ def _group_norm(b: Builder, m: Match, plan: _GroupPlan) -> Value:
 
 _GN_DOC = (
     "Reshape [N, G, -1] / InstanceNormalization or mean-variance / Reshape back / Mul / Add -> "
-    "GroupNormalization (opset 21, per-channel scale and bias)"
+    "GroupNormalization (opset 21, per-channel scale and bias; not for --target ort)"
 )
 
 
@@ -436,8 +460,18 @@ _ORT_RMS_NORM = partial(
     label="RMSNorm",
     doc=_ORT_RMS_DOC,
 )
+# Not for --target ort: onnxruntime 1.32 has no CPU kernel for GroupNormalization (it runs the onnx function body,
+# 29 nodes; 2.3x the decomposition's time on (2, 64, 32, 32), 1 thread) and its com.microsoft GroupNorm is CUDA
+# only (NOT_IMPLEMENTED on CPU), where the decomposition's InstanceNormalization has a CPU kernel.
 _GROUP_NORM_RULE = partial(
-    Rule, family=FAMILY, plan=_group_plan, build=_group_norm, min_opset=21, label="GroupNorm", doc=_GN_DOC
+    Rule,
+    family=FAMILY,
+    plan=_group_plan,
+    build=_group_norm,
+    min_opset=21,
+    targets=frozenset({"onnx"}),
+    label="GroupNorm",
+    doc=_GN_DOC,
 )
 _ORT_SKIP = partial(Rule, family=FAMILY, targets=frozenset({"ort"}), label="skip norm", exports=("sum",), default=False)
 _SKIP_RMS_DOC = "norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNormalization (target ort)"

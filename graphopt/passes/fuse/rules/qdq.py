@@ -1,0 +1,346 @@
+"""QDQ family: the Q/DQ clean-up of statically quantized models, where it is exact.
+
+A QDQ model (``onnxruntime.quantization.quantize_static``, QDQ format) computes every op on
+dequantized values and quantizes its result again. Around an op that only moves data the
+quantization is then a round trip: ``Q(Move(DQ(q, s, z)), s, z)`` with the same scale, zero
+point and integer type reads each element of ``q`` back. ``DQ`` gives ``y = (q - z) * s``
+rounded to the float type, ``Q`` gives ``round(y / s) + z``: two roundings of relative size
+``u`` (half the float type's spacing) move ``q - z`` by at most ``|q - z| * 2u`` (``3u`` for a
+runtime that divides by multiplying with ``1 / s``), under a half for every int8 or int16
+value in float32 and for int8 in float16, so the round trip gives ``q`` itself, and the
+integer type holds it (no saturation). So:
+
+- ``Q(Move(DQ(q, s, z)), s, z) -> Move(q)`` for Move a Transpose, Reshape, Flatten, Squeeze,
+  Unsqueeze, Slice or Gather (uint8 and 16-bit integers, whose moves onnxruntime's CPU kernels
+  take; not int8, see ``_kernel_refusal``): the data moves as integers, as onnxruntime's own
+  QDQ clean-up (its "drop" action on DQ -> Transpose -> Q and the like) does it at session time.
+  A per-axis quantization stays only where the move carries the DQ's axis to the Q's (a
+  Transpose's perm, a Reshape that keeps the elements of each channel together, a Slice or Gather
+  along another axis). The DQ stays when something else reads it. Not MaxPool, though exact (the
+  largest of a window stays the largest under DQ's increasing map): onnxruntime's int8 MaxPool
+  ran resnet18_ts_qdq 1.24x slower than its float one at ORT_ENABLE_ALL.
+- ``Q(Concat(DQ(a, s, z), DQ(b, s, z), ...), s, z) -> Concat(a, b, ...)`` when every part is
+  dequantized with the Q's parameters (a rotary's halves, a KV cache and its new step).
+- ``Q(DQ(q, s, z), s, z) -> q``: a requantization to the same parameters is the identity
+  (also for 4-bit integers).
+
+A ``Q -> DQ`` on a float activation rounds it to the grid of ``s``: that is the quantization
+itself, and stays. These rules are late: a fusion that sees through an activation's Q -> DQ
+pair (attention's K^T, a rotary's halves) reads the float data movement they would hide.
+
+No rule writes ``DQ(int8 weight) -> MatMul`` as onnxruntime's integer ops for ``--target ort``:
+onnxruntime forms QLinearMatMul itself at ORT_ENABLE_ALL (after making int8 activations uint8),
+and each form written ahead ran slower there (bert_dynamo_qdq, llama_dynamo_qdq: QLinearMatMul
+1.99x and 2.74x, 8-bit MatMulNBits 2.13x and 2.16x, with accuracy_level 4 1.04x and 1.21x); no
+block of 32 of their int8 weights is exact in 4 bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from math import prod
+
+import numpy as np
+
+from graphopt.ir import DataType, Node, Value
+from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, static_shape
+from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.patterns import op, optional, var
+
+__all__ = ["RULES"]
+
+FAMILY = "qdq"
+# Every rule of the family, with the family given once.
+_rule = partial(Rule, family=FAMILY, kind="late")
+
+# Integer types and their value ranges: those onnxruntime's moves take, then those a requantization may have.
+_MOVABLE = {
+    DataType.INT8: (-128, 127),
+    DataType.UINT8: (0, 255),
+    DataType.INT16: (-32768, 32767),
+    DataType.UINT16: (0, 65535),
+}
+_QUANTIZED = {**_MOVABLE, DataType.INT4: (-8, 7), DataType.UINT4: (0, 15)}
+# Ops that move elements without computing on them; input 0 is the data.
+_MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather")
+_RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+# Roundings between q and Q's rounding to an integer (DQ's product, Q's division or its
+# reciprocal and product), each of relative size half the float type's spacing.
+_ROUNDINGS = 3
+
+
+@dataclass(frozen=True)
+class _Params:
+    """A QuantizeLinear's or DequantizeLinear's parameters: the integer type, scale and zero
+    point (float64 arrays, the zero point broadcast like the scale), the scale's float type, and
+    the axis of a per-axis quantization (None: per tensor)."""
+
+    integer: DataType
+    scale: np.ndarray
+    zero: np.ndarray
+    float_type: DataType
+    axis: int | None
+
+
+def _bound_at_call_site(node: Node) -> bool:
+    """Whether an attribute of ``node`` refers to its function's own (known only where it is called)."""
+    return node.opaque or any(attr.ref_attr_name for attr in node.attributes.values())
+
+
+def _params(node: Node, integer: DataType | None, floats: Value | None, rank: int | None) -> _Params | str:
+    """``node``'s parameters, with ``integer`` its integer type, ``floats`` its float tensor and
+    ``rank`` that tensor's rank."""
+    if _bound_at_call_site(node):
+        return f"the {node.op_type}'s attributes are bound at a function's call site"
+    if Site.int_attr(node, "block_size", 0):
+        return "a blocked quantization"
+    if integer is None or integer not in _QUANTIZED:
+        return f"the {node.op_type}'s integer type is not 4-, 8- or 16-bit"
+    scale_type = Site.dtype(node.inputs[1])
+    scale = float_array(node.inputs[1])
+    if scale is None or scale_type is None:
+        return "a scale is not a float constant"
+    if Site.dtype(floats) != scale_type:
+        return f"the {node.op_type}'s float tensor is not of its scale's type"
+    zero_given = node.inputs[2] if len(node.inputs) > 2 else None
+    zero = np.zeros_like(scale) if zero_given is None else Site.array(zero_given)
+    if zero is None or zero.shape != scale.shape:
+        return "a zero point is not a constant of the scale's shape"
+    axis = None
+    if scale.size > 1:
+        if rank is None or scale.ndim != 1:
+            return "a per-axis quantization of unknown rank"
+        axis = Site.int_attr(node, "axis", 1) % rank
+    return _Params(integer, scale.ravel(), zero.astype(np.float64).ravel(), scale_type, axis)
+
+
+def _exact(p: _Params) -> str | None:
+    """Why quantizing ``p``'s dequantized values again may not give them back (None: it does)."""
+    low, high = _QUANTIZED[p.integer]
+    spacing = p.float_type.epsilon
+    span = high - low  # the largest |q - z|
+    if spacing is None:
+        return "the scale's float type is unknown"
+    if span * _ROUNDINGS * spacing / 2 >= 0.5:
+        return f"{p.float_type.name.lower()} cannot hold every {p.integer.name.lower()} step exactly"
+    try:
+        finfo = np.finfo(p.float_type.numpy())
+    except TypeError:
+        return f"no numpy type for {p.float_type.name.lower()}"
+    if not (np.all(np.isfinite(p.scale)) and np.all(p.scale >= finfo.tiny) and span * p.scale.max() < finfo.max):
+        return "a scale is not a positive normal number whose steps stay finite"
+    return None
+
+
+def _same(dq: _Params, q: _Params) -> str | None:
+    """Why ``q`` does not undo ``dq`` (axes aside): another type, scale or zero point."""
+    if dq.integer != q.integer:
+        return f"the integer types differ ({dq.integer.name.lower()} dequantized, {q.integer.name.lower()} quantized)"
+    if dq.float_type != q.float_type or not np.array_equal(dq.scale, q.scale):
+        return "the scales differ"
+    if not np.array_equal(dq.zero, q.zero):
+        return "the zero points differ"
+    return _exact(dq)
+
+
+def _dequantizer(value: Value) -> Node:
+    """The DequantizeLinear that computes ``value`` (the pattern's test found it)."""
+    node = value.producer
+    assert node is not None
+    return node
+
+
+def _is_dequantized(value: Value) -> bool:
+    """Whether a DequantizeLinear computes ``value`` (a structural test: other values are no near miss)."""
+    node = value.producer
+    return node is not None and node.op_type == "DequantizeLinear" and node.in_standard_domain
+
+
+def _dq_params(dq: Node) -> _Params | str:
+    return _params(dq, Site.dtype(dq.inputs[0]), dq.outputs[0], Site.rank(dq.inputs[0]))
+
+
+def _q_params(q: Node) -> _Params | str:
+    return _params(q, Site.dtype(q.outputs[0]), q.inputs[0], Site.rank(q.inputs[0]))
+
+
+# -- Q(DQ(q)) -> q -------------------------------------------------------------------------------
+
+
+def _pair(x: Value, q: Node) -> tuple[_Params, _Params] | str:
+    """The parameters of the DequantizeLinear computing ``x`` and of QuantizeLinear ``q``, or why not readable."""
+    before, after = _dq_params(_dequantizer(x)), _q_params(q)
+    if isinstance(before, str) or isinstance(after, str):
+        return before if isinstance(before, str) else str(after)
+    return before, after
+
+
+def _plan_requantize(m: Match, site: Site) -> str | None:
+    found = _pair(m.value("x"), m.root)
+    if isinstance(found, str):
+        return found
+    before, after = found
+    if before.axis != after.axis:
+        return "the per-axis quantizations are along different axes"
+    return _same(before, after)
+
+
+def _build_requantized(b: Builder, m: Match, plan: None) -> Value:
+    quantized = _dequantizer(m.value("x")).inputs[0]
+    assert quantized is not None  # a DequantizeLinear's input 0 is never omitted
+    return quantized
+
+
+# -- Q(Move(DQ(q))) -> Move(q) -------------------------------------------------------------------
+
+
+def _moved_axis(move: Node, axis: int) -> int | None:
+    """Where ``move`` takes the elements of one index along ``axis`` of its input: the output
+    axis holding exactly them (None: the move mixes or cuts that axis, or it is not provable)."""
+    rank = Site.rank(move.inputs[0])
+    if rank is None:
+        return None
+    if move.op_type == "Transpose":
+        perm = Site.ints_attr(move, "perm") or list(range(rank - 1, -1, -1))
+        return perm.index(axis) if axis in perm else None
+    if move.op_type in _RESHAPES:
+        return _reshaped_axis(move, axis)
+    if move.op_type == "Slice":
+        ends = Site.array(move.inputs[2]) if len(move.inputs) > 2 else None
+        given = move.inputs[3] if len(move.inputs) > 3 else None
+        axes = Site.array(given) if given is not None else None if ends is None else np.arange(ends.size)
+        return None if axes is None or axis in {int(a) % rank for a in axes.ravel()} else axis
+    gathered = Site.int_attr(move, "axis", 0) % rank  # a Gather
+    indices = Site.rank(move.inputs[1])
+    if gathered == axis or indices is None:
+        return None
+    return axis if axis < gathered else axis + indices - 1
+
+
+def _reshaped_axis(move: Node, axis: int) -> int | None:
+    """The output axis of a Reshape-like ``move`` with the same dims before it and the same size:
+    the row-major order is kept, so each element keeps its index along it."""
+    before, after = static_shape(move.inputs[0]), static_shape(move.outputs[0])
+    if before is None or after is None:
+        return None
+    leading = prod(before[:axis])
+    for index, dim in enumerate(after):
+        if prod(after[:index]) == leading and dim == before[axis]:
+            return index
+    return None
+
+
+def _kernel_refusal(op_type: str, integer: DataType) -> str | None:
+    """Why ``op_type`` should not run on ``integer`` (None: it may): a type onnxruntime's CPU kernels
+    do not take, or int8, which onnxruntime on x86 turns into uint8 for its integer kernels only at
+    a Q -> DQ pair it finds adjacent (its QDQ selectors refuse int8 activations there): moved
+    between them, the int8 tensor keeps the MatMul after it in float (gpt2_dynamo_qdq ran 3.6x
+    slower at ORT_ENABLE_ALL, its 256 x 8000 head dequantized on every run)."""
+    if integer == DataType.INT8:
+        return "onnxruntime (x86) makes int8 activations uint8 only at adjacent Q -> DQ pairs, which this would part"
+    return None if integer in _MOVABLE else f"onnxruntime's CPU {op_type} does not take {integer.name.lower()}"
+
+
+def _plan_move(m: Match, site: Site) -> str | None:
+    move = m.node("move")
+    found = _pair(m.value("x"), m.root)
+    if isinstance(found, str):
+        return found
+    before, after = found
+    if _bound_at_call_site(move):
+        return "the move's attributes are bound at a function's call site"
+    refusal = _kernel_refusal(move.op_type, before.integer)
+    if refusal is not None:
+        return refusal
+    if before.axis is not None and _moved_axis(move, before.axis) != after.axis:
+        return "the move does not carry the per-axis quantization's axis to the QuantizeLinear's"
+    if (before.axis is None) != (after.axis is None):
+        return "one quantization is per axis, the other per tensor"
+    return _same(before, after)
+
+
+def _build_moved(b: Builder, m: Match, plan: None) -> Value:
+    move = m.node("move")
+    return b.op(move.op_type, _dequantizer(m.value("x")).inputs[0], *move.inputs[1:], **attrs_of(move))
+
+
+# -- Q(Concat(DQ(a), DQ(b), ...)) -> Concat(a, b, ...) ---------------------------------------------
+
+
+def _parts(concat: Node) -> list[Value]:
+    """The Concat's inputs, each dequantized (the pattern's tests found it)."""
+    return [part for part in concat.inputs if part is not None]
+
+
+def _plan_concat(m: Match, site: Site) -> str | None:
+    concat = m.node("concat")
+    if _bound_at_call_site(concat):
+        return "the Concat's attributes are bound at a function's call site"
+    rank = site.rank(m.root.inputs[0])
+    joined = None if rank is None else site.int_attr(concat, "axis", 0) % rank
+    for part in _parts(concat):
+        found = _pair(part, m.root)
+        if isinstance(found, str):
+            return found
+        before, after = found
+        refusal = _kernel_refusal("Concat", before.integer) or _same(before, after)
+        if refusal is not None:
+            return refusal
+        if before.axis != after.axis or (before.axis is not None and before.axis == joined):
+            return "a per-axis quantization is not along the same axis, other than the joined one"
+    return None
+
+
+def _build_concat(b: Builder, m: Match, plan: None) -> Value:
+    concat = m.node("concat")
+    return b.op("Concat", *(_dequantizer(part).inputs[0] for part in _parts(concat)), **attrs_of(concat))
+
+
+_QUANTIZE = partial(op.QuantizeLinear, name="q", commute=False)
+_PARAMS = (var("scale"), optional(var("zero")))
+_DEQUANTIZED = var("x", _is_dequantized)
+# The most parts of a Concat the rule reads (a rotary's halves, a cache and its new step, ViT's class token).
+_MOST_PARTS = 8
+
+RULES: tuple[Rule, ...] = (
+    _rule(
+        name="qdq-move-integers",
+        pattern=_QUANTIZE(
+            op.any_of(_MOVES, _DEQUANTIZED, *(optional(var(f"_{i}")) for i in range(1, 5)), name="move", commute=False),
+            *_PARAMS,
+        ),
+        plan=_plan_move,
+        build=_build_moved,
+        min_opset=10,
+        label="DequantizeLinear -> move -> QuantizeLinear",
+        doc="Q(Transpose(DQ(q, s, z)), s, z) -> Transpose(q), and Reshape, Flatten, Squeeze, Unsqueeze, Slice, Gather",
+    ),
+    _rule(
+        name="qdq-concat-integers",
+        pattern=_QUANTIZE(
+            op.Concat(
+                _DEQUANTIZED,
+                *(optional(var(f"x{i}", _is_dequantized)) for i in range(1, _MOST_PARTS)),
+                name="concat",
+                commute=False,
+            ),
+            *_PARAMS,
+        ),
+        plan=_plan_concat,
+        build=_build_concat,
+        min_opset=10,
+        label="DequantizeLinear -> Concat -> QuantizeLinear",
+        doc="Q(Concat(DQ(a, s, z), DQ(b, s, z)), s, z) -> Concat(a, b), every part of the same parameters",
+    ),
+    _rule(
+        name="qdq-requantize-same",
+        pattern=_QUANTIZE(_DEQUANTIZED, *_PARAMS),
+        plan=_plan_requantize,
+        build=_build_requantized,
+        min_opset=10,
+        label="DequantizeLinear -> QuantizeLinear",
+        doc="Q(DQ(q, s, z), s, z) -> q",
+    ),
+)

@@ -1,0 +1,286 @@
+"""Fusions through Q/DQ: the float fusions (activation, norm, rotary, attention, with their onnxruntime
+forms) fire on a statically quantized model as on its float original (graphopt/passes/rewrite/qdq.py).
+
+Each case of the families' tables is quantized as deployment tools do it (onnxruntime's quantize_static,
+QDQ format, uint8 activations and int8 weights, calibrated on two draws): every activation between the
+quantized ops goes through QuantizeLinear -> DequantizeLinear, and their constants through
+DequantizeLinear. The rule fires; the fused op reads the dequantized values and its result is quantized
+where the original quantized it, with the original's scales and zero points; no Q/DQ node is new; and
+the result is no further from the float model than the quantized one is (the pairs inside the pattern
+go: the fused op computes in float). A pair whose quantized value or dequantized value has a reader
+outside the pattern keeps it from firing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from tests.cli_helpers import invoke
+from tests.numerics import make_feeds, run_ort
+from tests.passes.fuse import test_activation, test_attention, test_norm, test_rotary
+from tests.passes.fuse.table import Case
+from tests.passes.fuse_helpers import fuse
+
+quantization = pytest.importorskip("onnxruntime.quantization")
+
+FAMILIES = {
+    "activation": test_activation.CASES,
+    "attention": test_attention.CASES,
+    "norm": test_norm.CASES,
+    "rotary": test_rotary.CASES,
+}
+# Rules whose quantized case does not fire, and why (each a limit of the transparency, not a refusal).
+NOT_THROUGH_QDQ = {
+    "hardsigmoid": "Clip's bounds are quantized as activations of another Clip input: the pattern reads them bare",
+    "hardswish": "as hardsigmoid",
+    "hardswish-as-hardsigmoid": "as hardsigmoid",
+    "rotary-embedding": "its cos / sin are a constant 2-D table, which stays quantized (DQ of a matrix)",
+    "ort-rotary-embedding": "as rotary-embedding",
+    "ort-attention": "onnxruntime's Attention packs the projection weights, which stay quantized (int8 matrices)",
+    "ort-attention-packed": "as ort-attention",
+    "ort-group-query-attention": "the case's cache plumbing (Shape, Reshape, Add) comes out otherwise once quantized; "
+    "GroupQueryAttention through Q/DQ is not measured yet",
+    "ort-group-query-attention-any-length": "as ort-group-query-attention",
+}
+QDQ = ("QuantizeLinear", "DequantizeLinear")
+FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+# The ops the rules fuse into (each case's expected counts name the rest of its graph too).
+FUSED = frozenset(
+    {
+        "Attention",
+        "BiasGelu",
+        "FastGelu",
+        "Gelu",
+        "GroupNormalization",
+        "LayerNormalization",
+        "MultiHeadAttention",
+        "QuickGelu",
+        "RMSNormalization",
+        "RotaryEmbedding",
+        "SimplifiedLayerNormalization",
+        "SkipLayerNormalization",
+        "SkipSimplifiedLayerNormalization",
+        "Softmax",
+        "Swish",
+    }
+)
+
+
+class _Calibration:
+    def __init__(self, draws: Iterator[Mapping[str, np.ndarray]]) -> None:
+        self._draws = draws
+
+    def get_next(self) -> Mapping[str, np.ndarray] | None:
+        return next(self._draws, None)
+
+
+def quantized(proto: onnx.ModelProto, feeds: Callable[[int], Mapping[str, np.ndarray]]) -> onnx.ModelProto:
+    """``proto`` as onnxruntime's quantize_static writes it (QDQ, uint8 activations, int8 weights)."""
+    logging.getLogger().setLevel(logging.ERROR)  # quantize_static advises pre-processing on the root logger
+    with tempfile.TemporaryDirectory() as folder:
+        source, target = os.path.join(folder, "float.onnx"), os.path.join(folder, "qdq.onnx")
+        onnx.save(proto, source)
+        quantization.quantize_static(
+            source,
+            target,
+            _Calibration(feeds(seed) for seed in range(2)),
+            quant_format=quantization.QuantFormat.QDQ,
+            weight_type=quantization.QuantType.QInt8,
+        )
+        return onnx.load(target)
+
+
+def _feeds(case: Case, proto: onnx.ModelProto) -> Callable[[int], Mapping[str, np.ndarray]]:
+    if case.feeds is not None:
+        fixed = case.feeds
+        return lambda seed: fixed()
+    return lambda seed: make_feeds(proto, seed)
+
+
+def _cases() -> Iterator[tuple[str, Case]]:
+    for family, cases in FAMILIES.items():
+        for name, case in cases.items():
+            if name not in NOT_THROUGH_QDQ:
+                yield pytest.param(name, case, id=f"{family}-{name}")
+
+
+def _relative_l2(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30))
+
+
+def _producers(proto: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    return {out: n for n in proto.graph.node for out in n.output}
+
+
+def _sources(node: onnx.NodeProto, producers: Mapping[str, onnx.NodeProto], originals: set[str]) -> Iterator[str]:
+    """The values ``node`` reads, followed back through the nodes the rewrite made (a Reshape of Q to 3-D)."""
+    for value in node.input:
+        source = producers.get(value)
+        if source is not None and source.name not in originals and source.op_type not in QDQ:
+            yield from _sources(source, producers, originals)
+        elif value:
+            yield value
+
+
+@pytest.mark.parametrize(("name", "case"), list(_cases()))
+def test_the_rule_fires_through_qdq_and_keeps_the_quantization(name: str, case: Case) -> None:
+    proto = case.build()
+    if any(t.data_type != onnx.TensorProto.FLOAT for t in proto.graph.initializer if t.data_type in FLOATS):
+        pytest.skip("quantize_static takes float32 models")
+    feeds = _feeds(case, proto)
+    qdq = quantized(proto, feeds)
+    out, details = fuse(qdq, case.passes, **case.settings, fuse_through_qdq=True)
+    found = Counter(n.op_type for n in out.graph.node)
+    assert {op: found[op] for op in case.expected} == case.expected, details["near_misses"]
+
+    # No Q/DQ is new, and each keeps its scale and zero point; the fused ops read dequantized values
+    # (or what the original read unquantized) and their results are quantized where the original's were.
+    before = {n.name: list(n.input[1:]) for n in qdq.graph.node if n.op_type in QDQ}
+    after = {n.name: list(n.input[1:]) for n in out.graph.node if n.op_type in QDQ}
+    assert after.items() <= before.items()
+    originals = {n.name for n in qdq.graph.node}
+    producers = _producers(out)
+    read_before = {i for n in qdq.graph.node if n.op_type not in QDQ for i in n.input}
+    for node in out.graph.node:
+        if node.name in originals or node.op_type not in FUSED:
+            continue
+        for value in _sources(node, producers, originals):
+            source = producers.get(value)
+            if source is not None and source.op_type not in QDQ and value not in read_before:
+                raise AssertionError(f"{node.op_type} reads {value!r} of {source.op_type}, which no op read before")
+
+    # The fused op computes in float: no further from the float model than the quantized one is (within a tenth:
+    # one draw of a tiny model, whose output's last rounding both share; the exported attention moves 1.05x).
+    inputs = feeds(7)
+    truth = run_ort(proto, inputs)
+    original, optimized = run_ort(qdq, inputs), run_ort(out, inputs)
+    for output, expected in truth.items():
+        moved = _relative_l2(optimized[output], expected)
+        assert moved <= 1.1 * _relative_l2(original[output], expected) + 1e-6, output
+
+
+def _gelu_qdq() -> onnx.ModelProto:
+    case = test_activation.CASES["gelu-none"]
+    proto = case.build()
+    return quantized(proto, _feeds(case, proto))
+
+
+def _inner_pair(proto: onnx.ModelProto, op_type: str) -> tuple[onnx.NodeProto, onnx.NodeProto]:
+    """The Q and DQ after the GELU's ``op_type`` node."""
+    node = next(n for n in proto.graph.node if n.op_type == op_type)
+    q = next(n for n in proto.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == node.output[0])
+    dq = next(n for n in proto.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0])
+    return q, dq
+
+
+def _with_output(proto: onnx.ModelProto, extra: onnx.NodeProto | None, value: str) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    if extra is not None:
+        out.graph.node.append(extra)
+    out.graph.output.append(helper.make_tensor_value_info(value, onnx.TensorProto.UNDEFINED, None))
+    return out
+
+
+def test_gelu_fires_through_its_pairs() -> None:
+    out, details = fuse(_gelu_qdq(), "shape-infer,fuse", target_opset=20, fuse_through_qdq=True)
+    assert details["applied"] == {"gelu-none": 1}
+    assert Counter(n.op_type for n in out.graph.node)["Gelu"] == 1
+
+
+@pytest.mark.parametrize(
+    "reader",
+    ["quantized", "dequantized", "float"],
+    ids=["second-dq-of-the-quantized-value", "dequantized-value-read-outside", "float-value-read-outside"],
+)
+def test_a_pair_inside_the_pattern_read_outside_keeps_it_unfused(reader: str) -> None:
+    """The Erf's quantized value read by a second DequantizeLinear (a graph output), its dequantized value read
+    by an Identity, or its float value read by one: the pair stays for that reader and GELU does not fire."""
+    qdq = _gelu_qdq()
+    q, dq = _inner_pair(qdq, "Erf")
+    if reader == "quantized":
+        extra = helper.make_node("DequantizeLinear", [q.output[0], *q.input[1:]], ["erf_again"])
+        proto = _with_output(qdq, extra, "erf_again")
+    elif reader == "dequantized":
+        proto = _with_output(qdq, helper.make_node("Identity", [dq.output[0]], ["erf_read"]), "erf_read")
+    else:
+        proto = _with_output(qdq, helper.make_node("Identity", [q.input[0]], ["erf_read"]), "erf_read")
+    out, details = fuse(proto, "shape-infer,fuse", target_opset=20, fuse_through_qdq=True)
+    assert Counter(n.op_type for n in out.graph.node)["Gelu"] == 0
+    assert not details["applied"].get("gelu-none")
+    names_before = Counter(n.op_type for n in proto.graph.node)
+    names_after = Counter(n.op_type for n in out.graph.node)
+    assert names_after["QuantizeLinear"] == names_before["QuantizeLinear"]
+
+
+@pytest.mark.parametrize(("name", "case"), list(_cases()))
+def test_a_second_reader_of_the_quantized_interior_value_keeps_the_rule_from_firing(name: str, case: Case) -> None:
+    """The table's perturbation ``interior`` on the quantized model: the interior value's quantized form gets a
+    second DequantizeLinear, a graph output. The pair stays for it, so the pattern cannot drop it: no fusion."""
+    proto = case.build()
+    if any(t.data_type != onnx.TensorProto.FLOAT for t in proto.graph.initializer if t.data_type in FLOATS):
+        pytest.skip("quantize_static takes float32 models")
+    qdq = quantized(proto, _feeds(case, proto))
+    q = next((n for n in qdq.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == case.interior), None)
+    if q is None:
+        pytest.skip(f"the quantizer leaves {case.interior!r} unquantized")
+    extra = helper.make_node("DequantizeLinear", [q.output[0], *q.input[1:]], ["interior_again"])
+    _, details = fuse(_with_output(qdq, extra, "interior_again"), case.passes, **case.settings, fuse_through_qdq=True)
+    assert not details["applied"].get(name), details["applied"]
+
+
+def test_gelu_fires_through_a_value_quantized_twice() -> None:
+    """Q, DQ, Q, DQ on one edge (what stays when a Reshape to its own shape goes from between two pairs, as the
+    noop pass does on whisper's attention): both pairs are inside the pattern and go with it."""
+    qdq = _gelu_qdq()
+    q, dq = _inner_pair(qdq, "Erf")
+    readers = [n for n in qdq.graph.node if dq.output[0] in n.input]
+    again = [
+        helper.make_node("QuantizeLinear", [dq.output[0], *q.input[1:]], ["erf_q2"], name="erf_q2"),
+        helper.make_node("DequantizeLinear", ["erf_q2", *q.input[1:]], ["erf_dq2"], name="erf_dq2"),
+    ]
+    for reader in readers:
+        reader.input[:] = ["erf_dq2" if i == dq.output[0] else i for i in reader.input]
+    qdq.graph.node.extend(again)
+    out, details = fuse(qdq, "shape-infer,fuse", target_opset=20, fuse_through_qdq=True)
+    assert details["applied"] == {"gelu-none": 1}
+    assert not {"erf_q2", "erf_dq2"} & {n.name for n in out.graph.node}
+
+
+def test_gelu_fires_where_its_constant_was_quantized_as_an_activation() -> None:
+    """A TorchScript export's constants are Constant nodes, which quantize_static quantizes as activations
+    (Constant -> Q -> DQ); once cse merges one with an equal constant read elsewhere, it is read as a constant."""
+    qdq = _gelu_qdq()
+    one = next(n for n in qdq.graph.node if n.output[0] == "one_DequantizeLinear_Output")
+    requantized = [
+        helper.make_node("Constant", [], ["one_float"], value=numpy_helper.from_array(np.array(1.0, np.float32))),
+        helper.make_node("QuantizeLinear", ["one_float", "one_scale", "one_zero_point"], ["one_q"]),
+        helper.make_node("DequantizeLinear", ["one_q", "one_scale", "one_zero_point"], [one.output[0]]),
+        helper.make_node("Identity", ["one_float"], ["one_read"]),
+    ]
+    qdq.graph.node.remove(one)
+    for found in reversed(requantized):
+        qdq.graph.node.insert(0, found)
+    proto = _with_output(qdq, None, "one_read")
+    out, details = fuse(proto, "shape-infer,fuse", target_opset=20, fuse_through_qdq=True)
+    assert details["applied"] == {"gelu-none": 1}
+    assert Counter(n.op_type for n in out.graph.node)["Gelu"] == 1
+
+
+@pytest.mark.parametrize(("flag", "gelus"), [((), 0), (("--fuse-through-qdq",), 1)])
+def test_the_cli_fuses_through_qdq_when_asked(tmp_path: Path, flag: tuple[str, ...], gelus: int) -> None:
+    source, target = tmp_path / "gelu_qdq.onnx", tmp_path / "out.onnx"
+    onnx.save(_gelu_qdq(), source)
+    result = invoke("run", source, "-o", target, "--target-opset", "20", "--no-check", "--quiet", *flag)
+    assert result.exit_code == 0, result.output
+    assert Counter(n.op_type for n in onnx.load(target).graph.node)["Gelu"] == gelus

@@ -141,7 +141,11 @@ def tune_lines(tune: dict[str, Any] | None) -> list[str]:
         measured = f" ({decision['ratio']:.3f} +- {decision['spread']:.3f})" if "ratio" in decision else ""
         lines.append(f"tune: {name} {decision['decision']}{measured}: {decision['reason']}")
     final = tune["final"]
-    outcome = tune["status"] if final is None else f"{final['kept']} kept, tuned / untuned {final['ratio']:.3f}"
+    outcome = tune["status"]
+    if final is not None and final["kept"] == "tuned":
+        outcome = f"tuned output kept, tuned / untuned {final['ratio']:.3f}"
+    elif final is not None:  # the decisions above stand as measured; the output is the untuned one
+        outcome = f"untuned output kept (tuned / untuned {final['ratio']:.3f}: the undoing was not faster)"
     noise = "" if tune["noise"] is None else f", noise {tune['noise']:.3f}"
     lines.append(f"tune: {outcome}{noise} ({tune['seconds']:.1f} s, {tune['rounds']} rounds)")
     if tune.get("reason"):

@@ -130,6 +130,8 @@ def test_the_readme_example_of_optimize_folder_runs(tmp_path: Path, monkeypatch:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     (code,) = [c for c in re.findall(r"```python\n(.*?)```", readme, re.S) if "optimize_folder(" in c]
     _model_folder(tmp_path / "models")
+    mlp(tmp_path / "model.onnx")  # the block's one-file example
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     assert (tmp_path / "optimized" / "a.onnx").is_file() and (tmp_path / "optimized" / "nested" / "b.onnx").is_file()
+    assert (tmp_path / "model.opt.onnx").is_file() and (tmp_path / "report.json").is_file()

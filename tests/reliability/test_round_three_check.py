@@ -154,7 +154,9 @@ def test_the_memory_estimate_stays_within_check_memory(tmp_path: Path) -> None:
     source = tmp_path / "doubling.onnx"
     onnx.save(builders.model(nodes, [builders.float_info("x", [1])], [builders.float_info("y", [1])]), source)
     # The peak memory of graphopt's process tree: a wrapper reads it from its children's usage.
-    command = [*GRAPHOPT, "-q", "check", str(source), str(source), "--check-memory", "0.4"]
+    # 0.5 GB: at 0.4 the second of the two sessions ran out once in a fresh-clone CI run under load (onnxruntime's
+    # arena grows by chunks); the estimate this test guards took 2.4 GB.
+    command = [*GRAPHOPT, "-q", "check", str(source), str(source), "--check-memory", "0.5"]
     wrapper = (
         "import resource, subprocess, sys; "
         f"code = subprocess.run({command!r}).returncode; "

@@ -57,6 +57,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from graphopt.ir.types import DataType
 from graphopt.numerics.compare import relative_l2
 from graphopt.numerics.feeds import Feed
 from graphopt.numerics.paths import EPSILON, inline_array
@@ -127,17 +128,6 @@ def _scaled(array: np.ndarray, eps: float, rng: np.random.Generator) -> np.ndarr
     return np.asarray(array.astype(np.float64) * noise).astype(array.dtype)  # a scale is often 0-d
 
 
-# Bits of a quantization grid by its zero point's type (QuantizeLinear's default: uint8).
-_GRID_BITS = {
-    onnx.TensorProto.UINT8: 8,
-    onnx.TensorProto.INT8: 8,
-    onnx.TensorProto.UINT16: 16,
-    onnx.TensorProto.INT16: 16,
-    onnx.TensorProto.UINT4: 4,
-    onnx.TensorProto.INT4: 4,
-}
-
-
 def _activation_grids(graph: onnx.GraphProto) -> dict[str, int]:
     """The scale initializers of the main graph's QuantizeLinear nodes that quantize a value
     computed at run time (not a weight), with their grid's bits."""
@@ -149,8 +139,9 @@ def _activation_grids(graph: onnx.GraphProto) -> dict[str, int]:
         if node.input[0] in stored or node.input[1] not in stored:
             continue
         zero_point = stored.get(node.input[2]) if len(node.input) > 2 else None
-        bits = _GRID_BITS.get(zero_point.data_type if zero_point is not None else onnx.TensorProto.UINT8)
-        if bits is not None:
+        grid = DataType(zero_point.data_type) if zero_point is not None else DataType.UINT8  # QuantizeLinear's default
+        if grid.name.startswith(("INT", "UINT")):  # a float8 grid is not evenly spaced: left alone
+            bits = grid.itemsize_bits
             grids[node.input[1]] = min(bits, grids.get(node.input[1], bits))
     return grids
 

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Result",
+    "as_onnx",
     "check",
     "diff",
     "input_layouts",
@@ -390,14 +391,24 @@ def diff(a: ModelLike, b: ModelLike) -> dict[str, Any]:
     return diff_inspections(inspect(a), inspect(b))
 
 
+def as_onnx(path: Path, workdir: Path) -> Path:
+    """An ONNX file for onnxruntime: the path itself, or a conversion of a JSON graph into ``workdir``
+    (one folder per model: two JSON graphs of one name must not convert onto each other)."""
+    if path.suffix.lower() != ".json":
+        return path
+    converted = workdir / f"{path.stem}.onnx"
+    save_model(load(path, opaque_ops="quiet"), converted)
+    return converted
+
+
 def _as_file(model: ModelLike, stem: Path) -> Path:
-    """An ONNX file of ``model`` for onnxruntime: its own path, or a copy written under ``stem``."""
-    if isinstance(model, (str, os.PathLike)) and Path(model).suffix.lower() != ".json":
-        return Path(model)
+    """An ONNX file of ``model`` for onnxruntime: its own path (a JSON graph converted), or a copy
+    written under ``stem``."""
     stem.mkdir()
+    if isinstance(model, (str, os.PathLike)):
+        return as_onnx(Path(model), stem)
     file = stem / "model.onnx"
-    loaded = load(Path(model)) if isinstance(model, (str, os.PathLike)) else model
-    save(loaded, file)
+    save(model, file)
     return file
 
 

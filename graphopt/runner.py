@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from graphopt.api import Result, input_layouts, resolve_pipeline, resolve_settings, run_pipeline
+from graphopt.api import Result, as_onnx, input_layouts, resolve_pipeline, resolve_settings, run_pipeline
 from graphopt.errors import GraphoptError, InputError
 from graphopt.files import commit, file_digest, folder_lock, is_staging, staging_folder
 from graphopt.io import data_files, load, save
@@ -124,16 +124,6 @@ def _file_entry(path: Path, data: Path | None, known: dict[str, str] | None = No
     if data is not None:
         entry["external_data"] = describe(data)
     return entry
-
-
-def as_onnx(path: Path, workdir: Path) -> Path:
-    """An ONNX file for onnxruntime: the path itself, or a conversion of a JSON graph into ``workdir``
-    (one folder per model: two JSON graphs of one name must not convert onto each other)."""
-    if path.suffix.lower() != ".json":
-        return path
-    converted = workdir / f"{path.stem}.onnx"
-    save(load(path, opaque_ops="quiet"), converted)
-    return converted
 
 
 def _optimize_with(
@@ -354,8 +344,6 @@ def _restore(
     report = ModelReport.from_json(_renamed(was, paths))
     report.cache = {"status": "hit", "key": cache_key, "stored_seconds": was["seconds"].get("total", 0.0)}
     report.run.seconds = {}
-    # The input is the one whose digest gave the key: described as it is here, under its name here.
-    report.input = {**was["input"], "path": str(source)}
 
     def produce(workdir: Path, staged: Path) -> tuple[dict[str, str], int]:
         def copy() -> None:  # the output's name is in the key: the stored files are named as this run's

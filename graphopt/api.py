@@ -243,14 +243,9 @@ def run_pipeline(
     original = None
     if settings.tune and stop_after is None:
         original = guard.original if guard is not None else Snapshot(model)
-    try:
-        run = pipeline.run(
-            model, pass_context(settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
-        )
-    except BaseException:
-        if guard is not None:
-            guard.cancel()
-        raise
+    run = pipeline.run(
+        model, pass_context(settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
+    )
     seconds = {"optimize": round(time.perf_counter() - start, 6)}
     guarded: dict[str, Any] | None = None
     tuned: dict[str, Any] | None = None

@@ -37,6 +37,7 @@ from typing import Any
 
 from graphopt.ir import Model
 from graphopt.ir.clone import Snapshot
+from graphopt.ir.stats import model_stats
 from graphopt.passes.base import Pass
 from graphopt.passes.pipeline import Group, PassRun, Pipeline, PipelineRun, Step, default_pipeline
 from graphopt.runtime.census import Census, Loss, census_of_file, losses
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # Most rewrites undone for one model: each costs a bisection (log2 of the rewrites applied).
 MAX_UNDONE = 4
+# Weights up to which the original's and the output's censuses run at once (two more copies).
+SIDE_BY_SIDE_BYTES = 2**30
 # Passes never undone: the passes after shape inference read the types it gives.
 _KEPT = frozenset({"shape-infer"})
 # The pass whose rules are undone one by one (its ``disable`` option); other passes go whole.
@@ -171,31 +174,30 @@ Rerun = Callable[[Pipeline, Model], PipelineRun]
 
 
 class RuntimeGuard:
-    """The guard of one run: made on the input before the pipeline changes it (the original's
-    census is taken meanwhile, in a child process), then :meth:`finish` ed on the output (or
-    :meth:`cancel` ed when the pipeline raised)."""
+    """The guard of one run: made on the input before the pipeline changes it, then
+    :meth:`finish` ed on the output."""
 
     def __init__(self, model: Model, original_file: Path | None = None) -> None:
         """``original_file``: the ONNX file ``model`` was read from, which onnxruntime then loads
         as it is (a model saved again costs the time of writing its weights)."""
-        from graphopt.numerics.isolated import start_isolated
-
         self.original = Snapshot(model)
-        self._census = start_isolated(_take_censuses, [original_file or model])
-
-    def cancel(self) -> None:
-        self._census.cancel()
+        # The file's census places kernels at these names, read here rather than from the file
+        # again (its weights parsed for the names alone: 0.1 s on a 100 MB model).
+        self.original_file = (original_file, _value_names(model)) if original_file is not None else None
 
     def finish(self, model: Model, run: PipelineRun, pipeline: Pipeline, rerun: Rerun) -> GuardOutcome:
         """Compare onnxruntime's fused kernels on the original and on ``model``, the output of
         ``run`` of ``pipeline``; undo the rewrites that cost a fusion. ``rerun(pipeline, model)``
-        runs a pipeline on a model in place (with a fresh pass context). The seconds counted
-        are the guard's own: the original's census, taken while the pipeline ran, counts only
-        as far as it outlasted the pipeline."""
+        runs a pipeline on a model in place (with a fresh pass context).
+
+        Both censuses are taken here, side by side in two child processes, rather than the
+        original's while the pipeline runs: a session load beside the pipeline slowed the
+        passes about as much as it saved (measured on resnet50: the passes took 0.21 s alone,
+        0.41-0.79 s beside it)."""
         start = time.perf_counter()
         outcome = GuardOutcome("kept", pipeline, run)
-        (before,) = _outcome(self._census.wait(), 1)
-        (after,) = _censuses([model])
+        original: Model | tuple[Path, set[str]] = self.original_file or self.original.model()
+        before, after = _censuses([original, model], side_by_side=_small_enough(model))
         if isinstance(before, str) or isinstance(after, str):
             which, reason = ("the original", before) if isinstance(before, str) else ("the output", after)
             outcome.status, outcome.reason = "not taken", f"{which}: {reason}"
@@ -290,45 +292,60 @@ class _Search:
         def lost(count: int) -> bool:
             return any(loss.kind == kind for loss in self.trial([*undone, *candidates[:count]]).losses)
 
-        if not candidates:
+        # Leaving out all of them first: a loss no rewrite explains costs one rerun, not a bisection.
+        if not candidates or lost(len(candidates)):
             return None
-        kept, gone = len(candidates), 0  # leaving out all of them keeps it: seen at the end
+        kept, gone = len(candidates), 0
         while kept - gone > 1:
             middle = (kept + gone) // 2
             if lost(middle):
                 gone = middle
             else:
                 kept = middle
-        if kept == len(candidates) and lost(kept):
-            return None
         return candidates[kept - 1]
 
 
-def _censuses(models: list[Model | Path]) -> list[Census | str]:
-    """The census of each model, taken in a child process, or why it could not be: onnxruntime
-    refused the model (its message), or crashed (a crash there is a reason, not graphopt's end)."""
-    from graphopt.numerics.isolated import run_isolated
+def _censuses(models: list[Model | tuple[Path, set[str]]], *, side_by_side: bool = False) -> list[Census | str]:
+    """The census of each model (or ONNX file, with its value names), taken in a child process,
+    or why it could not be: onnxruntime refused the model (its message), or crashed (a crash
+    there is a reason, not graphopt's end). ``side_by_side``: each in a child of its own, all at
+    once (else one child takes them in turn)."""
+    import onnxruntime  # noqa: F401  # once here: each child forked below has it (0.1 s of CPU each)
 
-    return _outcome(run_isolated(_take_censuses, models), len(models))
+    from graphopt.numerics.isolated import start_isolated
+
+    if not side_by_side:
+        return _outcome(start_isolated(_take_censuses, models).wait(), len(models))
+    children = [start_isolated(_take_censuses, [model]) for model in models]
+    return [_outcome(child.wait(), 1)[0] for child in children]
+
+
+def _small_enough(model: Model) -> bool:
+    """Whether two censuses may run at once beside this process: each child holds the model's
+    weights in onnxruntime again, so a large model is taken one at a time."""
+    return model_stats(model).initializer_bytes <= SIDE_BY_SIDE_BYTES
 
 
 def _outcome(found: list[Census | str] | str, count: int) -> list[Census | str]:
     return [found] * count if isinstance(found, str) else found
 
 
-def _take_censuses(models: list[Model | Path]) -> list[Census | str]:
+def _value_names(model: Model) -> set[str]:
+    """The names a census may place a kernel at: the graph's inputs and what its nodes make."""
+    return {v.name for n in model.all_nodes() for v in n.outputs} | {v.name for v in model.graph.inputs}
+
+
+def _take_censuses(models: list[Model | tuple[Path, set[str]]]) -> list[Census | str]:
     from graphopt.io import save
 
     found: list[Census | str] = []
     with tempfile.TemporaryDirectory(prefix="graphopt-guard-") as folder:
         for index, model in enumerate(models):
             if isinstance(model, Model):
-                path = Path(folder) / str(index) / "model.onnx"
+                path, names = Path(folder) / str(index) / "model.onnx", _value_names(model)
                 save(model, path)
-                made = {v.name for n in model.all_nodes() for v in n.outputs}
-                names: set[str] | None = made | {v.name for v in model.graph.inputs}
             else:
-                path, names = model, None
+                path, names = model
             try:
                 found.append(census_of_file(path, names))
             except Exception as err:  # onnxruntime's refusal, in one line

@@ -24,7 +24,9 @@ from graphopt.ir import Node
 from graphopt.passes.fuse import Match, Rule, add_rule, const, op, optional, remove_rule, var
 from graphopt.passes.fuse.rules import conv as conv_rules
 from graphopt.passes.rewrite.engine import Site
-from graphopt.runtime.census import census_of_file
+from graphopt.runtime import guard as guard_module
+from graphopt.runtime.census import Census, census_of_file
+from graphopt.runtime.guard import undoable
 from graphopt.schemas import schema
 from tests.cli_helpers import invoke
 
@@ -287,3 +289,34 @@ def test_skip_layer_normalization_is_counted_not_guarded(tmp_path: Path) -> None
     assert "SkipLayerNormalization" not in guard["census"]["output"]
     assert guard["status"] == "kept" and guard["undone"] == []
     assert "Sum" in [n.op_type for n in result.model.graph.nodes]
+
+
+def test_a_loss_no_rewrite_explains_costs_one_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leaving out every rewrite first: a kind lost however the pipeline runs is reported after
+    one rerun, not after a bisection over the rewrites that applied."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["x"], ["i"]),
+            helper.make_node("Add", ["one", "one"], ["two"]),
+            helper.make_node("Mul", ["i", "two"], ["m"]),
+            helper.make_node("Relu", ["m"], ["y"]),
+        ],
+        "rewrites",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [_init("one", 1.0)],
+    )
+    source = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
+
+    def census(path: object, names: object = None) -> Census:  # the original alone has a Gelu kernel
+        return Census({"Gelu": ["g"]} if Path(str(path)) == source else {})
+
+    monkeypatch.setattr(guard_module, "census_of_file", census)  # the census children are forked
+    guard = graphopt.optimize(source, check=False).report["runtime_guard"]
+    assert len(undoable(graphopt.optimize(source, check=False, runtime_guard=False).pipeline_run.runs)) >= 2
+    assert guard["status"] == "lost" and guard["reruns"] == 1
+    (lost,) = guard["lost"]
+    assert lost["message"] == (
+        "ort fusion lost: onnxruntime no longer forms Gelu at g (1 -> 0); no rewrite of the pipeline explains it"
+    )

@@ -320,3 +320,23 @@ def test_a_loss_no_rewrite_explains_costs_one_rerun(tmp_path: Path, monkeypatch:
     assert lost["message"] == (
         "ort fusion lost: onnxruntime no longer forms Gelu at g (1 -> 0); no rewrite of the pipeline explains it"
     )
+
+
+def test_a_loss_kept_for_a_fusion_it_brings_names_the_rewrite(corpus_dir: Path, tmp_path: Path) -> None:
+    """fold batches the ensemble's Gemm + Relu branches, which onnxruntime fused one by one, into
+    Convs it fuses instead: undoing fold would cost those, so it stays, and the message says so
+    rather than that no rewrite explains the loss."""
+    result = invoke("run", corpus_dir / "wide_ensemble.onnx", "-o", tmp_path / "out.onnx", "--no-check", "--json")
+    assert result.exit_code == 0, result.stderr
+    guard = json.loads(result.stdout)["runtime_guard"]
+    assert guard["status"] == "lost" and guard["undone"] == []
+    messages = [loss["message"] for loss in guard["lost"]]
+    assert messages[0].startswith("ort fusion lost: onnxruntime no longer forms FusedGemm at ")
+    assert (
+        "; the pass fold costs it and stays, since without it onnxruntime no longer forms FusedConv at " in messages[0]
+    )
+    assert messages[1:] == [
+        "ort fusion lost: onnxruntime adds NCHWc reorders at Relu_out_1 (0 -> 2); no rewrite explains it but the pass"
+        " fold, which stays"
+    ]
+    assert messages[0] in result.stderr

@@ -123,7 +123,8 @@ class Loss:
     at: str
 
     def describe(self) -> str:
-        return f"onnxruntime no longer forms {self.kind} at {self.at} ({self.before} -> {self.after})"
+        change = "adds" if self.after > self.before else "no longer forms"  # a kind worse the more of it
+        return f"onnxruntime {change} {self.kind} at {self.at} ({self.before} -> {self.after})"
 
 
 def census_of_file(path: str | os.PathLike[str], names: Collection[str] | None = None) -> Census:

@@ -143,14 +143,26 @@ class GuardOutcome:
     census: dict[str, dict[str, int]] = field(default_factory=dict)
     undone: list[tuple[Undoable, Loss]] = field(default_factory=list)
     lost: list[Loss] = field(default_factory=list)
+    # Rewrites that cost a fusion and stay, since undoing one costs another: (the rewrite, the
+    # kind it costs, what undoing it costs).
+    spared: list[tuple[Undoable, str, str]] = field(default_factory=list)
     reruns: int = 0
     seconds: float = 0.0
 
     def messages(self) -> list[str]:
         """One line per rewrite undone and per loss kept, for the console and the log."""
         lines = [f"ort fusion kept: {u.describe()} was undone because {loss.describe()}" for u, loss in self.undone]
-        lines += [f"ort fusion lost: {loss.describe()}; no rewrite of the pipeline explains it" for loss in self.lost]
-        return lines
+        return lines + [f"ort fusion lost: {loss.describe()}; {self._why_lost(loss)}" for loss in self.lost]
+
+    def _why_lost(self, loss: Loss) -> str:
+        costing = [(u, trade) for u, kind, trade in self.spared if kind == loss.kind]
+        if costing:
+            u, trade = costing[0]
+            return f"{u.describe()} costs it and stays, since without it {trade}"
+        if self.spared:
+            kept = ", ".join(dict.fromkeys(u.describe() for u, _, _ in self.spared))
+            return f"no rewrite explains it but {kept}, which stays"
+        return "no rewrite of the pipeline explains it"
 
     def as_dict(self) -> dict[str, Any]:
         found: dict[str, Any] = {"status": self.status}
@@ -220,6 +232,7 @@ class RuntimeGuard:
             found = search.trial([*undone, culprit])
             if _trades(current, found):  # undoing it costs a fusion the output has: search again without it
                 spared.add(culprit)
+                outcome.spared.append((culprit, target.kind, _trade(current, found)))
                 continue
             outcome.undone.append((culprit, target))
             current = found
@@ -248,6 +261,13 @@ class RuntimeGuard:
                 outcome.undone.remove(pair)
                 current = fewer
         return current
+
+
+def _trade(current: Trial, found: Trial) -> str:
+    """What ``found`` costs against ``current``, where :func:`_trades` holds."""
+    if found.census is None or current.census is None:
+        return "the pipeline fails or onnxruntime cannot load the output"
+    return losses(current.census, found.census)[0].describe()
 
 
 def _trades(current: Trial, found: Trial) -> bool:

@@ -17,7 +17,9 @@ from tests.numerics import assert_same_outputs
 from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, ops, refused
 from tests.passes.fuse_models import (
     HEADS,
+    HIDDEN,
     SIZE,
+    WINDOW,
     bias_gelu,
     computed_reshape,
     conv_act,
@@ -225,6 +227,22 @@ def test_at_target_ort_a_post_norm_residual_is_kept_out_of_onnxruntimes_skiplaye
     assert _onnxruntime_ops(proto, tmp_path)["SkipLayerNormalization"] == 1
     out = fires(proto, "layernorm-residual-sum", {"LayerNormalization": 2, "MatMul": 1, "Sum": 1}, target="ort")
     assert _onnxruntime_ops(out, tmp_path)["SkipLayerNormalization"] == 0
+
+
+@pytest.mark.parametrize(("windows", "fused"), [(4, True), (32, False)])
+def test_windowed_attention_with_a_bias_stays_unfused_over_many_batch_head_pairs(windows: int, fused: bool) -> None:
+    # Swin's windows make the attention's batch windows * batch; with a bias onnxruntime's CPU
+    # MultiHeadAttention ran 64 and more (batch, head) pairs per image slower than the written form.
+    proto = ort_attention(windows=windows)
+    out, details = fuse(proto, "shape-infer,fuse,dce", target="ort")
+    fused_ops = ops(out)["MultiHeadAttention"] + ops(out)["Attention"]
+    assert fused_ops == (1 if fused else 0) and ("Softmax" in ops(out)) != fused
+    if not fused:
+        assert any(
+            "64 (batch, head) pairs per sample with a mask or bias" in m for m in details["near_misses"]["attention"]
+        ), details
+    x = np.random.default_rng(0).standard_normal((2, windows, WINDOW, HIDDEN)).astype(np.float32)
+    assert_same_outputs(proto, out, {"x_windows": x}, rtol=1e-4, atol=1e-4)
 
 
 # -- RotaryEmbedding -------------------------------------------------------------------------------

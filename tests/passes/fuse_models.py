@@ -317,6 +317,30 @@ def conv_bn(extra: str = "", gamma_input: bool = False) -> onnx.ModelProto:
     return model(nodes, inputs, outputs, params)
 
 
+def conv_branches(depthwise: bool = False, combine: str = "Add") -> onnx.ModelProto:
+    """A MobileOne-style block: Conv3x3(x) + Conv1x1(x), then ``combine`` with BatchNormalization(x)
+    (FastViT's RepMixer subtracts it); ``depthwise``: every Conv one group per channel."""
+    group = 4 if depthwise else 1
+    nodes = [
+        node("Conv", ["x", "w3", "b3"], "c3", pads=[1, 1, 1, 1], group=group),
+        node("Conv", ["x", "w1", "b1"], "c1", group=group),
+        node("Add", ["c3", "c1"], "s"),
+        node("BatchNormalization", ["x", "gamma", "beta", "mean", "var"], "n", epsilon=1e-3),
+        node(combine, ["s", "n"], "y"),
+    ]
+    params = [
+        init("w3", rand_weight(4, 4 // group, 3, 3)),
+        init("b3", rand_weight(4)),
+        init("w1", rand_weight(4, 4 // group, 1, 1)),
+        init("b1", rand_weight(4)),
+        init("gamma", rand_weight(4)),
+        init("beta", rand_weight(4)),
+        init("mean", rand_weight(4)),
+        init("var", np.abs(rand_weight(4)) + 0.5),
+    ]
+    return model(nodes, [info("x", [1, 4, 6, 6])], ["y"], params)
+
+
 def conv_channel(c: np.ndarray, op: str = "Mul", through_transpose: bool = True) -> onnx.ModelProto:
     nodes = [node("Conv", ["x", "w", "b"], "c")]
     src = "c"

@@ -50,6 +50,7 @@ class Kind:
     except_ops: frozenset[str] = frozenset()
     worse: Literal["fewer", "more", "neither"] = "fewer"
     absorbed_by: tuple[str, ...] = ()
+    removed_with: tuple[str, ...] = ()  # kinds whose kernels host these: fewer of them excuse as many losses
 
     def holds(self, domain: str, op_type: str) -> bool:
         if self.domain is not None:
@@ -87,13 +88,16 @@ KINDS: tuple[Kind, ...] = (
     ),
     Kind("Gelu", _ops("Gelu", "FastGelu", "BiasGelu")),
     Kind("QuickGelu", _ops("QuickGelu", "Swish")),  # x * sigmoid(alpha x): opset 24's Swish is graphopt's
-    Kind("FusedConv", _ops("FusedConv", "NhwcFusedConv")),
+    # Every Conv kernel, laid out in blocks or not: where the output runs fewer (merged branches, a Conv
+    # CSE found twice), the NCHWc and FusedConv kernels they were go with them and are not lost.
+    Kind("Conv kernels", _ops("Conv", "FusedConv", "NhwcFusedConv"), worse="neither"),
+    Kind("FusedConv", _ops("FusedConv", "NhwcFusedConv"), removed_with=("Conv kernels",)),
     Kind("FusedGemm", _ops("FusedGemm")),
     Kind("FusedMatMul", _ops("FusedMatMul"), absorbed_by=("Attention",)),
     Kind("MatMulNBits", _ops("MatMulNBits")),
     Kind("DynamicQuantizeMatMul", _ops("DynamicQuantizeMatMul", "MatMulIntegerToFloat")),
     Kind("QLinear", _ops("QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul", "QAttention")),
-    Kind("NCHWc", domain=NCHWC_DOMAIN, except_ops=_REORDERS),
+    Kind("NCHWc", domain=NCHWC_DOMAIN, except_ops=_REORDERS, removed_with=("Conv kernels",)),
     Kind("NCHWc reorders", _REORDERS, worse="more"),
 )
 
@@ -200,9 +204,10 @@ def _count(graph: onnx.GraphProto, names: set[str]) -> Census:
     return Census(sites)
 
 
-def losses(original: Census, output: Census) -> list[Loss]:
+def losses(original: Census, output: Census, *, removed: bool = True) -> list[Loss]:
     """The kinds the output lost against the original, in :data:`KINDS` order. A kind absorbed
-    by another is excused as many losses as the output gained of the absorbing kind."""
+    by another is excused as many losses as the output gained of the absorbing kind, and (with
+    ``removed``) one removed with another as many as the output has fewer of that one."""
     found = []
     for kind in KINDS:
         if kind.worse == "neither":
@@ -211,6 +216,8 @@ def losses(original: Census, output: Census) -> list[Loss]:
         if kind.worse == "more":
             before, after = -before, -after
         gained = sum(max(0, output.count(k) - original.count(k)) for k in kind.absorbed_by)
+        if removed:
+            gained += sum(max(0, original.count(k) - output.count(k)) for k in kind.removed_with)
         if after + gained >= before:
             continue
         if kind.worse == "more":

@@ -267,14 +267,16 @@ def _trade(current: Trial, found: Trial) -> str:
     """What ``found`` costs against ``current``, where :func:`_trades` holds."""
     if found.census is None or current.census is None:
         return "the pipeline fails or onnxruntime cannot load the output"
-    return losses(current.census, found.census)[0].describe()
+    return losses(current.census, found.census, removed=False)[0].describe()
 
 
 def _trades(current: Trial, found: Trial) -> bool:
-    """Whether ``found`` has fewer of some fused kernel than ``current`` (or no census)."""
+    """Whether ``found`` has fewer of some fused kernel than ``current`` (or no census). Kernels
+    gone with the Convs they ran count here: the fused Convs fold made of an ensemble's Gemms are
+    what undoing it costs, although the Convs go too."""
     if found.census is None:
         return True
-    return current.census is not None and bool(losses(current.census, found.census))
+    return current.census is not None and bool(losses(current.census, found.census, removed=False))
 
 
 class _Search:

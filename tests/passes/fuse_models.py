@@ -137,16 +137,30 @@ HEADS, SIZE = 2, 4
 
 
 HIDDEN = HEADS * SIZE
+WINDOW = 4  # tokens per window of ort_attention(windows=...)
 
 
-def ort_attention(mask: str = "raw", packed: bool = False, fp16: bool = False, extra: str = "") -> onnx.ModelProto:
-    """One attention layer as torch exports it: projections, head split, scores, mask, merge."""
+def ort_attention(
+    mask: str = "raw", packed: bool = False, fp16: bool = False, extra: str = "", windows: int = 0
+) -> onnx.ModelProto:
+    """One attention layer as torch exports it: projections, head split, scores, mask, merge. ``windows``:
+    Swin's windowed attention instead, its input (b, windows, WINDOW, HIDDEN) attended per window (a batch of
+    b * windows) with a learned per-head position bias (1, HEADS, WINDOW, WINDOW) as the mask."""
     nodes: list[onnx.NodeProto] = []
     params = [
         init("split_shape", np.array([0, 0, HEADS, SIZE], np.int64)),
         init("merge_shape", np.array([0, 0, HIDDEN], np.int64)),
         init("scale", float(np.sqrt(SIZE))),
     ]
+    inputs = [info("x", ["b", "s", HIDDEN])]
+    if windows:
+        mask = "position"
+        inputs = [info("x_windows", ["b", windows, WINDOW, HIDDEN])]
+        params += [
+            init("rows", np.array([-1, WINDOW, HIDDEN], np.int64)),
+            init("bias", rand_weight(1, HEADS, WINDOW, WINDOW)),
+        ]
+        nodes.append(node("Reshape", ["x_windows", "rows"], "x"))
     if packed:
         params += [init("w", rand_weight(HIDDEN, 3 * HIDDEN)), init("b", rand_weight(3 * HIDDEN))]
         nodes += [node("MatMul", ["x", "w"], "qkv_mm"), node("Add", ["qkv_mm", "b"], "qkv")]
@@ -167,7 +181,6 @@ def ort_attention(mask: str = "raw", packed: bool = False, fp16: bool = False, e
             node("Transpose", [f"{part}_4d"], f"{part}_t", perm=perm),
         ]
     nodes += [node("MatMul", ["q_t", "k_t"], "scores"), node("Div", ["scores", "scale"], "scaled")]
-    inputs = [info("x", ["b", "s", HIDDEN])]
     probs_in = "scaled"
     if mask == "raw":
         inputs.append(info("attention_mask", ["b", "s"], onnx.TensorProto.INT64))
@@ -180,8 +193,9 @@ def ort_attention(mask: str = "raw", packed: bool = False, fp16: bool = False, e
             node("Add", ["scaled", "additive"], "masked"),
         ]
         probs_in = "masked"
-    elif mask == "bias":
-        inputs.append(info("bias", ["b", 1, 1, "s"]))
+    elif mask in ("bias", "position"):
+        if mask == "bias":
+            inputs.append(info("bias", ["b", 1, 1, "s"]))
         nodes.append(node("Add", ["scaled", "bias"], "masked"))
         probs_in = "masked"
     nodes += [
@@ -301,6 +315,30 @@ def conv_bn(extra: str = "", gamma_input: bool = False) -> onnx.ModelProto:
     outputs: list[Any] = ["y"]
     expose(nodes, outputs, "c", extra)
     return model(nodes, inputs, outputs, params)
+
+
+def conv_branches(depthwise: bool = False, combine: str = "Add") -> onnx.ModelProto:
+    """A MobileOne-style block: Conv3x3(x) + Conv1x1(x), then ``combine`` with BatchNormalization(x)
+    (FastViT's RepMixer subtracts it); ``depthwise``: every Conv one group per channel."""
+    group = 4 if depthwise else 1
+    nodes = [
+        node("Conv", ["x", "w3", "b3"], "c3", pads=[1, 1, 1, 1], group=group),
+        node("Conv", ["x", "w1", "b1"], "c1", group=group),
+        node("Add", ["c3", "c1"], "s"),
+        node("BatchNormalization", ["x", "gamma", "beta", "mean", "var"], "n", epsilon=1e-3),
+        node(combine, ["s", "n"], "y"),
+    ]
+    params = [
+        init("w3", rand_weight(4, 4 // group, 3, 3)),
+        init("b3", rand_weight(4)),
+        init("w1", rand_weight(4, 4 // group, 1, 1)),
+        init("b1", rand_weight(4)),
+        init("gamma", rand_weight(4)),
+        init("beta", rand_weight(4)),
+        init("mean", rand_weight(4)),
+        init("var", np.abs(rand_weight(4)) + 0.5),
+    ]
+    return model(nodes, [info("x", [1, 4, 6, 6])], ["y"], params)
 
 
 def conv_channel(c: np.ndarray, op: str = "Mul", through_transpose: bool = True) -> onnx.ModelProto:

@@ -17,7 +17,9 @@ from tests.numerics import assert_same_outputs
 from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, ops, refused
 from tests.passes.fuse_models import (
     HEADS,
+    HIDDEN,
     SIZE,
+    WINDOW,
     bias_gelu,
     computed_reshape,
     conv_act,
@@ -200,8 +202,8 @@ def test_the_default_output_keeps_a_residual_norm_out_of_onnxruntimes_skiplayern
     assert _onnxruntime_ops(out, tmp_path)["SkipLayerNormalization"] == 0
 
 
-def test_a_post_norm_residual_stays_an_add_for_onnxruntimes_attention_fusion() -> None:
-    # BERT's post-norm block: onnxruntime's attention fusion reads LayerNorm -> residual Add.
+def _post_norm_block() -> onnx.ModelProto:
+    """BERT's post-norm block: LayerNorm -> projection -> residual Add -> LayerNorm."""
     nodes = [
         node("LayerNormalization", ["x", "gamma", "beta"], "h", epsilon=1e-5),
         node("MatMul", ["h", "w"], "p"),
@@ -209,8 +211,38 @@ def test_a_post_norm_residual_stays_an_add_for_onnxruntimes_attention_fusion() -
         node("LayerNormalization", ["sum", "gamma", "beta"], "y", epsilon=1e-5),
     ]
     params = [init("w", rand_weight(8, 8)), init("gamma", rand_weight(8)), init("beta", rand_weight(8))]
-    details = refused(model(nodes, [info("x", ["b", 3, 8])], ["y"], params), "layernorm-residual-sum")
+    return model(nodes, [info("x", ["b", 3, 8])], ["y"], params)
+
+
+def test_a_post_norm_residual_stays_an_add_for_onnxruntimes_attention_fusion() -> None:
+    # onnxruntime's attention fusion reads LayerNorm -> residual Add.
+    details = refused(_post_norm_block(), "layernorm-residual-sum")
     assert "comes from a LayerNormalization" in " ".join(details["near_misses"]["norm"])
+
+
+def test_at_target_ort_a_post_norm_residual_is_kept_out_of_onnxruntimes_skiplayernorm(tmp_path: Path) -> None:
+    # --target ort writes the attention itself, so onnxruntime's attention fusion has nothing to read
+    # the Add for, and the Add would become its slower SkipLayerNormalization (a post-norm RoBERTa: all nine).
+    proto = _post_norm_block()
+    assert _onnxruntime_ops(proto, tmp_path)["SkipLayerNormalization"] == 1
+    out = fires(proto, "layernorm-residual-sum", {"LayerNormalization": 2, "MatMul": 1, "Sum": 1}, target="ort")
+    assert _onnxruntime_ops(out, tmp_path)["SkipLayerNormalization"] == 0
+
+
+@pytest.mark.parametrize(("windows", "fused"), [(4, True), (32, False)])
+def test_windowed_attention_with_a_bias_stays_unfused_over_many_batch_head_pairs(windows: int, fused: bool) -> None:
+    # Swin's windows make the attention's batch windows * batch; with a bias onnxruntime's CPU
+    # MultiHeadAttention ran 64 and more (batch, head) pairs per image slower than the written form.
+    proto = ort_attention(windows=windows)
+    out, details = fuse(proto, "shape-infer,fuse,dce", target="ort")
+    fused_ops = ops(out)["MultiHeadAttention"] + ops(out)["Attention"]
+    assert fused_ops == (1 if fused else 0) and ("Softmax" in ops(out)) != fused
+    if not fused:
+        assert any(
+            "64 (batch, head) pairs per sample with a mask or bias" in m for m in details["near_misses"]["attention"]
+        ), details
+    x = np.random.default_rng(0).standard_normal((2, windows, WINDOW, HIDDEN)).astype(np.float32)
+    assert_same_outputs(proto, out, {"x_windows": x}, rtol=1e-4, atol=1e-4)
 
 
 # -- RotaryEmbedding -------------------------------------------------------------------------------

@@ -4,8 +4,13 @@ exporter fixtures has its case on an export too, and the family's own tests foll
 
 from __future__ import annotations
 
-import numpy as np
+import json
+from pathlib import Path
 
+import numpy as np
+import onnx
+
+from tests.cli_helpers import invoke
 from tests.numerics import make_feeds
 from tests.passes.fuse.table import (
     CONSTANTS_ONLY,
@@ -23,7 +28,17 @@ from tests.passes.fuse.table import (
     untyped_at,
     weights,
 )
-from tests.passes.fuse_models import conv_act, conv_bn, conv_channel, conv_input_scale, gemm_bn, padded, residual_block
+from tests.passes.fuse_helpers import fires, ops
+from tests.passes.fuse_models import (
+    conv_act,
+    conv_bn,
+    conv_branches,
+    conv_channel,
+    conv_input_scale,
+    gemm_bn,
+    padded,
+    residual_block,
+)
 
 
 def _per_row_of_channels(values: np.ndarray) -> np.ndarray:
@@ -100,9 +115,22 @@ CASES: dict[str, Case] = {
         Perturb(set_shape("x", None), "the padded rank is unknown"),
         NO_GATE,
     ),
+    "conv-branches": Case(
+        conv_branches,
+        {"Conv": 1},
+        "c1",
+        Perturb(
+            lambda p: set_attr("c1", pads=[1, 1, 0, 0])(set_const("w1", weights(4, 4, 2, 2))(p)),
+            "odd number of taps",
+            note="a 2x2 kernel beside the 3x3",
+        ),
+        Perturb(set_shape("x", None), "do not provably have one shape"),
+        NO_GATE,
+    ),
 }
 
 EXPORTED: dict[str, Exported | str] = {
+    "conv-branches": "n/a: no exporter fixture has parallel conv branches (timm's FastViT: benchmarks, not fixtures)",
     "mul-conv": Exported(
         ("poolformer_dynamo", "poolformer_ts"),
         {"Mul": 1, "Conv": 2},  # the second norm's gamma gone into the MLP's first Conv
@@ -130,3 +158,21 @@ BEFORE_EXPORTS: frozenset[str] = frozenset(
 
 # test_the_rule_fires_on_its_model and the other table tests, over this family's table
 globals().update(table_tests(CASES, EXPORTED))
+
+
+def test_depthwise_branches_and_a_subtracted_norm_become_one_conv() -> None:
+    """FastViT's RepMixer: depthwise 3x3 and 1x1 branches, the BatchNormalization of x subtracted: one Conv, the
+    identity kernel on each channel's own input; the dynamo exporter spells auto_pad NOTSET out."""
+    proto = set_attr("c3", auto_pad="NOTSET")(conv_branches(depthwise=True, combine="Sub"))
+    fires(proto, "conv-branches", {"Conv": 1})
+
+
+def test_merged_branches_are_no_lost_fusion_to_the_runtime_guard(tmp_path: Path) -> None:
+    """Fewer Convs mean fewer NCHWc and FusedConv kernels in onnxruntime's graph: the guard keeps the merge
+    and reports nothing lost (it undid the rule, or warned of losses no rewrite explained)."""
+    source, out, report = tmp_path / "m.onnx", tmp_path / "out.onnx", tmp_path / "r.json"
+    onnx.save(conv_branches(), source)
+    result = invoke("run", source, "-o", out, "--report", report)
+    assert result.exit_code == 0 and "lost" not in result.stderr, result.stderr
+    assert json.loads(report.read_text())["runtime_guard"]["status"] == "kept"
+    assert ops(onnx.load(out))["Conv"] == 1

@@ -15,6 +15,7 @@ from graphopt.passes.fuse.rules import (
     arith,
     attention,
     conv,
+    conv_branches,
     embed,
     expose,
     gather,
@@ -41,6 +42,7 @@ LIBRARY = RuleSet(
     + arith.RULES
     + through_qdq(attention.RULES)
     + conv.RULES
+    + conv_branches.RULES
     + embed.RULES
     + expose.RULES
     + gather.RULES

@@ -15,6 +15,8 @@ import numpy as np
 
 from graphopt.facts.op import SymValue, d_add
 from graphopt.ir import DataType, Node, Value
+from graphopt.ir.dims import Expr
+from graphopt.ir.dims import Sym as DimVar
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_reader
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
@@ -48,6 +50,12 @@ from graphopt.passes.rewrite.proofs import (
 # default: it gets its leading 1s (by value where it is a constant read only here, else by one Unsqueeze its
 # readers share), but onnxruntime's CPU kernel adds a bias slower than its own fusions of the written form
 # do (levit_128s: 1.8% slower than without the rule; one 4-head layer of 196 tokens, head size 16: 1.08x).
+# With an attention bias of any shape the CPU kernel runs each (batch, head) pair's scores on their own,
+# slower than onnxruntime runs the written form once there are many pairs: windowed attention, whose batch
+# is the windows of every image, is left unfused from BIASED_PAIRS_LIMIT pairs per image (and so is
+# onnxruntime's Attention below, the same CPU code) (kernel times,
+# 1 thread, 2 layers: 128 pairs 1.05-1.29x the written form's, Swin's 64 windows x 2 heads of 49 tokens
+# 1.05-1.08x; 64 pairs 1.03-1.04x; 1 to 16 pairs 0.80-1.01x; without a bias 1.00x at 128 pairs).
 # With 4-D K and V onnxruntime wants one shape for both, so where V's head size is not Q's and K's (LeViT's
 # V is twice as wide) K and V go in 3-D, (batch, T, heads * head size), which takes any v_hidden_size.
 #
@@ -71,6 +79,30 @@ class _MhaPlan:
 
 
 _BROADCAST_BIAS = "ort-multihead-attention-broadcast-bias"
+BIASED_PAIRS_LIMIT = 64
+
+
+def _per_sample(dim: Any) -> int | None:
+    """How much of a batch dim one sample makes: the dim when static, 1 for a dim variable,
+    ``c`` for ``c`` times a product of dim variables (Swin's windows: 64 * batch); else None."""
+    if isinstance(dim, int):
+        return dim
+    if isinstance(dim, DimVar):
+        return 1
+    if isinstance(dim, Expr) and len(dim.terms) == 1 and all(isinstance(a, DimVar) for a in dim.terms[0][0]):
+        return dim.terms[0][1]
+    return None
+
+
+def _many_biased_pairs(batch: Any, heads: int) -> str | None:
+    """Why an attention with a mask or bias over ``batch`` x ``heads`` pairs stays as written, or None."""
+    per_sample = _per_sample(batch)
+    if per_sample is None or per_sample * heads < BIASED_PAIRS_LIMIT:
+        return None
+    return (
+        f"{per_sample * heads} (batch, head) pairs per sample with a mask or bias (onnxruntime's CPU kernel "
+        f"runs them slower than the written form from {BIASED_PAIRS_LIMIT})"
+    )
 
 
 def _plan_mha(
@@ -110,6 +142,9 @@ def _plan_mha(
         scores = (q_dims[0], plan.heads, q_dims[2], (site.shape(plan.repeated[1]) or (None,) * 4)[2])
         if not _broadcasts_to(added_shape, scores):
             return "the attention bias does not broadcast to (batch or 1, heads or 1, S, T)"
+        many = _many_biased_pairs(q_dims[0], plan.heads)
+        if many is not None:
+            return many
     width = plan.heads * size[1]
     target = ints_of(site, m.value("merge_shape"))
     rows = target is not None and len(target) == 2 and target[1] == width and target[0] == -1
@@ -565,6 +600,12 @@ def _ort_plan(m: Match, site: Site) -> _OrtPlan | str:
     if "qkv" in m.bindings and not _even_split(m, site):
         return "the packed projection is not split in three equal parts along the last axis"
     mask = plan["mask"]
+    if isinstance(mask, Value):
+        heads = plan["heads"]
+        assert isinstance(heads, int)  # plan_attention read it
+        many = _many_biased_pairs((site.shape(x) or (None,))[0], heads)
+        if many is not None:
+            return many
     raw = _raw_mask(mask) if isinstance(mask, Value) else None
     if isinstance(mask, Value) and raw is None and site.dtype(mask) != DataType.FLOAT:
         return "a boolean mask that is not the causal band"

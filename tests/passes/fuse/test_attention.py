@@ -140,14 +140,16 @@ def _decoder_layer(
     band: str = "past",
     guard: bool = True,
     kv_heads: int = GQA_KV_HEADS,
+    past: int | str = "past",
 ) -> onnx.ModelProto:
     """One attention layer of a Llama-style decoder with a KV cache (4 query heads, ``kv_heads`` of 8): Q, K, V
     projections of ``x`` (batch, ``seq``, 32), K and V joined to the past along the sequence (the present outputs),
     their heads repeated for the query heads (Unsqueeze, Expand, Reshape) where fewer, the scores masked by
     ``Where(band and attention_mask, 0, fill)`` with the causal band over the past (``band`` "past": key j <= past +
-    query i; "none": no past offset; "mask": the padding alone), the IsNaN guard after the Softmax (``guard``)."""
+    query i; "none": no past offset; "mask": the padding alone), the IsNaN guard after the Softmax (``guard``); a
+    string dim is dynamic."""
     hidden = (batch, seq, GQA_WIDTH)
-    kv = (batch, kv_heads, "past", GQA_SIZE)
+    kv = (batch, kv_heads, past, GQA_SIZE)
     nodes = [
         node("Shape", ["x"], "seq_1d", start=1, end=2),
         node("Squeeze", ["seq_1d", "zero_axis"], "seq_len"),
@@ -250,6 +252,14 @@ def _decoder_feeds(
     }
 
 
+def _band_without_past(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The decoder layer with its query positions not shifted by the past: Range(0, seq) + 0."""
+    changed = copied(proto)
+    (positions,) = [n for n in changed.graph.node if n.output[0] == "positions_1d"]
+    positions.input[1] = "i0"
+    return changed
+
+
 GQA_ANY_LENGTH = "ort-group-query-attention-any-length"
 GQA_ANY_SETTINGS: dict[str, Any] = {"target": "ort", "enable": [GQA_ANY_LENGTH]}
 # what the decoder layer keeps around its GroupQueryAttention: the mask's plumbing, the projections, K merged back
@@ -263,11 +273,7 @@ _GQA_OPS = {
 
 _GQA_PERTURBED = (
     Perturb(set_attr("probs", axis=2), None, note="Softmax axis=2: no MultiHeadAttention to start from"),
-    Perturb(
-        set_shape("x", ["batch", "seq", GQA_WIDTH]),
-        "refuses batch > 1 with several new tokens and a past",
-        note="batch, new tokens and past all dynamic",
-    ),
+    Perturb(_band_without_past, "not provably the causal band over the past", note="the band not shifted by the past"),
 )
 
 CASES: dict[str, Case] = {
@@ -622,26 +628,86 @@ def test_group_query_attention_on_a_cache(layer: dict[str, Any], steps: list[tup
         assert_same_outputs(proto, out, _decoder_feeds(*step), rtol=1e-4, atol=1e-4)
 
 
+_LOWEST = float(np.finfo(np.float32).min)
+
+
 @pytest.mark.parametrize(
-    ("layer", "reason"),
+    ("layer", "step", "reason"),
     [
-        ({"fill": float(np.finfo(np.float32).min)}, "the mask's fill is not -inf"),
-        ({"band": "none"}, "not provably the causal band over the past"),
-        ({"band": "mask"}, "not provably the causal band over the past"),
-        ({"guard": False}, "is not zeroed after it"),
-        ({"batch": "batch"}, "refuses batch > 1 with several new tokens and a past"),
-        ({}, "not a static count up to 32"),
+        ({"seq": 3, "fill": _LOWEST}, (1, 3, 2, 1), "the mask's fill is finite and the new tokens are not one"),
+        ({"seq": 1, "fill": -1e4}, (1, 1, 2, 1), "neither -inf nor finite <= -1e+30"),
+        ({"band": "none"}, (1, 3, 2, 1), "not provably the causal band over the past"),
+        ({"band": "mask"}, (1, 3, 2, 1), "not provably the causal band over the past"),
+        ({"guard": False}, (1, 3, 2, 1), "is not zeroed after it"),
+        ({"batch": 2, "seq": 3, "past": 4}, (2, 3, 4, 1), "refuses batch > 1 with several new tokens and a past"),
+        ({"seq": 40}, (1, 40, 2, 1), "a static count above 32"),
     ],
-    ids=["finite-fill", "band-without-past", "padding-only", "no-nan-guard", "dynamic-batch-and-seq", "prompt"],
+    ids=[
+        "finite-fill-prompt",
+        "fill-above-1e30",
+        "band-without-past",
+        "padding-only",
+        "no-nan-guard",
+        "batch-2-prompt",
+        "long-prompt",
+    ],
 )
-def test_group_query_attention_refusals(layer: dict[str, Any], reason: str) -> None:
-    """What GroupQueryAttention would compute otherwise: a finite fill (a fully masked query weighs every key in
-    the export, the kernel zeroes it), a causal band not shifted by the past or none (the kernel's is), NaN not
-    zeroed after the attention, the shapes the CPU kernel refuses, and new tokens read at run time (slower on long
-    prompts: the any-length rule's, off by default). MultiHeadAttention stays."""
+def test_group_query_attention_refusals(layer: dict[str, Any], step: tuple[int, ...], reason: str) -> None:
+    """What GroupQueryAttention would compute otherwise, at every shape the graph takes: a finite fill past one new
+    token (a fully masked query weighs every key in the export, the keys up to its own in the kernel), a fill the
+    kernel's float32 scores do not vanish next to, a causal band not shifted by the past or none (the kernel's is),
+    NaN not zeroed after the attention, the static shapes the CPU kernel refuses, and a static prompt longer than 32
+    (slower: the any-length rule's, off by default). MultiHeadAttention stays."""
     proto = _decoder_layer(**layer)
     out, details = fuse(proto, "shape-infer,fuse,dce", target="ort")
     assert "ort-group-query-attention" not in details["applied"], details
     assert details["applied"].get("ort-multihead-attention") == 1, details
     assert any(reason in m for m in details["near_misses"]["attention"]), details
-    assert_same_outputs(proto, out, _decoder_feeds(2 if layer.get("batch") else 1, 3, 2, 1), rtol=1e-4, atol=1e-4)
+    assert_same_outputs(proto, out, _decoder_feeds(*step), rtol=1e-4, atol=1e-4)
+
+
+def _all_ops(proto: onnx.ModelProto) -> dict[str, int]:
+    """Op counts with the If branches'."""
+    found: dict[str, int] = {}
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for n in graph.node:
+            found[n.op_type] = found.get(n.op_type, 0) + 1
+            for attr in n.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    walk(attr.g)
+
+    walk(proto.graph)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("layer", "rule"),
+    [
+        ({"batch": "batch"}, "ort-group-query-attention"),
+        ({"batch": "batch", "fill": _LOWEST}, "ort-group-query-attention"),
+        ({"batch": "batch"}, GQA_ANY_LENGTH),
+    ],
+    ids=["inf-fill", "finite-fill", "any-length"],
+)
+def test_group_query_attention_gated_at_run_time(layer: dict[str, Any], rule: str) -> None:
+    """Batch, new tokens and past all dynamic (an export serving prompts and decode steps): an If on the dims runs
+    GroupQueryAttention where its kernel computes the export's attention (one new token; with a -inf fill also up to
+    32 after no past or in a batch of 1) and the MultiHeadAttention on the Concat caches elsewhere, the present
+    outputs the If's. Equal to the export in onnxruntime on both branches: left-padded decode steps and prompts, a
+    prompt after a past in a batch (which the kernel refuses), a long prompt, a decode step whose row is all masked."""
+    proto = _decoder_layer(**layer)
+    out, details = fuse(
+        proto, "shape-infer,fuse,dce", enable=[GQA_ANY_LENGTH] if rule == GQA_ANY_LENGTH else [], target="ort"
+    )
+    assert details["applied"].get(rule) == 1, details
+    assert "MultiHeadAttention" not in ops(out) and ops(out)["If"] == 1
+    assert {k: _all_ops(out)[k] for k in ("GroupQueryAttention", "MultiHeadAttention")} == {
+        "GroupQueryAttention": 1,
+        "MultiHeadAttention": 1,
+    }
+    (gate,) = [n for n in out.graph.node if n.op_type == "If"]
+    assert list(gate.output[1:]) == ["present_key", "present_value"]
+    steps = [(2, 1, 6, 3), (3, 1, 0, 0), (2, 4, 0, 2), (1, 5, 3, 2), (2, 3, 4, 1), (1, 40, 0, 0), (2, 1, 5, 6)]
+    for step in steps:
+        assert_same_outputs(proto, out, _decoder_feeds(*step), rtol=1e-4, atol=1e-4)

@@ -52,7 +52,7 @@ def additive_mask(b: Builder, plan: Plan4) -> Value | None:
     """The float mask to add to the scaled scores: the masked fill's ``Where(cond, fill, bias or 0)``
     (or the plan's additive bias). The scores added to the fill round back to it, so a query whose keys are
     all masked weighs them alike, as the export does; a fill of the lowest float moves one step up, as
-    onnxruntime's Attention reads that one as -inf (see _off_lowest)."""
+    onnxruntime's Attention reads that one as -inf (see off_lowest)."""
     filled = plan.fill
     if filled is None:
         return plan.bias
@@ -98,10 +98,10 @@ def spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
     return expanded.outputs[0]
 
 
-def _off_lowest(b: Builder, mask: Value) -> Value:
+def off_lowest(b: Builder, mask: Value) -> Value:
     """``mask`` with a fill of the float type's lowest value moved one step up.
 
-    onnxruntime's Attention reads a mask entry equal to that lowest value as -inf, so a query
+    onnxruntime's Attention and GroupQueryAttention read a mask entry equal to that lowest value as -inf, so a query
     whose keys all carry it (a left-padded row of a causal decoder) gets zeros, where the
     export, adding the finite fill, weighs every key alike. One step up is the same fill to
     the export's arithmetic (the scores vanish next to it) and an ordinary number to onnxruntime."""
@@ -121,7 +121,7 @@ def build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
         q, k, v = (b.op("Cast", x, to=int(DataType.FLOAT)) for x in (q, k, v))
     k = k if plan.k.perm is None else b.op("Transpose", k, perm=plan.k.perm)
     written = additive_mask(b, plan) if plan.fill is not None else plan.mask
-    mask = with_merged_bias(b, plan, None if written is None else _off_lowest(b, written))
+    mask = with_merged_bias(b, plan, None if written is None else off_lowest(b, written))
     mask = None if mask is None else spelled_out(b, mask, plan.q, plan.v)
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
     softcap = {"softcap": plan.softcap} if plan.softcap else {}

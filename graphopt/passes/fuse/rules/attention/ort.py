@@ -14,11 +14,17 @@ from typing import Any
 import numpy as np
 
 from graphopt.facts.op import SymValue, d_add
-from graphopt.ir import DataType, Node, Value
+from graphopt.ir import DataType, Graph, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_reader
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
-from graphopt.passes.fuse.rules.attention.builds import additive_mask, rows_spelled_out, spelled_out, with_merged_bias
+from graphopt.passes.fuse.rules.attention.builds import (
+    additive_mask,
+    off_lowest,
+    rows_spelled_out,
+    spelled_out,
+    with_merged_bias,
+)
 from graphopt.passes.fuse.rules.attention.plans import Plan4, cache_parts, plan_4d, plan_attention, plan_merged
 from graphopt.passes.fuse.rules.attention.spellings import FAMILY, MERGED_HEADS, NAN_GUARD, SOFTMAX, core
 from graphopt.passes.rewrite.engine import Match, Rule, Site
@@ -214,18 +220,27 @@ def _four_d(b: Builder, bias: Value, opset: int) -> Value:
 #     (float16) from the kernel: the export must zero it as well, a -inf fill with the IsNaN guard after the
 #     attention (a finite fill such as finfo.min weighs every key alike in the export);
 #   - the kernel refuses batch > 1 with several new tokens and a past ("batch_size must be 1 when
-#     sequence_length > 1 and past context is given"), so batch 1, one new token or no past must be static.
+#     sequence_length > 1 and past context is given");
+#   - a finite fill (dynamo's finfo.min) weighs every key alike for a query whose keys are all masked: the export
+#     over all the keys, the kernel over its causal window (keys up to past + i), which is every key only for one
+#     new token. So a finite fill is exact for one new token only; the -inf fill with the guard, for any count.
 # Against the MultiHeadAttention form (benchmarks/ort_gqa_probe.py, 4 layers of 8 query / 2 kv heads of 32, 1
 # thread, ORT_ENABLE_ALL) its kernel ran a decode step in 0.59x (batch 2, past 17), 0.67x (past 256), 0.44x (batch
 # 1, past 1024), 8 new tokens after 5 in 0.82x and a 32-token prompt in 0.89x, but a 128-token prompt in 1.04x and
-# a 512-token one in 1.12x: ort-group-query-attention takes a static count of new tokens up to 32 (a decode-step
-# graph), ort-group-query-attention-any-length (off by default) also a count read at run time (one graph for the
-# prompt and the decode steps, batch 1).
-# The rotary embedding stays outside: do_rotary reads its cos / sin caches by position, at least
-# total_sequence_length rows of them, and ignores position_ids in a first prompt of several rows; the export
-# computes cos / sin per token from its position_ids at run time.
+# a 512-token one in 1.12x: ort-group-query-attention takes at most 32 new tokens,
+# ort-group-query-attention-any-length (off by default) any count.
+# Where these conditions hold for every shape the graph takes (a decode-step graph of one new token, a static batch
+# 1), GroupQueryAttention replaces the MultiHeadAttention. Where they depend on dims read at run time (an export with
+# dynamic batch, sequence and past serves prompts and decode steps alike), an If on those dims picks
+# GroupQueryAttention where they hold and the MultiHeadAttention on the Concat caches otherwise: the If costs
+# nothing measurable next to the attention (4 layers, batch 2, past 17, one token: 0.59x with the If, 0.61x
+# without).
+# The rotary embedding stays outside: do_rotary reads its cos / sin caches at positions it derives from seqlens_k
+# (total - 1 here, for every row), where the export reads position_ids (a left-padded row's positions start after
+# its padding), and ignores position_ids in a first prompt of several rows.
 
 _KV_AXES = {"key": "k_axes", "value": "v_axes"}
+_KV = ("key", "value")
 
 
 def _kv_cache(name: str) -> Pattern:
@@ -248,29 +263,83 @@ _GQA = op.MultiHeadAttention(
 )
 
 
+@dataclass(frozen=True)
+class _Gate:
+    """Which shapes GroupQueryAttention's kernel computes the export's attention at: one new token, or where every
+    query row is exact (``every_row``), batch 1 or no past; and at most ``most_tokens`` new tokens (None: any)."""
+
+    every_row: bool
+    most_tokens: int | None
+
+
 @dataclass
 class _GqaPlan:
     heads: int
     kv_heads: int
     scale: float | None
-    mask: Value  # the Where(cond, 0, -inf) under the bias
+    mask: Value  # the Where(cond, 0, fill) under the bias
+    gate: _Gate
+    at_run_time: bool  # the gate depends on dims read at run time: an If picks GroupQueryAttention or the MHA
 
 
 # The most new tokens ort-group-query-attention takes (measured faster up to 32, slower from 128: above).
 _FASTER_NEW_TOKENS = 32
 _ANY_LENGTH = "ort-group-query-attention-any-length"
 
+# A truth known when planning (bool), computed by the graph (a Value, when building), or unknown (planning).
+_Truth = bool | Value | None
+
+
+def _either(b: Builder | None, x: _Truth, y: _Truth) -> _Truth:
+    if x is True or y is True:
+        return True
+    if x is False or y is False:
+        return y if x is False else x
+    return None if b is None or x is None or y is None else b.op("Or", x, y)
+
+
+def _both(b: Builder | None, x: _Truth, y: _Truth) -> _Truth:
+    if x is False or y is False:
+        return False
+    if x is True or y is True:
+        return y if x is True else x
+    return None if b is None or x is None or y is None else b.op("And", x, y)
+
+
+def _gated(b: Builder | None, m: Match, gate: _Gate) -> _Truth:
+    """Whether the kernel computes the export's attention at the shapes it is run at (see _Gate): known from
+    static dims, else unknown (``b`` None) or a boolean the graph computes from the dims (built with ``b``)."""
+    query, past_key = m.value("query"), m.value("past_key")
+
+    def dim(value: Value, axis: int, test: str, bound: int) -> _Truth:
+        size = (Site.shape(value) or (None,) * 4)[axis]
+        if isinstance(size, int):
+            return size == bound if test == "Equal" else size < bound
+        if b is None:
+            return None
+        return b.op(test, b.shape(value, axis, axis + 1), b.constant(np.array([bound], np.int64), "bound"))
+
+    one_token = dim(query, 1, "Equal", 1)
+    if not gate.every_row:
+        return one_token
+    batch_one, no_past = dim(query, 0, "Equal", 1), dim(past_key, 2, "Equal", 0)
+    taken = _either(b, one_token, _either(b, batch_one, no_past))
+    most = gate.most_tokens
+    return taken if most is None else _both(b, taken, dim(query, 1, "Less", most + 1))
+
 
 def _plan_gqa(m: Match, site: Site, *, any_length: bool = False) -> _GqaPlan | str:
     mha = m.node("mha")
     if "projection_bias" in m or "key_padding_mask" in m or set(mha.attributes) - {"num_heads", "scale"}:
         return "the MultiHeadAttention has a projection bias, a key padding mask or an attribute besides the scale"
+    if m.value("past_key").graph is not mha.graph:
+        return "the cache's past is read from an enclosing graph (a gated GroupQueryAttention's fallback)"
     query = m.value("query")
     unsupported = cpu_float(site, query, "GroupQueryAttention")
     if unsupported is not None:
         return unsupported
-    caches = [m.node(f"{name}_cache").outputs[0] for name in ("key", "value")]
-    for name, cache in zip(("key", "value"), caches, strict=True):
+    caches = [m.node(f"{name}_cache").outputs[0] for name in _KV]
+    for name, cache in zip(_KV, caches, strict=True):
         if cache_parts(cache) is None:
             return f"the {name}s are not a 4-D cache Concat(past, new) along the sequence axis"
         if f"{name}_repeat" in m and unrepeated(m.node(f"{name}_repeat").outputs[0], site) is not cache:
@@ -294,26 +363,50 @@ def _plan_gqa(m: Match, site: Site, *, any_length: bool = False) -> _GqaPlan | s
     mask = _causal_mask(m, site, q_shape[1], past[2])
     if isinstance(mask, str):
         return mask
-    if not (q_shape[0] == 1 or q_shape[1] == 1 or past[2] == 0):
+    every_row = bool(np.isneginf(_fill(mask)))
+    capped = _Gate(every_row, _FASTER_NEW_TOKENS)
+    if any_length and (not every_row or _gated(None, m, capped) is True):
+        return "the count of new tokens does not matter here: ort-group-query-attention's case"
+    gate = _Gate(every_row, None) if any_length else capped
+    truth = _gated(None, m, gate)
+    if truth is False:
+        return _gate_refusal(gate, q_shape, past[2])
+    scale = mha.attr("scale")
+    return _GqaPlan(heads, kv_heads, None if scale is None else float(scale), mask, gate, truth is None)
+
+
+def _gate_refusal(gate: _Gate, q_shape: tuple[Any, ...], past_len: Any) -> str:
+    """Why no shape of the graph is one the kernel computes the export's attention at."""
+    if not gate.every_row:
+        return (
+            "the mask's fill is finite and the new tokens are not one: a query with every key masked weighs "
+            "them all in the export, only the keys up to its own in GroupQueryAttention's kernel"
+        )
+    if not (q_shape[0] == 1 or q_shape[1] == 1 or past_len == 0):
         return (
             "onnxruntime's CPU GroupQueryAttention refuses batch > 1 with several new tokens and a past: "
-            "none of batch 1, one new token or no past is static"
+            "the shapes are static and none of batch 1, one new token or no past"
         )
-    short = isinstance(q_shape[1], int) and q_shape[1] <= _FASTER_NEW_TOKENS
-    if short == any_length:
-        return (
-            f"the new tokens are not a static count up to {_FASTER_NEW_TOKENS} (onnxruntime's GroupQueryAttention "
-            f"measured slower on longer prompts; {_ANY_LENGTH} takes them: off by default)"
-            if not short
-            else f"the new tokens are a static count up to {_FASTER_NEW_TOKENS} (ort-group-query-attention's case)"
-        )
-    scale = mha.attr("scale")
-    return _GqaPlan(heads, kv_heads, None if scale is None else float(scale), mask)
+    return (
+        f"the new tokens are a static count above {_FASTER_NEW_TOKENS} (onnxruntime's GroupQueryAttention "
+        f"measured slower on longer prompts; {_ANY_LENGTH} takes them: off by default)"
+    )
+
+
+def _fill(mask: Value) -> float:
+    """The fill of the mask ``Where(cond, 0, fill)`` (_causal_mask proved it a scalar)."""
+    assert mask.producer is not None
+    fill = float_array(mask.producer.inputs[2])
+    assert fill is not None
+    return float(fill.ravel()[0])
+
+
+_LOWEST_FILL = -1e30
 
 
 def _causal_mask(m: Match, site: Site, q_len: Any, past_len: Any) -> Value | str:
-    """The attention bias's ``Where(band [and padding], 0, -inf)`` with the causal band over the past, every fully
-    masked query zeroed after the attention, or why it is not that."""
+    """The attention bias's ``Where(band [and padding], 0, fill)`` with the causal band over the past, or why it is
+    not that. A -inf fill's NaN (a query with every key masked) must be zeroed after the attention."""
     bias = m.value("attention_bias")
     where = bias.producer
     if where is not None and where.op_type == "Expand" and where.inputs[0] is not None:
@@ -323,12 +416,10 @@ def _causal_mask(m: Match, site: Site, q_len: Any, past_len: Any) -> Value | str
     zero, fill = float_array(where.inputs[1]), float_array(where.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or float(zero.ravel()[0]) != 0.0:
         return "the attention bias is not a mask Where(cond, 0, fill)"
-    if not np.isneginf(fill.ravel()[0]):
-        return (
-            "the mask's fill is not -inf: a query with every key masked weighs them alike in the export, "
-            "GroupQueryAttention zeroes it"
-        )
-    if not _zeroed_if_nan(m.root.outputs[0]):
+    if not np.isneginf(fill.ravel()[0]) and not float(fill.ravel()[0]) <= _LOWEST_FILL:
+        # the kernel adds the fill to float32 scores: one above this does not absorb them
+        return f"the mask's fill is neither -inf nor finite <= {_LOWEST_FILL:g}"
+    if np.isneginf(fill.ravel()[0]) and not _zeroed_if_nan(m.root.outputs[0]):
         return "the attention's NaN (a query with every key masked) is not zeroed after it, as the kernel does"
     # past + seq, not the Concat's declared length: an exporter may name that dim apart
     total = d_add(past_len, q_len)
@@ -428,10 +519,35 @@ def _kv_tokens(b: Builder, x: Value, kv_heads: int, site: Site) -> Value:
 
 
 def _build_gqa(b: Builder, m: Match, plan: _GqaPlan) -> Value:
-    site, query, new_key = m.site, m.value("query"), m.value("new_key")
-    key, value = (_kv_tokens(b, m.value(f"new_{n}"), plan.kv_heads, site) for n in ("key", "value"))
     # spelled out again: MultiHeadAttention's reads its key length from the repeat, which goes with the match
-    bias = spelled_out(b, plan.mask, new_key, m.node("key_cache").outputs[0])
+    bias = spelled_out(b, off_lowest(b, plan.mask), m.value("new_key"), m.node("key_cache").outputs[0])
+    if not plan.at_run_time:
+        outputs = _gqa(b, m, plan, bias)
+    else:
+        taken = _gated(b, m, plan.gate)
+        assert isinstance(taken, Value)
+        gqa, mha = (_branch(b, name, build, m, plan, bias) for name, build in (("gqa", _gqa), ("mha", _mha_on_cache)))
+        outputs = b.node("If", taken, outputs=3, then_branch=gqa, else_branch=mha).outputs
+    m.export("key_cache", outputs[1])
+    m.export("value_cache", outputs[2])
+    return outputs[0]
+
+
+_BranchBuild = Callable[[Builder, Match, _GqaPlan, Value], tuple[Value, ...]]
+
+
+def _branch(b: Builder, name: str, build: _BranchBuild, m: Match, plan: _GqaPlan, bias: Value) -> Graph:
+    """An If branch whose nodes ``build`` makes (reading the enclosing graph's values) and whose outputs it returns."""
+    body = Graph(name=b.names.fresh(name))
+    inside = Builder(body, b.names, tag=b.tag, provenance=b.provenance, typer=b.typer, opset=b.opset)
+    body.outputs = list(build(inside, m, plan, bias))
+    return body
+
+
+def _gqa(b: Builder, m: Match, plan: _GqaPlan, bias: Value) -> tuple[Value, ...]:
+    """GroupQueryAttention's output and present key and value."""
+    site, query = m.site, m.value("query")
+    key, value = (_kv_tokens(b, m.value(f"new_{n}"), plan.kv_heads, site) for n in _KV)
     past_key = m.value("past_key")
     total = b.op("Cast", b.op("Add", b.shape(past_key, 2, 3), b.shape(query, 1, 2)), to=DataType.INT32)
     one = b.constant(np.ones(1, np.int32), "one")
@@ -452,9 +568,27 @@ def _build_gqa(b: Builder, m: Match, plan: _GqaPlan) -> Value:
         kv_num_heads=plan.kv_heads,
         **scale,
     )
-    m.export("key_cache", node.outputs[1])
-    m.export("value_cache", node.outputs[2])
-    return node.outputs[0]
+    return node.outputs
+
+
+def _mha_on_cache(b: Builder, m: Match, plan: _GqaPlan, bias: Value) -> tuple[Value, ...]:
+    """The matched MultiHeadAttention on its Concat caches (their heads repeated as matched), and the caches."""
+    caches, repeated = [], []
+    for name in _KV:
+        cache = _again(b, m.node(f"{name}_cache"), m.value(f"past_{name}"), m.value(f"new_{name}"))
+        heads = cache
+        for step in ("unsqueeze", "expand", "repeat"):
+            if f"{name}_{step}" in m:
+                heads = _again(b, m.node(f"{name}_{step}"), heads, *m.node(f"{name}_{step}").inputs[1:])
+        caches.append(cache)
+        repeated.append(heads)
+    out = _again(b, m.node("mha"), m.value("query"), *repeated, None, None, bias)
+    return (out, *caches)
+
+
+def _again(b: Builder, node: Node, *inputs: Value | None) -> Value:
+    """``node``'s op and attributes on ``inputs``."""
+    return b.op(node.op_type, *inputs, domain=node.domain, **node.attributes)
 
 
 # -- target ort: onnxruntime's Attention with packed projections --------------------------------
@@ -662,21 +796,22 @@ RULES: tuple[Rule, ...] = (
         "broadcasts to (batch or 1, heads or 1, S, T), given its leading 1s (LeViT's per-head position bias) -> "
         "com.microsoft MultiHeadAttention (target ort; measured slower)",
     ),
-    _GQA_RULE(
-        name="ort-group-query-attention",
-        plan=_plan_gqa,
-        doc="MultiHeadAttention on a KV cache's Concat(past, new) (the K / V heads repeated for grouped-query "
-        f"attention), its mask the causal band over the past, at most {_FASTER_NEW_TOKENS} new tokens (a decode "
-        "step) -> com.microsoft GroupQueryAttention with past_key / past_value in and present_key / present_value "
-        "out (target ort)",
-    ),
+    # before the default: where it is enabled, it takes the prompts the default leaves to MultiHeadAttention
     _GQA_RULE(
         name=_ANY_LENGTH,
         plan=partial(_plan_gqa, any_length=True),
         default=False,
-        doc="ort-group-query-attention for new tokens read at run time or more than "
-        f"{_FASTER_NEW_TOKENS} (prompt and decode steps in one graph; measured slower on prompts of 128 tokens "
-        "and more) -> com.microsoft GroupQueryAttention (target ort)",
+        doc="ort-group-query-attention for any count of new tokens (measured slower than MultiHeadAttention on "
+        "prompts of 128 tokens and more) -> com.microsoft GroupQueryAttention (target ort)",
+    ),
+    _GQA_RULE(
+        name="ort-group-query-attention",
+        plan=_plan_gqa,
+        doc="MultiHeadAttention on a KV cache's Concat(past, new) (the K / V heads repeated for grouped-query "
+        "attention), its mask the causal band over the past -> com.microsoft GroupQueryAttention with past_key / "
+        "past_value in and present_key / present_value out, for one new token, or up to "
+        f"{_FASTER_NEW_TOKENS} with batch 1 or no past (a -inf fill); an If on the dims picks it where they are "
+        "read at run time (target ort)",
     ),
     _ORT_ATTENTION(name="ort-attention", pattern=core(_projection("q"), _projection("k"), _projection("v"))),
     _ORT_ATTENTION(name="ort-attention-packed", pattern=core(*_SPLIT_QKV)),

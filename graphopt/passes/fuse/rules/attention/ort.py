@@ -317,7 +317,7 @@ def _gated(b: Builder | None, m: Match, gate: _Gate) -> _Truth:
             return size == bound if test == "Equal" else size < bound
         if b is None:
             return None
-        return b.op(test, b.shape(value, axis, axis + 1), b.constant(np.array([bound], np.int64), "bound"))
+        return b.op(test, _dim_read(b, m.site, value, axis), b.constant(np.array([bound], np.int64), "bound"))
 
     one_token = dim(query, 1, "Equal", 1)
     if not gate.every_row:
@@ -326,6 +326,18 @@ def _gated(b: Builder | None, m: Match, gate: _Gate) -> _Truth:
     taken = _either(b, one_token, _either(b, batch_one, no_past))
     most = gate.most_tokens
     return taken if most is None else _both(b, taken, dim(query, 1, "Less", most + 1))
+
+
+def _dim_read(b: Builder, site: Site, value: Value, axis: int) -> Value:
+    """``value``'s dim ``axis`` as a 1-element shape, read from the first model input that declares the same
+    symbolic dim where one does: every layer's read is then the same node, which CSE keeps once."""
+    size = (Site.shape(value) or (None,) * (axis + 1))[axis]
+    if size is not None and not isinstance(size, int):
+        for source in site.model.graph.inputs:
+            shape = list(Site.shape(source) or ())
+            if size in shape:
+                return b.shape(source, shape.index(size), shape.index(size) + 1)
+    return b.shape(value, axis, axis + 1)
 
 
 def _plan_gqa(m: Match, site: Site, *, any_length: bool = False) -> _GqaPlan | str:
@@ -519,49 +531,61 @@ def _kv_tokens(b: Builder, x: Value, kv_heads: int, site: Site) -> Value:
 
 
 def _build_gqa(b: Builder, m: Match, plan: _GqaPlan) -> Value:
+    site, query = m.site, m.value("query")
     # spelled out again: MultiHeadAttention's reads its key length from the repeat, which goes with the match
     bias = spelled_out(b, off_lowest(b, plan.mask), m.value("new_key"), m.node("key_cache").outputs[0])
+    # read from the model's inputs where they declare the dims, so every layer's are one (after CSE)
+    past_len, q_len, batch = (_dim_read(b, site, *read) for read in ((m.value("past_key"), 2), (query, 1), (query, 0)))
+    total = b.op("Cast", b.op("Add", past_len, q_len), to=DataType.INT32)
+    seqlens_k = b.op("Expand", b.op("Sub", total, b.constant(np.ones(1, np.int32), "one")), batch)
+    lengths = _Lengths(bias, seqlens_k, b.op("Reshape", total, b.constant(np.zeros(0, np.int64), "scalar")))
     if not plan.at_run_time:
-        outputs = _gqa(b, m, plan, bias)
+        outputs = _gqa(b, m, plan, lengths)
     else:
         taken = _gated(b, m, plan.gate)
         assert isinstance(taken, Value)
-        gqa, mha = (_branch(b, name, build, m, plan, bias) for name, build in (("gqa", _gqa), ("mha", _mha_on_cache)))
+        gqa, mha = (
+            _branch(b, name, build, m, plan, lengths) for name, build in (("gqa", _gqa), ("mha", _mha_on_cache))
+        )
         outputs = b.node("If", taken, outputs=3, then_branch=gqa, else_branch=mha).outputs
     m.export("key_cache", outputs[1])
     m.export("value_cache", outputs[2])
     return outputs[0]
 
 
-_BranchBuild = Callable[[Builder, Match, _GqaPlan, Value], tuple[Value, ...]]
+@dataclass(frozen=True)
+class _Lengths:
+    """What the attention reads besides Q, K, V and the caches, made before an If: the bias, and GroupQueryAttention's
+    seqlens_k and total_sequence_length."""
+
+    bias: Value
+    seqlens_k: Value
+    total: Value
 
 
-def _branch(b: Builder, name: str, build: _BranchBuild, m: Match, plan: _GqaPlan, bias: Value) -> Graph:
+_BranchBuild = Callable[[Builder, Match, _GqaPlan, _Lengths], tuple[Value, ...]]
+
+
+def _branch(b: Builder, name: str, build: _BranchBuild, m: Match, plan: _GqaPlan, lengths: _Lengths) -> Graph:
     """An If branch whose nodes ``build`` makes (reading the enclosing graph's values) and whose outputs it returns."""
     body = Graph(name=b.names.fresh(name))
     inside = Builder(body, b.names, tag=b.tag, provenance=b.provenance, typer=b.typer, opset=b.opset)
-    body.outputs = list(build(inside, m, plan, bias))
+    body.outputs = list(build(inside, m, plan, lengths))
     return body
 
 
-def _gqa(b: Builder, m: Match, plan: _GqaPlan, bias: Value) -> tuple[Value, ...]:
+def _gqa(b: Builder, m: Match, plan: _GqaPlan, lengths: _Lengths) -> tuple[Value, ...]:
     """GroupQueryAttention's output and present key and value."""
-    site, query = m.site, m.value("query")
-    key, value = (_kv_tokens(b, m.value(f"new_{n}"), plan.kv_heads, site) for n in _KV)
-    past_key = m.value("past_key")
-    total = b.op("Cast", b.op("Add", b.shape(past_key, 2, 3), b.shape(query, 1, 2)), to=DataType.INT32)
-    one = b.constant(np.ones(1, np.int32), "one")
-    seqlens_k = b.op("Expand", b.op("Sub", total, one), b.shape(query, 0, 1))
-    total_length = b.op("Reshape", total, b.constant(np.zeros(0, np.int64), "scalar"))
-    inputs = [query, key, value, past_key, m.value("past_value"), seqlens_k, total_length]
+    key, value = (_kv_tokens(b, m.value(f"new_{n}"), plan.kv_heads, m.site) for n in _KV)
+    caches = (m.value("past_key"), m.value("past_value"))
     scale: dict[str, Any] = {} if plan.scale is None else {"scale": plan.scale}
     node = b.node(
         "GroupQueryAttention",
-        *inputs,
+        *(m.value("query"), key, value, *caches, lengths.seqlens_k, lengths.total),
         None,
         None,
         None,
-        bias,
+        lengths.bias,
         domain=MS,
         outputs=3,
         num_heads=plan.heads,
@@ -571,7 +595,7 @@ def _gqa(b: Builder, m: Match, plan: _GqaPlan, bias: Value) -> tuple[Value, ...]
     return node.outputs
 
 
-def _mha_on_cache(b: Builder, m: Match, plan: _GqaPlan, bias: Value) -> tuple[Value, ...]:
+def _mha_on_cache(b: Builder, m: Match, plan: _GqaPlan, lengths: _Lengths) -> tuple[Value, ...]:
     """The matched MultiHeadAttention on its Concat caches (their heads repeated as matched), and the caches."""
     caches, repeated = [], []
     for name in _KV:
@@ -582,7 +606,7 @@ def _mha_on_cache(b: Builder, m: Match, plan: _GqaPlan, bias: Value) -> tuple[Va
                 heads = _again(b, m.node(f"{name}_{step}"), heads, *m.node(f"{name}_{step}").inputs[1:])
         caches.append(cache)
         repeated.append(heads)
-    out = _again(b, m.node("mha"), m.value("query"), *repeated, None, None, bias)
+    out = _again(b, m.node("mha"), m.value("query"), *repeated, None, None, lengths.bias)
     return (out, *caches)
 
 

@@ -68,8 +68,8 @@ def additive_mask(b: Builder, plan: Plan4) -> Value | None:
     return node.outputs[0]
 
 
-def _length(b: Builder, x: Value, known: bool) -> Value:
-    """x's axis 2 (its sequence) as a 1-element shape: the constant 1 when the mask already has it.
+def _length(b: Builder, x: Value, known: bool, axis: int = 2) -> Value:
+    """x's sequence (its axis ``axis``) as a 1-element shape: the constant 1 when the mask already has it.
 
     A KV cache's ``Concat(past, new)`` is measured as past plus new, not read: that Concat moves
     into the Attention (``attention-kv-cache``), which a mask computed from it would wait for."""
@@ -78,19 +78,20 @@ def _length(b: Builder, x: Value, known: bool) -> Value:
     cache = cache_parts(x)
     if cache is not None:
         return b.op("Add", *(b.shape(part, 2, 3) for part in cache))
-    return b.shape(x, 2, 3)
+    return b.shape(x, axis, axis + 1)
 
 
-def spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
+def spelled_out(b: Builder, mask: Value, q: Value, k: Value, q_axis: int = 2) -> Value:
     """``mask`` with its query and key axes provably Q's and K's lengths, as onnxruntime's
     Attention wants (a mask broadcasting over queries is expanded). Not shared between layers:
-    the lengths are read from this layer's Q and K, which later layers' masks cannot wait for."""
-    shape, q_len, k_len = Site.shape(mask) or (), (Site.shape(q) or (None,) * 4)[2], (Site.shape(k) or (None,) * 4)[2]
+    the lengths are read from this layer's Q (its axis ``q_axis``) and K, which later layers' masks cannot wait for."""
+    q_len, k_len = (Site.shape(q) or (None,) * 4)[q_axis], (Site.shape(k) or (None,) * 4)[2]
+    shape = Site.shape(mask) or ()
     rows, keys = q_len is not None and shape[-2] == q_len, k_len is not None and shape[-1] == k_len
     if rows and keys:
         return mask
     ones = b.constant(np.ones(len(shape) - 2, np.int64), "ones")
-    target = b.op("Concat", ones, _length(b, q, rows), _length(b, k, keys), axis=0)
+    target = b.op("Concat", ones, _length(b, q, rows, q_axis), _length(b, k, keys), axis=0)
     expanded = b.node("Expand", mask, target, name="attention_mask_spelled")
     dtype = Site.dtype(mask)
     if dtype is not None:

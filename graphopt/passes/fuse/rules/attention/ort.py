@@ -525,15 +525,22 @@ def _range(value: Value, sym: Sym) -> tuple[Any, Any, Any] | None:
 
 def _kv_tokens(b: Builder, x: Value, kv_heads: int, site: Site) -> Value:
     """(batch, seq, kv heads * head size) from the cache's new (batch, kv heads, seq, head size): the head split's
-    source where it has one."""
-    source = unsplit(x, kv_heads, site)
-    return source if source is not None else _merged_heads(b, x)
+    source where it has one, the rotary on it where it is the rotary of one."""
+    rotated = _rotated_split(x, kv_heads, site) if len(x.uses()) == 1 else None
+    if rotated is not None:
+        rotary, source = rotated
+        return b.op(
+            "RotaryEmbedding", source, *rotary.inputs[1:], domain=MS, **{**rotary.attributes, "num_heads": kv_heads}
+        )
+    split_source = unsplit(x, kv_heads, site)
+    return split_source if split_source is not None else _merged_heads(b, x)
 
 
 def _build_gqa(b: Builder, m: Match, plan: _GqaPlan) -> Value:
     site, query = m.site, m.value("query")
-    # spelled out again: MultiHeadAttention's reads its key length from the repeat, which goes with the match
-    bias = spelled_out(b, off_lowest(b, plan.mask), m.value("new_key"), m.node("key_cache").outputs[0])
+    # spelled out again: MultiHeadAttention's reads its key length from the repeat, which goes with the match; its
+    # query length from Q, not from the new keys (which a branch may make again: their shape read here would not)
+    bias = spelled_out(b, off_lowest(b, plan.mask), query, m.node("key_cache").outputs[0], q_axis=1)
     # read from the model's inputs where they declare the dims, so every layer's are one (after CSE)
     past_len, q_len, batch = (_dim_read(b, site, *read) for read in ((m.value("past_key"), 2), (query, 1), (query, 0)))
     total = b.op("Cast", b.op("Add", past_len, q_len), to=DataType.INT32)
@@ -611,16 +618,38 @@ def _mha_on_cache(b: Builder, m: Match, plan: _GqaPlan, lengths: _Lengths) -> tu
 
 
 def _new_tokens(b: Builder, m: Match, name: str, kv_heads: int) -> Value:
-    """The cache's new K or V (batch, kv heads, seq, head size); where it is a head split only the cache reads, the
-    split made again in the branch, so the enclosing graph no longer makes it for GroupQueryAttention, which reads
-    the split's source (llama_kv_ts, a decode step: 4% of its time)."""
+    """The cache's new K or V (batch, kv heads, seq, head size). Where only the cache reads it and it is a head
+    split (V), or the rotary of one (K), that is made again in the branch: the enclosing graph then no longer makes
+    it for GroupQueryAttention, which reads the split's source (llama_kv_ts, a decode step: 4% of its time)."""
     new = m.value(f"new_{name}")
-    split = new.producer
-    if split is None or len(new.uses()) != 1 or unsplit(new, kv_heads, m.site) is None:
+    if len(new.uses()) != 1:
         return new
-    reshape = split.inputs[0].producer if split.inputs[0] is not None else None
-    assert reshape is not None  # unsplit proved it
-    return _again(b, split, _again(b, reshape, *reshape.inputs))
+    rotated = _rotated_split(new, kv_heads, m.site)
+    if rotated is not None:
+        rotary = rotated[0]
+        assert rotary.inputs[0] is not None
+        return _again(b, rotary, _split_again(b, rotary.inputs[0]), *rotary.inputs[1:])
+    return _split_again(b, new) if unsplit(new, kv_heads, m.site) is not None else new
+
+
+def _split_again(b: Builder, split: Value) -> Value:
+    """The head split Transpose(Reshape(x)) ``split`` (unsplit proved it) made again."""
+    transpose = split.producer
+    reshape = transpose.inputs[0].producer if transpose is not None and transpose.inputs[0] is not None else None
+    assert transpose is not None and reshape is not None
+    return _again(b, transpose, _again(b, reshape, *reshape.inputs))
+
+
+def _rotated_split(new: Value, kv_heads: int, site: Site) -> tuple[Node, Value] | None:
+    """(the RotaryEmbedding, x) where ``new`` is com.microsoft RotaryEmbedding of the head split of x (batch, seq,
+    kv heads * head size): the op takes x itself with num_heads (ort-rotary-embedding-3d's rewrite)."""
+    rotary = new.producer
+    if rotary is None or rotary.op_type != "RotaryEmbedding" or rotary.domain != MS or rotary.inputs[0] is None:
+        return None
+    if rotary.attr("num_heads", 0) not in (0, kv_heads):
+        return None
+    source = unsplit(rotary.inputs[0], kv_heads, site)
+    return None if source is None else (rotary, source)
 
 
 def _again(b: Builder, node: Node, *inputs: Value | None) -> Value:

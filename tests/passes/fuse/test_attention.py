@@ -12,6 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from graphopt.ir.node import CONTRIB_DOMAIN as MS
 from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse.table import (
     NO_GATE,
@@ -141,13 +142,14 @@ def _decoder_layer(
     guard: bool = True,
     kv_heads: int = GQA_KV_HEADS,
     past: int | str = "past",
+    rotary: bool = False,
 ) -> onnx.ModelProto:
     """One attention layer of a Llama-style decoder with a KV cache (4 query heads, ``kv_heads`` of 8): Q, K, V
     projections of ``x`` (batch, ``seq``, 32), K and V joined to the past along the sequence (the present outputs),
     their heads repeated for the query heads (Unsqueeze, Expand, Reshape) where fewer, the scores masked by
     ``Where(band and attention_mask, 0, fill)`` with the causal band over the past (``band`` "past": key j <= past +
-    query i; "none": no past offset; "mask": the padding alone), the IsNaN guard after the Softmax (``guard``); a
-    string dim is dynamic."""
+    query i; "none": no past offset; "mask": the padding alone), the IsNaN guard after the Softmax (``guard``),
+    onnxruntime's RotaryEmbedding on the new keys at ``position_ids`` (``rotary``); a string dim is dynamic."""
     hidden = (batch, seq, GQA_WIDTH)
     kv = (batch, kv_heads, past, GQA_SIZE)
     nodes = [
@@ -173,9 +175,12 @@ def _decoder_layer(
             node("Reshape", [f"{name}_proj", f"{name}_split_shape"], f"{name}_split"),
             node("Transpose", [f"{name}_split"], f"{name}_heads", perm=[0, 2, 1, 3]),
         ]
+    if rotary:
+        nodes.append(node("RotaryEmbedding", ["k_heads", "position_ids", "cos", "sin"], "k_rotated", domain=MS))
     for name in ("key", "value"):
+        new = "k_rotated" if rotary and name == "key" else f"{name[0]}_heads"
         nodes += [
-            node("Concat", [f"past_{name}", f"{name[0]}_heads"], f"present_{name}", axis=2),
+            node("Concat", [f"past_{name}", new], f"present_{name}", axis=2),
             node("Unsqueeze", [f"present_{name}", "repeat_axis"], f"{name}_wide"),
             node("Expand", [f"{name}_wide", "repeat"], f"{name}_expanded"),
             node("Reshape", [f"{name}_expanded", "repeated_shape"], f"{name}_repeated"),
@@ -232,7 +237,24 @@ def _decoder_layer(
         info("past_key", list(kv)),
         info("past_value", list(kv)),
     ]
-    return model(nodes, inputs, ["y", "present_key", "present_value"], initializers, opset=18)
+    if rotary:
+        angles = np.arange(_POSITIONS)[:, None] * 10000.0 ** (-np.arange(GQA_SIZE // 2) / (GQA_SIZE // 2))
+        initializers += [init("cos", np.cos(angles).astype(np.float32)), init("sin", np.sin(angles).astype(np.float32))]
+        inputs.append(info("position_ids", [batch, seq], TensorProto.INT64))
+    proto = model(nodes, inputs, ["y", "present_key", "present_value"], initializers, opset=18)
+    if rotary:
+        proto.opset_import.append(helper.make_opsetid(MS, 1))
+    return proto
+
+
+_POSITIONS = 64  # the rotary caches' rows
+
+
+def _positions(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` with position_ids after the past: each row's tokens numbered from the cache's length on."""
+    batch, seq = feeds["x"].shape[:2]
+    past = feeds["past_key"].shape[2]
+    return {**feeds, "position_ids": np.broadcast_to(np.arange(past, past + seq), (batch, seq)).copy()}
 
 
 def _decoder_feeds(
@@ -687,8 +709,9 @@ def _all_ops(proto: onnx.ModelProto) -> dict[str, int]:
         ({"batch": "batch"}, "ort-group-query-attention"),
         ({"batch": "batch", "fill": _LOWEST}, "ort-group-query-attention"),
         ({"batch": "batch"}, GQA_ANY_LENGTH),
+        ({"batch": "batch", "rotary": True}, "ort-group-query-attention"),
     ],
-    ids=["inf-fill", "finite-fill", "any-length"],
+    ids=["inf-fill", "finite-fill", "any-length", "rotary"],
 )
 def test_group_query_attention_gated_at_run_time(layer: dict[str, Any], rule: str) -> None:
     """Batch, new tokens and past all dynamic (an export serving prompts and decode steps): an If on the dims runs
@@ -708,6 +731,14 @@ def test_group_query_attention_gated_at_run_time(layer: dict[str, Any], rule: st
     }
     (gate,) = [n for n in out.graph.node if n.op_type == "If"]
     assert list(gate.output[1:]) == ["present_key", "present_value"]
+    # GroupQueryAttention reads the projections: K's and V's head splits are made in the other branch only
+    # (and K's rotary on the projection, as ort-rotary-embedding-3d writes it)
+    branches = {attr.name: [n.op_type for n in attr.g.node] for attr in gate.attribute}
+    rotary = ["RotaryEmbedding"] if layer.get("rotary") else []
+    assert branches["then_branch"] == [*rotary, "GroupQueryAttention"] and "Transpose" not in ops(out)
+    assert branches["else_branch"].count("Transpose") == 2
+    assert branches["else_branch"].count("RotaryEmbedding") == len(rotary)
     steps = [(2, 1, 6, 3), (3, 1, 0, 0), (2, 4, 0, 2), (1, 5, 3, 2), (2, 3, 4, 1), (1, 40, 0, 0), (2, 1, 5, 6)]
     for step in steps:
-        assert_same_outputs(proto, out, _decoder_feeds(*step), rtol=1e-4, atol=1e-4)
+        feeds = _decoder_feeds(*step)
+        assert_same_outputs(proto, out, _positions(feeds) if layer.get("rotary") else feeds, rtol=1e-4, atol=1e-4)

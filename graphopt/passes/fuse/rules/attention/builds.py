@@ -3,6 +3,7 @@ onnxruntime wants it, a masked fill as one float mask, and a merged-heads bias s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -68,34 +69,42 @@ def additive_mask(b: Builder, plan: Plan4) -> Value | None:
     return node.outputs[0]
 
 
-def _length(b: Builder, x: Value, known: bool, axis: int = 2) -> Value:
-    """x's sequence (its axis ``axis``) as a 1-element shape: the constant 1 when the mask already has it.
+def _length(b: Builder, x: Value) -> Value:
+    """x's axis 2 (its sequence) as a 1-element shape.
 
     A KV cache's ``Concat(past, new)`` is measured as past plus new, not read: that Concat moves
     into the Attention (``attention-kv-cache``), which a mask computed from it would wait for."""
-    if known:
-        return b.constant(np.ones(1, np.int64), "one")
     cache = cache_parts(x)
     if cache is not None:
         return b.op("Add", *(b.shape(part, 2, 3) for part in cache))
-    return b.shape(x, axis, axis + 1)
+    return b.shape(x, 2, 3)
 
 
-def spelled_out(b: Builder, mask: Value, q: Value, k: Value, q_axis: int = 2) -> Value:
+def spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
     """``mask`` with its query and key axes provably Q's and K's lengths, as onnxruntime's
     Attention wants (a mask broadcasting over queries is expanded). Not shared between layers:
-    the lengths are read from this layer's Q (its axis ``q_axis``) and K, which later layers' masks cannot wait for."""
-    q_len, k_len = (Site.shape(q) or (None,) * 4)[q_axis], (Site.shape(k) or (None,) * 4)[2]
+    the lengths are read from this layer's Q and K, which later layers' masks cannot wait for."""
+    q_len, k_len = ((Site.shape(x) or (None,) * 4)[2] for x in (q, k))
+    return expanded_to(b, mask, (q_len, lambda: _length(b, q)), (k_len, lambda: _length(b, k)))
+
+
+Length = tuple[Any, Callable[[], Value]]  # a length (static or symbolic) and how to read it as a 1-element shape
+
+
+def expanded_to(b: Builder, mask: Value, rows: Length, keys: Length) -> Value:
+    """``mask`` expanded to ``rows`` queries and ``keys`` keys where its last two axes are not provably those."""
     shape = Site.shape(mask) or ()
-    rows, keys = q_len is not None and shape[-2] == q_len, k_len is not None and shape[-1] == k_len
-    if rows and keys:
+    known = [length is not None and shape[axis] == length for axis, (length, _) in ((-2, rows), (-1, keys))]
+    if all(known):
         return mask
     ones = b.constant(np.ones(len(shape) - 2, np.int64), "ones")
-    target = b.op("Concat", ones, _length(b, q, rows, q_axis), _length(b, k, keys), axis=0)
-    expanded = b.node("Expand", mask, target, name="attention_mask_spelled")
+    sizes = [
+        b.constant(np.ones(1, np.int64), "one") if kept else read() for kept, (_, read) in zip(known, (rows, keys))
+    ]
+    expanded = b.node("Expand", mask, b.op("Concat", ones, *sizes, axis=0), name="attention_mask_spelled")
     dtype = Site.dtype(mask)
     if dtype is not None:
-        expanded.outputs[0].type = TensorType(dtype, (*shape[:-2], q_len, k_len))
+        expanded.outputs[0].type = TensorType(dtype, (*shape[:-2], rows[0], keys[0]))
     return expanded.outputs[0]
 
 

@@ -20,6 +20,7 @@ from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_r
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.fuse.rules.attention.builds import (
     additive_mask,
+    expanded_to,
     off_lowest,
     rows_spelled_out,
     spelled_out,
@@ -217,13 +218,13 @@ def _four_d(b: Builder, bias: Value, opset: int) -> Value:
 #     mask is proven to be the causal band j <= past + i (And any padding), as HF's decoders build it from
 #     Range(0, total) over keys and Range(0, seq) + past over queries;
 #   - a query whose keys are all masked (a left-padded row's padding in a prompt) gets zeros (float32) or NaN
-#     (float16) from the kernel: the export must zero it as well, a -inf fill with the IsNaN guard after the
-#     attention (a finite fill such as finfo.min weighs every key alike in the export);
+#     (float16) from the kernel under a -inf fill: the export must zero it as well, with the IsNaN guard after the
+#     attention. A finite fill at or below -1e30 (dynamo's finfo.min, raised one step: the kernel reads the lowest
+#     float as -inf) weighs such a query's keys alike, the export all of them, the kernel those of its causal
+#     window (keys up to past + i), which are all of them for one new token only: so a finite fill is taken for
+#     one new token, the -inf fill with the guard for any count;
 #   - the kernel refuses batch > 1 with several new tokens and a past ("batch_size must be 1 when
-#     sequence_length > 1 and past context is given");
-#   - a finite fill (dynamo's finfo.min) weighs every key alike for a query whose keys are all masked: the export
-#     over all the keys, the kernel over its causal window (keys up to past + i), which is every key only for one
-#     new token. So a finite fill is exact for one new token only; the -inf fill with the guard, for any count.
+#     sequence_length > 1 and past context is given").
 # Against the MultiHeadAttention form (benchmarks/ort_gqa_probe.py, 4 layers of 8 query / 2 kv heads of 32, 1
 # thread, ORT_ENABLE_ALL) its kernel ran a decode step in 0.59x (batch 2, past 17), 0.67x (past 256), 0.44x (batch
 # 1, past 1024), 8 new tokens after 5 in 0.82x and a 32-token prompt in 0.89x, but a 128-token prompt in 1.04x and
@@ -538,13 +539,16 @@ def _kv_tokens(b: Builder, x: Value, kv_heads: int, site: Site) -> Value:
 
 def _build_gqa(b: Builder, m: Match, plan: _GqaPlan) -> Value:
     site, query = m.site, m.value("query")
-    # spelled out again: MultiHeadAttention's reads its key length from the repeat, which goes with the match; its
-    # query length from Q, not from the new keys (which a branch may make again: their shape read here would not)
-    bias = spelled_out(b, off_lowest(b, plan.mask), query, m.node("key_cache").outputs[0], q_axis=1)
     # read from the model's inputs where they declare the dims, so every layer's are one (after CSE)
     past_len, q_len, batch = (_dim_read(b, site, *read) for read in ((m.value("past_key"), 2), (query, 1), (query, 0)))
-    total = b.op("Cast", b.op("Add", past_len, q_len), to=DataType.INT32)
+    key_len = b.op("Add", past_len, q_len)
+    total = b.op("Cast", key_len, to=DataType.INT32)
     seqlens_k = b.op("Expand", b.op("Sub", total, b.constant(np.ones(1, np.int32), "one")), batch)
+    # spelled out again (MultiHeadAttention's read its key length from the repeat, which goes with the match), from
+    # the same lengths: not from the new keys, which a branch may make again
+    q_dim = (site.shape(query) or (None,) * 3)[1]
+    key_dim = d_add((site.shape(m.value("past_key")) or (None,) * 4)[2], q_dim)
+    bias = expanded_to(b, off_lowest(b, plan.mask), (q_dim, lambda: q_len), (key_dim, lambda: key_len))
     lengths = _Lengths(bias, seqlens_k, b.op("Reshape", total, b.constant(np.zeros(0, np.int64), "scalar")))
     if not plan.at_run_time:
         outputs = _gqa(b, m, plan, lengths)

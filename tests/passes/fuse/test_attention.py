@@ -284,12 +284,11 @@ def _band_without_past(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 GQA_ANY_LENGTH = "ort-group-query-attention-any-length"
 GQA_ANY_SETTINGS: dict[str, Any] = {"target": "ort", "enable": [GQA_ANY_LENGTH]}
-# what the decoder layer keeps around its GroupQueryAttention: the mask's plumbing, the projections, K merged back
-# for the op (Transpose, Reshape), seqlens_k and total_sequence_length from the shapes (Shape, Add, Cast, Sub,
-# Expand, Reshape)
+# what the decoder layer keeps around its GroupQueryAttention: the mask's plumbing, the projections (K and V go in
+# as projected), seqlens_k and total_sequence_length from the shapes (Shape, Add, Cast, Sub, Expand, Reshape)
 _GQA_OPS = {
-    **{"Shape": 7, "Squeeze": 2, "Add": 4, "Range": 2, "Unsqueeze": 3, "LessOrEqual": 1, "Cast": 2, "And": 1},
-    **{"Where": 2, "MatMul": 4, "Reshape": 2, "Transpose": 1, "Concat": 1, "Expand": 2, "Sub": 1},
+    **{"Shape": 5, "Squeeze": 2, "Add": 3, "Range": 2, "Unsqueeze": 3, "LessOrEqual": 1, "Cast": 2, "And": 1},
+    **{"Where": 2, "MatMul": 4, "Reshape": 1, "Concat": 1, "Expand": 2, "Sub": 1},
     **{"GroupQueryAttention": 1, "IsNaN": 1},
 }
 

@@ -293,20 +293,16 @@ _ANY_LENGTH = "ort-group-query-attention-any-length"
 _Truth = bool | Value | None
 
 
-def _either(b: Builder | None, x: _Truth, y: _Truth) -> _Truth:
-    if x is True or y is True:
-        return True
-    if x is False or y is False:
-        return y if x is False else x
-    return None if b is None or x is None or y is None else b.op("Or", x, y)
-
-
-def _both(b: Builder | None, x: _Truth, y: _Truth) -> _Truth:
-    if x is False or y is False:
-        return False
-    if x is True or y is True:
-        return y if x is True else x
-    return None if b is None or x is None or y is None else b.op("And", x, y)
+def _joined(b: Builder | None, op_type: str, x: _Truth, y: _Truth) -> _Truth:
+    """``x`` Or / And ``y`` (``op_type``), folded where a side is known."""
+    deciding = op_type == "Or"  # the value of either side that decides the result
+    if x is deciding or y is deciding:
+        return deciding
+    if x is (not deciding) or y is (not deciding):
+        return y if x is (not deciding) else x
+    if b is None or not isinstance(x, Value) or not isinstance(y, Value):
+        return None  # a side unknown when planning
+    return b.op(op_type, x, y)
 
 
 def _gated(b: Builder | None, m: Match, gate: _Gate) -> _Truth:
@@ -326,9 +322,9 @@ def _gated(b: Builder | None, m: Match, gate: _Gate) -> _Truth:
     if not gate.every_row:
         return one_token
     batch_one, no_past = dim(query, 0, "Equal", 1), dim(past_key, 2, "Equal", 0)
-    taken = _either(b, one_token, _either(b, batch_one, no_past))
+    taken = _joined(b, "Or", one_token, _joined(b, "Or", batch_one, no_past))
     most = gate.most_tokens
-    return taken if most is None else _both(b, taken, dim(query, 1, "Less", most + 1))
+    return taken if most is None else _joined(b, "And", taken, dim(query, 1, "Less", most + 1))
 
 
 def _dim_read(b: Builder, site: Site, value: Value, axis: int) -> Value:

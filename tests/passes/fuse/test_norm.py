@@ -239,6 +239,37 @@ CASES: dict[str, Case] = {
             ),
         )
     },
+    # opset 18's per-group GroupNormalization at 18 to 20: the fixtures' per-channel gamma and beta stay after it
+    **{
+        name: Case(
+            lambda build=build: at_opset(20)(build()),
+            expected,
+            "grouped",
+            Perturb(set_attr("x_shape", start=1), "not provably back to x's shape", _one_sample, "Shape(x) start=1"),
+            Perturb(set_shape("x", ["b", "c", "h", 5]), "the channel dim is not static"),
+            low,
+        )
+        for name, build, expected, low in (
+            (
+                "groupnorm-18",
+                group_norm,
+                {"GroupNormalization": 1, "Mul": 1, "Add": 1},
+                Perturb(at_opset(17), "needs opset >= 18"),
+            ),
+            (
+                "groupnorm-18-no-bias",
+                truncated(lambda: group_norm("decomposed"), "scaled"),
+                {"GroupNormalization": 1, "Mul": 1},
+                "below 18 the decomposed spelling's ReduceMean has no axes input",
+            ),
+            (
+                "groupnorm-18-plain",
+                truncated(lambda: set_shape("x", ["b", 6, "h", 5])(group_norm("decomposed")), "merged"),
+                {"GroupNormalization": 1},
+                "below 18 the decomposed spelling's ReduceMean has no axes input",
+            ),
+        )
+    },
     **{
         name: Case(
             lambda stable=stable: _softmax(stable),
@@ -273,6 +304,16 @@ EXPORTED: dict[str, Exported | str] = {
         target_opset(17, "needs opset >= 21", "below opset 18's per-group GroupNormalization too"),
         {"target_opset": 23},
     ),
+    "groupnorm-18": Exported(
+        ("unet_dynamo", "unet_ts"),
+        {"GroupNormalization": 1, "Mul": 1, "Add": 1},
+        constant_at("gamma", _per_channel_and_row, "gamma is not per channel", "gamma (C, 16, 1), per row too"),
+        untyped_at(("x",), "no known float type and rank"),
+        target_opset(17, "needs opset >= 18"),
+        {"target_opset": 20},
+    ),
+    "groupnorm-18-no-bias": "n/a: the exporters write nn.GroupNorm with its bias (groupnorm-18's case)",
+    "groupnorm-18-plain": "n/a: the exporters write nn.GroupNorm with its affine (groupnorm-18's case)",
     "layernorm-residual-sum": Exported(
         ("gpt2_dynamo", "gpt2_ts"),
         {"Sum": 1, "LayerNormalization": 5},

@@ -534,6 +534,7 @@ def exported_group_norm(
     elem_type: int = TensorProto.FLOAT,
     in_scale: np.ndarray | None = None,
     gamma: np.ndarray | None = None,
+    beta: np.ndarray | None = None,
 ) -> onnx.ModelProto:
     """nn.GroupNorm as PyTorch's exporters write it (diffusers' UNets and VAEs, 8 groups of 32 channels here):
     Reshape(x, split) / InstanceNormalization(ones, zeros over the groups) / Reshape(., back) / Mul(gamma (C, 1, 1))
@@ -582,7 +583,7 @@ def exported_group_norm(
         nodes += [node("Sigmoid", ["normed"], "gate"), node("Mul", ["normed", "gate"], "y")]
     affine = (channels, *[1] * (1 if back == "flat" else len(dims) - 2))
     params.append(init("gamma", (1 + 0.1 * rand_weight(*affine)) if gamma is None else gamma, dtype))
-    params.append(init("beta", rand_weight(*affine), dtype))
+    params.append(init("beta", rand_weight(*affine) if beta is None else beta, dtype))
     return model(nodes, [info("x", list(dims), elem_type)], [info("y", None, elem_type)], params, opset=17)
 
 

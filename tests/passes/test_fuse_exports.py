@@ -97,8 +97,6 @@ ORT_MHA = {
     "gpt2_dynamo": 2,
     "llama_dynamo": 2,
     "llama_ts": 2,
-    "llama_kv_dynamo": 1,
-    "llama_kv_ts": 1,
     "t5_ts": 1,
     "phi_dynamo": 2,
     "phi_ts": 2,
@@ -110,8 +108,6 @@ ORT_MHA = {
     "bmm_attention_ts": 1,
     "mpt_dynamo": 1,
     "mpt_ts": 1,
-    "gpt2_kv_dynamo": 1,
-    "gpt2_kv_ts": 1,
 }
 
 
@@ -142,6 +138,29 @@ def test_target_ort_writes_multihead_attention(name: str) -> None:
     _same(original, out)
 
 
+def _ops_with_branches(proto: onnx.ModelProto) -> Counter[str]:
+    found: Counter[str] = Counter()
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        found.update(n.op_type for n in graph.node)
+        graphs += [a.g for n in graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
+    return found
+
+
+@pytest.mark.parametrize("name", [f"{m}_kv_{e}" for m in ("llama", "gpt2") for e in EXPORTERS])
+def test_target_ort_writes_group_query_attention_on_kv_caches(name: str) -> None:
+    """A decoder layer with a KV cache at dynamic batch, sequence and past: an If on those dims runs
+    GroupQueryAttention where its kernel computes the export's attention, MultiHeadAttention elsewhere (the same
+    outputs at a prompt, a decode step and left padding); the rotaries stay one op each."""
+    original, out = _optimized(name, target="ort")
+    found, everywhere = _ops(out), _ops_with_branches(out)
+    assert found["If"] == 1 and "MultiHeadAttention" not in found, found
+    assert everywhere["GroupQueryAttention"] == everywhere["MultiHeadAttention"] == 1, everywhere
+    assert not {"Softmax", "Neg"} & set(everywhere), everywhere
+    _same(original, out)
+
+
 @pytest.mark.parametrize("settings", [{"target_opset": 23}, {"target": "ort"}], ids=["opset23", "ort"])
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_masked_fill_with_the_lowest_float_keeps_fully_masked_rows(exporter: str, settings: dict[str, Any]) -> None:
@@ -162,7 +181,8 @@ def test_masked_fill_with_the_lowest_float_keeps_fully_masked_rows(exporter: str
 # embeddings) SimplifiedLayerNormalization, each rotate-half rotary of Q and K com.microsoft RotaryEmbedding
 ORT_LLM: dict[str, dict[str, int]] = {
     "llama": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 4, "RotaryEmbedding": 4},
-    "llama_kv": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2, "RotaryEmbedding": 2},
+    # its K rotary goes into the branches of its GroupQueryAttention's If where only the cache reads it
+    "llama_kv": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2},
     "t5": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2},
 }
 

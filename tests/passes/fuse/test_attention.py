@@ -12,6 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from graphopt.ir.node import CONTRIB_DOMAIN as MS
 from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse.table import (
     NO_GATE,
@@ -140,14 +141,17 @@ def _decoder_layer(
     band: str = "past",
     guard: bool = True,
     kv_heads: int = GQA_KV_HEADS,
+    past: int | str = "past",
+    rotary: bool = False,
 ) -> onnx.ModelProto:
     """One attention layer of a Llama-style decoder with a KV cache (4 query heads, ``kv_heads`` of 8): Q, K, V
     projections of ``x`` (batch, ``seq``, 32), K and V joined to the past along the sequence (the present outputs),
     their heads repeated for the query heads (Unsqueeze, Expand, Reshape) where fewer, the scores masked by
     ``Where(band and attention_mask, 0, fill)`` with the causal band over the past (``band`` "past": key j <= past +
-    query i; "none": no past offset; "mask": the padding alone), the IsNaN guard after the Softmax (``guard``)."""
+    query i; "none": no past offset; "mask": the padding alone), the IsNaN guard after the Softmax (``guard``),
+    onnxruntime's RotaryEmbedding on the new keys at ``position_ids`` (``rotary``); a string dim is dynamic."""
     hidden = (batch, seq, GQA_WIDTH)
-    kv = (batch, kv_heads, "past", GQA_SIZE)
+    kv = (batch, kv_heads, past, GQA_SIZE)
     nodes = [
         node("Shape", ["x"], "seq_1d", start=1, end=2),
         node("Squeeze", ["seq_1d", "zero_axis"], "seq_len"),
@@ -171,9 +175,12 @@ def _decoder_layer(
             node("Reshape", [f"{name}_proj", f"{name}_split_shape"], f"{name}_split"),
             node("Transpose", [f"{name}_split"], f"{name}_heads", perm=[0, 2, 1, 3]),
         ]
+    if rotary:
+        nodes.append(node("RotaryEmbedding", ["k_heads", "position_ids", "cos", "sin"], "k_rotated", domain=MS))
     for name in ("key", "value"):
+        new = "k_rotated" if rotary and name == "key" else f"{name[0]}_heads"
         nodes += [
-            node("Concat", [f"past_{name}", f"{name[0]}_heads"], f"present_{name}", axis=2),
+            node("Concat", [f"past_{name}", new], f"present_{name}", axis=2),
             node("Unsqueeze", [f"present_{name}", "repeat_axis"], f"{name}_wide"),
             node("Expand", [f"{name}_wide", "repeat"], f"{name}_expanded"),
             node("Reshape", [f"{name}_expanded", "repeated_shape"], f"{name}_repeated"),
@@ -230,7 +237,24 @@ def _decoder_layer(
         info("past_key", list(kv)),
         info("past_value", list(kv)),
     ]
-    return model(nodes, inputs, ["y", "present_key", "present_value"], initializers, opset=18)
+    if rotary:
+        angles = np.arange(_POSITIONS)[:, None] * 10000.0 ** (-np.arange(GQA_SIZE // 2) / (GQA_SIZE // 2))
+        initializers += [init("cos", np.cos(angles).astype(np.float32)), init("sin", np.sin(angles).astype(np.float32))]
+        inputs.append(info("position_ids", [batch, seq], TensorProto.INT64))
+    proto = model(nodes, inputs, ["y", "present_key", "present_value"], initializers, opset=18)
+    if rotary:
+        proto.opset_import.append(helper.make_opsetid(MS, 1))
+    return proto
+
+
+_POSITIONS = 64  # the rotary caches' rows
+
+
+def _positions(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` with position_ids after the past: each row's tokens numbered from the cache's length on."""
+    batch, seq = feeds["x"].shape[:2]
+    past = feeds["past_key"].shape[2]
+    return {**feeds, "position_ids": np.broadcast_to(np.arange(past, past + seq), (batch, seq)).copy()}
 
 
 def _decoder_feeds(
@@ -250,24 +274,27 @@ def _decoder_feeds(
     }
 
 
+def _band_without_past(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The decoder layer with its query positions not shifted by the past: Range(0, seq) + 0."""
+    changed = copied(proto)
+    (positions,) = [n for n in changed.graph.node if n.output[0] == "positions_1d"]
+    positions.input[1] = "i0"
+    return changed
+
+
 GQA_ANY_LENGTH = "ort-group-query-attention-any-length"
 GQA_ANY_SETTINGS: dict[str, Any] = {"target": "ort", "enable": [GQA_ANY_LENGTH]}
-# what the decoder layer keeps around its GroupQueryAttention: the mask's plumbing, the projections, K merged back
-# for the op (Transpose, Reshape), seqlens_k and total_sequence_length from the shapes (Shape, Add, Cast, Sub,
-# Expand, Reshape)
+# what the decoder layer keeps around its GroupQueryAttention: the mask's plumbing, the projections (K and V go in
+# as projected), seqlens_k and total_sequence_length from the shapes (Shape, Add, Cast, Sub, Expand, Reshape)
 _GQA_OPS = {
-    **{"Shape": 7, "Squeeze": 2, "Add": 4, "Range": 2, "Unsqueeze": 3, "LessOrEqual": 1, "Cast": 2, "And": 1},
-    **{"Where": 2, "MatMul": 4, "Reshape": 2, "Transpose": 1, "Concat": 1, "Expand": 2, "Sub": 1},
+    **{"Shape": 5, "Squeeze": 2, "Add": 3, "Range": 2, "Unsqueeze": 3, "LessOrEqual": 1, "Cast": 2, "And": 1},
+    **{"Where": 2, "MatMul": 4, "Reshape": 1, "Concat": 1, "Expand": 2, "Sub": 1},
     **{"GroupQueryAttention": 1, "IsNaN": 1},
 }
 
 _GQA_PERTURBED = (
     Perturb(set_attr("probs", axis=2), None, note="Softmax axis=2: no MultiHeadAttention to start from"),
-    Perturb(
-        set_shape("x", ["batch", "seq", GQA_WIDTH]),
-        "refuses batch > 1 with several new tokens and a past",
-        note="batch, new tokens and past all dynamic",
-    ),
+    Perturb(_band_without_past, "not provably the causal band over the past", note="the band not shifted by the past"),
 )
 
 CASES: dict[str, Case] = {
@@ -622,26 +649,95 @@ def test_group_query_attention_on_a_cache(layer: dict[str, Any], steps: list[tup
         assert_same_outputs(proto, out, _decoder_feeds(*step), rtol=1e-4, atol=1e-4)
 
 
+_LOWEST = float(np.finfo(np.float32).min)
+
+
 @pytest.mark.parametrize(
-    ("layer", "reason"),
+    ("layer", "step", "reason"),
     [
-        ({"fill": float(np.finfo(np.float32).min)}, "the mask's fill is not -inf"),
-        ({"band": "none"}, "not provably the causal band over the past"),
-        ({"band": "mask"}, "not provably the causal band over the past"),
-        ({"guard": False}, "is not zeroed after it"),
-        ({"batch": "batch"}, "refuses batch > 1 with several new tokens and a past"),
-        ({}, "not a static count up to 32"),
+        ({"seq": 3, "fill": _LOWEST}, (1, 3, 2, 1), "the mask's fill is finite and the new tokens are not one"),
+        ({"seq": 1, "fill": -1e4}, (1, 1, 2, 1), "neither -inf nor finite <= -1e+30"),
+        ({"band": "none"}, (1, 3, 2, 1), "not provably the causal band over the past"),
+        ({"band": "mask"}, (1, 3, 2, 1), "not provably the causal band over the past"),
+        ({"guard": False}, (1, 3, 2, 1), "is not zeroed after it"),
+        ({"batch": 2, "seq": 3, "past": 4}, (2, 3, 4, 1), "refuses batch > 1 with several new tokens and a past"),
+        ({"seq": 40}, (1, 40, 2, 1), "a static count above 32"),
     ],
-    ids=["finite-fill", "band-without-past", "padding-only", "no-nan-guard", "dynamic-batch-and-seq", "prompt"],
+    ids=[
+        "finite-fill-prompt",
+        "fill-above-1e30",
+        "band-without-past",
+        "padding-only",
+        "no-nan-guard",
+        "batch-2-prompt",
+        "long-prompt",
+    ],
 )
-def test_group_query_attention_refusals(layer: dict[str, Any], reason: str) -> None:
-    """What GroupQueryAttention would compute otherwise: a finite fill (a fully masked query weighs every key in
-    the export, the kernel zeroes it), a causal band not shifted by the past or none (the kernel's is), NaN not
-    zeroed after the attention, the shapes the CPU kernel refuses, and new tokens read at run time (slower on long
-    prompts: the any-length rule's, off by default). MultiHeadAttention stays."""
+def test_group_query_attention_refusals(layer: dict[str, Any], step: tuple[int, ...], reason: str) -> None:
+    """What GroupQueryAttention would compute otherwise, at every shape the graph takes: a finite fill past one new
+    token (a fully masked query weighs every key in the export, the keys up to its own in the kernel), a fill the
+    kernel's float32 scores do not vanish next to, a causal band not shifted by the past or none (the kernel's is),
+    NaN not zeroed after the attention, the static shapes the CPU kernel refuses, and a static prompt longer than 32
+    (slower: the any-length rule's, off by default). MultiHeadAttention stays."""
     proto = _decoder_layer(**layer)
     out, details = fuse(proto, "shape-infer,fuse,dce", target="ort")
     assert "ort-group-query-attention" not in details["applied"], details
     assert details["applied"].get("ort-multihead-attention") == 1, details
     assert any(reason in m for m in details["near_misses"]["attention"]), details
-    assert_same_outputs(proto, out, _decoder_feeds(2 if layer.get("batch") else 1, 3, 2, 1), rtol=1e-4, atol=1e-4)
+    assert_same_outputs(proto, out, _decoder_feeds(*step), rtol=1e-4, atol=1e-4)
+
+
+def _all_ops(proto: onnx.ModelProto) -> dict[str, int]:
+    """Op counts with the If branches'."""
+    found: dict[str, int] = {}
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for n in graph.node:
+            found[n.op_type] = found.get(n.op_type, 0) + 1
+            for attr in n.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    walk(attr.g)
+
+    walk(proto.graph)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("layer", "rule"),
+    [
+        ({"batch": "batch"}, "ort-group-query-attention"),
+        ({"batch": "batch", "fill": _LOWEST}, "ort-group-query-attention"),
+        ({"batch": "batch"}, GQA_ANY_LENGTH),
+        ({"batch": "batch", "rotary": True}, "ort-group-query-attention"),
+    ],
+    ids=["inf-fill", "finite-fill", "any-length", "rotary"],
+)
+def test_group_query_attention_gated_at_run_time(layer: dict[str, Any], rule: str) -> None:
+    """Batch, new tokens and past all dynamic (an export serving prompts and decode steps): an If on the dims runs
+    GroupQueryAttention where its kernel computes the export's attention (one new token; with a -inf fill also up to
+    32 after no past or in a batch of 1) and the MultiHeadAttention on the Concat caches elsewhere, the present
+    outputs the If's. Equal to the export in onnxruntime on both branches: left-padded decode steps and prompts, a
+    prompt after a past in a batch (which the kernel refuses), a long prompt, a decode step whose row is all masked."""
+    proto = _decoder_layer(**layer)
+    out, details = fuse(
+        proto, "shape-infer,fuse,dce", enable=[GQA_ANY_LENGTH] if rule == GQA_ANY_LENGTH else [], target="ort"
+    )
+    assert details["applied"].get(rule) == 1, details
+    assert "MultiHeadAttention" not in ops(out) and ops(out)["If"] == 1
+    assert {k: _all_ops(out)[k] for k in ("GroupQueryAttention", "MultiHeadAttention")} == {
+        "GroupQueryAttention": 1,
+        "MultiHeadAttention": 1,
+    }
+    (gate,) = [n for n in out.graph.node if n.op_type == "If"]
+    assert list(gate.output[1:]) == ["present_key", "present_value"]
+    # GroupQueryAttention reads the projections: K's and V's head splits are made in the other branch only
+    # (and K's rotary on the projection, as ort-rotary-embedding-3d writes it)
+    branches = {attr.name: [n.op_type for n in attr.g.node] for attr in gate.attribute}
+    rotary = ["RotaryEmbedding"] if layer.get("rotary") else []
+    assert branches["then_branch"] == [*rotary, "GroupQueryAttention"] and "Transpose" not in ops(out)
+    assert branches["else_branch"].count("Transpose") == 2
+    assert branches["else_branch"].count("RotaryEmbedding") == len(rotary)
+    steps = [(2, 1, 6, 3), (3, 1, 0, 0), (2, 4, 0, 2), (1, 5, 3, 2), (2, 3, 4, 1), (1, 40, 0, 0), (2, 1, 5, 6)]
+    for step in steps:
+        feeds = _decoder_feeds(*step)
+        assert_same_outputs(proto, out, _positions(feeds) if layer.get("rotary") else feeds, rtol=1e-4, atol=1e-4)

@@ -155,6 +155,11 @@ def _per_channel(values: np.ndarray) -> np.ndarray:
 ORT_DEFAULT_DOMAIN = "n/a: no opset gate (onnxruntime registers SimplifiedLayerNormalization at any opset)"
 
 
+_DECOMPOSED_BELOW_18 = (
+    "at opsets 18 to 20 groupnorm-18 takes it (opset 18's per-group GroupNormalization), and below 18 the "
+    "decomposed spelling's ReduceMean has no axes input"
+)
+
 CASES: dict[str, Case] = {
     **{
         name: Case(
@@ -220,15 +225,48 @@ CASES: dict[str, Case] = {
             # the merge Reshape drops the batch axis: x's shape is no longer restored
             Perturb(set_attr("x_shape", start=1), "not provably back to x's shape", _one_sample, "Shape(x) start=1"),
             Perturb(set_shape("x", ["b", "c", "h", 5]), "the channel dim is not static"),
-            below(21),
+            low,
         )
-        for name, build in (
-            ("groupnorm", group_norm),
-            ("groupnorm-no-bias", truncated(lambda: group_norm("decomposed"), "scaled")),
+        for name, build, low in (
+            # below opset 18's per-group GroupNormalization too (groupnorm-18's, at 18 to 20)
+            ("groupnorm", group_norm, Perturb(at_opset(17), "needs opset >= 21")),
+            ("groupnorm-no-bias", truncated(lambda: group_norm("decomposed"), "scaled"), _DECOMPOSED_BELOW_18),
             # two dynamic dims: reshape-one-unknown cannot take the root, which would hide the near miss
             (
                 "groupnorm-plain",
                 truncated(lambda: set_shape("x", ["b", 6, "h", 5])(group_norm("decomposed")), "merged"),
+                _DECOMPOSED_BELOW_18,
+            ),
+        )
+    },
+    # opset 18's per-group GroupNormalization at 18 to 20: the fixtures' per-channel gamma and beta stay after it
+    **{
+        name: Case(
+            lambda build=build: at_opset(20)(build()),
+            expected,
+            "grouped",
+            Perturb(set_attr("x_shape", start=1), "not provably back to x's shape", _one_sample, "Shape(x) start=1"),
+            Perturb(set_shape("x", ["b", "c", "h", 5]), "the channel dim is not static"),
+            low,
+        )
+        for name, build, expected, low in (
+            (
+                "groupnorm-18",
+                group_norm,
+                {"GroupNormalization": 1, "Mul": 1, "Add": 1},
+                Perturb(at_opset(17), "needs opset >= 18"),
+            ),
+            (
+                "groupnorm-18-no-bias",
+                truncated(lambda: group_norm("decomposed"), "scaled"),
+                {"GroupNormalization": 1, "Mul": 1},
+                "below 18 the decomposed spelling's ReduceMean has no axes input",
+            ),
+            (
+                "groupnorm-18-plain",
+                truncated(lambda: set_shape("x", ["b", 6, "h", 5])(group_norm("decomposed")), "merged"),
+                {"GroupNormalization": 1},
+                "below 18 the decomposed spelling's ReduceMean has no axes input",
             ),
         )
     },
@@ -263,9 +301,19 @@ EXPORTED: dict[str, Exported | str] = {
         {"GroupNormalization": 1},
         constant_at("gamma", _per_channel_and_row, "gamma is not per channel", "gamma (C, 16, 1), per row too"),
         untyped_at(("x",), "no known float type and rank"),
-        target_opset(20, "needs opset >= 21"),
+        target_opset(17, "needs opset >= 21", "below opset 18's per-group GroupNormalization too"),
         {"target_opset": 23},
     ),
+    "groupnorm-18": Exported(
+        ("unet_dynamo", "unet_ts"),
+        {"GroupNormalization": 1, "Mul": 1, "Add": 1},
+        constant_at("gamma", _per_channel_and_row, "gamma is not per channel", "gamma (C, 16, 1), per row too"),
+        untyped_at(("x",), "no known float type and rank"),
+        target_opset(17, "needs opset >= 18"),
+        {"target_opset": 20},
+    ),
+    "groupnorm-18-no-bias": "n/a: the exporters write nn.GroupNorm with its bias (groupnorm-18's case)",
+    "groupnorm-18-plain": "n/a: the exporters write nn.GroupNorm with its affine (groupnorm-18's case)",
     "layernorm-residual-sum": Exported(
         ("gpt2_dynamo", "gpt2_ts"),
         {"Sum": 1, "LayerNormalization": 5},
@@ -463,3 +511,33 @@ def test_group_norm_with_an_instance_norm_scale_of_run_time_values_is_refused() 
     out, details = _group_norm_runs(original, target_opset=23)
     assert "GroupNormalization" not in _counts(out)
     assert any("not constants over the groups" in m for m in details["near_misses"]), details
+
+
+@pytest.mark.parametrize("opset", [18, 20])
+@pytest.mark.parametrize(
+    ("gamma", "beta", "expected"),
+    [
+        # the exporter's learned per-channel gamma and beta: a Mul and an Add after opset 18's per-group op
+        (None, None, {"GroupNormalization": 1, "Mul": 1, "Add": 1}),
+        # gamma constant over each group's channels goes in the op, beta per channel stays an Add after it
+        (np.repeat(np.linspace(0.5, 2.0, 8), 4), None, {"GroupNormalization": 1, "Add": 1}),
+        # both constant over each group's channels: the op alone
+        (np.repeat(np.linspace(0.5, 2.0, 8), 4), np.repeat(np.linspace(-1.0, 1.0, 8), 4), {"GroupNormalization": 1}),
+    ],
+    ids=["per-channel", "per-group-gamma", "per-group-both"],
+)
+def test_group_norm_at_opsets_18_to_20_is_the_per_group_op(
+    opset: int, gamma: np.ndarray | None, beta: np.ndarray | None, expected: dict[str, int]
+) -> None:
+    """Opset 18's GroupNormalization takes its scale and bias per group (21 made them per channel): what varies within
+    a group stays outside it, equal to the export in onnxruntime."""
+    original = exported_group_norm(
+        dims=("batch", 32, "h", "w"),
+        gamma=None if gamma is None else gamma.reshape(32, 1, 1).astype(np.float32),
+        beta=None if beta is None else beta.reshape(32, 1, 1).astype(np.float32),
+    )
+    out, details = _group_norm_runs(original, target_opset=opset)
+    assert _counts(out) == expected, (_counts(out), details)
+    (fused,) = [n for n in out.graph.node if n.op_type == "GroupNormalization"]
+    assert [list(t.dims) for t in out.graph.initializer if t.name in fused.input[1:]] == [[8], [8]]
+    _same_at_two_sizes(original, out)

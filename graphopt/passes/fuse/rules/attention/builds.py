@@ -3,6 +3,7 @@ onnxruntime wants it, a masked fill as one float mask, and a merged-heads bias s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,7 @@ def additive_mask(b: Builder, plan: Plan4) -> Value | None:
     """The float mask to add to the scaled scores: the masked fill's ``Where(cond, fill, bias or 0)``
     (or the plan's additive bias). The scores added to the fill round back to it, so a query whose keys are
     all masked weighs them alike, as the export does; a fill of the lowest float moves one step up, as
-    onnxruntime's Attention reads that one as -inf (see _off_lowest)."""
+    onnxruntime's Attention reads that one as -inf (see off_lowest)."""
     filled = plan.fill
     if filled is None:
         return plan.bias
@@ -68,13 +69,11 @@ def additive_mask(b: Builder, plan: Plan4) -> Value | None:
     return node.outputs[0]
 
 
-def _length(b: Builder, x: Value, known: bool) -> Value:
-    """x's axis 2 (its sequence) as a 1-element shape: the constant 1 when the mask already has it.
+def _length(b: Builder, x: Value) -> Value:
+    """x's axis 2 (its sequence) as a 1-element shape.
 
     A KV cache's ``Concat(past, new)`` is measured as past plus new, not read: that Concat moves
     into the Attention (``attention-kv-cache``), which a mask computed from it would wait for."""
-    if known:
-        return b.constant(np.ones(1, np.int64), "one")
     cache = cache_parts(x)
     if cache is not None:
         return b.op("Add", *(b.shape(part, 2, 3) for part in cache))
@@ -85,23 +84,34 @@ def spelled_out(b: Builder, mask: Value, q: Value, k: Value) -> Value:
     """``mask`` with its query and key axes provably Q's and K's lengths, as onnxruntime's
     Attention wants (a mask broadcasting over queries is expanded). Not shared between layers:
     the lengths are read from this layer's Q and K, which later layers' masks cannot wait for."""
-    shape, q_len, k_len = Site.shape(mask) or (), (Site.shape(q) or (None,) * 4)[2], (Site.shape(k) or (None,) * 4)[2]
-    rows, keys = q_len is not None and shape[-2] == q_len, k_len is not None and shape[-1] == k_len
-    if rows and keys:
+    q_len, k_len = ((Site.shape(x) or (None,) * 4)[2] for x in (q, k))
+    return expanded_to(b, mask, (q_len, lambda: _length(b, q)), (k_len, lambda: _length(b, k)))
+
+
+Length = tuple[Any, Callable[[], Value]]  # a length (static or symbolic) and how to read it as a 1-element shape
+
+
+def expanded_to(b: Builder, mask: Value, rows: Length, keys: Length) -> Value:
+    """``mask`` expanded to ``rows`` queries and ``keys`` keys where its last two axes are not provably those."""
+    shape = Site.shape(mask) or ()
+    known = [length is not None and shape[axis] == length for axis, (length, _) in ((-2, rows), (-1, keys))]
+    if all(known):
         return mask
     ones = b.constant(np.ones(len(shape) - 2, np.int64), "ones")
-    target = b.op("Concat", ones, _length(b, q, rows), _length(b, k, keys), axis=0)
-    expanded = b.node("Expand", mask, target, name="attention_mask_spelled")
+    sizes = [
+        b.constant(np.ones(1, np.int64), "one") if kept else read() for kept, (_, read) in zip(known, (rows, keys))
+    ]
+    expanded = b.node("Expand", mask, b.op("Concat", ones, *sizes, axis=0), name="attention_mask_spelled")
     dtype = Site.dtype(mask)
     if dtype is not None:
-        expanded.outputs[0].type = TensorType(dtype, (*shape[:-2], q_len, k_len))
+        expanded.outputs[0].type = TensorType(dtype, (*shape[:-2], rows[0], keys[0]))
     return expanded.outputs[0]
 
 
-def _off_lowest(b: Builder, mask: Value) -> Value:
+def off_lowest(b: Builder, mask: Value) -> Value:
     """``mask`` with a fill of the float type's lowest value moved one step up.
 
-    onnxruntime's Attention reads a mask entry equal to that lowest value as -inf, so a query
+    onnxruntime's Attention and GroupQueryAttention read a mask entry equal to that lowest value as -inf, so a query
     whose keys all carry it (a left-padded row of a causal decoder) gets zeros, where the
     export, adding the finite fill, weighs every key alike. One step up is the same fill to
     the export's arithmetic (the scores vanish next to it) and an ordinary number to onnxruntime."""
@@ -121,7 +131,7 @@ def build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
         q, k, v = (b.op("Cast", x, to=int(DataType.FLOAT)) for x in (q, k, v))
     k = k if plan.k.perm is None else b.op("Transpose", k, perm=plan.k.perm)
     written = additive_mask(b, plan) if plan.fill is not None else plan.mask
-    mask = with_merged_bias(b, plan, None if written is None else _off_lowest(b, written))
+    mask = with_merged_bias(b, plan, None if written is None else off_lowest(b, written))
     mask = None if mask is None else spelled_out(b, mask, plan.q, plan.v)
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
     softcap = {"softcap": plan.softcap} if plan.softcap else {}

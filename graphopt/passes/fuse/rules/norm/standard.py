@@ -21,7 +21,9 @@ GroupNorm, as both PyTorch exporters write nn.GroupNorm (diffusers' UNets and VA
 bias are per channel; opset 18's were per group), the InstanceNormalization's own scale and bias folded into them.
 The split keeps x's batch (a 0, or the batch read from x) and G divides the channels; the merge is provably back
 to x's shape (Shape(x), or a target whose entries are x's dims, a 0 copying the batch or the one -1), which holds
-at dynamic batch and spatial dims; a SiLU after it is the activation rules'. Not for ``--target ort``, see the rule.
+at dynamic batch and spatial dims; a SiLU after it is the activation rules'. At target opsets 18 to 20, opset 18's
+GroupNormalization takes the scale and bias constant over each group's channels; a per-channel scale stays a Mul
+after it (and then the bias an Add). Not for ``--target ort``, see the rule.
 
 Softmax. ``Exp(x - ReduceMax(x)) / ReduceSum(Exp(...))`` (with or without the max) over one
 axis with keepdims -> ``Softmax(x, axis)`` (opset 13, where Softmax is per axis).
@@ -313,9 +315,37 @@ def _group_norm(b: Builder, m: Match, plan: _GroupPlan) -> Value:
     return b.op("GroupNormalization", x, scale, bias, num_groups=plan.groups, epsilon=plan.eps)
 
 
+def _group_norm_18(b: Builder, m: Match, plan: _GroupPlan) -> Value:
+    """Opset 18's GroupNormalization, whose scale and bias are per group: the plan's where constant over each group's
+    channels; a per-channel scale stays a Mul after it, and then the bias an Add (the Mul would scale it too)."""
+    x, groups = m.value("x"), plan.groups
+    scale, bias = (values.reshape(groups, -1) for values in (plan.scale, plan.bias))
+    scale_inside = bool((scale == scale[:, :1]).all())
+    bias_inside = scale_inside and bool((bias == bias[:, :1]).all())
+    inside = (scale[:, 0] if scale_inside else np.ones(groups), bias[:, 0] if bias_inside else np.zeros(groups))
+    out = b.op(
+        "GroupNormalization",
+        x,
+        *(new_const(b, values, x, name) for values, name in zip(inside, ("gn_scale", "gn_bias"), strict=True)),
+        num_groups=groups,
+        epsilon=plan.eps,
+    )
+    per_channel = (-1,) + (1,) * (len(Site.shape(x) or ()) - 2)  # (C, 1, ..., 1) against x (N, C, ...)
+    if not scale_inside:
+        out = b.op("Mul", out, new_const(b, plan.scale.reshape(per_channel), x, "gn_gamma"))
+    if not bias_inside and (plan.bias != 0).any():
+        out = b.op("Add", out, new_const(b, plan.bias.reshape(per_channel), x, "gn_beta"))
+    return out
+
+
 _GN_DOC = (
     "Reshape [N, G, -1] / InstanceNormalization or mean-variance / Reshape back / Mul / Add -> "
     "GroupNormalization (opset 21, per-channel scale and bias; not for --target ort)"
+)
+_GN_18_DOC = (
+    "Reshape [N, G, -1] / InstanceNormalization or mean-variance / Reshape back / Mul / Add -> "
+    "GroupNormalization (opset 18 to 20: its scale and bias are per group; a per-channel scale and bias stay a Mul "
+    "and an Add after it; not for --target ort)"
 )
 
 
@@ -473,6 +503,18 @@ _GROUP_NORM_RULE = partial(
     label="GroupNorm",
     doc=_GN_DOC,
 )
+# Opset 18's GroupNormalization (deprecated by 21, whose scale and bias are per channel) for targets 18 to 20.
+_GROUP_NORM_18_RULE = partial(
+    Rule,
+    family=FAMILY,
+    plan=_group_plan,
+    build=_group_norm_18,
+    min_opset=18,
+    max_opset=20,
+    targets=frozenset({"onnx"}),
+    label="GroupNorm",
+    doc=_GN_18_DOC,
+)
 _ORT_SKIP = partial(Rule, family=FAMILY, targets=frozenset({"ort"}), label="skip norm", exports=("sum",), default=False)
 _SKIP_RMS_DOC = "norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNormalization (target ort)"
 
@@ -496,6 +538,7 @@ RULES: tuple[Rule, ...] = (
     ),
     *_affine_rules(_RMS_NORM, "rmsnorm", _RMS, _PLAIN),
     *_affine_rules(_GROUP_NORM_RULE, "groupnorm", _GROUP_NORM, _WITH_BIAS, _NO_BIAS, _PLAIN),
+    *_affine_rules(_GROUP_NORM_18_RULE, "groupnorm-18", _GROUP_NORM, _WITH_BIAS, _NO_BIAS, _PLAIN),
     *(
         Rule(
             name=name,

@@ -1,0 +1,259 @@
+"""Calibrate the fold pass's cost model from measured effects (issue 37, item 3).
+
+    python benchmarks/calibrate.py measure --json-out bench-results/calibrate.json
+    python benchmarks/calibrate.py fit bench-results/calibrate.json
+
+``measure``: for each model of the corpus and the exports, the default pipeline runs with the
+fold pass taking no chain ("none"), which records the cost model's prediction for every chain
+(fold.predict_chains); chains alike (the same ops and the same predicted terms, e.g. one Q/K/V
+chain per layer) form one decision. Then per decision the pipeline runs again taking only
+that decision's chains, and the outputs are timed against "none" as --tune times them
+(tune.time_models: one child, interleaved shuffled rounds, 1 thread) at both levels, at the
+sizes the cost model assumes (batch 1, sequences of 64: measure.latency_dims). The measured
+gain of a decision is (1 - with / none) x the time of "none", in microseconds; the noise floor
+is the 95% bootstrap interval of the median of the per-round ratios (measure.median_interval).
+
+``fit``: the prediction error (sign agreement where the measured effect is beyond noise,
+and the relative error), then a weighted least-squares fit per level of the two scales of
+costs.CALIBRATION (kernels saved, copies spent), and the error and decisions after it. The
+default takes a decision when its predicted gain is positive at both levels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import measure
+
+import graphopt
+import graphopt.passes.fold.fold as fold_pass
+from graphopt.io.onnx_write import digest
+from graphopt.passes.fold.costs import CALIBRATION, LEVELS
+from graphopt.runtime.tune import paired_ratio, time_models
+
+SOURCES = (Path("/work/corpus"), Path("/work/exports"))
+LEVEL_NAMES = {"ORT_ENABLE_ALL": "all", "ORT_DISABLE_ALL": "disable"}
+
+
+def _key(predicted: fold_pass.ChainPrediction) -> str:
+    """Chains alike: the same ops, member counts and predicted terms (rounded)."""
+    ops = "+".join(f"{f.members[0].op_type}x{len(f.members)}" for f in predicted.chain)
+    terms = ",".join(f"{predicted.terms[level][0]:.1f}/{predicted.terms[level][1]:.1f}" for level in LEVELS)
+    return f"{ops}@{terms}"
+
+
+def _names(predicted: fold_pass.ChainPrediction) -> frozenset[str]:
+    return frozenset(m.outputs[0].name for f in predicted.chain for m in f.members)
+
+
+@contextmanager
+def taking(chosen: set[frozenset[str]], seen: dict[str, dict[str, Any]]) -> Iterator[None]:
+    """The fold pass takes only the chains whose members are in ``chosen``; every chain it
+    judges is recorded in ``seen`` by decision key."""
+    judge = fold_pass._judge
+
+    def select(index: Any, *, force: bool, tolerance: float) -> tuple[dict[int, dict[str, float]], list[Any]]:
+        accepted: dict[int, dict[str, float]] = {}
+        for predicted in fold_pass.predict_chains(index):
+            decision = seen.setdefault(
+                _key(predicted),
+                {"chains": [], "terms": predicted.terms, "gains": predicted.gains, "kernels": predicted.kernels},
+            )
+            names = _names(predicted)
+            if names not in decision["chains"]:
+                decision["chains"].append(names)
+            if names in chosen:
+                accepted.update({f.id: predicted.gains for f in predicted.chain})
+        return accepted, []
+
+    fold_pass._judge = select  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fold_pass._judge = judge
+
+
+def _write(source: Path, target: Path, chosen: set[frozenset[str]], seen: dict[str, dict[str, Any]]) -> str:
+    with taking(chosen, seen):
+        result = graphopt.optimize(source, check=False, runtime_guard=False)
+    graphopt.save(result.model, target)
+    return digest(result.model)
+
+
+def measure_model(source: Path, seconds: float, folder: Path) -> dict[str, Any]:
+    seen: dict[str, dict[str, Any]] = {}
+    none = folder / "none.onnx"
+    plain = _write(source, none, set(), seen)
+    entry: dict[str, Any] = {"model": source.stem, "decisions": []}
+    paths = [none, none]
+    for index, (key, decision) in enumerate(seen.items()):
+        target = folder / f"with-{index}.onnx"
+        if _write(source, target, set(decision["chains"]), {}) == plain:
+            continue  # the chains fold nothing a later pass keeps
+        paths.append(target)
+        entry["decisions"].append(
+            {
+                "key": key,
+                "chains": len(decision["chains"]),
+                "terms": decision["terms"],
+                "predicted_us": decision["gains"],
+                "kernels_us": decision["kernels"],
+                "taken_by_default": all(decision["gains"][level] > 0 for level in LEVELS),
+            }
+        )
+    if len(paths) == 2:
+        return entry
+    dims = measure.latency_dims(source, {})
+    for level in LEVELS:
+        times = time_models(paths, LEVEL_NAMES[level], 1, seconds, dims)
+        if isinstance(times, str):
+            entry[f"error_{level}"] = times
+            continue
+        base_us = statistics.median(times[0]) * 1e6
+        entry.setdefault("none_us", {})[level] = base_us
+        entry.setdefault("rounds", {})[level] = len(times[0])
+        entry.setdefault("self_ratio", {})[level] = paired_ratio(times[1], times[0])
+        for decision, timed in zip(entry["decisions"], times[2:], strict=True):
+            # The noise of a decision: how far the 95% interval of its median ratio reaches.
+            ratios = [w / n for w, n in zip(timed, times[0], strict=True)]
+            ratio = statistics.median(ratios)
+            low, high = measure.median_interval(ratios)
+            decision.setdefault("measured_us", {})[level] = (1 - ratio) * base_us
+            decision.setdefault("noise_us", {})[level] = max(ratio - low, high - ratio) * base_us
+    return entry
+
+
+def command_measure(args: argparse.Namespace) -> None:
+    models = [p for folder in SOURCES for p in sorted(folder.glob("*.onnx"))]
+    if args.models:
+        models = [p for p in models if p.stem in args.models.split(",")]
+    results: list[dict[str, Any]] = []
+    for source in models:
+        with tempfile.TemporaryDirectory(prefix="graphopt-calibrate-") as folder:
+            entry = measure_model(source, args.seconds, Path(folder))
+        results.append(entry)
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(results, indent=1))
+        print(json.dumps({"model": entry["model"], "decisions": len(entry["decisions"])}), flush=True)
+
+
+# -- fitting -------------------------------------------------------------------------------
+
+
+def _rows(results: list[dict[str, Any]], level: str) -> list[dict[str, Any]]:
+    """One row per measured decision at ``level``: its terms, the measured gain and the noise."""
+    rows = []
+    for entry in results:
+        for decision in entry["decisions"]:
+            if level not in decision.get("measured_us", {}):
+                continue
+            saved, copies = decision["terms"][level]
+            noise = decision["noise_us"][level]
+            rows.append(
+                {"model": entry["model"], "key": decision["key"], "saved": saved, "copies": copies}
+                | {"measured": decision["measured_us"][level], "noise": noise}
+            )
+    return rows
+
+
+def _predicted(row: dict[str, Any], scales: tuple[float, float]) -> float:
+    return scales[0] * row["saved"] - scales[1] * row["copies"]
+
+
+def errors(rows: list[dict[str, Any]], scales: tuple[float, float]) -> dict[str, Any]:
+    """Sign agreement where the measured effect is beyond noise; the median relative error
+    |predicted - measured| / max(|measured|, noise) over all."""
+    decisive = [r for r in rows if abs(r["measured"]) > r["noise"]]
+    agree = sum((_predicted(r, scales) > 0) == (r["measured"] > 0) for r in decisive)
+    relative = [abs(_predicted(r, scales) - r["measured"]) / max(abs(r["measured"]), r["noise"]) for r in rows]
+    return {
+        "decisions": len(rows),
+        "beyond_noise": len(decisive),
+        "sign_agrees": agree,
+        "median_relative_error": round(statistics.median(relative), 3) if relative else None,
+    }
+
+
+def fit(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """Scales (kernels, copies) minimizing the squared error weighed by 1 / max(|measured|,
+    noise): a decision counts by how far its effect is from noise, not by the model's size."""
+    weights = np.array([1 / max(abs(r["measured"]), r["noise"]) for r in rows])
+    system = np.array([[r["saved"], -r["copies"]] for r in rows]) * weights[:, None]
+    target = np.array([r["measured"] for r in rows]) * weights
+    (kernels, copies), *_ = np.linalg.lstsq(system, target, rcond=None)
+    return round(max(float(kernels), 0.0), 3), round(max(float(copies), 0.0), 3)
+
+
+def _decisions(results: list[dict[str, Any]], scales: dict[str, tuple[float, float]]) -> list[dict[str, Any]]:
+    """Per measured decision: taken under ``scales`` (gain > 0 at both levels) and right (the
+    measured effect at both levels beyond noise agrees, or is within noise at one)."""
+    found = []
+    for entry in results:
+        for decision in entry["decisions"]:
+            if set(decision.get("measured_us", {})) != set(LEVELS):
+                continue
+            take = all(
+                scales[level][0] * decision["terms"][level][0] - scales[level][1] * decision["terms"][level][1] > 0
+                for level in LEVELS
+            )
+            faster = [decision["measured_us"][level] > decision["noise_us"][level] for level in LEVELS]
+            slower = [decision["measured_us"][level] < -decision["noise_us"][level] for level in LEVELS]
+            right = (take and not any(slower)) or (not take and not all(faster))
+            found.append({"model": entry["model"], "key": decision["key"], "take": take, "right": right})
+    return found
+
+
+def command_fit(args: argparse.Namespace) -> None:
+    results = json.loads(args.results.read_text())
+    before = {level: CALIBRATION[level] for level in LEVELS}
+    after = {}
+    for level in LEVELS:
+        rows = _rows(results, level)
+        if not rows:
+            print(level, "no measured decision")
+            after[level] = before[level]
+            continue
+        after[level] = fit(rows)
+        print(level, "before", before[level], errors(rows, before[level]))
+        print(level, "after ", after[level], errors(rows, after[level]))
+        for row in rows:
+            print(
+                f"  {row['model']:24} {row['key'][:60]:60} measured {row['measured']:8.1f} +- {row['noise']:6.1f}"
+                f"  predicted {_predicted(row, before[level]):8.1f} -> {_predicted(row, after[level]):8.1f}"
+            )
+    old, new = _decisions(results, before), _decisions(results, after)
+    print("decisions right:", sum(d["right"] for d in old), "->", sum(d["right"] for d in new), "of", len(new))
+    for was, now in zip(old, new, strict=True):
+        if was["take"] != now["take"]:
+            print(f"  flipped: {now['model']} {now['key']} take {was['take']} -> {now['take']}, right {now['right']}")
+    print("CALIBRATION =", json.dumps(after))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("measure")
+    run.add_argument("--models", default="", help="comma list of model names (file stems)")
+    run.add_argument("--seconds", type=float, default=15.0, help="seconds of interleaved timing per model and level")
+    run.add_argument("--json-out", type=Path, default=Path("bench-results/calibrate.json"))
+    fitting = sub.add_parser("fit")
+    fitting.add_argument("results", type=Path)
+    args = ap.parse_args(argv)
+    (command_measure if args.command == "measure" else command_fit)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

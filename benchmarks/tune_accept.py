@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--deadline", default="", help="HH:MM UTC: start no model after it")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/graphopt-tune-accept"))
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--table", type=Path, nargs="+", default=None, help="print the Markdown table of these results")
     args = ap.parse_args(argv)
     if args.json_out is None:
         args.json_out = report.ROOT / "bench-results" / f"tune_accept_{args.level}.json"
@@ -192,8 +193,34 @@ def summary(entry: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def table(files: list[Path]) -> str:
+    """The Markdown table of the results in ``files`` (one row per model, target and level)."""
+    lines = [
+        "| model | target | level | tune s | tuned / original | untuned / original | best peer | tuned / best "
+        "| spread | noise | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for file in files:
+        for entry in json.loads(file.read_text()):
+            for row in entry["summary"]:
+                cells = [row["model"], row["target"], row["level"], _cell(row["tune_seconds"], 1)]
+                cells += [_cell(row["tuned_vs_original"]), _cell(row["untuned_vs_original"]), row["best_peer"]]
+                mark = "" if row.get("meets_bar", True) else " **miss**"
+                cells += [_cell(row.get("tuned_vs_best")) + mark, _cell(row.get("spread")), _cell(row["noise"])]
+                cells.append(_cell(row["load"], 1))
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: float | None, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
     deadline = None
     if args.deadline:
         hour, minute = (int(x) for x in args.deadline.split(":"))

@@ -1,7 +1,7 @@
 """Calibrate the fold pass's cost model from measured effects (issue 37, item 3).
 
     python benchmarks/calibrate.py measure --json-out bench-results/calibrate.json
-    python benchmarks/calibrate.py fit bench-results/calibrate.json
+    python benchmarks/calibrate.py fit bench-results/calibrate.json [more.json ...]
 
 ``measure``: for each model of the corpus and the exports, the default pipeline runs with the
 fold pass taking no chain ("none"), which records the cost model's prediction for every chain
@@ -179,6 +179,11 @@ def _predicted(row: dict[str, Any], scales: tuple[float, float]) -> float:
     return scales[0] * row["saved"] - scales[1] * row["copies"]
 
 
+def _taken(row: dict[str, Any], scales: tuple[float, float]) -> bool:
+    """As fold._judge takes a chain at one level: its predicted gain, to 0.01 us, above 0."""
+    return round(_predicted(row, scales), 2) > 0
+
+
 def _relative(row: dict[str, Any], scales: tuple[float, float]) -> float:
     return abs(_predicted(row, scales) - row["measured"]) / max(abs(row["measured"]), row["noise"])
 
@@ -195,6 +200,9 @@ def errors(rows: list[dict[str, Any]], scales: tuple[float, float]) -> dict[str,
         "sign_agrees": sum((_predicted(r, scales) > 0) == (r["measured"] > 0) for r in decisive),
         "median_relative_error": round(statistics.median(relative), 3) if relative else None,
         "mean_relative_error": round(statistics.fmean(relative), 3) if relative else None,
+        "mean_relative_error_beyond_noise": (
+            round(statistics.fmean(_relative(r, scales) for r in decisive), 3) if decisive else None
+        ),
     }
 
 
@@ -202,8 +210,8 @@ def _allowed(rows: list[dict[str, Any]], before: tuple[float, float], scales: tu
     """No prediction changes sign unless its measurement says so beyond noise: no node count
     changes without a measured reason."""
     for row in rows:
-        after = _predicted(row, scales) > 0
-        changed = (_predicted(row, before) > 0) != after
+        after = _taken(row, scales)
+        changed = _taken(row, before) != after
         measured = row["measured"]
         justified = measured is not None and abs(measured) > row["noise"] and (measured > 0) == after
         if changed and not justified:
@@ -240,7 +248,10 @@ def _decisions(results: list[dict[str, Any]], scales: dict[str, tuple[float, flo
             if set(decision.get("measured_us", {})) != set(LEVELS):
                 continue
             terms, measured, noise = decision["terms"], decision["measured_us"], decision["noise_us"]
-            take = all(scales[level][0] * terms[level][0] - scales[level][1] * terms[level][1] > 0 for level in LEVELS)
+            take = all(
+                round(scales[level][0] * terms[level][0] - scales[level][1] * terms[level][1], 2) > 0
+                for level in LEVELS
+            )
             if all(measured[level] > noise[level] for level in LEVELS):
                 verdict: str = "faster"
             elif any(measured[level] < -noise[level] for level in LEVELS):
@@ -255,7 +266,10 @@ def _decisions(results: list[dict[str, Any]], scales: dict[str, tuple[float, flo
 
 
 def command_fit(args: argparse.Namespace) -> None:
-    results = json.loads(args.results.read_text())
+    by_model: dict[str, dict[str, Any]] = {}
+    for file in args.results:  # a model measured again replaces its earlier entry
+        by_model |= {entry["model"]: entry for entry in json.loads(file.read_text())}
+    results = list(by_model.values())
     before = {level: CALIBRATION[level] for level in LEVELS}
     after = {}
     for level in LEVELS:
@@ -292,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seconds", type=float, default=15.0, help="seconds of interleaved timing per model and level")
     run.add_argument("--json-out", type=Path, default=Path("bench-results/calibrate.json"))
     fitting = sub.add_parser("fit")
-    fitting.add_argument("results", type=Path)
+    fitting.add_argument("results", type=Path, nargs="+", help="measure's results (a later file's model wins)")
     args = ap.parse_args(argv)
     (command_measure if args.command == "measure" else command_fit)(args)
     return 0

@@ -265,11 +265,38 @@ def _decisions(results: list[dict[str, Any]], scales: dict[str, tuple[float, flo
     return found
 
 
-def command_fit(args: argparse.Namespace) -> None:
+def pooled(files: list[Path]) -> list[dict[str, Any]]:
+    """The results of several runs, one entry per model: a decision measured in several runs
+    at a level takes the median of their gains, and counts as beyond noise only when every
+    run found it so with the same sign (its noise is then the largest run's, else the
+    largest |gain| of the runs, so that it stays within noise)."""
     by_model: dict[str, dict[str, Any]] = {}
-    for file in args.results:  # a model measured again replaces its earlier entry
-        by_model |= {entry["model"]: entry for entry in json.loads(file.read_text())}
-    results = list(by_model.values())
+    runs: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
+    for file in files:
+        for entry in json.loads(file.read_text()):
+            by_model.setdefault(entry["model"], entry)
+            for decision in entry["decisions"]:
+                for level, gain in decision.get("measured_us", {}).items():
+                    runs.setdefault((entry["model"], decision["key"], level), []).append(
+                        (gain, decision["noise_us"][level])
+                    )
+    for entry in by_model.values():
+        for decision in entry["decisions"]:
+            for level in LEVELS:
+                found = runs.get((entry["model"], decision["key"], level))
+                if not found:
+                    continue
+                gains = [g for g, _ in found]
+                agree = all(abs(g) > n for g, n in found) and len({g > 0 for g in gains}) == 1
+                decision.setdefault("measured_us", {})[level] = statistics.median(gains)
+                noise = max(n for _, n in found)
+                decision.setdefault("noise_us", {})[level] = noise if agree else max(noise, *map(abs, gains))
+                decision.setdefault("runs", {})[level] = len(found)
+    return list(by_model.values())
+
+
+def command_fit(args: argparse.Namespace) -> None:
+    results = pooled(args.results)
     before = {level: CALIBRATION[level] for level in LEVELS}
     after = {}
     for level in LEVELS:
@@ -306,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--seconds", type=float, default=15.0, help="seconds of interleaved timing per model and level")
     run.add_argument("--json-out", type=Path, default=Path("bench-results/calibrate.json"))
     fitting = sub.add_parser("fit")
-    fitting.add_argument("results", type=Path, nargs="+", help="measure's results (a later file's model wins)")
+    fitting.add_argument("results", type=Path, nargs="+", help="measure's results, pooled")
     args = ap.parse_args(argv)
     (command_measure if args.command == "measure" else command_fit)(args)
     return 0

@@ -21,6 +21,7 @@ run stopped at ``--deadline`` keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -143,8 +144,13 @@ def measure_model(src: Path, args: argparse.Namespace) -> dict[str, Any]:
         entry["peers"][peer] = {"error": why} if why else {"seconds": done.seconds, "notes": done.notes}
         if not why:
             outputs[peer] = out
-    keys = list(outputs)
-    times = time_models([src, src, *outputs.values()], args.level, 1, args.seconds)
+    # Outputs with the same bytes (--tune kept the untuned output) are timed once.
+    unique: dict[str, Path] = {}
+    timed_as = {
+        key: unique.setdefault(hashlib.sha256(path.read_bytes()).hexdigest(), path) for key, path in outputs.items()
+    }
+    paths = list(unique.values())
+    times = time_models([src, src, *paths], args.level, 1, args.seconds)
     entry["load_after"] = os.getloadavg()[0]
     if isinstance(times, str):
         entry["error"] = times
@@ -153,7 +159,7 @@ def measure_model(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     noise, noise_spread = paired_ratio(times[1], times[0])
     entry["noise"] = {"ratio": noise, "spread": noise_spread}
     # Every figure is against the original (its first session): x / original per round.
-    entry["ratios"] = {key: paired_ratio(times[2 + i], times[0]) for i, key in enumerate(keys)}
+    entry["ratios"] = {key: paired_ratio(times[2 + paths.index(path)], times[0]) for key, path in timed_as.items()}
     return entry
 
 
@@ -182,6 +188,7 @@ def summary(entry: dict[str, Any]) -> list[dict[str, Any]]:
             "best_vs_original": round(best[0], 4),
             "noise": round(floor, 4),
             "load": entry.get("load_before"),
+            "rounds": entry.get("rounds"),
         }
         if tuned is not None:
             row["tuned_vs_best"] = round(tuned[0] / best[0], 4)
@@ -197,17 +204,17 @@ def table(files: list[Path]) -> str:
     """The Markdown table of the results in ``files`` (one row per model, target and level)."""
     lines = [
         "| model | target | level | tune s | tuned / original | untuned / original | best peer | tuned / best "
-        "| spread | noise | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| spread | noise | rounds | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for file in files:
         for entry in json.loads(file.read_text()):
-            for row in entry["summary"]:
+            for row in summary(entry):
                 cells = [row["model"], row["target"], row["level"], _cell(row["tune_seconds"], 1)]
                 cells += [_cell(row["tuned_vs_original"]), _cell(row["untuned_vs_original"]), row["best_peer"]]
                 mark = "" if row.get("meets_bar", True) else " **miss**"
                 cells += [_cell(row.get("tuned_vs_best")) + mark, _cell(row.get("spread")), _cell(row["noise"])]
-                cells.append(_cell(row["load"], 1))
+                cells += [str(row.get("rounds", "—")), _cell(row["load"], 1)]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

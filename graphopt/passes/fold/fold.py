@@ -213,8 +213,9 @@ def _judge(
     """Accept the chains the cost model says do not cost at any optimization level (all with
     ``force``), and those whose predicted cost is within ``tolerance`` of the time of the
     kernels they replace. The default tolerance is 0: the Q/K/V folds of bert_small (predicted
-    -6 us of 220 us a layer), bert_fp16_weights and vit_ts (-21 us of 671 us), once taken for
-    the nodes they remove, measured 1.5 to 3.5% slower end to end (100 interleaved rounds)."""
+    before costs.CALIBRATION -6 us of 220 us a layer), bert_fp16_weights and vit_ts (-21 us of
+    671 us), once taken for the nodes they remove, measured 1.5 to 3.5% slower end to end (100
+    interleaved rounds)."""
     accepted: dict[int, dict[str, float]] = {}
     refused: list[dict[str, Any]] = []
     for predicted in predict_chains(index):

@@ -75,7 +75,7 @@ MEASURED: dict[str, tuple[tuple[int, float, float], ...]] = {
 # the first. The kernel table above times each kernel alone, in a chain of Relus; in a model
 # the effect of a fold is smaller. Fitted by benchmarks/calibrate.py (2026-11-29, onnxruntime
 # 1.32.0, 1 thread, the shared 2-core machine at a load average of 6 to 8) to the measured
-# effect of the 31 fold decisions of /work/corpus and /work/exports: 3 were beyond noise in
+# effect of 31 fold decisions of the corpus and the real exports: 3 were beyond noise in
 # both of two runs, and their signs were all predicted right before. wide_ensemble's chain,
 # predicted +7.9 / +8.4 us, measured +1.5 / +3.4 us; whisper_encoder's Q/K/V folds, predicted
 # -466 us, measured -19 / -26 ms (a cost outside the model's form: refused either way). One

@@ -84,7 +84,7 @@ def main() -> None:
     if args.all_folds:
         import graphopt.passes.fold.fold as fold_pass
 
-        fold_pass.chain_estimate = lambda chain, cut_out: {level: 1.0 for level in fold_pass.LEVELS}
+        fold_pass.gains_us = lambda terms: {level: 1.0 for level in fold_pass.LEVELS}
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):

@@ -43,6 +43,9 @@ BUILDER = next(
 # onnxruntime can run, so it is shown beside the others but never counted as "best peer".
 PEERS = ["onnxsim", "onnxslim", "onnxoptimizer", "onnxscript", "ort_basic", "ort_extended"]
 PORTABLE_PEERS = PEERS[:-1]
+# onnxruntime-only peers besides ort_extended, run by tune_accept.py (not by `make bench`):
+# onnxscript's fusions for onnxruntime and onnxruntime's transformers optimizer.
+ORT_PEERS = ["onnxscript_ort", "ort_transformers"]
 TOOLS = [GRAPHOPT, *PEERS]
 
 
@@ -179,6 +182,47 @@ def _onnxscript(src: Path, out: Path, args: argparse.Namespace) -> tuple[float, 
     return call, []
 
 
+def _onnxscript_ort(src: Path, out: Path, args: argparse.Namespace) -> tuple[float, list[str]]:
+    import onnx_ir
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+    model = onnx_ir.load(str(src))
+    start = time.perf_counter()
+    _, fusions = optimize_for_ort(model)
+    call = time.perf_counter() - start
+    onnx_ir.save(model, str(out))
+    return call, [f"fusions: {', '.join(f'{k} {v}' for k, v in sorted(fusions.items()) if v)}"]
+
+
+def _ort_transformers(src: Path, out: Path, args: argparse.Namespace) -> tuple[float, list[str]]:
+    # Its onnxruntime step (optimize_by_onnxruntime) imports torch, which the bench extras do
+    # not install: the same step is run here (the model type's default level, on the CPU
+    # provider) and the Python fusions after it (opt_level 0). num_heads / hidden_size 0:
+    # the optimizer reads them from the graph.
+    import tempfile
+
+    import onnxruntime as ort
+    from onnxruntime.transformers.optimizer import MODEL_TYPES, optimize_model
+
+    start = time.perf_counter()
+    level = MODEL_TYPES[args.model_type][2]
+    with tempfile.TemporaryDirectory() as folder:
+        source = str(src)
+        if level:
+            options = ort.SessionOptions()
+            options.graph_optimization_level = (
+                ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+                if level == 1
+                else ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+            )
+            options.optimized_model_filepath = source = str(Path(folder) / "basic.onnx")
+            ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
+        optimized = optimize_model(source, model_type=args.model_type, num_heads=0, hidden_size=0, opt_level=0)
+    call = time.perf_counter() - start
+    optimized.save_model_to_file(str(out))
+    return call, [f"model type {args.model_type} (onnxruntime level {level} first)"]
+
+
 def _ort(level_name: str) -> Runner:
     def run(src: Path, out: Path, args: argparse.Namespace) -> tuple[float, list[str]]:
         import onnxruntime as ort
@@ -202,6 +246,8 @@ RUNNERS: dict[str, Runner] = {
     "onnxscript": _onnxscript,
     "ort_basic": _ort("ORT_ENABLE_BASIC"),
     "ort_extended": _ort("ORT_ENABLE_EXTENDED"),
+    "onnxscript_ort": _onnxscript_ort,
+    "ort_transformers": _ort_transformers,
 }
 
 # Imported before the clock starts: import time is not the tool's optimize time.
@@ -218,6 +264,8 @@ _IMPORTS = {
     "onnxscript": ["onnx_ir", "onnxscript.optimizer"],
     "ort_basic": ["onnxruntime"],
     "ort_extended": ["onnxruntime"],
+    "onnxscript_ort": ["onnx_ir", "onnxscript.rewriter.ort_fusions"],
+    "ort_transformers": ["onnxruntime.transformers.optimizer"],
 }
 
 
@@ -265,6 +313,7 @@ def run_tool(
     check: bool = True,
     dims: dict[str, int] | None = None,
     tolerance: tuple[float, float] | None = None,
+    model_type: str | None = None,
 ) -> ToolRun:
     """Run ``tool`` on ``src`` into ``out`` in a fresh interpreter; never raises for the tool's faults."""
     cmd = [sys.executable, str(Path(__file__).resolve()), tool, str(src), str(out)]
@@ -276,6 +325,8 @@ def run_tool(
         cmd += ["--dim", f"{name}={size}"]
     if tolerance:
         cmd += ["--atol", str(tolerance[0]), "--rtol", str(tolerance[1])]
+    if model_type:
+        cmd += ["--model-type", model_type]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -307,7 +358,7 @@ def _key_line(stderr: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("tool", choices=TOOLS)
+    parser.add_argument("tool", choices=TOOLS + ORT_PEERS)
     parser.add_argument("src")
     parser.add_argument("out")
     parser.add_argument("--passes", default=None, help="graphopt only: the pass list (default pipeline if omitted)")
@@ -315,6 +366,7 @@ def main() -> int:
     parser.add_argument("--dim", action="append", default=[], metavar="NAME=VALUE", help="a dim for the check")
     parser.add_argument("--atol", type=float, default=None, help="element-wise check (with --rtol)")
     parser.add_argument("--rtol", type=float, default=None, help="element-wise check (with --atol)")
+    parser.add_argument("--model-type", default="bert", help="ort_transformers only: the optimizer's model type")
     print(json.dumps(_child(parser.parse_args())))
     return 0
 

@@ -136,3 +136,24 @@ def test_tune_is_off_by_default_and_checks_its_numbers(tmp_path: Path) -> None:
     result = invoke("run", source, "-o", tmp_path / "o.onnx", "--tune", "--tune-budget", "0")
     assert result.exit_code == 2 and "--tune-budget must be positive" in result.stderr
     assert not (tmp_path / "o.onnx").exists()
+
+
+def test_time_models_times_at_the_dims_given(tmp_path: Path) -> None:
+    """benchmarks/calibrate.py times at the cost model's sizes: a dim it fixes reaches the feeds
+    (a Reshape to [2, 4] runs only at batch 2, which the check's first binding does not draw)."""
+    from graphopt.runtime.tune import time_models
+
+    shape = numpy_helper.from_array(np.array([2, 4], dtype=np.int64), "shape")
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])],
+        "fixed_batch",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [shape],
+    )
+    path = tmp_path / "fixed_batch.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+    assert "cannot run" in str(time_models([path], "all", 1, 0.0))
+    timed = time_models([path, path], "all", 1, 0.0, {"batch": 2})
+    assert isinstance(timed, list) and len(timed) == 2 and len(timed[0]) >= 7

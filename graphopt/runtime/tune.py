@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +33,7 @@ from graphopt.ir.clone import Snapshot
 from graphopt.passes.pipeline import PassRun, Pipeline, PipelineRun
 from graphopt.runtime.guard import Rerun, Undoable, undoable, without
 
-__all__ = ["Decision", "TuneOutcome", "candidates", "tune"]
+__all__ = ["Decision", "TuneOutcome", "candidates", "paired_ratio", "time_models", "tune"]
 
 # The passes tuned whole besides the fuse rules (the cleanup passes only remove work).
 TUNED_PASSES = frozenset({"fold", "unwind"})
@@ -155,17 +155,17 @@ def tune(
         if not timed:
             outcome.seconds = time.perf_counter() - start
             return outcome
-        times = _timed(paths, level, threads, max(left(), 0.0) * 0.6)
+        times = time_models(paths, level, threads, max(left(), 0.0) * 0.6)
         if isinstance(times, str):
             outcome.status, outcome.reason = "not taken", times
             outcome.seconds = time.perf_counter() - start
             return outcome
         outcome.rounds = len(times[0])
-        noise_ratio, noise_spread = _ratio(times[0], times[1])
+        noise_ratio, noise_spread = paired_ratio(times[0], times[1])
         outcome.noise = noise = max(MIN_NOISE, abs(noise_ratio - 1) + noise_spread)
         dropped: list[Undoable] = []
         for unit, index in timed:
-            ratio, spread = _ratio(times[_OUTPUT], times[index]) if index != _OUTPUT else (1.0, 0.0)
+            ratio, spread = paired_ratio(times[_OUTPUT], times[index]) if index != _OUTPUT else (1.0, 0.0)
             faster = ratio < 1 - noise
             outcome.decisions.append(
                 Decision(
@@ -185,11 +185,11 @@ def tune(
         tuned_pipeline = without(pipeline, dropped)
         tuned = original.model()
         tuned_run = rerun(tuned_pipeline, tuned)
-        final = _timed([paths[_OUTPUT], saved("tuned", tuned)], level, threads, max(left(), 0.0))
+        final = time_models([paths[_OUTPUT], saved("tuned", tuned)], level, threads, max(left(), 0.0))
         if isinstance(final, str):
             outcome.status, outcome.reason = "not taken", final
         else:
-            ratio, spread = _ratio(final[1], final[0])
+            ratio, spread = paired_ratio(final[1], final[0])
             kept = ratio <= 1.0
             outcome.final = {
                 "ratio": round(ratio, 4),
@@ -202,7 +202,7 @@ def tune(
     return outcome
 
 
-def _ratio(a: list[float], b: list[float]) -> tuple[float, float]:
+def paired_ratio(a: list[float], b: list[float]) -> tuple[float, float]:
     """The median of the per-round ratios a / b, and half their interquartile range."""
     ratios = sorted(x / y for x, y in zip(a, b, strict=True) if y > 0)
     if len(ratios) < 4:
@@ -211,14 +211,19 @@ def _ratio(a: list[float], b: list[float]) -> tuple[float, float]:
     return statistics.median(ratios), (quartiles[2] - quartiles[0]) / 2
 
 
-def _timed(paths: list[Path], level: str, threads: int, seconds: float) -> list[list[float]] | str:
-    """Per model, the seconds of each round's run, timed in a child process (or why not)."""
+def time_models(
+    paths: list[Path], level: str, threads: int, seconds: float, dims: Mapping[str, int] | None = None
+) -> list[list[float]] | str:
+    """Per model, the seconds of each round's run, timed in a child process (or why not), on
+    the check's first binding of the first model's inputs (``dims`` fixes dims of it)."""
     from graphopt.numerics.isolated import run_isolated
 
-    return run_isolated(_time_models, paths, level, threads, seconds)
+    return run_isolated(_time_models, paths, level, threads, seconds, dict(dims or {}))
 
 
-def _time_models(paths: list[Path], level: str, threads: int, seconds: float) -> list[list[float]] | str:
+def _time_models(
+    paths: list[Path], level: str, threads: int, seconds: float, dims: dict[str, int]
+) -> list[list[float]] | str:
     import numpy as np
     import onnxruntime as ort
 
@@ -227,7 +232,7 @@ def _time_models(paths: list[Path], level: str, threads: int, seconds: float) ->
 
     try:
         spec = read_spec(paths[0])
-        feeds = make_inputs(spec, bind_dims(spec, 0, {}), np.random.default_rng(0))
+        feeds = make_inputs(spec, bind_dims(spec, 0, dims), np.random.default_rng(0))
     except (AssertionError, InputError) as err:
         return f"the check's inputs cannot be made: {err}"
     options = ort.SessionOptions()

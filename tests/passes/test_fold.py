@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
@@ -271,3 +272,21 @@ def test_an_unknown_fold_op_is_reported(corpus_dir: Path) -> None:
     result = optimize(corpus_dir / "wide_ensemble.onnx", "shape-infer,fold", fold_ops=["Softmax"], check=False)
     (run,) = [p for p in result.report["passes"] if p["pass"] == "fold"]
     assert "cannot fold Softmax" in run["error"]
+
+
+def test_fold_takes_or_refuses_by_the_calibrated_terms(
+    corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """costs.CALIBRATION scales the two terms of a prediction (kernels saved, copies spent):
+    wide_ensemble's chain, taken by default, is refused once its copies are scaled past its
+    savings, and the refusal reports the scaled gain."""
+    from graphopt.passes.fold import costs
+
+    source = corpus_dir / "wide_ensemble.onnx"
+    _, details = _fold(source, tmp_path)
+    assert len(details["folds"]) == 8 and details["refused"] == []
+    monkeypatch.setattr(costs, "CALIBRATION", {level: (1.0, 100.0) for level in costs.LEVELS})
+    _, details = _fold(source, tmp_path)
+    (refused,) = details["refused"]
+    assert details["folds"] == []
+    assert all(gain < 0 for gain in refused["predicted_gain_us"].values())

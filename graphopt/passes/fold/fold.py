@@ -25,12 +25,12 @@ from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.ops import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY
 from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.fold.costs import LEVELS, chain_estimate, chain_time_us
+from graphopt.passes.fold.costs import LEVELS, chain_terms, chain_time_us, gains_us
 from graphopt.passes.fold.index import Fold, FoldIndex, build_folded_graph
 from graphopt.passes.fold.plan import SEED_OPS, Planner, Spec
 from graphopt.passes.fold.realize import Realizer, remove_folded
 
-__all__ = ["FoldSiblings"]
+__all__ = ["ChainPrediction", "FoldSiblings", "predict_chains"]
 
 FOLDABLE_OPS = sorted(SEED_OPS | ELEMENTWISE_UNARY | ELEMENTWISE_BINARY)
 
@@ -185,28 +185,49 @@ def _chains(index: FoldIndex[Spec]) -> list[list[Fold[Spec]]]:
     return list(chains.values())
 
 
+@dataclass
+class ChainPrediction:
+    """A chain of folds and what the cost model predicts of it, per level: ``gains`` (us
+    saved, negative: it costs), ``kernels`` (us of its kernels unfolded) and ``terms`` (us of
+    kernels saved, us of copies spent, before costs.CALIBRATION scales them)."""
+
+    chain: list[Fold[Spec]]
+    gains: dict[str, float]
+    kernels: dict[str, float]
+    terms: dict[str, tuple[float, float]]
+
+
+def predict_chains(index: FoldIndex[Spec]) -> list[ChainPrediction]:
+    """The cost model's prediction for each chain of ``index``."""
+    predictions = []
+    for chain in _chains(index):
+        ids = {f.id for f in chain}
+        terms = chain_terms(chain, lambda f, ids=ids: _read_outside(f, index, ids))  # type: ignore[misc]
+        predictions.append(ChainPrediction(chain, gains_us(terms), chain_time_us(chain), terms))
+    return predictions
+
+
 def _judge(
     index: FoldIndex[Spec], *, force: bool, tolerance: float
 ) -> tuple[dict[int, dict[str, float]], list[dict[str, Any]]]:
     """Accept the chains the cost model says do not cost at any optimization level (all with
     ``force``), and those whose predicted cost is within ``tolerance`` of the time of the
     kernels they replace. The default tolerance is 0: the Q/K/V folds of bert_small (predicted
-    -6 us of 220 us a layer), bert_fp16_weights and vit_ts (-21 us of 671 us), once taken for
-    the nodes they remove, measured 1.5 to 3.5% slower end to end (100 interleaved rounds)."""
+    before costs.CALIBRATION -6 us of 220 us a layer), bert_fp16_weights and vit_ts (-21 us of
+    671 us), once taken for the nodes they remove, measured 1.5 to 3.5% slower end to end (100
+    interleaved rounds)."""
     accepted: dict[int, dict[str, float]] = {}
     refused: list[dict[str, Any]] = []
-    for chain in _chains(index):
-        ids = {f.id for f in chain}
-        estimate = chain_estimate(chain, lambda f, ids=ids: _read_outside(f, index, ids))  # type: ignore[misc]
-        gains = {level: round(estimate[level], 2) for level in LEVELS}
-        kernels = chain_time_us(chain)
+    for predicted in predict_chains(index):
+        gains = {level: round(predicted.gains[level], 2) for level in LEVELS}
+        kernels = predicted.kernels
         if force or all(gains[level] > -tolerance * kernels[level] for level in LEVELS):
-            accepted.update({f.id: gains for f in chain})
+            accepted.update({f.id: gains for f in predicted.chain})
             continue
         refused.append(
             {
-                "members": [[m.name or m.outputs[0].name for m in f.members] for f in chain],
-                "ops": sorted({f.members[0].op_type for f in chain}),
+                "members": [[m.name or m.outputs[0].name for m in f.members] for f in predicted.chain],
+                "ops": sorted({f.members[0].op_type for f in predicted.chain}),
                 "reason": "the copies it needs cost more than the kernels it saves",
                 "predicted_gain_us": gains,
                 "kernels_us": {level: round(kernels[level], 2) for level in LEVELS},

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["MISTAKES", "SMALL", "VARIANTS", "Size", "block", "fused_norm", "variant"]
+__all__ = ["MISTAKES", "SMALL", "VARIANTS", "Size", "block", "fused_attention", "fused_norm", "variant"]
 
 SEQ, HIDDEN, HEADS, MLP = 128, 64, 2, 128
 
@@ -277,6 +277,22 @@ def fused_norm(model: onnx.ModelProto) -> onnx.ModelProto:
         nodes.insert(at, fused)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    return model
+
+
+_ATTENTION_INTERIOR = ("scores", "scaled_scores", "probs", "context")
+
+
+def fused_attention(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (the QDQ variant) as a fusion through Q/DQ computes it: the attention reads the
+    dequantized Q, K and V, and the Q/DQ pairs strictly inside it (scores, probabilities,
+    context) are gone."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    producers = {output: node for node in model.graph.node for output in node.output}
+    for node in model.graph.node:
+        quantize = producers.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if quantize is not None and quantize.input[0].split(".")[-1] in _ATTENTION_INTERIOR:
+            node.CopyFrom(helper.make_node("Identity", [quantize.input[0]], list(node.output), name=node.name))
     return model
 
 

@@ -28,7 +28,7 @@ from graphopt.numerics.noise import FEWEST, Perturbation, self_noise
 from graphopt.report.console import render_numerics
 from graphopt.schemas import schema
 from tests.cli_helpers import invoke
-from tests.precision_models import MISTAKES, SMALL, VARIANTS, Size, fused_norm, variant
+from tests.precision_models import MISTAKES, SMALL, VARIANTS, Size, fused_attention, fused_norm, variant
 
 # Where the fixed tolerance refuses a right rewrite: enough activations (32 x 128 x 64 per
 # quantized MatMul) that moving their last bits flips quantization steps (dynamic int8), and
@@ -189,3 +189,35 @@ def test_the_console_names_the_ceiling_where_it_bounded() -> None:
         first
         == "numerics: passed (within the original's own rounding: rel L2 0.02 <= 0.03, the ceiling (self-noise 0.012))"
     )
+
+
+def test_a_fused_qdq_attention_passes_nearer_the_float_reference(saved: Saved, tmp_path: Path) -> None:
+    # The attention computed from the dequantized inputs moves the output by more than the
+    # original's own rounding (two blocks: past the ceiling, as the fused QDQ BERT moved), towards
+    # the original evaluated in float (issue 34, item 2). One binding: the check's second one
+    # feeds floats at 10x the calibrated range, where the original saturates and approximates
+    # no float model (the test below).
+    original = saved("qdq int8", size=Size(layers=2))
+    fused = tmp_path / "fused.onnx"
+    onnx.save(fused_attention(onnx.load(original)), fused)
+    result = check_models(original, fused, bindings=1)
+    assert result.status == "passed", result.reason
+    assert result.passed_by == "float reference"
+    judged = [o for b in result.bindings for o in b.outputs if o.criterion == "float reference"]
+    assert judged
+    for output in judged:
+        assert output.bound is not None and output.rel_l2 > output.bound  # the second criterion refused it
+        assert output.reference_optimized is not None and output.reference_bound is not None
+        assert output.reference_optimized <= output.reference_bound
+    assert _numerics_json(result)["passed_by"] == "float reference"
+    console = Console(file=io.StringIO(), width=400)
+    render_numerics(console, result.as_dict())
+    assert "no further from the float reference than the original: rel L2 " in console.file.getvalue()
+
+
+def test_no_float_reference_judges_where_the_original_saturates(saved: Saved, tmp_path: Path) -> None:
+    fused = tmp_path / "fused.onnx"
+    onnx.save(fused_attention(onnx.load(saved("qdq int8"))), fused)
+    result = check_models(saved("qdq int8"), fused)
+    assert result.status == "failed"
+    assert result.reason is not None and "the original is no approximation of its float reference" in result.reason

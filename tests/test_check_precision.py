@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 from rich.console import Console
 
 from graphopt.numerics import CheckResult, check_models
@@ -221,3 +223,47 @@ def test_no_float_reference_judges_where_the_original_saturates(saved: Saved, tm
     result = check_models(saved("qdq int8"), fused)
     assert result.status == "failed"
     assert result.reason is not None and "the original is no approximation of its float reference" in result.reason
+
+
+def _masked_float16_attention() -> onnx.ModelProto:
+    """Float16 attention with the mask a float16 converter writes, Where(keep, 0, -65504), as
+    llama_dynamo_fp16 has it."""
+    shape = [4, 2, 16, 16]
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name in "qkv"]
+    inputs.append(helper.make_tensor_value_info("keep", TensorProto.BOOL, [4, 1, 16, 16]))
+    constants = {"zero": 0.0, "lowest": -65504.0, "scale": 0.25}
+    nodes = [helper.make_node("Cast", [name], [f"{name}16"], to=TensorProto.FLOAT16) for name in "qkv"]
+    nodes += [
+        helper.make_node("Transpose", ["k16"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q16", "kt"], ["s"]),
+        helper.make_node("Mul", ["s", "scale"], ["scaled"]),
+        helper.make_node("Where", ["keep", "zero", "lowest"], ["mask"]),
+        helper.make_node("Add", ["scaled", "mask"], ["masked"]),
+        helper.make_node("Softmax", ["masked"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v16"], ["y16"]),
+        helper.make_node("Cast", ["y16"], ["y"], to=TensorProto.FLOAT),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "masked_attention",
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        [numpy_helper.from_array(np.array(value, np.float16), name) for name, value in constants.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def test_a_float16_attention_with_a_fully_masked_row_passes_by_the_float_reference(tmp_path: Path) -> None:
+    # The Attention op at opset 23 moves the fully masked row (a left-padded causal query) from
+    # where float16 rounding of score - 65504 put it: 0.048 from the original, 3e-4 from its float
+    # reference, where -65504 is float32's lowest again (llama_dynamo_fp16, issue 34).
+    source, target, data = tmp_path / "masked.onnx", tmp_path / "out.onnx", tmp_path / "inputs.npz"
+    onnx.save(_masked_float16_attention(), source)
+    rng = np.random.default_rng(0)
+    keep = np.tril(np.ones((16, 16), bool))[None, None].repeat(4, 0)
+    keep[1, :, :, 0] = False  # the first query of the second sequence sees no key
+    np.savez(data, **{name: rng.standard_normal((4, 2, 16, 16)).astype(np.float32) for name in "qkv"}, keep=keep)
+    result = invoke("run", source, "-o", target, "--target-opset", "23", "--inputs", data)
+    assert result.exit_code == 0, result.stderr
+    assert Counter(node.op_type for node in onnx.load(target).graph.node)["Attention"] == 1
+    assert "numerics: passed (no further from the float reference than the original: rel L2 " in result.stderr

@@ -76,10 +76,10 @@ class FuseOptions:
     enable: list[str] = option([], "rules or families to run that are off by default")
     disable: list[str] = option([], "rules or families not to run")
     through_qdq: bool = option(
-        True,
+        False,
         "match the float fusions (activation, attention, norm, rotary) through a static QDQ model's activation "
         "Q/DQ pairs, which the fused op drops: it reads the dequantized inputs and its result is quantized again "
-        "(off: every quantization point of the original stays)",
+        "(off by default: every quantization point of the original stays)",
     )
     late: bool = option(
         False,

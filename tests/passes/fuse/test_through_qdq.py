@@ -277,8 +277,8 @@ def test_gelu_fires_where_its_constant_was_quantized_as_an_activation() -> None:
     assert Counter(n.op_type for n in out.graph.node)["Gelu"] == 1
 
 
-@pytest.mark.parametrize(("flag", "gelus"), [((), 1), (("--no-fuse-through-qdq",), 0)])
-def test_the_cli_fuses_through_qdq_unless_told_not_to(tmp_path: Path, flag: tuple[str, ...], gelus: int) -> None:
+@pytest.mark.parametrize(("flag", "gelus"), [((), 0), (("--fuse-through-qdq",), 1)])
+def test_the_cli_fuses_through_qdq_when_asked(tmp_path: Path, flag: tuple[str, ...], gelus: int) -> None:
     source, target = tmp_path / "gelu_qdq.onnx", tmp_path / "out.onnx"
     onnx.save(_gelu_qdq(), source)
     result = invoke("run", source, "-o", target, "--target-opset", "20", "--no-check", "--quiet", *flag)

@@ -29,7 +29,17 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["MISTAKES", "SMALL", "VARIANTS", "Size", "block", "fused_norm", "variant"]
+__all__ = [
+    "MISTAKES",
+    "SMALL",
+    "VARIANTS",
+    "Size",
+    "block",
+    "dynamic_but_the_last_matmul",
+    "fused_attention",
+    "fused_norm",
+    "variant",
+]
 
 SEQ, HIDDEN, HEADS, MLP = 128, 64, 2, 128
 
@@ -195,6 +205,27 @@ def _dynamic(model: onnx.ModelProto) -> onnx.ModelProto:
     return _quantized(model, quantize_dynamic)
 
 
+def dynamic_but_the_last_matmul(size: Size = SMALL) -> onnx.ModelProto:
+    """The dynamic int8 variant with its last MatMul (the MLP's down projection) reading its
+    activation in float: MatMul(x, DequantizeLinear(weight)), the same weight, a rewrite that
+    computes one quantized MatMul in a higher precision."""
+    model = variant("dynamic int8", None, size)
+    nodes = list(model.graph.node)
+    integer = next(node for node in reversed(nodes) if node.op_type == "MatMulInteger")
+    cast = next(node for node in nodes if node.input[:1] == integer.output[:1])
+    scaled = next(node for node in nodes if cast.output[0] in node.input)
+    quantize = next(node for node in nodes if node.output[0] == integer.input[0])
+    weight, weight_scale = integer.input[1], f"{integer.input[1].removesuffix('_quantized')}_scale"
+    dequantized = helper.make_node("DequantizeLinear", [weight, weight_scale, integer.input[3]], ["dequantized"])
+    matmul = helper.make_node("MatMul", [quantize.input[0], "dequantized"], list(scaled.output))
+    at = nodes.index(integer)
+    nodes = [node for node in nodes if node not in (integer, cast, scaled)]
+    nodes[at:at] = [dequantized, matmul]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
 def _int4(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every MatMul by a 2-D weight as MatMulNBits, 4 bits, blocks of 32, with zero points."""
     from onnxruntime.capi._pybind_state import quantize_matmul_4bits
@@ -277,6 +308,22 @@ def fused_norm(model: onnx.ModelProto) -> onnx.ModelProto:
         nodes.insert(at, fused)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    return model
+
+
+_ATTENTION_INTERIOR = ("scores", "scaled_scores", "probs", "context")
+
+
+def fused_attention(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (the QDQ variant) as a fusion through Q/DQ computes it: the attention reads the
+    dequantized Q, K and V, and the Q/DQ pairs strictly inside it (scores, probabilities,
+    context) are gone."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    producers = {output: node for node in model.graph.node for output in node.output}
+    for node in model.graph.node:
+        quantize = producers.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if quantize is not None and quantize.input[0].split(".")[-1] in _ATTENTION_INTERIOR:
+            node.CopyFrom(helper.make_node("Identity", [quantize.input[0]], list(node.output), name=node.name))
     return model
 
 

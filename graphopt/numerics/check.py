@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from google.protobuf.message import DecodeError
 
@@ -59,11 +60,14 @@ from graphopt.numerics.budget import confine as limit_memory  # the name ``confi
 from graphopt.numerics.compare import (
     ALLCLOSE,
     FIXED,
+    FLOAT_REFERENCE,
     OWN_ROUNDING,
     Criterion,
     OutputComparison,
     compare_output,
+    judge_by_reference,
     rejudge,
+    relative_l2,
     second_chance,
 )
 from graphopt.numerics.feeds import Feed
@@ -84,6 +88,7 @@ from graphopt.numerics.inputs import (
 from graphopt.numerics.noise import DRAWS, Perturbation, self_noise
 from graphopt.numerics.options import FIRST_RUN_SECONDS, TIME_FACTOR, check_numbers
 from graphopt.numerics.paths import lowest
+from graphopt.numerics.reference import float_reference
 
 __all__ = [
     "LARGEST_SECONDS",
@@ -265,10 +270,11 @@ def session_options(
     return options
 
 
-def _session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
+def _session(model: Path | bytes, options: ort.SessionOptions) -> ort.InferenceSession:
     try:
-        # A path, not bytes: external data then loads from beside the file.
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        # A path, not bytes, for a model file: external data then loads from beside the file.
+        source = model if isinstance(model, bytes) else str(model)
+        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as exc:
         raise _OrtError(_first_line(exc)) from None
 
@@ -470,6 +476,7 @@ def check_models(
             return result("not checked", f"loading the optimized model {out_of_memory}")
         return result("failed", f"onnxruntime cannot load the optimized model: {exc}")
     done: list[BindingResult] = []
+    produced: list[list[Output]] = []  # the optimized model's outputs at each binding of ``done``
     failure: str | None = None
     compared = False  # an element that is not NaN in both models, in some output
     for binding, feed, expected in ran:
@@ -495,6 +502,7 @@ def check_models(
             break
         passed = all(o.passed is not False for o in outputs)
         done.append(BindingResult(binding.dims, outputs, passed, binding.regimes))
+        produced.append(actual)
         compared = compared or any(
             name in empty or _comparable(a, b) for name, a, b in zip(spec_a.outputs, expected, actual)
         )
@@ -502,7 +510,7 @@ def check_models(
     if failure is None and not criterion.elementwise:
         room = max(0, memory_budget - needs.load_bytes)
         _judge_by_own_rounding(
-            original, ran, done, spec_a, deadline, threads, custom_op_libraries, seed, room, on_phase
+            original, ran, done, produced, spec_a, deadline, threads, custom_op_libraries, seed, room, on_phase
         )
 
     notes = [f"output {name!r} {_nondeterministic(spec_a, name)}" for name in spec_a.outputs if name in unstable]
@@ -661,6 +669,7 @@ def _judge_by_own_rounding(
     original: Path,
     ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
     done: list[BindingResult],
+    produced: list[list[Output]],
     spec: ModelSpec,
     deadline: _Deadline,
     threads: int,
@@ -672,7 +681,8 @@ def _judge_by_own_rounding(
     """The second criterion (compare.py, noise.py) for the outputs of ``done`` that failed the
     fixed limits on their figures: the original runs DRAWS more times at their bindings, its
     float data moved by rounding, and each such output is judged again against how far that
-    moved it. Nothing runs when no output needs it."""
+    moved it; an output that fails that too gets the third criterion (_judge_by_reference).
+    Nothing runs when no output needs it."""
     retried = {number: [k for k, o in enumerate(b.outputs) if second_chance(o)] for number, b in enumerate(done)}
     retried = {number: outputs for number, outputs in retried.items() if outputs}
     if not retried:
@@ -700,12 +710,56 @@ def _judge_by_own_rounding(
         for k in outputs:
             noise, usable = self_noise(ran[number][2][k], [runs[k] for runs in draws[number]])
             rejudge(binding.outputs[k], noise, usable)
-        binding.passed = all(o.passed is not False for o in binding.outputs)
+    _judge_by_reference(original, ran, done, produced, draws, deadline, threads, libraries, on_phase)
+    for number in retried:
+        done[number].passed = all(o.passed is not False for o in done[number].outputs)
+
+
+def _judge_by_reference(
+    original: Path,
+    ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
+    done: list[BindingResult],
+    produced: list[list[Output]],
+    draws: Mapping[int, list[list[Output]]],
+    deadline: _Deadline,
+    threads: int,
+    libraries: Sequence[str | os.PathLike[str]],
+    on_phase: Callable[[str], None] | None,
+) -> None:
+    """The third criterion (compare.py, reference.py) for the outputs that failed the second:
+    the original with its float16 arithmetic and quantization evaluated in float32 runs at their
+    bindings, and each such output passes when the optimized model's is no further from it than
+    the original's, or one of the original's draws of its own rounding, is."""
+    failing = {n: [k for k, o in enumerate(done[n].outputs) if second_chance(o)] for n in draws}
+    failing = {number: outputs for number, outputs in failing.items() if outputs}
+    if not failing:
+        return
+    try:
+        reference = float_reference(onnx.load(str(original)))
+    except (MemoryError, DecodeError, ValueError):
+        return  # no reference: the second criterion's verdict stands
+    if reference is None:
+        return
+    if on_phase is not None:
+        on_phase("check: the original evaluated in float32")
+    try:
+        session = _session(reference.SerializeToString(), session_options(threads, libraries))
+        runs = {number: deadline.run(session, ran[number][1]) for number in failing}
+    except (_OrtError, MemoryError, TimeoutError):
+        return
+    for number, outputs in failing.items():
+        for k in outputs:
+            truth, before, after = runs[number][k], ran[number][2][k], produced[number][k]
+            if not (isinstance(truth, np.ndarray) and isinstance(before, np.ndarray) and isinstance(after, np.ndarray)):
+                continue  # a sequence never gets here: the fixed limits judge it element by element
+            moved = [draw[k] for draw in draws[number]]
+            reruns = [relative_l2(truth, m) for m in moved if isinstance(m, np.ndarray) and m.shape == truth.shape]
+            judge_by_reference(done[number].outputs[k], relative_l2(truth, before), relative_l2(truth, after), reruns)
 
 
 def _passed_by(done: list[BindingResult]) -> str | None:
     criteria = {output.criterion for binding in done for output in binding.outputs if output.passed}
-    return next((c for c in (OWN_ROUNDING, FIXED, ALLCLOSE) if c in criteria), None)
+    return next((c for c in (FLOAT_REFERENCE, OWN_ROUNDING, FIXED, ALLCLOSE) if c in criteria), None)
 
 
 def _generated(

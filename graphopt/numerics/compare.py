@@ -49,6 +49,18 @@ must pass. A model whose self-noise cannot be measured (fewer than four of the s
 usable) keeps the fixed verdict. The fixed limits stay the first criterion: a float32 model
 passes or fails as before, and the extra runs are made only for an output that failed them.
 
+An output that fails the second criterion gets a third, the float reference (reference.py):
+the original with its float16 arithmetic, activation Q/DQ rounding and dynamic int8 MatMuls
+evaluated in float32. It passes when its relative L2 distance to the reference is no larger
+than the original's, or than one of the original's self-noise runs' (those are the original
+with its rounding moved: how far the same program lands from the reference by chance). A
+rewrite that computes in a higher precision than the original (a fused QDQ attention, an
+Attention op in a float16 graph) comes nearer; a wrong one adds an error no quantization error
+cancels (the seeded ones on the QDQ int8 fixture: 2.2x to 25x the original's distance). The
+reference judges only an original within REFERENCE_CEILING = 0.1 of it: one that saturates
+(a QDQ model fed 10x its calibrated range, 0.77 from it) is no approximation of it, and there
+a wrong attention scale came no further than the original (0.7691 against 0.7692).
+
 ``atol``/``rtol`` switch to element-wise ``|a - b| <= atol + rtol |a|``, with no floor and no
 second criterion.
 
@@ -67,11 +79,14 @@ import numpy as np
 from graphopt.numerics.paths import EPSILON, lowest
 
 __all__ = [
+    "FLOAT_REFERENCE",
     "NOISE_CEILING",
     "NOISE_FACTOR",
+    "REFERENCE_CEILING",
     "Criterion",
     "OutputComparison",
     "compare_output",
+    "judge_by_reference",
     "rejudge",
     "relative_l2",
     "second_chance",
@@ -83,7 +98,10 @@ FLOOR_EPSILONS = 4
 # The second criterion: relative L2 <= min(NOISE_FACTOR x the original's self-noise, NOISE_CEILING).
 NOISE_FACTOR = 3.0
 NOISE_CEILING = 3e-2
-FIXED, OWN_ROUNDING, ALLCLOSE = "fixed tolerance", "own rounding", "allclose"
+# The third criterion: the float reference judges only where the original approximates it
+# (reference.py): at most this far from it in relative L2.
+REFERENCE_CEILING = 0.1
+FIXED, OWN_ROUNDING, FLOAT_REFERENCE, ALLCLOSE = "fixed tolerance", "own rounding", "float reference", "allclose"
 
 
 @dataclass
@@ -105,6 +123,11 @@ class OutputComparison:
     criterion: str | None = None
     self_noise: float | None = None
     bound: float | None = None
+    # When the third criterion was tried: the relative L2 distance to the float reference
+    # (reference.py) of the original and of the optimized output, and the bound on the latter.
+    reference_original: float | None = None
+    reference_optimized: float | None = None
+    reference_bound: float | None = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +266,28 @@ def rejudge(result: OutputComparison, noise: float | None, draws: int) -> None:
     result.reason = (
         f"{result.reason}; and beyond the original's own rounding: rel L2 {result.rel_l2:.3g}"
         f" > {NOISE_FACTOR:g} x self-noise {noise:.3g} = {result.bound:.2g}{capped}"
+    )
+
+
+def judge_by_reference(result: OutputComparison, original: float, optimized: float, reruns: list[float]) -> None:
+    """Judge an output that failed the first two criteria by its distance to the float reference:
+    ``optimized``, the optimized output's relative L2 distance to it, must be no larger than the
+    largest of ``original`` (the original's) and ``reruns`` (the original's runs with its
+    rounding moved, noise.py)."""
+    result.reference_original, result.reference_optimized = original, optimized
+    if original > REFERENCE_CEILING:
+        result.reason = (
+            f"{result.reason}; and the original is no approximation of its float reference"
+            f" (rel L2 {original:.3g} > {REFERENCE_CEILING:g}) to judge by"
+        )
+        return
+    result.reference_bound = max([original, *reruns])
+    if optimized <= result.reference_bound:
+        result.passed, result.reason, result.criterion = True, None, FLOAT_REFERENCE
+        return
+    result.reason = (
+        f"{result.reason}; and further from the float reference than the original: rel L2 {optimized:.3g}"
+        f" > {result.reference_bound:.3g}"
     )
 
 

@@ -35,10 +35,13 @@ is rounded to a grid up to half a step away, what computing it in float instead 
 The DequantizeLinear reading the same scale tensor moves with it, so the grid moves, not the
 gain. Weight scales stay: a weight's grid is part of the program.
 
-Why not a reference run with the float16 or quantized parts in float32 instead: against that,
-a quantized model is off by its whole quantization error (1.5e-2 on ViT in dynamic int8, issue
-34), ten times what a right rewrite moves it (1.5e-3): a bound so wide that a wrong rewrite
-passes. Rounding one value by half an ulp is what a rewrite does to each value it touches.
+Why not only a reference run with the float16 or quantized parts in float32: as a bound on how
+far the optimized output may move from the original, that reference is too wide, the model's
+whole quantization error (1.5e-2 on ViT in dynamic int8, issue 34), ten times what a right
+rewrite moves it (1.5e-3): a wrong rewrite would pass. Rounding one value by half an ulp is
+what a rewrite does to each value it touches. The reference serves the third criterion
+differently (reference.py): there the optimized output must come no further from it than the
+original is, which a wrong rewrite's own error does not allow.
 
 An output's self-noise is the root mean square over the draws of the relative L2 distance
 between the original's output and its perturbed run's. The root mean square, not the median:

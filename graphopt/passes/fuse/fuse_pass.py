@@ -78,7 +78,8 @@ class FuseOptions:
     through_qdq: bool = option(
         False,
         "match the float fusions (activation, attention, norm, rotary) through a static QDQ model's activation "
-        "Q/DQ pairs, which the fused op drops: it reads the dequantized inputs and its result is quantized again",
+        "Q/DQ pairs, which the fused op drops: it reads the dequantized inputs and its result is quantized again "
+        "(off by default: every quantization point of the original stays)",
     )
     late: bool = option(
         False,

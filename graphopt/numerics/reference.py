@@ -1,0 +1,197 @@
+"""The original model with its reduced-precision islands evaluated in float32: the reference of
+the check's third criterion (compare.py).
+
+A float16 or quantized model approximates a float32 one. A rewrite that computes part of it in
+a higher precision (a fused attention reading the dequantized values, where the original
+quantized its interior; an Attention op that keeps fully masked rows finite, where the float16
+original overflowed) moves the output away from the original, often by more than the original's
+own rounding, but towards what it approximates. Judged against the original alone such a
+rewrite fails; judged against this reference it is no further than the original is. A wrong
+rewrite (a wrong scale, a dropped zero point, a swapped axis, a head's weights changed) adds an
+error of its own that no quantization error cancels: it moves the output further from the
+reference than the original is.
+
+What is evaluated in float, each only where the original's program stays the same in every
+other respect:
+
+- float16 (and bfloat16) tensors become float32: initializers, Constant and ConstantOfShape
+  values, Cast and CastLike targets, declared value types. The weights keep their float16
+  values; only the arithmetic is float32. Float16's extremes, -65504 and 65504, become
+  float32's: converters clamp float32's -3.4e38 masks to them (onnxruntime's
+  convert_float_to_float16), and -65504 masks less than -3.4e38 does: a fully masked row (a
+  left-padded causal query) weighs its keys alike under -3.4e38, as the float32 export does,
+  and by their scores under -65504, as the float16 model runs in onnxruntime. An Attention op
+  that weighs them alike, as the export does, is then nearer the reference than the original
+  (llama_dynamo_fp16 at padded bindings: 4.2e-4 from it, the original 1.08e-2).
+- an activation's QuantizeLinear -> DequantizeLinear pair (a value computed at run time,
+  quantized and dequantized with the same scale and zero point tensors) becomes the value
+  itself: its rounding goes, and so does its saturation at the calibrated range, except at 0
+  where the grid starts at 0 (the zero point its type's smallest integer): that is a Relu
+  the quantizer folded into the QuantizeLinear, part of the program (without it, a QDQ block
+  was 0.51 from its reference). The rest of the saturation goes: a Clip to the whole grid
+  made a worse reference; the fused attention of a QDQ BERT, 0.953 x the original's distance
+  to the float32 export, was 1.056 x the original's distance to the clipped reference.
+  Weight DequantizeLinear stays: a quantized weight is part of the program.
+- dynamic int8: MatMulInteger of a DynamicQuantizeLinear's output and a constant int8 weight,
+  read by a Cast to float (``quantize_dynamic``'s pattern, its result then multiplied by both
+  scales), becomes MatMul(x / x_scale, weight - weight_zero_point) in float32, which the same
+  scales then turn into x @ dequantized weight.
+
+None when the model holds none of these, has tensors stored outside the file, or has If, Loop
+or Scan bodies (whose float16 values this does not reach).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from graphopt.ir.node import STANDARD_DOMAINS
+from graphopt.numerics.paths import inline_array
+
+__all__ = ["float_reference"]
+
+_HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def float_reference(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of ``model`` with its float16 arithmetic, activation Q/DQ pairs and dynamic int8
+    MatMuls evaluated in float32, or None when there is nothing to evaluate so or it cannot be
+    done (module docstring)."""
+    graph = model.graph
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer) or any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute
+    ):
+        return None
+    reference = onnx.ModelProto()
+    reference.CopyFrom(model)
+    changed = _to_float32(reference.graph)
+    changed = _unquantized_activations(reference.graph) or changed
+    changed = _float_matmuls(reference.graph) or changed
+    return reference if changed else None
+
+
+def _to_float32(graph: onnx.GraphProto) -> bool:
+    changed = False
+    for index, tensor in enumerate(graph.initializer):
+        if tensor.data_type in _HALF:
+            graph.initializer[index].CopyFrom(_widened(tensor))
+            changed = True
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type in _HALF:
+                attribute.t.CopyFrom(_widened(attribute.t))
+                changed = True
+            elif node.op_type == "Cast" and attribute.name == "to" and attribute.i in _HALF:
+                attribute.i = onnx.TensorProto.FLOAT
+                changed = True
+    for value in [*graph.value_info, *graph.output]:
+        if value.type.tensor_type.elem_type in _HALF:
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+            changed = True
+    # A float16 graph input stays float16 (the feeds are); its first use widens it.
+    widened_inputs = [i.name for i in graph.input if i.type.tensor_type.elem_type in _HALF]
+    if widened_inputs:
+        _widen_inputs(graph, {name: f"{name}__float32" for name in widened_inputs})
+        changed = True
+    return changed
+
+
+def _widened(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    values = numpy_helper.to_array(tensor)
+    widened = values.astype(np.float32)
+    if values.dtype == np.float16:  # float16's extremes are where converters clamp float32's
+        largest = np.float32(np.finfo(np.float32).max)
+        widened[values == np.finfo(np.float16).max] = largest
+        widened[values == np.finfo(np.float16).min] = -largest
+    return numpy_helper.from_array(widened, tensor.name)
+
+
+def _widen_inputs(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
+    """Every reader of a graph input of ``renamed`` reads its new name, a Cast of it to float32."""
+    for node in graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    added = [helper.make_node("Cast", [old], [new], to=onnx.TensorProto.FLOAT) for old, new in renamed.items()]
+    graph.node[:0] = added
+
+
+def _unquantized_activations(graph: onnx.GraphProto) -> bool:
+    stored = {t.name: t for t in graph.initializer}
+    producer = {out: node for node in graph.node for out in node.output}
+    changed = False
+    for node in graph.node:
+        if node.op_type != "DequantizeLinear" or node.domain not in STANDARD_DOMAINS:
+            continue
+        quantize = producer.get(node.input[0])
+        if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.domain not in STANDARD_DOMAINS:
+            continue
+        if quantize.input[0] in stored or list(quantize.input[1:]) != list(node.input[1:]):
+            continue
+        if not _same_grid(node, quantize):
+            continue
+        zero_point = stored.get(node.input[2]) if len(node.input) > 2 else None
+        node.domain = ""
+        del node.attribute[:]
+        if zero_point is not None and _lowest_is_zero(zero_point):
+            # A grid that starts at 0 is a Relu the quantizer folded into the Q: kept.
+            node.op_type, node.input[:] = "Relu", [quantize.input[0]]
+        else:
+            node.op_type, node.input[:] = "Identity", [quantize.input[0]]
+        changed = True
+    return changed
+
+
+def _lowest_is_zero(zero_point: onnx.TensorProto) -> bool:
+    """Whether the grid's lowest value is 0: the zero point is its type's smallest integer."""
+    offset = inline_array(zero_point)
+    return offset is not None and offset.dtype.kind in "iu" and bool((offset == np.iinfo(offset.dtype).min).all())
+
+
+def _same_grid(a: onnx.NodeProto, b: onnx.NodeProto) -> bool:
+    """Whether the two quantize along the same axis in the same blocks."""
+
+    def of(node: onnx.NodeProto) -> dict[str, int]:
+        return {x.name: x.i for x in node.attribute if x.name in ("axis", "block_size")}
+
+    return of(a) == of(b)
+
+
+def _float_matmuls(graph: onnx.GraphProto) -> bool:
+    stored = {t.name: t for t in graph.initializer}
+    producer = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    changed = False
+    for node in list(graph.node):
+        if node.op_type != "MatMulInteger" or node.domain not in STANDARD_DOMAINS or len(node.input) < 3:
+            continue
+        quantize = producer.get(node.input[0])
+        weight = stored.get(node.input[1])
+        casts = readers.get(node.output[0], [])
+        if quantize is None or quantize.op_type != "DynamicQuantizeLinear" or weight is None or len(casts) != 1:
+            continue
+        cast = casts[0]
+        if cast.op_type != "Cast" or [a.i for a in cast.attribute if a.name == "to"] != [onnx.TensorProto.FLOAT]:
+            continue
+        if node.input[2] != quantize.output[2] or node.output[0] in (o.name for o in graph.output):
+            continue
+        weights = inline_array(weight)
+        zero_point = inline_array(stored[node.input[3]]) if len(node.input) > 3 and node.input[3] in stored else 0
+        if weights is None or zero_point is None:
+            continue
+        name = f"{node.input[1]}__float32"
+        if name not in stored:
+            graph.initializer.append(numpy_helper.from_array(weights.astype(np.float32) - np.float32(zero_point), name))
+            stored[name] = graph.initializer[-1]
+        scaled = f"{node.output[0]}__float32_input"
+        divide = helper.make_node("Div", [quantize.input[0], quantize.output[1]], [scaled])
+        matmul = helper.make_node("MatMul", [scaled, name], [cast.output[0]])
+        position = list(graph.node).index(cast)
+        graph.node.remove(cast)
+        graph.node.insert(position, matmul)
+        graph.node.insert(position, divide)
+        changed = True
+    return changed

@@ -112,8 +112,8 @@ def _widen_inputs(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
     """Every reader of a graph input of ``renamed`` reads its new name, a Cast of it to float32."""
     for node in graph.node:
         node.input[:] = [renamed.get(name, name) for name in node.input]
-    added = [helper.make_node("Cast", [old], [new], to=onnx.TensorProto.FLOAT) for old, new in renamed.items()]
-    graph.node[:0] = added
+    for index, (old, new) in enumerate(renamed.items()):
+        graph.node.insert(index, helper.make_node("Cast", [old], [new], to=onnx.TensorProto.FLOAT))
 
 
 def _unquantized_activations(graph: onnx.GraphProto) -> bool:

@@ -25,6 +25,7 @@ node stays.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -268,7 +269,7 @@ and_true = _neutral(True, (1, 0))  # And(x, True) -> x: the exporters' all-true 
 or_false = _neutral(False, (1, 0))  # Or(x, False) -> x
 
 
-def _noop(name: str, op_types: Sequence[str], arity: int, plan: Plan, doc: str) -> Rule:
+def _noop(name: str, op_types: Sequence[str], arity: int, plan: Plan, doc: str) -> Rule[Any]:
     """The rule that bypasses one node of ``op_types`` (``arity`` inputs at the most) where ``plan`` agrees."""
     return Rule(
         name=name,
@@ -289,7 +290,7 @@ TRANSPOSE_IDENTITY = _noop(
 )
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _noop("identity", ("Identity",), 1, identity, "Identity(x) -> x"),
     _noop("dropout-inference", ("Dropout",), 3, dropout_inference, "Dropout(x, ratio, training_mode=false) -> x"),
     CAST_TO_SAME_TYPE,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from graphopt.ir import Node
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float, scalar_factor
@@ -161,7 +161,7 @@ def _swish_alpha(m: Match) -> float | str:
 
 def _gelu_rules(
     name: str, ort_name: str, pattern: Pattern, label: str, form: str, attrs: dict[str, str], ort_op: str
-) -> tuple[Rule, Rule]:
+) -> tuple[Rule[Any], Rule[Any]]:
     """A decomposed GELU (``form``) as the standard Gelu with ``attrs`` from opset 20 and, below
     it with ``--target ort``, as onnxruntime's ``ort_op``."""
     shared = partial(_rule, pattern=pattern, plan=float_x, label=label)
@@ -182,7 +182,7 @@ def _gelu_rules(
     )
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="swish",
         pattern=_SWISH,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ _PAIRS: tuple[tuple[str, str, str, Combine], ...] = (
     ("Mul", "Div", "Mul", lambda a, b: b / a),
 )
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     *(
         Rule(
             name=f"{inner.lower()}-{outer.lower()}-constants",

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -474,7 +475,7 @@ _INPUT_AFFINE = op.any_of(
 )
 
 
-def _channel_rule(root: str) -> Rule:
+def _channel_rule(root: str) -> Rule[Any]:
     return Rule(
         name=f"conv-{root.lower()}",
         family=FAMILY,
@@ -495,7 +496,7 @@ _FUSED_CONV = partial(
     label="Conv+activation",
 )
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     Rule(
         name="conv-bn",
         family=FAMILY,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -144,7 +145,7 @@ def _build(b: Builder, m: Match, plan: _Plan) -> Value:
     return node.outputs[0]
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="ort-embedlayernorm",
         pattern=_EMBED,

@@ -21,6 +21,8 @@ rule MatMul + Add -> Gemm (2-D) would make it a Gemm again.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from graphopt.ir import Node, Value
@@ -80,7 +82,7 @@ def _build(b: Builder, m: Match, weight: np.ndarray) -> Value:
     return b.op("MatMul", m.value("a"), b.constant(np.ascontiguousarray(matrix), "weight"))
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     Rule(
         name="gemm-as-matmul",
         family=FAMILY,

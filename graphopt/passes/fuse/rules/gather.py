@@ -25,6 +25,7 @@ rows a call reads are very likely fewer than the table's.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -98,7 +99,7 @@ def _gather_then_cast(b: Builder, m: Match, plan: None) -> Value:
     return b.op("Cast", rows, to=Site.int_attr(m.node("cast"), "to", 0))
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="gather-consecutive-rows",
         pattern=op.Gather(

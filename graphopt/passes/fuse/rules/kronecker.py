@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -191,7 +192,7 @@ def _build(b: Builder, m: Match, plan: tuple[Factors, int]) -> Value:
     return b.op("Reshape", y, b.constant(np.asarray([*keep, n * q], dtype=np.int64), "kron_out_shape"))
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     Rule(
         name="kronecker-matmul",
         family=FAMILY,

@@ -31,14 +31,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, is_float
-from graphopt.passes.rewrite.engine import Build, Match, Plan, Rule, Site
+from graphopt.passes.rewrite.engine import Build, Match, P, Plan, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
 
 FAMILY = "lower"
@@ -360,7 +360,7 @@ def _lower_split(b: Builder, m: Match, sizes: list[int]) -> list[Value]:
     ]
 
 
-def _lowering(name: str, pattern: OpPattern, plan: Plan, build: Build, max_opset: int) -> Rule:
+def _lowering(name: str, pattern: OpPattern, plan: Plan[P], build: Build[P], max_opset: int) -> Rule[P]:
     """A shatter rule taking ``pattern``'s op to primitives where the target opset is past ``max_opset``."""
     (op_type,) = pattern.op_types
     return Rule(
@@ -380,7 +380,7 @@ _ATTENTION = op.Attention(
     var("q"), var("k"), var("v"), optional(var("mask")), *(optional(var(f"extra{i}")) for i in range(3))
 )
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _lowering(
         "lower-layernorm",
         op.LayerNormalization(_x, var("scale"), optional(var("bias"))),

@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from math import prod
+from typing import Any
 
 import numpy as np
 
@@ -304,7 +305,7 @@ _DEQUANTIZED = var("x", _is_dequantized)
 # The most parts of a Concat the rule reads (a rotary's halves, a cache and its new step, ViT's class token).
 _MOST_PARTS = 8
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="qdq-move-integers",
         pattern=_QUANTIZE(

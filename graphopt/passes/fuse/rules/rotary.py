@@ -580,12 +580,12 @@ _FORMS = (
     ("-interleaved-partial", _partial(_rope(_PAIRS)), True, "Concat(pairs rotation of x[..., :r], x[..., r:])"),
 )
 # The targets, each (rule name prefix, plan, build, the op written, the gate).
-_TARGETS: tuple[tuple[str, Callable[..., _Plan | str], Build, str, dict[str, Any]], ...] = (
+_TARGETS: tuple[tuple[str, Callable[..., _Plan | str], Build[_Plan], str, dict[str, Any]], ...] = (
     ("ort-", _plan_ort, _build_ort, "com.microsoft RotaryEmbedding (target ort)", {"targets": frozenset({"ort"})}),
     ("", _plan, _build, "RotaryEmbedding (opset 23)", {"min_opset": 23}),
 )
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     *(
         Rule(
             name=f"{prefix}rotary-embedding{suffix}",

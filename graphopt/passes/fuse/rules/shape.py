@@ -336,7 +336,7 @@ def _reshape_x_static(b: Builder, m: Match, shape: tuple[int, ...]) -> Value:
     return b.op("Reshape", m.value("x"), b.constant(np.array(shape, np.int64), "shape"))
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="transpose-transpose",
         pattern=_pair("Transpose"),

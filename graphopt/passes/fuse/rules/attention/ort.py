@@ -641,7 +641,7 @@ _GQA_RULE = partial(
     exports=("key_cache", "value_cache"),
 )
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _MHA_RULE(
         name="ort-multihead-attention",
         plan=_plan_mha,

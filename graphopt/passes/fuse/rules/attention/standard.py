@@ -4,6 +4,7 @@ attention, attention on merged heads, Attention's own head split and merge, and 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from graphopt.passes.fuse.rules.attention.builds import build_3d, build_4d, build_attention, build_cache
 from graphopt.passes.fuse.rules.attention.plans import Plan4, plan_3d, plan_4d, plan_attention, plan_cache, plan_merged
@@ -27,7 +28,7 @@ def _plan_standard_4d(m: Match, site: Site) -> Plan4 | str:
 # Every standard Attention rule: the op came in opset 23.
 _attention = partial(Rule, family=FAMILY, min_opset=23, label="Attention")
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _attention(
         name="attention",
         pattern=ATTENTION,

@@ -18,6 +18,7 @@ variables, so the match never removes a node another projection reads.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -84,7 +85,7 @@ def _build(b: Builder, m: Match, plan: None) -> Value:
 
 _rule = partial(Rule, family=FAMILY, plan=_plan, build=_build, targets=frozenset({"ort"}))
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="ort-dynamic-quantize-matmul",
         pattern=_SCALED,

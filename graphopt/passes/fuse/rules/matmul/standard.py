@@ -258,7 +258,7 @@ _SIDES = ("a", "b")
 _SCALES = ("Mul", "Div")
 _ORT_RULE = partial(_rule, targets=frozenset({"ort"}))
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="matmul-add-gemm",
         pattern=op.Add(op.MatMul(var("a"), var("w"), name="matmul"), var("bias")),

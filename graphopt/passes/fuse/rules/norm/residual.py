@@ -23,6 +23,8 @@ standard.py win the tie).
 
 from __future__ import annotations
 
+from typing import Any
+
 from graphopt.ir import Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
@@ -60,7 +62,7 @@ def _build(b: Builder, m: Match, _: None) -> Value:
     return b.op("LayerNormalization", total, *ln.inputs[1:], **ln.attributes)
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     Rule(
         name="layernorm-residual-sum",
         family=FAMILY,

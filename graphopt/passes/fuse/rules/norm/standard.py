@@ -428,10 +428,10 @@ _NO_BIAS = ("-no-bias", True, False)
 _SCALED = ("", True, False)
 _PLAIN = ("-plain", False, False)
 
-RuleOf = Callable[..., Rule]
+RuleOf = Callable[..., Rule[Any]]
 
 
-def _affine_rules(rule: RuleOf, name: str, core: Pattern, *variants: tuple[str, bool, bool]) -> list[Rule]:
+def _affine_rules(rule: RuleOf, name: str, core: Pattern, *variants: tuple[str, bool, bool]) -> list[Rule[Any]]:
     """One ``rule`` per affine variant of ``core``."""
     return [rule(name=name + suffix, pattern=_affine(core, gamma, beta)) for suffix, gamma, beta in variants]
 
@@ -476,7 +476,7 @@ _GROUP_NORM_RULE = partial(
 _ORT_SKIP = partial(Rule, family=FAMILY, targets=frozenset({"ort"}), label="skip norm", exports=("sum",), default=False)
 _SKIP_RMS_DOC = "norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNormalization (target ort)"
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     *_affine_rules(_ORT_RMS_NORM, "ort-rmsnorm", _RMS, _SCALED),
     _ORT_RMS_NORM(
         name="ort-rmsnorm-round-trip",

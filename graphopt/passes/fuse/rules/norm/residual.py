@@ -30,29 +30,29 @@ from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import is_float
 from graphopt.passes.fuse.rules.norm.standard import FAMILY
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import op, optional, var
 
 # Producers whose Add onnxruntime's other fusions match (see the module docstring).
 _KEPT_PRODUCERS = frozenset({"LayerNormalization", "Gather"})
 
 
-def _plan(m: Match, site: Site) -> str | None:
+def _plan(m: Match, site: Site) -> Refuse | None:
     a, skip = m.value("a"), m.value("skip")
     if is_constant(a) or is_constant(skip):
-        return "an operand is a constant (a bias, not a residual)"
+        return Refuse("an operand is a constant (a bias, not a residual)")
     shape = site.shape(a)
     if not is_float(a) or shape is None or len(shape) != 3 or None in shape or shape != site.shape(skip):
-        return "the operands do not provably have one 3-D float shape"
+        return Refuse("the operands do not provably have one 3-D float shape")
     ln = m.node("ln")
     if Site.int_attr(ln, "axis", -1) not in (-1, 2):
-        return "the norm is not over the last axis (SkipLayerNormalization's)"
+        return Refuse("the norm is not over the last axis (SkipLayerNormalization's)")
     if any(v.is_used() for v in ln.outputs[1:]):
-        return "the norm's statistics are read"
+        return Refuse("the norm's statistics are read")
     for operand in (a, skip):
         producer = operand.producer
         if producer is not None and producer.op_type in _KEPT_PRODUCERS:
-            return f"an operand comes from a {producer.op_type} (onnxruntime's other fusions read this Add)"
+            return Refuse(f"an operand comes from a {producer.op_type} (onnxruntime's other fusions read this Add)")
     return None
 
 

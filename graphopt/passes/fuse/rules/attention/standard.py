@@ -17,11 +17,11 @@ from graphopt.passes.fuse.rules.attention.spellings import (
     NAN_GUARD,
     SOFTMAX,
 )
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import either, op, var
 
 
-def _plan_standard_4d(m: Match, site: Site) -> Plan4 | str:
+def _plan_standard_4d(m: Match, site: Site) -> Plan4 | Refuse:
     return plan_4d(m, site, softcap=True)
 
 

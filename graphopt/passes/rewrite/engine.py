@@ -85,9 +85,8 @@ class Refuse:
     reason: str
 
 
-# A plan refuses the match, or gives the plan handed to the build (a bare str refuses too
-# until the rule families all say Refuse).
-Plan = Callable[["Match", "Site"], "P | Refuse | str"]
+# A plan refuses the match, or gives the plan handed to the build.
+Plan = Callable[["Match", "Site"], "P | Refuse"]
 Build = Callable[[Builder, "Match", P], "Value | Sequence[Value]"]
 
 # The most bindings examined per rule and root (commuted orders multiply quickly).
@@ -453,8 +452,8 @@ def _valid(m: Match, site: Site) -> str | None:
         found = _guarded(m, "plan", m.rule.plan, m, site)
     except Unreadable as err:
         return f"the match cannot be read ({err})"
-    if isinstance(found, (Refuse, str)):
-        return found.reason if isinstance(found, Refuse) else found
+    if isinstance(found, Refuse):
+        return found.reason
     m.plan = found
     return None
 

@@ -30,7 +30,7 @@ from tests.passes.fuse.table import (
     table_tests,
     untyped_at,
 )
-from tests.passes.fuse_helpers import info, init, model, node
+from tests.passes.fuse_helpers import fires, info, init, model, node, refused
 from tests.passes.fuse_models import computed_reshape
 
 
@@ -206,16 +206,6 @@ CASES: dict[str, Case] = {
         NO_GATE,
     ),
     "reshape-through-elementwise": Case(
-        exported_mlp,
-        {"Reshape": 2, "Gemm": 2, "Gelu": 1},
-        "gelu",
-        "n/a: the pattern reads no attribute (the element-wise op keeps its own)",
-        Perturb(BOTH_DYNAMIC, None, note="no projection Reshapes to take (batch and sequence dynamic)"),
-        NO_GATE,
-        LATE,
-        passes="shape-infer,fuse,noop",  # noop drops the Reshape to the shape Gelu's input has
-    ),
-    "reshape-through-elementwise-region": Case(
         lambda: exported_mlp(**_ERF_MLP),
         {"Reshape": 2, "Gemm": 2, "Constant": 3, "Div": 1, "Erf": 1, "Add": 1, "Mul": 2},
         f"{_TS_MLP}intermediate/intermediate_act_fn/Mul_1_output_0",
@@ -232,7 +222,7 @@ CASES: dict[str, Case] = {
 }
 
 EXPORTED: dict[str, Exported | str] = {
-    "reshape-through-elementwise": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
+    "reshape-through-elementwise": "n/a: its CASES entry is the exported bert_ts MLP at a static sequence",
     "unsqueeze-unsqueeze": Exported(
         ("mpt_dynamo",),
         {"Unsqueeze": 1},
@@ -242,7 +232,6 @@ EXPORTED: dict[str, Exported | str] = {
         interior="n/a: the inner Unsqueeze (the causal mask's arange[None, None]) is exported: its other Unsqueeze "
         "reader keeps a copy; the hand-built case's reader and output perturbations stand",
     ),
-    "reshape-through-elementwise-region": "n/a: its CASES entry is the exported bert_ts MLP at a static sequence",
     "slice-slice": Exported(
         ("levit_dynamo", "levit_ts"),
         {"Slice": 1},
@@ -275,3 +264,11 @@ BEFORE_EXPORTS: frozenset[str] = frozenset(
 
 # test_the_rule_fires_on_its_model and the other table tests, over this family's table
 globals().update(table_tests(CASES, EXPORTED))
+
+
+def test_reshape_through_elementwise_takes_a_region_of_one_op() -> None:
+    """The dynamo export's MLP: one Gelu between the projections' Reshapes (the table's case is the five ops of the
+    TorchScript export's erf GELU)."""
+    settings = {**LATE, "passes": "shape-infer,fuse,noop,dce"}  # noop drops the Reshape to Gelu's input shape
+    fires(exported_mlp(), "reshape-through-elementwise", {"Reshape": 2, "Gemm": 2, "Gelu": 1}, **settings)
+    refused(BOTH_DYNAMIC(exported_mlp()), "reshape-through-elementwise", **LATE)

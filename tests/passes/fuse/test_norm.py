@@ -140,7 +140,7 @@ RESIDUAL_SUM = Case(
 
 EXPORTED_SUM = (
     "n/a: the residual sum is exported (the fused op's 4th output) and a read bias Add leaves the bias out "
-    "(test_fuse_ort_rules)"
+    "(test_a_residual_read_further_on_comes_from_the_fourth_output)"
 )
 
 

@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
-from graphopt.passes.fuse import Rule, add_rule, const, op, remove_rule, var
+from graphopt.passes.fuse import Refuse, Rule, add_rule, const, op, remove_rule, var
 from graphopt.schemas import schema
 from tests.cli_helpers import invoke
 
@@ -54,7 +54,7 @@ DROP_IDENTITY = Rule(
     name="test-drop-identity-matmul",
     family="test",
     pattern=op.MatMul(var("x"), const(name="eye")),
-    plan=lambda m, site: None if _is_identity(np.asarray(site.array(m.value("eye")))) else "not an identity",
+    plan=lambda m, site: None if _is_identity(np.asarray(site.array(m.value("eye")))) else Refuse("not an identity"),
     build=lambda b, m, plan: b.op("Identity", m.value("x")),
 )
 

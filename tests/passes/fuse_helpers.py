@@ -103,6 +103,15 @@ def fires(
     return out
 
 
+def fires_ort(
+    proto: onnx.ModelProto, rule: str, expected: dict[str, int], passes: str = "shape-infer,fuse"
+) -> onnx.ModelProto:
+    """``fires`` for a ``--target ort`` rule (enabled, were it off by default): the result imports com.microsoft."""
+    out = fires(proto, rule, expected, target="ort", passes=passes, enable=[rule])
+    assert {o.domain: o.version for o in out.opset_import}.get("com.microsoft") == 1
+    return out
+
+
 def refused(proto: onnx.ModelProto, rule: str, **settings: Any) -> dict[str, Any]:
     """``rule`` does not apply; outputs keep their names and values; the run's details."""
     out, details = fuse(proto, **settings)

@@ -16,7 +16,19 @@ from graphopt.io.onnx_io import from_proto
 from graphopt.io.onnx_write import to_proto
 from graphopt.ir import Value
 from graphopt.ir.rewrite import PROVENANCE_KEY, Builder
-from graphopt.passes.fuse import Match, Rule, Site, add_rule, const, either, op, registered_rules, remove_rule, var
+from graphopt.passes.fuse import (
+    Match,
+    Refuse,
+    Rule,
+    Site,
+    add_rule,
+    const,
+    either,
+    op,
+    registered_rules,
+    remove_rule,
+    var,
+)
 from graphopt.passes.fuse.fuse_pass import select_rules
 from graphopt.passes.pipeline import pipeline_from_config
 from graphopt.passes.rewrite.patterns import Pattern, chain, match
@@ -218,7 +230,7 @@ def test_a_refusing_plan_changes_nothing_and_is_a_near_miss(user_rule: list[str]
             name="test-refuse",
             family="test",
             pattern=op.Neg(var("x")),
-            plan=lambda m, site: "not today",
+            plan=lambda m, site: Refuse("not today"),
             build=lambda b, m, p: b.op("Abs", m.value("x")),
             label="Neg",
         )
@@ -309,9 +321,9 @@ def test_a_rewrite_that_would_read_the_match_interior_is_declined() -> None:
     assert_same_outputs(proto, out, rtol=1e-6, atol=1e-6)
 
 
-def _neg_of(m: Match, site: Site) -> Value | str:
+def _neg_of(m: Match, site: Site) -> Value | Refuse:
     found = [use.node.outputs[0] for use in m.value("x").uses() if use.node.op_type == "Neg"]
-    return found[0] if found else "no Neg reads x"
+    return found[0] if found else Refuse("no Neg reads x")
 
 
 def _reads_the_neg(b: Builder, m: Match, neg: Value) -> Value:
@@ -420,7 +432,7 @@ def test_a_binding_the_pattern_never_makes_is_the_rules_failure_not_a_near_miss(
         name="test-typo",
         family="test",
         pattern=op.Neg(op.Neg(var("x"))),
-        plan=lambda m, site: None if site.dtype(m.value("X")) else "no type",
+        plan=lambda m, site: None if site.dtype(m.value("X")) else Refuse("no type"),
         build=lambda b, m, p: m.value("x"),
     )
     assert "binds no 'X'" in _fails_naming_the_rule(typo, user_rule)

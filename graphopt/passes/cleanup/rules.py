@@ -25,13 +25,14 @@ node stays.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from graphopt.ir import AttrKind, DataType, Dim, Node, TensorType, Value, tensor_shape
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, can_take_over
-from graphopt.passes.rewrite.engine import Match, Plan, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Plan, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
 
 __all__ = ["CAST_TO_SAME_TYPE", "FAMILY", "RULES", "TRANSPOSE_IDENTITY"]
@@ -42,18 +43,18 @@ INT64_MAX = 2**63 - 1
 Bypass = Callable[[Node, int], "Value | None"]
 
 
-def _removable(refusal: str) -> Callable[[Bypass], Plan]:
+def _removable(refusal: str) -> Callable[[Bypass], Plan[Value]]:
     """A rule's plan from ``bypass(node, opset)``, which gives the value that replaces the
     node's output or None (then ``refusal`` is the reason the node stays)."""
 
-    def plan_of(bypass: Bypass) -> Plan:
-        def plan(m: Match, site: Site) -> Value | str:
+    def plan_of(bypass: Bypass) -> Plan[Value]:
+        def plan(m: Match, site: Site) -> Value | Refuse:
             value = bypass(m.root, site.opset)
             if value is None:
-                return refusal
+                return Refuse(refusal)
             # An Identity to keep an output's name would only undo the removal: keep the node then.
             if not can_take_over(m.root.outputs[0], value):
-                return "its output's name cannot go to the value that stands for it"
+                return Refuse("its output's name cannot go to the value that stands for it")
             return value
 
         return plan
@@ -255,7 +256,7 @@ def _neutral_operand(node: Node, neutral: int, constant_at: tuple[int, ...]) -> 
     return None
 
 
-def _neutral(neutral: int, positions: tuple[int, ...]) -> Plan:
+def _neutral(neutral: int, positions: tuple[int, ...]) -> Plan[Value]:
     """The plan bypassing a binary op whose operand at one of ``positions`` is ``neutral`` everywhere."""
     return _removable("no neutral operand")(lambda node, opset: _neutral_operand(node, neutral, positions))
 
@@ -268,7 +269,7 @@ and_true = _neutral(True, (1, 0))  # And(x, True) -> x: the exporters' all-true 
 or_false = _neutral(False, (1, 0))  # Or(x, False) -> x
 
 
-def _noop(name: str, op_types: Sequence[str], arity: int, plan: Plan, doc: str) -> Rule:
+def _noop(name: str, op_types: Sequence[str], arity: int, plan: Plan[Value], doc: str) -> Rule[Value]:
     """The rule that bypasses one node of ``op_types`` (``arity`` inputs at the most) where ``plan`` agrees."""
     return Rule(
         name=name,
@@ -289,7 +290,7 @@ TRANSPOSE_IDENTITY = _noop(
 )
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _noop("identity", ("Identity",), 1, identity, "Identity(x) -> x"),
     _noop("dropout-inference", ("Dropout",), 3, dropout_inference, "Dropout(x, ratio, training_mode=false) -> x"),
     CAST_TO_SAME_TYPE,

@@ -10,11 +10,12 @@ See graphopt/passes/README.md for the pattern language and the engine's guarante
 """
 
 from graphopt.passes.fuse.fuse_pass import add_rule, registered_rules, remove_rule
-from graphopt.passes.rewrite.engine import Match, Rule, RuleSet, Site, Unreadable
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, RuleSet, Site, Unreadable
 from graphopt.passes.rewrite.patterns import const, either, op, optional, scalar, var
 
 __all__ = [
     "Match",
+    "Refuse",
     "Rule",
     "RuleSet",
     "Site",

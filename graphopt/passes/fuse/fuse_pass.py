@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from graphopt.errors import InputError
 from graphopt.ir import CONTRIB_DOMAIN, Graph, Model
@@ -20,10 +21,10 @@ from graphopt.passes.rewrite.engine import Rule, RuleSet, RunStats, Site, run_ro
 __all__ = ["Fuse", "add_rule", "registered_rules", "remove_rule", "select_rules"]
 
 # The rules users added (add_rule), run after the library's.
-_USER: list[Rule] = []
+_USER: list[Rule[Any]] = []
 
 
-def add_rule(rule: Rule, *, replace: bool = False) -> Rule:
+def add_rule(rule: Rule[Any], *, replace: bool = False) -> Rule[Any]:
     """Add ``rule`` to the user rules the fuse pass runs; returns it.
 
     Adding the same rule again changes nothing, and a rule named like an earlier user rule
@@ -44,7 +45,7 @@ def remove_rule(name: str) -> None:
     _USER[:] = [r for r in _USER if r.name != name]
 
 
-def registered_rules() -> list[Rule]:
+def registered_rules() -> list[Rule[Any]]:
     """The rules the fuse pass knows, in priority order: the library's (a user rule added with
     ``replace`` in its place), then the user's."""
     mine = {r.name: r for r in _USER}

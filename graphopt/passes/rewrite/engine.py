@@ -1,11 +1,13 @@
 """The rewrite engine: rules as data, one matcher, one driver (the fuse and noop passes).
 
 A :class:`Rule` is a pattern (:mod:`graphopt.passes.rewrite.patterns`), an optional ``plan``
-and a ``build``. ``plan(m, site)`` runs once per structural match: it returns the reason the
-match cannot be rewritten (a ``str``) or the plan (any other value, None included) that
-``build(b, m, plan)`` then turns into the replacement through a toolkit Builder, returning
-the values that stand for the root's outputs. Rules are grouped as :class:`RuleSet` values,
-composed with ``+`` in the order that breaks ties; the engine knows no rule library.
+and a ``build``. ``plan(m, site)`` runs once per structural match: it returns
+``Refuse(reason)``, why the match cannot be rewritten, or the plan (any other value, None
+included) that ``build(b, m, plan)`` then turns into the replacement through a toolkit
+Builder, returning the values that stand for the root's outputs. ``Rule[P]`` is generic over
+the plan's type, so that a rule's plan and build type-check together. Rules are grouped as
+:class:`RuleSet` values, composed with ``+`` in the order that breaks ties; the engine knows
+no rule library.
 
 One round over a graph (:func:`run_round`):
 
@@ -43,7 +45,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 
@@ -56,7 +58,10 @@ from graphopt.passes.rewrite.patterns import Bindings, OpPattern, Pattern, Predi
 from graphopt.passes.rewrite.qdq import hidden
 
 __all__ = [
+    "Build",
     "Match",
+    "Plan",
+    "Refuse",
     "Rule",
     "RuleFailed",
     "RuleSet",
@@ -69,9 +74,20 @@ __all__ = [
 
 # "late": a fuse rule the fuse pass runs only with its ``late`` option, once the others are done.
 Kind = Literal["fuse", "shatter", "late"]
-# A plan's refusal is its reason; any other value is the plan handed to the build.
-Plan = Callable[["Match", "Site"], Any]
-Build = Callable[[Builder, "Match", Any], "Value | Sequence[Value]"]
+# What a rule's plan hands its build (see Rule).
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """A plan's answer when the match cannot be rewritten: ``reason`` is the report's near miss."""
+
+    reason: str
+
+
+# A plan refuses the match, or gives the plan handed to the build.
+Plan = Callable[["Match", "Site"], "P | Refuse"]
+Build = Callable[[Builder, "Match", P], "Value | Sequence[Value]"]
 
 # The most bindings examined per rule and root (commuted orders multiply quickly).
 MAX_BINDINGS = 64
@@ -158,7 +174,7 @@ class Match:
     """One way a rule's pattern matched at ``root``: named bindings, covered nodes and, once
     the rule's plan agreed, that plan."""
 
-    def __init__(self, rule: Rule, root: Node, bindings: Bindings, site: Site) -> None:
+    def __init__(self, rule: Rule[Any], root: Node, bindings: Bindings, site: Site) -> None:
         self.rule = rule
         self.root = root
         self.site = site
@@ -210,8 +226,8 @@ def _where(node: Node) -> str:
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
-class Rule:
-    """A named pattern with its plan and build (see the module docstring).
+class Rule(Generic[P]):
+    """A named pattern with its plan and build (see the module docstring), ``P`` the plan's type.
 
     ``min_opset`` / ``max_opset`` gate the rule on the default-domain opset of the site (a
     shatter rule with ``max_opset`` lowers: it is tried only when the run takes the graph
@@ -231,8 +247,8 @@ class Rule:
     name: str
     family: str
     pattern: Pattern
-    build: Build
-    plan: Plan | None = None
+    build: Build[P]
+    plan: Plan[P] | None = None
     kind: Kind = "fuse"
     min_opset: int = 1
     max_opset: int | None = None
@@ -277,17 +293,17 @@ class Rule:
 class RuleSet:
     """Rules in priority order (earlier wins a LARGEST_MATCH tie), indexed by root op once."""
 
-    def __init__(self, rules: Iterable[Rule] = ()) -> None:
-        self.rules: tuple[Rule, ...] = tuple(rules)
-        self._by_op: dict[str, list[tuple[int, Rule]]] = {}
+    def __init__(self, rules: Iterable[Rule[Any]] = ()) -> None:
+        self.rules: tuple[Rule[Any], ...] = tuple(rules)
+        self._by_op: dict[str, list[tuple[int, Rule[Any]]]] = {}
         for index, rule in enumerate(self.rules):
             for op_type in root_ops(rule.pattern) or ():
                 self._by_op.setdefault(op_type, []).append((index, rule))
 
-    def __add__(self, other: RuleSet | Iterable[Rule]) -> RuleSet:
+    def __add__(self, other: RuleSet | Iterable[Rule[Any]]) -> RuleSet:
         return RuleSet([*self.rules, *other])
 
-    def __iter__(self) -> Iterator[Rule]:
+    def __iter__(self) -> Iterator[Rule[Any]]:
         return iter(self.rules)
 
     def __len__(self) -> int:
@@ -298,7 +314,7 @@ class RuleSet:
         """(the rules marked ``through_qdq``, the others), each in priority order."""
         return RuleSet(r for r in self.rules if r.through_qdq), RuleSet(r for r in self.rules if not r.through_qdq)
 
-    def rooted_at(self, op_type: str) -> list[tuple[int, Rule]]:
+    def rooted_at(self, op_type: str) -> list[tuple[int, Rule[Any]]]:
         """(priority, rule) for the rules whose pattern may be rooted at ``op_type``."""
         return self._by_op.get(op_type, [])
 
@@ -320,16 +336,16 @@ class RunStats:
     # (the root is kept so that its id is not reused by a new node).
     _failed_at: dict[tuple[str, int], Node] = field(default_factory=dict)
 
-    def fail(self, rule: Rule, root: Node, err: RuleFailed) -> None:
+    def fail(self, rule: Rule[Any], root: Node, err: RuleFailed) -> None:
         """Record ``rule`` failing at ``root`` (called where ``err`` is being handled)."""
         self._failed_at[(rule.name, id(root))] = root
         labels = {"rule": rule.name, "node": _where(root)}
         self.failures.append(Failure(bounded(str(err)), labels, traceback.format_exc()))
 
-    def failed_at(self, rule: Rule, root: Node) -> bool:
+    def failed_at(self, rule: Rule[Any], root: Node) -> bool:
         return (rule.name, id(root)) in self._failed_at
 
-    def miss(self, rule: Rule, where: str, reason: str, *, below_opset: frozenset[str] = frozenset()) -> None:
+    def miss(self, rule: Rule[Any], where: str, reason: str, *, below_opset: frozenset[str] = frozenset()) -> None:
         """Record a near miss; ``below_opset``, the nodes of a match refused for the opset alone."""
         if below_opset:
             opset, places = self.below_opset.get(rule.what, (rule.min_opset, []))
@@ -395,7 +411,7 @@ def _feeds_only(start: Node, inside: set[int], feeders: dict[int, Node]) -> bool
     return True
 
 
-def _candidates(rule: Rule, root: Node, site: Site, stats: RunStats) -> Iterator[Match]:
+def _candidates(rule: Rule[Any], root: Node, site: Site, stats: RunStats) -> Iterator[Match]:
     """The structural matches of ``rule`` at ``root``; none more once a ``where=`` predicate
     raises, which is the rule's failure there (recorded in ``stats``), not the pass's."""
     index = _root_output_pattern(rule)
@@ -436,13 +452,13 @@ def _valid(m: Match, site: Site) -> str | None:
         found = _guarded(m, "plan", m.rule.plan, m, site)
     except Unreadable as err:
         return f"the match cannot be read ({err})"
-    if isinstance(found, str):
-        return found
+    if isinstance(found, Refuse):
+        return found.reason
     m.plan = found
     return None
 
 
-def _root_output_pattern(rule: Rule) -> int:
+def _root_output_pattern(rule: Rule[Any]) -> int:
     pattern = rule.pattern
     return pattern.output if isinstance(pattern, OpPattern) else 0
 
@@ -451,7 +467,7 @@ def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> l
     """The matches one round applies, in walk order (outputs backwards)."""
     covered: set[int] = set()
     chosen: list[Match] = []
-    misses: list[tuple[Node, Rule, str, str, frozenset[str]]] = []
+    misses: list[tuple[Node, Rule[Any], str, str, frozenset[str]]] = []
     for node in reversed(graph.topological()):
         if id(node) in covered:
             continue
@@ -654,7 +670,7 @@ def sweep(model: Model, rules: RuleSet, site_for: Callable[[Graph], Site], stats
     return applied
 
 
-def _first_valid(rule: Rule, root: Node, site: Site, stats: RunStats) -> Match | None:
+def _first_valid(rule: Rule[Any], root: Node, site: Site, stats: RunStats) -> Match | None:
     for m in _candidates(rule, root, site, stats):
         try:
             if _valid(m, site) is None:

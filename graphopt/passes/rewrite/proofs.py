@@ -22,7 +22,7 @@ import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.dims import mul
-from graphopt.passes.rewrite.engine import Site
+from graphopt.passes.rewrite.engine import Refuse, Site
 
 # The head split's and merge's Transpose: (batch, seq, heads, head size) <-> (batch, heads, seq, head size).
 HEADS = [0, 2, 1, 3]
@@ -256,36 +256,38 @@ def reads_dim(target: Value | None, axis: int, source: Value, rank: int) -> bool
     return read_dim(concat.inputs[axis], source) == axis
 
 
-def spelled_target(reshape: Node, site: Site) -> np.ndarray | str:
+def spelled_target(reshape: Node, site: Site) -> np.ndarray | Refuse:
     """The Reshape's constant target with each 0 (a copy of a dim of its input, which an earlier input may not
     have) spelled out: the dim itself where the result's type knows it, else -1 when that leaves one -1; or why
     not."""
     shape = Site.array(reshape.inputs[1])
     if shape is None or shape.ndim != 1:
-        return "the target shape is not a constant"
+        return Refuse("the target shape is not a constant")
     copies = np.flatnonzero(shape == 0)
     if not copies.size:
         return shape
     result = site.shape(reshape.outputs[0])
     if reshape.attr("allowzero", 0) or result is None or len(result) != len(shape):
-        return "the target copies a dim (0) of unknown size"
-    spelled = shape.copy()
+        return Refuse("the target copies a dim (0) of unknown size")
+    spelled: np.ndarray = shape.copy()
     for index in copies:
         dim = result[index]
         spelled[index] = dim if isinstance(dim, int) and dim > 0 else -1
-    return spelled if np.count_nonzero(spelled == -1) <= 1 else "the target copies a dim (0) and has a -1 besides"
+    if np.count_nonzero(spelled == -1) > 1:
+        return Refuse("the target copies a dim (0) and has a -1 besides")
+    return spelled
 
 
-def one_unknown(reshape: Node, site: Site) -> list[int] | str:
+def one_unknown(reshape: Node, site: Site) -> list[int] | Refuse:
     """The Reshape's computed target as constant entries with its one unknown entry as -1, or why not."""
     if reshape.attr("allowzero", 0):
-        return "allowzero Reshape"
+        return Refuse("allowzero Reshape")
     found = ints_of(site, reshape.inputs[1])
     if found is None:
-        return "the target shape is not provable"
+        return Refuse("the target shape is not provable")
     unknown = [i for i, d in enumerate(found) if not isinstance(d, int)]
     if len(unknown) != 1 or any(isinstance(d, int) and d <= 0 for d in found):
-        return "the target shape has more than one entry not provably static and positive"
+        return Refuse("the target shape has more than one entry not provably static and positive")
     return [-1 if i == unknown[0] else int(d) for i, d in enumerate(found)]
 
 

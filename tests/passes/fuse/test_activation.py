@@ -4,8 +4,16 @@ exporter fixtures has its case on an export too, and the family's own tests foll
 
 from __future__ import annotations
 
-import onnx
+import math
+from collections.abc import Callable
 
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+
+from graphopt.api import optimize
+from graphopt.io.onnx_io import from_proto
 from tests.passes.fuse.table import (
     ELEMENTWISE,
     NO_GATE,
@@ -23,8 +31,13 @@ from tests.passes.fuse.table import (
     weights,
 )
 from tests.passes.fuse_fixtures import exported_silu
-from tests.passes.fuse_helpers import info, init, model, node
-from tests.passes.fuse_models import bias_gelu, erf_gelu, hardswish, tanh_gelu
+from tests.passes.fuse_helpers import fires, fires_ort, info, init, model, node, refused
+from tests.passes.fuse_models import (
+    bias_gelu,
+    erf_gelu,
+    hardswish,
+    tanh_gelu,
+)
 
 
 def _hardsigmoid(opset: int = 17) -> onnx.ModelProto:
@@ -182,3 +195,179 @@ BEFORE_EXPORTS: frozenset[str] = frozenset(
 
 # test_the_rule_fires_on_its_model and the other table tests, over this family's table
 globals().update(table_tests(CASES, EXPORTED))
+
+
+@pytest.mark.parametrize(("build", "rule"), [(erf_gelu, "gelu-none"), (tanh_gelu, "gelu-tanh")])
+def test_gelu_fuses_at_opset_20_and_is_a_near_miss_below(build: Callable[[int], onnx.ModelProto], rule: str) -> None:
+    fires(build(20), rule, {"Gelu": 1})
+    details = refused(build(17), rule)
+    assert "needs opset >= 20" in details["near_misses"]["activation"][0]
+
+
+def test_gelu_becomes_the_contrib_op_for_target_ort_below_opset_20() -> None:
+    fires(erf_gelu(17), "ort-gelu", {"Gelu": 1}, target="ort")
+    fires(tanh_gelu(17), "ort-fastgelu", {"FastGelu": 1}, target="ort")
+
+
+C, A = math.sqrt(2 / math.pi), 0.044715
+
+
+# tanh's argument c * (x + a * x^3), spelled out as other code writes it: (nodes, constants)
+_TANH_ARGUMENTS: dict[str, tuple[list[onnx.NodeProto], dict[str, float]]] = {
+    "expanded, x^3 by Pow": (
+        [
+            node("Mul", ["x", "c"], "cx"),
+            node("Pow", ["x", "three"], "cube"),
+            node("Mul", ["cube", "ca"], "cax3"),
+            node("Add", ["cx", "cax3"], "arg"),
+        ],
+        {"c": C, "three": 3.0, "ca": C * A},
+    ),
+    "c x (1 + a x x), divided by 1 / c": (
+        [
+            node("Div", ["x", "inv_c"], "cx"),
+            node("Mul", ["x", "x"], "xx"),
+            node("Mul", ["a", "xx"], "axx"),
+            node("Add", ["one", "axx"], "poly"),
+            node("Mul", ["cx", "poly"], "arg"),
+        ],
+        {"inv_c": 1 / C, "a": A, "one": 1.0},
+    ),
+    "x minus a negated cube": (
+        [
+            node("Mul", ["x", "x"], "xx"),
+            node("Mul", ["xx", "x"], "cube"),
+            node("Mul", ["cube", "minus_a"], "neg_ax3"),
+            node("Sub", ["x", "neg_ax3"], "sum"),
+            node("Mul", ["c", "sum"], "arg"),
+        ],
+        {"minus_a": -A, "c": C},
+    ),
+}
+
+
+def _tanh_gelu_of(argument: str, factor: float = 1.0) -> onnx.ModelProto:
+    nodes, constants = _TANH_ARGUMENTS[argument]
+    tail = [
+        node("Tanh", ["arg"], "t"),
+        node("Add", ["t", "one_"], "p"),
+        node("Mul", ["x", "half"], "hx"),
+        node("Mul", ["hx", "p"], "y"),
+    ]
+    values = {**constants, "one_": 1.0, "half": 0.5}
+    inits = [init(name, value * (factor if name in ("c", "inv_c") else 1.0)) for name, value in values.items()]
+    return model([*nodes, *tail], [info("x", [2, 5])], ["y"], inits, opset=20)
+
+
+@pytest.mark.parametrize("argument", list(_TANH_ARGUMENTS))
+def test_the_tanh_gelu_is_read_in_any_factorization_of_its_argument(argument: str) -> None:
+    out = fires(_tanh_gelu_of(argument), "gelu-tanh", {"Gelu": 1})
+    assert [a.s for a in out.graph.node[0].attribute] == [b"tanh"]
+    refused(_tanh_gelu_of(argument, factor=1.01), "gelu-tanh")  # not sqrt(2 / pi): another function
+
+
+def test_gelu_with_an_intermediate_graph_output_stays() -> None:
+    proto = erf_gelu(20)
+    proto.graph.output.append(info("e", None))
+    refused(proto, "gelu-none")
+
+
+def test_hardswish_and_hardsigmoid_decompositions_fuse() -> None:
+    fires(hardswish(14), "hardswish", {"HardSwish": 1})
+    sigmoid = model(
+        [node("Add", ["x", "three"], "a"), node("Clip", ["a", "lo", "hi"], "c"), node("Div", ["c", "six"], "y")],
+        [info("x", [2, 5])],
+        ["y"],
+        [init("three", 3.0), init("lo", 0.0), init("hi", 6.0), init("six", 6.0)],
+    )
+    fires(sigmoid, "hardsigmoid", {"HardSigmoid": 1})
+
+
+def test_hardswish_below_opset_14_becomes_x_times_hardsigmoid() -> None:
+    fires(hardswish(13), "hardswish-as-hardsigmoid", {"Mul": 1, "HardSigmoid": 1})
+    refused(hardswish(14), "hardswish-as-hardsigmoid")  # HardSwish itself there
+    exposed = hardswish(13)
+    exposed.graph.output.append(info("c", None))
+    refused(exposed, "hardswish-as-hardsigmoid")
+
+
+def test_hardswish_refusals() -> None:
+    details = refused(hardswish(13), "hardswish")
+    assert "needs opset >= 14" in details["near_misses"]["activation"][0]
+    details = refused(hardswish(14, high=5.0), "hardswish")
+    assert "not to [0, 6]" in " ".join(details["near_misses"]["activation"])
+
+
+def _quick_gelu(alpha: float, elem_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """CLIP's quick GELU as exported: x * Sigmoid(alpha * x)."""
+    dtype = {TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64}.get(elem_type, np.float32)
+    return model(
+        [node("Mul", ["x", "alpha"], "ax"), node("Sigmoid", ["ax"], "s"), node("Mul", ["x", "s"], "y")],
+        [info("x", [2, 7, 16], elem_type)],
+        [info("y", None, elem_type)],
+        [init("alpha", alpha, dtype)],
+    )
+
+
+def test_quick_gelu_becomes_the_contrib_op_with_its_alpha_for_target_ort() -> None:
+    out = fires(_quick_gelu(1.702), "ort-quickgelu", {"QuickGelu": 1}, target="ort")
+    (alpha,) = out.graph.node[0].attribute
+    assert alpha.name == "alpha" and alpha.f == pytest.approx(1.702)
+    refused(_quick_gelu(1.702), "ort-quickgelu")  # the standard target has no such op
+
+
+def test_quick_gelu_of_float16_becomes_the_contrib_op_its_cpu_kernel_takes() -> None:
+    fires(_quick_gelu(1.702, TensorProto.FLOAT16), "ort-quickgelu", {"QuickGelu": 1}, target="ort")
+
+
+def test_quick_gelu_of_double_stays_naming_the_type() -> None:
+    details = refused(_quick_gelu(1.702, TensorProto.DOUBLE), "ort-quickgelu", target="ort")
+    assert "takes float32 or float16, not double" in " ".join(details["near_misses"]["activation"])
+
+
+def test_target_opset_upgrades_first_so_gelu_fuses() -> None:
+    out = fires(erf_gelu(17), "gelu-none", {"Gelu": 1}, target_opset=20)
+    assert out.opset_import[0].version == 20
+
+
+def _tanh_gelu_of_pow(exponent: np.ndarray) -> onnx.ModelProto:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 Pow(x, exponent)))), beside an unrelated Relu."""
+    nodes = [
+        node("Pow", ["x", "three"], "x3"),
+        node("Mul", ["x3", "a"], "ax3"),
+        node("Add", ["x", "ax3"], "s"),
+        node("Mul", ["s", "k"], "u"),
+        node("Tanh", ["u"], "t"),
+        node("Add", ["t", "one"], "t1"),
+        node("Mul", ["x", "half"], "hx"),
+        node("Mul", ["hx", "t1"], "y"),
+        node("Relu", ["x"], "z"),
+    ]
+    constants = [init("a", 0.044715), init("k", float(np.sqrt(2 / np.pi))), init("one", 1.0), init("half", 0.5)]
+    return model(nodes, [info("x", [2, 3])], ["y", "z"], [init("three", exponent), *constants], opset=20)
+
+
+def test_a_tanh_gelu_with_an_integer_exponent_fuses() -> None:
+    fires(_tanh_gelu_of_pow(np.array(3, np.int64)), "gelu-tanh", {"Gelu": 1, "Relu": 1})
+
+
+@pytest.mark.parametrize("exponent", [np.inf, np.nan])
+def test_a_non_finite_exponent_is_no_gelu_and_fails_nothing(exponent: float) -> None:
+    proto = _tanh_gelu_of_pow(np.array(exponent, np.float32))
+    result = optimize(from_proto(proto), "shape-infer,fuse", check=False)
+    assert result.report["failures"] == []
+    assert "Gelu" not in {n.op_type for n in result.model.graph}
+
+
+def test_gelu_of_a_biased_input_becomes_biasgelu_or_fastgelu() -> None:
+    fires_ort(bias_gelu(), "ort-biasgelu", {"BiasGelu": 1})
+    fires_ort(bias_gelu(approximate="tanh"), "ort-biasgelu", {"FastGelu": 1})
+
+
+def test_biasgelu_refusals() -> None:
+    details = refused(bias_gelu(bias_shape=(3, 8)), "ort-biasgelu", target="ort")  # not a vector
+    exposed = bias_gelu()
+    exposed.graph.output.append(info("h", None))
+    refused(exposed, "ort-biasgelu", target="ort")
+    refused(bias_gelu(), "ort-biasgelu")
+    assert details["applied"] == {}

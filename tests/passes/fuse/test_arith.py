@@ -5,13 +5,14 @@ an export too, and the family's own tests follow its table."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
 from tests.passes.fuse.table import NO_ATTR, NO_GATE, Case, Exported, Perturb, set_attr, set_shape, table_tests, weights
-from tests.passes.fuse_helpers import info, init, model, node
+from tests.passes.fuse_helpers import fires, info, init, model, node, refused
 
 # -- builders for rules the other test files build inline ---------------------------------------------
 
@@ -101,3 +102,16 @@ BEFORE_EXPORTS: frozenset[str] = frozenset(
 
 # test_the_rule_fires_on_its_model and the other table tests, over this family's table
 globals().update(table_tests(CASES, EXPORTED))
+
+
+def test_constant_chains_combine_for_floats_only() -> None:
+    def chain(dtype: int, np_type: Any) -> onnx.ModelProto:
+        return model(
+            [node("Mul", ["x", "a"], "m"), node("Div", ["m", "b"], "y")],
+            [info("x", [2, 3], dtype)],
+            [info("y", None, dtype)],
+            [init("a", 3.0, np_type), init("b", 2.0, np_type)],
+        )
+
+    fires(chain(TensorProto.FLOAT, np.float32), "mul-div-constants", {"Mul": 1})
+    refused(chain(TensorProto.INT64, np.int64), "mul-div-constants")

@@ -38,8 +38,15 @@ from tests.passes.fuse_fixtures import (
     exported_merged_attention,
     softcapped,
 )
-from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, ops, refused
-from tests.passes.fuse_models import HIDDEN, masked_feeds, ort_attention
+from tests.passes.fuse_helpers import fires, fires_ort, fuse, info, init, model, node, ops, refused
+from tests.passes.fuse_models import (
+    HEADS,
+    HIDDEN,
+    SIZE,
+    WINDOW,
+    masked_feeds,
+    ort_attention,
+)
 
 
 def _attention_split_input(proto: onnx.ModelProto) -> Mapping[str, np.ndarray]:
@@ -741,3 +748,127 @@ def test_group_query_attention_gated_at_run_time(layer: dict[str, Any], rule: st
     for step in steps:
         feeds = _decoder_feeds(*step)
         assert_same_outputs(proto, out, _positions(feeds) if layer.get("rotary") else feeds, rtol=1e-4, atol=1e-4)
+
+
+def _merged_attention(
+    bias_shape: list[int | str], style: str, opset: int = 17, axis: int | None = -1
+) -> onnx.ModelProto:
+    """bmm attention on (batch * heads, S, d) with a 3-D bias on the merged scores: the Softmax on them (fairseq)
+    or on their (batch, heads, S, S) split (BLOOM); batch 2, 4 heads, S 5, head size 8."""
+    batch, heads, seq, size = 2, 4, 5, 8
+    softmax = {} if axis is None else {"axis": axis}
+    nodes = [node("Reshape", [n, "merged"], f"{n}3") for n in "qkv"]
+    nodes += [
+        node("Transpose", ["k3"], "kt", perm=[0, 2, 1]),
+        node("MatMul", ["q3", "kt"], "qk"),
+        node("Mul", ["qk", "scale"], "scaled"),
+        node("Add", ["scaled", "bias"], "scores"),
+    ]
+    if style == "fairseq":
+        nodes.append(node("Softmax", ["scores"], "p", **softmax))
+    else:
+        nodes += [
+            node("Reshape", ["scores", "split"], "scores4"),
+            node("Softmax", ["scores4"], "p4", **softmax),
+            node("Reshape", ["p4", "merged_scores"], "p"),
+        ]
+    nodes += [
+        node("MatMul", ["p", "v3"], "pv"),
+        node("Reshape", ["pv", "heads"], "y4"),
+        node("Transpose", ["y4"], "yt", perm=[0, 2, 1, 3]),
+        node("Reshape", ["yt", "rows"], "y"),
+    ]
+    shapes = {
+        "merged": [batch * heads, seq, size],
+        "split": [batch, heads, seq, seq],
+        "merged_scores": [batch * heads, seq, seq],
+        "heads": [batch, heads, seq, size],
+        "rows": [batch, seq, heads * size],
+    }
+    inits = [init(name, np.array(shape, np.int64)) for name, shape in shapes.items()] + [init("scale", 0.35)]
+    inputs = [info(n, [batch, heads, seq, size]) for n in "qkv"] + [info("bias", bias_shape)]
+    return model(nodes, inputs, ["y"], inits, opset=opset)
+
+
+MERGED_TARGETS = [
+    ({"target_opset": 23}, "attention-merged-heads", "Attention"),
+    ({"target": "ort"}, "ort-multihead-attention-merged", "MultiHeadAttention"),
+]
+
+
+@pytest.mark.parametrize("style", ["fairseq", "bloom"])
+@pytest.mark.parametrize(("settings", "rule", "fused"), MERGED_TARGETS)
+@pytest.mark.parametrize("bias_shape", [[8, 1, 5], [1, 5, 5]])
+def test_a_merged_bias_per_head_or_shared_by_all_fuses(
+    bias_shape: list[int | str], settings: dict[str, Any], rule: str, fused: str, style: str
+) -> None:
+    # (1, S, T) is fairseq's causal mask unsqueezed at 0: one bias for every (batch, head)
+    proto = _merged_attention(bias_shape, style)
+    out, details = fuse(proto, **settings)
+    assert details["applied"].get(rule) == 1 and dict(ops(out))[fused] == 1, details
+    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("settings", "rule", "fused"), MERGED_TARGETS)
+def test_a_merged_bias_not_provably_per_head_stays(settings: dict[str, Any], rule: str, fused: str) -> None:
+    _, details = fuse(_merged_attention(["n", 1, 5], "fairseq"), **settings)
+    assert rule not in details["applied"]
+    assert any("first dim" in m for m in details["near_misses"]["attention"]), details
+
+
+@pytest.mark.parametrize(("settings", "rule", "fused"), MERGED_TARGETS)
+def test_a_softmax_without_axis_below_opset_13_is_not_over_the_last_axis(
+    settings: dict[str, Any], rule: str, fused: str
+) -> None:
+    # below opset 13 the axis defaults to 1 and the (8, 5, 5) scores are normalized over 5 * 5 values at once
+    details = refused(_merged_attention([8, 1, 5], "fairseq", opset=11, axis=None), rule, **settings)
+    assert any("not over the last axis" in m for m in details["near_misses"]["attention"]), details
+    _fires_merged = _merged_attention([8, 1, 5], "fairseq", opset=11, axis=2)
+    out, found = fuse(_fires_merged, **settings)
+    assert found["applied"].get(rule) == 1
+    assert_same_outputs(_fires_merged, out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("packed", "fp16"), [(False, False), (True, False), (False, True)])
+def test_attention_layer_becomes_one_contrib_attention(packed: bool, fp16: bool) -> None:
+    rule = "ort-attention-packed" if packed else "ort-attention"
+    expected = {"Attention": 1, "Cast": 2 if fp16 else 1}
+    proto = ort_attention(packed=packed, fp16=fp16)
+    out = fires_ort(proto, rule, expected, passes="shape-infer,fuse,dce")
+    assert_same_outputs(proto, out, masked_feeds(), rtol=1e-4, atol=1e-4)  # a mask with zeros
+    attention = next(n for n in out.graph.node if n.op_type == "Attention")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}
+    assert attrs["num_heads"] == HEADS and attrs["mask_filter_value"] == pytest.approx(-10000.0)
+
+
+def test_an_additive_mask_becomes_the_attention_bias() -> None:
+    out = fires_ort(ort_attention(mask="bias"), "ort-attention", {"Attention": 1, "Shape": 1, "Concat": 1, "Expand": 1})
+    assert len(next(n for n in out.graph.node if n.op_type == "Attention").input) == 6
+
+
+def test_attention_refusals() -> None:
+    refused(ort_attention(extra="output"), "ort-attention", target="ort")
+    split_input = ort_attention(extra="split-input")
+    feeds = {**masked_feeds(), "split_shape": np.array([0, 0, HEADS, SIZE], np.int64)}
+    out, details = fuse(split_input, target="ort")
+    assert "ort-attention" not in details["applied"]
+    assert "not provable" in " ".join(details["near_misses"]["attention"])
+    assert_same_outputs(split_input, out, feeds)
+    out, details = fuse(ort_attention(), target="onnx")
+    assert "ort-attention" not in details["applied"]
+
+
+@pytest.mark.parametrize(("windows", "fused"), [(4, True), (32, False)])
+def test_windowed_attention_with_a_bias_stays_unfused_over_many_batch_head_pairs(windows: int, fused: bool) -> None:
+    # Swin's windows make the attention's batch windows * batch; with a bias onnxruntime's CPU
+    # MultiHeadAttention ran 64 and more (batch, head) pairs per image slower than the written form.
+    proto = ort_attention(windows=windows)
+    out, details = fuse(proto, "shape-infer,fuse,dce", target="ort")
+    fused_ops = ops(out)["MultiHeadAttention"] + ops(out)["Attention"]
+    assert fused_ops == (1 if fused else 0) and ("Softmax" in ops(out)) != fused
+    if not fused:
+        assert any(
+            "64 (batch, head) pairs per sample with a mask or bias" in m for m in details["near_misses"]["attention"]
+        ), details
+    x = np.random.default_rng(0).standard_normal((2, windows, WINDOW, HIDDEN)).astype(np.float32)
+    assert_same_outputs(proto, out, {"x_windows": x}, rtol=1e-4, atol=1e-4)

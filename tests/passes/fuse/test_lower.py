@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto
 
+from graphopt.errors import InputError
 from tests.passes.fuse.table import (
     LOWERED_NODE,
     Case,
@@ -25,8 +27,11 @@ from tests.passes.fuse.table import (
     table_tests,
     weights,
 )
-from tests.passes.fuse_helpers import init
-from tests.passes.fuse_models import LOWERED
+from tests.passes.fuse_helpers import fuse, info, init, model, node
+from tests.passes.fuse_models import (
+    LOWERED,
+    rand_weight,
+)
 
 
 def _lowered(key: str) -> Callable[[], onnx.ModelProto]:
@@ -144,3 +149,16 @@ BEFORE_EXPORTS: frozenset[str] = frozenset(
 
 # test_the_rule_fires_on_its_model and the other table tests, over this family's table
 globals().update(table_tests(CASES, EXPORTED))
+
+
+def test_a_model_that_cannot_be_converted_is_bad_input_naming_the_op() -> None:
+    # No rule lowers RotaryEmbedding (LayerNormalization, which this used to test, now lowers).
+    proto = model(
+        [node("RotaryEmbedding", ["x", "cos", "sin"], "y")],
+        [info("x", [1, 2, 3, 4])],
+        ["y"],
+        [init("cos", rand_weight(3, 2)), init("sin", rand_weight(3, 2))],
+        opset=23,
+    )
+    with pytest.raises(InputError, match="RotaryEmbedding"):
+        fuse(proto, target_opset=22)

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
+from graphopt.api import optimize
+from graphopt.io.onnx_io import from_proto
+from graphopt.passes.pipeline import pipeline_from_config
 from tests.cli_helpers import invoke
 from tests.numerics import assert_same_outputs
 from tests.passes.fuse.table import (
@@ -34,8 +38,14 @@ from tests.passes.fuse.table import (
     weights,
 )
 from tests.passes.fuse_fixtures import FIXTURES
-from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
-from tests.passes.fuse_models import matmul_add, scaled_matmul, split_projections, tied
+from tests.passes.fuse_helpers import fires, fires_ort, fuse, info, init, model, node, ops, refused
+from tests.passes.fuse_models import (
+    matmul_add,
+    rand_weight,
+    scaled_matmul,
+    split_projections,
+    tied,
+)
 
 
 def _dynamic_int8_matmul(bias: bool) -> onnx.ModelProto:
@@ -282,3 +292,84 @@ def test_dynamic_int8_export_gets_one_dynamic_quantize_matmul_per_matmul(tmp_pat
     found = ops(onnx.load(str(out)))
     assert integer_matmuls > 0 and found["DynamicQuantizeMatMul"] == integer_matmuls
     assert found["DynamicQuantizeLinear"] == found["MatMulInteger"] == 0
+
+
+def test_matmul_add_becomes_gemm() -> None:
+    fires(matmul_add(["n", 3]), "matmul-add-gemm", {"Gemm": 1})
+
+
+def test_matmul_add_refusals() -> None:
+    details = refused(matmul_add([2, 5, 3]), "matmul-add-gemm")
+    assert "not 2-D" in details["near_misses"]["matmul"][0]
+    refused(matmul_add(["n", 3], extra_reader=True), "matmul-add-gemm")
+
+
+def test_transposes_fold_into_gemm_and_scalars_into_alpha() -> None:
+    proto = model(
+        [
+            node("Transpose", ["a"], "at", perm=[1, 0]),
+            node("Gemm", ["at", "w", "c"], "g"),
+            node("Mul", ["g", "s"], "y"),
+        ],
+        [info("a", [3, 2])],
+        ["y"],
+        [init("w", rand_weight(3, 4)), init("c", rand_weight(4)), init("s", 0.5)],
+    )
+    fires(proto, "transpose-into-gemm-a", {"Gemm": 1})
+
+
+@pytest.mark.parametrize("bias", [(5,), (1, 5), (1, 1, 5), (1,)])
+def test_a_projection_takes_its_bias_as_gemms_in_any_rank(bias: tuple[int, ...]) -> None:
+    proto = model(
+        [node("MatMul", ["x", "w"], "p"), node("Add", ["p", "b"], "y")],
+        [info("x", ["batch", 3, 4])],
+        ["y"],
+        [
+            init("w", np.arange(20, dtype=np.float32).reshape(4, 5) / 10),
+            init("b", np.linspace(-1, 1, np.prod(bias), dtype=np.float32).reshape(bias)),
+        ],
+    )
+    fires(proto, "matmul-add-gemm-projection", {"Reshape": 2, "Gemm": 1}, fuse_late=True)
+
+
+def test_a_projection_split_to_heads_takes_no_reshape_back_and_shares_its_rows() -> None:
+    # the target copies no dim (allowzero): the 2-D Gemm output reshapes to the same heads
+    out = fires(
+        split_projections(allowzero=1),
+        "matmul-add-gemm-projection-reshaped",
+        {"Shape": 1, "Concat": 1, "Reshape": 3, "Gemm": 2},
+        fuse_late=True,
+    )
+    rows = [n for n in out.graph.node if n.op_type == "Reshape" and n.input[0] == "x"]
+    assert len(rows) == 1
+    # a 0 in a computed target would copy a dim of the 3-D product, which the rows lack
+    details = refused(split_projections(allowzero=0), "matmul-add-gemm-projection-reshaped", fuse_late=True)
+    assert "may copy a dim of the product" in " ".join(details["near_misses"]["matmul"])
+
+
+def test_the_late_rules_get_a_round_after_the_last_of_max_rounds() -> None:
+    # With max_rounds 1 the round that finds nothing else to do is the last: the late rules, which
+    # join after such a round, never ran.
+    nodes = [node("MatMul", ["x", "w"], "product"), node("Add", ["product", "b"], "y")]
+    params = [init("w", rand_weight(8, 4)), init("b", np.ones(4, np.float32))]
+    proto = model(nodes, [info("x", [2, 6, 8])], ["y"], params)
+    steps = [{"pass": "shape-infer"}, {"pass": "fuse", "options": {"late": True, "max_rounds": 1}}]
+    result = optimize(from_proto(proto), pipeline_from_config(steps), strict=True, check=False)
+    assert result.report["passes"][-1]["details"]["applied"] == {"matmul-add-gemm-projection": 1}
+
+
+def test_scaled_matmul_with_transposed_input_becomes_one_fusedmatmul() -> None:
+    out = fires_ort(scaled_matmul(), "ort-fusedmatmul-div", {"FusedMatMul": 1})
+    (fused,) = out.graph.node
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in fused.attribute}
+    assert attrs["transB"] == 1 and attrs["alpha"] == pytest.approx(1 / 8)
+    fires_ort(scaled_matmul("Mul", transpose=False), "ort-fusedmatmul-mul", {"FusedMatMul": 1})
+
+
+def test_fusedmatmul_refusals() -> None:
+    details = refused(scaled_matmul(perm=[1, 0, 2]), "ort-transpose-into-matmul-b", target="ort")
+    assert "does not swap the last two dims" in " ".join(details["near_misses"]["matmul"])
+    refused(scaled_matmul(), "ort-fusedmatmul-div")
+    exposed = scaled_matmul(transpose=False)
+    exposed.graph.output.append(info("p", None))
+    refused(exposed, "ort-fusedmatmul-div", target="ort")

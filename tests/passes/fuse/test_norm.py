@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -37,8 +38,15 @@ from tests.passes.fuse.table import (
     untyped_at,
     weights,
 )
-from tests.passes.fuse_helpers import info, init, model, node
-from tests.passes.fuse_models import exported_group_norm, group_norm, keras_layer_norm, layer_norm, skip_norm
+from tests.passes.fuse_helpers import fires, fires_ort, fuse, info, init, model, node, ops, refused
+from tests.passes.fuse_models import (
+    exported_group_norm,
+    group_norm,
+    keras_layer_norm,
+    layer_norm,
+    rand_weight,
+    skip_norm,
+)
 
 
 def _rms_round_trip() -> onnx.ModelProto:
@@ -132,7 +140,7 @@ RESIDUAL_SUM = Case(
 
 EXPORTED_SUM = (
     "n/a: the residual sum is exported (the fused op's 4th output) and a read bias Add leaves the bias out "
-    "(test_fuse_ort_rules)"
+    "(test_a_residual_read_further_on_comes_from_the_fourth_output)"
 )
 
 
@@ -541,3 +549,154 @@ def test_group_norm_at_opsets_18_to_20_is_the_per_group_op(
     (fused,) = [n for n in out.graph.node if n.op_type == "GroupNormalization"]
     assert [list(t.dims) for t in out.graph.initializer if t.name in fused.input[1:]] == [[8], [8]]
     _same_at_two_sizes(original, out)
+
+
+def test_layernorm_fuses() -> None:
+    fires(layer_norm(), "layernorm", {"LayerNormalization": 1})
+
+
+def test_layernorm_refusals() -> None:
+    details = refused(layer_norm(gamma_input=True), "layernorm")
+    assert any("gamma is not a constant" in m for m in details["near_misses"]["norm"])
+    refused(layer_norm(axes=[1]), "layernorm")
+    details = refused(layer_norm(opset=16), "layernorm")
+    assert "needs opset >= 17" in " ".join(details["near_misses"]["norm"])
+
+
+@pytest.mark.parametrize(("mean", "rank"), [("GlobalAveragePool", 3), ("ReduceMean", 3), ("GlobalAveragePool", 4)])
+def test_keras_layernorm_from_tf2onnx_fuses(mean: str, rank: int) -> None:
+    # Keras' LayerNormalization as tf2onnx writes it: the means as GlobalAveragePool over
+    # axes 2.. (its global pool optimizer), x * inv + (beta - mean * inv).
+    out = fires(keras_layer_norm(mean, rank), "layernorm-tf", {"LayerNormalization": 1})
+    (ln,) = out.graph.node
+    assert onnx.helper.get_attribute_value(ln.attribute[0]) == 2 - rank  # normalizes axes 2..
+
+
+@pytest.mark.parametrize("form", ["instance", "decomposed"])
+def test_groupnorm_fuses_at_opset_21(form: str) -> None:
+    fires(group_norm(form), "groupnorm", {"GroupNormalization": 1})
+
+
+def test_groupnorm_takes_a_gamma_broadcast_over_the_channels() -> None:
+    fires(group_norm(gamma=np.array(1.5, np.float32)), "groupnorm", {"GroupNormalization": 1})
+
+
+def test_groupnorm_refusals() -> None:
+    for extra in ("reader", "output"):
+        refused(group_norm(extra=extra), "groupnorm")
+    details = refused(group_norm("decomposed", axes=[1]), "groupnorm")
+    assert "do not reduce the last axis" in " ".join(details["near_misses"]["norm"])
+    details = refused(group_norm(channels="c"), "groupnorm")
+    assert "channel dim is not static" in " ".join(details["near_misses"]["norm"])
+    details = refused(group_norm(groups=4), "groupnorm")  # 4 groups do not divide 6 channels
+    assert "G dividing the channels" in " ".join(details["near_misses"]["norm"])
+    details = refused(group_norm(gamma=rand_weight(6, 1, 5)), "groupnorm")
+    assert "gamma is not per channel" in " ".join(details["near_misses"]["norm"])
+    # below 18, where opset 18's per-group GroupNormalization (groupnorm-18's) does not exist either
+    details = refused(group_norm(opset=17), "groupnorm-18")
+    assert "needs opset >= 18" in " ".join(details["near_misses"]["norm"])
+
+
+def test_softmax_decomposition_fuses() -> None:
+    proto = model(
+        [
+            node("ReduceMax", ["x"], "mx", axes=[1]),
+            node("Sub", ["x", "mx"], "d"),
+            node("Exp", ["d"], "e"),
+            node("ReduceSum", ["e", "axes"], "s"),
+            node("Div", ["e", "s"], "y"),
+        ],
+        [info("x", [2, 6])],
+        ["y"],
+        [init("axes", np.array([1], np.int64))],
+    )
+    fires(proto, "softmax", {"Softmax": 1})
+
+
+def test_layernorm_of_a_biased_residual_becomes_skiplayernorm() -> None:
+    fires_ort(skip_norm(), "ort-skiplayernorm", {"MatMul": 1, "SkipLayerNormalization": 1})
+    fires_ort(skip_norm(bias=False), "ort-skiplayernorm", {"MatMul": 1, "SkipLayerNormalization": 1})
+
+
+def test_a_residual_read_further_on_comes_from_the_fourth_output() -> None:
+    out = fires_ort(skip_norm(carry=True), "ort-skiplayernorm", {"MatMul": 1, "SkipLayerNormalization": 1, "Relu": 1})
+    skip, relu = out.graph.node[1], out.graph.node[2]
+    assert relu.input[0] == skip.output[3]
+
+
+@pytest.mark.parametrize("norm", ["RMSNormalization", "decomposed"])
+def test_rmsnorm_of_a_residual_becomes_skipsimplifiedlayernorm(norm: str) -> None:
+    rule = "ort-skiprmsnorm" if norm == "RMSNormalization" else "ort-skiprmsnorm-decomposed"
+    fires_ort(skip_norm(norm, carry=True), rule, {"MatMul": 1, "SkipSimplifiedLayerNormalization": 1, "Relu": 1})
+
+
+def test_an_rmsnorm_whose_residual_is_unprovable_becomes_simplifiedlayernorm_alone() -> None:
+    # Below opset 23 onnxruntime's SimplifiedLayerNormalization stands for RMSNormalization; where the skip
+    # form is refused (the operands' shapes differ) the residual Add stays in front of it.
+    unprovable = skip_norm("decomposed", skip_shape=[1, 3, 8])
+    out = fires(unprovable, "ort-rmsnorm", {"MatMul": 1, "Add": 2, "SimplifiedLayerNormalization": 1}, target="ort")
+    assert [o.domain for o in out.opset_import] == [""]  # onnxruntime has it in the default domain
+    refused(unprovable, "ort-rmsnorm")  # target onnx: the model's opset 17 has no RMS norm at all
+
+
+def test_skip_norm_refusals() -> None:
+    details = refused(skip_norm(skip_shape=[1, 3, 8]), "ort-skiplayernorm", target="ort", enable=["norm"])
+    assert "do not provably have one" in " ".join(details["near_misses"]["norm"])
+    refused(skip_norm(), "ort-skiplayernorm", enable=["norm"])  # target onnx
+    refused(skip_norm(), "ort-skiplayernorm", target="ort")  # off by default: slower in onnxruntime
+    exposed = skip_norm()
+    exposed.graph.output.append(info("pb", None))
+    out, _ = fuse(exposed, target="ort", enable=["norm"])
+    assert "Add" in {n.op_type for n in out.graph.node}  # the bias stays outside; the Add is not fused away
+
+
+def _onnxruntime_ops(proto: onnx.ModelProto, tmp_path: Path) -> Counter[str]:
+    """The ops of ``proto`` after onnxruntime's own graph optimizations (extended level)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "ort.onnx")
+    ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ops(onnx.load(options.optimized_model_filepath))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_default_output_keeps_a_residual_norm_out_of_onnxruntimes_skiplayernorm(bias: bool, tmp_path: Path) -> None:
+    # onnxruntime fuses Add -> LayerNormalization into SkipLayerNormalization wherever it can
+    # prove the Add's operands share one 3-D shape (graphopt's static Reshape targets give it
+    # that proof on TorchScript exports); on CPU that kernel measured 4-8x slower than the
+    # Add and the LayerNormalization it replaces. The default output writes the residual as a
+    # two-input Sum, which onnxruntime runs as fast and does not fuse.
+    proto = skip_norm(bias=bias)
+    assert _onnxruntime_ops(proto, tmp_path)["SkipLayerNormalization"] == 1  # the form it fuses
+    expected = {"MatMul": 1, "Sum": 1, "LayerNormalization": 1} | ({"Add": 1} if bias else {})
+    out = fires(proto, "layernorm-residual-sum", expected)
+    assert _onnxruntime_ops(out, tmp_path)["SkipLayerNormalization"] == 0
+
+
+def _post_norm_block() -> onnx.ModelProto:
+    """BERT's post-norm block: LayerNorm -> projection -> residual Add -> LayerNorm."""
+    nodes = [
+        node("LayerNormalization", ["x", "gamma", "beta"], "h", epsilon=1e-5),
+        node("MatMul", ["h", "w"], "p"),
+        node("Add", ["p", "h"], "sum"),
+        node("LayerNormalization", ["sum", "gamma", "beta"], "y", epsilon=1e-5),
+    ]
+    params = [init("w", rand_weight(8, 8)), init("gamma", rand_weight(8)), init("beta", rand_weight(8))]
+    return model(nodes, [info("x", ["b", 3, 8])], ["y"], params)
+
+
+def test_a_post_norm_residual_stays_an_add_for_onnxruntimes_attention_fusion() -> None:
+    # onnxruntime's attention fusion reads LayerNorm -> residual Add.
+    details = refused(_post_norm_block(), "layernorm-residual-sum")
+    assert "comes from a LayerNormalization" in " ".join(details["near_misses"]["norm"])
+
+
+def test_at_target_ort_a_post_norm_residual_is_kept_out_of_onnxruntimes_skiplayernorm(tmp_path: Path) -> None:
+    # --target ort writes the attention itself, so onnxruntime's attention fusion has nothing to read
+    # the Add for, and the Add would become its slower SkipLayerNormalization (a post-norm RoBERTa: all nine).
+    proto = _post_norm_block()
+    assert _onnxruntime_ops(proto, tmp_path)["SkipLayerNormalization"] == 1
+    out = fires(proto, "layernorm-residual-sum", {"LayerNormalization": 2, "MatMul": 1, "Sum": 1}, target="ort")
+    assert _onnxruntime_ops(out, tmp_path)["SkipLayerNormalization"] == 0

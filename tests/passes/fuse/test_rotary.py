@@ -28,8 +28,12 @@ from tests.passes.fuse.table import (
     untyped_at,
 )
 from tests.passes.fuse_exported import Change, Found, constant_of
-from tests.passes.fuse_helpers import fuse
-from tests.passes.fuse_models import HALF, rope_model, rope_variant_model
+from tests.passes.fuse_helpers import fires, fires_ort, fuse, refused
+from tests.passes.fuse_models import (
+    HALF,
+    rope_model,
+    rope_variant_model,
+)
 
 
 def _rope_q(**kwargs: Any) -> Callable[[], onnx.ModelProto]:
@@ -353,3 +357,58 @@ def test_pairs_stacked_on_another_axis_are_not_an_interleaved_rotation() -> None
         if found.op_type == "Unsqueeze" and found.input[0] in ("q_neg", "x1"):
             found.input[1] = "stack_axis"
     _refused(proto, "not stacked on a new last axis")
+
+
+@pytest.mark.parametrize(
+    ("cos", "left"),
+    [
+        ("gathered", {}),
+        ("runtime", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2}),  # the caches: one half each
+        ("runtime-4d", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2, "Squeeze": 2}),
+        ("constant", {}),
+    ],
+)
+def test_rotate_half_rope_becomes_rotaryembedding(cos: str, left: dict[str, int]) -> None:
+    out = fires(rope_model(cos), "rotary-embedding", {"RotaryEmbedding": 2, **left}, passes="shape-infer,fuse,dce")
+    rope = [n for n in out.graph.node if n.op_type == "RotaryEmbedding"]
+    assert len(rope[0].input) == (4 if cos == "gathered" else 3)
+
+
+def test_rotary_refusals() -> None:
+    for extra in ("reader", "output"):
+        refused(rope_model(extra=extra, roped=("q",)), "rotary-embedding")
+    details = refused(rope_model(swapped=True), "rotary-embedding")
+    assert "not the two halves" in " ".join(details["near_misses"]["rotary"])
+    details = refused(rope_model("input"), "rotary-embedding")
+    assert "halves of cos are not provably equal" in " ".join(details["near_misses"]["rotary"])
+    details = refused(rope_model(opset=22), "rotary-embedding")
+    assert "needs opset >= 23" in " ".join(details["near_misses"]["rotary"])
+
+
+# The kernel's caches are 2-D (position, d/2): run-time ones are flattened once (a Reshape each, shared
+# by q and k), the ids (batch, seq) counting their rows (Shape / ReduceProd / Range / Reshape, made once);
+# a constant table keeps its own ids.
+_RUNTIME_IDS = {"Reshape": 3, "Shape": 1, "ReduceProd": 1, "Range": 1}
+
+
+@pytest.mark.parametrize(
+    ("cos", "left"),
+    [
+        ("gathered", {}),
+        ("runtime", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2, **_RUNTIME_IDS}),
+        ("runtime-4d", {"Concat": 1, "Cos": 1, "Sin": 1, "Slice": 2, "Squeeze": 1, **_RUNTIME_IDS}),
+        ("constant", {}),
+    ],
+)
+def test_rotate_half_rope_becomes_contrib_rotaryembedding_below_opset_23(cos: str, left: dict[str, int]) -> None:
+    out = fires_ort(
+        rope_model(cos, opset=18), "ort-rotary-embedding", {"RotaryEmbedding": 2, **left}, "shape-infer,fuse,dce"
+    )
+    rope = [n for n in out.graph.node if n.op_type == "RotaryEmbedding"]
+    assert {n.domain for n in rope} == {"com.microsoft"}
+
+
+def test_contrib_rotary_refusals() -> None:
+    refused(rope_model(opset=18), "ort-rotary-embedding")  # target onnx
+    details = refused(rope_model("input", opset=18), "ort-rotary-embedding", target="ort")
+    assert "halves of cos are not provably equal" in " ".join(details["near_misses"]["rotary"])

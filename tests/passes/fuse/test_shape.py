@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from tests.numerics import make_feeds
+from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse.table import (
     BOTH_DYNAMIC,
     F16,
@@ -30,8 +30,11 @@ from tests.passes.fuse.table import (
     table_tests,
     untyped_at,
 )
-from tests.passes.fuse_helpers import info, init, model, node
-from tests.passes.fuse_models import computed_reshape
+from tests.passes.fuse_exported import FIXTURES, fixture_inputs
+from tests.passes.fuse_helpers import fires, fuse, info, init, model, node, ops, refused
+from tests.passes.fuse_models import (
+    computed_reshape,
+)
 
 
 def _transposes() -> onnx.ModelProto:
@@ -206,16 +209,6 @@ CASES: dict[str, Case] = {
         NO_GATE,
     ),
     "reshape-through-elementwise": Case(
-        exported_mlp,
-        {"Reshape": 2, "Gemm": 2, "Gelu": 1},
-        "gelu",
-        "n/a: the pattern reads no attribute (the element-wise op keeps its own)",
-        Perturb(BOTH_DYNAMIC, None, note="no projection Reshapes to take (batch and sequence dynamic)"),
-        NO_GATE,
-        LATE,
-        passes="shape-infer,fuse,noop",  # noop drops the Reshape to the shape Gelu's input has
-    ),
-    "reshape-through-elementwise-region": Case(
         lambda: exported_mlp(**_ERF_MLP),
         {"Reshape": 2, "Gemm": 2, "Constant": 3, "Div": 1, "Erf": 1, "Add": 1, "Mul": 2},
         f"{_TS_MLP}intermediate/intermediate_act_fn/Mul_1_output_0",
@@ -232,7 +225,7 @@ CASES: dict[str, Case] = {
 }
 
 EXPORTED: dict[str, Exported | str] = {
-    "reshape-through-elementwise": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
+    "reshape-through-elementwise": "n/a: its CASES entry is the exported bert_ts MLP at a static sequence",
     "unsqueeze-unsqueeze": Exported(
         ("mpt_dynamo",),
         {"Unsqueeze": 1},
@@ -242,7 +235,6 @@ EXPORTED: dict[str, Exported | str] = {
         interior="n/a: the inner Unsqueeze (the causal mask's arange[None, None]) is exported: its other Unsqueeze "
         "reader keeps a copy; the hand-built case's reader and output perturbations stand",
     ),
-    "reshape-through-elementwise-region": "n/a: its CASES entry is the exported bert_ts MLP at a static sequence",
     "slice-slice": Exported(
         ("levit_dynamo", "levit_ts"),
         {"Slice": 1},
@@ -275,3 +267,148 @@ BEFORE_EXPORTS: frozenset[str] = frozenset(
 
 # test_the_rule_fires_on_its_model and the other table tests, over this family's table
 globals().update(table_tests(CASES, EXPORTED))
+
+
+def test_reshape_through_elementwise_takes_a_region_of_one_op() -> None:
+    """The dynamo export's MLP: one Gelu between the projections' Reshapes (the table's case is the five ops of the
+    TorchScript export's erf GELU)."""
+    settings = {**LATE, "passes": "shape-infer,fuse,noop,dce"}  # noop drops the Reshape to Gelu's input shape
+    fires(exported_mlp(), "reshape-through-elementwise", {"Reshape": 2, "Gemm": 2, "Gelu": 1}, **settings)
+    refused(BOTH_DYNAMIC(exported_mlp()), "reshape-through-elementwise", **LATE)
+
+
+def test_transpose_pairs_compose_or_vanish() -> None:
+    pair = model(
+        [
+            node("Transpose", ["x"], "t", perm=[1, 2, 0]),
+            node("Transpose", ["t"], "u", perm=[2, 0, 1]),
+            node("Relu", ["u"], "y"),
+        ],
+        [info("x", [2, 3, 4])],
+        ["y"],
+    )
+    fires(pair, "transpose-transpose", {"Relu": 1})
+    exposed = model(
+        [node("Transpose", ["x"], "t", perm=[1, 2, 0]), node("Transpose", ["t"], "y", perm=[2, 0, 1])],
+        [info("x", [2, 3, 4])],
+        ["t", "y"],
+    )
+    refused(exposed, "transpose-transpose")
+
+
+def test_reshape_chains_collapse_spelling_out_the_dims_a_zero_copies() -> None:
+    def chain(target: list[int], batch: int | str = 2) -> onnx.ModelProto:
+        return model(
+            [node("Flatten", ["x"], "f", axis=1), node("Reshape", ["f", "s"], "y")],
+            [info("x", [batch, 3, 4])],
+            ["y"],
+            [init("s", np.array(target, np.int64))],
+        )
+
+    fires(chain([4, -1]), "reshape-chain", {"Reshape": 1})
+    # the 0 copies Flatten's first dim: 2, or the batch, which the one -1 then stands for
+    for batch in (2, "batch"):
+        fires(chain([0, 3, 4], batch), "reshape-chain", {"Reshape": 1})
+    refused(chain([0, -1], "batch"), "reshape-chain")
+
+
+def test_a_reshape_pair_around_a_scale_goes_for_a_scalar_only() -> None:
+    def scaled(scale: np.ndarray) -> onnx.ModelProto:
+        return model(
+            [node("Reshape", ["x", "rows"], "r"), node("Mul", ["r", "c"], "m"), node("Reshape", ["m", "heads"], "y")],
+            [info("x", [2, 3, 8])],
+            ["y"],
+            [
+                init("rows", np.array([-1, 8], np.int64)),
+                init("heads", np.array([2, 3, 2, 4], np.int64)),
+                init("c", scale),
+            ],
+        )
+
+    late = {"fuse_late": True}
+    dce = "shape-infer,fuse,dce"  # dce drops the Mul and the Reshape the rewritten ones stand for
+    fires(
+        scaled(np.full((1, 1), 0.5, np.float32)),
+        "reshape-through-elementwise",
+        {"Mul": 1, "Reshape": 1},
+        passes=dce,
+        **late,
+    )
+    details = refused(scaled(np.arange(8, dtype=np.float32)), "reshape-through-elementwise", **late)
+    assert "not a scalar" in " ".join(details["near_misses"]["shape"])
+    refused(scaled(np.full((1, 1), 0.5, np.float32)), "reshape-through-elementwise")  # not late: not run
+
+
+def test_unsqueeze_pairs_merge() -> None:
+    proto = model(
+        [node("Unsqueeze", ["x", "a1"], "u"), node("Unsqueeze", ["u", "a2"], "y")],
+        [info("x", ["b", "s"])],
+        ["y"],
+        [init("a1", np.array([1], np.int64)), init("a2", np.array([0, 3], np.int64))],
+    )
+    fires(proto, "unsqueeze-unsqueeze", {"Unsqueeze": 1})
+
+
+def test_an_unsqueeze_read_by_unsqueezes_only_goes_into_each() -> None:
+    # a causal mask's row and column indices: arange[None, None, :, None] and arange[None, None, None, :]
+    def fanned(other: str) -> onnx.ModelProto:
+        return model(
+            [
+                node("Unsqueeze", ["x", "a01"], "u"),
+                node("Unsqueeze", ["u", "a3"], "rows"),
+                node(other, ["u", "a2"] if other == "Unsqueeze" else ["u"], "cols"),
+            ],
+            [info("x", ["s"])],
+            ["rows", "cols"],
+            [init(f"a{''.join(map(str, a))}", np.array(a, np.int64)) for a in ([0, 1], [3], [2])],
+        )
+
+    fires(fanned("Unsqueeze"), "unsqueeze-unsqueeze", {"Unsqueeze": 2})
+    # three in a chain, the first two read twice (llama_ts's positions): each outer one takes x as it is by then
+    tree = model(
+        [
+            node("Unsqueeze", ["x", "a0"], "u0"),
+            node("Unsqueeze", ["u0", "a0"], "u1"),
+            node("Unsqueeze", ["u0", "a2"], "y0"),
+            node("Unsqueeze", ["u1", "a0"], "y1"),
+            node("Unsqueeze", ["u1", "a3"], "y2"),
+        ],
+        [info("x", ["s"])],
+        ["y0", "y1", "y2"],
+        [init(f"a{a}", np.array([a], np.int64)) for a in (0, 2, 3)],
+    )
+    fires(tree, "unsqueeze-unsqueeze", {"Unsqueeze": 3})
+    details = refused(fanned("Relu"), "unsqueeze-unsqueeze")
+    assert "'u' is also read by" in " ".join(details["near_misses"]["shape"])
+
+
+def test_the_mpt_exports_causal_mask_indices_take_one_unsqueeze_each() -> None:
+    proto = onnx.load(str(FIXTURES / "mpt_dynamo.onnx"))
+    out, details = fuse(proto)
+    # arange[None, None] read as rows and as columns goes into both; one other pair merged before too
+    assert details["applied"]["unsqueeze-unsqueeze"] == 3
+    assert (ops(proto)["Unsqueeze"], ops(out)["Unsqueeze"]) == (7, 5)
+    assert_same_outputs(proto, out, fixture_inputs(proto), rtol=1e-4, atol=1e-4)
+
+
+def test_lossless_cast_chains_collapse_and_lossy_ones_stay() -> None:
+    def chain(source: int, middle: int) -> onnx.ModelProto:
+        return model(
+            [node("Cast", ["x"], "c", to=middle), node("Cast", ["c"], "d", to=source), node("Neg", ["d"], "y")],
+            [info("x", [2, 3], source)],
+            [info("y", None, source)],
+        )
+
+    fires(chain(TensorProto.FLOAT16, TensorProto.FLOAT), "cast-chain", {"Neg": 1})
+    details = refused(chain(TensorProto.FLOAT, TensorProto.FLOAT16), "cast-chain")
+    assert "may lose values" in details["near_misses"]["shape"][0]
+
+
+def test_a_computed_reshape_target_with_one_unknown_entry_becomes_a_constant() -> None:
+    fires(computed_reshape([4]), "reshape-one-unknown", {"Reshape": 1}, passes="shape-infer,fuse,dce")
+
+
+def test_reshape_one_unknown_refusals() -> None:
+    details = refused(computed_reshape([-1]), "reshape-one-unknown")
+    assert "more than one entry" in " ".join(details["near_misses"]["shape"])
+    refused(computed_reshape([4], allowzero=1), "reshape-one-unknown")

@@ -9,6 +9,7 @@ rotary embeddings, with their onnxruntime forms) match through a quantized model
 """
 
 import dataclasses
+from typing import Any
 
 from graphopt.passes.fuse.rules import (
     activation,
@@ -32,7 +33,7 @@ from graphopt.passes.rewrite.engine import Rule, RuleSet
 __all__ = ["LIBRARY", "through_qdq"]
 
 
-def through_qdq(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+def through_qdq(rules: tuple[Rule[Any], ...]) -> tuple[Rule[Any], ...]:
     """``rules`` marked to match through Q/DQ pairs (see graphopt/passes/rewrite/qdq.py)."""
     return tuple(dataclasses.replace(rule, through_qdq=True) for rule in rules)
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.rewrite.engine import Match, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Site
 
 __all__ = [
     "shared_reader",
@@ -43,9 +43,9 @@ def is_float(value: Value | None) -> bool:
 NOT_FLOAT = "x is not a float tensor of known type"
 
 
-def float_x(m: Match, site: Site) -> str | None:
+def float_x(m: Match, site: Site) -> Refuse | None:
     """A check: the match's ``x`` is a float tensor of known type."""
-    return None if is_float(m.value("x")) else NOT_FLOAT
+    return None if is_float(m.value("x")) else Refuse(NOT_FLOAT)
 
 
 def scalar_factor(value: Value | None, divides: bool) -> float | None:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from graphopt.ir import Node
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float, scalar_factor
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, polynomial, var
 
 FAMILY = "activation"
@@ -91,10 +91,10 @@ def _clip_bounds(node: Node) -> tuple[float, float] | None:
 _RELU6 = op.Clip(op.Add(_x, const(3.0)), optional(var("lo")), optional(var("hi")), name="clip")
 
 
-def _check_relu6(m: Match, site: Site) -> str | None:
+def _check_relu6(m: Match, site: Site) -> Refuse | None:
     if not is_float(m.value("x")):
-        return NOT_FLOAT
-    return None if _clip_bounds(m.node("clip")) == (0.0, 6.0) else "the Clip is not to [0, 6]"
+        return Refuse(NOT_FLOAT)
+    return None if _clip_bounds(m.node("clip")) == (0.0, 6.0) else Refuse("the Clip is not to [0, 6]")
 
 
 def _divided_by_six(inner: Pattern) -> Pattern:
@@ -122,19 +122,19 @@ class _BiasGelu(NamedTuple):
     op_type: str  # the contrib op that takes the bias
 
 
-def _plan_bias_gelu(m: Match, site: Site) -> _BiasGelu | str:
+def _plan_bias_gelu(m: Match, site: Site) -> _BiasGelu | Refuse:
     contrib = _bias_gelu_op(m.node("gelu"))
     if contrib is None:
-        return "not a GELU that takes a bias"
+        return Refuse("not a GELU that takes a bias")
     x = m.value("x")
     shape = site.shape(x)
     unsupported = cpu_float(site, x, contrib)
     if unsupported is not None or not shape:
-        return unsupported or "x is not of known rank"
+        return Refuse(unsupported or "x is not of known rank")
     if site.shape(m.value("bias")) != (shape[-1],):
-        return "the bias is not a vector over x's last axis"
+        return Refuse("the bias is not a vector over x's last axis")
     if site.dtype(m.value("bias")) != site.dtype(x):
-        return "the bias is not of x's element type"
+        return Refuse("the bias is not of x's element type")
     return _BiasGelu(contrib)
 
 
@@ -142,26 +142,27 @@ def _plan_bias_gelu(m: Match, site: Site) -> _BiasGelu | str:
 _SWISH = op.Mul(_x, op.Sigmoid(either(op.Mul(_x, const(name="alpha")), _x), name="sigmoid"))
 
 
-def _plan_swish(m: Match, site: Site) -> float | str:
+def _plan_swish(m: Match, site: Site) -> float | Refuse:
     if not is_float(m.value("x")):
-        return NOT_FLOAT
+        return Refuse(NOT_FLOAT)
     return _swish_alpha(m)
 
 
-def _plan_quick_gelu(m: Match, site: Site) -> float | str:
-    return cpu_float(site, m.value("x"), "QuickGelu") or _swish_alpha(m)
+def _plan_quick_gelu(m: Match, site: Site) -> float | Refuse:
+    unsupported = cpu_float(site, m.value("x"), "QuickGelu")
+    return Refuse(unsupported) if unsupported else _swish_alpha(m)
 
 
-def _swish_alpha(m: Match) -> float | str:
+def _swish_alpha(m: Match) -> float | Refuse:
     if "alpha" not in m:
         return 1.0
     alpha = scalar_factor(m.value("alpha"), divides=False)
-    return "alpha is not a scalar constant" if alpha is None else alpha
+    return Refuse("alpha is not a scalar constant") if alpha is None else alpha
 
 
 def _gelu_rules(
     name: str, ort_name: str, pattern: Pattern, label: str, form: str, attrs: dict[str, str], ort_op: str
-) -> tuple[Rule, Rule]:
+) -> tuple[Rule[Any], Rule[Any]]:
     """A decomposed GELU (``form``) as the standard Gelu with ``attrs`` from opset 20 and, below
     it with ``--target ort``, as onnxruntime's ``ort_op``."""
     shared = partial(_rule, pattern=pattern, plan=float_x, label=label)
@@ -182,7 +183,7 @@ def _gelu_rules(
     )
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="swish",
         pattern=_SWISH,

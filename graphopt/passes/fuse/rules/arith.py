@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 
 from graphopt.ir import Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import float_array, is_float, new_const
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, op, var
 
 FAMILY = "arith"
@@ -25,17 +26,17 @@ FAMILY = "arith"
 Combine = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
-def _constants(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray] | str:
+def _constants(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray] | Refuse:
     """The two constants (float64), or why the pair does not combine."""
     x, a, b = m.value("x"), m.value("a"), m.value("b")
     if not (is_float(x) and site.dtype(a) == site.dtype(x) and site.dtype(b) == site.dtype(x)):
-        return "not float constants of x's type"
+        return Refuse("not float constants of x's type")
     first, second = float_array(a), float_array(b)
     if first is None or second is None:
-        return "a constant is too large to read"
+        return Refuse("a constant is too large to read")
     rank = site.rank(x)
     if rank is None or max(site.rank(a) or 0, site.rank(b) or 0) > rank:
-        return "the constants could widen x's rank"
+        return Refuse("the constants could widen x's rank")
     return first, second
 
 
@@ -58,17 +59,17 @@ def _row(m: Match) -> int | None:
     return int(array.ravel()[0]) if array.size == 1 and array.dtype.kind in "iu" else None
 
 
-def _gathered_row(m: Match, site: Site) -> np.ndarray | str:
+def _gathered_row(m: Match, site: Site) -> np.ndarray | Refuse:
     """The constant row the Gather reads, or why not."""
     table = Site.array(m.value("table"))
     row = _row(m)
     if table is None or row is None or not 0 <= row < table.shape[0]:
-        return "the table or the filled index is not a readable constant"
+        return Refuse("the table or the filled index is not a readable constant")
     if m.node("g").attr("axis", 0) != 0:
-        return "the Gather is not over rows"
+        return Refuse("the Gather is not over rows")
     e, g = site.shape(m.value("e")), site.shape(m.node("g").outputs[0])
     if e is None or g is None or e != g or None in e:
-        return "the Add's operands do not provably have one shape"
+        return Refuse("the Add's operands do not provably have one shape")
     found: np.ndarray = table[row]
     return found
 
@@ -85,7 +86,7 @@ _PAIRS: tuple[tuple[str, str, str, Combine], ...] = (
     ("Mul", "Div", "Mul", lambda a, b: b / a),
 )
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     *(
         Rule(
             name=f"{inner.lower()}-{outer.lower()}-constants",

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,7 @@ from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, named_after, new_const
 from graphopt.passes.fuse.rules._ort import MS, activated, check_activation, fused_activation
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
 
 FAMILY = "conv"
@@ -131,42 +132,42 @@ def _channels(conv: Node, w: np.ndarray) -> int:
     return int(w.shape[0]) if conv.op_type == "Conv" else int(w.shape[1] * Site.int_attr(conv, "group", 1))
 
 
-def _plan_conv_bn(m: Match, site: Site) -> _ChannelPlan | str:
+def _plan_conv_bn(m: Match, site: Site) -> _ChannelPlan | Refuse:
     found = _conv_weights(m)
     if found is None:
-        return "the weight or bias is not a float constant"
+        return Refuse("the weight or bias is not a float constant")
     ss = _bn_scale_shift(m)
     if ss is None:
-        return "a BatchNormalization parameter is not a constant vector"
+        return Refuse("a BatchNormalization parameter is not a constant vector")
     if ss[0].shape[0] != _channels(m.node("conv"), found[0]):
-        return "BatchNormalization's channels differ from the Conv's"
+        return Refuse("BatchNormalization's channels differ from the Conv's")
     return _ChannelPlan(found[0], found[1], ss[0], ss[1])
 
 
-def _channel_vector(m: Match, site: Site) -> np.ndarray | str:
+def _channel_vector(m: Match, site: Site) -> np.ndarray | Refuse:
     """The per-channel constant ``c`` in the Conv's layout, as a vector over channels."""
     c = float_array(m.value("c"))
     found = _conv_weights(m)
     if c is None or found is None:
-        return "the weight or the operand is not a float constant"
+        return Refuse("the weight or the operand is not a float constant")
     channels = _channels(m.node("conv"), found[0])
     rank = site.rank(m.node("conv").outputs[0])
     if rank is None or c.ndim > rank:
-        return "the Conv's output rank is unknown"
+        return Refuse("the Conv's output rank is unknown")
     c = c.reshape((1,) * (rank - c.ndim) + c.shape)
     if "t" in m.bindings:
         perm = list(m.node("t").attr("perm", list(range(rank - 1, -1, -1))))
         c = np.transpose(c, np.argsort(perm))
     if any(d != 1 for i, d in enumerate(c.shape) if i != 1) or c.shape[1] not in (1, channels):
-        return "the operand is not per-channel"
+        return Refuse("the operand is not per-channel")
     return np.broadcast_to(c.reshape(-1), (channels,)).astype(np.float64)
 
 
-def _plan_channel(m: Match, site: Site) -> _ChannelPlan | str:
+def _plan_channel(m: Match, site: Site) -> _ChannelPlan | Refuse:
     if not is_float(m.node("conv").outputs[0]):
-        return "not a float Conv"
+        return Refuse("not a float Conv")
     vector = _channel_vector(m, site)
-    if isinstance(vector, str):
+    if isinstance(vector, Refuse):
         return vector
     w, bias = _conv_weights(m)  # type: ignore[misc]  # _channel_vector read them
     if m.root.op_type == "Mul":
@@ -195,18 +196,18 @@ class _InputAffinePlan:
     bias: np.ndarray | None
 
 
-def _per_input_channel(m: Match, name: str, shape: tuple[object, ...], channels: int) -> np.ndarray | str:
+def _per_input_channel(m: Match, name: str, shape: tuple[object, ...], channels: int) -> np.ndarray | Refuse:
     """The constant bound to ``name`` as a vector over the Conv's input channels, or why not."""
     c = float_array(m.value(name))
     if c is None or c.ndim > len(shape):
-        return "the scale or shift is not a float constant of at most the input's rank"
+        return Refuse("the scale or shift is not a float constant of at most the input's rank")
     if not np.all(np.isfinite(c)):
-        return "the scale or shift is not finite (the Conv's zero padding would become NaN)"
+        return Refuse("the scale or shift is not finite (the Conv's zero padding would become NaN)")
     laid: tuple[int, ...] = (1,) * (len(shape) - c.ndim) + tuple(c.shape)
     if any(d != 1 for i, d in enumerate(laid) if i != 1) or laid[1] not in (1, channels):
-        return "the scale or shift is not per input channel"
+        return Refuse("the scale or shift is not per input channel")
     if laid[1] != 1 and shape[1] != channels:
-        return "the input's channels are not provably the Conv's (the constant may broadcast them)"
+        return Refuse("the input's channels are not provably the Conv's (the constant may broadcast them)")
     return np.broadcast_to(c.reshape(-1), (channels,)).astype(np.float64)
 
 
@@ -229,34 +230,34 @@ def _closes_a_gelu(x: Value) -> bool:
     )
 
 
-def _plan_input_affine(m: Match, site: Site) -> _InputAffinePlan | str:
+def _plan_input_affine(m: Match, site: Site) -> _InputAffinePlan | Refuse:
     conv = m.node("conv")
     w = float_array(m.value("w"))
     bias = m.optional("b")
     b = None if bias is None else float_array(bias)
     if not is_float(conv.outputs[0]) or w is None or w.ndim < 3 or (bias is not None and b is None):
-        return "the weight or bias is not a float constant"
+        return Refuse("the weight or bias is not a float constant")
     shape = site.shape(m.value("x"))
     if shape is None:
-        return "the input's rank is unknown"
+        return Refuse("the input's rank is unknown")
     if _closes_a_gelu(m.value("x")):
         # onnxruntime's Gelu fusion reads the closing 0.5: without it the GELU runs decomposed
         # (convnext_atto_ts measured slower than the original at ORT_ENABLE_ALL)
-        return "the scale is a decomposed GELU's closing 0.5"
+        return Refuse("the scale is a decomposed GELU's closing 0.5")
     group = Site.int_attr(conv, "group", 1)
     scale = _per_input_channel(m, "c", shape, w.shape[1] * group)
-    if isinstance(scale, str):
+    if isinstance(scale, Refuse):
         return scale
     # W[m, j] reads input channel g(m) * C/group + j
     index = (np.arange(w.shape[0]) // (w.shape[0] // group))[:, None] * w.shape[1] + np.arange(w.shape[1])[None, :]
     spread = (1,) * (w.ndim - 2)
     if "d" in m.bindings:
         shift = _per_input_channel(m, "d", shape, w.shape[1] * group)
-        if isinstance(shift, str):
+        if isinstance(shift, Refuse):
             return shift
         # the shift reaches the bias only where no padded zero is summed with it
         if not _unpadded(conv):
-            return "the Conv pads its input, and the shift would reach the padded zeros"
+            return Refuse("the Conv pads its input, and the shift would reach the padded zeros")
         shifted = (w * shift[index].reshape(index.shape + spread)).reshape(w.shape[0], -1).sum(axis=1)
         b = shifted if b is None else b + shifted
     return _InputAffinePlan(w * scale[index].reshape(index.shape + spread), b)
@@ -286,21 +287,27 @@ def _blocked(value: Value, depth: int = 8) -> bool:
     return node.op_type in _BLOCKED_ELEMENTWISE and all(v is not None and _blocked(v, depth - 1) for v in node.inputs)
 
 
-def _check_fused_conv(m: Match, site: Site) -> str | int | None:
+def _check_fused_conv(m: Match, site: Site) -> Refuse | int | None:
     """Why not, or the output channels of the zero bias a residual FusedConv needs (None: none)."""
     if "z" not in m.bindings:
-        return check_activation(m, site)
+        return _activation_or(m, site, None)
     shape = site.shape(m.value("z"))
     if shape is None or None in shape or shape != site.shape(m.node("conv").outputs[0]):
-        return "the residual's shape is not provably the Conv's"
+        return Refuse("the residual's shape is not provably the Conv's")
     if not _blocked(m.value("z")):
-        return "the residual is not the output of a Conv or pooling (onnxruntime's own Conv + Add is faster)"
+        return Refuse("the residual is not the output of a Conv or pooling (onnxruntime's own Conv + Add is faster)")
     if m.optional("b") is not None:
-        return check_activation(m, site)
+        return _activation_or(m, site, None)
     channels = (site.shape(m.value("w")) or (None,))[0]
     if not isinstance(channels, int):
-        return "the Conv has no bias and its output channels are unknown"
-    return check_activation(m, site) or channels
+        return Refuse("the Conv has no bias and its output channels are unknown")
+    return _activation_or(m, site, channels)
+
+
+def _activation_or(m: Match, site: Site, zero_bias: int | None) -> Refuse | int | None:
+    """``zero_bias``, unless FusedConv cannot take the match's activation."""
+    reason = check_activation(m, site)
+    return zero_bias if reason is None else Refuse(reason)
 
 
 def _build_fused_conv(b: Builder, m: Match, zero_bias: int | None) -> Value:
@@ -319,30 +326,30 @@ _PLAIN_CONV = op.Conv(var("x"), var("w"), optional(var("b")), name="conv")
 # -- Gemm / MatMul + BatchNormalization -------------------------------------------------------
 
 
-def _gemm_bn_facts(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | str:
+def _gemm_bn_facts(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | Refuse:
     """(B', C', scale, transB) for BN(Gemm / MatMul), or why not."""
     node = m.node("gemm")
     if site.rank(node.outputs[0]) != 2 or site.rank(node.inputs[0]) != 2:
-        return "the product is not 2-D (BatchNormalization's channels are not its columns)"
+        return Refuse("the product is not 2-D (BatchNormalization's channels are not its columns)")
     weight = float_array(node.inputs[1])
     ss = _bn_scale_shift(m)
     if weight is None or weight.ndim != 2 or ss is None:
-        return "the weight or a BatchNormalization parameter is not a float constant"
+        return Refuse("the weight or a BatchNormalization parameter is not a float constant")
     scale, shift = ss
     trans_b = Site.int_attr(node, "transB", 0) if node.op_type == "Gemm" else 0
     if scale.shape[0] != weight.shape[0 if trans_b else 1]:
-        return "BatchNormalization's channels differ from the product's columns"
+        return Refuse("BatchNormalization's channels differ from the product's columns")
     alpha = Site.float_attr(node, "alpha", 1.0) if node.op_type == "Gemm" else 1.0
     c_value = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else None
     c = np.zeros(1) if c_value is None else float_array(c_value)
     if c is None:
-        return "the Gemm's C is not a float constant"
+        return Refuse("the Gemm's C is not a float constant")
     beta = Site.float_attr(node, "beta", 1.0) if node.op_type == "Gemm" else 0.0
     weight = alpha * (weight * (scale[:, None] if trans_b else scale[None, :]))
     try:
         bias = np.broadcast_to(beta * c, np.broadcast_shapes(c.shape, scale.shape)) * scale + shift
     except ValueError:
-        return "the Gemm's C does not broadcast over the columns"
+        return Refuse("the Gemm's C does not broadcast over the columns")
     return weight, bias, scale, trans_b
 
 
@@ -359,16 +366,16 @@ def _build_gemm_bn(b: Builder, m: Match, found: tuple[np.ndarray, np.ndarray, np
 # -- Pad into Conv and pooling ----------------------------------------------------------------
 
 
-def _pad_amounts(m: Match, site: Site) -> list[int] | str:
+def _pad_amounts(m: Match, site: Site) -> list[int] | Refuse:
     """The spatial pads the matched Pad adds, in the consumer's ``pads`` layout, or why not."""
     pad, consumer = m.node("pad"), m.root
     if (reason := _other_readers(pad)) is not None:
         return reason
     rank = site.rank(pad.outputs[0])
     if rank is None or rank < 3:
-        return "the padded rank is unknown"
+        return Refuse("the padded rank is unknown")
     if (pad.attr("mode", "constant") or "constant") not in ("constant", b"constant"):
-        return "not a constant-mode Pad"
+        return Refuse("not a constant-mode Pad")
     if site.opset < 11:
         pads, fill = pad.attr("pads"), Site.float_attr(pad, "value", 0.0)
     else:
@@ -376,22 +383,22 @@ def _pad_amounts(m: Match, site: Site) -> list[int] | str:
         value = pad.inputs[2] if len(pad.inputs) > 2 else None
         fill_array = np.zeros(1) if value is None else float_array(value)
         if fill_array is None or fill_array.size != 1 or (len(pad.inputs) > 3 and pad.inputs[3] is not None):
-            return "the pad value is not a scalar constant, or the Pad names its axes"
+            return Refuse("the pad value is not a scalar constant, or the Pad names its axes")
         fill = float(fill_array.ravel()[0])
     if pads is None:
-        return "the pads are not constant"
+        return Refuse("the pads are not constant")
     pads = [int(p) for p in np.asarray(pads).ravel()]
     begins, ends = pads[:rank], pads[rank:]
     if any(p < 0 for p in pads) or any(begins[:2]) or any(ends[:2]):
-        return "the Pad crops, or pads the batch or channel dims"
+        return Refuse("the Pad crops, or pads the batch or channel dims")
     wanted = -np.inf if consumer.op_type == "MaxPool" else 0.0
     if fill != wanted and not (fill == 0.0 and consumer.op_type == "MaxPool" and _never_negative(m.value("x"))):
-        return f"the pad value is {fill}, not {wanted}"
+        return Refuse(f"the pad value is {fill}, not {wanted}")
     if (consumer.attr("auto_pad", "NOTSET") or "NOTSET") not in ("NOTSET", b"NOTSET"):
-        return "the consumer pads automatically"
+        return Refuse("the consumer pads automatically")
     own = [int(p) for p in consumer.attr("pads", [0] * (2 * (rank - 2)))]
     if consumer.op_type == "AveragePool" and any(own) and not consumer.attr("count_include_pad", 0):
-        return "the AveragePool's own pads are not counted"
+        return Refuse("the AveragePool's own pads are not counted")
     return [a + b for a, b in zip(own, begins[2:] + ends[2:], strict=True)]
 
 
@@ -432,14 +439,14 @@ def _pad_consumer(node: Node) -> bool:
     return domain and (len(node.outputs) == 1 or not any(v.is_used() for v in node.outputs[1:]))
 
 
-def _other_readers(pad: Node) -> str | None:
+def _other_readers(pad: Node) -> Refuse | None:
     """Why the Pad must stay: a graph output, or a reader other than a Conv or pooling's input."""
     value = pad.outputs[0]
     if value.is_graph_output:
-        return f"{value.name!r} is a graph output"
+        return Refuse(f"{value.name!r} is a graph output")
     for use in value.uses():
         if use.index != 0 or use.node.op_type not in _PAD_CONSUMERS or not _pad_consumer(use.node):
-            return f"{value.name!r} is also read by {use.node.name or use.node.op_type}, not a Conv or pooling"
+            return Refuse(f"{value.name!r} is also read by {use.node.name or use.node.op_type}, not a Conv or pooling")
     return None
 
 
@@ -474,7 +481,7 @@ _INPUT_AFFINE = op.any_of(
 )
 
 
-def _channel_rule(root: str) -> Rule:
+def _channel_rule(root: str) -> Rule[Any]:
     return Rule(
         name=f"conv-{root.lower()}",
         family=FAMILY,
@@ -495,7 +502,7 @@ _FUSED_CONV = partial(
     label="Conv+activation",
 )
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     Rule(
         name="conv-bn",
         family=FAMILY,

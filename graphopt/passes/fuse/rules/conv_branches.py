@@ -18,6 +18,7 @@ models' own ``reparameterize`` does for inference), and each of its Adds and BNs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, named_after, new_const
 from graphopt.passes.fuse.rules.conv import FAMILY
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, either, op, optional, var
 
 
@@ -55,18 +56,18 @@ class _Kernel:
     group: int
 
 
-def _conv_kernel(m: Match, node: Node, tag: str) -> _Kernel | str:
+def _conv_kernel(m: Match, node: Node, tag: str) -> _Kernel | Refuse:
     w = float_array(m.value(f"w_{tag}"))
     b_value = m.optional(f"b_{tag}")
     bias = None if b_value is None else float_array(b_value)
     if w is None or w.ndim < 3 or (b_value is not None and bias is None):
-        return "a Conv's weight or bias is not a float constant"
+        return Refuse("a Conv's weight or bias is not a float constant")
     if (node.attr("auto_pad", "NOTSET") or "NOTSET") not in ("NOTSET", b"NOTSET"):
-        return "a Conv pads automatically (auto_pad)"
+        return Refuse("a Conv pads automatically (auto_pad)")
     spatial = w.ndim - 2
     kernel = tuple(node.attr("kernel_shape", list(w.shape[2:])))
     if kernel != tuple(w.shape[2:]):
-        return "a Conv's kernel_shape is not its weight's"
+        return Refuse("a Conv's kernel_shape is not its weight's")
     return _Kernel(
         w,
         bias if bias is not None else np.zeros(w.shape[0]),
@@ -77,28 +78,28 @@ def _conv_kernel(m: Match, node: Node, tag: str) -> _Kernel | str:
     )
 
 
-def _identity_kernel(m: Match, node: Node, tag: str, like: _Kernel) -> _Kernel | str:
+def _identity_kernel(m: Match, node: Node, tag: str, like: _Kernel) -> _Kernel | Refuse:
     """BN(x) as a 1x1 Conv of ``like``'s groups: channel c reads input c, scaled by BN's s."""
     found = [float_array(m.value(f"{n}_{tag}")) for n in ("gamma", "beta", "mean", "var")]
     if any(p is None or p.ndim != 1 for p in found):
-        return "the BatchNormalization's parameters are not 1-D float constants"
+        return Refuse("the BatchNormalization's parameters are not 1-D float constants")
     gamma, beta, mean, variance = (p for p in found if p is not None)
     scale = gamma / np.sqrt(variance + Site.float_attr(node, "epsilon", 1e-5))
     channels, per_group = like.w.shape[0], like.w.shape[1]
     if len(scale) != channels or channels != per_group * like.group:
-        return "the Conv's output channels are not its input channels (no identity branch fits)"
+        return Refuse("the Conv's output channels are not its input channels (no identity branch fits)")
     if any(s != 1 for s in like.strides):
-        return "the Conv has a stride (the identity branch keeps x's size)"
+        return Refuse("the Conv has a stride (the identity branch keeps x's size)")
     spatial = like.w.ndim - 2
     w = np.zeros((channels, per_group) + (1,) * spatial)
     w[np.arange(channels), np.arange(channels) % per_group] = scale.reshape(-1, *(1,) * spatial)
     return _Kernel(w, beta - mean * scale, (0,) * 2 * spatial, like.strides, like.dilations, like.group)
 
 
-def _merged(a: _Kernel, b: _Kernel, sign: float) -> _Kernel | str:
+def _merged(a: _Kernel, b: _Kernel, sign: float) -> _Kernel | Refuse:
     """``a`` plus ``sign`` times ``b`` as one kernel, or why they do not add up."""
     if (a.strides, a.dilations, a.group) != (b.strides, b.dilations, b.group) or a.w.shape[:2] != b.w.shape[:2]:
-        return "the branches differ in stride, dilation, groups or channels"
+        return Refuse("the branches differ in stride, dilation, groups or channels")
     spatial = a.w.ndim - 2
     size = tuple(max(ka, kb) for ka, kb in zip(a.w.shape[2:], b.w.shape[2:], strict=True))
     pads: list[int] = []
@@ -107,11 +108,11 @@ def _merged(a: _Kernel, b: _Kernel, sign: float) -> _Kernel | str:
         offsets = []
         for k, full in zip(kernel.w.shape[2:], size, strict=True):
             if (full - k) % 2:
-                return "the kernels' sizes differ by an odd number of taps (no center)"
+                return Refuse("the kernels' sizes differ by an odd number of taps (no center)")
             offsets.append((full - k) // 2)
         grown = tuple(kernel.pads[i] + offsets[i % spatial] * kernel.dilations[i % spatial] for i in range(2 * spatial))
         if pads and tuple(pads) != grown:
-            return "the branches' pads do not center the smaller kernel in the larger"
+            return Refuse("the branches' pads do not center the smaller kernel in the larger")
         pads = list(grown)
         w = np.zeros(kernel.w.shape[:2] + size)
         taps = tuple(slice(o, o + k) for o, k in zip(offsets, kernel.w.shape[2:], strict=True))
@@ -127,25 +128,25 @@ class _Plan:
     conv: Node  # a Conv of the branches: the new one takes its attributes and weight's type
 
 
-def _plan(m: Match, site: Site) -> _Plan | str:
+def _plan(m: Match, site: Site) -> _Plan | Refuse:
     total = m.node("sum")
     convs = [m.node(f"conv_{t}") if f"conv_{t}" in m.bindings else None for t in "ab"]
     first = next((c for c in convs if c is not None), None)
     if first is None:
-        return "no branch is a Conv"
+        return Refuse("no branch is a Conv")
     like = _conv_kernel(m, first, "a" if convs[0] is not None else "b")
-    if isinstance(like, str):
+    if isinstance(like, Refuse):
         return like
     kernels: list[_Kernel] = []
     for tag, conv in zip("ab", convs, strict=True):
         kernel = _conv_kernel(m, conv, tag) if conv is not None else _identity_kernel(m, m.node(f"bn_{tag}"), tag, like)
-        if isinstance(kernel, str):
+        if isinstance(kernel, Refuse):
             return kernel
         kernels.append(kernel)
     if site.shape(total.inputs[0]) != site.shape(total.inputs[1]) or site.shape(total.inputs[0]) is None:
-        return "the branches' outputs do not provably have one shape"
+        return Refuse("the branches' outputs do not provably have one shape")
     merged = _merged(kernels[0], kernels[1], -1.0 if total.op_type == "Sub" else 1.0)
-    if isinstance(merged, str):
+    if isinstance(merged, Refuse):
         return merged
     return _Plan(merged, first)
 
@@ -163,7 +164,7 @@ def _build(b: Builder, m: Match, plan: _Plan) -> Value:
     return node.outputs[0]
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     Rule(
         name="conv-branches",
         family=FAMILY,

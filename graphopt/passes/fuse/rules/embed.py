@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import shared_reader
 from graphopt.passes.fuse.rules._ort import MS
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, const, either, op, optional, var
 
 FAMILY = "embed"
@@ -80,31 +81,31 @@ class _Plan:
     eps: float
 
 
-def _plan(m: Match, site: Site) -> _Plan | str:
+def _plan(m: Match, site: Site) -> _Plan | Refuse:
     ln = m.node("ln")
     if ln.attr("axis", -1) not in (-1, 2) or any(v.is_used() for v in ln.outputs[1:]):
-        return "the LayerNormalization is not over the last axis alone"
+        return Refuse("the LayerNormalization is not over the last axis alone")
     ids = m.value("word_ids")
     shape = site.shape(ids)
     if site.dtype(ids) not in _IDS or shape is None or len(shape) != 2 or None in shape:
-        return "the ids are not 2-D int32 / int64 of known shape"
+        return Refuse("the ids are not 2-D int32 / int64 of known shape")
     tables = [Site.array(m.value(f"{n}_table")) for n in ("word", "position", "segment") if f"{n}_table" in m]
     hidden = tables[0].shape[-1] if tables[0] is not None else None
     if any(t is None or t.ndim != 2 or t.dtype != np.float32 or t.shape[1] != hidden for t in tables):
-        return "the embedding tables are not float32 constants of one hidden size"
+        return Refuse("the embedding tables are not float32 constants of one hidden size")
     if not _arange_positions(m.value("position_ids"), site, shape[1]):
-        return "the position ids are not provably 0 .. S-1 over the ids' sequence"
+        return Refuse("the position ids are not provably 0 .. S-1 over the ids' sequence")
     segment_ids = m.optional("segment_ids")
     if segment_ids is not None and (site.dtype(segment_ids) not in _IDS or site.shape(segment_ids) != shape):
-        return "the segment ids are not int32 / int64 of the ids' shape"
+        return Refuse("the segment ids are not int32 / int64 of the ids' shape")
     for name in ("gamma", "beta"):
         if name in m and (site.shape(m.value(name)) != (hidden,) or site.dtype(m.value(name)) != DataType.FLOAT):
-            return f"{name} is not a float32 vector over the hidden size"
+            return Refuse(f"{name} is not a float32 vector over the hidden size")
     position_table = None
     if "row" in m:
         row = Site.array(m.value("row"))
         if row is None or row.dtype != np.float32 or row.size != hidden or row.shape[-1] != hidden:
-            return "the constant added to the embeddings is not one row over the hidden size"
+            return Refuse("the constant added to the embeddings is not one row over the hidden size")
         position_table = tables[1] + row.reshape(1, -1)
     return _Plan(ids, segment_ids, position_table, Site.float_attr(ln, "epsilon", 1e-5))
 
@@ -144,7 +145,7 @@ def _build(b: Builder, m: Match, plan: _Plan) -> Value:
     return node.outputs[0]
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="ort-embedlayernorm",
         pattern=_EMBED,

@@ -21,12 +21,14 @@ rule MatMul + Add -> Gemm (2-D) would make it a Gemm again.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import op, optional, var
 
 FAMILY = "expose"
@@ -58,16 +60,16 @@ def _zero(value: Value | None) -> bool:
     return bias is not None and not np.any(bias)
 
 
-def _plan(m: Match, site: Site) -> np.ndarray | str:
+def _plan(m: Match, site: Site) -> np.ndarray | Refuse:
     """B as a constant matrix, or why the Gemm stays."""
     gemm = m.root
     if gemm.attr("transA", 0):
-        return "A is transposed (transA=1): the MatMul would not read the shared activation"
+        return Refuse("A is transposed (transA=1): the MatMul would not read the shared activation")
     weight = site.array(m.value("b"))
     if weight is None or weight.ndim != 2:
-        return "B is not a constant matrix"
+        return Refuse("B is not a constant matrix")
     if m.optional("c") is not None and not _zero(m.optional("c")):
-        return "it has a bias: fold refuses a group whose bias Adds cover some members only"
+        return Refuse("it has a bias: fold refuses a group whose bias Adds cover some members only")
     return weight
 
 
@@ -80,7 +82,7 @@ def _build(b: Builder, m: Match, weight: np.ndarray) -> Value:
     return b.op("MatMul", m.value("a"), b.constant(np.ascontiguousarray(matrix), "weight"))
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     Rule(
         name="gemm-as-matmul",
         family=FAMILY,

@@ -25,12 +25,13 @@ rows a call reads are very likely fewer than the table's.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import numpy as np
 
 from graphopt.ir import Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import const, either, op, optional, var
 
 FAMILY = "gather"
@@ -44,28 +45,28 @@ def _over_rows(m: Match, table: np.ndarray) -> bool:
     return Site.int_attr(m.node("gather"), "axis", 0) in (0, -table.ndim)
 
 
-def _consecutive_rows(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray] | str:
+def _consecutive_rows(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray] | Refuse:
     """The positions ``P`` and the table, when the Slice cuts P along its long axis, or why not."""
     positions = Site.array(m.value("positions"))
     table = Site.array(m.value("table"))
     if positions is None or table is None or table.ndim < 1:
-        return "the table or the positions are not readable constants"
+        return Refuse("the table or the positions are not readable constants")
     if positions.dtype.kind not in "iu" or positions.ndim < 1:
-        return "the positions are not integers"
+        return Refuse("the positions are not integers")
     rows = table.shape[0]
     if positions.size != rows or not np.array_equal(positions.ravel(), np.arange(rows)):
-        return "the positions are not 0, 1, ... over the table's rows"
+        return Refuse("the positions are not 0, 1, ... over the table's rows")
     if not _over_rows(m, table):
-        return "the Gather is not over rows"
+        return Refuse("the Gather is not over rows")
     axes = m.optional("axes")
     if axes is None:
-        return (positions, table) if positions.ndim == 1 else "the Slice names no axes"
+        return (positions, table) if positions.ndim == 1 else Refuse("the Slice names no axes")
     found = Site.array(axes)
     if found is None or found.size != 1:
-        return "the Slice's axes are not one constant axis"
+        return Refuse("the Slice's axes are not one constant axis")
     axis = int(found.ravel()[0]) % positions.ndim
     if positions.shape[axis] != rows:
-        return "the Slice does not cut the positions' long axis"
+        return Refuse("the Slice does not cut the positions' long axis")
     return positions, table
 
 
@@ -81,15 +82,15 @@ def _build_rows(b: Builder, m: Match, plan: tuple[np.ndarray, np.ndarray]) -> Va
     return sliced
 
 
-def _check_large_table(m: Match, site: Site) -> str | None:
+def _check_large_table(m: Match, site: Site) -> Refuse | None:
     table = Site.array(m.value("table"))
     to = m.node("cast").attr("to")
     if table is None or table.ndim < 1 or not isinstance(to, int):
-        return "the table is not a readable constant"
+        return Refuse("the table is not a readable constant")
     if not _over_rows(m, table):
-        return "the Gather is not over rows"
+        return Refuse("the Gather is not over rows")
     if table.shape[0] < MIN_TABLE_ROWS:
-        return f"the table has fewer than {MIN_TABLE_ROWS} rows"
+        return Refuse(f"the table has fewer than {MIN_TABLE_ROWS} rows")
     return None
 
 
@@ -98,7 +99,7 @@ def _gather_then_cast(b: Builder, m: Match, plan: None) -> Value:
     return b.op("Cast", rows, to=Site.int_attr(m.node("cast"), "to", 0))
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="gather-consecutive-rows",
         pattern=op.Gather(

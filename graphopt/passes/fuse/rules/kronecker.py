@@ -24,12 +24,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import op, var
 
 FAMILY = "kronecker"
@@ -161,19 +162,19 @@ def _may_factor(node: Node) -> bool:
     return weight is not None and next(_sampled_splits(weight), None) is not None
 
 
-def _plan(m: Match, site: Site) -> tuple[Factors, int] | str:
+def _plan(m: Match, site: Site) -> tuple[Factors, int] | Refuse:
     """The factors and x's rank, or why the MatMul stays."""
     weight = _weight(m.root)
     factors = None if weight is None else kronecker_factors(weight)
     if factors is None:
-        return "the weight's sampled minors vanish, but it does not factor exactly"
+        return Refuse("the weight's sampled minors vanish, but it does not factor exactly")
     m_rows, n, p, q = factors.shape
     size = m_rows * p * n * q  # W's elements, and the multiplications per row of x
     if factors.steps >= size or factors.a.size + factors.b.size >= size:
-        return f"W = A {m_rows}x{n} (x) B {p}x{q}, but two contractions save no multiplications"
+        return Refuse(f"W = A {m_rows}x{n} (x) B {p}x{q}, but two contractions save no multiplications")
     rank = site.rank(m.value("x"))
     if rank is None:
-        return "x has no known rank"
+        return Refuse("x has no known rank")
     return factors, rank
 
 
@@ -191,7 +192,7 @@ def _build(b: Builder, m: Match, plan: tuple[Factors, int]) -> Value:
     return b.op("Reshape", y, b.constant(np.asarray([*keep, n * q], dtype=np.int64), "kron_out_shape"))
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     Rule(
         name="kronecker-matmul",
         family=FAMILY,

@@ -31,14 +31,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, is_float
-from graphopt.passes.rewrite.engine import Build, Match, Plan, Rule, Site
+from graphopt.passes.rewrite.engine import Build, Match, P, Plan, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
 
 FAMILY = "lower"
@@ -83,21 +83,23 @@ def _normalized_axes(axis: int, rank: int | None) -> list[int] | None:
     return None if rank is None else list(range(axis - rank, 0))
 
 
-def _check_stash(node: Node) -> str | None:
+def _check_stash(node: Node) -> Refuse | None:
     stash = Site.int_attr(node, "stash_type", DataType.FLOAT)
     return (
-        None if stash in (DataType.FLOAT, DataType.DOUBLE, DataType.FLOAT16) else f"stash_type {stash} is not a float"
+        None
+        if stash in (DataType.FLOAT, DataType.DOUBLE, DataType.FLOAT16)
+        else Refuse(f"stash_type {stash} is not a float")
     )
 
 
-def _plan_norm(m: Match, site: Site) -> list[int] | str:
+def _plan_norm(m: Match, site: Site) -> list[int] | Refuse:
     """The normalized axes (negative), or why the norm is not lowered."""
     x = m.value("x")
     if not is_float(x):
-        return NOT_FLOAT
+        return Refuse(NOT_FLOAT)
     axes = _normalized_axes(Site.int_attr(m.root, "axis", -1), site.rank(x))
     if axes is None:
-        return "a positive axis on an input of unknown rank"
+        return Refuse("a positive axis on an input of unknown rank")
     return _check_stash(m.root) or axes
 
 
@@ -132,10 +134,10 @@ def _lower_rms_norm(b: Builder, m: Match, axes: list[int]) -> Value:
     return b.op("Mul", _cast_back(b, normalized, site, x), m.value("scale"))
 
 
-def _float_type(m: Match, site: Site) -> DataType | str:
+def _float_type(m: Match, site: Site) -> DataType | Refuse:
     """x's element type, a float one, or why not."""
     dtype = site.dtype(m.value("x"))
-    return dtype if dtype is not None and is_float(m.value("x")) else NOT_FLOAT
+    return dtype if dtype is not None and is_float(m.value("x")) else Refuse(NOT_FLOAT)
 
 
 def _lower_gelu(b: Builder, m: Match, dtype: DataType) -> Value:
@@ -150,20 +152,20 @@ def _lower_gelu(b: Builder, m: Match, dtype: DataType) -> Value:
     return b.op("Mul", b.op("Mul", x, one_plus), _scalar(b, 0.5, dtype, "half"))
 
 
-def _plan_group_norm(m: Match, site: Site) -> tuple[int, DataType] | str:
+def _plan_group_norm(m: Match, site: Site) -> tuple[int, DataType] | Refuse:
     """(x's rank, x's element type), or why the norm is not lowered."""
     x = m.value("x")
     dtype = site.dtype(x)
     if not is_float(x) or dtype is None:
-        return NOT_FLOAT
+        return Refuse(NOT_FLOAT)
     rank = site.rank(x)
     if rank is None or rank < 3:
-        return "x is not provably of rank 3 or more (N, C, spatial...)"
+        return Refuse("x is not provably of rank 3 or more (N, C, spatial...)")
     if m.root.attr("num_groups") is None:
-        return "num_groups is missing"
+        return Refuse("num_groups is missing")
     if _opset_now(site) < 21:
         # opset 18's per-group GroupNormalization exists from 18 on: lower it below 18 only.
-        return (rank, dtype) if site.opset < 18 else "the target opset has this (opset 18) GroupNormalization"
+        return (rank, dtype) if site.opset < 18 else Refuse("the target opset has this (opset 18) GroupNormalization")
     return _check_stash(m.root) or (rank, dtype)
 
 
@@ -199,37 +201,37 @@ class _Layout(NamedTuple):
     dtype: DataType
 
 
-def _attention_layout(m: Match, site: Site) -> _Layout | str:
+def _attention_layout(m: Match, site: Site) -> _Layout | Refuse:
     """How to lower the Attention, or why it is not lowered."""
     node = m.root
     q, k, v = (m.value(n) for n in "qkv")
     rank = site.rank(q)
     if rank not in (3, 4) or site.rank(k) != rank or site.rank(v) != rank:
-        return "Q, K, V are not provably all 3-D or all 4-D"
+        return Refuse("Q, K, V are not provably all 3-D or all 4-D")
     if not all(is_float(t) for t in (q, k, v)):
-        return "Q, K, V are not float tensors of known type"
+        return Refuse("Q, K, V are not float tensors of known type")
     if any(i < len(node.inputs) and node.inputs[i] is not None for i in (4, 5, 6)):
-        return "past key / value (or nonpad_kv_seqlen) inputs are not lowered"
+        return Refuse("past key / value (or nonpad_kv_seqlen) inputs are not lowered")
     if any(out.is_used() for out in node.outputs[1:]):
-        return "the present key / value or QK outputs are read"
+        return Refuse("the present key / value or QK outputs are read")
     if Site.float_attr(node, "softcap", 0.0) != 0.0 or node.attr("softmax_precision") is not None:
-        return "softcap / softmax_precision are not lowered"
+        return Refuse("softcap / softmax_precision are not lowered")
     if any(int(node.attr(side, -1)) >= 0 for side in ("left_window_size", "right_window_size")):
-        return "a sliding window (left_window_size / right_window_size) is not lowered"
+        return Refuse("a sliding window (left_window_size / right_window_size) is not lowered")
     if rank == 4:
         heads, kv_heads = (site.shape(t)[1] for t in (q, k))  # type: ignore[index]
         if heads is None or heads != kv_heads:
-            return "Q and K do not provably have as many heads (grouped-query 4-D attention is not lowered)"
+            return Refuse("Q and K do not provably have as many heads (grouped-query 4-D attention is not lowered)")
         heads = kv_heads = 0
     else:
         heads, kv_heads = node.attr("q_num_heads"), node.attr("kv_num_heads")
         if not heads or not kv_heads or heads % kv_heads:
-            return "q_num_heads / kv_num_heads are missing or do not divide"
+            return Refuse("q_num_heads / kv_num_heads are missing or do not divide")
     scale = node.attr("scale")
     if scale is None:
         size = _head_size(site, q, int(heads))
         if size is None:
-            return "no scale and the head size is not static"
+            return Refuse("no scale and the head size is not static")
         scale = 1 / math.sqrt(size)
     dtype = site.dtype(q)
     assert dtype is not None  # q is float
@@ -327,27 +329,27 @@ def _lower_attention(b: Builder, m: Match, layout: _Layout) -> Value:
 # -- Split (opset 18) -----------------------------------------------------------------------------
 
 
-def _split_sizes(m: Match, site: Site) -> list[int] | str:
+def _split_sizes(m: Match, site: Site) -> list[int] | Refuse:
     node = m.root
     x = m.value("x")
     shape = site.shape(x)
     if shape is None:
-        return "the input's rank is unknown"
+        return Refuse("the input's rank is unknown")
     axis = Site.int_attr(node, "axis", 0)
     if "split" in m:
         sizes = site.array(m.value("split"))
-        return "the split sizes are not constant" if sizes is None else [int(s) for s in sizes.ravel()]
+        return Refuse("the split sizes are not constant") if sizes is None else [int(s) for s in sizes.ravel()]
     dim = shape[axis]
     count = len(node.outputs)
     if not isinstance(dim, int):
-        return "the split axis is not static"
+        return Refuse("the split axis is not static")
     step = -(-dim // count)  # num_outputs: equal parts, the last one smaller
     return [min(step, dim - i * step) for i in range(count)]
 
 
-def _plan_split(m: Match, site: Site) -> list[int] | str:
+def _plan_split(m: Match, site: Site) -> list[int] | Refuse:
     if _opset_now(site) < 18:
-        return "an opset-13 Split converts as it is"
+        return Refuse("an opset-13 Split converts as it is")
     return _split_sizes(m, site)
 
 
@@ -360,7 +362,7 @@ def _lower_split(b: Builder, m: Match, sizes: list[int]) -> list[Value]:
     ]
 
 
-def _lowering(name: str, pattern: OpPattern, plan: Plan, build: Build, max_opset: int) -> Rule:
+def _lowering(name: str, pattern: OpPattern, plan: Plan[P], build: Build[P], max_opset: int) -> Rule[P]:
     """A shatter rule taking ``pattern``'s op to primitives where the target opset is past ``max_opset``."""
     (op_type,) = pattern.op_types
     return Rule(
@@ -380,7 +382,7 @@ _ATTENTION = op.Attention(
     var("q"), var("k"), var("v"), optional(var("mask")), *(optional(var(f"extra{i}")) for i in range(3))
 )
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _lowering(
         "lower-layernorm",
         op.LayerNormalization(_x, var("scale"), optional(var("bias"))),

@@ -40,13 +40,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from math import prod
+from typing import Any
 
 import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, static_shape
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import op, optional, var
 
 __all__ = ["RULES"]
@@ -89,59 +90,61 @@ def _bound_at_call_site(node: Node) -> bool:
     return node.opaque or any(attr.ref_attr_name for attr in node.attributes.values())
 
 
-def _params(node: Node, integer: DataType | None, floats: Value | None, rank: int | None) -> _Params | str:
+def _params(node: Node, integer: DataType | None, floats: Value | None, rank: int | None) -> _Params | Refuse:
     """``node``'s parameters, with ``integer`` its integer type, ``floats`` its float tensor and
     ``rank`` that tensor's rank."""
     if _bound_at_call_site(node):
-        return f"the {node.op_type}'s attributes are bound at a function's call site"
+        return Refuse(f"the {node.op_type}'s attributes are bound at a function's call site")
     if Site.int_attr(node, "block_size", 0):
-        return "a blocked quantization"
+        return Refuse("a blocked quantization")
     if integer is None or integer not in _QUANTIZED:
-        return f"the {node.op_type}'s integer type is not 4-, 8- or 16-bit"
+        return Refuse(f"the {node.op_type}'s integer type is not 4-, 8- or 16-bit")
     scale_type = Site.dtype(node.inputs[1])
     scale = float_array(node.inputs[1])
     if scale is None or scale_type is None:
-        return "a scale is not a float constant"
+        return Refuse("a scale is not a float constant")
     if Site.dtype(floats) != scale_type:
-        return f"the {node.op_type}'s float tensor is not of its scale's type"
+        return Refuse(f"the {node.op_type}'s float tensor is not of its scale's type")
     zero_given = node.inputs[2] if len(node.inputs) > 2 else None
     zero = np.zeros_like(scale) if zero_given is None else Site.array(zero_given)
     if zero is None or zero.shape != scale.shape:
-        return "a zero point is not a constant of the scale's shape"
+        return Refuse("a zero point is not a constant of the scale's shape")
     axis = None
     if scale.size > 1:
         if rank is None or scale.ndim != 1:
-            return "a per-axis quantization of unknown rank"
+            return Refuse("a per-axis quantization of unknown rank")
         axis = Site.int_attr(node, "axis", 1) % rank
     return _Params(integer, scale.ravel(), zero.astype(np.float64).ravel(), scale_type, axis)
 
 
-def _exact(p: _Params) -> str | None:
+def _exact(p: _Params) -> Refuse | None:
     """Why quantizing ``p``'s dequantized values again may not give them back (None: it does)."""
     low, high = _QUANTIZED[p.integer]
     spacing = p.float_type.epsilon
     span = high - low  # the largest |q - z|
     if spacing is None:
-        return "the scale's float type is unknown"
+        return Refuse("the scale's float type is unknown")
     if span * _ROUNDINGS * spacing / 2 >= 0.5:
-        return f"{p.float_type.name.lower()} cannot hold every {p.integer.name.lower()} step exactly"
+        return Refuse(f"{p.float_type.name.lower()} cannot hold every {p.integer.name.lower()} step exactly")
     try:
         finfo = np.finfo(p.float_type.numpy())
     except TypeError:
-        return f"no numpy type for {p.float_type.name.lower()}"
+        return Refuse(f"no numpy type for {p.float_type.name.lower()}")
     if not (np.all(np.isfinite(p.scale)) and np.all(p.scale >= finfo.tiny) and span * p.scale.max() < finfo.max):
-        return "a scale is not a positive normal number whose steps stay finite"
+        return Refuse("a scale is not a positive normal number whose steps stay finite")
     return None
 
 
-def _same(dq: _Params, q: _Params) -> str | None:
+def _same(dq: _Params, q: _Params) -> Refuse | None:
     """Why ``q`` does not undo ``dq`` (axes aside): another type, scale or zero point."""
     if dq.integer != q.integer:
-        return f"the integer types differ ({dq.integer.name.lower()} dequantized, {q.integer.name.lower()} quantized)"
+        return Refuse(
+            f"the integer types differ ({dq.integer.name.lower()} dequantized, {q.integer.name.lower()} quantized)"
+        )
     if dq.float_type != q.float_type or not np.array_equal(dq.scale, q.scale):
-        return "the scales differ"
+        return Refuse("the scales differ")
     if not np.array_equal(dq.zero, q.zero):
-        return "the zero points differ"
+        return Refuse("the zero points differ")
     return _exact(dq)
 
 
@@ -158,32 +161,32 @@ def _is_dequantized(value: Value) -> bool:
     return node is not None and node.op_type == "DequantizeLinear" and node.in_standard_domain
 
 
-def _dq_params(dq: Node) -> _Params | str:
+def _dq_params(dq: Node) -> _Params | Refuse:
     return _params(dq, Site.dtype(dq.inputs[0]), dq.outputs[0], Site.rank(dq.inputs[0]))
 
 
-def _q_params(q: Node) -> _Params | str:
+def _q_params(q: Node) -> _Params | Refuse:
     return _params(q, Site.dtype(q.outputs[0]), q.inputs[0], Site.rank(q.inputs[0]))
 
 
 # -- Q(DQ(q)) -> q -------------------------------------------------------------------------------
 
 
-def _pair(x: Value, q: Node) -> tuple[_Params, _Params] | str:
+def _pair(x: Value, q: Node) -> tuple[_Params, _Params] | Refuse:
     """The parameters of the DequantizeLinear computing ``x`` and of QuantizeLinear ``q``, or why not readable."""
     before, after = _dq_params(_dequantizer(x)), _q_params(q)
-    if isinstance(before, str) or isinstance(after, str):
-        return before if isinstance(before, str) else str(after)
-    return before, after
+    if isinstance(before, Refuse):
+        return before
+    return after if isinstance(after, Refuse) else (before, after)
 
 
-def _plan_requantize(m: Match, site: Site) -> str | None:
+def _plan_requantize(m: Match, site: Site) -> Refuse | None:
     found = _pair(m.value("x"), m.root)
-    if isinstance(found, str):
+    if isinstance(found, Refuse):
         return found
     before, after = found
     if before.axis != after.axis:
-        return "the per-axis quantizations are along different axes"
+        return Refuse("the per-axis quantizations are along different axes")
     return _same(before, after)
 
 
@@ -232,32 +235,34 @@ def _reshaped_axis(move: Node, axis: int) -> int | None:
     return None
 
 
-def _kernel_refusal(op_type: str, integer: DataType) -> str | None:
+def _kernel_refusal(op_type: str, integer: DataType) -> Refuse | None:
     """Why ``op_type`` should not run on ``integer`` (None: it may): a type onnxruntime's CPU kernels
     do not take, or int8, which onnxruntime on x86 turns into uint8 for its integer kernels only at
     a Q -> DQ pair it finds adjacent (its QDQ selectors refuse int8 activations there): moved
     between them, the int8 tensor keeps the MatMul after it in float (gpt2_dynamo_qdq ran 3.6x
     slower at ORT_ENABLE_ALL, its 256 x 8000 head dequantized on every run)."""
     if integer == DataType.INT8:
-        return "onnxruntime (x86) makes int8 activations uint8 only at adjacent Q -> DQ pairs, which this would part"
-    return None if integer in _MOVABLE else f"onnxruntime's CPU {op_type} does not take {integer.name.lower()}"
+        return Refuse(
+            "onnxruntime (x86) makes int8 activations uint8 only at adjacent Q -> DQ pairs, which this would part"
+        )
+    return None if integer in _MOVABLE else Refuse(f"onnxruntime's CPU {op_type} does not take {integer.name.lower()}")
 
 
-def _plan_move(m: Match, site: Site) -> str | None:
+def _plan_move(m: Match, site: Site) -> Refuse | None:
     move = m.node("move")
     found = _pair(m.value("x"), m.root)
-    if isinstance(found, str):
+    if isinstance(found, Refuse):
         return found
     before, after = found
     if _bound_at_call_site(move):
-        return "the move's attributes are bound at a function's call site"
+        return Refuse("the move's attributes are bound at a function's call site")
     refusal = _kernel_refusal(move.op_type, before.integer)
     if refusal is not None:
         return refusal
     if before.axis is not None and _moved_axis(move, before.axis) != after.axis:
-        return "the move does not carry the per-axis quantization's axis to the QuantizeLinear's"
+        return Refuse("the move does not carry the per-axis quantization's axis to the QuantizeLinear's")
     if (before.axis is None) != (after.axis is None):
-        return "one quantization is per axis, the other per tensor"
+        return Refuse("one quantization is per axis, the other per tensor")
     return _same(before, after)
 
 
@@ -274,22 +279,22 @@ def _parts(concat: Node) -> list[Value]:
     return [part for part in concat.inputs if part is not None]
 
 
-def _plan_concat(m: Match, site: Site) -> str | None:
+def _plan_concat(m: Match, site: Site) -> Refuse | None:
     concat = m.node("concat")
     if _bound_at_call_site(concat):
-        return "the Concat's attributes are bound at a function's call site"
+        return Refuse("the Concat's attributes are bound at a function's call site")
     rank = site.rank(m.root.inputs[0])
     joined = None if rank is None else site.int_attr(concat, "axis", 0) % rank
     for part in _parts(concat):
         found = _pair(part, m.root)
-        if isinstance(found, str):
+        if isinstance(found, Refuse):
             return found
         before, after = found
         refusal = _kernel_refusal("Concat", before.integer) or _same(before, after)
         if refusal is not None:
             return refusal
         if before.axis != after.axis or (before.axis is not None and before.axis == joined):
-            return "a per-axis quantization is not along the same axis, other than the joined one"
+            return Refuse("a per-axis quantization is not along the same axis, other than the joined one")
     return None
 
 
@@ -304,7 +309,7 @@ _DEQUANTIZED = var("x", _is_dequantized)
 # The most parts of a Concat the rule reads (a rotary's halves, a cache and its new step, ViT's class token).
 _MOST_PARTS = 8
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="qdq-move-integers",
         pattern=_QUANTIZE(

@@ -55,7 +55,7 @@ from graphopt.ir import DataType, Dim, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import shared_reader
 from graphopt.passes.fuse.rules._ort import MS
-from graphopt.passes.rewrite.engine import Build, Match, Rule, Site
+from graphopt.passes.rewrite.engine import Build, Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, Pattern, const, op, optional, var
 from graphopt.passes.rewrite.proofs import HEADS, merge_refusal, split_count
 
@@ -266,11 +266,11 @@ def _gathered(value: Value, dims: _Dims, interleaved: bool) -> _Cache | None:
     return None if part is None else _Cache(table=part, positions=positions)
 
 
-def _cache(m: Match, site: Site, name: str, dims: _Dims, interleaved: bool) -> _Cache | str:
+def _cache(m: Match, site: Site, name: str, dims: _Dims, interleaved: bool) -> _Cache | Refuse:
     """``cos`` or ``sin`` as a cache for x of ``dims``, or why not."""
     value = m.value(name)
     if not interleaved and not _halves_equal(value, -1):
-        return f"the halves of {name} are not provably equal"
+        return Refuse(f"the halves of {name} are not provably equal")
     gathered = _gathered(value, dims, interleaved)
     if gathered is not None:
         return gathered
@@ -280,12 +280,12 @@ def _cache(m: Match, site: Site, name: str, dims: _Dims, interleaved: bool) -> _
         try:
             table = np.broadcast_to(array, static)
         except ValueError:
-            return f"{name} does not broadcast over x's heads only"
+            return Refuse(f"{name} does not broadcast over x's heads only")
         part = _cache_part(np.take(table, 0, axis=dims.heads_axis), interleaved)
-        return f"the pairs of {name} are not equal" if part is None else _Cache(table=part)
+        return Refuse(f"the pairs of {name} are not equal") if part is None else _Cache(table=part)
     lead = _lead(site, value, dims, dims.size)
     if lead is None:
-        return f"{name} is not provably (batch or 1, seq, r) with an axis of 1 over x's heads"
+        return Refuse(f"{name} is not provably (batch or 1, seq, r) with an axis of 1 over x's heads")
     batch, batch_of = lead
     # The cache's source: cos itself, whose first half is the cache, or the c that cos repeats in pairs.
     source, width = value, dims.size
@@ -293,11 +293,11 @@ def _cache(m: Match, site: Site, name: str, dims: _Dims, interleaved: bool) -> _
         repeated = _repeated_pairs(value)
         width = dims.size // 2
         if repeated is None:
-            return f"{name} is not provably c repeated in pairs"
+            return Refuse(f"{name} is not provably c repeated in pairs")
         source, added = repeated
         rows = added == {dims.heads_axis, 4} and site.shape(source) == (batch, dims.seq, width)
         if not rows and not (added == {4} and site.shape(source) == dims.with_one_head(batch, width)):
-            return f"the c that {name} repeats in pairs is not (batch or 1, seq, r/2) over x's heads"
+            return Refuse(f"the c that {name} repeats in pairs is not (batch or 1, seq, r/2) over x's heads")
     # Without the heads axis where an Unsqueeze added it (else the cache's Squeeze drops it).
     unsqueezed = _unsqueezed_at(source, dims.heads_axis) if site.rank(source) == 4 else None
     if unsqueezed is not None and site.shape(unsqueezed) == (batch, dims.seq, width):
@@ -323,39 +323,39 @@ def _bounds(site: Site, node: Node) -> tuple[int, int, int] | None:
     return None
 
 
-def _rotated(m: Match, site: Site, size: int, interleaved: bool) -> str | None:
+def _rotated(m: Match, site: Site, size: int, interleaved: bool) -> Refuse | None:
     """Why the rotated term is not x's rotate-half or rotate-pairs of ``size``, or None."""
     first, second = _bounds(site, m.node("x1")), _bounds(site, m.node("x2"))
     if first is None or second is None:
-        return "the Slices are not static slices of the last axis"
+        return Refuse("the Slices are not static slices of the last axis")
     rotate_axis = m.node("rotate").attr("axis")
     if not interleaved:
         half = size // 2
         if first != (0, half, 1) or second[0] != half or second[1] < size or second[2] != 1:
-            return "the Slices are not the two halves of the last axis"
-        return None if rotate_axis in (-1, 3) else "the Concat is not over the last axis"
+            return Refuse("the Slices are not the two halves of the last axis")
+        return None if rotate_axis in (-1, 3) else Refuse("the Concat is not over the last axis")
     if first[0] != 0 or second[0] != 1 or first[2] != 2 or second[2] != 2 or min(first[1], second[1]) < size:
-        return "the Slices are not the even and odd entries of the last axis"
+        return Refuse("the Slices are not the even and odd entries of the last axis")
     added = [Site.array(m.value(n)) for n in ("odd_axis", "even_axis")]
     if any(a is None or a.ravel().tolist() not in ([-1], [4]) for a in added) or rotate_axis not in (-1, 4):
-        return "the pairs are not stacked on a new last axis"
+        return Refuse("the pairs are not stacked on a new last axis")
     if site.shape(m.node("merge").outputs[0]) != site.shape(m.value("x")):
-        return "the stacked pairs are not provably flattened back to x's shape"
+        return Refuse("the stacked pairs are not provably flattened back to x's shape")
     return None
 
 
-def _whole(m: Match, site: Site, size: int) -> int | str:
+def _whole(m: Match, site: Site, size: int) -> int | Refuse:
     """The full last size of x's source when only its first ``size`` rotate, or why not."""
     whole, head = m.value("whole"), m.value("x").producer
     dims = site.shape(whole)
     if head is None or head.op_type != "Slice" or head.input(0) is not whole:
-        return "x is not a slice of the value the Concat completes"
+        return Refuse("x is not a slice of the value the Concat completes")
     if dims is None or len(dims) != 4 or not isinstance(dims[3], int):
-        return "the full last axis is not static"
+        return Refuse("the full last axis is not static")
     rest = _bounds(site, m.node("rest"))
     if _bounds(site, head) != (0, size, 1) or rest is None or rest[0] != size or rest[1] < dims[3] or rest[2] != 1:
-        return f"the rotated part is not whole[..., :{size}] and the rest whole[..., {size}:]"
-    return dims[3] if m.node("partial").attr("axis") in (-1, 3) else "the Concat is not over the last axis"
+        return Refuse(f"the rotated part is not whole[..., :{size}] and the rest whole[..., {size}:]")
+    return dims[3] if m.node("partial").attr("axis") in (-1, 3) else Refuse("the Concat is not over the last axis")
 
 
 @dataclass
@@ -367,36 +367,36 @@ class _Plan:
     whole: int | None  # x's source's last size when only the first dims.size of it rotate
 
 
-def _plan(interleaved: bool, m: Match, site: Site) -> _Plan | str:
+def _plan(interleaved: bool, m: Match, site: Site) -> _Plan | Refuse:
     x = m.value("x")
     shape = site.shape(x)
     if site.dtype(x) not in _TYPES or shape is None or len(shape) != 4:
-        return "x is not a 4-D float32 or float16 tensor"
+        return Refuse("x is not a 4-D float32 or float16 tensor")
     size = shape[3]
     if not isinstance(size, int) or size % 2 or None in shape:
-        return "the rotated size is not static and even"
+        return Refuse("the rotated size is not static and even")
     reason = _rotated(m, site, size, interleaved)
     if reason is not None:
         return reason
     whole = _whole(m, site, size) if "whole" in m else None
-    if isinstance(whole, str):
+    if isinstance(whole, Refuse):
         return whole
-    refusals: list[str] = []
+    refusals: list[Refuse] = []
     for heads_axis in (1, 2):
         dims = _Dims(tuple(shape), heads_axis)
         if heads_axis == 2 and not isinstance(dims.heads, int):
             break  # the 3-D form's num_heads
         cos, sin = _cache(m, site, "cos", dims, interleaved), _cache(m, site, "sin", dims, interleaved)
-        if isinstance(cos, str):
+        if isinstance(cos, Refuse):
             refusals.append(cos)
-        elif isinstance(sin, str):
+        elif isinstance(sin, Refuse):
             refusals.append(sin)
         elif (
             (cos.table is None) != (sin.table is None)
             or cos.positions is not sin.positions
             or ((cos.batch_of is None) != (sin.batch_of is None))
         ):
-            refusals.append("cos and sin are not indexed alike")
+            refusals.append(Refuse("cos and sin are not indexed alike"))
         else:
             return _Plan(cos, sin, dims, interleaved, whole)
     return refusals[0]
@@ -477,10 +477,10 @@ _IDS = "ort_rotary_ids"
 _DIMS = "ort_rotary_dims"
 
 
-def _plan_ort(interleaved: bool, m: Match, site: Site) -> _Plan | str:
+def _plan_ort(interleaved: bool, m: Match, site: Site) -> _Plan | Refuse:
     plan = _plan(interleaved, m, site)
     if isinstance(plan, _Plan) and plan.whole is not None and not isinstance(plan.dims.heads, int):
-        return "onnxruntime's kernel wants num_heads with rotary_embedding_dim, and the heads are not static"
+        return Refuse("onnxruntime's kernel wants num_heads with rotary_embedding_dim, and the heads are not static")
     return plan
 
 
@@ -552,18 +552,18 @@ _SPLIT_ROTARY_MERGE = op.Reshape(
 )
 
 
-def _plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
+def _plan_3d(m: Match, site: Site) -> dict[str, Any] | Refuse:
     rotary = m.node("rotary")
     counts = split_count(m.node("split").outputs[0], site)
     x = site.shape(m.value("x"))
     if counts is None or x is None or len(x) != 3:
-        return "the head split of x (batch, seq, heads * head size) is not provable"
+        return Refuse("the head split of x (batch, seq, heads * head size) is not provable")
     heads, size = counts
     if rotary.attr("num_heads", 0) not in (0, heads):
-        return "the RotaryEmbedding's num_heads is not the head split's"
+        return Refuse("the RotaryEmbedding's num_heads is not the head split's")
     reason = merge_refusal(m.node("merge"), site, heads * size, x[0], x[1])
     if reason is not None:
-        return reason
+        return Refuse(reason)
     return {**{name: rotary.attr(name) for name in rotary.attributes}, "num_heads": heads}
 
 
@@ -580,12 +580,12 @@ _FORMS = (
     ("-interleaved-partial", _partial(_rope(_PAIRS)), True, "Concat(pairs rotation of x[..., :r], x[..., r:])"),
 )
 # The targets, each (rule name prefix, plan, build, the op written, the gate).
-_TARGETS: tuple[tuple[str, Callable[..., _Plan | str], Build, str, dict[str, Any]], ...] = (
+_TARGETS: tuple[tuple[str, Callable[..., _Plan | Refuse], Build[_Plan], str, dict[str, Any]], ...] = (
     ("ort-", _plan_ort, _build_ort, "com.microsoft RotaryEmbedding (target ort)", {"targets": frozenset({"ort"})}),
     ("", _plan, _build, "RotaryEmbedding (opset 23)", {"min_opset": 23}),
 )
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     *(
         Rule(
             name=f"{prefix}rotary-embedding{suffix}",

@@ -45,9 +45,11 @@ fairseq-style bmm attention write it, is read as the 4-D attention it is (``atte
 
 from __future__ import annotations
 
+from typing import Any
+
 from graphopt.passes.fuse.rules.attention import ort, standard
 from graphopt.passes.rewrite.engine import Rule
 
 __all__ = ["RULES"]
 
-RULES: tuple[Rule, ...] = standard.RULES + ort.RULES
+RULES: tuple[Rule[Any], ...] = standard.RULES + ort.RULES

@@ -30,7 +30,7 @@ from graphopt.passes.fuse.rules.attention.builds import (
 )
 from graphopt.passes.fuse.rules.attention.plans import Plan4, cache_parts, plan_4d, plan_attention, plan_merged
 from graphopt.passes.fuse.rules.attention.spellings import FAMILY, MERGED_HEADS, NAN_GUARD, SOFTMAX, core
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, chain, const, either, match, op, optional, var
 from graphopt.passes.rewrite.proofs import (
     HEADS,
@@ -113,51 +113,51 @@ def _many_biased_pairs(batch: Any, heads: int) -> str | None:
 
 
 def _plan_mha(
-    m: Match, site: Site, read: Callable[[Match, Site], Plan4 | str] = plan_4d, *, broadcast: bool = False
-) -> _MhaPlan | str:
+    m: Match, site: Site, read: Callable[[Match, Site], Plan4 | Refuse] = plan_4d, *, broadcast: bool = False
+) -> _MhaPlan | Refuse:
     """The plan for ``ort-multihead-attention`` (``read`` says how the attention is spelled); with
     ``broadcast``, for the rule that takes an attention bias of rank below 4 (and only that)."""
     plan = read(m, site)
-    if isinstance(plan, str):
+    if isinstance(plan, Refuse):
         return plan
     same = m.node("same") if "same" in m else None
     allowzero = same is not None and bool(site.int_attr(same, "allowzero", 0))
     if same is not None and not reshaped_to_itself(
         m.node("pv").outputs[0], m.value("same_shape"), site, plan.q, allowzero=allowzero
     ):
-        return "the Reshape after the attention is not provably to its own shape"
+        return Refuse("the Reshape after the attention is not provably to its own shape")
     unsupported = cpu_float(site, plan.q, "MultiHeadAttention")
     if unsupported is not None:
-        return unsupported
+        return Refuse(unsupported)
     if plan.mask is not None and plan.bias is None:
-        return "the mask is not an additive float bias (MultiHeadAttention's attention_bias)"
+        return Refuse("the mask is not an additive float bias (MultiHeadAttention's attention_bias)")
     q_dims = site.shape(plan.q) or (None,) * 4
     size = head_count(plan.repeated[1], site)
     if size is None or size[0] != plan.heads:
-        return "V does not provably have Q's heads and a static head size"
+        return Refuse("V does not provably have Q's heads and a static head size")
     # a masked fill is written as one 4-D float mask (attention.additive_mask); else the bias as written
     added = plan.fill.fill if plan.fill is not None else plan.bias
     added_shape = plan.fill.shape if plan.fill is not None else site.shape(plan.bias) if plan.bias else None
     below_4d = plan.fill is None and plan.bias is not None and site.rank(plan.bias) != 4
     if broadcast and not below_4d:
-        return "no attention bias of rank below 4 (ort-multihead-attention's case)"
+        return Refuse("no attention bias of rank below 4 (ort-multihead-attention's case)")
     if below_4d and not broadcast:
-        return f"the attention bias is not 4-D ({_BROADCAST_BIAS} takes it: off by default, measured slower)"
+        return Refuse(f"the attention bias is not 4-D ({_BROADCAST_BIAS} takes it: off by default, measured slower)")
     if added is not None:
         if site.dtype(added) != site.dtype(plan.q):
-            return "the attention bias is not of Q's element type"
+            return Refuse("the attention bias is not of Q's element type")
         scores = (q_dims[0], plan.heads, q_dims[2], (site.shape(plan.repeated[1]) or (None,) * 4)[2])
         if not _broadcasts_to(added_shape, scores):
-            return "the attention bias does not broadcast to (batch or 1, heads or 1, S, T)"
+            return Refuse("the attention bias does not broadcast to (batch or 1, heads or 1, S, T)")
         many = _many_biased_pairs(q_dims[0], plan.heads)
         if many is not None:
-            return many
+            return Refuse(many)
     width = plan.heads * size[1]
     target = ints_of(site, m.value("merge_shape"))
     rows = target is not None and len(target) == 2 and target[1] == width and target[0] == -1
     reason = None if rows else merge_refusal(m.node("merge"), site, width, q_dims[0], q_dims[2])
     if reason is not None:
-        return reason
+        return Refuse(reason)
     query = unsplit(plan.q, plan.heads, site)
     k_heads, v = plan.repeated
     key = unsplit(k_heads.value, plan.heads, site) if k_heads.perm is None else split_source(k_heads.value, site)
@@ -374,49 +374,53 @@ def _dim_read(b: Builder, site: Site, value: Value, axis: int) -> Value:
     return b.shape(value, axis, axis + 1)
 
 
-def _plan_gqa(m: Match, site: Site, *, any_length: bool = False) -> _GqaPlan | str:
+def _plan_gqa(m: Match, site: Site, *, any_length: bool = False) -> _GqaPlan | Refuse:
     mha = m.node("mha")
     if "projection_bias" in m or "key_padding_mask" in m or set(mha.attributes) - {"num_heads", "scale"}:
-        return "the MultiHeadAttention has a projection bias, a key padding mask or an attribute besides the scale"
+        return Refuse(
+            "the MultiHeadAttention has a projection bias, a key padding mask or an attribute besides the scale"
+        )
     if m.value("past_key").graph is not mha.graph:
-        return "the cache's past is read from an enclosing graph (a gated GroupQueryAttention's fallback)"
+        return Refuse("the cache's past is read from an enclosing graph (a gated GroupQueryAttention's fallback)")
     query = m.value("query")
     unsupported = cpu_float(site, query, "GroupQueryAttention")
     if unsupported is not None:
-        return unsupported
+        return Refuse(unsupported)
     caches = [m.node(f"{name}_cache").outputs[0] for name in _KV]
     for name, cache in zip(_KV, caches, strict=True):
         if cache_parts(cache) is None:
-            return f"the {name}s are not a 4-D cache Concat(past, new) along the sequence axis"
+            return Refuse(f"the {name}s are not a 4-D cache Concat(past, new) along the sequence axis")
         if f"{name}_repeat" in m and unrepeated(m.node(f"{name}_repeat").outputs[0], site) is not cache:
-            return f"the {name} heads are not provably repeated in groups (grouped-query attention's repeat)"
+            return Refuse(f"the {name} heads are not provably repeated in groups (grouped-query attention's repeat)")
     heads = site.int_attr(mha, "num_heads", 0)
     q_shape, past, new = site.shape(query), site.shape(m.value("past_key")), site.shape(m.value("new_key"))
     if q_shape is None or past is None or new is None or len(q_shape) != 3:
-        return "the shapes of Q and the key cache are not known"
+        return Refuse("the shapes of Q and the key cache are not known")
     kv_heads, size = past[1], past[3]
     if not isinstance(kv_heads, int) or not isinstance(size, int) or not heads or heads % kv_heads:
-        return "the cache's kv heads and head size are not static, or do not divide the query heads"
+        return Refuse("the cache's kv heads and head size are not static, or do not divide the query heads")
     value_past = site.shape(m.value("past_value"))
     if value_past is None or len(value_past) != 4 or (value_past[1], value_past[3]) != (kv_heads, size):
-        return "the value cache's heads and head size are not provably the key cache's"
+        return Refuse("the value cache's heads and head size are not provably the key cache's")
     if q_shape[2] != heads * size or new[2] is None or new[2] != q_shape[1]:
-        return "Q is not (batch, seq, heads * head size) over the cache's new keys"
+        return Refuse("Q is not (batch, seq, heads * head size) over the cache's new keys")
     if heads != kv_heads and not ("key_repeat" in m and "value_repeat" in m):
-        return "the query heads are more than the cache's and the K / V heads are not repeated to them"
+        return Refuse("the query heads are more than the cache's and the K / V heads are not repeated to them")
     if "attention_bias" not in m:
-        return "no attention bias: MultiHeadAttention attends to every key, GroupQueryAttention's kernel is causal"
+        return Refuse(
+            "no attention bias: MultiHeadAttention attends to every key, GroupQueryAttention's kernel is causal"
+        )
     mask = _causal_mask(m, site, q_shape[1], past[2])
-    if isinstance(mask, str):
+    if isinstance(mask, Refuse):
         return mask
     every_row = bool(np.isneginf(_fill(mask)))
     capped = _Gate(every_row, _FASTER_NEW_TOKENS)
     if any_length and (not every_row or _gated(None, m, capped) is True):
-        return "the count of new tokens does not matter here: ort-group-query-attention's case"
+        return Refuse("the count of new tokens does not matter here: ort-group-query-attention's case")
     gate = _Gate(every_row, None) if any_length else capped
     truth = _gated(None, m, gate)
     if truth is False:
-        return _gate_refusal(gate, q_shape, past[2])
+        return Refuse(_gate_refusal(gate, q_shape, past[2]))
     scale = mha.attr("scale")
     return _GqaPlan(heads, kv_heads, None if scale is None else float(scale), mask, gate, truth is None)
 
@@ -450,7 +454,7 @@ def _fill(mask: Value) -> float:
 _LOWEST_FILL = -1e30
 
 
-def _causal_mask(m: Match, site: Site, q_len: Any, past_len: Any) -> Value | str:
+def _causal_mask(m: Match, site: Site, q_len: Any, past_len: Any) -> Value | Refuse:
     """The attention bias's ``Where(band [and padding], 0, fill)`` with the causal band over the past, or why it is
     not that. A -inf fill's NaN (a query with every key masked) must be zeroed after the attention."""
     bias = m.value("attention_bias")
@@ -458,20 +462,20 @@ def _causal_mask(m: Match, site: Site, q_len: Any, past_len: Any) -> Value | str
     if where is not None and where.op_type == "Expand" and where.inputs[0] is not None:
         where = where.inputs[0].producer  # the bias spelled out over queries and keys (MultiHeadAttention's)
     if where is None or where.op_type != "Where" or where.inputs[0] is None:
-        return "the attention bias is not a mask Where(cond, 0, fill)"
+        return Refuse("the attention bias is not a mask Where(cond, 0, fill)")
     zero, fill = float_array(where.inputs[1]), float_array(where.inputs[2])
     if zero is None or fill is None or zero.size != 1 or fill.size != 1 or float(zero.ravel()[0]) != 0.0:
-        return "the attention bias is not a mask Where(cond, 0, fill)"
+        return Refuse("the attention bias is not a mask Where(cond, 0, fill)")
     if not np.isneginf(fill.ravel()[0]) and not float(fill.ravel()[0]) <= _LOWEST_FILL:
         # the kernel adds the fill to float32 scores: one above this does not absorb them
-        return f"the mask's fill is neither -inf nor finite <= {_LOWEST_FILL:g}"
+        return Refuse(f"the mask's fill is neither -inf nor finite <= {_LOWEST_FILL:g}")
     if np.isneginf(fill.ravel()[0]) and not _zeroed_if_nan(m.root.outputs[0]):
-        return "the attention's NaN (a query with every key masked) is not zeroed after it, as the kernel does"
+        return Refuse("the attention's NaN (a query with every key masked) is not zeroed after it, as the kernel does")
     # past + seq, not the Concat's declared length: an exporter may name that dim apart
     total = d_add(past_len, q_len)
     facts = site.ctx.facts(site.model)
     if total is None or not _causal_band(where.inputs[0], facts.sym, (q_len, past_len, total)):
-        return "the mask is not provably the causal band over the past (key j <= past + query i)"
+        return Refuse("the mask is not provably the causal band over the past (key j <= past + query i)")
     return where.outputs[0]
 
 
@@ -711,25 +715,25 @@ _SPLIT_QKV = [op.Split(_PACKED, optional(const(name="sizes")), name="qkv", outpu
 _PARTS = ("q", "k", "v")
 
 
-def _packed_weights(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray] | str:
+def _packed_weights(m: Match, site: Site) -> tuple[np.ndarray, np.ndarray] | Refuse:
     """The packed ``[Wq Wk Wv]`` (in the stored type) and ``[bq bk bv]``, or why not."""
     names = ("w",) if "qkv" in m.bindings else tuple(f"w{p}" for p in _PARTS)
     weights, biases = [], []
     for name in names:
         weight, bias = Site.array(m.value(name)), Site.array(m.value("b" + name[1:]))
         if weight is None or weight.ndim != 2 or bias is None:
-            return "a projection weight or bias is not a readable constant matrix / vector"
+            return Refuse("a projection weight or bias is not a readable constant matrix / vector")
         weights.append(weight)
         biases.append(bias)
     casts = {f"{n}_cast" in m.bindings for n in names}
     if len(casts) != 1 or len({w.dtype for w in weights}) != 1:
-        return "the projection weights are stored in different types"
+        return Refuse("the projection weights are stored in different types")
     if casts == {True} and any(m.node(f"{n}_cast").attr("to") != DataType.FLOAT for n in names):
-        return "a weight Cast is not to float32"
+        return Refuse("a weight Cast is not to float32")
     packed = np.concatenate(weights, axis=1)
     bias = np.concatenate(biases)
     if bias.dtype != np.float32 or bias.shape != (packed.shape[1],):
-        return "the projection biases are not float32 vectors over the outputs"
+        return Refuse("the projection biases are not float32 vectors over the outputs")
     return packed, bias
 
 
@@ -790,33 +794,33 @@ class _OrtPlan:
     raw: tuple[Value, float, Node] | None
 
 
-def _ort_plan(m: Match, site: Site) -> _OrtPlan | str:
+def _ort_plan(m: Match, site: Site) -> _OrtPlan | Refuse:
     plan = plan_attention(m, site)
-    if isinstance(plan, str):
+    if isinstance(plan, Refuse):
         return plan
     if plan["heads"] != plan["kv_heads"]:
-        return "grouped-query attention has no onnxruntime Attention"
+        return Refuse("grouped-query attention has no onnxruntime Attention")
     x = m.value("x")
     if site.dtype(x) != DataType.FLOAT or site.rank(x) != 3:
-        return "the layer input is not a 3-D float32 tensor"
+        return Refuse("the layer input is not a 3-D float32 tensor")
     if "qkv" in m.bindings and not _even_split(m, site):
-        return "the packed projection is not split in three equal parts along the last axis"
+        return Refuse("the packed projection is not split in three equal parts along the last axis")
     mask = plan["mask"]
     if isinstance(mask, Value):
         heads = plan["heads"]
         assert isinstance(heads, int)  # plan_attention read it
         many = _many_biased_pairs((site.shape(x) or (None,))[0], heads)
         if many is not None:
-            return many
+            return Refuse(many)
     raw = _raw_mask(mask) if isinstance(mask, Value) else None
     if isinstance(mask, Value) and raw is None and site.dtype(mask) != DataType.FLOAT:
-        return "a boolean mask that is not the causal band"
+        return Refuse("a boolean mask that is not the causal band")
     weights = _packed_weights(m, site)
-    if isinstance(weights, str):
+    if isinstance(weights, Refuse):
         return weights
     width = (site.shape(m.root.outputs[0]) or (None,))[-1]
     if not isinstance(width, int) or weights[0].shape[1] != 3 * width:
-        return "the projections are not all of the output's width"
+        return Refuse("the projections are not all of the output's width")
     return _OrtPlan(plan, weights[0], weights[1], raw)
 
 
@@ -884,7 +888,7 @@ _GQA_RULE = partial(
     exports=("key_cache", "value_cache"),
 )
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _MHA_RULE(
         name="ort-multihead-attention",
         plan=_plan_mha,

@@ -12,7 +12,7 @@ import numpy as np
 from graphopt.facts.op import broadcast
 from graphopt.ir import DataType, Node, Value
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor
-from graphopt.passes.rewrite.engine import Match, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Site
 from graphopt.passes.rewrite.proofs import (
     Key,
     head_count,
@@ -72,43 +72,43 @@ def _causal(m: Match, site: Site) -> bool:
     return starts == (0,) and ends == (q_len[2],) and col_starts == (0,) and col_ends == (q_len[2],)
 
 
-def plan_attention(m: Match, site: Site) -> dict[str, object] | str:
+def plan_attention(m: Match, site: Site) -> dict[str, object] | Refuse:
     if not softmax_over_last_axis(m.node("softmax"), site):
-        return "the Softmax is not over the last axis"
+        return Refuse("the Softmax is not over the last axis")
     found = [static_split(m.node(f"{n}_split")) for n in ("q", "k", "v")]
     if any(f is None for f in found):
-        return "the head split shapes are not provable (want static heads and head size on 3-D inputs)"
+        return Refuse("the head split shapes are not provable (want static heads and head size on 3-D inputs)")
     (heads, size), (kv_heads, k_size), (v_heads, v_size) = found  # type: ignore[misc]
     if k_size != size or v_heads != kv_heads or heads % kv_heads:
-        return "the heads of Q, K and V do not fit together"
+        return Refuse("the heads of Q, K and V do not fit together")
     if not all(is_float(_source(m, n)) for n in ("q", "k", "v")):
-        return "Q, K, V are not float tensors of known type"
+        return Refuse("Q, K, V are not float tensors of known type")
     out = site.shape(m.root.outputs[0])
     if out is None or len(out) != 3 or out[2] != heads * v_size:
-        return "the merge Reshape does not give (batch, seq, heads * head size)"
+        return Refuse("the merge Reshape does not give (batch, seq, heads * head size)")
     scale = _scale(m, size)
     if scale is None:
-        return "the scale is not a scalar constant"
+        return Refuse("the scale is not a scalar constant")
     plan: dict[str, object] = {"heads": heads, "kv_heads": kv_heads, "scale": scale, "mask": None, "causal": 0}
     if "mask" in m.bindings:
         mask = m.value("mask")
         shape = site.shape(mask)
         if site.dtype(mask) != site.dtype(_source(m, "q")) or shape is None or len(shape) != 4:
-            return "the mask's type or rank is not provable (want a 4-D mask of Q's type)"
+            return Refuse("the mask's type or rank is not provable (want a 4-D mask of Q's type)")
         q_shape, k_shape = site.shape(_source(m, "q")), site.shape(_source(m, "k"))
         if shape[2] == 1 and (q_shape is None or k_shape is None or q_shape[1] != k_shape[1] or q_shape[1] is None):
-            return "the mask broadcasts over queries and the query length is not provably the key length"
+            return Refuse("the mask broadcasts over queries and the query length is not provably the key length")
         plan["mask"] = mask
     elif "cond" in m.bindings:
         fill = float_array(m.value("fill"))
         if fill is None or fill.size != 1 or float(fill.ravel()[0]) > -1e30:
-            return "the masked fill is not -inf"
+            return Refuse("the masked fill is not -inf")
         cond_readers = {id(n) for n in m.feeders}
         producer = m.value("cond").producer
         if _causal(m, site):
             plan["causal"] = 1
         elif producer is not None and id(producer) in cond_readers:
-            return "the mask is computed from the attention's own tensors and is not the causal band"
+            return Refuse("the mask is computed from the attention's own tensors and is not the causal band")
         else:
             plan["mask"] = m.value("cond")
     return plan
@@ -201,11 +201,11 @@ def _bias_off(scores: Value) -> tuple[Value, Value | None]:
     return scores, None
 
 
-def _masked_fill(where: Node) -> tuple[Value, Value | None, MaskedFill] | str:
+def _masked_fill(where: Node) -> tuple[Value, Value | None, MaskedFill] | Refuse:
     """(scores, bias or None, the fill) of ``Where(cond, fill, scores [+ bias])``, or why not."""
     cond, fill, scores = where.inputs
     if cond is None or fill is None or scores is None:
-        return "the masked fill's Where has an empty input"
+        return Refuse("the masked fill's Where has an empty input")
     scores, bias = _bias_off(scores)
     shapes = [Site.shape(v) for v in (cond, bias) if v is not None]
     return scores, bias, MaskedFill(cond, fill, broadcast(shapes))
@@ -270,11 +270,11 @@ def softmax_over_last_axis(softmax: Node, site: Site) -> bool:
     return rank is not None and axis in (-1, rank - 1)
 
 
-def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
+def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | Refuse:
     """The plan for ``attention-4d``'s match; a tanh softcap on the scores is a refusal unless the caller
     writes it (``softcap``)."""
     if not softmax_over_last_axis(m.node("softmax"), site):
-        return "the Softmax is not over the last axis"
+        return Refuse("the Softmax is not over the last axis")
     scores, mask, added, filled = m.value("scores"), None, None, None
     node = scores.producer
     if node is not None and node.op_type == "Add":
@@ -284,34 +284,36 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
                 break
     elif node is not None and node.op_type == "Where" and _finite_fill(node.inputs[1]) is not None:
         masked = _masked_fill(node)
-        if isinstance(masked, str):
+        if isinstance(masked, Refuse):
             return masked
         scores, added, filled = masked
     elif node is not None and node.op_type == "Where":
         fill = float_array(node.inputs[2])
         if fill is None or fill.size != 1 or float(fill.ravel()[0]) > -1e30 or node.inputs[1] is None:
-            return "the Where before Softmax is not Where(m, scores, -inf) or Where(m, c, scores), c finite <= -1e30"
+            return Refuse(
+                "the Where before Softmax is not Where(m, scores, -inf) or Where(m, c, scores), c finite <= -1e30"
+            )
         scores, mask = node.inputs[1], node.inputs[0]
     assert scores is not None
     parts = _scores(scores)
     if parts is None or parts.qk.inputs[0] is None or parts.qk.inputs[1] is None:
-        return "the scores are not MatMul(Q, K^T) scaled by constants"
+        return Refuse("the scores are not MatMul(Q, K^T) scaled by constants")
     if parts.refusal is not None:
-        return parts.refusal
+        return Refuse(parts.refusal)
     if parts.softcap and not softcap:
-        return "the scores have a tanh softcap, which this fused op has no attribute for"
+        return Refuse("the scores have a tanh softcap, which this fused op has no attribute for")
     written_v, widen = m.value("v"), parts.upcast
     if widen:
         # From Q K^T on in float32, V cast up to it (TorchScript's SDPA in float16): all of it in float32.
         up = written_v.producer
         if up is None or up.op_type != "Cast" or up.attr("to") != DataType.FLOAT or up.inputs[0] is None:
-            return "the scores are cast to float32 and V is not"
+            return Refuse("the scores are cast to float32 and V is not")
         written_v = up.inputs[0]
     q, q_scale = _scalar_steps(parts.qk.inputs[0])
     kt, k_scale = _scalar_steps(parts.qk.inputs[1])
     k = untransposed_key(kt)
     if k is None:
-        return "K^T is not a transpose of a 4-D K in a spelling the rule knows"
+        return Refuse("K^T is not a transpose of a 4-D K in a spelling the rule knows")
     repeated = (k, m.value("v"))
     v = unrepeated(written_v, site)
     if k.perm is None:
@@ -321,28 +323,28 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
     if k.perm is not None:
         found[1] = split_count(k.value, site)
     if any(f is None for f in found):
-        return "the head counts and head size of Q, K, V are not static"
+        return Refuse("the head counts and head size of Q, K, V are not static")
     (heads, size), (kv_heads, k_size), (v_heads, _) = found  # type: ignore[misc]
     if k_size != size or v_heads != kv_heads or heads % kv_heads:
-        return "the heads of Q, K and V do not fit together"
+        return Refuse("the heads of Q, K and V do not fit together")
     dtype = site.dtype(q)
     if not is_float(q) or site.dtype(k.value) != dtype or site.dtype(v) != dtype:
-        return "Q, K, V are not float tensors of one known type"
+        return Refuse("Q, K, V are not float tensors of one known type")
     if widen and dtype != DataType.FLOAT16:
-        return "the scores are cast to float32 from another type than Q's"
+        return Refuse("the scores are cast to float32 from another type than Q's")
     if filled is not None:
         fill_type = DataType.FLOAT if widen else dtype
         if site.dtype(filled.cond) != DataType.BOOL or (added is not None and site.dtype(added) != fill_type):
-            return "the masked fill's mask is not boolean or its bias not of the scores' type"
+            return Refuse("the masked fill's mask is not boolean or its bias not of the scores' type")
         if site.dtype(filled.fill) != fill_type or filled.shape is None or len(filled.shape) != 4:
-            return "the masked fill is not of the scores' type, or its mask and bias do not provably make 4-D"
+            return Refuse("the masked fill is not of the scores' type, or its mask and bias do not provably make 4-D")
     elif mask is not None:
         shape = site.shape(mask)
         typed = site.dtype(mask) in (DataType.FLOAT if widen else dtype, DataType.BOOL)
         if not typed or shape is None or not 2 <= len(shape) <= 4:
-            return "the mask is not a 2-D to 4-D tensor of Q's type or boolean"
+            return Refuse("the mask is not a 2-D to 4-D tensor of Q's type or boolean")
         if len(shape) > 2 and isinstance(shape[-3], int) and shape[-3] not in (1, heads):
-            return "the mask's head axis is neither 1 nor the heads"
+            return Refuse("the mask's head axis is neither 1 nor the heads")
     scale = parts.scale * q_scale * k_scale
     return Plan4(
         q,
@@ -396,13 +398,13 @@ def _split_scores(scores: Value, heads: int) -> tuple[Value, Value | None] | Non
     return None
 
 
-def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
+def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | Refuse:
     """The plan for attention on merged (batch * heads) 3-D tensors, read as the 4-D attention it is."""
     if not softmax_over_last_axis(m.node("softmax"), site):
-        return "the Softmax is not over the last axis"
+        return Refuse("the Softmax is not over the last axis")
     heads = (site.shape(m.node("heads_split").outputs[0]) or (0, 0))[1]
     if not isinstance(heads, int) or not splits_merged_heads(m.node("heads_split"), heads):
-        return "P V is not provably split back to (batch, heads, seq, head size) by a static head count"
+        return Refuse("P V is not provably split back to (batch, heads, seq, head size) by a static head count")
     v = merged_source(m.value("v3"), heads)
     found: tuple[Value, Value | None] | None
     if "probs_merge" in m:  # Softmax on (batch, heads, S, T), merged for the product with V (BLOOM)
@@ -414,70 +416,72 @@ def plan_merged(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | str:
         found = (scores, None) if split is None else _split_scores(split, heads)
         found = found if site.rank(scores) == 3 else None
     if v is None or found is None:
-        return "V or the scores are not provably merged from (batch, heads, ...) with P V's heads"
+        return Refuse("V or the scores are not provably merged from (batch, heads, ...) with P V's heads")
     scores, mask = found
     scores, bias = _bias_off(scores)
     parts = _scores(scores)
     if parts is None or parts.qk.inputs[0] is None or parts.qk.inputs[1] is None:
-        return "the merged scores are not MatMul(Q, K^T) scaled by constants (plus a bias)"
+        return Refuse("the merged scores are not MatMul(Q, K^T) scaled by constants (plus a bias)")
     if parts.refusal is not None or parts.upcast:
-        return parts.refusal or "the merged scores are cast to float32"
+        return Refuse(parts.refusal or "the merged scores are cast to float32")
     if parts.softcap and not softcap:
-        return "the scores have a tanh softcap, which this fused op has no attribute for"
+        return Refuse("the scores have a tanh softcap, which this fused op has no attribute for")
     q_merged, q_scale = _scalar_steps(parts.qk.inputs[0])
     kt, k_scale = _scalar_steps(parts.qk.inputs[1])
     q, k = merged_source(q_merged, heads), merged_key(kt, heads)
     if q is None or k is None:
-        return "Q or K^T is not provably merged from (batch, heads, ...) with P V's heads"
+        return Refuse("Q or K^T is not provably merged from (batch, heads, ...) with P V's heads")
     dtype, sizes = site.dtype(q), [(site.shape(x) or (None,) * 4)[3] for x in (q, v)]
     if not is_float(q) or site.dtype(k.value) != dtype or site.dtype(v) != dtype or not isinstance(sizes[0], int):
-        return "Q, K, V are not float tensors of one known type with a static head size"
+        return Refuse("Q, K, V are not float tensors of one known type with a static head size")
     for added, want in ((bias, 3), (mask, 4)):
         if added is not None and (site.dtype(added) != dtype or site.rank(added) != want):
-            return "a bias on the scores is not an additive mask of Q's type (the merged bias 3-D, the mask 4-D)"
+            return Refuse(
+                "a bias on the scores is not an additive mask of Q's type (the merged bias 3-D, the mask 4-D)"
+            )
     if bias is not None and (site.shape(bias) or (None,))[0] not in (1, (site.shape(q_merged) or (0,))[0]):
-        return "the merged bias is not provably one per (batch, head) or one for all (its first dim)"
+        return Refuse("the merged bias is not provably one per (batch, head) or one for all (its first dim)")
     scale = parts.scale * q_scale * k_scale
     return Plan4(
         q, k, v, heads, heads, scale, mask=mask, bias=mask, repeated=(k, v), softcap=parts.softcap, merged_bias=bias
     )
 
 
-def plan_3d(m: Match, site: Site) -> dict[str, Any] | str:
+def plan_3d(m: Match, site: Site) -> dict[str, Any] | Refuse:
     attention = m.node("attention")
     if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
-        return "the Attention's other outputs are read"
+        return Refuse("the Attention's other outputs are read")
     counts, sizes = {}, {}
     for name in ("q", "k", "v"):
         found = split_count(m.node(f"{name}_split").outputs[0], site)
         source = site.shape(m.value(name))
         if found is None or source is None or len(source) != 3:
-            return f"the head split of {name.upper()} is not provable"
+            return Refuse(f"the head split of {name.upper()} is not provable")
         counts[name], sizes[name] = found
     if counts["k"] != counts["v"] or counts["q"] % counts["k"]:
-        return "the head splits of Q, K and V do not fit together"
+        return Refuse("the head splits of Q, K and V do not fit together")
     split = site.shape(m.value("q")) or (None, None)
     reason = merge_refusal(m.node("merge"), site, counts["q"] * sizes["v"], split[0], split[1])
     if reason is not None:
-        return reason
+        return Refuse(reason)
     return attrs_of(attention, q_num_heads=counts["q"], kv_num_heads=counts["k"])
 
 
-def plan_cache(m: Match, site: Site) -> dict[str, Any] | str:
+def plan_cache(m: Match, site: Site) -> dict[str, Any] | Refuse:
     attention = m.node("attention")
     if len(attention.outputs) > 1 and any(v.is_used() for v in attention.outputs[1:]):
-        return "the Attention's other outputs are read"
+        return Refuse("the Attention's other outputs are read")
     if site.int_attr(attention, "is_causal", 0):
-        return "the Attention is_causal on the joined keys (a past given apart would move the diagonal)"
+        return Refuse("the Attention is_causal on the joined keys (a past given apart would move the diagonal)")
     for name in ("key", "value"):
         if cache_parts(m.node(f"{name}_cache").outputs[0]) is None:
-            return f"the {name} Concat is not a 4-D cache joined along the sequence axis"
+            return Refuse(f"the {name} Concat is not a 4-D cache joined along the sequence axis")
         if site.dtype(m.value(f"past_{name}")) != site.dtype(m.value(name)):
-            return f"the past and new {name}s differ in type"
+            return Refuse(f"the past and new {name}s differ in type")
     mask = m.optional("mask")
     caches = {id(m.node("key_cache")), id(m.node("value_cache"))}
     if mask is not None and _reads_any(mask, caches):
-        return "the mask is computed from the cache's Concat (the Attention would wait for itself)"
+        return Refuse("the mask is computed from the cache's Concat (the Attention would wait for itself)")
     return attrs_of(attention)
 
 

@@ -4,6 +4,7 @@ attention, attention on merged heads, Attention's own head split and merge, and 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from graphopt.passes.fuse.rules.attention.builds import build_3d, build_4d, build_attention, build_cache
 from graphopt.passes.fuse.rules.attention.plans import Plan4, plan_3d, plan_4d, plan_attention, plan_cache, plan_merged
@@ -16,18 +17,18 @@ from graphopt.passes.fuse.rules.attention.spellings import (
     NAN_GUARD,
     SOFTMAX,
 )
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import either, op, var
 
 
-def _plan_standard_4d(m: Match, site: Site) -> Plan4 | str:
+def _plan_standard_4d(m: Match, site: Site) -> Plan4 | Refuse:
     return plan_4d(m, site, softcap=True)
 
 
 # Every standard Attention rule: the op came in opset 23.
 _attention = partial(Rule, family=FAMILY, min_opset=23, label="Attention")
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _attention(
         name="attention",
         pattern=ATTENTION,

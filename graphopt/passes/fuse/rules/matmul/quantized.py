@@ -18,13 +18,14 @@ variables, so the match never removes a node another projection reads.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._ort import MS
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import const, op, optional, var
 
 __all__ = ["RULES"]
@@ -42,7 +43,7 @@ _SCALED = op.Mul(
 )
 
 
-def _plan(m: Match, site: Site) -> str | None:
+def _plan(m: Match, site: Site) -> Refuse | None:
     """Why the integer MatMul is not DynamicQuantizeMatMul's computation (None: it is)."""
     quantize = m.value("xq").producer
     if (
@@ -51,24 +52,24 @@ def _plan(m: Match, site: Site) -> str | None:
         or not quantize.in_standard_domain
         or [m.value(n) for n in ("xq", "xs", "xz")] != list(quantize.outputs)
     ):
-        return "the activation is not quantized by one DynamicQuantizeLinear"
+        return Refuse("the activation is not quantized by one DynamicQuantizeLinear")
     x = quantize.inputs[0]
     if x is None or site.dtype(x) != DataType.FLOAT or site.int_attr(m.node("cast"), "to", 0) != DataType.FLOAT:
-        return "not a float32 activation cast back to float32 (DynamicQuantizeMatMul's types)"
+        return Refuse("not a float32 activation cast back to float32 (DynamicQuantizeMatMul's types)")
     weights, scale = site.array(m.value("wq")), site.array(m.value("ws"))
     if weights is None or weights.dtype not in _INTEGER_WEIGHTS or weights.ndim != 2:
-        return "the weights are not a constant 2-D int8 or uint8 matrix"
+        return Refuse("the weights are not a constant 2-D int8 or uint8 matrix")
     columns = weights.shape[1]
     if scale is None or scale.dtype != np.float32 or scale.size not in (1, columns) or scale.ndim > 1:
-        return "the weight scale is not a float32 scalar or one per column"
+        return Refuse("the weight scale is not a float32 scalar or one per column")
     if "wz" in m:
         zero = site.array(m.value("wz"))
         if zero is None or zero.dtype != weights.dtype or zero.shape != scale.shape:
-            return "the weight zero point does not match the weights' type and the scale's shape"
+            return Refuse("the weight zero point does not match the weights' type and the scale's shape")
     if "bias" in m:
         bias = site.array(m.value("bias"))
         if bias is None or bias.dtype != np.float32 or bias.shape != (columns,):
-            return "the bias is not a float32 vector over the columns"
+            return Refuse("the bias is not a float32 vector over the columns")
     return None
 
 
@@ -84,7 +85,7 @@ def _build(b: Builder, m: Match, plan: None) -> Value:
 
 _rule = partial(Rule, family=FAMILY, plan=_plan, build=_build, targets=frozenset({"ort"}))
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="ort-dynamic-quantize-matmul",
         pattern=_SCALED,

@@ -40,7 +40,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, is_float, scalar_factor, shared_reader
 from graphopt.passes.fuse.rules._ort import MS, activated, activation_params, check_activation
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
 
 FAMILY = "matmul"
@@ -50,65 +50,65 @@ _rule = partial(Rule, family=FAMILY)
 _ROWS = "projection_rows"
 
 
-def _check_matmul_add(m: Match, site: Site) -> str | None:
+def _check_matmul_add(m: Match, site: Site) -> Refuse | None:
     a, w, bias = m.value("a"), m.value("w"), m.value("bias")
     if site.rank(a) != 2 or site.rank(w) != 2:
-        return "the MatMul is not 2-D (Gemm takes matrices only)"
+        return Refuse("the MatMul is not 2-D (Gemm takes matrices only)")
     if not (is_float(a) and is_float(bias)):
-        return "not a float MatMul"
+        return Refuse("not a float MatMul")
     out = site.shape(m.node("matmul").outputs[0])
     shape = site.shape(bias)
     if out is None or shape is None or len(shape) > 2:
-        return "the bias shape is not provable"
+        return Refuse("the bias shape is not provable")
     padded = (1,) * (2 - len(shape)) + tuple(shape)
     if not all(d == 1 or d == o for d, o in zip(padded, out, strict=True)):
-        return "the bias does not broadcast to the product one way"
+        return Refuse("the bias does not broadcast to the product one way")
     return None
 
 
-def _projection_bias(m: Match, site: Site) -> tuple[tuple[Any, ...], np.ndarray | None] | str:
+def _projection_bias(m: Match, site: Site) -> tuple[tuple[Any, ...], np.ndarray | None] | Refuse:
     """The product's shape and the bias as a vector when it has a rank above 2 (Gemm's C
     broadcasts to [M, N] from a rank of 2 at most); or why the projection is not one."""
     if site.dtype(m.value("x")) != DataType.FLOAT:
-        return "not a float32 MatMul (measured on float32 only)"
+        return Refuse("not a float32 MatMul (measured on float32 only)")
     shape, bias = site.shape(m.node("matmul").outputs[0]), site.shape(m.value("bias"))
     if shape is None or len(shape) < 3:
-        return "the product's rank is unknown or below 3 (matmul-add-gemm takes 2-D)"
+        return Refuse("the product's rank is unknown or below 3 (matmul-add-gemm takes 2-D)")
     if (
         bias is None
         or len(bias) > len(shape)
         or any(d != 1 for d in bias[:-1])
         or bias[-1:] not in ((1,), (shape[-1],), ())
     ):
-        return "the bias is not a vector over the last axis"
+        return Refuse("the bias is not a vector over the last axis")
     if len(bias) <= 2:
         return shape, None
     found = Site.array(m.value("bias"))
-    return "the bias is not readable" if found is None else (shape, np.ascontiguousarray(found.reshape(-1)))
+    return Refuse("the bias is not readable") if found is None else (shape, np.ascontiguousarray(found.reshape(-1)))
 
 
-def _plan_projection(m: Match, site: Site) -> tuple[list[int], np.ndarray | None] | str:
+def _plan_projection(m: Match, site: Site) -> tuple[list[int], np.ndarray | None] | Refuse:
     """The target of the Reshape back to the product's shape, and the bias vector; or why not."""
     found = _projection_bias(m, site)
-    if isinstance(found, str):
+    if isinstance(found, Refuse):
         return found
     shape, vector = found
     dynamic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
     if len(dynamic) > 1:
-        return "more than one dim of the product is not static (the Reshape back needs a constant target)"
+        return Refuse("more than one dim of the product is not static (the Reshape back needs a constant target)")
     return [-1 if i == (dynamic or [0])[0] else int(d) for i, d in enumerate(shape)], vector
 
 
-def _plan_reshaped_projection(m: Match, site: Site) -> np.ndarray | str | None:
+def _plan_reshaped_projection(m: Match, site: Site) -> np.ndarray | Refuse | None:
     """The bias vector, when the Reshape reading the projection gives the same result from the
     Gemm's 2-D rows: its target keeps no dim of its input (a 0 copies one unless allowzero)."""
     found = _projection_bias(m, site)
-    if isinstance(found, str):
+    if isinstance(found, Refuse):
         return found
     if m.node("reshape").attr("allowzero") != 1:
         target = Site.array(m.value("target"))
         if target is None or not target.all():
-            return "the Reshape's target may copy a dim of the product (a 0 without allowzero)"
+            return Refuse("the Reshape's target may copy a dim of the product (a 0 without allowzero)")
     return found[1]
 
 
@@ -152,9 +152,9 @@ def _flag(which: str) -> str:
     return "transA" if which == "a" else "transB"
 
 
-def _check_2d_swap(m: Match, site: Site) -> str | None:
+def _check_2d_swap(m: Match, site: Site) -> Refuse | None:
     perm = m.node("t").attr("perm")
-    return None if site.rank(m.value("inner")) == 2 and perm in (None, [1, 0]) else "not a 2-D swap"
+    return None if site.rank(m.value("inner")) == 2 and perm in (None, [1, 0]) else Refuse("not a 2-D swap")
 
 
 def _build_transposed_gemm(which: str, b: Builder, m: Match, plan: None) -> Value:
@@ -163,14 +163,14 @@ def _build_transposed_gemm(which: str, b: Builder, m: Match, plan: None) -> Valu
     return b.op("Gemm", *args, m.optional("c"), **attrs_of(gemm, **{flag: 1 - Site.int_attr(gemm, flag, 0)}))
 
 
-def _scale(m: Match, site: Site) -> float | str:
+def _scale(m: Match, site: Site) -> float | Refuse:
     """The factor the scalar constant ``s`` applies, or why not."""
     found = scalar_factor(m.value("s"), divides=m.root.op_type == "Div")
-    return "not a scalar" if found is None else found
+    return Refuse("not a scalar") if found is None else found
 
 
-def _plan_scaled_gemm(m: Match, site: Site) -> float | str:
-    return _scale(m, site) if is_float(m.root.outputs[0]) else "not a scalar"
+def _plan_scaled_gemm(m: Match, site: Site) -> float | Refuse:
+    return _scale(m, site) if is_float(m.root.outputs[0]) else Refuse("not a scalar")
 
 
 def _build_scaled_gemm(b: Builder, m: Match, scale: float) -> Value:
@@ -178,6 +178,11 @@ def _build_scaled_gemm(b: Builder, m: Match, scale: float) -> Value:
     alpha = Site.float_attr(gemm, "alpha", 1.0) * scale
     beta = Site.float_attr(gemm, "beta", 1.0) * scale
     return b.op("Gemm", *gemm.inputs, **attrs_of(gemm, alpha=alpha, beta=beta))
+
+
+def _check_fused_gemm(m: Match, site: Site) -> Refuse | None:
+    reason = "Clip is not a FusedGemm activation" if m.root.op_type == "Clip" else check_activation(m, site)
+    return None if reason is None else Refuse(reason)
 
 
 def _build_fused_gemm(b: Builder, m: Match, plan: None) -> Value:
@@ -206,14 +211,14 @@ def _build_scaled_matmul(b: Builder, m: Match, scale: float) -> Value:
     return b.op("FusedMatMul", *mm.inputs, domain=MS, **attrs)
 
 
-def _matmul_ranks(m: Match, site: Site) -> str | None:
+def _matmul_ranks(m: Match, site: Site) -> Refuse | None:
     mm = m.node("mm")
     if mm.op_type == "FusedMatMul" and mm.domain != MS:
-        return "not onnxruntime's FusedMatMul"
+        return Refuse("not onnxruntime's FusedMatMul")
     if site.dtype(mm.outputs[0]) != DataType.FLOAT:
-        return "FusedMatMul is float32 only here"
+        return Refuse("FusedMatMul is float32 only here")
     if any((site.rank(v) or 0) < 2 for v in mm.inputs):
-        return "an input's rank is unknown or below 2"
+        return Refuse("an input's rank is unknown or below 2")
     return None
 
 
@@ -233,11 +238,11 @@ def _build_transposed_matmul(which: str, b: Builder, m: Match, plan: None) -> Va
     return b.op("FusedMatMul", *args, domain=MS, **attrs)
 
 
-def _check_transposed_matmul(m: Match, site: Site) -> str | None:
+def _check_transposed_matmul(m: Match, site: Site) -> Refuse | None:
     if not _swaps_last_two(m.node("t"), site):
-        return "the Transpose does not swap the last two dims"
+        return Refuse("the Transpose does not swap the last two dims")
     if m.node("mm").attr("transBatchA", 0) or m.node("mm").attr("transBatchB", 0):
-        return "a batch-transposed FusedMatMul"
+        return Refuse("a batch-transposed FusedMatMul")
     return _matmul_ranks(m, site)
 
 
@@ -246,7 +251,7 @@ def _scaled_matmul(root: str) -> Pattern:
     return op.any_of((root,), op.any_of(_MATMULS, var("a"), var("b"), name="mm", domain=ANY_DOMAIN), const(name="s"))
 
 
-def _plan_scaled_matmul(m: Match, site: Site) -> float | str:
+def _plan_scaled_matmul(m: Match, site: Site) -> float | Refuse:
     return _matmul_ranks(m, site) or _scale(m, site)
 
 
@@ -258,7 +263,7 @@ _SIDES = ("a", "b")
 _SCALES = ("Mul", "Div")
 _ORT_RULE = partial(_rule, targets=frozenset({"ort"}))
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="matmul-add-gemm",
         pattern=op.Add(op.MatMul(var("a"), var("w"), name="matmul"), var("bias")),
@@ -312,9 +317,7 @@ RULES: tuple[Rule, ...] = (
     _ORT_RULE(
         name="ort-fusedgemm",
         pattern=activated(_GEMM),
-        plan=lambda m, site: (
-            "Clip is not a FusedGemm activation" if m.root.op_type == "Clip" else check_activation(m, site)
-        ),
+        plan=_check_fused_gemm,
         build=_build_fused_gemm,
         default=False,
         label="Gemm+activation",

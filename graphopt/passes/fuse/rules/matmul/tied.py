@@ -15,26 +15,28 @@ ORT_DISABLE_ALL, what other runtimes see, the Gemm form runs in 0.53x the time.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from graphopt.ir import Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import is_float
 from graphopt.passes.fuse.rules.matmul.standard import FAMILY
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import const, op, var
 
 
-def _check(m: Match, site: Site) -> str | None:
+def _check(m: Match, site: Site) -> Refuse | None:
     x, w = m.value("x"), m.value("w")
     rank = site.rank(x)
     if site.rank(w) != 2 or m.node("t").attr("perm") not in (None, [1, 0]):
-        return "the weight is not a 2-D matrix transposed"
+        return Refuse("the weight is not a 2-D matrix transposed")
     if rank is None or rank < 2 or not is_float(x):
-        return "the activation's rank is not provable (or it is not float)"
+        return Refuse("the activation's rank is not provable (or it is not float)")
     leading = (site.shape(x) or ())[:-1]
     if rank > 2 and not all(isinstance(d, int) for d in leading) and site.opset < 15:
-        return "its leading dims are dynamic and Shape(start, end) needs opset 15"
+        return Refuse("its leading dims are dynamic and Shape(start, end) needs opset 15")
     return None
 
 
@@ -55,7 +57,7 @@ def _build(b: Builder, m: Match, plan: None) -> Value:
     return b.op("Reshape", product, target)
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     Rule(
         name="tied-weight-gemm",
         family=FAMILY,

@@ -28,34 +28,36 @@ standard.py win the tie).
 
 from __future__ import annotations
 
+from typing import Any
+
 from graphopt.ir import Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import is_float
 from graphopt.passes.fuse.rules.norm.standard import FAMILY
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import op, optional, var
 
 # Producers whose Add onnxruntime's other fusions match (see the module docstring), per target.
 _KEPT_PRODUCERS = {"onnx": frozenset({"LayerNormalization", "Gather"}), "ort": frozenset({"Gather"})}
 
 
-def _plan(m: Match, site: Site) -> str | None:
+def _plan(m: Match, site: Site) -> Refuse | None:
     a, skip = m.value("a"), m.value("skip")
     if is_constant(a) or is_constant(skip):
-        return "an operand is a constant (a bias, not a residual)"
+        return Refuse("an operand is a constant (a bias, not a residual)")
     shape = site.shape(a)
     if not is_float(a) or shape is None or len(shape) != 3 or None in shape or shape != site.shape(skip):
-        return "the operands do not provably have one 3-D float shape"
+        return Refuse("the operands do not provably have one 3-D float shape")
     ln = m.node("ln")
     if Site.int_attr(ln, "axis", -1) not in (-1, 2):
-        return "the norm is not over the last axis (SkipLayerNormalization's)"
+        return Refuse("the norm is not over the last axis (SkipLayerNormalization's)")
     if any(v.is_used() for v in ln.outputs[1:]):
-        return "the norm's statistics are read"
+        return Refuse("the norm's statistics are read")
     for operand in (a, skip):
         producer = operand.producer
         if producer is not None and producer.op_type in _KEPT_PRODUCERS[site.target]:
-            return f"an operand comes from a {producer.op_type} (onnxruntime's other fusions read this Add)"
+            return Refuse(f"an operand comes from a {producer.op_type} (onnxruntime's other fusions read this Add)")
     return None
 
 
@@ -65,7 +67,7 @@ def _build(b: Builder, m: Match, _: None) -> Value:
     return b.op("LayerNormalization", total, *ln.inputs[1:], **ln.attributes)
 
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     Rule(
         name="layernorm-residual-sum",
         family=FAMILY,

@@ -54,7 +54,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, trailing_axes
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
-from graphopt.passes.rewrite.engine import Match, Rule, Site
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optional, var
 from graphopt.passes.rewrite.proofs import reads_dim, reshaped_back, target_entries
 
@@ -115,22 +115,22 @@ def _epsilon(m: Match) -> float | None:
     return None if eps is None or eps.size != 1 else float(eps.ravel()[0])
 
 
-def _param(m: Match, name: str, fill: float, normalized: tuple[int, ...]) -> np.ndarray | str:
+def _param(m: Match, name: str, fill: float, normalized: tuple[int, ...]) -> np.ndarray | Refuse:
     """gamma or beta as an array of the normalized shape (``fill`` when the pattern has none)."""
     if name not in m.bindings:
         return np.full(normalized, fill)
     found = float_array(m.value(name))
     if found is None:
-        return f"{name} is not a constant"
+        return Refuse(f"{name} is not a constant")
     leading = found.ndim - len(normalized)
     if leading > 0:  # (1, 1, C) as Keras writes it: leading axes of 1 broadcast over the rest
         if any(d != 1 for d in found.shape[:leading]):
-            return f"{name} varies along axes that are not normalized"
+            return Refuse(f"{name} varies along axes that are not normalized")
         found = found.reshape(found.shape[leading:])
     try:
         return np.broadcast_to(found, normalized).astype(np.float64)
     except ValueError:
-        return f"{name} does not vary along the normalized axes only"
+        return Refuse(f"{name} does not vary along the normalized axes only")
 
 
 def _normalized_value(m: Match) -> Value:
@@ -138,30 +138,32 @@ def _normalized_value(m: Match) -> Value:
     return m.value("x") if "x" in m else m.node("sum").outputs[0]
 
 
-def _norm_facts(m: Match, site: Site, reductions: tuple[str, ...]) -> tuple[int, float, np.ndarray, np.ndarray] | str:
+def _norm_facts(
+    m: Match, site: Site, reductions: tuple[str, ...]
+) -> tuple[int, float, np.ndarray, np.ndarray] | Refuse:
     """(axis, epsilon, gamma, beta) for a matched LayerNorm / RMSNorm, or why not."""
     x = _normalized_value(m)
     shape = site.shape(x)
     if not is_float(x) or shape is None:
-        return "x has no known float type and rank"
+        return Refuse("x has no known float type and rank")
     axes = {_reduce_axis(m.node(r), site, len(shape)) for r in reductions}
     if len(axes) != 1 or None in axes:
-        return "the means do not reduce the same trailing axes with keepdims"
+        return Refuse("the means do not reduce the same trailing axes with keepdims")
     (axis,) = axes
     assert axis is not None
     eps = _epsilon(m)
     if eps is None:
-        return "epsilon is not a scalar constant"
+        return Refuse("epsilon is not a scalar constant")
     normalized = shape[axis:]
     if not all(isinstance(d, int) for d in normalized):
-        return "the normalized dims are not static"
+        return Refuse("the normalized dims are not static")
     dims = tuple(int(d) for d in normalized)
     if any(n in m.bindings and (site.rank(m.value(n)) or 0) > len(shape) for n in ("gamma", "beta")):
-        return "gamma or beta has more dims than x (it would grow the output's rank)"
+        return Refuse("gamma or beta has more dims than x (it would grow the output's rank)")
     gamma, beta = _param(m, "gamma", 1.0, dims), _param(m, "beta", 0.0, dims)
-    if isinstance(gamma, str):
+    if isinstance(gamma, Refuse):
         return gamma
-    if isinstance(beta, str):
+    if isinstance(beta, Refuse):
         return beta
     return axis - len(shape), eps, gamma, beta
 
@@ -169,11 +171,11 @@ def _norm_facts(m: Match, site: Site, reductions: tuple[str, ...]) -> tuple[int,
 _NormFacts = tuple[int, float, np.ndarray, np.ndarray]
 
 
-def _layer_norm_facts(m: Match, site: Site) -> _NormFacts | str:
+def _layer_norm_facts(m: Match, site: Site) -> _NormFacts | Refuse:
     return _norm_facts(m, site, ("mean", "var"))
 
 
-def _rms_norm_facts(m: Match, site: Site) -> _NormFacts | str:
+def _rms_norm_facts(m: Match, site: Site) -> _NormFacts | Refuse:
     return _norm_facts(m, site, ("var",))
 
 
@@ -186,14 +188,14 @@ def _layer_norm(b: Builder, m: Match, facts: _NormFacts) -> Value:
 _NARROW_FLOATS = (DataType.FLOAT16, DataType.BFLOAT16)
 
 
-def _round_trip_facts(m: Match, site: Site) -> _NormFacts | str:
+def _round_trip_facts(m: Match, site: Site) -> _NormFacts | Refuse:
     x = m.value("x")
     if site.dtype(x) not in _NARROW_FLOATS:
-        return "x is not float16 or bfloat16 (a float32 x has no round trip to fold)"
+        return Refuse("x is not float16 or bfloat16 (a float32 x has no round trip to fold)")
     if site.int_attr(m.node("up"), "to", 0) != DataType.FLOAT or site.int_attr(m.node("down"), "to", 0) != site.dtype(
         x
     ):
-        return "the Casts are not to float32 and back to x's type"
+        return Refuse("the Casts are not to float32 and back to x's type")
     return _rms_norm_facts(m, site)
 
 
@@ -237,71 +239,71 @@ class _GroupPlan:
     bias: np.ndarray
 
 
-def _per_channel(m: Match, name: str, fill: float, rank: int, channels: int) -> np.ndarray | str:
+def _per_channel(m: Match, name: str, fill: float, rank: int, channels: int) -> np.ndarray | Refuse:
     """gamma or beta as a vector over the channels (axis 1 of a rank-``rank`` x), or why not."""
     if name not in m.bindings:
         return np.full(channels, fill)
     found = float_array(m.value(name))
     if found is None:
-        return f"{name} is not a constant"
+        return Refuse(f"{name} is not a constant")
     channel_axis = found.ndim - (rank - 1)  # where axis 1 of x falls among found's axes
     if found.ndim > rank or any(d != 1 for i, d in enumerate(found.shape) if i != channel_axis):
-        return f"{name} is not per channel"
+        return Refuse(f"{name} is not per channel")
     try:
         return np.broadcast_to(found.reshape(-1), (channels,)).astype(np.float64)
     except ValueError:
-        return f"{name} is not per channel"
+        return Refuse(f"{name} is not per channel")
 
 
-def _group_count(m: Match, site: Site, full: tuple[Any, ...]) -> int | str:
+def _group_count(m: Match, site: Site, full: tuple[Any, ...]) -> int | Refuse:
     """G of the split Reshape(x, [N, G, -1]): N a 0 (a copy of x's batch), x's batch as the facts know it or read
     from x, or -1 with the group's size given; or why not."""
     x, target = m.value("x"), m.value("group_shape")
     entries = target_entries(site, target, 3)
     if entries is None or m.node("split").attr("allowzero", 0):
-        return "the group Reshape is not to a provable [N, G, -1]"
+        return Refuse("the group Reshape is not to a provable [N, G, -1]")
     batch, groups, rest = entries
     channels, spatial = full[1], full[2:]
     if not isinstance(groups, int) or groups <= 0 or channels % groups:
-        return "the group Reshape is not to [N, G, -1] with G dividing the channels"
+        return Refuse("the group Reshape is not to [N, G, -1] with G dividing the channels")
     size = channels // groups * int(np.prod(spatial)) if all(isinstance(d, int) for d in spatial) else None
     kept = batch == 0 or (batch is not None and batch == full[0]) or reads_dim(target, 0, x, 3)
     if not ((kept and rest in (-1, size)) or (batch == -1 and size is not None and rest == size)):
-        return "the group Reshape is not to [N, G, -1] with G dividing the channels"
+        return Refuse("the group Reshape is not to [N, G, -1] with G dividing the channels")
     return groups
 
 
-def _group_plan(m: Match, site: Site) -> _GroupPlan | str:
+def _group_plan(m: Match, site: Site) -> _GroupPlan | Refuse:
     x = m.value("x")
     full = site.shape(x)
     if not is_float(x) or full is None or len(full) < 3:
-        return "x has no known float type and rank >= 3"
+        return Refuse("x has no known float type and rank >= 3")
     channels = full[1]
     if not isinstance(channels, int):
-        return "the channel dim is not static"
+        return Refuse("the channel dim is not static")
     groups = _group_count(m, site, full)
-    if isinstance(groups, str):
+    if isinstance(groups, Refuse):
         return groups
     # the groups keep x's batch (axis 0), and its channels (axis 1) when each group is one channel
     if not reshaped_back(m.node("merge"), x, site, (0, 1) if groups == channels else (0,)):
-        return "the merge Reshape is not provably back to x's shape"
+        return Refuse("the merge Reshape is not provably back to x's shape")
     if "instance" in m:
         eps = Site.float_attr(m.node("instance"), "epsilon", 1e-5)
         inner_scale, inner_bias = float_array(m.value("in_scale")), float_array(m.value("in_bias"))
         if inner_scale is None or inner_bias is None or inner_scale.shape != (groups,) or inner_bias.shape != (groups,):
-            return "the InstanceNormalization scale / bias are not constants over the groups"
+            return Refuse("the InstanceNormalization scale / bias are not constants over the groups")
     else:
         if {_reduce_axis(m.node(r), site, 3) for r in ("mean", "var")} != {2}:
-            return "the means do not reduce the last axis of the groups with keepdims"
+            return Refuse("the means do not reduce the last axis of the groups with keepdims")
         found = _epsilon(m)
         if found is None:
-            return "epsilon is not a scalar constant"
+            return Refuse("epsilon is not a scalar constant")
         eps, inner_scale, inner_bias = found, np.ones(groups), np.zeros(groups)
     gamma = _per_channel(m, "gamma", 1.0, len(full), channels)
     beta = _per_channel(m, "beta", 0.0, len(full), channels)
-    if isinstance(gamma, str):
+    if isinstance(gamma, Refuse):
         return gamma
-    if isinstance(beta, str):
+    if isinstance(beta, Refuse):
         return beta
     per_group = channels // groups
     # gamma * (s_g * n + b_g) + beta, with g the group of each channel
@@ -349,20 +351,20 @@ _GN_18_DOC = (
 )
 
 
-def _softmax_axis(m: Match, site: Site) -> int | str:
+def _softmax_axis(m: Match, site: Site) -> int | Refuse:
     rank = site.rank(m.value("x"))
     if rank is None or not is_float(m.value("x")):
-        return "x has no known float type and rank"
+        return Refuse("x has no known float type and rank")
     found = set()
     for name in ("sum", "max"):
         if name in m.bindings:
             node = m.node(name)
             axes = axes_of(node, site, 13 if name == "sum" else 18)
             if not node.attr("keepdims", 1) or axes is None or len(axes) != 1:
-                return "the reductions are not over one axis with keepdims"
+                return Refuse("the reductions are not over one axis with keepdims")
             found.add(axes[0] + rank if axes[0] < 0 else axes[0])
     if len(found) != 1:
-        return "the reductions disagree on the axis"
+        return Refuse("the reductions disagree on the axis")
     return found.pop()
 
 
@@ -383,28 +385,28 @@ _SUM = either(
 )
 
 
-def _check_skip(m: Match, site: Site) -> str | None:
+def _check_skip(m: Match, site: Site) -> Refuse | None:
     a, skip = m.value("a"), m.value("skip")
     shape = site.shape(a)
     unsupported = cpu_float(site, a, "SkipLayerNormalization")
     if unsupported is not None:
-        return unsupported
+        return Refuse(unsupported)
     if shape is None or len(shape) not in (2, 3) or None in shape or shape != site.shape(skip):
-        return "the residual's operands do not provably have one 2-D or 3-D shape"
+        return Refuse("the residual's operands do not provably have one 2-D or 3-D shape")
     hidden = shape[-1]
     if not isinstance(hidden, int):
-        return "the hidden size is not static"
+        return Refuse("the hidden size is not static")
     for name in ("bias", "gamma", "beta") if "ln" in m else ("bias",):
         if name in m and site.shape(m.value(name)) != (hidden,):
-            return f"{name} is not a vector over the hidden size"
+            return Refuse(f"{name} is not a vector over the hidden size")
         if name in m and site.dtype(m.value(name)) != site.dtype(a):
-            return f"{name} is not of the residual's element type"
+            return Refuse(f"{name} is not of the residual's element type")
     if "ln" in m:
         ln = m.node("ln")
         if Site.int_attr(ln, "axis", -1) not in (-1, len(shape) - 1):
-            return "the norm is not over the last axis"
+            return Refuse("the norm is not over the last axis")
         if any(v.is_used() for v in ln.outputs[1:]):
-            return "the norm's statistics are read"
+            return Refuse("the norm's statistics are read")
     return None
 
 
@@ -433,22 +435,22 @@ def _build_skip(op_type: str, b: Builder, m: Match, facts: _NormFacts | None) ->
     return node.outputs[0]
 
 
-def _check_skip_rms(m: Match, site: Site) -> str | None:
+def _check_skip_rms(m: Match, site: Site) -> Refuse | None:
     """SkipSimplifiedLayerNormalization's own refusals, then the skip norms'."""
     if site.dtype(m.value("a")) == DataType.FLOAT16:
         # Measured on the float16 copies of the Llama exports (both exporters, with and without a KV cache):
         # onnxruntime's float16 kernel took the output 1.2 to 1.4 times as far from the float32 model as the
         # float16 model itself is, where the RMSNorm it replaces computes in float32.
-        return "onnxruntime's float16 SkipSimplifiedLayerNormalization rounds more than the norm it replaces"
+        return Refuse("onnxruntime's float16 SkipSimplifiedLayerNormalization rounds more than the norm it replaces")
     return _check_skip(m, site)
 
 
-def _plan_skip_rms(m: Match, site: Site) -> _NormFacts | str:
+def _plan_skip_rms(m: Match, site: Site) -> _NormFacts | Refuse:
     found = _rms_norm_facts(m, site)
-    if isinstance(found, str):
+    if isinstance(found, Refuse):
         return found
     if found[0] != -1:
-        return "the norm is not over the last axis"
+        return Refuse("the norm is not over the last axis")
     return _check_skip_rms(m, site) or found
 
 
@@ -458,10 +460,10 @@ _NO_BIAS = ("-no-bias", True, False)
 _SCALED = ("", True, False)
 _PLAIN = ("-plain", False, False)
 
-RuleOf = Callable[..., Rule]
+RuleOf = Callable[..., Rule[Any]]
 
 
-def _affine_rules(rule: RuleOf, name: str, core: Pattern, *variants: tuple[str, bool, bool]) -> list[Rule]:
+def _affine_rules(rule: RuleOf, name: str, core: Pattern, *variants: tuple[str, bool, bool]) -> list[Rule[Any]]:
     """One ``rule`` per affine variant of ``core``."""
     return [rule(name=name + suffix, pattern=_affine(core, gamma, beta)) for suffix, gamma, beta in variants]
 
@@ -518,7 +520,7 @@ _GROUP_NORM_18_RULE = partial(
 _ORT_SKIP = partial(Rule, family=FAMILY, targets=frozenset({"ort"}), label="skip norm", exports=("sum",), default=False)
 _SKIP_RMS_DOC = "norm(a [+ bias] + skip) -> com.microsoft SkipSimplifiedLayerNormalization (target ort)"
 
-RULES: tuple[Rule, ...] = (
+RULES: tuple[Rule[Any], ...] = (
     *_affine_rules(_ORT_RMS_NORM, "ort-rmsnorm", _RMS, _SCALED),
     _ORT_RMS_NORM(
         name="ort-rmsnorm-round-trip",

@@ -47,9 +47,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphopt.passes.fuse.rules.attention import ort, standard
+from graphopt.passes.fuse.rules.attention import gqa, ort, standard
 from graphopt.passes.rewrite.engine import Rule
 
 __all__ = ["RULES"]
 
-RULES: tuple[Rule[Any], ...] = standard.RULES + ort.RULES
+RULES: tuple[Rule[Any], ...] = standard.RULES + ort.RULES + gqa.RULES

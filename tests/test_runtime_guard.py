@@ -340,3 +340,28 @@ def test_a_loss_kept_for_a_fusion_it_brings_names_the_rewrite(corpus_dir: Path, 
         " fold, which stays"
     ]
     assert messages[0] in result.stderr
+
+
+def test_a_fusion_on_dead_nodes_is_no_fusion_to_keep(tmp_path: Path) -> None:
+    """onnxruntime fuses a Transpose into a MatMul no output reads (it runs dead nodes as they
+    are): dce removing them costs nothing, so the guard keeps dce (it undid cse, dce and noop,
+    and the next run's output differed: no fixpoint)."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+            helper.make_node("MatMul", ["t", "w"], ["dead"]),
+            helper.make_node("Relu", ["x"], ["y"]),
+        ],
+        "dead_fusion",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])],
+        [_init("w", RNG.standard_normal((2, 3)))],
+    )
+    source = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
+    result = graphopt.optimize(source, check=False)
+    guard = result.report["runtime_guard"]
+    assert guard["status"] == "kept" and guard["census"]["original"] == {}, guard
+    assert [n.op_type for n in result.model.graph.nodes] == ["Relu"]
+    again = graphopt.optimize(result.model, check=False).model
+    assert [n.op_type for n in again.graph.nodes] == ["Relu"]

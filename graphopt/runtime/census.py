@@ -158,18 +158,48 @@ def census_of_file(path: str | os.PathLike[str], names: Collection[str] | None =
 
 
 def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    """The nodes of ``graph`` and of its bodies."""
-    import onnx
-
+    """The nodes of ``graph`` and of their bodies."""
     for node in graph.node:
         yield node
-        for attr in node.attribute:
-            for body in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+        for body in _bodies(node):
+            yield from _all_nodes(body)
+
+
+def _bodies(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    import onnx
+
+    found: list[onnx.GraphProto] = []
+    for attr in node.attribute:
+        found += [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+    return found
+
+
+def _live(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """The nodes of ``graph`` (and of their bodies) that the graph's outputs depend on: a kernel
+    no output reads is no fusion to keep (onnxruntime runs a model's dead nodes as they are,
+    and removing them is no loss)."""
+    producer = {name: node for node in graph.node for name in node.output}
+    pending, seen, live = [o.name for o in graph.output], set(), set()
+    while pending:
+        name = pending.pop()
+        node = producer.get(name)
+        if name in seen or node is None:
+            seen.add(name)
+            continue
+        seen.add(name)
+        if id(node) not in live:
+            live.add(id(node))
+            pending += node.input
+            pending += [i for body in _bodies(node) for n in _all_nodes(body) for i in n.input]
+    for node in graph.node:
+        if id(node) in live:
+            yield node
+            for body in _bodies(node):
                 yield from _all_nodes(body)
 
 
 def _count(graph: onnx.GraphProto, names: set[str]) -> Census:
-    nodes = list(_all_nodes(graph))
+    nodes = list(_live(graph))
     readers: dict[str, list[onnx.NodeProto]] = {}
     producer: dict[str, onnx.NodeProto] = {}
     for node in nodes:

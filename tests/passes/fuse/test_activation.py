@@ -1,6 +1,6 @@
-"""The activation rules' table: GELU, SiLU / Swish, HardSigmoid / HardSwish and onnxruntime's activations. Each rule
-fires on its model and refuses its perturbations (tests/passes/fuse/table.py says how); a rule newer than the
-exporter fixtures has its case on an export too, and the family's own tests follow its table."""
+"""The activation rules' table: GELU, SiLU / Swish, HardSigmoid / HardSwish, Softsign and onnxruntime's
+activations. Each rule fires on its model and refuses its perturbations (tests/passes/fuse/table.py says how); a
+rule newer than the exporter fixtures has its case on an export too, and the family's own tests follow its table."""
 
 from __future__ import annotations
 
@@ -48,6 +48,21 @@ def _hardsigmoid(opset: int = 17) -> onnx.ModelProto:
         ["y"],
         [init("three", 3.0), init("lo", 0.0), init("hi", 6.0), init("six", 6.0)],
         opset=opset,
+    )
+
+
+def _softsign(one_first: bool = False, elem_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """Softsign written out: x / (|x| + 1), or x / (1 + |x|) with ``one_first``."""
+    dtype = {TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64}.get(elem_type, np.float32)
+    return model(
+        [
+            node("Abs", ["x"], "a"),
+            node("Add", ["one", "a"] if one_first else ["a", "one"], "s"),
+            node("Div", ["x", "s"], "y"),
+        ],
+        [info("x", [2, 5], elem_type)],
+        [info("y", None, elem_type)],
+        [init("one", 1.0, dtype)],
     )
 
 
@@ -132,9 +147,18 @@ CASES: dict[str, Case] = {
         Perturb(at_opset(24), None, note="above its max: the standard Swish takes it"),
         {"target": "ort"},
     ),
+    "softsign": Case(
+        _softsign,
+        {"Softsign": 1},
+        "s",
+        Perturb(set_const("one", 2.0), None, note="a constant: x / (|x| + 2) is no Softsign"),
+        ELEMENTWISE,
+        "n/a: Abs, Add, Div and Softsign are all in opset 1",
+    ),
 }
 
 EXPORTED: dict[str, Exported | str] = {
+    "softsign": "n/a: no exporter fixture spells x / (1 + |x|) (t5_ts's one Abs is in its relative position buckets)",
     "swish": Exported(
         ("llama_dynamo", "llama_ts"),
         {"Swish": 1},
@@ -371,3 +395,17 @@ def test_biasgelu_refusals() -> None:
     refused(exposed, "ort-biasgelu", target="ort")
     refused(bias_gelu(), "ort-biasgelu")
     assert details["applied"] == {}
+
+
+@pytest.mark.parametrize("one_first", [False, True])
+def test_softsign_fuses_with_the_one_on_either_side_of_the_add(one_first: bool) -> None:
+    fires(_softsign(one_first), "softsign", {"Softsign": 1})
+
+
+def test_softsign_of_float16_fuses() -> None:
+    fires(_softsign(elem_type=TensorProto.FLOAT16), "softsign", {"Softsign": 1})
+
+
+def test_softsign_of_double_stays_naming_the_type() -> None:
+    details = refused(_softsign(elem_type=TensorProto.DOUBLE), "softsign")
+    assert "takes float32 or float16, not double" in " ".join(details["near_misses"]["activation"])

@@ -54,7 +54,7 @@ import onnx
 import onnxruntime as ort
 from google.protobuf.message import DecodeError
 
-from graphopt.errors import InputError, bounded
+from graphopt.errors import InputError
 from graphopt.numerics.budget import DEFAULT_MEMORY_BUDGET, footprint, gigabytes
 from graphopt.numerics.budget import confine as limit_memory  # the name ``confine`` is the option
 from graphopt.numerics.compare import (
@@ -87,6 +87,7 @@ from graphopt.numerics.inputs import (
 )
 from graphopt.numerics.noise import DRAWS, Perturbation, self_noise
 from graphopt.numerics.options import FIRST_RUN_SECONDS, TIME_FACTOR, check_numbers
+from graphopt.numerics.ort_errors import first_line
 from graphopt.numerics.paths import lowest
 from graphopt.numerics.reference import float_reference
 
@@ -199,7 +200,7 @@ class _Deadline:
         except Exception as exc:
             if self.expired():
                 raise TimeoutError from None
-            raise _OrtError(_first_line(exc)) from None
+            raise _OrtError(first_line(exc)) from None
         finally:
             timer.cancel()
 
@@ -210,34 +211,6 @@ def _as_numpy(output: Any) -> Output:
     if isinstance(output, list):
         return [np.asarray(item) for item in output]
     return np.asarray(output)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return bounded(condensed(text.splitlines()[0])) if text else type(exc).__name__
-
-
-_ORT_CODE = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : ")
-# Names the file onnxruntime was given: a staging path, never the user's.
-_LOAD_FAILED = re.compile(r"Load model from .*? failed: ?")
-_NODE_FAILED = re.compile(r"Non-zero status code returned while running (\S+) node\. Name:'([^']*)' Status Message: ")
-_SOURCE_LINE = re.compile(r"\S+\.(?:h|cc|cpp|hpp|c):\d+ ")
-# After a source line: the C++ function that raised, then the condition that did not hold.
-_FUNCTION = re.compile(r"(?:[\w:<>*&]+ )*[\w:<>~{}]+\((?:[^()]|\([^()]*\))*\)(?: const)?(?: \[with [^\]]*\])? ")
-_CONDITION = re.compile(r".*? was false\. ")
-
-
-def condensed(message: str) -> str:
-    """onnxruntime's message without what only its developers read: error codes, source
-    lines, C++ signatures, the assertion that failed. What is left says what went wrong."""
-    message = _LOAD_FAILED.sub("", _ORT_CODE.sub("", message))
-    message = _NODE_FAILED.sub(lambda m: f"{m[1]} node {m[2]!r}: " if m[2] else f"{m[1]} node: ", message)
-    while (source := _SOURCE_LINE.search(message)) is not None:
-        rest = message[source.end() :]
-        rest = rest[function.end() :] if (function := _FUNCTION.match(rest)) else rest
-        rest = rest[condition.end() :] if (condition := _CONDITION.match(rest)) else rest
-        message = message[: source.start()] + rest
-    return message.strip()
 
 
 def session_options(
@@ -265,7 +238,7 @@ def session_options(
         try:
             options.register_custom_ops_library(str(library))
         except Exception as exc:
-            why = _first_line(exc)
+            why = first_line(exc)
             raise InputError(f"--custom-op-library {library}: onnxruntime cannot register it: {why}") from None
     return options
 
@@ -276,7 +249,7 @@ def _session(model: Path | bytes, options: ort.SessionOptions) -> ort.InferenceS
         source = model if isinstance(model, bytes) else str(model)
         return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as exc:
-        raise _OrtError(_first_line(exc)) from None
+        raise _OrtError(first_line(exc)) from None
 
 
 def _dims_text(dims: Mapping[str, int]) -> str:

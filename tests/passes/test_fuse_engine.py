@@ -14,7 +14,7 @@ import pytest
 import graphopt
 from graphopt.io.onnx_io import from_proto
 from graphopt.io.onnx_write import to_proto
-from graphopt.ir import Value
+from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import PROVENANCE_KEY, Builder
 from graphopt.passes.fuse import (
     Match,
@@ -160,6 +160,33 @@ def test_a_chain_binds_the_longest_run_first_then_each_shorter_one() -> None:
     longest = next(match(chain(("Cast", "Unsqueeze"), var("m"), name="run"), end))
     assert [longest[("run", i)].op_type for i in range(3)] == ["Unsqueeze", "Unsqueeze", "Cast"]  # type: ignore[union-attr]
     assert len(list(match(chain(("Cast", "Unsqueeze"), op.Relu(var("x"))), end))) == 1  # the whole run only
+
+
+def test_a_chain_walks_through_the_input_via_picks_and_stops_where_it_picks_none() -> None:
+    """chain(..., via=f) follows f(node) instead of the first input: through a Mul by a scalar on either side."""
+    nodes = [
+        node("Mul", ["two", "x"], "a"),  # the scalar first
+        node("Mul", ["a", "three"], "b"),
+        node("Mul", ["b", "b"], "c"),  # no scalar: via picks None, the run stops before it
+        node("Div", ["c", "four"], "d"),
+    ]
+    inits = [init("two", 2.0), init("three", 3.0), init("four", 4.0)]
+    graph = from_proto(model(nodes, [info("x", [2])], ["d"], inits)).graph
+    values = {v.name: v for n in graph.nodes for v in n.outputs}
+
+    def scaled(found: Node) -> Value | None:
+        names = [v.name if v is not None else "" for v in found.inputs]
+        for index, other in ((0, 1), (1, 0)):
+            if names[index] in ("two", "three", "four"):
+                return found.inputs[other]
+        return None
+
+    def sources(end: str) -> list[str]:
+        pattern = chain(("Mul", "Div"), var("m"), via=scaled)
+        return [found["m"].name for found in match(pattern, values[end]) if isinstance(found["m"], Value)]
+
+    assert sources("b") == ["x", "a", "b"]
+    assert sources("d") == ["c", "d"]
 
 
 def test_commuted_inputs_and_alternatives_match() -> None:

@@ -157,16 +157,17 @@ class Polynomial(Pattern):
 
 @dataclass(frozen=True, eq=False)
 class Chain(Pattern):
-    """A run of nodes of ``op_types`` (standard domains), each reading the one before through its first input,
-    from the matched value back to a value that matches ``of``: at least ``least`` and at most ``most`` nodes, the
-    longest run first and each shorter one on backtracking. The nodes bind under ``(name, i)``, nearest the
-    matched value first."""
+    """A run of nodes of ``op_types`` (standard domains), each reading the one before through the input ``via``
+    picks (the first input by default; None ends the run), from the matched value back to a value that matches
+    ``of``: at least ``least`` and at most ``most`` nodes, the longest run first and each shorter one on
+    backtracking. The nodes bind under ``(name, i)``, nearest the matched value first."""
 
     op_types: tuple[str, ...]
     of: Pattern
     name: str = ""
     least: int = 0
     most: int = 16
+    via: Callable[[Node], Value | None] | None = None
 
     @property
     def key(self) -> Any:
@@ -223,9 +224,18 @@ def polynomial(of: Var, test: Callable[[dict[int, float], float], bool], *, name
     return Polynomial(of, test, name)
 
 
-def chain(op_types: Sequence[str], of: Pattern, *, name: str = "", least: int = 0, most: int = 16) -> Chain:
-    """``chain(("Unsqueeze", "Cast"), var("m"), name="mask")``: ``m`` behind any run of those ops."""
-    return Chain(tuple(op_types), of, name, least, most)
+def chain(
+    op_types: Sequence[str],
+    of: Pattern,
+    *,
+    name: str = "",
+    least: int = 0,
+    most: int = 16,
+    via: Callable[[Node], Value | None] | None = None,
+) -> Chain:
+    """``chain(("Unsqueeze", "Cast"), var("m"), name="mask")``: ``m`` behind any run of those ops.
+    ``via=`` walks through another input than the first (a Mul's scalar may be either operand)."""
+    return Chain(tuple(op_types), of, name, least, most, via)
 
 
 def either(*alternatives: Pattern) -> Either:
@@ -346,20 +356,22 @@ def _match_inputs(wanted: list[Pattern], actual: list[Value | None], env: Bindin
 
 def _match_chain(pattern: Chain, value: Value, env: Bindings) -> Iterator[Bindings]:
     run: list[Node] = []
-    source: Value | None = value
-    while source is not None and len(run) < pattern.most:
-        node = source.producer
+    sources: list[Value] = [value]  # sources[i]: what the run of its i nearest nodes reads
+    while len(run) < pattern.most:
+        node = sources[-1].producer
         if node is None or node.op_type not in pattern.op_types or not node.in_standard_domain:
             break
+        source = pattern.via(node) if pattern.via is not None else (node.inputs[0] if node.inputs else None)
+        if source is None:
+            break
         run.append(node)
-        source = node.inputs[0] if node.inputs else None
+        sources.append(source)
     taken = {id(n) for n in env.values() if isinstance(n, Node)}
     for length in range(len(run), pattern.least - 1, -1):
         nodes = run[:length]
-        start = nodes[-1].inputs[0] if nodes else value
-        if start is None or taken & {id(n) for n in nodes}:
+        if taken & {id(n) for n in nodes}:
             continue
-        yield from match(pattern.of, start, {**env, **{(pattern.key, i): n for i, n in enumerate(nodes)}})
+        yield from match(pattern.of, sources[length], {**env, **{(pattern.key, i): n for i, n in enumerate(nodes)}})
 
 
 # The most nodes and the highest degree a Polynomial reads (GELU's argument has 2 to 5 nodes, degree 3).

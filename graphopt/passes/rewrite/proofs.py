@@ -23,6 +23,7 @@ import numpy as np
 from graphopt.ir import Node, Value
 from graphopt.ir.dims import mul
 from graphopt.passes.rewrite.engine import Refuse, Site
+from graphopt.passes.rewrite.patterns import either, match, op, optional, var
 
 # The head split's and merge's Transpose: (batch, seq, heads, head size) <-> (batch, heads, seq, head size).
 HEADS = [0, 2, 1, 3]
@@ -310,32 +311,32 @@ class Key:
     perm: list[int] | None = None
 
 
+# K^T as the exporters write it: Transpose(k, [0, 1, 3, 2]) or Transpose(K, [0, 2, 3, 1]), or dynamo's
+# Reshape(Transpose(Reshape(k, (B*H, S, d)), [0, 2, 1]), (B, H, d, S)).
+_KEY_TRANSPOSED = either(
+    op.Transpose(var("k"), name="transpose"),
+    op.Reshape(op.Transpose(op.Reshape(var("k"), var("merged_shape"), name="merge"), perm=[0, 2, 1]), var("shape")),
+)
+
+
 def untransposed_key(kt: Value) -> Key | None:
     """K (B, H, S, d) from K^T (B, H, d, S) in the exporters' spellings."""
-    node = kt.producer
-    if node is None:
-        return None
-    source = node.inputs[0] if node.inputs else None
-    if node.op_type == "Transpose" and source is not None:
-        perm = list(node.attr("perm", []))
-        if perm == [0, 1, 3, 2]:
-            return Key(source)
-        if perm == [0, 2, 3, 1] and Site.rank(source) == 4:
-            return Key(source, HEADS)
-        return None
-    if node.op_type != "Reshape" or source is None or source.producer is None:
-        return None
-    swap = source.producer
-    merged = swap.inputs[0] if swap.op_type == "Transpose" and swap.attr("perm") == [0, 2, 1] else None
-    split = merged.producer if merged is not None else None
-    if split is None or split.op_type != "Reshape" or split.inputs[0] is None:
-        return None
-    k, out, flat = Site.shape(split.inputs[0]), Site.shape(kt), Site.shape(merged)
-    if k is None or out is None or flat is None or len(k) != 4 or len(flat) != 3 or tuple(flat[1:]) != k[2:]:
-        return None
-    if None in k:
-        return None
-    return Key(split.inputs[0]) if out == (k[0], k[1], k[3], k[2]) else None
+    for found in match(_KEY_TRANSPOSED, kt):
+        k, transpose, merge = found["k"], found.get("transpose"), found.get("merge")
+        assert isinstance(k, Value)
+        if isinstance(transpose, Node):
+            perm = list(transpose.attr("perm", []))
+            if perm == [0, 1, 3, 2]:
+                return Key(k)
+            return Key(k, HEADS) if perm == [0, 2, 3, 1] and Site.rank(k) == 4 else None
+        assert isinstance(merge, Node)
+        dims, out, flat = Site.shape(k), Site.shape(kt), Site.shape(merge.outputs[0])
+        if dims is None or out is None or flat is None or len(dims) != 4 or len(flat) != 3 or None in dims:
+            return None
+        if tuple(flat[1:]) != dims[2:]:
+            return None
+        return Key(k) if out == (dims[0], dims[1], dims[3], dims[2]) else None
+    return None
 
 
 def merged_key(kt: Value, heads: int) -> Key | None:
@@ -348,24 +349,25 @@ def merged_key(kt: Value, heads: int) -> Key | None:
     return untransposed_key(k_t) if k_t is not None else None
 
 
+# Grouped-query attention's repeat of the K / V heads.
+_REPEATED = op.Reshape(
+    op.Expand(op.Unsqueeze(var("kv"), optional(var("axes")), name="unsqueeze"), var("wide")),
+    var("target"),
+    name="reshape",
+)
+
+
 def unrepeated(value: Value, site: Site) -> Value:
     """``value`` without grouped-query attention's repeat of its heads:
     Reshape(Expand(Unsqueeze(kv, [2]), (B, Hkv, n, S, d)), (B, Hkv * n, S, d))."""
-    reshape = value.producer
-    if reshape is None or reshape.op_type != "Reshape" or reshape.inputs[0] is None:
+    found = next(match(_REPEATED, value), None)
+    if found is None:
         return value
-    expand = reshape.inputs[0].producer
-    if expand is None or expand.op_type != "Expand" or expand.inputs[0] is None:
-        return value
-    unsqueeze = expand.inputs[0].producer
-    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or unsqueeze.inputs[0] is None:
-        return value
-    axes = ints_of(site, unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else tuple(unsqueeze.attr("axes", ()))
-    kv, wide, target = (
-        Site.shape(unsqueeze.inputs[0]),
-        ints_of(site, expand.inputs[1]),
-        ints_of(site, reshape.inputs[1]),
-    )
+    source, unsqueeze, reshape, axes_input = found["kv"], found["unsqueeze"], found["reshape"], found["axes"]
+    assert isinstance(source, Value) and isinstance(unsqueeze, Node) and isinstance(reshape, Node)
+    assert isinstance(found["wide"], Value) and isinstance(found["target"], Value)
+    axes = ints_of(site, axes_input) if isinstance(axes_input, Value) else tuple(unsqueeze.attr("axes", ()))
+    kv, wide, target = Site.shape(source), ints_of(site, found["wide"]), ints_of(site, found["target"])
     if axes != (2,) or kv is None or len(kv) != 4 or wide is None or len(wide) != 5 or target is None:
         return value
     repeats, heads, size = wide[2], kv[1], kv[3]
@@ -381,5 +383,5 @@ def unrepeated(value: Value, site: Site) -> Value:
         return value
     # With the heads and head size fixed, one of batch and seq provably right fixes the other.
     if batch or target[2] == kv[2]:
-        return unsqueeze.inputs[0]
+        return source
     return value

@@ -22,7 +22,7 @@ from graphopt.passes.fuse.rules.attention.ort import merged_heads
 from graphopt.passes.fuse.rules.attention.plans import cache_parts
 from graphopt.passes.fuse.rules.attention.spellings import FAMILY
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
-from graphopt.passes.rewrite.patterns import Pattern, either, op, optional, var
+from graphopt.passes.rewrite.patterns import Pattern, chain, either, match, op, optional, var
 from graphopt.passes.rewrite.proofs import unrepeated, unsplit
 
 # -- target ort: onnxruntime's GroupQueryAttention for a KV cache -------------------------------------
@@ -322,13 +322,13 @@ def _counts_up(value: Value, axis: int, start: Any, count: Any, sym: Sym) -> boo
 
 
 def _contents(value: Value, sym: Sym) -> tuple[Any, ...] | None:
-    """The flattened values of a small int tensor, read through the Reshapes and Unsqueezes that made it."""
-    found = sym(value)
-    node = value.producer
-    while found is None and node is not None and node.op_type in ("Reshape", "Unsqueeze") and node.inputs[0]:
-        found = sym(node.inputs[0])
-        node = node.inputs[0].producer
-    return found
+    """The flattened values of a small int tensor, read through the Reshapes and Unsqueezes that made it (they
+    keep the flattened values, so any known value along the run is the answer)."""
+    known = chain(("Reshape", "Unsqueeze"), var("known", lambda v: sym(v) is not None))
+    for found in match(known, value):
+        source = found["known"]
+        return sym(source) if isinstance(source, Value) else None
+    return None
 
 
 def _unsqueezed(value: Value, axes: tuple[int, ...], sym: Sym) -> Value | None:

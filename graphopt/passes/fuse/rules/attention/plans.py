@@ -13,6 +13,7 @@ from graphopt.facts.op import broadcast
 from graphopt.ir import DataType, Node, Value
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor
 from graphopt.passes.rewrite.engine import Match, Refuse, Site
+from graphopt.passes.rewrite.patterns import chain, match, var
 from graphopt.passes.rewrite.proofs import (
     Key,
     head_count,
@@ -135,22 +136,36 @@ def plan_attention(m: Match, site: Site) -> dict[str, object] | Refuse:
 #     Concat with the past stays K / V here and goes into the Attention afterwards (``attention-kv-cache``).
 
 
+def _scalar_step(node: Node) -> tuple[Value, float] | None:
+    """What a Mul / Div by a scalar constant scales (a Mul's scalar may be either operand), and its factor."""
+    for index in (1, 0) if node.op_type == "Mul" else (1,):
+        step = scalar_factor(node.inputs[index], divides=node.op_type == "Div")
+        rest = node.inputs[1 - index]
+        if step is not None and rest is not None:
+            return rest, step
+    return None
+
+
+def _scaled(node: Node) -> Value | None:
+    found = _scalar_step(node)
+    return found[0] if found is not None else None
+
+
+_SCALAR_STEPS = chain(("Mul", "Div"), var("scaled"), name="step", most=64, via=_scaled)
+
+
 def _scalar_steps(value: Value) -> tuple[Value, float]:
     """``value`` without Mul / Div by scalar constants in front of it, and their product."""
+    steps = next(match(_SCALAR_STEPS, value))
     factor = 1.0
-    while value.producer is not None and value.producer.op_type in ("Mul", "Div"):
-        node = value.producer
-        found: tuple[Value, float] | None = None
-        for index in (1, 0) if node.op_type == "Mul" else (1,):
-            step = scalar_factor(node.inputs[index], divides=node.op_type == "Div")
-            rest = node.inputs[1 - index]
-            if step is not None and rest is not None:
-                found = rest, step
-                break
-        if found is None:
-            break
-        value, factor = found[0], factor * found[1]
-    return value, factor
+    for key, node in steps.items():
+        if key != "scaled" and isinstance(node, Node):
+            found = _scalar_step(node)
+            assert found is not None  # the chain went through it
+            factor *= found[1]
+    scaled = steps["scaled"]
+    assert isinstance(scaled, Value)
+    return scaled, factor
 
 
 @dataclass

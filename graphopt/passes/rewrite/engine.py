@@ -603,7 +603,7 @@ def _type_change(before: Value, after: Value) -> str | None:
     old_dtype, new_dtype = tensor_dtype(before), tensor_dtype(after)
     known = (DataType.UNDEFINED, None)
     if old_dtype not in known and new_dtype not in known and old_dtype != new_dtype:
-        return f"the rewrite changes the element type from {old_dtype.name} to {new_dtype.name}"  # type: ignore[union-attr]
+        return f"the rewrite changes the element type from {old_dtype.name} to {new_dtype.name}"
     old, new = tensor_shape(before), tensor_shape(after)
     if old is None or new is None:
         return None

@@ -15,8 +15,8 @@ Then:
   build.py configures them);
 - latency, 1 thread, interleaved rounds at the index's second binding (padded masks): at
   ORT_ENABLE_ALL the default and ``--target ort`` outputs and onnxruntime's extended output,
-  each as a paired ratio to the original; at ORT_DISABLE_ALL the default output as a paired
-  ratio to the best peer's. Each ratio is the median of per-round ratios with its 95% bootstrap
+  each as a paired ratio to the original; at ORT_DISABLE_ALL the default output and the best
+  peer's, each as a paired ratio to the original. Each ratio is the median of per-round ratios with its 95% bootstrap
   interval (benchmarks/measure.py).
 
 The tables go to the "Real exports" section of BENCHMARKS.md (``bench-exports``).
@@ -116,10 +116,10 @@ def measure_export(entry: dict[str, Any], exports: Path, work: Path, args: argpa
         runs=args.runs,
         warmup=args.warmup,
     )
-    if peer_out.is_file():
-        row["latency_disable"] = interleaved_latency(
-            {"peer": peer_out, "default": outs["default"]}, feeds, "ORT_DISABLE_ALL", runs=args.runs, warmup=args.warmup
-        )
+    disabled = {"original": src, "peer": peer_out, "default": outs["default"]}
+    row["latency_disable"] = interleaved_latency(
+        {k: p for k, p in disabled.items() if p.is_file()}, feeds, "ORT_DISABLE_ALL", runs=args.runs, warmup=args.warmup
+    )
     row["load_after"] = os.getloadavg()[0]
     return row
 
@@ -190,7 +190,10 @@ def shortfalls(row: dict[str, Any]) -> list[str]:
         missing.append("ort slower than onnxruntime's extended output (ENABLE_ALL)")
     if _above(latency.get("default")):
         missing.append("default slower than the original (ENABLE_ALL)")
-    if _above(row.get("latency_disable", {}).get("default")):
+    disabled = row.get("latency_disable", {})
+    if _above(disabled.get("default")):
+        missing.append("default slower than the original (DISABLE_ALL)")
+    if _above(disabled.get("default"), disabled.get("peer")):
         missing.append(f"default slower than {row.get('best_peer')} (DISABLE_ALL)")
     return missing
 
@@ -230,8 +233,9 @@ def markdown(rows: list[dict[str, Any]], ctx: dict[str, Any], args: argparse.Nam
             _ratio(r["latency_all"].get("default")),
             _ratio(r["latency_all"].get("ort")),
             _ratio(r["latency_all"].get("ort_extended")),
-            r.get("best_peer", "-"),
             _ratio(r.get("latency_disable", {}).get("default")),
+            r.get("best_peer", "-"),
+            _ratio(r.get("latency_disable", {}).get("peer")),
         ]
         for r in rows
     ]
@@ -266,7 +270,8 @@ def markdown(rows: list[dict[str, Any]], ctx: dict[str, Any], args: argparse.Nam
             "the median over rounds of the output's time / the reference's time in the same round, with its 95% "
             "bootstrap interval. At ORT_ENABLE_ALL the reference is the original (its median time in ms is given); "
             "ort_extended is onnxruntime's own ORT_ENABLE_EXTENDED output (optimized_model_filepath), run at "
-            "ORT_ENABLE_ALL. At ORT_DISABLE_ALL the reference is the best portable peer's output by node count.",
+            "ORT_ENABLE_ALL. At ORT_DISABLE_ALL the original is the reference again, beside the best portable peer's "
+            "output by node count.",
             report.md_table(
                 [
                     "model",
@@ -274,8 +279,9 @@ def markdown(rows: list[dict[str, Any]], ctx: dict[str, Any], args: argparse.Nam
                     "default / original (ALL)",
                     "--target ort / original (ALL)",
                     "ort_extended / original (ALL)",
+                    "default / original (DISABLE)",
                     "best peer",
-                    "default / best peer (DISABLE)",
+                    "best peer / original (DISABLE)",
                 ],
                 latency_rows,
             ),

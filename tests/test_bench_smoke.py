@@ -113,7 +113,7 @@ def test_export_fusions_renders_a_saved_run_and_names_what_misses_the_acceptance
         "load_before": 0.5,
         "load_after": 0.7,
         "latency_all": {"original": ratio, "default": ratio, "ort": slower, "ort_extended": ratio},
-        "latency_disable": {"peer": ratio, "default": ratio},
+        "latency_disable": {"original": ratio, "peer": ratio, "default": slower},
     }
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps({"context": _context(), "runs": 3, "warmup": 1, "models": [row]}))
@@ -130,7 +130,8 @@ def test_export_fusions_renders_a_saved_run_and_names_what_misses_the_acceptance
     (gaps,) = [line for line in done.stdout.splitlines() if line.startswith("- llama_ts: ")]
     assert "graphopt check at ort: failed: new NaN" in gaps
     assert "opset 23: RotaryEmbedding 6/8" in gaps
-    assert "ort slower than the original" in gaps and "default slower" not in gaps
+    assert "ort slower than the original" in gaps and "default slower than the original (ENABLE_ALL)" not in gaps
+    assert "default slower than the original (DISABLE_ALL)" in gaps and "default slower than onnxslim" in gaps
 
 
 def _context() -> dict[str, object]:

@@ -4,7 +4,8 @@ Per fold, the members' kernels (each at its own size) are compared with the fold
 (at the total size) plus the copies the fold adds: the Concat (and Transpose) that packs
 the activations, the Gather that reorders a fold's slices, the Split (and Squeeze /
 Transpose) that cuts slices out for readers outside the chain. A chain of folds is taken
-when its total predicted gain is positive at both onnxruntime optimization levels.
+when its total predicted gain is positive at both onnxruntime optimization levels (and at
+every batch, below).
 
 Times come from MEASURED, a table of (work, microseconds) per kind of kernel, through a
 line fitted to it per kind: a launch overhead plus a time per unit of work. So one bigger
@@ -15,7 +16,8 @@ Sizes with symbolic dims are costed at a sequence of 64 (a dim whose name says s
 seq, len, token, time, step) and at every batch of BATCHES (any other dim): a chain is taken
 only when it gains at each. One batch is not enough: a stacked MatMul fold's grouped Conv
 computes the batch as pixels, which onnxruntime's GEMM runs in strips of 16 columns (see
-_grouped_conv_work), so a fold that gains at batch 1 can lose at batch 3.
+_grouped_conv_work), so a fold that gains at batch 1 can lose at batch 3: wide_ensemble's
+chain ran 0.73x the original at batch 1 and 1.50x at batch 3 (ORT_DISABLE_ALL).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ BATCHES = (1, 3)
 # so both levels use the ORT_DISABLE_ALL Transpose times. Memory-bound matrix-vector
 # products (one row) make the matmul rows uneven: multiply-adds alone do not say how long a
 # MatMul takes.
+# The grouped-conv rows are timed at 1 row or a multiple of 16, and channels in 16s, where
+# the multiply-adds _grouped_conv_work counts are the same at both levels.
 MEASURED: dict[str, tuple[tuple[int, float, float], ...]] = {
     "matmul": (
         (4096, 0.48, 0.47), (32768, 2.92, 2.83), (65536, 5.58, 5.95), (131072, 5.58, 5.95), (196608, 27.95, 27.94),

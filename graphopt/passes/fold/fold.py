@@ -187,45 +187,28 @@ def _chains(index: FoldIndex[Spec]) -> list[list[Fold[Spec]]]:
 
 @dataclass
 class ChainPrediction:
-    """A chain of folds and what the cost model predicts of it, per level at the batch of
-    costs.BATCHES where it fares worst (``batch``; the smallest gain for the time of its
-    kernels): ``gains`` (us saved, negative: it costs), ``kernels`` (us of its kernels
-    unfolded) and ``terms`` (us of kernels saved, us of copies spent, before
-    costs.CALIBRATION scales them)."""
+    """A chain of folds and what the cost model predicts of it at ``batch``, per level:
+    ``gains`` (us saved, negative: it costs), ``kernels`` (us of its kernels unfolded) and
+    ``terms`` (us of kernels saved, us of copies spent, before costs.CALIBRATION scales them)."""
 
     chain: list[Fold[Spec]]
     gains: dict[str, float]
     kernels: dict[str, float]
     terms: dict[str, tuple[float, float]]
-    batch: dict[str, int]
+    batch: int
 
 
-def predict_chains(index: FoldIndex[Spec]) -> list[ChainPrediction]:
-    """The cost model's prediction for each chain of ``index``."""
+def predict_chains(index: FoldIndex[Spec]) -> list[list[ChainPrediction]]:
+    """The cost model's predictions for each chain of ``index``, one per batch of costs.BATCHES."""
     predictions = []
     for chain in _chains(index):
         ids = {f.id for f in chain}
-        per_batch = [
-            ChainPrediction(chain, gains_us(terms), chain_time_us(chain, batch), terms, dict.fromkeys(LEVELS, batch))
-            for batch in BATCHES
-            for terms in [chain_terms(chain, lambda f, ids=ids: _read_outside(f, index, ids), batch)]  # type: ignore[misc]
-        ]
-        worst = {level: min(per_batch, key=lambda p, level=level: _relative_gain(p, level)) for level in LEVELS}  # type: ignore[misc]
-        predictions.append(
-            ChainPrediction(
-                chain,
-                {level: worst[level].gains[level] for level in LEVELS},
-                {level: worst[level].kernels[level] for level in LEVELS},
-                {level: worst[level].terms[level] for level in LEVELS},
-                {level: worst[level].batch[level] for level in LEVELS},
-            )
-        )
+        priced = []
+        for batch in BATCHES:
+            terms = chain_terms(chain, lambda f, ids=ids: _read_outside(f, index, ids), batch)  # type: ignore[misc]
+            priced.append(ChainPrediction(chain, gains_us(terms), chain_time_us(chain, batch), terms, batch))
+        predictions.append(priced)
     return predictions
-
-
-def _relative_gain(predicted: ChainPrediction, level: str) -> float:
-    """The gain for the time of the kernels: what --fold-tolerance compares."""
-    return predicted.gains[level] / max(predicted.kernels[level], 1e-9)
 
 
 def _judge(
@@ -236,23 +219,31 @@ def _judge(
     of the kernels they replace. The default tolerance is 0: the Q/K/V folds of bert_small
     (predicted before costs.CALIBRATION -6 us of 220 us a layer), bert_fp16_weights and
     vit_ts (-21 us of 671 us), once taken for the nodes they remove, measured 1.5 to 3.5%
-    slower end to end (100 interleaved rounds)."""
+    slower end to end (100 interleaved rounds). An accepted chain reports its smallest
+    predicted gain over the batches; a refused one its prediction at the first batch where
+    it costs."""
     accepted: dict[int, dict[str, float]] = {}
     refused: list[dict[str, Any]] = []
-    for predicted in predict_chains(index):
-        gains = {level: round(predicted.gains[level], 2) for level in LEVELS}
-        kernels = predicted.kernels
-        losing = [level for level in LEVELS if gains[level] <= -tolerance * kernels[level]]
+    for priced in predict_chains(index):
+        gains = [{level: round(p.gains[level], 2) for level in LEVELS} for p in priced]
+        losing = [
+            (p, level, gain[level])
+            for p, gain in zip(priced, gains, strict=True)
+            for level in LEVELS
+            if gain[level] <= -tolerance * p.kernels[level]
+        ]
         if force or not losing:
-            accepted.update({f.id: gains for f in predicted.chain})
+            smallest = {level: min(gain[level] for gain in gains) for level in LEVELS}
+            accepted.update({f.id: smallest for f in priced[0].chain})
             continue
+        predicted, level, _ = losing[0]
         refused.append(
             {
                 "members": [[m.name or m.outputs[0].name for m in f.members] for f in predicted.chain],
                 "ops": sorted({f.members[0].op_type for f in predicted.chain}),
-                "reason": _refusal(predicted, losing[0]),
-                "predicted_gain_us": gains,
-                "kernels_us": {level: round(kernels[level], 2) for level in LEVELS},
+                "reason": _refusal(predicted, level),
+                "predicted_gain_us": gains[priced.index(predicted)],
+                "kernels_us": {level: round(predicted.kernels[level], 2) for level in LEVELS},
                 "batch": predicted.batch,
             }
         )
@@ -260,15 +251,15 @@ def _judge(
 
 
 def _refusal(predicted: ChainPrediction, level: str) -> str:
-    """Why a chain costs at ``level``: its folded kernels themselves, or the copies they need."""
+    """Why a chain costs at ``level``: its folded kernels themselves, or the copies they need;
+    and the batch, when it pays at a smaller one."""
     saved, _ = predicted.terms[level]
     why = (
         "the folded kernels cost more than the kernels they replace"
         if saved < 0
         else "the copies it needs cost more than the kernels it saves"
     )
-    batch = predicted.batch[level]
-    return why if batch == BATCHES[0] else f"{why} at batch {batch}"
+    return why if predicted.batch == BATCHES[0] else f"{why} at batch {predicted.batch}"
 
 
 def _read_outside(fold: Fold[Spec], index: FoldIndex[Spec], chain: Any) -> bool:

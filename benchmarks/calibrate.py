@@ -9,7 +9,7 @@ fold pass taking no chain ("none"), which records the cost model's prediction fo
 chain per layer) form one decision. Then per decision the pipeline runs again taking only
 that decision's chains, and the outputs are timed against "none" as --tune times them
 (tune.time_models: one child, interleaved shuffled rounds, 1 thread) at both levels, at the
-sizes the cost model assumes (batch 1, sequences of 64: measure.latency_dims). The measured
+sizes the cost model assumes first (batch 1, sequences of 64: measure.latency_dims). The measured
 gain of a decision is (1 - with / none) x the time of "none", in microseconds; its noise is
 the reach of the 95% bootstrap interval of the median of the per-round ratios
 (measure.median_interval) plus the bias between two sessions of "none".
@@ -68,7 +68,8 @@ def taking(chosen: set[frozenset[str]], seen: dict[str, dict[str, Any]]) -> Iter
 
     def select(index: Any, *, force: bool, tolerance: float) -> tuple[dict[int, dict[str, float]], list[Any]]:
         accepted: dict[int, dict[str, float]] = {}
-        for predicted in fold_pass.predict_chains(index):
+        for priced in fold_pass.predict_chains(index):
+            predicted = priced[0]  # at batch 1, the batch the decisions are timed at
             decision = seen.setdefault(
                 _key(predicted),
                 {"chains": [], "terms": predicted.terms, "gains": predicted.gains, "kernels": predicted.kernels},

@@ -11,7 +11,8 @@ onnxruntime from merging consecutive ops (two Transposes, two Gathers) into one.
 - matmul: [rows, depth] x constant [depth, depth], or a pair depth -> width -> depth
   (two kernels; work: multiply-adds of one)
 - conv: 1x1 Conv, [1, C, H, W] -> C channels (work: multiply-adds)
-- grouped-conv: the fold's rows layout, [1, F*depth, rows, 1], F groups (work: multiply-adds)
+- grouped-conv: the fold's rows layout, [1, F*depth, rows, 1], F groups (work: multiply-adds;
+  rows 1 or a multiple of 16, see costs._grouped_conv_work)
 - elementwise: Add of a constant (work: elements)
 - gather, transpose, split-concat (a Split in 4 and the Concat back), work: elements
 """

@@ -37,6 +37,20 @@ def mlp(path: Path, scale: float = 1.0, inputs: str = "x") -> Path:
     return path
 
 
+def at_batch_one(source: Path, folder: Path) -> Path:
+    """``source`` with its batch dims fixed to 1, written to ``folder`` (the fold pass prices
+    a symbolic batch at several sizes, a fixed one at its size: wide_ensemble folds at 1)."""
+    model = onnx.load(str(source))
+    for value in [*model.graph.input, *model.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param == "batch":
+                dim.dim_value = 1
+    del model.graph.value_info[:]
+    path = folder / f"{source.stem}_batch1.onnx"
+    onnx.save(model, path)
+    return path
+
+
 def error_lines(result: Result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("graphopt: error: ")]
 

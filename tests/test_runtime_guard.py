@@ -28,7 +28,7 @@ from graphopt.runtime import guard as guard_module
 from graphopt.runtime.census import Census, census_of_file
 from graphopt.runtime.guard import undoable
 from graphopt.schemas import schema
-from tests.cli_helpers import invoke
+from tests.cli_helpers import at_batch_one, invoke
 
 RNG = np.random.default_rng(0)
 
@@ -323,10 +323,11 @@ def test_a_loss_no_rewrite_explains_costs_one_rerun(tmp_path: Path, monkeypatch:
 
 
 def test_a_loss_kept_for_a_fusion_it_brings_names_the_rewrite(corpus_dir: Path, tmp_path: Path) -> None:
-    """fold batches the ensemble's Gemm + Relu branches, which onnxruntime fused one by one, into
-    Convs it fuses instead: undoing fold would cost those, so it stays, and the message says so
-    rather than that no rewrite explains the loss."""
-    result = invoke("run", corpus_dir / "wide_ensemble.onnx", "-o", tmp_path / "out.onnx", "--no-check", "--json")
+    """fold batches the ensemble's Gemm + Relu branches (at batch 1, where it folds), which
+    onnxruntime fused one by one, into Convs it fuses instead: undoing fold would cost those, so
+    it stays, and the message says so rather than that no rewrite explains the loss."""
+    source = at_batch_one(corpus_dir / "wide_ensemble.onnx", tmp_path)
+    result = invoke("run", source, "-o", tmp_path / "out.onnx", "--no-check", "--json")
     assert result.exit_code == 0, result.stderr
     guard = json.loads(result.stdout)["runtime_guard"]
     assert guard["status"] == "lost" and guard["undone"] == []

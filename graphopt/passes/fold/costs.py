@@ -4,15 +4,20 @@ Per fold, the members' kernels (each at its own size) are compared with the fold
 (at the total size) plus the copies the fold adds: the Concat (and Transpose) that packs
 the activations, the Gather that reorders a fold's slices, the Split (and Squeeze /
 Transpose) that cuts slices out for readers outside the chain. A chain of folds is taken
-when its total predicted gain is positive at both onnxruntime optimization levels.
+when its total predicted gain is positive at both onnxruntime optimization levels (and at
+every batch, below).
 
 Times come from MEASURED, a table of (work, microseconds) per kind of kernel, through a
 line fitted to it per kind: a launch overhead plus a time per unit of work. So one bigger
 kernel saves the launch overheads of the others; the cache gains of bigger GEMMs are
 within the noise of the measurements on a shared machine, and are not counted.
 
-Sizes with symbolic dims are costed at the sizes the benchmarks run: a dim whose name says
-sequence (seq, len, token, time, step) at 64, any other (batch) at 1.
+Sizes with symbolic dims are costed at a sequence of 64 (a dim whose name says sequence:
+seq, len, token, time, step) and at every batch of BATCHES (any other dim): a chain is taken
+only when it gains at each. One batch is not enough: a stacked MatMul fold's grouped Conv
+computes the batch as pixels, which onnxruntime's GEMM runs in strips of 16 columns (see
+_grouped_conv_work), so a fold that gains at batch 1 can lose at batch 3: wide_ensemble's
+chain ran 0.73x the original at batch 1 and 1.50x at batch 3 (ORT_DISABLE_ALL).
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ from graphopt.ir import Dim, Expr, Node, Sym, tensor_shape
 from graphopt.passes.fold.index import Fold
 from graphopt.passes.fold.plan import SEED_OPS, Spec
 
-__all__ = ["CALIBRATION", "FITTED", "LEVELS", "MEASURED", "chain_terms", "gains_us", "kernel_us"]
+__all__ = ["BATCHES", "CALIBRATION", "FITTED", "LEVELS", "MEASURED", "chain_terms", "gains_us", "kernel_us"]
 
 LEVELS = ("ORT_ENABLE_ALL", "ORT_DISABLE_ALL")
+# The batches a symbolic batch dim is costed at: one row, and a few (the size of the numerics
+# check's first binding), where the grouped Conv's GEMM strips cost the most per row.
+BATCHES = (1, 3)
 
 # Measured with benchmarks/fold_costs.py (onnxruntime 1.32.0, CPU provider, 1 thread, the
 # project's shared 2-core machine, 2026-11-22): per kind, rows of (work, microseconds of one
@@ -41,6 +49,8 @@ LEVELS = ("ORT_ENABLE_ALL", "ORT_DISABLE_ALL")
 # so both levels use the ORT_DISABLE_ALL Transpose times. Memory-bound matrix-vector
 # products (one row) make the matmul rows uneven: multiply-adds alone do not say how long a
 # MatMul takes.
+# The grouped-conv rows are timed at 1 row or a multiple of 16, and channels in 16s, where
+# the multiply-adds _grouped_conv_work counts are the same at both levels.
 MEASURED: dict[str, tuple[tuple[int, float, float], ...]] = {
     "matmul": (
         (4096, 0.48, 0.47), (32768, 2.92, 2.83), (65536, 5.58, 5.95), (131072, 5.58, 5.95), (196608, 27.95, 27.94),
@@ -84,6 +94,11 @@ CALIBRATION: dict[str, tuple[float, float]] = {"ORT_ENABLE_ALL": (0.178, 0.178),
 
 _SEQUENCE_WORDS = ("seq", "len", "token", "time", "step")
 _SEQUENCE_GUESS = 64
+# MLAS's SGEMM kernel computes 16 columns at a time (x86 and ARM). onnxruntime's NCHWc block
+# is 16 channels with AVX-512 and 8 with AVX2: channels that are multiples of 16 are blocked
+# on both.
+_GEMM_STRIP = 16
+_NCHWC_BLOCK = 16
 
 
 def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -109,28 +124,46 @@ def kernel_us(level: str, kind: str, work: float) -> float:
     return launch + per_unit * work
 
 
-def _dim(dim: Dim) -> int:
+def _dim(dim: Dim, batch: int) -> int:
     if isinstance(dim, int):
         return dim
     names = [dim.name] if isinstance(dim, Sym) else [str(dim)] if isinstance(dim, Expr) else []
-    return _SEQUENCE_GUESS if any(w in n.lower() for n in names for w in _SEQUENCE_WORDS) else 1
+    return _SEQUENCE_GUESS if any(w in n.lower() for n in names for w in _SEQUENCE_WORDS) else batch
 
 
-def _elements(shape: Sequence[Dim] | None) -> int:
-    return math.prod(_dim(d) for d in shape) if shape is not None else 1
+def _elements(shape: Sequence[Dim] | None, batch: int) -> int:
+    return math.prod(_dim(d, batch) for d in shape) if shape is not None else 1
 
 
-def _work(node: Node) -> float:
+def _work(node: Node, batch: int) -> float:
     """Multiply-adds of a MatMul / Gemm / Conv, elements of an element-wise op's output."""
-    out = _elements(tensor_shape(node.outputs[0]))
+    out = _elements(tensor_shape(node.outputs[0]), batch)
     weight = tensor_shape(node.inputs[1]) if len(node.inputs) > 1 else None
     if node.op_type == "MatMul" and weight:
-        return out * _dim(weight[0])
+        return out * _dim(weight[0], batch)
     if node.op_type == "Gemm" and weight:
-        return out * _dim(weight[1] if node.attr("transB", 0) else weight[0])
+        return out * _dim(weight[1] if node.attr("transB", 0) else weight[0], batch)
     if node.op_type == "Conv" and weight:
-        return out * math.prod(_dim(d) for d in weight[1:])
+        return out * math.prod(_dim(d, batch) for d in weight[1:])
     return out
+
+
+def _grouped_conv_work(level: str, fold: Fold[Spec], batch: int) -> float:
+    """Multiply-adds the grouped 1x1 Conv of a stacked MatMul / Gemm fold computes, its rows
+    (the members' leading dims, with the batch) being the Conv's pixels.
+
+    MLAS runs a Conv as one GEMM per group, (output channels x input channels) by (input
+    channels x pixels), and computes the pixels in strips of _GEMM_STRIP columns: 3 rows cost
+    as much as 16 (one row is a matrix-vector product, costed as it is). At ORT_ENABLE_ALL
+    onnxruntime runs the Conv in its blocked NCHWc layout instead, whose kernel is linear in
+    the pixels, when the channels of each group are multiples of the block."""
+    depth = _dim(tensor_shape(fold.spec.operand.values[0])[-1], batch)  # type: ignore[index]
+    width = _dim(fold.spec.layout.member_shapes[0][-1], batch)
+    rows = _elements(fold.spec.layout.member_shapes[0][:-1], batch)
+    nchwc = level == "ORT_ENABLE_ALL" and depth % _NCHWC_BLOCK == 0 and width % _NCHWC_BLOCK == 0
+    if rows > 1 and not nchwc:
+        rows = math.ceil(rows / _GEMM_STRIP) * _GEMM_STRIP
+    return len(fold.members) * depth * width * rows
 
 
 def _kind(fold: Fold[Spec], folded: bool) -> str:
@@ -163,18 +196,20 @@ def _fused_at_all(fold: Fold[Spec], folds: dict[int, Fold[Spec]]) -> bool:
     return _after_conv(fold, folds) or len(seed.spec.layout.member_shapes[0]) == 2
 
 
-def fold_terms(level: str, fold: Fold[Spec], folds: dict[int, Fold[Spec]], cut_out: bool) -> tuple[float, float]:
-    """Predicted microseconds ``fold`` saves in kernels at ``level``, and those its copies cost."""
-    members = fold.members
-    works = [_work(m) for m in members]
+def fold_terms(
+    level: str, fold: Fold[Spec], folds: dict[int, Fold[Spec]], cut_out: bool, batch: int
+) -> tuple[float, float]:
+    """Predicted microseconds ``fold`` saves in kernels at ``level`` and ``batch``, and those
+    its copies cost."""
+    works = [_work(m, batch) for m in fold.members]
     saved = 0.0
     if not (level == "ORT_ENABLE_ALL" and _fused_at_all(fold, folds)):
-        saved = sum(kernel_us(level, _kind(fold, False), w) for w in works) - kernel_us(
-            level, _kind(fold, True), sum(works)
-        )
+        kind = _kind(fold, True)
+        folded = _grouped_conv_work(level, fold, batch) if kind == "grouped-conv" else sum(works)
+        saved = sum(kernel_us(level, _kind(fold, False), w) for w in works) - kernel_us(level, kind, folded)
     copies = 0.0
     operand = fold.spec.operand
-    activations = sum(_elements(tensor_shape(v)) for v in operand.values)
+    activations = sum(_elements(tensor_shape(v), batch) for v in operand.values)
     if operand.how == "gather":
         copies += kernel_us(level, "gather", activations)
     elif operand.how == "pack":
@@ -182,7 +217,7 @@ def fold_terms(level: str, fold: Fold[Spec], folds: dict[int, Fold[Spec]], cut_o
         if fold.spec.layout.kind == "rows":
             copies += kernel_us(level, "transpose", activations)
     if cut_out:
-        outputs = sum(_elements(shape) for shape in fold.spec.layout.member_shapes)
+        outputs = sum(_elements(shape, batch) for shape in fold.spec.layout.member_shapes)
         copies += kernel_us(level, "split-concat", outputs) / 2
         if fold.spec.layout.kind == "rows":
             copies += kernel_us(level, "transpose", outputs)
@@ -193,22 +228,25 @@ def fold_terms(level: str, fold: Fold[Spec], folds: dict[int, Fold[Spec]], cut_o
     return saved, copies
 
 
-def chain_time_us(chain: Sequence[Fold[Spec]]) -> dict[str, float]:
-    """Per level, the predicted time of the chain's kernels as they are, unfolded (scaled as
-    the kernel time a fold saves)."""
+def chain_time_us(chain: Sequence[Fold[Spec]], batch: int) -> dict[str, float]:
+    """Per level, the predicted time of the chain's kernels as they are, unfolded, at ``batch``
+    (scaled as the kernel time a fold saves)."""
     return {
         level: CALIBRATION[level][0]
-        * sum(kernel_us(level, _kind(f, False), _work(m)) for f in chain for m in f.members)
+        * sum(kernel_us(level, _kind(f, False), _work(m, batch)) for f in chain for m in f.members)
         for level in LEVELS
     }
 
 
-def chain_terms(chain: Sequence[Fold[Spec]], cut_out: Callable[[Fold[Spec]], bool]) -> dict[str, tuple[float, float]]:
-    """Per level, the microseconds a chain of folds saves in kernels and spends in copies, unscaled."""
+def chain_terms(
+    chain: Sequence[Fold[Spec]], cut_out: Callable[[Fold[Spec]], bool], batch: int
+) -> dict[str, tuple[float, float]]:
+    """Per level, the microseconds a chain of folds saves in kernels and spends in copies at
+    ``batch``, unscaled."""
     folds = {f.id: f for f in chain}
     found: dict[str, tuple[float, float]] = {}
     for level in LEVELS:
-        terms = [fold_terms(level, f, folds, cut_out(f)) for f in chain]
+        terms = [fold_terms(level, f, folds, cut_out(f), batch) for f in chain]
         found[level] = (sum(t[0] for t in terms), sum(t[1] for t in terms))
     return found
 

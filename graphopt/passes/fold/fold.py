@@ -25,7 +25,7 @@ from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.ops import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY
 from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.fold.costs import LEVELS, chain_terms, chain_time_us, gains_us
+from graphopt.passes.fold.costs import BATCHES, LEVELS, chain_terms, chain_time_us, gains_us
 from graphopt.passes.fold.index import Fold, FoldIndex, build_folded_graph
 from graphopt.passes.fold.plan import SEED_OPS, Planner, Spec
 from graphopt.passes.fold.realize import Realizer, remove_folded
@@ -187,53 +187,79 @@ def _chains(index: FoldIndex[Spec]) -> list[list[Fold[Spec]]]:
 
 @dataclass
 class ChainPrediction:
-    """A chain of folds and what the cost model predicts of it, per level: ``gains`` (us
-    saved, negative: it costs), ``kernels`` (us of its kernels unfolded) and ``terms`` (us of
-    kernels saved, us of copies spent, before costs.CALIBRATION scales them)."""
+    """A chain of folds and what the cost model predicts of it at ``batch``, per level:
+    ``gains`` (us saved, negative: it costs), ``kernels`` (us of its kernels unfolded) and
+    ``terms`` (us of kernels saved, us of copies spent, before costs.CALIBRATION scales them)."""
 
     chain: list[Fold[Spec]]
     gains: dict[str, float]
     kernels: dict[str, float]
     terms: dict[str, tuple[float, float]]
+    batch: int
 
 
-def predict_chains(index: FoldIndex[Spec]) -> list[ChainPrediction]:
-    """The cost model's prediction for each chain of ``index``."""
+def predict_chains(index: FoldIndex[Spec]) -> list[list[ChainPrediction]]:
+    """The cost model's predictions for each chain of ``index``, one per batch of costs.BATCHES."""
     predictions = []
     for chain in _chains(index):
         ids = {f.id for f in chain}
-        terms = chain_terms(chain, lambda f, ids=ids: _read_outside(f, index, ids))  # type: ignore[misc]
-        predictions.append(ChainPrediction(chain, gains_us(terms), chain_time_us(chain), terms))
+        priced = []
+        for batch in BATCHES:
+            terms = chain_terms(chain, lambda f, ids=ids: _read_outside(f, index, ids), batch)  # type: ignore[misc]
+            priced.append(ChainPrediction(chain, gains_us(terms), chain_time_us(chain, batch), terms, batch))
+        predictions.append(priced)
     return predictions
 
 
 def _judge(
     index: FoldIndex[Spec], *, force: bool, tolerance: float
 ) -> tuple[dict[int, dict[str, float]], list[dict[str, Any]]]:
-    """Accept the chains the cost model says do not cost at any optimization level (all with
-    ``force``), and those whose predicted cost is within ``tolerance`` of the time of the
-    kernels they replace. The default tolerance is 0: the Q/K/V folds of bert_small (predicted
-    before costs.CALIBRATION -6 us of 220 us a layer), bert_fp16_weights and vit_ts (-21 us of
-    671 us), once taken for the nodes they remove, measured 1.5 to 3.5% slower end to end (100
-    interleaved rounds)."""
+    """Accept the chains the cost model says do not cost at any optimization level and batch
+    (all with ``force``), and those whose predicted cost is within ``tolerance`` of the time
+    of the kernels they replace. The default tolerance is 0: the Q/K/V folds of bert_small
+    (predicted before costs.CALIBRATION -6 us of 220 us a layer), bert_fp16_weights and
+    vit_ts (-21 us of 671 us), once taken for the nodes they remove, measured 1.5 to 3.5%
+    slower end to end (100 interleaved rounds). An accepted chain reports its smallest
+    predicted gain over the batches; a refused one its prediction at the first batch where
+    it costs."""
     accepted: dict[int, dict[str, float]] = {}
     refused: list[dict[str, Any]] = []
-    for predicted in predict_chains(index):
-        gains = {level: round(predicted.gains[level], 2) for level in LEVELS}
-        kernels = predicted.kernels
-        if force or all(gains[level] > -tolerance * kernels[level] for level in LEVELS):
-            accepted.update({f.id: gains for f in predicted.chain})
+    for priced in predict_chains(index):
+        gains = [{level: round(p.gains[level], 2) for level in LEVELS} for p in priced]
+        losing = [
+            (p, level, gain[level])
+            for p, gain in zip(priced, gains, strict=True)
+            for level in LEVELS
+            if gain[level] <= -tolerance * p.kernels[level]
+        ]
+        if force or not losing:
+            smallest = {level: min(gain[level] for gain in gains) for level in LEVELS}
+            accepted.update({f.id: smallest for f in priced[0].chain})
             continue
+        predicted, level, _ = losing[0]
         refused.append(
             {
                 "members": [[m.name or m.outputs[0].name for m in f.members] for f in predicted.chain],
                 "ops": sorted({f.members[0].op_type for f in predicted.chain}),
-                "reason": "the copies it needs cost more than the kernels it saves",
-                "predicted_gain_us": gains,
-                "kernels_us": {level: round(kernels[level], 2) for level in LEVELS},
+                "reason": _refusal(predicted, level),
+                "predicted_gain_us": gains[priced.index(predicted)],
+                "kernels_us": {level: round(predicted.kernels[level], 2) for level in LEVELS},
+                "batch": predicted.batch,
             }
         )
     return accepted, refused
+
+
+def _refusal(predicted: ChainPrediction, level: str) -> str:
+    """Why a chain costs at ``level``: its folded kernels themselves, or the copies they need;
+    and the batch, when it pays at a smaller one."""
+    saved, _ = predicted.terms[level]
+    why = (
+        "the folded kernels cost more than the kernels they replace"
+        if saved < 0
+        else "the copies it needs cost more than the kernels it saves"
+    )
+    return why if predicted.batch == BATCHES[0] else f"{why} at batch {predicted.batch}"
 
 
 def _read_outside(fold: Fold[Spec], index: FoldIndex[Spec], chain: Any) -> bool:

@@ -1,7 +1,7 @@
 """Reduced-precision and quantized copies of the real PyTorch exports, and what graphopt does with them.
 
     python benchmarks/precision_variants.py build   [--exports DIR] [--out VARIANTS] [--only NAME ...]
-    python benchmarks/precision_variants.py measure [--variants VARIANTS] [--only STEM ...] [--json-out PATH]
+    python benchmarks/precision_variants.py measure [--variants VARIANTS] [--only STEM ...] [--json-out PATH] [--flag F]
     python benchmarks/precision_variants.py nodes   [--variants VARIANTS] [--only STEM ...] [--refresh]
 
 ``build`` makes, with onnxruntime's own tools (the ones deployment engineers use; never a
@@ -173,7 +173,7 @@ def run_graphopt(src: Path, out: Path, flags: list[str]) -> dict[str, Any]:
     return found
 
 
-def measure(variants: Path, only: list[str]) -> list[dict[str, Any]]:
+def measure(variants: Path, only: list[str], extra: list[str]) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for entry in json.loads((variants / "index.json").read_text())["models"]:
@@ -183,7 +183,7 @@ def measure(variants: Path, only: list[str]) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"model": src.stem, "variant": entry["variant"], "original": node_count(src).total}
             for target, flags in TARGETS.items():
                 out = Path(tmp) / f"{src.stem}.{target}.onnx"
-                cell = run_graphopt(src, out, flags)
+                cell = run_graphopt(src, out, [*flags, *extra])
                 if out.is_file():
                     cell["nodes"] = node_count(out).total
                     counts = op_counts(out)
@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", "--out", dest="variants", type=Path, default=VARIANTS, help="the variants folder")
     parser.add_argument("--only", nargs="*", default=[], help="model names or file stems")
     parser.add_argument("--json-out", type=Path, help="measure, nodes: also save the rows as JSON")
+    parser.add_argument(
+        "--flag", action="append", default=[], help="measure: a graphopt option added to every run (repeatable)"
+    )
     parser.add_argument("--refresh", action="store_true", help="nodes: rerun the peers instead of reading their cache")
     args = parser.parse_args(argv)
     if args.action == "build":
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         tools = [GRAPHOPT, *PORTABLE_PEERS]
         rows = peer_counts(args.variants, args.only, tools, args.refresh, check=False, cache_path=VARIANT_PEER_CACHE)
     else:
-        rows = measure(args.variants, args.only)
+        rows = measure(args.variants, args.only, args.flag)
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
     print(node_table(rows) if args.action == "nodes" else summary(rows))

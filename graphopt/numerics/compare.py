@@ -289,7 +289,7 @@ def judge_by_reference(result: OutputComparison, original: float, optimized: flo
     result.reference_original, result.reference_optimized = original, optimized
     noise = result.self_noise
     if original > REFERENCE_CEILING and (noise is None or original > REFERENCE_NOISE_FACTOR * noise):
-        explained = f" or {REFERENCE_NOISE_FACTOR:g} x self-noise {noise:.3g}" if noise is not None else ""
+        explained = f" and > {REFERENCE_NOISE_FACTOR:g} x self-noise {noise:.3g}" if noise is not None else ""
         result.reason = (
             f"{result.reason}; and the original is no approximation of its float reference"
             f" (rel L2 {original:.3g} > {REFERENCE_CEILING:g}{explained}) to judge by"

@@ -104,10 +104,11 @@ def _count(tool: str, src: Path, work: Path) -> int | str:
     return node_count(out).total
 
 
-def measure(exports: Path, names: list[str], tools: list[str], refresh: bool, check: bool) -> list[dict[str, Any]]:
-    """One row per export: its original count and each tool's."""
+def measure(
+    exports: Path, names: list[str], tools: list[str], refresh: bool, check: bool, cache_path: Path = PEER_CACHE
+) -> list[dict[str, Any]]:
+    """One row per export: its original count and each tool's (peers' counts kept in ``cache_path``)."""
     index = json.loads((exports / "index.json").read_text())
-    cache_path = PEER_CACHE
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     cache: dict[str, Any] = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     rows = []
@@ -139,9 +140,15 @@ def measure(exports: Path, names: list[str], tools: list[str], refresh: bool, ch
     return rows
 
 
+def best_peer(row: dict[str, Any]) -> tuple[str, int] | None:
+    """The portable peer with the fewest nodes on this row (the first in table order on a tie)."""
+    counts = [(p, row[p]) for p in PORTABLE_PEERS if isinstance(row.get(p), int)]
+    return min(counts, key=lambda item: item[1]) if counts else None
+
+
 def _best(row: dict[str, Any]) -> int | None:
-    counts = [row[p] for p in PORTABLE_PEERS if isinstance(row.get(p), int)]
-    return min(counts) if counts else None
+    best = best_peer(row)
+    return best[1] if best else None
 
 
 def _margin(row: dict[str, Any]) -> int | None:

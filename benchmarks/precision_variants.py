@@ -1,7 +1,8 @@
 """Reduced-precision and quantized copies of the real PyTorch exports, and what graphopt does with them.
 
     python benchmarks/precision_variants.py build   [--exports DIR] [--out VARIANTS] [--only NAME ...]
-    python benchmarks/precision_variants.py measure [--variants VARIANTS] [--only STEM ...] [--json-out PATH]
+    python benchmarks/precision_variants.py measure [--variants VARIANTS] [--only STEM ...] [--json-out PATH] [--flag F]
+    python benchmarks/precision_variants.py nodes   [--variants VARIANTS] [--only STEM ...] [--refresh]
 
 ``build`` makes, with onnxruntime's own tools (the ones deployment engineers use; never a
 dependency of graphopt), four variants of every export of DIR's index.json
@@ -22,6 +23,11 @@ made from), so ``benchmarks/export_fusions.py --exports VARIANTS`` measures the 
 the index's bindings: the relative L2 distance of the variant's outputs to the float32 export's
 and of graphopt's output to the float32 export's; their ratio says whether graphopt moved the
 model away from what it approximates (1.0: no further than the variant itself is).
+
+``nodes`` counts the nodes of graphopt's default output and of every portable peer's (each tool
+alone in a fresh process, as ``exports.py`` runs them; the peers' counts are kept in
+~/.cache/graphopt-bench/variant-peers.json and rerun only with ``--refresh``) and prints, per
+variant, graphopt's count, the best peer's and which of the two has more nodes.
 """
 
 from __future__ import annotations
@@ -42,12 +48,15 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from export_fusions import GRAPHOPT_CLI, ORT_OPS, STANDARD_OPS, TARGETS, op_counts
-from exports import EXPORTS, index_feeds
+from exports import EXPORTS, best_peer, index_feeds
+from exports import measure as peer_counts
 from measure import node_count
+from tools import GRAPHOPT, PORTABLE_PEERS
 
 VARIANTS = Path.home() / ".cache/graphopt-exports-variants"
 KINDS = ("fp16", "qdq", "dyn8", "int4")
 CALIBRATION_DRAWS = 4
+VARIANT_PEER_CACHE = Path.home() / ".cache/graphopt-bench/variant-peers.json"
 TIMEOUT_S = 900.0
 
 
@@ -164,7 +173,7 @@ def run_graphopt(src: Path, out: Path, flags: list[str]) -> dict[str, Any]:
     return found
 
 
-def measure(variants: Path, only: list[str]) -> list[dict[str, Any]]:
+def measure(variants: Path, only: list[str], extra: list[str]) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for entry in json.loads((variants / "index.json").read_text())["models"]:
@@ -174,7 +183,7 @@ def measure(variants: Path, only: list[str]) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"model": src.stem, "variant": entry["variant"], "original": node_count(src).total}
             for target, flags in TARGETS.items():
                 out = Path(tmp) / f"{src.stem}.{target}.onnx"
-                cell = run_graphopt(src, out, flags)
+                cell = run_graphopt(src, out, [*flags, *extra])
                 if out.is_file():
                     cell["nodes"] = node_count(out).total
                     counts = op_counts(out)
@@ -239,13 +248,49 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def node_table(rows: list[dict[str, Any]]) -> str:
+    """One line per export, one column per variant kind: graphopt's default output against the
+    best portable peer (named), and which of the two has more nodes; then the tally."""
+    cells: dict[str, dict[str, str]] = collections.defaultdict(dict)
+    tally: collections.Counter[str] = collections.Counter()
+    for row in rows:
+        export, _, kind = row["model"].rpartition("_")
+        best, ours = best_peer(row), row.get(GRAPHOPT)
+        if best is None or not isinstance(ours, int):
+            verdict = "not measured"
+        else:
+            verdict = "graphopt more" if ours > best[1] else "peer more" if ours < best[1] else "tie"
+        tally[verdict] += 1
+        peer = f"{best[1]} {best[0]}" if best else "-"
+        mark = "**" if verdict == "graphopt more" else ""
+        cells[export][kind] = f"{mark}{ours} / {peer}{mark}"
+    kinds = [kind for kind in KINDS if any(kind in found for found in cells.values())]
+    lines = [
+        "| export | " + " | ".join(f"{kind}: graphopt / best peer" for kind in kinds) + " |",
+        "|---" * (len(kinds) + 1) + "|",
+    ]
+    lines += [
+        f"| {export} | " + " | ".join(found.get(kind, "-") for kind in kinds) + " |" for export, found in cells.items()
+    ]
+    lines.append(
+        f"\n{len(rows)} variants: graphopt fewer nodes than the best portable peer on {tally['peer more']}, "
+        f"as many on {tally['tie']}, more on {tally['graphopt more']} (in bold)"
+        + (f", not measured on {tally['not measured']}" if tally["not measured"] else "")
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["build", "measure"])
+    parser.add_argument("action", choices=["build", "measure", "nodes"])
     parser.add_argument("--exports", type=Path, default=EXPORTS, help="the float32 exports with their index.json")
     parser.add_argument("--variants", "--out", dest="variants", type=Path, default=VARIANTS, help="the variants folder")
     parser.add_argument("--only", nargs="*", default=[], help="model names or file stems")
-    parser.add_argument("--json-out", type=Path, help="measure: also save the rows as JSON")
+    parser.add_argument("--json-out", type=Path, help="measure, nodes: also save the rows as JSON")
+    parser.add_argument(
+        "--flag", action="append", default=[], help="measure: a graphopt option added to every run (repeatable)"
+    )
+    parser.add_argument("--refresh", action="store_true", help="nodes: rerun the peers instead of reading their cache")
     args = parser.parse_args(argv)
     if args.action == "build":
         if not (args.exports / "index.json").is_file():
@@ -255,10 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.variants / "index.json").is_file():
         print(f"no index.json in {args.variants}: run `precision_variants.py build` first")
         return 2
-    rows = measure(args.variants, args.only)
+    if args.action == "nodes":
+        tools = [GRAPHOPT, *PORTABLE_PEERS]
+        rows = peer_counts(args.variants, args.only, tools, args.refresh, check=False, cache_path=VARIANT_PEER_CACHE)
+    else:
+        rows = measure(args.variants, args.only, args.flag)
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
-    print(summary(rows))
+    print(node_table(rows) if args.action == "nodes" else summary(rows))
     return 0
 
 

@@ -231,10 +231,15 @@ def run_pipeline(
     on_pass_start: Callable[[str, str | None, int], None] | None = None,
     stop_after: int | None = None,
     original_file: Path | None = None,
+    save_output: Callable[[Model], Path | None] | None = None,
 ) -> Result[Model]:
     """Run a resolved ``pipeline`` (:func:`resolve_pipeline`) with resolved ``settings``
     (:func:`resolve_settings`) on ``model`` in place: :func:`optimize` once its arguments are read.
-    ``original_file``: the ONNX file ``model`` was loaded from, for the runtime guard to load."""
+    ``original_file``: the ONNX file ``model`` was loaded from, for the runtime guard to load.
+    ``save_output(model)``: writes the output where the run keeps it, and returns the ONNX file
+    written (or None): called once the pipeline is done, and again each time the runtime
+    guard or tuning changes the model, so that its last call saved the result. The runtime
+    guard takes its census of the output from that file rather than saving it again."""
     before = model_stats(model)
     start = time.perf_counter()
     if settings.tune and (settings.tune_budget <= 0 or settings.tune_threads < 0):
@@ -247,18 +252,21 @@ def run_pipeline(
         model, pass_context(settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
     )
     seconds = {"optimize": round(time.perf_counter() - start, 6)}
+    saved = _Saved(save_output)
     guarded: dict[str, Any] | None = None
     tuned: dict[str, Any] | None = None
     undone: list[Undoable] = []
     if guard is not None:
-        pipeline, run, guarded, undone = _guard(guard, model, run, pipeline, settings)
+        pipeline, run, guarded, undone = _guard(guard, model, run, pipeline, settings, saved)
         seconds["runtime_guard"] = guarded["seconds"]
     if original is not None:
-        pipeline, run, tuned = _tune(original, model, run, pipeline, settings, undone)
+        pipeline, run, tuned = _tune(original, model, run, pipeline, settings, undone, saved)
         seconds["tune"] = tuned["seconds"]
     failures = run.failure_records()
     if strict and failures:
         raise PassError(failures[0]["pass"], failures[0]["error"])
+    if not saved.current:
+        saved.save(model)
     report = PipelineReport(
         pipeline=pipeline.describe(),
         passes=[r.as_dict() for r in run.runs],
@@ -269,6 +277,21 @@ def run_pipeline(
         tune=tuned,
     )
     return Result(model, report, run)
+
+
+class _Saved:
+    """``save_output`` of :func:`run_pipeline`, and whether its last call saved the model as it is."""
+
+    def __init__(self, save_output: Callable[[Model], Path | None] | None) -> None:
+        self.save_output = save_output
+        self.current = save_output is None
+
+    def save(self, model: Model) -> Path | None:
+        self.current = True
+        return self.save_output(model) if self.save_output is not None else None
+
+    def changed(self) -> None:
+        self.current = self.save_output is None
 
 
 def _runtime_guard(
@@ -284,13 +307,19 @@ def _runtime_guard(
 
 
 def _guard(
-    guard: RuntimeGuard, model: Model, run: PipelineRun, pipeline: Pipeline, settings: Settings
+    guard: RuntimeGuard, model: Model, run: PipelineRun, pipeline: Pipeline, settings: Settings, saved: _Saved
 ) -> tuple[Pipeline, PipelineRun, dict[str, Any], list[Undoable]]:
     """Finish the runtime guard: the rewrites that cost onnxruntime a fusion are undone, ``model``
-    taking the rerun's result in place; its messages are logged (the report has them)."""
-    outcome = guard.finish(model, run, pipeline, _rerun(settings))
+    taking the rerun's result in place; its messages are logged (the report has them). The
+    output is saved first (``saved``), the original's census running beside the save."""
+    output_file = None
+    if saved.save_output is not None:
+        guard.start(model)
+        output_file = saved.save(model)
+    outcome = guard.finish(model, run, pipeline, _rerun(settings), output_file)
     if outcome.model is not None:
         restore_model(model, outcome.model)
+        saved.changed()
     for line in outcome.messages():
         logger.info("%s", line)
     return outcome.pipeline, outcome.run, outcome.as_dict(), [u for u, _ in outcome.undone]
@@ -312,6 +341,7 @@ def _tune(
     pipeline: Pipeline,
     settings: Settings,
     undone: list[Undoable],
+    saved: _Saved,
 ) -> tuple[Pipeline, PipelineRun, dict[str, Any]]:
     """--tune (graphopt.runtime.tune) after the runtime guard: ``model`` takes the tuned rerun's
     result in place when it is kept."""
@@ -330,6 +360,7 @@ def _tune(
     )
     if outcome.model is not None:
         restore_model(model, outcome.model)
+        saved.changed()
     return outcome.pipeline, outcome.run, outcome.as_dict()
 
 

@@ -210,6 +210,43 @@ def test_a_run_with_nothing_lost_says_so(tmp_path: Path) -> None:
     assert "runtime guard: onnxruntime fuses the output as it fused the original" in result.stderr
 
 
+def test_the_output_is_saved_once_and_its_census_read_from_that_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard's census of the output loads the file the run writes (a save of its own cost
+    resnet18 a second 45 MB write): onnxruntime sees the original and the staged output."""
+    source = relu_conv(tmp_path / "m.onnx")
+    loaded = tmp_path / "loaded.txt"
+
+    def census(path: object, names: object = None) -> Census:  # in the census children: a file keeps the record
+        with loaded.open("a") as record:
+            record.write(f"{path}\n")
+        return Census()
+
+    monkeypatch.setattr(guard_module, "census_of_file", census)
+    out = tmp_path / "out" / "o.onnx"
+    result = invoke("run", source, "-o", out, "--no-check")
+    assert result.exit_code == 0, result.stderr
+    paths = sorted(Path(line) for line in loaded.read_text().splitlines())
+    assert paths[0] == source
+    assert paths[1].name == "o.onnx" and paths[1].parent.parent.parent == out.parent  # the staged output
+    assert sorted(p.name for p in out.parent.iterdir()) == ["o.onnx"]
+
+
+def test_an_undone_rewrite_leaves_one_weights_file(tmp_path: Path, half_into_conv: Rule) -> None:
+    """The output is saved before the guard's census and again once a rewrite is undone: the
+    first save's weights (named after their contents) are not committed beside the second's."""
+    source = gelu_before_conv(tmp_path / "m.onnx", channels=32)  # weights of 4 KB: external
+    out = tmp_path / "out" / "o.onnx"
+    result = invoke("run", source, "-o", out, "--external-data", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["runtime_guard"]["status"] == "undone"
+    written = sorted(p.name for p in out.parent.iterdir())
+    assert len(written) == 2 and written[0] == "o.onnx" and written[1].endswith(".data"), written
+    assert _ops(out)["Mul"] == 2  # the undone rule's output, not the first save's
+    assert census_of_file(out).count("Gelu") == 1
+
+
 def test_only_the_default_pipeline_is_guarded(tmp_path: Path) -> None:
     source = gelu_before_conv(tmp_path / "m.onnx")
     assert "runtime_guard" not in graphopt.optimize(source, "shape-infer,cleanup").report

@@ -9,6 +9,7 @@ without the guard.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from graphopt.ir import Node
 from graphopt.passes.fuse import Match, Rule, add_rule, const, op, optional, remove_rule, var
 from graphopt.passes.fuse.rules import conv as conv_rules
 from graphopt.passes.rewrite.engine import Site
+from graphopt.runtime import census as census_module
 from graphopt.runtime import guard as guard_module
 from graphopt.runtime.census import Census, census_of_file
 from graphopt.runtime.guard import undoable
@@ -245,6 +247,24 @@ def test_an_undone_rewrite_leaves_one_weights_file(tmp_path: Path, half_into_con
     assert len(written) == 2 and written[0] == "o.onnx" and written[1].endswith(".data"), written
     assert _ops(out)["Mul"] == 2  # the undone rule's output, not the first save's
     assert census_of_file(out).count("Gelu") == 1
+
+
+def test_the_census_writes_no_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime saves the runtime graph the census reads; its weights, never read, go to the
+    null device rather than to disk (gpt2's 22 MB cost its census 0.09 s of 0.26)."""
+    source = gelu_before_conv(tmp_path / "m.onnx", channels=128)  # 2 x 64 KB of weights
+    kept = tmp_path / "census"
+
+    @contextlib.contextmanager
+    def folder(prefix: str = "") -> Iterator[str]:
+        kept.mkdir()
+        yield str(kept)
+
+    monkeypatch.setattr(census_module.tempfile, "TemporaryDirectory", folder)
+    assert census_of_file(source).count("Gelu") == 1
+    written = [p for p in kept.iterdir() if p.is_file() and not p.is_symlink()]
+    assert [p.name for p in written] == ["runtime.onnx"]
+    assert written[0].stat().st_size < 4096
 
 
 def test_only_the_default_pipeline_is_guarded(tmp_path: Path) -> None:

@@ -242,6 +242,9 @@ class RuntimeGuard:
             if target is None or len(outcome.undone) == MAX_UNDONE:
                 break
             undone = [u for u, _ in outcome.undone]
+            if search.kept_undoing_one_of(spared, target.kind, undone):  # the loss is a trade kept: no other search
+                unexplained.add(target.kind)
+                continue
             culprit = search.culprit(target.kind, undone, current.run, spared)
             if culprit is None:
                 unexplained.add(target.kind)
@@ -331,6 +334,17 @@ class _Search:
             lost = losses(self.before, census if not isinstance(census, str) else Census())
             found = self.trials[key] = Trial(model, run, None if isinstance(census, str) else census, lost)
         return found
+
+    def kept_undoing_one_of(self, spared: set[Undoable], kind: str, undone: list[Undoable]) -> bool:
+        """Whether a trial taken already keeps ``kind`` undoing one of ``spared`` beside
+        ``undone``: the loss is that rewrite's, which stays for the fusion it brings, and no
+        other rewrite is searched for it (wide_ensemble: fold, spared for its FusedConvs,
+        accounts for the FusedGemms and the NCHWc reorders, and a search past it cost a rerun)."""
+        for rewrite in spared:
+            found = self.trials.get(frozenset([*undone, rewrite]))
+            if found is not None and all(loss.kind != kind for loss in found.losses):
+                return True
+        return False
 
     def culprit(self, kind: str, undone: list[Undoable], run: PipelineRun, spared: set[Undoable]) -> Undoable | None:
         """The rewrite whose undoing keeps ``kind``, with ``undone`` left out already and

@@ -16,8 +16,9 @@ smallest k that keeps it in log2(n) reruns: the k-th is the culprit. The pipelin
 reruns without it alone; a kind still lost (two rewrites that each cost it) starts another
 search with the culprits found left out, at most :data:`MAX_UNDONE` times. A culprit whose
 undoing costs a fusion the output has (a MultiHeadAttention graphopt wrote, undone for one
-SkipLayerNormalization) is spared, and the search goes on without it; at the end each
-rewrite undone is put back if the others suffice.
+SkipLayerNormalization) is spared, and the search goes on without it, past the kinds that
+undoing it alone keeps (those losses are its own); at the end each rewrite undone is put back
+if the others suffice.
 
 The census cannot see a kernel that is kept but slower (a MultiHeadAttention with a 4-D
 bias where onnxruntime formed no attention kernel at all): timing is ``--tune``'s work.

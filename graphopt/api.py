@@ -179,12 +179,22 @@ def optimize(
         if check is not False and (original is None or original.suffix.lower() == ".json"):
             original = Path(scratch) / "original.onnx"  # before the pipeline changes the model
             save_model(model, original)
-        # The runtime guard loads an ONNX original as it is (no second save of its weights).
+        # The runtime guard loads an ONNX original as it is (no second save of its weights), and
+        # the output the check reads (saved once, for both).
         onnx_file = original if original is not None and original.suffix.lower() != ".json" else None
-        result = run_pipeline(model, pipeline, run_settings, strict=strict, on_pass=on_pass, original_file=onnx_file)
+        optimized = Path(scratch) / "optimized.onnx"
+        result = run_pipeline(
+            model,
+            pipeline,
+            run_settings,
+            strict=strict,
+            on_pass=on_pass,
+            original_file=onnx_file,
+            save_output=None if check is False else lambda done: _saved_to(done, optimized),
+        )
         if check is not False:
             assert original is not None
-            result.numerics = _check_result(original, result, Path(scratch), check)
+            result.numerics = _check_result(original, optimized, result, check)
     if output is not None:
         save_model(result.model, output)
     if given_proto:
@@ -206,13 +216,17 @@ def input_layouts(runs: Sequence[PassRun]) -> dict[str, tuple[int, ...]]:
     return layouts
 
 
-def _check_result(original: Path, result: Result[Model], scratch: Path, check: bool | CheckOptions) -> CheckResult:
-    """The check of ``result`` against the model file ``original``; CheckFailed if the outputs differ."""
+def _saved_to(model: Model, path: Path) -> Path:
+    save_model(model, path)
+    return path
+
+
+def _check_result(original: Path, optimized: Path, result: Result[Model], check: bool | CheckOptions) -> CheckResult:
+    """The check of ``result``, saved to ``optimized``, against the model file ``original``;
+    CheckFailed if the outputs differ."""
     from graphopt.numerics.isolated import check_models_isolated
     from graphopt.numerics.options import CheckOptions
 
-    optimized = scratch / "optimized.onnx"
-    save_model(result.model, optimized)
     options = check if isinstance(check, CheckOptions) else CheckOptions()
     layouts = input_layouts(result.pipeline_run.runs)
     outcome = check_models_isolated(original, optimized, input_layouts=layouts, **options.arguments())

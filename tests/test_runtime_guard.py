@@ -233,6 +233,10 @@ def test_the_output_is_saved_once_and_its_census_read_from_that_file(
     assert paths[0] == source
     assert paths[1].name == "o.onnx" and paths[1].parent.parent.parent == out.parent  # the staged output
     assert sorted(p.name for p in out.parent.iterdir()) == ["o.onnx"]
+    # The API's run: the census reads the file the numerics check reads.
+    loaded.unlink()
+    assert graphopt.optimize(source).numerics.status == "passed"  # type: ignore[union-attr]
+    assert sorted(Path(line).name for line in loaded.read_text().splitlines()) == ["m.onnx", "optimized.onnx"]
 
 
 def test_an_undone_rewrite_leaves_one_weights_file(tmp_path: Path, half_into_conv: Rule) -> None:

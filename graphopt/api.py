@@ -179,12 +179,22 @@ def optimize(
         if check is not False and (original is None or original.suffix.lower() == ".json"):
             original = Path(scratch) / "original.onnx"  # before the pipeline changes the model
             save_model(model, original)
-        # The runtime guard loads an ONNX original as it is (no second save of its weights).
+        # The runtime guard loads an ONNX original as it is (no second save of its weights), and
+        # the output the check reads (saved once, for both).
         onnx_file = original if original is not None and original.suffix.lower() != ".json" else None
-        result = run_pipeline(model, pipeline, run_settings, strict=strict, on_pass=on_pass, original_file=onnx_file)
+        optimized = Path(scratch) / "optimized.onnx"
+        result = run_pipeline(
+            model,
+            pipeline,
+            run_settings,
+            strict=strict,
+            on_pass=on_pass,
+            original_file=onnx_file,
+            save_output=None if check is False else lambda done: _saved_to(done, optimized),
+        )
         if check is not False:
             assert original is not None
-            result.numerics = _check_result(original, result, Path(scratch), check)
+            result.numerics = _check_result(original, optimized, result, check)
     if output is not None:
         save_model(result.model, output)
     if given_proto:
@@ -206,13 +216,17 @@ def input_layouts(runs: Sequence[PassRun]) -> dict[str, tuple[int, ...]]:
     return layouts
 
 
-def _check_result(original: Path, result: Result[Model], scratch: Path, check: bool | CheckOptions) -> CheckResult:
-    """The check of ``result`` against the model file ``original``; CheckFailed if the outputs differ."""
+def _saved_to(model: Model, path: Path) -> Path:
+    save_model(model, path)
+    return path
+
+
+def _check_result(original: Path, optimized: Path, result: Result[Model], check: bool | CheckOptions) -> CheckResult:
+    """The check of ``result``, saved to ``optimized``, against the model file ``original``;
+    CheckFailed if the outputs differ."""
     from graphopt.numerics.isolated import check_models_isolated
     from graphopt.numerics.options import CheckOptions
 
-    optimized = scratch / "optimized.onnx"
-    save_model(result.model, optimized)
     options = check if isinstance(check, CheckOptions) else CheckOptions()
     layouts = input_layouts(result.pipeline_run.runs)
     outcome = check_models_isolated(original, optimized, input_layouts=layouts, **options.arguments())
@@ -231,10 +245,15 @@ def run_pipeline(
     on_pass_start: Callable[[str, str | None, int], None] | None = None,
     stop_after: int | None = None,
     original_file: Path | None = None,
+    save_output: Callable[[Model], Path | None] | None = None,
 ) -> Result[Model]:
     """Run a resolved ``pipeline`` (:func:`resolve_pipeline`) with resolved ``settings``
     (:func:`resolve_settings`) on ``model`` in place: :func:`optimize` once its arguments are read.
-    ``original_file``: the ONNX file ``model`` was loaded from, for the runtime guard to load."""
+    ``original_file``: the ONNX file ``model`` was loaded from, for the runtime guard to load.
+    ``save_output(model)``: writes the output where the run keeps it, and returns the ONNX file
+    written (or None): called once the pipeline is done, and again each time the runtime
+    guard or tuning changes the model, so that its last call saved the result. The runtime
+    guard takes its census of the output from that file rather than saving it again."""
     before = model_stats(model)
     start = time.perf_counter()
     if settings.tune and (settings.tune_budget <= 0 or settings.tune_threads < 0):
@@ -247,18 +266,21 @@ def run_pipeline(
         model, pass_context(settings), on_pass=on_pass, on_pass_start=on_pass_start, stop_after=stop_after
     )
     seconds = {"optimize": round(time.perf_counter() - start, 6)}
+    saved = _Saved(save_output)
     guarded: dict[str, Any] | None = None
     tuned: dict[str, Any] | None = None
     undone: list[Undoable] = []
     if guard is not None:
-        pipeline, run, guarded, undone = _guard(guard, model, run, pipeline, settings)
+        pipeline, run, guarded, undone = _guard(guard, model, run, pipeline, settings, saved)
         seconds["runtime_guard"] = guarded["seconds"]
     if original is not None:
-        pipeline, run, tuned = _tune(original, model, run, pipeline, settings, undone)
+        pipeline, run, tuned = _tune(original, model, run, pipeline, settings, undone, saved)
         seconds["tune"] = tuned["seconds"]
     failures = run.failure_records()
     if strict and failures:
         raise PassError(failures[0]["pass"], failures[0]["error"])
+    if not saved.current:
+        saved.save(model)
     report = PipelineReport(
         pipeline=pipeline.describe(),
         passes=[r.as_dict() for r in run.runs],
@@ -269,6 +291,21 @@ def run_pipeline(
         tune=tuned,
     )
     return Result(model, report, run)
+
+
+class _Saved:
+    """``save_output`` of :func:`run_pipeline`, and whether its last call saved the model as it is."""
+
+    def __init__(self, save_output: Callable[[Model], Path | None] | None) -> None:
+        self.save_output = save_output
+        self.current = save_output is None
+
+    def save(self, model: Model) -> Path | None:
+        self.current = True
+        return self.save_output(model) if self.save_output is not None else None
+
+    def changed(self) -> None:
+        self.current = self.save_output is None
 
 
 def _runtime_guard(
@@ -284,13 +321,19 @@ def _runtime_guard(
 
 
 def _guard(
-    guard: RuntimeGuard, model: Model, run: PipelineRun, pipeline: Pipeline, settings: Settings
+    guard: RuntimeGuard, model: Model, run: PipelineRun, pipeline: Pipeline, settings: Settings, saved: _Saved
 ) -> tuple[Pipeline, PipelineRun, dict[str, Any], list[Undoable]]:
     """Finish the runtime guard: the rewrites that cost onnxruntime a fusion are undone, ``model``
-    taking the rerun's result in place; its messages are logged (the report has them)."""
-    outcome = guard.finish(model, run, pipeline, _rerun(settings))
+    taking the rerun's result in place; its messages are logged (the report has them). The
+    output is saved first (``saved``), the original's census running beside the save."""
+    output_file = None
+    if saved.save_output is not None:
+        guard.start(model)
+        output_file = saved.save(model)
+    outcome = guard.finish(model, run, pipeline, _rerun(settings), output_file)
     if outcome.model is not None:
         restore_model(model, outcome.model)
+        saved.changed()
     for line in outcome.messages():
         logger.info("%s", line)
     return outcome.pipeline, outcome.run, outcome.as_dict(), [u for u, _ in outcome.undone]
@@ -312,6 +355,7 @@ def _tune(
     pipeline: Pipeline,
     settings: Settings,
     undone: list[Undoable],
+    saved: _Saved,
 ) -> tuple[Pipeline, PipelineRun, dict[str, Any]]:
     """--tune (graphopt.runtime.tune) after the runtime guard: ``model`` takes the tuned rerun's
     result in place when it is kept."""
@@ -330,6 +374,7 @@ def _tune(
     )
     if outcome.model is not None:
         restore_model(model, outcome.model)
+        saved.changed()
     return outcome.pipeline, outcome.run, outcome.as_dict()
 
 

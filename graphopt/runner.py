@@ -132,6 +132,7 @@ def _optimize_with(
     on_phase: Callable[[str], None] | None = None,
     stop_after: int | None = None,
     source: Path | None = None,
+    save_output: Callable[[Model], Path | None] | None = None,
 ) -> Result:
     def pass_started(name: str, group: str | None, iteration: int) -> None:
         if on_phase is not None:
@@ -145,6 +146,7 @@ def _optimize_with(
         on_pass_start=pass_started,
         stop_after=stop_after,
         original_file=source if source is not None and source.suffix.lower() != ".json" else None,
+        save_output=save_output,
     )
 
 
@@ -277,14 +279,10 @@ def _optimize_file(
 ) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
     model, load_seconds, data_name = loaded
-    result = _optimize_with(model, options, tell, source=source)
-    report = ModelReport(result.pipeline_report)
-    seconds = report.run.seconds
 
-    def produce(workdir: Path, staged: Path) -> tuple[dict[str, str], int]:
-        """Save the model into ``staged`` and check it; the digests of the files written and the exit code."""
-        tell(f"save {output}")
-        save_start = time.perf_counter()
+    def produce(workdir: Path, staged: Path) -> tuple[ModelReport, dict[str, str], int]:
+        """Optimize the model, save it into ``staged`` and check it; the report, the digests
+        of the files written and the exit code."""
         save_options: dict[str, Any] = {"content_addressed": data_name is None}
         if staged.suffix.lower() != ".json":
             # The input's external data stays external even when every weight was rewritten.
@@ -292,13 +290,30 @@ def _optimize_file(
             save_options["external_data"] = options.external_data if options.external_data is not None else had or None
             if data_name is not None:
                 save_options["location"] = data_name
-        written = _writing(output, lambda: save(result.model, staged, **save_options))
-        seconds["save"] = round(time.perf_counter() - save_start, 6)
+        written: dict[str, str] = {}
+        save_seconds = 0.0
+
+        def save_output(optimized: Model) -> Path | None:
+            """Save the output into ``staged``, in place of an earlier save (the runtime guard
+            takes its census from this file, and may then undo a rewrite)."""
+            nonlocal written, save_seconds
+            tell(f"save {output}")
+            save_start = time.perf_counter()
+            for earlier in staged.parent.iterdir():
+                earlier.unlink()
+            written = _writing(output, lambda: save(optimized, staged, **save_options))
+            save_seconds += time.perf_counter() - save_start
+            return staged if staged.suffix.lower() != ".json" else None
+
+        result = _optimize_with(model, options, tell, source=source, save_output=save_output)
+        report = ModelReport(result.pipeline_report)
+        seconds = report.run.seconds
+        seconds["save"] = round(save_seconds, 6)
         report.input = input_entry.result()
         seconds["load"] = round(load_seconds, 6)
         if not options.check:
             report.numerics = {"status": "skipped", "reason": "--no-check"}
-            return written, 0
+            return report, written, 0
         tell("check numerics")
         check_start = time.perf_counter()
         from graphopt.numerics import check_models_isolated
@@ -320,10 +335,10 @@ def _optimize_file(
             if options.blame:
                 tell("blame: bisect the passes")
                 report.blame = blame(source, options, workdir)
-            return written, 1
-        return written, 1 if outcome.status == "not checked" and options.numerics.required else 0
+            return report, written, 1
+        return report, written, 1 if outcome.status == "not checked" and options.numerics.required else 0
 
-    return _write_out(source, output, report, reads, options, produce, started, (data_name, cache_key))
+    return _write_out(source, output, reads, options, produce, started, (data_name, cache_key))
 
 
 def _restore(
@@ -345,32 +360,31 @@ def _restore(
     report.cache = {"status": "hit", "key": cache_key, "stored_seconds": was["seconds"].get("total", 0.0)}
     report.run.seconds = {}
 
-    def produce(workdir: Path, staged: Path) -> tuple[dict[str, str], int]:
+    def produce(workdir: Path, staged: Path) -> tuple[ModelReport, dict[str, str], int]:
         def copy() -> None:  # the output's name is in the key: the stored files are named as this run's
             for name in stored.files:
                 shutil.copyfile(stored.folder / name, staged.parent / name)
 
         _writing(output, copy)
-        return stored.files, 0
+        return report, stored.files, 0
 
-    return _write_out(source, output, report, reads, options, produce, started, (None, None))
+    return _write_out(source, output, reads, options, produce, started, (None, None))
 
 
 def _write_out(
     source: Path,
     output: Path,
-    report: ModelReport,
     reads: dict[Path, str],
     options: RunOptions,
-    produce: Callable[[Path, Path], tuple[dict[str, str], int]],
+    produce: Callable[[Path, Path], tuple[ModelReport, dict[str, str], int]],
     started: float,
     naming: tuple[str | None, str | None],
 ) -> tuple[dict[str, Any], int]:
-    """Stage the output (``produce`` writes and checks it), describe it in the report, store
-    it in the cache (a run that passed, given a key) and commit it with the report; a failed
-    run commits nothing unless ``keep_failed``. ``naming``: the weights file's kept name and the cache key."""
+    """Stage the output (``produce`` writes and checks it, and gives the report), describe it
+    in the report, store it in the cache (a run that passed, given a key) and commit it with
+    the report; a failed run commits nothing unless ``keep_failed``. ``naming``: the weights
+    file's kept name and the cache key."""
     data_name, cache_key = naming
-    seconds = report.run.seconds
     folders = [output.parent] + ([options.report.parent] if options.report is not None else [])
     created = [p for folder in folders for p in [folder, *folder.parents] if not p.exists()]
     try:
@@ -380,7 +394,8 @@ def _write_out(
             # The output and its sidecars (.data, .npy) alone in one folder: they are committed together.
             staged = workdir / "output" / output.name
             staged.parent.mkdir(exist_ok=True)
-            written, exit_code = produce(workdir, staged)
+            report, written, exit_code = produce(workdir, staged)
+            seconds = report.run.seconds
             moves: list[tuple[Path, Path]] = []
             if exit_code == 0 or options.keep_failed:
                 sidecars = sorted(p for p in staged.parent.iterdir() if p != staged)

@@ -19,6 +19,7 @@ kept.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -35,6 +36,8 @@ NCHWC_DOMAIN = "com.microsoft.nchwc"
 _REORDERS = frozenset({"ReorderInput", "ReorderOutput"})
 # How far from a fused kernel its site is looked for (values onnxruntime made lie between).
 _SITE_STEPS = 4
+# The file onnxruntime writes the runtime graph's weights to, beside the graph.
+_RUNTIME_WEIGHTS = "weights.bin"
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,10 @@ def census_of_file(path: str | os.PathLike[str], names: Collection[str] | None =
         names = {v.name for v in graph.input} | {o for n in _all_nodes(graph) for o in n.output}
     with tempfile.TemporaryDirectory(prefix="graphopt-census-") as folder:
         runtime_graph = Path(folder) / "runtime.onnx"
+        # The census reads the graph, never the weights: where the system allows, they go to the
+        # null device (writing gpt2's 22 MB cost its census 0.09 s of 0.26; the graph is the same).
+        with contextlib.suppress(OSError):
+            (Path(folder) / _RUNTIME_WEIGHTS).symlink_to(os.devnull)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.optimized_model_filepath = str(runtime_graph)
@@ -151,7 +158,7 @@ def census_of_file(path: str | os.PathLike[str], names: Collection[str] | None =
         options.intra_op_num_threads = 1
         options.add_session_config_entry("session.disable_prepacking", "1")  # the graph is the same, sooner
         # Weights go to a file of their own: a model past protobuf's 2 GB saves as well.
-        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", _RUNTIME_WEIGHTS)
         options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
         return _count(onnx.load(str(runtime_graph), load_external_data=False).graph, set(names))

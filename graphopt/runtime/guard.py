@@ -16,8 +16,9 @@ smallest k that keeps it in log2(n) reruns: the k-th is the culprit. The pipelin
 reruns without it alone; a kind still lost (two rewrites that each cost it) starts another
 search with the culprits found left out, at most :data:`MAX_UNDONE` times. A culprit whose
 undoing costs a fusion the output has (a MultiHeadAttention graphopt wrote, undone for one
-SkipLayerNormalization) is spared, and the search goes on without it; at the end each
-rewrite undone is put back if the others suffice.
+SkipLayerNormalization) is spared, and the search goes on without it, past the kinds that
+undoing it alone keeps (those losses are its own); at the end each rewrite undone is put back
+if the others suffice.
 
 The census cannot see a kernel that is kept but slower (a MultiHeadAttention with a 4-D
 bias where onnxruntime formed no attention kernel at all): timing is ``--tune``'s work.
@@ -33,7 +34,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphopt.ir import Model
 from graphopt.ir.clone import Snapshot
@@ -41,6 +42,9 @@ from graphopt.ir.stats import model_stats
 from graphopt.passes.base import Pass
 from graphopt.passes.pipeline import Group, PassRun, Pipeline, PipelineRun, Step, default_pipeline
 from graphopt.runtime.census import Census, Loss, census_of_file, losses
+
+if TYPE_CHECKING:
+    from graphopt.numerics.isolated import Isolated
 
 __all__ = ["MAX_UNDONE", "GuardOutcome", "RuntimeGuard", "Undoable", "guards", "undoable", "without"]
 
@@ -196,24 +200,38 @@ class RuntimeGuard:
         # The file's census places kernels at these names, read here rather than from the file
         # again (its weights parsed for the names alone: 0.1 s on a 100 MB model).
         self.original_file = (original_file, _value_names(model)) if original_file is not None else None
+        self._original_census: Isolated[list[Census | str]] | None = None
+        self._started_seconds = 0.0
 
-    def finish(self, model: Model, run: PipelineRun, pipeline: Pipeline, rerun: Rerun) -> GuardOutcome:
+    def start(self, model: Model) -> None:
+        """Start the original file's census beside what the caller does next with the output
+        ``model`` (the runner saves it, then :meth:`finish` takes its census from that file)."""
+        if self.original_file is not None and self._original_census is None and _small_enough(model):
+            start = time.perf_counter()
+            self._original_census = _start_censuses([self.original_file])
+            self._started_seconds += time.perf_counter() - start
+
+    def finish(
+        self, model: Model, run: PipelineRun, pipeline: Pipeline, rerun: Rerun, output_file: Path | None = None
+    ) -> GuardOutcome:
         """Compare onnxruntime's fused kernels on the original and on ``model``, the output of
         ``run`` of ``pipeline``; undo the rewrites that cost a fusion. ``rerun(pipeline, model)``
-        runs a pipeline on a model in place (with a fresh pass context).
+        runs a pipeline on a model in place (with a fresh pass context). ``output_file``: the
+        ONNX file ``model`` was saved to, which onnxruntime then loads (else it is saved here).
 
         Both censuses are taken here, side by side in two child processes, rather than the
         original's while the pipeline runs: a session load beside the pipeline slowed the
         passes about as much as it saved (measured on resnet50: the passes took 0.21 s alone,
-        0.41-0.79 s beside it)."""
+        0.41-0.79 s beside it). The original's starts earlier with :meth:`start`, beside the
+        output's save."""
         start = time.perf_counter()
         outcome = GuardOutcome("kept", pipeline, run)
-        original: Model | tuple[Path, set[str]] = self.original_file or self.original.model()
-        before, after = _censuses([original, model], side_by_side=_small_enough(model))
+        output: Model | tuple[Path, set[str]] = (output_file, _value_names(model)) if output_file else model
+        before, after = self._first_censuses(model, output)
         if isinstance(before, str) or isinstance(after, str):
             which, reason = ("the original", before) if isinstance(before, str) else ("the output", after)
             outcome.status, outcome.reason = "not taken", f"{which}: {reason}"
-            outcome.seconds = time.perf_counter() - start
+            outcome.seconds = time.perf_counter() - start + self._started_seconds
             return outcome
         outcome.census = {"original": before.counts(), "output": after.counts()}
         search = _Search(self.original, pipeline, rerun, before)
@@ -225,6 +243,9 @@ class RuntimeGuard:
             if target is None or len(outcome.undone) == MAX_UNDONE:
                 break
             undone = [u for u, _ in outcome.undone]
+            if search.kept_undoing_one_of(spared, target.kind, undone):  # the loss is a trade kept: no other search
+                unexplained.add(target.kind)
+                continue
             culprit = search.culprit(target.kind, undone, current.run, spared)
             if culprit is None:
                 unexplained.add(target.kind)
@@ -246,8 +267,17 @@ class RuntimeGuard:
         if outcome.lost and not outcome.undone:
             outcome.status = "lost"
         outcome.reruns = search.reruns
-        outcome.seconds = time.perf_counter() - start
+        outcome.seconds = time.perf_counter() - start + self._started_seconds
         return outcome
+
+    def _first_censuses(self, model: Model, output: Model | tuple[Path, set[str]]) -> list[Census | str]:
+        """The censuses of the original and of the output: the original's started already (:meth:`start`)."""
+        early, self._original_census = self._original_census, None
+        if early is None:
+            original: Model | tuple[Path, set[str]] = self.original_file or self.original.model()
+            return _censuses([original, output], side_by_side=_small_enough(model))
+        after = _start_censuses([output])
+        return [_outcome(early.wait(), 1)[0], _outcome(after.wait(), 1)[0]]
 
     @staticmethod
     def _minimal(outcome: GuardOutcome, search: _Search, current: Trial) -> Trial:
@@ -306,6 +336,17 @@ class _Search:
             found = self.trials[key] = Trial(model, run, None if isinstance(census, str) else census, lost)
         return found
 
+    def kept_undoing_one_of(self, spared: set[Undoable], kind: str, undone: list[Undoable]) -> bool:
+        """Whether a trial taken already keeps ``kind`` undoing one of ``spared`` beside
+        ``undone``: the loss is that rewrite's, which stays for the fusion it brings, and no
+        other rewrite is searched for it (wide_ensemble: fold, spared for its FusedConvs,
+        accounts for the FusedGemms and the NCHWc reorders, and a search past it cost a rerun)."""
+        for rewrite in spared:
+            found = self.trials.get(frozenset([*undone, rewrite]))
+            if found is not None and all(loss.kind != kind for loss in found.losses):
+                return True
+        return False
+
     def culprit(self, kind: str, undone: list[Undoable], run: PipelineRun, spared: set[Undoable]) -> Undoable | None:
         """The rewrite whose undoing keeps ``kind``, with ``undone`` left out already and
         ``spared`` never left out; None when leaving out all the others loses it still."""
@@ -332,14 +373,19 @@ def _censuses(models: list[Model | tuple[Path, set[str]]], *, side_by_side: bool
     or why it could not be: onnxruntime refused the model (its message), or crashed (a crash
     there is a reason, not graphopt's end). ``side_by_side``: each in a child of its own, all at
     once (else one child takes them in turn)."""
-    import onnxruntime  # noqa: F401  # once here: each child forked below has it (0.1 s of CPU each)
+    if not side_by_side:
+        return _outcome(_start_censuses(models).wait(), len(models))
+    children = [_start_censuses([model]) for model in models]
+    return [_outcome(child.wait(), 1)[0] for child in children]
+
+
+def _start_censuses(models: list[Model | tuple[Path, set[str]]]) -> Isolated[list[Census | str]]:
+    """A child process taking the censuses of ``models`` in turn (see :func:`_censuses`)."""
+    import onnxruntime  # noqa: F401  # here: each child forked below has it (0.1 s of CPU each)
 
     from graphopt.numerics.isolated import start_isolated
 
-    if not side_by_side:
-        return _outcome(start_isolated(_take_censuses, models).wait(), len(models))
-    children = [start_isolated(_take_censuses, [model]) for model in models]
-    return [_outcome(child.wait(), 1)[0] for child in children]
+    return start_isolated(_take_censuses, models)
 
 
 def _small_enough(model: Model) -> bool:

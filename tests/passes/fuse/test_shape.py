@@ -412,3 +412,13 @@ def test_reshape_one_unknown_refusals() -> None:
     details = refused(computed_reshape([-1]), "reshape-one-unknown")
     assert "more than one entry" in " ".join(details["near_misses"]["shape"])
     refused(computed_reshape([4], allowzero=1), "reshape-one-unknown")
+
+
+def test_reshape_through_elementwise_takes_onnxruntimes_gelu() -> None:
+    """At --target ort the TorchScript export's erf GELU becomes com.microsoft Gelu, element-wise as well: the
+    projections' Reshapes around it still cancel (Swin's MLPs: 8 Reshapes and their kernels fewer)."""
+    settings = {"target": "ort", **LATE, "passes": "shape-infer,fuse,noop,dce"}
+    out = fires(
+        exported_mlp(**_ERF_MLP), "reshape-through-elementwise", {"Reshape": 2, "Gemm": 2, "Gelu": 1}, **settings
+    )
+    assert {n.domain for n in out.graph.node if n.op_type == "Gelu"} == {"com.microsoft"}

@@ -36,14 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import DataType, Node, Value
+from graphopt.ir import CONTRIB_DOMAIN, DataType, Node, Value
 from graphopt.ir.constness import is_constant
 from graphopt.ir.ops import ELEMENTWISE_BINARY, ELEMENTWISE_UNARY
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.cleanup.rules import CAST_TO_SAME_TYPE, TRANSPOSE_IDENTITY
 from graphopt.passes.fuse.rules._helpers import attrs_of, static_shape
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
-from graphopt.passes.rewrite.patterns import Pattern, const, op, optional, var
+from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
 from graphopt.passes.rewrite.proofs import one_unknown, scalar_of_rank, spelled_target
 
 FAMILY = "shape"
@@ -167,8 +167,19 @@ def _build_unsqueezes(b: Builder, m: Match, axes: list[int]) -> Value:
 
 
 _ELEMENTWISE = ELEMENTWISE_UNARY | ELEMENTWISE_BINARY
+# onnxruntime's element-wise GELUs (--target ort writes them; with one input, no bias over the last axis).
+_CONTRIB_ELEMENTWISE = frozenset({"Gelu", "FastGelu", "QuickGelu"})
 # Most nodes an element-wise region may have (the erf GELU has five).
 _REGION_LIMIT = 16
+
+
+def _elementwise(node: Node | None) -> bool:
+    """``node`` computes each output element from the same element of its inputs (its constants scalars)."""
+    if node is None or len(node.outputs) != 1:
+        return False
+    if node.domain == CONTRIB_DOMAIN:
+        return node.op_type in _CONTRIB_ELEMENTWISE and len([v for v in node.inputs if v is not None]) == 1
+    return node.in_standard_domain and node.op_type in _ELEMENTWISE
 
 
 def _walk_region(last: Node) -> tuple[list[Node], Value] | None:
@@ -181,7 +192,7 @@ def _walk_region(last: Node) -> tuple[list[Node], Value] | None:
         node = pending.pop()
         if node in region:
             continue
-        if node is None or not node.in_standard_domain or node.op_type not in _ELEMENTWISE or len(node.outputs) != 1:
+        if node is None or not _elementwise(node):
             return None
         region[node] = None
         if len(region) > _REGION_LIMIT:
@@ -227,7 +238,7 @@ def _build_region(b: Builder, m: Match, plan: tuple[np.ndarray, list[Node], Valu
     made: dict[Value, Value] = {reshaped: producer.inputs[0]}
     for node in nodes:
         inputs = [None if v is None else made.get(v, v) for v in node.inputs]
-        made[node.outputs[0]] = b.op(node.op_type, *inputs, **attrs_of(node))
+        made[node.outputs[0]] = b.op(node.op_type, *inputs, domain=node.domain, **attrs_of(node))
     return b.op("Reshape", made[m.node("last").outputs[0]], _target(b, m, target))
 
 
@@ -345,11 +356,12 @@ RULES: tuple[Rule[Any], ...] = (
             # The walk as a test of structure: a Reshape of element-wise ops that read no Reshape-like
             # output is no near miss (measured: without it bert_ts's shape near misses doubled, 12 -> 24).
             op.any_of(
-                sorted(_ELEMENTWISE),
+                sorted(_ELEMENTWISE | _CONTRIB_ELEMENTWISE),
                 var("a"),
                 optional(var("b")),
                 optional(var("c")),
                 name="last",
+                domain=ANY_DOMAIN,
                 where=lambda n: _walk_region(n) is not None,
             ),
             var("shape"),

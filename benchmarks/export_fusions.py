@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report
 from bench import LATENCY_NOISE
 from exports import EXPORTS, PEER_CACHE, compare, index_feeds
-from measure import interleaved_latency, node_count
+from measure import interleaved_latency, node_count, subgraphs
 from tools import PORTABLE_PEERS, run_tool
 
 GRAPHOPT_CLI = Path(sys.executable).with_name("graphopt")
@@ -68,8 +68,10 @@ TIMEOUT_S = 900.0
 
 
 def op_counts(path: Path) -> collections.Counter[str]:
+    """Op types, subgraph bodies included (the GroupQueryAttention rule writes an If whose branches hold
+    GroupQueryAttention and MultiHeadAttention)."""
     model = onnx.load(str(path), load_external_data=False)
-    return collections.Counter(node.op_type for node in model.graph.node)
+    return collections.Counter(node.op_type for graph in subgraphs(model.graph) for node in graph.node)
 
 
 def run_graphopt(src: Path, out: Path, flags: list[str]) -> str:

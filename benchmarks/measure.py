@@ -35,21 +35,22 @@ class NodeCount:
     contrib: int
 
 
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+def subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every If / Loop / Scan body in it, at any depth."""
     yield graph
     for node in graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
+                yield from subgraphs(attr.g)
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for sub in attr.graphs:
-                    yield from _graphs(sub)
+                    yield from subgraphs(sub)
 
 
 def node_count(path: Path) -> NodeCount:
     """Nodes in the model, subgraph bodies included; ``contrib`` counts onnxruntime-only ones."""
     model = onnx.load(str(path), load_external_data=False)
-    nodes = [node for graph in _graphs(model.graph) for node in graph.node]
+    nodes = [node for graph in subgraphs(model.graph) for node in graph.node]
     return NodeCount(len(nodes), sum(node.domain in CONTRIB_DOMAINS for node in nodes))
 
 
@@ -58,7 +59,7 @@ def output_bytes(path: Path) -> int:
     model = onnx.load(str(path), load_external_data=False)
     locations = {
         entry.value
-        for graph in _graphs(model.graph)
+        for graph in subgraphs(model.graph)
         for tensor in graph.initializer
         for entry in tensor.external_data
         if entry.key == "location"

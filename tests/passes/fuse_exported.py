@@ -51,7 +51,8 @@ def locate(proto: onnx.ModelProto, rule: str, settings: Mapping[str, Any]) -> Fo
         found = optimize(from_proto(proto), steps, strict=True, **run, check=False).model
         graph = found.graph
         opset = max(found.opset_in(graph), run.get("target_opset", 0))
-        site = Site(found, graph, opset, run.get("target", "onnx"), pass_context(Settings()))
+        named = Settings(target_opset=run.get("target_opset", 0))  # a rule may be written at a named opset only
+        site = Site(found, graph, opset, run.get("target", "onnx"), pass_context(named))
         chosen = RuleSet(r for r in registered_rules() if r.name == rule)
         matches = find_matches(graph, chosen, site, RunStats())
         if matches:

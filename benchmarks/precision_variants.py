@@ -3,6 +3,7 @@
     python benchmarks/precision_variants.py build   [--exports DIR] [--out VARIANTS] [--only NAME ...]
     python benchmarks/precision_variants.py measure [--variants VARIANTS] [--only STEM ...] [--json-out PATH] [--flag F]
     python benchmarks/precision_variants.py nodes   [--variants VARIANTS] [--only STEM ...] [--refresh]
+    python benchmarks/precision_variants.py latency [--variants VARIANTS] [--only STEM ...] [--runs N] [--json-out PATH]
 
 ``build`` makes, with onnxruntime's own tools (the ones deployment engineers use; never a
 dependency of graphopt), four variants of every export of DIR's index.json
@@ -28,6 +29,13 @@ model away from what it approximates (1.0: no further than the variant itself is
 alone in a fresh process, as ``exports.py`` runs them; the peers' counts are kept in
 ~/.cache/graphopt-bench/variant-peers.json and rerun only with ``--refresh``) and prints, per
 variant, graphopt's count, the best peer's and which of the two has more nodes.
+
+``latency`` times, per variant, graphopt's default and ``--target ort`` outputs (written without
+the check: ``measure`` checks them) and onnxruntime's extended-level output against the variant
+itself, at ORT_ENABLE_ALL, 1 thread, in interleaved rounds at the index's second binding (the
+users of these models measure them at onnxruntime's full level). Each figure is the median of
+per-round ratios to the variant with its 95% bootstrap interval; an output is slower only beyond
+noise (export_fusions.py's rule), against the variant and against onnxruntime's output.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -47,11 +56,11 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from export_fusions import GRAPHOPT_CLI, ORT_OPS, STANDARD_OPS, TARGETS, op_counts
+from export_fusions import GRAPHOPT_CLI, ORT_OPS, STANDARD_OPS, TARGETS, _above, _ratio, op_counts
 from exports import EXPORTS, best_peer, index_feeds
 from exports import measure as peer_counts
-from measure import node_count
-from tools import GRAPHOPT, PORTABLE_PEERS
+from measure import interleaved_latency, node_count
+from tools import GRAPHOPT, PORTABLE_PEERS, run_tool
 
 VARIANTS = Path.home() / ".cache/graphopt-exports-variants"
 KINDS = ("fp16", "qdq", "dyn8", "int4")
@@ -280,9 +289,87 @@ def node_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+TIMED = {"default": [], "ort": ["--target", "ort"]}
+
+
+def latency(variants: Path, only: list[str], runs: int) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for entry in json.loads((variants / "index.json").read_text())["models"]:
+            src = variants / entry["file"]
+            if only and src.stem not in only and entry["name"] not in only:
+                continue
+            models = {"variant": src}
+            for target, flags in TIMED.items():
+                out = Path(tmp) / f"{src.stem}.{target}.onnx"
+                subprocess.run(
+                    [str(GRAPHOPT_CLI), "run", str(src), "-o", str(out), "--no-check", "-q", *flags],
+                    capture_output=True,
+                    timeout=TIMEOUT_S,
+                    check=False,
+                )
+                models[target] = out
+            models["ort_extended"] = Path(tmp) / f"{src.stem}.ort_extended.onnx"
+            run_tool("ort_extended", src, models["ort_extended"], timeout=TIMEOUT_S, check=False)
+            feeds = index_feeds(entry, len(entry["feeds"]) - 1)
+            row: dict[str, Any] = {"model": src.stem, "variant": entry["variant"], "load": os.getloadavg()[0]}
+            row["latency"] = interleaved_latency(
+                {key: path for key, path in models.items() if path.is_file()},
+                feeds,
+                "ORT_ENABLE_ALL",
+                runs=runs,
+                warmup=max(2, runs // 10),
+            )
+            for path in models.values():
+                if path != src:
+                    path.unlink(missing_ok=True)
+            print(_latency_line(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _slower(row: dict[str, Any], target: str) -> list[str]:
+    """What ``target``'s output is slower than, beyond noise: the variant, onnxruntime's output."""
+    found, timed = [], row["latency"]
+    if _above(timed.get(target)):
+        found.append("the variant")
+    if _above(timed.get(target), timed.get("ort_extended")):
+        found.append("ort_extended")
+    return found
+
+
+def _latency_line(row: dict[str, Any]) -> str:
+    timed = row["latency"]
+    base = timed.get("variant")
+    ms = f"{base['median_s'] * 1000:.2f} ms" if isinstance(base, dict) else "err"
+    cells = [f"{key} {_ratio(timed.get(key))}" for key in ("default", "ort", "ort_extended")]
+    slower = [f"{target} slower than {' and '.join(_slower(row, target))}" for target in TIMED if _slower(row, target)]
+    return f"{row['model']}: variant {ms}; " + "; ".join(cells) + (f"  ** {'; '.join(slower)}" if slower else "")
+
+
+def latency_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| variant | variant ms | default / variant | `--target ort` / variant | ort_extended / variant "
+        "| slower beyond noise |",
+        "|---|---|---|---|---|---|",
+    ]
+    tally: collections.Counter[str] = collections.Counter()
+    for row in rows:
+        timed = row["latency"]
+        base = timed.get("variant")
+        slower = [f"{target} than {' and '.join(_slower(row, target))}" for target in TIMED if _slower(row, target)]
+        tally["rows"] += 1
+        tally["slower"] += bool(slower)
+        cells = " | ".join(_ratio(timed.get(key)) for key in ("default", "ort", "ort_extended"))
+        ms = f"{base['median_s'] * 1000:.2f}" if isinstance(base, dict) else "err"
+        lines.append(f"| {row['model']} | {ms} | {cells} | {'; '.join(slower) or '-'} |")
+    lines.append(f"\n{tally['rows']} variants; an output slower beyond noise on {tally['slower']}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["build", "measure", "nodes"])
+    parser.add_argument("action", choices=["build", "measure", "nodes", "latency"])
     parser.add_argument("--exports", type=Path, default=EXPORTS, help="the float32 exports with their index.json")
     parser.add_argument("--variants", "--out", dest="variants", type=Path, default=VARIANTS, help="the variants folder")
     parser.add_argument("--only", nargs="*", default=[], help="model names or file stems")
@@ -291,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "--flag", action="append", default=[], help="measure: a graphopt option added to every run (repeatable)"
     )
     parser.add_argument("--refresh", action="store_true", help="nodes: rerun the peers instead of reading their cache")
+    parser.add_argument("--runs", type=int, default=40, help="latency: timed interleaved rounds (default 40)")
     args = parser.parse_args(argv)
     if args.action == "build":
         if not (args.exports / "index.json").is_file():
@@ -303,11 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "nodes":
         tools = [GRAPHOPT, *PORTABLE_PEERS]
         rows = peer_counts(args.variants, args.only, tools, args.refresh, check=False, cache_path=VARIANT_PEER_CACHE)
+    elif args.action == "latency":
+        rows = latency(args.variants, args.only, args.runs)
     else:
         rows = measure(args.variants, args.only, args.flag)
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
-    print(node_table(rows) if args.action == "nodes" else summary(rows))
+    tables = {"nodes": node_table, "latency": latency_table, "measure": summary}
+    print(tables[args.action](rows))
     return 0
 
 

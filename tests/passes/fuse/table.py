@@ -704,19 +704,41 @@ def _refuses_at(name: str, case: Case, kind: str, precision: str, reason: str | 
 PRECISIONS = ("float16", "qdq")
 
 
+@dataclass(frozen=True)
+class NamesType:
+    """A rule that does not fire on its case made float16: its near miss ``reason`` names the type (an onnxruntime
+    kernel float32 only, or a rewrite measured on float32 only); said by ``family`` where another family's refusal
+    keeps the rule from matching."""
+
+    reason: str
+    family: str | None = None
+
+
+def _refuses_float16(case: Case, name: str, refusal: NamesType) -> None:
+    """The rule does not fire on the case made float16, the outputs the same, and the near miss names the type."""
+    proto = as_float16(case.build())
+    out, details = _run(case, proto, Perturb(copied, None))
+    assert name not in details["applied"], details
+    assert_same_outputs(proto, out, typed(proto, draws(case, proto)(0)), rtol=FLOAT16_TOLERANCE, atol=FLOAT16_TOLERANCE)
+    family = refusal.family or next(r.family for r in registered_rules() if r.name == name)
+    found = details["near_misses"].get(family, [])
+    assert any(refusal.reason in m for m in found), found
+
+
 def precision_tests(
     cases: Mapping[str, Case],
-    declared: Mapping[str, Mapping[str, str | None]],
+    declared: Mapping[str, Mapping[str, str | NamesType | None]],
     fired_through_qdq: Set[str],
     reasons: Mapping[tuple[str, str, str], str | None],
 ) -> dict[str, Callable[..., None]]:
-    """The table's tests at each precision ``declared`` names, for the rules it lists there (None: the case runs at
-    that precision; a string: why it does not), by test name: the rule fires (through Q/DQ: where
-    ``fired_through_qdq``, whose rules another test fires so, does not name it), and each perturbation refuses it,
-    naming the case's reason or the one ``reasons`` has for (precision, rule, kind); a test with nothing to run is
-    left out."""
+    """The table's tests at each precision ``declared`` names, for the rules it lists there, by test name. None: the
+    case runs at that precision: the rule fires (through Q/DQ: where ``fired_through_qdq``, whose rules another test
+    fires so, does not name it), and each perturbation refuses it, naming the case's reason or the one ``reasons``
+    has for (precision, rule, kind). NamesType: the rule refuses the case made float16, naming the type. A string:
+    why the case does not run at that precision. A test with nothing to run is left out."""
     float16 = [name for name, why in declared["float16"].items() if why is None]
     qdq = [name for name, why in declared["qdq"].items() if why is None and name not in fired_through_qdq]
+    typed_refusals = {name: why for name, why in declared["float16"].items() if isinstance(why, NamesType)}
     refusals = [
         pytest.param(name, kind, precision, id=f"{name}-{precision}-{kind}")
         for precision in PRECISIONS
@@ -730,6 +752,10 @@ def precision_tests(
     def test_the_rule_fires_in_float16(name: str) -> None:
         _fires_in_float16(cases[name], name)
 
+    @pytest.mark.parametrize("name", list(typed_refusals))
+    def test_the_rule_refuses_float16_naming_the_type(name: str) -> None:
+        _refuses_float16(cases[name], name, typed_refusals[name])
+
     @pytest.mark.parametrize("name", qdq)
     def test_the_rule_fires_through_qdq(name: str) -> None:
         fires_through_qdq(cases[name], name)
@@ -742,6 +768,10 @@ def precision_tests(
 
     tests = {
         "test_the_rule_fires_in_float16": (test_the_rule_fires_in_float16, float16),
+        "test_the_rule_refuses_float16_naming_the_type": (
+            test_the_rule_refuses_float16_naming_the_type,
+            typed_refusals,
+        ),
         "test_the_rule_fires_through_qdq": (test_the_rule_fires_through_qdq, qdq),
         "test_the_rule_refuses_the_perturbed_model_at_the_precision": (
             test_the_rule_refuses_the_perturbed_model_at_the_precision,

@@ -35,6 +35,7 @@ from tests.passes.fuse.table import (
     At,
     Case,
     Exported,
+    NamesType,
     Perturb,
     exported_perturbation,
     interior_quantized,
@@ -113,6 +114,8 @@ def precision_cell(name: str, precision: str) -> str:
         if interior is not None and why == "-":  # fires through Q/DQ, though no variant asked for it
             why = ""
         extra = ["quantized reader"] if isinstance(interior, tuple) else []
+    if isinstance(why, NamesType):
+        return f"refused, the type named ({why.reason})"
     if why not in (None, ""):
         return str(why)
     kinds = extra + [kind for kind in KINDS if why is None and isinstance(perturbation(case, kind), Perturb)]
@@ -136,10 +139,14 @@ def coverage_matrix() -> str:
             lines.append(f"| {name} | export: {spec} |" + " |" * (len(columns) - 1))
     lines.append("")
     for precision in PRECISIONS:
-        fired = [c for c in (precision_cell(name, precision) for name in CASES) if c.startswith("fires")]
+        cells = [precision_cell(name, precision) for name in CASES]
+        fired = [c for c in cells if c.startswith("fires")]
         refused = Counter(kind for c in fired if "; refused: " in c for kind in c.split("; refused: ")[1].split(", "))
         kinds = ", ".join(f"{kind} {count}" for kind, count in refused.items())
-        lines.append(f"{precision}: {len(fired)} rules fire; refused by: {kinds}")
+        named = sum(c.startswith("refused, the type named") for c in cells)
+        lines.append(
+            f"{precision}: {len(fired)} rules fire; refused by: {kinds}; {named} rules refused there, naming the type"
+        )
     return "\n".join(lines)
 
 

@@ -19,11 +19,10 @@ import importlib
 import pytest
 
 from tests.passes.fuse import test_through_qdq
-from tests.passes.fuse.table import Case, as_float16, precision_tests, same_weights
-from tests.passes.fuse_helpers import fuse
+from tests.passes.fuse.table import Case, NamesType, precision_tests, same_weights
 
-# The families whose rules fire on the variants (each family's test file holds its CASES).
-FAMILIES = ("activation", "arith", "attention", "conv", "gather", "norm", "qdq", "rotary", "shape")
+# The families of the rules named below (each family's test file holds its CASES).
+FAMILIES = ("activation", "arith", "attention", "conv", "embed", "gather", "matmul", "norm", "qdq", "rotary", "shape")
 CASES: dict[str, Case] = {
     name: case
     for family in FAMILIES
@@ -55,7 +54,16 @@ BOTH = (
     "ort-rmsnorm",
     "rmsnorm",
 )
-FLOAT16: dict[str, str | None] = {
+FUSED_KERNELS = NamesType("onnxruntime's fused kernels are float32 only")
+FUSED_MATMUL = (
+    "ort-fusedmatmul-mul",
+    "ort-fusedmatmul-div",
+    "ort-transpose-into-matmul-a",
+    "ort-transpose-into-matmul-b",
+)
+PROJECTION = NamesType("not a float32 MatMul (measured on float32 only)")
+DYNAMIC_INT8 = "n/a: DynamicQuantizeLinear takes float32 only: the case made float16 is no valid model"
+FLOAT16: dict[str, str | NamesType | None] = {
     **dict.fromkeys(BOTH),
     "conv-mul": None,
     "div-mul-constants": None,
@@ -64,12 +72,19 @@ FLOAT16: dict[str, str | None] = {
     "ort-rotary-embedding": None,
     "ort-rotary-embedding-3d": None,
     "reshape-chain": None,
-    "reshape-through-elementwise": "its case's Reshapes are matmul-add-gemm-projection's, which is measured on float32 "
-    "only (its near miss: not a float32 MatMul); gpt2's float16 Gemm carries them instead",
+    # its case's Reshapes are matmul-add-gemm-projection's (gpt2's float16 Gemm carries them on the variant)
+    "reshape-through-elementwise": NamesType("not a float32 MatMul", family="matmul"),
     "rotary-embedding": None,
     "unsqueeze-unsqueeze": None,
+    # Rules no float16 variant fires: each refuses its case made float16 and says the type.
+    **dict.fromkeys(("ort-fusedconv", "ort-fusedconv-sum", "ort-fusedgemm"), FUSED_KERNELS),
+    **dict.fromkeys(FUSED_MATMUL, NamesType("FusedMatMul is float32 only here")),
+    **dict.fromkeys(("matmul-add-gemm-projection", "matmul-add-gemm-projection-reshaped"), PROJECTION),
+    **dict.fromkeys(("ort-dynamic-quantize-matmul", "ort-dynamic-quantize-matmul-bias"), DYNAMIC_INT8),
+    "ort-embedlayernorm": NamesType("not float32 constants"),
+    "ort-skiprmsnorm": NamesType("float16 SkipSimplifiedLayerNormalization rounds more"),
 }
-QDQ: dict[str, str | None] = {
+QDQ: dict[str, str | NamesType | None] = {
     **dict.fromkeys(BOTH),
     "layout-chain-static": NO_PAIR_INSIDE,
     "ort-skiprmsnorm-decomposed": None,
@@ -92,12 +107,3 @@ def _same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 globals().update(precision_tests(CASES, {"float16": FLOAT16, "qdq": QDQ}, THROUGH_QDQ, REASONS))
-
-
-def test_the_float16_mlp_names_the_type_that_keeps_its_projection_float32_only() -> None:
-    """reshape-through-elementwise's case in float16: the Gemm projection it would carry the Reshapes through is
-    not made (measured on float32 only), and the near miss says so by the type."""
-    case = CASES["reshape-through-elementwise"]
-    _, details = fuse(as_float16(case.build()), case.passes, **case.settings)
-    assert "reshape-through-elementwise" not in details["applied"]
-    assert any("not a float32 MatMul" in m for m in details["near_misses"]["matmul"]), details["near_misses"]

@@ -16,6 +16,11 @@ A rule newer than the exporter fixtures (tests/fixtures/exports) has a second ca
 same perturbations on an exporter-written graph, cut after the rule's first match, at the values the rule's
 pattern binds there (fuse_exported), or why no fixture has the spelling.
 
+A rule that fires on float16 or statically quantized (QDQ) models has its case at that precision too
+(tests/passes/fuse/test_precision.py, by precision_tests): the case's model made float16 by onnxruntime's converter
+or quantized by its quantize_static, after each perturbation is made in float32, so the same perturbations refuse it
+there; test_through_qdq.py fires the rules that see through Q/DQ on their quantized cases (fires_through_qdq).
+
 A family's test file holds its CASES, EXPORTED and BEFORE_EXPORTS and takes the table's tests in with
 ``globals().update(table_tests(CASES, EXPORTED))``; test_contract.py checks that every registered rule has its
 case in its family's file.
@@ -25,7 +30,11 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Mapping
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +45,8 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from graphopt.errors import InputError
 from graphopt.passes.fuse import registered_rules
-from tests.numerics import assert_same_outputs, make_feeds
+from tests.numerics import assert_same_outputs, make_feeds, run_ort
+from tests.passes import fuse_models
 from tests.passes.fuse_exported import (
     Change,
     Found,
@@ -471,5 +481,301 @@ def table_tests(cases: Mapping[str, Case], exported: Mapping[str, Exported | str
         "test_the_rule_fires_on_its_export": (test_the_rule_fires_on_its_export, on_exports),
         "test_the_rule_refuses_the_perturbed_model": (test_the_rule_refuses_the_perturbed_model, refusals),
         "test_the_rule_refuses_the_perturbed_export": (test_the_rule_refuses_the_perturbed_export, export_refusals),
+    }
+    return {name: test for name, (test, params) in tests.items() if params}
+
+
+# -- the cases at another precision: float16, and statically quantized (Q/DQ pairs) --------------------------
+
+Draws = Callable[[int], Mapping[str, np.ndarray]]
+QDQ = ("QuantizeLinear", "DequantizeLinear")
+FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
+# float16 keeps 11 bits: a fused op that sums in another order moves an output of a few units by some ulps.
+FLOAT16_TOLERANCE = 1e-2
+THROUGH_QDQ: dict[str, Any] = {"fuse_through_qdq": True}
+
+
+def same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draw each case's weights afresh from one seed: a bound on a quantized model's outputs holds for a draw, and a
+    draw that depended on which tests ran before in the worker was another model each run (rmsnorm's quantized case
+    moved 1.11x as far as its original on 3 of 40 draws)."""
+    monkeypatch.setattr(fuse_models, "RNG", np.random.default_rng(0))
+    monkeypatch.setattr(f"{__name__}.RNG", np.random.default_rng(0))
+
+
+def draws(case: Case, proto: onnx.ModelProto) -> Draws:
+    """``case``'s inputs for ``proto`` by seed (its fixed feeds, where it has them, at every seed)."""
+    if case.feeds is not None:
+        fixed = case.feeds
+        return lambda seed: fixed()
+    return lambda seed: make_feeds(proto, seed)
+
+
+def as_float16(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with every float32 value float16, its inputs and outputs too (onnxruntime's converter, which
+    deployment tools use; interior values keep their names, so a perturbation made in float32 stays where it was)."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    with warnings.catch_warnings():  # constants beyond float16's range are clipped to it, as in a deployed model
+        warnings.simplefilter("ignore")
+        return convert_float_to_float16(copied(proto), keep_io_types=False)
+
+
+def typed(proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` in the element types of ``proto``'s graph inputs (float32 draws for a float16 model)."""
+    types = {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in proto.graph.input}
+    return {name: np.asarray(value).astype(types.get(name, np.asarray(value).dtype)) for name, value in feeds.items()}
+
+
+class _Calibration:
+    def __init__(self, feeds: Iterator[Mapping[str, np.ndarray]]) -> None:
+        self._feeds = feeds
+
+    def get_next(self) -> Mapping[str, np.ndarray] | None:
+        return next(self._feeds, None)
+
+
+def quantized(proto: onnx.ModelProto, feeds: Draws) -> onnx.ModelProto:
+    """``proto`` as onnxruntime's quantize_static writes it (QDQ, uint8 activations, int8 weights, calibrated on
+    two draws of ``feeds``)."""
+    from onnxruntime import quantization
+
+    logging.getLogger().setLevel(logging.ERROR)  # quantize_static advises pre-processing on the root logger
+    with tempfile.TemporaryDirectory() as folder:
+        source, target = os.path.join(folder, "float.onnx"), os.path.join(folder, "qdq.onnx")
+        onnx.save(proto, source)
+        quantization.quantize_static(
+            source,
+            target,
+            _Calibration(feeds(seed) for seed in range(2)),
+            quant_format=quantization.QuantFormat.QDQ,
+            weight_type=quantization.QuantType.QInt8,
+        )
+        return onnx.load(target)
+
+
+FLOAT32_ONLY = "quantize_static takes float32 models"
+
+
+def float32_only(proto: onnx.ModelProto) -> bool:
+    """Whether ``proto``'s float constants are float32 (quantize_static takes no other)."""
+    return all(t.data_type == TensorProto.FLOAT for t in proto.graph.initializer if t.data_type in FLOATS)
+
+
+def _relative_l2(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30))
+
+
+def assert_no_further(float_model: onnx.ModelProto, qdq: onnx.ModelProto, out: onnx.ModelProto, feeds: Any) -> None:
+    """``out`` is no further from the float model than the quantized one is (within a tenth: one draw of a tiny
+    model, whose output's last rounding both share; the exported attention moves 1.05x)."""
+    truth = run_ort(float_model, feeds)
+    original, optimized = run_ort(qdq, feeds), run_ort(out, feeds)
+    for output, expected in truth.items():
+        moved = _relative_l2(optimized[output], expected)
+        assert moved <= 1.1 * _relative_l2(original[output], expected) + 1e-6, output
+
+
+def assert_quantization_kept(qdq: onnx.ModelProto, out: onnx.ModelProto) -> None:
+    """No Q/DQ node is new, and each kept keeps its scale and zero point."""
+    before = {n.name: list(n.input[1:]) for n in qdq.graph.node if n.op_type in QDQ}
+    after = {n.name: list(n.input[1:]) for n in out.graph.node if n.op_type in QDQ}
+    assert after.items() <= before.items()
+    scales = {t.name: numpy_helper.to_array(t).tolist() for t in qdq.graph.initializer}
+    kept = {t.name: numpy_helper.to_array(t).tolist() for t in out.graph.initializer}
+    assert all(kept[i] == scales[i] for inputs in after.values() for i in inputs if i in kept and i in scales)
+
+
+# The ops the rules fuse into (each case's expected counts name the rest of its graph too).
+FUSED = frozenset(
+    {
+        "Attention",
+        "BiasGelu",
+        "FastGelu",
+        "Gelu",
+        "GroupNormalization",
+        "LayerNormalization",
+        "MultiHeadAttention",
+        "QuickGelu",
+        "RMSNormalization",
+        "RotaryEmbedding",
+        "SimplifiedLayerNormalization",
+        "SkipLayerNormalization",
+        "SkipSimplifiedLayerNormalization",
+        "Softmax",
+        "Swish",
+    }
+)
+
+
+def _producers(proto: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    return {out: n for n in proto.graph.node for out in n.output}
+
+
+def _sources(node: onnx.NodeProto, producers: Mapping[str, onnx.NodeProto], originals: set[str]) -> Iterator[str]:
+    """The values ``node`` reads, followed back through the nodes the rewrite made (a Reshape of Q to 3-D)."""
+    for value in node.input:
+        source = producers.get(value)
+        if source is not None and source.name not in originals and source.op_type not in QDQ:
+            yield from _sources(source, producers, originals)
+        elif value:
+            yield value
+
+
+def fires_through_qdq(case: Case, name: str) -> None:
+    """The case's model quantized: its rule's ops are there; no Q/DQ is new and each keeps its scale and zero point;
+    the fused ops read dequantized values (or what the original read unquantized) and their results are quantized
+    where the original's were; the outputs no further from the float model than the quantized one's."""
+    proto = case.build()
+    if not float32_only(proto):
+        pytest.skip(FLOAT32_ONLY)
+    feeds = draws(case, proto)
+    qdq = quantized(proto, feeds)
+    out, details = fuse(qdq, case.passes, **case.settings, **THROUGH_QDQ)
+    assert details["applied"].get(name, 0) >= 1, details
+    found = ops(out)
+    assert {op: found[op] for op in case.expected} == case.expected, details["near_misses"]
+    assert_quantization_kept(qdq, out)
+    originals = {n.name for n in qdq.graph.node}
+    producers = _producers(out)
+    read_before = {i for n in qdq.graph.node if n.op_type not in QDQ for i in n.input}
+    for made in out.graph.node:
+        if made.name in originals or made.op_type not in FUSED:
+            continue
+        for value in _sources(made, producers, originals):
+            source = producers.get(value)
+            if source is not None and source.op_type not in QDQ and value not in read_before:
+                raise AssertionError(f"{made.op_type} reads {value!r} of {source.op_type}, which no op read before")
+    assert_no_further(proto, qdq, out, feeds(7))
+
+
+def interior_quantized(case: Case) -> tuple[onnx.ModelProto, onnx.NodeProto] | str:
+    """``case``'s model quantized and the QuantizeLinear of its interior value, or why there is none."""
+    proto = case.build()
+    if not float32_only(proto):
+        return FLOAT32_ONLY
+    qdq = quantized(proto, draws(case, proto))
+    q = next((n for n in qdq.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == case.interior), None)
+    return (qdq, q) if q is not None else f"the quantizer leaves {case.interior!r} unquantized"
+
+
+def _fires_in_float16(case: Case, name: str) -> None:
+    """The rule fires on the case's model in float16: the ops it fuses into are there, the outputs the same within
+    float16's rounding."""
+    base = case.build()
+    proto = as_float16(base)
+    out, details = _run(case, proto, Perturb(copied, None))
+    assert details["applied"].get(name, 0) >= 1, details
+    before, after = ops(proto), ops(out)
+    made = {op: count for op, count in case.expected.items() if op not in before}
+    assert {op: after[op] for op in made} == made, after
+    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
+    feeds = typed(proto, draws(case, base)(0))
+    assert_same_outputs(proto, out, feeds, rtol=FLOAT16_TOLERANCE, atol=FLOAT16_TOLERANCE)
+
+
+def _refuses_at(name: str, case: Case, kind: str, precision: str, reason: str | None) -> None:
+    """The rule does not apply to ``case``'s model perturbed ``kind`` (in float32, as the table has it) and then made
+    float16 or quantized: the outputs as close as the precision keeps them, the near miss ``reason`` said, and a
+    quantized model keeps its scales and zero points."""
+    base = case.build()
+    perturb = perturbation(case, kind)
+    assert isinstance(perturb, Perturb) and perturb.stops is None
+    perturbed = perturb.change(base)
+    feeds = perturb.feeds(perturbed) if perturb.feeds is not None else draws(case, base)(0)
+    if precision == "float16":
+        proto = as_float16(perturbed)
+        out, details = _run(case, proto, perturb)
+        tolerance = FLOAT16_TOLERANCE
+        assert_same_outputs(proto, out, typed(proto, feeds), rtol=tolerance, atol=tolerance)
+    else:
+        proto = quantized(perturbed, lambda seed: feeds)
+        out, details = _run(case, proto, Perturb(copied, None, settings={**(perturb.settings or {}), **THROUGH_QDQ}))
+        assert_quantization_kept(proto, out)
+        assert_no_further(perturbed, proto, out, feeds)
+    assert name not in details["applied"], details
+    assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
+    family = next(r.family for r in registered_rules() if r.name == name)
+    if reason is not None:
+        found = details["near_misses"].get(family, [])
+        assert any(reason in m for m in found), found
+
+
+PRECISIONS = ("float16", "qdq")
+
+
+@dataclass(frozen=True)
+class NamesType:
+    """A rule that does not fire on its case made float16: its near miss ``reason`` names the type (an onnxruntime
+    kernel float32 only, or a rewrite measured on float32 only); said by ``family`` where another family's refusal
+    keeps the rule from matching."""
+
+    reason: str
+    family: str | None = None
+
+
+def _refuses_float16(case: Case, name: str, refusal: NamesType) -> None:
+    """The rule does not fire on the case made float16, the outputs the same, and the near miss names the type."""
+    proto = as_float16(case.build())
+    out, details = _run(case, proto, Perturb(copied, None))
+    assert name not in details["applied"], details
+    assert_same_outputs(proto, out, typed(proto, draws(case, proto)(0)), rtol=FLOAT16_TOLERANCE, atol=FLOAT16_TOLERANCE)
+    family = refusal.family or next(r.family for r in registered_rules() if r.name == name)
+    found = details["near_misses"].get(family, [])
+    assert any(refusal.reason in m for m in found), found
+
+
+def precision_tests(
+    cases: Mapping[str, Case],
+    declared: Mapping[str, Mapping[str, str | NamesType | None]],
+    fired_through_qdq: Set[str],
+    reasons: Mapping[tuple[str, str, str], str | None],
+) -> dict[str, Callable[..., None]]:
+    """The table's tests at each precision ``declared`` names, for the rules it lists there, by test name. None: the
+    case runs at that precision: the rule fires (through Q/DQ: where ``fired_through_qdq``, whose rules another test
+    fires so, does not name it), and each perturbation refuses it, naming the case's reason or the one ``reasons``
+    has for (precision, rule, kind). NamesType: the rule refuses the case made float16, naming the type. A string:
+    why the case does not run at that precision. A test with nothing to run is left out."""
+    float16 = [name for name, why in declared["float16"].items() if why is None]
+    qdq = [name for name, why in declared["qdq"].items() if why is None and name not in fired_through_qdq]
+    typed_refusals = {name: why for name, why in declared["float16"].items() if isinstance(why, NamesType)}
+    refusals = [
+        pytest.param(name, kind, precision, id=f"{name}-{precision}-{kind}")
+        for precision in PRECISIONS
+        for name, why in declared[precision].items()
+        if why is None
+        for kind in KINDS
+        if isinstance(found := perturbation(cases[name], kind), Perturb) and found.stops is None
+    ]
+
+    @pytest.mark.parametrize("name", float16)
+    def test_the_rule_fires_in_float16(name: str) -> None:
+        _fires_in_float16(cases[name], name)
+
+    @pytest.mark.parametrize("name", list(typed_refusals))
+    def test_the_rule_refuses_float16_naming_the_type(name: str) -> None:
+        _refuses_float16(cases[name], name, typed_refusals[name])
+
+    @pytest.mark.parametrize("name", qdq)
+    def test_the_rule_fires_through_qdq(name: str) -> None:
+        fires_through_qdq(cases[name], name)
+
+    @pytest.mark.parametrize(("name", "kind", "precision"), refusals)
+    def test_the_rule_refuses_the_perturbed_model_at_the_precision(name: str, kind: str, precision: str) -> None:
+        perturb = perturbation(cases[name], kind)
+        assert isinstance(perturb, Perturb)
+        _refuses_at(name, cases[name], kind, precision, reasons.get((precision, name, kind), perturb.reason))
+
+    tests = {
+        "test_the_rule_fires_in_float16": (test_the_rule_fires_in_float16, float16),
+        "test_the_rule_refuses_float16_naming_the_type": (
+            test_the_rule_refuses_float16_naming_the_type,
+            typed_refusals,
+        ),
+        "test_the_rule_fires_through_qdq": (test_the_rule_fires_through_qdq, qdq),
+        "test_the_rule_refuses_the_perturbed_model_at_the_precision": (
+            test_the_rule_refuses_the_perturbed_model_at_the_precision,
+            refusals,
+        ),
     }
     return {name: test for name, (test, params) in tests.items() if params}

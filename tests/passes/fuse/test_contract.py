@@ -6,6 +6,7 @@ coverage matrix."""
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from types import ModuleType
 
 from graphopt.passes.fuse import registered_rules
@@ -21,11 +22,25 @@ from tests.passes.fuse import (
     test_lower,
     test_matmul,
     test_norm,
+    test_precision,
     test_qdq,
     test_rotary,
     test_shape,
+    test_through_qdq,
 )
-from tests.passes.fuse.table import KINDS, At, Case, Exported, Perturb, exported_perturbation, perturbation
+from tests.passes.fuse.table import (
+    FLOAT32_ONLY,
+    KINDS,
+    PRECISIONS,
+    At,
+    Case,
+    Exported,
+    NamesType,
+    Perturb,
+    exported_perturbation,
+    interior_quantized,
+    perturbation,
+)
 
 # The family each test file holds (the shape family's file also holds the two noop rules shape.py shares).
 FAMILIES: dict[str, ModuleType] = {
@@ -71,6 +86,12 @@ def test_every_newer_rule_has_an_exporter_case() -> None:
     assert not BEFORE_EXPORTS - names, "a rule gone: drop it from its family's BEFORE_EXPORTS"
 
 
+def test_every_rule_a_precision_names_has_a_case() -> None:
+    """test_precision's declarations name registered rules (a renamed rule keeps its precision cases)."""
+    named = {*test_precision.FLOAT16, *test_precision.QDQ, *(name for _, name, _ in test_precision.REASONS)}
+    assert named <= set(CASES), named - set(CASES)
+
+
 def _cell(found: At | Perturb | str) -> str:
     if isinstance(found, str):
         return found
@@ -79,19 +100,53 @@ def _cell(found: At | Perturb | str) -> str:
     return f"{cell} ({found.note})" if found.note else cell
 
 
+def precision_cell(name: str, precision: str) -> str:
+    """What the table runs of rule ``name`` at ``precision``: that it fires, and the perturbations that refuse it
+    there (test_precision.py; through Q/DQ also test_through_qdq.py), or why not; "-" where no variant fires it."""
+    case = CASES[name]
+    if precision == "float16":
+        why, extra = test_precision.FLOAT16.get(name, "-"), []
+    else:
+        why = test_precision.QDQ.get(name, test_through_qdq.NOT_THROUGH_QDQ.get(name, "-"))
+        interior = interior_quantized(case) if name in test_precision.THROUGH_QDQ else None
+        if interior == FLOAT32_ONLY:
+            return FLOAT32_ONLY
+        if interior is not None and why == "-":  # fires through Q/DQ, though no variant asked for it
+            why = ""
+        extra = ["quantized reader"] if isinstance(interior, tuple) else []
+    if isinstance(why, NamesType):
+        return f"refused, the type named ({why.reason})"
+    if why not in (None, ""):
+        return str(why)
+    kinds = extra + [kind for kind in KINDS if why is None and isinstance(perturbation(case, kind), Perturb)]
+    return "fires" + (f"; refused: {', '.join(kinds)}" if kinds else "")
+
+
 def coverage_matrix() -> str:
-    """The rule x test-kind matrix as a Markdown table: each rule's case built here, then its case on an
-    exporter-written graph (the graph column names the fixture) or why it has none."""
-    lines = ["| rule | graph | fires, outputs kept | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 3) + "|"]
+    """The rule x test-kind matrix as a Markdown table: each rule's case built here (with the precisions it runs at),
+    then its case on an exporter-written graph (the graph column names the fixture) or why it has none; then how
+    many rules fire at each precision, and how many perturbations refuse them there."""
+    columns = ["fires, outputs kept", *KINDS, *PRECISIONS]
+    lines = ["| rule | graph | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, case in CASES.items():
-        cells = [_cell(perturbation(case, kind)) for kind in KINDS]
+        cells = [_cell(perturbation(case, kind)) for kind in KINDS] + [precision_cell(name, p) for p in PRECISIONS]
         lines.append(f"| {name} | built here | yes | " + " | ".join(cells) + " |")
         spec = EXPORTED.get(name)
         if isinstance(spec, Exported):
             cells = [_cell(exported_perturbation(spec, kind)) for kind in KINDS]
             lines.extend(f"| {name} | export {f} | yes | " + " | ".join(cells) + " |" for f in spec.fixtures)
         elif spec is not None:
-            lines.append(f"| {name} | export: {spec} |" + " |" * (len(KINDS) + 1))
+            lines.append(f"| {name} | export: {spec} |" + " |" * (len(columns) - 1))
+    lines.append("")
+    for precision in PRECISIONS:
+        cells = [precision_cell(name, precision) for name in CASES]
+        fired = [c for c in cells if c.startswith("fires")]
+        refused = Counter(kind for c in fired if "; refused: " in c for kind in c.split("; refused: ")[1].split(", "))
+        kinds = ", ".join(f"{kind} {count}" for kind, count in refused.items())
+        named = sum(c.startswith("refused, the type named") for c in cells)
+        lines.append(
+            f"{precision}: {len(fired)} rules fire; refused by: {kinds}; {named} rules refused there, naming the type"
+        )
     return "\n".join(lines)
 
 

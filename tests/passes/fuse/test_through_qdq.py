@@ -13,11 +13,8 @@ outside the pattern keeps it from firing.
 
 from __future__ import annotations
 
-import logging
-import os
-import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,21 +23,17 @@ import pytest
 from onnx import helper, numpy_helper
 
 from tests.cli_helpers import invoke
-from tests.numerics import make_feeds, run_ort
-from tests.passes import fuse_models
 from tests.passes.fuse import test_activation, test_attention, test_norm, test_rotary
-from tests.passes.fuse.table import Case
+from tests.passes.fuse.table import Case, draws, fires_through_qdq, interior_quantized, quantized, same_weights
 from tests.passes.fuse_helpers import fuse
 
 
 @pytest.fixture(autouse=True)
 def _same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each case draws its models' weights afresh: the float bound below holds for a draw, and a
-    draw that depended on which tests ran before in the worker was a different model each run."""
-    monkeypatch.setattr(fuse_models, "RNG", np.random.default_rng(0))
+    same_weights(monkeypatch)
 
 
-quantization = pytest.importorskip("onnxruntime.quantization")
+pytest.importorskip("onnxruntime.quantization")
 
 FAMILIES = {
     "activation": test_activation.CASES,
@@ -55,65 +48,19 @@ NOT_THROUGH_QDQ = {
     "hardswish-as-hardsigmoid": "as hardsigmoid",
     "rotary-embedding": "its cos / sin are a constant 2-D table, which stays quantized (DQ of a matrix)",
     "ort-rotary-embedding": "as rotary-embedding",
+    "attention-kv-cache": "the present outputs are the quantized caches (DQ of the Concats' Q), which an Attention's "
+    "float present_key and present_value would not reproduce: the Concats stay",
+    "groupnorm": "its gamma is a [C, 1, 1] constant, which stays quantized (DQ of rank 3): groupnorm-plain fuses the "
+    "normalization and the affine Mul / Add stay",
+    "groupnorm-no-bias": "as groupnorm",
+    "groupnorm-18": "as groupnorm (groupnorm-18-plain fuses the normalization)",
+    "groupnorm-18-no-bias": "as groupnorm-18",
     "ort-attention": "onnxruntime's Attention packs the projection weights, which stay quantized (int8 matrices)",
     "ort-attention-packed": "as ort-attention",
     "ort-group-query-attention": "the case's cache plumbing (Shape, Reshape, Add) comes out otherwise once quantized; "
     "GroupQueryAttention through Q/DQ is not measured yet",
     "ort-group-query-attention-any-length": "as ort-group-query-attention",
 }
-QDQ = ("QuantizeLinear", "DequantizeLinear")
-FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
-# The ops the rules fuse into (each case's expected counts name the rest of its graph too).
-FUSED = frozenset(
-    {
-        "Attention",
-        "BiasGelu",
-        "FastGelu",
-        "Gelu",
-        "GroupNormalization",
-        "LayerNormalization",
-        "MultiHeadAttention",
-        "QuickGelu",
-        "RMSNormalization",
-        "RotaryEmbedding",
-        "SimplifiedLayerNormalization",
-        "SkipLayerNormalization",
-        "SkipSimplifiedLayerNormalization",
-        "Softmax",
-        "Swish",
-    }
-)
-
-
-class _Calibration:
-    def __init__(self, draws: Iterator[Mapping[str, np.ndarray]]) -> None:
-        self._draws = draws
-
-    def get_next(self) -> Mapping[str, np.ndarray] | None:
-        return next(self._draws, None)
-
-
-def quantized(proto: onnx.ModelProto, feeds: Callable[[int], Mapping[str, np.ndarray]]) -> onnx.ModelProto:
-    """``proto`` as onnxruntime's quantize_static writes it (QDQ, uint8 activations, int8 weights)."""
-    logging.getLogger().setLevel(logging.ERROR)  # quantize_static advises pre-processing on the root logger
-    with tempfile.TemporaryDirectory() as folder:
-        source, target = os.path.join(folder, "float.onnx"), os.path.join(folder, "qdq.onnx")
-        onnx.save(proto, source)
-        quantization.quantize_static(
-            source,
-            target,
-            _Calibration(feeds(seed) for seed in range(2)),
-            quant_format=quantization.QuantFormat.QDQ,
-            weight_type=quantization.QuantType.QInt8,
-        )
-        return onnx.load(target)
-
-
-def _feeds(case: Case, proto: onnx.ModelProto) -> Callable[[int], Mapping[str, np.ndarray]]:
-    if case.feeds is not None:
-        fixed = case.feeds
-        return lambda seed: fixed()
-    return lambda seed: make_feeds(proto, seed)
 
 
 def _cases() -> Iterator[tuple[str, Case]]:
@@ -123,65 +70,15 @@ def _cases() -> Iterator[tuple[str, Case]]:
                 yield pytest.param(name, case, id=f"{family}-{name}")
 
 
-def _relative_l2(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30))
-
-
-def _producers(proto: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
-    return {out: n for n in proto.graph.node for out in n.output}
-
-
-def _sources(node: onnx.NodeProto, producers: Mapping[str, onnx.NodeProto], originals: set[str]) -> Iterator[str]:
-    """The values ``node`` reads, followed back through the nodes the rewrite made (a Reshape of Q to 3-D)."""
-    for value in node.input:
-        source = producers.get(value)
-        if source is not None and source.name not in originals and source.op_type not in QDQ:
-            yield from _sources(source, producers, originals)
-        elif value:
-            yield value
-
-
 @pytest.mark.parametrize(("name", "case"), list(_cases()))
 def test_the_rule_fires_through_qdq_and_keeps_the_quantization(name: str, case: Case) -> None:
-    proto = case.build()
-    if any(t.data_type != onnx.TensorProto.FLOAT for t in proto.graph.initializer if t.data_type in FLOATS):
-        pytest.skip("quantize_static takes float32 models")
-    feeds = _feeds(case, proto)
-    qdq = quantized(proto, feeds)
-    out, details = fuse(qdq, case.passes, **case.settings, fuse_through_qdq=True)
-    found = Counter(n.op_type for n in out.graph.node)
-    assert {op: found[op] for op in case.expected} == case.expected, details["near_misses"]
-
-    # No Q/DQ is new, and each keeps its scale and zero point; the fused ops read dequantized values
-    # (or what the original read unquantized) and their results are quantized where the original's were.
-    before = {n.name: list(n.input[1:]) for n in qdq.graph.node if n.op_type in QDQ}
-    after = {n.name: list(n.input[1:]) for n in out.graph.node if n.op_type in QDQ}
-    assert after.items() <= before.items()
-    originals = {n.name for n in qdq.graph.node}
-    producers = _producers(out)
-    read_before = {i for n in qdq.graph.node if n.op_type not in QDQ for i in n.input}
-    for node in out.graph.node:
-        if node.name in originals or node.op_type not in FUSED:
-            continue
-        for value in _sources(node, producers, originals):
-            source = producers.get(value)
-            if source is not None and source.op_type not in QDQ and value not in read_before:
-                raise AssertionError(f"{node.op_type} reads {value!r} of {source.op_type}, which no op read before")
-
-    # The fused op computes in float: no further from the float model than the quantized one is (within a tenth:
-    # one draw of a tiny model, whose output's last rounding both share; the exported attention moves 1.05x).
-    inputs = feeds(7)
-    truth = run_ort(proto, inputs)
-    original, optimized = run_ort(qdq, inputs), run_ort(out, inputs)
-    for output, expected in truth.items():
-        moved = _relative_l2(optimized[output], expected)
-        assert moved <= 1.1 * _relative_l2(original[output], expected) + 1e-6, output
+    fires_through_qdq(case, name)
 
 
 def _gelu_qdq() -> onnx.ModelProto:
     case = test_activation.CASES["gelu-none"]
     proto = case.build()
-    return quantized(proto, _feeds(case, proto))
+    return quantized(proto, draws(case, proto))
 
 
 def _inner_pair(proto: onnx.ModelProto, op_type: str) -> tuple[onnx.NodeProto, onnx.NodeProto]:
@@ -236,13 +133,10 @@ def test_a_pair_inside_the_pattern_read_outside_keeps_it_unfused(reader: str) ->
 def test_a_second_reader_of_the_quantized_interior_value_keeps_the_rule_from_firing(name: str, case: Case) -> None:
     """The table's perturbation ``interior`` on the quantized model: the interior value's quantized form gets a
     second DequantizeLinear, a graph output. The pair stays for it, so the pattern cannot drop it: no fusion."""
-    proto = case.build()
-    if any(t.data_type != onnx.TensorProto.FLOAT for t in proto.graph.initializer if t.data_type in FLOATS):
-        pytest.skip("quantize_static takes float32 models")
-    qdq = quantized(proto, _feeds(case, proto))
-    q = next((n for n in qdq.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == case.interior), None)
-    if q is None:
-        pytest.skip(f"the quantizer leaves {case.interior!r} unquantized")
+    found = interior_quantized(case)
+    if isinstance(found, str):
+        pytest.skip(found)
+    qdq, q = found
     extra = helper.make_node("DequantizeLinear", [q.output[0], *q.input[1:]], ["interior_again"])
     _, details = fuse(_with_output(qdq, extra, "interior_again"), case.passes, **case.settings, fuse_through_qdq=True)
     assert not details["applied"].get(name), details["applied"]

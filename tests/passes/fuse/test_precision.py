@@ -1,0 +1,109 @@
+"""The table's cases at the precisions deployed models have: every rule that fires on a float16 or a statically
+quantized (QDQ) copy of a real export also fires on its case made float16 (onnxruntime's converter, every float
+value float16) or quantized (onnxruntime's quantize_static), and each of the case's perturbations, made in float32
+and then converted, refuses it there too, naming the same reason (or the one REASONS has where Q/DQ changes it). A
+float16 model's outputs keep their values within float16's rounding (FLOAT16_TOLERANCE); a refused quantized model
+keeps every scale and zero point, and its outputs are no further from the float model than the quantized one's.
+
+FLOAT16 and QDQ list the rules that fire on the reduced-precision variants of the real exports (float16 with
+float32 inputs and outputs, QDQ int8; bert, gpt2, vit, resnet18 and convnext from TorchScript, llama, t5's encoder
+and whisper's from dynamo; default, --target ort, --target-opset 23, and through Q/DQ with --fuse-through-qdq):
+None where the case runs at that precision, else why it does not. The rules of test_through_qdq's families fire
+through Q/DQ there; here they meet the perturbations.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from tests.passes.fuse import test_through_qdq
+from tests.passes.fuse.table import Case, NamesType, precision_tests, same_weights
+
+# The families of the rules named below (each family's test file holds its CASES).
+FAMILIES = ("activation", "arith", "attention", "conv", "embed", "gather", "matmul", "norm", "qdq", "rotary", "shape")
+CASES: dict[str, Case] = {
+    name: case
+    for family in FAMILIES
+    for name, case in importlib.import_module(f"tests.passes.fuse.test_{family}").CASES.items()
+}
+# test_through_qdq's cases: the rule fires through Q/DQ there.
+THROUGH_QDQ = {
+    n for cases in test_through_qdq.FAMILIES.values() for n in cases if n not in test_through_qdq.NOT_THROUGH_QDQ
+}
+
+# A rule not marked through_qdq fires in a quantized model only where no pair is inside its pattern.
+NO_PAIR_INSIDE = (
+    "n/a: not a rule that sees through Q/DQ; it fires on the QDQ variants where no pair is inside its pattern "
+    "(an int64 mask's Unsqueezes, gpt2's Reshapes of unquantized values), and quantize_static leaves its case "
+    "unquantized: its QDQ case is its float32 case"
+)
+# The rules that fire on both the float16 and the QDQ variants (their cases run at both precisions).
+BOTH = (
+    "attention-4d",
+    "attention-heads-3d",
+    "gelu-none",
+    "gelu-tanh",
+    "layernorm-residual-sum",
+    "ort-biasgelu",
+    "ort-fastgelu",
+    "ort-gelu",
+    "ort-multihead-attention",
+    "ort-quickgelu",
+    "ort-rmsnorm",
+    "rmsnorm",
+)
+FUSED_KERNELS = NamesType("onnxruntime's fused kernels are float32 only")
+FUSED_MATMUL = (
+    "ort-fusedmatmul-mul",
+    "ort-fusedmatmul-div",
+    "ort-transpose-into-matmul-a",
+    "ort-transpose-into-matmul-b",
+)
+PROJECTION = NamesType("not a float32 MatMul (measured on float32 only)")
+DYNAMIC_INT8 = "n/a: DynamicQuantizeLinear takes float32 only: the case made float16 is no valid model"
+FLOAT16: dict[str, str | NamesType | None] = {
+    **dict.fromkeys(BOTH),
+    "conv-mul": None,
+    "div-mul-constants": None,
+    "gather-consecutive-rows": None,
+    "layout-chain-static": None,
+    "ort-rotary-embedding": None,
+    "ort-rotary-embedding-3d": None,
+    "reshape-chain": None,
+    # its case's Reshapes are matmul-add-gemm-projection's (gpt2's float16 Gemm carries them on the variant)
+    "reshape-through-elementwise": NamesType("not a float32 MatMul", family="matmul"),
+    "rotary-embedding": None,
+    "unsqueeze-unsqueeze": None,
+    # Rules no float16 variant fires: each refuses its case made float16 and says the type.
+    **dict.fromkeys(("ort-fusedconv", "ort-fusedconv-sum", "ort-fusedgemm"), FUSED_KERNELS),
+    **dict.fromkeys(FUSED_MATMUL, NamesType("FusedMatMul is float32 only here")),
+    **dict.fromkeys(("matmul-add-gemm-projection", "matmul-add-gemm-projection-reshaped"), PROJECTION),
+    **dict.fromkeys(("ort-dynamic-quantize-matmul", "ort-dynamic-quantize-matmul-bias"), DYNAMIC_INT8),
+    "ort-embedlayernorm": NamesType("not float32 constants"),
+    "ort-skiprmsnorm": NamesType("float16 SkipSimplifiedLayerNormalization rounds more"),
+}
+QDQ: dict[str, str | NamesType | None] = {
+    **dict.fromkeys(BOTH),
+    "layout-chain-static": NO_PAIR_INSIDE,
+    "ort-skiprmsnorm-decomposed": None,
+    "qdq-requantize-same": "n/a: its case is a quantized model already",
+    "unsqueeze-unsqueeze": NO_PAIR_INSIDE,
+}
+# Where a perturbation refuses a rule through Q/DQ for another reason than in float32, by (precision, rule, kind).
+REASONS: dict[tuple[str, str, str], str | None] = {
+    # An interior value made a graph output keeps its pair whole (the output reads the float value): the pattern
+    # does not see through it, so nothing matches and no near miss is said.
+    **{("qdq", name, "output"): None for name, why in QDQ.items() if why is None},
+    # The constant skip is quantized as a weight (int8 behind its DequantizeLinear): not a float operand.
+    ("qdq", "layernorm-residual-sum", "attr"): "do not provably have one 3-D float shape",
+}
+
+
+@pytest.fixture(autouse=True)
+def _same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    same_weights(monkeypatch)
+
+
+globals().update(precision_tests(CASES, {"float16": FLOAT16, "qdq": QDQ}, THROUGH_QDQ, REASONS))

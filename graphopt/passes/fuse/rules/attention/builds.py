@@ -13,6 +13,7 @@ from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import new_const, shared_reader
 from graphopt.passes.fuse.rules.attention.plans import Plan4, cache_parts
 from graphopt.passes.rewrite.engine import Match, Site
+from graphopt.passes.rewrite.qdq import quantized
 
 
 def build_attention(b: Builder, m: Match, plan: dict[str, object]) -> Value:
@@ -116,8 +117,8 @@ def off_lowest(b: Builder, mask: Value) -> Value:
     export, adding the finite fill, weighs every key alike. One step up is the same fill to
     the export's arithmetic (the scores vanish next to it) and an ordinary number to onnxruntime."""
     node = mask.producer
-    if node is None or node.op_type != "Where":
-        return mask
+    if node is None or node.op_type != "Where" or quantized(mask):
+        return mask  # a quantized mask is read dequantized (graphopt/passes/rewrite/qdq.py), its fill not the lowest
     fill = Site.array(node.inputs[2])
     if fill is None or fill.size != 1 or fill.dtype.kind != "f" or fill.ravel()[0] != np.finfo(fill.dtype).min:
         return mask

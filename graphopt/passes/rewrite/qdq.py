@@ -25,7 +25,10 @@ When the block ends, every reader of ``x`` that read the DQ before, and every no
 block that reads ``x`` (a fused op reading its pattern's input), reads the DQ's output again;
 likewise for the float constants, which then go. So the fused op reads the dequantized values,
 the Q after its pattern's output now quantizes the fused op's result, every scale and zero point
-is kept, and outside the matches the graph is as it was.
+is kept, and outside the matches the graph is as it was. A rule that would read through a hidden
+value's producer instead (an attention mask ``Where(cond, 0, -inf)`` read as ``cond``, or rebuilt
+with another fill) reads the value itself where :func:`quantized` says it stands in for a DQ: that
+DQ would go unread, and the fused op would compute the mask the original quantized in float.
 """
 
 from __future__ import annotations
@@ -40,10 +43,20 @@ from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.rewrite import replace_value
 from graphopt.passes.base import PassContext
 
-__all__ = ["SMALL_CONSTANT", "hidden"]
+__all__ = ["SMALL_CONSTANT", "hidden", "quantized"]
 
 # The most elements of a quantized constant read as float while hidden (a norm's weight, a bias).
 SMALL_CONSTANT = 1 << 16
+
+# The values standing in for a DequantizeLinear's output in the current block (ids; each kept alive by its entry).
+_STANDING_IN: set[int] = set()
+
+
+def quantized(value: Value) -> bool:
+    """Whether ``value`` stands in for a dequantized value while the pairs are hidden. A rule that reads
+    through its producer instead of reading it (a mask's ``Where(cond, 0, -inf)`` read as ``cond``) skips
+    that quantization: the fused op would no longer read the dequantized value, the pair would go unread."""
+    return id(value) in _STANDING_IN
 
 
 @dataclass
@@ -156,9 +169,12 @@ def hidden(model: Model, graph: Graph, ctx: PassContext) -> Iterator[bool]:
         entry.readers = _reads(entry.dequantize.outputs[0], graph) or []
         for node, index in entry.readers:
             node.set_input(index, entry.stand_in)
+    standing_in = {id(entry.stand_in) for entry in found}
+    _STANDING_IN.update(standing_in)
     try:
         yield True
     finally:
+        _STANDING_IN.difference_update(standing_in)
         # The last quantization of a value first: a new node reading it reads what its readers read.
         for entry in reversed(found):
             _restore(entry, existing, model, graph, ctx)

@@ -187,3 +187,89 @@ def test_the_cli_fuses_through_qdq_when_asked(tmp_path: Path, flag: tuple[str, .
     result = invoke("run", source, "-o", target, "--target-opset", "20", "--no-check", "--quiet", *flag)
     assert result.exit_code == 0, result.output
     assert Counter(n.op_type for n in onnx.load(target).graph.node)["Gelu"] == gelus
+
+
+def _masked_attention(fill: float) -> onnx.ModelProto:
+    """Attention over q, k, v (1, 2, 8, 4) with the additive mask ``Where(keep, 0, fill)`` of a padding mask and
+    the IsNaN guard after the Softmax, as the TorchScript (-inf) and dynamo (float32's lowest) exports write it."""
+    shape = [1, 2, 8, 4]
+    nodes = [
+        helper.make_node("Cast", ["attention_mask"], ["keep_2d"], to=onnx.TensorProto.BOOL),
+        helper.make_node("Unsqueeze", ["keep_2d", "mask_axes"], ["keep"]),
+        helper.make_node("Where", ["keep", "zero", "fill"], ["mask"]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+        helper.make_node("Mul", ["qk", "scale"], ["scores"]),
+        helper.make_node("Add", ["scores", "mask"], ["masked"]),
+        helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
+        helper.make_node("IsNaN", ["probs"], ["probs_nan"]),
+        helper.make_node("Where", ["probs_nan", "zero", "probs"], ["probs_guarded"]),
+        helper.make_node("MatMul", ["probs_guarded", "v"], ["y"]),
+    ]
+    constants = {
+        "mask_axes": np.array([1, 2], np.int64),
+        "zero": np.array(0.0, np.float32),
+        "fill": np.array(fill, np.float32),
+        "scale": np.array(0.5, np.float32),
+    }
+    graph = helper.make_graph(
+        nodes,
+        "masked_attention",
+        [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape) for name in "qkv"]
+        + [helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, [1, 8])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, shape)],
+        [numpy_helper.from_array(array, name) for name, array in constants.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def _padded_feeds(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {name: rng.standard_normal((1, 2, 8, 4)).astype(np.float32) for name in "qkv"}
+    return feeds | {"attention_mask": np.array([[1, 1, 1, 1, 1, 1, 0, 0]], np.int64)}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the quantizer's scale of a range to -inf
+@pytest.mark.parametrize("fill", [-np.inf, float(np.finfo(np.float32).min)], ids=["-inf", "lowest"])
+def test_the_attention_reads_the_quantized_mask_dequantized(fill: float) -> None:
+    """The mask's Where is outside the pattern: its quantization stays and the Attention reads its
+    DequantizeLinear, as the Add did. Read through to the boolean (-inf) or rebuilt with the fill raised
+    (float32's lowest), the pair went unread: the T5 encoders' mask, whose calibrated grid saturates the
+    fill at padded keys, moved 0.45 from the original at opset 23 while --target ort kept it."""
+    proto = _masked_attention(fill)
+    qdq = quantized(proto, _padded_feeds)
+    mask_q = next(n for n in qdq.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "mask")
+    out, _ = fuse(qdq, "shape-infer,fuse,dce", target_opset=23, fuse_through_qdq=True)
+    (attention,) = [n for n in out.graph.node if n.op_type == "Attention"]
+    mask_dq = next(n for n in qdq.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == mask_q.output[0])
+    read = set(_sources(attention, _producers(out), {n.name for n in qdq.graph.node}))
+    assert mask_dq.output[0] in read and not {"keep", "mask"} & read, sorted(read)
+    kept = {n.name: list(n.input) for n in out.graph.node if n.op_type in QDQ}
+    assert kept[mask_q.name] == list(mask_q.input) and kept[mask_dq.name] == list(mask_dq.input)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_the_attention_keeps_the_guard_of_a_mask_quantized_on_an_infinite_grid() -> None:
+    """quantize_static calibrates a -inf mask to an infinite scale (the TorchScript Llamas and GPT-2): the
+    dequantized mask is NaN where it was 0, every row of the Softmax NaN, and the export's IsNaN guard zeroes the
+    attention. The Attention reading that mask gives NaN there; the guard stays after it, so the fused model
+    computes what the quantized one does (zeros), not the attention of the unquantized mask."""
+    qdq = quantized(_masked_attention(-np.inf), _padded_feeds)
+    out, _ = fuse(qdq, "shape-infer,fuse,dce", target_opset=23, fuse_through_qdq=True)
+    assert Counter(n.op_type for n in out.graph.node)["Attention"] == 1
+    inputs = _padded_feeds(7)
+    expected, found = run_ort(qdq, inputs)["y"], run_ort(out, inputs)["y"]
+    assert not expected.any()
+    np.testing.assert_array_equal(found, expected)
+
+
+def test_a_quantized_mask_at_the_lowest_float_weighs_a_fully_masked_query_as_the_export() -> None:
+    """The dynamo exports fill float32's lowest, which the quantized mask's lowest step dequantizes to again;
+    onnxruntime's Attention reads that value as -inf and zeroes a query whose keys it all masks, where the
+    export weighs them alike. Raised one step (a Max on the dequantized mask), it is an ordinary number again."""
+    qdq = quantized(_masked_attention(float(np.finfo(np.float32).min)), _padded_feeds)
+    out, _ = fuse(qdq, "shape-infer,fuse,dce", target_opset=23, fuse_through_qdq=True)
+    assert Counter(n.op_type for n in out.graph.node)["Attention"] == 1
+    inputs = _padded_feeds(7) | {"attention_mask": np.zeros((1, 8), np.int64)}
+    expected, found = run_ort(qdq, inputs)["y"], run_ort(out, inputs)["y"]
+    assert _relative_l2(found, expected) < 0.05

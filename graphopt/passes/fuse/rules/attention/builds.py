@@ -13,6 +13,7 @@ from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import new_const, shared_reader
 from graphopt.passes.fuse.rules.attention.plans import Plan4, cache_parts
 from graphopt.passes.rewrite.engine import Match, Site
+from graphopt.passes.rewrite.qdq import quantized
 
 
 def build_attention(b: Builder, m: Match, plan: dict[str, object]) -> Value:
@@ -114,7 +115,11 @@ def off_lowest(b: Builder, mask: Value) -> Value:
     onnxruntime's Attention and GroupQueryAttention read a mask entry equal to that lowest value as -inf, so a query
     whose keys all carry it (a left-padded row of a causal decoder) gets zeros, where the
     export, adding the finite fill, weighs every key alike. One step up is the same fill to
-    the export's arithmetic (the scores vanish next to it) and an ordinary number to onnxruntime."""
+    the export's arithmetic (the scores vanish next to it) and an ordinary number to onnxruntime.
+
+    A quantized mask is read dequantized (graphopt/passes/rewrite/qdq.py), not rebuilt: its grid's lowest step
+    dequantizes to the fill (GPT-2's and the Llama's dynamo exports: 255 steps of finfo.max / 127.5), so its
+    entries at or below the lowest value are raised, by a Max."""
     node = mask.producer
     if node is None or node.op_type != "Where":
         return mask
@@ -122,6 +127,8 @@ def off_lowest(b: Builder, mask: Value) -> Value:
     if fill is None or fill.size != 1 or fill.dtype.kind != "f" or fill.ravel()[0] != np.finfo(fill.dtype).min:
         return mask
     raised = np.nextafter(fill, np.zeros_like(fill))
+    if quantized(mask):
+        return b.op("Max", mask, b.constant(raised, "mask_floor"))
     return b.op("Where", node.inputs[0], node.inputs[1], b.constant(raised, "mask_fill"))
 
 
@@ -135,7 +142,13 @@ def build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
     mask = None if mask is None else spelled_out(b, mask, plan.q, plan.v)
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
     softcap = {"softcap": plan.softcap} if plan.softcap else {}
-    return b.op("Attention", q, k, v, mask, scale=plan.scale, **softcap)
+    out = b.op("Attention", q, k, v, mask, scale=plan.scale, **softcap)
+    if "nan_guard" in m and plan.mask is not None and quantized(plan.mask):
+        # Attention zeroes a query whose keys are all masked by a boolean or a -inf fill, as the export's
+        # IsNaN guard does; a dequantized mask may hold NaN (a grid of infinite scale: 0 x inf), which the guard
+        # zeroed after the Softmax and stays for.
+        out = b.op("Where", b.op("IsNaN", out), new_const(b, np.array(0.0), plan.q, "zero"), out)
+    return out
 
 
 def with_merged_bias(b: Builder, plan: Plan4, mask: Value | None) -> Value | None:

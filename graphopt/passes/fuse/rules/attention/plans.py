@@ -26,6 +26,7 @@ from graphopt.passes.rewrite.proofs import (
     unrepeated,
     untransposed_key,
 )
+from graphopt.passes.rewrite.qdq import quantized
 
 
 def _source(m: Match, name: str) -> Value:
@@ -227,8 +228,11 @@ def _masked_fill(where: Node) -> tuple[Value, Value | None, MaskedFill] | Refuse
 
 
 def _mask_of(bias: Value) -> Value:
-    """The mask to pass for an added ``bias``: the boolean ``cond`` of Where(cond, 0, -inf)."""
+    """The mask to pass for an added ``bias``: the boolean ``cond`` of Where(cond, 0, -inf), unless ``bias`` is
+    quantized (the Attention reads the dequantized mask, as the original's Add did)."""
     node = bias.producer
+    if quantized(bias):
+        return bias
     if node is None or node.op_type != "Where" or Site.dtype(node.inputs[0]) != DataType.BOOL:
         return bias
     zero, fill = float_array(node.inputs[1]), float_array(node.inputs[2])

@@ -16,7 +16,7 @@ from graphopt.api import optimize
 from graphopt.io.onnx_io import from_proto
 from graphopt.passes.pipeline import pipeline_from_config
 from tests.cli_helpers import invoke
-from tests.numerics import assert_same_outputs
+from tests.numerics import assert_same_outputs, run_ort
 from tests.passes.fuse.table import (
     BOTH_DYNAMIC,
     CONSTANTS_ONLY,
@@ -280,6 +280,35 @@ def test_tied_weight_refusals() -> None:
     out, details = fuse(proto, target="ort")
     assert "tied-weight-gemm" not in details["applied"] and ops(out)["FusedMatMul"] == 1, details
     assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)
+
+
+def _tied_head(dtype: int, weight: np.ndarray) -> onnx.ModelProto:
+    """A tied LM head whose float32 logits a float16 converter writes as a Cast: hidden states of ``dtype``,
+    MatMul(h, Transpose(W)), the logits cast to float32."""
+    nodes = [
+        node("Transpose", ["wte"], "wte_t", perm=[1, 0]),
+        node("MatMul", ["h", "wte_t"], "product"),
+        node("Cast", ["product"], "logits", to=onnx.TensorProto.FLOAT),
+    ]
+    return model(nodes, [info("h", ["batch", "seq", 64], dtype)], ["logits"], [init("wte", weight)])
+
+
+def test_a_float16_tied_head_keeps_its_float32_logits_unrounded() -> None:
+    # onnxruntime's CPU provider has no float16 MatMul or Gemm: it computes them in float32 and drops the
+    # float32 -> float16 -> float32 casts between the product and the output Cast. A Reshape (float16 kernel)
+    # between the Gemm and that Cast rounded the logits to float16: 1.4x further from the float32 model's.
+    weight = np.random.default_rng(3).standard_normal((40, 64)).astype(np.float32)
+    truth_model = _tied_head(onnx.TensorProto.FLOAT, weight)
+    variant = _tied_head(onnx.TensorProto.FLOAT16, weight.astype(np.float16))
+    out, details = fuse(variant)
+    assert details["applied"]["tied-weight-gemm"] == 1 and ops(out)["Transpose"] == 0
+    hidden = np.random.default_rng(4).standard_normal((2, 5, 64)).astype(np.float16)
+    truth = run_ort(truth_model, {"h": hidden.astype(np.float32)})["logits"]
+    distance = {
+        name: np.linalg.norm(run_ort(m, {"h": hidden})["logits"] - truth) / np.linalg.norm(truth)
+        for name, m in (("variant", variant), ("optimized", out))
+    }
+    assert distance["optimized"] <= 1.01 * distance["variant"], distance
 
 
 def test_dynamic_int8_export_gets_one_dynamic_quantize_matmul_per_matmul(tmp_path: Path) -> None:

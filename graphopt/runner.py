@@ -305,38 +305,60 @@ def _optimize_file(
             save_seconds += time.perf_counter() - save_start
             return staged if staged.suffix.lower() != ".json" else None
 
-        result = _optimize_with(model, options, tell, source=source, save_output=save_output)
-        report = ModelReport(result.pipeline_report)
-        seconds = report.run.seconds
-        seconds["save"] = round(save_seconds, 6)
-        report.input = input_entry.result()
-        seconds["load"] = round(load_seconds, 6)
-        if not options.check:
-            report.numerics = {"status": "skipped", "reason": "--no-check"}
-            return report, written, 0
-        tell("check numerics")
-        check_start = time.perf_counter()
-        from graphopt.numerics import check_models_isolated
+        def optimized_and_checked(model: Model, options: RunOptions) -> tuple[ModelReport, Result, str | None]:
+            """The report of one optimization of ``model`` with its check, the pipeline's
+            result, and the check's status (None: --no-check)."""
+            nonlocal save_seconds
+            save_seconds = 0.0
+            result = _optimize_with(model, options, tell, source=source, save_output=save_output)
+            report = ModelReport(result.pipeline_report)
+            seconds = report.run.seconds
+            seconds["save"] = round(save_seconds, 6)
+            seconds["load"] = round(load_seconds, 6)
+            if not options.check:
+                report.numerics = {"status": "skipped", "reason": "--no-check"}
+                return report, result, None
+            tell("check numerics")
+            check_start = time.perf_counter()
+            from graphopt.numerics import check_models_isolated
 
-        original = as_onnx(source, workdir / "original")
-        optimized = as_onnx(staged, workdir / "optimized")
-        outcome = check_models_isolated(
-            original,
-            optimized,
-            input_layouts=input_layouts(result.pipeline_run.runs),
-            on_phase=tell,
-            **options.numerics.arguments(),
-        )
-        # onnxruntime names the files it loads: the user's names, not the staging folder's.
-        named = {optimized: output, staged: output, original: source, workdir: output.parent}
-        report.numerics = _renamed(outcome.as_dict(), {str(k): str(v) for k, v in named.items()})
-        seconds["check"] = round(time.perf_counter() - check_start, 6)
-        if outcome.status == "failed":
+            original = as_onnx(source, workdir / "original")
+            optimized = as_onnx(staged, workdir / "optimized")
+            outcome = check_models_isolated(
+                original,
+                optimized,
+                input_layouts=input_layouts(result.pipeline_run.runs),
+                on_phase=tell,
+                **options.numerics.arguments(),
+            )
+            # onnxruntime names the files it loads: the user's names, not the staging folder's.
+            named = {optimized: output, staged: output, original: source, workdir: output.parent}
+            report.numerics = _renamed(outcome.as_dict(), {str(k): str(v) for k, v in named.items()})
+            seconds["check"] = round(time.perf_counter() - check_start, 6)
+            return report, result, outcome.status
+
+        report, result, status = optimized_and_checked(model, options)
+        withdrawn = sum(sum(run.details.get("through_qdq", {}).values()) for run in result.pipeline_run.runs)
+        if status == "failed" and withdrawn:
+            # The fusions through Q/DQ compute in float what the original quantized; where the
+            # check refuses that, the model is optimized again keeping every pair, and the output
+            # says so, so that a run on it decides the same (the output stays a fixed point).
+            tell("check failed: optimize again without fusing through Q/DQ")
+            refused = (report.numerics or {}).get("reason")
+            attempt_seconds = report.run.seconds.get("total", 0.0) + report.run.seconds.get("check", 0.0)
+            from graphopt.passes.fuse.fuse_pass import keep_qdq_pairs
+
+            reloaded = options.load(source)
+            keep_qdq_pairs(reloaded)
+            report, result, status = optimized_and_checked(reloaded, options)
+            report.through_qdq = {"withdrawn": withdrawn, "refused": refused, "seconds": round(attempt_seconds, 6)}
+        report.input = input_entry.result()
+        if status == "failed":
             if options.blame:
                 tell("blame: bisect the passes")
                 report.blame = blame(source, options, workdir)
             return report, written, 1
-        return report, written, 1 if outcome.status == "not checked" and options.numerics.required else 0
+        return report, written, 1 if status == "not checked" and options.numerics.required else 0
 
     return _write_out(source, output, reads, options, produce, started, (data_name, cache_key))
 

@@ -103,6 +103,14 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     files = _file_sizes(report)
     if files:
         console.print(files)
+    if report.get("through_qdq"):
+        withdrawn = report["through_qdq"]
+        console.print(
+            escape(
+                f"through Q/DQ: {withdrawn['withdrawn']} fusions withdrawn, every Q/DQ pair kept: the check refused "
+                f"them ({withdrawn.get('refused') or 'no reason given'})"
+            )
+        )
     render_numerics(console, report.get("numerics", {}))
     if report.get("blame"):
         _render_blame(console, report["blame"])

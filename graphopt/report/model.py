@@ -60,6 +60,9 @@ class ModelReport:
     input: Json | None = None
     numerics: Json | None = None
     blame: Json | None = None
+    # The fusions through Q/DQ a first attempt made and the check refused: the output is the
+    # pipeline's without them (how many were withdrawn, the check's reason, the attempt's seconds).
+    through_qdq: Json | None = None
     # --cache: whether the result came from the cache ("hit") or was put there ("stored"), and its key.
     cache: Json | None = None
     output: Json | None = None
@@ -70,12 +73,14 @@ class ModelReport:
     def from_json(cls, found: Json) -> ModelReport:
         """The report :meth:`to_json` gave (a stored result's, --cache)."""
         run = PipelineReport(**{name: found[name] for name in ("pipeline", "passes", "failures", "summary", "seconds")})
-        kept = ("input", "numerics", "blame", "cache", "output", "status", "exit_code")
+        kept = ("input", "numerics", "blame", "through_qdq", "cache", "output", "status", "exit_code")
         return cls(run, **{name: found[name] for name in kept if name in found})
 
     def to_json(self) -> Json:
         found: Json = {"graphopt_version": __version__, "input": self.input, **self.run.to_json()}
         found["numerics"] = self.numerics
+        if self.through_qdq is not None:
+            found["through_qdq"] = self.through_qdq
         if self.blame is not None:
             found["blame"] = self.blame
         if self.cache is not None:

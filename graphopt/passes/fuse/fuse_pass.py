@@ -71,16 +71,28 @@ def select_rules(names_on: Iterable[str], names_off: Iterable[str], target: str)
     )
 
 
+# The output's metadata key saying that the check refused this model's fusions through Q/DQ
+# (runner.py): a run on it keeps every pair, as the run that wrote it did.
+QDQ_PAIRS_KEPT = "graphopt.fuse_through_qdq"
+
+
+def keep_qdq_pairs(model: Model) -> None:
+    """Mark ``model`` so that fuse matches nothing through its Q/DQ pairs (the report says why)."""
+    model.metadata_props[QDQ_PAIRS_KEPT] = "off: the check refused it"
+
+
 @dataclass
 class FuseOptions:
     max_rounds: int = option(5, "most rounds of shatter then fuse rules per run")
     enable: list[str] = option([], "rules or families to run that are off by default")
     disable: list[str] = option([], "rules or families not to run")
     through_qdq: bool = option(
-        False,
+        True,
         "match the float fusions (activation, attention, norm, rotary) through a static QDQ model's activation "
         "Q/DQ pairs, which the fused op drops: it reads the dequantized inputs and its result is quantized again "
-        "(off by default: every quantization point of the original stays)",
+        "with the original's scale and zero point; where the check refuses that, the run optimizes again without "
+        "it, keeping every pair, and marks the output so (metadata graphopt.fuse_through_qdq) "
+        "(off: every quantization point of the original stays)",
     )
     late: bool = option(
         False,
@@ -105,6 +117,7 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
         fuse = RuleSet(r for r in rules if r.kind == "fuse")
         late = [r for r in rules if r.kind == "late" and options.late]
         stats = RunStats()
+        through_qdq = options.through_qdq and QDQ_PAIRS_KEPT not in model.metadata_props
 
         def site_for(graph: Graph) -> Site:
             return Site(model, graph, min(model.opset_in(graph), goal), target, ctx)
@@ -114,7 +127,7 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
         for _ in range(options.max_rounds):
             rounds += 1
             changed = run_round(model, shatter, site_for, stats)
-            changed += run_round(model, fuse, site_for, stats, through_qdq=options.through_qdq)
+            changed += run_round(model, fuse, site_for, stats, through_qdq=through_qdq)
             late_ran = late_ran or not pending
             if changed == 0:
                 if not pending:
@@ -123,7 +136,7 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
                 fuse, pending = fuse + late, False
         if not late_ran:  # no round was left for them: one more, after the others
             rounds += 1
-            run_round(model, RuleSet(late), site_for, stats, through_qdq=options.through_qdq)
+            run_round(model, RuleSet(late), site_for, stats, through_qdq=through_qdq)
         if CONTRIB_DOMAIN not in model.opset_imports and any(n.domain == CONTRIB_DOMAIN for n in model.all_nodes()):
             model.opset_imports[CONTRIB_DOMAIN] = 1
         if goal < model.opset:

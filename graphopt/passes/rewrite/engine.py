@@ -332,6 +332,9 @@ class RunStats:
     # rules of one label are one place): what a newer --target-opset would fuse.
     below_opset: dict[str, tuple[int, list[frozenset[str]]]] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
+    # Rewrites applied with a QDQ model's pairs hidden (qdq.py), per rule: what the run
+    # withdraws when the check refuses the fusions through Q/DQ.
+    through_qdq: Counter[str] = field(default_factory=Counter)
     # (rule, id of root) -> root for each failure: the rule is not tried there again this run
     # (the root is kept so that its id is not reused by a new node).
     _failed_at: dict[tuple[str, int], Node] = field(default_factory=dict)
@@ -366,6 +369,7 @@ class RunStats:
                 what: {"opset": opset, "sites": len(places)}
                 for what, (opset, places) in sorted(self.below_opset.items())
             },
+            **({"through_qdq": dict(sorted(self.through_qdq.items()))} if self.through_qdq else {}),
         }
 
 
@@ -637,7 +641,9 @@ def run_round(
         if through:
             with hidden(model, graph, site.ctx) as quantized:
                 if quantized:
+                    before = stats.applied.copy()
                     applied += _apply_round(graph, through, site, stats)
+                    stats.through_qdq.update(stats.applied - before)
                     remaining = others
         applied += _apply_round(graph, remaining, site, stats)
     return applied

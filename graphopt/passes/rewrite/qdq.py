@@ -37,19 +37,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from graphopt.evaluate.base import EvaluationError
 from graphopt.ir import Graph, Model, Node, Value, tensor_dtype, tensor_shape
 from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.rewrite import replace_value
 from graphopt.passes.base import PassContext
 
-__all__ = ["SMALL_CONSTANT", "hidden", "quantized"]
+__all__ = ["SMALL_CONSTANT", "hidden", "may_dequantize_to_nan", "quantized"]
 
 # The most elements of a quantized constant read as float while hidden (a norm's weight, a bias).
 SMALL_CONSTANT = 1 << 16
 
-# The values standing in for a DequantizeLinear's output in the current block (ids; each kept alive by its entry).
-_STANDING_IN: set[int] = set()
+# The values standing in for a DequantizeLinear's output in the current block, by id (each kept alive by its
+# entry), with that DequantizeLinear.
+_STANDING_IN: dict[int, Node] = {}
 
 
 def quantized(value: Value) -> bool:
@@ -57,6 +60,16 @@ def quantized(value: Value) -> bool:
     through its producer instead of reading it (a mask's ``Where(cond, 0, -inf)`` read as ``cond``) skips
     that quantization: the fused op would no longer read the dequantized value, the pair would go unread."""
     return id(value) in _STANDING_IN
+
+
+def may_dequantize_to_nan(value: Value) -> bool:
+    """Whether ``value`` stands in for a DequantizeLinear whose scale is not provably finite: a grid
+    calibrated on -inf (a mask's fill) has an infinite scale, and its zero step dequantizes to NaN."""
+    dequantize = _STANDING_IN.get(id(value))
+    if dequantize is None:
+        return False
+    scale = constant_array(dequantize.inputs[1]) if len(dequantize.inputs) > 1 else None
+    return scale is None or not bool(np.isfinite(scale).all())
 
 
 @dataclass
@@ -169,12 +182,13 @@ def hidden(model: Model, graph: Graph, ctx: PassContext) -> Iterator[bool]:
         entry.readers = _reads(entry.dequantize.outputs[0], graph) or []
         for node, index in entry.readers:
             node.set_input(index, entry.stand_in)
-    standing_in = {id(entry.stand_in) for entry in found}
+    standing_in = {id(entry.stand_in): entry.dequantize for entry in found}
     _STANDING_IN.update(standing_in)
     try:
         yield True
     finally:
-        _STANDING_IN.difference_update(standing_in)
+        for key in standing_in:
+            _STANDING_IN.pop(key, None)
         # The last quantization of a value first: a new node reading it reads what its readers read.
         for entry in reversed(found):
             _restore(entry, existing, model, graph, ctx)

@@ -608,16 +608,18 @@ FUSED = frozenset(
 )
 
 
-def _producers(proto: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+def producers_of(proto: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
     return {out: n for n in proto.graph.node for out in n.output}
 
 
-def _sources(node: onnx.NodeProto, producers: Mapping[str, onnx.NodeProto], originals: set[str]) -> Iterator[str]:
+def original_sources(
+    node: onnx.NodeProto, producers: Mapping[str, onnx.NodeProto], originals: set[str]
+) -> Iterator[str]:
     """The values ``node`` reads, followed back through the nodes the rewrite made (a Reshape of Q to 3-D)."""
     for value in node.input:
         source = producers.get(value)
         if source is not None and source.name not in originals and source.op_type not in QDQ:
-            yield from _sources(source, producers, originals)
+            yield from original_sources(source, producers, originals)
         elif value:
             yield value
 
@@ -637,12 +639,12 @@ def fires_through_qdq(case: Case, name: str) -> None:
     assert {op: found[op] for op in case.expected} == case.expected, details["near_misses"]
     assert_quantization_kept(qdq, out)
     originals = {n.name for n in qdq.graph.node}
-    producers = _producers(out)
+    producers = producers_of(out)
     read_before = {i for n in qdq.graph.node if n.op_type not in QDQ for i in n.input}
     for made in out.graph.node:
         if made.name in originals or made.op_type not in FUSED:
             continue
-        for value in _sources(made, producers, originals):
+        for value in original_sources(made, producers, originals):
             source = producers.get(value)
             if source is not None and source.op_type not in QDQ and value not in read_before:
                 raise AssertionError(f"{made.op_type} reads {value!r} of {source.op_type}, which no op read before")

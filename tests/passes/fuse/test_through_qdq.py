@@ -13,6 +13,7 @@ outside the pattern keeps it from firing.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +23,21 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
+from graphopt.numerics.compare import relative_l2
 from tests.cli_helpers import invoke
+from tests.numerics import run_ort
 from tests.passes.fuse import test_activation, test_attention, test_norm, test_rotary
-from tests.passes.fuse.table import Case, draws, fires_through_qdq, interior_quantized, quantized, same_weights
+from tests.passes.fuse.table import (
+    QDQ,
+    Case,
+    draws,
+    fires_through_qdq,
+    interior_quantized,
+    original_sources,
+    producers_of,
+    quantized,
+    same_weights,
+)
 from tests.passes.fuse_helpers import fuse
 
 
@@ -180,13 +193,48 @@ def test_gelu_fires_where_its_constant_was_quantized_as_an_activation() -> None:
     assert Counter(n.op_type for n in out.graph.node)["Gelu"] == 1
 
 
-@pytest.mark.parametrize(("flag", "gelus"), [((), 0), (("--fuse-through-qdq",), 1)])
-def test_the_cli_fuses_through_qdq_when_asked(tmp_path: Path, flag: tuple[str, ...], gelus: int) -> None:
+@pytest.mark.parametrize(("flag", "gelus"), [((), 1), (("--no-fuse-through-qdq",), 0)])
+def test_the_cli_fuses_through_qdq_unless_told_not_to(tmp_path: Path, flag: tuple[str, ...], gelus: int) -> None:
     source, target = tmp_path / "gelu_qdq.onnx", tmp_path / "out.onnx"
     onnx.save(_gelu_qdq(), source)
     result = invoke("run", source, "-o", target, "--target-opset", "20", "--no-check", "--quiet", *flag)
     assert result.exit_code == 0, result.output
     assert Counter(n.op_type for n in onnx.load(target).graph.node)["Gelu"] == gelus
+
+
+def _saturating_gelu_qdq() -> onnx.ModelProto:
+    """The QDQ GELU with its interior grids 50 times too narrow: the original clips what the fused Gelu computes
+    in float, far beyond its own rounding."""
+    proto = _gelu_qdq()
+    interior = {n.input[1] for op_type in ("Erf", "Add") for n in _inner_pair(proto, op_type)}
+    for tensor in proto.graph.initializer:
+        if tensor.name in interior:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) / 50, tensor.name))
+    return proto
+
+
+def test_fusions_through_qdq_the_check_refuses_are_withdrawn_and_every_pair_kept(tmp_path: Path) -> None:
+    source, target, report = tmp_path / "gelu_qdq.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
+    onnx.save(_saturating_gelu_qdq(), source)
+    result = invoke("run", source, "-o", target, "--target-opset", "20", "--report", report)
+    assert result.exit_code == 0, result.output
+    assert "through Q/DQ: 1 fusions withdrawn, every Q/DQ pair kept: the check refused them" in result.output
+    found = json.loads(report.read_text())
+    assert found["through_qdq"]["withdrawn"] == 1 and found["numerics"]["status"] == "passed"
+    ops = Counter(n.op_type for n in onnx.load(target).graph.node)
+    original = Counter(n.op_type for n in onnx.load(source).graph.node)
+    assert ops["Gelu"] == 0
+    assert (ops["QuantizeLinear"], ops["DequantizeLinear"]) == (
+        original["QuantizeLinear"],
+        original["DequantizeLinear"],
+    )
+    metadata = {p.key: p.value for p in onnx.load(target).metadata_props}
+    assert metadata["graphopt.fuse_through_qdq"] == "off: the check refused it"
+    again = invoke("run", target, "-o", tmp_path / "again.onnx", "--target-opset", "20", "--no-check")
+    assert again.exit_code == 0
+    assert Counter(n.op_type for n in onnx.load(tmp_path / "again.onnx").graph.node) == ops  # a fixed point
+    fused = invoke("run", source, "-o", tmp_path / "fused.onnx", "--target-opset", "20", "--no-check")
+    assert fused.exit_code == 0 and "withdrawn" not in fused.output  # unchecked, nothing refuses the fusion
 
 
 def _masked_attention(fill: float) -> onnx.ModelProto:
@@ -242,7 +290,7 @@ def test_the_attention_reads_the_quantized_mask_dequantized(fill: float) -> None
     out, _ = fuse(qdq, "shape-infer,fuse,dce", target_opset=23, fuse_through_qdq=True)
     (attention,) = [n for n in out.graph.node if n.op_type == "Attention"]
     mask_dq = next(n for n in qdq.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == mask_q.output[0])
-    read = set(_sources(attention, _producers(out), {n.name for n in qdq.graph.node}))
+    read = set(original_sources(attention, producers_of(out), {n.name for n in qdq.graph.node}))
     assert mask_dq.output[0] in read and not {"keep", "mask"} & read, sorted(read)
     kept = {n.name: list(n.input) for n in out.graph.node if n.op_type in QDQ}
     assert kept[mask_q.name] == list(mask_q.input) and kept[mask_dq.name] == list(mask_dq.input)
@@ -272,4 +320,4 @@ def test_a_quantized_mask_at_the_lowest_float_weighs_a_fully_masked_query_as_the
     assert Counter(n.op_type for n in out.graph.node)["Attention"] == 1
     inputs = _padded_feeds(7) | {"attention_mask": np.zeros((1, 8), np.int64)}
     expected, found = run_ort(qdq, inputs)["y"], run_ort(out, inputs)["y"]
-    assert _relative_l2(found, expected) < 0.05
+    assert relative_l2(found, expected) < 0.05

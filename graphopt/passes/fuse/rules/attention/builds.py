@@ -13,7 +13,7 @@ from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import new_const, shared_reader
 from graphopt.passes.fuse.rules.attention.plans import Plan4, cache_parts
 from graphopt.passes.rewrite.engine import Match, Site
-from graphopt.passes.rewrite.qdq import quantized
+from graphopt.passes.rewrite.qdq import may_dequantize_to_nan, quantized
 
 
 def build_attention(b: Builder, m: Match, plan: dict[str, object]) -> Value:
@@ -143,7 +143,7 @@ def build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
     softcap = {"softcap": plan.softcap} if plan.softcap else {}
     out = b.op("Attention", q, k, v, mask, scale=plan.scale, **softcap)
-    if "nan_guard" in m and plan.mask is not None and quantized(plan.mask):
+    if "nan_guard" in m and plan.mask is not None and may_dequantize_to_nan(plan.mask):
         # Attention zeroes a query whose keys are all masked by a boolean or a -inf fill, as the export's
         # IsNaN guard does; a dequantized mask may hold NaN (a grid of infinite scale: 0 x inf), which the guard
         # zeroed after the Softmax and stays for.

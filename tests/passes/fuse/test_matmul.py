@@ -16,7 +16,7 @@ from graphopt.api import optimize
 from graphopt.io.onnx_io import from_proto
 from graphopt.passes.pipeline import pipeline_from_config
 from tests.cli_helpers import invoke
-from tests.numerics import assert_same_outputs, run_ort
+from tests.numerics import assert_same_outputs
 from tests.passes.fuse.table import (
     BOTH_DYNAMIC,
     CONSTANTS_ONLY,
@@ -293,22 +293,15 @@ def _tied_head(dtype: int, weight: np.ndarray) -> onnx.ModelProto:
     return model(nodes, [info("h", ["batch", "seq", 64], dtype)], ["logits"], [init("wte", weight)])
 
 
-def test_a_float16_tied_head_keeps_its_float32_logits_unrounded() -> None:
-    # onnxruntime's CPU provider has no float16 MatMul or Gemm: it computes them in float32 and drops the
-    # float32 -> float16 -> float32 casts between the product and the output Cast. A Reshape (float16 kernel)
-    # between the Gemm and that Cast rounded the logits to float16: 1.4x further from the float32 model's.
-    weight = np.random.default_rng(3).standard_normal((40, 64)).astype(np.float32)
-    truth_model = _tied_head(onnx.TensorProto.FLOAT, weight)
-    variant = _tied_head(onnx.TensorProto.FLOAT16, weight.astype(np.float16))
+def test_a_float16_tied_head_stays_a_matmul() -> None:
+    # onnxruntime's CPU provider has no float16 MatMul or Gemm: the Gemm form of gpt2_dynamo's float16 variant ran
+    # 1.23x the variant at ORT_ENABLE_ALL, and its Reshape between the Gemm and the output Cast rounded the float32
+    # logits to float16.
+    weight = np.random.default_rng(3).standard_normal((40, 64)).astype(np.float16)
+    variant = _tied_head(onnx.TensorProto.FLOAT16, weight)
     out, details = fuse(variant)
-    assert details["applied"]["tied-weight-gemm"] == 1 and ops(out)["Transpose"] == 0
-    hidden = np.random.default_rng(4).standard_normal((2, 5, 64)).astype(np.float16)
-    truth = run_ort(truth_model, {"h": hidden.astype(np.float32)})["logits"]
-    distance = {
-        name: np.linalg.norm(run_ort(m, {"h": hidden})["logits"] - truth) / np.linalg.norm(truth)
-        for name, m in (("variant", variant), ("optimized", out))
-    }
-    assert distance["optimized"] <= 1.01 * distance["variant"], distance
+    assert "tied-weight-gemm" not in details["applied"] and ops(out)["Gemm"] == 0
+    assert any("not a float32 MatMul" in miss for miss in details["near_misses"]["matmul"])
 
 
 def test_dynamic_int8_export_gets_one_dynamic_quantize_matmul_per_matmul(tmp_path: Path) -> None:

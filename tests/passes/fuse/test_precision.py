@@ -80,6 +80,7 @@ FLOAT16: dict[str, str | NamesType | None] = {
     **dict.fromkeys(("ort-fusedconv", "ort-fusedconv-sum", "ort-fusedgemm"), FUSED_KERNELS),
     **dict.fromkeys(FUSED_MATMUL, NamesType("FusedMatMul is float32 only here")),
     **dict.fromkeys(("matmul-add-gemm-projection", "matmul-add-gemm-projection-reshaped"), PROJECTION),
+    "tied-weight-gemm": NamesType("not a float32 MatMul (a float16 Gemm measured slower)"),
     **dict.fromkeys(("ort-dynamic-quantize-matmul", "ort-dynamic-quantize-matmul-bias"), DYNAMIC_INT8),
     "ort-embedlayernorm": NamesType("not float32 constants"),
     "ort-skiprmsnorm": NamesType("float16 SkipSimplifiedLayerNormalization rounds more"),

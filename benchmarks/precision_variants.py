@@ -182,13 +182,18 @@ def run_graphopt(src: Path, out: Path, flags: list[str]) -> dict[str, Any]:
     return found
 
 
+def selected(variants: Path, only: list[str]) -> Iterator[tuple[dict[str, Any], Path]]:
+    """The index entries of ``variants`` that ``only`` names (all when empty), with their files."""
+    for entry in json.loads((variants / "index.json").read_text())["models"]:
+        src = variants / entry["file"]
+        if not only or src.stem in only or entry["name"] in only:
+            yield entry, src
+
+
 def measure(variants: Path, only: list[str], extra: list[str]) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for entry in json.loads((variants / "index.json").read_text())["models"]:
-            src = variants / entry["file"]
-            if only and src.stem not in only and entry["name"] not in only:
-                continue
+        for entry, src in selected(variants, only):
             row: dict[str, Any] = {"model": src.stem, "variant": entry["variant"], "original": node_count(src).total}
             for target, flags in TARGETS.items():
                 out = Path(tmp) / f"{src.stem}.{target}.onnx"
@@ -295,10 +300,7 @@ TIMED = {"default": [], "ort": ["--target", "ort"]}
 def latency(variants: Path, only: list[str], runs: int) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for entry in json.loads((variants / "index.json").read_text())["models"]:
-            src = variants / entry["file"]
-            if only and src.stem not in only and entry["name"] not in only:
-                continue
+        for entry, src in selected(variants, only):
             models = {"variant": src}
             for target, flags in TIMED.items():
                 out = Path(tmp) / f"{src.stem}.{target}.onnx"

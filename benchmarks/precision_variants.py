@@ -359,7 +359,7 @@ def latency_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         timed = row["latency"]
         base = timed.get("variant")
-        slower = [f"{target} than {' and '.join(_slower(row, target))}" for target in TIMED if _slower(row, target)]
+        slower = [f"{target} slower than {' and '.join(_slower(row, target))}" for target in TIMED if _slower(row, target)]
         tally["rows"] += 1
         tally["slower"] += bool(slower)
         cells = " | ".join(_ratio(timed.get(key)) for key in ("default", "ort", "ort_extended"))

@@ -340,12 +340,16 @@ def _slower(row: dict[str, Any], target: str) -> list[str]:
     return found
 
 
+def _slower_targets(row: dict[str, Any]) -> list[str]:
+    return [f"{target} slower than {' and '.join(_slower(row, target))}" for target in TIMED if _slower(row, target)]
+
+
 def _latency_line(row: dict[str, Any]) -> str:
     timed = row["latency"]
     base = timed.get("variant")
     ms = f"{base['median_s'] * 1000:.2f} ms" if isinstance(base, dict) else "err"
     cells = [f"{key} {_ratio(timed.get(key))}" for key in ("default", "ort", "ort_extended")]
-    slower = [f"{target} slower than {' and '.join(_slower(row, target))}" for target in TIMED if _slower(row, target)]
+    slower = _slower_targets(row)
     return f"{row['model']}: variant {ms}; " + "; ".join(cells) + (f"  ** {'; '.join(slower)}" if slower else "")
 
 
@@ -359,7 +363,7 @@ def latency_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         timed = row["latency"]
         base = timed.get("variant")
-        slower = [f"{target} slower than {' and '.join(_slower(row, target))}" for target in TIMED if _slower(row, target)]
+        slower = _slower_targets(row)
         tally["rows"] += 1
         tally["slower"] += bool(slower)
         cells = " | ".join(_ratio(timed.get(key)) for key in ("default", "ort", "ort_extended"))

@@ -305,7 +305,7 @@ def _optimize_file(
             save_seconds += time.perf_counter() - save_start
             return staged if staged.suffix.lower() != ".json" else None
 
-        def optimized_and_checked(model: Model, options: RunOptions) -> tuple[ModelReport, Result, str | None]:
+        def optimized_and_checked(model: Model) -> tuple[ModelReport, Result, str | None]:
             """The report of one optimization of ``model`` with its check, the pipeline's
             result, and the check's status (None: --no-check)."""
             nonlocal save_seconds
@@ -337,7 +337,7 @@ def _optimize_file(
             seconds["check"] = round(time.perf_counter() - check_start, 6)
             return report, result, outcome.status
 
-        report, result, status = optimized_and_checked(model, options)
+        report, result, status = optimized_and_checked(model)
         withdrawn = sum(sum(run.details.get("through_qdq", {}).values()) for run in result.pipeline_run.runs)
         if status == "failed" and withdrawn:
             # The fusions through Q/DQ compute in float what the original quantized; where the
@@ -350,7 +350,7 @@ def _optimize_file(
 
             reloaded = options.load(source)
             keep_qdq_pairs(reloaded)
-            report, result, status = optimized_and_checked(reloaded, options)
+            report, result, status = optimized_and_checked(reloaded)
             report.through_qdq = {"withdrawn": withdrawn, "refused": refused, "seconds": round(attempt_seconds, 6)}
         report.input = input_entry.result()
         if status == "failed":

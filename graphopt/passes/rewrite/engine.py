@@ -55,7 +55,7 @@ from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, replace_nodes
 from graphopt.passes.base import Failure, PassContext
 from graphopt.passes.rewrite.patterns import Bindings, OpPattern, Pattern, PredicateFailed, entries, match, root_ops
-from graphopt.passes.rewrite.qdq import hidden
+from graphopt.passes.rewrite.qdq import hidden, quantized
 
 __all__ = [
     "Build",
@@ -394,6 +394,18 @@ def _outside_readers(m: Match) -> str | None:
     return None
 
 
+def _quantized_export(m: Match) -> str | None:
+    """Why an exported entry cannot be read through its Q/DQ pair: the readers outside would still read
+    it quantized (the pair stays for them), the fused op would compute on it unquantized (a residual sum
+    whose quantization saturates reaches the outside readers clipped and the fused norm whole)."""
+    inside = {id(n) for n in [*m.nodes, *m.feeders]}
+    for name in m.rule.exports:
+        value = m.node(name).outputs[0] if name in m else None
+        if value is not None and quantized(value) and _read_outside(value, inside):
+            return f"{value.name!r} is quantized where the match reads it, and read outside it"
+    return None
+
+
 def _feeds_only(start: Node, inside: set[int], feeders: dict[int, Node]) -> bool:
     """Whether everything ``start`` computes flows only into ``inside`` (collecting the nodes)."""
     found: dict[int, Node] = {}
@@ -449,7 +461,7 @@ def _failed(m: Match, step: str, what: str) -> RuleFailed:
 
 def _valid(m: Match, site: Site) -> str | None:
     """Why ``m`` cannot be rewritten (None: it can, and ``m.plan`` holds the rule's plan)."""
-    reason = m.rule.gate(site) or _outside_readers(m)
+    reason = m.rule.gate(site) or _outside_readers(m) or _quantized_export(m)
     if reason is not None or m.rule.plan is None:
         return reason
     try:

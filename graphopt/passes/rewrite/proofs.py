@@ -4,11 +4,13 @@ What a Reshape does to the dims: a head split (batch, seq, heads * head size) ->
 batch and heads merged to one dim and split again, the merge back to (batch, seq, heads * head size), a target
 that keeps its input's dims (static, symbolic, or read back from the exporters' Shape / Gather plumbing), a
 constant target with its copied dims spelled out, a Reshape back to its source's shape (a group norm's merge); a
-scalar of a rank; and K and V as attention reads them (K from K^T, K and V without grouped-query attention's head
-repeat).
+scalar of a rank; K and V as attention reads them (K from K^T, K and V without grouped-query attention's head
+repeat); and a projection ``MatMul(x, W) + bias`` that matmul-add-gemm-projection writes as one Gemm (which the GELU
+rules leave its bias to).
 
 Each proof answers None (or False, or a reason) where the facts do not prove it, and a rule refuses then. The
-attention rules (rules/attention/), the shape rules (rules/shape.py) and the group norm (rules/norm/) read them;
+attention rules (rules/attention/), the shape rules (rules/shape.py), the group norm (rules/norm/), the matmul
+rules (rules/matmul/) and the activation rules (rules/activation.py) read them;
 tests/passes/test_proofs.py holds their own tests.
 """
 
@@ -20,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import Node, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.dims import mul
 from graphopt.passes.rewrite.engine import Refuse, Site
-from graphopt.passes.rewrite.patterns import either, match, op, optional, var
+from graphopt.passes.rewrite.patterns import const, either, match, op, optional, var
 
 # The head split's and merge's Transpose: (batch, seq, heads, head size) <-> (batch, heads, seq, head size).
 HEADS = [0, 2, 1, 3]
@@ -385,3 +387,57 @@ def unrepeated(value: Value, site: Site) -> Value:
     if batch or target[2] == kv[2]:
         return source
     return value
+
+
+# -- projections ----------------------------------------------------------------------------------------------
+
+# MatMul(x, W) + bias of a constant 2-D W: what matmul-add-gemm-projection writes as one Gemm.
+PROJECTION = op.Add(op.MatMul(var("x"), const(name="w", rank=2), name="matmul"), const(name="bias"))
+
+
+def projection_bias(
+    x: Value, product: Value, bias: Value, site: Site
+) -> tuple[tuple[Any, ...], np.ndarray | None] | Refuse:
+    """The product's shape and the bias as a vector when it has a rank above 2 (Gemm's C
+    broadcasts to [M, N] from a rank of 2 at most); or why the projection is not one."""
+    if site.dtype(x) != DataType.FLOAT:
+        return Refuse("not a float32 MatMul (measured on float32 only)")
+    shape, bias_shape = site.shape(product), site.shape(bias)
+    if shape is None or len(shape) < 3:
+        return Refuse("the product's rank is unknown or below 3 (matmul-add-gemm takes 2-D)")
+    if (
+        bias_shape is None
+        or len(bias_shape) > len(shape)
+        or any(d != 1 for d in bias_shape[:-1])
+        or bias_shape[-1:] not in ((1,), (shape[-1],), ())
+    ):
+        return Refuse("the bias is not a vector over the last axis")
+    if len(bias_shape) <= 2:
+        return shape, None
+    found = Site.array(bias)
+    return Refuse("the bias is not readable") if found is None else (shape, np.ascontiguousarray(found.reshape(-1)))
+
+
+def projection_target(
+    x: Value, product: Value, bias: Value, site: Site
+) -> tuple[list[int], np.ndarray | None] | Refuse:
+    """The target of the Reshape back to the product's shape, and the bias vector; or why not."""
+    found = projection_bias(x, product, bias, site)
+    if isinstance(found, Refuse):
+        return found
+    shape, vector = found
+    dynamic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+    if len(dynamic) > 1:
+        return Refuse("more than one dim of the product is not static (the Reshape back needs a constant target)")
+    return [-1 if i == (dynamic or [0])[0] else int(d) for i, d in enumerate(shape)], vector
+
+
+def projected_as_gemm(total: Value, site: Site) -> bool:
+    """Whether ``matmul-add-gemm-projection`` writes ``total``, ``MatMul(x, W) + bias`` of a
+    constant 2-D W and a constant bias, as one Gemm."""
+    for env in match(PROJECTION, total):
+        x, bias, matmul = env["x"], env["bias"], env["matmul"]
+        assert isinstance(x, Value) and isinstance(bias, Value) and isinstance(matmul, Node)
+        if not isinstance(projection_target(x, matmul.outputs[0], bias, site), Refuse):
+            return True
+    return False

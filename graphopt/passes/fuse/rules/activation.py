@@ -37,9 +37,9 @@ from typing import Any, NamedTuple
 from graphopt.ir import Node
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float, scalar_factor
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
-from graphopt.passes.fuse.rules.matmul.standard import projected_as_gemm
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, polynomial, var
+from graphopt.passes.rewrite.proofs import projected_as_gemm
 
 FAMILY = "activation"
 # Every rule of the family, with the family given once.

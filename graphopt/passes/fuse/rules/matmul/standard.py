@@ -41,7 +41,8 @@ from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, is_float, scalar_factor, shared_reader
 from graphopt.passes.fuse.rules._ort import MS, activated, activation_params, check_activation
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
-from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, match, op, optional, var
+from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
+from graphopt.passes.rewrite.proofs import PROJECTION, projection_bias, projection_target
 
 FAMILY = "matmul"
 # Every rule of the family, with the family given once.
@@ -66,62 +67,14 @@ def _check_matmul_add(m: Match, site: Site) -> Refuse | None:
     return None
 
 
-def _projection_bias(
-    x: Value, product: Value, bias: Value, site: Site
-) -> tuple[tuple[Any, ...], np.ndarray | None] | Refuse:
-    """The product's shape and the bias as a vector when it has a rank above 2 (Gemm's C
-    broadcasts to [M, N] from a rank of 2 at most); or why the projection is not one."""
-    if site.dtype(x) != DataType.FLOAT:
-        return Refuse("not a float32 MatMul (measured on float32 only)")
-    shape, bias_shape = site.shape(product), site.shape(bias)
-    if shape is None or len(shape) < 3:
-        return Refuse("the product's rank is unknown or below 3 (matmul-add-gemm takes 2-D)")
-    if (
-        bias_shape is None
-        or len(bias_shape) > len(shape)
-        or any(d != 1 for d in bias_shape[:-1])
-        or bias_shape[-1:] not in ((1,), (shape[-1],), ())
-    ):
-        return Refuse("the bias is not a vector over the last axis")
-    if len(bias_shape) <= 2:
-        return shape, None
-    found = Site.array(bias)
-    return Refuse("the bias is not readable") if found is None else (shape, np.ascontiguousarray(found.reshape(-1)))
-
-
-def _projection_target(
-    x: Value, product: Value, bias: Value, site: Site
-) -> tuple[list[int], np.ndarray | None] | Refuse:
-    """The target of the Reshape back to the product's shape, and the bias vector; or why not."""
-    found = _projection_bias(x, product, bias, site)
-    if isinstance(found, Refuse):
-        return found
-    shape, vector = found
-    dynamic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
-    if len(dynamic) > 1:
-        return Refuse("more than one dim of the product is not static (the Reshape back needs a constant target)")
-    return [-1 if i == (dynamic or [0])[0] else int(d) for i, d in enumerate(shape)], vector
-
-
 def _plan_projection(m: Match, site: Site) -> tuple[list[int], np.ndarray | None] | Refuse:
-    return _projection_target(m.value("x"), m.node("matmul").outputs[0], m.value("bias"), site)
-
-
-def projected_as_gemm(total: Value, site: Site) -> bool:
-    """Whether ``matmul-add-gemm-projection`` writes ``total``, ``MatMul(x, W) + bias`` of a
-    constant 2-D W and a constant bias, as one Gemm."""
-    for env in match(_PROJECTION, total):
-        x, bias, matmul = env["x"], env["bias"], env["matmul"]
-        assert isinstance(x, Value) and isinstance(bias, Value) and isinstance(matmul, Node)
-        if not isinstance(_projection_target(x, matmul.outputs[0], bias, site), Refuse):
-            return True
-    return False
+    return projection_target(m.value("x"), m.node("matmul").outputs[0], m.value("bias"), site)
 
 
 def _plan_reshaped_projection(m: Match, site: Site) -> np.ndarray | Refuse | None:
     """The bias vector, when the Reshape reading the projection gives the same result from the
     Gemm's 2-D rows: its target keeps no dim of its input (a 0 copies one unless allowzero)."""
-    found = _projection_bias(m.value("x"), m.node("matmul").outputs[0], m.value("bias"), site)
+    found = projection_bias(m.value("x"), m.node("matmul").outputs[0], m.value("bias"), site)
     if isinstance(found, Refuse):
         return found
     if m.node("reshape").attr("allowzero") != 1:
@@ -274,7 +227,6 @@ def _plan_scaled_matmul(m: Match, site: Site) -> float | Refuse:
     return _matmul_ranks(m, site) or _scale(m, site)
 
 
-_PROJECTION = op.Add(op.MatMul(var("x"), const(name="w", rank=2), name="matmul"), const(name="bias"))
 _GEMM = op.Gemm(var("a"), var("b"), optional(var("c")), name="gemm")
 
 # Which input a Transpose folds into; which scalar op scales a product.
@@ -293,7 +245,7 @@ RULES: tuple[Rule[Any], ...] = (
     ),
     _rule(
         name="matmul-add-gemm-projection",
-        pattern=_PROJECTION,
+        pattern=PROJECTION,
         plan=_plan_projection,
         build=_build_projection,
         kind="late",
@@ -303,7 +255,7 @@ RULES: tuple[Rule[Any], ...] = (
     ),
     _rule(
         name="matmul-add-gemm-projection-reshaped",
-        pattern=op.Reshape(_PROJECTION, var("target"), name="reshape"),
+        pattern=op.Reshape(PROJECTION, var("target"), name="reshape"),
         plan=_plan_reshaped_projection,
         build=_build_reshaped_projection,
         kind="late",

@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tune-budget", type=float, default=60.0)
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of interleaved timing per model")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one tool may take on one model")
+    ap.add_argument(
+        "--flag", action="append", default=[], help="a graphopt option for both runs, e.g. a growth knob (repeatable)"
+    )
     ap.add_argument("--deadline", default="", help="HH:MM UTC: start no model after it")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/graphopt-tune-accept"))
     ap.add_argument("--json-out", type=Path, default=None)
@@ -126,11 +129,10 @@ def measure_model(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     entry: dict[str, Any] = {"model": name, "level": args.level, "load_before": os.getloadavg()[0]}
     outputs: dict[str, Path] = {}
     for target in [t for t in args.targets.split(",") if t]:
-        untuned = graphopt_run(src, folder / f"graphopt_{target}.onnx", TARGETS[target], args.timeout)
+        options = TARGETS[target] + args.flag
+        untuned = graphopt_run(src, folder / f"graphopt_{target}.onnx", options, args.timeout)
         tuning = ["--tune", "--tune-level", args.level, "--tune-threads", "1", "--tune-budget", str(args.tune_budget)]
-        tuned = graphopt_run(
-            src, folder / f"graphopt_{target}_tuned_{args.level}.onnx", TARGETS[target] + tuning, args.timeout
-        )
+        tuned = graphopt_run(src, folder / f"graphopt_{target}_tuned_{args.level}.onnx", options + tuning, args.timeout)
         entry[target] = {"untuned": untuned, "tuned": tuned}
         for key, run in (("untuned", untuned), ("tuned", tuned)):
             if "output" in run:

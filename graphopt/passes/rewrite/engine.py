@@ -401,7 +401,7 @@ def _quantized_export(m: Match) -> str | None:
     inside = {id(n) for n in [*m.nodes, *m.feeders]}
     for name in m.rule.exports:
         value = m.node(name).outputs[0] if name in m else None
-        if value is not None and quantized(value) and _read_outside(value, inside):
+        if value is not None and quantized(value, m.site) and _read_outside(value, inside):
             return f"{value.name!r} is quantized where the match reads it, and read outside it"
     return None
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -45,27 +46,34 @@ from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.rewrite import replace_value
 from graphopt.passes.base import PassContext
 
+if TYPE_CHECKING:
+    from graphopt.passes.rewrite.engine import Site
+
 __all__ = ["SMALL_CONSTANT", "hidden", "may_dequantize_to_nan", "quantized"]
 
 # The most elements of a quantized constant read as float while hidden (a norm's weight, a bias).
 SMALL_CONSTANT = 1 << 16
 
-# The values standing in for a DequantizeLinear's output in the current block, by id (each kept alive by its
-# entry), with that DequantizeLinear.
-_STANDING_IN: dict[int, Node] = {}
+# The run's state (PassContext.state) holding, while a graph's pairs are hidden, the values standing in for a
+# DequantizeLinear's output, by id (each kept alive by its entry), with that DequantizeLinear.
+_STANDING_IN = "qdq-standing-in"
 
 
-def quantized(value: Value) -> bool:
+def _standing_in(model: Model, ctx: PassContext) -> dict[int, Node]:
+    return ctx.state(model, _STANDING_IN, dict)
+
+
+def quantized(value: Value, site: Site) -> bool:
     """Whether ``value`` stands in for a dequantized value while the pairs are hidden. A rule that reads
     through its producer instead of reading it (a mask's ``Where(cond, 0, -inf)`` read as ``cond``) skips
     that quantization: the fused op would no longer read the dequantized value, the pair would go unread."""
-    return id(value) in _STANDING_IN
+    return id(value) in _standing_in(site.model, site.ctx)
 
 
-def may_dequantize_to_nan(value: Value) -> bool:
+def may_dequantize_to_nan(value: Value, site: Site) -> bool:
     """Whether ``value`` stands in for a DequantizeLinear whose scale is not provably finite: a grid
     calibrated on -inf (a mask's fill) has an infinite scale, and its zero step dequantizes to NaN."""
-    dequantize = _STANDING_IN.get(id(value))
+    dequantize = _standing_in(site.model, site.ctx).get(id(value))
     if dequantize is None:
         return False
     scale = constant_array(dequantize.inputs[1]) if len(dequantize.inputs) > 1 else None
@@ -183,12 +191,13 @@ def hidden(model: Model, graph: Graph, ctx: PassContext) -> Iterator[bool]:
         for node, index in entry.readers:
             node.set_input(index, entry.stand_in)
     standing_in = {id(entry.stand_in): entry.dequantize for entry in found}
-    _STANDING_IN.update(standing_in)
+    registry = _standing_in(model, ctx)
+    registry.update(standing_in)
     try:
         yield True
     finally:
         for key in standing_in:
-            _STANDING_IN.pop(key, None)
+            registry.pop(key, None)
         # The last quantization of a value first: a new node reading it reads what its readers read.
         for entry in reversed(found):
             _restore(entry, existing, model, graph, ctx)

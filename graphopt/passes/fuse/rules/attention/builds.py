@@ -109,7 +109,7 @@ def expanded_to(b: Builder, mask: Value, rows: Length, keys: Length) -> Value:
     return expanded.outputs[0]
 
 
-def off_lowest(b: Builder, mask: Value) -> Value:
+def off_lowest(b: Builder, mask: Value, site: Site) -> Value:
     """``mask`` with a fill of the float type's lowest value moved one step up.
 
     onnxruntime's Attention and GroupQueryAttention read a mask entry equal to that lowest value as -inf, so a query
@@ -127,7 +127,7 @@ def off_lowest(b: Builder, mask: Value) -> Value:
     if fill is None or fill.size != 1 or fill.dtype.kind != "f" or fill.ravel()[0] != np.finfo(fill.dtype).min:
         return mask
     raised = np.nextafter(fill, np.zeros_like(fill))
-    if quantized(mask):
+    if quantized(mask, site):
         return b.op("Max", mask, b.constant(raised, "mask_floor"))
     return b.op("Where", node.inputs[0], node.inputs[1], b.constant(raised, "mask_fill"))
 
@@ -138,12 +138,12 @@ def build_4d(b: Builder, m: Match, plan: Plan4) -> Value:
         q, k, v = (b.op("Cast", x, to=int(DataType.FLOAT)) for x in (q, k, v))
     k = k if plan.k.perm is None else b.op("Transpose", k, perm=plan.k.perm)
     written = additive_mask(b, plan) if plan.fill is not None else plan.mask
-    mask = with_merged_bias(b, plan, None if written is None else off_lowest(b, written))
+    mask = with_merged_bias(b, plan, None if written is None else off_lowest(b, written, m.site))
     mask = None if mask is None else spelled_out(b, mask, plan.q, plan.v)
     # 4-D inputs carry their heads (ONNX's inference refuses q_num_heads / kv_num_heads with them).
     softcap = {"softcap": plan.softcap} if plan.softcap else {}
     out = b.op("Attention", q, k, v, mask, scale=plan.scale, **softcap)
-    if "nan_guard" in m and plan.mask is not None and may_dequantize_to_nan(plan.mask):
+    if "nan_guard" in m and plan.mask is not None and may_dequantize_to_nan(plan.mask, m.site):
         # Attention zeroes a query whose keys are all masked by a boolean or a -inf fill, as the export's
         # IsNaN guard does; a dequantized mask may hold NaN (a grid of infinite scale: 0 x inf), which the guard
         # zeroed after the Softmax and stays for.

@@ -375,7 +375,7 @@ def _build_gqa(b: Builder, m: Match, plan: _GqaPlan) -> Value:
     # the same lengths: not from the new keys, which a branch may make again
     q_dim = (site.shape(query) or (None,) * 3)[1]
     key_dim = d_add((site.shape(m.value("past_key")) or (None,) * 4)[2], q_dim)
-    bias = expanded_to(b, off_lowest(b, plan.mask), (q_dim, lambda: q_len), (key_dim, lambda: key_len))
+    bias = expanded_to(b, off_lowest(b, plan.mask, site), (q_dim, lambda: q_len), (key_dim, lambda: key_len))
     lengths = _Lengths(bias, seqlens_k, b.op("Reshape", total, b.constant(np.zeros(0, np.int64), "scalar")))
     if not plan.at_run_time:
         outputs = _gqa(b, m, plan, lengths)

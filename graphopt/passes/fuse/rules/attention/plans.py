@@ -227,11 +227,11 @@ def _masked_fill(where: Node) -> tuple[Value, Value | None, MaskedFill] | Refuse
     return scores, bias, MaskedFill(cond, fill, broadcast(shapes))
 
 
-def _mask_of(bias: Value) -> Value:
+def _mask_of(bias: Value, site: Site) -> Value:
     """The mask to pass for an added ``bias``: the boolean ``cond`` of Where(cond, 0, -inf), unless ``bias`` is
     quantized (the Attention reads the dequantized mask, as the original's Add did)."""
     node = bias.producer
-    if quantized(bias):
+    if quantized(bias, site):
         return bias
     if node is None or node.op_type != "Where" or Site.dtype(node.inputs[0]) != DataType.BOOL:
         return bias
@@ -299,7 +299,7 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | Refuse:
     if node is not None and node.op_type == "Add":
         for core, bias in (node.inputs, reversed(node.inputs)):
             if core is not None and bias is not None and _scores(core) is not None:
-                scores, mask, added = core, _mask_of(bias), bias
+                scores, mask, added = core, _mask_of(bias, site), bias
                 break
     elif node is not None and node.op_type == "Where" and _finite_fill(node.inputs[1]) is not None:
         masked = _masked_fill(node)

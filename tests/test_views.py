@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import pytest
 from rich.console import Console
@@ -117,6 +118,42 @@ def test_the_run_ends_with_the_op_histogram_the_sizes_and_what_was_not_fused(tmp
     assert re.search(r"│ Gelu\s+│\s+0 │\s+1 │\s+\+1 │", fused.stderr)
     ort = invoke("run", source, "-o", tmp_path / "ort.onnx", "--target", "ort")
     assert ort.exit_code == 0 and "not fused" not in ort.stderr
+
+
+def _float16_weight() -> onnx.ModelProto:
+    """x @ Cast(W): a 256 x 256 float16 weight, cast to float32 at every run unless the file grows by 128 kB."""
+    weight = onnx.numpy_helper.from_array(np.full((256, 256), 0.5, np.float16), "W")
+    nodes = [
+        onnx.helper.make_node("Cast", ["W"], ["w32"], to=onnx.TensorProto.FLOAT),
+        onnx.helper.make_node("MatMul", ["x", "w32"], ["y"]),
+    ]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 256])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 256])],
+        [weight],
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def test_the_run_says_what_it_left_unfolded_for_size_and_the_options_that_fold_it(tmp_path: Path) -> None:
+    source = _save(_float16_weight(), tmp_path / "fp16.onnx")
+    result = invoke("run", source, "-o", tmp_path / "out.onnx")
+    assert result.exit_code == 0, result.stderr
+    line = next(line for line in diagnostics(result) if line.startswith("not folded for size"))
+    assert line == (
+        "not folded for size: 1 constant regions would add 131.07 kB to the file, which never grows by default; "
+        "--const-cache-max-growth-bytes and --const-cache-max-model-growth allow it (at least 131072 and 1.00 "
+        "here), --defer-growth folds them once per process"
+    )
+    # what the hint says works
+    grown = tmp_path / "grown.onnx"
+    folded = invoke(
+        "run", source, "-o", grown, "--const-cache-max-growth-bytes", "131072", "--const-cache-max-model-growth", "1"
+    )
+    assert folded.exit_code == 0 and "not folded for size" not in folded.stderr
+    assert "Cast" not in {n.op_type for n in onnx.load(grown).graph.node}
 
 
 def test_the_hint_names_target_ort_only_where_onnxruntime_fuses_the_op(tmp_path: Path) -> None:

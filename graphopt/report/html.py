@@ -14,7 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.report.console import dims_text, figure, file_bytes, size, totals_line
-from graphopt.report.views import Counted, criterion, fused_ops, near_misses, not_fused, op_rows, rows, verdict
+from graphopt.report.views import (
+    Counted,
+    criterion,
+    fused_ops,
+    kept_small,
+    near_misses,
+    not_fused,
+    op_rows,
+    rows,
+    verdict,
+)
 
 __all__ = ["HTML_MARK", "render_html"]
 
@@ -212,6 +222,9 @@ def _fused(report: Json) -> str:
 
 def _near_misses(report: Json) -> str:
     parts = [f"<p><b>{escape(group.line())}</b></p>" for group in not_fused(report)]
+    unfolded = kept_small(report)
+    if unfolded is not None:
+        parts.append(f"<p><b>{escape(unfolded.line(size))}</b></p>")
     for family, misses in near_misses(report).items():
         body = [[_cell(m.what), _cell(m.reason), _cell(m.sites), _cell(m.where)] for m in misses]
         parts.append(

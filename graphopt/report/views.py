@@ -8,11 +8,14 @@ draw from these, so that they agree with each other and with the JSON.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "KeptSmall",
     "NearMiss",
     "NotFused",
     "Counted",
@@ -20,6 +23,7 @@ __all__ = [
     "Step",
     "criterion",
     "fused_ops",
+    "kept_small",
     "near_misses",
     "not_fused",
     "op_rows",
@@ -309,6 +313,37 @@ def not_fused(report: Json) -> list[NotFused]:
     else:
         also = ""
     return [NotFused(blocked, _opset_hint(blocked, also))]
+
+
+@dataclass(frozen=True)
+class KeptSmall:
+    """The constant regions the last const-cache execution left unfolded because folding them would grow the
+    file (float16 weights cast to float32, a tied weight's transposed copy), and the options that take them."""
+
+    regions: int
+    net_bytes: int  # what folding them all would add
+    largest: int  # the largest one's net growth
+    fraction: float  # net_bytes over the stored weights before the run
+
+    def line(self, size: Callable[[int], str]) -> str:
+        return (
+            f"not folded for size: {self.regions} constant regions would add {size(self.net_bytes)} to the file, "
+            "which never grows by default; --const-cache-max-growth-bytes and --const-cache-max-model-growth allow "
+            f"it (at least {self.largest} and {self.fraction:.2f} here), --defer-growth folds them once per process"
+        )
+
+
+def kept_small(report: Json) -> KeptSmall | None:
+    """The growth refusals of the last const-cache execution (None: there were none)."""
+    runs = [run["details"] for run in report["passes"] if run["pass"] == "const-cache" and "error" not in run]
+    refused = [r for r in (runs[-1].get("refused", []) if runs else []) if r.get("net_bytes", 0) > 0]
+    grown = [r for r in refused if r.get("reason", "").startswith("net growth")]
+    if not grown:
+        return None
+    total = sum(r["net_bytes"] for r in grown)
+    stored = max(report["summary"]["before"]["initializer_bytes"], 1)
+    fraction = math.ceil(100 * total / stored) / 100
+    return KeptSmall(len(grown), total, max(r["net_bytes"] for r in grown), fraction)
 
 
 def _opset_hint(blocked: dict[str, tuple[int, int]], also: str) -> str:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -45,9 +45,6 @@ from graphopt.ir import Graph, Model, Node, Value, tensor_dtype, tensor_shape
 from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.rewrite import replace_value
 from graphopt.passes.base import PassContext
-
-if TYPE_CHECKING:
-    from graphopt.passes.rewrite.engine import Site
 
 __all__ = ["SMALL_CONSTANT", "hidden", "may_dequantize_to_nan", "quantized"]
 
@@ -59,18 +56,28 @@ SMALL_CONSTANT = 1 << 16
 _STANDING_IN = "qdq-standing-in"
 
 
+class RuleSite(Protocol):
+    """Where a rule reads a value (the engine's Site, which imports this module)."""
+
+    @property
+    def model(self) -> Model: ...
+
+    @property
+    def ctx(self) -> PassContext: ...
+
+
 def _standing_in(model: Model, ctx: PassContext) -> dict[int, Node]:
     return ctx.state(model, _STANDING_IN, dict)
 
 
-def quantized(value: Value, site: Site) -> bool:
+def quantized(value: Value, site: RuleSite) -> bool:
     """Whether ``value`` stands in for a dequantized value while the pairs are hidden. A rule that reads
     through its producer instead of reading it (a mask's ``Where(cond, 0, -inf)`` read as ``cond``) skips
     that quantization: the fused op would no longer read the dequantized value, the pair would go unread."""
     return id(value) in _standing_in(site.model, site.ctx)
 
 
-def may_dequantize_to_nan(value: Value, site: Site) -> bool:
+def may_dequantize_to_nan(value: Value, site: RuleSite) -> bool:
     """Whether ``value`` stands in for a DequantizeLinear whose scale is not provably finite: a grid
     calibrated on -inf (a mask's fill) has an infinite scale, and its zero step dequantizes to NaN."""
     dequantize = _standing_in(site.model, site.ctx).get(id(value))

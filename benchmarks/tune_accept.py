@@ -71,7 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of interleaved timing per model")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one tool may take on one model")
     ap.add_argument(
-        "--flag", action="append", default=[], help="a graphopt option for both runs, e.g. a growth knob (repeatable)"
+        "--flag",
+        action="append",
+        default=[],
+        help="a graphopt option for both runs, in the --flag=--opt form (repeatable): --flag=--defer-growth",
     )
     ap.add_argument("--deadline", default="", help="HH:MM UTC: start no model after it")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/graphopt-tune-accept"))
@@ -126,7 +129,7 @@ def loads(path: Path, level: str) -> str | None:
 def measure_model(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     name = src.stem
     folder = args.work_dir / name
-    entry: dict[str, Any] = {"model": name, "level": args.level, "load_before": os.getloadavg()[0]}
+    entry: dict[str, Any] = {"model": name, "level": args.level, "flags": args.flag, "load_before": os.getloadavg()[0]}
     outputs: dict[str, Path] = {}
     for target in [t for t in args.targets.split(",") if t]:
         options = TARGETS[target] + args.flag

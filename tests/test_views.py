@@ -143,10 +143,13 @@ def test_the_run_says_what_it_left_unfolded_for_size_and_the_options_that_fold_i
     assert result.exit_code == 0, result.stderr
     line = next(line for line in diagnostics(result) if line.startswith("not folded for size"))
     assert line == (
-        "not folded for size: 1 constant regions would add 131.07 kB to the file, which never grows by default; "
-        "--const-cache-max-growth-bytes and --const-cache-max-model-growth allow it (at least 131072 and 1.00 "
-        "here), --defer-growth folds them once per process"
+        "not folded for size: 1 constant region would grow the file by up to 131.07 kB, past the growth limits "
+        "(--const-cache-max-growth-bytes, 65.54 kB a region by default; --const-cache-max-model-growth, 10% of the "
+        "model); --defer-growth folds them once per process instead"
     )
+    summary = tmp_path / "summary.md"
+    assert invoke("run", source, "-o", tmp_path / "again.onnx", "--markdown", summary).exit_code == 0
+    assert f"**{line}**" in summary.read_text()
     # what the hint says works
     grown = tmp_path / "grown.onnx"
     folded = invoke(

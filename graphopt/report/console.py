@@ -73,8 +73,8 @@ def naming(path: str, message: str) -> str:
 
 def render_report(console: Console, report: dict[str, Any]) -> None:
     """A model's run: the pass table (idle steps in one row, counts chained), then the totals,
-    the op histogram before -> after, what was not fused for the opset alone, the file sizes,
-    the numerics and the output written."""
+    the op histogram before -> after, what was not fused for the opset alone and what was not
+    folded for size, the file sizes, the numerics and the output written."""
     table = Table(title=escape(one_line(f"graphopt {report['input']['path']}")), title_justify="left")
     for column in ("pass", "nodes", "initializers", "time", "outcome"):
         table.add_column(column, justify="right" if column in ("nodes", "initializers", "time") else "left")

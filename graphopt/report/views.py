@@ -8,7 +8,6 @@ draw from these, so that they agree with each other and with the JSON.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -318,32 +317,31 @@ def not_fused(report: Json) -> list[NotFused]:
 @dataclass(frozen=True)
 class KeptSmall:
     """The constant regions the last const-cache execution left unfolded because folding them would grow the
-    file (float16 weights cast to float32, a tied weight's transposed copy), and the options that take them."""
+    file past its limits (float16 weights cast to float32, a tied weight's transposed copy), and the options
+    that raise them."""
 
     regions: int
-    net_bytes: int  # what folding them all would add
-    largest: int  # the largest one's net growth
-    fraction: float  # net_bytes over the stored weights before the run
+    net_bytes: int  # the most folding them would add (a region whose prefix folded counts whole)
 
     def line(self, size: Callable[[int], str]) -> str:
+        from graphopt.passes.constcache.pass_ import ConstCacheOptions
+
+        defaults = ConstCacheOptions()
+        regions = "1 constant region" if self.regions == 1 else f"{self.regions} constant regions"
         return (
-            f"not folded for size: {self.regions} constant regions would add {size(self.net_bytes)} to the file, "
-            "which never grows by default; --const-cache-max-growth-bytes and --const-cache-max-model-growth allow "
-            f"it (at least {self.largest} and {self.fraction:.2f} here), --defer-growth folds them once per process"
+            f"not folded for size: {regions} would grow the file by up to {size(self.net_bytes)}, past the growth "
+            f"limits (--const-cache-max-growth-bytes, {size(defaults.max_growth_bytes)} a region by default; "
+            f"--const-cache-max-model-growth, {defaults.max_model_growth:.0%} of the model); --defer-growth folds "
+            "them once per process instead"
         )
 
 
 def kept_small(report: Json) -> KeptSmall | None:
-    """The growth refusals of the last const-cache execution (None: there were none)."""
+    """The growth refusals of the last const-cache execution, which saw what the run's growth budget left
+    (None: there were none)."""
     runs = [run["details"] for run in report["passes"] if run["pass"] == "const-cache" and "error" not in run]
-    refused = [r for r in (runs[-1].get("refused", []) if runs else []) if r.get("net_bytes", 0) > 0]
-    grown = [r for r in refused if r.get("reason", "").startswith("net growth")]
-    if not grown:
-        return None
-    total = sum(r["net_bytes"] for r in grown)
-    stored = max(report["summary"]["before"]["initializer_bytes"], 1)
-    fraction = math.ceil(100 * total / stored) / 100
-    return KeptSmall(len(grown), total, max(r["net_bytes"] for r in grown), fraction)
+    grown = [r for r in (runs[-1].get("refused", []) if runs else []) if r.get("reason", "").startswith("net growth")]
+    return KeptSmall(len(grown), sum(r["net_bytes"] for r in grown)) if grown else None
 
 
 def _opset_hint(blocked: dict[str, tuple[int, int]], also: str) -> str:

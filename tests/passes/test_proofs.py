@@ -309,3 +309,35 @@ def _merge_back(target: Sequence[int] | str, x: Sequence[int | str | None] = ("b
 )
 def test_a_reshape_back_to_its_source_shape(target: list[int] | str, x: tuple, back: bool) -> None:
     assert _merge_back(target, x) is back
+
+
+# -- projections ----------------------------------------------------------------------------------------------
+
+
+def _projection(x: Sequence[int | str], bias: Sequence[int]) -> Graph:
+    """MatMul(x, W) + bias with a constant 8 x 4 W."""
+    return Graph(
+        model(
+            [node("MatMul", ["x", "w"], "product"), node("Add", ["product", "bias"], "total")],
+            [info("x", list(x))],
+            ["total"],
+            [init("w", np.ones((8, 4), np.float32)), init("bias", np.ones(bias, np.float32))],
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("x", "bias", "gemm"),
+    [
+        (("b", 3, 8), (4,), True),  # one dynamic dim: the Reshape back takes -1 there
+        ((2, 3, 8), (1, 1, 4), True),  # a bias of higher rank read as its vector
+        (("b", "s", 8), (4,), False),  # two dynamic dims: no constant target for the Reshape back
+        (("b", 3, 8), (3, 4), False),  # a bias over more than the last axis
+        ((3, 8), (4,), False),  # 2-D: matmul-add-gemm's, not the projection's
+    ],
+)
+def test_a_projection_is_written_as_one_gemm_where_its_shape_allows(
+    x: tuple[int | str, ...], bias: tuple[int, ...], gemm: bool
+) -> None:
+    g = _projection(x, bias)
+    assert proofs.projected_as_gemm(g["total"], g.site) is gemm

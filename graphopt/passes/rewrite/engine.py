@@ -397,11 +397,15 @@ def _outside_readers(m: Match) -> str | None:
 def _quantized_export(m: Match) -> str | None:
     """Why an exported entry cannot be read through its Q/DQ pair: the readers outside would still read
     it quantized (the pair stays for them), the fused op would compute on it unquantized (a residual sum
-    whose quantization saturates reaches the outside readers clipped and the fused norm whole)."""
+    whose quantization saturates reaches the outside readers clipped and the fused norm whole). The
+    pair's own QuantizeLinear, whose DequantizeLinear only the match read, is no reader outside."""
     inside = {id(n) for n in [*m.nodes, *m.feeders]}
     for name in m.rule.exports:
         value = m.node(name).outputs[0] if name in m else None
-        if value is not None and quantized(value, m.site) and _read_outside(value, inside):
+        if value is None or not quantized(value, m.site):
+            continue
+        outside = [use.node for use in value.uses() if id(use.node) not in inside]
+        if value.is_graph_output or any(not _feeds_only(node, inside, {}) for node in outside):
             return f"{value.name!r} is quantized where the match reads it, and read outside it"
     return None
 

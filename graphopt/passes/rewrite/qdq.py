@@ -46,7 +46,7 @@ from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.rewrite import replace_value
 from graphopt.passes.base import PassContext
 
-__all__ = ["SMALL_CONSTANT", "hidden", "may_dequantize_to_nan", "quantized"]
+__all__ = ["SMALL_CONSTANT", "RuleSite", "hidden", "may_dequantize_to_nan", "quantized"]
 
 # The most elements of a quantized constant read as float while hidden (a norm's weight, a bias).
 SMALL_CONSTANT = 1 << 16

@@ -88,8 +88,7 @@ FLOAT16: dict[str, str | NamesType | None] = {
 QDQ: dict[str, str | NamesType | None] = {
     **dict.fromkeys(BOTH),
     "layout-chain-static": NO_PAIR_INSIDE,
-    "ort-skiprmsnorm-decomposed": "n/a: the QDQ variants quantize the residual sum, which keeps it unfused "
-    "(test_through_qdq.NOT_THROUGH_QDQ)",
+    "ort-skiprmsnorm-decomposed": None,
     "qdq-requantize-same": "n/a: its case is a quantized model already",
     "unsqueeze-unsqueeze": NO_PAIR_INSIDE,
 }

@@ -64,10 +64,6 @@ NOT_THROUGH_QDQ = {
     "ort-rotary-embedding": "as rotary-embedding",
     "attention-kv-cache": "the present outputs are the quantized caches (DQ of the Concats' Q), which an Attention's "
     "float present_key and present_value would not reproduce: the Concats stay",
-    "ort-skiplayernorm": "the residual sum is quantized and read past the norm: fused, the norm would read it "
-    "unquantized while its other readers read it quantized (see test_a_quantized_residual_sum_stays_out_of_the_norm)",
-    "ort-skiprmsnorm": "as ort-skiplayernorm",
-    "ort-skiprmsnorm-decomposed": "as ort-skiplayernorm",
     "groupnorm": "its gamma is a [C, 1, 1] constant, which stays quantized (DQ of rank 3): groupnorm-plain fuses the "
     "normalization and the affine Mul / Add stay",
     "groupnorm-no-bias": "as groupnorm",

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from graphopt.errors import bounded, one_line
 from graphopt.passes.pipeline import DEFAULT_MAX_STEPS
-from graphopt.report.views import kept_small, not_fused, op_rows, rows
+from graphopt.report.views import left_undone, op_rows, rows
 
 __all__ = [
     "dims_text",
@@ -96,11 +96,8 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         f" weights {size(before['initializer_bytes'])} -> {size(after['initializer_bytes'])}"
     )
     render_ops(console, before["ops"], after["ops"])
-    for group in not_fused(report):
-        console.print(escape(group.line()))
-    unfolded = kept_small(report)
-    if unfolded is not None:
-        console.print(escape(unfolded.line(size)))
+    for line in left_undone(report, size):
+        console.print(escape(line))
     for line in guard_lines(report.get("runtime_guard")) + tune_lines(report.get("tune")):
         console.print(escape(one_line(line)))
     files = _file_sizes(report)

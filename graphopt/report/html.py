@@ -18,9 +18,8 @@ from graphopt.report.views import (
     Counted,
     criterion,
     fused_ops,
-    kept_small,
+    left_undone,
     near_misses,
-    not_fused,
     op_rows,
     rows,
     verdict,
@@ -221,10 +220,7 @@ def _fused(report: Json) -> str:
 
 
 def _near_misses(report: Json) -> str:
-    parts = [f"<p><b>{escape(group.line())}</b></p>" for group in not_fused(report)]
-    unfolded = kept_small(report)
-    if unfolded is not None:
-        parts.append(f"<p><b>{escape(unfolded.line(size))}</b></p>")
+    parts = [f"<p><b>{escape(line)}</b></p>" for line in left_undone(report, size)]
     for family, misses in near_misses(report).items():
         body = [[_cell(m.what), _cell(m.reason), _cell(m.sites), _cell(m.where)] for m in misses]
         parts.append(

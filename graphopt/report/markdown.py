@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphopt.report.console import dims_text, figure, file_bytes, size, totals_line
-from graphopt.report.views import criterion, fused_ops, kept_small, near_misses, not_fused, op_rows, rows, verdict
+from graphopt.report.views import criterion, fused_ops, left_undone, near_misses, op_rows, rows, verdict
 
 __all__ = ["MARKDOWN_MARK", "SUMMARY_LIMIT", "render_markdown"]
 
@@ -107,10 +107,7 @@ def _model(report: Json, heading: str) -> str:
 
 
 def _not_fused(report: Json, heading: str) -> list[str]:
-    lines = [f"**{group.line()}**\n" for group in not_fused(report)]
-    unfolded = kept_small(report)
-    if unfolded is not None:
-        lines.append(f"**{unfolded.line(size)}**\n")
+    lines = [f"**{line}**\n" for line in left_undone(report, size)]
     families = near_misses(report)
     if not families and not lines:
         return []

@@ -23,6 +23,7 @@ __all__ = [
     "criterion",
     "fused_ops",
     "kept_small",
+    "left_undone",
     "near_misses",
     "not_fused",
     "op_rows",
@@ -342,6 +343,13 @@ def kept_small(report: Json) -> KeptSmall | None:
     runs = [run["details"] for run in report["passes"] if run["pass"] == "const-cache" and "error" not in run]
     grown = [r for r in (runs[-1].get("refused", []) if runs else []) if r.get("reason", "").startswith("net growth")]
     return KeptSmall(len(grown), sum(r["net_bytes"] for r in grown)) if grown else None
+
+
+def left_undone(report: Json, size: Callable[[int], str]) -> list[str]:
+    """One line per thing the run left undone that an option would do: the ops not fused for the opset alone
+    (:func:`not_fused`), then the constants not folded for size (:func:`kept_small`)."""
+    unfolded = kept_small(report)
+    return [group.line() for group in not_fused(report)] + ([unfolded.line(size)] if unfolded is not None else [])
 
 
 def _opset_hint(blocked: dict[str, tuple[int, int]], also: str) -> str:

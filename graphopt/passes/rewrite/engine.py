@@ -384,13 +384,21 @@ def _outside_readers(m: Match) -> str | None:
     inside = {id(n) for n in m.nodes}
     feeders: dict[int, Node] = {}
     for value in _removed_outputs(m, m.nodes):
-        if value.is_graph_output:
-            return f"{value.name!r} is a graph output"
-        for use in value.uses():
-            if id(use.node) not in inside and not _feeds_only(use.node, inside, feeders):
-                reader = use.node.name or use.node.op_type
-                return f"{value.name!r} is also read by {reader}"
+        reason = _read_beyond(value, inside, feeders)
+        if reason is not None:
+            return reason
     m.feeders = m.root.graph.ordered(feeders.values()) if m.root.graph is not None else list(feeders.values())
+    return None
+
+
+def _read_beyond(value: Value, inside: set[int], feeders: dict[int, Node]) -> str | None:
+    """Why ``value`` is read beyond ``inside``: a graph output, or a reader whose results do not feed only
+    ``inside`` (those that do are collected into ``feeders``); None when nothing else reads it."""
+    if value.is_graph_output:
+        return f"{value.name!r} is a graph output"
+    for use in value.uses():
+        if id(use.node) not in inside and not _feeds_only(use.node, inside, feeders):
+            return f"{value.name!r} is also read by {use.node.name or use.node.op_type}"
     return None
 
 
@@ -402,10 +410,7 @@ def _quantized_export(m: Match) -> str | None:
     inside = {id(n) for n in [*m.nodes, *m.feeders]}
     for name in m.rule.exports:
         value = m.node(name).outputs[0] if name in m else None
-        if value is None or not quantized(value, m.site):
-            continue
-        outside = [use.node for use in value.uses() if id(use.node) not in inside]
-        if value.is_graph_output or any(not _feeds_only(node, inside, {}) for node in outside):
+        if value is not None and quantized(value, m.site) and _read_beyond(value, inside, {}) is not None:
             return f"{value.name!r} is quantized where the match reads it, and read outside it"
     return None
 

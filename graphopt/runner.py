@@ -13,6 +13,7 @@ import errno
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -338,20 +339,39 @@ def _optimize_file(
             return report, result, outcome.status
 
         report, result, status = optimized_and_checked(model)
-        withdrawn = sum(sum(run.details.get("through_qdq", {}).values()) for run in result.pipeline_run.runs)
-        if status == "failed" and withdrawn:
-            # The fusions through Q/DQ compute in float what the original quantized; where the
-            # check refuses that, the model is optimized again keeping every pair, and the output
-            # says so, so that a run on it decides the same (the output stays a fixed point).
-            tell("check failed: optimize again without fusing through Q/DQ")
-            refused = (report.numerics or {}).get("reason")
-            attempt_seconds = report.run.seconds.get("total", 0.0) + report.run.seconds.get("check", 0.0)
-            from graphopt.passes.fuse.fuse_pass import keep_qdq_pairs
+        from graphopt.passes.fuse.fuse_pass import families_fused_through_qdq, keep_qdq_pairs
 
-            reloaded = options.load(source)
-            keep_qdq_pairs(reloaded)
-            report, result, status = optimized_and_checked(reloaded)
-            report.through_qdq = {"withdrawn": withdrawn, "refused": refused, "seconds": round(attempt_seconds, 6)}
+        through: Counter[str] = Counter()
+        for run in result.pipeline_run.runs:
+            through.update(run.details.get("through_qdq", {}))
+        fused = families_fused_through_qdq(through)
+        if status == "failed" and fused:
+            # The fusions through Q/DQ compute in float what the original quantized; where the
+            # check refuses that, the model is optimized again keeping the pairs of one family's
+            # fusions at a time (the family that made fewest first), then of every family's,
+            # until the check passes; the output says so, so that a run on it decides the same
+            # (the output stays a fixed point).
+            refused = (report.numerics or {}).get("reason")
+            attempt_seconds = 0.0
+            fewest_first = sorted(fused, key=lambda f: (fused[f], f)) if len(fused) > 1 else []
+            family: str | None = None  # None: every family's
+            for family in [*fewest_first, None]:
+                attempt_seconds += report.run.seconds.get("total", 0.0) + report.run.seconds.get("check", 0.0)
+                which = "fusing" if family is None else f"the {family} fusions"
+                tell(f"check failed: optimize again without {which} through Q/DQ")
+                reloaded = options.load(source)
+                keep_qdq_pairs(reloaded, None if family is None else [family])
+                report, result, status = optimized_and_checked(reloaded)
+                if status != "failed":
+                    break
+            families = sorted(fused) if family is None else [family]
+            report.through_qdq = {
+                "withdrawn": sum(fused[name] for name in families),
+                "families": families,
+                "every_pair_kept": family is None,
+                "refused": refused,
+                "seconds": round(attempt_seconds, 6),
+            }
         report.input = input_entry.result()
         if status == "failed":
             if options.blame:

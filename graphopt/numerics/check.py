@@ -60,10 +60,12 @@ from graphopt.numerics.budget import confine as limit_memory  # the name ``confi
 from graphopt.numerics.compare import (
     ALLCLOSE,
     FIXED,
+    FLOAT_PROGRAM,
     FLOAT_REFERENCE,
     OWN_ROUNDING,
     Criterion,
     OutputComparison,
+    by_reference,
     compare_output,
     judge_by_reference,
     rejudge,
@@ -125,8 +127,9 @@ class CheckResult:
     seconds: float = 0.0
     # Each binding at which the original did not run: its dims and why (onnxruntime's words).
     attempts: list[dict[str, Any]] = field(default_factory=list)
-    # A passed check's criterion: OWN_ROUNDING when some output needed it, else FIXED (ALLCLOSE
-    # with --atol/--rtol); None when nothing float was judged or the check did not pass.
+    # A passed check's criterion: the last of FLOAT_PROGRAM, FLOAT_REFERENCE and OWN_ROUNDING
+    # some output needed, else FIXED (ALLCLOSE with --atol/--rtol); None when nothing float was
+    # judged or the check did not pass.
     passed_by: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -482,9 +485,8 @@ def check_models(
     del session
     if failure is None and not criterion.elementwise:
         room = max(0, memory_budget - needs.load_bytes)
-        _judge_by_own_rounding(
-            original, ran, done, produced, spec_a, deadline, threads, custom_op_libraries, seed, room, on_phase
-        )
+        models = _Judged(Path(original), Path(optimized), layouts, threads, custom_op_libraries)
+        _judge_by_own_rounding(models, ran, done, produced, spec_a, deadline, seed, room, on_phase)
 
     notes = [f"output {name!r} {_nondeterministic(spec_a, name)}" for name in spec_a.outputs if name in unstable]
     notes += skipped
@@ -638,15 +640,24 @@ def _compare(
     return comparison
 
 
+@dataclass(frozen=True)
+class _Judged:
+    """The two model files a check judges, and how it runs them."""
+
+    original: Path
+    optimized: Path
+    layouts: Mapping[str, tuple[int, ...]]  # the optimized model's inputs in another layout (_relaid)
+    threads: int
+    libraries: Sequence[str | os.PathLike[str]]
+
+
 def _judge_by_own_rounding(
-    original: Path,
+    models: _Judged,
     ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
     done: list[BindingResult],
     produced: list[list[Output]],
     spec: ModelSpec,
     deadline: _Deadline,
-    threads: int,
-    libraries: Sequence[str | os.PathLike[str]],
     seed: int,
     room: int,
     on_phase: Callable[[str], None] | None,
@@ -661,7 +672,7 @@ def _judge_by_own_rounding(
     if not retried:
         return
     precision = lowest(path.precision for path in spec.paths.values()) or "float32"
-    perturbation = Perturbation.of(original, precision, room)
+    perturbation = Perturbation.of(models.original, precision, room)
     draws: dict[int, list[list[Output]]] = {number: [] for number in retried}
     for draw in range(DRAWS):
         if on_phase is not None:
@@ -669,7 +680,7 @@ def _judge_by_own_rounding(
         rng = np.random.default_rng([seed, 34, draw])
         overrides = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in perturbation.draw(rng).items()}
         try:
-            session = _session(original, session_options(threads, libraries, overrides))
+            session = _session(models.original, session_options(models.threads, models.libraries, overrides))
             for number in retried:
                 draws[number].append(deadline.run(session, perturbation.feed(ran[number][1], rng)))
         except (_OrtError, MemoryError):
@@ -683,43 +694,35 @@ def _judge_by_own_rounding(
         for k in outputs:
             noise, usable = self_noise(ran[number][2][k], [runs[k] for runs in draws[number]])
             rejudge(binding.outputs[k], noise, usable)
-    _judge_by_reference(original, ran, done, produced, draws, deadline, threads, libraries, on_phase)
+    _judge_by_reference(models, ran, done, produced, draws, deadline, on_phase)
     for number in retried:
         done[number].passed = all(o.passed is not False for o in done[number].outputs)
 
 
 def _judge_by_reference(
-    original: Path,
+    models: _Judged,
     ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
     done: list[BindingResult],
     produced: list[list[Output]],
     draws: Mapping[int, list[list[Output]]],
     deadline: _Deadline,
-    threads: int,
-    libraries: Sequence[str | os.PathLike[str]],
     on_phase: Callable[[str], None] | None,
 ) -> None:
     """The third criterion (compare.py, reference.py) for the outputs that failed the second:
     the original with its float16 arithmetic and quantization evaluated in float32 runs at their
     bindings, and each such output passes when the optimized model's is no further from it than
-    the original's, or one of the original's draws of its own rounding, is."""
+    the original's, or one of the original's draws of its own rounding, is. Where that does not
+    pass it, the optimized model's own float reference runs too (_float_programs)."""
     failing = {n: [k for k, o in enumerate(done[n].outputs) if second_chance(o)] for n in draws}
     failing = {number: outputs for number, outputs in failing.items() if outputs}
     if not failing:
         return
-    try:
-        reference = float_reference(onnx.load(str(original)))
-    except (MemoryError, DecodeError, ValueError):
-        return  # no reference: the second criterion's verdict stands
-    if reference is None:
-        return
     if on_phase is not None:
         on_phase("check: the original evaluated in float32")
-    try:
-        session = _session(reference.SerializeToString(), session_options(threads, libraries))
-        runs = {number: deadline.run(session, ran[number][1]) for number in failing}
-    except (_OrtError, MemoryError, TimeoutError):
-        return
+    runs = _run_float_reference(models.original, {n: ran[n][1] for n in failing}, models, deadline)
+    if runs is None:
+        return  # no reference: the second criterion's verdict stands
+    judged: dict[tuple[int, int], tuple[float, float, list[float]]] = {}
     for number, outputs in failing.items():
         for k in outputs:
             truth, before, after = runs[number][k], ran[number][2][k], produced[number][k]
@@ -727,12 +730,66 @@ def _judge_by_reference(
                 continue  # a sequence never gets here: the fixed limits judge it element by element
             moved = [draw[k] for draw in draws[number]]
             reruns = [relative_l2(truth, m) for m in moved if isinstance(m, np.ndarray) and m.shape == truth.shape]
-            judge_by_reference(done[number].outputs[k], relative_l2(truth, before), relative_l2(truth, after), reruns)
+            judged[number, k] = relative_l2(truth, before), relative_l2(truth, after), reruns
+    # The outputs the reference alone does not pass: the optimized model's float program may yet.
+    unsettled = {
+        key
+        for key, (original, optimized, reruns) in judged.items()
+        if not by_reference(original, optimized, reruns, done[key[0]].outputs[key[1]].self_noise)
+    }
+    programs = _float_programs(models, ran, runs, unsettled, deadline, on_phase) if unsettled else {}
+    for (number, k), (original, optimized, reruns) in judged.items():
+        judge_by_reference(done[number].outputs[k], original, optimized, reruns, programs.get((number, k)))
+
+
+def _run_float_reference(
+    model: Path, feeds: Mapping[int, Mapping[str, Feed]], models: _Judged, deadline: _Deadline
+) -> dict[int, list[Output]] | None:
+    """``model``'s float reference (reference.py) run on each of ``feeds``; None when it has
+    none or it does not run."""
+    try:
+        reference = float_reference(onnx.load(str(model)))
+    except (MemoryError, DecodeError, ValueError):
+        return None
+    if reference is None:
+        return None
+    try:
+        session = _session(reference.SerializeToString(), session_options(models.threads, models.libraries))
+        return {number: deadline.run(session, feed) for number, feed in feeds.items()}
+    except (_OrtError, MemoryError, TimeoutError):
+        return None
+
+
+def _float_programs(
+    models: _Judged,
+    ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
+    truths: Mapping[int, list[Output]],
+    outputs: set[tuple[int, int]],
+    deadline: _Deadline,
+    on_phase: Callable[[str], None] | None,
+) -> dict[tuple[int, int], OutputComparison]:
+    """For each (binding, output) of ``outputs``: the optimized model's own float reference
+    compared with the original's (``truths``) under the fixed float32 limits; empty when the
+    optimized model has no float reference or it does not run."""
+    if on_phase is not None:
+        on_phase("check: the optimized model evaluated in float32")
+    numbers = {number for number, _ in outputs}
+    runs = _run_float_reference(
+        models.optimized, {n: _relaid(ran[n][1], models.layouts) for n in numbers}, models, deadline
+    )
+    if runs is None:
+        return {}
+    compared: dict[tuple[int, int], OutputComparison] = {}
+    for number, k in outputs:
+        truth, candidate = truths[number][k], runs[number][k]
+        if isinstance(truth, np.ndarray) and isinstance(candidate, np.ndarray):
+            compared[number, k] = compare_output("", truth, candidate, Criterion(), "float32")
+    return compared
 
 
 def _passed_by(done: list[BindingResult]) -> str | None:
     criteria = {output.criterion for binding in done for output in binding.outputs if output.passed}
-    return next((c for c in (FLOAT_REFERENCE, OWN_ROUNDING, FIXED, ALLCLOSE) if c in criteria), None)
+    return next((c for c in (FLOAT_PROGRAM, FLOAT_REFERENCE, OWN_ROUNDING, FIXED, ALLCLOSE) if c in criteria), None)
 
 
 def _generated(

@@ -23,15 +23,20 @@ other respect:
   and by their scores under -65504, as the float16 model runs in onnxruntime. An Attention op
   that weighs them alike, as the export does, is then nearer the reference than the original
   (llama_dynamo_fp16 at padded bindings: 4.2e-4 from it, the original 1.08e-2).
-- an activation's QuantizeLinear -> DequantizeLinear pair (a value computed at run time,
-  quantized and dequantized with the same scale and zero point tensors) becomes the value
-  itself: its rounding goes, and so does its saturation at the calibrated range, except at 0
+- an activation's QuantizeLinear -> DequantizeLinear pair (a value computed at run time from
+  the inputs, quantized and dequantized with the same scale and zero point tensors) becomes
+  the value itself: its rounding goes, and so does its saturation at the calibrated range, except at 0
   where the grid starts at 0 (the zero point its type's smallest integer): that is a Relu
   the quantizer folded into the QuantizeLinear, part of the program (without it, a QDQ block
   was 0.51 from its reference). The rest of the saturation goes: a Clip to the whole grid
   made a worse reference; the fused attention of a QDQ BERT, 0.953 x the original's distance
   to the float32 export, was 1.056 x the original's distance to the clipped reference.
-  Weight DequantizeLinear stays: a quantized weight is part of the program.
+  Weight DequantizeLinear stays: a quantized weight is part of the program. So does the pair
+  of a value computed from constants alone (a Constant node's, a rotary embedding's inverse
+  frequencies): an optimizer folds it into a stored tensor, which would make it a weight, and
+  an optimized model must have the same reference as its original (compare.py, the float
+  program: llama_ts_qdq's fused attention was 2.7e-4 from its original's program, by the
+  rounding of its inverse frequencies alone).
 - dynamic int8: MatMulInteger of a DynamicQuantizeLinear's output and a constant int8 weight,
   read by a Cast to float (``quantize_dynamic``'s pattern, its result then multiplied by both
   scales), becomes MatMul(x / x_scale, weight - weight_zero_point) in float32, which the same
@@ -47,6 +52,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from graphopt.ir.constness import RANDOM_OPS
 from graphopt.ir.node import STANDARD_DOMAINS
 from graphopt.numerics.paths import inline_array
 
@@ -119,6 +125,7 @@ def _widen_inputs(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
 def _unquantized_activations(graph: onnx.GraphProto) -> bool:
     stored = {t.name: t for t in graph.initializer}
     producer = {out: node for node in graph.node for out in node.output}
+    constants = _from_constants(graph)
     changed = False
     for node in graph.node:
         if node.op_type != "DequantizeLinear" or node.domain not in STANDARD_DOMAINS:
@@ -126,7 +133,7 @@ def _unquantized_activations(graph: onnx.GraphProto) -> bool:
         quantize = producer.get(node.input[0])
         if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.domain not in STANDARD_DOMAINS:
             continue
-        if quantize.input[0] in stored or list(quantize.input[1:]) != list(node.input[1:]):
+        if quantize.input[0] in constants or list(quantize.input[1:]) != list(node.input[1:]):
             continue
         if not _same_grid(node, quantize):
             continue
@@ -140,6 +147,17 @@ def _unquantized_activations(graph: onnx.GraphProto) -> bool:
             node.op_type, node.input[:] = "Identity", [quantize.input[0]]
         changed = True
     return changed
+
+
+def _from_constants(graph: onnx.GraphProto) -> set[str]:
+    """The values ``graph`` computes from its stored tensors alone (a stored tensor that is also
+    an input is the caller's; a random op draws anew on every run)."""
+    fed = {value.name for value in graph.input}
+    constants = {t.name for t in graph.initializer if t.name not in fed}
+    for node in graph.node:  # in the order they run
+        if node.op_type not in RANDOM_OPS and all(name in constants for name in node.input if name):
+            constants.update(name for name in node.output if name)
+    return constants
 
 
 def _lowest_is_zero(zero_point: onnx.TensorProto) -> bool:

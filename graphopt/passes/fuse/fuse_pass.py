@@ -6,7 +6,8 @@ add with :func:`add_rule`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,13 +73,40 @@ def select_rules(names_on: Iterable[str], names_off: Iterable[str], target: str)
 
 
 # The output's metadata key saying that the check refused this model's fusions through Q/DQ
-# (runner.py): a run on it keeps every pair, as the run that wrote it did.
+# (runner.py), all of them ("off: ...") or those of some families ("off for norm: ..."): a run
+# on it keeps those pairs, as the run that wrote it did.
 QDQ_PAIRS_KEPT = "graphopt.fuse_through_qdq"
+_OFF, _OFF_FOR = "off", "off for "
 
 
-def keep_qdq_pairs(model: Model) -> None:
-    """Mark ``model`` so that fuse matches nothing through its Q/DQ pairs (the report says why)."""
-    model.metadata_props[QDQ_PAIRS_KEPT] = "off: the check refused it"
+def keep_qdq_pairs(model: Model, families: Iterable[str] | None = None) -> None:
+    """Mark ``model`` so that fuse matches nothing through its Q/DQ pairs, or only the rules of
+    other families than ``families`` do (the report says why)."""
+    if families is None:
+        model.metadata_props[QDQ_PAIRS_KEPT] = f"{_OFF}: the check refused it"
+    else:
+        model.metadata_props[QDQ_PAIRS_KEPT] = f"{_OFF_FOR}{', '.join(sorted(families))}: the check refused them"
+
+
+def _withheld(model: Model) -> frozenset[str] | None:
+    """The families whose rules ``model``'s mark keeps from matching through Q/DQ pairs; None:
+    every family's (keep_qdq_pairs)."""
+    mark = model.metadata_props.get(QDQ_PAIRS_KEPT)
+    if mark is None:
+        return frozenset()
+    if mark.startswith(_OFF_FOR):
+        return frozenset(name.strip() for name in mark[len(_OFF_FOR) :].partition(":")[0].split(","))
+    return None
+
+
+def families_fused_through_qdq(applied: Mapping[str, int]) -> Counter[str]:
+    """The rewrites through Q/DQ pairs per rule family, from a fuse run's ``through_qdq``
+    detail (the rewrites per rule)."""
+    family = {rule.name: rule.family for rule in registered_rules()}
+    found: Counter[str] = Counter()
+    for name, count in applied.items():
+        found[family.get(name, name)] += count
+    return found
 
 
 @dataclass
@@ -117,7 +145,9 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
         fuse = RuleSet(r for r in rules if r.kind == "fuse")
         late = [r for r in rules if r.kind == "late" and options.late]
         stats = RunStats()
-        through_qdq = options.through_qdq and QDQ_PAIRS_KEPT not in model.metadata_props
+        marked = _withheld(model)
+        through_qdq = options.through_qdq and marked is not None
+        withheld = marked or frozenset()
 
         def site_for(graph: Graph) -> Site:
             return Site(model, graph, min(model.opset_in(graph), goal), target, ctx)
@@ -127,7 +157,7 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
         for _ in range(options.max_rounds):
             rounds += 1
             changed = run_round(model, shatter, site_for, stats)
-            changed += run_round(model, fuse, site_for, stats, through_qdq=through_qdq)
+            changed += run_round(model, fuse, site_for, stats, through_qdq=through_qdq, withheld=withheld)
             late_ran = late_ran or not pending
             if changed == 0:
                 if not pending:
@@ -136,7 +166,7 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
                 fuse, pending = fuse + late, False
         if not late_ran:  # no round was left for them: one more, after the others
             rounds += 1
-            run_round(model, RuleSet(late), site_for, stats, through_qdq=through_qdq)
+            run_round(model, RuleSet(late), site_for, stats, through_qdq=through_qdq, withheld=withheld)
         if CONTRIB_DOMAIN not in model.opset_imports and any(n.domain == CONTRIB_DOMAIN for n in model.all_nodes()):
             model.opset_imports[CONTRIB_DOMAIN] = 1
         if goal < model.opset:

@@ -44,7 +44,6 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
@@ -309,10 +308,12 @@ class RuleSet:
     def __len__(self) -> int:
         return len(self.rules)
 
-    @cached_property
-    def through_qdq(self) -> tuple[RuleSet, RuleSet]:
-        """(the rules marked ``through_qdq``, the others), each in priority order."""
-        return RuleSet(r for r in self.rules if r.through_qdq), RuleSet(r for r in self.rules if not r.through_qdq)
+    def through_qdq(self, withheld: frozenset[str] = frozenset()) -> tuple[RuleSet, RuleSet]:
+        """(the rules marked ``through_qdq`` but those of the ``withheld`` families, the others),
+        each in priority order."""
+        through = [r for r in self.rules if r.through_qdq and r.family not in withheld]
+        chosen = {id(r) for r in through}
+        return RuleSet(through), RuleSet(r for r in self.rules if id(r) not in chosen)
 
     def rooted_at(self, op_type: str) -> list[tuple[int, Rule[Any]]]:
         """(priority, rule) for the rules whose pattern may be rooted at ``op_type``."""
@@ -647,15 +648,22 @@ def _read_outside(value: Value, inside: set[int]) -> bool:
 
 
 def run_round(
-    model: Model, rules: RuleSet, site_for: Callable[[Graph], Site], stats: RunStats, *, through_qdq: bool = True
+    model: Model,
+    rules: RuleSet,
+    site_for: Callable[[Graph], Site],
+    stats: RunStats,
+    *,
+    through_qdq: bool = True,
+    withheld: frozenset[str] = frozenset(),
 ) -> int:
     """One round of ``rules`` over every graph of ``model``; the number of rewrites.
 
-    In a graph with Q/DQ pairs the rules marked ``through_qdq`` go first, with the pairs hidden
-    (:mod:`graphopt.passes.rewrite.qdq`), then the others on the graph as it is; elsewhere, or
-    when ``through_qdq`` is off, all together, as one rule set."""
+    In a graph with Q/DQ pairs the rules marked ``through_qdq`` (but those of the ``withheld``
+    families) go first, with the pairs hidden (:mod:`graphopt.passes.rewrite.qdq`), then the
+    others on the graph as it is; elsewhere, or when ``through_qdq`` is off, all together, as
+    one rule set."""
     applied = 0
-    through, others = rules.through_qdq if through_qdq else (RuleSet(), rules)
+    through, others = rules.through_qdq(withheld) if through_qdq else (RuleSet(), rules)
     for graph in list(model.all_graphs()):
         site = site_for(graph)
         remaining = rules

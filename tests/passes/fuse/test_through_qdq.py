@@ -203,20 +203,22 @@ def test_the_cli_fuses_through_qdq_unless_told_not_to(tmp_path: Path, flag: tupl
     assert Counter(n.op_type for n in onnx.load(target).graph.node)["Gelu"] == gelus
 
 
-def _saturating_gelu_qdq() -> onnx.ModelProto:
-    """The QDQ GELU with its interior grids 50 times too narrow: the original clips what the fused Gelu computes
-    in float, far beyond its own rounding."""
+def _clipping_gelu_qdq() -> onnx.ModelProto:
+    """The QDQ GELU with its Erf's grid starting at 0: the original clips the negative half of the Erf, a Relu the
+    fused Gelu would drop. The two are other programs in float (the check's float reference keeps such a Relu)."""
     proto = _gelu_qdq()
-    interior = {n.input[1] for op_type in ("Erf", "Add") for n in _inner_pair(proto, op_type)}
+    _, dequantize = _inner_pair(proto, "Erf")
     for tensor in proto.graph.initializer:
-        if tensor.name in interior:
-            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) / 50, tensor.name))
+        if tensor.name == dequantize.input[2]:
+            lowest = numpy_helper.to_array(tensor)
+            lowest = np.full_like(lowest, np.iinfo(lowest.dtype).min)
+            tensor.CopyFrom(numpy_helper.from_array(lowest, tensor.name))
     return proto
 
 
 def test_fusions_through_qdq_the_check_refuses_are_withdrawn_and_every_pair_kept(tmp_path: Path) -> None:
     source, target, report = tmp_path / "gelu_qdq.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
-    onnx.save(_saturating_gelu_qdq(), source)
+    onnx.save(_clipping_gelu_qdq(), source)
     result = invoke("run", source, "-o", target, "--target-opset", "20", "--report", report)
     assert result.exit_code == 0, result.output
     assert "through Q/DQ: 1 fusions withdrawn, every Q/DQ pair kept: the check refused them" in result.output
@@ -236,6 +238,45 @@ def test_fusions_through_qdq_the_check_refuses_are_withdrawn_and_every_pair_kept
     assert Counter(n.op_type for n in onnx.load(tmp_path / "again.onnx").graph.node) == ops  # a fixed point
     fused = invoke("run", source, "-o", tmp_path / "fused.onnx", "--target-opset", "20", "--no-check")
     assert fused.exit_code == 0 and "withdrawn" not in fused.output  # unchecked, nothing refuses the fusion
+
+
+def _clipping_gelu_beside_a_layernorm() -> onnx.ModelProto:
+    """Two quantized blocks side by side, each with its own input and output: the clipping GELU (the check
+    refuses its fusion through Q/DQ) and a LayerNorm (the check passes its own)."""
+    case = test_norm.CASES["layernorm"]
+    norm = case.build()
+    norm = onnx.compose.add_prefix(quantized(norm, draws(case, norm)), "norm_")
+    gelu = onnx.compose.add_prefix(_clipping_gelu_qdq(), "gelu_")
+    graph = helper.make_graph(
+        [*gelu.graph.node, *norm.graph.node],
+        "two_blocks",
+        [*gelu.graph.input, *norm.graph.input],
+        [*gelu.graph.output, *norm.graph.output],
+        [*gelu.graph.initializer, *norm.graph.initializer],
+    )
+    opset = min(o.version for o in [*gelu.opset_import, *norm.opset_import] if o.domain in ("", "ai.onnx"))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_only_the_family_the_check_refuses_keeps_its_pairs(tmp_path: Path) -> None:
+    source, target, report = tmp_path / "two.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
+    onnx.save(_clipping_gelu_beside_a_layernorm(), source)
+    result = invoke("run", source, "-o", target, "--target-opset", "20", "--report", report)
+    assert result.exit_code == 0, result.output
+    assert "check failed: optimize again without the activation fusions through Q/DQ" in result.output
+    assert "through Q/DQ: 1 fusions withdrawn, the activation fusions' Q/DQ pairs kept, the other families' fused" in (
+        result.output
+    )
+    found = json.loads(report.read_text())
+    assert found["numerics"]["status"] == "passed"
+    assert found["through_qdq"]["families"] == ["activation"] and found["through_qdq"]["every_pair_kept"] is False
+    ops = Counter(n.op_type for n in onnx.load(target).graph.node)
+    assert (ops["Gelu"], ops["LayerNormalization"]) == (0, 1)
+    metadata = {p.key: p.value for p in onnx.load(target).metadata_props}
+    assert metadata["graphopt.fuse_through_qdq"] == "off for activation: the check refused them"
+    again = invoke("run", target, "-o", tmp_path / "again.onnx", "--target-opset", "20", "--no-check")
+    assert again.exit_code == 0
+    assert Counter(n.op_type for n in onnx.load(tmp_path / "again.onnx").graph.node) == ops  # a fixed point
 
 
 def _masked_attention(fill: float) -> onnx.ModelProto:

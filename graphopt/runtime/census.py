@@ -130,8 +130,20 @@ class Loss:
     at: str
 
     def describe(self) -> str:
+        if self.kind == UNLOADED:
+            return self.at
         change = "adds" if self.after > self.before else "no longer forms"  # a kind worse the more of it
         return f"onnxruntime {change} {self.kind} at {self.at} ({self.before} -> {self.after})"
+
+    @classmethod
+    def unloaded(cls, reason: str) -> Loss:
+        """The loss of the session itself: onnxruntime refuses the output at ORT_ENABLE_ALL,
+        where it loads the original (``reason``: why, a sentence)."""
+        return cls(UNLOADED, 1, 0, reason)
+
+
+# The kind of a Loss.unloaded: not a kernel, the whole session.
+UNLOADED = "session"
 
 
 def census_of_file(path: str | os.PathLike[str], names: Collection[str] | None = None) -> Census:

@@ -41,7 +41,7 @@ from graphopt.ir.clone import Snapshot
 from graphopt.ir.stats import model_stats
 from graphopt.passes.base import Pass
 from graphopt.passes.pipeline import Group, PassRun, Pipeline, PipelineRun, Step, default_pipeline
-from graphopt.runtime.census import Census, Loss, census_of_file, losses
+from graphopt.runtime.census import UNLOADED, Census, Loss, census_of_file, losses
 
 if TYPE_CHECKING:
     from graphopt.numerics.isolated import Isolated
@@ -155,8 +155,10 @@ class GuardOutcome:
 
     def messages(self) -> list[str]:
         """One line per rewrite undone and per loss kept, for the console and the log."""
-        lines = [f"ort fusion kept: {u.describe()} was undone because {loss.describe()}" for u, loss in self.undone]
-        return lines + [f"ort fusion lost: {loss.describe()}; {self._why_lost(loss)}" for loss in self.lost]
+        lines = [
+            f"ort {_what(loss)} kept: {u.describe()} was undone because {loss.describe()}" for u, loss in self.undone
+        ]
+        return lines + [f"ort {_what(loss)} lost: {loss.describe()}; {self._why_lost(loss)}" for loss in self.lost]
 
     def _why_lost(self, loss: Loss) -> str:
         costing = [(u, trade) for u, kind, trade in self.spared if kind == loss.kind]
@@ -184,6 +186,10 @@ class GuardOutcome:
         found["reruns"] = self.reruns
         found["seconds"] = round(self.seconds, 6)
         return found
+
+
+def _what(loss: Loss) -> str:
+    return "session" if loss.kind == UNLOADED else "fusion"
 
 
 Rerun = Callable[[Pipeline, Model], PipelineRun]
@@ -228,14 +234,20 @@ class RuntimeGuard:
         outcome = GuardOutcome("kept", pipeline, run)
         output: Model | tuple[Path, set[str]] = (output_file, _value_names(model)) if output_file else model
         before, after = self._first_censuses(model, output)
-        if isinstance(before, str) or isinstance(after, str):
-            which, reason = ("the original", before) if isinstance(before, str) else ("the output", after)
-            outcome.status, outcome.reason = "not taken", f"{which}: {reason}"
+        if isinstance(before, str):
+            outcome.status, outcome.reason = "not taken", f"the original: {before}"
             outcome.seconds = time.perf_counter() - start + self._started_seconds
             return outcome
-        outcome.census = {"original": before.counts(), "output": after.counts()}
+        # An output onnxruntime cannot load where it loads the original has lost the session
+        # itself (an onnxruntime bug it trips, as a Q/DQ pair it propagates at opset 21 and up):
+        # the rewrite that made it so is searched for and undone like a lost fusion.
+        if isinstance(after, str):
+            outcome.census = {"original": before.counts(), "output": {}}
+            current = Trial(model, run, None, [Loss.unloaded(after)])
+        else:
+            outcome.census = {"original": before.counts(), "output": after.counts()}
+            current = Trial(model, run, after, losses(before, after))
         search = _Search(self.original, pipeline, rerun, before)
-        current = Trial(model, run, after, losses(before, after))
         unexplained: set[str] = set()
         spared: set[Undoable] = set()
         for _ in range(2 * MAX_UNDONE):
@@ -332,7 +344,11 @@ class _Search:
             else:
                 (census,) = _censuses([model])
             # A rerun's output onnxruntime cannot load is no way out either: it counts as losing all.
-            lost = losses(self.before, census if not isinstance(census, str) else Census())
+            lost = (
+                [Loss.unloaded(census), *losses(self.before, Census())]
+                if isinstance(census, str)
+                else losses(self.before, census)
+            )
             found = self.trials[key] = Trial(model, run, None if isinstance(census, str) else census, lost)
         return found
 

@@ -216,26 +216,35 @@ def _clipping_gelu_qdq() -> onnx.ModelProto:
     return proto
 
 
-def test_fusions_through_qdq_the_check_refuses_are_withdrawn_and_every_pair_kept(tmp_path: Path) -> None:
-    source, target, report = tmp_path / "gelu_qdq.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
-    onnx.save(_clipping_gelu_qdq(), source)
+def _run_with_the_check(model: onnx.ModelProto, tmp_path: Path) -> tuple[str, dict, Counter[str], str | None]:
+    """graphopt's run on ``model`` at opset 20 with the check: its console, its report, its output's ops and the
+    mark the output carries (metadata graphopt.fuse_through_qdq), the output checked to be a fixed point (a run on
+    it changes nothing)."""
+    source, target, report = tmp_path / "model.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
+    onnx.save(model, source)
     result = invoke("run", source, "-o", target, "--target-opset", "20", "--report", report)
     assert result.exit_code == 0, result.output
-    assert "through Q/DQ: 1 fusions withdrawn, every Q/DQ pair kept: the check refused them" in result.output
-    found = json.loads(report.read_text())
-    assert found["through_qdq"]["withdrawn"] == 1 and found["numerics"]["status"] == "passed"
     ops = Counter(n.op_type for n in onnx.load(target).graph.node)
-    original = Counter(n.op_type for n in onnx.load(source).graph.node)
+    again = invoke("run", target, "-o", tmp_path / "again.onnx", "--target-opset", "20", "--no-check")
+    assert again.exit_code == 0
+    assert Counter(n.op_type for n in onnx.load(tmp_path / "again.onnx").graph.node) == ops
+    found = json.loads(report.read_text())
+    assert found["numerics"]["status"] == "passed"
+    metadata = {p.key: p.value for p in onnx.load(target).metadata_props}
+    return result.output, found, ops, metadata.get("graphopt.fuse_through_qdq")
+
+
+def test_fusions_through_qdq_the_check_refuses_are_withdrawn_and_every_pair_kept(tmp_path: Path) -> None:
+    output, found, ops, mark = _run_with_the_check(_clipping_gelu_qdq(), tmp_path)
+    assert "through Q/DQ: 1 fusions withdrawn, every Q/DQ pair kept: the check refused them" in output
+    assert found["through_qdq"]["withdrawn"] == 1 and mark == "off: the check refused it"
+    original = Counter(n.op_type for n in _clipping_gelu_qdq().graph.node)
     assert ops["Gelu"] == 0
     assert (ops["QuantizeLinear"], ops["DequantizeLinear"]) == (
         original["QuantizeLinear"],
         original["DequantizeLinear"],
     )
-    metadata = {p.key: p.value for p in onnx.load(target).metadata_props}
-    assert metadata["graphopt.fuse_through_qdq"] == "off: the check refused it"
-    again = invoke("run", target, "-o", tmp_path / "again.onnx", "--target-opset", "20", "--no-check")
-    assert again.exit_code == 0
-    assert Counter(n.op_type for n in onnx.load(tmp_path / "again.onnx").graph.node) == ops  # a fixed point
+    source = tmp_path / "model.onnx"
     fused = invoke("run", source, "-o", tmp_path / "fused.onnx", "--target-opset", "20", "--no-check")
     assert fused.exit_code == 0 and "withdrawn" not in fused.output  # unchecked, nothing refuses the fusion
 
@@ -259,24 +268,14 @@ def _clipping_gelu_beside_a_layernorm() -> onnx.ModelProto:
 
 
 def test_only_the_family_the_check_refuses_keeps_its_pairs(tmp_path: Path) -> None:
-    source, target, report = tmp_path / "two.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
-    onnx.save(_clipping_gelu_beside_a_layernorm(), source)
-    result = invoke("run", source, "-o", target, "--target-opset", "20", "--report", report)
-    assert result.exit_code == 0, result.output
-    assert "check failed: optimize again without the activation fusions through Q/DQ" in result.output
+    output, found, ops, mark = _run_with_the_check(_clipping_gelu_beside_a_layernorm(), tmp_path)
+    assert "check failed: optimize again without the activation fusions through Q/DQ" in output
     assert "through Q/DQ: 1 fusions withdrawn, the activation fusions' Q/DQ pairs kept, the other families' fused" in (
-        result.output
+        output
     )
-    found = json.loads(report.read_text())
-    assert found["numerics"]["status"] == "passed"
     assert found["through_qdq"]["families"] == ["activation"] and found["through_qdq"]["every_pair_kept"] is False
-    ops = Counter(n.op_type for n in onnx.load(target).graph.node)
+    assert mark == "off for activation: the check refused them"
     assert (ops["Gelu"], ops["LayerNormalization"]) == (0, 1)
-    metadata = {p.key: p.value for p in onnx.load(target).metadata_props}
-    assert metadata["graphopt.fuse_through_qdq"] == "off for activation: the check refused them"
-    again = invoke("run", target, "-o", tmp_path / "again.onnx", "--target-opset", "20", "--no-check")
-    assert again.exit_code == 0
-    assert Counter(n.op_type for n in onnx.load(tmp_path / "again.onnx").graph.node) == ops  # a fixed point
 
 
 def _masked_attention(fill: float) -> onnx.ModelProto:

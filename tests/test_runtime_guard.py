@@ -352,6 +352,16 @@ def test_a_rewrite_whose_output_onnxruntime_cannot_load_is_undone(tmp_path: Path
     jsonschema.validate(_report(report), schema("report"))
 
 
+def test_a_rotary_embedding_takes_the_qlinear_add_it_replaces() -> None:
+    # The TorchScript QDQ Llama at --target ort: each RotaryEmbedding written through Q/DQ takes an
+    # Add onnxruntime ran as a QLinearAdd (21 -> 13 with 8 rotaries); counted lost, the guard undid
+    # cse and dce, which left dead nodes for onnxruntime to fuse (908 nodes where 796 run).
+    original = Census({"QLinear": ["a", "b", "c"]})
+    assert census_module.losses(original, Census({"QLinear": ["a"], "RotaryEmbedding": ["b", "c"]})) == []
+    (lost,) = census_module.losses(original, Census({"QLinear": ["a"], "RotaryEmbedding": ["b"]}))
+    assert (lost.kind, lost.before, lost.after) == ("QLinear", 3, 1)
+
+
 def test_a_failed_check_writes_nothing_with_the_guard_on(tmp_path: Path) -> None:
     """The guard keeps a rewrite that costs no fusion, here a wrong one: the check still fails
     the run, and neither the model nor the census's files are left behind."""

@@ -134,8 +134,9 @@ REFERENCE_CEILING = 0.1
 # self-noise (a saturating original is far from the reference and barely moved by its rounding).
 REFERENCE_NOISE_FACTOR = 15.0
 FIXED, OWN_ROUNDING, FLOAT_REFERENCE, ALLCLOSE = "fixed tolerance", "own rounding", "float reference", "allclose"
-# The third criterion where the original is no approximation of its reference but the optimized
-# model is the same program in float.
+# The third criterion where the distance alone does not pass an output (the original is no
+# approximation of its reference, or the output lands further from it) but the optimized model is
+# the original's program in float.
 FLOAT_PROGRAM = "float program"
 
 
@@ -163,8 +164,8 @@ class OutputComparison:
     reference_original: float | None = None
     reference_optimized: float | None = None
     reference_bound: float | None = None
-    # Where the original is no approximation of its reference: the relative L2 distance between
-    # the optimized model's own float reference and the original's (None: not measured).
+    # Where the distance to the reference alone did not pass the output: the relative L2 distance
+    # between the optimized model's own float reference and the original's (None: not measured).
     reference_program: float | None = None
 
 

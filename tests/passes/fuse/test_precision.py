@@ -89,6 +89,7 @@ QDQ: dict[str, str | NamesType | None] = {
     **dict.fromkeys(BOTH),
     "layout-chain-static": NO_PAIR_INSIDE,
     "ort-skiprmsnorm-decomposed": None,
+    "qdq-dequantize-after-move": "n/a: its case is a quantized model already",
     "qdq-requantize-same": "n/a: its case is a quantized model already",
     "unsqueeze-unsqueeze": NO_PAIR_INSIDE,
 }

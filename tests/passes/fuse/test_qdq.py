@@ -14,6 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from graphopt.runtime.census import census_of_file
 from tests.cli_helpers import invoke
 from tests.numerics import run_ort
 from tests.passes.fuse.table import F16, LATE, Case, Perturb, set_const, table_tests, weights
@@ -78,6 +79,28 @@ def _joined() -> onnx.ModelProto:
     return proto
 
 
+def _transposed_for_attention() -> onnx.ModelProto:
+    """What a fusion through Q/DQ leaves (attention-4d on gpt2_ts_qdq): K quantized to int8, dequantized, then
+    transposed into the Attention op's [batch, heads, sequence, head] layout."""
+    nodes = [
+        node("QuantizeLinear", ["k", "a_s", "a_z"], "kq"),
+        node("DequantizeLinear", ["kq", "a_s", "a_z"], "d"),
+        node("Transpose", ["d"], "m", perm=[0, 2, 1, 3]),
+        node("Attention", ["q", "m", "v"], "y"),
+    ]
+    inputs = [info("q", [1, 2, 4, 8]), info("k", [1, 4, 2, 8]), info("v", [1, 2, 4, 8])]
+    return model(nodes, inputs, ["y"], _params("a", zero=0, dtype=np.int8), opset=23)
+
+
+def _read_by_an_add(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """The transposed K read by an Add, which onnxruntime runs as an integer kernel from its DequantizeLinear."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    attention = out.graph.node[-1]
+    attention.CopyFrom(node("Add", ["m", "v"], "y"))
+    return out
+
+
 NO_SHAPE = "n/a: a per-tensor quantization needs no shape"
 WRONG_SCALE = Perturb(set_const("b_s", SCALE * 1.01), "the scales differ", note="the QuantizeLinear's scale")
 
@@ -104,6 +127,16 @@ CASES: dict[str, Case] = {
         unprovable=NO_SHAPE + " (per axis: test_a_per_axis_quantization_...)",
     ),
     "qdq-concat-integers": _case(_joined, {"QuantizeLinear": 2, "DequantizeLinear": 2, "Neg": 1, "Concat": 1}, "m"),
+    "qdq-dequantize-after-move": _case(
+        _transposed_for_attention,
+        {"QuantizeLinear": 1, "DequantizeLinear": 1, "Transpose": 1, "Attention": 1},
+        "n/a: one node (the DequantizeLinear stays while something else reads it)",
+        wrong_attr=Perturb(
+            _read_by_an_add,
+            "the move is not read by fused float ops alone",
+            note="the move's reader an Add, which onnxruntime runs as an integer kernel",
+        ),
+    ),
     "qdq-requantize-same": _case(
         _requantized,
         {"QuantizeLinear": 1, "DequantizeLinear": 1},
@@ -116,6 +149,7 @@ CASES: dict[str, Case] = {
 
 EXPORTED: dict[str, Any] = {
     "qdq-concat-integers": "no exporter fixture is quantized (quantize_static writes the Q/DQ after export)",
+    "qdq-dequantize-after-move": "no exporter fixture is quantized (quantize_static writes the Q/DQ after export)",
     "qdq-move-integers": "no exporter fixture is quantized (quantize_static writes the Q/DQ after export)",
     "qdq-requantize-same": "no exporter fixture is quantized (quantize_static writes the Q/DQ after export)",
 }
@@ -347,3 +381,21 @@ def test_int8_stays_between_its_quantize_and_dequantize() -> None:
         assert any("adjacent Q -> DQ pairs" in m for m in details["near_misses"]["qdq"]), details
     expected = {"QuantizeLinear": 1, "DequantizeLinear": 1}
     fires(_in_int8(_requantized()), "qdq-requantize-same", expected, passes=PASSES, **LATE)
+
+
+def test_a_transposed_dequantized_k_loads_in_onnxruntime_at_its_full_level(tmp_path: Path) -> None:
+    # onnxruntime 1.32 propagates the DequantizeLinear over the Transpose with a QuantizeLinear whose output_dtype
+    # contradicts its zero point at opset 21 and up: the original does not load at ORT_ENABLE_ALL, the output does.
+    source, target = tmp_path / "k.onnx", tmp_path / "out.onnx"
+    onnx.save(_transposed_for_attention(), source)
+    with pytest.raises(Exception, match="output_dtype INT8 does not match y_zero_point type UINT8"):
+        census_of_file(source)
+    result = invoke("run", source, "-o", target)
+    assert result.exit_code == 0, result.output
+    assert [n.op_type for n in onnx.load(target).graph.node] == [
+        "QuantizeLinear",
+        "Transpose",
+        "DequantizeLinear",
+        "Attention",
+    ]
+    census_of_file(target)

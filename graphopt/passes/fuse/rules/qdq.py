@@ -23,6 +23,14 @@ integer type holds it (no saturation). So:
   dequantized with the Q's parameters (a rotary's halves, a KV cache and its new step).
 - ``Q(DQ(q, s, z), s, z) -> q``: a requantization to the same parameters is the identity
   (also for 4-bit integers).
+- ``Move(DQ(q, s, z)) -> DQ(Move(q), s, z)`` where only fused float ops (Attention,
+  MultiHeadAttention, GroupQueryAttention, RotaryEmbedding, written by a fusion through Q/DQ)
+  or further moves (and Expand) read the move: exact, for any 8- or 16-bit integer (int8 too:
+  no integer kernel follows, so no Q -> DQ adjacency is lost). A fusion leaves such a move
+  (attention's K^T, a rotary's halves of its cos cache), and onnxruntime's Q/DQ propagation
+  then inserts a QuantizeLinear after it whose output_dtype contradicts its zero point at opset
+  21 and up (onnxruntime 1.32): the session fails (gpt2_ts_qdq and llama_ts_qdq at
+  ``--target-opset 23``). With the DQ after the move, the DQ feeds the fused op directly.
 
 A ``Q -> DQ`` on a float activation rounds it to the grid of ``s``: that is the quantization
 itself, and stays. These rules are late: a fusion that sees through an activation's Q -> DQ
@@ -67,6 +75,10 @@ _QUANTIZED = {**_MOVABLE, DataType.INT4: (-8, 7), DataType.UINT4: (0, 15)}
 # Ops that move elements without computing on them; input 0 is the data.
 _MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather")
 _RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
+# Fused ops a fusion through Q/DQ writes that onnxruntime runs in float only (no integer kernel of
+# theirs reads a DequantizeLinear), and the moves that carry a dequantized value to them.
+_FLOAT_ONLY = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention", "RotaryEmbedding"})
+_CARRIERS = frozenset({*_MOVES, "Expand"})
 # Roundings between q and Q's rounding to an integer (DQ's product, Q's division or its
 # reciprocal and product), each of relative size half the float type's spacing.
 _ROUNDINGS = 3
@@ -271,6 +283,34 @@ def _build_moved(b: Builder, m: Match, plan: None) -> Value:
     return b.op(move.op_type, _dequantizer(m.value("x")).inputs[0], *move.inputs[1:], **attrs_of(move))
 
 
+# -- Move(DQ(q)) -> DQ(Move(q)) before a fused op ---------------------------------------------------
+
+
+def _plan_dequantize_after(m: Match, site: Site) -> tuple[_Params, int | None] | Refuse:
+    move = m.node("move")
+    if _bound_at_call_site(move):
+        return Refuse("the move's attributes are bound at a function's call site")
+    readers = {use.node.op_type for use in move.outputs[0].uses()}
+    if not readers or not readers <= _FLOAT_ONLY | _CARRIERS:
+        return Refuse("the move is not read by fused float ops alone (those have no integer kernel to keep)")
+    before = _dq_params(_dequantizer(m.value("x")))
+    if isinstance(before, Refuse):
+        return before
+    if before.integer not in _MOVABLE:
+        return Refuse(f"onnxruntime's CPU {move.op_type} does not take {before.integer.name.lower()}")
+    if before.axis is None:
+        return before, None
+    axis = None if move.op_type == "Expand" else _moved_axis(move, before.axis)
+    return (before, axis) if axis is not None else Refuse("the move does not carry the per-axis quantization's axis")
+
+
+def _build_dequantized_after(b: Builder, m: Match, plan: tuple[_Params, int | None]) -> Value:
+    move, dequantize = m.node("move"), _dequantizer(m.value("x"))
+    moved = b.op(move.op_type, dequantize.inputs[0], *move.inputs[1:], **attrs_of(move))
+    attributes = attrs_of(dequantize) | ({"axis": plan[1]} if plan[1] is not None else {})
+    return b.op("DequantizeLinear", moved, *dequantize.inputs[1:], **attributes)
+
+
 # -- Q(Concat(DQ(a), DQ(b), ...)) -> Concat(a, b, ...) ---------------------------------------------
 
 
@@ -321,6 +361,21 @@ RULES: tuple[Rule[Any], ...] = (
         min_opset=10,
         label="DequantizeLinear -> move -> QuantizeLinear",
         doc="Q(Transpose(DQ(q, s, z)), s, z) -> Transpose(q), and Reshape, Flatten, Squeeze, Unsqueeze, Slice, Gather",
+    ),
+    _rule(
+        name="qdq-dequantize-after-move",
+        pattern=op.any_of(
+            tuple(sorted(_CARRIERS)),
+            _DEQUANTIZED,
+            *(optional(var(f"_{i}")) for i in range(1, 5)),
+            name="move",
+            commute=False,
+        ),
+        plan=_plan_dequantize_after,
+        build=_build_dequantized_after,
+        min_opset=10,
+        label="DequantizeLinear -> move -> fused op",
+        doc="Transpose(DQ(q, s, z)) -> DQ(Transpose(q), s, z) where fused float ops read it, and the other moves",
     ),
     _rule(
         name="qdq-concat-integers",

@@ -339,6 +339,32 @@ def test_a_quantized_constant_is_the_same_float_program_as_a_node_or_a_stored_te
     assert check_models(as_node, as_stored).status == "passed"
 
 
+def test_a_pair_with_the_integers_moved_between_is_the_moved_value_in_the_float_reference() -> None:
+    # graphopt's qdq family transposes a quantized K as integers, Q -> Transpose -> DQ: still one quantization of
+    # the value, which the reference evaluates in float like the original's Q -> DQ -> Transpose -> Q -> DQ
+    # (llama_kv_dynamo_qdq at --target ort was "another program", 1.15 from its original's, before).
+    grid = [
+        numpy_helper.from_array(np.array(0.05, np.float32), "scale"),
+        numpy_helper.from_array(np.uint8(128), "zero"),
+    ]
+    graph = helper.make_graph(
+        [
+            helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["xq"]),
+            helper.make_node("Transpose", ["xq"], ["tq"], perm=[1, 0]),
+            helper.make_node("DequantizeLinear", ["tq", "scale", "zero"], ["y"]),
+        ],
+        "moved_integers",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 3])],
+        grid,
+    )
+    reference = float_reference(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    assert reference is not None
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32) * 20  # past the grid's range too
+    session = ort.InferenceSession(reference.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], x.T)
+
+
 def _masked_float16_attention() -> onnx.ModelProto:
     """Float16 attention with the mask a float16 converter writes, Where(keep, 0, -65504), as
     llama_dynamo_fp16 has it."""

@@ -352,14 +352,15 @@ def test_a_rewrite_whose_output_onnxruntime_cannot_load_is_undone(tmp_path: Path
     jsonschema.validate(_report(report), schema("report"))
 
 
-def test_a_rotary_embedding_takes_the_qlinear_add_it_replaces() -> None:
-    # The TorchScript QDQ Llama at --target ort: each RotaryEmbedding written through Q/DQ takes an
-    # Add onnxruntime ran as a QLinearAdd (21 -> 13 with 8 rotaries); counted lost, the guard undid
-    # cse and dce, which left dead nodes for onnxruntime to fuse (908 nodes where 796 run).
-    original = Census({"QLinear": ["a", "b", "c"]})
-    assert census_module.losses(original, Census({"QLinear": ["a"], "RotaryEmbedding": ["b", "c"]})) == []
-    (lost,) = census_module.losses(original, Census({"QLinear": ["a"], "RotaryEmbedding": ["b"]}))
-    assert (lost.kind, lost.before, lost.after) == ("QLinear", 3, 1)
+def test_a_rotary_or_attention_fused_through_qdq_takes_the_integer_kernel_it_replaces() -> None:
+    # The TorchScript QDQ Llamas: each RotaryEmbedding written through Q/DQ takes an Add onnxruntime ran as a
+    # QLinearAdd, each attention its scores' QLinearMatMul (25 -> 13 with 8 rotaries and 4 attentions). Counted
+    # lost, the guard undid cse and dce for them (908 nodes where 796 run).
+    original = Census({"QLinear": ["a", "b", "c", "d"]})
+    fused = Census({"QLinear": ["a"], "RotaryEmbedding": ["b", "c"], "Attention": ["d"]})
+    assert census_module.losses(original, fused) == []
+    (lost,) = census_module.losses(original, Census({"QLinear": ["a"], "RotaryEmbedding": ["b"], "Attention": ["d"]}))
+    assert (lost.kind, lost.before, lost.after) == ("QLinear", 4, 1)
 
 
 def test_a_failed_check_writes_nothing_with_the_guard_on(tmp_path: Path) -> None:

@@ -23,14 +23,16 @@ other respect:
   and by their scores under -65504, as the float16 model runs in onnxruntime. An Attention op
   that weighs them alike, as the export does, is then nearer the reference than the original
   (llama_dynamo_fp16 at padded bindings: 4.2e-4 from it, the original 1.08e-2).
-- an activation's QuantizeLinear -> DequantizeLinear pair (a value computed at run time from
-  the inputs, quantized and dequantized with the same scale and zero point tensors) becomes
-  the value itself: its rounding goes, and so does its saturation at the calibrated range, except at 0
-  where the grid starts at 0 (the zero point its type's smallest integer): that is a Relu
-  the quantizer folded into the QuantizeLinear, part of the program (without it, a QDQ block
-  was 0.51 from its reference). The rest of the saturation goes: a Clip to the whole grid
-  made a worse reference; the fused attention of a QDQ BERT, 0.953 x the original's distance
-  to the float32 export, was 1.056 x the original's distance to the clipped reference.
+- an activation's QuantizeLinear -> DequantizeLinear pair (a value computed at run time from the
+  inputs, quantized and dequantized with the same scale and zero point tensors, with data
+  movement ops between them or not: a Transpose of the quantized integers is the Transpose of
+  the value) becomes the value itself: its rounding goes, and so does its saturation at the
+  calibrated range, except at 0 where the grid starts at 0 (the zero point its type's smallest
+  integer): that is a Relu the quantizer folded into the QuantizeLinear, part of the program
+  (without it, a QDQ block was 0.51 from its reference). The rest of the saturation goes: a Clip
+  to the whole grid made a worse reference; the fused attention of a QDQ BERT, 0.953 x the
+  original's distance to the float32 export, was 1.056 x the original's distance to the clipped
+  reference.
   Weight DequantizeLinear stays: a quantized weight is part of the program. So does the pair
   of a value computed from constants alone (a Constant node's, a rotary embedding's inverse
   frequencies): an optimizer folds it into a stored tensor, which would make it a weight, and
@@ -59,6 +61,8 @@ from graphopt.numerics.paths import inline_array
 __all__ = ["float_reference"]
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+# Ops that move elements without computing on them (input 0 the data), as well on integers as on floats.
+_MOVES = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather", "Expand"})
 
 
 def float_reference(model: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -127,10 +131,11 @@ def _unquantized_activations(graph: onnx.GraphProto) -> bool:
     producer = {out: node for node in graph.node for out in node.output}
     constants = _from_constants(graph)
     changed = False
-    for node in graph.node:
+    for node in list(graph.node):
         if node.op_type != "DequantizeLinear" or node.domain not in STANDARD_DOMAINS:
             continue
-        quantize = producer.get(node.input[0])
+        moves = _integer_moves(node.input[0], producer)
+        quantize = producer.get(moves[-1].input[0] if moves else node.input[0])
         if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.domain not in STANDARD_DOMAINS:
             continue
         if quantize.input[0] in constants or list(quantize.input[1:]) != list(node.input[1:]):
@@ -138,15 +143,43 @@ def _unquantized_activations(graph: onnx.GraphProto) -> bool:
         if not _same_grid(node, quantize):
             continue
         zero_point = stored.get(node.input[2]) if len(node.input) > 2 else None
+        value = _moved_in_float(graph, node, quantize.input[0], moves)
         node.domain = ""
         del node.attribute[:]
         if zero_point is not None and _lowest_is_zero(zero_point):
             # A grid that starts at 0 is a Relu the quantizer folded into the Q: kept.
-            node.op_type, node.input[:] = "Relu", [quantize.input[0]]
+            node.op_type, node.input[:] = "Relu", [value]
         else:
-            node.op_type, node.input[:] = "Identity", [quantize.input[0]]
+            node.op_type, node.input[:] = "Identity", [value]
         changed = True
     return changed
+
+
+def _integer_moves(value: str, producer: dict[str, onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The data-movement ops between ``value`` and the QuantizeLinear they move, nearest first:
+    an optimizer moves integers rather than floats where that is exact (a Transpose of a
+    quantized K, graphopt's qdq family), and the pair around them is still one quantization."""
+    moves: list[onnx.NodeProto] = []
+    node = producer.get(value)
+    while node is not None and node.op_type in _MOVES and node.domain in STANDARD_DOMAINS and node.input:
+        moves.append(node)
+        node = producer.get(node.input[0])
+    return moves
+
+
+def _moved_in_float(graph: onnx.GraphProto, before: onnx.NodeProto, value: str, moves: list[onnx.NodeProto]) -> str:
+    """``value`` moved as ``moves`` move its quantized form (a copy of each, inserted before
+    ``before``): the name of the result."""
+    position = list(graph.node).index(before)
+    for move in reversed(moves):
+        copy = onnx.NodeProto()
+        copy.CopyFrom(move)
+        copy.name = f"{move.name}__float" if move.name else ""
+        copy.input[0], copy.output[:] = value, [f"{move.output[0]}__float"]
+        graph.node.insert(position, copy)
+        position += 1
+        value = copy.output[0]
+    return value
 
 
 def _from_constants(graph: onnx.GraphProto) -> set[str]:

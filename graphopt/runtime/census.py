@@ -99,13 +99,14 @@ KINDS: tuple[Kind, ...] = (
     Kind("FusedMatMul", _ops("FusedMatMul"), absorbed_by=("Attention",)),
     Kind("MatMulNBits", _ops("MatMulNBits")),
     Kind("DynamicQuantizeMatMul", _ops("DynamicQuantizeMatMul", "MatMulIntegerToFloat")),
-    # graphopt's rotary fusion through Q/DQ (the contrib op at --target ort) takes the Add onnxruntime
-    # would run as a QLinearAdd: one each (the TorchScript QDQ Llama: 21 -> 13 with 8 RotaryEmbedding).
+    # graphopt's rotary and attention fusions through Q/DQ take an integer kernel onnxruntime would run
+    # each: the rotary's Add (a QLinearAdd), the attention's scores MatMul (a QLinearMatMul). The
+    # TorchScript QDQ Llama with a KV cache at opset 23: 25 -> 13 with 8 RotaryEmbedding and 4 Attention.
     Kind("RotaryEmbedding", _ops("RotaryEmbedding")),
     Kind(
         "QLinear",
         _ops("QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul", "QAttention"),
-        absorbed_by=("RotaryEmbedding",),
+        absorbed_by=("RotaryEmbedding", "Attention"),
     ),
     Kind("NCHWc", domain=NCHWC_DOMAIN, except_ops=_REORDERS, removed_with=("Conv kernels",)),
     Kind("NCHWc reorders", _REORDERS, worse="more"),

@@ -138,9 +138,11 @@ def test_tune_is_off_by_default_and_checks_its_numbers(tmp_path: Path) -> None:
     assert not (tmp_path / "o.onnx").exists()
 
 
-def test_time_models_times_at_the_dims_given(tmp_path: Path) -> None:
+def test_time_models_times_at_the_dims_given_or_the_first_binding_that_runs(tmp_path: Path) -> None:
     """benchmarks/calibrate.py times at the cost model's sizes: a dim it fixes reaches the feeds
-    (a Reshape to [2, 4] runs only at batch 2, which the check's first binding does not draw)."""
+    (a Reshape to [2, 4] runs only at batch 2, which the check's first binding does not draw).
+    Without it, the first of the check's bindings at which the model runs is timed (a QDQ T5
+    encoder runs at none past 16 tokens: tune was not taken)."""
     from graphopt.runtime.tune import time_models
 
     shape = numpy_helper.from_array(np.array([2, 4], dtype=np.int64), "shape")
@@ -154,6 +156,8 @@ def test_time_models_times_at_the_dims_given(tmp_path: Path) -> None:
     path = tmp_path / "fixed_batch.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
-    assert "cannot run" in str(time_models([path], "all", 1, 0.0))
+    assert "cannot run" in str(time_models([path], "all", 1, 0.0, {"batch": 3}))
     timed = time_models([path, path], "all", 1, 0.0, {"batch": 2})
     assert isinstance(timed, list) and len(timed) == 2 and len(timed[0]) >= 7
+    found = time_models([path, path], "all", 1, 0.0)
+    assert isinstance(found, list) and len(found) == 2 and len(found[0]) >= 7

@@ -20,6 +20,11 @@ SkipLayerNormalization) is spared, and the search goes on without it, past the k
 undoing it alone keeps (those losses are its own); at the end each rewrite undone is put back
 if the others suffice.
 
+An output onnxruntime cannot load at ORT_ENABLE_ALL, where it loads the original, has lost the
+session itself (census.Loss.unloaded), searched for and undone the same way: onnxruntime 1.32's
+Q/DQ propagation refused outputs at opset 21 and up where a fusion left a move after a
+DequantizeLinear.
+
 The census cannot see a kernel that is kept but slower (a MultiHeadAttention with a 4-D
 bias where onnxruntime formed no attention kernel at all): timing is ``--tune``'s work.
 """
@@ -136,8 +141,9 @@ class Trial:
 @dataclass
 class GuardOutcome:
     """What the guard did: ``status`` is "kept" (no fusion lost), "undone" (rewrites undone:
-    ``model``, ``run`` and ``pipeline`` are the rerun's), "lost" (a loss no rewrite explains)
-    or "not taken" (``reason``: onnxruntime could not load a model)."""
+    ``model``, ``run`` and ``pipeline`` are the rerun's), "lost" (a loss no rewrite explains, the
+    session itself among them: onnxruntime could not load the output) or "not taken"
+    (``reason``: onnxruntime could not load the original)."""
 
     status: str
     pipeline: Pipeline

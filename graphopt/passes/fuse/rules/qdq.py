@@ -56,7 +56,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, static_shape
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
-from graphopt.passes.rewrite.patterns import op, optional, var
+from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
 
 __all__ = ["RULES"]
 
@@ -346,6 +346,13 @@ def _build_concat(b: Builder, m: Match, plan: None) -> Value:
 _QUANTIZE = partial(op.QuantizeLinear, name="q", commute=False)
 _PARAMS = (var("scale"), optional(var("zero")))
 _DEQUANTIZED = var("x", _is_dequantized)
+
+
+def _moving(ops: tuple[str, ...]) -> OpPattern:
+    """One of ``ops`` (named "move") moving a dequantized value, its other inputs whatever they are."""
+    return op.any_of(ops, _DEQUANTIZED, *(optional(var(f"_{i}")) for i in range(1, 5)), name="move", commute=False)
+
+
 # The most parts of a Concat the rule reads (a rotary's halves, a cache and its new step, ViT's class token).
 _MOST_PARTS = 8
 
@@ -353,7 +360,7 @@ RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="qdq-move-integers",
         pattern=_QUANTIZE(
-            op.any_of(_MOVES, _DEQUANTIZED, *(optional(var(f"_{i}")) for i in range(1, 5)), name="move", commute=False),
+            _moving(_MOVES),
             *_PARAMS,
         ),
         plan=_plan_move,
@@ -364,13 +371,7 @@ RULES: tuple[Rule[Any], ...] = (
     ),
     _rule(
         name="qdq-dequantize-after-move",
-        pattern=op.any_of(
-            tuple(sorted(_CARRIERS)),
-            _DEQUANTIZED,
-            *(optional(var(f"_{i}")) for i in range(1, 5)),
-            name="move",
-            commute=False,
-        ),
+        pattern=_moving(tuple(sorted(_CARRIERS))),
         plan=_plan_dequantize_after,
         build=_build_dequantized_after,
         min_opset=10,

@@ -399,3 +399,18 @@ def test_a_transposed_dequantized_k_loads_in_onnxruntime_at_its_full_level(tmp_p
         "Attention",
     ]
     census_of_file(target)
+
+
+def test_moves_that_end_in_an_integer_kernel_keep_the_dequantize_before_them() -> None:
+    # K^T reshaped, then added: onnxruntime runs the Add from its DequantizeLinear as an integer kernel, which a
+    # Q -> DQ parted by integer moves would cost it (int8 is made uint8 only at adjacent pairs).
+    proto = _read_by_an_add(_transposed_for_attention())
+    nodes = list(proto.graph.node)
+    nodes[-1:-1] = [node("Reshape", ["m", "same"], "r")]
+    nodes[-1].input[0] = "r"
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    proto.graph.initializer.append(_const("same", [1, 2, 4, 8]))
+    details = refused(proto, "qdq-dequantize-after-move", passes=PASSES, **LATE)
+    found = details["near_misses"].get("qdq", [])
+    assert any("the move is not read by fused float ops alone" in m for m in found), found

@@ -290,8 +290,7 @@ def _plan_dequantize_after(m: Match, site: Site) -> tuple[_Params, int | None] |
     move = m.node("move")
     if _bound_at_call_site(move):
         return Refuse("the move's attributes are bound at a function's call site")
-    readers = {use.node.op_type for use in move.outputs[0].uses()}
-    if not readers or not readers <= _FLOAT_ONLY | _CARRIERS:
+    if not _feeds_fused_floats(move.outputs[0]):
         return Refuse("the move is not read by fused float ops alone (those have no integer kernel to keep)")
     before = _dq_params(_dequantizer(m.value("x")))
     if isinstance(before, Refuse):
@@ -302,6 +301,15 @@ def _plan_dequantize_after(m: Match, site: Site) -> tuple[_Params, int | None] |
         return before, None
     axis = None if move.op_type == "Expand" else _moved_axis(move, before.axis)
     return (before, axis) if axis is not None else Refuse("the move does not carry the per-axis quantization's axis")
+
+
+def _feeds_fused_floats(value: Value) -> bool:
+    """Whether ``value`` is read, and only by fused float ops, directly or through further moves."""
+    readers = [use.node for use in value.uses()]
+    return bool(readers) and all(
+        node.op_type in _FLOAT_ONLY or (node.op_type in _CARRIERS and _feeds_fused_floats(node.outputs[0]))
+        for node in readers
+    )
 
 
 def _build_dequantized_after(b: Builder, m: Match, plan: tuple[_Params, int | None]) -> Value:

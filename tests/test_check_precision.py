@@ -365,6 +365,30 @@ def test_a_pair_with_the_integers_moved_between_is_the_moved_value_in_the_float_
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], x.T)
 
 
+def test_a_per_axis_pair_with_the_integers_moved_between_stays_in_the_float_reference() -> None:
+    # Q along axis 1, a Transpose, DQ along axis 1: the DQ scales the other axis, so this is no round trip of the
+    # value; the reference keeps the program as it is rather than read it as the transposed value.
+    scale = numpy_helper.from_array(np.array([0.05, 0.5, 5.0], np.float32), "scale")
+    graph = helper.make_graph(
+        [
+            helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["xq"], axis=1),
+            helper.make_node("Transpose", ["xq"], ["tq"], perm=[1, 0]),
+            helper.make_node("DequantizeLinear", ["tq", "scale", "zero"], ["y"], axis=1),
+        ],
+        "moved_per_axis",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 3])],
+        [scale, numpy_helper.from_array(np.full(3, 128, np.uint8), "zero")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    x = {"x": np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32)}
+    own = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
+    reference = float_reference(model)
+    if reference is not None:
+        session = ort.InferenceSession(reference.SerializeToString(), providers=["CPUExecutionProvider"])
+        np.testing.assert_array_equal(session.run(None, x)[0], own)
+
+
 def _masked_float16_attention() -> onnx.ModelProto:
     """Float16 attention with the mask a float16 converter writes, Where(keep, 0, -65504), as
     llama_dynamo_fp16 has it."""

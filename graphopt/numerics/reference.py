@@ -135,6 +135,8 @@ def _unquantized_activations(graph: onnx.GraphProto) -> bool:
         if node.op_type != "DequantizeLinear" or node.domain not in STANDARD_DOMAINS:
             continue
         moves = _integer_moves(node.input[0], producer)
+        if moves and not _per_tensor(stored.get(node.input[1])):
+            continue  # a per-axis grid moved with the integers: which axis each side means is not read here
         quantize = producer.get(moves[-1].input[0] if moves else node.input[0])
         if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.domain not in STANDARD_DOMAINS:
             continue
@@ -191,6 +193,11 @@ def _from_constants(graph: onnx.GraphProto) -> set[str]:
         if node.op_type not in RANDOM_OPS and all(name in constants for name in node.input if name):
             constants.update(name for name in node.output if name)
     return constants
+
+
+def _per_tensor(scale: onnx.TensorProto | None) -> bool:
+    """Whether ``scale`` is a stored scalar (one scale for the whole tensor)."""
+    return scale is not None and int(np.prod(scale.dims, dtype=np.int64)) == 1
 
 
 def _lowest_is_zero(zero_point: onnx.TensorProto) -> bool:

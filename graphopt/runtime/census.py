@@ -99,16 +99,14 @@ KINDS: tuple[Kind, ...] = (
     Kind("FusedMatMul", _ops("FusedMatMul"), absorbed_by=("Attention",)),
     Kind("MatMulNBits", _ops("MatMulNBits")),
     Kind("DynamicQuantizeMatMul", _ops("DynamicQuantizeMatMul", "MatMulIntegerToFloat")),
-    # graphopt's rotary and attention fusions through Q/DQ take the integer kernels onnxruntime would run
-    # for what they replace: a rotary its Add (a QLinearAdd), an attention up to two, its scores' and its
-    # context's products (QLinearMatMul), so Attention is named twice. QLinear lost on the QDQ exports:
-    # llama_kv_dynamo at ort 29 -> 13 with 8 RotaryEmbedding and 4 MultiHeadAttention, llama_kv_ts at
-    # opset 23 25 -> 13 with 8 and 4, gpt2_ts at opset 23 25 -> 17 with 4 Attention.
+    # graphopt's rotary and attention fusions through Q/DQ take an integer kernel onnxruntime would run
+    # each: the rotary's Add (a QLinearAdd), the attention's scores MatMul (a QLinearMatMul). The
+    # TorchScript QDQ Llama with a KV cache at opset 23: 25 -> 13 with 8 RotaryEmbedding and 4 Attention.
     Kind("RotaryEmbedding", _ops("RotaryEmbedding")),
     Kind(
         "QLinear",
         _ops("QLinearConv", "QLinearMatMul", "QGemm", "QLinearAdd", "QLinearMul", "QAttention"),
-        absorbed_by=("RotaryEmbedding", "Attention", "Attention"),
+        absorbed_by=("RotaryEmbedding", "Attention"),
     ),
     Kind("NCHWc", domain=NCHWC_DOMAIN, except_ops=_REORDERS, removed_with=("Conv kernels",)),
     Kind("NCHWc reorders", _REORDERS, worse="more"),

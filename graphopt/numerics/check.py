@@ -42,7 +42,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,7 +49,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from google.protobuf.message import DecodeError
 
@@ -65,15 +63,9 @@ from graphopt.numerics.compare import (
     OWN_ROUNDING,
     Criterion,
     OutputComparison,
-    by_reference,
     compare_output,
-    judge_by_reference,
-    rejudge,
-    relative_l2,
-    second_chance,
 )
-from graphopt.numerics.feeds import Feed
-from graphopt.numerics.feeds import run as run_session
+from graphopt.numerics.feeds import Feed, relaid
 from graphopt.numerics.inputs import (
     Binding,
     ModelSpec,
@@ -87,11 +79,17 @@ from graphopt.numerics.inputs import (
     read_spec,
     run_cost,
 )
-from graphopt.numerics.noise import DRAWS, Perturbation, self_noise
-from graphopt.numerics.options import FIRST_RUN_SECONDS, TIME_FACTOR, check_numbers
-from graphopt.numerics.ort_errors import first_line
-from graphopt.numerics.paths import lowest
-from graphopt.numerics.reference import float_reference
+from graphopt.numerics.judging import Judged, judge_by_own_rounding
+from graphopt.numerics.options import check_numbers
+from graphopt.numerics.sessions import (
+    TIMEOUT_REMEDY,
+    Deadline,
+    OrtError,
+    Output,
+    open_session,
+    seconds_text,
+    session_options,
+)
 
 __all__ = [
     "LARGEST_SECONDS",
@@ -106,8 +104,6 @@ __all__ = [
 ]
 
 Status = Literal["passed", "failed", "not checked"]
-# What a run gives for one output: an array, or for a sequence output a list of arrays.
-Output = Feed
 
 
 @dataclass
@@ -147,112 +143,6 @@ def json_ready(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [json_ready(item) for item in value]
     return value
-
-
-class _OrtError(Exception):
-    """onnxruntime refused: the message is the first line of its error."""
-
-
-TIMEOUT_REMEDY = "--check-timeout SECONDS gives the check more time"
-
-
-def seconds_text(seconds: float) -> str:
-    return f"{round(seconds, 1):g}"
-
-
-class _Deadline:
-    """The check's time limit from now (module docstring); ``run`` aborts a session run through
-    RunOptions.terminate, and ``on_change(end, seconds)`` is told of each limit set."""
-
-    def __init__(self, seconds: float | None, on_change: Callable[[float, float], None] | None) -> None:
-        self.start = time.monotonic()
-        self.on_change = on_change
-        self.proportional = seconds is None
-        self._limit(FIRST_RUN_SECONDS if seconds is None else seconds)
-
-    def _limit(self, seconds: float) -> None:
-        self.seconds, self.end = seconds, self.start + seconds
-        if self.on_change is not None:
-            self.on_change(self.end, seconds)
-
-    def first_run_done(self) -> None:
-        """The original has run once: a default limit becomes what that run took, TIME_FACTOR times."""
-        if self.proportional:
-            self.proportional = False
-            self._limit(max(FIRST_RUN_SECONDS, TIME_FACTOR * (time.monotonic() - self.start)))
-
-    def timed_out(self, doing: str) -> str:
-        return f"timed out after {seconds_text(self.seconds)} s {doing}"
-
-    def expired(self) -> bool:
-        return time.monotonic() >= self.end
-
-    def within(self, seconds: float, share: float = 1.0) -> _Deadline:
-        """A deadline ``seconds`` away, or at ``share`` of the time this one leaves if that comes first."""
-        return _Deadline(max(min(seconds, share * (self.end - time.monotonic())), 0.0), None)
-
-    def run(self, session: ort.InferenceSession, feeds: Mapping[str, Feed]) -> list[Output]:
-        if self.expired():
-            raise TimeoutError
-        options = ort.RunOptions()
-        options.log_severity_level = 4
-        timer = threading.Timer(max(0.0, self.end - time.monotonic()), lambda: setattr(options, "terminate", True))
-        timer.start()
-        try:
-            return [_as_numpy(out) for out in run_session(session, feeds, options)]
-        except Exception as exc:
-            if self.expired():
-                raise TimeoutError from None
-            raise _OrtError(first_line(exc)) from None
-        finally:
-            timer.cancel()
-
-
-def _as_numpy(output: Any) -> Output:
-    """An output as an array; a sequence output as a list of arrays (its tensors may differ in
-    shape, which one array cannot hold)."""
-    if isinstance(output, list):
-        return [np.asarray(item) for item in output]
-    return np.asarray(output)
-
-
-def session_options(
-    threads: int,
-    libraries: Sequence[str | os.PathLike[str]] = (),
-    overrides: Mapping[str, ort.OrtValue] | None = None,
-) -> ort.SessionOptions:
-    """The options of every session the check creates: the model as written, repeatably, with
-    the custom-op libraries the user gave (``--custom-op-library``) registered; ``overrides``
-    replace initializers by name (noise.py) and must outlive the session, which reads their memory.
-
-    Raises:
-        InputError: onnxruntime cannot register a library.
-    """
-    options = ort.SessionOptions()
-    for name, value in (overrides or {}).items():
-        options.add_initializer(name, value)
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # Fatal only: a failing run is reported in the result, onnxruntime need not print it too.
-    options.log_severity_level = 4
-    for library in libraries:
-        try:
-            options.register_custom_ops_library(str(library))
-        except Exception as exc:
-            why = first_line(exc)
-            raise InputError(f"--custom-op-library {library}: onnxruntime cannot register it: {why}") from None
-    return options
-
-
-def _session(model: Path | bytes, options: ort.SessionOptions) -> ort.InferenceSession:
-    try:
-        # A path, not bytes, for a model file: external data then loads from beside the file.
-        source = model if isinstance(model, bytes) else str(model)
-        return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-    except Exception as exc:
-        raise _OrtError(first_line(exc)) from None
 
 
 def _dims_text(dims: Mapping[str, int]) -> str:
@@ -324,7 +214,7 @@ def check_models(
     """
     started = time.perf_counter()
     check_numbers(atol=atol, rtol=rtol, memory_budget=memory_budget, timeout=timeout)
-    deadline = _Deadline(timeout, on_deadline)
+    deadline = Deadline(timeout, on_deadline)
     criterion = Criterion.make(atol, rtol)
     criterion_dict: dict[str, Any] = {
         **criterion.as_dict(),
@@ -373,8 +263,8 @@ def check_models(
         return result("not checked", f"{load}, which {over_budget}")
     options = session_options(threads, custom_op_libraries)
     try:
-        session = _session(original, options)
-    except _OrtError as exc:
+        session = open_session(original, options)
+    except OrtError as exc:
         if _out_of_memory(str(exc)):
             return result("not checked", f"loading the original model {out_of_memory}")
         return result("not checked", _unloadable(str(exc), bool(custom_op_libraries)))
@@ -409,7 +299,7 @@ def check_models(
                     unstable |= {n for n, a, b in zip(spec_a.outputs, expected, again) if not _identical(a, b)}
                 ran.append((binding, feed, expected))
                 took.append(seconds)
-            except _OrtError as exc:
+            except OrtError as exc:
                 error = out_of_memory if _out_of_memory(str(exc)) else str(exc)
                 attempts.append({"dims": binding.dims, "error": error})
                 skipped.append(f"the original model failed at {_dims_text(binding.dims)}: {error}")
@@ -431,7 +321,7 @@ def check_models(
                     stop = deadline.within(LARGEST_STOP_SECONDS, share=1 / 3)
                     ran.append((*chosen, stop.run(session, chosen[1])))
                     largest = chosen[0]
-                except (_OrtError, TimeoutError) as exc:
+                except (OrtError, TimeoutError) as exc:
                     what = "timed out" if isinstance(exc, TimeoutError) else f"failed: {exc}"
                     skipped.append(f"the original model {what} at {_largest_text(chosen[0])}")
     except MemoryError:  # running, or making the inputs of the next binding
@@ -444,10 +334,10 @@ def check_models(
         return result("not checked", _unrunnable(attempts, spec_a, inputs is not None, dims or {}))
 
     try:
-        session = _session(optimized, options)
+        session = open_session(optimized, options)
     except MemoryError:
         return result("not checked", f"loading the optimized model {out_of_memory}")
-    except _OrtError as exc:
+    except OrtError as exc:
         if _out_of_memory(str(exc)):
             return result("not checked", f"loading the optimized model {out_of_memory}")
         return result("failed", f"onnxruntime cannot load the optimized model: {exc}")
@@ -460,12 +350,12 @@ def check_models(
             on_phase(f"check: the optimized model at {_dims_text(binding.dims)}")
         try:
             runs = deadline.within(LARGEST_STOP_SECONDS) if binding is largest else deadline
-            actual = runs.run(session, _relaid(feed, layouts))
+            actual = runs.run(session, relaid(feed, layouts))
             outputs = [
                 _compare(name, a, b, criterion, spec_a, name in unstable)
                 for name, a, b in zip(spec_a.outputs, expected, actual, strict=True)
             ]
-        except _OrtError as exc:
+        except OrtError as exc:
             if _out_of_memory(str(exc)):
                 return result("not checked", f"the optimized model {out_of_memory}", done)
             failure = f"the optimized model failed to run at {_dims_text(binding.dims)}: {exc}"
@@ -485,8 +375,10 @@ def check_models(
     del session
     if failure is None and not criterion.elementwise:
         room = max(0, memory_budget - needs.load_bytes)
-        models = _Judged(Path(original), Path(optimized), layouts, threads, custom_op_libraries)
-        _judge_by_own_rounding(models, ran, done, produced, spec_a, deadline, seed, room, on_phase)
+        models = Judged(Path(original), Path(optimized), layouts, threads, custom_op_libraries)
+        judge_by_own_rounding(models, ran, [b.outputs for b in done], produced, spec_a, deadline, seed, room, on_phase)
+        for judged in done:
+            judged.passed = all(o.passed is not False for o in judged.outputs)
 
     notes = [f"output {name!r} {_nondeterministic(spec_a, name)}" for name in spec_a.outputs if name in unstable]
     notes += skipped
@@ -640,153 +532,6 @@ def _compare(
     return comparison
 
 
-@dataclass(frozen=True)
-class _Judged:
-    """The two model files a check judges, and how it runs them."""
-
-    original: Path
-    optimized: Path
-    layouts: Mapping[str, tuple[int, ...]]  # the optimized model's inputs in another layout (_relaid)
-    threads: int
-    libraries: Sequence[str | os.PathLike[str]]
-
-
-def _judge_by_own_rounding(
-    models: _Judged,
-    ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
-    done: list[BindingResult],
-    produced: list[list[Output]],
-    spec: ModelSpec,
-    deadline: _Deadline,
-    seed: int,
-    room: int,
-    on_phase: Callable[[str], None] | None,
-) -> None:
-    """The second criterion (compare.py, noise.py) for the outputs of ``done`` that failed the
-    fixed limits on their figures: the original runs DRAWS more times at their bindings, its
-    float data moved by rounding, and each such output is judged again against how far that
-    moved it; an output that fails that too gets the third criterion (_judge_by_reference).
-    Nothing runs when no output needs it."""
-    retried = {number: [k for k, o in enumerate(b.outputs) if second_chance(o)] for number, b in enumerate(done)}
-    retried = {number: outputs for number, outputs in retried.items() if outputs}
-    if not retried:
-        return
-    precision = lowest(path.precision for path in spec.paths.values()) or "float32"
-    perturbation = Perturbation.of(models.original, precision, room)
-    draws: dict[int, list[list[Output]]] = {number: [] for number in retried}
-    for draw in range(DRAWS):
-        if on_phase is not None:
-            on_phase(f"check: the original's own rounding, draw {draw + 1} of {DRAWS}")
-        rng = np.random.default_rng([seed, 34, draw])
-        overrides = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in perturbation.draw(rng).items()}
-        try:
-            session = _session(models.original, session_options(models.threads, models.libraries, overrides))
-            for number in retried:
-                draws[number].append(deadline.run(session, perturbation.feed(ran[number][1], rng)))
-        except (_OrtError, MemoryError):
-            continue  # a draw that does not run measures nothing; too few draws measure nothing
-        except TimeoutError:
-            break
-        finally:
-            session = None  # before its overrides
-    for number, outputs in retried.items():
-        binding = done[number]
-        for k in outputs:
-            noise, usable = self_noise(ran[number][2][k], [runs[k] for runs in draws[number]])
-            rejudge(binding.outputs[k], noise, usable)
-    _judge_by_reference(models, ran, done, produced, draws, deadline, on_phase)
-    for number in retried:
-        done[number].passed = all(o.passed is not False for o in done[number].outputs)
-
-
-def _judge_by_reference(
-    models: _Judged,
-    ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
-    done: list[BindingResult],
-    produced: list[list[Output]],
-    draws: Mapping[int, list[list[Output]]],
-    deadline: _Deadline,
-    on_phase: Callable[[str], None] | None,
-) -> None:
-    """The third criterion (compare.py, reference.py) for the outputs that failed the second:
-    the original with its float16 arithmetic and quantization evaluated in float32 runs at their
-    bindings, and each such output passes when the optimized model's is no further from it than
-    the original's, or one of the original's draws of its own rounding, is. Where that does not
-    pass it, the optimized model's own float reference runs too (_float_programs)."""
-    failing = {n: [k for k, o in enumerate(done[n].outputs) if second_chance(o)] for n in draws}
-    failing = {number: outputs for number, outputs in failing.items() if outputs}
-    if not failing:
-        return
-    if on_phase is not None:
-        on_phase("check: the original evaluated in float32")
-    runs = _run_float_reference(models.original, {n: ran[n][1] for n in failing}, models, deadline)
-    if runs is None:
-        return  # no reference: the second criterion's verdict stands
-    judged: dict[tuple[int, int], tuple[float, float, list[float]]] = {}
-    for number, outputs in failing.items():
-        for k in outputs:
-            truth, before, after = runs[number][k], ran[number][2][k], produced[number][k]
-            if not (isinstance(truth, np.ndarray) and isinstance(before, np.ndarray) and isinstance(after, np.ndarray)):
-                continue  # a sequence never gets here: the fixed limits judge it element by element
-            moved = [draw[k] for draw in draws[number]]
-            reruns = [relative_l2(truth, m) for m in moved if isinstance(m, np.ndarray) and m.shape == truth.shape]
-            judged[number, k] = relative_l2(truth, before), relative_l2(truth, after), reruns
-    # The outputs the reference alone does not pass: the optimized model's float program may yet.
-    unsettled = {
-        key
-        for key, (original, optimized, reruns) in judged.items()
-        if not by_reference(original, optimized, reruns, done[key[0]].outputs[key[1]].self_noise)
-    }
-    programs = _float_programs(models, ran, runs, unsettled, deadline, on_phase) if unsettled else {}
-    for (number, k), (original, optimized, reruns) in judged.items():
-        judge_by_reference(done[number].outputs[k], original, optimized, reruns, programs.get((number, k)))
-
-
-def _run_float_reference(
-    model: Path, feeds: Mapping[int, Mapping[str, Feed]], models: _Judged, deadline: _Deadline
-) -> dict[int, list[Output]] | None:
-    """``model``'s float reference (reference.py) run on each of ``feeds``; None when it has
-    none or it does not run."""
-    try:
-        reference = float_reference(onnx.load(str(model)))
-    except (MemoryError, DecodeError, ValueError):
-        return None
-    if reference is None:
-        return None
-    try:
-        session = _session(reference.SerializeToString(), session_options(models.threads, models.libraries))
-        return {number: deadline.run(session, feed) for number, feed in feeds.items()}
-    except (_OrtError, MemoryError, TimeoutError):
-        return None
-
-
-def _float_programs(
-    models: _Judged,
-    ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
-    truths: Mapping[int, list[Output]],
-    outputs: set[tuple[int, int]],
-    deadline: _Deadline,
-    on_phase: Callable[[str], None] | None,
-) -> dict[tuple[int, int], OutputComparison]:
-    """For each (binding, output) of ``outputs``: the optimized model's own float reference
-    compared with the original's (``truths``) under the fixed float32 limits; empty when the
-    optimized model has no float reference or it does not run."""
-    if on_phase is not None:
-        on_phase("check: the optimized model evaluated in float32")
-    numbers = {number for number, _ in outputs}
-    runs = _run_float_reference(
-        models.optimized, {n: _relaid(ran[n][1], models.layouts) for n in numbers}, models, deadline
-    )
-    if runs is None:
-        return {}
-    compared: dict[tuple[int, int], OutputComparison] = {}
-    for number, k in outputs:
-        truth, candidate = truths[number][k], runs[number][k]
-        if isinstance(truth, np.ndarray) and isinstance(candidate, np.ndarray):
-            compared[number, k] = compare_output("", truth, candidate, Criterion(), "float32")
-    return compared
-
-
 def _passed_by(done: list[BindingResult]) -> str | None:
     criteria = {output.criterion for binding in done for output in binding.outputs if output.passed}
     return next((c for c in (FLOAT_PROGRAM, FLOAT_REFERENCE, OWN_ROUNDING, FIXED, ALLCLOSE) if c in criteria), None)
@@ -819,17 +564,6 @@ def _check_layouts(spec: ModelSpec, layouts: Mapping[str, Sequence[int]]) -> dic
         if ranks[name] is not None and sorted(checked[name]) != list(range(ranks[name] or 0)):
             raise InputError(f"input layouts: {list(perm)} is no permutation of the axes of input {name!r}")
     return checked
-
-
-def _relaid(feed: Mapping[str, Feed], layouts: Mapping[str, tuple[int, ...]]) -> dict[str, Feed]:
-    """``feed`` with each input of ``layouts`` (tensors: the unwind pass re-lays out no sequence)
-    transposed into its layout."""
-    return {
-        name: np.ascontiguousarray(array.transpose(layouts[name]))
-        if name in layouts and isinstance(array, np.ndarray)
-        else array
-        for name, array in feed.items()
-    }
 
 
 def _signature_mismatch(a: ModelSpec, b: ModelSpec) -> str | None:

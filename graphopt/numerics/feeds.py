@@ -19,7 +19,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
-__all__ = ["Feed", "exotic", "run"]
+__all__ = ["Feed", "exotic", "relaid", "run"]
 
 # What an input is fed, or an output gives: an array, or for a sequence its arrays (a list, as
 # onnxruntime takes and returns them; its tensors may differ in shape, which one array cannot hold).
@@ -94,3 +94,14 @@ def _from_ort(value: ort.OrtValue) -> Any:
     tensor = onnx.helper.make_tensor("output", value.element_type(), value.shape(), raw, raw=True)
     array = numpy_helper.to_array(tensor)
     return array.astype(np.int8 if array.dtype.name.startswith(("int", "uint")) else np.float32)
+
+
+def relaid(feed: Mapping[str, Feed], layouts: Mapping[str, tuple[int, ...]]) -> dict[str, Feed]:
+    """``feed`` with each input of ``layouts`` (tensors: the unwind pass re-lays out no sequence)
+    transposed into its layout."""
+    return {
+        name: np.ascontiguousarray(array.transpose(layouts[name]))
+        if name in layouts and isinstance(array, np.ndarray)
+        else array
+        for name, array in feed.items()
+    }

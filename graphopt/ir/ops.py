@@ -9,6 +9,8 @@ __all__ = [
     "COMPARISONS",
     "ELEMENTWISE_BINARY",
     "ELEMENTWISE_UNARY",
+    "CARRIERS",
+    "MOVES",
 ]
 
 # The ops whose inputs broadcast multidirectionally (numpy-style), grouped by what they give:
@@ -27,3 +29,8 @@ ELEMENTWISE_UNARY = frozenset(
 )  # fmt: skip
 # The arithmetic that, with a constant operand, is element-wise in its other one.
 ELEMENTWISE_BINARY = frozenset({"Add", "Sub", "Mul", "Div"})
+# Ops that move elements without computing on them (input 0 the data): on quantized integers as on
+# the floats they stand for.
+MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather")
+# The moves and Expand, which repeats elements without computing on them either.
+CARRIERS = frozenset({*MOVES, "Expand"})

@@ -56,13 +56,12 @@ from onnx import helper, numpy_helper
 
 from graphopt.ir.constness import RANDOM_OPS
 from graphopt.ir.node import STANDARD_DOMAINS
+from graphopt.ir.ops import CARRIERS
 from graphopt.numerics.paths import inline_array
 
 __all__ = ["float_reference"]
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-# Ops that move elements without computing on them (input 0 the data), as well on integers as on floats.
-_MOVES = frozenset({"Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather", "Expand"})
 
 
 def float_reference(model: onnx.ModelProto) -> onnx.ModelProto | None:
@@ -163,7 +162,7 @@ def _integer_moves(value: str, producer: dict[str, onnx.NodeProto]) -> list[onnx
     quantized K, graphopt's qdq family), and the pair around them is still one quantization."""
     moves: list[onnx.NodeProto] = []
     node = producer.get(value)
-    while node is not None and node.op_type in _MOVES and node.domain in STANDARD_DOMAINS and node.input:
+    while node is not None and node.op_type in CARRIERS and node.domain in STANDARD_DOMAINS and node.input:
         moves.append(node)
         node = producer.get(node.input[0])
     return moves

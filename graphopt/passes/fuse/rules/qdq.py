@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from graphopt.ir import DataType, Node, Value
+from graphopt.ir.ops import CARRIERS, MOVES
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, static_shape
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
@@ -72,13 +73,10 @@ _MOVABLE = {
     DataType.UINT16: (0, 65535),
 }
 _QUANTIZED = {**_MOVABLE, DataType.INT4: (-8, 7), DataType.UINT4: (0, 15)}
-# Ops that move elements without computing on them; input 0 is the data.
-_MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Gather")
 _RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 # Fused ops a fusion through Q/DQ writes that onnxruntime runs in float only (no integer kernel of
-# theirs reads a DequantizeLinear), and the moves that carry a dequantized value to them.
+# theirs reads a DequantizeLinear); CARRIERS (graphopt.ir.ops) bring a dequantized value to them.
 _FLOAT_ONLY = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention", "RotaryEmbedding"})
-_CARRIERS = frozenset({*_MOVES, "Expand"})
 # Roundings between q and Q's rounding to an integer (DQ's product, Q's division or its
 # reciprocal and product), each of relative size half the float type's spacing.
 _ROUNDINGS = 3
@@ -307,7 +305,7 @@ def _feeds_fused_floats(value: Value) -> bool:
     """Whether ``value`` is read, and only by fused float ops, directly or through further moves."""
     readers = [use.node for use in value.uses()]
     return bool(readers) and all(
-        node.op_type in _FLOAT_ONLY or (node.op_type in _CARRIERS and _feeds_fused_floats(node.outputs[0]))
+        node.op_type in _FLOAT_ONLY or (node.op_type in CARRIERS and _feeds_fused_floats(node.outputs[0]))
         for node in readers
     )
 
@@ -368,7 +366,7 @@ RULES: tuple[Rule[Any], ...] = (
     _rule(
         name="qdq-move-integers",
         pattern=_QUANTIZE(
-            _moving(_MOVES),
+            _moving(MOVES),
             *_PARAMS,
         ),
         plan=_plan_move,
@@ -379,7 +377,7 @@ RULES: tuple[Rule[Any], ...] = (
     ),
     _rule(
         name="qdq-dequantize-after-move",
-        pattern=_moving(tuple(sorted(_CARRIERS))),
+        pattern=_moving(tuple(sorted(CARRIERS))),
         plan=_plan_dequantize_after,
         build=_build_dequantized_after,
         min_opset=10,

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -66,6 +67,7 @@ from graphopt.numerics.compare import (
     compare_output,
 )
 from graphopt.numerics.feeds import Feed, relaid
+from graphopt.numerics.feeds import run as run_session
 from graphopt.numerics.inputs import (
     Binding,
     ModelSpec,
@@ -80,16 +82,9 @@ from graphopt.numerics.inputs import (
     run_cost,
 )
 from graphopt.numerics.judging import Judged, judge_by_own_rounding
-from graphopt.numerics.options import check_numbers
-from graphopt.numerics.sessions import (
-    TIMEOUT_REMEDY,
-    Deadline,
-    OrtError,
-    Output,
-    open_session,
-    seconds_text,
-    session_options,
-)
+from graphopt.numerics.options import FIRST_RUN_SECONDS, TIME_FACTOR, check_numbers
+from graphopt.numerics.ort_errors import first_line
+from graphopt.numerics.sessions import OrtError, Output, as_numpy, open_session, session_options
 
 __all__ = [
     "LARGEST_SECONDS",
@@ -143,6 +138,61 @@ def json_ready(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [json_ready(item) for item in value]
     return value
+
+
+TIMEOUT_REMEDY = "--check-timeout SECONDS gives the check more time"
+
+
+def seconds_text(seconds: float) -> str:
+    return f"{round(seconds, 1):g}"
+
+
+class Deadline:
+    """The check's time limit from now (module docstring); ``run`` aborts a session run through
+    RunOptions.terminate, and ``on_change(end, seconds)`` is told of each limit set."""
+
+    def __init__(self, seconds: float | None, on_change: Callable[[float, float], None] | None) -> None:
+        self.start = time.monotonic()
+        self.on_change = on_change
+        self.proportional = seconds is None
+        self._limit(FIRST_RUN_SECONDS if seconds is None else seconds)
+
+    def _limit(self, seconds: float) -> None:
+        self.seconds, self.end = seconds, self.start + seconds
+        if self.on_change is not None:
+            self.on_change(self.end, seconds)
+
+    def first_run_done(self) -> None:
+        """The original has run once: a default limit becomes what that run took, TIME_FACTOR times."""
+        if self.proportional:
+            self.proportional = False
+            self._limit(max(FIRST_RUN_SECONDS, TIME_FACTOR * (time.monotonic() - self.start)))
+
+    def timed_out(self, doing: str) -> str:
+        return f"timed out after {seconds_text(self.seconds)} s {doing}"
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.end
+
+    def within(self, seconds: float, share: float = 1.0) -> Deadline:
+        """A deadline ``seconds`` away, or at ``share`` of the time this one leaves if that comes first."""
+        return Deadline(max(min(seconds, share * (self.end - time.monotonic())), 0.0), None)
+
+    def run(self, session: ort.InferenceSession, feeds: Mapping[str, Feed]) -> list[Output]:
+        if self.expired():
+            raise TimeoutError
+        options = ort.RunOptions()
+        options.log_severity_level = 4
+        timer = threading.Timer(max(0.0, self.end - time.monotonic()), lambda: setattr(options, "terminate", True))
+        timer.start()
+        try:
+            return [as_numpy(out) for out in run_session(session, feeds, options)]
+        except Exception as exc:
+            if self.expired():
+                raise TimeoutError from None
+            raise OrtError(first_line(exc)) from None
+        finally:
+            timer.cancel()
 
 
 def _dims_text(dims: Mapping[str, int]) -> str:

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -29,9 +30,16 @@ from graphopt.numerics.inputs import Binding, ModelSpec
 from graphopt.numerics.noise import DRAWS, Perturbation, self_noise
 from graphopt.numerics.paths import lowest
 from graphopt.numerics.reference import float_reference
-from graphopt.numerics.sessions import Deadline, OrtError, Output, open_session, session_options
+from graphopt.numerics.sessions import OrtError, Output, open_session, session_options
 
-__all__ = ["Judged", "judge_by_own_rounding"]
+__all__ = ["Judged", "Runs", "judge_by_own_rounding"]
+
+
+class Runs(Protocol):
+    """What runs a session within the check's time limit (check.Deadline): outputs, or
+    TimeoutError, or OrtError."""
+
+    def run(self, session: ort.InferenceSession, feeds: Mapping[str, Feed]) -> list[Output]: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ def judge_by_own_rounding(
     done: list[list[OutputComparison]],
     produced: list[list[Output]],
     spec: ModelSpec,
-    deadline: Deadline,
+    deadline: Runs,
     seed: int,
     room: int,
     on_phase: Callable[[str], None] | None,
@@ -97,7 +105,7 @@ def _judge_by_reference(
     done: list[list[OutputComparison]],
     produced: list[list[Output]],
     draws: Mapping[int, list[list[Output]]],
-    deadline: Deadline,
+    deadline: Runs,
     on_phase: Callable[[str], None] | None,
 ) -> None:
     """The third criterion (compare.py, reference.py) for the outputs that failed the second:
@@ -135,7 +143,7 @@ def _judge_by_reference(
 
 
 def _run_float_reference(
-    model: Path, feeds: Mapping[int, Mapping[str, Feed]], models: Judged, deadline: Deadline
+    model: Path, feeds: Mapping[int, Mapping[str, Feed]], models: Judged, deadline: Runs
 ) -> dict[int, list[Output]] | None:
     """``model``'s float reference (reference.py) run on each of ``feeds``; None when it has
     none or it does not run."""
@@ -157,7 +165,7 @@ def _float_programs(
     ran: list[tuple[Binding, dict[str, Feed], list[Output]]],
     truths: Mapping[int, list[Output]],
     outputs: set[tuple[int, int]],
-    deadline: Deadline,
+    deadline: Runs,
     on_phase: Callable[[str], None] | None,
 ) -> dict[tuple[int, int], OutputComparison]:
     """For each (binding, output) of ``outputs``: the optimized model's own float reference

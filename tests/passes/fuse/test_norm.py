@@ -19,6 +19,7 @@ from graphopt.io.onnx_write import to_proto
 from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse.table import (
     F16,
+    LATE,
     NO_GATE,
     RNG,
     Case,
@@ -47,6 +48,21 @@ from tests.passes.fuse_models import (
     rand_weight,
     skip_norm,
 )
+
+
+def _float16_rms_norm(elem_type: int = F16) -> onnx.ModelProto:
+    """RMSNormalization of a float16 x by a float16 gamma (opset 23): what rmsnorm writes on a float16 Llama."""
+    gamma = init("gamma", (RNG.standard_normal(16) * 0.5 + 1).astype(F16_NUMPY[elem_type]))
+    return model(
+        [node("RMSNormalization", ["x", "gamma"], "y", axis=-1, epsilon=1e-6)],
+        [info("x", [2, 3, 16], elem_type)],
+        [info("y", None, elem_type)],
+        [gamma],
+        opset=23,
+    )
+
+
+F16_NUMPY = {F16: np.float16, TensorProto.FLOAT: np.float32}
 
 
 def _rms_round_trip() -> onnx.ModelProto:
@@ -306,9 +322,26 @@ CASES: dict[str, Case] = {
     ),
     "ort-skiprmsnorm": _skip_case("RMSNormalization", EXPORTED_SUM),
     "ort-skiprmsnorm-decomposed": _skip_case("decomposed", "ms"),
+    "rmsnorm-float32": Case(
+        _float16_rms_norm,
+        {"RMSNormalization": 1, "Cast": 3},
+        "n/a: one node, the RMSNormalization itself",
+        Perturb(
+            lambda proto: _float16_rms_norm(TensorProto.FLOAT),
+            None,
+            feeds=make_feeds,
+            note="the RMSNormalization in float32: nothing to compute in float32",
+        ),
+        "n/a: the rule needs element types only, which every input declares",
+        "n/a: the rule's root is an RMSNormalization, which no opset below 23 has",
+        settings=LATE,
+        passes="shape-infer,fuse,dce",
+    ),
 }
 
 EXPORTED: dict[str, Exported | str] = {
+    "rmsnorm-float32": "its case is what rmsnorm writes on a float16 export (test_attention's "
+    "test_a_float16_llama_layer_computes_its_norms_and_attention_in_float32 runs the pipeline on one)",
     "groupnorm": Exported(
         ("unet_dynamo", "unet_ts"),
         {"GroupNormalization": 1},

@@ -13,7 +13,8 @@ as ``GlobalAveragePool`` (its global pool optimizer takes every ReduceMean over 
 any mean here may be either spelling, GlobalAveragePool standing for the axes from 2 on.
 
 RMSNorm. ``x / Sqrt(ReduceMean(x^2) + eps) * gamma`` (or ``x * Reciprocal(...)``) ->
-``RMSNormalization(x, gamma, axis, epsilon)`` (opset 23).
+``RMSNormalization(x, gamma, axis, epsilon)`` (opset 23); on float16, computed in float32 between Casts
+(``rmsnorm-float32``, late; see _float32.py).
 
 GroupNorm, as both PyTorch exporters write nn.GroupNorm (diffusers' UNets and VAEs): ``Reshape(x, [N, G, -1])``,
 ``InstanceNormalization`` (or the mean-variance spelling) over each group, ``Reshape`` back to x's shape, ``* gamma``
@@ -55,6 +56,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
+from graphopt.passes.fuse.rules._float32 import in_float32
 from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, trailing_axes
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
@@ -548,6 +550,16 @@ RULES: tuple[Rule[Any], ...] = (
         doc=_ROUND_TRIP_DOC.format("RMSNormalization", "opset 23"),
     ),
     *_affine_rules(_RMS_NORM, "rmsnorm", _RMS, _PLAIN),
+    in_float32(
+        "rmsnorm-float32",
+        FAMILY,
+        "RMSNormalization",
+        2,
+        min_opset=23,
+        label="float16 RMSNorm",
+        doc="RMSNormalization on float16 -> Cast to float32, RMSNormalization, Cast to float16: onnxruntime's CPU "
+        "provider runs the float16 chain it replaces in float32 and rounds its result to float16 only here",
+    ),
     *_affine_rules(_GROUP_NORM_RULE, "groupnorm", _GROUP_NORM, _WITH_BIAS, _NO_BIAS, _PLAIN),
     *_affine_rules(_GROUP_NORM_18_RULE, "groupnorm-18", _GROUP_NORM, _WITH_BIAS, _NO_BIAS, _PLAIN),
     *(

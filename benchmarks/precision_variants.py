@@ -273,8 +273,9 @@ def _line(row: dict[str, Any]) -> str:
         cell = row[target]
         dist = cell.get("distance")
         ratio = f"{dist['optimized'] / dist['variant']:.3f}" if dist and dist["variant"] else "-"
-        if dist and "pooled" in dist:
-            ratio += f" (over {dist['pooled']['draws']} draws {_error_ratio(dist):.3f})"
+        pooled = _error_ratio(dist)
+        if dist and "pooled" in dist and pooled is not None:
+            ratio += f" (over {dist['pooled']['draws']} draws {pooled:.3f})"
         fused = ",".join(f"{op}x{n}" for op, n in cell.get("fused", {}).items())
         cells.append(
             f"{target}: exit {cell['exit']} {cell.get('check')} ({cell.get('criterion')}) "

@@ -75,6 +75,8 @@ RULES: tuple[Rule[Any], ...] = (
         FAMILY,
         "Attention",
         7,
+        cache=(4, 5),  # past_key, past_value
+        masks=(3,),  # attn_mask
         min_opset=23,
         label="float16 Attention",
         doc="Attention on float16 -> Cast to float32, Attention, Cast to float16: onnxruntime's CPU provider runs "

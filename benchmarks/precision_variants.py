@@ -169,7 +169,7 @@ def distances(entry: dict[str, Any], variant: Path, optimized: Path, draws: int 
     variant's over 12 inputs); the pooled figure says which way it moves on average."""
     reference = Path(entry["reference"])
     found: dict[str, Any] = {"variant": 0.0, "optimized": 0.0, "skipped": 0}
-    pooled = {"variant": 0.0, "optimized": 0.0}
+    pooled: dict[str, Any] = {"variant": 0.0, "optimized": 0.0, "draws": draws}
     for binding in range(len(entry["feeds"])):
         outputs: dict[str, list[list[np.ndarray]]] = {"truth": [], "variant": [], "optimized": []}
         for seed in range(draws):
@@ -186,11 +186,12 @@ def distances(entry: dict[str, Any], variant: Path, optimized: Path, draws: int 
             outputs["optimized"].append(_outputs(optimized, feeds))
         if not outputs["truth"]:
             continue
+        pooled["draws"] = min(pooled["draws"], len(outputs["truth"]))  # the variant failed at a later draw
         for model in ("variant", "optimized"):
             found[model] = max(found[model], _rel_l2(outputs[model][0], outputs["truth"][0]))
             pooled[model] = max(pooled[model], _rel_l2(*(_joined(outputs[k]) for k in (model, "truth"))))
     if draws > 1:
-        found["pooled"] = {**pooled, "draws": draws}
+        found["pooled"] = pooled
     return found
 
 
@@ -465,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         help="measure: seeded inputs per binding for the error ratio, also pooled over them (default 1: the index's)",
     )
     args = parser.parse_args(argv)
+    if args.draws < 1:
+        parser.error("--draws must be at least 1")
     if args.action == "build":
         if not (args.exports / "index.json").is_file():
             print(f"no index.json in {args.exports}: build the exports first (../shared/exports/build.py, needs torch)")

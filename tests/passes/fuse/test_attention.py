@@ -469,6 +469,8 @@ CASES: dict[str, Case] = {
 }
 
 EXPORTED: dict[str, Exported | str] = {
+    "attention-float32": "its case is what attention-4d writes on a float16 export; test_float32.py runs the whole "
+    "pipeline on the float16 Llama export (tests/fixtures/exports/llama_fp16_dynamo.onnx)",
     "attention-4d": Exported(
         ("gpt2_ts", "llama_dynamo"),
         {"Attention": 1},
@@ -538,11 +540,6 @@ EXPORTED: dict[str, Exported | str] = {
 
 # This family's rules older than the exporter fixtures (d2e82f6): their cases are built here. One of them
 # gains an exporter case by moving to EXPORTED; a newer rule has its entry there (test_contract.py).
-EXPORTED["attention-float32"] = (
-    "its case is what attention-4d writes on a float16 export; test_a_float16_attention_computes_in_float32 runs the "
-    "whole pipeline on it"
-)
-
 BEFORE_EXPORTS: frozenset[str] = frozenset(
     {
         "attention",

@@ -49,6 +49,8 @@ from tests.passes.fuse_models import (
     skip_norm,
 )
 
+F16_NUMPY = {F16: np.float16, TensorProto.FLOAT: np.float32}
+
 
 def _float16_rms_norm(elem_type: int = F16) -> onnx.ModelProto:
     """RMSNormalization of a float16 x by a float16 gamma (opset 23): what rmsnorm writes on a float16 Llama."""
@@ -60,9 +62,6 @@ def _float16_rms_norm(elem_type: int = F16) -> onnx.ModelProto:
         [gamma],
         opset=23,
     )
-
-
-F16_NUMPY = {F16: np.float16, TensorProto.FLOAT: np.float32}
 
 
 def _rms_round_trip() -> onnx.ModelProto:
@@ -340,8 +339,8 @@ CASES: dict[str, Case] = {
 }
 
 EXPORTED: dict[str, Exported | str] = {
-    "rmsnorm-float32": "its case is what rmsnorm writes on a float16 export (test_attention's "
-    "test_a_float16_llama_layer_computes_its_norms_and_attention_in_float32 runs the pipeline on one)",
+    "rmsnorm-float32": "its case is what rmsnorm writes on a float16 export; test_float32.py runs the whole pipeline "
+    "on the float16 Llama export (tests/fixtures/exports/llama_fp16_dynamo.onnx)",
     "groupnorm": Exported(
         ("unet_dynamo", "unet_ts"),
         {"GroupNormalization": 1},

@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import os
 import shutil
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -293,6 +294,8 @@ def _optimize_file(
                 save_options["location"] = data_name
         written: dict[str, str] = {}
         save_seconds = 0.0
+        # The original's reruns in the check, kept for the checks of this model's retries (below).
+        memo = Path(tempfile.mkdtemp(prefix="check-memo-", dir=workdir))
 
         def save_output(optimized: Model) -> Path | None:
             """Save the output into ``staged``, in place of an earlier save (the runtime guard
@@ -330,6 +333,7 @@ def _optimize_file(
                 optimized,
                 input_layouts=input_layouts(result.pipeline_run.runs),
                 on_phase=tell,
+                memo=memo,
                 **options.numerics.arguments(),
             )
             # onnxruntime names the files it loads: the user's names, not the staging folder's.

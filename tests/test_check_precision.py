@@ -451,3 +451,24 @@ def test_a_dynamic_int8_matmul_computed_in_float_passes_by_the_float_reference(s
         assert output.criterion == "float reference"
         assert output.reference_optimized is not None and output.reference_original is not None
         assert output.reference_optimized < output.reference_original
+
+
+def test_a_check_with_a_memo_reads_the_originals_reruns_back(
+    saved: Saved, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The runner's retries check one original against several outputs: its own rounding's draws and its
+    # float reference run once, and the later checks judge alike from what was kept.
+    from graphopt.numerics import judging
+
+    nearer, memo = tmp_path / "nearer.onnx", tmp_path / "memo"
+    onnx.save(dynamic_but_the_last_matmul(), nearer)
+    opened: list[object] = []
+    open_session = judging.open_session
+    monkeypatch.setattr(judging, "open_session", lambda *a, **k: opened.append(a[0]) or open_session(*a, **k))
+    first = check_models(saved("dynamic int8"), nearer, memo=memo)
+    sessions = len(opened)
+    again = check_models(saved("dynamic int8"), nearer, memo=memo)
+    assert first.passed_by == again.passed_by == "float reference"
+    assert json.dumps(first.as_dict()["bindings"]) == json.dumps(again.as_dict()["bindings"])
+    assert sessions == 7  # the original's six draws of its own rounding and its float reference
+    assert len(opened) == sessions  # the second check ran none of them again

@@ -218,6 +218,7 @@ def check_models(
     confine: bool = False,
     custom_op_libraries: Sequence[str | os.PathLike[str]] = (),
     on_deadline: Callable[[float, float], None] | None = None,
+    memo: str | os.PathLike[str] | None = None,
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
 
@@ -248,6 +249,9 @@ def check_models(
             time.monotonic clock (the parent of the check's process kills it past that).
         custom_op_libraries: shared libraries of onnxruntime custom ops, registered in every
             session (``--custom-op-library``).
+        memo: a folder keeping the original's reruns at its bindings (its own rounding's draws,
+            its float reference) for a later check of the same original with the same options
+            to read back, not run again (judging.Judged).
 
     Generated inputs are also compared at the largest binding (inputs.largest_binding),
     unless the original's runs at the smaller ones predict it would take over
@@ -425,7 +429,9 @@ def check_models(
     del session
     if failure is None and not criterion.elementwise:
         room = max(0, memory_budget - needs.load_bytes)
-        models = Judged(Path(original), Path(optimized), layouts, threads, custom_op_libraries)
+        models = Judged(
+            Path(original), Path(optimized), layouts, threads, custom_op_libraries, None if memo is None else Path(memo)
+        )
         judge_by_own_rounding(models, ran, [b.outputs for b in done], produced, spec_a, deadline, seed, room, on_phase)
         for judged in done:
             judged.passed = all(o.passed is not False for o in judged.outputs)

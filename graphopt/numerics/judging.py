@@ -5,10 +5,11 @@ and where that distance cannot judge, the optimized model evaluated so too."""
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import onnx
@@ -44,13 +45,28 @@ class Runs(Protocol):
 
 @dataclass(frozen=True)
 class Judged:
-    """The two model files a check judges, and how it runs them."""
+    """The two model files a check judges, and how it runs them. ``memo``: a folder keeping the original's
+    reruns (its own rounding's draws, its float reference), which later checks of the same original at the same
+    inputs read back (the runner's retries judge one original against several outputs)."""
 
     original: Path
     optimized: Path
     layouts: Mapping[str, tuple[int, ...]]  # the optimized model's inputs in another layout (relaid)
     threads: int
     libraries: Sequence[str | os.PathLike[str]]
+    memo: Path | None = None
+
+    def recalled(self, key: str) -> tuple[bool, object]:
+        """(True, what was kept under ``key``) or (False, None)."""
+        path = None if self.memo is None else self.memo / f"{key}.pickle"
+        if path is None or not path.is_file():
+            return False, None
+        return True, pickle.loads(path.read_bytes())
+
+    def keep(self, key: str, found: object) -> None:
+        if self.memo is not None:
+            self.memo.mkdir(parents=True, exist_ok=True)
+            (self.memo / f"{key}.pickle").write_bytes(pickle.dumps(found))
 
 
 def judge_by_own_rounding(
@@ -79,18 +95,28 @@ def judge_by_own_rounding(
     for draw in range(DRAWS):
         if on_phase is not None:
             on_phase(f"check: the original's own rounding, draw {draw + 1} of {DRAWS}")
+        # A draw's perturbed feeds come from one generator in turn, so its runs depend on the bindings retried.
+        key = f"draw-{seed}-{draw}-" + "-".join(map(str, retried))
+        kept, found = models.recalled(key)
+        if kept:
+            for number, run in zip(retried, cast("list[list[Output]]", found), strict=False):
+                draws[number].append(run)  # none where the draw did not run (kept as [])
+            continue
         rng = np.random.default_rng([seed, 34, draw])
         overrides = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in perturbation.draw(rng).items()}
         try:
             session = open_session(models.original, session_options(models.threads, models.libraries, overrides))
-            for number in retried:
-                draws[number].append(deadline.run(session, perturbation.feed(ran[number][1], rng)))
+            ran_draw = [deadline.run(session, perturbation.feed(ran[number][1], rng)) for number in retried]
         except (OrtError, MemoryError):
+            models.keep(key, [])
             continue  # a draw that does not run measures nothing; too few draws measure nothing
         except TimeoutError:
             break
         finally:
             session = None  # before its overrides
+        models.keep(key, ran_draw)
+        for number, run in zip(retried, ran_draw, strict=True):
+            draws[number].append(run)
     for number, outputs in retried.items():
         binding = done[number]
         for k in outputs:
@@ -119,7 +145,7 @@ def _judge_by_reference(
         return
     if on_phase is not None:
         on_phase("check: the original evaluated in float32")
-    runs = _run_float_reference(models.original, {n: ran[n][1] for n in failing}, models, deadline)
+    runs = _original_reference(models, {n: ran[n][1] for n in failing}, deadline)
     if runs is None:
         return  # no reference: the second criterion's verdict stands
     judged: dict[tuple[int, int], tuple[float, float, list[float]]] = {}
@@ -140,6 +166,20 @@ def _judge_by_reference(
     programs = _float_programs(models, ran, runs, unsettled, deadline, on_phase) if unsettled else {}
     for (number, k), (original, optimized, reruns) in judged.items():
         judge_by_reference(done[number][k], original, optimized, reruns, programs.get((number, k)))
+
+
+def _original_reference(
+    models: Judged, feeds: Mapping[int, Mapping[str, Feed]], deadline: Runs
+) -> dict[int, list[Output]] | None:
+    """The original's float reference run at ``feeds``' bindings (_run_float_reference), as kept in the memo
+    where an earlier check ran it there."""
+    key = "reference-" + "-".join(map(str, feeds))
+    kept, found = models.recalled(key)
+    if kept:
+        return cast("dict[int, list[Output]] | None", found)
+    runs = _run_float_reference(models.original, feeds, models, deadline)
+    models.keep(key, runs)
+    return runs
 
 
 def _run_float_reference(

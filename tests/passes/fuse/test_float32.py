@@ -162,3 +162,16 @@ def test_a_kv_cache_kept_in_float32_outside_is_read_in_float32(tmp_path: Path) -
     assert list(attention.input[4:6]) == ["past_key_float32", "past_value_float32"]
     assert not any(n.op_type == "Cast" and n.input[0].endswith("_float32") for n in written.graph.node)
     assert invoke("run", target, "--check-optimized").exit_code == 0
+
+
+def test_an_attention_nothing_reads_is_left_to_dce() -> None:
+    """A float16 Attention whose outputs nothing reads (dead before dce runs) is no match: nothing to cast back."""
+    proto = model(
+        [node("Attention", ["q", "k", "v"], "y"), node("Identity", ["q"], "out")],
+        [info(name, HALF_HEADS[name], F16) for name in ("q", "k", "v")],
+        [info("out", None, F16)],
+        opset=23,
+    )
+    _, details = fuse(proto, **LATE)
+    assert "attention-float32" not in details["applied"], details
+    assert any("nothing reads" in miss for miss in details["near_misses"].get("attention", [])), details

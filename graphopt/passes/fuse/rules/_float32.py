@@ -57,6 +57,8 @@ def _float32_source(value: Value) -> Value | None:
 def _plan(cache: tuple[int, ...]) -> Callable[[Match, Site], Refuse | None]:
     def plan(m: Match, site: Site) -> Refuse | None:
         node = m.root
+        if not any(_read(v) for v in node.outputs):
+            return Refuse("nothing reads its outputs (dce removes it)")
         given = [node.inputs[i] for i in cache if i < len(node.inputs)]
         if any(v is not None and _float32_source(v) is None for v in given):
             return Refuse("a float16 KV cache: in float32 it would be converted whole at every step")

@@ -41,10 +41,6 @@ def _float16(value: Value) -> bool:
     return Site.dtype(value) == DataType.FLOAT16
 
 
-def _read(value: Value) -> bool:
-    return value.is_used() or value.is_graph_output
-
-
 def _float32_source(value: Value) -> Value | None:
     """The float32 value that ``value`` is a Cast to float16 of, if it is one."""
     cast = value.producer
@@ -57,7 +53,7 @@ def _float32_source(value: Value) -> Value | None:
 def _plan(cache: tuple[int, ...]) -> Callable[[Match, Site], Refuse | None]:
     def plan(m: Match, site: Site) -> Refuse | None:
         node = m.root
-        if not any(_read(v) for v in node.outputs):
+        if not any(v.is_used() for v in node.outputs):
             return Refuse("nothing reads its outputs (dce removes it)")
         given = [node.inputs[i] for i in cache if i < len(node.inputs)]
         if any(v is not None and _float32_source(v) is None for v in given):
@@ -67,7 +63,7 @@ def _plan(cache: tuple[int, ...]) -> Callable[[Match, Site], Refuse | None]:
                 return Refuse(f"the type of input {value.name!r} is unknown")
             if is_float(value) and not _float16(value):
                 return Refuse(f"input {value.name!r} is float but not float16")
-        if any(_read(v) and not _float16(v) for v in node.outputs):
+        if any(v.is_used() and not _float16(v) for v in node.outputs):
             return Refuse("an output read is not float16 (or its type is unknown)")
         return None
 
@@ -97,7 +93,7 @@ def _build(cache: tuple[int, ...], masks: tuple[int, ...]) -> Callable[[Builder,
     def build(b: Builder, m: Match, plan: None) -> list[Value]:
         node = m.root
         widened = [_widened(b, v, index in cache, index in masks) for index, v in enumerate(node.inputs)]
-        read = [index for index, v in enumerate(node.outputs) if _read(v)]
+        read = [index for index, v in enumerate(node.outputs) if v.is_used()]  # graph outputs too
         computed = b.node(node.op_type, *widened, outputs=read[-1] + 1, **attrs_of(node))
         return [
             b.op("Cast", wide, to=int(DataType.FLOAT16)) if index in read else wide

@@ -465,6 +465,9 @@ def test_a_check_with_a_memo_reads_the_originals_reruns_back(
     opened: list[object] = []
     open_session = judging.open_session
     monkeypatch.setattr(judging, "open_session", lambda *a, **k: opened.append(a[0]) or open_session(*a, **k))
+    read: list[Path] = []
+    perturbation_of = judging.Perturbation.of
+    monkeypatch.setattr(judging.Perturbation, "of", lambda path, *a: read.append(path) or perturbation_of(path, *a))
     first = check_models(saved("dynamic int8"), nearer, memo=memo)
     sessions = len(opened)
     again = check_models(saved("dynamic int8"), nearer, memo=memo)
@@ -472,3 +475,4 @@ def test_a_check_with_a_memo_reads_the_originals_reruns_back(
     assert json.dumps(first.as_dict()["bindings"]) == json.dumps(again.as_dict()["bindings"])
     assert sessions == 7  # the original's six draws of its own rounding and its float reference
     assert len(opened) == sessions  # the second check ran none of them again
+    assert len(read) == 1  # nor read the original's weights to move them

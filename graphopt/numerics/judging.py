@@ -90,7 +90,7 @@ def judge_by_own_rounding(
     if not retried:
         return
     precision = lowest(path.precision for path in spec.paths.values()) or "float32"
-    perturbation = Perturbation.of(models.original, precision, room)
+    perturbation: Perturbation | None = None  # read from the original where a draw is not in the memo
     draws: dict[int, list[list[Output]]] = {number: [] for number in retried}
     for draw in range(DRAWS):
         if on_phase is not None:
@@ -103,6 +103,7 @@ def judge_by_own_rounding(
                 draws[number].append(run)  # none where the draw did not run (kept as [])
             continue
         rng = np.random.default_rng([seed, 34, draw])
+        perturbation = perturbation or Perturbation.of(models.original, precision, room)
         overrides = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in perturbation.draw(rng).items()}
         try:
             session = open_session(models.original, session_options(models.threads, models.libraries, overrides))

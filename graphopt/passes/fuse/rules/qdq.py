@@ -30,8 +30,9 @@ integer type holds it (no saturation). So:
   own drop of DQ -> Gather -> Q fails where it has made the rows' int8 pair uint8 first. The rows
   are gathered as integers and dequantized after; uint8 because onnxruntime's x86 integer kernels
   after them (QLinearAdd) take uint8 activations and it converts int8 ones only at Q -> DQ pairs.
-  Exact: ``(q + 128) - (z + 128) = q - z``. The table must be read by that DequantizeLinear
-  alone, and it by the Gather (a tied head's int8 table stays: a uint8 copy would grow the file).
+  Exact: ``(q + 128) - (z + 128) = q - z``. A table read elsewhere too (GPT-2's tied head), or
+  larger than the rules read, stays int8 (a uint8 copy would grow the file): its rows are gathered,
+  dequantized and quantized again to uint8 with the zero point + 128, the same numbers.
 - ``Move(DQ(q, s, z)) -> DQ(Move(q), s, z)`` where only fused float ops (Attention,
   MultiHeadAttention, GroupQueryAttention, RotaryEmbedding, written by a fusion through Q/DQ)
   or further moves (and Expand) read the move: exact, for any 8- or 16-bit integer (int8 too:
@@ -294,7 +295,9 @@ def _build_moved(b: Builder, m: Match, plan: None) -> Value:
 # -- DQ(Q(Gather(DQ(int8 table)))) -> DQ(Gather(uint8 table)) ----------------------------------------
 
 
-def _plan_gathered_table(m: Match, site: Site) -> Refuse | None:
+def _plan_gathered_table(m: Match, site: Site) -> bool | Refuse:
+    """Whether the table becomes uint8 (read by its DequantizeLinear alone, which the Gather alone reads), or
+    why the rule does not apply. A table read elsewhere too stays int8 and its rows are requantized to uint8."""
     gather, table = m.node("move"), _dequantizer(m.value("x")).inputs[0]
     found = _pair(m.value("x"), m.node("q"))
     if isinstance(found, Refuse):
@@ -305,10 +308,6 @@ def _plan_gathered_table(m: Match, site: Site) -> Refuse | None:
     tensor = constant_tensor(table)
     if table is None or tensor is None:
         return Refuse("the dequantized data is not a constant table")
-    if table.is_graph_output or len(table.uses()) != 1 or len(m.value("x").uses()) != 1:
-        return Refuse("the table is read elsewhere too: a uint8 copy beside it would grow the file")
-    if prod(tensor.shape) > WEIGHT_READ_LIMIT:  # int8: one byte each
-        return Refuse("the table is larger than the rules read")
     if _bound_at_call_site(gather):
         return Refuse("the Gather's attributes are bound at a function's call site")
     last = _dq_params(m.root)
@@ -318,18 +317,30 @@ def _plan_gathered_table(m: Match, site: Site) -> Refuse | None:
         return Refuse("the Gather does not carry the per-axis quantization's axis to the QuantizeLinear's")
     if (before.axis is None) != (after.axis is None) or after.axis != last.axis:
         return Refuse("the quantizations are not along the same axes")
-    return _same(before, after) or _same(after, last)
+    refusal = _same(before, after) or _same(after, last)
+    if refusal is not None:
+        return refusal
+    read_alone = not table.is_graph_output and len(table.uses()) == 1 and len(m.value("x").uses()) == 1
+    return read_alone and prod(tensor.shape) <= WEIGHT_READ_LIMIT  # int8: one byte each
 
 
-def _build_gathered_table(b: Builder, m: Match, plan: None) -> Value:
+def _build_gathered_table(b: Builder, m: Match, converted: bool) -> Value:
     gather, dequantize = m.node("move"), _dequantizer(m.value("x"))
-    table, scale, params = Site.array(dequantize.inputs[0]), Site.array(m.root.inputs[1]), _dq_params(m.root)
+    table, scale, params = dequantize.inputs[0], Site.array(m.root.inputs[1]), _dq_params(m.root)
     assert table is not None and scale is not None and isinstance(params, _Params)  # the plan read them
-    # int8 q -> uint8 q + 128 flips the sign bit; the zero point moves alike, so (q - z) * s stays bit for bit.
-    uint8_table = b.constant(table.view(np.uint8) ^ np.uint8(0x80), "table_uint8")
-    rows = b.op("Gather", uint8_table, *gather.inputs[1:], **attrs_of(gather))
+    # int8 q -> uint8 q + 128 (the sign bit flipped), its zero point alike: (q - z) * s stays bit for bit.
     zero = b.constant((params.zero + 128).astype(np.uint8).reshape(scale.shape), "zero_uint8")
-    return b.op("DequantizeLinear", rows, m.root.inputs[1], zero, **attrs_of(m.root))
+    per_axis = attrs_of(m.root)
+    if converted:
+        values = Site.array(table)
+        assert values is not None  # the plan bounded its size
+        uint8_table = b.constant(values.view(np.uint8) ^ np.uint8(0x80), "table_uint8")
+        rows = b.op("Gather", uint8_table, *gather.inputs[1:], **attrs_of(gather))
+        return b.op("DequantizeLinear", rows, m.root.inputs[1], zero, **per_axis)
+    rows = b.op("Gather", table, *gather.inputs[1:], **attrs_of(gather))
+    dequantized = b.op("DequantizeLinear", rows, *m.root.inputs[1:], **per_axis)
+    requantized = b.op("QuantizeLinear", dequantized, m.root.inputs[1], zero, **per_axis)
+    return b.op("DequantizeLinear", requantized, m.root.inputs[1], zero, **per_axis)
 
 
 # -- Move(DQ(q)) -> DQ(Move(q)) before a fused op ---------------------------------------------------
@@ -447,7 +458,8 @@ RULES: tuple[Rule[Any], ...] = (
         build=_build_gathered_table,
         min_opset=10,
         label="int8 table -> DequantizeLinear -> Gather -> QuantizeLinear -> DequantizeLinear",
-        doc="DQ(Q(Gather(DQ(t, s, z), ids), s, z), s, z) -> DQ(Gather(t + 128, ids), s, z + 128), t int8",
+        doc="DQ(Q(Gather(DQ(t, s, z), ids), s, z), s, z) -> DQ(Gather(t + 128, ids), s, z + 128), t int8 (a table "
+        "read elsewhere too: its rows requantized to uint8)",
     ),
     _rule(
         name="qdq-concat-integers",

@@ -101,7 +101,7 @@ def _read_by_an_add(proto: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _gathered_table(table: np.ndarray | None = None, zero: int = 3) -> onnx.ModelProto:
+def _gathered_table(table: np.ndarray | None = None, zero: int = 3, opset: int = 17) -> onnx.ModelProto:
     """quantize_static's embedding: an int8 table (its weight quantization, zero point ``zero``) dequantized whole,
     gathered by the ids, and the rows quantized and dequantized again with the table's parameters."""
     if table is None:
@@ -113,7 +113,27 @@ def _gathered_table(table: np.ndarray | None = None, zero: int = 3) -> onnx.Mode
         node("DequantizeLinear", ["gq", "b_s", "b_z"], "y"),
     ]
     params = [init("t", table), *_params("w", zero=zero, dtype=np.int8), *_params("b", zero=zero, dtype=np.int8)]
-    return model(nodes, [info("ids", ["b", 3], TensorProto.INT64)], ["y"], params)
+    return model(nodes, [info("ids", ["b", "s"], TensorProto.INT64)], ["y"], params, opset=opset)
+
+
+def _per_channel_table(gathered_axis: int) -> onnx.ModelProto:
+    """The table quantized per column (axis 1, four scales and zero points), gathered along ``gathered_axis``: the
+    rows' quantization along axis 2 of [b, s, 4] (a Gather along axis 1 would cut the columns)."""
+    proto = _gathered_table()
+    scales = np.asarray([0.05, 0.1, 0.02, 0.07], np.float32)
+    zeros = np.asarray([3, -5, 0, 127], np.int8)
+    for prefix in ("w", "b"):
+        for index, found in enumerate(proto.graph.initializer):
+            if found.name == f"{prefix}_s":
+                proto.graph.initializer[index].CopyFrom(init(found.name, scales))
+            if found.name == f"{prefix}_z":
+                proto.graph.initializer[index].CopyFrom(init(found.name, zeros))
+    for found in proto.graph.node:
+        found.attribute.extend([helper.make_attribute("axis", 1 if found.input[0] == "t" else 2)])
+        if found.op_type == "Gather":
+            del found.attribute[:]
+            found.attribute.extend([helper.make_attribute("axis", gathered_axis)])
+    return proto
 
 
 NO_SHAPE = "n/a: a per-tensor quantization needs no shape"
@@ -438,6 +458,9 @@ def test_moves_that_end_in_an_integer_kernel_keep_the_dequantize_before_them() -
     assert any("the move is not read by fused float ops alone" in m for m in found), found
 
 
+IDS = {"ids": np.asarray([[5, 0, 2], [1, 1, 4]], np.int64)}
+
+
 @pytest.mark.parametrize("zero", [-128, 0, 3, 127])
 def test_a_gathered_int8_table_becomes_uint8_and_gives_every_value_back(zero: int) -> None:
     """onnxruntime dequantizes an int8 table read through a Gather whole on every run (t5_encoder_ts_qdq's 8000 x 256
@@ -445,7 +468,7 @@ def test_a_gathered_int8_table_becomes_uint8_and_gives_every_value_back(zero: in
     too), which onnxruntime's x86 integer kernels read after it. Every int8 value, bit for bit in onnxruntime."""
     every = np.arange(-128, 128, dtype=np.int8).reshape(64, 4)
     proto = _gathered_table(every, zero)
-    ids = {"ids": np.arange(64, dtype=np.int64).reshape(-1, 4)[:, :3]}
+    ids = {"ids": np.arange(64, dtype=np.int64).reshape(16, 4)}
     out = fires(proto, "qdq-gather-table-uint8", {"Gather": 1, "DequantizeLinear": 1}, ids, passes=PASSES, **LATE)
     (table,) = (t for t in out.graph.initializer if t.dims == [64, 4])
     assert table.data_type == TensorProto.UINT8
@@ -453,25 +476,100 @@ def test_a_gathered_int8_table_becomes_uint8_and_gives_every_value_back(zero: in
     assert gather.input[0] == table.name
     (original,) = run_ort(proto, ids).values()
     (rewritten,) = run_ort(out, ids).values()
+    assert original.size == every.size
     assert np.array_equal(original.view(np.uint32), rewritten.view(np.uint32))
 
 
-def test_a_table_read_elsewhere_too_stays_int8_and_its_rows_become_uint8() -> None:
+@pytest.mark.parametrize("opset", [17, 23])
+def test_a_table_read_elsewhere_too_stays_int8_and_its_rows_become_uint8(opset: int) -> None:
     """A tied embedding (GPT-2's table is its head's weight too): a uint8 copy beside the int8 table would grow the
     file, so the rows are gathered from the int8 table, dequantized and requantized to uint8 (the same numbers, for
-    onnxruntime's x86 integer kernels after them); bit for bit in onnxruntime."""
-    proto = _gathered_table()
+    onnxruntime's x86 integer kernels after them); bit for bit in onnxruntime. At opset 23 the rows' DequantizeLinear
+    names its float type (output_dtype), which the new QuantizeLinear does not take."""
+    proto = _gathered_table(opset=opset)
+    if opset >= 23:
+        proto.graph.node[-1].attribute.extend([helper.make_attribute("output_dtype", TensorProto.FLOAT)])
     proto.graph.node.append(node("Transpose", ["d"], "head", perm=[1, 0]))
     proto.graph.output.append(info("head", None))
     expected = {"DequantizeLinear": 3, "Gather": 1, "QuantizeLinear": 1, "Transpose": 1}
-    ids = {"ids": np.asarray([[5, 0, 2], [1, 1, 4]], np.int64)}
-    out = fires(proto, "qdq-gather-table-uint8", expected, ids, passes=PASSES, **LATE)
+    out = fires(proto, "qdq-gather-table-uint8", expected, IDS, passes=PASSES, **LATE)
+    onnx.checker.check_model(out, full_check=True)
     assert [t.data_type for t in out.graph.initializer if t.dims == [6, 4]] == [TensorProto.INT8]
     (quantize,) = (n for n in out.graph.node if n.op_type == "QuantizeLinear")
     (zero,) = (t for t in out.graph.initializer if t.name == quantize.input[2])
     assert zero.data_type == TensorProto.UINT8
-    for original, rewritten in zip(run_ort(proto, ids).values(), run_ort(out, ids).values(), strict=True):
+    for original, rewritten in zip(run_ort(proto, IDS).values(), run_ort(out, IDS).values(), strict=True):
         assert np.array_equal(original.view(np.uint32), rewritten.view(np.uint32))
+
+
+def test_a_dequantized_table_that_is_a_graph_output_stays_int8() -> None:
+    """The whole dequantized table is an output too: its int8 table stays for it, so the rows are requantized."""
+    proto = _gathered_table()
+    proto.graph.output.append(info("d", None))
+    expected = {"DequantizeLinear": 3, "Gather": 1, "QuantizeLinear": 1}
+    out = fires(proto, "qdq-gather-table-uint8", expected, IDS, passes=PASSES, **LATE)
+    assert [t.data_type for t in out.graph.initializer if t.dims == [6, 4]] == [TensorProto.INT8]
+
+
+def test_a_per_column_table_gathered_by_rows_becomes_uint8() -> None:
+    """Per-axis zero points move by 128 each; the rows' axis is where the Gather carries the columns."""
+    proto = _per_channel_table(gathered_axis=0)
+    out = fires(proto, "qdq-gather-table-uint8", {"Gather": 1, "DequantizeLinear": 1}, IDS, passes=PASSES, **LATE)
+    (original,) = run_ort(proto, IDS).values()
+    (rewritten,) = run_ort(out, IDS).values()
+    assert np.array_equal(original.view(np.uint32), rewritten.view(np.uint32))
+
+
+def _as_input(name: str) -> Callable[[onnx.ModelProto], onnx.ModelProto]:
+    def change(proto: onnx.ModelProto) -> onnx.ModelProto:
+        (found,) = (t for t in proto.graph.initializer if t.name == name)
+        proto.graph.input.append(helper.make_tensor_value_info(name, found.data_type, list(found.dims)))
+        proto.graph.initializer.remove(found)
+        return proto
+
+    return change
+
+
+def _uint8_table(proto: onnx.ModelProto) -> onnx.ModelProto:
+    for index, found in enumerate(proto.graph.initializer):
+        if found.name in ("t", "w_z", "b_z"):
+            values = onnx.numpy_helper.to_array(found).astype(np.int16) + 128
+            proto.graph.initializer[index].CopyFrom(init(found.name, values, np.uint8))
+    return proto
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (set_const("w_z", 4), "the zero points differ"),  # the table's and the rows' quantizations
+        (lambda p: _last_zero(p, 4), "the zero points differ"),  # the rows' Q and their last DQ
+        (set_const("w_s", SCALE * 1.01), "the scales differ"),
+        (_uint8_table, "the table is not int8"),
+        (_as_input("t"), "not a constant table"),
+    ],
+    ids=["table-zero", "last-zero", "table-scale", "uint8-table", "table-an-input"],
+)
+def test_a_gathered_table_that_is_not_an_exact_int8_round_trip_stays(
+    change: Callable[[onnx.ModelProto], onnx.ModelProto], reason: str
+) -> None:
+    proto = change(_gathered_table())
+    _, details = fuse(proto, PASSES, **LATE)
+    assert "qdq-gather-table-uint8" not in details["applied"], details
+    assert any(reason in m for m in details["near_misses"]["qdq"]), details["near_misses"]
+
+
+def _last_zero(proto: onnx.ModelProto, zero: int) -> onnx.ModelProto:
+    """The rows' last DequantizeLinear reads a zero point of its own."""
+    proto.graph.initializer.append(init("c_z", np.asarray(zero, np.int8)))
+    proto.graph.node[-1].input[2] = "c_z"
+    return proto
+
+
+def test_a_per_column_table_gathered_along_its_columns_stays() -> None:
+    """A Gather along the quantized axis would need the scales gathered too."""
+    _, details = fuse(_per_channel_table(gathered_axis=1), PASSES, **LATE)
+    assert "qdq-gather-table-uint8" not in details["applied"], details
+    assert any("does not carry" in m for m in details["near_misses"]["qdq"]), details["near_misses"]
 
 
 def test_the_default_pipeline_gathers_an_int8_table_before_dequantizing_it(tmp_path: Path) -> None:
@@ -482,6 +580,6 @@ def test_the_default_pipeline_gathers_an_int8_table_before_dequantizing_it(tmp_p
     assert result.exit_code == 0, result.stderr
     assert "numerics: passed" in result.stderr
     written = onnx.load(out)
-    tables = {t.name for t in written.graph.initializer if t.dims == [6, 4]}
+    tables = {t.name: t.data_type for t in written.graph.initializer if t.dims == [6, 4]}
     assert [n.op_type for n in written.graph.node] == ["Gather", "DequantizeLinear"]
-    assert written.graph.node[0].input[0] in tables
+    assert tables == {written.graph.node[0].input[0]: TensorProto.UINT8}

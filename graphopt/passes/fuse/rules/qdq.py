@@ -66,7 +66,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.constness import constant_tensor
 from graphopt.ir.ops import CARRIERS, MOVES
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, static_shape
+from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, named_after, static_shape
 from graphopt.passes.rewrite.engine import WEIGHT_READ_LIMIT, Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
 
@@ -269,22 +269,29 @@ def _kernel_refusal(op_type: str, integer: DataType) -> Refuse | None:
     return None if integer in _MOVABLE else Refuse(f"onnxruntime's CPU {op_type} does not take {integer.name.lower()}")
 
 
-def _plan_move(m: Match, site: Site) -> Refuse | None:
+def _carried(m: Match) -> tuple[_Params, _Params] | Refuse:
+    """The parameters of the DequantizeLinear before the move and of the QuantizeLinear "q" after it, or why
+    the move does not carry the one's quantization to the other's."""
     move = m.node("move")
-    found = _pair(m.value("x"), m.root)
+    found = _pair(m.value("x"), m.node("q"))
     if isinstance(found, Refuse):
         return found
     before, after = found
     if _bound_at_call_site(move):
         return Refuse("the move's attributes are bound at a function's call site")
-    refusal = _kernel_refusal(move.op_type, before.integer)
-    if refusal is not None:
-        return refusal
     if before.axis is not None and _moved_axis(move, before.axis) != after.axis:
         return Refuse("the move does not carry the per-axis quantization's axis to the QuantizeLinear's")
     if (before.axis is None) != (after.axis is None):
         return Refuse("one quantization is per axis, the other per tensor")
-    return _same(before, after)
+    return found
+
+
+def _plan_move(m: Match, site: Site) -> Refuse | None:
+    found = _carried(m)
+    if isinstance(found, Refuse):
+        return found
+    before, after = found
+    return _kernel_refusal(m.node("move").op_type, before.integer) or _same(before, after)
 
 
 def _build_moved(b: Builder, m: Match, plan: None) -> Value:
@@ -295,52 +302,67 @@ def _build_moved(b: Builder, m: Match, plan: None) -> Value:
 # -- DQ(Q(Gather(DQ(int8 table)))) -> DQ(Gather(uint8 table)) ----------------------------------------
 
 
-def _plan_gathered_table(m: Match, site: Site) -> bool | Refuse:
-    """Whether the table becomes uint8 (read by its DequantizeLinear alone, which the Gather alone reads), or
-    why the rule does not apply. A table read elsewhere too stays int8 and its rows are requantized to uint8."""
-    gather, table = m.node("move"), _dequantizer(m.value("x")).inputs[0]
-    found = _pair(m.value("x"), m.node("q"))
+@dataclass(frozen=True)
+class _Rows:
+    """How the gathered rows reach onnxruntime's integer kernels as uint8: the zero point + 128 (shaped like the
+    scale), and whether the table itself becomes uint8 (else the rows are requantized)."""
+
+    zero: np.ndarray
+    table_converted: bool
+
+
+def _plan_gathered_table(m: Match, site: Site) -> _Rows | Refuse:
+    found = _carried(m)
     if isinstance(found, Refuse):
         return found
     before, after = found
     if before.integer != DataType.INT8:
         return Refuse("the table is not int8 (qdq-move-integers moves the others)")
+    table = _dequantizer(m.value("x")).inputs[0]
     tensor = constant_tensor(table)
     if table is None or tensor is None:
         return Refuse("the dequantized data is not a constant table")
-    if _bound_at_call_site(gather):
-        return Refuse("the Gather's attributes are bound at a function's call site")
-    last = _dq_params(m.root)
+    last, scale = _dq_params(m.root), float_array(m.root.inputs[1])
     if isinstance(last, Refuse):
         return last
-    if before.axis is not None and _moved_axis(gather, before.axis) != after.axis:
-        return Refuse("the Gather does not carry the per-axis quantization's axis to the QuantizeLinear's")
-    if (before.axis is None) != (after.axis is None) or after.axis != last.axis:
-        return Refuse("the quantizations are not along the same axes")
+    if after.axis != last.axis:
+        return Refuse("the rows are quantized and dequantized along different axes")
     refusal = _same(before, after) or _same(after, last)
-    if refusal is not None:
-        return refusal
-    read_alone = not table.is_graph_output and len(table.uses()) == 1 and len(m.value("x").uses()) == 1
-    return read_alone and prod(tensor.shape) <= WEIGHT_READ_LIMIT  # int8: one byte each
+    if refusal is not None or scale is None:
+        return refusal or Refuse("a scale is not a float constant")
+    dequantized = m.value("x")
+    # A table or dequantized table read elsewhere too stays (a uint8 copy beside it would grow the file).
+    read_alone = not (table.is_graph_output or dequantized.is_graph_output)
+    read_alone = read_alone and len(table.uses()) == len(dequantized.uses()) == 1
+    zero = (last.zero + 128).astype(np.uint8).reshape(scale.shape)
+    return _Rows(zero, read_alone and prod(tensor.shape) <= WEIGHT_READ_LIMIT)
 
 
-def _build_gathered_table(b: Builder, m: Match, converted: bool) -> Value:
-    gather, dequantize = m.node("move"), _dequantizer(m.value("x"))
-    table, scale, params = dequantize.inputs[0], Site.array(m.root.inputs[1]), _dq_params(m.root)
-    assert table is not None and scale is not None and isinstance(params, _Params)  # the plan read them
+def _build_gathered_table(b: Builder, m: Match, rows: _Rows) -> Value:
+    gather, table, scale = m.node("move"), _dequantizer(m.value("x")).inputs[0], m.root.inputs[1]
+    assert table is not None  # a DequantizeLinear's input 0 is never omitted
     # int8 q -> uint8 q + 128 (the sign bit flipped), its zero point alike: (q - z) * s stays bit for bit.
-    zero = b.constant((params.zero + 128).astype(np.uint8).reshape(scale.shape), "zero_uint8")
-    per_axis = attrs_of(m.root)
-    if converted:
+    zero = b.constant(rows.zero, named_after(m.root.inputs[2] if len(m.root.inputs) > 2 else None, "uint8"))
+    dequantize = attrs_of(m.root)  # its axis along the rows, and its float type
+    if rows.table_converted:
         values = Site.array(table)
         assert values is not None  # the plan bounded its size
-        uint8_table = b.constant(values.view(np.uint8) ^ np.uint8(0x80), "table_uint8")
-        rows = b.op("Gather", uint8_table, *gather.inputs[1:], **attrs_of(gather))
-        return b.op("DequantizeLinear", rows, m.root.inputs[1], zero, **per_axis)
-    rows = b.op("Gather", table, *gather.inputs[1:], **attrs_of(gather))
-    dequantized = b.op("DequantizeLinear", rows, *m.root.inputs[1:], **per_axis)
-    requantized = b.op("QuantizeLinear", dequantized, m.root.inputs[1], zero, **per_axis)
-    return b.op("DequantizeLinear", requantized, m.root.inputs[1], zero, **per_axis)
+        converted = b.constant(values.view(np.uint8) ^ np.uint8(0x80), named_after(table, "uint8"))
+        return b.op(
+            "DequantizeLinear",
+            b.op("Gather", converted, *gather.inputs[1:], **attrs_of(gather)),
+            scale,
+            zero,
+            **dequantize,
+        )
+    int8_rows = b.op(
+        "DequantizeLinear",
+        b.op("Gather", table, *gather.inputs[1:], **attrs_of(gather)),
+        *m.root.inputs[1:],
+        **dequantize,
+    )
+    requantized = b.op("QuantizeLinear", int8_rows, scale, zero, **attrs_of(m.root, output_dtype=None))
+    return b.op("DequantizeLinear", requantized, scale, zero, **dequantize)
 
 
 # -- Move(DQ(q)) -> DQ(Move(q)) before a fused op ---------------------------------------------------

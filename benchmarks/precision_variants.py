@@ -33,7 +33,7 @@ alone in a fresh process, as ``exports.py`` runs them; the peers' counts are kep
 ~/.cache/graphopt-bench/variant-peers.json and rerun only with ``--refresh``) and prints, per
 variant, graphopt's count, the best peer's and which of the two has more nodes.
 
-``latency`` times, per variant, graphopt's default and ``--target ort`` outputs (written with the
+``latency`` times, per variant, graphopt's default, ``--target-opset 23`` and ``--target ort`` outputs (written with the
 check: the output a user gets, without the fusions through Q/DQ the check refuses) and
 onnxruntime's extended-level output against the variant itself, at ORT_ENABLE_ALL, 1 thread, in
 interleaved rounds at the index's second binding, or its first where onnxruntime refuses the
@@ -355,7 +355,14 @@ def node_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-TIMED = {"default": [], "ort": ["--target", "ort"]}
+TIMED = {"default": [], "opset23": ["--target-opset", "23"], "ort": ["--target", "ort"]}
+# The columns of the latency table: the three outputs, then onnxruntime's own.
+_TIMED_COLUMNS = {
+    "default": "default",
+    "opset23": "`--target-opset 23`",
+    "ort": "`--target ort`",
+    "ort_extended": "ort_extended",
+}
 
 
 def latency(variants: Path, only: list[str], runs: int) -> list[dict[str, Any]]:
@@ -422,16 +429,17 @@ def _latency_line(row: dict[str, Any]) -> str:
     timed = row["latency"]
     base = timed.get("variant")
     ms = f"{base['median_s'] * 1000:.2f} ms" if isinstance(base, dict) else "err"
-    cells = [f"{key} {_ratio(timed.get(key))}" for key in ("default", "ort", "ort_extended")]
+    cells = [f"{key} {_ratio(timed.get(key))}" for key in _TIMED_COLUMNS]
     slower = _slower_targets(row)
     return f"{row['model']}: variant {ms}; " + "; ".join(cells) + (f"  ** {'; '.join(slower)}" if slower else "")
 
 
 def latency_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| variant | variant ms | default / variant | `--target ort` / variant | ort_extended / variant "
-        "| slower beyond noise |",
-        "|---|---|---|---|---|---|",
+        "| variant | variant ms | "
+        + " | ".join(f"{label} / variant" for label in _TIMED_COLUMNS.values())
+        + " | slower beyond noise |",
+        "|---" * (len(_TIMED_COLUMNS) + 3) + "|",
     ]
     tally: collections.Counter[str] = collections.Counter()
     for row in rows:
@@ -440,7 +448,7 @@ def latency_table(rows: list[dict[str, Any]]) -> str:
         slower = _slower_targets(row)
         tally["rows"] += 1
         tally["slower"] += bool(slower)
-        cells = " | ".join(_ratio(timed.get(key)) for key in ("default", "ort", "ort_extended"))
+        cells = " | ".join(_ratio(timed.get(key)) for key in _TIMED_COLUMNS)
         ms = f"{base['median_s'] * 1000:.2f}" if isinstance(base, dict) else "err"
         lines.append(f"| {row['model']} | {ms} | {cells} | {'; '.join(slower) or '-'} |")
     lines.append(f"\n{tally['rows']} variants; an output slower beyond noise on {tally['slower']}")

@@ -294,8 +294,9 @@ def _optimize_file(
                 save_options["location"] = data_name
         written: dict[str, str] = {}
         save_seconds = 0.0
-        # The original's reruns in the check, kept for the checks of this model's retries (below).
-        memo = Path(tempfile.mkdtemp(prefix="check-memo-", dir=workdir))
+        # The original's reruns in the check, kept for the checks of this model's retries (below), which only a
+        # run with fusions through Q/DQ may make.
+        memo: Path | None = None
 
         def save_output(optimized: Model) -> Path | None:
             """Save the output into ``staged``, in place of an earlier save (the runtime guard
@@ -312,7 +313,7 @@ def _optimize_file(
         def optimized_and_checked(model: Model) -> tuple[ModelReport, Result, str | None]:
             """The report of one optimization of ``model`` with its check, the pipeline's
             result, and the check's status (None: --no-check)."""
-            nonlocal save_seconds
+            nonlocal save_seconds, memo
             save_seconds = 0.0
             result = _optimize_with(model, options, tell, source=source, save_output=save_output)
             report = ModelReport(result.pipeline_report)
@@ -328,6 +329,8 @@ def _optimize_file(
 
             original = as_onnx(source, workdir / "original")
             optimized = as_onnx(staged, workdir / "optimized")
+            if memo is None and _fused_through_qdq(result):
+                memo = Path(tempfile.mkdtemp(prefix="check-memo-", dir=workdir))
             outcome = check_models_isolated(
                 original,
                 optimized,
@@ -343,12 +346,9 @@ def _optimize_file(
             return report, result, outcome.status
 
         report, result, status = optimized_and_checked(model)
-        from graphopt.passes.fuse.fuse_pass import families_fused_through_qdq, keep_qdq_pairs
+        from graphopt.passes.fuse.fuse_pass import keep_qdq_pairs
 
-        through: Counter[str] = Counter()
-        for run in result.pipeline_run.runs:
-            through.update(run.details.get("through_qdq", {}))
-        fused = families_fused_through_qdq(through)
+        fused = _fused_through_qdq(result)
         if status == "failed" and fused:
             # The fusions through Q/DQ compute in float what the original quantized; where the
             # check refuses that, the model is optimized again keeping the pairs of one family's
@@ -385,6 +385,16 @@ def _optimize_file(
         return report, written, 1 if status == "not checked" and options.numerics.required else 0
 
     return _write_out(source, output, reads, options, produce, started, (data_name, cache_key))
+
+
+def _fused_through_qdq(result: Result) -> Counter[str]:
+    """The rewrites through Q/DQ pairs per rule family in ``result``'s fuse runs (none: no retry can follow)."""
+    from graphopt.passes.fuse.fuse_pass import families_fused_through_qdq
+
+    through: Counter[str] = Counter()
+    for run in result.pipeline_run.runs:
+        through.update(run.details.get("through_qdq", {}))
+    return families_fused_through_qdq(through)
 
 
 def _restore(

@@ -28,7 +28,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import attrs_of, is_float
+from graphopt.passes.fuse.rules._helpers import attrs_of, cast_source, is_float
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import op, optional, var
 
@@ -41,22 +41,13 @@ def _float16(value: Value) -> bool:
     return Site.dtype(value) == DataType.FLOAT16
 
 
-def _float32_source(value: Value) -> Value | None:
-    """The float32 value that ``value`` is a Cast to float16 of, if it is one."""
-    cast = value.producer
-    if cast is None or cast.op_type != "Cast" or Site.int_attr(cast, "to", 0) != DataType.FLOAT16:
-        return None
-    source = cast.inputs[0]
-    return source if source is not None and Site.dtype(source) == DataType.FLOAT else None
-
-
 def _plan(cache: tuple[int, ...]) -> Callable[[Match, Site], Refuse | None]:
     def plan(m: Match, site: Site) -> Refuse | None:
         node = m.root
         if not any(v.is_used() for v in node.outputs):
             return Refuse("nothing reads its outputs (dce removes it)")
         given = [node.inputs[i] for i in cache if i < len(node.inputs)]
-        if any(v is not None and _float32_source(v) is None for v in given):
+        if any(v is not None and cast_source(v, DataType.FLOAT16, DataType.FLOAT) is None for v in given):
             return Refuse("a float16 KV cache: in float32 it would be converted whole at every step")
         for value in (v for v in node.inputs if v is not None):
             if site.dtype(value) is None:
@@ -85,7 +76,7 @@ def _widened(b: Builder, value: Value | None, cached: bool, mask: bool) -> Value
     if value is None or not _float16(value):
         return value
     if cached:
-        return _float32_source(value)
+        return cast_source(value, DataType.FLOAT16, DataType.FLOAT)
     return _widened_mask(b, value) if mask else b.op("Cast", value, to=int(DataType.FLOAT))
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import Node, Value
+from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.rewrite.engine import Match, Refuse, Site
 
@@ -101,6 +101,15 @@ def named_after(source: Value | None, role: str) -> str:
     """The name of a constant a rule makes from ``source``'s: ``conv1.weight_fused``, so that
     the source name people trace in Netron survives the rewrite; ``role`` alone for a nameless source."""
     return f"{source.name}_{role}" if source is not None and source.name else role
+
+
+def cast_source(value: Value, to: DataType, source: DataType | None = None) -> Value | None:
+    """The value that ``value`` is a Cast to ``to`` of (of type ``source`` where given), if it is one."""
+    cast = value.producer
+    if cast is None or cast.op_type != "Cast" or Site.int_attr(cast, "to", 0) != to:
+        return None
+    found = cast.inputs[0]
+    return found if found is not None and (source is None or Site.dtype(found) == source) else None
 
 
 def attrs_of(node: Node, **overrides: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import numpy as np
 
 from graphopt.facts.op import broadcast
 from graphopt.ir import DataType, Node, Value
-from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, scalar_factor
+from graphopt.passes.fuse.rules._helpers import attrs_of, cast_source, float_array, is_float, scalar_factor
 from graphopt.passes.rewrite.engine import Match, Refuse, Site
 from graphopt.passes.rewrite.patterns import chain, match, var
 from graphopt.passes.rewrite.proofs import (
@@ -324,10 +324,10 @@ def plan_4d(m: Match, site: Site, *, softcap: bool = False) -> Plan4 | Refuse:
     written_v, widen = m.value("v"), parts.upcast
     if widen:
         # From Q K^T on in float32, V cast up to it (TorchScript's SDPA in float16): all of it in float32.
-        up = written_v.producer
-        if up is None or up.op_type != "Cast" or up.attr("to") != DataType.FLOAT or up.inputs[0] is None:
+        uncast = cast_source(written_v, DataType.FLOAT)
+        if uncast is None:
             return Refuse("the scores are cast to float32 and V is not")
-        written_v = up.inputs[0]
+        written_v = uncast
     q, q_scale = _scalar_steps(parts.qk.inputs[0])
     kt, k_scale = _scalar_steps(parts.qk.inputs[1])
     k = untransposed_key(kt)

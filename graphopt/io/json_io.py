@@ -538,7 +538,8 @@ class _Reader:
     def _annotate(self, value: ir.Value, entry: str | dict[str, Any], at: str) -> None:
         if isinstance(entry, str):
             return
-        value.type = self.type(entry.get("type"), f"{at}.type") or value.type
+        value.declared = self.type(entry.get("type"), f"{at}.type")
+        value.type = value.declared or value.type
         value.doc_string = entry.get("doc_string", "") or value.doc_string
         value.metadata_props.update(entry.get("metadata_props", {}))
 

@@ -389,7 +389,8 @@ class _Reader:
     def _annotate(self, value: ir.Value, vi: onnx.ValueInfoProto) -> None:
         self.annotating = vi.name
         if vi.HasField("type"):
-            value.type = self.type(vi.type) or value.type
+            value.declared = self.type(vi.type)
+            value.type = value.declared or value.type
         value.doc_string = vi.doc_string or value.doc_string
         value.metadata_props.update({p.key: p.value for p in vi.metadata_props})
 

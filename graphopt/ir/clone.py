@@ -23,6 +23,7 @@ __all__ = ["Snapshot", "clone_graph", "clone_model"]
 
 def _clone_value(value: Value) -> Value:
     copy = Value(value.name, value.type, value.const)
+    copy.declared = value.declared
     copy.doc_string = value.doc_string
     copy.metadata_props = dict(value.metadata_props)
     return copy
@@ -93,6 +94,7 @@ def clone_model(model: Model) -> Model:
 
 _ATOMS = (int, float, str, bytes, bool)
 _NO_VALUE = -1
+_PER_VALUE = 6  # entries of Snapshot._values per value
 # How an attribute's value is kept: as it is (an atom), an index into the shared objects, a
 # list kept as a tuple, one graph, several.
 _ATOM, _SHARED, _LIST, _GRAPH, _GRAPHS = range(5)
@@ -112,7 +114,7 @@ class Snapshot:
         self._shared: list[object] = []
         self._shared_index: dict[int, int] = {}
         self._value_index: dict[int, int] = {}
-        self._values: list[Any] = []  # name, type, const, doc_string, metadata: five per value
+        self._values: list[Any] = []  # name, type, const, declared, doc_string, metadata: six per value
         self._records: list[Any] = []  # the graphs, in the order _thaw_graph reads them
         self._freeze_graph(model.graph)
         for function in model.functions:
@@ -123,7 +125,7 @@ class Snapshot:
 
     def model(self) -> Model:
         """A new model equal to the one the snapshot was taken of (each call builds another)."""
-        values: list[Value | None] = [None] * (len(self._values) // 5)
+        values: list[Value | None] = [None] * (len(self._values) // _PER_VALUE)
         take = iter(self._records).__next__
         graph = self._thaw_graph(take, values)
         functions = [Function(**_copied(kept), body=self._thaw_graph(take, values)) for kept in self._functions]
@@ -142,9 +144,10 @@ class Snapshot:
     def _freeze_value(self, value: Value) -> int:
         index = self._value_index.get(id(value))
         if index is None:
-            index = self._value_index[id(value)] = len(self._values) // 5
+            index = self._value_index[id(value)] = len(self._values) // _PER_VALUE
             metadata = tuple(value.metadata_props.items())
-            self._values += (value.name, self._share(value.type), self._share(value.const), value.doc_string, metadata)
+            shared = self._share(value.type), self._share(value.const), self._share(value.declared)
+            self._values += (value.name, *shared, value.doc_string, metadata)
         return index
 
     def _freeze_values(self, values: Sequence[Value | None]) -> None:
@@ -191,8 +194,11 @@ class Snapshot:
     def _thaw_value(self, index: int, values: list[Value | None]) -> Value:
         value = values[index]
         if value is None:
-            name, type_index, const_index, doc_string, metadata = self._values[5 * index : 5 * index + 5]
+            name, type_index, const_index, declared_index, doc_string, metadata = self._values[
+                _PER_VALUE * index : _PER_VALUE * (index + 1)
+            ]
             value = values[index] = Value(name, self._shared_or_none(type_index), self._shared_or_none(const_index))
+            value.declared = self._shared_or_none(declared_index)
             value.doc_string = doc_string
             value.metadata_props = dict(metadata)
         return value

@@ -32,6 +32,10 @@ class Value:
     API of :class:`~graphopt.ir.node.Node` and :class:`~graphopt.ir.graph.Graph`; a node
     inside a subgraph that reads this value is a use like any other, which is how the IR
     makes outer-scope captures visible to every pass. Being a graph output counts as a use.
+
+    ``declared`` is the type the loaded file declared for it (its value_info), kept apart from
+    ``type``, which passes refine: the writer declares it again where it still fits (see
+    graphopt.passes.shapes.strip).
     """
 
     __slots__ = (
@@ -39,6 +43,7 @@ class Value:
         "_producer",
         "_uses",
         "const",
+        "declared",
         "doc_string",
         "graph",
         "index",
@@ -56,6 +61,7 @@ class Value:
         self.name = name
         self.type = type
         self.const = const
+        self.declared: Type | None = None
         self.doc_string = ""
         self.metadata_props: dict[str, str] = {}
         self.graph: Graph | None = None

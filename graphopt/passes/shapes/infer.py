@@ -8,7 +8,7 @@ from graphopt.facts import infer_model
 from graphopt.ir import Model
 from graphopt.options import option
 from graphopt.passes.base import Pass, PassContext, PassResult, register
-from graphopt.passes.shapes.strip import intermediate_values
+from graphopt.passes.shapes.strip import written_types
 
 __all__ = ["ShapeInference"]
 
@@ -22,8 +22,9 @@ class ShapeInferOptions:
     onnx_max_nodes: int = option(50_000, "skip onnx's inference on models with more nodes than this")
     afresh: bool = option(
         False,
-        "first forget the intermediate types (those strip-value-info leaves out), so the passes after it see "
-        "what a run on the written model sees (on in the default pipeline's settle group)",
+        "first set the intermediate types to those strip-value-info writes (the input's declarations that "
+        "still hold, else none), so the passes after it see what a run on the written model sees (on in the "
+        "default pipeline's settle group)",
     )
 
 
@@ -33,11 +34,12 @@ class ShapeInference(Pass, name="shape-infer", options=ShapeInferOptions):
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         facts = ctx.facts(model)
-        forgotten = {value: value.type for value in intermediate_values(model)} if self.options.afresh else {}
-        for value in forgotten:
-            value.type = None
+        written = dict(written_types(model)) if self.options.afresh else {}
+        forgotten = {value: value.type for value in written}
+        for value, declared in written.items():
+            value.type = declared
             facts.forget(value)
         summary = infer_model(facts, use_onnx=self.options.use_onnx, onnx_max_nodes=self.options.onnx_max_nodes)
         if self.options.afresh:  # changed: the types are not those it forgot
-            return PassResult(forgotten != {value: value.type for value in intermediate_values(model)}, summary.details)
+            return PassResult(any(value.type != type_ for value, type_ in forgotten.items()), summary.details)
         return PassResult(summary.changed, summary.details)

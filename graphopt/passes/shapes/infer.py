@@ -22,9 +22,9 @@ class ShapeInferOptions:
     onnx_max_nodes: int = option(50_000, "skip onnx's inference on models with more nodes than this")
     afresh: bool = option(
         False,
-        "first set the intermediate types to those strip-value-info writes (the input's declarations that "
-        "still hold, else none), so the passes after it see what a run on the written model sees (on in the "
-        "default pipeline's settle group)",
+        "first forget the intermediate types strip-value-info rewrites (the input's declarations among them), "
+        "so the passes after it see graphopt's own inference, as this pass sees it on a run on the written "
+        "model (on in the default pipeline's settle group)",
     )
 
 
@@ -34,10 +34,9 @@ class ShapeInference(Pass, name="shape-infer", options=ShapeInferOptions):
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         facts = ctx.facts(model)
-        written = dict(written_types(model)) if self.options.afresh else {}
-        forgotten = {value: value.type for value in written}
-        for value, declared in written.items():
-            value.type = declared
+        forgotten = {value: value.type for value, _ in written_types(model)} if self.options.afresh else {}
+        for value in forgotten:
+            value.type = None
             facts.forget(value)
         summary = infer_model(facts, use_onnx=self.options.use_onnx, onnx_max_nodes=self.options.onnx_max_nodes)
         if self.options.afresh:  # changed: the types are not those it forgot

@@ -8,13 +8,18 @@ without them (measured at ORT_ENABLE_ALL, batch 1, sequence 64).
 
 So an intermediate value keeps the type the loaded file declared for it (its value_info) where
 that declaration still holds, and no other. onnxruntime plans which buffers to reuse from the
-declared shapes: where graphopt's own types, or onnxruntime's inference from none, prove more
-sizes equal than the exporter's declarations did (a TorchScript export names each unknown dim
-apart, ``unk__78``), it reuses more buffers and every kernel ran slower. The float16 ViT
-TorchScript export (onnxruntime's float16 converter), written stripped, ran 1.04 to 1.06 of the
-export's time, and 0.95 of it with onnxruntime's buffer reuse turned off; written with the
-export's declarations, 0.98; the float32 dynamo ViT 0.95 stripped and 0.91 declared (ORT_ENABLE_ALL,
-1 thread, paired rounds). A model that declares nothing is written as before.
+declared shapes, and where the written file proves other sizes equal than its input did, the
+plan changes with it: a stripped TorchScript export (which names each layer's unknown batch dim
+apart, ``unk__78``) had every layer's batch proven the same and more buffers reused, and every
+kernel ran slower. The float16 ViT TorchScript export (onnxruntime's float16 converter), written
+stripped, ran 1.025 of the export's time, 0.95 with onnxruntime's buffer reuse turned off, and
+0.982 written with the export's declarations; whisper_encoder_ts_fp16 1.041 -> 0.985. Over the
+99 outputs of 33 reduced-precision exports and 42 of 14 float32 ones (three targets, ORT_ENABLE_ALL,
+1 thread, 30 paired rounds on one machine), 19 ran faster beyond noise and 6 slower (the float16
+dynamo ViT's default output 0.945 -> 0.960 of its variant: its declarations prove more equal than
+onnxruntime's own inference does); the geometric mean of the new times over the old, 0.979 and
+0.987. The runtime plans the values the output keeps as it planned them in the input, so what a
+user measures is the graph's change. A model that declares nothing is written as before.
 
 Types of values produced by ops outside the standard domain stay: no runtime can infer
 what a custom op returns. Graph inputs and outputs always keep their types.

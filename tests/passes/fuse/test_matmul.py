@@ -65,6 +65,26 @@ def _dynamic_int8_matmul(bias: bool) -> onnx.ModelProto:
     return model(nodes, [info("x", ["b", 3, 8])], ["y"], params[:3] + params[3:] * bias)
 
 
+def _shared_dynamic_int8_projections() -> onnx.ModelProto:
+    """Two projections of one activation, as quantize_dynamic writes Q and K: one DynamicQuantizeLinear
+    read by both MatMulIntegers, the second with its bias."""
+    nodes = [onnx.helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"])]
+    params = []
+    for name, bias in (("q", False), ("k", True)):
+        nodes += [
+            node("Mul", ["xs", f"{name}_ws"], f"{name}_s"),
+            node("MatMulInteger", ["xq", f"{name}_wq", "xz", f"{name}_wz"], f"{name}_i"),
+            node("Cast", [f"{name}_i"], f"{name}_f", to=onnx.TensorProto.FLOAT),
+            node("Mul", [f"{name}_f", f"{name}_s"], f"{name}_scaled" if bias else name),
+        ]
+        quantized = np.clip(np.round(weights(8, 4) * 40), -127, 127).astype(np.int8)
+        params += [init(f"{name}_wq", quantized), init(f"{name}_ws", 0.025), init(f"{name}_wz", 0, np.int8)]
+        if bias:
+            nodes.append(node("Add", [f"{name}_scaled", f"{name}_bias"], name))
+            params.append(init(f"{name}_bias", weights(4)))
+    return model(nodes, [info("x", ["b", 3, 8])], ["q", "k"], params)
+
+
 def _transposed_gemm(which: str) -> onnx.ModelProto:
     if which == "a":
         nodes = [node("Transpose", ["a"], "t", perm=[1, 0]), node("Gemm", ["t", "w", "c"], "y")]
@@ -304,7 +324,7 @@ def test_a_float16_tied_head_stays_a_matmul() -> None:
     assert any("not a float32 MatMul" in miss for miss in details["near_misses"]["matmul"])
 
 
-def test_dynamic_int8_export_gets_one_dynamic_quantize_matmul_per_matmul(tmp_path: Path) -> None:
+def test_dynamic_int8_export_gets_one_fused_integer_matmul_per_matmul(tmp_path: Path) -> None:
     source, quantized = FIXTURES / "bert_ts.onnx", tmp_path / "bert_ts_dyn8.onnx"
     quantize_dynamic(str(source), str(quantized), weight_type=QuantType.QInt8)
     integer_matmuls = ops(onnx.load(str(quantized)))["MatMulInteger"]
@@ -312,8 +332,20 @@ def test_dynamic_int8_export_gets_one_dynamic_quantize_matmul_per_matmul(tmp_pat
     done = invoke("run", quantized, "-o", out, "--target", "ort")
     assert done.exit_code == 0, done.stderr
     found = ops(onnx.load(str(out)))
-    assert integer_matmuls > 0 and found["DynamicQuantizeMatMul"] == integer_matmuls
-    assert found["DynamicQuantizeLinear"] == found["MatMulInteger"] == 0
+    shared = sum(1 for n in onnx.load(str(quantized)).graph.node if n.op_type == "DynamicQuantizeLinear")
+    assert integer_matmuls > 0 and found["DynamicQuantizeMatMul"] + found["MatMulIntegerToFloat"] == integer_matmuls
+    assert found["MatMulInteger"] == 0 and 0 < found["DynamicQuantizeLinear"] < shared  # Q, K, V: one kept each
+
+
+def test_a_quantization_several_matmuls_read_is_done_once() -> None:
+    # each DynamicQuantizeMatMul quantizes its input again: vit_ts_dyn8's --target ort output quantized each
+    # layer's hidden state once for Q, K and V; MatMulIntegerToFloat reads the one quantization, as onnxruntime's
+    # own fusion does
+    proto = _shared_dynamic_int8_projections()
+    out, details = fuse(proto, target="ort")
+    assert details["applied"] == {"ort-dynamic-quantize-matmul": 1, "ort-dynamic-quantize-matmul-bias": 1}
+    assert dict(ops(out)) == {"DynamicQuantizeLinear": 1, "MatMulIntegerToFloat": 2}
+    assert_same_outputs(proto, out, rtol=1e-5, atol=1e-5)
 
 
 def test_matmul_add_becomes_gemm() -> None:

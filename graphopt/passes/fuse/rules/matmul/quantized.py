@@ -1,5 +1,6 @@
 """MatMul family, dynamic int8 for ``--target ort``: the integer MatMul onnxruntime's
-``quantize_dynamic`` writes, as one com.microsoft ``DynamicQuantizeMatMul``.
+``quantize_dynamic`` writes, as one com.microsoft ``DynamicQuantizeMatMul`` (or
+``MatMulIntegerToFloat`` where the activation's quantization is shared).
 
 ``quantize_dynamic`` writes each float MatMul ``x @ W`` as
 
@@ -10,9 +11,15 @@
 ``x`` as DynamicQuantizeLinear does (uint8, the scale and zero point from x's range), multiplies
 in integers and scales the int32 product back to float. onnxruntime forms it itself at its
 extended level; written in the file, the model runs it at every level and holds five nodes
-fewer per MatMul (the DynamicQuantizeLinear that Q, K and V share goes once its last reader is
-fused). The shared DynamicQuantizeLinear stays a leaf of each match: its outputs bind as
-variables, so the match never removes a node another projection reads.
+fewer per MatMul.
+
+Where several MatMuls read one DynamicQuantizeLinear (Q, K and V read one quantized hidden
+state), each DynamicQuantizeMatMul would quantize that activation again: vit_ts_dyn8's
+``--target ort`` output quantized each layer's hidden state three times, where onnxruntime's own
+fusion keeps the one quantization and reads its result with ``MatMulIntegerToFloat(xq, Wq, xs,
+Ws, xz, Wz, bias)``, the integer product scaled to float and the bias added. The rule writes that
+op there. The DynamicQuantizeLinear stays a leaf of each match: its outputs bind as variables, so
+the match never removes a node another projection reads.
 """
 
 from __future__ import annotations
@@ -74,13 +81,19 @@ def _plan(m: Match, site: Site) -> Refuse | None:
 
 
 def _build(b: Builder, m: Match, plan: None) -> Value:
-    quantize = m.value("xq").producer
+    quantized = m.value("xq")
+    quantize = quantized.producer
     assert quantize is not None and quantize.inputs[0] is not None  # the plan proved it
     bias = m.value("bias") if "bias" in m else None
-    inputs = [quantize.inputs[0], m.value("wq"), m.value("ws"), m.optional("wz"), bias]
+    if len(quantized.uses()) > 1:  # read by other MatMuls too: quantized once, for all of them
+        inputs = [quantized, m.value("wq"), m.value("xs"), m.value("ws"), m.value("xz"), m.optional("wz"), bias]
+        op_type = "MatMulIntegerToFloat"
+    else:
+        inputs = [quantize.inputs[0], m.value("wq"), m.value("ws"), m.optional("wz"), bias]
+        op_type = "DynamicQuantizeMatMul"
     while inputs[-1] is None:
         inputs.pop()
-    return b.op("DynamicQuantizeMatMul", *inputs, domain=MS)
+    return b.op(op_type, *inputs, domain=MS)
 
 
 _rule = partial(Rule, family=FAMILY, plan=_plan, build=_build, targets=frozenset({"ort"}))
@@ -91,7 +104,8 @@ RULES: tuple[Rule[Any], ...] = (
         pattern=_SCALED,
         label="dynamic int8 MatMul",
         doc="Cast(MatMulInteger(DynamicQuantizeLinear(x), Wq, .., Wz)) * (xs * Ws) -> com.microsoft "
-        "DynamicQuantizeMatMul(x, Wq, Ws, Wz) (target ort)",
+        "DynamicQuantizeMatMul(x, Wq, Ws, Wz), or MatMulIntegerToFloat(xq, Wq, xs, Ws, xz, Wz) where other "
+        "MatMuls read the quantized x (target ort)",
     ),
     _rule(
         name="ort-dynamic-quantize-matmul-bias",

@@ -304,3 +304,28 @@ def test_a_sequence_of_tensors_of_different_shapes_is_compared(tmp_path: Path) -
     assert other_shapes.exit_code == 1 and "sequence element 0 has shape (2, 4), not (1, 4)" in other_shapes.stderr
     other_values = invoke("-q", "check", original, _split_to_sequence(tmp_path / "c.onnx", [1, 2], scale=2.0))
     assert other_values.exit_code == 1 and "numerics failed" in other_values.stderr
+
+
+def test_an_output_whose_shape_differs_fails_the_check_in_one_line(tmp_path: Path) -> None:
+    """A file that declares r as [a, c, b] where Relu(x) is [a, b, c] (onnxruntime runs it; its value_info is
+    wrong): graphopt trusts the declaration, folds the Reshape back to y's shape as a no-op, and q's shape
+    differs. The check fails with the shape named; the console crashed on the "nan" distance of that output."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Add", ["r", "x"], ["z"]),
+            helper.make_node("Shape", ["y"], ["s"]),
+            helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1]),
+            helper.make_node("Reshape", ["t", "s"], ["q"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info(n, FLOAT, ["a", "b", "c"]) for n in ("x", "y")],
+        [helper.make_tensor_value_info(n, FLOAT, ["a", "b", "c"]) for n in ("z", "q")],
+        value_info=[helper.make_tensor_value_info("r", FLOAT, ["a", "c", "b"])],
+    )
+    source, target = tmp_path / "declared.onnx", tmp_path / "out.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), source)
+    result = invoke("run", source, "-o", target)
+    assert result.exit_code == 1, result.output
+    assert "internal error" not in result.output + result.stderr
+    assert "shape (" in result.output and not target.exists()

@@ -481,7 +481,7 @@ class _Reader:
         ]
         nodes = [self._node(d, f"{at}.nodes[{i}]") for i, d in enumerate(data.get("nodes", []))]
         annotations = {
-            _name(e): functools.partial(self._annotate, entry=e, at=f"{at}.value_info[{i}]")
+            _name(e): functools.partial(self._annotate, entry=e, at=f"{at}.value_info[{i}]", declares=True)
             for i, e in enumerate(data.get("value_info", []))
         }
         graph, unused = build_graph(
@@ -535,11 +535,13 @@ class _Reader:
             metadata_props=dict(data.get("metadata_props", {})),
         )
 
-    def _annotate(self, value: ir.Value, entry: str | dict[str, Any], at: str) -> None:
+    def _annotate(self, value: ir.Value, entry: str | dict[str, Any], at: str, declares: bool = False) -> None:
         if isinstance(entry, str):
             return
-        value.declared = self.type(entry.get("type"), f"{at}.type")
-        value.type = value.declared or value.type
+        found = self.type(entry.get("type"), f"{at}.type")
+        value.type = found or value.type
+        if declares:  # a value_info entry (see the ONNX reader's _annotate)
+            value.declared = found
         value.doc_string = entry.get("doc_string", "") or value.doc_string
         value.metadata_props.update(entry.get("metadata_props", {}))
 

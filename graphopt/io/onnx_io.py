@@ -364,7 +364,7 @@ class _Reader:
             initializers=initializers,
             inputs=[(vi.name, functools.partial(self._annotate, vi=vi)) for vi in proto.input],
             nodes=nodes,
-            annotations={vi.name: functools.partial(self._annotate, vi=vi) for vi in proto.value_info},
+            annotations={vi.name: functools.partial(self._annotate, vi=vi, declares=True) for vi in proto.value_info},
             outputs=[(vi.name, functools.partial(self._annotate, vi=vi)) for vi in proto.output],
         )
         graph.doc_string = proto.doc_string
@@ -386,11 +386,15 @@ class _Reader:
     def _attributes(self, proto: onnx.NodeProto, scope: Scope) -> list[ir.Attr]:
         return [self.attribute(a, scope) for a in proto.attribute]
 
-    def _annotate(self, value: ir.Value, vi: onnx.ValueInfoProto) -> None:
+    def _annotate(self, value: ir.Value, vi: onnx.ValueInfoProto, declares: bool = False) -> None:
+        """``vi``'s type, doc and metadata on ``value``; ``declares``: a value_info entry, whose type the
+        writer declares again where it still holds (Value.declared)."""
         self.annotating = vi.name
         if vi.HasField("type"):
-            value.declared = self.type(vi.type)
-            value.type = value.declared or value.type
+            found = self.type(vi.type)
+            value.type = found or value.type
+            if declares:
+                value.declared = found
         value.doc_string = vi.doc_string or value.doc_string
         value.metadata_props.update({p.key: p.value for p in vi.metadata_props})
 

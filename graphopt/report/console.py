@@ -227,7 +227,9 @@ def render_numerics(console: Console, numerics: dict[str, Any], *, per_output: b
                     mark += f" ({_FIGURES_OF[output['criterion']](output)})"
                 line += escape(f"\n  {where} {output['name']}: {figures}: {mark}")
         else:
-            worst = max((o["rel_l2"] for o in binding["outputs"] if o.get("rel_l2") is not None), default=0.0)
+            # an output that could not be compared (its shape differs) has "nan" figures: its reason is listed below
+            distances = (o.get("rel_l2") for o in binding["outputs"])
+            worst = max((d for d in distances if isinstance(d, (int, float))), default=0.0)
             line += escape(f"\n  {where}: worst relative L2 {figure(worst)}")
         for output in binding["outputs"] if not per_output else ():
             if output["passed"] is not True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -13,6 +14,7 @@ from graphopt.api import optimize
 from graphopt.ir import DataType, Sym, TensorType
 from graphopt.ir.clone import Snapshot, clone_model
 from graphopt.passes.shapes.strip import declaration_holds
+from tests.numerics import assert_same_outputs
 
 
 def test_strips_standard_intermediates_only(tmp_path: Path) -> None:
@@ -125,3 +127,49 @@ def test_a_declaration_holds_where_it_fixes_nothing_the_value_differs_in() -> No
     assert not declaration_holds(TensorType(DataType.FLOAT, (unk, 8, 1)), found)
     assert not declaration_holds(TensorType(DataType.FLOAT, (unk, 8)), None)
     assert not declaration_holds(None, found)
+
+
+def _relaid(path: Path, *, as_output: bool) -> None:
+    """x -> Transpose -> Relu -> r -> Transpose -> + x: unwind computes r in x's layout, which moves r's axes. The
+    file declares r as [a, c, b]; as_output: r is a graph output, else a Reshape to y's shape reads it too."""
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),
+        helper.make_node("Relu", ["t"], ["r"]),
+        helper.make_node("Transpose", ["r"], ["u"], perm=[0, 2, 1]),
+        helper.make_node("Add", ["u", "x"], ["z"]),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["a", "b", "c"])]
+    outputs = [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["a", "b", "c"])]
+    declared = helper.make_tensor_value_info("r", TensorProto.FLOAT, ["a", "c", "b"])
+    if as_output:
+        outputs.append(declared)
+        value_info = []
+    else:
+        nodes += [helper.make_node("Shape", ["y"], ["s"]), helper.make_node("Reshape", ["r", "s"], ["q"])]
+        inputs.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b", "c"]))
+        outputs.append(helper.make_tensor_value_info("q", TensorProto.FLOAT, ["a", "b", "c"]))
+        value_info = [declared]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, value_info=value_info)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
+
+
+def test_a_value_unwind_lays_out_anew_is_declared_in_its_new_layout(tmp_path: Path) -> None:
+    # declared as read, [a, c, b] for a value now computed as [a, b, c], a second run folded the Reshape that
+    # undoes its Transpose as if it changed nothing, and q came out (2, 5, 3)
+    _relaid(tmp_path / "in.onnx", as_output=False)
+    first = optimize(io.load(tmp_path / "in.onnx"))
+    io.save(first.model, tmp_path / "out.onnx")
+    relu = next(n.output[0] for n in onnx.load(tmp_path / "out.onnx").graph.node if n.op_type == "Relu")
+    assert _declared(tmp_path / "out.onnx") == {relu: ["a", "b", "c"]}
+    second = optimize(io.load(tmp_path / "out.onnx"))
+    io.save(second.model, tmp_path / "again.onnx")
+    assert (tmp_path / "again.onnx").read_bytes() == (tmp_path / "out.onnx").read_bytes()
+    feeds = {"x": np.random.default_rng(0).random((2, 3, 5), np.float32), "y": np.zeros((2, 3, 5), np.float32)}
+    assert_same_outputs(tmp_path / "in.onnx", tmp_path / "again.onnx", feeds)
+
+
+def test_a_graph_outputs_declaration_stays_with_the_output(tmp_path: Path) -> None:
+    # a graph output's type is written with it, never declared again for the value unwind left behind
+    _relaid(tmp_path / "in.onnx", as_output=True)
+    io.save(optimize(io.load(tmp_path / "in.onnx")).model, tmp_path / "out.onnx")
+    assert _declared(tmp_path / "out.onnx") == {}

@@ -195,6 +195,7 @@ class _Planner:
         if layout != identity(len(layout)):
             self.physical[value] = layout
             self._edit(setattr, value, "type", _permuted(value.type, layout))
+            self._edit(setattr, value, "declared", _permuted(value.declared, layout))  # what the file said, moved
 
     # -- the walk -------------------------------------------------------------------------
     def plan(self, sink_layouts: dict[Value, Layout]) -> Plan:

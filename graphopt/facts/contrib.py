@@ -89,31 +89,34 @@ def integer_matmul_to_float(op: Op) -> Outputs:
 @rule("MultiHeadAttention")
 def multi_head_attention(op: Op) -> Outputs:
     """output (batch, q seq, v hidden): v hidden from a 3-D value (B, L, v hidden) or a 4-D
-    one (B, heads, L, v head size); present key and value left untyped."""
+    one (B, heads, L, v head size); present key and value of the query's type, their shape left unknown."""
     q, v = op.shape(0), op.shape(2)
+    presents = [_t(op.dtype(0), None)] * 2
     if q is None or len(q) != 3:
-        return [_t(op.dtype(0), None)]
+        return [_t(op.dtype(0), None), *presents]
     hidden = None
     if v is not None and len(v) == 3:
         hidden = v[2]
     elif v is not None and len(v) == 4:
         hidden = d_mul(v[1], v[3])
-    return [_t(op.dtype(0), (q[0], q[1], hidden))]
+    return [_t(op.dtype(0), (q[0], q[1], hidden)), *presents]
 
 
 @rule("GroupQueryAttention")
 def group_query_attention(op: Op) -> Outputs:
     """output (batch, seq, heads * head size): the query's hidden size, or from packed QKV
-    (key absent) hidden / (heads + 2 kv heads) * heads; present key and value left untyped."""
+    (key absent) hidden / (heads + 2 kv heads) * heads; present key and value of the query's type, their
+    shape left unknown."""
     q = op.shape(0)
+    presents = [_t(op.dtype(0), None)] * 2
     if q is None or len(q) != 3:
-        return [_t(op.dtype(0), None)]
+        return [_t(op.dtype(0), None), *presents]
     if op.input(1) is not None:
-        return [_t(op.dtype(0), q)]
+        return [_t(op.dtype(0), q), *presents]
     heads, kv_heads = op.attr("num_heads", 0), op.attr("kv_num_heads", 0)
     if heads <= 0 or kv_heads <= 0:
-        return [_t(op.dtype(0), (q[0], q[1], None))]
-    return [_t(op.dtype(0), (q[0], q[1], d_mul(d_div(q[2], heads + 2 * kv_heads), heads)))]
+        return [_t(op.dtype(0), (q[0], q[1], None)), *presents]
+    return [_t(op.dtype(0), (q[0], q[1], d_mul(d_div(q[2], heads + 2 * kv_heads), heads))), *presents]
 
 
 @rule("Attention")

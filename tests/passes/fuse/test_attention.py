@@ -99,6 +99,52 @@ def causal_feeds(scale: float) -> dict[str, np.ndarray]:
     return {name: array.astype(np.float16) for name, array in feeds.items()}
 
 
+# One decode step of a float16 com.microsoft attention op on a 7-token KV cache (4 query heads, 2 KV heads for GQA).
+_CACHED = {
+    "GroupQueryAttention": ({"q": [1, 1, 64], "k": [1, 1, 32], "v": [1, 1, 32]}, [1, 2, 7, 16], (3, 4)),
+    "MultiHeadAttention": ({"q": [1, 1, 64], "k": [1, 1, 64], "v": [1, 1, 64]}, [1, 4, 7, 16], (6, 7)),
+}
+
+
+def cached_float16_attention(op_type: str, float16_cache: bool = False) -> onnx.ModelProto:
+    """``op_type`` in float16 on a KV cache the model casts to float16 from its float32 inputs, its present cache
+    cast back (onnxruntime's float16 converter with keep_io_types); ``float16_cache``: the cache is float16 itself."""
+    projections, cache_shape, cache_at = _CACHED[op_type]
+    cache_type = F16 if float16_cache else F
+    nodes = [] if float16_cache else [node("Cast", [f"past_{n}"], f"past_{n}16", to=F16) for n in ("k", "v")]
+    inputs: list[str] = [*projections] + [""] * (cache_at[0] - len(projections))
+    inputs += [f"past_{n}" if float16_cache else f"past_{n}16" for n in ("k", "v")]
+    extra = [info("seqlens_k", [1], TensorProto.INT32), info("total", [], TensorProto.INT32)]
+    if op_type == "GroupQueryAttention":
+        inputs += ["seqlens_k", "total"]
+        attrs = {"num_heads": 4, "kv_num_heads": 2}
+    else:
+        extra, attrs = [], {"num_heads": 4}
+    nodes.append(helper.make_node(op_type, inputs, ["y", "present_k16", "present_v16"], domain=MS, **attrs))
+    nodes += [node("Cast", [f"present_{n}16"], f"present_{n}", to=F) for n in ("k", "v")]
+    proto = model(
+        nodes,
+        [info(n, shape, F16) for n, shape in projections.items()]
+        + [info(f"past_{n}", cache_shape, cache_type) for n in ("k", "v")]
+        + extra,
+        [info("y", None, F16), "present_k", "present_v"],
+    )
+    proto.opset_import.append(helper.make_opsetid(MS, 1))
+    return proto
+
+
+def cached_feeds(op_type: str, float16_cache: bool = False) -> dict[str, np.ndarray]:
+    """Small values: the float16 cache's rounding the rule takes away stays within the table's 1e-4."""
+    projections, cache_shape, _ = _CACHED[op_type]
+    rng = np.random.default_rng(0)
+    feeds = {n: (rng.standard_normal(shape) * 0.05).astype(np.float16) for n, shape in projections.items()}
+    cache_dtype = np.float16 if float16_cache else np.float32
+    feeds |= {f"past_{n}": (rng.standard_normal(cache_shape) * 0.05).astype(cache_dtype) for n in ("k", "v")}
+    if op_type == "GroupQueryAttention":
+        feeds |= {"seqlens_k": np.array([7], np.int32), "total": np.array(8, np.int32)}
+    return feeds
+
+
 def _unknown_rank(*names: str) -> Change:
     def change(proto: onnx.ModelProto) -> onnx.ModelProto:
         for name in names:
@@ -451,6 +497,25 @@ CASES: dict[str, Case] = {
     ),
     **{
         name: Case(
+            lambda op_type=op_type: cached_float16_attention(op_type),
+            {op_type: 1, "Cast": 8},  # Q, K, V up, its 3 outputs down, the presents up again (the past's go)
+            "n/a: one node, the attention itself",
+            Perturb(
+                lambda proto, op_type=op_type: cached_float16_attention(op_type, float16_cache=True),
+                "a float16 KV cache",
+                feeds=lambda proto, op_type=op_type: cached_feeds(op_type, float16_cache=True),
+                note="the cache a float16 input: in float32 it would be converted whole at every step",
+            ),
+            "n/a: the rule needs element types only, which every input declares",
+            "n/a: a com.microsoft op, no opset gate",
+            settings={**LATE, "target": "ort"},
+            feeds=lambda op_type=op_type: cached_feeds(op_type),
+            passes="shape-infer,fuse,dce",
+        )
+        for name, op_type in (("mha-float32", "MultiHeadAttention"), ("gqa-float32", "GroupQueryAttention"))
+    },
+    **{
+        name: Case(
             build,
             {"Attention": 1, "Cast": 1},
             "probs",
@@ -469,6 +534,10 @@ CASES: dict[str, Case] = {
 }
 
 EXPORTED: dict[str, Exported | str] = {
+    **dict.fromkeys(
+        ("mha-float32", "gqa-float32"),
+        "its root is an onnxruntime op no exporter writes; test_float32.py runs the whole pipeline at --target ort",
+    ),
     "attention-float32": "its case is what attention-4d writes on a float16 export; test_float32.py runs the whole "
     "pipeline on the float16 Llama export (tests/fixtures/exports/llama_fp16_dynamo.onnx)",
     "attention-4d": Exported(

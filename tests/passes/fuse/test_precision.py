@@ -65,7 +65,10 @@ PROJECTION = NamesType("not a float32 MatMul (measured on float32 only)")
 DYNAMIC_INT8 = "n/a: DynamicQuantizeLinear takes float32 only: the case made float16 is no valid model"
 FLOAT16: dict[str, str | NamesType | None] = {
     **dict.fromkeys(BOTH),
-    **dict.fromkeys(("attention-float32", "rmsnorm-float32"), "n/a: its case is a float16 model already"),
+    **dict.fromkeys(
+        ("attention-float32", "rmsnorm-float32", "mha-float32", "gqa-float32"),
+        "n/a: its case is a float16 model already",
+    ),
     "conv-mul": None,
     "div-mul-constants": None,
     "gather-consecutive-rows": None,

@@ -36,13 +36,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from graphopt.ir import DataType, Value
+from graphopt.ir import CONTRIB_DOMAIN, DataType, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, cast_source, is_float
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import op, optional, var
 
-__all__ = ["in_float32"]
+__all__ = ["cached_in_float32", "in_float32"]
 
 _FLOAT16_LOWEST = float(np.finfo(np.float16).min)
 
@@ -139,4 +139,27 @@ def in_float32(
         min_opset=min_opset,
         label=label,
         doc=doc,
+    )
+
+
+def cached_in_float32(
+    name: str, family: str, op_type: str, inputs: int, *, cache: tuple[int, int], mask: int
+) -> Rule[None]:
+    """The late ``--target ort`` rule ``name`` writing a float16 com.microsoft ``op_type`` in float32 where its KV
+    cache (inputs ``cache``) is cast to float16 from float32, reading that cache itself; ``mask``: its additive
+    attention bias."""
+    return in_float32(
+        name,
+        family,
+        op_type,
+        inputs,
+        cache=cache,
+        masks=(mask,),
+        domain=CONTRIB_DOMAIN,
+        targets=frozenset({"ort"}),
+        cached_only=True,
+        min_opset=1,
+        label=f"float16 {op_type}",
+        doc=f"com.microsoft {op_type} on float16 with a KV cache cast from float32 -> Cast to float32, {op_type} "
+        "reading the float32 cache, Cast to float16 (target ort)",
     )

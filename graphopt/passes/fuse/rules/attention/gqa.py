@@ -15,7 +15,7 @@ import numpy as np
 from graphopt.facts.op import SymValue, d_add
 from graphopt.ir import DataType, Graph, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._float32 import in_float32
+from graphopt.passes.fuse.rules._float32 import cached_in_float32
 from graphopt.passes.fuse.rules._helpers import float_array
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.fuse.rules.attention.builds import expanded_to, off_lowest
@@ -517,19 +517,6 @@ RULES: tuple[Rule[Any], ...] = (
         f"{_FASTER_NEW_TOKENS} with batch 1 or no past (a -inf fill); an If on the dims picks it where they are "
         "read at run time (target ort)",
     ),
-    in_float32(
-        "gqa-float32",
-        FAMILY,
-        "GroupQueryAttention",
-        12,
-        cache=(3, 4),  # past_key, past_value
-        masks=(10,),  # attention_bias
-        domain=MS,
-        targets=frozenset({"ort"}),
-        cached_only=True,
-        min_opset=1,
-        label="float16 GroupQueryAttention",
-        doc="com.microsoft GroupQueryAttention on float16 with a KV cache cast from float32 -> Cast to float32, "
-        "GroupQueryAttention reading the float32 cache, Cast to float16 (target ort)",
-    ),
+    # the inputs past_key, past_value and attention_bias
+    cached_in_float32("gqa-float32", FAMILY, "GroupQueryAttention", 12, cache=(3, 4), mask=10),
 )

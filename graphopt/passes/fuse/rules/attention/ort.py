@@ -17,7 +17,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.dims import Expr
 from graphopt.ir.dims import Sym as DimVar
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._float32 import in_float32
+from graphopt.passes.fuse.rules._float32 import cached_in_float32
 from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_reader
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.fuse.rules.attention.builds import (
@@ -435,19 +435,6 @@ RULES: tuple[Rule[Any], ...] = (
     ),
     _ORT_ATTENTION(name="ort-attention", pattern=core(_projection("q"), _projection("k"), _projection("v"))),
     _ORT_ATTENTION(name="ort-attention-packed", pattern=core(*_SPLIT_QKV)),
-    in_float32(
-        "mha-float32",
-        FAMILY,
-        "MultiHeadAttention",
-        10,
-        cache=(6, 7),  # past_key, past_value
-        masks=(5,),  # attention_bias
-        domain=MS,
-        targets=frozenset({"ort"}),
-        cached_only=True,
-        min_opset=1,
-        label="float16 MultiHeadAttention",
-        doc="com.microsoft MultiHeadAttention on float16 with a KV cache cast from float32 -> Cast to float32, "
-        "MultiHeadAttention reading the float32 cache, Cast to float16 (target ort)",
-    ),
+    # the inputs past_key, past_value and attention_bias
+    cached_in_float32("mha-float32", FAMILY, "MultiHeadAttention", 10, cache=(6, 7), mask=5),
 )

@@ -28,6 +28,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from functools import cache
@@ -61,8 +62,10 @@ LOCK_TIMEOUT = 60.0
 _OWNER = "owner"
 # A staging folder of an earlier version without an owner file is stale once it is this old.
 _UNMARKED_STALE_SECONDS = 3600.0
-# The staging folders of this process that are in use.
+# The staging folders of this process that are in use, and the lock that makes a folder's creation and its entry
+# here one step for the sweeps of other threads (a sweep between them took a thread's new folder for a dead run's).
 _LIVE: set[Path] = set()
+_LIVE_LOCK = threading.RLock()
 
 
 @cache
@@ -132,9 +135,10 @@ def is_staging(path: Path) -> bool:
 def staging_folder(folder: Path) -> Iterator[Path]:
     """A new private staging folder in ``folder``, marked with its owner and removed when
     the block ends; stale ones of dead runs in ``folder`` are removed first."""
-    remove_stale_staging(folder)
-    staging = Path(tempfile.mkdtemp(prefix=_owned_prefix(), dir=folder)).resolve()
-    _LIVE.add(staging)  # another model of this process must not take it for stale
+    with _LIVE_LOCK:
+        remove_stale_staging(folder)
+        staging = Path(tempfile.mkdtemp(prefix=_owned_prefix(), dir=folder)).resolve()
+        _LIVE.add(staging)  # another model of this process must not take it for stale
     try:
         yield staging
     finally:
@@ -151,7 +155,7 @@ def _owned_prefix() -> str:
 def remove_stale_staging(folder: Path) -> None:
     """Remove the staging folders and temporary files in ``folder`` whose run is dead (only
     names graphopt gives them, never a user's file)."""
-    with contextlib.suppress(OSError):
+    with _LIVE_LOCK, contextlib.suppress(OSError):
         for candidate in folder.iterdir():
             if not candidate.name.startswith(STAGING_PREFIX) or not _is_stale(candidate):
                 continue

@@ -18,6 +18,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -221,6 +222,28 @@ def test_concurrent_writers_of_one_output_leave_one_whole_set(tmp_path: Path) ->
     assert any(np.allclose(found, e, rtol=1e-6) for e in expected)
     assert len([p for p in out.parent.iterdir() if p.suffix == ".data"]) == 1
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_a_sweep_by_another_thread_never_takes_a_new_staging_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # test_concurrent_writers_... failed once under load with FileNotFoundError: another thread swept the folder
+    # between its creation and its entry among this process's live ones, and took it for a dead run's
+    made = tempfile.mkdtemp
+    swept: list[bool] = []
+
+    def made_then_swept(*args: Any, **kwargs: Any) -> str:
+        path = made(*args, **kwargs)
+        sweep = threading.Thread(target=files.remove_stale_staging, args=(tmp_path,))
+        sweep.start()
+        sweep.join(timeout=0.3)  # a sweep that waits for the folder's entry is still running
+        swept.append(not sweep.is_alive())
+        return path
+
+    monkeypatch.setattr(files.tempfile, "mkdtemp", made_then_swept)
+    with files.staging_folder(tmp_path) as staging:
+        assert staging.is_dir()
+    assert swept == [False]
 
 
 # -- 4. the report commits with the model, or neither is written ----------------------------

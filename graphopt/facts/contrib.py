@@ -86,12 +86,17 @@ def integer_matmul_to_float(op: Op) -> Outputs:
     return [_t(op.dtype(2), matmul_shape(op.shape(0), op.shape(1)))]
 
 
+def _presents(op: Op) -> Outputs:
+    """An attention op's present key and value: the query's type, their shape left unknown."""
+    return [_t(op.dtype(0), None)] * 2
+
+
 @rule("MultiHeadAttention")
 def multi_head_attention(op: Op) -> Outputs:
     """output (batch, q seq, v hidden): v hidden from a 3-D value (B, L, v hidden) or a 4-D
     one (B, heads, L, v head size); present key and value of the query's type, their shape left unknown."""
     q, v = op.shape(0), op.shape(2)
-    presents = [_t(op.dtype(0), None)] * 2
+    presents = _presents(op)
     if q is None or len(q) != 3:
         return [_t(op.dtype(0), None), *presents]
     hidden = None
@@ -108,7 +113,7 @@ def group_query_attention(op: Op) -> Outputs:
     (key absent) hidden / (heads + 2 kv heads) * heads; present key and value of the query's type, their
     shape left unknown."""
     q = op.shape(0)
-    presents = [_t(op.dtype(0), None)] * 2
+    presents = _presents(op)
     if q is None or len(q) != 3:
         return [_t(op.dtype(0), None), *presents]
     if op.input(1) is not None:

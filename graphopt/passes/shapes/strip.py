@@ -60,8 +60,10 @@ def declaration_holds(declared: Type | None, found: Type | None) -> bool:
         return False
     if not isinstance(declared, TensorType) or not isinstance(found, TensorType):
         return declared == found
-    if declared.dtype != found.dtype or declared.shape is None:
-        return declared.dtype == found.dtype
+    if declared.dtype != found.dtype:
+        return False
+    if declared.shape is None:
+        return True
     if found.shape is None or len(found.shape) != len(declared.shape):
         return False
     return all(not isinstance(said, int) or said == dim for said, dim in zip(declared.shape, found.shape, strict=True))

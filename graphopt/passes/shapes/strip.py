@@ -21,6 +21,10 @@ onnxruntime's own inference does); the geometric mean of the new times over the 
 0.987. The runtime plans the values the output keeps as it planned them in the input, so what a
 user measures is the graph's change. A model that declares nothing is written as before.
 
+The declaration travels with the value (``Value.declared``), so a pass that changes a value's
+layout in place, keeping its name, moves the declaration with its type, as the unwind pass does
+when it permutes an output's axes; a declaration that no longer holds is simply not written.
+
 Types of values produced by ops outside the standard domain stay: no runtime can infer
 what a custom op returns. Graph inputs and outputs always keep their types.
 

@@ -667,6 +667,19 @@ def test_multihead_attention_refuses_a_softcap() -> None:
     assert any("tanh softcap" in m for m in details["near_misses"]["attention"]), details
 
 
+@pytest.mark.parametrize("opset", [20, 23])
+def test_target_ort_writes_the_standard_attention_where_the_opset_has_it(opset: int) -> None:
+    """onnxruntime runs opset 23's Attention faster than its MultiHeadAttention: at --target ort an
+    opset-23 model gets Attention, and the MultiHeadAttention rule says why; below, MultiHeadAttention."""
+    proto = exported_encoder_attention(opset=20)
+    out, details = fuse(proto, passes="shape-infer,fuse,dce", target="ort", target_opset=opset)
+    found = ops(out)
+    assert (found["Attention"], found["MultiHeadAttention"]) == ((1, 0) if opset >= 23 else (0, 1)), found
+    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4)
+    if opset >= 23:
+        assert any("has Attention" in m for m in details["near_misses"]["attention"]), details
+
+
 def _levit_attention(bias: Callable[[np.ndarray], np.ndarray | None]) -> onnx.ModelProto:
     """The first attention of the dynamo levit fixture (V twice Q's and K's head size) with its constant
     (heads, S, T) bias replaced by ``bias`` of it (None: no bias added)."""

@@ -91,11 +91,6 @@ def assert_same_outputs(
 ) -> dict[str, Any]:
     """Run both models on the same inputs and assert every output matches (NaN equals NaN).
 
-    A float16 output is compared to one unit in its last place at least: a rewrite that rounds in
-    another order moves a float16 value by that much, which ``rtol`` below the type's resolution
-    would call a difference (a refusal case whose float16 output moved one ulp, 0.2052 -> 0.2053,
-    failed or passed with the weights other tests' draws left it).
-
     Returns the outputs of the original model, for tests that look further.
     """
     feeds = make_feeds(original) if feeds is None else feeds
@@ -106,8 +101,5 @@ def assert_same_outputs(
         got = actual[name]
         assert got.dtype == want.dtype, f"output {name!r}: dtype {want.dtype} -> {got.dtype}"
         assert got.shape == want.shape, f"output {name!r}: shape {want.shape} -> {got.shape}"
-        resolution = float(np.finfo(want.dtype).eps) if want.dtype == np.float16 else 0.0
-        np.testing.assert_allclose(
-            got, want, rtol=max(rtol, resolution), atol=atol, equal_nan=True, err_msg=f"output {name!r}"
-        )
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, equal_nan=True, err_msg=f"output {name!r}")
     return expected

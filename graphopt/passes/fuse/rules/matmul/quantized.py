@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from graphopt.ir import DataType, Node, Value
+from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
-from graphopt.passes.rewrite.patterns import Bindings, const, match, op, optional, var
+from graphopt.passes.rewrite.patterns import const, match, op, optional, var
 
-__all__ = ["RULES"]
+__all__ = ["RULES", "quantized_with_bias"]
 
 FAMILY = "matmul"
 _INTEGER_WEIGHTS = (np.dtype(np.int8), np.dtype(np.uint8))
@@ -51,50 +51,33 @@ _SCALED = op.Mul(
 
 
 def _plan(m: Match, site: Site) -> Refuse | None:
-    return _refusal(m.bindings, site)
-
-
-def _refusal(bound: Bindings, site: Site) -> Refuse | None:
-    """Why the integer MatMul the pattern bound is not DynamicQuantizeMatMul's computation (None: it is)."""
-    value = partial(_bound_value, bound)
-    quantize = value("xq").producer
+    """Why the integer MatMul is not DynamicQuantizeMatMul's computation (None: it is)."""
+    quantize = m.value("xq").producer
     if (
         quantize is None
         or quantize.op_type != "DynamicQuantizeLinear"
         or not quantize.in_standard_domain
-        or [value(n) for n in ("xq", "xs", "xz")] != list(quantize.outputs)
+        or [m.value(n) for n in ("xq", "xs", "xz")] != list(quantize.outputs)
     ):
         return Refuse("the activation is not quantized by one DynamicQuantizeLinear")
-    x, cast = quantize.inputs[0], _bound_node(bound, "cast")
-    if x is None or site.dtype(x) != DataType.FLOAT or site.int_attr(cast, "to", 0) != DataType.FLOAT:
+    x = quantize.inputs[0]
+    if x is None or site.dtype(x) != DataType.FLOAT or site.int_attr(m.node("cast"), "to", 0) != DataType.FLOAT:
         return Refuse("not a float32 activation cast back to float32 (DynamicQuantizeMatMul's types)")
-    weights, scale = site.array(value("wq")), site.array(value("ws"))
+    weights, scale = site.array(m.value("wq")), site.array(m.value("ws"))
     if weights is None or weights.dtype not in _INTEGER_WEIGHTS or weights.ndim != 2:
         return Refuse("the weights are not a constant 2-D int8 or uint8 matrix")
     columns = weights.shape[1]
     if scale is None or scale.dtype != np.float32 or scale.size not in (1, columns) or scale.ndim > 1:
         return Refuse("the weight scale is not a float32 scalar or one per column")
-    if bound.get("wz") is not None:
-        zero = site.array(value("wz"))
+    if "wz" in m:
+        zero = site.array(m.value("wz"))
         if zero is None or zero.dtype != weights.dtype or zero.shape != scale.shape:
             return Refuse("the weight zero point does not match the weights' type and the scale's shape")
-    if bound.get("bias") is not None:
-        bias = site.array(value("bias"))
+    if "bias" in m:
+        bias = site.array(m.value("bias"))
         if bias is None or bias.dtype != np.float32 or bias.shape != (columns,):
             return Refuse("the bias is not a float32 vector over the columns")
     return None
-
-
-def _bound_value(bound: Bindings, name: str) -> Value:
-    found = bound[name]
-    assert isinstance(found, Value)  # the pattern binds it
-    return found
-
-
-def _bound_node(bound: Bindings, name: str) -> Node:
-    found = bound[name]
-    assert isinstance(found, Node)  # the pattern binds it
-    return found
 
 
 def _build(b: Builder, m: Match, plan: None) -> Value:
@@ -113,14 +96,7 @@ def _build(b: Builder, m: Match, plan: None) -> Value:
     return b.op(op_type, *inputs, domain=MS)
 
 
-_BIASED = op.Add(_SCALED, const(name="bias"), name="biased")
-
-
-def quantized_with_bias(total: Value, site: Site) -> bool:
-    """Whether ``ort-dynamic-quantize-matmul-bias`` writes ``total``, a dynamic int8 MatMul plus a
-    constant bias, as one op that adds the bias itself."""
-    return any(_refusal(bound, site) is None for bound in match(_BIASED, total))
-
+_BIASED = op.Add(_SCALED, const(name="bias"))
 
 _rule = partial(Rule, family=FAMILY, plan=_plan, build=_build, targets=frozenset({"ort"}))
 
@@ -140,3 +116,12 @@ RULES: tuple[Rule[Any], ...] = (
         doc="the same with the bias Add after it, which the op takes as its bias (target ort)",
     ),
 )
+
+
+def quantized_with_bias(total: Value, site: Site) -> bool:
+    """Whether ``ort-dynamic-quantize-matmul-bias`` writes ``total``, a dynamic int8 MatMul plus a
+    constant bias, as one op that adds the bias in its own kernel."""
+    rule, root = RULES[1], total.producer
+    return root is not None and any(
+        _plan(Match(rule, root, bound, site), site) is None for bound in match(_BIASED, total)
+    )

@@ -21,6 +21,7 @@ from tests.passes.fuse.table import (
     Case,
     Exported,
     Perturb,
+    as_float16,
     at_opset,
     attr_at,
     below,
@@ -665,6 +666,38 @@ def test_multihead_attention_refuses_a_softcap() -> None:
     proto = softcapped(exported_encoder_attention(opset=20), 2.0, 2.0)
     details = refused(proto, "ort-multihead-attention", passes="shape-infer,fuse,dce", target="ort")
     assert any("tanh softcap" in m for m in details["near_misses"]["attention"]), details
+
+
+def _float16_encoder_attention(opset: int) -> onnx.ModelProto:
+    return as_float16(exported_encoder_attention(opset))
+
+
+@pytest.mark.parametrize(
+    ("build", "opset", "written"),
+    [
+        (exported_encoder_attention, 23, ("", "Attention")),
+        (exported_encoder_attention, 20, (MS, "MultiHeadAttention")),
+        # MultiHeadAttention takes float16 itself; the standard Attention computes it between Casts to float32
+        (_float16_encoder_attention, 23, (MS, "MultiHeadAttention")),
+        # GroupQueryAttention is made from the MultiHeadAttention on a cache
+        (lambda opset: at_opset(opset)(_decoder_layer(seq=1)), 23, (MS, "GroupQueryAttention")),
+    ],
+    ids=["float32", "float32-opset-20", "float16", "kv-cache"],
+)
+def test_target_ort_writes_the_standard_attention_where_onnxruntime_runs_it_faster(
+    build: Callable[[int], onnx.ModelProto], opset: int, written: tuple[str, str]
+) -> None:
+    """onnxruntime runs opset 23's Attention faster than its MultiHeadAttention on float32 without a cache: at
+    --target ort an opset-23 model gets Attention there, and the MultiHeadAttention rule says why."""
+    proto = build(opset)
+    out, details = fuse(proto, passes="shape-infer,fuse,dce", target="ort", target_opset=opset)
+    attention = {"Attention", "MultiHeadAttention", "GroupQueryAttention"}
+    assert [(n.domain, n.op_type) for n in out.graph.node if n.op_type in attention] == [written], details
+    feeds = _decoder_feeds(1, 1, 3, 2) if written[1] == "GroupQueryAttention" else None
+    tolerance = 1e-2 if "float16" in build.__name__ else 1e-4
+    assert_same_outputs(proto, out, feeds, rtol=tolerance, atol=tolerance)
+    standard_said = any("has Attention" in m for m in details["near_misses"].get("attention", []))
+    assert standard_said == (written[1] == "Attention"), details
 
 
 def _levit_attention(bias: Callable[[np.ndarray], np.ndarray | None]) -> onnx.ModelProto:

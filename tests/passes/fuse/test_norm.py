@@ -78,7 +78,9 @@ def _rms_round_trip() -> onnx.ModelProto:
         node("Cast", ["n"], "n16", to=F16),
         node("Mul", ["gamma", "n16"], "y"),
     ]
-    gamma = (1 + 0.1 * RNG.standard_normal(8)).astype(np.float16)
+    # its own draw: from the shared RNG the weights depended on which tests ran before, and with some the refused
+    # "output" case's other fusions moved one float16 output by one ulp, past the table's 1e-4
+    gamma = (1 + 0.1 * np.random.default_rng(0).standard_normal(8)).astype(np.float16)
     constants = [init("two", 2.0), init("axes", np.array([-1], np.int64)), init("eps", 1e-6), init("one", 1.0)]
     inputs, outputs = [info("x", ["b", "s", 8], F16)], [info("y", ["b", "s", 8], F16)]
     return model(nodes, inputs, outputs, [*constants, init("gamma", gamma)], opset=23)

@@ -31,7 +31,9 @@ and the merge into it where Q, K and V all have them, ``attention-kv-cache`` a K
 the past (past_key / past_value in, present_key / present_value out). For ``--target ort`` the same match with
 its merge becomes ``MultiHeadAttention`` (``ort-multihead-attention``; an attention bias of rank below 4,
 ``ort-multihead-attention-broadcast-bias``, off by default); grouped-query attention
-keeps its repeated heads there. On a KV cache whose mask is proven the causal band over the past (any padding
+keeps its repeated heads there. From opset 23 a float32 attention without a KV cache is left to the standard
+Attention, which onnxruntime 1.32 runs as fast or faster (float16 and cached attention still become
+MultiHeadAttention: see ort.py). On a KV cache whose mask is proven the causal band over the past (any padding
 in the same mask, a -inf fill zeroed after the attention) and whose batch 1, one new token or no past is static,
 that MultiHeadAttention becomes ``GroupQueryAttention`` (``ort-group-query-attention`` for at most 32 new tokens,
 a decode step; ``ort-group-query-attention-any-length``, off by default, for a count read at run time, measured

@@ -7,6 +7,7 @@ from graphopt.passes.rewrite.patterns import Pattern, const, either, op, optiona
 from graphopt.passes.rewrite.proofs import HEADS
 
 FAMILY = "attention"
+STANDARD_ATTENTION_OPSET = 23  # the first with Attention
 
 
 def core(q: Pattern, k: Pattern, v: Pattern) -> Pattern:

@@ -18,6 +18,7 @@ from graphopt.passes.fuse.rules.attention.spellings import (
     MERGED_HEADS,
     NAN_GUARD,
     SOFTMAX,
+    STANDARD_ATTENTION_OPSET,
 )
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import either, op, var
@@ -28,7 +29,7 @@ def _plan_standard_4d(m: Match, site: Site) -> Plan4 | Refuse:
 
 
 # Every standard Attention rule: the op came in opset 23.
-_attention = partial(Rule, family=FAMILY, min_opset=23, label="Attention")
+_attention = partial(Rule, family=FAMILY, min_opset=STANDARD_ATTENTION_OPSET, label="Attention")
 
 RULES: tuple[Rule[Any], ...] = (
     _attention(
@@ -77,7 +78,7 @@ RULES: tuple[Rule[Any], ...] = (
         7,
         cache=(4, 5),  # past_key, past_value
         masks=(3,),  # attn_mask
-        min_opset=23,
+        min_opset=STANDARD_ATTENTION_OPSET,
         label="float16 Attention",
         doc="Attention on float16 -> Cast to float32, Attention, Cast to float16: onnxruntime's CPU provider runs "
         "the float16 chain an Attention replaces in float32, its float16 Attention kernel does not",

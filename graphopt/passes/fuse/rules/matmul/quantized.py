@@ -33,9 +33,9 @@ from graphopt.ir import DataType, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._ort import MS
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
-from graphopt.passes.rewrite.patterns import const, op, optional, var
+from graphopt.passes.rewrite.patterns import const, match, op, optional, var
 
-__all__ = ["RULES"]
+__all__ = ["RULES", "quantized_with_bias"]
 
 FAMILY = "matmul"
 _INTEGER_WEIGHTS = (np.dtype(np.int8), np.dtype(np.uint8))
@@ -96,6 +96,8 @@ def _build(b: Builder, m: Match, plan: None) -> Value:
     return b.op(op_type, *inputs, domain=MS)
 
 
+_BIASED = op.Add(_SCALED, const(name="bias"))
+
 _rule = partial(Rule, family=FAMILY, plan=_plan, build=_build, targets=frozenset({"ort"}))
 
 RULES: tuple[Rule[Any], ...] = (
@@ -109,8 +111,17 @@ RULES: tuple[Rule[Any], ...] = (
     ),
     _rule(
         name="ort-dynamic-quantize-matmul-bias",
-        pattern=op.Add(_SCALED, const(name="bias")),
+        pattern=_BIASED,
         label="dynamic int8 MatMul",
         doc="the same with the bias Add after it, which the op takes as its bias (target ort)",
     ),
 )
+
+
+def quantized_with_bias(total: Value, site: Site) -> bool:
+    """Whether ``ort-dynamic-quantize-matmul-bias`` writes ``total``, a dynamic int8 MatMul plus a
+    constant bias, as one op that adds the bias in its own kernel."""
+    rule, root = RULES[1], total.producer
+    return root is not None and any(
+        _plan(Match(rule, root, bound, site), site) is None for bound in match(_BIASED, total)
+    )

@@ -331,6 +331,13 @@ def exported_mlp(
     return set_shape(start, ["batch", seq, 32])(cut)
 
 
+TS_MLP = "/model/encoder/layer.0/"
+# exported_mlp's arguments for the TorchScript bert fixture's first MLP, its GELU as the erf formula
+ERF_MLP = {
+    "fixture": "bert_ts",
+    "start": f"{TS_MLP}attention/output/LayerNorm/LayerNormalization_output_0",
+    "until": f"{TS_MLP}output/dense/Add_output_0",
+}
 BOTH_DYNAMIC = set_shape("layer_norm_1", ["batch", "sequence", 32])
 LATE = {"fuse_late": True}
 

@@ -66,7 +66,15 @@ DYNAMIC_INT8 = "n/a: DynamicQuantizeLinear takes float32 only: the case made flo
 FLOAT16: dict[str, str | NamesType | None] = {
     **dict.fromkeys(BOTH),
     **dict.fromkeys(
-        ("attention-float32", "rmsnorm-float32", "mha-float32", "gqa-float32"),
+        (
+            "attention-float32",
+            "rmsnorm-float32",
+            "mha-float32",
+            "gqa-float32",
+            "gelu-float32",
+            "ort-gelu-float32",
+            "ort-fastgelu-float32",
+        ),
         "n/a: its case is a float16 model already",
     ),
     "conv-mul": None,

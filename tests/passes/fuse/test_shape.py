@@ -13,11 +13,13 @@ from onnx import TensorProto
 from tests.numerics import assert_same_outputs, make_feeds
 from tests.passes.fuse.table import (
     BOTH_DYNAMIC,
+    ERF_MLP,
     F16,
     LATE,
     NO_ATTR,
     NO_GATE,
     SLICE_INPUTS,
+    TS_MLP,
     Case,
     Exported,
     Perturb,
@@ -114,14 +116,6 @@ def _same_type_cast(to: int = TensorProto.FLOAT) -> onnx.ModelProto:
     return model([node("Cast", ["x"], "c", to=to), node("Neg", ["c"], "y")], [info("x", [2, 3])], [info("y", None, to)])
 
 
-_TS_MLP = "/model/encoder/layer.0/"
-_ERF_MLP = {
-    "fixture": "bert_ts",
-    "start": f"{_TS_MLP}attention/output/LayerNorm/LayerNormalization_output_0",
-    "until": f"{_TS_MLP}output/dense/Add_output_0",
-}
-
-
 CASES: dict[str, Case] = {
     "transpose-transpose": Case(
         _transposes,
@@ -209,12 +203,12 @@ CASES: dict[str, Case] = {
         NO_GATE,
     ),
     "reshape-through-elementwise": Case(
-        lambda: exported_mlp(**_ERF_MLP),
+        lambda: exported_mlp(**ERF_MLP),
         {"Reshape": 2, "Gemm": 2, "Constant": 3, "Div": 1, "Erf": 1, "Add": 1, "Mul": 2},
-        f"{_TS_MLP}intermediate/intermediate_act_fn/Mul_1_output_0",
+        f"{TS_MLP}intermediate/intermediate_act_fn/Mul_1_output_0",
         "n/a: the pattern reads no attribute (the element-wise ops keep their own)",
         Perturb(
-            lambda p: set_shape(_ERF_MLP["start"], ["batch", "sequence", 32])(p),
+            lambda p: set_shape(ERF_MLP["start"], ["batch", "sequence", 32])(p),
             None,
             note="no projection Reshapes to take (batch and sequence dynamic)",
         ),
@@ -419,6 +413,6 @@ def test_reshape_through_elementwise_takes_onnxruntimes_gelu() -> None:
     projections' Reshapes around it still cancel (Swin's MLPs: 8 Reshapes and their kernels fewer)."""
     settings = {"target": "ort", **LATE, "passes": "shape-infer,fuse,noop,dce"}
     out = fires(
-        exported_mlp(**_ERF_MLP), "reshape-through-elementwise", {"Reshape": 2, "Gemm": 2, "Gelu": 1}, **settings
+        exported_mlp(**ERF_MLP), "reshape-through-elementwise", {"Reshape": 2, "Gemm": 2, "Gelu": 1}, **settings
     )
     assert {n.domain for n in out.graph.node if n.op_type == "Gelu"} == {"com.microsoft"}

@@ -67,6 +67,9 @@ NOT_THROUGH_QDQ = {
     "attention-float32": "a quantized model computes in float32, and the rule reads float16 Attention only",
     "rmsnorm-float32": "as attention-float32",
     "mha-float32": "as attention-float32",
+    "gelu-float32": "as attention-float32",
+    "ort-gelu-float32": "as attention-float32",
+    "ort-fastgelu-float32": "as attention-float32",
     "gqa-float32": "as attention-float32",
     "groupnorm": "its gamma is a [C, 1, 1] constant, which stays quantized (DQ of rank 3): groupnorm-plain fuses the "
     "normalization and the affine Mul / Add stay",

@@ -245,10 +245,10 @@ def _further_beyond_noise(dist: dict[str, Any] | None) -> bool:
     """True where the pooled error ratio is more than ERROR_RATIO_NOISE above 1 and its whole interval above 1
     (export_fusions.py's rule for latency: the dynamic int8 Llamas' opset-23 outputs measured 1.00015
     [1.000000004, 1.0004], the same error to four decimals)."""
-    pooled = (dist or {}).get("pooled") or {}
-    if "ratio_interval" not in pooled or not pooled["variant"]:
+    ratio, pooled = _error_ratio(dist), (dist or {}).get("pooled") or {}
+    if ratio is None or "ratio_interval" not in pooled:
         return False
-    return bool(pooled["optimized"] / pooled["variant"] > 1 + ERROR_RATIO_NOISE and pooled["ratio_interval"][0] > 1)
+    return ratio > 1 + ERROR_RATIO_NOISE and pooled["ratio_interval"][0] > 1
 
 
 def _loads_at_full_level(path: Path) -> bool | str:

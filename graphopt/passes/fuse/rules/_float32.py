@@ -51,7 +51,7 @@ from graphopt.passes.fuse.rules._helpers import attrs_of, cast_source, is_float
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import op, optional, var
 
-__all__ = ["cached_in_float32", "in_float32"]
+__all__ = ["cached_in_float32", "in_float32", "ort_in_float32"]
 
 _FLOAT16_LOWEST = float(np.finfo(np.float16).min)
 
@@ -151,24 +151,46 @@ def in_float32(
     )
 
 
-def cached_in_float32(
-    name: str, family: str, op_type: str, inputs: int, *, cache: tuple[int, int], mask: int
+def ort_in_float32(
+    name: str,
+    family: str,
+    op_type: str,
+    inputs: int,
+    *,
+    doc: str,
+    cache: tuple[int, ...] = (),
+    masks: tuple[int, ...] = (),
 ) -> Rule[None]:
-    """The late ``--target ort`` rule ``name`` writing a float16 com.microsoft ``op_type`` in float32 where its KV
-    cache (inputs ``cache``) is cast to float16 from float32, reading that cache itself; ``mask``: its additive
-    attention bias."""
+    """The late ``--target ort`` rule ``name`` writing a float16 com.microsoft ``op_type`` in float32 between Casts;
+    with a ``cache``, only where that KV cache is cast to float16 from float32, reading it itself."""
     return in_float32(
         name,
         family,
         op_type,
         inputs,
         cache=cache,
-        masks=(mask,),
+        masks=masks,
         domain=CONTRIB_DOMAIN,
         targets=frozenset({"ort"}),
-        cached_only=True,
+        cached_only=bool(cache),
         min_opset=1,
         label=f"float16 {op_type}",
+        doc=doc,
+    )
+
+
+def cached_in_float32(
+    name: str, family: str, op_type: str, inputs: int, *, cache: tuple[int, int], mask: int
+) -> Rule[None]:
+    """``ort_in_float32`` for an attention op with a KV cache (inputs ``cache``); ``mask``: its additive
+    attention bias."""
+    return ort_in_float32(
+        name,
+        family,
+        op_type,
+        inputs,
+        cache=cache,
+        masks=(mask,),
         doc=f"com.microsoft {op_type} on float16 with a KV cache cast from float32 -> Cast to float32, {op_type} "
         "reading the float32 cache, Cast to float16 (target ort)",
     )

@@ -37,7 +37,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from graphopt.ir import Node
-from graphopt.passes.fuse.rules._float32 import in_float32
+from graphopt.passes.fuse.rules._float32 import in_float32, ort_in_float32
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, float_x, is_float, scalar_factor
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.fuse.rules.matmul.quantized import quantized_with_bias
@@ -301,15 +301,11 @@ RULES: tuple[Rule[Any], ...] = (
         "Gelu kernel and runs the op's function body instead (1.9x the float32 kernel's time, 3.3x for the tanh form)",
     ),
     *(
-        in_float32(
+        ort_in_float32(
             f"ort-{op_type.lower()}-float32",
             FAMILY,
             op_type,
             inputs,
-            domain=MS,
-            targets=frozenset({"ort"}),
-            min_opset=1,
-            label=f"float16 {op_type}",
             doc=f"com.microsoft {op_type} on float16 -> Cast to float32, {op_type}, Cast to float16: onnxruntime's "
             f"CPU provider runs the float16 op decomposed ({slower} the float32 kernel's time) (target ort)",
         )

@@ -184,9 +184,9 @@ def _standard_attention_is_faster(plan: Plan4, site: Site, reshaped: bool) -> st
     onnxruntime 1.32 ran opset 23's Attention as fast as MultiHeadAttention or faster on float32 attention
     without a cache (--target ort --target-opset 23, 1 thread, interleaved). Not taken from it: a KV cache
     (GroupQueryAttention is built from the MultiHeadAttention, and it is the faster kernel on long decode steps),
-    float16 (the standard Attention computes it between Casts to float32, measured slower on vit_ts_fp16 where
-    MultiHeadAttention takes float16 itself), and the merges only MultiHeadAttention's plan writes (rows of
-    batch * seq, a V wider than K: the standard head merge leaves them as Transposes)."""
+    float16 (MultiHeadAttention takes float16 itself, where the standard Attention runs between Casts to float32,
+    attention-float32; the two not measured against each other), and the merges only MultiHeadAttention's plan
+    writes (rows of batch * seq, a V wider than K: the standard head merge leaves them as Transposes)."""
     if site.opset < STANDARD_ATTENTION_OPSET or reshaped or site.dtype(plan.q) != DataType.FLOAT:
         return None
     if cache_parts(unrepeated(plan.repeated[0].value, site)) is not None:

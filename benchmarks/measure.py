@@ -82,38 +82,58 @@ def latency_feeds(path: Path, dims: dict[str, int], seed: int = 0) -> dict[str, 
     return make_inputs(spec, bind_dims(spec, 0, dims), np.random.default_rng(seed))
 
 
+SESSIONS_PER_MODEL = 3
+
+
 def interleaved_latency(
-    models: dict[str, Path], feeds: dict[str, np.ndarray], level: str, *, runs: int, warmup: int
+    models: dict[str, Path],
+    feeds: dict[str, np.ndarray],
+    level: str,
+    *,
+    runs: int,
+    warmup: int,
+    sessions: int = SESSIONS_PER_MODEL,
 ) -> dict[str, dict[str, float] | str]:
     """Per model at ``level``: median and min seconds of one run, and the median ratio to the
     first model's run of the same round (``paired``, with its 95% interval ``paired_low`` ..
-    ``paired_high``); or the error that stopped the model."""
+    ``paired_high``); or the error that stopped the model.
+
+    Each model gets ``sessions`` sessions, created in turn with the other models' and used in
+    turn by the rounds: where a session's weights and buffers land in memory moves its time by
+    a few percent (two sessions of one file differ by up to 3% on efficientnet_b0, 1 thread,
+    with the graphs onnxruntime runs identical), so one session per model would count that
+    placement as a difference between the files, and the interval would not show it."""
     import onnxruntime as ort
 
-    sessions: dict[str, ort.InferenceSession] = {}
+    opened: dict[str, list[ort.InferenceSession]] = {}
     results: dict[str, dict[str, float] | str] = {}
-    for key, path in models.items():
-        options = ort.SessionOptions()
-        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        try:
-            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-            wanted = {i.name for i in session.get_inputs()}
-            session.run(None, {k: v for k, v in feeds.items() if k in wanted})
-        except Exception as err:
-            results[key] = f"error: {str(err).strip().splitlines()[0][:200]}"
-            continue
-        sessions[key] = session
-    order = list(sessions)
-    inputs = {key: {i.name: feeds[i.name] for i in s.get_inputs() if i.name in feeds} for key, s in sessions.items()}
+    for _ in range(sessions):
+        for key, path in models.items():
+            if key in results:
+                continue
+            options = ort.SessionOptions()
+            options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+            options.intra_op_num_threads = 1
+            options.inter_op_num_threads = 1
+            options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+            try:
+                session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+                wanted = {i.name for i in session.get_inputs()}
+                session.run(None, {k: v for k, v in feeds.items() if k in wanted})
+            except Exception as err:
+                results[key] = f"error: {str(err).strip().splitlines()[0][:200]}"
+                opened.pop(key, None)
+                continue
+            opened.setdefault(key, []).append(session)
+    order = list(opened)
+    inputs = {key: {i.name: feeds[i.name] for i in s[0].get_inputs() if i.name in feeds} for key, s in opened.items()}
     samples: dict[str, list[float]] = {key: [] for key in order}
     for round_index in range(warmup + runs):
         shift = round_index % max(len(order), 1)
         for key in order[shift:] + order[:shift]:
+            session = opened[key][round_index % len(opened[key])]
             start = time.perf_counter()
-            sessions[key].run(None, inputs[key])
+            session.run(None, inputs[key])
             if round_index >= warmup:
                 samples[key].append(time.perf_counter() - start)
     reference = samples.get(next(iter(models), ""), [])

@@ -105,9 +105,9 @@ def _gelu_cases(ort: bool) -> dict[str, Case]:
     }
 
 
-def _gelu_node(op_type: str, contrib: bool, elem_type: int = TensorProto.FLOAT16) -> onnx.ModelProto:
-    """One GELU node of ``elem_type``: the standard Gelu (opset 20), or com.microsoft's Gelu or FastGelu (with its
-    bias), as the dynamo exporter and ``--target ort`` write them."""
+def _float16_node(op_type: str, contrib: bool, opset: int, elem_type: int = TensorProto.FLOAT16) -> onnx.ModelProto:
+    """One node of ``elem_type`` at ``opset``: the standard Gelu, Softmax or LogSoftmax, or com.microsoft's Gelu or
+    FastGelu (with its bias), as the exporters and ``--target ort`` write them."""
     dtype = np.float16 if elem_type == TensorProto.FLOAT16 else np.float32
     with_bias = op_type == "FastGelu"
     proto = model(
@@ -115,16 +115,17 @@ def _gelu_node(op_type: str, contrib: bool, elem_type: int = TensorProto.FLOAT16
         [info("x", [2, 3, 8], elem_type)],
         [info("y", None, elem_type)],
         [init("bias", weights(8).astype(dtype))] if with_bias else [],
-        opset=17 if contrib else 20,
+        opset=opset,
     )
     if contrib:
         proto.opset_import.append(onnx.helper.make_opsetid(MS, 1))
     return proto
 
 
-def _float32_case(op_type: str, contrib: bool) -> Case:
-    """The case of a rule computing a float16 GELU in float32 between Casts (graphopt/passes/fuse/rules/_float32.py)."""
-    build = partial(_gelu_node, op_type, contrib)
+def _float32_case(op_type: str, contrib: bool = False, min_opset: int = 20) -> Case:
+    """The case of a rule computing a float16 op in float32 between Casts (graphopt/passes/fuse/rules/_float32.py):
+    a GELU (the standard one from opset 20), a Softmax or a LogSoftmax (from opset 13)."""
+    build = partial(_float16_node, op_type, contrib, 17 if contrib else min_opset)
     return Case(
         build,
         {op_type: 1, "Cast": 3 if op_type == "FastGelu" else 2},
@@ -138,7 +139,9 @@ def _float32_case(op_type: str, contrib: bool) -> Case:
         "n/a: the rule needs element types only, which every input declares",
         "n/a: the rule's root is a com.microsoft op, which has no opset"
         if contrib
-        else "n/a: the rule's root is a Gelu, which no opset below 20 has",
+        else "n/a: the rule's root is a Gelu, which no opset below 20 has"
+        if op_type == "Gelu"
+        else below(min_opset),
         settings={**LATE, "target": "ort"} if contrib else LATE,
         # small inputs: the float16 op's decomposition and the float32 kernel differ by float16's rounding, which
         # stays within the table's 1e-4 only there
@@ -148,7 +151,9 @@ def _float32_case(op_type: str, contrib: bool) -> Case:
 
 
 CASES: dict[str, Case] = {
-    "gelu-float32": _float32_case("Gelu", contrib=False),
+    "gelu-float32": _float32_case("Gelu"),
+    "softmax-float32": _float32_case("Softmax", min_opset=13),
+    "logsoftmax-float32": _float32_case("LogSoftmax", min_opset=13),
     "ort-gelu-float32": _float32_case("Gelu", contrib=True),
     "ort-fastgelu-float32": _float32_case("FastGelu", contrib=True),
     **_gelu_cases(ort=False),
@@ -220,6 +225,10 @@ EXPORTED: dict[str, Exported | str] = {
         "test_a_float16_gelu_computes_in_float32 runs the whole pipeline on the float16 dynamo and TorchScript BERT "
         "MLP (tests/fixtures/exports/bert_*.onnx)",
     ),
+    "softmax-float32": "its case is the float16 Softmax every exporter writes; "
+    "test_a_float16_llama_layer_computes_its_softmax_in_float32 runs the whole pipeline on the float16 dynamo Llama "
+    "export (tests/fixtures/exports/llama_fp16_dynamo.onnx)",
+    "logsoftmax-float32": "n/a: no exporter fixture writes a LogSoftmax; its case is the op as written",
     "softsign": "n/a: no exporter fixture spells x / (1 + |x|) (t5_ts's one Abs is in its relative position buckets)",
     "swish": Exported(
         ("llama_dynamo", "llama_ts"),

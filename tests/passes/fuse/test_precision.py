@@ -72,6 +72,8 @@ FLOAT16: dict[str, str | NamesType | None] = {
             "mha-float32",
             "gqa-float32",
             "gelu-float32",
+            "softmax-float32",
+            "logsoftmax-float32",
             "ort-gelu-float32",
             "ort-fastgelu-float32",
         ),

@@ -68,6 +68,8 @@ NOT_THROUGH_QDQ = {
     "rmsnorm-float32": "as attention-float32",
     "mha-float32": "as attention-float32",
     "gelu-float32": "as attention-float32",
+    "softmax-float32": "as attention-float32",
+    "logsoftmax-float32": "as attention-float32",
     "ort-gelu-float32": "as attention-float32",
     "ort-fastgelu-float32": "as attention-float32",
     "gqa-float32": "as attention-float32",

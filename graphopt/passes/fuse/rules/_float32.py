@@ -1,15 +1,19 @@
 """Fused float16 ops computed in float32 between Casts, for onnxruntime's CPU provider (late rules of the
-attention, norm and activation families: ``attention-float32``, ``rmsnorm-float32``, ``gelu-float32``, and at
-``--target ort`` ``mha-float32``, ``gqa-float32`` for com.microsoft MultiHeadAttention and GroupQueryAttention,
-``ort-gelu-float32``, ``ort-fastgelu-float32`` for com.microsoft Gelu and FastGelu).
+attention, norm and activation families: ``attention-float32``, ``rmsnorm-float32``, ``gelu-float32``,
+``softmax-float32``, ``logsoftmax-float32``, and at ``--target ort`` ``mha-float32``, ``gqa-float32`` for com.microsoft
+MultiHeadAttention and GroupQueryAttention, ``ort-gelu-float32``, ``ort-fastgelu-float32`` for com.microsoft Gelu and
+FastGelu).
 
 The GELUs are a matter of speed: onnxruntime 1.32's CPU provider has no float16 kernel for Gelu (opset 20),
 com.microsoft Gelu or FastGelu, so it runs the standard op's function body (Div, Erf, Add, Mul; Pow and Tanh for
 the tanh form) and the contrib ones decomposed, each primitive in float32 behind Casts: on 12.8M float16 values,
 1 thread, 1.9x and 3.3x the float32 Gelu kernel's time, 2.3x and 3.2x for the contrib ones. Between Casts the
-float32 kernel runs. A float16 BiasGelu or QuickGelu needs no rule: onnxruntime runs their float32 kernels behind
-Casts of its own, as it does HardSigmoid, HardSwish, Softsign, Swish, Sigmoid, Tanh and Relu (each as fast as
-between Casts, measured alike).
+float32 kernel runs. So it is for Softmax and LogSoftmax from opset 13, where they have a function body: onnxruntime
+runs it (ReduceMax, Sub, Exp, ReduceSum, Div) instead of a float16 kernel, 2.7x to 3.3x and 2.4x to 2.8x the float32
+kernel's time on 4.2M float16 values; below opset 13 it runs the float32 kernel behind Casts of its own, as fast as
+between Casts, so those rules start at 13. A float16 BiasGelu or QuickGelu needs no rule: onnxruntime runs their
+float32 kernels behind Casts of its own, as it does HardSigmoid, HardSwish, Softsign, Swish, Sigmoid, Tanh and Relu
+(each as fast as between Casts, measured alike).
 
 onnxruntime's CPU provider has no float16 kernel for most arithmetic (MatMul, Softmax, Pow, ReduceMean, Mul): it
 runs those float16 ops in float32 behind Casts it inserts, then drops the Cast pairs between them, so a float16 chain

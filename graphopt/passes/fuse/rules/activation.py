@@ -1,4 +1,5 @@
-"""Activation family: decomposed GELU, HardSigmoid, HardSwish, Swish and Softsign become one op.
+"""Activation family: decomposed GELU, HardSigmoid, HardSwish, Swish and Softsign become one op; float16 ops
+without a float16 kernel in onnxruntime are computed in float32.
 
 - erf GELU ``x * 0.5 * (1 + erf(x / sqrt 2))`` -> ``Gelu(x)`` (opset 20), operands in any
   order and association, the argument of erf in any spelling of ``x / sqrt 2``.
@@ -17,6 +18,10 @@
   0.63 x the spelled-out time at ORT_ENABLE_ALL and ORT_DISABLE_ALL alike). Of float32 or float16
   only: onnxruntime 1.32's CPU provider has Softsign for float32 (float16 through a Cast it inserts)
   and no kernel for double.
+
+A float16 Gelu, and from opset 13 a float16 Softmax or LogSoftmax, is computed in float32 between Casts
+(``gelu-float32``, ``softmax-float32``, ``logsoftmax-float32``): onnxruntime's CPU provider has no float16 kernel
+for them and runs their function bodies (_float32.py).
 
 With ``--target ort`` below opset 20 the GELUs become onnxruntime's ``Gelu`` / ``FastGelu``
 (com.microsoft), which its CPU provider implements; a GELU of ``x + bias`` (a constant vector
@@ -299,6 +304,20 @@ RULES: tuple[Rule[Any], ...] = (
         label="float16 GELU",
         doc="Gelu on float16 -> Cast to float32, Gelu, Cast to float16: onnxruntime's CPU provider has no float16 "
         "Gelu kernel and runs the op's function body instead (1.9x the float32 kernel's time, 3.3x for the tanh form)",
+    ),
+    *(
+        in_float32(
+            f"{op_type.lower()}-float32",
+            FAMILY,
+            op_type,
+            1,
+            min_opset=13,
+            label=f"float16 {op_type}",
+            doc=f"{op_type} on float16 -> Cast to float32, {op_type}, Cast to float16: from opset 13 onnxruntime's CPU "
+            f"provider has no float16 {op_type} kernel and runs the op's function body instead ({slower} the float32 "
+            "kernel's time)",
+        )
+        for op_type, slower in (("Softmax", "2.7x to 3.3x"), ("LogSoftmax", "2.4x to 2.8x"))
     ),
     *(
         ort_in_float32(

@@ -82,6 +82,40 @@ def latency_feeds(path: Path, dims: dict[str, int], seed: int = 0) -> dict[str, 
     return make_inputs(spec, bind_dims(spec, 0, dims), np.random.default_rng(seed))
 
 
+def session_graph(path: Path, level: str = "ORT_ENABLE_ALL") -> list[tuple[str, ...]]:
+    """The graph onnxruntime runs for ``path`` at ``level``, as a list comparable across files: per node in its
+    order, the op, its domain, its attributes and its inputs (a value produced inside by its producer's position, an
+    initializer by its shape, type and the sum of its absolute values). Two files with equal lists run the same
+    kernels on the same weights, so a timing difference between them is the machine's."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = Path(tmp) / "session.onnx"
+        options = ort.SessionOptions()
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        options.optimized_model_filepath = str(saved)
+        options.log_severity_level = 3
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        graph = onnx.load(str(saved)).graph
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    produced: dict[str, str] = {}
+    nodes = []
+    for position, found in enumerate(graph.node):
+        inputs = []
+        for name in found.input:
+            if name in weights:
+                array = weights[name]
+                inputs.append(f"{array.shape}:{array.dtype}:{np.abs(array.astype(np.float64)).sum():.9g}")
+            else:
+                inputs.append(produced.get(name, name))
+        produced.update({name: f"{position}.{index}" for index, name in enumerate(found.output)})
+        attributes = sorted(f"{a.name}={onnx.helper.get_attribute_value(a)!r}" for a in found.attribute)
+        nodes.append((found.op_type, found.domain, *inputs, "|", *attributes))
+    return nodes
+
+
 SESSIONS_PER_MODEL = 3
 
 

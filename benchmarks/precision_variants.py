@@ -42,7 +42,9 @@ onnxruntime's extended-level output against the variant itself, at ORT_ENABLE_AL
 interleaved rounds at the index's second binding, or its first where onnxruntime refuses the
 variant at the second (the users of these models measure them at onnxruntime's full level). Each figure is the median of
 per-round ratios to the variant with its 95% bootstrap interval; an output is slower only beyond
-noise (export_fusions.py's rule), against the variant and against onnxruntime's output.
+noise (export_fusions.py's rule), against the variant and against onnxruntime's output, and not
+against one that onnxruntime runs as the very same graph (``measure.session_graph``: the line names
+those), where the difference is where the sessions landed in memory.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from export_fusions import GRAPHOPT_CLI, ORT_OPS, STANDARD_OPS, TARGETS, _above, _ratio, op_counts
 from exports import EXPORTS, best_peer, index_feeds
 from exports import measure as peer_counts
-from measure import interleaved_latency, node_count
+from measure import interleaved_latency, node_count, session_graph
 from tools import GRAPHOPT, PORTABLE_PEERS, run_tool
 
 VARIANTS = Path.home() / ".cache/graphopt-exports-variants"
@@ -445,6 +447,7 @@ def latency(variants: Path, only: list[str], runs: int) -> list[dict[str, Any]]:
                 runs=runs,
                 warmup=max(2, runs // 10),
             )
+            row["same_session_graph"] = _same_session_graphs(models, row["latency"])
             for path in models.values():
                 if path != src:
                     path.unlink(missing_ok=True)
@@ -466,12 +469,28 @@ def _last_running(entry: dict[str, Any], variant: Path) -> dict[str, np.ndarray]
     return index_feeds(entry, len(entry["feeds"]) - 1)
 
 
+def _same_session_graphs(models: dict[str, Path], timed: dict[str, Any]) -> dict[str, list[str]]:
+    """Per output timed slower beyond noise than the variant or onnxruntime's output: which of those two
+    onnxruntime runs as the very same graph (``session_graph``), where the difference is where the sessions
+    landed in memory, not the files."""
+    same: dict[str, list[str]] = {}
+    references = {"variant": None, "ort_extended": timed.get("ort_extended")}
+    for target in TIMED:
+        slower = [other for other, reference in references.items() if _above(timed.get(target), reference)]
+        if slower:
+            graph = session_graph(models[target])
+            same[target] = [other for other in slower if session_graph(models[other]) == graph]
+    return same
+
+
 def _slower(row: dict[str, Any], target: str) -> list[str]:
-    """What ``target``'s output is slower than, beyond noise: the variant, onnxruntime's output."""
+    """What ``target``'s output is slower than, beyond noise: the variant, onnxruntime's output; not one that
+    onnxruntime runs as the same graph."""
     found, timed = [], row["latency"]
-    if _above(timed.get(target)):
+    same = row.get("same_session_graph", {}).get(target, [])
+    if _above(timed.get(target)) and "variant" not in same:
         found.append("the variant")
-    if _above(timed.get(target), timed.get("ort_extended")):
+    if _above(timed.get(target), timed.get("ort_extended")) and "ort_extended" not in same:
         found.append("ort_extended")
     return found
 
@@ -486,7 +505,14 @@ def _latency_line(row: dict[str, Any]) -> str:
     ms = f"{base['median_s'] * 1000:.2f} ms" if isinstance(base, dict) else "err"
     cells = [f"{key} {_ratio(timed.get(key))}" for key in _TIMED_COLUMNS]
     slower = _slower_targets(row)
-    return f"{row['model']}: variant {ms}; " + "; ".join(cells) + (f"  ** {'; '.join(slower)}" if slower else "")
+    same_graphs = row.get("same_session_graph", {})
+    same = [f"{target} as {' and '.join(others)}" for target, others in same_graphs.items() if others]
+    return (
+        f"{row['model']}: variant {ms}; "
+        + "; ".join(cells)
+        + (f"  ** {'; '.join(slower)}" if slower else "")
+        + (f"  (timed slower, the same session graph: {'; '.join(same)})" if same else "")
+    )
 
 
 def latency_table(rows: list[dict[str, Any]]) -> str:

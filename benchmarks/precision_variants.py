@@ -474,12 +474,18 @@ def _same_session_graphs(models: dict[str, Path], timed: dict[str, Any]) -> dict
     onnxruntime runs as the very same graph (``session_graph``), where the difference is where the sessions
     landed in memory, not the files."""
     same: dict[str, list[str]] = {}
+    graphs: dict[str, list[tuple[str, ...]]] = {}  # each file's session graph built once
+
+    def graph_of(key: str) -> list[tuple[str, ...]]:
+        if key not in graphs:
+            graphs[key] = session_graph(models[key])
+        return graphs[key]
+
     references = {"variant": None, "ort_extended": timed.get("ort_extended")}
     for target in TIMED:
         slower = [other for other, reference in references.items() if _above(timed.get(target), reference)]
         if slower:
-            graph = session_graph(models[target])
-            same[target] = [other for other in slower if session_graph(models[other]) == graph]
+            same[target] = [other for other in slower if graph_of(other) == graph_of(target)]
     return same
 
 

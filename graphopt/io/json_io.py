@@ -109,11 +109,11 @@ def storage_dtype(dtype: ir.DataType) -> np.dtype | None:
     for bfloat16 and the float8 types; None for strings and sub-byte types (kept inline)."""
     if dtype == ir.DataType.STRING:
         return None
-    try:
-        return dtype.numpy()
-    except TypeError:
-        bits = dtype.itemsize_bits
-        return np.dtype(f"<u{bits // 8}") if bits in (8, 16) and dtype != ir.DataType.UNDEFINED else None
+    native = numpy_or_none(dtype)
+    if native is not None and native.kind != "V":  # ml_dtypes' bfloat16 is a void kind to .npy
+        return native
+    bits = dtype.itemsize_bits
+    return np.dtype(f"<u{bits // 8}") if bits in (8, 16) and dtype != ir.DataType.UNDEFINED else None
 
 
 @dataclass
@@ -126,7 +126,7 @@ class NpySource:
 
     def read(self) -> np.ndarray:
         array = np.load(self.path, mmap_mode="r")
-        if numpy_or_none(self.dtype) is None:
+        if storage_dtype(self.dtype) != numpy_or_none(self.dtype):
             # bfloat16 / float8 are stored as same-width uints; view them as onnx does.
             return array.view(helper.tensor_dtype_to_np_dtype(int(self.dtype)))
         return array

@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar
 
+import ml_dtypes
 import numpy as np
 
 from graphopt.ir.dims import Dim, format_dim
 
 __all__ = [
+    "FLOAT_ARRAYS",
     "INTEGER_TYPES",
     "DataType",
     "MapType",
@@ -67,7 +69,8 @@ class DataType(IntEnum):
         return _EPSILON.get(self)
 
     def numpy(self) -> np.dtype:
-        """The numpy dtype graphopt computes with (exotic floats are stored as raw bytes)."""
+        """The numpy dtype graphopt computes with (float8, float4 and the sub-byte integers have none:
+        they are stored as raw bytes)."""
         try:
             return _NUMPY[self]
         except KeyError:
@@ -92,6 +95,9 @@ _NUMPY: dict[DataType, np.dtype] = {
     DataType.STRING: np.dtype(object),
     DataType.BOOL: np.dtype(np.bool_),
     DataType.FLOAT16: np.dtype(np.float16),
+    # ml_dtypes' bfloat16, onnx's own numpy type for it: each numpy operation on it rounds its
+    # result to bfloat16.
+    DataType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
     DataType.DOUBLE: np.dtype(np.float64),
     DataType.UINT32: np.dtype(np.uint32),
     DataType.UINT64: np.dtype(np.uint64),
@@ -214,3 +220,8 @@ INTEGER_TYPES = frozenset(
 )
 
 Type = TensorType | SparseTensorType | SequenceType | MapType | OptionalType | OpaqueType
+
+
+# The numpy dtypes of float tensors graphopt computes with: bfloat16's (ml_dtypes) is a "V" kind
+# to numpy, so a test of ``dtype.kind == "f"`` would miss it.
+FLOAT_ARRAYS = frozenset(_NUMPY[t] for t in (DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT, DataType.DOUBLE))

@@ -20,7 +20,8 @@ One round over a graph (:func:`run_round`):
    Its nodes are covered and keep this match for the round.
 3. Apply the chosen matches in walk order: the build makes new nodes before the root, the
    engine checks that each replacement keeps the element type and shape of the value it
-   replaces (where both are known), then ``replace_nodes`` swaps them in (graph outputs keep
+   replaces (where both are known) and that each op built takes its element types at the
+   model's opset (onnx's schema: signatures.py), then ``replace_nodes`` swaps them in (graph outputs keep
    their names). A match that a rewrite applied before it gave a reader outside (a plan may
    read past its pattern) waits for the next round, whose finder sees that reader.
 
@@ -55,6 +56,7 @@ from graphopt.ir.rewrite import Builder, replace_nodes
 from graphopt.passes.base import Failure, PassContext
 from graphopt.passes.rewrite.patterns import Bindings, OpPattern, Pattern, PredicateFailed, entries, match, root_ops
 from graphopt.passes.rewrite.qdq import hidden, quantized
+from graphopt.passes.rewrite.signatures import untaken_type
 
 __all__ = [
     "Build",
@@ -578,6 +580,9 @@ def _replacements(b: Builder, m: Match) -> dict[Value, Value] | str | None:
         # An entry value computed inside the match itself (Add(MatMul(a, w), f(MatMul(a, w)))):
         # the nodes it needs go with the match, so the rewrite cannot stand.
         return None
+    untaken = next((r for n in b.created if (r := untaken_type(n, b.opset)) is not None), None)
+    if untaken is not None:
+        return untaken
     replacements = dict(zip(old, new, strict=False))
     for name in rule.exports:
         value = m.node(name).outputs[0] if name in m else None

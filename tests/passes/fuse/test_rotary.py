@@ -191,7 +191,7 @@ EXPORTED: dict[str, Exported | str] = {
         ("llama_dynamo", "llama_ts"),
         {"RotaryEmbedding": 1},
         At(_halves_swapped, "not the two halves", "the two Slices' bounds swapped"),
-        untyped_at(("x",), "not a 4-D float32 or float16 tensor"),
+        untyped_at(("x",), "not a 4-D float32, float16 or bfloat16 tensor"),
         NO_GATE,
         {"target": "ort"},
     ),
@@ -200,7 +200,7 @@ EXPORTED: dict[str, Exported | str] = {
             fixtures,
             {"RotaryEmbedding": 1},
             wrong,
-            untyped_at(("x",), "not a 4-D float32 or float16 tensor"),
+            untyped_at(("x",), "not a 4-D float32, float16 or bfloat16 tensor"),
             gate,
             settings,
         )
@@ -344,7 +344,7 @@ def test_a_double_x_is_not_rotated_by_the_op(settings: dict[str, Any]) -> None:
     nodes, consts = _rotate_half()
     double = TensorProto.DOUBLE
     shapes = {"x": (double, [2, 2, 4, D]), "f": (double, [2, 1, 4, D // 2]), "g": (double, [2, 1, 4, D // 2])}
-    _refused(_model(nodes, shapes, consts, opset=23 if not settings else 17), "float32 or float16", **settings)
+    _refused(_model(nodes, shapes, consts, opset=23 if not settings else 17), "float32, float16 or bfloat16", **settings)
 
 
 def test_pairs_stacked_on_another_axis_are_not_an_interleaved_rotation() -> None:

@@ -9,11 +9,11 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
+from graphopt.ir.types import FLOAT_ARRAYS
 from graphopt.passes.rewrite.engine import Match, Refuse, Site
 
 __all__ = [
     "shared_reader",
-    "FLOAT_KINDS",
     "NOT_FLOAT",
     "attrs_of",
     "axes_of",
@@ -26,16 +26,14 @@ __all__ = [
     "trailing_axes",
 ]
 
-FLOAT_KINDS = frozenset({np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)})
-
 
 def is_float(value: Value | None) -> bool:
-    """Whether ``value`` is a tensor of float16, float32 or float64."""
+    """Whether ``value`` is a tensor of float16, bfloat16, float32 or float64."""
     dtype = Site.dtype(value)
     if dtype is None:
         return False
     try:
-        return dtype.numpy() in FLOAT_KINDS
+        return dtype.numpy() in FLOAT_ARRAYS
     except TypeError:
         return False
 
@@ -60,7 +58,7 @@ def scalar_factor(value: Value | None, divides: bool) -> float | None:
 def float_array(value: Value | None) -> np.ndarray | None:
     """A float constant's values as float64 (None: not a float constant)."""
     array = Site.array(value)
-    if array is None or array.dtype not in FLOAT_KINDS:
+    if array is None or array.dtype not in FLOAT_ARRAYS:
         return None
     return array.astype(np.float64)
 

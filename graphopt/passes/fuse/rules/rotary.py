@@ -54,7 +54,7 @@ import numpy as np
 from graphopt.ir import DataType, Dim, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import shared_reader
-from graphopt.passes.fuse.rules._ort import MS
+from graphopt.passes.fuse.rules._ort import MS, cpu_float
 from graphopt.passes.rewrite.engine import Build, Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, Pattern, const, op, optional, var
 from graphopt.passes.rewrite.proofs import HEADS, merge_refusal, split_count
@@ -92,8 +92,9 @@ def _partial(rope: OpPattern) -> OpPattern:
     return op.Concat(rope, _slice_of(var("whole"), "rest"), name="partial")
 
 
-# x's types: RotaryEmbedding's float and float16, which onnxruntime's CPU kernels run too (not its bfloat16).
-_TYPES = (DataType.FLOAT, DataType.FLOAT16)
+# x's types: the standard RotaryEmbedding's (opset 23); onnxruntime's CPU contrib kernel takes no bfloat16
+# (cpu_float in _plan_ort).
+_TYPES = (DataType.FLOAT, DataType.FLOAT16, DataType.BFLOAT16)
 # Element-wise ops that keep equal halves equal (the scale's other input must be a scalar).
 _HALF_KEEPING = frozenset({"Cos", "Sin", "Cast", "Identity", "Mul", "Div"})
 _MAX_DEPTH = 8
@@ -371,7 +372,7 @@ def _plan(interleaved: bool, m: Match, site: Site) -> _Plan | Refuse:
     x = m.value("x")
     shape = site.shape(x)
     if site.dtype(x) not in _TYPES or shape is None or len(shape) != 4:
-        return Refuse("x is not a 4-D float32 or float16 tensor")
+        return Refuse("x is not a 4-D float32, float16 or bfloat16 tensor")
     size = shape[3]
     if not isinstance(size, int) or size % 2 or None in shape:
         return Refuse("the rotated size is not static and even")
@@ -479,6 +480,9 @@ _DIMS = "ort_rotary_dims"
 
 def _plan_ort(interleaved: bool, m: Match, site: Site) -> _Plan | Refuse:
     plan = _plan(interleaved, m, site)
+    untaken = cpu_float(site, m.value("x"), "RotaryEmbedding")
+    if isinstance(plan, _Plan) and untaken is not None:
+        return Refuse(untaken)
     if isinstance(plan, _Plan) and plan.whole is not None and not isinstance(plan.dims.heads, int):
         return Refuse("onnxruntime's kernel wants num_heads with rotary_embedding_dim, and the heads are not static")
     return plan

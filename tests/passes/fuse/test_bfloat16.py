@@ -1,0 +1,124 @@
+"""bfloat16 models get the fusions onnx's standard ops take bfloat16 for, as float16 models do; where the op takes
+no bfloat16 (onnxruntime's CPU contrib kernels; HardSwish below opset 22) the near miss names the type.
+
+onnxruntime's CPU provider runs no bfloat16 arithmetic, so the fused model is judged as onnx's checker types it
+and as its float32 program computes it (numerics/reference.py: every bfloat16 value float32, the weights keeping
+their bfloat16 values), against the original's float32 program.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from graphopt.numerics.reference import float_reference
+from tests.numerics import assert_same_outputs
+from tests.passes.fuse.table import Case, Perturb, copied, draws, same_weights
+from tests.passes.fuse.table import _run as run_case
+from tests.passes.fuse.test_precision import CASES
+
+# The rules that fire on the bfloat16 copies of the real exports (BERT, GPT-2, ViT, Whisper's and T5's encoders,
+# the Llama with and without a KV cache, --target-opset 23), and the lowerings and clean-ups around them.
+FIRES = (
+    "attention-4d",
+    "attention-heads-3d",
+    "gather-consecutive-rows",
+    "gelu-none",
+    "gelu-tanh",
+    "layernorm-residual-sum",
+    "rmsnorm",
+    "rotary-embedding-interleaved",
+    "unsqueeze-unsqueeze",
+)
+# onnxruntime's CPU contrib kernels take float32 and float16 only.
+CPU_KERNELS = ("ort-multihead-attention", "ort-biasgelu", "ort-rotary-embedding-interleaved")
+# bfloat16 relative rounding, twice: the float16 converter rounds first, then bfloat16 does.
+BFLOAT16_TOLERANCE = 2 * 2.0**-8
+
+
+@pytest.fixture(autouse=True)
+def _same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    same_weights(monkeypatch)
+
+
+def as_bfloat16(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` made float16 by onnxruntime's converter with float32 inputs and outputs (onnxruntime takes no
+    bfloat16 feeds), then every float16 tensor, type and Cast bfloat16."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    with warnings.catch_warnings():  # constants beyond float16's range are clipped to it
+        warnings.simplefilter("ignore")
+        out = convert_float_to_float16(copied(proto), keep_io_types=True)
+    _to_bfloat16(out.graph)
+    return out
+
+
+def _to_bfloat16(graph: onnx.GraphProto) -> None:
+    for tensor in graph.initializer:
+        _retyped(tensor)
+    for described in [*graph.input, *graph.output, *graph.value_info]:
+        if described.type.tensor_type.elem_type == TensorProto.FLOAT16:
+            described.type.tensor_type.elem_type = TensorProto.BFLOAT16
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.name in ("to", "dtype") and attr.i == TensorProto.FLOAT16:
+                attr.i = TensorProto.BFLOAT16
+            if attr.type == onnx.AttributeProto.TENSOR:
+                _retyped(attr.t)
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _to_bfloat16(attr.g)
+
+
+def _retyped(tensor: onnx.TensorProto) -> None:
+    if tensor.data_type == TensorProto.FLOAT16:
+        values = numpy_helper.to_array(tensor).astype(np.float32)
+        tensor.CopyFrom(numpy_helper.from_array(values.astype(onnx.helper.tensor_dtype_to_np_dtype(16)), tensor.name))
+
+
+def _float32_outputs(proto: onnx.ModelProto, case: Case, base: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
+    program = float_reference(proto)
+    assert program is not None
+    return program, draws(case, base)(0)
+
+
+@pytest.mark.parametrize("name", FIRES)
+def test_the_rule_fires_in_bfloat16(name: str) -> None:
+    case = CASES[name]
+    base = case.build()
+    proto = as_bfloat16(base)
+    out, details = run_case(case, proto, Perturb(copied, None))
+    assert details["applied"].get(name, 0) >= 1, details
+    made = {op: count for op, count in case.expected.items() if op not in {n.op_type for n in proto.graph.node}}
+    assert {op: sum(n.op_type == op for n in out.graph.node) for op in made} == made
+    onnx.checker.check_model(out, full_check=True)  # every op takes its types at the model's opset
+    before, feeds = _float32_outputs(proto, case, base)
+    after, _ = _float32_outputs(out, case, base)
+    assert_same_outputs(before, after, feeds, rtol=BFLOAT16_TOLERANCE, atol=BFLOAT16_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", CPU_KERNELS)
+def test_an_onnxruntime_contrib_fusion_refuses_bfloat16_naming_it(name: str) -> None:
+    case = CASES[name]
+    _, details = run_case(case, as_bfloat16(case.build()), Perturb(copied, None))
+    assert name not in details["applied"]
+    assert any("not bfloat16" in miss for misses in details["near_misses"].values() for miss in misses), details
+
+
+def test_a_fusion_into_an_op_without_bfloat16_at_the_opset_is_refused_naming_the_type_and_opset() -> None:
+    """HardSwish takes bfloat16 from opset 22: at the case's opset 14 the rewrite would make an invalid model."""
+    case = CASES["hardswish"]
+    proto = as_bfloat16(case.build())
+    out, details = run_case(case, proto, Perturb(copied, None))
+    assert "hardswish" not in details["applied"]
+    assert any("HardSwish takes no bfloat16 at opset 14" in miss for miss in details["near_misses"]["activation"])
+    onnx.checker.check_model(out, full_check=True)
+    for found in proto.opset_import:
+        if found.domain in ("", "ai.onnx"):
+            found.version = 22
+    out, details = run_case(case, proto, Perturb(copied, None))
+    assert details["applied"]["hardswish"] == 1
+    onnx.checker.check_model(out, full_check=True)

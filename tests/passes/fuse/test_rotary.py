@@ -344,7 +344,8 @@ def test_a_double_x_is_not_rotated_by_the_op(settings: dict[str, Any]) -> None:
     nodes, consts = _rotate_half()
     double = TensorProto.DOUBLE
     shapes = {"x": (double, [2, 2, 4, D]), "f": (double, [2, 1, 4, D // 2]), "g": (double, [2, 1, 4, D // 2])}
-    _refused(_model(nodes, shapes, consts, opset=23 if not settings else 17), "float32, float16 or bfloat16", **settings)
+    model = _model(nodes, shapes, consts, opset=23 if not settings else 17)
+    _refused(model, "float32, float16 or bfloat16", **settings)
 
 
 def test_pairs_stacked_on_another_axis_are_not_an_interleaved_rotation() -> None:

@@ -6,6 +6,9 @@ block of 32); ``Size`` sets the blocks, the batch and how sharp the attention is
 
 - float16: ``onnxruntime.transformers.float16.convert_float_to_float16`` with float32 inputs
   and outputs;
+- bfloat16: the float16 model with every float16 tensor, type and Cast bfloat16 (no tool of
+  onnxruntime's writes one; onnxruntime's CPU provider runs no bfloat16 arithmetic, so the check
+  compares the float32 programs, numerics/reference.py);
 - QDQ int8: ``onnxruntime.quantization.quantize_static`` in QDQ format, calibrated on four inputs;
 - dynamic int8: ``quantize_dynamic`` (DynamicQuantizeLinear and MatMulInteger);
 - int4: MatMulNBits (block 32, asymmetric) with its weights packed by onnxruntime's own
@@ -31,6 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 __all__ = [
     "MISTAKES",
+    "bfloat16_of_float16",
     "SMALL",
     "VARIANTS",
     "Size",
@@ -170,6 +174,35 @@ def _float16(model: onnx.ModelProto) -> onnx.ModelProto:
     return converted
 
 
+def bfloat16_of_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (a float16 one) with every float16 tensor, value type and Cast target bfloat16."""
+    _to_bfloat16(model.graph)
+    return model
+
+
+def _to_bfloat16(graph: onnx.GraphProto) -> None:
+    for tensor in graph.initializer:
+        _retyped(tensor)
+    for described in [*graph.input, *graph.output, *graph.value_info]:
+        if described.type.tensor_type.elem_type == TensorProto.FLOAT16:
+            described.type.tensor_type.elem_type = TensorProto.BFLOAT16
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.name in ("to", "dtype") and attr.i == TensorProto.FLOAT16:
+                attr.i = TensorProto.BFLOAT16
+            if attr.type == onnx.AttributeProto.TENSOR:
+                _retyped(attr.t)
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _to_bfloat16(attr.g)
+
+
+def _retyped(tensor: onnx.TensorProto) -> None:
+    if tensor.data_type == TensorProto.FLOAT16:
+        values = numpy_helper.to_array(tensor).astype(np.float32)
+        bfloat16 = helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)
+        tensor.CopyFrom(numpy_helper.from_array(values.astype(bfloat16), tensor.name))
+
+
 class _Calibration:
     """quantize_static's CalibrationDataReader: four seeded inputs."""
 
@@ -272,6 +305,7 @@ def _int4(model: onnx.ModelProto) -> onnx.ModelProto:
 VARIANTS: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {
     "float32": lambda model: model,
     "float16": _float16,
+    "bfloat16": lambda model: bfloat16_of_float16(_float16(model)),
     "qdq int8": _qdq,
     "dynamic int8": _dynamic,
     "int4": _int4,

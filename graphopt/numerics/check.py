@@ -20,6 +20,11 @@ custom op or model-local function that draws numbers), a model that calls such o
 at the first binding, and an output on which it disagrees with itself is not checked either.
 Such an output never fails the check. Outcomes:
 
+A bfloat16 original, on which onnxruntime's CPU provider runs no arithmetic, is checked on both
+models' float32 programs (reference.py: the weights keep their bfloat16 values), its outputs
+judged by its own precision: the fixed tolerance of float32, then its own rounding, the program's
+weights and inputs moved by half a bfloat16 ulp. The report's criterion says so ("program").
+
 - "not checked": onnxruntime cannot load the original, it fails at every binding tried, an
   input has a type the check cannot generate, time ran out before a comparison was made, or
   nothing was compared (every output empty or NaN in both models). Never "passed".
@@ -42,6 +47,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -84,6 +90,7 @@ from graphopt.numerics.inputs import (
 from graphopt.numerics.judging import Judged, judge_by_own_rounding
 from graphopt.numerics.options import FIRST_RUN_SECONDS, TIME_FACTOR, check_numbers
 from graphopt.numerics.ort_errors import first_line
+from graphopt.numerics.reference import float_programs
 from graphopt.numerics.sessions import OrtError, Output, as_numpy, open_session, session_options
 
 __all__ = [
@@ -99,6 +106,9 @@ __all__ = [
 ]
 
 Status = Literal["passed", "failed", "not checked"]
+
+# What a check of a bfloat16 model compares (reference.py): onnxruntime's CPU provider runs no bfloat16 arithmetic.
+FLOAT32_PROGRAMS = "the float32 programs of both models"
 
 
 @dataclass
@@ -219,6 +229,7 @@ def check_models(
     custom_op_libraries: Sequence[str | os.PathLike[str]] = (),
     on_deadline: Callable[[float, float], None] | None = None,
     memo: str | os.PathLike[str] | None = None,
+    judged_as: str | os.PathLike[str] | None = None,
 ) -> CheckResult:
     """Run both model files in onnxruntime on the same inputs and compare every output.
 
@@ -252,6 +263,8 @@ def check_models(
         memo: a folder keeping the original's reruns at its bindings (its own rounding's draws,
             its float reference) for a later check of the same original with the same options
             to read back, not run again (judging.Judged).
+        judged_as: the model whose precision each output is judged by, where ``original`` is
+            its float32 program (a bfloat16 model's, which onnxruntime cannot run).
 
     Generated inputs are also compared at the largest binding (inputs.largest_binding),
     unless the original's runs at the smaller ones predict it would take over
@@ -288,6 +301,7 @@ def check_models(
 
     original, optimized = Path(original), Path(optimized)
     spec_a, spec_b = read_spec(original), read_spec(optimized)
+    precisions = read_spec(Path(judged_as)) if judged_as is not None else spec_a
     _check_dim_names(spec_a, dims or {})
     layouts = _check_layouts(spec_a, input_layouts or {})
     mismatch = _signature_mismatch(spec_a, spec_b)
@@ -321,6 +335,31 @@ def check_models(
     except OrtError as exc:
         if _out_of_memory(str(exc)):
             return result("not checked", f"loading the original model {out_of_memory}")
+        with tempfile.TemporaryDirectory() as folder:
+            programs = float_programs(original, optimized, Path(folder))
+            if programs is not None:
+                # The rest of the time limit, in the same process (confined already where it is to be).
+                left = max(deadline.end - time.monotonic(), 0.0) if timeout is not None else None
+                checked = check_models(
+                    *programs,
+                    dims=dims,
+                    inputs=inputs,
+                    atol=atol,
+                    rtol=rtol,
+                    seed=seed,
+                    bindings=bindings,
+                    timeout=left,
+                    threads=threads,
+                    input_layouts=input_layouts,
+                    on_phase=on_phase,
+                    memory_budget=memory_budget,
+                    custom_op_libraries=custom_op_libraries,
+                    on_deadline=on_deadline,
+                    judged_as=original,
+                )
+                unrunnable = f"onnxruntime cannot run the bfloat16 original: {first_line(exc)}"
+                checked.criterion["program"] = f"{FLOAT32_PROGRAMS} ({unrunnable})"
+                return checked
         return result("not checked", _unloadable(str(exc), bool(custom_op_libraries)))
     except MemoryError:
         return result("not checked", f"loading the original model {out_of_memory}")
@@ -432,7 +471,8 @@ def check_models(
         models = Judged(
             Path(original), Path(optimized), layouts, threads, custom_op_libraries, None if memo is None else Path(memo)
         )
-        judge_by_own_rounding(models, ran, [b.outputs for b in done], produced, spec_a, deadline, seed, room, on_phase)
+        per_binding = [b.outputs for b in done]
+        judge_by_own_rounding(models, ran, per_binding, produced, precisions, deadline, seed, room, on_phase)
         for judged in done:
             judged.passed = all(o.passed is not False for o in judged.outputs)
 

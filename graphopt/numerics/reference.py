@@ -50,6 +50,8 @@ or Scan bodies (whose float16 values this does not reach).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -59,7 +61,7 @@ from graphopt.ir.node import STANDARD_DOMAINS
 from graphopt.ir.ops import CARRIERS
 from graphopt.numerics.paths import inline_array
 
-__all__ = ["float_reference"]
+__all__ = ["float_programs", "float_reference"]
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
@@ -79,6 +81,29 @@ def float_reference(model: onnx.ModelProto) -> onnx.ModelProto | None:
     changed = _unquantized_activations(reference.graph) or changed
     changed = _float_matmuls(reference.graph) or changed
     return reference if changed else None
+
+
+def float_programs(original: Path, optimized: Path, folder: Path) -> tuple[Path, Path] | None:
+    """Both models' float reference, saved in ``folder``, where the original holds bfloat16
+    tensors (which onnxruntime's CPU provider runs no arithmetic on, so that only their float32
+    programs can be compared); None where it holds none, or a program cannot be made."""
+    models = [onnx.load(str(path)) for path in (original, optimized)]
+    if not _holds_bfloat16(models[0].graph):
+        return None
+    paths = (folder / "original.onnx", folder / "optimized.onnx")
+    for model, path in zip(models, paths, strict=True):
+        program = float_reference(model)
+        if program is None:
+            return None
+        onnx.save(program, str(path))
+    return paths
+
+
+def _holds_bfloat16(graph: onnx.GraphProto) -> bool:
+    described = [*graph.input, *graph.output, *graph.value_info]
+    return any(t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.initializer) or any(
+        v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for v in described
+    )
 
 
 def _to_float32(graph: onnx.GraphProto) -> bool:

@@ -214,6 +214,9 @@ def render_numerics(console: Console, numerics: dict[str, Any], *, per_output: b
     if reason and status != "passed":
         line += escape(f" ({reason})")
     bindings = numerics.get("bindings", [])
+    program = numerics.get("criterion", {}).get("program")
+    if program:  # a bfloat16 model, which onnxruntime's CPU provider cannot run
+        line += escape(f" on {program}")
     if status == "passed" and numerics.get("passed_by"):
         line += escape(f" ({_passed_by(numerics['passed_by'], bindings)})")
     for number, binding in enumerate(bindings, 1):

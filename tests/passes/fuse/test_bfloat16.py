@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, numpy_helper
 
 from graphopt.numerics.reference import float_reference
 from tests.numerics import assert_same_outputs
 from tests.passes.fuse.table import Case, Perturb, copied, draws, same_weights
 from tests.passes.fuse.table import _run as run_case
 from tests.passes.fuse.test_precision import CASES
+from tests.precision_models import bfloat16_of_float16
 
 # The rules that fire on the bfloat16 copies of the real exports (BERT, GPT-2, ViT, Whisper's and T5's encoders,
 # the Llama with and without a KV cache, --target-opset 23), and the lowerings and clean-ups around them.
@@ -47,36 +46,12 @@ def _same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def as_bfloat16(proto: onnx.ModelProto) -> onnx.ModelProto:
     """``proto`` made float16 by onnxruntime's converter with float32 inputs and outputs (onnxruntime takes no
-    bfloat16 feeds), then every float16 tensor, type and Cast bfloat16."""
+    bfloat16 feeds), then bfloat16."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     with warnings.catch_warnings():  # constants beyond float16's range are clipped to it
         warnings.simplefilter("ignore")
-        out = convert_float_to_float16(copied(proto), keep_io_types=True)
-    _to_bfloat16(out.graph)
-    return out
-
-
-def _to_bfloat16(graph: onnx.GraphProto) -> None:
-    for tensor in graph.initializer:
-        _retyped(tensor)
-    for described in [*graph.input, *graph.output, *graph.value_info]:
-        if described.type.tensor_type.elem_type == TensorProto.FLOAT16:
-            described.type.tensor_type.elem_type = TensorProto.BFLOAT16
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.name in ("to", "dtype") and attr.i == TensorProto.FLOAT16:
-                attr.i = TensorProto.BFLOAT16
-            if attr.type == onnx.AttributeProto.TENSOR:
-                _retyped(attr.t)
-            if attr.type == onnx.AttributeProto.GRAPH:
-                _to_bfloat16(attr.g)
-
-
-def _retyped(tensor: onnx.TensorProto) -> None:
-    if tensor.data_type == TensorProto.FLOAT16:
-        values = numpy_helper.to_array(tensor).astype(np.float32)
-        tensor.CopyFrom(numpy_helper.from_array(values.astype(onnx.helper.tensor_dtype_to_np_dtype(16)), tensor.name))
+        return bfloat16_of_float16(convert_float_to_float16(copied(proto), keep_io_types=True))
 
 
 def _float32_outputs(proto: onnx.ModelProto, case: Case, base: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:

@@ -32,6 +32,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.ir.types import float_info
+
 __all__ = [
     "MISTAKES",
     "bfloat16_of_float16",
@@ -197,9 +199,13 @@ def _to_bfloat16(graph: onnx.GraphProto) -> None:
 
 
 def _retyped(tensor: onnx.TensorProto) -> None:
+    """A float16 tensor made bfloat16; float16's extremes, where the float16 converter clamps float32's (a mask's
+    fill of -3.4e38), become bfloat16's, as a bfloat16 export holds them (torch.finfo(torch.bfloat16).min)."""
     if tensor.data_type == TensorProto.FLOAT16:
         values = numpy_helper.to_array(tensor).astype(np.float32)
         bfloat16 = helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)
+        extreme = np.abs(values) == np.finfo(np.float16).max
+        values[extreme] = np.sign(values[extreme]) * float(float_info(bfloat16).max)
         tensor.CopyFrom(numpy_helper.from_array(values.astype(bfloat16), tensor.name))
 
 

@@ -225,6 +225,17 @@ def test_a_bfloat16_model_is_checked_on_the_float32_programs(saved: Saved, tmp_p
     assert wrong.exit_code == 1, wrong.stderr
 
 
+def test_a_bfloat16_model_with_weights_outside_its_file_is_not_checked(saved: Saved, tmp_path: Path) -> None:
+    """Its float32 program would read the weights whole (reference.py), so none is made: "not checked", as
+    for any original onnxruntime cannot load, never a crash or a failure."""
+    model = onnx.load(str(saved("bfloat16")))
+    path = tmp_path / "outside.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="outside.data", size_threshold=0)
+    result = check_models(path, path)
+    assert result.status == "not checked"
+    assert result.reason is not None and result.reason.startswith("onnxruntime cannot load the original model")
+
+
 def test_the_console_names_the_ceiling_where_it_bounded() -> None:
     output = {"name": "y", "passed": True, "rel_l2": 0.02, "criterion": "own rounding", "self_noise": 0.012}
     numerics = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -13,6 +13,7 @@ from graphopt.ir.dims import Dim, format_dim
 
 __all__ = [
     "FLOAT_ARRAYS",
+    "float_info",
     "INTEGER_TYPES",
     "DataType",
     "MapType",
@@ -225,3 +226,8 @@ Type = TensorType | SparseTensorType | SequenceType | MapType | OptionalType | O
 # The numpy dtypes of float tensors graphopt computes with: bfloat16's (ml_dtypes) is a "V" kind
 # to numpy, so a test of ``dtype.kind == "f"`` would miss it.
 FLOAT_ARRAYS = frozenset(_NUMPY[t] for t in (DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT, DataType.DOUBLE))
+
+
+def float_info(dtype: np.dtype) -> Any:
+    """numpy's finfo for ``dtype``, bfloat16 included (ml_dtypes'; numpy's own knows no bfloat16)."""
+    return ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]

@@ -335,31 +335,34 @@ def check_models(
     except OrtError as exc:
         if _out_of_memory(str(exc)):
             return result("not checked", f"loading the original model {out_of_memory}")
-        with tempfile.TemporaryDirectory() as folder:
-            programs = float_programs(original, optimized, Path(folder))
-            if programs is not None:
-                # The rest of the time limit, in the same process (confined already where it is to be).
-                left = max(deadline.end - time.monotonic(), 0.0) if timeout is not None else None
-                checked = check_models(
-                    *programs,
-                    dims=dims,
-                    inputs=inputs,
-                    atol=atol,
-                    rtol=rtol,
-                    seed=seed,
-                    bindings=bindings,
-                    timeout=left,
-                    threads=threads,
-                    input_layouts=input_layouts,
-                    on_phase=on_phase,
-                    memory_budget=memory_budget,
-                    custom_op_libraries=custom_op_libraries,
-                    on_deadline=on_deadline,
-                    judged_as=original,
-                )
-                unrunnable = f"onnxruntime cannot run the bfloat16 original: {first_line(exc)}"
-                checked.criterion["program"] = f"{FLOAT32_PROGRAMS} ({unrunnable})"
-                return checked
+        left = deadline.end - time.monotonic()
+        if left <= 0:
+            return result("not checked", deadline.timed_out("loading the original"))
+
+        def on_programs(programs: tuple[Path, Path]) -> CheckResult:
+            return check_models(
+                *programs,
+                dims=dims,
+                inputs=inputs,
+                atol=atol,
+                rtol=rtol,
+                seed=seed,
+                bindings=bindings,
+                timeout=left if timeout is not None else None,  # the rest of the time limit
+                threads=threads,
+                refuse_other_inputs=refuse_other_inputs,
+                input_layouts=input_layouts,
+                on_phase=on_phase,
+                memory_budget=memory_budget,
+                confine=confine,
+                custom_op_libraries=custom_op_libraries,
+                on_deadline=on_deadline,
+                judged_as=original,
+            )
+
+        checked = _checked_as_float32_programs(original, optimized, exc, on_programs)
+        if checked is not None:
+            return checked
         return result("not checked", _unloadable(str(exc), bool(custom_op_libraries)))
     except MemoryError:
         return result("not checked", f"loading the original model {out_of_memory}")
@@ -542,6 +545,26 @@ def _largest_text(binding: Binding) -> str:
 
 # What onnxruntime says of an op no library it knows registers.
 _UNREGISTERED = re.compile(r"(\S+):(\S+)\(-?\d+\) is not a registered function/op")
+
+
+def _checked_as_float32_programs(
+    original: Path, optimized: Path, error: Exception, check: Callable[[tuple[Path, Path]], CheckResult]
+) -> CheckResult | None:
+    """``check`` of both models' float32 programs, where the original that onnxruntime cannot load
+    holds bfloat16 (None where it holds none, or its program cannot be made: the original is then
+    not checked). A program too large to make or save is not checked either."""
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            programs = float_programs(original, optimized, Path(folder))
+        except (MemoryError, ValueError) as err:  # protobuf's 2 GB limit, or the check's memory budget
+            reason = f"the float32 programs of the bfloat16 models could not be made ({first_line(err)})"
+            return CheckResult("not checked", reason, {"program": FLOAT32_PROGRAMS})
+        if programs is None:
+            return None
+        checked = check(programs)
+    unrunnable = f"onnxruntime cannot run the bfloat16 original: {first_line(error)}"
+    checked.criterion["program"] = f"{FLOAT32_PROGRAMS} ({unrunnable})"
+    return checked
 
 
 def _unloadable(error: str, libraries: bool) -> str:

@@ -61,7 +61,7 @@ from graphopt.ir.node import STANDARD_DOMAINS
 from graphopt.ir.ops import CARRIERS
 from graphopt.numerics.paths import inline_array
 
-__all__ = ["float_programs", "float_reference"]
+__all__ = ["float_programs", "float_reference", "holds_bfloat16"]
 
 _HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
@@ -71,7 +71,7 @@ def float_reference(model: onnx.ModelProto) -> onnx.ModelProto | None:
     MatMuls evaluated in float32, or None when there is nothing to evaluate so or it cannot be
     done (module docstring)."""
     graph = model.graph
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer) or any(
+    if _stored_outside(graph) or any(
         a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute
     ):
         return None
@@ -86,20 +86,27 @@ def float_reference(model: onnx.ModelProto) -> onnx.ModelProto | None:
 def float_programs(original: Path, optimized: Path, folder: Path) -> tuple[Path, Path] | None:
     """Both models' float reference, saved in ``folder``, where the original holds bfloat16
     tensors (which onnxruntime's CPU provider runs no arithmetic on, so that only their float32
-    programs can be compared); None where it holds none, or a program cannot be made."""
-    models = [onnx.load(str(path)) for path in (original, optimized)]
-    if not _holds_bfloat16(models[0].graph):
+    programs can be compared); None where it holds none, or a bfloat16 model's program cannot be
+    made (tensors stored outside the file, If / Loop / Scan bodies). A model holding nothing
+    reduced is its own program."""
+    models = [onnx.load(str(path), load_external_data=False) for path in (original, optimized)]
+    if not holds_bfloat16(models[0].graph):
         return None
     paths = (folder / "original.onnx", folder / "optimized.onnx")
     for model, path in zip(models, paths, strict=True):
         program = float_reference(model)
-        if program is None:
+        if program is None and (holds_bfloat16(model.graph) or _stored_outside(model.graph)):
             return None
-        onnx.save(program, str(path))
+        onnx.save(program or model, str(path))
     return paths
 
 
-def _holds_bfloat16(graph: onnx.GraphProto) -> bool:
+def _stored_outside(graph: onnx.GraphProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.initializer)
+
+
+def holds_bfloat16(graph: onnx.GraphProto) -> bool:
+    """Whether ``graph`` stores or declares a bfloat16 tensor (its nested bodies are not searched)."""
     described = [*graph.input, *graph.output, *graph.value_info]
     return any(t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.initializer) or any(
         v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for v in described

@@ -580,7 +580,7 @@ def _replacements(b: Builder, m: Match) -> dict[Value, Value] | str | None:
         # An entry value computed inside the match itself (Add(MatMul(a, w), f(MatMul(a, w)))):
         # the nodes it needs go with the match, so the rewrite cannot stand.
         return None
-    untaken = next((r for n in b.created if (r := untaken_type(n, b.opset)) is not None), None)
+    untaken = next((r for n in b.created if (r := untaken_type(n, m.site.opset)) is not None), None)
     if untaken is not None:
         return untaken
     replacements = dict(zip(old, new, strict=False))

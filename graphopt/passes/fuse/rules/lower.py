@@ -37,6 +37,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
+from graphopt.ir.types import float_info
 from graphopt.passes.fuse.rules._helpers import NOT_FLOAT, is_float
 from graphopt.passes.rewrite.engine import Build, Match, P, Plan, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
@@ -265,7 +266,7 @@ def _length(b: Builder, t: Value, axis: int) -> Value:
 def _lowest(b: Builder, dtype: DataType) -> Value:
     """The fill of masked scores: the lowest finite value, as the exporters write it (a row
     masked whole stays finite)."""
-    return _scalar(b, float(np.finfo(dtype.numpy()).min), dtype, "masked")
+    return _scalar(b, float(float_info(dtype.numpy()).min), dtype, "masked")
 
 
 def _padded(b: Builder, mask: Value, keys: Value, axis: int, dtype: DataType, site: Site) -> Value:

@@ -66,6 +66,7 @@ from graphopt.ir import DataType, Node, Value
 from graphopt.ir.constness import constant_tensor
 from graphopt.ir.ops import CARRIERS, MOVES
 from graphopt.ir.rewrite import Builder
+from graphopt.ir.types import float_info
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, named_after, static_shape
 from graphopt.passes.rewrite.engine import WEIGHT_READ_LIMIT, Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
@@ -148,7 +149,7 @@ def _exact(p: _Params) -> Refuse | None:
     if span * _ROUNDINGS * spacing / 2 >= 0.5:
         return Refuse(f"{p.float_type.name.lower()} cannot hold every {p.integer.name.lower()} step exactly")
     try:
-        finfo = np.finfo(p.float_type.numpy())
+        finfo = float_info(p.float_type.numpy())
     except TypeError:
         return Refuse(f"no numpy type for {p.float_type.name.lower()}")
     if not (np.all(np.isfinite(p.scale)) and np.all(p.scale >= finfo.tiny) and span * p.scale.max() < finfo.max):

@@ -10,6 +10,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.rewrite import Builder
+from graphopt.ir.types import FLOAT_ARRAYS, float_info
 from graphopt.passes.fuse.rules._helpers import new_const, shared_reader
 from graphopt.passes.fuse.rules.attention.plans import Plan4, cache_parts
 from graphopt.passes.rewrite.engine import Match, Site
@@ -60,7 +61,7 @@ def additive_mask(b: Builder, plan: Plan4) -> Value | None:
         return plan.bias
     fill = Site.array(filled.fill)
     assert fill is not None
-    if fill.ravel()[0] == np.finfo(fill.dtype).min:
+    if fill.ravel()[0] == float_info(fill.dtype).min:
         fill = np.nextafter(fill, np.zeros_like(fill))
     rest = plan.bias if plan.bias is not None else new_const(b, np.zeros((), fill.dtype), filled.fill, "zero")
     node = b.node("Where", filled.cond, b.constant(fill, "mask_fill"), rest)
@@ -124,7 +125,9 @@ def off_lowest(b: Builder, mask: Value, site: Site) -> Value:
     if node is None or node.op_type != "Where":
         return mask
     fill = Site.array(node.inputs[2])
-    if fill is None or fill.size != 1 or fill.dtype.kind != "f" or fill.ravel()[0] != np.finfo(fill.dtype).min:
+    if fill is None or fill.size != 1 or fill.dtype not in FLOAT_ARRAYS:
+        return mask
+    if fill.ravel()[0] != float_info(fill.dtype).min:
         return mask
     raised = np.nextafter(fill, np.zeros_like(fill))
     if quantized(mask, site):

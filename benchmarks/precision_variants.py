@@ -1,6 +1,6 @@
 """Reduced-precision and quantized copies of the real PyTorch exports, and what graphopt does with them.
 
-    python benchmarks/precision_variants.py build   [--exports DIR] [--out VARIANTS] [--only NAME ...]
+    python benchmarks/precision_variants.py build   [--exports DIR] [--out VARIANTS] [--only NAME ...] [--kinds K ...]
     python benchmarks/precision_variants.py measure [--variants VARIANTS] [--only STEM ...] [--json-out PATH] [--flag F]
                                                     [--draws N]
     python benchmarks/precision_variants.py nodes   [--variants VARIANTS] [--only STEM ...] [--refresh]
@@ -14,7 +14,14 @@ dependency of graphopt), four variants of every export of DIR's index.json
 - ``qdq``: ``onnxruntime.quantization.quantize_static`` in QDQ format, calibrated on four inputs
   drawn as the index's first binding describes;
 - ``dyn8``: ``quantize_dynamic`` (MatMulInteger and DynamicQuantizeLinear);
-- ``int4``: ``MatMulNBitsQuantizer`` with blocks of 32.
+- ``int4``: ``MatMulNBitsQuantizer`` with blocks of 32;
+- ``bf16``: the ``fp16`` conversion with every float16 tensor, type and Cast made bfloat16
+  (tests/precision_models.py; no onnxruntime tool writes bfloat16), the ops whose schema takes no
+  bfloat16 at the model's opset (Sin and Cos before 22) computed in float32 between Casts.
+  onnxruntime's CPU provider runs no bfloat16 arithmetic: ``measure`` compares the float32 programs
+  (graphopt's check does the same), ``latency`` skips them.
+
+``--kinds`` builds only those variants; the index keeps the others.
 
 A variant the tool refuses is listed under "failed" with the tool's error. VARIANTS/index.json
 has build.py's format (each entry gains ``variant`` and ``reference``: the float32 export it was
@@ -64,6 +71,7 @@ import numpy as np
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/precision_models.py's bfloat16 retyping
 
 from export_fusions import GRAPHOPT_CLI, ORT_OPS, STANDARD_OPS, TARGETS, _above, _ratio, op_counts
 from exports import EXPORTS, best_peer, index_feeds
@@ -71,8 +79,13 @@ from exports import measure as peer_counts
 from measure import interleaved_latency, node_count, session_graph
 from tools import GRAPHOPT, PORTABLE_PEERS, run_tool
 
+from graphopt.ir import DataType
+from graphopt.numerics.reference import float_reference, holds_bfloat16
+from graphopt.passes.rewrite.signatures import untaken
+from tests.precision_models import bfloat16_of_float16
+
 VARIANTS = Path.home() / ".cache/graphopt-exports-variants"
-KINDS = ("fp16", "qdq", "dyn8", "int4")
+KINDS = ("fp16", "qdq", "dyn8", "int4", "bf16")
 CALIBRATION_DRAWS = 4
 VARIANT_PEER_CACHE = Path.home() / ".cache/graphopt-bench/variant-peers.json"
 TIMEOUT_S = 900.0
@@ -96,10 +109,11 @@ def make_variant(kind: str, entry: dict[str, Any], src: Path, dst: Path) -> None
     """Write the ``kind`` variant of ``src`` to ``dst`` (raises what the tool raises)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-    if kind == "fp16":
+    if kind in ("fp16", "bf16"):
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
-        onnx.save(convert_float_to_float16(onnx.load(str(src)), keep_io_types=True), str(dst))
+        model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
+        onnx.save(_float32_where_untyped(bfloat16_of_float16(model)) if kind == "bf16" else model, str(dst))
     elif kind == "qdq":
         quantize_static(
             str(src), str(dst), _Calibration(entry), quant_format=QuantFormat.QDQ, weight_type=QuantType.QInt8
@@ -116,15 +130,62 @@ def make_variant(kind: str, entry: dict[str, Any], src: Path, dst: Path) -> None
         raise ValueError(f"unknown variant {kind!r}")
 
 
-def build(exports: Path, out: Path, only: list[str]) -> int:
+def _float32_where_untyped(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (bfloat16) with each op whose schema takes no bfloat16 at its opset (Sin and Cos before opset 22)
+    computed in float32 between Casts, as a bfloat16 export computes them."""
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *model.graph.input]}
+    types |= {t.name: t.data_type for t in model.graph.initializer}
+    bfloat16, nodes = onnx.TensorProto.BFLOAT16, []
+
+    def typed(names: Any) -> list[DataType | None]:
+        return [DataType(types[n]) if n in types else None for n in names]
+
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx") or not untaken(
+            node.op_type, opset, typed(node.input), typed(node.output)
+        ):
+            nodes.append(node)
+            continue
+        casts_after: list[onnx.NodeProto] = []
+        for names, before in ((node.input, True), (node.output, False)):
+            for index, name in enumerate(names):
+                if types.get(name) == bfloat16:
+                    wide = f"{name}_float32_{len(nodes)}"
+                    cast = onnx.helper.make_node(
+                        "Cast",
+                        [name] if before else [wide],
+                        [wide] if before else [name],
+                        to=onnx.TensorProto.FLOAT if before else bfloat16,
+                    )
+                    (nodes if before else casts_after).append(cast)
+                    names[index] = wide
+        nodes += [node, *casts_after]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
+def _rebuilt(entry: dict[str, Any], only: list[str], kinds: list[str]) -> bool:
+    """Whether a build of ``kinds`` of the exports ``only`` names makes the variant of ``entry`` again."""
+    stem, _, kind = Path(entry["file"]).stem.rpartition("_")
+    return kind in kinds and (not only or entry["name"] in only or stem in only)
+
+
+def build(exports: Path, out: Path, only: list[str], kinds: list[str]) -> int:
     index = json.loads((exports / "index.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
     made: dict[str, Any] = {"versions": index.get("versions", {}), "models": [], "failed": []}
+    if (out / "index.json").is_file():  # the variants not made again stay listed
+        earlier = json.loads((out / "index.json").read_text())
+        made["models"] = [e for e in earlier["models"] if not _rebuilt(e, only, kinds)]
+        made["failed"] = [e for e in earlier["failed"] if not _rebuilt(e, only, kinds)]
     for entry in index["models"]:
         src = exports / entry["file"]
         if only and entry["name"] not in only and src.stem not in only:
             continue
-        for kind in KINDS:
+        for kind in kinds:
             dst = out / f"{src.stem}_{kind}.onnx"
             try:
                 make_variant(kind, entry, src, dst)
@@ -144,12 +205,23 @@ def build(exports: Path, out: Path, only: list[str]) -> int:
 
 
 def _outputs(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """``path``'s outputs at ORT_DISABLE_ALL, 1 thread; a bfloat16 model's float32 program's (the check's float
+    reference: onnxruntime's CPU provider runs no bfloat16 arithmetic)."""
+    model = onnx.load(str(path))
+    if holds_bfloat16(model.graph):
+        program = float_reference(model)
+        assert program is not None, f"{path}: no float32 program"
+        return _session_outputs(program.SerializeToString(), feeds)
+    return _session_outputs(str(path), feeds)
+
+
+def _session_outputs(model: str | bytes, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     wanted = {i.name for i in session.get_inputs()}
     return [np.asarray(o, dtype=np.float64) for o in session.run(None, {k: v for k, v in feeds.items() if k in wanted})]
 
@@ -426,6 +498,9 @@ def latency(variants: Path, only: list[str], runs: int) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for entry, src in selected(variants, only):
+            if entry["variant"] == "bf16":
+                print(f"{src.stem}: not timed (onnxruntime's CPU provider runs no bfloat16 arithmetic)", flush=True)
+                continue
             models = {"variant": src}
             for target, flags in TIMED.items():
                 out = Path(tmp) / f"{src.stem}.{target}.onnx"
@@ -548,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exports", type=Path, default=EXPORTS, help="the float32 exports with their index.json")
     parser.add_argument("--variants", "--out", dest="variants", type=Path, default=VARIANTS, help="the variants folder")
     parser.add_argument("--only", nargs="*", default=[], help="model names or file stems")
+    parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS, help="build: the variants to make")
     parser.add_argument("--json-out", type=Path, help="measure, nodes: also save the rows as JSON")
     parser.add_argument(
         "--flag", action="append", default=[], help="measure: a graphopt option added to every run (repeatable)"
@@ -567,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.exports / "index.json").is_file():
             print(f"no index.json in {args.exports}: build the exports first (../shared/exports/build.py, needs torch)")
             return 2
-        return build(args.exports, args.variants, args.only)
+        return build(args.exports, args.variants, args.only, args.kinds)
     if not (args.variants / "index.json").is_file():
         print(f"no index.json in {args.variants}: run `precision_variants.py build` first")
         return 2

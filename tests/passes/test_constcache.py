@@ -562,3 +562,36 @@ def test_tensorflow_same_padding_of_static_images_folds_stage_after_stage(tmp_pa
     refused = [r for d in result.report["passes"] if d["pass"] == "const-cache" for r in d["details"]["refused"]]
     assert not refused, refused
     assert_same_outputs(source, written, make_feeds(onnx.load(str(source))))
+
+
+def test_a_bfloat16_region_folds_rounding_each_result_to_bfloat16(tmp_path: Path) -> None:
+    """bfloat16 values are ml_dtypes arrays: a region of them folds (onnxruntime's CPU provider runs no bfloat16,
+    onnx's reference evaluator does), each op's result rounded to bfloat16 as a bfloat16 runtime rounds it."""
+    bfloat16 = helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)
+    a, b = np.array([1.1, 2.3, -0.7, 3.14159]), np.array([0.3, 1.7, 2.2, -1.01])
+    nodes = [
+        helper.make_node("Mul", ["a", "b"], ["ab"]),
+        helper.make_node("Mul", ["b", "b"], ["bb"]),
+        helper.make_node("Sqrt", ["bb"], ["s"]),
+        helper.make_node("Add", ["x", "ab"], ["y0"]),
+        helper.make_node("Add", ["y0", "s"], ["y"]),
+    ]
+    bf = TensorProto.BFLOAT16
+    proto = model_proto(
+        nodes, [info("x", bf, [4])], [info("y", bf, [4])], [tensor("a", a, bfloat16), tensor("b", b, bfloat16)]
+    )
+    _, written, _ = optimized(tmp_path, proto)
+    assert ops(written) == Counter({"Add": 2})
+    stored = {t.name: numpy_helper.to_array(t) for t in onnx.load(written).graph.initializer}
+
+    def rounded(values: np.ndarray) -> np.ndarray:
+        return values.astype(np.float32).astype(bfloat16)
+
+    a16, b16 = rounded(a), rounded(b)
+    expected = {
+        "ab": rounded(a16.astype(np.float32) * b16.astype(np.float32)),
+        "s": rounded(np.sqrt(rounded(b16.astype(np.float32) ** 2).astype(np.float32))),
+    }
+    for name, values in expected.items():
+        (found,) = [v for k, v in stored.items() if k.startswith(name)]
+        assert found.dtype == bfloat16 and np.array_equal(found, values), (name, found, values)

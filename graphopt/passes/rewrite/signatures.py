@@ -9,14 +9,15 @@ engine refuses such a rewrite, and the near miss names the type and the opset.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 
 import onnx.defs
 
-from graphopt.ir import DataType, Node, Value, tensor_dtype
+from graphopt.ir import DataType, Node, tensor_dtype
 from graphopt.ir.node import STANDARD_DOMAINS
 
-__all__ = ["untaken_type"]
+__all__ = ["untaken", "untaken_type"]
 
 
 @cache
@@ -41,23 +42,31 @@ def untaken_type(node: Node, opset: int | None) -> str | None:
     the op there)."""
     if node.domain not in STANDARD_DOMAINS or opset is None:
         return None
-    found = _constraints(node.op_type, opset)
+    types = [tensor_dtype(v) for v in node.inputs], [tensor_dtype(v) for v in node.outputs]
+    return untaken(node.op_type, opset, *types)
+
+
+def untaken(
+    op_type: str, opset: int, inputs: Sequence[DataType | None], outputs: Sequence[DataType | None]
+) -> str | None:
+    """Why a standard-domain ``op_type`` at ``opset`` takes no such element types of its inputs and
+    outputs (None where each is allowed or unknown)."""
+    found = _constraints(op_type, opset)
     if found is None:
         return None
     formal_inputs, formal_outputs, allowed = found
-    for values, formal in ((node.inputs, formal_inputs), (node.outputs, formal_outputs)):
-        for index, value in enumerate(values):
+    for types, formal in ((inputs, formal_inputs), (outputs, formal_outputs)):
+        for index, dtype in enumerate(types):
             if not formal:
                 break
             type_str = formal[min(index, len(formal) - 1)]  # a variadic last parameter
-            refused = _refused(value, allowed.get(type_str, frozenset({type_str})))
+            refused = _refused(dtype, allowed.get(type_str, frozenset({type_str})))
             if refused:
-                return f"{node.op_type} takes no {refused} at opset {opset}"
+                return f"{op_type} takes no {refused} at opset {opset}"
     return None
 
 
-def _refused(value: Value | None, allowed: frozenset[str]) -> str | None:
-    dtype = tensor_dtype(value)
+def _refused(dtype: DataType | None, allowed: frozenset[str]) -> str | None:
     if dtype in (None, DataType.UNDEFINED) or not any(t.startswith("tensor(") for t in allowed):
         return None
     assert dtype is not None

@@ -209,7 +209,7 @@ def _weights(*shape: int) -> np.ndarray:
     return (RNG.standard_normal(shape) * 0.3).astype(np.float32)
 
 
-def _decoder_layer(
+def decoder_layer(
     batch: int | str = 1,
     seq: int | str = "seq",
     fill: float = -np.inf,
@@ -325,10 +325,10 @@ def _decoder_layer(
 _POSITIONS = 64  # the rotary caches' rows
 
 
-def _decoder_feeds(
+def decoder_feeds(
     batch: int, seq: int, past: int, padded: int = 0, kv_heads: int = GQA_KV_HEADS
 ) -> dict[str, np.ndarray]:
-    """Inputs of _decoder_layer: ``seq`` new tokens after ``past`` cached ones, the last row's first ``padded``
+    """Inputs of decoder_layer: ``seq`` new tokens after ``past`` cached ones, the last row's first ``padded``
     positions masked (left padding)."""
     rng = np.random.default_rng(seq * 100 + past)
     mask = np.ones((batch, past + seq), np.int64)
@@ -397,24 +397,24 @@ CASES: dict[str, Case] = {
         passes="shape-infer,fuse,dce",
     ),
     "ort-group-query-attention": Case(
-        lambda: _decoder_layer(batch="batch", seq=1),
+        lambda: decoder_layer(batch="batch", seq=1),
         # seqlens_k and total_sequence_length from the shapes (Shape, Add, Cast, Sub, Expand, Reshape), K merged back
         _GQA_OPS,
         "key_repeated",
         *_GQA_PERTURBED,
         NO_GATE,
         {"target": "ort"},
-        lambda: _decoder_feeds(2, 1, 6, padded=3),
+        lambda: decoder_feeds(2, 1, 6, padded=3),
         passes="shape-infer,fuse,dce",
     ),
     GQA_ANY_LENGTH: Case(
-        _decoder_layer,
+        decoder_layer,
         _GQA_OPS,
         "key_repeated",
         *_GQA_PERTURBED,
         NO_GATE,
         GQA_ANY_SETTINGS,
-        lambda: _decoder_feeds(1, 4, 3, padded=2),
+        lambda: decoder_feeds(1, 4, 3, padded=2),
         passes="shape-infer,fuse,dce",
     ),
     "attention-4d": Case(

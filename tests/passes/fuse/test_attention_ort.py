@@ -19,8 +19,8 @@ from tests.passes.fuse.test_attention import (
     BROADCAST_SETTINGS,
     GQA_ANY_LENGTH,
     GQA_HEADS,
-    _decoder_feeds,
-    _decoder_layer,
+    decoder_feeds,
+    decoder_layer,
 )
 from tests.passes.fuse_exported import constant_of, first_layer, fixture_inputs, with_constant
 from tests.passes.fuse_fixtures import BROADCAST_BIAS, FIXTURES, exported_encoder_attention, softcapped
@@ -49,7 +49,7 @@ def _float16_encoder_attention(opset: int) -> onnx.ModelProto:
         # MultiHeadAttention takes float16 itself; the standard Attention computes it between Casts to float32
         (_float16_encoder_attention, 23, (MS, "MultiHeadAttention")),
         # GroupQueryAttention is made from the MultiHeadAttention on a cache
-        (lambda opset: at_opset(opset)(_decoder_layer(seq=1)), 23, (MS, "GroupQueryAttention")),
+        (lambda opset: at_opset(opset)(decoder_layer(seq=1)), 23, (MS, "GroupQueryAttention")),
     ],
     ids=["float32", "float32-opset-20", "float16", "kv-cache"],
 )
@@ -62,7 +62,7 @@ def test_target_ort_writes_the_standard_attention_where_onnxruntime_runs_it_fast
     out, details = fuse(proto, passes="shape-infer,fuse,dce", target="ort", target_opset=opset)
     attention = {"Attention", "MultiHeadAttention", "GroupQueryAttention"}
     assert [(n.domain, n.op_type) for n in out.graph.node if n.op_type in attention] == [written], details
-    feeds = _decoder_feeds(1, 1, 3, 2) if written[1] == "GroupQueryAttention" else None
+    feeds = decoder_feeds(1, 1, 3, 2) if written[1] == "GroupQueryAttention" else None
     tolerance = 1e-2 if "float16" in build.__name__ else 1e-4
     assert_same_outputs(proto, out, feeds, rtol=tolerance, atol=tolerance)
     standard_said = any("has Attention" in m for m in details["near_misses"].get("attention", []))
@@ -160,14 +160,14 @@ def test_a_masked_fill_the_scores_do_not_round_back_to_stays(fill: float) -> Non
 def test_group_query_attention_on_a_cache(layer: dict[str, Any], steps: list[tuple[int, ...]], rule: str) -> None:
     """The grouped-query decoder layer becomes one GroupQueryAttention whose present outputs are the graph's, equal
     to the export's in onnxruntime at prompt and decode shapes, left padding included."""
-    proto = _decoder_layer(**layer)
+    proto = decoder_layer(**layer)
     out, details = fuse(proto, "shape-infer,fuse,dce", enable=[GQA_ANY_LENGTH], target="ort")
     assert details["applied"].get(rule) == 1, details
     assert ops(out)["GroupQueryAttention"] == 1 and "MultiHeadAttention" not in ops(out)
     (gqa,) = [n for n in out.graph.node if n.op_type == "GroupQueryAttention"]
     assert list(gqa.output[1:]) == ["present_key", "present_value"]
     for step in steps:
-        assert_same_outputs(proto, out, _decoder_feeds(*step), rtol=1e-4, atol=1e-4)
+        assert_same_outputs(proto, out, decoder_feeds(*step), rtol=1e-4, atol=1e-4)
 
 
 _LOWEST = float(np.finfo(np.float32).min)
@@ -200,12 +200,12 @@ def test_group_query_attention_refusals(layer: dict[str, Any], step: tuple[int, 
     kernel's float32 scores do not vanish next to, a causal band not shifted by the past or none (the kernel's is),
     NaN not zeroed after the attention, the static shapes the CPU kernel refuses, and a static prompt longer than 32
     (slower: the any-length rule's, off by default). MultiHeadAttention stays."""
-    proto = _decoder_layer(**layer)
+    proto = decoder_layer(**layer)
     out, details = fuse(proto, "shape-infer,fuse,dce", target="ort")
     assert "ort-group-query-attention" not in details["applied"], details
     assert details["applied"].get("ort-multihead-attention") == 1, details
     assert any(reason in m for m in details["near_misses"]["attention"]), details
-    assert_same_outputs(proto, out, _decoder_feeds(*step), rtol=1e-4, atol=1e-4)
+    assert_same_outputs(proto, out, decoder_feeds(*step), rtol=1e-4, atol=1e-4)
 
 
 def _positions(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -246,7 +246,7 @@ def test_group_query_attention_gated_at_run_time(layer: dict[str, Any], rule: st
     32 after no past or in a batch of 1) and the MultiHeadAttention on the Concat caches elsewhere, the present
     outputs the If's. Equal to the export in onnxruntime on both branches: left-padded decode steps and prompts, a
     prompt after a past in a batch (which the kernel refuses), a long prompt, a decode step whose row is all masked."""
-    proto = _decoder_layer(**layer)
+    proto = decoder_layer(**layer)
     out, details = fuse(
         proto, "shape-infer,fuse,dce", enable=[GQA_ANY_LENGTH] if rule == GQA_ANY_LENGTH else [], target="ort"
     )
@@ -267,7 +267,7 @@ def test_group_query_attention_gated_at_run_time(layer: dict[str, Any], rule: st
     assert branches["else_branch"].count("RotaryEmbedding") == len(rotary)
     steps = [(2, 1, 6, 3), (3, 1, 0, 0), (2, 4, 0, 2), (1, 5, 3, 2), (2, 3, 4, 1), (1, 40, 0, 0), (2, 1, 5, 6)]
     for step in steps:
-        feeds = _decoder_feeds(*step)
+        feeds = decoder_feeds(*step)
         assert_same_outputs(proto, out, _positions(feeds) if layer.get("rotary") else feeds, rtol=1e-4, atol=1e-4)
 
 

@@ -45,6 +45,8 @@ from tests.precision_models import (
     SMALL,
     VARIANTS,
     Size,
+    bfloat16_of_float16,
+    block,
     dynamic_but_the_last_matmul,
     fused_attention,
     fused_norm,
@@ -223,6 +225,26 @@ def test_a_bfloat16_model_is_checked_on_the_float32_programs(saved: Saved, tmp_p
     assert line.startswith("numerics: passed on the float32 programs of both models"), line
     wrong = invoke("check", original, saved("bfloat16", "one head changed"))
     assert wrong.exit_code == 1, wrong.stderr
+
+
+def test_a_bfloat16_model_with_bfloat16_inputs_and_outputs_is_checked_on_its_programs(tmp_path: Path) -> None:
+    """Its inputs are fed as bfloat16 (OrtValues: onnxruntime's Python binding has no numpy type for them) and
+    its programs' outputs are float32: a right rewrite passes, a wrong one fails."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    paths = {}
+    for mistake, fused in ((None, False), (None, True), ("swapped axis", False)):
+        model = block(mistake, SMALL)
+        model = bfloat16_of_float16(
+            convert_float_to_float16(fused_norm(model) if fused else model, keep_io_types=False)
+        )
+        assert model.graph.input[0].type.tensor_type.elem_type == TensorProto.BFLOAT16
+        paths[mistake, fused] = tmp_path / f"{mistake}_{fused}.onnx"
+        onnx.save(model, paths[mistake, fused])
+    right = check_models(paths[None, False], paths[None, True])
+    assert right.status == "passed", right.reason
+    assert "float32 programs" in right.criterion["program"]
+    assert check_models(paths[None, False], paths["swapped axis", False]).status == "failed"
 
 
 def test_a_bfloat16_model_with_weights_outside_its_file_is_not_checked(saved: Saved, tmp_path: Path) -> None:

@@ -195,7 +195,9 @@ def test_the_unwind_solver_answers_within_its_budget(tmp_path: Path) -> None:
     result = invoke("unwind", _problem(tmp_path, ops, pairs), "--time-budget", "0.5", "--json")
     assert result.exit_code == 0, result.stderr
     solution = json.loads(result.stdout)
-    assert solution["seconds"] < 1.5, solution["seconds"]
+    # The 0.5 s budget and room for a loaded runner (1.58 s on 2 cores busy with another job); the solver that
+    # read no clock took 8 s.
+    assert solution["seconds"] < 3.0, solution["seconds"]
     assert solution["objective"] >= 2 * n * n  # greedy's answer at least: A as B
 
 

@@ -13,7 +13,9 @@ from graphopt.ir.dims import Dim, format_dim
 
 __all__ = [
     "FLOAT_ARRAYS",
+    "FLOAT_TYPES",
     "float_info",
+    "is_number_array",
     "INTEGER_TYPES",
     "DataType",
     "MapType",
@@ -223,9 +225,15 @@ INTEGER_TYPES = frozenset(
 Type = TensorType | SparseTensorType | SequenceType | MapType | OptionalType | OpaqueType
 
 
-# The numpy dtypes of float tensors graphopt computes with: bfloat16's (ml_dtypes) is a "V" kind
-# to numpy, so a test of ``dtype.kind == "f"`` would miss it.
-FLOAT_ARRAYS = frozenset(_NUMPY[t] for t in (DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT, DataType.DOUBLE))
+# The float element types graphopt computes with, and their numpy dtypes: bfloat16's (ml_dtypes) is
+# a "V" kind to numpy, so a test of ``dtype.kind == "f"`` would miss it.
+FLOAT_TYPES = frozenset({DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT, DataType.DOUBLE})
+FLOAT_ARRAYS = frozenset(_NUMPY[t] for t in FLOAT_TYPES)
+
+
+def is_number_array(array: np.ndarray) -> bool:
+    """Whether ``array`` holds integers or floats graphopt computes with (not bools, strings, raw bytes)."""
+    return array.dtype.kind in "iu" or array.dtype in FLOAT_ARRAYS
 
 
 def float_info(dtype: np.dtype) -> Any:

@@ -30,7 +30,7 @@ from graphopt.errors import GraphoptError
 from graphopt.ir import DataType, Node, TensorType, Value
 from graphopt.ir.constness import constant_array, is_constant
 from graphopt.ir.node import STANDARD_DOMAINS
-from graphopt.ir.types import FLOAT_ARRAYS
+from graphopt.ir.types import is_number_array
 
 __all__ = [
     "ANY_DOMAIN",
@@ -214,7 +214,7 @@ def scalar(value: float, tol: float = 1e-6) -> ArrayTest:
     """A test: every element of the array is ``value`` (within ``tol``, relative)."""
 
     def test(array: np.ndarray) -> bool:
-        if array.size == 0 or (array.dtype.kind not in "iu" and array.dtype not in FLOAT_ARRAYS):
+        if array.size == 0 or not is_number_array(array):
             return False
         return bool(np.all(np.abs(array.astype(np.float64) - value) <= tol * max(1.0, abs(value))))
 
@@ -406,9 +406,7 @@ def _coefficients(value: Value, x: Value, nodes: dict[int, Node], seen: dict[int
         return seen[id(value)]
     if is_constant(value):
         array = constant_array(value)
-        if (
-            array is None or array.size != 1 or not (array.dtype.kind in "iu" or array.dtype in FLOAT_ARRAYS)
-        ):  # int: Pow
+        if array is None or array.size != 1 or not is_number_array(array):  # Pow may take an int exponent
             return None
         return {0: float(array.ravel()[0])}
     node = value.producer

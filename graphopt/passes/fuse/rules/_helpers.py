@@ -9,7 +9,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.ir.types import FLOAT_ARRAYS
+from graphopt.ir.types import FLOAT_ARRAYS, FLOAT_TYPES
 from graphopt.passes.rewrite.engine import Match, Refuse, Site
 
 __all__ = [
@@ -29,13 +29,7 @@ __all__ = [
 
 def is_float(value: Value | None) -> bool:
     """Whether ``value`` is a tensor of float16, bfloat16, float32 or float64."""
-    dtype = Site.dtype(value)
-    if dtype is None:
-        return False
-    try:
-        return dtype.numpy() in FLOAT_ARRAYS
-    except TypeError:
-        return False
+    return Site.dtype(value) in FLOAT_TYPES
 
 
 NOT_FLOAT = "x is not a float tensor of known type"

@@ -480,10 +480,12 @@ _DIMS = "ort_rotary_dims"
 
 def _plan_ort(interleaved: bool, m: Match, site: Site) -> _Plan | Refuse:
     plan = _plan(interleaved, m, site)
+    if not isinstance(plan, _Plan):
+        return plan
     untaken = cpu_float(site, m.value("x"), "RotaryEmbedding")
-    if isinstance(plan, _Plan) and untaken is not None:
+    if untaken is not None:
         return Refuse(untaken)
-    if isinstance(plan, _Plan) and plan.whole is not None and not isinstance(plan.dims.heads, int):
+    if plan.whole is not None and not isinstance(plan.dims.heads, int):
         return Refuse("onnxruntime's kernel wants num_heads with rotary_embedding_dim, and the heads are not static")
     return plan
 

@@ -5,7 +5,8 @@ order: where two rules rooted at the same op cover as many nodes, the earlier on
 The noop family is not in the library (the ``noop`` pass sweeps it); the shape family
 shares two of its rules. The fusions that compute in float (activations, attention, norms,
 rotary embeddings, with their onnxruntime forms) match through a quantized model's Q/DQ pairs
-(:func:`through_qdq`).
+(:func:`through_qdq`); a rule that only rewrites float ops into other float ops does not, since it would drop a
+quantization the original computes and no fused kernel would pay for it.
 """
 
 import dataclasses
@@ -51,7 +52,10 @@ LIBRARY = RuleSet(
     + lower.RULES
     + matmul.standard.RULES
     + matmul.quantized.RULES
-    + through_qdq(norm.RULES)
+    # the skip norms first: they win the tie with the residual sum; a Sum for an Add is no fused op, so the
+    # quantization between the Add and its norm stays (norm/residual.py)
+    + through_qdq(norm.standard.RULES)
+    + norm.residual.RULES
     + qdq.RULES
     + through_qdq(rotary.RULES)
     + shape.RULES

@@ -26,6 +26,11 @@ export's nine LayerNormalizations, whose shapes onnxruntime could not prove, 0.1
 does get one of those fusions, the runtime guard (runtime/guard.py) finds the loss and undoes
 this rule. ``--target ort`` with the ``ort-skiplayernorm`` rule enabled fuses the Add first
 (the rules of standard.py win the tie).
+
+Not through a QDQ model's pairs (unlike the rest of the family): where the Add's result is quantized before the
+norm reads it, onnxruntime fuses no SkipLayerNormalization across the pair, and a Sum read through it would only
+drop a quantization the original computes. On bert_ts's QDQ variant that moved the outputs by 4.7% (relative L2)
+and ran no faster (5.97 ms against 5.84 without it, ORT_ENABLE_ALL, 1 thread).
 """
 
 from __future__ import annotations

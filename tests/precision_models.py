@@ -238,6 +238,27 @@ def _qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     return _quantized(model, lambda a, b: quantize_static(a, b, Reader(model), quant_format=QuantFormat.QDQ))
 
 
+def _qdq16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """16-bit activations as quantize_static writes them for QNN: onnxruntime's own QuantizeLinear and
+    DequantizeLinear (com.microsoft), which take int16 below opset 21."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(_Calibration, CalibrationDataReader):
+        pass
+
+    def quantize(source: Path, target: Path) -> None:
+        quantize_static(
+            source,
+            target,
+            Reader(model),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QInt16,
+            extra_options={"UseQDQContribOps": True},
+        )
+
+    return _quantized(model, quantize)
+
+
 def _dynamic(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.quantization import quantize_dynamic
 
@@ -313,6 +334,7 @@ VARIANTS: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {
     "float16": _float16,
     "bfloat16": lambda model: bfloat16_of_float16(_float16(model)),
     "qdq int8": _qdq,
+    "qdq int16": _qdq16,
     "dynamic int8": _dynamic,
     "int4": _int4,
 }
@@ -321,7 +343,7 @@ VARIANTS: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {
 def variant(name: str, mistake: str | None = None, size: Size = SMALL) -> onnx.ModelProto:
     """The block in precision ``name``, broken by ``mistake`` (one of MISTAKES); a dropped zero
     point in a quantized variant is a real one: the first quantized MatMul's activation zero point."""
-    real_zero_point = name in ("qdq int8", "dynamic int8", "int4") and mistake == "dropped zero point"
+    real_zero_point = name in ("qdq int8", "qdq int16", "dynamic int8", "int4") and mistake == "dropped zero point"
     model = VARIANTS[name](block(None if real_zero_point else mistake, size))
     if real_zero_point:
         _drop_zero_point(model, name)
@@ -370,6 +392,7 @@ def fused_attention(model: onnx.ModelProto) -> onnx.ModelProto:
 def _drop_zero_point(model: onnx.ModelProto, name: str) -> None:
     op, position = {
         "qdq int8": ("DequantizeLinear", 2),
+        "qdq int16": ("DequantizeLinear", 2),
         "dynamic int8": ("MatMulInteger", 2),
         "int4": ("MatMulNBits", 3),
     }[name]

@@ -36,6 +36,12 @@ def _t(dtype: DataType | None, shape: Shape | None) -> TensorType | None:
     return found if isinstance(found, TensorType) else None
 
 
+# onnxruntime's QuantizeLinear and DequantizeLinear: the standard ops' contract, with 16-bit and 4-bit types
+# below opset 21 (quantize_static's 16-bit QDQ writes them)
+CONTRIB_RULES["QuantizeLinear"] = RULES["QuantizeLinear"]
+CONTRIB_RULES["DequantizeLinear"] = RULES["DequantizeLinear"]
+
+
 # x -> x (the bias or skip inputs broadcast into x)
 @rule("BiasGelu", "FastGelu", "Gelu", "QuickGelu", "RotaryEmbedding")
 def same_as_first(op: Op) -> Outputs:

@@ -3,7 +3,7 @@
 from graphopt.ir.dims import Dim, Expr, FloorDiv, Sym, add, floordiv, mul, parse_dim, sub
 from graphopt.ir.graph import Graph, GraphError
 from graphopt.ir.model import Function, Model
-from graphopt.ir.node import CONTRIB_DOMAIN, Attr, AttrKind, Node
+from graphopt.ir.node import CONTRIB_DOMAIN, QDQ_DOMAINS, Attr, AttrKind, Node
 from graphopt.ir.tensor import ArraySource, ExternalSource, SparseTensor, Tensor, TensorSource
 from graphopt.ir.types import (
     DataType,
@@ -19,6 +19,7 @@ from graphopt.ir.value import Use, Value, tensor_dtype, tensor_shape
 
 __all__ = [
     "CONTRIB_DOMAIN",
+    "QDQ_DOMAINS",
     "ArraySource",
     "Attr",
     "AttrKind",

@@ -12,12 +12,15 @@ from graphopt.ir.value import Use, Value, read_value
 if TYPE_CHECKING:
     from graphopt.ir.graph import Graph
 
-__all__ = ["CONTRIB_DOMAIN", "STANDARD_DOMAINS", "Attr", "AttrKind", "Node"]
+__all__ = ["CONTRIB_DOMAIN", "QDQ_DOMAINS", "STANDARD_DOMAINS", "Attr", "AttrKind", "Node"]
 
 # The ONNX standard's own domain, under both of its spellings.
 STANDARD_DOMAINS = ("", "ai.onnx")
 # onnxruntime's contrib ops (its own kernels, such as FusedConv and SkipLayerNormalization).
 CONTRIB_DOMAIN = "com.microsoft"
+# Where QuantizeLinear and DequantizeLinear have the standard's contract: onnxruntime's own forms take 16- and
+# 4-bit integers below opset 21, and quantize_static writes them for 16-bit QDQ (QNN's format).
+QDQ_DOMAINS = (*STANDARD_DOMAINS, CONTRIB_DOMAIN)
 
 
 class AttrKind(IntEnum):
@@ -106,6 +109,10 @@ class Node:
     @property
     def in_standard_domain(self) -> bool:
         return self.domain in STANDARD_DOMAINS
+
+    def is_qdq(self, op_type: str) -> bool:
+        """Whether this is a QuantizeLinear or DequantizeLinear (``op_type``) of the standard's contract."""
+        return self.op_type == op_type and self.domain in QDQ_DOMAINS
 
     def __repr__(self) -> str:
         label = f"{self.domain}::{self.op_type}" if self.domain else self.op_type

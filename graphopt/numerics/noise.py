@@ -60,6 +60,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from graphopt.ir.node import QDQ_DOMAINS
 from graphopt.ir.types import DataType
 from graphopt.numerics.compare import relative_l2
 from graphopt.numerics.feeds import Feed
@@ -137,7 +138,7 @@ def _activation_grids(graph: onnx.GraphProto) -> dict[str, int]:
     stored = {tensor.name: tensor for tensor in graph.initializer}
     grids: dict[str, int] = {}
     for node in graph.node:
-        if node.op_type != "QuantizeLinear" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+        if node.op_type != "QuantizeLinear" or node.domain not in QDQ_DOMAINS or len(node.input) < 2:
             continue
         if node.input[0] in stored or node.input[1] not in stored:
             continue

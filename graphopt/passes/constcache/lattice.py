@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from graphopt.ir import Graph, Model, Node, TensorType, Value
+from graphopt.ir import QDQ_DOMAINS, Graph, Model, Node, TensorType, Value
 from graphopt.ir.constness import is_deterministic
 
 if TYPE_CHECKING:  # the evaluator reaches passes through the context only
@@ -91,7 +91,7 @@ class Lattice:
         level = max((self[v] for v in reads), default=Constness.COMPILE_CONST)
         if level == Constness.VAR:
             return level
-        if node.in_standard_domain and node.op_type in QDQ_OPS and not self.rules.fold_qdq:
+        if node.domain in QDQ_DOMAINS and node.op_type in QDQ_OPS and not self.rules.fold_qdq:
             if self.rules.defer_growth and node.op_type == "DequantizeLinear":
                 return Constness.RUNTIME_CONST
             return Constness.VAR

@@ -106,7 +106,7 @@ class _Hidden:
 
 
 def _is_op(node: Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.in_standard_domain
+    return node is not None and node.is_qdq(op_type)
 
 
 def _reads(value: Value, graph: Graph) -> list[tuple[Node, int]] | None:

@@ -542,10 +542,15 @@ class _Calibration:
         return next(self._feeds, None)
 
 
-def quantized(proto: onnx.ModelProto, feeds: Draws) -> onnx.ModelProto:
+def quantized(proto: onnx.ModelProto, feeds: Draws, sixteen_bit: bool = False) -> onnx.ModelProto:
     """``proto`` as onnxruntime's quantize_static writes it (QDQ, uint8 activations, int8 weights, calibrated on
-    two draws of ``feeds``)."""
+    two draws of ``feeds``); ``sixteen_bit``: int16 activations in onnxruntime's own QuantizeLinear and
+    DequantizeLinear (com.microsoft), as it writes them for QNN below opset 21."""
     from onnxruntime import quantization
+
+    wide: dict[str, Any] = {}
+    if sixteen_bit:
+        wide = {"activation_type": quantization.QuantType.QInt16, "extra_options": {"UseQDQContribOps": True}}
 
     logging.getLogger().setLevel(logging.ERROR)  # quantize_static advises pre-processing on the root logger
     with tempfile.TemporaryDirectory() as folder:
@@ -557,6 +562,7 @@ def quantized(proto: onnx.ModelProto, feeds: Draws) -> onnx.ModelProto:
             _Calibration(feeds(seed) for seed in range(2)),
             quant_format=quantization.QuantFormat.QDQ,
             weight_type=quantization.QuantType.QInt8,
+            **wide,
         )
         return onnx.load(target)
 
@@ -584,13 +590,13 @@ def assert_no_further(float_model: onnx.ModelProto, qdq: onnx.ModelProto, out: o
 
 
 def assert_quantization_kept(qdq: onnx.ModelProto, out: onnx.ModelProto) -> None:
-    """No Q/DQ node is new, and each kept keeps its scale and zero point."""
-    before = {n.name: list(n.input[1:]) for n in qdq.graph.node if n.op_type in QDQ}
-    after = {n.name: list(n.input[1:]) for n in out.graph.node if n.op_type in QDQ}
+    """No Q/DQ node is new, and each kept keeps its domain, scale and zero point."""
+    before = {n.name: (n.domain, *n.input[1:]) for n in qdq.graph.node if n.op_type in QDQ}
+    after = {n.name: (n.domain, *n.input[1:]) for n in out.graph.node if n.op_type in QDQ}
     assert after.items() <= before.items()
     scales = {t.name: numpy_helper.to_array(t).tolist() for t in qdq.graph.initializer}
     kept = {t.name: numpy_helper.to_array(t).tolist() for t in out.graph.initializer}
-    assert all(kept[i] == scales[i] for inputs in after.values() for i in inputs if i in kept and i in scales)
+    assert all(kept[i] == scales[i] for _, *inputs in after.values() for i in inputs if i in kept and i in scales)
 
 
 # The ops the rules fuse into (each case's expected counts name the rest of its graph too).
@@ -631,15 +637,16 @@ def original_sources(
             yield value
 
 
-def fires_through_qdq(case: Case, name: str) -> None:
-    """The case's model quantized: its rule's ops are there; no Q/DQ is new and each keeps its scale and zero point;
-    the fused ops read dequantized values (or what the original read unquantized) and their results are quantized
-    where the original's were; the outputs no further from the float model than the quantized one's."""
+def fires_through_qdq(case: Case, name: str, sixteen_bit: bool = False) -> None:
+    """The case's model quantized (``sixteen_bit``: see :func:`quantized`): its rule's ops are there; no Q/DQ is new
+    and each keeps its scale and zero point; the fused ops read dequantized values (or what the original read
+    unquantized) and their results are quantized where the original's were; the outputs no further from the float
+    model than the quantized one's."""
     proto = case.build()
     if not float32_only(proto):
         pytest.skip(FLOAT32_ONLY)
     feeds = draws(case, proto)
-    qdq = quantized(proto, feeds)
+    qdq = quantized(proto, feeds, sixteen_bit)
     out, details = fuse(qdq, case.passes, **case.settings, **THROUGH_QDQ)
     assert details["applied"].get(name, 0) >= 1, details
     found = ops(out)

@@ -6,15 +6,18 @@ the quantization keeps its domain, and the constant folder leaves their dequanti
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
+from onnx import helper, numpy_helper
 
 from tests.cli_helpers import invoke
-from tests.numerics import make_feeds
-from tests.passes.fuse import test_activation, test_attention, test_norm, test_rotary
-from tests.passes.fuse.table import QDQ, draws, fires_through_qdq, quantized, same_weights
+from tests.numerics import make_feeds, run_ort
+from tests.passes.fuse import test_activation, test_attention, test_norm, test_qdq, test_rotary
+from tests.passes.fuse.table import LATE, QDQ, draws, fires_through_qdq, quantized, same_weights
 from tests.passes.fuse_helpers import fuse
 
 pytest.importorskip("onnxruntime.quantization")
@@ -78,3 +81,33 @@ def test_a_sixteen_bit_bert_gets_one_attention_per_block(tmp_path: Path) -> None
         written = onnx.load(str(out))
         assert sum(n.op_type == fused for n in written.graph.node) == blocks
         assert not any(n.op_type.endswith("QuantizeLinear") and n.domain == "" for n in written.graph.node)
+
+
+def _sixteen_bit(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` (test_qdq's uint8 Q/DQ around one op) with int16 zero points in onnxruntime's own ops."""
+    for n in proto.graph.node:
+        if n.op_type in QDQ:
+            n.domain = "com.microsoft"
+    for index, tensor in enumerate(proto.graph.initializer):
+        if tensor.name.endswith("_z"):
+            zero = numpy_helper.to_array(tensor).astype(np.int16) - 131
+            proto.graph.initializer[index].CopyFrom(numpy_helper.from_array(zero, tensor.name))
+    proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return proto
+
+
+@pytest.mark.parametrize(
+    ("build", "rule", "left"),
+    [(test_qdq._transposed, "qdq-move-integers", 1), (test_qdq._requantized, "qdq-requantize-same", 1)],
+)
+def test_the_cleanup_moves_and_drops_sixteen_bit_pairs_exactly(
+    build: Callable[[], onnx.ModelProto], rule: str, left: int
+) -> None:
+    """Q(Transpose(DQ(q))) -> Transpose(q) and Q(DQ(q)) -> q on int16 steps in onnxruntime's ops: exact, and what
+    stays quantized keeps the domain."""
+    original = _sixteen_bit(build())
+    out, details = fuse(original, test_qdq.PASSES, **LATE)
+    assert details["applied"].get(rule) == 1, details
+    assert _contrib_qdq(out) == Counter({"QuantizeLinear": left, "DequantizeLinear": left})
+    feeds = {"x": np.random.default_rng(3).uniform(-5, 5, (2, 4, 6)).astype(np.float32)}
+    assert np.array_equal(run_ort(out, feeds)["y"], run_ort(original, feeds)["y"])

@@ -69,7 +69,7 @@ from graphopt.ir.rewrite import Builder
 from graphopt.ir.types import float_info
 from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, named_after, static_shape
 from graphopt.passes.rewrite.engine import WEIGHT_READ_LIMIT, Match, Refuse, Rule, Site
-from graphopt.passes.rewrite.patterns import OpPattern, op, optional, var
+from graphopt.passes.rewrite.patterns import ANY_DOMAIN, OpPattern, op, optional, var
 
 __all__ = ["RULES"]
 
@@ -180,7 +180,7 @@ def _dequantizer(value: Value) -> Node:
 def _is_dequantized(value: Value) -> bool:
     """Whether a DequantizeLinear computes ``value`` (a structural test: other values are no near miss)."""
     node = value.producer
-    return node is not None and node.op_type == "DequantizeLinear" and node.in_standard_domain
+    return node is not None and node.is_qdq("DequantizeLinear")
 
 
 def _dq_params(dq: Node) -> _Params | Refuse:
@@ -354,16 +354,21 @@ def _build_gathered_table(b: Builder, m: Match, rows: _Rows) -> Value:
             b.op("Gather", converted, *gather.inputs[1:], **attrs_of(gather)),
             scale,
             zero,
+            domain=m.root.domain,
             **dequantize,
         )
     int8_rows = b.op(
         "DequantizeLinear",
         b.op("Gather", table, *gather.inputs[1:], **attrs_of(gather)),
         *m.root.inputs[1:],
+        domain=_dequantizer(m.value("x")).domain,
         **dequantize,
     )
-    requantized = b.op("QuantizeLinear", int8_rows, scale, zero, **attrs_of(m.root, output_dtype=None))
-    return b.op("DequantizeLinear", requantized, scale, zero, **dequantize)
+    requantize = m.node("q")
+    requantized = b.op(
+        "QuantizeLinear", int8_rows, scale, zero, domain=requantize.domain, **attrs_of(m.root, output_dtype=None)
+    )
+    return b.op("DequantizeLinear", requantized, scale, zero, domain=m.root.domain, **dequantize)
 
 
 # -- Move(DQ(q)) -> DQ(Move(q)) before a fused op ---------------------------------------------------
@@ -399,7 +404,7 @@ def _build_dequantized_after(b: Builder, m: Match, plan: tuple[_Params, int | No
     move, dequantize = m.node("move"), _dequantizer(m.value("x"))
     moved = b.op(move.op_type, dequantize.inputs[0], *move.inputs[1:], **attrs_of(move))
     attributes = attrs_of(dequantize) | ({"axis": plan[1]} if plan[1] is not None else {})
-    return b.op("DequantizeLinear", moved, *dequantize.inputs[1:], **attributes)
+    return b.op("DequantizeLinear", moved, *dequantize.inputs[1:], domain=dequantize.domain, **attributes)
 
 
 # -- Q(Concat(DQ(a), DQ(b), ...)) -> Concat(a, b, ...) ---------------------------------------------
@@ -434,7 +439,10 @@ def _build_concat(b: Builder, m: Match, plan: None) -> Value:
     return b.op("Concat", *(_dequantizer(part).inputs[0] for part in _parts(concat)), **attrs_of(concat))
 
 
-_QUANTIZE = partial(op.QuantizeLinear, name="q", commute=False)
+# Both domains of the standard's contract (graphopt.ir.QDQ_DOMAINS): onnxruntime's own ops carry 16-bit QDQ.
+_QUANTIZE = partial(
+    op.QuantizeLinear, name="q", commute=False, domain=ANY_DOMAIN, where=lambda node: node.is_qdq("QuantizeLinear")
+)
 _PARAMS = (var("scale"), optional(var("zero")))
 _DEQUANTIZED = var("x", _is_dequantized)
 
@@ -476,6 +484,8 @@ RULES: tuple[Rule[Any], ...] = (
             var("row_scale"),
             optional(var("row_zero")),
             commute=False,
+            domain=ANY_DOMAIN,
+            where=lambda node: node.is_qdq("DequantizeLinear"),
         ),
         plan=_plan_gathered_table,
         build=_build_gathered_table,

@@ -11,8 +11,19 @@ describe (an optional mean or a KV-cache ``present``) is left untyped.
 
 from __future__ import annotations
 
-from graphopt.facts.op import Op, Shape, d_div, d_mul, registrar, tensor
-from graphopt.facts.rules import RULES, Outputs, Rule, conv, gemm, matmul_shape
+from graphopt.facts.op import Op, Operands, Shape, d_div, d_mul, registrar, tensor
+from graphopt.facts.rules import (
+    RULES,
+    Outputs,
+    Rule,
+    broadcasting,
+    concat,
+    conv,
+    gemm,
+    global_pool,
+    matmul_shape,
+    quantized_as,
+)
 from graphopt.ir import CONTRIB_DOMAIN, DataType, Node, TensorType
 
 __all__ = ["CONTRIB_RULES", "type_rule"]
@@ -40,6 +51,37 @@ def _t(dtype: DataType | None, shape: Shape | None) -> TensorType | None:
 # below opset 21 (quantize_static's 16-bit QDQ writes them)
 CONTRIB_RULES["QuantizeLinear"] = RULES["QuantizeLinear"]
 CONTRIB_RULES["DequantizeLinear"] = RULES["DequantizeLinear"]
+
+
+# The QOperator format's element-wise, pooling, Concat and Gemm ops (their operands among scales and zero points:
+# onnxruntime's ContribOperators.md).
+CONTRIB_RULES["QLinearAdd"] = CONTRIB_RULES["QLinearMul"] = quantized_as(broadcasting, (0, 3), 7)
+for _unary in ("QLinearSigmoid", "QLinearLeakyRelu", "QLinearSoftmax"):
+    CONTRIB_RULES[_unary] = quantized_as(RULES["Sigmoid"], (0,), 4)  # x -> x
+
+
+@rule("QLinearGlobalAveragePool")
+def quantized_global_pool(op: Op) -> Outputs:
+    """channels_last: N, spatial ..., C, the spatial dims pooled to 1."""
+    x = op.shape(0)
+    if op.attr("channels_last", 0):
+        return [_t(op.dtype(0), None if x is None or len(x) < 2 else (x[0],) + (1,) * (len(x) - 2) + (x[-1],))]
+    return quantized_as(global_pool, (0,), 4)(op)
+
+
+@rule("QLinearConcat")
+def quantized_concat(op: Op) -> Outputs:
+    """Y's scale and zero point, then each part as (X, its scale, its zero point)."""
+    return quantized_as(concat, tuple(range(2, op.n_inputs, 3)), 1)(op)
+
+
+@rule("QGemm")
+def quantized_gemm(op: Op) -> Outputs:
+    """Gemm of A (0) and B (3); Y float without its scale (7), else of its zero point's type (8)."""
+    if op.input(7) is None:
+        found = gemm(Operands(op.node, op.opset, op.facts, (0, 3)))[0]
+        return [_t(DataType.FLOAT, found.shape if found is not None else None)]
+    return quantized_as(gemm, (0, 3), 8)(op)
 
 
 # x -> x (the bias or skip inputs broadcast into x)

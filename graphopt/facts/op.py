@@ -27,6 +27,7 @@ from graphopt.ir.types import INTEGER_TYPES
 __all__ = [
     "MAX_VALUE_LEN",
     "Op",
+    "Operands",
     "Shape",
     "SymValue",
     "d_add",
@@ -271,6 +272,22 @@ class Op:
         if self.input(index) is None:
             return []
         return self.ints(index)
+
+
+@dataclass
+class Operands(Op):
+    """A quantized op (QLinearMatMul, QLinearConv, QGemm, ...) seen as the float op it computes: that op's input
+    ``i`` is the node's input ``at[i]`` (its scales and zero points are not operands), so the float op's rule
+    gives the shape."""
+
+    at: tuple[int, ...] = ()
+
+    def input(self, index: int) -> Value | None:
+        return self.node.input(self.at[index]) if index < len(self.at) else None
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self.at)
 
 
 def tensor(dtype: DataType | None, shape: Shape | None) -> Type | None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from graphopt.facts.op import (
     Op,
+    Operands,
     Shape,
     broadcast,
     d_add,
@@ -35,7 +36,7 @@ from graphopt.ir import DataType, Dim, Tensor, TensorType
 from graphopt.ir.constness import constant_node_tensor
 from graphopt.ir.ops import BITWISE, BROADCASTING_ARITHMETIC, COMPARISONS
 
-__all__ = ["RULES", "Outputs", "Rule", "matmul_shape", "slice_dim"]
+__all__ = ["RULES", "Outputs", "Rule", "matmul_shape", "quantized_as", "slice_dim"]
 
 Outputs = list[TensorType | None]
 Rule = Callable[[Op], Outputs]
@@ -125,6 +126,18 @@ def quantize(op: Op) -> Outputs:
     to = op.attr("output_dtype", 0)
     dtype = DataType(to) if to else (op.dtype(2) if op.input(2) is not None else DataType.UINT8)
     return [_t(dtype, op.shape(0))]
+
+
+def quantized_as(float_rule: Rule, at: tuple[int, ...], zero_point: int) -> Rule:
+    """The rule of a quantized op computing ``float_rule``'s op on its inputs ``at``: that shape, in the type of
+    its output zero point (input ``zero_point``; without one, the first operand's)."""
+
+    def rule(op: Op) -> Outputs:
+        found = float_rule(Operands(op.node, op.opset, op.facts, at))[0]
+        dtype = op.dtype(zero_point) if op.input(zero_point) is not None else op.dtype(at[0])
+        return [_t(dtype, found.shape if found is not None else None)]
+
+    return rule
 
 
 # -- normalization ------------------------------------------------------------------------
@@ -334,6 +347,12 @@ def depth_space(op: Op) -> Outputs:
     else:
         shape = (x[0], d_mul(x[1], block * block), d_div(x[2], block), d_div(x[3], block))
     return [_t(op.dtype(0), shape)]
+
+
+# The QOperator format (quantize_static's QuantFormat.QOperator): MatMul and Conv on the operands at 0 and 3, the
+# output's zero point last.
+RULES["QLinearMatMul"] = quantized_as(matmul, (0, 3), 7)
+RULES["QLinearConv"] = quantized_as(conv, (0, 3), 7)
 
 
 # -- shape manipulation ------------------------------------------------------------------

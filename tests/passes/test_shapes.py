@@ -685,6 +685,71 @@ def test_onnxruntime_contrib_ops_are_typed(tmp_path: Path) -> None:
     assert check_against_ort(model, tmp_path / "contrib.onnx") == 2 * 12
 
 
+def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
+    """The QOperator format (quantize_static's QuantFormat.QOperator): QLinearMatMul and QLinearConv, and
+    onnxruntime's QLinearAdd, QLinearMul, QLinearSigmoid, QLinearLeakyRelu, QLinearSoftmax, QLinearConcat,
+    QLinearGlobalAveragePool and QGemm, with its own QuantizeLinear and DequantizeLinear. Without their rules every
+    value after the first was unknown, so no Shape after one folded: the QOperator Whisper encoder kept 262 nodes
+    where onnxsim left 236; with them, 184."""
+    u8 = TensorProto.UINT8
+
+    def scale(name: str) -> onnx.TensorProto:
+        return numpy_helper.from_array(np.array(0.05, np.float32), name)
+
+    def zero(name: str) -> onnx.TensorProto:
+        return numpy_helper.from_array(np.array(128, np.uint8), name)
+
+    rng = np.random.default_rng(0)
+    params = ["s", "z"]
+    quantized = [*params, "w", *params, *params]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", *params], ["xq"], domain="com.microsoft"),
+        helper.make_node("QLinearMatMul", ["xq", *quantized], ["mm"]),
+        helper.make_node("QLinearAdd", ["mm", *params, "row", *params, *params], ["added"], domain="com.microsoft"),
+        helper.make_node("QLinearMul", ["added", *params, "mm", *params, *params], ["mul"], domain="com.microsoft"),
+        helper.make_node("QLinearSigmoid", ["mul", *params, *params], ["sig"], domain="com.microsoft"),
+        helper.make_node("QLinearLeakyRelu", ["sig", *params, *params], ["leaky"], domain="com.microsoft"),
+        helper.make_node("QLinearSoftmax", ["leaky", *params, *params], ["soft"], domain="com.microsoft", opset=13),
+        helper.make_node(
+            "QLinearConcat", [*params, "soft", *params, "mm", *params], ["cat"], domain="com.microsoft", axis=1
+        ),
+        helper.make_node("DequantizeLinear", ["cat", *params], ["y"], domain="com.microsoft"),
+        helper.make_node("QuantizeLinear", ["image", *params], ["iq"], domain="com.microsoft"),
+        helper.make_node("QLinearConv", ["iq", *params, "kernel", *params, *params], ["conv"], pads=[1, 1, 1, 1]),
+        helper.make_node("QLinearGlobalAveragePool", ["conv", *params, *params], ["pool"], domain="com.microsoft"),
+        helper.make_node("Flatten", ["pool"], ["flat"]),
+        helper.make_node("QGemm", ["flat", *params, "gw", *params, "", *params], ["gemm"], domain="com.microsoft"),
+        helper.make_node("QGemm", ["flat", *params, "gw", *params], ["gemm_float"], domain="com.microsoft"),
+    ]
+    proto = _contrib_model(
+        nodes,
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", 8]),
+            helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"]),
+        ],
+        ["y", "gemm", "gemm_float"],
+        initializer=[
+            scale("s"),
+            zero("z"),
+            numpy_helper.from_array(rng.integers(0, 255, (8, 8)).astype(np.uint8), "w"),
+            numpy_helper.from_array(rng.integers(0, 255, (8,)).astype(np.uint8), "row"),
+            numpy_helper.from_array(rng.integers(0, 255, (4, 3, 3, 3)).astype(np.uint8), "kernel"),
+            numpy_helper.from_array(rng.integers(0, 255, (4, 5)).astype(np.uint8), "gw"),
+        ],
+    )
+    for found in proto.graph.output:
+        found.type.tensor_type.elem_type = u8 if found.name == "gemm" else TensorProto.FLOAT
+    model = onnx_io.from_proto(proto)
+    infer(model)
+    types = {v.name: str(v.type) for v in node_outputs(model) if v.name}
+    for name in ("mm", "added", "mul", "sig", "leaky", "soft"):
+        assert types[name] == "uint8[batch, sequence, 8]", (name, types[name])
+    assert types["cat"] == "uint8[batch, 2*sequence, 8]"
+    assert types["conv"] == "uint8[N, 4, H, W]" and types["pool"] == "uint8[N, 4, 1, 1]"
+    assert types["gemm"] == "uint8[N, 5]" and types["gemm_float"] == "float[N, 5]"
+    assert check_against_ort(model, tmp_path / "qoperator.onnx") == 2 * len(nodes)
+
+
 def test_contrib_ops_with_integer_inputs_are_typed() -> None:
     """GroupQueryAttention's output is (batch, seq, heads * head size): the query's hidden size,
     or from packed QKV hidden / (heads + 2 kv heads) * heads; EmbedLayerNormalization's is

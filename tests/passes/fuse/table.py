@@ -534,7 +534,7 @@ def typed(proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, 
     return {name: np.asarray(value).astype(types.get(name, np.asarray(value).dtype)) for name, value in feeds.items()}
 
 
-class _Calibration:
+class Calibration:
     def __init__(self, feeds: Iterator[Mapping[str, np.ndarray]]) -> None:
         self._feeds = feeds
 
@@ -559,7 +559,7 @@ def quantized(proto: onnx.ModelProto, feeds: Draws, sixteen_bit: bool = False) -
         quantization.quantize_static(
             source,
             target,
-            _Calibration(feeds(seed) for seed in range(2)),
+            Calibration(feeds(seed) for seed in range(2)),
             quant_format=quantization.QuantFormat.QDQ,
             weight_type=quantization.QuantType.QInt8,
             **wide,

@@ -21,7 +21,16 @@ dependency of graphopt), four variants of every export of DIR's index.json
   onnxruntime's CPU provider runs no bfloat16 arithmetic: ``measure`` compares the float32 programs
   (graphopt's check does the same), ``latency`` skips them.
 
-``--kinds`` builds only those variants; the index keeps the others.
+``--kinds`` builds only those variants; the index keeps the others. It also builds the other formats
+those tools write, which the issue's four do not cover (none by default):
+
+- ``qdq16``: ``quantize_static`` with int16 activations in onnxruntime's own QuantizeLinear and
+  DequantizeLinear (``UseQDQContribOps``; QNN's format below opset 21);
+- ``qdqpc``: ``quantize_static`` in QDQ format with per-channel weights;
+- ``qop``: ``quantize_static`` in QOperator format (QLinearMatMul, QLinearConv, QLinearAdd, ...);
+- ``int4qdq``: ``MatMulNBitsQuantizer`` in QDQ format (blocked int4 DequantizeLinear, opset 21);
+- ``fp16io``: the float16 conversion with float16 inputs and outputs too (``keep_io_types=False``;
+  ``measure`` feeds them the float32 draws rounded to float16).
 
 A variant the tool refuses is listed under "failed" with the tool's error. VARIANTS/index.json
 has build.py's format (each entry gains ``variant`` and ``reference``: the float32 export it was
@@ -86,6 +95,7 @@ from tests.precision_models import bfloat16_of_float16
 
 VARIANTS = Path.home() / ".cache/graphopt-exports-variants"
 KINDS = ("fp16", "qdq", "dyn8", "int4", "bf16")
+OTHER_KINDS = ("qdq16", "qdqpc", "qop", "int4qdq", "fp16io")
 CALIBRATION_DRAWS = 4
 VARIANT_PEER_CACHE = Path.home() / ".cache/graphopt-bench/variant-peers.json"
 TIMEOUT_S = 900.0
@@ -109,21 +119,31 @@ def make_variant(kind: str, entry: dict[str, Any], src: Path, dst: Path) -> None
     """Write the ``kind`` variant of ``src`` to ``dst`` (raises what the tool raises)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-    if kind in ("fp16", "bf16"):
+    static = {
+        "qdq": {},
+        "qdq16": {"activation_type": QuantType.QInt16, "extra_options": {"UseQDQContribOps": True}},
+        "qdqpc": {"per_channel": True},
+        "qop": {"quant_format": QuantFormat.QOperator},
+    }
+    if kind in ("fp16", "bf16", "fp16io"):
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
-        model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True)
+        model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=kind != "fp16io")
         onnx.save(_float32_where_untyped(bfloat16_of_float16(model)) if kind == "bf16" else model, str(dst))
-    elif kind == "qdq":
-        quantize_static(
-            str(src), str(dst), _Calibration(entry), quant_format=QuantFormat.QDQ, weight_type=QuantType.QInt8
-        )
+    elif kind in static:
+        options: dict[str, Any] = {"quant_format": QuantFormat.QDQ, "weight_type": QuantType.QInt8, **static[kind]}
+        quantize_static(str(src), str(dst), _Calibration(entry), **options)
     elif kind == "dyn8":
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8)
-    elif kind == "int4":
+    elif kind in ("int4", "int4qdq"):
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=32, is_symmetric=True)
+        quantizer = MatMulNBitsQuantizer(
+            onnx.load(str(src)),
+            block_size=32,
+            is_symmetric=True,
+            quant_format=QuantFormat.QDQ if kind == "int4qdq" else QuantFormat.QOperator,
+        )
         quantizer.process()
         quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)
     else:
@@ -222,8 +242,10 @@ def _session_outputs(model: str | bytes, feeds: dict[str, np.ndarray]) -> list[n
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    halves = {i.name for i in session.get_inputs() if i.type == "tensor(float16)"}  # fp16io: float16 inputs
     wanted = {i.name for i in session.get_inputs()}
-    return [np.asarray(o, dtype=np.float64) for o in session.run(None, {k: v for k, v in feeds.items() if k in wanted})]
+    fed = {k: v.astype(np.float16) if k in halves else v for k, v in feeds.items() if k in wanted}
+    return [np.asarray(o, dtype=np.float64) for o in session.run(None, fed)]
 
 
 def _squared_errors(found: list[np.ndarray], truth: list[np.ndarray]) -> np.ndarray:
@@ -468,7 +490,7 @@ def node_table(rows: list[dict[str, Any]]) -> str:
         peer = f"{best[1]} {best[0]}" if best else "-"
         mark = "**" if verdict == "graphopt more" else ""
         cells[export][kind] = f"{mark}{ours} / {peer}{mark}"
-    kinds = [kind for kind in KINDS if any(kind in found for found in cells.values())]
+    kinds = [kind for kind in (*KINDS, *OTHER_KINDS) if any(kind in found for found in cells.values())]
     lines = [
         "| export | " + " | ".join(f"{kind}: graphopt / best peer" for kind in kinds) + " |",
         "|---" * (len(kinds) + 1) + "|",
@@ -623,7 +645,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exports", type=Path, default=EXPORTS, help="the float32 exports with their index.json")
     parser.add_argument("--variants", "--out", dest="variants", type=Path, default=VARIANTS, help="the variants folder")
     parser.add_argument("--only", nargs="*", default=[], help="model names or file stems")
-    parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS, help="build: the variants to make")
+    parser.add_argument(
+        "--kinds", nargs="*", default=list(KINDS), choices=[*KINDS, *OTHER_KINDS], help="build: the variants to make"
+    )
     parser.add_argument("--json-out", type=Path, help="measure, nodes: also save the rows as JSON")
     parser.add_argument(
         "--flag", action="append", default=[], help="measure: a graphopt option added to every run (repeatable)"

@@ -86,8 +86,9 @@ def test_corrupt_embedding_rows_past_100_fail_on_ids_over_the_table(tmp_path: Pa
     _failed_at(result, "ids over the whole table")
 
 
-def _quantized_table(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """``proto`` with its embedding table stored as int8 and read through DequantizeLinear (a QDQ model)."""
+def _quantized_table(proto: onnx.ModelProto, domain: str = "") -> onnx.ModelProto:
+    """``proto`` with its embedding table stored as int8 and read through DequantizeLinear (a QDQ model; of
+    ``domain``: onnxruntime's own, com.microsoft, in 16-bit QDQ models)."""
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     index = next(i for i, t in enumerate(out.graph.initializer) if t.name == "table")
@@ -96,13 +97,19 @@ def _quantized_table(proto: onnx.ModelProto) -> onnx.ModelProto:
     quantized = np.clip(np.round(table / scale), -127, 127).astype(np.int8)
     out.graph.initializer[index].CopyFrom(numpy_helper.from_array(quantized, "table_quantized"))
     out.graph.initializer.append(numpy_helper.from_array(np.array(scale, np.float32), "table_scale"))
-    out.graph.node.insert(0, helper.make_node("DequantizeLinear", ["table_quantized", "table_scale"], ["table"]))
+    dequantize = helper.make_node("DequantizeLinear", ["table_quantized", "table_scale"], ["table"], domain=domain)
+    out.graph.node.insert(0, dequantize)
+    if domain:
+        out.opset_import.append(helper.make_opsetid(domain, 1))
     return out
 
 
-def test_corrupt_rows_of_a_quantized_embedding_fail_on_ids_over_the_table(tmp_path: Path) -> None:
-    """A QDQ model's embedding is Gather(DequantizeLinear(int8 table), ids): the ids still spread over the table."""
-    original, corrupt = (_quantized_table(_encoder(bad_rows=rows)) for rows in (None, 100))
+@pytest.mark.parametrize("domain", ["", "com.microsoft"])
+def test_corrupt_rows_of_a_quantized_embedding_fail_on_ids_over_the_table(tmp_path: Path, domain: str) -> None:
+    """A QDQ model's embedding is Gather(DequantizeLinear(int8 table), ids): the ids still spread over the table.
+    Read through onnxruntime's own DequantizeLinear (a 16-bit QDQ Llama), the ids were a small index, all 0, and
+    the check passed fusions that moved the logits by 7.5x their norm."""
+    original, corrupt = (_quantized_table(_encoder(bad_rows=rows), domain) for rows in (None, 100))
     result = check_models(_save(tmp_path, "a", original), _save(tmp_path, "b", corrupt))
     _failed_at(result, "ids over the whole table")
 

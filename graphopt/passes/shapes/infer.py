@@ -22,9 +22,9 @@ class ShapeInferOptions:
     onnx_max_nodes: int = option(50_000, "skip onnx's inference on models with more nodes than this")
     afresh: bool = option(
         False,
-        "first forget the intermediate types strip-value-info rewrites (the input's declarations among them), "
-        "so the passes after it see graphopt's own inference, as this pass sees it on a run on the written "
-        "model (on in the default pipeline's settle group)",
+        "first set the intermediate types strip-value-info rewrites to what it writes (the input's declarations "
+        "where they hold, else nothing), so the passes after it see the types a run on the written model sees "
+        "(on in the default pipeline's settle group)",
     )
 
 
@@ -34,11 +34,12 @@ class ShapeInference(Pass, name="shape-infer", options=ShapeInferOptions):
 
     def run(self, model: Model, ctx: PassContext) -> PassResult:
         facts = ctx.facts(model)
-        forgotten = {value: value.type for value, _ in written_types(model)} if self.options.afresh else {}
-        for value in forgotten:
-            value.type = None
+        rewritten = list(written_types(model)) if self.options.afresh else []
+        before = {value: value.type for value, _ in rewritten}
+        for value, written in rewritten:
+            value.type = written
             facts.forget(value)
         summary = infer_model(facts, use_onnx=self.options.use_onnx, onnx_max_nodes=self.options.onnx_max_nodes)
-        if self.options.afresh:  # changed: the types are not those it forgot
-            return PassResult(any(value.type != type_ for value, type_ in forgotten.items()), summary.details)
+        if self.options.afresh:  # changed: the types are not those it set aside
+            return PassResult(any(value.type != type_ for value, type_ in before.items()), summary.details)
         return PassResult(summary.changed, summary.details)

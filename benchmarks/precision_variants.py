@@ -21,8 +21,8 @@ dependency of graphopt), four variants of every export of DIR's index.json
   onnxruntime's CPU provider runs no bfloat16 arithmetic: ``measure`` compares the float32 programs
   (graphopt's check does the same), ``latency`` skips them.
 
-``--kinds`` builds only those variants; the index keeps the others. It also builds the other formats
-those tools write, which the issue's four do not cover (none by default):
+``--kinds`` builds only those variants; the index keeps the others. It also builds, on request only,
+the other formats those tools write:
 
 - ``qdq16``: ``quantize_static`` with int16 activations in onnxruntime's own QuantizeLinear and
   DequantizeLinear (``UseQDQContribOps``; QNN's format below opset 21);
@@ -232,7 +232,13 @@ def _outputs(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         program = float_reference(model)
         assert program is not None, f"{path}: no float32 program"
         return _session_outputs(program.SerializeToString(), feeds)
-    return _session_outputs(str(path), feeds)
+    return _session_outputs(str(path), _rounded_to_inputs(model, feeds))
+
+
+def _rounded_to_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` with the float32 draws of ``model``'s float16 inputs (fp16io) rounded to float16."""
+    halves = {i.name for i in model.graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}
+    return {name: value.astype(np.float16) if name in halves else value for name, value in feeds.items()}
 
 
 def _session_outputs(model: str | bytes, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -242,10 +248,8 @@ def _session_outputs(model: str | bytes, feeds: dict[str, np.ndarray]) -> list[n
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    halves = {i.name for i in session.get_inputs() if i.type == "tensor(float16)"}  # fp16io: float16 inputs
     wanted = {i.name for i in session.get_inputs()}
-    fed = {k: v.astype(np.float16) if k in halves else v for k, v in feeds.items() if k in wanted}
-    return [np.asarray(o, dtype=np.float64) for o in session.run(None, fed)]
+    return [np.asarray(o, dtype=np.float64) for o in session.run(None, {k: v for k, v in feeds.items() if k in wanted})]
 
 
 def _squared_errors(found: list[np.ndarray], truth: list[np.ndarray]) -> np.ndarray:
@@ -562,8 +566,10 @@ def _last_running(entry: dict[str, Any], variant: Path) -> dict[str, np.ndarray]
             _outputs(variant, feeds)
         except Exception:  # the QDQ T5 encoders' quantized relative positions, past 16 tokens
             continue
-        return feeds
-    return index_feeds(entry, len(entry["feeds"]) - 1)
+        break
+    else:
+        feeds = index_feeds(entry, len(entry["feeds"]) - 1)
+    return _rounded_to_inputs(onnx.load(str(variant)), feeds)
 
 
 def _same_session_graphs(models: dict[str, Path], timed: dict[str, Any]) -> dict[str, list[str]]:

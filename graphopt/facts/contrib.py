@@ -11,7 +11,7 @@ describe (an optional mean or a KV-cache ``present``) is left untyped.
 
 from __future__ import annotations
 
-from graphopt.facts.op import Op, Operands, Shape, d_div, d_mul, registrar, tensor
+from graphopt.facts.op import Op, Shape, d_div, d_mul, registrar, tensor
 from graphopt.facts.rules import (
     RULES,
     Outputs,
@@ -60,13 +60,15 @@ for _unary in ("QLinearSigmoid", "QLinearLeakyRelu", "QLinearSoftmax"):
     CONTRIB_RULES[_unary] = quantized_as(RULES["Sigmoid"], (0,), 4)  # x -> x
 
 
+def _pooled_channels_last(op: Op) -> Outputs:
+    """GlobalAveragePool over N, spatial ..., C: the spatial dims pooled to 1."""
+    x = op.shape(0)
+    return [_t(op.dtype(0), None if x is None or len(x) < 2 else (x[0],) + (1,) * (len(x) - 2) + (x[-1],))]
+
+
 @rule("QLinearGlobalAveragePool")
 def quantized_global_pool(op: Op) -> Outputs:
-    """channels_last: N, spatial ..., C, the spatial dims pooled to 1."""
-    x = op.shape(0)
-    if op.attr("channels_last", 0):
-        return [_t(op.dtype(0), None if x is None or len(x) < 2 else (x[0],) + (1,) * (len(x) - 2) + (x[-1],))]
-    return quantized_as(global_pool, (0,), 4)(op)
+    return quantized_as(_pooled_channels_last if op.attr("channels_last", 0) else global_pool, (0,), 4)(op)
 
 
 @rule("QLinearConcat")
@@ -75,13 +77,8 @@ def quantized_concat(op: Op) -> Outputs:
     return quantized_as(concat, tuple(range(2, op.n_inputs, 3)), 1)(op)
 
 
-@rule("QGemm")
-def quantized_gemm(op: Op) -> Outputs:
-    """Gemm of A (0) and B (3); Y float without its scale (7), else of its zero point's type (8)."""
-    if op.input(7) is None:
-        found = gemm(Operands(op.node, op.opset, op.facts, (0, 3)))[0]
-        return [_t(DataType.FLOAT, found.shape if found is not None else None)]
-    return quantized_as(gemm, (0, 3), 8)(op)
+# Gemm of A (0) and B (3); Y is float without its zero point (8), as onnxruntime's kernel writes it.
+CONTRIB_RULES["QGemm"] = quantized_as(gemm, (0, 3), 8, unquantized=DataType.FLOAT)
 
 
 # x -> x (the bias or skip inputs broadcast into x)

@@ -128,13 +128,13 @@ def quantize(op: Op) -> Outputs:
     return [_t(dtype, op.shape(0))]
 
 
-def quantized_as(float_rule: Rule, at: tuple[int, ...], zero_point: int) -> Rule:
+def quantized_as(float_rule: Rule, at: tuple[int, ...], zero_point: int, unquantized: DataType | None = None) -> Rule:
     """The rule of a quantized op computing ``float_rule``'s op on its inputs ``at``: that shape, in the type of
-    its output zero point (input ``zero_point``; without one, the first operand's)."""
+    its output zero point (input ``zero_point``; without one, ``unquantized``, else the first operand's)."""
 
     def rule(op: Op) -> Outputs:
         found = float_rule(Operands(op.node, op.opset, op.facts, at))[0]
-        dtype = op.dtype(zero_point) if op.input(zero_point) is not None else op.dtype(at[0])
+        dtype = op.dtype(zero_point) if op.input(zero_point) is not None else unquantized or op.dtype(at[0])
         return [_t(dtype, found.shape if found is not None else None)]
 
     return rule

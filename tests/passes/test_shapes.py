@@ -720,6 +720,11 @@ def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
         helper.make_node("Flatten", ["pool"], ["flat"]),
         helper.make_node("QGemm", ["flat", *params, "gw", *params, "", *params], ["gemm"], domain="com.microsoft"),
         helper.make_node("QGemm", ["flat", *params, "gw", *params], ["gemm_float"], domain="com.microsoft"),
+        # a scale without a zero point: onnxruntime's kernel writes float too
+        helper.make_node("QGemm", ["flat", *params, "gw", *params, "", "s"], ["gemm_scaled"], domain="com.microsoft"),
+        helper.make_node(
+            "QLinearGlobalAveragePool", ["iq", *params, *params], ["pool_last"], domain="com.microsoft", channels_last=1
+        ),
     ]
     proto = _contrib_model(
         nodes,
@@ -727,7 +732,7 @@ def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
             helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", 8]),
             helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"]),
         ],
-        ["y", "gemm", "gemm_float"],
+        ["y", "gemm", "gemm_float", "gemm_scaled", "pool_last"],
         initializer=[
             scale("s"),
             zero("z"),
@@ -738,7 +743,7 @@ def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
         ],
     )
     for found in proto.graph.output:
-        found.type.tensor_type.elem_type = u8 if found.name == "gemm" else TensorProto.FLOAT
+        found.type.tensor_type.elem_type = u8 if found.name in ("gemm", "pool_last") else TensorProto.FLOAT
     model = onnx_io.from_proto(proto)
     infer(model)
     types = {v.name: str(v.type) for v in node_outputs(model) if v.name}
@@ -746,7 +751,8 @@ def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
         assert types[name] == "uint8[batch, sequence, 8]", (name, types[name])
     assert types["cat"] == "uint8[batch, 2*sequence, 8]"
     assert types["conv"] == "uint8[N, 4, H, W]" and types["pool"] == "uint8[N, 4, 1, 1]"
-    assert types["gemm"] == "uint8[N, 5]" and types["gemm_float"] == "float[N, 5]"
+    assert types["gemm"] == "uint8[N, 5]" and types["gemm_float"] == types["gemm_scaled"] == "float[N, 5]"
+    assert types["pool_last"] == "uint8[N, 1, 1, W]"  # N, H, W, C read as channels last
     assert check_against_ort(model, tmp_path / "qoperator.onnx") == 2 * len(nodes)
 
 

@@ -639,7 +639,7 @@ def original_sources(
 
 def fires_through_qdq(case: Case, name: str, sixteen_bit: bool = False) -> None:
     """The case's model quantized (``sixteen_bit``: see :func:`quantized`): its rule's ops are there; no Q/DQ is new
-    and each keeps its scale and zero point; the fused ops read dequantized values (or what the original read
+    and each keeps its domain, scale and zero point; the fused ops read dequantized values (or what the original read
     unquantized) and their results are quantized where the original's were; the outputs no further from the float
     model than the quantized one's."""
     proto = case.build()

@@ -48,12 +48,15 @@ def test_the_rule_fires_through_sixteen_bit_pairs(name: str) -> None:
     fires_through_qdq(CASES[name], name, sixteen_bit=True)
 
 
-def test_the_case_is_quantized_by_onnxruntimes_own_ops() -> None:
+def test_the_fixtures_hold_int16_activations_in_onnxruntimes_own_ops() -> None:
+    """What the tests above run on: every Q/DQ of the com.microsoft domain, the activations' zero points int16."""
     case = CASES["gelu-none"]
     proto = case.build()
     qdq = quantized(proto, draws(case, proto), sixteen_bit=True)
-    assert _contrib_qdq(qdq)["DequantizeLinear"] > 0
-    assert not any(n.op_type.endswith("QuantizeLinear") and n.domain == "" for n in qdq.graph.node)
+    assert _contrib_qdq(qdq)["QuantizeLinear"] > 0
+    assert not any(n.op_type in QDQ and n.domain == "" for n in qdq.graph.node)
+    zeros = {t.name: t.data_type for t in qdq.graph.initializer}
+    assert {zeros[n.input[2]] for n in qdq.graph.node if n.op_type == "QuantizeLinear"} == {onnx.TensorProto.INT16}
 
 
 def test_the_constant_folder_keeps_a_sixteen_bit_constant_quantized() -> None:
@@ -98,16 +101,20 @@ def _sixteen_bit(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 @pytest.mark.parametrize(
     ("build", "rule", "left"),
-    [(test_qdq._transposed, "qdq-move-integers", 1), (test_qdq._requantized, "qdq-requantize-same", 1)],
+    [
+        (test_qdq._transposed, "qdq-move-integers", 1),
+        (test_qdq._requantized, "qdq-requantize-same", 1),
+        (test_qdq._transposed_for_attention, "qdq-dequantize-after-move", 1),  # builds its DequantizeLinear
+    ],
 )
 def test_the_cleanup_moves_and_drops_sixteen_bit_pairs_exactly(
     build: Callable[[], onnx.ModelProto], rule: str, left: int
 ) -> None:
-    """Q(Transpose(DQ(q))) -> Transpose(q) and Q(DQ(q)) -> q on int16 steps in onnxruntime's ops: exact, and what
-    stays quantized keeps the domain."""
+    """Q(Transpose(DQ(q))) -> Transpose(q), Q(DQ(q)) -> q and Transpose(DQ(q)) -> DQ(Transpose(q)) before an
+    Attention, on int16 steps in onnxruntime's ops: exact, and the DequantizeLinear built keeps the domain."""
     original = _sixteen_bit(build())
     out, details = fuse(original, test_qdq.PASSES, **LATE)
     assert details["applied"].get(rule) == 1, details
     assert _contrib_qdq(out) == Counter({"QuantizeLinear": left, "DequantizeLinear": left})
-    feeds = {"x": np.random.default_rng(3).uniform(-5, 5, (2, 4, 6)).astype(np.float32)}
+    feeds = make_feeds(original, 3)
     assert np.array_equal(run_ort(out, feeds)["y"], run_ort(original, feeds)["y"])

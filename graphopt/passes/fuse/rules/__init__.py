@@ -5,8 +5,8 @@ order: where two rules rooted at the same op cover as many nodes, the earlier on
 The noop family is not in the library (the ``noop`` pass sweeps it); the shape family
 shares two of its rules. The fusions that compute in float (activations, attention, norms,
 rotary embeddings, with their onnxruntime forms) match through a quantized model's Q/DQ pairs
-(:func:`through_qdq`); a rule that only rewrites float ops into other float ops does not, since it would drop a
-quantization the original computes and no fused kernel would pay for it.
+(:func:`through_qdq`); the residual sum before a LayerNormalization does not: its result is no fused op, so
+through a pair it would only drop a quantization the original computes.
 """
 
 import dataclasses

@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from graphopt.ir.node import QDQ_DOMAINS, STANDARD_DOMAINS
+from graphopt.ir.node import STANDARD_DOMAINS
 from graphopt.ir.ops import BROADCASTING
 from graphopt.numerics.lengths import size_rules
-from graphopt.numerics.paths import bodies, inline_array
+from graphopt.numerics.paths import bodies, inline_array, is_qdq
 
 __all__ = ["GraphFacts", "Role", "graph_facts", "held_tensor"]
 
@@ -380,8 +380,8 @@ def _stored(graph: onnx.GraphProto) -> dict[str, list[int]]:
     stored = {init.name: list(init.dims) for init in graph.initializer}
     for node in graph.node:
         kept = ("Cast", "Identity", "DequantizeLinear")
-        domains = QDQ_DOMAINS if node.op_type == "DequantizeLinear" else STANDARD_DOMAINS  # 16-bit QDQ's own DQ
-        if node.domain in domains and node.op_type in kept and node.input and node.input[0] in stored:
+        read = is_qdq(node, "DequantizeLinear") or (_standard(node) and node.op_type in kept)  # 16-bit QDQ's DQ too
+        if read and node.input and node.input[0] in stored:
             stored[node.output[0]] = stored[node.input[0]]
     return stored
 

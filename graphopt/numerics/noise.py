@@ -60,11 +60,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from graphopt.ir.node import QDQ_DOMAINS
 from graphopt.ir.types import DataType
 from graphopt.numerics.compare import relative_l2
 from graphopt.numerics.feeds import Feed
-from graphopt.numerics.paths import EPSILON, inline_array
+from graphopt.numerics.paths import EPSILON, inline_array, is_qdq
 
 __all__ = ["DRAWS", "FEWEST", "SMALLEST", "Perturbation", "self_noise"]
 
@@ -138,7 +137,7 @@ def _activation_grids(graph: onnx.GraphProto) -> dict[str, int]:
     stored = {tensor.name: tensor for tensor in graph.initializer}
     grids: dict[str, int] = {}
     for node in graph.node:
-        if node.op_type != "QuantizeLinear" or node.domain not in QDQ_DOMAINS or len(node.input) < 2:
+        if not is_qdq(node, "QuantizeLinear") or len(node.input) < 2:
             continue
         if node.input[0] in stored or node.input[1] not in stored:
             continue

@@ -29,7 +29,7 @@ import onnx
 from onnx import numpy_helper
 
 from graphopt.ir.constness import RANDOM_OPS
-from graphopt.ir.node import STANDARD_DOMAINS
+from graphopt.ir.node import QDQ_DOMAINS, STANDARD_DOMAINS
 from graphopt.ir.types import DataType
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "bodies",
     "has_opaque_ops",
     "inline_array",
+    "is_qdq",
     "lowest",
     "output_paths",
     "precision_name",
@@ -125,6 +126,12 @@ def _false_constants(graph: onnx.GraphProto) -> set[str]:
     ]
     scalars = {name: inline_array(tensor) for name, tensor in tensors if math.prod(tensor.dims) == 1}
     return {name for name, array in scalars.items() if array is not None and not array.any()}
+
+
+def is_qdq(node: onnx.NodeProto, op_type: str) -> bool:
+    """Whether ``node`` is a QuantizeLinear or DequantizeLinear (``op_type``) of the standard's contract, in either
+    of its domains (``Node.is_qdq`` for the IR)."""
+    return node.op_type == op_type and node.domain in QDQ_DOMAINS
 
 
 def inline_array(tensor: onnx.TensorProto) -> np.ndarray | None:

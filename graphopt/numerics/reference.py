@@ -57,9 +57,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphopt.ir.constness import RANDOM_OPS
-from graphopt.ir.node import QDQ_DOMAINS, STANDARD_DOMAINS
+from graphopt.ir.node import STANDARD_DOMAINS
 from graphopt.ir.ops import CARRIERS
-from graphopt.numerics.paths import inline_array
+from graphopt.numerics.paths import inline_array, is_qdq
 
 __all__ = ["float_programs", "float_reference", "holds_bfloat16"]
 
@@ -163,13 +163,13 @@ def _unquantized_activations(graph: onnx.GraphProto) -> bool:
     constants = _from_constants(graph)
     changed = False
     for node in list(graph.node):
-        if node.op_type != "DequantizeLinear" or node.domain not in QDQ_DOMAINS:
+        if not is_qdq(node, "DequantizeLinear"):
             continue
         moves = _integer_moves(node.input[0], producer)
         if moves and not _per_tensor(stored.get(node.input[1])):
             continue  # a per-axis grid moved with the integers: which axis each side means is not read here
         quantize = producer.get(moves[-1].input[0] if moves else node.input[0])
-        if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.domain not in QDQ_DOMAINS:
+        if quantize is None or not is_qdq(quantize, "QuantizeLinear"):
             continue
         if quantize.input[0] in constants or list(quantize.input[1:]) != list(node.input[1:]):
             continue

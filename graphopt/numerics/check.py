@@ -27,7 +27,10 @@ weights and inputs moved by half a bfloat16 ulp. The report's criterion says so 
 
 - "not checked": onnxruntime cannot load the original, it fails at every binding tried, an
   input has a type the check cannot generate, time ran out before a comparison was made, or
-  nothing was compared (every output empty or NaN in both models). Never "passed".
+  nothing was compared (every output empty or NaN in both models), or every output holds one
+  value at every element of every binding of generated inputs (the inputs never reached what
+  computes it, so a wrong rewrite there could not show; one such output among others, or at the
+  inputs the user gave, is a note). Never "passed".
 - "failed": the inputs or outputs of the two models differ in names or types, an output
   differs, or the optimized model cannot be loaded or run where the original could (a model
   that onnxruntime ran before optimizing and rejects after is a broken model, not an
@@ -493,6 +496,14 @@ def check_models(
     if not compared:
         nothing = "nothing was compared: every output is empty or NaN in both models (inputs with no rows or all NaN?)"
         return result("not checked", "; ".join([nothing, *notes]), done)
+    constant = _constant_outputs(spec_a.outputs, [expected for _, _, expected in ran[: len(done)]], unstable)
+    unreached = _UNREACHED + ("" if inputs is not None else _REACH_IT)  # given inputs are the user's to choose
+    if inputs is None and constant and len(constant) == sum(1 for o in spec_a.outputs if o not in unstable | empty):
+        held = ", ".join(f"{name!r}: {value:g}" for name, value in constant.items())
+        return result("not checked", "; ".join([f"{_CONSTANT_EVERYWHERE} ({held}){unreached}", *notes]), done)
+    notes += [
+        f"output {name!r} is {value:g} at every element of every binding{unreached}" for name, value in constant.items()
+    ]
     regular = sum(1 for b in done if largest is None or b.dims is not largest.dims)
     if regular < wanted:
         notes.insert(0, f"{regular} of {wanted} bindings compared" + (" (timed out)" if deadline.expired() else ""))
@@ -625,6 +636,27 @@ def _comparable(a: Output, b: Output) -> bool:
     if a.size == 0 or a.shape != b.shape or a.dtype.kind not in "fc" or b.dtype.kind not in "fc":
         return a.size != 0
     return bool(np.any(~(np.isnan(a) & np.isnan(b))))
+
+
+# A float output that holds one value at every element of every binding: the inputs never reached what computes it
+# (a 16-bit QDQ Llama's ids all 0 once gave logits 0 before and after a wrong fusion), so its comparison proves nothing.
+_CONSTANT_EVERYWHERE = "every output holds one value at every element of every binding"
+_UNREACHED = ": the inputs did not reach what computes it, so the check cannot tell a wrong rewrite there"
+_REACH_IT = " (pass --inputs data.npz with inputs that do)"
+
+
+def _constant_outputs(names: Sequence[str], runs: Sequence[list[Output]], unstable: set[str]) -> dict[str, float]:
+    """The float outputs, by name, that hold one value at every element of every run (of more than one element
+    in some run), with that value."""
+    constant: dict[str, float] = {}
+    for index, name in enumerate(names):
+        arrays = [a for outputs in runs if isinstance(a := outputs[index], np.ndarray) and a.dtype.kind == "f"]
+        if name in unstable or not arrays or len(arrays) < len(runs):
+            continue
+        value = arrays[0].flat[0] if arrays[0].size else math.nan
+        if max(a.size for a in arrays) > 1 and all(a.size and np.all(a == value) for a in arrays):
+            constant[name] = float(value)
+    return constant
 
 
 def _identical(a: Output, b: Output) -> bool:

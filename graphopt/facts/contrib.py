@@ -22,7 +22,9 @@ from graphopt.facts.rules import (
     gemm,
     global_pool,
     matmul_shape,
+    pool,
     quantized_as,
+    window_dims,
 )
 from graphopt.ir import CONTRIB_DOMAIN, DataType, Node, TensorType
 
@@ -53,7 +55,7 @@ CONTRIB_RULES["QuantizeLinear"] = RULES["QuantizeLinear"]
 CONTRIB_RULES["DequantizeLinear"] = RULES["DequantizeLinear"]
 
 
-# The QOperator format's element-wise, pooling, Concat and Gemm ops (their operands among scales and zero points:
+# The QOperator format's element-wise, pooling, Where, Concat and Gemm ops (their operands among scales and zero points:
 # onnxruntime's ContribOperators.md).
 CONTRIB_RULES["QLinearAdd"] = CONTRIB_RULES["QLinearMul"] = quantized_as(broadcasting, (0, 3), 7)
 for _unary in ("QLinearSigmoid", "QLinearLeakyRelu", "QLinearSoftmax"):
@@ -69,6 +71,23 @@ def _pooled_channels_last(op: Op) -> Outputs:
 @rule("QLinearGlobalAveragePool")
 def quantized_global_pool(op: Op) -> Outputs:
     return quantized_as(_pooled_channels_last if op.attr("channels_last", 0) else global_pool, (0,), 4)(op)
+
+
+def _windowed_channels_last(op: Op) -> Outputs:
+    """AveragePool over N, spatial ..., C."""
+    x, kernel = op.shape(0), op.attr("kernel_shape")
+    if x is None or len(x) < 3 or not kernel:
+        return [_t(op.dtype(0), None)]
+    return [_t(op.dtype(0), (x[0], *window_dims(op, x[1:-1], kernel), x[-1]))]
+
+
+@rule("QLinearAveragePool")
+def quantized_pool(op: Op) -> Outputs:
+    return quantized_as(_windowed_channels_last if op.attr("channels_last", 0) else pool, (0,), 4)(op)
+
+
+# Where(condition, X, Y) with X, Y and Z each quantized: condition 0, X 1, Y 4, Z's zero point 8.
+CONTRIB_RULES["QLinearWhere"] = quantized_as(RULES["Where"], (0, 1, 4), 8)
 
 
 @rule("QLinearConcat")

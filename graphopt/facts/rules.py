@@ -36,7 +36,7 @@ from graphopt.ir import DataType, Dim, Tensor, TensorType
 from graphopt.ir.constness import constant_node_tensor
 from graphopt.ir.ops import BITWISE, BROADCASTING_ARITHMETIC, COMPARISONS
 
-__all__ = ["RULES", "Outputs", "Rule", "matmul_shape", "quantized_as", "slice_dim"]
+__all__ = ["RULES", "Outputs", "Rule", "matmul_shape", "quantized_as", "slice_dim", "window_dims"]
 
 Outputs = list[TensorType | None]
 Rule = Callable[[Op], Outputs]
@@ -250,7 +250,7 @@ def einsum(op: Op) -> Outputs:
 # -- convolution and pooling --------------------------------------------------------------
 
 
-def _window_dims(op: Op, spatial: Shape, kernel: list[int]) -> Shape:
+def window_dims(op: Op, spatial: Shape, kernel: list[int]) -> Shape:
     """Output spatial dims of a sliding window (Conv and the pools)."""
     n = len(spatial)
     strides = op.attr("strides") or [1] * n
@@ -287,7 +287,7 @@ def conv(op: Op) -> Outputs:
     channels = w[0] if w is not None else None
     if kernel is None or not all(isinstance(k, int) for k in kernel):
         return [_t(dtype, (x[0], channels) + (None,) * (len(x) - 2))]
-    return [_t(dtype, (x[0], channels, *_window_dims(op, x[2:], kernel)))]
+    return [_t(dtype, (x[0], channels, *window_dims(op, x[2:], kernel)))]
 
 
 @rule("ConvTranspose")
@@ -326,7 +326,7 @@ def pool(op: Op) -> Outputs:
     kernel = op.attr("kernel_shape")
     if x is None or len(x) < 3 or not kernel:
         return [op.type(0), _t(DataType.INT64, None)]
-    shape = (x[0], x[1], *_window_dims(op, x[2:], kernel))
+    shape = (x[0], x[1], *window_dims(op, x[2:], kernel))
     return [_t(op.dtype(0), shape), _t(DataType.INT64, shape)]
 
 

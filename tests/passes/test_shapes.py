@@ -688,9 +688,9 @@ def test_onnxruntime_contrib_ops_are_typed(tmp_path: Path) -> None:
 def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
     """The QOperator format (quantize_static's QuantFormat.QOperator): QLinearMatMul and QLinearConv, and
     onnxruntime's QLinearAdd, QLinearMul, QLinearSigmoid, QLinearLeakyRelu, QLinearSoftmax, QLinearConcat,
-    QLinearGlobalAveragePool and QGemm, with its own QuantizeLinear and DequantizeLinear. Without their rules every
-    value after the first was unknown, so no Shape after one folded: the QOperator Whisper encoder kept 262 nodes
-    where onnxsim left 236; with them, 184."""
+    QLinearGlobalAveragePool, QLinearAveragePool, QLinearWhere and QGemm, with its own QuantizeLinear and
+    DequantizeLinear. Without their rules every value after the first was unknown, so no Shape after one folded:
+    the QOperator Whisper encoder kept 262 nodes where onnxsim left 236; with them, 184."""
     u8 = TensorProto.UINT8
 
     def scale(name: str) -> onnx.TensorProto:
@@ -725,6 +725,21 @@ def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
         helper.make_node(
             "QLinearGlobalAveragePool", ["iq", *params, *params], ["pool_last"], domain="com.microsoft", channels_last=1
         ),
+        helper.make_node(
+            "QLinearAveragePool", ["conv", *params, *params], ["window"], domain="com.microsoft", kernel_shape=[2, 2]
+        ),
+        helper.make_node(
+            "QLinearAveragePool",
+            ["iq", *params, *params],
+            ["window_last"],
+            domain="com.microsoft",
+            kernel_shape=[3, 3],
+            pads=[1, 1, 1, 1],
+            channels_last=1,
+        ),
+        helper.make_node(
+            "QLinearWhere", ["odd", "mm", *params, "added", *params, *params], ["chosen"], domain="com.microsoft"
+        ),
     ]
     proto = _contrib_model(
         nodes,
@@ -732,8 +747,9 @@ def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
             helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", 8]),
             helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"]),
         ],
-        ["y", "gemm", "gemm_float", "gemm_scaled", "pool_last"],
+        ["y", "gemm", "gemm_float", "gemm_scaled", "pool_last", "window", "window_last", "chosen"],
         initializer=[
+            numpy_helper.from_array(np.arange(8) % 2 == 1, "odd"),
             scale("s"),
             zero("z"),
             numpy_helper.from_array(rng.integers(0, 255, (8, 8)).astype(np.uint8), "w"),
@@ -743,7 +759,8 @@ def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
         ],
     )
     for found in proto.graph.output:
-        found.type.tensor_type.elem_type = u8 if found.name in ("gemm", "pool_last") else TensorProto.FLOAT
+        quantized = found.name in ("gemm", "pool_last", "window", "window_last", "chosen")
+        found.type.tensor_type.elem_type = u8 if quantized else TensorProto.FLOAT
     model = onnx_io.from_proto(proto)
     infer(model)
     types = {v.name: str(v.type) for v in node_outputs(model) if v.name}
@@ -753,6 +770,8 @@ def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
     assert types["conv"] == "uint8[N, 4, H, W]" and types["pool"] == "uint8[N, 4, 1, 1]"
     assert types["gemm"] == "uint8[N, 5]" and types["gemm_float"] == types["gemm_scaled"] == "float[N, 5]"
     assert types["pool_last"] == "uint8[N, 1, 1, W]"  # N, H, W, C read as channels last
+    assert types["window"] == "uint8[N, 4, H - 1, W - 1]" and types["window_last"] == "uint8[N, 3, H, W]"
+    assert types["chosen"] == "uint8[batch, sequence, 8]"
     assert check_against_ort(model, tmp_path / "qoperator.onnx") == 2 * len(nodes)
 
 

@@ -443,6 +443,46 @@ def test_a_transposed_dequantized_k_loads_in_onnxruntime_at_its_full_level(tmp_p
     census_of_file(target)
 
 
+def _rotated_halves(opset: int, dtype: Any = np.int8) -> onnx.ModelProto:
+    """A QOperator model's rotary halves, computed in float: x quantized (``dtype``), dequantized once, its two
+    halves sliced, the second negated and put first."""
+    nodes = [
+        node("QuantizeLinear", ["x", "a_s", "a_z"], "xq"),
+        node("DequantizeLinear", ["xq", "a_s", "a_z"], "d"),
+        node("Slice", ["d", "zero", "half", "last"], "low"),
+        node("Slice", ["d", "half", "end", "last"], "high"),
+        node("Neg", ["high"], "negated"),
+        node("Concat", ["negated", "low"], "y", axis=-1),
+    ]
+    bounds = [_const(name, [value]) for name, value in (("zero", 0), ("half", 4), ("end", 8), ("last", -1))]
+    return model(nodes, [info("x", ["b", 8])], ["y"], [*_params("a", zero=3, dtype=dtype), *bounds], opset=opset)
+
+
+@pytest.mark.parametrize("opset", [21, 23])
+def test_an_int8_dequantize_before_slices_loads_at_onnxruntime_s_full_level(tmp_path: Path, opset: int) -> None:
+    """onnxruntime 1.32 carries an int8 DequantizeLinear across a Slice from opset 21 on and fails to load
+    ("output_dtype INT8 does not match y_zero_point type UINT8"): the QOperator Llamas at --target-opset 23 did
+    not load at ORT_ENABLE_ALL. Each Slice now reads the integers and gets its own DequantizeLinear."""
+    source, target = tmp_path / "halves.onnx", tmp_path / "out.onnx"
+    onnx.save(_rotated_halves(opset), source)
+    with pytest.raises(Exception, match="output_dtype INT8 does not match y_zero_point type UINT8"):
+        census_of_file(source)
+    result = invoke("run", source, "-o", target)
+    assert result.exit_code == 0, result.output
+    assert "numerics: passed" in result.output
+    written = onnx.load(target)
+    assert ops(written) == {"QuantizeLinear": 1, "Slice": 2, "DequantizeLinear": 2, "Neg": 1, "Concat": 1}
+    assert all(n.input[0] == "xq" for n in written.graph.node if n.op_type == "Slice")
+    census_of_file(target)
+
+
+@pytest.mark.parametrize(("opset", "dtype"), [(20, np.int8), (23, np.uint8)])
+def test_a_dequantize_onnxruntime_carries_across_slices_safely_stays_before_them(opset: int, dtype: Any) -> None:
+    details = refused(_rotated_halves(opset, dtype), "qdq-dequantize-after-move", passes=PASSES, **LATE)
+    found = details["near_misses"].get("qdq", [])
+    assert any("nor one onnxruntime's Q/DQ propagation fails on" in m for m in found), found
+
+
 def test_moves_that_end_in_an_integer_kernel_keep_the_dequantize_before_them() -> None:
     # K^T reshaped, then added: onnxruntime runs the Add from its DequantizeLinear as an integer kernel, which a
     # Q -> DQ parted by integer moves would cost it (int8 is made uint8 only at adjacent pairs).

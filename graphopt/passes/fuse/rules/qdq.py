@@ -41,6 +41,10 @@ integer type holds it (no saturation). So:
   then inserts a QuantizeLinear after it whose output_dtype contradicts its zero point at opset
   21 and up (onnxruntime 1.32): the session fails (gpt2_ts_qdq and llama_ts_qdq at
   ``--target-opset 23``). With the DQ after the move, the DQ feeds the fused op directly.
+  From opset 21 on, the same where onnxruntime's propagation would carry an int8 DQ across a Slice
+  read by other float ops (a QOperator model's rotary halves: the QOperator Llamas at opset 23 did
+  not load at ORT_ENABLE_EXTENDED and up), where something other than a QuantizeLinear reads the
+  Slice, as that propagation requires. A DQ that other ops read too stays for them (one node more).
 
 A ``Q -> DQ`` on a float activation rounds it to the grid of ``s``: that is the quantization
 itself, and stays. These rules are late: a fusion that sees through an activation's Q -> DQ
@@ -89,6 +93,11 @@ _RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 # Fused ops a fusion through Q/DQ writes that onnxruntime runs in float only (no integer kernel of
 # theirs reads a DequantizeLinear); CARRIERS (graphopt.ir.ops) bring a dequantized value to them.
 _FLOAT_ONLY = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention", "RotaryEmbedding"})
+# The moves onnxruntime's Q/DQ propagation (ORT_ENABLE_EXTENDED and up) still carries a DequantizeLinear across
+# from opset 21 on: Slice's schema is unchanged since 13, while Reshape, Transpose, Squeeze and Unsqueeze have
+# versions it does not list. The QuantizeLinear it inserts there gets an output_dtype that contradicts its zero point
+# (onnxruntime 1.32), and the session fails.
+_PROPAGATED_FROM_21 = frozenset({"Slice"})
 # Roundings between q and Q's rounding to an integer (DQ's product, Q's division or its
 # reciprocal and product), each of relative size half the float type's spacing.
 _ROUNDINGS = 3
@@ -378,8 +387,11 @@ def _plan_dequantize_after(m: Match, site: Site) -> tuple[_Params, int | None] |
     move = m.node("move")
     if _bound_at_call_site(move):
         return Refuse("the move's attributes are bound at a function's call site")
-    if not _feeds_fused_floats(move.outputs[0]):
-        return Refuse("the move is not read by fused float ops alone (those have no integer kernel to keep)")
+    if not (_feeds_fused_floats(move.outputs[0]) or _propagation_trips(move, _dequantizer(m.value("x")), site)):
+        return Refuse(
+            "the move is not read by fused float ops alone (those have no integer kernel to keep), nor one"
+            " onnxruntime's Q/DQ propagation fails on"
+        )
     before = _dq_params(_dequantizer(m.value("x")))
     if isinstance(before, Refuse):
         return before
@@ -397,6 +409,19 @@ def _feeds_fused_floats(value: Value) -> bool:
     return bool(readers) and all(
         node.op_type in _FLOAT_ONLY or (node.op_type in CARRIERS and _feeds_fused_floats(node.outputs[0]))
         for node in readers
+    )
+
+
+def _propagation_trips(move: Node, dequantize: Node, site: Site) -> bool:
+    """Whether onnxruntime's Q/DQ propagation carries ``dequantize`` across ``move`` at the site's opset, and fails
+    there: from opset 21 on it still crosses a Slice that something other than a QuantizeLinear reads, also where
+    the DQ has other readers (onnxruntime gave each Slice of a rotary's halves its own copy), and it fails where the
+    DQ's integers are int8 (it makes them uint8 first; a uint8 DQ loads)."""
+    return (
+        site.opset >= 21
+        and Site.dtype(dequantize.inputs[0]) == DataType.INT8
+        and move.op_type in _PROPAGATED_FROM_21
+        and any(not use.node.is_qdq("QuantizeLinear") for use in move.outputs[0].uses())
     )
 
 

@@ -352,6 +352,37 @@ def test_a_rewrite_whose_output_onnxruntime_cannot_load_is_undone(tmp_path: Path
     jsonschema.validate(_report(report), schema("report"))
 
 
+def test_an_output_onnxruntime_cannot_load_that_no_rewrite_explains_is_a_warning(tmp_path: Path) -> None:
+    # An int8 DequantizeLinear before a MaxPool at opset 21: onnxruntime 1.32 carries it across and fails to load
+    # ("output_dtype INT8 does not match y_zero_point type UINT8"); the opset the user asked for trips it, no rewrite.
+    grid = [numpy_helper.from_array(np.array(0.05, np.float32), "scale"), numpy_helper.from_array(np.int8(3), "zero")]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "scale", "zero"], ["xd"]),
+        helper.make_node("MaxPool", ["xd"], ["pooled"], kernel_shape=[2, 2]),
+        helper.make_node("Neg", ["pooled"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "pooled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 7, 7])],
+        grid,
+    )
+    source, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), source)
+    census_of_file(source)
+    result = invoke("run", source, "--target-opset", "21", "-o", out, "-q")
+    assert result.exit_code == 0, result.stderr
+    assert (
+        f"graphopt: warning: {source}: the output is written, but onnxruntime cannot load it at ORT_ENABLE_ALL"
+        in result.stderr
+    )
+    assert "no rewrite of the pipeline explains it" in result.stderr
+    with pytest.raises(Exception, match="output_dtype INT8 does not match y_zero_point type UINT8"):
+        census_of_file(out)
+
+
 def test_a_rotary_or_attention_fused_through_qdq_takes_the_integer_kernel_it_replaces() -> None:
     # The TorchScript QDQ Llamas: each RotaryEmbedding written through Q/DQ takes an Add onnxruntime ran as a
     # QLinearAdd, each attention its scores' QLinearMatMul (25 -> 13 with 8 rotaries and 4 attentions). Counted

@@ -91,7 +91,7 @@ from tools import GRAPHOPT, PORTABLE_PEERS, run_tool
 from graphopt.ir import DataType
 from graphopt.numerics.reference import float_reference, holds_bfloat16
 from graphopt.passes.rewrite.signatures import untaken
-from tests.precision_models import bfloat16_of_float16
+from tests.precision_tools import STATIC_KINDS, Calibration, bfloat16_of_float16, static_options
 
 VARIANTS = Path.home() / ".cache/graphopt-exports-variants"
 KINDS = ("fp16", "qdq", "dyn8", "int4", "bf16")
@@ -103,36 +103,18 @@ BOOTSTRAP_RESAMPLES = 2000
 ERROR_RATIO_NOISE = 0.001  # a pooled error ratio within 0.1% of 1 is the variant's error
 
 
-class _Calibration:
-    """onnxruntime's CalibrationDataReader protocol over the index's first binding."""
-
-    def __init__(self, entry: dict[str, Any]) -> None:
-        self._feeds: Iterator[dict[str, np.ndarray]] = (
-            index_feeds(entry, 0, seed=seed) for seed in range(CALIBRATION_DRAWS)
-        )
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._feeds, None)
-
-
 def make_variant(kind: str, entry: dict[str, Any], src: Path, dst: Path) -> None:
     """Write the ``kind`` variant of ``src`` to ``dst`` (raises what the tool raises)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-    static = {
-        "qdq": {},
-        "qdq16": {"activation_type": QuantType.QInt16, "extra_options": {"UseQDQContribOps": True}},
-        "qdqpc": {"per_channel": True},
-        "qop": {"quant_format": QuantFormat.QOperator},
-    }
     if kind in ("fp16", "bf16", "fp16io"):
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
         model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=kind != "fp16io")
         onnx.save(_float32_where_untyped(bfloat16_of_float16(model)) if kind == "bf16" else model, str(dst))
-    elif kind in static:
-        options: dict[str, Any] = {"quant_format": QuantFormat.QDQ, "weight_type": QuantType.QInt8, **static[kind]}
-        quantize_static(str(src), str(dst), _Calibration(entry), **options)
+    elif kind in STATIC_KINDS:
+        calibration = Calibration(index_feeds(entry, 0, seed=seed) for seed in range(CALIBRATION_DRAWS))
+        quantize_static(str(src), str(dst), calibration, **static_options(kind))
     elif kind == "dyn8":
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8)
     elif kind in ("int4", "int4qdq"):

@@ -23,20 +23,17 @@ except a dropped zero point, which is dropped from the quantized model itself.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.ir.types import float_info
+from tests.precision_tools import Calibration, bfloat16_of_float16, quantized_through_files, static_options
 
 __all__ = [
     "MISTAKES",
-    "bfloat16_of_float16",
     "SMALL",
     "VARIANTS",
     "Size",
@@ -176,93 +173,30 @@ def _float16(model: onnx.ModelProto) -> onnx.ModelProto:
     return converted
 
 
-def bfloat16_of_float16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` (a float16 one) with every float16 tensor, value type and Cast target bfloat16."""
-    _to_bfloat16(model.graph)
-    return model
+def _calibration(model: onnx.ModelProto) -> Calibration:
+    """Four seeded inputs."""
+    rng = np.random.default_rng(11)
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    return Calibration({"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(4))
 
 
-def _to_bfloat16(graph: onnx.GraphProto) -> None:
-    for tensor in graph.initializer:
-        _retyped(tensor)
-    for described in [*graph.input, *graph.output, *graph.value_info]:
-        if described.type.tensor_type.elem_type == TensorProto.FLOAT16:
-            described.type.tensor_type.elem_type = TensorProto.BFLOAT16
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.name in ("to", "dtype") and attr.i == TensorProto.FLOAT16:
-                attr.i = TensorProto.BFLOAT16
-            if attr.type == onnx.AttributeProto.TENSOR:
-                _retyped(attr.t)
-            if attr.type == onnx.AttributeProto.GRAPH:
-                _to_bfloat16(attr.g)
+def _static(kind: str) -> Callable[[onnx.ModelProto], onnx.ModelProto]:
+    """The quantize_static ``kind`` (tests/quantizers.py) of a model."""
 
+    def quantize(model: onnx.ModelProto) -> onnx.ModelProto:
+        from onnxruntime.quantization import quantize_static
 
-def _retyped(tensor: onnx.TensorProto) -> None:
-    """A float16 tensor made bfloat16; float16's extremes, where the float16 converter clamps float32's (a mask's
-    fill of -3.4e38), become bfloat16's, as a bfloat16 export holds them (torch.finfo(torch.bfloat16).min)."""
-    if tensor.data_type == TensorProto.FLOAT16:
-        values = numpy_helper.to_array(tensor).astype(np.float32)
-        bfloat16 = helper.tensor_dtype_to_np_dtype(TensorProto.BFLOAT16)
-        extreme = np.abs(values) == np.finfo(np.float16).max
-        values[extreme] = np.sign(values[extreme]) * float(float_info(bfloat16).max)
-        tensor.CopyFrom(numpy_helper.from_array(values.astype(bfloat16), tensor.name))
+        calibration = _calibration(model)
+        options = static_options(kind)
+        return quantized_through_files(model, lambda a, b: quantize_static(a, b, calibration, **options))
 
-
-class _Calibration:
-    """quantize_static's CalibrationDataReader: four seeded inputs."""
-
-    def __init__(self, model: onnx.ModelProto) -> None:
-        rng = np.random.default_rng(11)
-        shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
-        self.feeds = iter([{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(4)])
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self.feeds, None)
-
-
-def _quantized(model: onnx.ModelProto, quantize: Callable[[Path, Path], None]) -> onnx.ModelProto:
-    with tempfile.TemporaryDirectory() as folder:
-        source, target = Path(folder) / "float.onnx", Path(folder) / "quantized.onnx"
-        onnx.save(model, source)
-        quantize(source, target)
-        return onnx.load(target)
-
-
-def _qdq(model: onnx.ModelProto) -> onnx.ModelProto:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
-
-    class Reader(_Calibration, CalibrationDataReader):
-        pass
-
-    return _quantized(model, lambda a, b: quantize_static(a, b, Reader(model), quant_format=QuantFormat.QDQ))
-
-
-def _qdq16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """16-bit activations as quantize_static writes them for QNN: onnxruntime's own QuantizeLinear and
-    DequantizeLinear (com.microsoft), which take int16 below opset 21."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
-    class Reader(_Calibration, CalibrationDataReader):
-        pass
-
-    def quantize(source: Path, target: Path) -> None:
-        quantize_static(
-            source,
-            target,
-            Reader(model),
-            quant_format=QuantFormat.QDQ,
-            activation_type=QuantType.QInt16,
-            extra_options={"UseQDQContribOps": True},
-        )
-
-    return _quantized(model, quantize)
+    return quantize
 
 
 def _dynamic(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.quantization import quantize_dynamic
 
-    return _quantized(model, quantize_dynamic)
+    return quantized_through_files(model, quantize_dynamic)
 
 
 def dynamic_but_the_last_matmul(size: Size = SMALL) -> onnx.ModelProto:
@@ -333,8 +267,8 @@ VARIANTS: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {
     "float32": lambda model: model,
     "float16": _float16,
     "bfloat16": lambda model: bfloat16_of_float16(_float16(model)),
-    "qdq int8": _qdq,
-    "qdq int16": _qdq16,
+    "qdq int8": _static("qdq"),
+    "qdq int16": _static("qdq16"),
     "dynamic int8": _dynamic,
     "int4": _int4,
 }

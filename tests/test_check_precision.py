@@ -45,13 +45,13 @@ from tests.precision_models import (
     SMALL,
     VARIANTS,
     Size,
-    bfloat16_of_float16,
     block,
     dynamic_but_the_last_matmul,
     fused_attention,
     fused_norm,
     variant,
 )
+from tests.precision_tools import bfloat16_of_float16
 
 # Where the fixed tolerance refuses a right rewrite: enough activations (32 x 128 x 64 per
 # quantized MatMul) that moving their last bits flips quantization steps (dynamic int8), and

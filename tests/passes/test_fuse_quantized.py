@@ -20,9 +20,9 @@ from onnx import helper, numpy_helper
 
 from tests.cli_helpers import invoke
 from tests.numerics import assert_same_outputs, make_feeds
-from tests.passes.fuse.table import Calibration
 from tests.passes.fuse_helpers import fuse, info, init, model, node, ops
 from tests.precision_models import VARIANTS
+from tests.precision_tools import Calibration, static_options
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "exports"
 
@@ -169,13 +169,8 @@ def test_a_qoperator_model_folds_its_shapes_as_its_float32_form(tmp_path: Path, 
     float32 = FIXTURES / f"{fixture}.onnx"
     proto = onnx.load(str(float32))
     quantized = tmp_path / "qoperator.onnx"
-    quantization.quantize_static(
-        str(float32),
-        str(quantized),
-        Calibration(make_feeds(proto, seed) for seed in range(2)),
-        quant_format=quantization.QuantFormat.QOperator,
-        weight_type=quantization.QuantType.QInt8,
-    )
+    calibration = Calibration(make_feeds(proto, seed) for seed in range(2))
+    quantization.quantize_static(str(float32), str(quantized), calibration, **static_options("qop"))
     done = invoke("run", quantized, "-o", tmp_path / "out.onnx")
     assert done.exit_code == 0, done.stderr
     assert "numerics: passed" in done.stderr

@@ -25,6 +25,7 @@ from graphopt.io.onnx_write import to_proto
 from tests.cli_helpers import invoke
 from tests.conftest import CORPUS_MODELS
 from tests.passes.test_fuse_exports import FIXTURES
+from tests.precision_tools import Calibration, static_options
 from tests.reliability.random_graphs import random_models
 
 # The command-line options of each configuration, and the same as optimize(check=False) keywords.
@@ -52,31 +53,26 @@ def test_a_vit_export_passes_the_gate_after_one_run(tmp_path: Path, exporter: st
     assert run_then_gate(FIXTURES / f"vit_{exporter}.onnx", out, []) == (0, f"{out}: optimized\n")
 
 
-class _DecoderSteps:
-    """quantize_static's calibration reader: two decoding steps of the llama_kv_ts fixture (a vocabulary of 8)."""
+def _decoder_steps(proto: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
+    """Two decoding steps of the llama_kv_ts fixture (a vocabulary of 8), to calibrate on."""
+    rng = np.random.default_rng(0)
+    sizes = {"batch": 1, "sequence": 4, "past_sequence": 3, "total_sequence": 7}
 
-    def __init__(self, proto: onnx.ModelProto) -> None:
-        rng = np.random.default_rng(0)
-        sizes = {"batch": 1, "sequence": 4, "past_sequence": 3, "total_sequence": 7}
+    def step() -> dict[str, np.ndarray]:
+        feeds = {}
+        for value in proto.graph.input:
+            shape = [d.dim_value or sizes[d.dim_param] for d in value.type.tensor_type.shape.dim]
+            if value.name == "input_ids":
+                feeds[value.name] = rng.integers(0, 8, shape).astype(np.int64)
+            elif value.name == "attention_mask":
+                feeds[value.name] = np.ones(shape, np.int64)
+            elif value.name == "position_ids":
+                feeds[value.name] = np.arange(3, 3 + shape[1], dtype=np.int64)[None].repeat(shape[0], 0)
+            else:
+                feeds[value.name] = rng.standard_normal(shape).astype(np.float32)
+        return feeds
 
-        def step() -> dict[str, np.ndarray]:
-            feeds = {}
-            for value in proto.graph.input:
-                shape = [d.dim_value or sizes[d.dim_param] for d in value.type.tensor_type.shape.dim]
-                if value.name == "input_ids":
-                    feeds[value.name] = rng.integers(0, 8, shape).astype(np.int64)
-                elif value.name == "attention_mask":
-                    feeds[value.name] = np.ones(shape, np.int64)
-                elif value.name == "position_ids":
-                    feeds[value.name] = np.arange(3, 3 + shape[1], dtype=np.int64)[None].repeat(shape[0], 0)
-                else:
-                    feeds[value.name] = rng.standard_normal(shape).astype(np.float32)
-            return feeds
-
-        self._steps = iter([step(), step()])
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._steps, None)
+    return [step(), step()]
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the quantizer on a constant's empty range
@@ -88,13 +84,8 @@ def test_a_qoperator_decoder_passes_the_gate_after_one_run_at_opset_23(tmp_path:
     quantization = pytest.importorskip("onnxruntime.quantization")
 
     source, quantized = FIXTURES / "llama_kv_ts.onnx", tmp_path / "qoperator.onnx"
-    quantization.quantize_static(
-        str(source),
-        str(quantized),
-        _DecoderSteps(onnx.load(str(source))),
-        quant_format=quantization.QuantFormat.QOperator,
-        weight_type=quantization.QuantType.QInt8,
-    )
+    steps = Calibration(_decoder_steps(onnx.load(str(source))))
+    quantization.quantize_static(str(source), str(quantized), steps, **static_options("qop"))
     out = tmp_path / "out.onnx"
     assert run_then_gate(quantized, out, CONFIGURATIONS["opset23"][0]) == (0, f"{out}: optimized\n")
 

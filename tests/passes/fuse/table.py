@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import logging
-import os
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
@@ -60,6 +57,7 @@ from tests.passes.fuse_exported import (
 )
 from tests.passes.fuse_fixtures import FIXTURES
 from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, node, ops
+from tests.precision_tools import Calibration, quantized_through_files, static_options
 
 RNG = np.random.default_rng(2)
 F16 = TensorProto.FLOAT16
@@ -534,37 +532,17 @@ def typed(proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, 
     return {name: np.asarray(value).astype(types.get(name, np.asarray(value).dtype)) for name, value in feeds.items()}
 
 
-class Calibration:
-    def __init__(self, feeds: Iterator[Mapping[str, np.ndarray]]) -> None:
-        self._feeds = feeds
-
-    def get_next(self) -> Mapping[str, np.ndarray] | None:
-        return next(self._feeds, None)
-
-
 def quantized(proto: onnx.ModelProto, feeds: Draws, sixteen_bit: bool = False) -> onnx.ModelProto:
-    """``proto`` as onnxruntime's quantize_static writes it (QDQ, uint8 activations, int8 weights, calibrated on
-    two draws of ``feeds``); ``sixteen_bit``: int16 activations in onnxruntime's own QuantizeLinear and
+    """``proto`` as onnxruntime's quantize_static writes it (QDQ, int8 activations and weights, calibrated on two
+    draws of ``feeds``); ``sixteen_bit``: int16 activations in onnxruntime's own QuantizeLinear and
     DequantizeLinear (com.microsoft), as it writes them for QNN below opset 21."""
-    from onnxruntime import quantization
+    from onnxruntime.quantization import quantize_static
 
-    wide: dict[str, Any] = {}
-    if sixteen_bit:
-        wide = {"activation_type": quantization.QuantType.QInt16, "extra_options": {"UseQDQContribOps": True}}
-
-    logging.getLogger().setLevel(logging.ERROR)  # quantize_static advises pre-processing on the root logger
-    with tempfile.TemporaryDirectory() as folder:
-        source, target = os.path.join(folder, "float.onnx"), os.path.join(folder, "qdq.onnx")
-        onnx.save(proto, source)
-        quantization.quantize_static(
-            source,
-            target,
-            Calibration(feeds(seed) for seed in range(2)),
-            quant_format=quantization.QuantFormat.QDQ,
-            weight_type=quantization.QuantType.QInt8,
-            **wide,
-        )
-        return onnx.load(target)
+    calibration = Calibration(feeds(seed) for seed in range(2))
+    options = static_options("qdq16" if sixteen_bit else "qdq")
+    return quantized_through_files(
+        proto, lambda source, target: quantize_static(source, target, calibration, **options)
+    )
 
 
 FLOAT32_ONLY = "quantize_static takes float32 models"

@@ -20,7 +20,7 @@ from tests.passes.fuse.table import _run as run_case
 from tests.passes.fuse.test_precision import CASES
 from tests.passes.fuse_fixtures import FIXTURES, fixture_feeds
 from tests.passes.fuse_helpers import fuse
-from tests.precision_models import bfloat16_of_float16
+from tests.precision_tools import bfloat16_of_float16
 
 # The rules that fire on the bfloat16 copies of the real exports (BERT, GPT-2, ViT, Whisper's and T5's encoders,
 # the Llama with and without a KV cache, --target-opset 23), and the lowerings and clean-ups around them.

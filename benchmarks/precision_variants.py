@@ -30,7 +30,12 @@ the other formats those tools write:
 - ``qop``: ``quantize_static`` in QOperator format (QLinearMatMul, QLinearConv, QLinearAdd, ...);
 - ``int4qdq``: ``MatMulNBitsQuantizer`` in QDQ format (blocked int4 DequantizeLinear, opset 21);
 - ``fp16io``: the float16 conversion with float16 inputs and outputs too (``keep_io_types=False``;
-  ``measure`` feeds them the float32 draws rounded to float16).
+  ``measure`` feeds them the float32 draws rounded to float16);
+- ``qdqu8``: ``quantize_static`` in QDQ format with uint8 activations (its default before onnxruntime 1.17);
+- ``nbits8``: ``MatMulNBitsQuantizer`` with 8 bits (MatMulNBits ``bits=8``);
+- ``int4asym``: ``MatMulNBitsQuantizer`` with zero points (asymmetric) and the embedding's Gather quantized too
+  (GatherBlockQuantized);
+- ``dyn8pc``: ``quantize_dynamic`` with per-channel weights.
 
 A variant the tool refuses is listed under "failed" with the tool's error. VARIANTS/index.json
 has build.py's format (each entry gains ``variant`` and ``reference``: the float32 export it was
@@ -95,7 +100,7 @@ from tests.precision_tools import STATIC_KINDS, Calibration, bfloat16_of_float16
 
 VARIANTS = Path.home() / ".cache/graphopt-exports-variants"
 KINDS = ("fp16", "qdq", "dyn8", "int4", "bf16")
-OTHER_KINDS = ("qdq16", "qdqpc", "qop", "int4qdq", "fp16io")
+OTHER_KINDS = ("qdq16", "qdqpc", "qop", "int4qdq", "fp16io", "qdqu8", "nbits8", "int4asym", "dyn8pc")
 CALIBRATION_DRAWS = 4
 VARIANT_PEER_CACHE = Path.home() / ".cache/graphopt-bench/variant-peers.json"
 TIMEOUT_S = 900.0
@@ -115,16 +120,18 @@ def make_variant(kind: str, entry: dict[str, Any], src: Path, dst: Path) -> None
     elif kind in STATIC_KINDS:
         calibration = Calibration(index_feeds(entry, 0, seed=seed) for seed in range(CALIBRATION_DRAWS))
         quantize_static(str(src), str(dst), calibration, **static_options(kind))
-    elif kind == "dyn8":
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8)
-    elif kind in ("int4", "int4qdq"):
+    elif kind in ("dyn8", "dyn8pc"):
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=kind == "dyn8pc")
+    elif kind in ("int4", "int4qdq", "nbits8", "int4asym"):
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         quantizer = MatMulNBitsQuantizer(
             onnx.load(str(src)),
+            bits=8 if kind == "nbits8" else 4,
             block_size=32,
-            is_symmetric=True,
+            is_symmetric=kind != "int4asym",
             quant_format=QuantFormat.QDQ if kind == "int4qdq" else QuantFormat.QOperator,
+            op_types_to_quantize=("MatMul", "Gather") if kind == "int4asym" else None,
         )
         quantizer.process()
         quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)

@@ -20,7 +20,7 @@ from graphopt.ir.types import float_info
 __all__ = ["STATIC_KINDS", "Calibration", "bfloat16_of_float16", "quantized_through_files", "static_options"]
 
 # quantize_static's formats, by the name precision_variants gives their variants.
-STATIC_KINDS = ("qdq", "qdq16", "qdqpc", "qop")
+STATIC_KINDS = ("qdq", "qdq16", "qdqpc", "qop", "qdqu8")
 
 
 class Calibration:
@@ -37,7 +37,8 @@ def static_options(kind: str) -> dict[str, Any]:
     """quantize_static's options for ``kind`` (int8 weights in each): "qdq" (the QDQ format, int8 activations,
     the quantizer's default), "qdq16" (int16 activations in onnxruntime's own QuantizeLinear and DequantizeLinear,
     com.microsoft, as it writes them for QNN below opset 21), "qdqpc" (per-channel weights), "qop" (the QOperator
-    format: QLinearMatMul, QLinearConv, QLinearAdd, ...)."""
+    format: QLinearMatMul, QLinearConv, QLinearAdd, ...), "qdqu8" (uint8 activations, the quantizer's default before
+    onnxruntime 1.17 and what many deployed QDQ models hold)."""
     from onnxruntime.quantization import QuantFormat, QuantType
 
     formats: dict[str, dict[str, Any]] = {
@@ -45,6 +46,7 @@ def static_options(kind: str) -> dict[str, Any]:
         "qdq16": {"activation_type": QuantType.QInt16, "extra_options": {"UseQDQContribOps": True}},
         "qdqpc": {"per_channel": True},
         "qop": {"quant_format": QuantFormat.QOperator},
+        "qdqu8": {"activation_type": QuantType.QUInt8},
     }
     return {"quant_format": QuantFormat.QDQ, "weight_type": QuantType.QInt8, **formats[kind]}
 

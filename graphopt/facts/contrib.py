@@ -144,6 +144,19 @@ def matmul_nbits(op: Op) -> Outputs:
     return [_t(op.dtype(0), (*a[:-1], n))]
 
 
+@rule("GatherBlockQuantized")
+def gather_block_quantized(op: Op) -> Outputs:
+    """Gather of a table stored as blocks of n-bit ints (int4 or uint4, or uint8 packing 8 / bits of them along the
+    last axis): the table's dims with the gathered axis replaced by the indices', in the scales' type (index 2)."""
+    table, indices = op.shape(0), op.shape(1)
+    if table is None or indices is None:
+        return [_t(op.dtype(2), None)]
+    axis = op.attr("gather_axis", 0) % len(table)
+    if op.dtype(0) == DataType.UINT8:
+        table = (*table[:-1], d_mul(table[-1], 8 // op.attr("bits", 4)))
+    return [_t(op.dtype(2), (*table[:axis], *indices, *table[axis + 1 :]))]
+
+
 # MatMul(A, B) of the integer operands, in the float type of the scale input (index 2).
 @rule("DynamicQuantizeMatMul", "MatMulIntegerToFloat")
 def integer_matmul_to_float(op: Op) -> Outputs:

@@ -775,6 +775,42 @@ def test_quantized_operator_ops_are_typed(tmp_path: Path) -> None:
     assert check_against_ort(model, tmp_path / "qoperator.onnx") == 2 * len(nodes)
 
 
+def test_a_block_quantized_gather_is_typed(tmp_path: Path) -> None:
+    """The 4-bit quantizer's embeddings (MatMulNBitsQuantizer with Gather among its ops): GatherBlockQuantized of a
+    uint4 table, or of a uint8 one packing two 4-bit values per byte, the result in the scales' type. Untyped, every
+    value after the embedding was unknown and BERT's attention went unfused at --target-opset 23 (479 -> 226 nodes in
+    every mode, the same model's 8-bit form 100)."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node(
+            "GatherBlockQuantized",
+            ["table4", "ids", "scales", "zeros4"],
+            ["rows"],
+            domain="com.microsoft",
+            block_size=32,
+        ),
+        helper.make_node(
+            "GatherBlockQuantized", ["packed", "ids", "scales"], ["packed_rows"], domain="com.microsoft", block_size=32
+        ),
+    ]
+    proto = _contrib_model(
+        nodes,
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "sequence"])],
+        ["rows", "packed_rows"],
+        initializer=[
+            helper.make_tensor("table4", TensorProto.UINT4, [50, 64], rng.integers(0, 16, 50 * 64).tolist()),
+            helper.make_tensor("zeros4", TensorProto.UINT4, [50, 2], rng.integers(0, 16, 100).tolist()),
+            numpy_helper.from_array(rng.integers(0, 256, (50, 32)).astype(np.uint8), "packed"),
+            numpy_helper.from_array(rng.uniform(0.01, 0.1, (50, 2)).astype(np.float32), "scales"),
+        ],
+    )
+    model = onnx_io.from_proto(proto)
+    infer(model)
+    types = {v.name: str(v.type) for v in node_outputs(model)}
+    assert types["rows"] == types["packed_rows"] == "float[batch, sequence, 64]"
+    assert check_against_ort(model, tmp_path / "gathered.onnx") == 2 * len(nodes)
+
+
 def test_contrib_ops_with_integer_inputs_are_typed() -> None:
     """GroupQueryAttention's output is (batch, seq, heads * head size): the query's hidden size,
     or from packed QKV hidden / (heads + 2 kv heads) * heads; EmbedLayerNormalization's is

@@ -41,7 +41,9 @@ from graphopt.report.console import render_numerics
 from graphopt.schemas import schema
 from tests.cli_helpers import invoke
 from tests.precision_models import (
+    HIDDEN,
     MISTAKES,
+    SEQ,
     SMALL,
     VARIANTS,
     Size,
@@ -535,3 +537,43 @@ def test_a_check_with_a_memo_reads_the_originals_reruns_back(
     assert sessions == 7  # the original's six draws of its own rounding and its float reference
     assert len(opened) == sessions  # the second check ran none of them again
     assert len(read) == 1  # nor read the original's weights to move them
+
+
+def _fused_for_ort(saved: Saved, tmp_path: Path) -> onnx.ModelProto:
+    """The dynamic int8 variant with its integer MatMuls fused as onnxruntime's (--target ort, no check)."""
+    out = tmp_path / "ort.onnx"
+    assert invoke("run", saved("dynamic int8"), "--target", "ort", "--no-check", "-o", out, "-q").exit_code == 0
+    fused = onnx.load(out)
+    assert {"DynamicQuantizeMatMul", "MatMulIntegerToFloat"} & {n.op_type for n in fused.graph.node}
+    return fused
+
+
+def test_onnxruntime_s_fused_dynamic_int8_matmuls_are_the_original_s_float_program(
+    saved: Saved, tmp_path: Path
+) -> None:
+    """A per-channel dynamic int8 Llama at --target ort failed its check: its output as far from the float
+    reference as the original (0.021 against 0.0209) but not nearer, and DynamicQuantizeMatMul had no float program
+    to prove it the same computation. Both models' references now compute x @ dequantized W."""
+    original = onnx.load(saved("dynamic int8"))
+    references = [float_reference(model) for model in (original, _fused_for_ort(saved, tmp_path))]
+    x = {"x": np.random.default_rng(0).standard_normal((SMALL.batch, SEQ, HIDDEN)).astype(np.float32)}
+    outputs = []
+    for reference in references:
+        assert reference is not None
+        assert not {"DynamicQuantizeMatMul", "MatMulIntegerToFloat"} & {n.op_type for n in reference.graph.node}
+        session = ort.InferenceSession(reference.SerializeToString(), providers=["CPUExecutionProvider"])
+        outputs.append(session.run(None, x)[0])
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_fused_dynamic_int8_matmul_with_a_wrong_scale_is_another_float_program(saved: Saved, tmp_path: Path) -> None:
+    fused = _fused_for_ort(saved, tmp_path)
+    node = next(n for n in fused.graph.node if n.op_type in ("DynamicQuantizeMatMul", "MatMulIntegerToFloat"))
+    scale_at = 2 if node.op_type == "DynamicQuantizeMatMul" else 3
+    index = next(i for i, t in enumerate(fused.graph.initializer) if t.name == node.input[scale_at])
+    scale = numpy_helper.to_array(fused.graph.initializer[index])
+    fused.graph.initializer[index].CopyFrom(numpy_helper.from_array(scale * np.float32(1.5), node.input[scale_at]))
+    wrong = tmp_path / "wrong.onnx"
+    onnx.save(fused, wrong)
+    result = check_models(saved("dynamic int8"), wrong)
+    assert result.status == "failed", result.reason

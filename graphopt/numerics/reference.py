@@ -42,7 +42,9 @@ other respect:
 - dynamic int8: MatMulInteger of a DynamicQuantizeLinear's output and a constant int8 weight,
   read by a Cast to float (``quantize_dynamic``'s pattern, its result then multiplied by both
   scales), becomes MatMul(x / x_scale, weight - weight_zero_point) in float32, which the same
-  scales then turn into x @ dequantized weight.
+  scales then turn into x @ dequantized weight. onnxruntime's fused forms of it
+  (DynamicQuantizeMatMul, and MatMulIntegerToFloat of a DynamicQuantizeLinear's outputs, which
+  graphopt writes at ``--target ort``) become x @ dequantized weight too: the same program.
 
 None when the model holds none of these, has tensors stored outside the file, or has If, Loop
 or Scan bodies (whose float16 values this does not reach).
@@ -57,7 +59,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphopt.ir.constness import RANDOM_OPS
-from graphopt.ir.node import STANDARD_DOMAINS
+from graphopt.ir.node import CONTRIB_DOMAIN, STANDARD_DOMAINS
 from graphopt.ir.ops import CARRIERS
 from graphopt.numerics.paths import inline_array, is_qdq
 
@@ -283,4 +285,53 @@ def _float_matmuls(graph: onnx.GraphProto) -> bool:
         graph.node.insert(position, matmul)
         graph.node.insert(position, divide)
         changed = True
+    return _float_fused_matmuls(graph, stored, producer) or changed
+
+
+# onnxruntime's fused dynamic int8 MatMuls (graphopt writes them at --target ort): the index of their weight, its
+# scale and zero point, and their bias.
+_FUSED_INTEGER_MATMULS = {"DynamicQuantizeMatMul": (1, 2, 3, 4), "MatMulIntegerToFloat": (1, 3, 5, 6)}
+
+
+def _float_fused_matmuls(
+    graph: onnx.GraphProto, stored: dict[str, onnx.TensorProto], producer: dict[str, onnx.NodeProto]
+) -> bool:
+    """onnxruntime's DynamicQuantizeMatMul(x, W, Ws, Wz, bias), and MatMulIntegerToFloat of a DynamicQuantizeLinear's
+    outputs, as x @ ((W - Wz) * Ws) + bias in float32: the program of the MatMulInteger they stand for."""
+    changed = False
+    for node in list(graph.node):
+        if node.domain != CONTRIB_DOMAIN or node.op_type not in _FUSED_INTEGER_MATMULS:
+            continue
+        weight_at, scale_at, zero_at, bias_at = _FUSED_INTEGER_MATMULS[node.op_type]
+        present = {i: name for i, name in enumerate(node.input) if name}
+        x = present.get(0)
+        if node.op_type == "MatMulIntegerToFloat":
+            quantize = producer.get(x or "")
+            if (
+                quantize is None
+                or quantize.op_type != "DynamicQuantizeLinear"
+                or quantize.domain not in STANDARD_DOMAINS
+            ):
+                continue
+            if [present.get(0), present.get(2), present.get(4)] != list(quantize.output):
+                continue
+            x = quantize.input[0]
+        weights, scale, zero_point = (_stored_array(stored, present.get(i)) for i in (weight_at, scale_at, zero_at))
+        if x is None or weights is None or scale is None or (zero_at in present and zero_point is None):
+            continue
+        name = f"{node.output[0]}__float32_weight"
+        dequantized = (weights.astype(np.float32) - np.float32(0 if zero_point is None else zero_point)) * scale
+        graph.initializer.append(numpy_helper.from_array(dequantized.astype(np.float32), name))
+        position = list(graph.node).index(node)
+        graph.node.remove(node)
+        bias = present.get(bias_at)
+        product = f"{node.output[0]}__float32_product" if bias else node.output[0]
+        graph.node.insert(position, helper.make_node("MatMul", [x, name], [product]))
+        if bias:
+            graph.node.insert(position + 1, helper.make_node("Add", [product, bias], [node.output[0]]))
+        changed = True
     return changed
+
+
+def _stored_array(stored: dict[str, onnx.TensorProto], name: str | None) -> np.ndarray | None:
+    return inline_array(stored[name]) if name is not None and name in stored else None

@@ -114,6 +114,44 @@ def test_corrupt_rows_of_a_quantized_embedding_fail_on_ids_over_the_table(tmp_pa
     _failed_at(result, "ids over the whole table")
 
 
+def _block_quantized_table(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with its embedding table stored as 4-bit blocks, read by onnxruntime's GatherBlockQuantized (the
+    4-bit quantizer's embeddings, with Gather among its ops)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    index = next(i for i, t in enumerate(out.graph.initializer) if t.name == "table")
+    table = numpy_helper.to_array(out.graph.initializer[index])
+    scale = (np.abs(table).max(axis=1, keepdims=True) / 7).astype(np.float32)
+    quantized = np.clip(np.round(table / scale) + 8, 0, 15).astype(np.uint8)
+    del out.graph.initializer[index]
+    out.graph.initializer.extend(
+        [
+            helper.make_tensor("table_q4", TensorProto.UINT4, list(table.shape), quantized.ravel().tolist()),
+            numpy_helper.from_array(scale, "table_scales"),
+        ]
+    )
+    gather = next(node for node in out.graph.node if node.op_type == "Gather" and node.input[0] == "table")
+    gather.CopyFrom(
+        helper.make_node(
+            "GatherBlockQuantized",
+            ["table_q4", "input_ids", "table_scales"],
+            list(gather.output),
+            domain="com.microsoft",
+            block_size=16,
+        )
+    )
+    out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return out
+
+
+def test_corrupt_rows_of_a_block_quantized_embedding_fail_on_ids_over_the_table(tmp_path: Path) -> None:
+    """Read through GatherBlockQuantized, the ids were a small index (0 to 99 of 8000 rows on bert_ts quantized to
+    4 bits with its embeddings), and rows past 100 were never read."""
+    original, corrupt = (_block_quantized_table(_encoder(bad_rows=rows)) for rows in (None, 100))
+    result = check_models(_save(tmp_path, "a", original), _save(tmp_path, "b", corrupt))
+    _failed_at(result, "ids over the whole table")
+
+
 def _unreached(scale: float, second_output: bool = False) -> onnx.ModelProto:
     """y = Relu(-|x|) * scale: 0 at every input, whatever ``scale`` (a wrong rewrite the inputs cannot show);
     ``second_output``: also z = x * scale, which every input reaches."""

@@ -257,6 +257,8 @@ def _role(
     if node.domain == "com.microsoft" and (op, index) in _EMBEDDING_TABLES:
         table = stored.get(node.input[_EMBEDDING_TABLES[op, index]]) if len(node.input) > 2 else None
         return Role("ids", table[0]) if table else None
+    if index == 1 and (rows := _table_rows(node, stored)) is not None:
+        return Role("ids", rows)
     if node.domain == "com.microsoft" and op == "GroupQueryAttention" and index in (5, 6):
         total = _gqa_total_length(node, static)
         return Role("sizes", values=(total - 1 if index == 5 else total,)) if total else None
@@ -267,9 +269,6 @@ def _role(
         data = node.input[data_index]
         attribute = _attribute(node, where) if isinstance(where, str) else None
         axis = where if isinstance(where, int) else attribute.i if attribute is not None else 0
-        if op == "Gather" and data in stored and stored[data]:
-            table = stored[data]
-            return Role("ids", table[axis % len(table)]) if -len(table) <= axis < len(table) else None
         data_dims = static.get(data) or []
         if op in ("GatherND", "ScatterND"):
             known = [d for d in data_dims if d]
@@ -286,6 +285,17 @@ def _role(
         return solved
     kind = _OPERAND_ROLES.get((op, index))
     return Role(kind) if kind is not None else None
+
+
+def _table_rows(node: onnx.NodeProto, stored: dict[str, list[int]]) -> int | None:
+    """The rows along its gathered axis of the stored table a Gather reads, or onnxruntime's GatherBlockQuantized
+    (the 4-bit quantizer's embeddings); None for any other node."""
+    standard = _standard(node) and node.op_type == "Gather"
+    quantized = node.domain == "com.microsoft" and node.op_type == "GatherBlockQuantized"
+    table = stored.get(node.input[0]) if (standard or quantized) and len(node.input) > 1 else None
+    attribute = _attribute(node, "axis" if standard else "gather_axis")
+    axis = attribute.i if attribute is not None else 0
+    return table[axis % len(table)] if table and -len(table) <= axis < len(table) else None
 
 
 def _gqa_total_length(node: onnx.NodeProto, static: dict[str, list[int | None]]) -> int | None:
@@ -477,12 +487,12 @@ def _seq_limit(graph: onnx.GraphProto, position_inputs: set[str]) -> int | None:
         return None
 
     for node in graph.node:
-        if _standard(node) and node.op_type == "Gather" and len(node.input) > 1 and node.input[0] in stored:
-            buffer = positional(node.input[1])
-            if buffer is not None and stored[node.input[0]]:
-                limits.append(stored[node.input[0]][0])
-                if buffer:
-                    limits.append(buffer)
+        rows = _table_rows(node, stored)
+        buffer = positional(node.input[1]) if rows is not None else None
+        if rows is not None and buffer is not None:
+            limits.append(rows)
+            if buffer:
+                limits.append(buffer)
     return min(limits) if limits else None
 
 

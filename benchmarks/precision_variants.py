@@ -35,7 +35,8 @@ the other formats those tools write:
 - ``nbits8``: ``MatMulNBitsQuantizer`` with 8 bits (MatMulNBits ``bits=8``);
 - ``int4asym``: ``MatMulNBitsQuantizer`` with zero points (asymmetric) and the embedding's Gather quantized too
   (GatherBlockQuantized);
-- ``dyn8pc``: ``quantize_dynamic`` with per-channel weights.
+- ``dyn8pc``: ``quantize_dynamic`` with per-channel weights;
+- ``fp16int4``: the ``fp16`` conversion, then ``MatMulNBitsQuantizer`` (float16 activations and scales, 4-bit weights).
 
 A variant the tool refuses is listed under "failed" with the tool's error. VARIANTS/index.json
 has build.py's format (each entry gains ``variant`` and ``reference``: the float32 export it was
@@ -100,7 +101,7 @@ from tests.precision_tools import STATIC_KINDS, Calibration, bfloat16_of_float16
 
 VARIANTS = Path.home() / ".cache/graphopt-exports-variants"
 KINDS = ("fp16", "qdq", "dyn8", "int4", "bf16")
-OTHER_KINDS = ("qdq16", "qdqpc", "qop", "int4qdq", "fp16io", "qdqu8", "nbits8", "int4asym", "dyn8pc")
+OTHER_KINDS = ("qdq16", "qdqpc", "qop", "int4qdq", "fp16io", "qdqu8", "nbits8", "int4asym", "dyn8pc", "fp16int4")
 CALIBRATION_DRAWS = 4
 VARIANT_PEER_CACHE = Path.home() / ".cache/graphopt-bench/variant-peers.json"
 TIMEOUT_S = 900.0
@@ -122,11 +123,16 @@ def make_variant(kind: str, entry: dict[str, Any], src: Path, dst: Path) -> None
         quantize_static(str(src), str(dst), calibration, **static_options(kind))
     elif kind in ("dyn8", "dyn8pc"):
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=kind == "dyn8pc")
-    elif kind in ("int4", "int4qdq", "nbits8", "int4asym"):
+    elif kind in ("int4", "int4qdq", "nbits8", "int4asym", "fp16int4"):
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+        model = onnx.load(str(src))
+        if kind == "fp16int4":
+            from onnxruntime.transformers.float16 import convert_float_to_float16
+
+            model = convert_float_to_float16(model, keep_io_types=True)
         quantizer = MatMulNBitsQuantizer(
-            onnx.load(str(src)),
+            model,
             bits=8 if kind == "nbits8" else 4,
             block_size=32,
             is_symmetric=kind != "int4asym",

@@ -352,12 +352,18 @@ def test_a_rewrite_whose_output_onnxruntime_cannot_load_is_undone(tmp_path: Path
     jsonschema.validate(_report(report), schema("report"))
 
 
-def test_an_output_onnxruntime_cannot_load_that_no_rewrite_explains_is_a_warning(tmp_path: Path) -> None:
-    # An int8 DequantizeLinear before a MaxPool at opset 21: onnxruntime 1.32 carries it across and fails to load
-    # ("output_dtype INT8 does not match y_zero_point type UINT8"); the opset the user asked for trips it, no rewrite.
+def _int8_before_a_max_pool(path: Path, reached: bool = True) -> Path:
+    """x quantized to int8, dequantized, max-pooled, negated, at opset 20 (``reached``: else x goes through
+    Relu(-|x|) first, 0 everywhere, so that the check says "not checked")."""
     grid = [numpy_helper.from_array(np.array(0.05, np.float32), "scale"), numpy_helper.from_array(np.int8(3), "zero")]
+    unreached = [
+        helper.make_node("Abs", ["x"], ["magnitude"]),
+        helper.make_node("Neg", ["magnitude"], ["negative"]),
+        helper.make_node("Relu", ["negative"], ["zeros"]),
+    ]
     nodes = [
-        helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["xq"]),
+        *([] if reached else unreached),
+        helper.make_node("QuantizeLinear", ["x" if reached else "zeros", "scale", "zero"], ["xq"]),
         helper.make_node("DequantizeLinear", ["xq", "scale", "zero"], ["xd"]),
         helper.make_node("MaxPool", ["xd"], ["pooled"], kernel_shape=[2, 2]),
         helper.make_node("Neg", ["pooled"], ["y"]),
@@ -369,8 +375,14 @@ def test_an_output_onnxruntime_cannot_load_that_no_rewrite_explains_is_a_warning
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 7, 7])],
         grid,
     )
-    source, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), source)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
+    return path
+
+
+def test_an_output_onnxruntime_cannot_load_that_no_rewrite_explains_is_a_warning(tmp_path: Path) -> None:
+    # An int8 DequantizeLinear before a MaxPool at opset 21: onnxruntime 1.32 carries it across and fails to load
+    # ("output_dtype INT8 does not match y_zero_point type UINT8"); the opset the user asked for trips it, no rewrite.
+    source, out = _int8_before_a_max_pool(tmp_path / "m.onnx"), tmp_path / "out.onnx"
     census_of_file(source)
     result = invoke("run", source, "--target-opset", "21", "-o", out, "-q")
     assert result.exit_code == 0, result.stderr
@@ -378,9 +390,17 @@ def test_an_output_onnxruntime_cannot_load_that_no_rewrite_explains_is_a_warning
         f"graphopt: warning: {source}: the output is written, but onnxruntime cannot load it at ORT_ENABLE_ALL"
         in result.stderr
     )
-    assert "no rewrite of the pipeline explains it" in result.stderr
+    assert "UINT8; no rewrite of the pipeline explains it" in result.stderr
     with pytest.raises(Exception, match="output_dtype INT8 does not match y_zero_point type UINT8"):
         census_of_file(out)
+
+
+def test_an_unloadable_output_that_is_not_written_gets_no_warning(tmp_path: Path) -> None:
+    source, out = _int8_before_a_max_pool(tmp_path / "m.onnx", reached=False), tmp_path / "out.onnx"
+    result = invoke("run", source, "--target-opset", "21", "-o", out, "-q", "--require-check")
+    assert result.exit_code == 1, result.stderr
+    assert "numerics not checked (--require-check)" in result.stderr
+    assert "the output is written" not in result.stderr and not out.exists()
 
 
 def test_a_rotary_or_attention_fused_through_qdq_takes_the_integer_kernel_it_replaces() -> None:

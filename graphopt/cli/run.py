@@ -305,14 +305,14 @@ def _say_not_checked(path: str, row: dict[str, Any], required: bool) -> None:
 
 
 def _say_unloadable(path: str, row: dict[str, Any]) -> None:
-    """An output onnxruntime cannot load at its default level where it loads the original, and no rewrite explains
-    it (an onnxruntime bug the opset asked for trips): one warning line, --quiet or not."""
+    """A written output onnxruntime cannot load at its default level where it loads the original, and no rewrite
+    explains it (an onnxruntime bug the opset asked for trips): one warning line, --quiet or not."""
     from graphopt.runtime.census import UNLOADED  # onnxruntime's import: not for every command line
 
     guard = row.get("runtime_guard") or {}
-    for loss in guard.get("lost", []):
-        if loss.get("kind") == UNLOADED:
-            warning_line(f"{path}: the output is written, but {loss['at']}; no rewrite of the pipeline explains it")
+    for loss in guard.get("lost", []) if row.get("exit_code") == 0 else []:
+        if loss.get("kind") == UNLOADED:  # its message: "ort session lost: <onnxruntime's refusal>; <why>"
+            warning_line(f"{path}: the output is written, but {loss['message'].removeprefix('ort session lost: ')}")
 
 
 def _batch(

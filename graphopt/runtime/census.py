@@ -139,7 +139,7 @@ class Loss:
 
     def describe(self) -> str:
         if self.kind == UNLOADED:
-            return self.at
+            return self.at.rstrip(".")  # onnxruntime's sentence, in a line that goes on after it
         change = "adds" if self.after > self.before else "no longer forms"  # a kind worse the more of it
         return f"onnxruntime {change} {self.kind} at {self.at} ({self.before} -> {self.after})"
 

@@ -483,6 +483,63 @@ def test_a_dequantize_onnxruntime_carries_across_slices_safely_stays_before_them
     assert any("nor one onnxruntime's Q/DQ propagation fails on" in m for m in found), found
 
 
+def _sliced(
+    opset: int, per_axis: bool = False, read_too: bool = False, negated: bool = False, domain: str = ""
+) -> onnx.ModelProto:
+    """x[2, 8] quantized to int8 (per row with ``per_axis``, in ``domain``), dequantized and sliced to its first half
+    "y", a graph output (``read_too``: also negated, a second output; ``negated``: "y" is the negated half, the
+    half itself no output)."""
+    axis = {"axis": 0} if per_axis else {}
+    scale, zero = ([SCALE, 2 * SCALE], [3, -3]) if per_axis else (SCALE, 3)
+    half = "half_values" if negated else "y"
+    nodes = [
+        node("QuantizeLinear", ["x", "a_s", "a_z"], "xq", domain=domain, **axis),
+        node("DequantizeLinear", ["xq", "a_s", "a_z"], "d", domain=domain, **axis),
+        node("Slice", ["d", "zero", "half", "last"], half),
+        *([node("Neg", [half], "y")] if negated else []),
+        *([node("Neg", ["y"], "z")] if read_too else []),
+    ]
+    bounds = [_const(name, [value]) for name, value in (("zero", 0), ("half", 4), ("last", -1))]
+    params = [*_params("a", scale, zero, dtype=np.int8), *bounds]
+    proto = model(nodes, [info("x", [2, 8])], ["y", *(["z"] if read_too else [])], params, opset=opset)
+    if domain:
+        proto.opset_import.append(helper.make_opsetid(domain, 1))
+    return proto
+
+
+def test_an_int8_dequantize_before_a_sliced_graph_output_moves_after_it(tmp_path: Path) -> None:
+    """onnxruntime's propagation also puts its pair on the edge to a graph output that nothing else reads."""
+    source, target = tmp_path / "sliced.onnx", tmp_path / "out.onnx"
+    onnx.save(_sliced(21), source)
+    with pytest.raises(Exception, match="output_dtype INT8 does not match y_zero_point type UINT8"):
+        census_of_file(source)
+    result = invoke("run", source, "-o", target)
+    assert result.exit_code == 0, result.output
+    assert [n.op_type for n in onnx.load(target).graph.node] == ["QuantizeLinear", "Slice", "DequantizeLinear"]
+    census_of_file(target)
+
+
+@pytest.mark.parametrize(
+    "proto",
+    [
+        _sliced(23, per_axis=True, negated=True),
+        _sliced(23, read_too=True),
+        _sliced(23, negated=True, domain="com.microsoft"),
+    ],
+    ids=["per axis", "a graph output read by a node too", "com.microsoft"],
+)
+def test_a_dequantize_onnxruntime_does_not_carry_across_a_slice_stays_before_it(
+    tmp_path: Path, proto: onnx.ModelProto
+) -> None:
+    """Where onnxruntime's propagation does not go, the original loads, and the rule leaves the DequantizeLinear."""
+    source = tmp_path / "sliced.onnx"
+    onnx.save(proto, source)
+    census_of_file(source)
+    details = refused(proto, "qdq-dequantize-after-move", passes=PASSES, **LATE)
+    found = details["near_misses"].get("qdq", [])
+    assert any("nor one onnxruntime's Q/DQ propagation fails on" in m for m in found), found
+
+
 def test_moves_that_end_in_an_integer_kernel_keep_the_dequantize_before_them() -> None:
     # K^T reshaped, then added: onnxruntime runs the Add from its DequantizeLinear as an integer kernel, which a
     # Q -> DQ parted by integer moves would cost it (int8 is made uint8 only at adjacent pairs).

@@ -43,8 +43,9 @@ integer type holds it (no saturation). So:
   ``--target-opset 23``). With the DQ after the move, the DQ feeds the fused op directly.
   From opset 21 on, the same where onnxruntime's propagation would carry an int8 DQ across a Slice
   read by other float ops (a QOperator model's rotary halves: the QOperator Llamas at opset 23 did
-  not load at ORT_ENABLE_EXTENDED and up), where something other than a QuantizeLinear reads the
-  Slice, as that propagation requires. A DQ that other ops read too stays for them (one node more).
+  not load at ORT_ENABLE_EXTENDED and up), where that propagation reaches: a standard per-tensor DQ,
+  and an edge after the Slice that no QuantizeLinear ends. A DQ that other ops read too stays for
+  them (one node more).
 
 A ``Q -> DQ`` on a float activation rounds it to the grid of ``s``: that is the quantization
 itself, and stays. These rules are late: a fusion that sees through an activation's Q -> DQ
@@ -96,7 +97,8 @@ _FLOAT_ONLY = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention
 # The moves onnxruntime's Q/DQ propagation (ORT_ENABLE_EXTENDED and up) still carries a DequantizeLinear across
 # from opset 21 on: Slice's schema is unchanged since 13, while Reshape, Transpose, Squeeze and Unsqueeze have
 # versions it does not list. The QuantizeLinear it inserts there gets an output_dtype that contradicts its zero point
-# (onnxruntime 1.32), and the session fails.
+# (onnxruntime 1.32), and the session fails. (MaxPool-12 is still current at opset 21 and fails alike; in QDQ and
+# QOperator models a QuantizeLinear reads it, which the propagation skips, and elsewhere the run warns.)
 _PROPAGATED_FROM_21 = frozenset({"Slice"})
 # Roundings between q and Q's rounding to an integer (DQ's product, Q's division or its
 # reciprocal and product), each of relative size half the float type's spacing.
@@ -387,14 +389,15 @@ def _plan_dequantize_after(m: Match, site: Site) -> tuple[_Params, int | None] |
     move = m.node("move")
     if _bound_at_call_site(move):
         return Refuse("the move's attributes are bound at a function's call site")
-    if not (_feeds_fused_floats(move.outputs[0]) or _propagation_trips(move, _dequantizer(m.value("x")), site)):
+    dequantize = _dequantizer(m.value("x"))
+    before = _dq_params(dequantize)
+    if isinstance(before, Refuse):
+        return before
+    if not (_feeds_fused_floats(move.outputs[0]) or _propagation_trips(move, dequantize, before, site)):
         return Refuse(
             "the move is not read by fused float ops alone (those have no integer kernel to keep), nor one"
             " onnxruntime's Q/DQ propagation fails on"
         )
-    before = _dq_params(_dequantizer(m.value("x")))
-    if isinstance(before, Refuse):
-        return before
     if before.integer not in _MOVABLE:
         return Refuse(f"onnxruntime's CPU {move.op_type} does not take {before.integer.name.lower()}")
     if before.axis is None:
@@ -412,16 +415,23 @@ def _feeds_fused_floats(value: Value) -> bool:
     )
 
 
-def _propagation_trips(move: Node, dequantize: Node, site: Site) -> bool:
+def _propagation_trips(move: Node, dequantize: Node, grid: _Params, site: Site) -> bool:
     """Whether onnxruntime's Q/DQ propagation carries ``dequantize`` across ``move`` at the site's opset, and fails
-    there: from opset 21 on it still crosses a Slice that something other than a QuantizeLinear reads, also where
-    the DQ has other readers (onnxruntime gave each Slice of a rotary's halves its own copy), and it fails where the
-    DQ's integers are int8 (it makes them uint8 first; a uint8 DQ loads)."""
+    there. From opset 21 on it still crosses a Slice, for a standard DequantizeLinear with one scale and zero point,
+    onto each edge after it that no QuantizeLinear ends (to the graph's output where nothing else reads it; nowhere
+    where the Slice's output is a graph output read by nodes too), also where the DQ has other readers (onnxruntime
+    gave each Slice of a rotary's halves its own copy); and it fails where the integers are int8 (it makes them
+    uint8 first; a uint8 DQ loads)."""
+    moved = move.outputs[0]
+    readers = [use.node for use in moved.uses()]
+    edges = not readers if moved.is_graph_output else any(not node.is_qdq("QuantizeLinear") for node in readers)
     return (
         site.opset >= 21
-        and Site.dtype(dequantize.inputs[0]) == DataType.INT8
         and move.op_type in _PROPAGATED_FROM_21
-        and any(not use.node.is_qdq("QuantizeLinear") for use in move.outputs[0].uses())
+        and dequantize.in_standard_domain
+        and grid.integer == DataType.INT8
+        and grid.axis is None
+        and edges
     )
 
 

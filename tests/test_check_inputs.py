@@ -152,36 +152,49 @@ def test_corrupt_rows_of_a_block_quantized_embedding_fail_on_ids_over_the_table(
     _failed_at(result, "ids over the whole table")
 
 
-def _unreached(scale: float, second_output: bool = False) -> onnx.ModelProto:
-    """y = Relu(-|x|) * scale: 0 at every input, whatever ``scale`` (a wrong rewrite the inputs cannot show);
-    ``second_output``: also z = x * scale, which every input reaches."""
+def _unreached(scale: float, second: str | None = None) -> onnx.ModelProto:
+    """y = Relu(-|x|) * scale: 0 at every input, whatever ``scale`` (a wrong rewrite the inputs cannot show), and
+    a second output z: ``"reached"`` x * scale, which every input reaches; ``"argmax"`` y's ArgMax (0 everywhere
+    too, an integer); ``"nan"`` y / 0 * 0 (NaN everywhere)."""
     nodes = [
         helper.make_node("Abs", ["x"], ["magnitude"]),
         helper.make_node("Neg", ["magnitude"], ["negative"]),
         helper.make_node("Relu", ["negative"], ["zero"]),
         helper.make_node("Mul", ["zero", "scale"], ["y"]),
     ]
+    seconds = {
+        "reached": ([helper.make_node("Mul", ["x", "scale"], ["z"])], FLOAT),
+        "argmax": ([helper.make_node("ArgMax", ["y"], ["z"], axis=1)], INT64),
+        "nan": (
+            [helper.make_node("Div", ["y", "nothing"], ["inf"]), helper.make_node("Mul", ["inf", "nothing"], ["z"])],
+            FLOAT,
+        ),
+    }
     outputs: list[tuple[str, int, list[int | str | None] | None]] = [("y", FLOAT, ["batch", 4])]
-    if second_output:
-        nodes.append(helper.make_node("Mul", ["x", "scale"], ["z"]))
-        outputs.append(("z", FLOAT, ["batch", 4]))
-    return _model(nodes, [("x", FLOAT, ["batch", 4])], outputs, {"scale": np.array(scale, np.float32)})
+    if second is not None:
+        more, element = seconds[second]
+        nodes += more
+        outputs.append(("z", element, None))
+    constants = {"scale": np.array(scale, np.float32), "nothing": np.array(0.0, np.float32)}
+    return _model(nodes, [("x", FLOAT, ["batch", 4])], outputs, constants)
 
 
-def test_a_check_whose_outputs_hold_one_value_everywhere_is_not_checked(tmp_path: Path) -> None:
+@pytest.mark.parametrize("second", [None, "argmax", "nan"])
+def test_a_check_whose_outputs_hold_one_value_everywhere_is_not_checked(tmp_path: Path, second: str | None) -> None:
     """The 16-bit QDQ Llama's logits were 0 at every binding (its ids all 0), before and after a wrong fusion:
-    "passed" proved nothing. The check says so, and --require-check refuses it."""
-    original, wrong = _save(tmp_path, "a", _unreached(1.0)), _save(tmp_path, "b", _unreached(2.0))
+    "passed" proved nothing. The check says so, and --require-check refuses it; also where another output is
+    computed from the constant one (an ArgMax), or is NaN everywhere (nothing compared there)."""
+    original, wrong = _save(tmp_path, "a", _unreached(1.0, second)), _save(tmp_path, "b", _unreached(2.0, second))
     result = check_models(original, wrong)
     assert result.status == "not checked", result.reason
-    assert "every output holds one value at every element of every binding ('y': 0)" in (result.reason or "")
+    assert "every output compared holds one value at every element of every binding ('y': 0" in (result.reason or "")
     assert "--inputs" in (result.reason or "")
     assert "numerics not checked" in invoke("check", original, wrong).output
     assert invoke("check", original, wrong, "--require-check").exit_code == 1
 
 
 def test_one_output_holding_one_value_everywhere_is_a_note(tmp_path: Path) -> None:
-    original = _save(tmp_path, "a", _unreached(1.0, second_output=True))
+    original = _save(tmp_path, "a", _unreached(1.0, "reached"))
     result = check_models(original, original)
     assert result.status == "passed", result.reason
     assert "output 'y' is 0 at every element of every binding" in (result.reason or "")

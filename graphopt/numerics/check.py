@@ -27,8 +27,8 @@ weights and inputs moved by half a bfloat16 ulp. The report's criterion says so 
 
 - "not checked": onnxruntime cannot load the original, it fails at every binding tried, an
   input has a type the check cannot generate, time ran out before a comparison was made, or
-  nothing was compared (every output empty or NaN in both models), or every output holds one
-  value at every element of every binding of generated inputs (the inputs never reached what
+  nothing was compared (every output empty or NaN in both models), or every output compared holds
+  one value at every element of every binding of generated inputs (the inputs never reached what
   computes it, so a wrong rewrite there could not show; one such output among others, or at the
   inputs the user gave, is a note). Never "passed".
 - "failed": the inputs or outputs of the two models differ in names or types, an output
@@ -496,9 +496,15 @@ def check_models(
     if not compared:
         nothing = "nothing was compared: every output is empty or NaN in both models (inputs with no rows or all NaN?)"
         return result("not checked", "; ".join([nothing, *notes]), done)
-    constant = _constant_outputs(spec_a.outputs, [expected for _, _, expected in ran[: len(done)]], unstable)
+    expected_runs = [expected for _, _, expected in ran[: len(done)]]
+    constant = _constant_outputs(spec_a.outputs, expected_runs, unstable)
+    compared_outputs = {  # the outputs compared somewhere: not random, and not empty or NaN in both models everywhere
+        name
+        for index, name in enumerate(spec_a.outputs)
+        if name not in unstable and any(_comparable(a[index], b[index]) for a, b in zip(expected_runs, produced))
+    }
     unreached = _UNREACHED + ("" if inputs is not None else _REACH_IT)  # given inputs are the user's to choose
-    if inputs is None and constant and len(constant) == sum(1 for o in spec_a.outputs if o not in unstable | empty):
+    if inputs is None and compared_outputs and compared_outputs <= constant.keys():
         held = ", ".join(f"{name!r}: {value:g}" for name, value in constant.items())
         return result("not checked", "; ".join([f"{_CONSTANT_EVERYWHERE} ({held}){unreached}", *notes]), done)
     notes += [
@@ -638,19 +644,20 @@ def _comparable(a: Output, b: Output) -> bool:
     return bool(np.any(~(np.isnan(a) & np.isnan(b))))
 
 
-# A float output that holds one value at every element of every binding: the inputs never reached what computes it
-# (a 16-bit QDQ Llama's ids all 0 once gave logits 0 before and after a wrong fusion), so its comparison proves nothing.
-_CONSTANT_EVERYWHERE = "every output holds one value at every element of every binding"
+# An output that holds one value at every element of every binding: the inputs never reached what computes it (a
+# 16-bit QDQ Llama's ids all 0 once gave logits 0 before and after a wrong fusion), so its comparison proves nothing.
+# (An output the weights alone compute, broadcast to one value, looks the same; no model here has one.)
+_CONSTANT_EVERYWHERE = "every output compared holds one value at every element of every binding"
 _UNREACHED = ": the inputs did not reach what computes it, so the check cannot tell a wrong rewrite there"
 _REACH_IT = " (pass --inputs data.npz with inputs that do)"
 
 
 def _constant_outputs(names: Sequence[str], runs: Sequence[list[Output]], unstable: set[str]) -> dict[str, float]:
-    """The float outputs, by name, that hold one value at every element of every run (of more than one element
-    in some run), with that value."""
+    """The numeric tensor outputs, by name, that hold one value at every element of every run (of more than one
+    element in some run), with that value: a float one, or what is computed from one (an ArgMax of it)."""
     constant: dict[str, float] = {}
     for index, name in enumerate(names):
-        arrays = [a for outputs in runs if isinstance(a := outputs[index], np.ndarray) and a.dtype.kind == "f"]
+        arrays = [a for outputs in runs if isinstance(a := outputs[index], np.ndarray) and a.dtype.kind in "fiub"]
         if name in unstable or not arrays or len(arrays) < len(runs):
             continue
         value = arrays[0].flat[0] if arrays[0].size else math.nan

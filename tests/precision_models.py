@@ -181,7 +181,7 @@ def _calibration(model: onnx.ModelProto) -> Calibration:
 
 
 def _static(kind: str) -> Callable[[onnx.ModelProto], onnx.ModelProto]:
-    """The quantize_static ``kind`` (tests/quantizers.py) of a model."""
+    """The quantize_static ``kind`` (tests/precision_tools.py) of a model."""
 
     def quantize(model: onnx.ModelProto) -> onnx.ModelProto:
         from onnxruntime.quantization import quantize_static

@@ -122,11 +122,11 @@ def _block_quantized_table(proto: onnx.ModelProto) -> onnx.ModelProto:
     index = next(i for i, t in enumerate(out.graph.initializer) if t.name == "table")
     table = numpy_helper.to_array(out.graph.initializer[index])
     scale = (np.abs(table).max(axis=1, keepdims=True) / 7).astype(np.float32)
-    quantized = np.clip(np.round(table / scale) + 8, 0, 15).astype(np.uint8)
+    quantized = np.clip(np.round(table / scale), -8, 7).astype(np.int8)  # int4's zero point is 0
     del out.graph.initializer[index]
     out.graph.initializer.extend(
         [
-            helper.make_tensor("table_q4", TensorProto.UINT4, list(table.shape), quantized.ravel().tolist()),
+            helper.make_tensor("table_q4", TensorProto.INT4, list(table.shape), quantized.ravel().tolist()),
             numpy_helper.from_array(scale, "table_scales"),
         ]
     )

@@ -151,9 +151,12 @@ def gather_block_quantized(op: Op) -> Outputs:
     table, indices = op.shape(0), op.shape(1)
     if table is None or indices is None:
         return [_t(op.dtype(2), None)]
+    if not table:
+        return [_t(op.dtype(2), None)]
     axis = op.attr("gather_axis", 0) % len(table)
-    if op.dtype(0) == DataType.UINT8:
-        table = (*table[:-1], d_mul(table[-1], 8 // op.attr("bits", 4)))
+    bits = op.attr("bits", 4)
+    if op.dtype(0) == DataType.UINT8 and bits in (2, 4, 8):
+        table = (*table[:-1], d_mul(table[-1], 8 // bits))
     return [_t(op.dtype(2), (*table[:axis], *indices, *table[axis + 1 :]))]
 
 

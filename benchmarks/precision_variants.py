@@ -109,13 +109,22 @@ BOOTSTRAP_RESAMPLES = 2000
 ERROR_RATIO_NOISE = 0.001  # a pooled error ratio within 0.1% of 1 is the variant's error
 
 
+# MatMulNBitsQuantizer's options per variant (blocks of 32; symmetric, 4 bits, the QOperator format unless said).
+_NBITS: dict[str, dict[str, Any]] = {
+    "int4": {},
+    "int4qdq": {"quant_format": "QDQ"},
+    "nbits8": {"bits": 8},
+    "int4asym": {"is_symmetric": False, "op_types_to_quantize": ("MatMul", "Gather")},
+    "fp16int4": {},  # of the float16 conversion
+}
+
+
 def make_variant(kind: str, entry: dict[str, Any], src: Path, dst: Path) -> None:
     """Write the ``kind`` variant of ``src`` to ``dst`` (raises what the tool raises)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.transformers.float16 import convert_float_to_float16
 
     if kind in ("fp16", "bf16", "fp16io"):
-        from onnxruntime.transformers.float16 import convert_float_to_float16
-
         model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=kind != "fp16io")
         onnx.save(_float32_where_untyped(bfloat16_of_float16(model)) if kind == "bf16" else model, str(dst))
     elif kind in STATIC_KINDS:
@@ -123,22 +132,15 @@ def make_variant(kind: str, entry: dict[str, Any], src: Path, dst: Path) -> None
         quantize_static(str(src), str(dst), calibration, **static_options(kind))
     elif kind in ("dyn8", "dyn8pc"):
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=kind == "dyn8pc")
-    elif kind in ("int4", "int4qdq", "nbits8", "int4asym", "fp16int4"):
+    elif kind in _NBITS:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         model = onnx.load(str(src))
         if kind == "fp16int4":
-            from onnxruntime.transformers.float16 import convert_float_to_float16
-
             model = convert_float_to_float16(model, keep_io_types=True)
-        quantizer = MatMulNBitsQuantizer(
-            model,
-            bits=8 if kind == "nbits8" else 4,
-            block_size=32,
-            is_symmetric=kind != "int4asym",
-            quant_format=QuantFormat.QDQ if kind == "int4qdq" else QuantFormat.QOperator,
-            op_types_to_quantize=("MatMul", "Gather") if kind == "int4asym" else None,
-        )
+        options = {"bits": 4, "is_symmetric": True, "quant_format": "QOperator", **_NBITS[kind]}
+        options["quant_format"] = getattr(QuantFormat, options["quant_format"])
+        quantizer = MatMulNBitsQuantizer(model, block_size=32, **options)
         quantizer.process()
         quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)
     else:

@@ -149,9 +149,7 @@ def gather_block_quantized(op: Op) -> Outputs:
     """Gather of a table stored as blocks of n-bit ints (int4 or uint4, or uint8 packing 8 / bits of them along the
     last axis): the table's dims with the gathered axis replaced by the indices', in the scales' type (index 2)."""
     table, indices = op.shape(0), op.shape(1)
-    if table is None or indices is None:
-        return [_t(op.dtype(2), None)]
-    if not table:
+    if not table or indices is None:
         return [_t(op.dtype(2), None)]
     axis = op.attr("gather_axis", 0) % len(table)
     bits = op.attr("bits", 4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import math
 import os
 import shutil
 import tempfile
@@ -351,28 +352,31 @@ def _optimize_file(
         fused = _fused_through_qdq(result)
         if status == "failed" and fused:
             # The fusions through Q/DQ compute in float what the original quantized; where the
-            # check refuses that, the model is optimized again keeping the pairs of one family's
-            # fusions at a time (the family that made fewest first), then of every family's,
-            # until the check passes; the output says so, so that a run on it decides the same
-            # (the output stays a fixed point).
+            # check refuses that, the model is optimized again keeping the Q/DQ pairs of some
+            # families' fusions (_withheld_search) until the check passes; the output says so, so
+            # that a run on it decides the same (the output stays a fixed point).
             refused = (report.numerics or {}).get("reason")
             attempt_seconds = 0.0
-            fewest_first = sorted(fused, key=lambda f: (fused[f], f)) if len(fused) > 1 else []
-            family: str | None = None  # None: every family's
-            for family in [*fewest_first, None]:
-                attempt_seconds += report.run.seconds.get("total", 0.0) + report.run.seconds.get("check", 0.0)
-                which = "fusing" if family is None else f"the {family} fusions"
+            last = report
+
+            def attempt(families: frozenset[str] | None) -> tuple[ModelReport, Result, str | None]:
+                """The run again, the Q/DQ pairs of ``families``' fusions kept (None: every family's)."""
+                nonlocal attempt_seconds, last
+                attempt_seconds += last.run.seconds.get("total", 0.0) + last.run.seconds.get("check", 0.0)
+                which = "fusing" if families is None else f"the {', '.join(sorted(families))} fusions"
                 tell(f"check failed: optimize again without {which} through Q/DQ")
                 reloaded = options.load(source)
-                keep_qdq_pairs(reloaded, None if family is None else [family])
-                report, result, status = optimized_and_checked(reloaded)
-                if status != "failed":
-                    break
-            families = sorted(fused) if family is None else [family]
+                keep_qdq_pairs(reloaded, None if families is None else sorted(families))
+                outcome = optimized_and_checked(reloaded)
+                last = outcome[0]
+                return outcome
+
+            withheld, (report, result, status) = _withheld_search(fused, report, attempt)
+            families = sorted(fused) if withheld is None else sorted(withheld)
             report.through_qdq = {
                 "withdrawn": sum(fused[name] for name in families),
                 "families": families,
-                "every_pair_kept": family is None,
+                "every_pair_kept": withheld is None,
                 "refused": refused,
                 "seconds": round(attempt_seconds, 6),
             }
@@ -385,6 +389,46 @@ def _optimize_file(
         return report, written, 1 if status == "not checked" and options.numerics.required else 0
 
     return _write_out(source, output, reads, options, produce, started, (data_name, cache_key))
+
+
+Attempt = Callable[[frozenset[str] | None], tuple[ModelReport, Result, str | None]]
+
+
+def _withheld_search(
+    fused: Counter[str], refused: ModelReport, attempt: Attempt
+) -> tuple[frozenset[str] | None, tuple[ModelReport, Result, str | None]]:
+    """The first attempt the check does not refuse, of a run whose check refused its fusions
+    through Q/DQ (``fused``: per rule family; ``refused``: that run's report), with the families
+    whose Q/DQ pairs it keeps (None: every family's). ``attempt(families)`` optimizes again
+    keeping those families' pairs. One family more at a time, fewest fusions first; where no one
+    more is enough, the one whose attempt came nearest to the original's outputs stays withheld
+    and the others are tried again beside it (two families refused together, as the norms and
+    attentions of a model whose masks dequantize to NaN). Every family's pairs are kept last,
+    and once withholding more brings the outputs no nearer."""
+    withheld: frozenset[str] = frozenset()
+    distance = _distance(refused)
+    while len(rest := sorted(set(fused) - withheld, key=lambda family: (fused[family], family))) > 1:
+        nearest: tuple[tuple[int, float], str] | None = None
+        for family in rest:
+            outcome = attempt(withheld | {family})
+            if outcome[2] != "failed":
+                return withheld | {family}, outcome
+            found = _distance(outcome[0])
+            if nearest is None or found < nearest[0]:
+                nearest = (found, family)
+        if nearest is None or nearest[0] >= distance:
+            break
+        distance, withheld = nearest[0], withheld | {nearest[1]}
+    return None, attempt(None)
+
+
+def _distance(report: ModelReport) -> tuple[int, float]:
+    """How far a refused output is from the original's: the outputs the check failed, then the
+    worst relative L2 distance of any (a NaN the farthest)."""
+    outputs = [o for binding in (report.numerics or {}).get("bindings", []) for o in binding.get("outputs", [])]
+    failed = sum(1 for o in outputs if not o.get("passed", True))
+    distances = [float(o.get("rel_l2") or 0.0) for o in outputs]
+    return failed, max((d if d == d else math.inf for d in distances), default=math.inf)
 
 
 def _fused_through_qdq(result: Result) -> Counter[str]:

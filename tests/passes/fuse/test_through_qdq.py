@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper, numpy_helper, version_converter
 
 from graphopt.numerics.compare import relative_l2
 from tests.cli_helpers import invoke
@@ -39,7 +39,7 @@ from tests.passes.fuse.table import (
     same_weights,
 )
 from tests.passes.fuse_helpers import fuse, ops
-from tests.passes.fuse_models import skip_norm
+from tests.passes.fuse_models import layer_norm, skip_norm
 
 
 @pytest.fixture(autouse=True)
@@ -214,17 +214,22 @@ def test_the_cli_fuses_through_qdq_unless_told_not_to(tmp_path: Path, flag: tupl
     assert Counter(n.op_type for n in onnx.load(target).graph.node)["Gelu"] == gelus
 
 
-def _clipping_gelu_qdq() -> onnx.ModelProto:
-    """The QDQ GELU with its Erf's grid starting at 0: the original clips the negative half of the Erf, a Relu the
-    fused Gelu would drop. The two are other programs in float (the check's float reference keeps such a Relu)."""
-    proto = _gelu_qdq()
-    _, dequantize = _inner_pair(proto, "Erf")
+def _clipping(proto: onnx.ModelProto, op_type: str) -> onnx.ModelProto:
+    """``proto`` (quantized) with the grid of the pair after its ``op_type`` node starting at 0: the original
+    clips the negative half of that value, a Relu the fused op would drop. The two are other programs in float
+    (the check's float reference keeps such a Relu)."""
+    _, dequantize = _inner_pair(proto, op_type)
     for tensor in proto.graph.initializer:
         if tensor.name == dequantize.input[2]:
             lowest = numpy_helper.to_array(tensor)
             lowest = np.full_like(lowest, np.iinfo(lowest.dtype).min)
             tensor.CopyFrom(numpy_helper.from_array(lowest, tensor.name))
     return proto
+
+
+def _clipping_gelu_qdq() -> onnx.ModelProto:
+    """The QDQ GELU with its Erf's negative half clipped (_clipping)."""
+    return _clipping(_gelu_qdq(), "Erf")
 
 
 def _run_with_the_check(model: onnx.ModelProto, tmp_path: Path) -> tuple[str, dict, Counter[str], str | None]:
@@ -260,22 +265,31 @@ def test_fusions_through_qdq_the_check_refuses_are_withdrawn_and_every_pair_kept
     assert fused.exit_code == 0 and "withdrawn" not in fused.output  # unchecked, nothing refuses the fusion
 
 
-def _clipping_gelu_beside_a_layernorm() -> onnx.ModelProto:
-    """Two quantized blocks side by side, each with its own input and output: the clipping GELU (the check
-    refuses its fusion through Q/DQ) and a LayerNorm (the check passes its own)."""
-    case = test_norm.CASES["layernorm"]
-    norm = case.build()
-    norm = onnx.compose.add_prefix(quantized(norm, draws(case, norm)), "norm_")
-    gelu = onnx.compose.add_prefix(_clipping_gelu_qdq(), "gelu_")
+def _side_by_side(blocks: dict[str, onnx.ModelProto]) -> onnx.ModelProto:
+    """Quantized blocks side by side, each with its own inputs and outputs (its names prefixed with its key), at
+    the lowest opset among them."""
+    prefixed = [onnx.compose.add_prefix(block, f"{name}_") for name, block in blocks.items()]
     graph = helper.make_graph(
-        [*gelu.graph.node, *norm.graph.node],
-        "two_blocks",
-        [*gelu.graph.input, *norm.graph.input],
-        [*gelu.graph.output, *norm.graph.output],
-        [*gelu.graph.initializer, *norm.graph.initializer],
+        [n for block in prefixed for n in block.graph.node],
+        "blocks",
+        [i for block in prefixed for i in block.graph.input],
+        [o for block in prefixed for o in block.graph.output],
+        [t for block in prefixed for t in block.graph.initializer],
     )
-    opset = min(o.version for o in [*gelu.opset_import, *norm.opset_import] if o.domain in ("", "ai.onnx"))
+    opset = min(o.version for block in prefixed for o in block.opset_import if o.domain in ("", "ai.onnx"))
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _quantized_case(family: str, name: str, proto: onnx.ModelProto | None = None) -> onnx.ModelProto:
+    """The case's model (or ``proto``, drawn as the case draws) quantized."""
+    case = FAMILIES[family][name]
+    proto = case.build() if proto is None else proto
+    return quantized(proto, draws(case, proto))
+
+
+def _clipping_gelu_beside_a_layernorm() -> onnx.ModelProto:
+    """The clipping GELU (the check refuses its fusion through Q/DQ) and a LayerNorm (the check passes its own)."""
+    return _side_by_side({"gelu": _clipping_gelu_qdq(), "norm": _quantized_case("norm", "layernorm")})
 
 
 def test_only_the_family_the_check_refuses_keeps_its_pairs(tmp_path: Path) -> None:
@@ -287,6 +301,38 @@ def test_only_the_family_the_check_refuses_keeps_its_pairs(tmp_path: Path) -> No
     assert found["through_qdq"]["families"] == ["activation"] and found["through_qdq"]["every_pair_kept"] is False
     assert mark == "off for activation: the check refused them"
     assert (ops["Gelu"], ops["LayerNormalization"]) == (0, 1)
+
+
+def test_two_families_the_check_refuses_keep_their_pairs_and_a_third_still_fuses(tmp_path: Path) -> None:
+    """No one family withheld is enough (each refused fusion fails the check without the other): the family whose
+    withdrawal came nearest stays withheld, the others are tried beside it, and the attention the check passes
+    stays fused (before, every family's pairs were kept)."""
+    model = _side_by_side(
+        {
+            "gelu": _clipping_gelu_qdq(),
+            "norm": _clipping(
+                _quantized_case("norm", "layernorm", version_converter.convert_version(layer_norm(), 20)), "Div"
+            ),
+            "attention": _quantized_case("attention", "attention"),
+        }
+    )
+    source, target, report = tmp_path / "model.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
+    onnx.save(model, source)
+    result = invoke("run", source, "-o", target, "--target-opset", "23", "--report", report)
+    assert result.exit_code == 0, result.output
+    found = json.loads(report.read_text())
+    assert found["numerics"]["status"] == "passed"
+    assert found["through_qdq"]["families"] == ["activation", "norm"]
+    assert found["through_qdq"]["every_pair_kept"] is False
+    out = onnx.load(target)
+    ops = Counter(n.op_type for n in out.graph.node)
+    assert (ops["Gelu"], ops["LayerNormalization"], ops["Attention"]) == (0, 0, 1)
+    assert {p.key: p.value for p in out.metadata_props}["graphopt.fuse_through_qdq"] == (
+        "off for activation, norm: the check refused them"
+    )
+    again = invoke("run", target, "-o", tmp_path / "again.onnx", "--target-opset", "23", "--no-check")
+    assert again.exit_code == 0
+    assert Counter(n.op_type for n in onnx.load(tmp_path / "again.onnx").graph.node) == ops
 
 
 def _masked_attention(fill: float) -> onnx.ModelProto:

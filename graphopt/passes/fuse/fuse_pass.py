@@ -119,7 +119,8 @@ class FuseOptions:
         "match the float fusions (activation, attention, norm, rotary) through a static QDQ model's activation "
         "Q/DQ pairs, which the fused op drops: it reads the dequantized inputs and its result is quantized again "
         "with the original's scale and zero point; where the check refuses that, the run optimizes again without "
-        "one rule family's fusions through the pairs at a time, then without any, and marks the output so "
+        "one more rule family's fusions through the pairs at a time (keeping withheld the family that came nearest "
+        "where none is enough), then without any, and marks the output so "
         "(metadata graphopt.fuse_through_qdq) (off: every quantization point of the original stays)",
     )
     late: bool = option(

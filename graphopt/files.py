@@ -6,7 +6,9 @@
   (unique, exclusive), then given 0o666 minus the process's umask.
 - :func:`staging_folder`: a private ``.graphopt-*`` folder beside the destination, named
   after its owner (host and process id) from the moment it exists, so that the next run
-  into that folder can remove what a killed run left behind.
+  into that folder can remove what a killed run left behind. :func:`scratch_folder` is one in
+  the system's temporary folder, for the runtime guard's child processes: they die with
+  graphopt (SIGKILL, no cleanup of their own), and the next one removes what they left.
 - :func:`folder_lock`: an exclusive ``flock`` on the destination folder for the commit, so
   two runs writing the same output take turns instead of mixing their files; the kernel
   drops the lock when its holder dies, so a killed run never blocks the next one.
@@ -48,6 +50,7 @@ __all__ = [
     "is_staging",
     "not_regular",
     "remove_stale_staging",
+    "scratch_folder",
     "staging_folder",
     "temporary_file",
     "unwritable_kind",
@@ -144,6 +147,22 @@ def staging_folder(folder: Path) -> Iterator[Path]:
     finally:
         _LIVE.discard(staging)
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def scratch_folder() -> contextlib.AbstractContextManager[Path]:
+    """A :func:`staging_folder` in the system's temporary folder: the work files of a process
+    that may be killed before its own cleanup runs (a census's child, killed with graphopt)."""
+    return staging_folder(Path(tempfile.gettempdir()))
+
+
+def _fresh_lock_in_child() -> None:
+    """A forked child's own lock: another thread may have held the parent's at the fork, and
+    the child, which has no such thread, would wait for it for ever."""
+    global _LIVE_LOCK
+    _LIVE_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def _owned_prefix() -> str:

@@ -260,11 +260,11 @@ def test_the_census_writes_no_weights(tmp_path: Path, monkeypatch: pytest.Monkey
     kept = tmp_path / "census"
 
     @contextlib.contextmanager
-    def folder(prefix: str = "") -> Iterator[str]:
+    def folder() -> Iterator[Path]:
         kept.mkdir()
-        yield str(kept)
+        yield kept
 
-    monkeypatch.setattr(census_module.tempfile, "TemporaryDirectory", folder)
+    monkeypatch.setattr(census_module, "scratch_folder", folder)
     assert census_of_file(source).count("Gelu") == 1
     written = [p for p in kept.iterdir() if p.is_file() and not p.is_symlink()]
     assert [p.name for p in written] == ["runtime.onnx"]
@@ -552,3 +552,30 @@ def test_a_fusion_on_dead_nodes_is_no_fusion_to_keep(tmp_path: Path) -> None:
     assert [n.op_type for n in result.model.graph.nodes] == ["Relu"]
     again = graphopt.optimize(result.model, check=False).model
     assert [n.op_type for n in again.graph.nodes] == ["Relu"]
+
+
+def test_a_census_killed_with_graphopt_leaves_nothing_after_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A census's child dies with graphopt (SIGKILL), before its own cleanup: the next census removes what it left
+    in the temporary folder (the test suite's killed runs left about 90 such folders in /tmp per run)."""
+    import tempfile
+    import time
+
+    import onnxruntime
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    source = gelu_before_conv(tmp_path / "m.onnx")
+    monkeypatch.setattr(onnxruntime, "InferenceSession", lambda *args, **kwargs: time.sleep(60))  # forked with it
+    child = guard_module._start_censuses([(source, set())])
+    deadline = time.monotonic() + 30
+    while not any(scratch.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.cancel()  # as the kernel kills it with graphopt
+    assert list(scratch.iterdir())  # its folders stay
+    monkeypatch.undo()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    assert census_of_file(source).count("Gelu") == 1
+    assert list(scratch.iterdir()) == []

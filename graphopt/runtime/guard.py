@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from graphopt.files import scratch_folder
 from graphopt.ir import Model
 from graphopt.ir.clone import Snapshot
 from graphopt.ir.stats import model_stats
@@ -429,10 +429,10 @@ def _take_censuses(models: list[Model | tuple[Path, set[str]]]) -> list[Census |
     from graphopt.io import save
 
     found: list[Census | str] = []
-    with tempfile.TemporaryDirectory(prefix="graphopt-guard-") as folder:
+    with scratch_folder() as folder:
         for index, model in enumerate(models):
             if isinstance(model, Model):
-                path, names = Path(folder) / str(index) / "model.onnx", _value_names(model)
+                path, names = folder / str(index) / "model.onnx", _value_names(model)
                 save(model, path)
             else:
                 path, names = model

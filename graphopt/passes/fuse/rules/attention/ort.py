@@ -14,8 +14,6 @@ from typing import Any
 import numpy as np
 
 from graphopt.ir import DataType, Node, Value
-from graphopt.ir.dims import Expr
-from graphopt.ir.dims import Sym as DimVar
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._float32 import cached_in_float32
 from graphopt.passes.fuse.rules._helpers import float_array, new_const, shared_reader
@@ -26,7 +24,15 @@ from graphopt.passes.fuse.rules.attention.builds import (
     spelled_out,
     with_merged_bias,
 )
-from graphopt.passes.fuse.rules.attention.plans import Plan4, cache_parts, plan_4d, plan_attention, plan_merged
+from graphopt.passes.fuse.rules.attention.plans import (
+    BIASED_PAIRS_LIMIT,
+    Plan4,
+    biased_pairs,
+    cache_parts,
+    plan_4d,
+    plan_attention,
+    plan_merged,
+)
 from graphopt.passes.fuse.rules.attention.spellings import (
     FAMILY,
     MERGED_HEADS,
@@ -91,28 +97,15 @@ class _MhaPlan:
 
 
 _BROADCAST_BIAS = "ort-multihead-attention-broadcast-bias"
-BIASED_PAIRS_LIMIT = 64
-
-
-def _per_sample(dim: Any) -> int | None:
-    """How much of a batch dim one sample makes: the dim when static, 1 for a dim variable,
-    ``c`` for ``c`` times a product of dim variables (Swin's windows: 64 * batch); else None."""
-    if isinstance(dim, int):
-        return dim
-    if isinstance(dim, DimVar):
-        return 1
-    if isinstance(dim, Expr) and len(dim.terms) == 1 and all(isinstance(a, DimVar) for a in dim.terms[0][0]):
-        return dim.terms[0][1]
-    return None
 
 
 def _many_biased_pairs(batch: Any, heads: int) -> str | None:
     """Why an attention with a mask or bias over ``batch`` x ``heads`` pairs stays as written, or None."""
-    per_sample = _per_sample(batch)
-    if per_sample is None or per_sample * heads < BIASED_PAIRS_LIMIT:
+    pairs = biased_pairs(batch, heads)
+    if pairs is None:
         return None
     return (
-        f"{per_sample * heads} (batch, head) pairs per sample with a mask or bias (onnxruntime's CPU kernel "
+        f"{pairs} (batch, head) pairs per sample with a mask or bias (onnxruntime's CPU kernel "
         f"runs them slower than the written form from {BIASED_PAIRS_LIMIT})"
     )
 

@@ -11,6 +11,8 @@ import numpy as np
 
 from graphopt.facts.op import broadcast
 from graphopt.ir import DataType, Node, Value
+from graphopt.ir.dims import Expr
+from graphopt.ir.dims import Sym as DimVar
 from graphopt.passes.fuse.rules._helpers import attrs_of, cast_source, float_array, is_float, scalar_factor
 from graphopt.passes.rewrite.engine import Match, Refuse, Site
 from graphopt.passes.rewrite.patterns import chain, match, var
@@ -185,6 +187,30 @@ class Plan4:
     # An additive bias on the scores with batch and heads merged, (batch * heads, 1 or S, T): BLOOM's ALiBi.
     merged_bias: Value | None = None
     fill: MaskedFill | None = None  # the scores (plus ``bias``) masked_fill'ed with a finite lowest value
+
+
+# From this many (batch, head) pairs per sample, an attention with a mask or bias stays as written where
+# onnxruntime would run it slower fused (ort.py's MultiHeadAttention; standard.py's Attention through Q/DQ).
+BIASED_PAIRS_LIMIT = 64
+
+
+def _per_sample(dim: Any) -> int | None:
+    """How much of a batch dim one sample makes: the dim when static, 1 for a dim variable,
+    ``c`` for ``c`` times a product of dim variables (Swin's windows: 64 * batch); else None."""
+    if isinstance(dim, int):
+        return dim
+    if isinstance(dim, DimVar):
+        return 1
+    if isinstance(dim, Expr) and len(dim.terms) == 1 and all(isinstance(a, DimVar) for a in dim.terms[0][0]):
+        return dim.terms[0][1]
+    return None
+
+
+def biased_pairs(batch: Any, heads: int) -> int | None:
+    """The (batch, head) pairs per sample of an attention over ``batch`` x ``heads``, where they are
+    BIASED_PAIRS_LIMIT or more (else None)."""
+    per_sample = _per_sample(batch)
+    return None if per_sample is None or per_sample * heads < BIASED_PAIRS_LIMIT else per_sample * heads
 
 
 @dataclass

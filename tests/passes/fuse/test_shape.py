@@ -235,6 +235,8 @@ EXPORTED: dict[str, Exported | str] = {
         constant_at("axes_outer", lambda axes: axes - 1, "share an axis", "the second Slice's axis the first's"),
         "n/a: the exporters write non-negative axes, which need no shape (the case built here has a negative one)",
         SLICE_INPUTS,
+        interior="n/a: the inner Slice is exported (a copy stands for it where other Slices read it); the hand-built "
+        "case's reader and output perturbations stand",
     ),
     "reshape-transpose": Exported(
         ("convnext_dynamo",),
@@ -416,3 +418,38 @@ def test_reshape_through_elementwise_takes_onnxruntimes_gelu() -> None:
         exported_mlp(**ERF_MLP), "reshape-through-elementwise", {"Reshape": 2, "Gemm": 2, "Gelu": 1}, **settings
     )
     assert {n.domain for n in out.graph.node if n.op_type == "Gelu"} == {"com.microsoft"}
+
+
+def test_a_slice_read_by_slices_only_goes_into_each() -> None:
+    # Swin's patch merging: x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2], each
+    # exported as a Slice of rows then one of columns; the two row Slices are read twice.
+    whole = np.iinfo(np.int64).max
+
+    def merging(last: str = "Slice") -> onnx.ModelProto:
+        """The four corners; ``last`` reads x[:, 1::2] for the fourth (a Slice of its columns, or another op)."""
+        nodes = [node("Slice", ["x", f"s{row}", "e", "a1", "t"], f"r{row}") for row in (0, 1)]
+        nodes += [
+            node("Slice", [f"r{row}", f"s{col}", "e", "a2", "t"], f"p{row}{col}")
+            for row, col in ((0, 0), (1, 0), (0, 1))
+        ]
+        nodes.append(node(last, ["r1", "s1", "e", "a2", "t"] if last == "Slice" else ["r1"], "p11"))
+        corners = ["p00", "p10", "p01", "p11"] if last == "Slice" else ["p00", "p10", "p01"]
+        nodes.append(node("Concat", corners, "y", axis=-1))
+        bounds = {"s0": [0], "s1": [1], "e": [whole], "a1": [1], "a2": [2], "t": [2]}
+        outputs = ["y"] if last == "Slice" else ["y", "p11"]
+        return model(
+            nodes, [info("x", ["b", 8, 8, 3])], outputs, [init(n, np.array(v, np.int64)) for n, v in bounds.items()]
+        )
+
+    proto = merging()
+    out, details = fuse(proto)
+    assert details["applied"]["slice-slice"] == 4
+    assert (ops(proto)["Slice"], ops(out)["Slice"]) == (6, 4)
+    assert_same_outputs(proto, out, make_feeds(proto), rtol=0, atol=0)
+    # a reader that cannot take x[:, 1::2] in (a Relu of it) keeps that Slice and its other reader as written;
+    # x[:, 0::2] still goes into both of its readers
+    kept = merging("Relu")
+    out, details = fuse(kept)
+    assert (ops(kept)["Slice"], ops(out)["Slice"]) == (5, 4)
+    assert "'r1' is also read by" in " ".join(details["near_misses"]["shape"])
+    assert_same_outputs(kept, out, make_feeds(kept), rtol=0, atol=0)

@@ -26,7 +26,9 @@
   is exact in T1), and ``x`` itself when T2 is T0; a Cast to x's own type is ``x``.
 - ``Slice(Slice(x, s1, e1, a1, t1), s2, e2, a2, t2)`` with constant bounds on axes the two do not
   share -> one Slice over both sets of axes (slicing one axis clamps against that axis only, so
-  the two commute); LeViT's subsampling ``x[:, ::2, ::2]``.
+  the two commute); LeViT's subsampling ``x[:, ::2, ::2]``. An inner Slice that only such Slices
+  read goes into each (Swin's patch merging, ``x[:, 0::2, 0::2]``, ``x[:, 1::2, 0::2]`` and so on:
+  four Slices, not six).
 """
 
 from __future__ import annotations
@@ -293,11 +295,14 @@ def _slice(name: str, x: Pattern) -> Pattern:
 _SLICES = _slice("outer", _slice("inner", var("x")))
 
 
-def _slice_parts(m: Match, name: str, rank: int | None) -> tuple[np.ndarray, ...] | None:
-    """(starts, ends, axes made non-negative, steps) of the Slice ``name`` as int64, or None."""
-    starts, ends = Site.array(m.value(f"starts_{name}")), Site.array(m.value(f"ends_{name}"))
-    axes = Site.array(m.value(f"axes_{name}")) if f"axes_{name}" in m else None
-    steps = Site.array(m.value(f"steps_{name}")) if f"steps_{name}" in m else None
+def _slice_parts(node: Node, rank: int | None) -> tuple[np.ndarray, ...] | None:
+    """(starts, ends, axes made non-negative, steps) of the Slice ``node`` as int64, or None: a bound
+    that is not a 1-D int constant, or a negative axis where the rank is unknown."""
+    given = [*node.inputs[1:5], None, None][:4]
+    arrays = [None if value is None else Site.array(value) for value in given]
+    if any(value is not None and array is None for value, array in zip(given, arrays, strict=True)):
+        return None
+    starts, ends, axes, steps = arrays
     if starts is None or ends is None or starts.ndim != 1 or starts.shape != ends.shape:
         return None
     axes = np.arange(len(starts)) if axes is None else axes.astype(np.int64)
@@ -311,17 +316,34 @@ def _slice_parts(m: Match, name: str, rank: int | None) -> tuple[np.ndarray, ...
 
 def _plan_slices(m: Match, site: Site) -> tuple[np.ndarray, ...] | Refuse:
     rank = site.rank(m.value("x"))
-    inner, outer = _slice_parts(m, "inner", rank), _slice_parts(m, "outer", rank)
+    inner, outer = _slice_parts(m.node("inner"), rank), _slice_parts(m.root, rank)
     if inner is None or outer is None:
         return Refuse("the bounds are not 1-D int constants with axes that are known (a negative axis needs x's rank)")
     if set(inner[2].tolist()) & set(outer[2].tolist()):
         return Refuse("the Slices share an axis")
+    shared = m.node("inner").outputs[0]
+    if shared.is_graph_output:
+        return Refuse(f"{shared.name!r} is a graph output")
+    for use in shared.uses():
+        # Every reader takes the inner Slice in (a copy stands for it until each has), so that it goes.
+        reader = use.node
+        taken = reader.op_type == "Slice" and reader.in_standard_domain and use.index == 0
+        other = _slice_parts(reader, rank) if taken else None
+        if other is None or set(inner[2].tolist()) & set(other[2].tolist()):
+            return Refuse(f"{shared.name!r} is also read by {reader.name or reader.op_type}, which cannot take it in")
     return tuple(np.concatenate([a, b]) for a, b in zip(inner, outer, strict=True))
 
 
 def _build_slices(b: Builder, m: Match, parts: tuple[np.ndarray, ...]) -> Value:
+    inner = m.node("inner")
+    # x as the inner node reads it now, not as bound: a Slice that made x may have been replaced
+    # by its copy this round.
+    x = inner.inputs[0]
+    assert x is not None  # the pattern bound it
+    if len(inner.outputs[0].uses()) > 1:
+        m.export("inner", b.op("Slice", *inner.inputs))
     names = ("starts", "ends", "axes", "steps")
-    return b.op("Slice", m.value("x"), *(b.constant(part, name) for part, name in zip(parts, names, strict=True)))
+    return b.op("Slice", x, *(b.constant(part, name) for part, name in zip(parts, names, strict=True)))
 
 
 def _reshape_x(b: Builder, m: Match, target: np.ndarray) -> Value:
@@ -429,6 +451,8 @@ RULES: tuple[Rule[Any], ...] = (
         build=_build_slices,
         min_opset=10,
         label="Slice pair",
-        doc="Slice(Slice(x)) with constant bounds on axes the two do not share -> one Slice",
+        doc="Slice(Slice(x)) with constant bounds on axes the two do not share -> one Slice; an inner one read by "
+        "several such Slices goes into each",
+        exports=("inner",),
     ),
 )

@@ -161,3 +161,33 @@ def test_time_models_times_at_the_dims_given_or_the_first_binding_that_runs(tmp_
     assert isinstance(timed, list) and len(timed) == 2 and len(timed[0]) >= 7
     found = time_models([path, path], "all", 1, 0.0)
     assert isinstance(found, list) and len(found) == 2 and len(found[0]) >= 7
+
+
+def test_tune_keeps_a_rewrite_within_noise_where_undoing_only_the_slower_one_runs_fastest(
+    tmp_path: Path, rules: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rewrite within the noise can add up to a faster whole: the identity product's removal timed as within
+    noise (0.9993, noise 0.005) is kept where the model with only the slow Relu undone runs fastest. The timer is a
+    cost model, so that the decision, not the machine, is tested: an Einsum costs 0.5, the identity product 0.001."""
+    from graphopt.runtime import tune as tuning
+
+    def cost(path: Path) -> float:
+        ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+        return 1.0 + 0.5 * ("Einsum" in ops) + 0.001 * (ops.count("MatMul") == 2)
+
+    def timed(paths: list[Path], level: str, threads: int, seconds: float) -> list[list[float]]:
+        return [[cost(path)] * tuning.MIN_ROUNDS for path in paths]
+
+    monkeypatch.setattr(tuning, "time_models", timed)
+    source, out, report = identity_matmul(tmp_path / "m.onnx"), tmp_path / "out.onnx", tmp_path / "r.json"
+    result = invoke(
+        "run", source, "-o", out, "--report", report, "--tune", "--tune-level", "disable", "--no-runtime-guard"
+    )
+    assert result.exit_code == 0, result.stderr
+    written = json.loads(report.read_text())
+    jsonschema.validate(written, schema("report"))
+    assert _decisions(written) == {"test-drop-identity-matmul": "kept", "test-slow-relu": "undone"}
+    assert written["tune"]["final"]["kept"] == "tuned" and written["tune"]["final"]["undone"] == "slower"
+    assert "tune: tuned output kept (only the slower rewrites undone), tuned / untuned 0.667" in result.stderr
+    # the identity product gone, and no Einsum before the Relu
+    assert [n.op_type for n in onnx.load(str(out)).graph.node] == ["Relu", "Sigmoid", "MatMul"]

@@ -156,7 +156,8 @@ def tune_lines(tune: dict[str, Any] | None) -> list[str]:
     final = tune["final"]
     outcome = tune["status"]
     if final is not None and final["kept"] == "tuned":
-        outcome = f"tuned output kept, tuned / untuned {final['ratio']:.3f}"
+        which = " (only the slower rewrites undone)" if final.get("undone") == "slower" else ""
+        outcome = f"tuned output kept{which}, tuned / untuned {final['ratio']:.3f}"
     elif final is not None:  # the decisions above stand as measured; the output is the untuned one
         outcome = f"untuned output kept (tuned / untuned {final['ratio']:.3f}: the undoing was not faster)"
     noise = "" if tune["noise"] is None else f", noise {tune['noise']:.3f}"

@@ -403,8 +403,10 @@ def _withheld_search(
     keeping those families' pairs. One family more at a time, fewest fusions first; where no one
     more is enough, the one whose attempt came nearest to the original's outputs stays withheld
     and the others are tried again beside it (two families refused together, as the norms and
-    attentions of a model whose masks dequantize to NaN). Every family's pairs are kept last,
-    and once withholding more brings the outputs no nearer."""
+    attentions of a model whose masks dequantize to NaN). The search keeps every family's pairs
+    (``attempt(None)``) when one family is left to try, or when withholding one more brought no
+    attempt nearer to the original than the run before. At most n + (n - 1) + ... + 2 attempts
+    for n families, then that last one."""
     withheld: frozenset[str] = frozenset()
     distance = _distance(refused)
     while len(rest := sorted(set(fused) - withheld, key=lambda family: (fused[family], family))) > 1:

@@ -38,7 +38,7 @@ from tests.passes.fuse.table import (
     quantized,
     same_weights,
 )
-from tests.passes.fuse_helpers import fuse, ops
+from tests.passes.fuse_helpers import fuse, init, node, ops
 from tests.passes.fuse_models import layer_norm, ort_attention, skip_norm
 
 
@@ -478,3 +478,14 @@ def test_a_windowed_attention_through_qdq_stays_as_written_over_many_biased_pair
         ), details
     floating, _ = fuse(proto, target_opset=23)
     assert ops(floating)["Attention"] == 1
+    # A float attention whose only dequantized value is its scale constant runs no integer kernel: no refusal
+    scaled = onnx.ModelProto.FromString(proto.SerializeToString())
+    kept = [t for t in scaled.graph.initializer if t.name != "scale"]
+    del scaled.graph.initializer[:]
+    scaled.graph.initializer.extend(
+        [*kept, init("scale_q", np.array(4, np.int8)), init("scale_s", 0.5), init("scale_z", np.array(0, np.int8))]
+    )
+    scaled.graph.node.insert(0, node("DequantizeLinear", ["scale_q", "scale_s", "scale_z"], "scale"))
+    out, details = fuse(scaled, target_opset=23, fuse_through_qdq=True)
+    assert ops(out)["Attention"] == 1
+    assert not any("through Q/DQ" in m for m in details["near_misses"].get("attention", [])), details

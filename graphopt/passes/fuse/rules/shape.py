@@ -297,7 +297,8 @@ _SLICES = _slice("outer", _slice("inner", var("x")))
 
 def _slice_parts(node: Node, rank: int | None) -> tuple[np.ndarray, ...] | None:
     """(starts, ends, axes made non-negative, steps) of the Slice ``node`` as int64, or None: a bound
-    that is not a 1-D int constant, or a negative axis where the rank is unknown."""
+    that is not a 1-D constant (the schema makes it int32 or int64), or a negative axis where the rank
+    is unknown."""
     given = [*node.inputs[1:5], None, None][:4]
     arrays = [None if value is None else Site.array(value) for value in given]
     if any(value is not None and array is None for value, array in zip(given, arrays, strict=True)):

@@ -57,8 +57,10 @@ def _biased_pairs_through_qdq(m: Match, site: Site, batch: Any, heads: int) -> R
     x 2 heads (30 rounds, 3 sessions, ORT_ENABLE_ALL, 1 thread): with it 1.004 and 0.813 of the
     variant's time, without it 0.941 and 0.739 (dynamo, TorchScript); in float32 it is 0.901
     against 0.984 without (the threshold, BIASED_PAIRS_LIMIT, is onnxruntime's MultiHeadAttention's).
-    Where the batch is symbolic (TorchScript's windows) the count is unknown and the fusion stays."""
-    if not any(value is not None and quantized(value, site) for node in m.nodes for value in node.inputs):
+    A batch that is a symbolic dim counts once per sample (TorchScript's windows: the fusion is made)."""
+    # The scores' and the weighted sum's operands: a dequantized constant elsewhere (a scale) runs no integer kernel.
+    operands = (value for node in m.nodes if node.op_type == "MatMul" for value in node.inputs)
+    if not any(value is not None and quantized(value, site) for value in operands):
         return None
     pairs = biased_pairs(batch, heads)
     if pairs is None:

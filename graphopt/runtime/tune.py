@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from graphopt.errors import InputError
 from graphopt.ir import Model
@@ -99,6 +99,17 @@ class TuneOutcome:
             "seconds": round(self.seconds, 6),
         }
         return found
+
+
+class _Tuned(NamedTuple):
+    """A tuned candidate: which rewrites it undid ("not faster" or "slower": ``units``) and its rerun."""
+
+    undone: str
+    units: list[Undoable]
+    pipeline: Pipeline
+    model: Model
+    run: PipelineRun
+    path: Path
 
 
 def candidates(runs: Sequence[PassRun], undone: Sequence[Undoable]) -> list[Undoable]:
@@ -189,30 +200,37 @@ def tune(
         # (segformer_ts_int4 at opset 23: every one undone 1.026 of the untuned time, the three
         # slower ones alone undone faster than it).
         slower = [d.undoable for d in outcome.decisions if d.decision == "undone" and (d.ratio or 0.0) > 1.0]
-        choices = [dropped, *([slower] if slower and len(slower) < len(dropped) else [])]
+        choices = {"not faster": dropped, **({"slower": slower} if slower and len(slower) < len(dropped) else {})}
         built = []
-        for index, chosen in enumerate(choices):
+        for which, chosen in choices.items():
             tuned_pipeline = without(pipeline, chosen)
             tuned = original.model()
-            built.append((chosen, tuned_pipeline, tuned, rerun(tuned_pipeline, tuned), saved(f"tuned-{index}", tuned)))
-        final = time_models([paths[_OUTPUT], *(b[-1] for b in built)], level, threads, max(left(), 0.0))
+            tuned_run = rerun(tuned_pipeline, tuned)
+            built.append(_Tuned(which, chosen, tuned_pipeline, tuned, tuned_run, saved(f"tuned-{which}", tuned)))
+        final = time_models([paths[_OUTPUT], *(t.path for t in built)], level, threads, max(left(), 0.0))
         if isinstance(final, str):
             outcome.status, outcome.reason = "not taken", final
         else:
-            measured = [paired_ratio(final[index + 1], final[0]) for index in range(len(built))]
-            best = min(range(len(built)), key=lambda index: measured[index][0])
-            (ratio, spread), (chosen, tuned_pipeline, tuned, tuned_run, _) = measured[best], built[best]
+            (ratio, spread), best = min(
+                ((paired_ratio(final[index + 1], final[0]), t) for index, t in enumerate(built)),
+                key=lambda timed: timed[0][0],
+            )
             kept = ratio <= 1.0
             outcome.final = {
                 "ratio": round(ratio, 4),
                 "spread": round(spread, 4),
                 "kept": "tuned" if kept else "untuned",
-                "undone": "slower" if chosen is slower else "not faster",
+                "undone": best.undone,
             }
             if kept:
-                outcome.status, outcome.model, outcome.run, outcome.pipeline = "tuned", tuned, tuned_run, tuned_pipeline
+                outcome.status, outcome.model, outcome.run, outcome.pipeline = (
+                    "tuned",
+                    best.model,
+                    best.run,
+                    best.pipeline,
+                )
                 for decision in outcome.decisions:
-                    if decision.decision == "undone" and decision.undoable not in chosen:
+                    if decision.decision == "undone" and decision.undoable not in best.units:
                         decision.decision = "kept"
                         decision.reason = (
                             "not faster beyond noise, nor slower: kept, as undoing the slower ones alone ran fastest"

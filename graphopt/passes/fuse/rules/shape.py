@@ -156,15 +156,21 @@ def _plan_unsqueezes(m: Match, site: Site) -> list[int] | Refuse:
     return Refuse("the axes or the rank are unknown") if found is None else found
 
 
+def _copy_for_other_readers(b: Builder, m: Match) -> None:
+    """Where others of its kind read the match's exported ``inner`` node too, a copy stands for it
+    until each has taken it in."""
+    inner = m.node("inner")
+    if len(inner.outputs[0].uses()) > 1:
+        m.export("inner", b.op(inner.op_type, *inner.inputs, **attrs_of(inner)))
+
+
 def _build_unsqueezes(b: Builder, m: Match, axes: list[int]) -> Value:
     inner = m.node("inner")
     # x as the inner node reads it now, not as bound: an Unsqueeze that made x may have been
     # replaced by its copy this round (three in a chain, the first read by two).
     x = inner.inputs[0]
     assert x is not None  # the pattern bound it
-    if len(inner.outputs[0].uses()) > 1:
-        # Other Unsqueezes read the inner one: a copy stands for it until each has taken it in.
-        m.export("inner", b.op("Unsqueeze", *inner.inputs, **attrs_of(inner)))
+    _copy_for_other_readers(b, m)
     return b.listed("Unsqueeze", x, "axes", axes, as_input=m.site.opset >= 13).outputs[0]
 
 
@@ -341,8 +347,7 @@ def _build_slices(b: Builder, m: Match, parts: tuple[np.ndarray, ...]) -> Value:
     # by its copy this round.
     x = inner.inputs[0]
     assert x is not None  # the pattern bound it
-    if len(inner.outputs[0].uses()) > 1:
-        m.export("inner", b.op("Slice", *inner.inputs))
+    _copy_for_other_readers(b, m)
     names = ("starts", "ends", "axes", "steps")
     return b.op("Slice", x, *(b.constant(part, name) for part, name in zip(parts, names, strict=True)))
 

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 import graphopt
 from graphopt.api import optimize, pass_context
 from graphopt.errors import InputError
+from graphopt.facts import infer_model
 from graphopt.io import onnx_io
 from graphopt.ir import DataType, Graph, GraphError, Model, Node, Tensor, TensorType, Value
 from graphopt.ir.constness import constant_array, is_constant
@@ -292,6 +293,33 @@ def test_facts_follow_shape_plumbing_and_forget_on_mutation(tmp_path: Path) -> N
     assert concat is not None
     concat.set_input(1, model.graph.add_initializer(_weight("tail2", np.array([8, 32], np.int64))))
     assert [str(d) for d in facts.sym(target)] == ["batch", "8", "32"]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("fmod", "expected"), [(0, ["0", "0", "None", "2"]), (1, ["0", "0", "None", "-1"])])
+def test_facts_take_an_integer_mod_of_dims(fmod: int, expected: list[str]) -> None:
+    # 3 * batch and 18 leave nothing over 3 whatever batch is; batch - 10 is unknown; -4 takes the
+    # divisor's sign (-4 % 3 == 2) or, with fmod, the dividend's (-1).
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Mul", ["s", "three"], ["tripled"]),
+        helper.make_node("Sub", ["s", "ten"], ["lowered"]),
+        helper.make_node("Concat", ["tripled", "lowered"], ["dims"], axis=0),
+        helper.make_node("Mod", ["dims", "three"], ["rest"], fmod=fmod),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(3, np.int64), "three"),
+        numpy_helper.from_array(np.array(10, np.int64), "ten"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6])
+    rest = helper.make_tensor_value_info("rest", TensorProto.INT64, None)
+    model = onnx_io.from_proto(
+        helper.make_model(
+            helper.make_graph(nodes, "g", [x], [rest], inits), opset_imports=[helper.make_opsetid("", 18)]
+        )
+    )
+    facts = pass_context().facts(model)
+    infer_model(facts)
+    assert [str(d) for d in facts.sym(model.graph.outputs[0]) or ()] == expected
 
 
 def test_facts_handle_deep_plumbing_without_recursion() -> None:

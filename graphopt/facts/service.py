@@ -12,6 +12,7 @@ works through the same memo, so what it computes stays available to later passes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from graphopt.facts.contrib import type_rule
@@ -114,7 +115,7 @@ class Facts:
 
     def _constant_sym(self, value: Value) -> SymValue | None:
         data = constant_array(value, MAX_CONST_SIZE)
-        if data is None or data.ndim > 1 or data.size > MAX_VALUE_LEN or data.dtype.kind not in "iub":
+        if data is None or data.size > MAX_VALUE_LEN or data.dtype.kind not in "iub":
             return None
         return tuple(int(x) for x in data.ravel())
 
@@ -133,15 +134,16 @@ class Facts:
 
 
 def _can_hold(value: Value, symbolic: SymValue | None) -> bool:
-    """Whether ``value`` is a tensor that may carry the symbolic value (small int, rank <= 1)."""
+    """Whether ``value`` is a tensor that may carry the symbolic value (small int, of a static size past rank 1)."""
     kind = value.type
     if symbolic is None or len(symbolic) > MAX_VALUE_LEN:
         return False
     if kind is None:
         return True  # an untyped constant or plumbing output; its producer's rule vouches for it
-    return (
-        isinstance(kind, TensorType)
-        and kind.dtype in _SYMBOLIC_VALUE_TYPES
-        and kind.rank in (0, 1)
-        and (kind.rank != 0 or len(symbolic) == 1)
-    )
+    if not isinstance(kind, TensorType) or kind.dtype not in _SYMBOLIC_VALUE_TYPES or kind.shape is None:
+        return False
+    if kind.rank == 1:
+        return True
+    # Rank 0, or a grid whose every dim is an int (the values module's docstring): as many entries.
+    dims = [d for d in kind.shape if isinstance(d, int)]
+    return len(dims) == kind.rank and math.prod(dims) == len(symbolic)

@@ -8,11 +8,19 @@ lets Reshape, Expand and ConstantOfShape outputs keep names such as ``batch``.
     Shape(x: [batch, seq, 256])        -> (batch, seq, 256)
     Gather(that, 1)                    -> (seq,)
     Concat(Unsqueeze(..), [4], [64])   -> (batch, seq, 4, 64)
+
+A value of rank 2 or more is followed too, row-major, where its type gives every dim as an
+int: TorchScript writes ``F.pad`` with computed pads as a Reshape to ``[-1, 2]``, a Slice that
+flips the rows and a Transpose before the Pad reads them. Rules that move entries of such a
+value (Slice, Transpose, Concat, broadcasting) read it as the grid its type gives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from graphopt.facts.op import MAX_VALUE_LEN, Op, SymValue, d_add, d_div, d_lower_bound, d_mul, d_prod, d_sub, registrar
 from graphopt.ir import DataType, Dim, Tensor
@@ -59,6 +67,11 @@ def concat_value(op: Op) -> list[SymValue | None]:
     parts = [op.sym(i) for i in range(op.n_inputs)]
     if any(p is None for p in parts):
         return [None]
+    if any(_rank(op, i) not in (None, 0, 1) for i in range(op.n_inputs)):
+        grids = [_grid(op, i) for i in range(op.n_inputs)]
+        if any(g is None for g in grids):
+            return [None]
+        return [_flat(np.concatenate([g for g in grids if g is not None], axis=op.attr("axis", 0)))]
     joined = tuple(d for part in parts if part is not None for d in part)
     return [joined if len(joined) <= MAX_VALUE_LEN else None]
 
@@ -66,7 +79,7 @@ def concat_value(op: Op) -> list[SymValue | None]:
 @value_rule("Gather")
 def gather_value(op: Op) -> list[SymValue | None]:
     data, indices = op.sym(0), op.ints(1)
-    if data is None or indices is None or op.attr("axis", 0) not in (0, -1):
+    if data is None or indices is None or op.attr("axis", 0) not in (0, -1) or _rank(op, 0) not in (None, 1):
         return [None]
     if not all(-len(data) <= i < len(data) for i in indices):
         return [None]
@@ -77,21 +90,42 @@ def gather_value(op: Op) -> list[SymValue | None]:
 def slice_value(op: Op) -> list[SymValue | None]:
     data = op.sym(0)
     if op.opset < 10:
-        starts, ends, steps = op.attr("starts"), op.attr("ends"), None
+        starts, ends, axes, steps = op.attr("starts"), op.attr("ends"), op.attr("axes"), None
     else:
         starts, ends = op.ints(1), op.ints(2)
+        axes = op.ints(3) if op.input(3) is not None else None
         steps = op.ints(4) if op.input(4) is not None else None
-    if data is None or not starts or not ends or len(starts) != 1 or len(ends) != 1:
+    if data is None or not starts or not ends or len(starts) != len(ends):
         return [None]
-    step = steps[0] if steps else 1
-    return [data[slice(starts[0], ends[0], step)]]
+    grid = _grid(op, 0)
+    if grid is None or grid.ndim < 2:
+        if len(starts) != 1:
+            return [None]
+        return [data[slice(starts[0], ends[0], steps[0] if steps else 1)]]
+    axes = list(range(len(starts))) if axes is None else axes
+    steps = steps or [1] * len(starts)
+    if len(axes) != len(starts) or len(steps) != len(starts) or 0 in steps:
+        return [None]
+    cuts = [slice(None)] * grid.ndim
+    for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
+        cuts[axis] = slice(start, end, step)
+    return [_flat(grid[tuple(cuts)])]
+
+
+@value_rule("Transpose")
+def transpose_value(op: Op) -> list[SymValue | None]:
+    grid = _grid(op, 0)
+    if grid is None:
+        return [None]
+    perm = op.attr("perm")
+    return [_flat(np.transpose(grid, perm))]
 
 
 @value_rule("Split")
 def split_value(op: Op) -> list[SymValue | None]:
     """A shape vector cut into pieces: ``Split(Shape(x), [1, 1, 1])`` -> (b,), (s,), (256,)."""
     data, count = op.sym(0), len(op.node.outputs)
-    if data is None or op.attr("axis", 0) not in (0, -1):
+    if data is None or op.attr("axis", 0) not in (0, -1) or _rank(op, 0) not in (None, 1):
         return [None] * count
     if op.opset < 13:
         sizes = op.attr("split")
@@ -109,12 +143,41 @@ def split_value(op: Op) -> list[SymValue | None]:
 
 def _elementwise(op: Op, fn: Callable[[Dim, Dim], Dim]) -> list[SymValue | None]:
     a, b = op.sym(0), op.sym(1)
-    if a is None or b is None or (len(a) != len(b) and 1 not in (len(a), len(b))):
+    if a is None or b is None:
+        return [None]
+    if _rank(op, 0) not in (None, 0, 1) or _rank(op, 1) not in (None, 0, 1):
+        left, right = _grid(op, 0), _grid(op, 1)
+        if left is None or right is None:
+            return [None]
+        return [_flat(np.frompyfunc(fn, 2, 1)(left, right))]
+    if len(a) != len(b) and 1 not in (len(a), len(b)):
         return [None]
     n = max(len(a), len(b))
     a = a * n if len(a) == 1 else a
     b = b * n if len(b) == 1 else b
     return [tuple(fn(x, y) for x, y in zip(a, b, strict=False))]
+
+
+def _rank(op: Op, index: int) -> int | None:
+    shape = op.shape(index)
+    return None if shape is None else len(shape)
+
+
+def _grid(op: Op, index: int) -> np.ndarray | None:
+    """Input ``index``'s symbolic value as the grid its type gives, where every dim is an int."""
+    data, shape = op.sym(index), op.shape(index)
+    if data is None or shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    dims = [d for d in shape if isinstance(d, int)]
+    if math.prod(dims) != len(data):
+        return None
+    grid = np.empty(len(data), dtype=object)
+    grid[:] = list(data)
+    return grid.reshape(dims)
+
+
+def _flat(grid: np.ndarray | Sequence[Dim]) -> SymValue:
+    return tuple(np.asarray(grid, dtype=object).ravel().tolist())
 
 
 @value_rule("Add")
@@ -144,6 +207,27 @@ def div_value(op: Op) -> list[SymValue | None]:
     if not op.is_int(0):
         return [None]
     return _elementwise(op, _int_div)
+
+
+def _int_mod(fmod: bool) -> Callable[[Dim, Dim], Dim]:
+    """ONNX's integer Mod: the divisor's sign (Python's %), or the dividend's with ``fmod``. A symbolic
+    dividend whose every coefficient the divisor divides leaves 0 either way (Swin's pad to a multiple of
+    the window, ``(7 - 56 % 7) % 7``, is where this matters)."""
+
+    def mod(a: Dim, b: Dim) -> Dim:
+        if isinstance(a, int) and isinstance(b, int) and b:
+            return int(math.fmod(a, b)) if fmod else a % b
+        rest = d_sub(a, d_mul(d_div(a, b), b)) if isinstance(b, int) and b > 0 else None
+        return 0 if rest == 0 else None
+
+    return mod
+
+
+@value_rule("Mod")
+def mod_value(op: Op) -> list[SymValue | None]:
+    if not op.is_int(0):
+        return [None]
+    return _elementwise(op, _int_mod(bool(op.attr("fmod", 0))))
 
 
 def _static(fn: Callable[[int, int], int]) -> Callable[[Dim, Dim], Dim]:
@@ -188,6 +272,8 @@ def equal_value(op: Op) -> list[SymValue | None]:
 def where_value(op: Op) -> list[SymValue | None]:
     cond, x, y = op.sym(0), op.sym(1), op.sym(2)
     if cond is None or x is None or y is None or len({len(cond), len(x), len(y)} - {1}) > 1:
+        return [None]
+    if any(_rank(op, i) not in (None, 0, 1) for i in range(3)) and len({op.shape(i) for i in range(3)}) > 1:
         return [None]
     n = max(len(cond), len(x), len(y))
     cond, x, y = (v * n if len(v) == 1 else v for v in (cond, x, y))

@@ -287,6 +287,38 @@ def test_reshape_targets_from_shape_plumbing_become_constants_and_dims_keep_thei
     assert_same_outputs(original, written)
 
 
+def test_shape_plumbing_through_a_grid_is_followed(tmp_path: Path) -> None:
+    # Dims measured from x pass through a 2 x 2 grid: a Transpose, a Slice flipping its rows, a Concat along
+    # its columns, a broadcast Add of a column (TorchScript writes F.pad's computed pads through such a grid).
+    # Read as a flat vector, the Slice alone would reverse every entry: (3, batch, 7, 5) instead of
+    # (5, 7, batch, 3).
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Concat", ["s", "seven"], ["four"], axis=0),
+        helper.make_node("Reshape", ["four", "grid"], ["rows"]),
+        helper.make_node("Transpose", ["rows"], ["columns"], perm=[1, 0]),
+        helper.make_node("Slice", ["columns", "last", "before_first", "first_axis", "back"], ["flipped"]),
+        helper.make_node("Add", ["flipped", "zero_column"], ["added"]),
+        helper.make_node("Concat", ["added", "zero_column"], ["wide"], axis=1),
+        helper.make_node("Reshape", ["wide", "flat"], ["y"]),
+    ]
+    inits = [
+        tensor("seven", [7], np.int64),
+        tensor("grid", [2, 2], np.int64),
+        tensor("last", [-1], np.int64),
+        tensor("before_first", [-(2**63) + 1], np.int64),
+        tensor("first_axis", [0], np.int64),
+        tensor("back", [-1], np.int64),
+        tensor("zero_column", [[0], [0]], np.int64),
+        tensor("flat", [6], np.int64),
+    ]
+    proto = model_proto(nodes, [info("x", shape=["batch", 5, 3])], [info("y", TensorProto.INT64, [6])], inits)
+    original, written, _ = optimized(tmp_path, proto)
+    assert not {"Transpose", "Slice", "Add"} & set(ops(written)), ops(written)
+    assert run_ort(written, {"x": np.zeros((4, 5, 3), np.float32)})["y"].tolist() == [5, 7, 0, 4, 3, 0]
+    assert_same_outputs(original, written)
+
+
 @pytest.mark.parametrize(("name", "onnxsim_nodes"), [("bert_small", 303), ("gpt2_small", 336)])
 def test_transformers_lose_their_shape_plumbing(
     corpus_dir: Path, tmp_path: Path, name: str, onnxsim_nodes: int

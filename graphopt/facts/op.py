@@ -3,7 +3,8 @@
 A rule gets an :class:`Op`: the node, its input types, the values of constant inputs and
 the *symbolic values* of small integer tensors (from the :class:`~graphopt.facts.Facts`
 service that made the Op). A symbolic value is the flattened content
-of a scalar or 1-D int tensor whose entries are dims, for example the output of
+of a scalar or 1-D int tensor (or one of higher rank whose every dim is an int, row-major)
+whose entries are dims, for example the output of
 ``Concat(Unsqueeze(Gather(Shape(x), 0)), [4], [64])`` is ``(batch, 4, 64)``; it is how
 ``Reshape`` learns ``[batch, seq, 4, 64]`` from shape plumbing. Symbolic values live in the
 facts service's memo, never on the IR.

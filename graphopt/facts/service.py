@@ -76,7 +76,8 @@ class Facts:
         return Op(node, opset, self)
 
     def sym(self, value: Value) -> SymValue | None:
-        """The flattened content of a scalar or 1-D int tensor, entries being dims, or None."""
+        """The flattened content of a small int tensor (a scalar, a vector, or a grid of int dims),
+        entries being dims, or None."""
         self._fresh()
         if value in self._syms:
             return self._syms[value]

@@ -156,3 +156,90 @@ def random_models(draw: st.DrawFn) -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     onnx.checker.check_model(model, full_check=True)
     return model
+
+
+# -- shape plumbing through grids -------------------------------------------------------------------
+
+PLUMBING_KINDS = ["reshape", "transpose", "slice", "concat", "binary", "mod", "div", "gather"]
+
+
+@st.composite
+def random_plumbing_models(draw: st.DrawFn) -> onnx.ModelProto:
+    """Shape plumbing as exporters write it, past vectors: the dims of x [N, a, b] (N symbolic) and
+    some numbers, through 1-5 steps of Reshape to another grid, Transpose, Slice (any axis, steps of
+    either sign), Concat with a constant along any axis, a broadcast Add / Sub / Mul, Mod and Div by a
+    positive number, and Gather, then flattened into the int64 output y."""
+    builder = _Builder(draw)
+    inner = draw(st.lists(st.sampled_from([2, 3, 4, 5]), min_size=2, max_size=2))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *inner])
+    dims = builder.fresh("s")
+    builder.nodes.append(helper.make_node("Shape", ["x"], [dims], name=builder.fresh("n")))
+    numbers = np.array(draw(st.lists(st.integers(-6, 9), min_size=1, max_size=9)), np.int64)
+    value = builder.fresh("s")
+    builder.nodes.append(
+        helper.make_node("Concat", [dims, builder.const(numbers)], [value], name=builder.fresh("n"), axis=0)
+    )
+    grid = np.zeros(3 + numbers.size)  # only its shape is followed
+    for _ in range(draw(st.integers(1, 5))):
+        value, grid = _plumbing_step(builder, draw, value, grid)
+    flat = builder.add("Reshape", [value, builder.const(np.array([-1], np.int64))], (grid.size,))
+    y = helper.make_tensor_value_info(flat, TensorProto.INT64, [grid.size])
+    graph = helper.make_graph(builder.nodes, "plumbing", [x], [y], list(builder.inits.values()))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _plumbing_step(builder: _Builder, draw: st.DrawFn, value: str, grid: np.ndarray) -> tuple[str, np.ndarray]:
+    kind = draw(st.sampled_from(PLUMBING_KINDS))
+
+    def small(shape: list[int]) -> np.ndarray:
+        size = int(np.prod(shape))
+        return np.array(draw(st.lists(st.integers(-4, 6), min_size=size, max_size=size)), np.int64).reshape(shape)
+
+    if kind == "reshape":
+        shape = draw(st.sampled_from(_factorizations(grid.size)))
+        return builder.add("Reshape", [value, builder.const(np.array(shape, np.int64))], shape), grid.reshape(shape)
+    if kind == "transpose" and grid.ndim >= 2:
+        perm = draw(st.permutations(range(grid.ndim)))
+        return builder.add("Transpose", [value], (), perm=list(perm)), grid.transpose(perm)
+    if kind == "slice":
+        axis = draw(st.integers(0, grid.ndim - 1))
+        size, step = grid.shape[axis], draw(st.sampled_from([1, -1, 2, -2]))
+        start, end = draw(st.integers(-size - 1, size + 1)), draw(st.integers(-size - 1, size + 1))
+        if step < 0 and draw(st.booleans()):
+            end = -(2**63) + 1  # to the first entry, as exporters flip
+        cut = [slice(None)] * grid.ndim
+        cut[axis] = slice(start, end, step)
+        if grid[tuple(cut)].size == 0:
+            return value, grid
+        bounds = [builder.const(np.array([v], np.int64)) for v in (start, end, axis, step)]
+        return builder.add("Slice", [value, *bounds], ()), grid[tuple(cut)]
+    if kind == "concat" and grid.size <= 32:
+        axis = draw(st.integers(0, grid.ndim - 1))
+        shape = list(grid.shape)
+        shape[axis] = draw(st.integers(1, 2))
+        joined = builder.add("Concat", [value, builder.const(small(shape))], (), axis=axis)
+        return joined, np.concatenate([grid, np.zeros(shape)], axis=axis)
+    if kind == "binary":
+        shape = [d if draw(st.booleans()) else 1 for d in grid.shape]
+        return builder.add(draw(st.sampled_from(["Add", "Sub", "Mul"])), [value, builder.const(small(shape))], ()), grid
+    if kind in ("mod", "div"):
+        divisor = builder.const(np.array(draw(st.integers(1, 5)), np.int64))
+        if kind == "mod":
+            return builder.add("Mod", [value, divisor], (), fmod=draw(st.sampled_from([0, 1]))), grid
+        return builder.add("Div", [value, divisor], ()), grid
+    if kind == "gather" and grid.ndim == 1:
+        indices = np.array(draw(st.lists(st.integers(-grid.size, grid.size - 1), min_size=1, max_size=6)), np.int64)
+        return builder.add("Gather", [value, builder.const(indices)], (), axis=0), grid[indices]
+    return value, grid
+
+
+def _factorizations(size: int) -> list[tuple[int, ...]]:
+    """``size`` as a grid of rank 1 to 3."""
+    found = [(size,)]
+    for a in range(1, size + 1):
+        if size % a == 0:
+            found.append((a, size // a))
+            found += [(a, b, size // a // b) for b in range(1, size // a + 1) if (size // a) % b == 0]
+    return found

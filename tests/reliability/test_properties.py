@@ -24,7 +24,7 @@ from graphopt.ir import DataType, Model, TensorType
 from graphopt.ir.rewrite import replace_nodes, replace_value
 from graphopt.passes.base import all_passes
 from tests.numerics import assert_same_outputs
-from tests.reliability.random_graphs import random_models
+from tests.reliability.random_graphs import random_models, random_plumbing_models
 
 EXAMPLES = 800
 PASSES = sorted(name for name in all_passes() if not name.startswith("test-"))
@@ -73,6 +73,19 @@ def test_passes_keep_numerics_or_leave_the_graph_alone(proto: onnx.ModelProto) -
             assert_same_outputs(proto, after, feeds, rtol=1e-5, atol=1e-6)
         if passes is None:
             assert serialized(optimized(after, None)) == serialized(after), "the default pipeline is not a fixpoint"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_plumbing_models())
+def test_shape_plumbing_through_grids_keeps_its_values(proto: onnx.ModelProto) -> None:
+    # The shape facts follow small int grids (Reshape, Transpose, Slice, Concat, broadcasting): a value they get
+    # wrong becomes a wrong constant or a wrong Shape-based rebuild, which onnxruntime shows exactly.
+    after = optimized(proto, None)
+    for n in (1, 5):
+        feeds = {
+            "x": np.zeros([n, *(d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim[1:])], np.float32)
+        }
+        assert_same_outputs(proto, after, feeds, rtol=0, atol=0)
 
 
 def test_the_property_run_saw_every_pass_change_something() -> None:

@@ -45,7 +45,7 @@ def fold_symbolic(model: Model, facts: Facts, make: MakeBuilder) -> Counter[str]
     done: Counter[str] = Counter()
     graphs = [model.graph, *model.graph.subgraphs()]
     targets = [
-        (node, found)
+        (node, found, _copies_despite_allowzero(node, facts))
         for graph in graphs
         for node in graph.topological()
         if node.in_standard_domain
@@ -55,10 +55,12 @@ def fold_symbolic(model: Model, facts: Facts, make: MakeBuilder) -> Counter[str]
         and (found := _TARGETS[node.op_type](node, facts)) is not None
     ]
     static, dynamic = _plumbing(graphs, facts)
-    for node, target in targets:
+    for node, target, copies_despite_allowzero in targets:
         graph = node.graph
         assert graph is not None
         node.set_input(1, make(graph, None).constant(np.asarray(target, dtype=np.int64), "target"))
+        if copies_despite_allowzero and 0 in target:
+            del node.attributes["allowzero"]
         done[f"{node.op_type.lower()}_targets"] += 1
     for value, values in static.items():
         if _frontier(value, static):
@@ -95,16 +97,30 @@ def reshape_target(node: Node, facts: Facts) -> list[int] | None:
     shape = tensor_shape(node.inputs[0])
     if target is None or shape is None or any(d is None for d in target):
         return None
-    copies = not node.attr("allowzero", 0)
+    allowzero = bool(node.attr("allowzero", 0))
+    copies = not allowzero or _copies_despite_allowzero(node, facts)
     found: list[int] = []
     for index, want in enumerate(target):
         if isinstance(want, int):
             found.append(want)
         elif copies and index < len(shape) and shape[index] == want:
             found.append(0)
+        elif allowzero:
+            # A -1 beside a static 0 is invalid there, and where a dim is 0 at run time the -1 would not be
+            # inferred as the entry it replaces.
+            return None
         else:
             found.append(-1)
     return found if found.count(-1) <= 1 else None
+
+
+def _copies_despite_allowzero(node: Node, facts: Facts) -> bool:
+    """Whether a Reshape with ``allowzero`` (the dynamo exporter writes it on every Reshape) may copy dims with 0
+    once the attribute is cleared: where no entry of its target is a static 0, clearing it changes nothing."""
+    if node.op_type != "Reshape" or not node.attr("allowzero", 0) or node.inputs[1] is None:
+        return False
+    target = facts.sym(node.inputs[1])
+    return target is not None and 0 not in [d for d in target if isinstance(d, int)]
 
 
 def expand_target(node: Node, facts: Facts) -> list[int] | None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from graphopt.evaluate.base import Call, Unsupported, kernel, numpy_dtype, same_dtype, tensor_array
+from graphopt.ir.slicing import slice_of
 
 __all__ = ["axes_from", "axes_of", "normalize_axis"]
 
@@ -238,29 +239,8 @@ def _slice(
         raise ValueError("Slice's starts, ends, axes and steps differ in length")
     index = [slice(None)] * x.ndim
     for axis, start, end, step in zip(axes, starts, ends, steps):
-        index[axis] = _slice_of(int(start), int(end), int(step), x.shape[axis])
+        index[axis] = slice_of(int(start), int(end), int(step), x.shape[axis])
     return x[tuple(index)]
-
-
-# The int32 and int64 maxima.
-_OPEN_ENDS = (2**31 - 1, 2**63 - 1)
-
-
-def _slice_of(start: int, end: int, step: int, dim: int) -> slice:
-    """ONNX's bounds as a Python slice: negatives count from the end once, then clamp."""
-    if step == 0:
-        raise ValueError("a Slice step is 0")
-    if end in _OPEN_ENDS and step < 0:
-        # onnxruntime reads these ends as numpy's None: through the first element.
-        end = -dim - 1
-    start, end = (b + dim if b < 0 else b for b in (start, end))
-    if step > 0:
-        return slice(min(max(start, 0), dim), min(max(end, 0), dim), step)
-    if dim == 0:
-        return slice(0, 0)
-    start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
-    # An end of -1 means "through index 0", which a Python slice spells None.
-    return slice(start, None if end < 0 else end, step)
 
 
 @kernel("Range", since=11)

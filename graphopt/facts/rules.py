@@ -35,6 +35,7 @@ from graphopt.facts.op import (
 from graphopt.ir import DataType, Dim, Tensor, TensorType
 from graphopt.ir.constness import constant_node_tensor
 from graphopt.ir.ops import BITWISE, BROADCASTING_ARITHMETIC, COMPARISONS
+from graphopt.ir.slicing import slice_of
 
 __all__ = ["RULES", "Outputs", "Rule", "matmul_shape", "quantized_as", "slice_dim", "window_dims"]
 
@@ -467,7 +468,7 @@ def slice_dim(dim: Dim, start: Dim, end: Dim, step: int) -> Dim:
     element alone is kept (dims are at least 1).
     """
     if isinstance(dim, int) and isinstance(start, int) and isinstance(end, int):
-        return len(range(*slice(start, end, step).indices(dim)))
+        return len(range(*slice_of(start, end, step, dim).indices(dim)))
     if step < 0:
         return None
     first_or_last = (start == 0 and end == 1) or (start == -1 and isinstance(end, int) and end >= _TO_END)

@@ -24,6 +24,7 @@ import numpy as np
 
 from graphopt.facts.op import MAX_VALUE_LEN, Op, SymValue, d_add, d_div, d_lower_bound, d_mul, d_prod, d_sub, registrar
 from graphopt.ir import DataType, Dim, Tensor
+from graphopt.ir.slicing import slice_of
 
 __all__ = ["VALUE_RULES", "ValueRule"]
 
@@ -88,27 +89,25 @@ def gather_value(op: Op) -> list[SymValue | None]:
 
 @value_rule("Slice")
 def slice_value(op: Op) -> list[SymValue | None]:
-    data = op.sym(0)
     if op.opset < 10:
         starts, ends, axes, steps = op.attr("starts"), op.attr("ends"), op.attr("axes"), None
     else:
-        starts, ends = op.ints(1), op.ints(2)
-        axes = op.ints(3) if op.input(3) is not None else None
-        steps = op.ints(4) if op.input(4) is not None else None
-    if data is None or not starts or not ends or len(starts) != len(ends):
-        return [None]
+        starts, ends, axes, steps = (op.ints(i) if op.input(i) is not None else None for i in range(1, 5))
+        if any(op.input(i) is not None and bound is None for i, bound in zip((3, 4), (axes, steps), strict=True)):
+            return [None]  # axes or steps given but unknown: not the defaults
     grid = _grid(op, 0)
-    if grid is None or grid.ndim < 2:
-        if len(starts) != 1:
-            return [None]
-        return [data[slice(starts[0], ends[0], steps[0] if steps else 1)]]
+    data = op.sym(0)
+    if grid is None and data is not None and _rank(op, 0) in (None, 1):
+        grid = _grid_of(data, [len(data)])
+    if grid is None or not starts or not ends or len(starts) != len(ends):
+        return [None]
     axes = list(range(len(starts))) if axes is None else axes
     steps = steps or [1] * len(starts)
-    if len(axes) != len(starts) or len(steps) != len(starts) or 0 in steps:
+    if len(axes) != len(starts) or len(steps) != len(starts):
         return [None]
     cuts = [slice(None)] * grid.ndim
     for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
-        cuts[axis] = slice(start, end, step)
+        cuts[axis] = slice_of(start, end, step, grid.shape[axis])
     return [_flat(grid[tuple(cuts)])]
 
 
@@ -168,7 +167,10 @@ def _grid(op: Op, index: int) -> np.ndarray | None:
     data, shape = op.sym(index), op.shape(index)
     if data is None or shape is None or not all(isinstance(d, int) for d in shape):
         return None
-    dims = [d for d in shape if isinstance(d, int)]
+    return _grid_of(data, [d for d in shape if isinstance(d, int)])
+
+
+def _grid_of(data: SymValue, dims: list[int]) -> np.ndarray | None:
     if math.prod(dims) != len(data):
         return None
     grid = np.empty(len(data), dtype=object)

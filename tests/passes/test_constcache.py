@@ -319,6 +319,39 @@ def test_shape_plumbing_through_a_grid_is_followed(tmp_path: Path) -> None:
     assert_same_outputs(original, written)
 
 
+@pytest.mark.parametrize("grid", [False, True], ids=["vector", "grid"])
+@pytest.mark.parametrize(
+    ("bounds", "runtime"),
+    [
+        # A start before the first entry with a negative step still takes the first entry (ONNX clamps it to 0;
+        # Python's slice to "before 0", which took nothing).
+        ({"start": [-9], "end": [-10], "axis": [0], "step": [-1]}, ()),
+        # Steps, or axes, the facts cannot read are not the defaults (the rule had sliced forward, or along axis 0).
+        ({"start": [-1], "end": [-100], "axis": [0], "step": [-1]}, ("step",)),
+        ({"start": [-1], "end": [-100], "axis": [-1], "step": [-1]}, ("axis",)),
+    ],
+)
+def test_a_slice_of_shape_plumbing_keeps_onnx_bounds(
+    tmp_path: Path, bounds: dict[str, list[int]], runtime: tuple[str, ...], grid: bool
+) -> None:
+    nodes = [helper.make_node("Shape", ["x"], ["s"])]
+    if grid:  # [[N, 3], [4, 5]]
+        nodes.append(helper.make_node("Reshape", ["s", "rows"], ["grid"]))
+    nodes += [
+        helper.make_node("Slice", ["grid" if grid else "s", "start", "end", "axis", "step"], ["cut"]),
+        helper.make_node("Reshape", ["cut", "flat"], ["y"]),
+    ]
+    inits = [tensor(name, v, np.int64) for name, v in bounds.items() if name not in runtime]
+    inits += [tensor("rows", [2, 2], np.int64), tensor("flat", [-1], np.int64)]
+    inputs = [info("x", shape=["batch", 3, 4, 5]), *(info(name, TensorProto.INT64, [1]) for name in runtime)]
+    proto = model_proto(nodes, inputs, [info("y", TensorProto.INT64, None)], inits)
+    if grid and runtime:  # the cut's type is [2, 2] for either axis: only its value tells them apart
+        proto.graph.value_info.append(info("cut", TensorProto.INT64, [2, 2]))
+    original, written, _ = optimized(tmp_path, proto)
+    feeds = {"x": np.zeros((7, 3, 4, 5), np.float32), **{name: np.array(bounds[name], np.int64) for name in runtime}}
+    assert run_ort(written, feeds)["y"].tolist() == run_ort(original, feeds)["y"].tolist() != []
+
+
 @pytest.mark.parametrize(("name", "onnxsim_nodes"), [("bert_small", 303), ("gpt2_small", 336)])
 def test_transformers_lose_their_shape_plumbing(
     corpus_dir: Path, tmp_path: Path, name: str, onnxsim_nodes: int

@@ -16,6 +16,8 @@ import onnx
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.ir.slicing import slice_of
+
 Dim = int | str
 UNARY = ["Relu", "Neg", "Abs", "Sigmoid", "Tanh", "Identity"]
 BINARY = ["Add", "Sub", "Mul", "Max"]
@@ -160,7 +162,8 @@ def random_models(draw: st.DrawFn) -> onnx.ModelProto:
 
 # -- shape plumbing through grids -------------------------------------------------------------------
 
-PLUMBING_KINDS = ["reshape", "transpose", "slice", "concat", "binary", "mod", "div", "gather"]
+PLUMBING_KINDS = ["reshape", "transpose", "slice", "concat", "binary", "where", "mod", "div", "gather"]
+_INT64_EXTREMES = [-(2**63), 2**63 - 1]
 
 
 @st.composite
@@ -168,7 +171,8 @@ def random_plumbing_models(draw: st.DrawFn) -> onnx.ModelProto:
     """Shape plumbing as exporters write it, past vectors: the dims of x [N, a, b] (N symbolic) and
     some numbers, through 1-5 steps of Reshape to another grid, Transpose, Slice (any axis, steps of
     either sign), Concat with a constant along any axis, a broadcast Add / Sub / Mul, Mod and Div by a
-    positive number, and Gather, then flattened into the int64 output y."""
+    positive number, a Where on a comparison, and Gather, then flattened into the int64 output y. Slice bounds
+    run past both ends (and to the int64 extremes), where ONNX's clamping differs from Python's."""
     builder = _Builder(draw)
     inner = draw(st.lists(st.sampled_from([2, 3, 4, 5]), min_size=2, max_size=2))
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *inner])
@@ -201,19 +205,23 @@ def _plumbing_step(builder: _Builder, draw: st.DrawFn, value: str, grid: np.ndar
         shape = draw(st.sampled_from(_factorizations(grid.size)))
         return builder.add("Reshape", [value, builder.const(np.array(shape, np.int64))], shape), grid.reshape(shape)
     if kind == "transpose" and grid.ndim >= 2:
+        if draw(st.booleans()):  # no perm: the dims reversed
+            return builder.add("Transpose", [value], ()), grid.transpose()
         perm = draw(st.permutations(range(grid.ndim)))
         return builder.add("Transpose", [value], (), perm=list(perm)), grid.transpose(perm)
     if kind == "slice":
         axis = draw(st.integers(0, grid.ndim - 1))
         size, step = grid.shape[axis], draw(st.sampled_from([1, -1, 2, -2]))
-        start, end = draw(st.integers(-size - 1, size + 1)), draw(st.integers(-size - 1, size + 1))
-        if step < 0 and draw(st.booleans()):
-            end = -(2**63) + 1  # to the first entry, as exporters flip
+        bound = st.one_of(st.integers(-size - 3, size + 3), st.sampled_from(_INT64_EXTREMES))
+        start, end = draw(bound), draw(bound)
+        if step < 0 and end == _INT64_EXTREMES[1]:
+            return value, grid  # onnxruntime runs it through the first entry, the standard stops short
         cut = [slice(None)] * grid.ndim
-        cut[axis] = slice(start, end, step)
+        cut[axis] = slice_of(start, end, step, size)
         if grid[tuple(cut)].size == 0:
             return value, grid
-        bounds = [builder.const(np.array([v], np.int64)) for v in (start, end, axis, step)]
+        negative_axis = axis - grid.ndim if draw(st.booleans()) else axis
+        bounds = [builder.const(np.array([v], np.int64)) for v in (start, end, negative_axis, step)]
         return builder.add("Slice", [value, *bounds], ()), grid[tuple(cut)]
     if kind == "concat" and grid.size <= 32:
         axis = draw(st.integers(0, grid.ndim - 1))
@@ -221,9 +229,15 @@ def _plumbing_step(builder: _Builder, draw: st.DrawFn, value: str, grid: np.ndar
         shape[axis] = draw(st.integers(1, 2))
         joined = builder.add("Concat", [value, builder.const(small(shape))], (), axis=axis)
         return joined, np.concatenate([grid, np.zeros(shape)], axis=axis)
-    if kind == "binary":
+    if kind in ("binary", "where"):
         shape = [d if draw(st.booleans()) else 1 for d in grid.shape]
-        return builder.add(draw(st.sampled_from(["Add", "Sub", "Mul"])), [value, builder.const(small(shape))], ()), grid
+        operands = [value, builder.const(small(shape))]
+        if draw(st.booleans()):
+            operands.reverse()
+        if kind == "binary":
+            return builder.add(draw(st.sampled_from(["Add", "Sub", "Mul"])), operands, ()), grid
+        cond = builder.add(draw(st.sampled_from(["Greater", "Equal", "Less"])), operands, ())
+        return builder.add("Where", [cond, value, builder.const(small([1]))], ()), grid
     if kind in ("mod", "div"):
         divisor = builder.const(np.array(draw(st.integers(1, 5)), np.int64))
         if kind == "mod":

@@ -287,6 +287,40 @@ def test_reshape_targets_from_shape_plumbing_become_constants_and_dims_keep_thei
     assert_same_outputs(original, written)
 
 
+@pytest.mark.parametrize("zero_sized", [False, True])
+def test_a_reshape_with_allowzero_takes_a_constant_target_that_copies_dims(tmp_path: Path, zero_sized: bool) -> None:
+    # The dynamo exporter writes every Reshape with allowzero=1: Phi-3's attention output, x.view(b, -1, s, 32) of
+    # a [b, 8, s, 32] value, stayed with its plumbing (a 0 could not copy b and s). Where no entry is a static 0,
+    # clearing allowzero changes nothing: the target is [0, -1, 0, 32] and the Reshape is the identity. A static
+    # 0 is a zero-sized dim there, which the rewrite keeps as it is.
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
+        helper.make_node("Gather", ["s", "i2"], ["q"], axis=0),
+        helper.make_node("Unsqueeze", ["b", "ax"], ["b1"]),
+        helper.make_node("Unsqueeze", ["q", "ax"], ["q1"]),
+        helper.make_node("Concat", ["b1", "middle", "q1", "tail"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["viewed"], allowzero=1),
+        helper.make_node("Relu", ["viewed"], ["y"]),
+    ]
+    inits = [
+        tensor("i0", 0, np.int64),
+        tensor("i2", 2, np.int64),
+        tensor("ax", [0], np.int64),
+        tensor("middle", [0 if zero_sized else -1], np.int64),
+        tensor("tail", [32], np.int64),
+    ]
+    x_shape: list[int | str] = ["batch", 0 if zero_sized else 8, "seq", 32]
+    proto = model_proto(nodes, [info("x", shape=x_shape)], [info("y", shape=None)], inits)
+    original, written, _ = optimized(tmp_path, proto)
+    reshapes = [n for n in onnx.load(written).graph.node if n.op_type == "Reshape"]
+    if zero_sized:
+        assert [helper.get_attribute_value(a) for n in reshapes for a in n.attribute] == [1]
+    else:
+        assert ops(written) == Counter({"Relu": 1}), ops(written)
+    assert_same_outputs(original, written)
+
+
 def test_shape_plumbing_through_a_grid_is_followed(tmp_path: Path) -> None:
     # Dims measured from x pass through a 2 x 2 grid: a Transpose, a Slice flipping its rows, a Concat along
     # its columns, a broadcast Add of a column (TorchScript writes F.pad's computed pads through such a grid).

@@ -260,22 +260,27 @@ def test_equal_initializers_are_stored_once(tmp_path: Path) -> None:
 # -- symbolic shapes ------------------------------------------------------------------------
 
 
+def _measured(dims: dict[str, int]) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """``Unsqueeze(Gather(Shape(x), i))`` for each ``name: i``, as exporters measure dims: the nodes write
+    ``name1``, and their initializers."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"])]
+    inits = [tensor("ax", [0], np.int64)]
+    for name, index in dims.items():
+        nodes += [
+            helper.make_node("Gather", ["s", f"i{index}"], [name], axis=0),
+            helper.make_node("Unsqueeze", [name, "ax"], [f"{name}1"]),
+        ]
+        inits.append(tensor(f"i{index}", index, np.int64))
+    return nodes, inits
+
+
 def test_reshape_targets_from_shape_plumbing_become_constants_and_dims_keep_their_names(tmp_path: Path) -> None:
-    nodes = [
-        helper.make_node("Shape", ["x"], ["s"]),
-        helper.make_node("Gather", ["s", "i0"], ["batch"], axis=0),
-        helper.make_node("Gather", ["s", "i1"], ["seq"], axis=0),
-        helper.make_node("Unsqueeze", ["batch", "ax"], ["b1"]),
-        helper.make_node("Unsqueeze", ["seq", "ax"], ["s1"]),
-        helper.make_node("Concat", ["b1", "s1", "heads"], ["target"], axis=0),
+    nodes, inits = _measured({"batch": 0, "seq": 1})
+    nodes += [
+        helper.make_node("Concat", ["batch1", "seq1", "heads"], ["target"], axis=0),
         helper.make_node("Reshape", ["x", "target"], ["y"]),
     ]
-    inits = [
-        tensor("i0", 0, np.int64),
-        tensor("i1", 1, np.int64),
-        tensor("ax", [0], np.int64),
-        tensor("heads", [4, 64], np.int64),
-    ]
+    inits.append(tensor("heads", [4, 64], np.int64))
     proto = model_proto(nodes, [info("x", shape=["batch", "seq", 256])], [info("y", shape=None)], inits)
     original, written, _ = optimized(tmp_path, proto)
     assert ops(written) == Counter({"Reshape": 1})
@@ -293,20 +298,13 @@ def test_a_reshape_with_allowzero_takes_a_constant_target_that_copies_dims(tmp_p
     # a [b, 8, s, 32] value, stayed with its plumbing (a 0 could not copy b and s). Where no entry is a static 0,
     # clearing allowzero changes nothing: the target is [0, -1, 0, 32] and the Reshape is the identity. A static
     # 0 is a zero-sized dim there, which the rewrite keeps as it is.
-    nodes = [
-        helper.make_node("Shape", ["x"], ["s"]),
-        helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
-        helper.make_node("Gather", ["s", "i2"], ["q"], axis=0),
-        helper.make_node("Unsqueeze", ["b", "ax"], ["b1"]),
-        helper.make_node("Unsqueeze", ["q", "ax"], ["q1"]),
+    nodes, inits = _measured({"b": 0, "q": 2})
+    nodes += [
         helper.make_node("Concat", ["b1", "middle", "q1", "tail"], ["target"], axis=0),
         helper.make_node("Reshape", ["x", "target"], ["viewed"], allowzero=1),
         helper.make_node("Relu", ["viewed"], ["y"]),
     ]
-    inits = [
-        tensor("i0", 0, np.int64),
-        tensor("i2", 2, np.int64),
-        tensor("ax", [0], np.int64),
+    inits += [
         tensor("middle", [0 if zero_sized else -1], np.int64),
         tensor("tail", [32], np.int64),
     ]

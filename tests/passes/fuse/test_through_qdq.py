@@ -489,3 +489,21 @@ def test_a_windowed_attention_through_qdq_stays_as_written_over_many_biased_pair
     out, details = fuse(scaled, target_opset=23, fuse_through_qdq=True)
     assert ops(out)["Attention"] == 1
     assert not any("through Q/DQ" in m for m in details["near_misses"].get("attention", [])), details
+
+
+def test_bloom_s_merged_heads_attention_through_int8_pairs_loads_at_onnxruntime_s_full_level(tmp_path: Path) -> None:
+    """BLOOM's ALiBi bias is split back by heads with a Reshape of its int8 DequantizeLinear and added to the mask
+    before the fused Attention. onnxruntime 1.32 carries that DequantizeLinear across the Reshape from opset 21 on
+    and fails to load (output_dtype INT8 against a uint8 zero point): the runtime guard undid the fusion on bloom's
+    QDQ files at opset 23. The Reshape now reads the integers; the Attention stays and the output loads."""
+    from graphopt.runtime.census import census_of_file
+
+    source, target, report = tmp_path / "model.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
+    onnx.save(_quantized_case("attention", "attention-merged-heads"), source)
+    result = invoke("run", source, "-o", target, "--target-opset", "23", "--report", report)
+    assert result.exit_code == 0, result.output
+    found = json.loads(report.read_text())
+    assert found["numerics"]["status"] == "passed"
+    assert not found["runtime_guard"].get("undone"), found["runtime_guard"]
+    assert Counter(n.op_type for n in onnx.load(target).graph.node)["Attention"] == 1
+    census_of_file(target)

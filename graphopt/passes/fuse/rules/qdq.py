@@ -41,11 +41,13 @@ integer type holds it (no saturation). So:
   then inserts a QuantizeLinear after it whose output_dtype contradicts its zero point at opset
   21 and up (onnxruntime 1.32): the session fails (gpt2_ts_qdq and llama_ts_qdq at
   ``--target-opset 23``). With the DQ after the move, the DQ feeds the fused op directly.
-  From opset 21 on, the same where onnxruntime's propagation would carry an int8 DQ across a Slice
-  read by other float ops (a QOperator model's rotary halves: the QOperator Llamas at opset 23 did
-  not load at ORT_ENABLE_EXTENDED and up), where that propagation reaches: a standard per-tensor DQ,
-  and an edge after the Slice that no QuantizeLinear ends. A DQ that other ops read too stays for
-  them (one node more).
+  From opset 21 on, the same where onnxruntime's propagation would carry an int8 DQ across a Slice,
+  Reshape, Transpose, Squeeze or Unsqueeze read by another float op (a QOperator model's rotary
+  halves: the QOperator Llamas at opset 23 did not load at ORT_ENABLE_EXTENDED and up; BLOOM's ALiBi
+  bias split by heads and added to the mask before a fused Attention: bloom's QDQ files at opset 23
+  lost their four Attentions to the runtime guard), where that propagation reaches: a standard
+  per-tensor DQ, and a move whose one edge out no QuantizeLinear ends. A DQ that other ops read too
+  stays for them (one node more).
 
 A ``Q -> DQ`` on a float activation rounds it to the grid of ``s``: that is the quantization
 itself, and stays. These rules are late: a fusion that sees through an activation's Q -> DQ
@@ -94,12 +96,11 @@ _RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 # Fused ops a fusion through Q/DQ writes that onnxruntime runs in float only (no integer kernel of
 # theirs reads a DequantizeLinear); CARRIERS (graphopt.ir.ops) bring a dequantized value to them.
 _FLOAT_ONLY = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention", "RotaryEmbedding"})
-# The moves onnxruntime's Q/DQ propagation (ORT_ENABLE_EXTENDED and up) still carries a DequantizeLinear across
-# from opset 21 on: Slice's schema is unchanged since 13, while Reshape, Transpose, Squeeze and Unsqueeze have
-# versions it does not list. The QuantizeLinear it inserts there gets an output_dtype that contradicts its zero point
-# (onnxruntime 1.32), and the session fails. (MaxPool-12 is still current at opset 21 and fails alike; in QDQ and
-# QOperator models a QuantizeLinear reads it, which the propagation skips, and elsewhere the run warns.)
-_PROPAGATED_FROM_21 = frozenset({"Slice"})
+# The moves onnxruntime's Q/DQ propagation (ORT_ENABLE_EXTENDED and up) carries an int8 DequantizeLinear across
+# from opset 21 on, inserting a QuantizeLinear whose output_dtype contradicts its zero point (onnxruntime 1.32): the
+# session fails (each measured alone at opsets 21 to 25; Flatten, Gather and Expand load). (MaxPool-12 fails alike;
+# in QDQ and QOperator models a QuantizeLinear reads it, which the propagation skips, and elsewhere the run warns.)
+_PROPAGATED_FROM_21 = frozenset({"Reshape", "Slice", "Squeeze", "Transpose", "Unsqueeze"})
 # Roundings between q and Q's rounding to an integer (DQ's product, Q's division or its
 # reciprocal and product), each of relative size half the float type's spacing.
 _ROUNDINGS = 3
@@ -417,21 +418,22 @@ def _feeds_fused_floats(value: Value) -> bool:
 
 def _propagation_trips(move: Node, dequantize: Node, grid: _Params, site: Site) -> bool:
     """Whether onnxruntime's Q/DQ propagation carries ``dequantize`` across ``move`` at the site's opset, and fails
-    there. From opset 21 on it still crosses a Slice, for a standard DequantizeLinear with one scale and zero point,
-    onto each edge after it that no QuantizeLinear ends (to the graph's output where nothing else reads it; nowhere
-    where the Slice's output is a graph output read by nodes too), also where the DQ has other readers (onnxruntime
-    gave each Slice of a rotary's halves its own copy); and it fails where the integers are int8 (it makes them
-    uint8 first; a uint8 DQ loads)."""
+    there. From opset 21 on it crosses the moves of ``_PROPAGATED_FROM_21``, for a standard DequantizeLinear with one
+    scale and zero point, where the move's output has one edge out and no QuantizeLinear ends it (one reader, or the
+    graph's output that nothing reads; not two readers, nor one reading it twice, nor a graph output also read),
+    also where the DQ has other readers (onnxruntime gave each Slice of a rotary's halves its own copy); and it fails
+    where the integers are int8 (it makes them uint8 first; a uint8 DQ loads)."""
     moved = move.outputs[0]
     readers = [use.node for use in moved.uses()]
-    edges = not readers if moved.is_graph_output else any(not node.is_qdq("QuantizeLinear") for node in readers)
+    one_edge = len(readers) + moved.is_graph_output == 1
     return (
         site.opset >= 21
         and move.op_type in _PROPAGATED_FROM_21
         and dequantize.in_standard_domain
         and grid.integer == DataType.INT8
         and grid.axis is None
-        and edges
+        and one_edge
+        and not any(node.is_qdq("QuantizeLinear") for node in readers)
     )
 
 

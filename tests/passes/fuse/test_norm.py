@@ -64,6 +64,14 @@ def _float16_rms_norm(elem_type: int = F16) -> onnx.ModelProto:
     )
 
 
+def _float16_simplified_norm(elem_type: int = F16) -> onnx.ModelProto:
+    """onnxruntime's SimplifiedLayerNormalization of a float16 x by a float16 gamma: what ort-rmsnorm writes on a
+    float16 decoder for --target ort."""
+    proto = _float16_rms_norm(elem_type)
+    proto.graph.node[0].op_type = "SimplifiedLayerNormalization"
+    return proto
+
+
 def _rms_round_trip() -> onnx.ModelProto:
     """Hugging Face's RMSNorm of a float16 x as the TorchScript exporter writes it: Cast to float32,
     Pow / ReduceMean / Add / Sqrt / Div(1, .) / Mul, Cast back, times gamma."""
@@ -338,11 +346,27 @@ CASES: dict[str, Case] = {
         settings=LATE,
         passes="shape-infer,fuse,dce",
     ),
+    "ort-rmsnorm-float32": Case(
+        _float16_simplified_norm,
+        {"SimplifiedLayerNormalization": 1, "Cast": 3},
+        "n/a: one node, the SimplifiedLayerNormalization itself",
+        Perturb(
+            lambda proto: _float16_simplified_norm(TensorProto.FLOAT),
+            None,
+            feeds=make_feeds,
+            note="the SimplifiedLayerNormalization in float32: nothing to compute in float32",
+        ),
+        "n/a: the rule needs element types only, which every input declares",
+        "n/a: onnxruntime registers SimplifiedLayerNormalization at every opset",
+        settings={"target": "ort", **LATE},
+        passes="shape-infer,fuse,dce",
+    ),
 }
 
 EXPORTED: dict[str, Exported | str] = {
     "rmsnorm-float32": "its case is what rmsnorm writes on a float16 export; test_float32.py runs the whole pipeline "
     "on the float16 Llama export (tests/fixtures/exports/llama_fp16_dynamo.onnx)",
+    "ort-rmsnorm-float32": "as rmsnorm-float32, at --target ort",
     "groupnorm": Exported(
         ("unet_dynamo", "unet_ts"),
         {"GroupNormalization": 1},

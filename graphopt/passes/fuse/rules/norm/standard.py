@@ -14,7 +14,8 @@ any mean here may be either spelling, GlobalAveragePool standing for the axes fr
 
 RMSNorm. ``x / Sqrt(ReduceMean(x^2) + eps) * gamma`` (or ``x * Reciprocal(...)``) ->
 ``RMSNormalization(x, gamma, axis, epsilon)`` (opset 23); on float16, computed in float32 between Casts
-(``rmsnorm-float32``, late; see _float32.py).
+(``rmsnorm-float32``, late; see _float32.py), as is ``--target ort``'s SimplifiedLayerNormalization
+(``ort-rmsnorm-float32``).
 
 GroupNorm, as both PyTorch exporters write nn.GroupNorm (diffusers' UNets and VAEs): ``Reshape(x, [N, G, -1])``,
 ``InstanceNormalization`` (or the mean-variance spelling) over each group, ``Reshape`` back to x's shape, ``* gamma``
@@ -559,6 +560,18 @@ RULES: tuple[Rule[Any], ...] = (
         label="float16 RMSNorm",
         doc="RMSNormalization on float16 -> Cast to float32, RMSNormalization, Cast to float16: onnxruntime's CPU "
         "provider runs the float16 chain it replaces in float32 and rounds its result to float16 only here",
+    ),
+    in_float32(
+        "ort-rmsnorm-float32",
+        FAMILY,
+        "SimplifiedLayerNormalization",
+        2,
+        min_opset=1,
+        targets=frozenset({"ort"}),
+        label="float16 SimplifiedLayerNormalization",
+        doc="SimplifiedLayerNormalization on float16 -> Cast to float32, SimplifiedLayerNormalization, Cast to "
+        "float16 (target ort): as rmsnorm-float32, its float16 kernel rounds its input and result where the chain "
+        "it replaced passed float32 on",
     ),
     *_affine_rules(_GROUP_NORM_RULE, "groupnorm", _GROUP_NORM, _WITH_BIAS, _NO_BIAS, _PLAIN),
     *_affine_rules(_GROUP_NORM_18_RULE, "groupnorm-18", _GROUP_NORM, _WITH_BIAS, _NO_BIAS, _PLAIN),

@@ -1,8 +1,8 @@
 """Fused float16 ops computed in float32 between Casts, for onnxruntime's CPU provider (late rules of the
 attention, norm and activation families: ``attention-float32``, ``rmsnorm-float32``, ``gelu-float32``,
-``softmax-float32``, ``logsoftmax-float32``, and at ``--target ort`` ``mha-float32``, ``gqa-float32`` for com.microsoft
-MultiHeadAttention and GroupQueryAttention, ``ort-gelu-float32``, ``ort-fastgelu-float32`` for com.microsoft Gelu and
-FastGelu).
+``softmax-float32``, ``logsoftmax-float32``, and at ``--target ort`` ``ort-rmsnorm-float32`` for onnxruntime's
+SimplifiedLayerNormalization, ``mha-float32``, ``gqa-float32`` for com.microsoft MultiHeadAttention and
+GroupQueryAttention, ``ort-gelu-float32``, ``ort-fastgelu-float32`` for com.microsoft Gelu and FastGelu).
 
 The GELUs are a matter of speed: onnxruntime 1.32's CPU provider has no float16 kernel for Gelu (opset 20),
 com.microsoft Gelu or FastGelu, so it runs the standard op's function body (Div, Erf, Add, Mul; Pow and Tanh for

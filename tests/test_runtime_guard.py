@@ -293,58 +293,58 @@ def test_a_model_onnxruntime_cannot_load_is_not_guarded(tmp_path: Path) -> None:
     assert guard["reason"].startswith("the original: onnxruntime cannot load it at ORT_ENABLE_ALL: ")
 
 
-def _requantized_reshape(path: Path) -> Path:
-    """x -> Q -> DQ -> Reshape -> Q -> DQ -> Relu at opset 23, int8: every value between ops quantized."""
+def _requantized_pool(path: Path) -> Path:
+    """x -> Q -> DQ -> MaxPool -> Q -> DQ -> Relu at opset 23, int8: every value between ops quantized."""
     grid = [numpy_helper.from_array(np.array(0.05, np.float32), "scale"), numpy_helper.from_array(np.int8(0), "zero")]
     nodes = [
         helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["xq"]),
         helper.make_node("DequantizeLinear", ["xq", "scale", "zero"], ["xd"]),
-        helper.make_node("Reshape", ["xd", "shape"], ["r"]),
+        helper.make_node("MaxPool", ["xd"], ["r"], kernel_shape=[2]),
         helper.make_node("QuantizeLinear", ["r", "scale", "zero"], ["rq"]),
         helper.make_node("DequantizeLinear", ["rq", "scale", "zero"], ["rd"]),
         helper.make_node("Relu", ["rd"], ["y"]),
     ]
     graph = helper.make_graph(
         nodes,
-        "requantized_reshape",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])],
-        [*grid, numpy_helper.from_array(np.array([4, 4], np.int64), "shape")],
+        "requantized_pool",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 7])],
+        grid,
     )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), path)
     return path
 
 
-# Drops the Q/DQ pair after a Reshape of dequantized values (exact: the same grid). onnxruntime
-# then propagates the first pair over the Reshape itself, and at opset 21 and up the QuantizeLinear
-# it inserts for an int8 grid refuses to load (onnxruntime 1.32; llama_ts_qdq's rotary fusion at
-# --target-opset 23 tripped it the same way).
-UNQUANTIZED_RESHAPE = Rule(
-    name="test-unquantized-reshape",
+# Drops the Q/DQ pair after a MaxPool of dequantized values (exact: the largest of a window stays on the grid).
+# onnxruntime then propagates the first pair over the MaxPool itself, and at opset 21 and up the QuantizeLinear it
+# inserts for an int8 grid refuses to load (onnxruntime 1.32; llama_ts_qdq's rotary fusion at --target-opset 23
+# tripped it the same way across a Reshape, which qdq-dequantize-after-move now repairs; a MaxPool it leaves).
+UNQUANTIZED_POOL = Rule(
+    name="test-unquantized-pool",
     family="test",
     pattern=op.DequantizeLinear(
-        op.QuantizeLinear(op.Reshape(var("x"), var("shape")), var("scale"), var("zero")), var("scale"), var("zero")
+        op.QuantizeLinear(op.MaxPool(var("x"), name="pool"), var("scale"), var("zero")), var("scale"), var("zero")
     ),
-    build=lambda b, m, plan: b.op("Reshape", m.value("x"), m.value("shape")),
+    build=lambda b, m, plan: b.op("MaxPool", m.value("x"), kernel_shape=[2]),
 )
 
 
 def test_a_rewrite_whose_output_onnxruntime_cannot_load_is_undone(tmp_path: Path) -> None:
-    source = _requantized_reshape(tmp_path / "m.onnx")
+    source = _requantized_pool(tmp_path / "m.onnx")
     out, report = tmp_path / "out.onnx", tmp_path / "r.json"
-    add_rule(UNQUANTIZED_RESHAPE)
+    add_rule(UNQUANTIZED_POOL)
     try:
         unguarded = graphopt.optimize(source, runtime_guard=False)
         result = invoke("run", source, "-o", out, "--report", report)
     finally:
-        remove_rule(UNQUANTIZED_RESHAPE.name)
+        remove_rule(UNQUANTIZED_POOL.name)
     assert [n.op_type for n in unguarded.model.graph.nodes].count("QuantizeLinear") == 1
     assert result.exit_code == 0, result.stderr
     guard = _report(report)["runtime_guard"]
     assert guard["status"] == "undone"  # type: ignore[index]
     (undone,) = guard["undone"]  # type: ignore[index]
-    assert (undone["rule"], undone["kind"]) == ("test-unquantized-reshape", "session")
-    assert "ort session kept: the rule test-unquantized-reshape was undone because onnxruntime cannot load it" in (
+    assert (undone["rule"], undone["kind"]) == ("test-unquantized-pool", "session")
+    assert "ort session kept: the rule test-unquantized-pool was undone because onnxruntime cannot load it" in (
         result.stderr
     )
     assert _ops(out)["QuantizeLinear"] == 2

@@ -234,6 +234,35 @@ def not_below(since: int) -> Perturb:
     return Perturb(copied, None, settings={"target_opset": since}, note=f"--target-opset {since}, not below")
 
 
+def float32_case(
+    build: Callable[..., onnx.ModelProto],
+    op_type: str,
+    casts: int,
+    low_opset: Perturb | str,
+    settings: dict[str, Any],
+    feeds: Callable[[], Mapping[str, np.ndarray]] | None = None,
+) -> Case:
+    """The case of a rule computing a float16 ``op_type`` in float32 between Casts (graphopt/passes/fuse/rules/
+    _float32.py): ``build()`` its float16 model, ``build(TensorProto.FLOAT)`` the float32 one it leaves, ``casts``
+    the Casts the rule writes."""
+    return Case(
+        build,
+        {op_type: 1, "Cast": casts},
+        f"n/a: one node, the {op_type} itself",
+        Perturb(
+            lambda proto: build(TensorProto.FLOAT),
+            None,
+            feeds=make_feeds,
+            note=f"the {op_type} in float32: nothing to compute in float32",
+        ),
+        "n/a: the rule needs element types only, which every input declares",
+        low_opset,
+        settings=settings,
+        feeds=feeds,
+        passes="shape-infer,fuse,dce",
+    )
+
+
 # -- the table ----------------------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from graphopt.api import optimize
 from graphopt.io.onnx_io import from_proto
 from graphopt.ir.node import CONTRIB_DOMAIN as MS
 from tests.cli_helpers import invoke
-from tests.numerics import assert_same_outputs, make_feeds
+from tests.numerics import assert_same_outputs
 from tests.passes.fuse.table import (
     BOTH_DYNAMIC,
     ELEMENTWISE,
@@ -34,6 +34,7 @@ from tests.passes.fuse.table import (
     below,
     constant_at,
     exported_mlp,
+    float32_case,
     set_attr,
     set_const,
     set_shape,
@@ -125,28 +126,19 @@ def _float16_node(op_type: str, contrib: bool, opset: int, elem_type: int = Tens
 def _float32_case(op_type: str, contrib: bool = False, min_opset: int = 20) -> Case:
     """The case of a rule computing a float16 op in float32 between Casts (graphopt/passes/fuse/rules/_float32.py):
     a GELU (the standard one from opset 20), a Softmax or a LogSoftmax (from opset 13)."""
-    build = partial(_float16_node, op_type, contrib, 17 if contrib else min_opset)
-    return Case(
-        build,
-        {op_type: 1, "Cast": 3 if op_type == "FastGelu" else 2},
-        f"n/a: one node, the {op_type} itself",
-        Perturb(
-            lambda proto: build(TensorProto.FLOAT),
-            None,
-            feeds=make_feeds,
-            note=f"the {op_type} in float32: nothing to compute in float32",
-        ),
-        "n/a: the rule needs element types only, which every input declares",
+    return float32_case(
+        partial(_float16_node, op_type, contrib, 17 if contrib else min_opset),
+        op_type,
+        3 if op_type == "FastGelu" else 2,
         "n/a: the rule's root is a com.microsoft op, which has no opset"
         if contrib
         else "n/a: the rule's root is a Gelu, which no opset below 20 has"
         if op_type == "Gelu"
         else below(min_opset),
-        settings={**LATE, "target": "ort"} if contrib else LATE,
+        {**LATE, "target": "ort"} if contrib else LATE,
         # small inputs: the float16 op's decomposition and the float32 kernel differ by float16's rounding, which
         # stays within the table's 1e-4 only there
         feeds=lambda: {"x": (0.05 * np.random.default_rng(0).standard_normal((2, 3, 8))).astype(np.float16)},
-        passes="shape-infer,fuse,dce",
     )
 
 

@@ -81,22 +81,29 @@ def _assert_no_further_from_float32(source: Path, target: Path) -> None:
     assert error(target) <= 1.01 * error(original)
 
 
-def test_a_float16_llama_layer_computes_its_norms_and_attention_in_float32(tmp_path: Path) -> None:
-    """The float16 Llama export at --target-opset 23: its fused RMSNormalizations and Attention read Casts to
-    float32, and the output is no further from the export computed in float32 (the check's float reference) than
-    the export itself, as onnxruntime runs it."""
+def _fused_reading_casts(tmp_path: Path, op_types: tuple[str, ...], *flags: str) -> list[str]:
+    """The op types of the float16 Llama export's ``op_types`` nodes after ``graphopt run`` with ``flags``, each read
+    from a Cast to float32; the output no further from the export computed in float32 than the export itself."""
     source, target = FIXTURES / "llama_fp16_dynamo.onnx", tmp_path / "out.onnx"
-    result = invoke("run", source, "-o", target, "--target-opset", "23")
+    result = invoke("run", source, "-o", target, *flags)
     assert result.exit_code == 0, result.output
     assert "numerics: passed" in result.output
     written = onnx.load(target)
     producers = {out: n for n in written.graph.node for out in n.output}
-    computed = [n for n in written.graph.node if n.op_type in ("RMSNormalization", "Attention")]
-    assert Counter(n.op_type for n in computed) == {"RMSNormalization": 3, "Attention": 1}
+    computed = [n for n in written.graph.node if n.op_type in op_types]
     for fused in computed:
         assert producers[fused.input[0]].op_type == "Cast", fused.name
-    # 7.47e-4 for both; with the float16 ops (--fuse-disable attention-float32 and rmsnorm-float32) 8.34e-4
     _assert_no_further_from_float32(source, target)
+    return [n.op_type for n in computed]
+
+
+def test_a_float16_llama_layer_computes_its_norms_and_attention_in_float32(tmp_path: Path) -> None:
+    """The float16 Llama export at --target-opset 23: its fused RMSNormalizations and Attention read Casts to
+    float32, and the output is no further from the export computed in float32 (the check's float reference) than
+    the export itself, as onnxruntime runs it."""
+    computed = _fused_reading_casts(tmp_path, ("RMSNormalization", "Attention"), "--target-opset", "23")
+    assert Counter(computed) == {"RMSNormalization": 3, "Attention": 1}
+    # 7.47e-4 for both; with the float16 ops (--fuse-disable attention-float32 and rmsnorm-float32) 8.34e-4
 
 
 def test_a_float16_llama_layer_computes_its_norms_in_float32_for_onnxruntime(tmp_path: Path) -> None:
@@ -104,15 +111,7 @@ def test_a_float16_llama_layer_computes_its_norms_in_float32_for_onnxruntime(tmp
     kernel rounds its input and result where the chain it replaced passed float32 on (qwen3's float16 exports at
     --target ort: 1.046 of the variant's error to the float32 export). They read Casts to float32, and the output is
     no further from the export computed in float32 than the export itself."""
-    source, target = FIXTURES / "llama_fp16_dynamo.onnx", tmp_path / "out.onnx"
-    result = invoke("run", source, "-o", target, "--target", "ort")
-    assert result.exit_code == 0, result.output
-    assert "numerics: passed" in result.output
-    written = onnx.load(target)
-    producers = {out: n for n in written.graph.node for out in n.output}
-    norms = [n for n in written.graph.node if n.op_type == "SimplifiedLayerNormalization"]
-    assert norms and all(producers[norm.input[0]].op_type == "Cast" for norm in norms)
-    _assert_no_further_from_float32(source, target)
+    assert _fused_reading_casts(tmp_path, ("SimplifiedLayerNormalization",), "--target", "ort")
 
 
 def test_a_float16_llama_layer_computes_its_softmax_in_float32(tmp_path: Path) -> None:

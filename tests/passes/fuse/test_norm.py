@@ -30,6 +30,7 @@ from tests.passes.fuse.table import (
     below,
     constant_at,
     copied,
+    float32_case,
     set_attr,
     set_const,
     set_shape,
@@ -331,35 +332,19 @@ CASES: dict[str, Case] = {
     ),
     "ort-skiprmsnorm": _skip_case("RMSNormalization", EXPORTED_SUM),
     "ort-skiprmsnorm-decomposed": _skip_case("decomposed", "ms"),
-    "rmsnorm-float32": Case(
+    "rmsnorm-float32": float32_case(
         _float16_rms_norm,
-        {"RMSNormalization": 1, "Cast": 3},
-        "n/a: one node, the RMSNormalization itself",
-        Perturb(
-            lambda proto: _float16_rms_norm(TensorProto.FLOAT),
-            None,
-            feeds=make_feeds,
-            note="the RMSNormalization in float32: nothing to compute in float32",
-        ),
-        "n/a: the rule needs element types only, which every input declares",
+        "RMSNormalization",
+        3,
         "n/a: the rule's root is an RMSNormalization, which no opset below 23 has",
-        settings=LATE,
-        passes="shape-infer,fuse,dce",
+        LATE,
     ),
-    "ort-rmsnorm-float32": Case(
+    "ort-rmsnorm-float32": float32_case(
         _float16_simplified_norm,
-        {"SimplifiedLayerNormalization": 1, "Cast": 3},
-        "n/a: one node, the SimplifiedLayerNormalization itself",
-        Perturb(
-            lambda proto: _float16_simplified_norm(TensorProto.FLOAT),
-            None,
-            feeds=make_feeds,
-            note="the SimplifiedLayerNormalization in float32: nothing to compute in float32",
-        ),
-        "n/a: the rule needs element types only, which every input declares",
+        "SimplifiedLayerNormalization",
+        3,
         "n/a: onnxruntime registers SimplifiedLayerNormalization at every opset",
-        settings={"target": "ort", **LATE},
-        passes="shape-infer,fuse,dce",
+        {"target": "ort", **LATE},
     ),
 }
 

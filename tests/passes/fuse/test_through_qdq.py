@@ -24,6 +24,7 @@ import pytest
 from onnx import helper, numpy_helper, version_converter
 
 from graphopt.numerics.compare import relative_l2
+from graphopt.runtime.census import census_of_file
 from tests.cli_helpers import invoke
 from tests.numerics import make_feeds, run_ort
 from tests.passes.fuse import test_activation, test_attention, test_norm, test_rotary
@@ -496,8 +497,6 @@ def test_bloom_s_merged_heads_attention_through_int8_pairs_loads_at_onnxruntime_
     before the fused Attention. onnxruntime 1.32 carries that DequantizeLinear across the Reshape from opset 21 on
     and fails to load (output_dtype INT8 against a uint8 zero point): the runtime guard undid the fusion on bloom's
     QDQ files at opset 23. The Reshape now reads the integers; the Attention stays and the output loads."""
-    from graphopt.runtime.census import census_of_file
-
     source, target, report = tmp_path / "model.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
     onnx.save(_quantized_case("attention", "attention-merged-heads"), source)
     result = invoke("run", source, "-o", target, "--target-opset", "23", "--report", report)

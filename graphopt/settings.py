@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from graphopt.errors import InputError
-from graphopt.options import coerce, option, type_name
+from graphopt.options import coerce, field_types, option, type_name
 
 __all__ = ["SETTING_NAMES", "Settings", "settings_from"]
 
@@ -73,7 +72,7 @@ SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(Settings))
 
 def settings_from(values: Mapping[str, Any], where: str = "settings") -> Settings:
     """Settings from a mapping (a config table, API keywords); unknown or mistyped is bad input."""
-    hints = typing.get_type_hints(Settings)
+    hints = field_types(Settings)
     known = {f.name for f in dataclasses.fields(Settings)}
     converted: dict[str, Any] = {}
     for key, value in values.items():

@@ -36,7 +36,10 @@ def _as_feed(value: Any) -> Any:
 
 
 def session(path: Path) -> ort.InferenceSession:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    # One thread: the suites run on every core at once (pytest -n), and more threads per session only spin.
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def feeds(case: Any, loaded: ort.InferenceSession) -> tuple[dict[str, Any], list[Any]]:

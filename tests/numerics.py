@@ -30,6 +30,8 @@ def _session(model: ModelLike) -> ort.InferenceSession:
     # Compare our rewrite, not onnxruntime's: its own graph optimizations stay off.
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
+    # One thread: the suites run on every core at once (pytest -n), and more threads per session only spin.
+    options.intra_op_num_threads = 1
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
     if isinstance(source, os.PathLike):
         source = os.fspath(source)

@@ -23,6 +23,7 @@ import click
 from rich.console import Console
 
 from graphopt.errors import GraphoptError, InputError, one_line
+from graphopt.options import field_types
 from graphopt.settings import Settings
 from graphopt.version import __version__
 
@@ -189,7 +190,7 @@ def with_settings(func: F) -> F:
     ``settings``, a dict; --debug turns on the verify setting."""
     from graphopt.passes.base import pass_knobs
 
-    hints = typing.get_type_hints(Settings)
+    hints = field_types(Settings)
     declared = [
         (f.name, "--" + f.name.replace("_", "-"), hints[f.name], f.metadata.get("help", ""))
         for f in dataclasses.fields(Settings)
@@ -215,7 +216,7 @@ def with_pass_options(pass_name: str) -> Callable[[F], F]:
     from graphopt.passes.base import get_pass
 
     options_class = get_pass(pass_name).Options
-    hints = typing.get_type_hints(options_class)
+    hints = field_types(options_class)
     fields = dataclasses.fields(options_class)
 
     def decorate(func: F) -> F:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
@@ -28,7 +27,7 @@ from graphopt.errors import InputError
 from graphopt.facts import Facts, OnnxTypes
 from graphopt.ir import Graph, Model, Node
 from graphopt.ir.rewrite import Builder, Namer
-from graphopt.options import coerce, plain, type_name
+from graphopt.options import coerce, field_types, plain, type_name
 from graphopt.settings import SETTING_NAMES, Settings
 
 if TYPE_CHECKING:  # passes reach the evaluator through the context, never by import
@@ -198,7 +197,7 @@ def register(cls: P) -> P:
     builtin = BUILTIN_PASSES.get(cls.name)
     if not cls.name or cls.name in _REGISTRY or (builtin is not None and not cls.__module__.startswith(builtin)):
         raise ValueError(f"pass name {cls.name!r} is empty or already registered")
-    hints = typing.get_type_hints(cls.Options)
+    hints = field_types(cls.Options)
     for option in dataclasses.fields(cls.Options):
         coerce(hints[option.name], None)  # an annotation options cannot carry raises TypeError here
     _REGISTRY[cls.name] = cls
@@ -254,7 +253,7 @@ def pass_knobs(passes: Mapping[str, type[Pass]] | None = None) -> dict[str, Knob
     """The knobs of ``passes`` (default: every registered pass, the built-in ones imported)."""
     found: dict[str, Knob] = {}
     for pass_name, cls in sorted((passes if passes is not None else all_passes()).items()):
-        hints = typing.get_type_hints(cls.Options)
+        hints = field_types(cls.Options)
         for option in dataclasses.fields(cls.Options):
             name = option.metadata.get("knob") or f"{pass_name}_{option.name}".replace("-", "_")
             if name in found or name in SETTING_NAMES:
@@ -272,7 +271,7 @@ class OptionSpec:
 
 
 def option_specs(cls: type[Pass]) -> list[OptionSpec]:
-    hints = typing.get_type_hints(cls.Options)
+    hints = field_types(cls.Options)
     specs = []
     for option in dataclasses.fields(cls.Options):
         default = option.default if option.default is not dataclasses.MISSING else None
@@ -285,7 +284,7 @@ def option_specs(cls: type[Pass]) -> list[OptionSpec]:
 
 
 def _parse_options(cls: type[Pass], config: Mapping[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls.Options)
+    hints = field_types(cls.Options)
     known = {f.name for f in dataclasses.fields(cls.Options)}
     converted: dict[str, Any] = {}
     for key, value in config.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,6 +58,9 @@ def optimized(proto: onnx.ModelProto, passes: str | None) -> onnx.ModelProto:
     return to_proto(result.model)
 
 
+# Untraced under --cov (.ci/run): the tracer made the suite's longest test half as long again, and the lines its 800
+# draws reach are the passes' own, which their suites trace.
+@pytest.mark.no_cover
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_models())
 def test_passes_keep_numerics_or_leave_the_graph_alone(proto: onnx.ModelProto) -> None:

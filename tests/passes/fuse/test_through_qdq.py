@@ -31,6 +31,8 @@ from tests.passes.fuse import test_activation, test_attention, test_norm, test_r
 from tests.passes.fuse.table import (
     QDQ,
     Case,
+    assert_no_further,
+    assert_quantization_kept,
     draws,
     fires_through_qdq,
     interior_quantized,
@@ -39,7 +41,7 @@ from tests.passes.fuse.table import (
     quantized,
     same_weights,
 )
-from tests.passes.fuse_helpers import fuse, init, node, ops
+from tests.passes.fuse_helpers import fuse, ops
 from tests.passes.fuse_models import layer_norm, ort_attention, skip_norm
 
 
@@ -463,33 +465,19 @@ def test_the_residual_sum_keeps_the_quantization_before_its_norm() -> None:
     assert all(np.array_equal(found[name], value) for name, value in expected.items())
 
 
-@pytest.mark.parametrize(("windows", "fused"), [(4, True), (32, False)])
-def test_a_windowed_attention_through_qdq_stays_as_written_over_many_biased_pairs(windows: int, fused: bool) -> None:
-    # Swin's windows make the attention's batch windows * batch; quantized, onnxruntime runs the scores and the
-    # weighted sum as integer QLinearMatMuls, faster than a float Attention from 64 (batch, head) pairs per image
-    # with a bias (Swin's QDQ exports at opset 23: 0.941 and 0.739 of the variant's time without it, 1.004 and
-    # 0.813 with it). The float model fuses at any count (0.901 against 0.984 on Swin).
+@pytest.mark.parametrize("windows", [4, 32])
+def test_a_windowed_attention_through_qdq_fuses_over_many_biased_pairs(windows: int) -> None:
+    # Swin's windows make the attention's batch windows * batch, 64 (batch, head) pairs per image with a bias.
+    # Quantized, whether onnxruntime's integer QLinearMatMuls of the written form or the float Attention run
+    # faster depends on the machine (Swin's QDQ exports: the Attention 0.787 and 0.648 of the variant's time on
+    # an AMD EPYC, 0.973 and 0.811 as written; the other way round on an Intel one): it fuses, as the float
+    # model does, and --tune undoes it where it measures slower.
     proto = ort_attention(windows=windows)
-    out, details = fuse(quantized(proto, lambda seed: make_feeds(proto, seed)), target_opset=23, fuse_through_qdq=True)
-    assert ops(out)["Attention"] == (1 if fused else 0)
-    if not fused:
-        assert any(
-            "through Q/DQ, 64 (batch, head) pairs per sample with a mask or bias" in m
-            for m in details["near_misses"]["attention"]
-        ), details
-    floating, _ = fuse(proto, target_opset=23)
-    assert ops(floating)["Attention"] == 1
-    # A float attention whose only dequantized value is its scale constant runs no integer kernel: no refusal
-    scaled = onnx.ModelProto.FromString(proto.SerializeToString())
-    kept = [t for t in scaled.graph.initializer if t.name != "scale"]
-    del scaled.graph.initializer[:]
-    scaled.graph.initializer.extend(
-        [*kept, init("scale_q", np.array(4, np.int8)), init("scale_s", 0.5), init("scale_z", np.array(0, np.int8))]
-    )
-    scaled.graph.node.insert(0, node("DequantizeLinear", ["scale_q", "scale_s", "scale_z"], "scale"))
-    out, details = fuse(scaled, target_opset=23, fuse_through_qdq=True)
-    assert ops(out)["Attention"] == 1
-    assert not any("through Q/DQ" in m for m in details["near_misses"].get("attention", [])), details
+    qdq = quantized(proto, lambda seed: make_feeds(proto, seed))
+    out, details = fuse(qdq, target_opset=23, fuse_through_qdq=True)
+    assert ops(out)["Attention"] == 1, details["near_misses"]
+    assert_quantization_kept(qdq, out)
+    assert_no_further(proto, qdq, out, make_feeds(proto, 7))
 
 
 def test_bloom_s_merged_heads_attention_through_int8_pairs_loads_at_onnxruntime_s_full_level(tmp_path: Path) -> None:

@@ -190,7 +190,7 @@ class Plan4:
 
 
 # From this many (batch, head) pairs per sample, an attention with a mask or bias stays as written where
-# onnxruntime would run it slower fused (ort.py's MultiHeadAttention; standard.py's Attention through Q/DQ).
+# onnxruntime would run it slower fused (ort.py's MultiHeadAttention).
 BIASED_PAIRS_LIMIT = 64
 
 

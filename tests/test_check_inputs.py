@@ -657,6 +657,7 @@ def _only_onnxruntime_limits(statuses: dict[str, str]) -> None:
     assert not wrong, "\n".join(f"{name}: {status}" for name, status in wrong.items())
 
 
+@pytest.mark.slow  # the whole node suite: 14 s of the default suite's work
 def test_node_suite_models_with_sequence_or_optional_inputs_are_checked(tmp_path: Path) -> None:
     # All 24 were "not checked: ... has type seq(tensor(float)), which the check cannot generate".
     _only_onnxruntime_limits(_node_case_statuses(tmp_path, _SEQUENCE_CASES))

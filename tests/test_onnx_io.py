@@ -39,6 +39,7 @@ def _identical(a: Any, b: Any) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+@pytest.mark.slow  # the whole node suite: 24 s of the default suite's work
 def test_node_suite_round_trip_is_lossless_and_runs_identically(tmp_path: Path) -> None:
     """Every model of the ONNX node test suite: equal protos, checker-clean, identical outputs."""
     counts: collections.Counter[str] = collections.Counter()

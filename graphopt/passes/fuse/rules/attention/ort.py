@@ -53,6 +53,7 @@ from graphopt.passes.rewrite.proofs import (
     unrepeated,
     unsplit,
 )
+from graphopt.passes.rewrite.qdq import quantized
 
 # -- target ort: onnxruntime's MultiHeadAttention ------------------------------------------------
 #
@@ -69,11 +70,13 @@ from graphopt.passes.rewrite.proofs import (
 # readers share), but onnxruntime's CPU kernel adds a bias slower than its own fusions of the written form
 # do (levit_128s: 1.8% slower than without the rule; one 4-head layer of 196 tokens, head size 16: 1.08x).
 # With an attention bias of any shape the CPU kernel runs each (batch, head) pair's scores on their own,
-# slower than onnxruntime runs the written form once there are many pairs: windowed attention, whose batch
-# is the windows of every image, is left unfused from BIASED_PAIRS_LIMIT pairs per image (and so is
-# onnxruntime's Attention below, the same CPU code) (kernel times,
+# slower than onnxruntime runs the written form in float32 once there are many pairs: windowed attention,
+# whose batch is the windows of every image, is left unfused from BIASED_PAIRS_LIMIT pairs per image where its
+# products are float32 MatMuls (and so is onnxruntime's Attention below, the same CPU code) (kernel times,
 # 1 thread, 2 layers: 128 pairs 1.05-1.29x the written form's, Swin's 64 windows x 2 heads of 49 tokens
-# 1.05-1.08x; 64 pairs 1.03-1.04x; 1 to 16 pairs 0.80-1.01x; without a bias 1.00x at 128 pairs).
+# 1.05-1.08x; 64 pairs 1.03-1.04x; 1 to 16 pairs 0.80-1.01x; without a bias 1.00x at 128 pairs; Swin's float32
+# and dynamic int8 TorchScript exports on an AMD EPYC, 30 rounds: 1.026 and 1.002 of the variant's time fused,
+# 0.962 and 0.949 as written). Its float16 and quantized products run slower than the fused kernel: those fuse.
 # With 4-D K and V onnxruntime wants one shape for both, so where V's head size is not Q's and K's (LeViT's
 # V is twice as wide) K and V go in 3-D, (batch, T, heads * head size), which takes any v_hidden_size.
 #
@@ -99,10 +102,23 @@ class _MhaPlan:
 _BROADCAST_BIAS = "ort-multihead-attention-broadcast-bias"
 
 
-def _many_biased_pairs(batch: Any, heads: int) -> str | None:
+def _products_in_float32(m: Match, site: Site) -> bool:
+    """Whether the written attention's products are float32 MatMuls of unquantized values, which onnxruntime runs
+    faster than its fused kernel over many biased pairs. In float16, or read through Q/DQ pairs, the fused kernel
+    is the faster (Swin's float16 exports: 0.832 and 0.790 of the variant's time fused, 0.841 and 0.831 as written;
+    its QDQ exports 0.633 and 0.793 fused, 0.714 and 0.922 as written; 30 rounds, 1 thread, an AMD EPYC)."""
+    products = [node for node in m.nodes if node.op_type == "MatMul"]
+    return all(
+        site.dtype(node.outputs[0]) == DataType.FLOAT
+        and not any(value is not None and quantized(value, site) for value in node.inputs)
+        for node in products
+    )
+
+
+def _many_biased_pairs(m: Match, site: Site, batch: Any, heads: int) -> str | None:
     """Why an attention with a mask or bias over ``batch`` x ``heads`` pairs stays as written, or None."""
     pairs = biased_pairs(batch, heads)
-    if pairs is None:
+    if pairs is None or not _products_in_float32(m, site):
         return None
     return (
         f"{pairs} (batch, head) pairs per sample with a mask or bias (onnxruntime's CPU kernel "
@@ -147,7 +163,7 @@ def _plan_mha(
         scores = (q_dims[0], plan.heads, q_dims[2], (site.shape(plan.repeated[1]) or (None,) * 4)[2])
         if not _broadcasts_to(added_shape, scores):
             return Refuse("the attention bias does not broadcast to (batch or 1, heads or 1, S, T)")
-        many = _many_biased_pairs(q_dims[0], plan.heads)
+        many = _many_biased_pairs(m, site, q_dims[0], plan.heads)
         if many is not None:
             return Refuse(many)
     width = plan.heads * size[1]
@@ -367,7 +383,7 @@ def _ort_plan(m: Match, site: Site) -> _OrtPlan | Refuse:
     if isinstance(mask, Value):
         heads = plan["heads"]
         assert isinstance(heads, int)  # plan_attention read it
-        many = _many_biased_pairs((site.shape(x) or (None,))[0], heads)
+        many = _many_biased_pairs(m, site, (site.shape(x) or (None,))[0], heads)
         if many is not None:
             return Refuse(many)
     raw = _raw_mask(mask) if isinstance(mask, Value) else None

@@ -16,6 +16,8 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
+from tests.numerics import one_thread_options
+
 
 def cases() -> list[Any]:
     from onnx.backend.test.case.node import collect_testcases
@@ -36,10 +38,7 @@ def _as_feed(value: Any) -> Any:
 
 
 def session(path: Path) -> ort.InferenceSession:
-    # One thread: the suites run on every core at once (pytest -n), and more threads per session only spin.
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), one_thread_options(), providers=["CPUExecutionProvider"])
 
 
 def feeds(case: Any, loaded: ort.InferenceSession) -> tuple[dict[str, Any], list[Any]]:

@@ -25,13 +25,19 @@ ModelLike = str | os.PathLike[str] | bytes | onnx.ModelProto
 _DIM_VALUES = (2, 3, 4, 5)
 
 
-def _session(model: ModelLike) -> ort.InferenceSession:
+def one_thread_options() -> ort.SessionOptions:
+    """Session options on one thread: the suites run on every core at once (pytest -n), and more threads per
+    session only spin."""
     options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return options
+
+
+def _session(model: ModelLike) -> ort.InferenceSession:
+    options = one_thread_options()
     # Compare our rewrite, not onnxruntime's: its own graph optimizations stay off.
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
-    # One thread: the suites run on every core at once (pytest -n), and more threads per session only spin.
-    options.intra_op_num_threads = 1
     source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
     if isinstance(source, os.PathLike):
         source = os.fspath(source)

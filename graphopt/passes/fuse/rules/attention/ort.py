@@ -76,7 +76,8 @@ from graphopt.passes.rewrite.qdq import quantized
 # 1 thread, 2 layers: 128 pairs 1.05-1.29x the written form's, Swin's 64 windows x 2 heads of 49 tokens
 # 1.05-1.08x; 64 pairs 1.03-1.04x; 1 to 16 pairs 0.80-1.01x; without a bias 1.00x at 128 pairs; Swin's float32
 # and dynamic int8 TorchScript exports on an AMD EPYC, 30 rounds: 1.026 and 1.002 of the variant's time fused,
-# 0.962 and 0.949 as written). Its float16 and quantized products run slower than the fused kernel: those fuse.
+# 0.962 and 0.949 as written). Written with float16 or quantized products it runs slower than the fused kernel:
+# those fuse.
 # With 4-D K and V onnxruntime wants one shape for both, so where V's head size is not Q's and K's (LeViT's
 # V is twice as wide) K and V go in 3-D, (batch, T, heads * head size), which takes any v_hidden_size.
 #

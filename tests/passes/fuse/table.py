@@ -561,13 +561,14 @@ def typed(proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, 
     return {name: np.asarray(value).astype(types.get(name, np.asarray(value).dtype)) for name, value in feeds.items()}
 
 
-def quantized(proto: onnx.ModelProto, feeds: Draws, sixteen_bit: bool = False) -> onnx.ModelProto:
+def quantized(proto: onnx.ModelProto, feeds: Draws | None = None, sixteen_bit: bool = False) -> onnx.ModelProto:
     """``proto`` as onnxruntime's quantize_static writes it (QDQ, int8 activations and weights, calibrated on two
-    draws of ``feeds``); ``sixteen_bit``: int16 activations in onnxruntime's own QuantizeLinear and
-    DequantizeLinear (com.microsoft), as it writes them for QNN below opset 21."""
+    draws of ``feeds``, by default ``make_feeds``' of ``proto``); ``sixteen_bit``: int16 activations in
+    onnxruntime's own QuantizeLinear and DequantizeLinear (com.microsoft), as it writes them for QNN below opset 21."""
     from onnxruntime.quantization import quantize_static
 
-    calibration = Calibration(feeds(seed) for seed in range(2))
+    draw = feeds if feeds is not None else lambda seed: make_feeds(proto, seed)
+    calibration = Calibration(draw(seed) for seed in range(2))
     options = static_options("qdq16" if sixteen_bit else "qdq")
     return quantized_through_files(
         proto, lambda source, target: quantize_static(source, target, calibration, **options)
@@ -587,10 +588,11 @@ def _relative_l2(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def assert_no_further(float_model: onnx.ModelProto, qdq: onnx.ModelProto, out: onnx.ModelProto, feeds: Any) -> None:
-    """``out`` is no further from the float model than the quantized one is (within a tenth: one draw of a tiny
-    model, whose output's last rounding both share; the exported attention moves 1.05x)."""
+    """``out`` is no further from the float model than the quantized (or float16) one is (within a tenth: one draw of
+    a tiny model, whose output's last rounding both share; the exported attention moves 1.05x). ``feeds`` are the
+    float model's, rounded to each model's input types."""
     truth = run_ort(float_model, feeds)
-    original, optimized = run_ort(qdq, feeds), run_ort(out, feeds)
+    original, optimized = run_ort(qdq, typed(qdq, feeds)), run_ort(out, typed(out, feeds))
     for output, expected in truth.items():
         moved = _relative_l2(optimized[output], expected)
         assert moved <= 1.1 * _relative_l2(original[output], expected) + 1e-6, output

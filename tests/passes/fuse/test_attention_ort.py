@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from graphopt.ir.node import CONTRIB_DOMAIN as MS
-from tests.numerics import assert_same_outputs, make_feeds
+from tests.numerics import assert_same_outputs
 from tests.passes.fuse.table import as_float16, assert_no_further, at_opset, quantized
 from tests.passes.fuse.test_attention import (
     BROADCAST_SETTINGS,
@@ -26,6 +26,7 @@ from tests.passes.fuse_exported import constant_of, first_layer, fixture_inputs,
 from tests.passes.fuse_fixtures import BROADCAST_BIAS, FIXTURES, exported_encoder_attention, softcapped
 from tests.passes.fuse_helpers import fires, fires_ort, fuse, init, ops, refused
 from tests.passes.fuse_models import HEADS, HIDDEN, SIZE, WINDOW, masked_feeds, ort_attention
+from tests.precision_models import VARIANTS
 
 # -- MultiHeadAttention, and where --target ort writes the standard Attention ---------------------------------
 
@@ -329,9 +330,26 @@ def test_windowed_attention_over_many_pairs_fuses_in_float16_and_through_qdq(pre
     if precision == "float16":
         model = as_float16(proto)
         out, details = fuse(model, "shape-infer,fuse,dce", target="ort")
-        assert_same_outputs(model, out, {"x_windows": x.astype(np.float16)}, rtol=1e-2, atol=1e-2)
     else:
-        model = quantized(proto, lambda seed: make_feeds(proto, seed))
+        model = quantized(proto)
         out, details = fuse(model, "shape-infer,fuse,dce", target="ort", fuse_through_qdq=True)
-        assert_no_further(proto, model, out, {"x_windows": x})
+    assert_no_further(proto, model, out, {"x_windows": x})
     assert ops(out)["MultiHeadAttention"] == 1 and "Softmax" not in ops(out), details["near_misses"]
+
+
+@pytest.mark.parametrize("precision", ["dynamic int8", "int4"])
+def test_windowed_attention_over_many_pairs_stays_unfused_where_only_the_projections_are_integer(
+    precision: str,
+) -> None:
+    # Quantized weights (MatMulInteger, MatMulNBits) leave the attention's products float32 MatMuls, which ran as
+    # fast as onnxruntime's MultiHeadAttention or faster on Swin's exports (dynamic int8 0.949 and 0.980 of the
+    # variant's time as written, 1.002 and 0.994 fused; int4 0.989 and 0.963 as written, 1.017 and 0.988 fused).
+    proto = VARIANTS[precision](ort_attention(windows=32))
+    assert {"MatMulInteger", "MatMulNBits"} & set(ops(proto))
+    out, details = fuse(proto, "shape-infer,fuse,dce", target="ort")
+    assert ops(out)["MultiHeadAttention"] + ops(out)["Attention"] == 0 and "Softmax" in ops(out)
+    assert any(
+        "64 (batch, head) pairs per sample with a mask or bias" in m for m in details["near_misses"]["attention"]
+    ), details["near_misses"]
+    x = np.random.default_rng(0).standard_normal((2, 32, WINDOW, HIDDEN)).astype(np.float32)
+    assert_same_outputs(proto, out, {"x_windows": x}, rtol=1e-4, atol=1e-4)

@@ -74,7 +74,7 @@ def test_a_sixteen_bit_bert_gets_one_attention_per_block(tmp_path: Path) -> None
     """The BERT export fixture in 16-bit QDQ at opset 23 and for onnxruntime, checked by the CLI."""
     float32 = onnx.load(str(FIXTURES / "bert_ts.onnx"))
     source = tmp_path / "bert16.onnx"
-    onnx.save(quantized(float32, lambda seed: make_feeds(float32, seed), sixteen_bit=True), source)
+    onnx.save(quantized(float32, sixteen_bit=True), source)
     blocks = sum(n.op_type == "Softmax" for n in float32.graph.node)
     for flags, fused in ((("--target-opset", "23"), "Attention"), (("--target", "ort"), "MultiHeadAttention")):
         out = tmp_path / f"{fused}.onnx"

@@ -428,7 +428,7 @@ def _quantized_residual() -> onnx.ModelProto:
     """A residual sum quantized before its decomposed RMSNorm reads it, and read further on (a Relu, standing for
     the next block's residual)."""
     proto = skip_norm("decomposed", carry=True)
-    return quantized(proto, lambda seed: make_feeds(proto, seed))
+    return quantized(proto)
 
 
 def test_a_quantized_residual_sum_stays_out_of_the_norm() -> None:
@@ -473,7 +473,7 @@ def test_a_windowed_attention_through_qdq_fuses_over_many_biased_pairs(windows: 
     # an AMD EPYC, 0.973 and 0.811 as written; the other way round on an Intel one): it fuses, as the float
     # model does, and --tune undoes it where it measures slower.
     proto = ort_attention(windows=windows)
-    qdq = quantized(proto, lambda seed: make_feeds(proto, seed))
+    qdq = quantized(proto)
     out, details = fuse(qdq, target_opset=23, fuse_through_qdq=True)
     assert ops(out)["Attention"] == 1, details["near_misses"]
     assert_quantization_kept(qdq, out)

@@ -2,7 +2,7 @@
 
     python benchmarks/precision_variants.py build   [--exports DIR] [--out VARIANTS] [--only NAME ...] [--kinds K ...]
     python benchmarks/precision_variants.py measure [--variants VARIANTS] [--only STEM ...] [--json-out PATH] [--flag F]
-                                                    [--draws N]
+                                                    [--draws N] [--jobs N]
     python benchmarks/precision_variants.py nodes   [--variants VARIANTS] [--only STEM ...] [--refresh]
     python benchmarks/precision_variants.py latency [--variants VARIANTS] [--only STEM ...] [--runs N] [--json-out PATH]
 
@@ -51,7 +51,9 @@ further than the variant itself is). ``--draws N`` measures each binding on N se
 pools them, with a 95% bootstrap interval of the pooled ratio (``distances``): one input's ratio moves
 a few percent either way by rounding alone, and an output counts as further from the float32 export
 only beyond noise: more than 0.1% above 1 with the whole interval above 1. The float32 export's and
-the variant's outputs are computed once per variant (``Reference``).
+the variant's outputs are computed once per variant (``Reference``). ``--jobs N`` measures N variants
+at once (the verdicts and distances do not depend on the machine's load; the whole set, 443 variants at
+three targets, is about three hours in one job on two cores).
 
 ``nodes`` counts the nodes of graphopt's default output and of every portable peer's (each tool
 alone in a fresh process, as ``exports.py`` runs them; the peers' counts are kept in
@@ -73,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -384,37 +387,46 @@ def selected(variants: Path, only: list[str]) -> Iterator[tuple[dict[str, Any], 
             yield entry, src
 
 
-def measure(variants: Path, only: list[str], extra: list[str], draws: int = 1) -> list[dict[str, Any]]:
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for entry, src in selected(variants, only):
-            row: dict[str, Any] = {"model": src.stem, "variant": entry["variant"], "original": node_count(src).total}
-            reference: Reference | str | None = None
-            for target, flags in TARGETS.items():
-                out = Path(tmp) / f"{src.stem}.{target}.onnx"
-                cell = run_graphopt(src, out, [*flags, *extra])
-                if out.is_file():
-                    cell["loads"] = _loads_at_full_level(out)
-                    cell["nodes"] = node_count(out).total
-                    counts = op_counts(out)
-                    cell["fused"] = {op: counts[op] for op in [*STANDARD_OPS, *ORT_OPS] if counts[op]}
-                    if reference is None:
-                        try:
-                            reference = Reference(entry, src, draws)
-                        except Exception as err:  # onnxruntime refused the variant at every binding: recorded
-                            reference = f"{type(err).__name__}: {str(err)[:200]}"
-                    if isinstance(reference, str):
-                        cell["distance_error"] = reference
-                    else:
-                        try:
-                            cell["distance"] = distances(reference, out)
-                        except Exception as err:  # onnxruntime refused the output at a binding: recorded, not fatal
-                            cell["distance_error"] = f"{type(err).__name__}: {str(err)[:200]}"
-                    out.unlink()
-                row[target] = cell
+def measure(variants: Path, only: list[str], extra: list[str], draws: int = 1, jobs: int = 1) -> list[dict[str, Any]]:
+    """A row per variant (index order), each printed as it is done; ``jobs`` variants at once."""
+    chosen = list(selected(variants, only))
+    rows: list[dict[str, Any] | None] = [None] * len(chosen)
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+        running = {pool.submit(measure_variant, entry, src, extra, draws): at for at, (entry, src) in enumerate(chosen)}
+        for done in concurrent.futures.as_completed(running):
+            rows[running[done]] = row = done.result()
             print(_line(row), flush=True)
-            rows.append(row)
-    return rows
+    return [row for row in rows if row is not None]
+
+
+def measure_variant(entry: dict[str, Any], src: Path, extra: list[str], draws: int) -> dict[str, Any]:
+    """graphopt on one variant in the three configurations, with its check, and each output's distance to the
+    float32 export against the variant's."""
+    row: dict[str, Any] = {"model": src.stem, "variant": entry["variant"], "original": node_count(src).total}
+    reference: Reference | str | None = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for target, flags in TARGETS.items():
+            out = Path(tmp) / f"{src.stem}.{target}.onnx"
+            cell = run_graphopt(src, out, [*flags, *extra])
+            if out.is_file():
+                cell["loads"] = _loads_at_full_level(out)
+                cell["nodes"] = node_count(out).total
+                counts = op_counts(out)
+                cell["fused"] = {op: counts[op] for op in [*STANDARD_OPS, *ORT_OPS] if counts[op]}
+                if reference is None:
+                    try:
+                        reference = Reference(entry, src, draws)
+                    except Exception as err:  # onnxruntime refused the variant at every binding: recorded
+                        reference = f"{type(err).__name__}: {str(err)[:200]}"
+                if isinstance(reference, str):
+                    cell["distance_error"] = reference
+                else:
+                    try:
+                        cell["distance"] = distances(reference, out)
+                    except Exception as err:  # onnxruntime refused the output at a binding: recorded, not fatal
+                        cell["distance_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            row[target] = cell
+    return row
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -663,9 +675,17 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="measure: seeded inputs per binding for the error ratio, also pooled over them (default 1: the index's)",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="measure: variants measured at once (default 1; latency is always measured one file at a time)",
+    )
     args = parser.parse_args(argv)
     if args.draws < 1:
         parser.error("--draws must be at least 1")
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     if args.action == "build":
         if not (args.exports / "index.json").is_file():
             print(f"no index.json in {args.exports}: build the exports first (../shared/exports/build.py, needs torch)")
@@ -680,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.action == "latency":
         rows = latency(args.variants, args.only, args.runs)
     else:
-        rows = measure(args.variants, args.only, args.flag, args.draws)
+        rows = measure(args.variants, args.only, args.flag, args.draws, args.jobs)
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
     tables = {"nodes": node_table, "latency": latency_table, "measure": summary}

@@ -363,15 +363,20 @@ def _loads_at_full_level(path: Path) -> bool | str:
 
 
 def run_graphopt(src: Path, out: Path, flags: list[str]) -> dict[str, Any]:
-    """graphopt's exit code and its check's verdict and criterion on ``src``."""
+    """graphopt's exit code, its check's verdict and criterion, its seconds and the fusions through Q/DQ it
+    withdrew on ``src``."""
     cmd = [str(GRAPHOPT_CLI), "run", str(src), "-o", str(out), "--json", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     found: dict[str, Any] = {"exit": done.returncode}
     try:
-        numerics = json.loads(done.stdout).get("numerics") or {}
+        report = json.loads(done.stdout)
     except json.JSONDecodeError:
         found["error"] = (done.stderr.strip().splitlines() or [""])[-1]
         return found
+    numerics = report.get("numerics") or {}
+    found["seconds"] = (report.get("seconds") or {}).get("total")
+    if report.get("through_qdq"):
+        found["through_qdq"] = report["through_qdq"]
     found["check"] = numerics.get("status")
     found["criterion"] = numerics.get("passed_by")  # fixed tolerance, own rounding, float reference
     if numerics.get("status") != "passed":
@@ -440,9 +445,11 @@ def _line(row: dict[str, Any]) -> str:
             low, high = dist["pooled"]["ratio_interval"]
             ratio += f" (over {dist['pooled']['draws']} draws {pooled:.3f} [{low:.3f}, {high:.3f}])"
         fused = ",".join(f"{op}x{n}" for op, n in cell.get("fused", {}).items())
+        withdrawn = cell.get("through_qdq")
+        retried = f" withdrew {withdrawn['withdrawn']} ({','.join(withdrawn['families'])})" if withdrawn else ""
         cells.append(
             f"{target}: exit {cell['exit']} {cell.get('check')} ({cell.get('criterion')}) "
-            f"{row['original']}->{cell.get('nodes')} err-ratio {ratio} [{fused}]"
+            f"{row['original']}->{cell.get('nodes')} err-ratio {ratio} [{fused}]{retried}"
         )
     return f"{row['model']}: " + " | ".join(cells)
 

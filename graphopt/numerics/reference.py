@@ -46,12 +46,20 @@ other respect:
   (DynamicQuantizeMatMul, and MatMulIntegerToFloat of a DynamicQuantizeLinear's outputs, which
   graphopt writes at ``--target ort``) become x @ dequantized weight too: the same program.
 
-None when the model holds none of these, has tensors stored outside the file, or has If, Loop
-or Scan bodies (whose float16 values this does not reach).
+The bodies of If, Loop and Scan are evaluated alike, each scope on its own (a body's inputs are
+declared float32 where they were float16): a pair or a dynamic int8 MatMul split across scopes
+stays as written, in the original's reference and the optimized model's alike. graphopt's
+run-time gate at ``--target ort`` is such an If (GroupQueryAttention or the written attention);
+without its bodies a dynamically quantized KV decoder had no float program, and a right rewrite
+that flipped quantization steps failed (llama_kv_ts_dyn8: 0.00822 from the reference, as the
+original).
+
+None when the model holds none of these or has tensors stored outside the file.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -72,25 +80,45 @@ def float_reference(model: onnx.ModelProto) -> onnx.ModelProto | None:
     """A copy of ``model`` with its float16 arithmetic, activation Q/DQ pairs and dynamic int8
     MatMuls evaluated in float32, or None when there is nothing to evaluate so or it cannot be
     done (module docstring)."""
-    graph = model.graph
-    if _stored_outside(graph) or any(
-        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute
-    ):
+    if any(_stored_outside(scope) for scope, _ in _scopes(model.graph)):
         return None
     reference = onnx.ModelProto()
     reference.CopyFrom(model)
-    changed = _to_float32(reference.graph)
-    changed = _unquantized_activations(reference.graph) or changed
-    changed = _float_matmuls(reference.graph) or changed
+    changed = False
+    for scope, outer in _scopes(reference.graph):
+        changed = _to_float32(scope, is_body=bool(outer)) or changed
+        changed = _unquantized_activations(scope, outer) or changed
+        changed = _float_matmuls(scope, outer) or changed
     return reference if changed else None
+
+
+Outer = tuple[onnx.GraphProto, ...]
+
+
+def _scopes(graph: onnx.GraphProto, outer: Outer = ()) -> Iterator[tuple[onnx.GraphProto, Outer]]:
+    """``graph`` and every If, Loop and Scan body nested in it, outer scopes first, each with the scopes that
+    enclose it (whose stored tensors and values it reads by name)."""
+    yield graph, outer
+    for node in graph.node:
+        for attribute in node.attribute:
+            bodies = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+            for body in bodies:
+                yield from _scopes(body, (*outer, graph))
+
+
+def _visible(graph: onnx.GraphProto, outer: Outer) -> tuple[dict[str, onnx.TensorProto], dict[str, onnx.NodeProto]]:
+    """The stored tensors and the producers of the values a node of ``graph`` may read, by name."""
+    scopes = (*outer, graph)
+    stored = {t.name: t for scope in scopes for t in scope.initializer}
+    producer = {out: node for scope in scopes for node in scope.node for out in node.output}
+    return stored, producer
 
 
 def float_programs(original: Path, optimized: Path, folder: Path) -> tuple[Path, Path] | None:
     """Both models' float reference, saved in ``folder``, where the original holds bfloat16
     tensors (which onnxruntime's CPU provider runs no arithmetic on, so that only their float32
     programs can be compared); None where it holds none, or a bfloat16 model's program cannot be
-    made (tensors stored outside the file, If / Loop / Scan bodies). A model holding nothing
-    reduced is its own program."""
+    made (tensors stored outside the file). A model holding nothing reduced is its own program."""
     models = [onnx.load(str(path), load_external_data=False) for path in (original, optimized)]
     if not holds_bfloat16(models[0].graph):
         return None
@@ -115,7 +143,9 @@ def holds_bfloat16(graph: onnx.GraphProto) -> bool:
     )
 
 
-def _to_float32(graph: onnx.GraphProto) -> bool:
+def _to_float32(graph: onnx.GraphProto, is_body: bool = False) -> bool:
+    """``graph``'s float16 and bfloat16 tensors, Cast targets and declared types made float32 (a body's declared
+    inputs too: the values its node passes it are float32 now)."""
     changed = False
     for index, tensor in enumerate(graph.initializer):
         if tensor.data_type in _HALF:
@@ -129,12 +159,12 @@ def _to_float32(graph: onnx.GraphProto) -> bool:
             elif node.op_type == "Cast" and attribute.name == "to" and attribute.i in _HALF:
                 attribute.i = onnx.TensorProto.FLOAT
                 changed = True
-    for value in [*graph.value_info, *graph.output]:
+    for value in [*graph.value_info, *graph.output, *(graph.input if is_body else [])]:
         if value.type.tensor_type.elem_type in _HALF:
             value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
             changed = True
     # A float16 graph input stays float16 (the feeds are); its first use widens it.
-    widened_inputs = [i.name for i in graph.input if i.type.tensor_type.elem_type in _HALF]
+    widened_inputs = [] if is_body else [i.name for i in graph.input if i.type.tensor_type.elem_type in _HALF]
     if widened_inputs:
         _widen_inputs(graph, {name: f"{name}__float32" for name in widened_inputs})
         changed = True
@@ -152,17 +182,18 @@ def _widened(tensor: onnx.TensorProto) -> onnx.TensorProto:
 
 
 def _widen_inputs(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
-    """Every reader of a graph input of ``renamed`` reads its new name, a Cast of it to float32."""
-    for node in graph.node:
-        node.input[:] = [renamed.get(name, name) for name in node.input]
+    """Every reader of a graph input of ``renamed``, in the graph or a body nested in it, reads its new name, a Cast
+    of it to float32."""
+    for scope, _ in _scopes(graph):
+        for node in scope.node:
+            node.input[:] = [renamed.get(name, name) for name in node.input]
     for index, (old, new) in enumerate(renamed.items()):
         graph.node.insert(index, helper.make_node("Cast", [old], [new], to=onnx.TensorProto.FLOAT))
 
 
-def _unquantized_activations(graph: onnx.GraphProto) -> bool:
-    stored = {t.name: t for t in graph.initializer}
-    producer = {out: node for node in graph.node for out in node.output}
-    constants = _from_constants(graph)
+def _unquantized_activations(graph: onnx.GraphProto, outer: Outer = ()) -> bool:
+    stored, producer = _visible(graph, outer)
+    constants = _from_constants(graph, outer)
     changed = False
     for node in list(graph.node):
         if not is_qdq(node, "DequantizeLinear"):
@@ -217,14 +248,16 @@ def _moved_in_float(graph: onnx.GraphProto, before: onnx.NodeProto, value: str, 
     return value
 
 
-def _from_constants(graph: onnx.GraphProto) -> set[str]:
-    """The values ``graph`` computes from its stored tensors alone (a stored tensor that is also
-    an input is the caller's; a random op draws anew on every run)."""
-    fed = {value.name for value in graph.input}
-    constants = {t.name for t in graph.initializer if t.name not in fed}
-    for node in graph.node:  # in the order they run
-        if node.op_type not in RANDOM_OPS and all(name in constants for name in node.input if name):
-            constants.update(name for name in node.output if name)
+def _from_constants(graph: onnx.GraphProto, outer: Outer = ()) -> set[str]:
+    """The values ``graph`` computes from stored tensors alone, its own and its enclosing scopes' (a stored tensor
+    that is also an input is the caller's; a random op draws anew on every run)."""
+    constants: set[str] = set()
+    for scope in (*outer, graph):
+        fed = {value.name for value in scope.input}
+        constants |= {t.name for t in scope.initializer if t.name not in fed}
+        for node in scope.node:  # in the order they run
+            if node.op_type not in RANDOM_OPS and all(name in constants for name in node.input if name):
+                constants.update(name for name in node.output if name)
     return constants
 
 
@@ -248,9 +281,8 @@ def _same_grid(a: onnx.NodeProto, b: onnx.NodeProto) -> bool:
     return of(a) == of(b)
 
 
-def _float_matmuls(graph: onnx.GraphProto) -> bool:
-    stored = {t.name: t for t in graph.initializer}
-    producer = {out: node for node in graph.node for out in node.output}
+def _float_matmuls(graph: onnx.GraphProto, outer: Outer = ()) -> bool:
+    stored, producer = _visible(graph, outer)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:

@@ -31,12 +31,14 @@ from graphopt.numerics.compare import (
     FLOAT_PROGRAM,
     NOISE_CEILING,
     NOISE_FACTOR,
+    PROJECTION_SIGMAS,
     REFERENCE_CEILING,
     REFERENCE_NOISE_FACTOR,
     Criterion,
     OutputComparison,
     compare_output,
     judge_by_reference,
+    projection_spread,
     rejudge,
     unbiased_move,
 )
@@ -609,6 +611,44 @@ def test_the_float_program_allows_an_unbiased_move_of_the_outputs_own_size(furth
     judge_by_reference(found, 0.028441, 0.028441 + further, [0.028441], same_program)
     assert found.passed is passes, found.reason
     assert (found.criterion == FLOAT_PROGRAM) is passes
+
+
+@pytest.mark.parametrize(
+    ("further", "spread", "passes"), [(3.69e-6, 2.36e-6, True), (3.69e-6, 0.0, False), (1.7e-4, 2.36e-6, False)]
+)
+def test_the_float_program_allows_an_unbiased_move_its_projection_on_the_error(
+    further: float, spread: float, passes: bool
+) -> None:
+    # The Qwen2 decoder with a KV cache in dynamic int8 at ort: a right fusion moved a key cache by 1.70e-4 and took
+    # it 3.69e-6 further from its reference of 0.00819, m^2 / d being 3.54e-6: the projection of the move on the
+    # error (spread 2.36e-6) took it past the mean and failed the check. Pointing away from the reference (further
+    # by the whole move) it still fails.
+    found = _moved_output(1.70e-4, 9.68e-8)
+    same_program = OutputComparison("present.3.key", 0.0, 0.0, 2.9e-7, 1.0, True)
+    judge_by_reference(found, 0.0081899, 0.0081899 + further, [0.0081899], same_program, spread)
+    assert found.passed is passes, found.reason
+
+
+def test_the_projection_spread_bounds_an_unbiased_move_and_not_a_biased_one() -> None:
+    rng = np.random.default_rng(0)
+    truth = rng.standard_normal(4096)
+    before = truth + 0.01 * rng.standard_normal(4096)
+    error = before - truth
+    norms = np.linalg.norm(error) * np.linalg.norm(truth)
+    scores = []
+    for _ in range(400):
+        after = before + 1e-4 * rng.standard_normal(4096)
+        scores.append(error @ (after - before) / norms / projection_spread(truth, before, after))
+    assert np.mean(np.abs(scores) <= PROJECTION_SIGMAS) >= 0.99
+    assert 0.8 <= np.std(scores) <= 1.2
+    away = before + 1e-4 * np.linalg.norm(truth) * error / np.linalg.norm(error)
+    # Along the error the projection is the whole move, sqrt(n / 3) spreads for n normal values (37 here).
+    assert error @ (away - before) / norms > 10 * PROJECTION_SIGMAS * projection_spread(truth, before, away)
+    # The same move where the original's error is largest spreads its projection wider.
+    largest = np.argsort(np.abs(error))[-256:]
+    there = before.copy()
+    there[largest] += 1e-4 * np.sqrt(4096 / 256) * rng.standard_normal(256)
+    assert projection_spread(truth, before, there) > 2 * projection_spread(truth, before, after)
 
 
 def test_a_large_move_gets_no_unbiased_allowance() -> None:

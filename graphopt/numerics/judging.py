@@ -22,6 +22,7 @@ from graphopt.numerics.compare import (
     by_reference,
     compare_output,
     judge_by_reference,
+    projection_spread,
     rejudge,
     relative_l2,
     second_chance,
@@ -150,6 +151,7 @@ def _judge_by_reference(
     if runs is None:
         return  # no reference: the second criterion's verdict stands
     judged: dict[tuple[int, int], tuple[float, float, list[float]]] = {}
+    spreads: dict[tuple[int, int], float] = {}
     for number, outputs in failing.items():
         for k in outputs:
             truth, before, after = runs[number][k], ran[number][2][k], produced[number][k]
@@ -158,6 +160,7 @@ def _judge_by_reference(
             moved = [draw[k] for draw in draws[number]]
             reruns = [relative_l2(truth, m) for m in moved if isinstance(m, np.ndarray) and m.shape == truth.shape]
             judged[number, k] = relative_l2(truth, before), relative_l2(truth, after), reruns
+            spreads[number, k] = projection_spread(truth, before, after)
     # The outputs the reference alone does not pass: the optimized model's float program may yet.
     unsettled = {
         key
@@ -166,7 +169,7 @@ def _judge_by_reference(
     }
     programs = _float_programs(models, ran, runs, unsettled, deadline, on_phase) if unsettled else {}
     for (number, k), (original, optimized, reruns) in judged.items():
-        judge_by_reference(done[number][k], original, optimized, reruns, programs.get((number, k)))
+        judge_by_reference(done[number][k], original, optimized, reruns, programs.get((number, k)), spreads[number, k])
 
 
 def _original_reference(

@@ -5,7 +5,9 @@ export too, and the family's own tests follow its table."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from graphopt.passes.fuse.rules import kronecker as rule
 from tests.passes.fuse.table import NO_GATE, ONE_NODE, Case, Exported, Perturb, nudged, set_shape, table_tests, weights
 from tests.passes.fuse_models import kronecker
 
@@ -32,3 +34,25 @@ BEFORE_EXPORTS: frozenset[str] = frozenset(
 
 # test_the_rule_fires_on_its_model and the other table tests, over this family's table
 globals().update(table_tests(CASES, EXPORTED))
+
+
+def test_a_float16_weight_with_an_outlier_sends_no_split_to_the_full_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vit_small_timm's float16 weights: ordinary entries ~0.02 beside one of ~8. Their minors were within 8 float16
+    ulps of the outlier, so every split of every weight was factored in full at every fuse round (93 of the 129 s
+    of its run). A minor is judged by the products it compares: no split reaches the full test; a float16 Kronecker
+    product with an outlier still factors."""
+    rng = np.random.default_rng(0)
+    plain = (0.02 * rng.standard_normal((256, 256))).astype(np.float16)
+    plain[17, 40] = 8.0
+    factored: list[object] = []
+    full_test = rule._factor
+    monkeypatch.setattr(rule, "_factor", lambda *args: factored.append(args) or full_test(*args))
+    assert rule.kronecker_factors(plain) is None
+    assert not factored
+    a, b = 0.1 * rng.standard_normal((16, 8)), 0.1 * rng.standard_normal((16, 32))
+    a[3, 2] = 40.0
+    product = np.kron(a, b).astype(np.float16)
+    found = rule.kronecker_factors(product)
+    assert found is not None
+    within = 8 * float(np.finfo(np.float16).eps) * float(np.abs(product).max())  # the rule's own tolerance
+    np.testing.assert_allclose(np.kron(found.a, found.b).astype(np.float32), product.astype(np.float32), atol=within)

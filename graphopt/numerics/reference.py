@@ -69,7 +69,7 @@ from onnx import helper, numpy_helper
 from graphopt.ir.constness import RANDOM_OPS
 from graphopt.ir.node import CONTRIB_DOMAIN, STANDARD_DOMAINS
 from graphopt.ir.ops import CARRIERS
-from graphopt.numerics.paths import inline_array, is_qdq
+from graphopt.numerics.paths import bodies, inline_array, is_qdq
 
 __all__ = ["float_programs", "float_reference", "holds_bfloat16"]
 
@@ -97,12 +97,12 @@ Outer = tuple[onnx.GraphProto, ...]
 
 def _scopes(graph: onnx.GraphProto, outer: Outer = ()) -> Iterator[tuple[onnx.GraphProto, Outer]]:
     """``graph`` and every If, Loop and Scan body nested in it, outer scopes first, each with the scopes that
-    enclose it (whose stored tensors and values it reads by name)."""
+    enclose it (whose stored tensors and values it reads by name). A scope's nodes are read only once the caller
+    is done with it, so that the nodes it inserts there are walked too."""
     yield graph, outer
     for node in graph.node:
         for attribute in node.attribute:
-            bodies = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
-            for body in bodies:
+            for body in bodies(attribute):
                 yield from _scopes(body, (*outer, graph))
 
 

@@ -68,6 +68,7 @@ FLOAT16: dict[str, str | NamesType | None] = {
         (
             "attention-float32",
             "rmsnorm-float32",
+            "rotary-embedding-float32",
             "mha-float32",
             "gqa-float32",
             "gelu-float32",

@@ -14,6 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tests.numerics import assert_same_outputs
 from tests.passes.fuse.table import (
+    F16,
+    LATE,
     NO_GATE,
     At,
     Case,
@@ -22,13 +24,14 @@ from tests.passes.fuse.table import (
     at_opset,
     below,
     copied,
+    float32_case,
     set_shape,
     table_tests,
     target_opset,
     untyped_at,
 )
 from tests.passes.fuse_exported import Change, Found, constant_of
-from tests.passes.fuse_helpers import fires, fires_ort, fuse, refused
+from tests.passes.fuse_helpers import fires, fires_ort, fuse, info, init, model, node, refused
 from tests.passes.fuse_models import (
     HALF,
     rope_model,
@@ -142,6 +145,21 @@ def _rotary_between_split_and_merge() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 
 
+def _float16_rotary(elem_type: int = F16) -> onnx.ModelProto:
+    """RotaryEmbedding of a float16 (batch, heads, seq, 8) x by float16 (batch, seq, 4) caches (opset 23): what
+    rotary-embedding writes on a float16 decoder whose cos and sin are computed at run time."""
+    rng = np.random.default_rng(3)
+    dtype = np.float16 if elem_type == F16 else np.float32
+    caches = [init(name, rng.uniform(-1, 1, (2, 3, 4)).astype(dtype)) for name in ("cos", "sin")]
+    return model(
+        [node("RotaryEmbedding", ["x", "cos", "sin"], "y")],
+        [info("x", [2, 2, 3, 8], elem_type)],
+        [info("y", None, elem_type)],
+        caches,
+        opset=23,
+    )
+
+
 def _rotary_feeds() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(5)
     return {"x": rng.standard_normal((2, 3, 32)).astype(np.float32), "ids": rng.integers(0, 16, (2, 3))}
@@ -182,9 +200,18 @@ CASES: dict[str, Case] = {
         {"target": "ort"},
         passes="shape-infer,fuse,dce",
     ),
+    "rotary-embedding-float32": float32_case(
+        _float16_rotary,
+        "RotaryEmbedding",
+        4,
+        "n/a: the rule's root is a RotaryEmbedding, which no opset below 23 has",
+        LATE,
+    ),
 }
 
 EXPORTED: dict[str, Exported | str] = {
+    "rotary-embedding-float32": "its case is what rotary-embedding writes on a float16 export; test_float32.py runs "
+    "the whole pipeline on the float16 Llama export (tests/fixtures/exports/llama_fp16_dynamo.onnx)",
     "ort-rotary-embedding-3d": "n/a: no export writes com.microsoft RotaryEmbedding; the spelling is the attention "
     "rules' on the ort-rotary-embedding rule's output (tests/passes/test_fuse_exports.py runs the llama exports whole)",
     "ort-rotary-embedding": Exported(

@@ -69,6 +69,7 @@ NOT_THROUGH_QDQ = {
     "float present_key and present_value would not reproduce: the Concats stay",
     "attention-float32": "a quantized model computes in float32, and the rule reads float16 Attention only",
     "rmsnorm-float32": "as attention-float32",
+    "rotary-embedding-float32": "as attention-float32",
     "mha-float32": "as attention-float32",
     "gelu-float32": "as attention-float32",
     "softmax-float32": "as attention-float32",

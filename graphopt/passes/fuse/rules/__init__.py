@@ -21,6 +21,7 @@ from graphopt.passes.fuse.rules import (
     embed,
     expose,
     gather,
+    islands,
     kronecker,
     lower,
     matmul,
@@ -48,6 +49,7 @@ LIBRARY = RuleSet(
     + embed.RULES
     + expose.RULES
     + gather.RULES
+    + islands.RULES
     + kronecker.RULES
     + lower.RULES
     + matmul.standard.RULES

@@ -1,5 +1,6 @@
 """Fused float16 ops computed in float32 between Casts, for onnxruntime's CPU provider (late rules of the
-attention, norm and activation families: ``attention-float32``, ``rmsnorm-float32``, ``gelu-float32``,
+attention, norm, rotary and activation families: ``attention-float32``, ``rmsnorm-float32``,
+``rotary-embedding-float32``, ``gelu-float32``,
 ``softmax-float32``, ``logsoftmax-float32``, and at ``--target ort`` ``ort-rmsnorm-float32`` for onnxruntime's
 SimplifiedLayerNormalization, ``mha-float32``, ``gqa-float32`` for com.microsoft MultiHeadAttention and
 GroupQueryAttention, ``ort-gelu-float32``, ``ort-fastgelu-float32`` for com.microsoft Gelu and FastGelu).
@@ -23,6 +24,9 @@ Attention's kernel rounds inside as well. Computed between Casts, the op runs in
 Casts with its own next to it, so the values pass on in float32 as the chain's did. Measured (error to the float32
 export over the variant's, 6 draws pooled, ``--target-opset 23``): llama_dynamo_fp16 and llama_ts_fp16 1.042 ->
 0.997 with both rules; no float16 transformer export slower at ORT_ENABLE_ALL, 1 thread.
+
+The Casts these rules write carry the islands family's names (islands.py): between two ops computed in float32 a
+Cast to float16 and back that they wrote is dropped, where a model's own stays.
 
 A KV cache (an Attention's past_key / past_value) is read in float32 only where the model casts it to float16 from
 float32 (a float16 model with float32 inputs and outputs, as onnxruntime's converter writes it with keep_io_types):
@@ -52,6 +56,7 @@ import numpy as np
 from graphopt.ir import CONTRIB_DOMAIN, DataType, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of, cast_source, is_float
+from graphopt.passes.fuse.rules.islands import NARROWED, WIDENED
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import op, optional, var
 
@@ -102,7 +107,7 @@ def _widened(b: Builder, value: Value | None, cached: bool, mask: bool) -> Value
         return value
     if cached:
         return cast_source(value, DataType.FLOAT16, DataType.FLOAT)
-    return _widened_mask(b, value) if mask else b.op("Cast", value, to=int(DataType.FLOAT))
+    return _widened_mask(b, value) if mask else b.op("Cast", value, to=int(DataType.FLOAT), name=WIDENED)
 
 
 def _build(cache: tuple[int, ...], masks: tuple[int, ...]) -> Callable[[Builder, Match, None], list[Value]]:
@@ -112,7 +117,7 @@ def _build(cache: tuple[int, ...], masks: tuple[int, ...]) -> Callable[[Builder,
         read = [index for index, v in enumerate(node.outputs) if v.is_used()]  # graph outputs too
         computed = b.node(node.op_type, *widened, domain=node.domain, outputs=read[-1] + 1, **attrs_of(node))
         return [
-            b.op("Cast", wide, to=int(DataType.FLOAT16)) if index in read else wide
+            b.op("Cast", wide, to=int(DataType.FLOAT16), name=NARROWED) if index in read else wide
             for index, wide in enumerate(computed.outputs)
         ]
 

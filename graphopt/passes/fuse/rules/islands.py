@@ -14,6 +14,7 @@ the model has is never taken: the model's own rounding stays. Late: the Casts ex
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from graphopt.ir import DataType, Node, Value
@@ -57,25 +58,16 @@ def _moved(b: Builder, m: Match, plan: None) -> Value:
     return b.op(move.op_type, m.value("v"), *move.inputs[1:], **attrs_of(move))
 
 
-_DOC = "Cast to float32 of {} a Cast to float16, both written by a float32 rule -> {}"
+_DOC = "Cast to float32 of {}a Cast to float16, both written by a float32 rule -> {}"
+
+_rule = partial(Rule, family=FAMILY, kind="late", label="float32 island")
 
 RULES: tuple[Rule[Any], ...] = (
-    Rule(
-        name="float32-island",
-        family=FAMILY,
-        pattern=_widened(_NARROW),
-        build=_direct,
-        kind="late",
-        label="float32 island",
-        doc=_DOC.format("", "the float32 value"),
-    ),
-    Rule(
+    _rule(name="float32-island", pattern=_widened(_NARROW), build=_direct, doc=_DOC.format("", "the float32 value")),
+    _rule(
         name="float32-island-moved",
-        family=FAMILY,
         pattern=_widened(_MOVED),
         build=_moved,
-        kind="late",
-        label="float32 island",
-        doc=_DOC.format("a Transpose or Reshape of", "the Transpose or Reshape of the float32 value"),
+        doc=_DOC.format("a Transpose or Reshape of ", "the Transpose or Reshape of the float32 value"),
     ),
 )

@@ -403,6 +403,39 @@ def test_region_of_other_ops_runs_in_one_session(sessions: list[object]) -> None
     assert_same(found[side.outputs[0]], -data)
 
 
+def _float16_table() -> tuple[Value, list[Node]]:
+    """Cos(positions * frequencies) of float16 values, typed as shape inference types them."""
+    half_type = TensorType(DataType.FLOAT16)
+    positions = Value("positions", half_type, Tensor.from_array(np.arange(2048, dtype=np.float16).reshape(-1, 1)))
+    frequencies = (1 / 10000 ** (np.arange(0, 32, 2) / 32)).astype(np.float16).reshape(1, -1)
+    mul = Node("Mul", [positions, Value("frequencies", half_type, Tensor.from_array(frequencies))], ["angles"])
+    cos = Node("Cos", [mul.outputs[0]], ["table"])
+    for value in (*mul.outputs, *cos.outputs):
+        value.type = half_type
+    return positions, [mul, cos]
+
+
+def test_a_float16_chain_runs_in_onnxruntime_as_the_model_would(sessions: list[object]) -> None:
+    """onnxruntime computes a chain of float16 arithmetic in float32 and rounds once at its end; numpy's Mul alone
+    rounded the angles first (up to 1 at 2048), and their cosines moved by up to 0.48."""
+    positions, nodes = _float16_table()
+    found = Evaluator().evaluate(nodes, {}, nodes[-1].outputs, {"": 21})[nodes[-1].outputs[0]]
+    (model,) = sessions
+    assert [n.op_type for n in onnx.load_from_string(model).graph.node] == ["Mul", "Cos"]
+    angles = positions.const.numpy().astype(np.float32) * nodes[0].inputs[1].const.numpy().astype(np.float32)
+    assert found.dtype == np.float16
+    assert_same(found, np.cos(angles).astype(np.float16))
+
+
+def test_one_float16_op_stays_in_numpy(sessions: list[object]) -> None:
+    """One op rounds its result in onnxruntime as numpy does: no session for it."""
+    _, nodes = _float16_table()
+    mul = nodes[0]
+    found = Evaluator().evaluate([mul], {}, mul.outputs, {"": 21})[mul.outputs[0]]
+    assert not sessions
+    assert found.dtype == np.float16
+
+
 def test_body_captures_reach_the_session(sessions: list[object]) -> None:
     x = Value("x")
     neg = Node("Neg", [x], ["negated"])

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.numerics import check_models
 from tests.cli_helpers import invoke
+from tests.numerics import run_ort
 
-FLOAT, BOOL = TensorProto.FLOAT, TensorProto.BOOL
+FLOAT, FLOAT16, BOOL = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BOOL
 
 
 def _save(model: onnx.ModelProto, path: Path) -> Path:
@@ -61,3 +63,32 @@ def test_run_refuses_two_models_with_one_output_path(tmp_path: Path) -> None:
     assert result.exit_code == 2, result.output
     assert "m.onnx" in result.output and "Traceback" not in result.output
     assert not out.exists()
+
+
+def test_a_folded_float16_rotary_table_is_the_one_the_model_computes(tmp_path: Path) -> None:
+    # x + Cos(positions * frequencies) in float16: graphopt folded the table with numpy, rounding the angles to
+    # float16 before their Cos, where onnxruntime computes the chain in float32 and rounds once: cosines up to 0.48
+    # away, "passed" only within the original's own rounding. The folded table is now onnxruntime's own.
+    positions = np.arange(2048, dtype=np.float16).reshape(-1, 1)
+    frequencies = (1 / 10000 ** (np.arange(0, 32, 2) / 32)).astype(np.float16).reshape(1, -1)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["positions", "frequencies"], ["angles"]),
+            helper.make_node("Cos", ["angles"], ["table"]),
+            helper.make_node("Add", ["x", "table"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", FLOAT16, [2048, 16])],
+        [helper.make_tensor_value_info("y", FLOAT16, [2048, 16])],
+        [numpy_helper.from_array(positions, "positions"), numpy_helper.from_array(frequencies, "frequencies")],
+    )
+    source = _save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), tmp_path / "m.onnx"
+    )
+    target = tmp_path / "out.onnx"
+    result = invoke("run", source, "-o", target)
+    assert result.exit_code == 0, result.output
+    assert "numerics: passed (fixed tolerance)" in result.output
+    assert [n.op_type for n in onnx.load(target).graph.node] == ["Add"]
+    feeds = {"x": np.zeros((2048, 16), np.float16)}
+    np.testing.assert_array_equal(run_ort(target, feeds)["y"], run_ort(source, feeds)["y"])

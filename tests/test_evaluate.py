@@ -403,26 +403,41 @@ def test_region_of_other_ops_runs_in_one_session(sessions: list[object]) -> None
     assert_same(found[side.outputs[0]], -data)
 
 
-def _float16_table() -> tuple[Value, list[Node]]:
-    """Cos(positions * frequencies) of float16 values, typed as shape inference types them."""
+def _float16_table(doubled: bool = False, typed: bool = True) -> tuple[np.ndarray, list[Node]]:
+    """Cos(positions * frequencies) of float16 values, typed as shape inference types them (``typed``; else as a
+    folded circuit leaves them, untyped); ``doubled``: the angles concatenated with themselves before the Cos
+    (GPT-NeoX's ``cat(freqs, freqs).cos()``). Also the angles in float32."""
     half_type = TensorType(DataType.FLOAT16)
-    positions = Value("positions", half_type, Tensor.from_array(np.arange(2048, dtype=np.float16).reshape(-1, 1)))
+    positions = np.arange(2048, dtype=np.float16).reshape(-1, 1)
     frequencies = (1 / 10000 ** (np.arange(0, 32, 2) / 32)).astype(np.float16).reshape(1, -1)
-    mul = Node("Mul", [positions, Value("frequencies", half_type, Tensor.from_array(frequencies))], ["angles"])
-    cos = Node("Cos", [mul.outputs[0]], ["table"])
-    for value in (*mul.outputs, *cos.outputs):
-        value.type = half_type
-    return positions, [mul, cos]
+    mul = Node(
+        "Mul",
+        [Value(name, half_type, Tensor.from_array(array)) for name, array in (("p", positions), ("f", frequencies))],
+        ["angles"],
+    )
+    nodes = [mul]
+    if doubled:
+        nodes.append(Node("Concat", [mul.outputs[0], mul.outputs[0]], ["doubled"], attributes=[_ir_attr("axis", -1)]))
+    nodes.append(Node("Cos", [nodes[-1].outputs[0]], ["table"]))
+    for node in nodes if typed else ():
+        node.outputs[0].type = half_type
+    angles = positions.astype(np.float32) * frequencies.astype(np.float32)
+    return np.concatenate([angles, angles], axis=-1) if doubled else angles, nodes
 
 
-def test_a_float16_chain_runs_in_onnxruntime_as_the_model_would(sessions: list[object]) -> None:
-    """onnxruntime computes a chain of float16 arithmetic in float32 and rounds once at its end; numpy's Mul alone
-    rounded the angles first (up to 1 at 2048), and their cosines moved by up to 0.48."""
-    positions, nodes = _float16_table()
+@pytest.mark.parametrize(
+    ("doubled", "typed"), [(False, True), (True, True), (False, False)], ids=["direct", "through-concat", "untyped"]
+)
+def test_a_float16_chain_runs_in_onnxruntime_as_the_model_would(
+    doubled: bool, typed: bool, sessions: list[object]
+) -> None:
+    """onnxruntime computes a chain of float16 arithmetic in float32 and rounds once at its end (a Concat between
+    two of its ops too); numpy's Mul alone rounded the angles first (by up to 1 at 2048), and their cosines moved
+    by up to 0.48."""
+    angles, nodes = _float16_table(doubled, typed)
     found = Evaluator().evaluate(nodes, {}, nodes[-1].outputs, {"": 21})[nodes[-1].outputs[0]]
     (model,) = sessions
-    assert [n.op_type for n in onnx.load_from_string(model).graph.node] == ["Mul", "Cos"]
-    angles = positions.const.numpy().astype(np.float32) * nodes[0].inputs[1].const.numpy().astype(np.float32)
+    assert [n.op_type for n in onnx.load_from_string(model).graph.node] == [n.op_type for n in nodes]
     assert found.dtype == np.float16
     assert_same(found, np.cos(angles).astype(np.float16))
 

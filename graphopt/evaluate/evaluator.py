@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
@@ -220,30 +221,66 @@ _FLOAT16_MOVES = frozenset(
 )
 
 
+# Ops whose outputs are never float16, whatever they read.
+_NOT_FLOAT16 = frozenset(
+    {
+        "ArgMax",
+        "ArgMin",
+        "Equal",
+        "Greater",
+        "GreaterOrEqual",
+        "IsInf",
+        "IsNaN",
+        "Less",
+        "LessOrEqual",
+        "NonZero",
+        "Shape",
+        "Size",
+    }
+)
+
+
 def _float16_chains(order: list[Node]) -> set[Node]:
-    """The nodes computing on float16 that read a float16 result another such node computes, and those
-    producers: they run in onnxruntime, as the model would. Its CPU provider has no float16 kernel for the
-    arithmetic (Add, Mul, Div, Pow, Sqrt, Cos, Sin, Exp, MatMul, the Reduce ops): it runs each in float32 behind
-    Casts it inserts and drops the Cast pairs between two of them, so a chain rounds to float16 only at its end
-    (or at an op of _FLOAT16_MOVES). The numpy kernels round each op's result, as one op alone does in onnxruntime
-    too: a rotary table folded so (2048 positions times 16 frequencies, rounded before their Cos) was up to 0.48
-    away from the cosines the model computes."""
-
-    def computes(node: Node | None) -> bool:
-        return node is not None and node.op_type not in _FLOAT16_MOVES and any(_float16(v) for v in node.inputs)
-
+    """The nodes of every group of the region joined by float16 values (through any of _FLOAT16_MOVES) in which
+    two or more nodes compute on float16: they run in onnxruntime, as the model would. Its CPU provider has no
+    float16 kernel for the arithmetic (Add, Mul, Div, Pow, Sqrt, Cos, Sin, Exp, MatMul, the Reduce ops): it runs
+    each in float32 behind Casts it inserts and drops the Cast pairs between them (around one move between them
+    too), so a chain rounds to float16 only at its end. The numpy kernels round each op's result, as one op alone
+    does in onnxruntime too: a rotary table folded so (2048 positions times 16 frequencies, rounded before their
+    Cos) was up to 0.48 away from the cosines the model computes. A group with moves that onnxruntime does round
+    between goes to it too: onnxruntime decides. An untyped value (a folded circuit's) is float16 where its
+    producer reads float16 and writes floats like it."""
     members = set(order)
-    chained: set[Node] = set()
-    for node in filter(computes, order):
-        producers = {v.producer for v in node.inputs if v is not None and _float16(v)}
-        found = {p for p in producers if p in members and computes(p)}
-        if found:
-            chained.update(found, {node})
-    return chained
+    leader: dict[Node, Node] = {node: node for node in order}
+
+    def group(node: Node) -> Node:
+        while leader[node] is not node:
+            leader[node] = leader[leader[node]]
+            node = leader[node]
+        return node
+
+    half: set[Value] = set()
+    computing: list[Node] = []
+    for node in order:
+        read = [v for v in node.inputs if v is not None and (v in half or tensor_dtype(v) == DataType.FLOAT16)]
+        for value in read:
+            if value.producer in members:
+                leader[group(node)] = group(value.producer)
+        written = [v for v in node.outputs if _writes_float16(node, v, bool(read))]
+        half.update(read, written)
+        if read and written and node.op_type not in _FLOAT16_MOVES:
+            computing.append(node)
+    counts = Counter(group(node) for node in computing)
+    return {node for node in order if counts[group(node)] >= 2}
 
 
-def _float16(value: Value | None) -> bool:
-    return value is not None and tensor_dtype(value) == DataType.FLOAT16
+def _writes_float16(node: Node, value: Value, reads_float16: bool) -> bool:
+    declared = tensor_dtype(value)
+    if declared is not None:
+        return declared == DataType.FLOAT16
+    if node.op_type in ("Cast", "CastLike"):
+        return False  # the target type decides; an untyped one is not followed
+    return reads_float16 and node.op_type not in _NOT_FLOAT16
 
 
 def _reads(node: Node) -> list[Value]:

@@ -110,6 +110,11 @@ def test_a_float16_llama_layer_computes_its_norms_attention_and_rotary_in_float3
     fused = ("RMSNormalization", "RotaryEmbedding", "Attention")
     computed = _fused_reading_float32(tmp_path, fused, "--target-opset", "23")
     assert Counter(computed) == {"RMSNormalization": 3, "RotaryEmbedding": 2, "Attention": 1}
+    # the islands rules: the query and key pass from the RotaryEmbeddings to the Attention in float32
+    written = onnx.load(tmp_path / "out.onnx")
+    producers = {out: n for n in written.graph.node for out in n.output}
+    (attention,) = [n for n in written.graph.node if n.op_type == "Attention"]
+    assert [producers[name].op_type for name in attention.input[:2]] == ["RotaryEmbedding"] * 2
     # 7.47e-4 for both; with the float16 ops (--fuse-disable attention-float32 and rmsnorm-float32) 8.34e-4
 
 

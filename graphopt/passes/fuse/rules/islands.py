@@ -2,26 +2,31 @@
 
 The float32 rules (_float32.py) write a fused float16 op in float32 between Casts because onnxruntime's CPU
 provider runs the float16 chain it replaces in float32, rounding to float16 only where a kernel with a float16 form
-follows. Two such ops in a row, or with only a Transpose or Reshape between them, leave a Cast to float16 and one
-back to float32 that the chains they replaced did not have: onnxruntime's float32 chain ran straight through,
-where it keeps a pair of Casts between two float32 kernels (qwen3_dynamo_fp16 at ``--target-opset 23``: its
+follows. Two such ops in a row, or with one Transpose or Reshape between them, leave a Cast to float16 and one back
+to float32 that the chains they replaced did not have: onnxruntime's float32 chain ran straight through, where it
+keeps a pair of Casts between two float32 kernels (qwen3_dynamo_fp16 at ``--target-opset 23``: its
 RotaryEmbedding's result rounded to float16 and back before the Attention, its query and key normalized, rounded
 and widened again before the RotaryEmbedding). So a Cast to float32 that such a rule wrote, reading a Cast to
 float16 that such a rule wrote (through one Transpose or Reshape), reads the float32 value itself:
-``Widen(Move(Narrow(v))) -> Move(v)``. The rules name the Casts they write (``NARROWED``, ``WIDENED``); a Cast
-the model has is never taken: the model's own rounding stays. Late: the Casts exist once the float32 rules ran.
+``Widen(Move(Narrow(v))) -> Move(v)``. The match is the widening Cast alone: the float16 value stays for its other
+readers. The rules name the Casts they write (``NARROWED``, ``WIDENED``); a pair of Casts the model has is never
+taken. Two cases drop a rounding onnxruntime does make, towards the float32 model, as the check judges: a float16
+op the model has itself (an opset 23 export's RMSNormalization), whose float16 kernel rounds its result; and a Cast
+to float32 of the model's that cse merged with an identical one a rule wrote. Late: the Casts exist once the
+float32 rules ran.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
 from graphopt.passes.fuse.rules._helpers import attrs_of
-from graphopt.passes.rewrite.engine import Match, Rule, Site
-from graphopt.passes.rewrite.patterns import Pattern, op, optional, var
+from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
+from graphopt.passes.rewrite.patterns import Pattern, op, var
 
 __all__ = ["NARROWED", "RULES", "WIDENED"]
 
@@ -32,30 +37,53 @@ NARROWED = "float32_result_narrowed"
 WIDENED = "float32_input_widened"
 
 
-def _written(prefix: str, to: DataType) -> Any:
+def _written(node: Node | None, prefix: str, to: DataType) -> bool:
+    return node is not None and node.name.startswith(prefix) and Site.int_attr(node, "to", 0) == to
+
+
+def _narrowed(value: Value | None) -> Value | None:
+    """The float32 value a float32 rule's Cast to float16 narrowed into ``value``, if it did."""
+    narrow = None if value is None else value.producer
+    return narrow.inputs[0] if narrow is not None and _written(narrow, NARROWED, DataType.FLOAT16) else None
+
+
+def _moved(value: Value | None) -> Node | None:
+    """The Transpose or Reshape making ``value`` from a float32 rule's Cast to float16, if one did."""
+    move = None if value is None else value.producer
+    if move is None or move.op_type not in ("Transpose", "Reshape") or not move.in_standard_domain:
+        return None
+    return move if _narrowed(move.inputs[0]) is not None else None
+
+
+_Found = TypeVar("_Found", Value, Node)
+
+
+def _widening(found: Callable[[Value | None], object]) -> Pattern:
+    """A float32 rule's Cast to float32 of a value ``found`` recognizes. The Cast alone is the match: what it reads
+    stays for its other readers (dce drops it where it has none)."""
+
     def where(node: Node) -> bool:
-        return node.name.startswith(prefix) and Site.int_attr(node, "to", 0) == to
+        return _written(node, WIDENED, DataType.FLOAT) and found(node.inputs[0]) is not None
 
-    return where
-
-
-_NARROW = op.Cast(var("v"), name="narrow", where=_written(NARROWED, DataType.FLOAT16))
+    return op.Cast(var("source"), name="widen", where=where)
 
 
-def _widened(source: Pattern) -> Pattern:
-    return op.Cast(source, name="widen", where=_written(WIDENED, DataType.FLOAT))
+def _island(found: Callable[[Value | None], _Found | None]) -> Callable[[Match, Site], _Found | Refuse]:
+    """The plan: what ``found`` recognizes behind the Cast (the pattern's ``where`` made sure it does)."""
+
+    def plan(m: Match, site: Site) -> _Found | Refuse:
+        recognized = found(m.value("source"))
+        return Refuse("no float32 rule's Cast to float16 behind it") if recognized is None else recognized
+
+    return plan
 
 
-_MOVED = op.any_of(("Transpose", "Reshape"), _NARROW, optional(var("shape")), name="move", commute=False)
+def _direct(b: Builder, m: Match, wide: Value) -> Value:
+    return wide
 
 
-def _direct(b: Builder, m: Match, plan: None) -> Value:
-    return m.value("v")
-
-
-def _moved(b: Builder, m: Match, plan: None) -> Value:
-    move = m.node("move")
-    return b.op(move.op_type, m.value("v"), *move.inputs[1:], **attrs_of(move))
+def _through_move(b: Builder, m: Match, move: Node) -> Value:
+    return b.op(move.op_type, _narrowed(move.inputs[0]), *move.inputs[1:], **attrs_of(move))
 
 
 _DOC = "Cast to float32 of {}a Cast to float16, both written by a float32 rule -> {}"
@@ -63,11 +91,18 @@ _DOC = "Cast to float32 of {}a Cast to float16, both written by a float32 rule -
 _rule = partial(Rule, family=FAMILY, kind="late", label="float32 island")
 
 RULES: tuple[Rule[Any], ...] = (
-    _rule(name="float32-island", pattern=_widened(_NARROW), build=_direct, doc=_DOC.format("", "the float32 value")),
+    _rule(
+        name="float32-island",
+        pattern=_widening(_narrowed),
+        plan=_island(_narrowed),
+        build=_direct,
+        doc=_DOC.format("", "the float32 value"),
+    ),
     _rule(
         name="float32-island-moved",
-        pattern=_widened(_MOVED),
-        build=_moved,
+        pattern=_widening(_moved),
+        plan=_island(_moved),
+        build=_through_move,
         doc=_DOC.format("a Transpose or Reshape of ", "the Transpose or Reshape of the float32 value"),
     ),
 )

@@ -19,7 +19,6 @@ float32 rules ran.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any, TypeVar
 
 from graphopt.ir import DataType, Node, Value
@@ -88,21 +87,22 @@ def _through_move(b: Builder, m: Match, move: Node) -> Value:
 
 _DOC = "Cast to float32 of {}a Cast to float16, both written by a float32 rule -> {}"
 
-_rule = partial(Rule, family=FAMILY, kind="late", label="float32 island")
+
+def _rule(name: str, found: Callable[[Value | None], _Found | None], build: Any, between: str) -> Rule[Any]:
+    """The rule ``name``: a widening Cast of what ``found`` recognizes, ``build`` reading the float32 value."""
+    return Rule(
+        name=name,
+        family=FAMILY,
+        pattern=_widening(found),
+        plan=_island(found),
+        build=build,
+        kind="late",
+        label="float32 island",
+        doc=_DOC.format(between, f"{between}the float32 value"),
+    )
+
 
 RULES: tuple[Rule[Any], ...] = (
-    _rule(
-        name="float32-island",
-        pattern=_widening(_narrowed),
-        plan=_island(_narrowed),
-        build=_direct,
-        doc=_DOC.format("", "the float32 value"),
-    ),
-    _rule(
-        name="float32-island-moved",
-        pattern=_widening(_moved),
-        plan=_island(_moved),
-        build=_through_move,
-        doc=_DOC.format("a Transpose or Reshape of ", "the Transpose or Reshape of the float32 value"),
-    ),
+    _rule("float32-island", _narrowed, _direct, ""),
+    _rule("float32-island-moved", _moved, _through_move, "a Transpose or Reshape of "),
 )

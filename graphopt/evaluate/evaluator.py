@@ -37,6 +37,7 @@ from graphopt.evaluate.base import Call, EvaluationError, Kernel, Unsupported, d
 from graphopt.evaluate.region import OutOfTime, run_region
 from graphopt.ir import CONTRIB_DOMAIN, DataType, Node, Tensor, TensorType, Value, tensor_dtype
 from graphopt.ir.constness import is_deterministic
+from graphopt.ir.ops import CARRIERS, COMPARISONS
 
 __all__ = ["Evaluator"]
 
@@ -198,46 +199,22 @@ class _Run:
 # Ops whose float16 kernels in onnxruntime's CPU provider move, pick or convert elements without computing.
 _FLOAT16_MOVES = frozenset(
     {
+        *CARRIERS,
         "Cast",
         "CastLike",
         "Concat",
-        "Expand",
-        "Flatten",
-        "Gather",
         "GatherElements",
         "GatherND",
         "Identity",
         "Max",
         "Min",
-        "Reshape",
-        "Slice",
         "Split",
-        "Squeeze",
         "Tile",
-        "Transpose",
-        "Unsqueeze",
         "Where",
     }
 )
-
-
 # Ops whose outputs are never float16, whatever they read.
-_NOT_FLOAT16 = frozenset(
-    {
-        "ArgMax",
-        "ArgMin",
-        "Equal",
-        "Greater",
-        "GreaterOrEqual",
-        "IsInf",
-        "IsNaN",
-        "Less",
-        "LessOrEqual",
-        "NonZero",
-        "Shape",
-        "Size",
-    }
-)
+_NOT_FLOAT16 = frozenset({*COMPARISONS, "ArgMax", "ArgMin", "IsInf", "IsNaN", "NonZero", "Shape", "Size"})
 
 
 def _float16_chains(order: list[Node]) -> set[Node]:

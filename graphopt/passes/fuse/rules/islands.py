@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import attrs_of
+from graphopt.passes.fuse.rules._helpers import attrs_of, cast_source
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import Pattern, op, var
 
@@ -36,14 +36,15 @@ NARROWED = "float32_result_narrowed"
 WIDENED = "float32_input_widened"
 
 
-def _written(node: Node | None, prefix: str, to: DataType) -> bool:
-    return node is not None and node.name.startswith(prefix) and Site.int_attr(node, "to", 0) == to
+def _written(node: Node | None, prefix: str) -> bool:
+    return node is not None and node.name.startswith(prefix)
 
 
 def _narrowed(value: Value | None) -> Value | None:
     """The float32 value a float32 rule's Cast to float16 narrowed into ``value``, if it did."""
-    narrow = None if value is None else value.producer
-    return narrow.inputs[0] if narrow is not None and _written(narrow, NARROWED, DataType.FLOAT16) else None
+    if value is None or not _written(value.producer, NARROWED):
+        return None
+    return cast_source(value, DataType.FLOAT16)
 
 
 def _moved(value: Value | None) -> Node | None:
@@ -62,7 +63,8 @@ def _widening(found: Callable[[Value | None], object]) -> Pattern:
     stays for its other readers (dce drops it where it has none)."""
 
     def where(node: Node) -> bool:
-        return _written(node, WIDENED, DataType.FLOAT) and found(node.inputs[0]) is not None
+        to_float = Site.int_attr(node, "to", 0) == DataType.FLOAT
+        return _written(node, WIDENED) and to_float and found(node.inputs[0]) is not None
 
     return op.Cast(var("source"), name="widen", where=where)
 

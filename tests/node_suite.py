@@ -7,6 +7,9 @@ opsets newer than it supports, preview and training ops) are the callers' to ski
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,13 +21,28 @@ from onnx import numpy_helper
 
 from tests.numerics import one_thread_options
 
+# onnx generates its node tests by running every op's reference code (20 s on one core), and each test process
+# that asks for them would again: they are generated once per onnx version and kept in pytest's cache folder.
+_CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "node-suite"
+
 
 def cases() -> list[Any]:
-    from onnx.backend.test.case.node import collect_testcases
+    cached = _CACHE / f"onnx-{onnx.__version__}.pickle"
+    _CACHE.mkdir(parents=True, exist_ok=True)
+    # The lock makes a second process wait for the first one's cases rather than generate them beside it.
+    with open(_CACHE / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if cached.exists():
+            return list(pickle.loads(cached.read_bytes()))
+        from onnx.backend.test.case.node import collect_testcases
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return list(collect_testcases(None))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            generated = list(collect_testcases(None))
+        partial = cached.with_suffix(f".{os.getpid()}")
+        partial.write_bytes(pickle.dumps(generated, protocol=pickle.HIGHEST_PROTOCOL))
+        partial.replace(cached)
+        return generated
 
 
 def _as_feed(value: Any) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import struct
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from graphopt.errors import InputError
 from graphopt.io import json_io, json_write, onnx_io, onnx_write
 from graphopt.ir import DataType, Graph, Model, Node, Sym, Tensor, TensorType, Value
 from graphopt.ir.clone import clone_model
+from tests import node_suite
 from tests.conftest import CORPUS_MODELS
 from tests.protocompare import first_difference
 
@@ -29,14 +29,6 @@ def _through_json(model: onnx.ModelProto, tmp_path: Path) -> onnx.ModelProto:
     json_write.save(onnx_io.load(tmp_path / "in.onnx"), tmp_path / "model.json")
     onnx_write.save(json_io.load(tmp_path / "model.json"), tmp_path / "out.onnx", external_data=False)
     return onnx.load(tmp_path / "out.onnx")
-
-
-def _node_cases() -> list[Any]:
-    from onnx.backend.test.case.node import collect_testcases
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return list(collect_testcases(None))
 
 
 def _differences(cases: list[Any], tmp_path: Path) -> list[str]:
@@ -50,7 +42,7 @@ def _differences(cases: list[Any], tmp_path: Path) -> list[str]:
 
 def test_node_suite_sample_round_trips_through_json(tmp_path: Path) -> None:
     """Every ninth model of the ONNX node test suite (~210) comes back equal field by field."""
-    sample = _node_cases()[::9]
+    sample = node_suite.cases()[::9]
     assert len(sample) > 200
     differences = _differences(sample, tmp_path)
     assert not differences, "\n".join(differences[:20])
@@ -59,7 +51,7 @@ def test_node_suite_sample_round_trips_through_json(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_node_suite_round_trips_through_json(tmp_path: Path) -> None:
     """All 1,884 models of the ONNX node test suite (~25 s on one core)."""
-    cases = _node_cases()
+    cases = node_suite.cases()
     start = time.perf_counter()
     differences = _differences(cases, tmp_path)
     assert len(cases) > 1800

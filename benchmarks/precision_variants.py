@@ -42,18 +42,20 @@ A variant the tool refuses is listed under "failed" with the tool's error. VARIA
 has build.py's format (each entry gains ``variant`` and ``reference``: the float32 export it was
 made from), so ``benchmarks/export_fusions.py --exports VARIANTS`` measures the variants too.
 
-``measure`` runs graphopt on every variant in the three configurations (default,
-``--target-opset 23``, ``--target ort``) with its numerics check, and compares independently at
-the index's bindings (those at which onnxruntime runs the variant): the relative L2 distance of
-the variant's outputs to the float32 export's and of graphopt's output to the float32 export's;
-their ratio says whether graphopt moved the model away from what it approximates (1.0: no
-further than the variant itself is). ``--draws N`` measures each binding on N seeded inputs too and
-pools them, with a 95% bootstrap interval of the pooled ratio (``distances``): one input's ratio moves
-a few percent either way by rounding alone, and an output counts as further from the float32 export
-only beyond noise: more than 0.1% above 1 with the whole interval above 1. The float32 export's and
-the variant's outputs are computed once per variant (``Reference``). ``--jobs N`` measures N variants
-at once (the verdicts and distances do not depend on the machine's load; the whole set, 443 variants at
-three targets, is about three hours in one job on two cores).
+``measure`` runs graphopt on every variant in the three configurations (default, ``--target-opset
+23``, ``--target ort``) with its numerics check, and compares independently at the index's bindings
+(those at which onnxruntime runs the variant): the relative L2 distance of the variant's outputs to
+the float32 export's and of graphopt's output to the float32 export's; their ratio says whether
+graphopt moved the model away from what it approximates (1.0: no further than the variant itself
+is). Each output is also run through graphopt's ``--check-optimized`` gate in the configuration that
+wrote it (the "fixed point" column: a second run would change nothing). ``--draws N`` measures each
+binding on N seeded inputs too and pools them, with a 95% bootstrap interval of the pooled ratio
+(``distances``): one input's ratio moves a few percent either way by rounding alone, and an output
+counts as further from the float32 export only beyond noise: more than 0.1% above 1 with the whole
+interval above 1. The float32 export's and the variant's outputs are computed once per variant
+(``Reference``). ``--jobs N`` measures N variants at once (the verdicts and distances do not depend
+on the machine's load; the whole set, 443 variants at three targets, is about three hours in one job
+on two cores).
 
 ``nodes`` counts the nodes of graphopt's default output and of every portable peer's (each tool
 alone in a fresh process, as ``exports.py`` runs them; the peers' counts are kept in
@@ -384,6 +386,13 @@ def run_graphopt(src: Path, out: Path, flags: list[str]) -> dict[str, Any]:
     return found
 
 
+def is_fixed_point(out: Path, flags: list[str]) -> bool:
+    """Whether graphopt's ``--check-optimized`` gate, in the configuration that wrote ``out``, passes on it: a CI
+    that runs the gate on the models it committed after optimizing them relies on it."""
+    cmd = [str(GRAPHOPT_CLI), "run", str(out), "--check-optimized", "-q", *flags]
+    return subprocess.run(cmd, capture_output=True, timeout=TIMEOUT_S, check=False).returncode == 0
+
+
 def selected(variants: Path, only: list[str]) -> Iterator[tuple[dict[str, Any], Path]]:
     """The index entries of ``variants`` that ``only`` names (all when empty), with their files."""
     for entry in json.loads((variants / "index.json").read_text())["models"]:
@@ -414,6 +423,7 @@ def measure_variant(entry: dict[str, Any], src: Path, extra: list[str], draws: i
             out = Path(tmp) / f"{src.stem}.{target}.onnx"
             cell = run_graphopt(src, out, [*flags, *extra])
             if out.is_file():
+                cell["fixed_point"] = is_fixed_point(out, [*flags, *extra])
                 cell["loads"] = _loads_at_full_level(out)
                 cell["nodes"] = node_count(out).total
                 counts = op_counts(out)
@@ -447,6 +457,7 @@ def _line(row: dict[str, Any]) -> str:
         fused = ",".join(f"{op}x{n}" for op, n in cell.get("fused", {}).items())
         withdrawn = cell.get("through_qdq")
         retried = f" withdrew {withdrawn['withdrawn']} ({','.join(withdrawn['families'])})" if withdrawn else ""
+        retried += " NOT A FIXED POINT" if cell.get("fixed_point") is False else ""
         cells.append(
             f"{target}: exit {cell['exit']} {cell.get('check')} ({cell.get('criterion')}) "
             f"{row['original']}->{cell.get('nodes')} err-ratio {ratio} [{fused}]{retried}"
@@ -476,18 +487,20 @@ def summary(rows: list[dict[str, Any]]) -> str:
                 worst[row["variant"]] = max(worst[row["variant"]], ratio)
             counts["further beyond noise"] += _further_beyond_noise(cell.get("distance"))
             counts["loads at ORT_ENABLE_ALL"] += cell.get("loads") is True
+            counts["fixed point"] += cell.get("fixed_point") is True
         fused = row["opset23"].get("fused", {}), row["ort"].get("fused", {})
         counts["attention"] += fused[0].get("Attention", 0)
         counts["ort attention"] += fused[1].get("MultiHeadAttention", 0) + fused[1].get("GroupQueryAttention", 0)
     lines = [
-        "| variant | runs | exit 0, check passed | loads at ORT_ENABLE_ALL | passed by | worst error ratio to float32 "
-        "| further beyond noise | Attention (opset 23) | MHA or GQA (ort) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | runs | exit 0, check passed | fixed point | loads at ORT_ENABLE_ALL | passed by "
+        "| worst error ratio to float32 | further beyond noise | Attention (opset 23) | MHA or GQA (ort) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, counts in sorted(by_kind.items()):
         by = ", ".join(f"{key[3:]} {n}" for key, n in sorted(counts.items()) if key.startswith("by "))
         lines.append(
-            f"| {kind} | {counts['runs']} | {counts['passed']} | {counts['loads at ORT_ENABLE_ALL']} | {by} "
+            f"| {kind} | {counts['runs']} | {counts['passed']} | {counts['fixed point']} "
+            f"| {counts['loads at ORT_ENABLE_ALL']} | {by} "
             f"| {worst[kind]:.3f} | {counts['further beyond noise']} "
             f"| {counts['attention']} | {counts['ort attention']} |"
         )

@@ -22,12 +22,13 @@ from onnx import numpy_helper
 from tests.numerics import one_thread_options
 
 # onnx generates its node tests by running every op's reference code (20 s on one core), and each test process
-# that asks for them would again: they are generated once per onnx version and kept in pytest's cache folder.
+# that asks for them would again: they are generated once per onnx and numpy version and kept in pytest's cache folder.
 _CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "node-suite"
 
 
 def cases() -> list[Any]:
-    cached = _CACHE / f"onnx-{onnx.__version__}.pickle"
+    # The pickled arrays name numpy's modules, which moved between its major versions.
+    cached = _CACHE / f"onnx-{onnx.__version__}-numpy-{np.__version__}.pickle"
     _CACHE.mkdir(parents=True, exist_ok=True)
     # The lock makes a second process wait for the first one's cases rather than generate them beside it.
     with open(_CACHE / "lock", "w") as lock:

@@ -696,6 +696,7 @@ _OPERAND_CASES = [
 ]
 
 
+@pytest.mark.slow  # the node suite: 25 s of the default suite's work, 20 of them onnx generating its cases
 def test_node_suite_operands_that_other_inputs_constrain_get_values_that_fit(tmp_path: Path) -> None:
     _only_onnxruntime_limits(_node_case_statuses(tmp_path, _OPERAND_CASES))
 

@@ -29,8 +29,8 @@ from tests.reliability.random_graphs import random_models, random_plumbing_model
 
 # Draws of the default suite and of the slow suite (the default suite's longest test took 260 of its 1,000 s of work
 # with 800 draws, and 100 of 1,240 with 300).
-EXAMPLES = 200
-MORE_EXAMPLES = 900
+EXAMPLES = 150
+MORE_EXAMPLES = 950
 PASSES = sorted(name for name in all_passes() if not name.startswith("test-"))
 # Each pass, and the default pipeline (None), as two tests: as one, the suite's longest test kept one core busy
 # while the other idled at the end of a run (pytest -n 2).
@@ -88,7 +88,7 @@ def test_passes_keep_numerics_or_leave_the_graph_alone(runs: list[str | None], p
 
 
 # The same property on more draws, in the slow suite (a test of its own name draws other graphs than the one above
-# under the "ci" profile's derandomized seed): together 200 + 900 draws a run.
+# under the "ci" profile's derandomized seed): together 150 + 950 draws a run.
 @pytest.mark.slow
 @pytest.mark.no_cover
 @pytest.mark.parametrize("runs", RUNS.values(), ids=RUNS.keys())

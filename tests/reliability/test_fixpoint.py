@@ -25,6 +25,7 @@ from graphopt.io.onnx_write import to_proto
 from tests.cli_helpers import invoke
 from tests.conftest import CORPUS_MODELS
 from tests.passes.test_fuse_exports import FIXTURES
+from tests.passes.test_fuse_float16 import float16
 from tests.precision_tools import Calibration, static_options
 from tests.reliability.random_graphs import random_models
 
@@ -104,10 +105,8 @@ def test_every_export_passes_the_gate_after_one_run(tmp_path: Path, name: str, c
 @pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
 @pytest.mark.parametrize("name", EXPORTS)
 def test_every_float16_export_passes_the_gate_after_one_run(tmp_path: Path, name: str, configuration: str) -> None:
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
     source = tmp_path / "float16.onnx"
-    onnx.save(convert_float_to_float16(onnx.load(FIXTURES / f"{name}.onnx"), keep_io_types=True), source)
+    onnx.save(float16(onnx.load(FIXTURES / f"{name}.onnx"), keep_io_types=True), source)
     code, stderr = run_then_gate(source, tmp_path / "out.onnx", CONFIGURATIONS[configuration][0])
     assert code == 0, stderr
 

@@ -86,7 +86,9 @@ def session_graph(path: Path, level: str = "ORT_ENABLE_ALL") -> list[tuple[str, 
     """The graph onnxruntime runs for ``path`` at ``level``, as a list comparable across files: per node in its
     order, the op, its domain, its attributes and its inputs (a value produced inside by its producer's position, an
     initializer by its shape, type and the sum of its absolute values). Two files with equal lists run the same
-    kernels on the same weights, so a timing difference between them is the machine's."""
+    kernels on the same weights, so a timing difference between them is the machine's. An attribute set to its
+    schema's default is left out: onnxruntime writes the defaults of the newer versions of an op out (Cast's
+    ``saturate``, QuantizeLinear's ``output_dtype`` at opset 23), so one graph saved at two opsets would differ."""
     import tempfile
 
     import onnxruntime as ort
@@ -98,7 +100,9 @@ def session_graph(path: Path, level: str = "ORT_ENABLE_ALL") -> list[tuple[str, 
         options.optimized_model_filepath = str(saved)
         options.log_severity_level = 3
         ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        graph = onnx.load(str(saved)).graph
+        saved_model = onnx.load(str(saved))
+    graph = saved_model.graph
+    opsets = {entry.domain or "ai.onnx": entry.version for entry in saved_model.opset_import}
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
     produced: dict[str, str] = {}
     nodes = []
@@ -111,9 +115,29 @@ def session_graph(path: Path, level: str = "ORT_ENABLE_ALL") -> list[tuple[str, 
             else:
                 inputs.append(produced.get(name, name))
         produced.update({name: f"{position}.{index}" for index, name in enumerate(found.output)})
-        attributes = sorted(f"{a.name}={onnx.helper.get_attribute_value(a)!r}" for a in found.attribute)
+        defaults = _default_attributes(found.op_type, found.domain, opsets)
+        attributes = sorted(
+            f"{a.name}={onnx.helper.get_attribute_value(a)!r}" for a in found.attribute if defaults.get(a.name) != a
+        )
         nodes.append((found.op_type, found.domain, *inputs, "|", *attributes))
     return nodes
+
+
+def _default_attributes(op: str, domain: str, opsets: dict[str, int]) -> dict[str, onnx.AttributeProto]:
+    """The attributes with a default in ``op``'s schema at the model's opset, named as in a node (none where onnx
+    has no schema for it: onnxruntime's own fused kernels)."""
+    try:
+        schema = onnx.defs.get_schema(op, opsets.get(domain or "ai.onnx", 1), domain)
+    except onnx.defs.SchemaError:
+        return {}
+    found = {}
+    for name, attribute in schema.attributes.items():
+        if attribute.default_value.type != onnx.AttributeProto.UNDEFINED:
+            default = onnx.AttributeProto()
+            default.CopyFrom(attribute.default_value)
+            default.name = name
+            found[name] = default
+    return found
 
 
 SESSIONS_PER_MODEL = 3

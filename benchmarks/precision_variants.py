@@ -59,10 +59,11 @@ original's for its own rounding: ``graphopt.numerics.noise``), the paired ratio'
 rewrite that rounds one activation differently moves a float16 model or a dynamically quantized one
 (whole quantization steps downstream) as rounding its input does: vit_dynamo_dyn8 at opset 23 is 1.008
 [1.0015, 1.016] of the variant's distance over 12 draws, the variant with its inputs rounded again
-1.003, the output against that one 1.005 [0.989, 1.017]. The float32 export's, the variant's and the
-rounded variant's outputs are computed once per variant (``Reference``). ``--jobs N`` measures N
-variants at once (the verdicts and distances do not depend on the machine's load; the whole set, 443
-variants at three targets, is about three hours in one job on two cores).
+0.989 (1.003 with other moves), the output against that one 1.019 [0.997, 1.035]. The float32
+export's, the variant's and the rounded variant's outputs are computed once per variant
+(``Reference``). ``--jobs N`` measures N variants at once (the verdicts and distances do not depend
+on the machine's load; the whole set, 443 variants at three targets, is about three hours in one job
+on two cores).
 
 ``nodes`` counts the nodes of graphopt's default output and of every portable peer's (each tool
 alone in a fresh process, as ``exports.py`` runs them; the peers' counts are kept in
@@ -281,8 +282,9 @@ def _worst_rel_l2(sums: np.ndarray) -> np.ndarray:
 
 class Reference:
     """The float32 export's and the variant's outputs at every binding on ``draws`` seeded inputs
-    each, and the variant's with those inputs rounded once more (``ROUNDED``; none where it has no
-    float input to round), computed once per variant and compared with each of graphopt's outputs."""
+    each, and the variant's with those inputs rounded once more (``rounds``: measured, with more than
+    one draw and a float input to round), computed once per variant and compared with each of
+    graphopt's outputs."""
 
     def __init__(self, entry: dict[str, Any], variant: Path, draws: int) -> None:
         self.entry, self.draws, self.skipped = entry, draws, 0

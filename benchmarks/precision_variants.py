@@ -108,7 +108,9 @@ from measure import interleaved_latency, node_count, session_graph
 from tools import GRAPHOPT, PORTABLE_PEERS, run_tool
 
 from graphopt.ir import DataType
+from graphopt.numerics.inputs import read_spec
 from graphopt.numerics.noise import Perturbation
+from graphopt.numerics.paths import lowest
 from graphopt.numerics.reference import float_reference, holds_bfloat16
 from graphopt.passes.rewrite.signatures import untaken
 from tests.precision_tools import STATIC_KINDS, Calibration, bfloat16_of_float16, static_options
@@ -288,7 +290,8 @@ class Reference:
 
     def __init__(self, entry: dict[str, Any], variant: Path, draws: int) -> None:
         self.entry, self.draws, self.skipped = entry, draws, 0
-        rounding = Perturbation(_compute_precision(entry["variant"]))
+        # The precision the check's own-rounding draws move the original by (numerics/judging.py).
+        rounding = Perturbation(lowest(path.precision for path in read_spec(variant).paths.values()) or "float32")
         rng = np.random.default_rng(0)
         self.rounds = draws > 1  # only the pooled verdict reads them
         self.runs: list[list[tuple[dict[str, np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray]]]] = []
@@ -310,11 +313,6 @@ class Reference:
             if runs:
                 self.runs.append(runs)
         self.draws = min([draws, *(len(runs) for runs in self.runs)])  # the variant failed at a later draw
-
-
-def _compute_precision(kind: str) -> str:
-    """The precision a variant of ``kind`` computes in (a key of graphopt's EPSILON): its inputs' rounding."""
-    return "bfloat16" if kind == "bf16" else "float16" if "fp16" in kind else "float32"
 
 
 def distances(reference: Reference, optimized: Path) -> dict[str, Any]:

@@ -82,9 +82,26 @@ def _listing(folder: Path) -> str:
     )
     if not files:
         return "no file"
-    shown = ", ".join(files[:_LISTED])
-    more = len(files) - _LISTED
-    return shown + (f" and {more} other file{'s' if more > 1 else ''}" if more > 0 else "")
+    return _shown(files, "file")
+
+
+def _no_model(folder: Path, skipped: Sequence[dict[str, str]]) -> str:
+    """The refusal of ``folder`` without a model; where it holds models that were skipped (a
+    folder of links to models elsewhere), why, and how to run them."""
+    links = [s["path"] for s in skipped if s["reason"] == OUTSIDE]
+    if not links:
+        return f"no model in {folder}: found {_listing(folder)} (looked for *.onnx and graphopt's *.json graphs)"
+    count = f"{len(links)} symbolic link{'s' if len(links) > 1 else ''} that lead{'s' if len(links) == 1 else ''}"
+    return (
+        f"no model in {folder}: skipped {count} outside it "
+        f"({_shown([Path(link).name for link in links], 'link')}); name the models to run them, e.g. {folder}/*.onnx"
+    )
+
+
+def _shown(names: Sequence[str], noun: str) -> str:
+    """A few of ``names``, and how many other ``noun`` (singular) there are."""
+    more = len(names) - _LISTED
+    return ", ".join(names[:_LISTED]) + (f" and {more} other {noun}{'s' if more > 1 else ''}" if more > 0 else "")
 
 
 # The file names the refusal of a folder without a model lists.
@@ -112,7 +129,7 @@ def collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = 
         excluded = output_folder.resolve() if output_folder is not None else None
         if excluded is not None and (excluded == source.resolve() or not excluded.is_relative_to(source.resolve())):
             excluded = None
-        models_before = len(found.sources)
+        models_before, skipped_before = len(found.sources), len(found.skipped)
         for path in sorted(source.rglob("*")):
             relative = path.relative_to(source)
             if path.suffix.lower() not in (".onnx", ".json") or not path.is_file() or ".opt." in path.name:
@@ -131,9 +148,7 @@ def collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = 
                 continue
             found.sources.append(path)
         if len(found.sources) == models_before:  # an export that failed half way, a wrong path in a matrix
-            raise InputError(
-                f"no model in {source}: found {_listing(source)} (looked for *.onnx and graphopt's *.json graphs)"
-            )
+            raise InputError(_no_model(source, found.skipped[skipped_before:]))
     return found
 
 

@@ -218,6 +218,27 @@ def test_a_folder_run_skips_links_that_lead_outside_it(tmp_path: Path) -> None:
     assert invoke("run", models / "link.onnx", "-o", tmp_path / "named.onnx", "--no-check").exit_code == 0
 
 
+def test_a_folder_of_links_to_models_elsewhere_says_they_were_skipped(tmp_path: Path) -> None:
+    """A folder of links made to run a selection of models: every link leads outside, and the
+    refusal said "no model" and listed the models it had skipped, as if they were no models."""
+    store = tmp_path / "store"
+    store.mkdir()
+    selection = tmp_path / "selection"
+    selection.mkdir()
+    for name in ("a", "b", "c", "d", "e"):
+        (selection / f"{name}.onnx").symlink_to(builders.write(builders.base_model(), store, f"{name}.onnx"))
+
+    line = assert_one_line_error(invoke("run", selection, "-o", f"{tmp_path / 'out'}/", "--no-check"))
+    assert line == (
+        f"graphopt: error: no model in {selection}: skipped 5 symbolic links that lead outside it "
+        f"(a.onnx, b.onnx, c.onnx and 2 other links); name the models to run them, e.g. {selection}/*.onnx"
+    )
+    assert not (tmp_path / "out").exists()
+    named = invoke("run", *sorted(selection.glob("*.onnx")), "-o", f"{tmp_path / 'out'}/", "--no-check")
+    assert named.exit_code == 0, named.output
+    assert len(list((tmp_path / "out").glob("*.onnx"))) == 5
+
+
 # -- 7. --in-place does not write through a link into a read-only cache -------------------------
 
 

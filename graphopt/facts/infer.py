@@ -9,7 +9,8 @@ less precise.
 Precedence, per dim:
 
 1. a dim the model already declares stays (a graph output's ``batch`` is never renamed;
-   an intermediate dim onnx once named ``unk__3`` is a placeholder and may be replaced);
+   an intermediate dim onnx once named ``unk__3`` is a placeholder and may be replaced, and
+   a graph output's by a proven size);
 2. else the dim our rules compute (ints, names, expressions such as ``seq + 1``);
 3. else the dim onnx's own inference found, except its invented ``unk__N`` names. onnx
    runs over a light copy of the model (reached through the facts service's
@@ -327,7 +328,11 @@ def _merge(declared: Type | None, inferred: Type | None, *, user_facing: bool) -
         return declared
 
     def pick(mine: Dim, theirs: Dim) -> Dim:
-        if theirs is None or (mine is not None and not (_placeholder(mine) and not user_facing)):
+        # A graph's own value gives its placeholder up to whatever was found; a graph output keeps it but for a
+        # proven size, a value no user reads by that name either (a converter's shape inference writes unk__N on
+        # every output, and a rule proving the last Reshape's heads needs them).
+        replaceable = _placeholder(mine) and (not user_facing or isinstance(theirs, int))
+        if theirs is None or (mine is not None and not replaceable):
             return mine
         return theirs
 

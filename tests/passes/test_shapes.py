@@ -372,6 +372,24 @@ def test_declared_names_win_and_onnx_placeholders_lose() -> None:
     assert str(types["where"]) == "int64[2, ?]"  # onnx would say unk__N
 
 
+def test_a_graph_outputs_onnx_placeholder_gives_way_to_a_proven_size_only() -> None:
+    """onnxruntime's float16 converter (keep_io_types=False) declares every output in onnx's placeholders; one kept
+    over a proven size hid BLOOM's head count at its attention's last Reshape, so the attention did not fuse. A
+    placeholder still stays for a symbolic dim: a graph output's dims are not renamed."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    nodes = [helper.make_node("Relu", ["w"], ["static"]), helper.make_node("Relu", ["x"], ["dynamic"])]
+    outputs = [
+        helper.make_tensor_value_info("static", TensorProto.FLOAT, ["unk__8", "unk__9"]),
+        helper.make_tensor_value_info("dynamic", TensorProto.FLOAT, ["unk__10", "unk__11"]),
+    ]
+    inits = [numpy_helper.from_array(np.ones((3, 4), np.float32), "w")]
+    model = onnx_io.from_proto(make_model(nodes, [x], outputs, initializer=inits))
+    infer(model)
+    types = {v.name: v.type for v in node_outputs(model)}
+    assert str(types["static"]) == "float[3, 4]"
+    assert str(types["dynamic"]) == "float[unk__10, 4]"
+
+
 def _padded_windows() -> onnx.ModelProto:
     """Swin's window partition as TorchScript writes it: x padded up to a multiple of 3 high and wide by
     F.pad with pads computed from its shape (``(3 - h % 3) % 3``, through a Reshape to rows of two, a

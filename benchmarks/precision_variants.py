@@ -5,6 +5,7 @@
                                                     [--draws N] [--jobs N]
     python benchmarks/precision_variants.py nodes   [--variants VARIANTS] [--only STEM ...] [--refresh]
     python benchmarks/precision_variants.py latency [--variants VARIANTS] [--only STEM ...] [--runs N] [--json-out PATH]
+    python benchmarks/precision_variants.py rules   [--variants VARIANTS] [--only STEM ...] [--jobs N] [--json-out PATH]
 
 ``build`` makes, with onnxruntime's own tools (the ones deployment engineers use; never a
 dependency of graphopt), four variants of every export of DIR's index.json
@@ -79,6 +80,11 @@ per-round ratios to the variant with its 95% bootstrap interval; an output is sl
 noise (export_fusions.py's rule), against the variant and against onnxruntime's output, and not
 against one that onnxruntime runs as the very same graph (``measure.session_graph``: the line names
 those), where the difference is where the sessions landed in memory.
+
+``rules`` runs graphopt without its check on the float16 and QDQ variants at the three targets and lists, per
+precision, every fuse rule that fired and what the fuse rules' table runs of it at that precision (its float16 and
+QDQ columns, ``python -m tests.passes.fuse.test_contract``): a rule that fires on a variant owes the table its case
+at that precision, fired and perturbed, or the reason it has none.
 """
 
 from __future__ import annotations
@@ -576,6 +582,65 @@ def node_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# The precisions of the fuse rules' table (tests/passes/fuse/test_precision.py) by variant kind.
+TABLE_PRECISIONS = {"fp16": "float16", "qdq": "qdq"}
+
+
+def rules_fired(variants: Path, only: list[str], jobs: int) -> list[dict[str, Any]]:
+    """A row per float16 and QDQ variant: the fuse rules graphopt applied on it at each target, with no check
+    (the check only withdraws rules, so this is every rule that can fire there)."""
+    chosen = [(entry, src) for entry, src in selected(variants, only) if entry["variant"] in TABLE_PRECISIONS]
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(_rules_of_variant, *zip(*chosen, strict=True))) if chosen else []
+
+
+def _rules_of_variant(entry: dict[str, Any], src: Path) -> dict[str, Any]:
+    row: dict[str, Any] = {"model": src.stem, "variant": entry["variant"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        for target, flags in TARGETS.items():
+            cmd = [str(GRAPHOPT_CLI), "run", str(src), "-o", f"{tmp}/out.onnx", "--no-check", "--json", *flags]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+            try:
+                report = json.loads(done.stdout)
+            except json.JSONDecodeError:
+                row[target] = {"error": (done.stderr.strip().splitlines() or [""])[-1]}
+                continue
+            applied: collections.Counter[str] = collections.Counter()
+            for ran in report["passes"]:
+                applied.update((ran.get("details") or {}).get("applied") or {})
+            row[target] = dict(applied)
+    print(f"{row['model']}: {sum(sum(c.values()) for t, c in row.items() if t in TARGETS)} rewrites", flush=True)
+    return row
+
+
+def rules_table(rows: list[dict[str, Any]]) -> str:
+    """Per precision of the fuse rules' table, every fuse rule that fired on a variant of it (on how many files,
+    and one of them), and what the table runs of it there (tests/passes/fuse/test_contract.py's column; "-": no
+    case at that precision, which the table owes every rule that fires on a variant)."""
+    from graphopt.passes.fuse import registered_rules
+    from tests.passes.fuse.test_contract import precision_cell
+
+    fuse_rules = {rule.name for rule in registered_rules()}
+    lines: list[str] = []
+    for kind, precision in TABLE_PRECISIONS.items():
+        fired: dict[str, set[str]] = collections.defaultdict(set)
+        for row in rows:
+            if row["variant"] == kind:
+                for target in TARGETS:
+                    for rule in row.get(target, {}):
+                        if rule in fuse_rules:
+                            fired[rule].add(f"{row['model']} ({target})")
+        cells = {rule: precision_cell(rule, precision) for rule in sorted(fired)}
+        lines += [f"\n{precision}:", "| rule | files | e.g. | the table at this precision |", "|---|---|---|---|"]
+        lines += [f"| {rule} | {len(fired[rule])} | {min(fired[rule])} | {cells[rule]} |" for rule in cells]
+        missing = [rule for rule, cell in cells.items() if cell == "-"]
+        lines.append(
+            f"{len(cells)} rules fire on the {kind} variants; without a case at {precision}: "
+            + (", ".join(missing) if missing else "none")
+        )
+    return "\n".join(lines)
+
+
 TIMED = {"default": [], "opset23": ["--target-opset", "23"], "ort": ["--target", "ort"]}
 # The columns of the latency table: the three outputs, then onnxruntime's own.
 _TIMED_COLUMNS = {
@@ -713,7 +778,7 @@ def latency_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["build", "measure", "nodes", "latency"])
+    parser.add_argument("action", choices=["build", "measure", "nodes", "latency", "rules"])
     parser.add_argument("--exports", type=Path, default=EXPORTS, help="the float32 exports with their index.json")
     parser.add_argument("--variants", "--out", dest="variants", type=Path, default=VARIANTS, help="the variants folder")
     parser.add_argument("--only", nargs="*", default=[], help="model names or file stems")
@@ -736,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         "--jobs",
         type=int,
         default=1,
-        help="measure: variants measured at once (default 1; latency is always measured one file at a time)",
+        help="measure, rules: variants run at once (default 1; latency is always measured one file at a time)",
     )
     args = parser.parse_args(argv)
     if args.draws < 1:
@@ -756,11 +821,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = peer_counts(args.variants, args.only, tools, args.refresh, check=False, cache_path=VARIANT_PEER_CACHE)
     elif args.action == "latency":
         rows = latency(args.variants, args.only, args.runs)
+    elif args.action == "rules":
+        rows = rules_fired(args.variants, args.only, args.jobs)
     else:
         rows = measure(args.variants, args.only, args.flag, args.draws, args.jobs)
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
-    tables = {"nodes": node_table, "latency": latency_table, "measure": summary}
+    tables = {"nodes": node_table, "latency": latency_table, "measure": summary, "rules": rules_table}
     print(tables[args.action](rows))
     return 0
 

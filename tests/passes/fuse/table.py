@@ -750,32 +750,49 @@ def _refuses_float16(case: Case, name: str, refusal: NamesType) -> None:
     assert any(refusal.reason in m for m in found), found
 
 
+# What a rule's declaration at a precision says: None, its case runs there; a Case, this case runs there in its place
+# (the spelling the variants have, where quantizing the table's case keeps the rule from matching); NamesType, the
+# rule refuses its case made float16 and names the type; a string, why no case runs there.
+Declared = Mapping[str, str | NamesType | Case | None]
+
+
+def case_at(cases: Mapping[str, Case], declared: Declared, name: str) -> Case:
+    """The case rule ``name`` runs at the precision ``declared`` describes."""
+    why = declared[name]
+    return why if isinstance(why, Case) else cases[name]
+
+
 def precision_tests(
     cases: Mapping[str, Case],
-    declared: Mapping[str, Mapping[str, str | NamesType | None]],
+    declared: Mapping[str, Declared],
     fired_through_qdq: Set[str],
     reasons: Mapping[tuple[str, str, str], str | None],
 ) -> dict[str, Callable[..., None]]:
-    """The table's tests at each precision ``declared`` names, for the rules it lists there, by test name. None: the
-    case runs at that precision: the rule fires (through Q/DQ: where ``fired_through_qdq``, whose rules another test
-    fires so, does not name it), and each perturbation refuses it, naming the case's reason or the one ``reasons``
-    has for (precision, rule, kind). NamesType: the rule refuses the case made float16, naming the type. A string:
-    why the case does not run at that precision. A test with nothing to run is left out."""
-    float16 = [name for name, why in declared["float16"].items() if why is None]
-    qdq = [name for name, why in declared["qdq"].items() if why is None and name not in fired_through_qdq]
+    """The table's tests at each precision ``declared`` names, for the rules it lists there, by test name. None or a
+    Case: the case runs at that precision: the rule fires (through Q/DQ: where ``fired_through_qdq``, whose rules
+    another test fires so, does not name it), and each perturbation refuses it, naming the case's reason or the one
+    ``reasons`` has for (precision, rule, kind). NamesType: the rule refuses the case made float16, naming the type.
+    A string: why the case does not run at that precision. A test with nothing to run is left out."""
+
+    def runs(why: object) -> bool:
+        return why is None or isinstance(why, Case)
+
+    float16 = [name for name, why in declared["float16"].items() if runs(why)]
+    qdq = [name for name, why in declared["qdq"].items() if runs(why) and name not in fired_through_qdq]
     typed_refusals = {name: why for name, why in declared["float16"].items() if isinstance(why, NamesType)}
     refusals = [
         pytest.param(name, kind, precision, id=f"{name}-{precision}-{kind}")
         for precision in PRECISIONS
         for name, why in declared[precision].items()
-        if why is None
+        if runs(why)
         for kind in KINDS
-        if isinstance(found := perturbation(cases[name], kind), Perturb) and found.stops is None
+        if isinstance(found := perturbation(case_at(cases, declared[precision], name), kind), Perturb)
+        and found.stops is None
     ]
 
     @pytest.mark.parametrize("name", float16)
     def test_the_rule_fires_in_float16(name: str) -> None:
-        _fires_in_float16(cases[name], name)
+        _fires_in_float16(case_at(cases, declared["float16"], name), name)
 
     @pytest.mark.parametrize("name", list(typed_refusals))
     def test_the_rule_refuses_float16_naming_the_type(name: str) -> None:
@@ -783,13 +800,14 @@ def precision_tests(
 
     @pytest.mark.parametrize("name", qdq)
     def test_the_rule_fires_through_qdq(name: str) -> None:
-        fires_through_qdq(cases[name], name)
+        fires_through_qdq(case_at(cases, declared["qdq"], name), name)
 
     @pytest.mark.parametrize(("name", "kind", "precision"), refusals)
     def test_the_rule_refuses_the_perturbed_model_at_the_precision(name: str, kind: str, precision: str) -> None:
-        perturb = perturbation(cases[name], kind)
+        case = case_at(cases, declared[precision], name)
+        perturb = perturbation(case, kind)
         assert isinstance(perturb, Perturb)
-        _refuses_at(name, cases[name], kind, precision, reasons.get((precision, name, kind), perturb.reason))
+        _refuses_at(name, case, kind, precision, reasons.get((precision, name, kind), perturb.reason))
 
     tests = {
         "test_the_rule_fires_in_float16": (test_the_rule_fires_in_float16, float16),

@@ -118,10 +118,13 @@ def precision_cell(name: str, precision: str) -> str:
         extra = ["quantized reader"] if isinstance(interior, tuple) else []
     if isinstance(why, NamesType):
         return f"refused, the type named ({why.reason})"
+    own = isinstance(why, Case)
+    if isinstance(why, Case):  # a case of its own at this precision (the variants' spelling)
+        case, why = why, None
     if why not in (None, ""):
         return str(why)
     kinds = extra + [kind for kind in KINDS if why is None and isinstance(perturbation(case, kind), Perturb)]
-    return "fires" + (f"; refused: {', '.join(kinds)}" if kinds else "")
+    return "fires" + (" on a case of its own" if own else "") + (f"; refused: {', '.join(kinds)}" if kinds else "")
 
 
 def coverage_matrix() -> str:

@@ -8,15 +8,22 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto
 
-from tests.numerics import assert_same_outputs
+from tests.numerics import assert_same_outputs, make_feeds, run_ort
 from tests.passes.fuse.table import (
     CONSTANTS_ONLY,
     F16,
+    KINDS,
+    LATE,
+    THROUGH_QDQ,
     Case,
     Exported,
     Perturb,
+    copied,
+    perturbation,
+    quantized,
     set_attr,
     set_const,
     table_tests,
@@ -88,6 +95,36 @@ BEFORE_EXPORTS: frozenset[str] = frozenset(
 
 # test_the_rule_fires_on_its_model and the other table tests, over this family's table
 globals().update(table_tests(CASES, EXPORTED))
+
+
+CONSECUTIVE_ROWS = CASES["gather-consecutive-rows"]
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["", *(k for k in KINDS if isinstance(perturbation(CONSECUTIVE_ROWS, k), Perturb))],
+    ids=lambda k: k or "as is",
+)
+def test_a_quantized_position_table_gives_its_consecutive_rows_by_a_slice(kind: str) -> None:
+    """bert's QDQ variants: quantize_static stores the position table int8 behind a DequantizeLinear, and the
+    late rule qdq-gather-table-uint8 moves the Gather before it; then the rows are read by a Slice, bit for bit
+    in onnxruntime. The case's perturbations, made in float32 and then quantized, refuse it there too (the
+    table's QDQ column points here: the move makes a DequantizeLinear of its own, which the table's Q/DQ check
+    does not allow)."""
+    perturb = perturbation(CONSECUTIVE_ROWS, kind) if kind else Perturb(copied, None)
+    assert isinstance(perturb, Perturb)
+    base = perturb.change(CONSECUTIVE_ROWS.build())
+    feeds = make_feeds(base, 0)
+    proto = quantized(base, lambda seed: feeds)
+    out, details = fuse(proto, CONSECUTIVE_ROWS.passes, **THROUGH_QDQ, **LATE)
+    assert details["applied"].get("qdq-gather-table-uint8") == 1, details
+    assert ("gather-consecutive-rows" in details["applied"]) == (not kind), details
+    if not kind:
+        assert not {"Gather"} & {n.op_type for n in out.graph.node}
+    elif perturb.reason is not None:
+        assert any(perturb.reason in m for m in details["near_misses"].get("gather", [])), details
+    for name, value in run_ort(proto, feeds).items():
+        assert np.array_equal(value.view(np.uint32), run_ort(out, feeds)[name].view(np.uint32)), name
 
 
 def test_a_float16_table_is_cast_after_the_slice() -> None:

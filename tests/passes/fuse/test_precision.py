@@ -6,10 +6,11 @@ float16 model's outputs keep their values within float16's rounding (FLOAT16_TOL
 keeps every scale and zero point, and its outputs are no further from the float model than the quantized one's.
 
 FLOAT16 and QDQ list the rules that fire on the reduced-precision variants of the real exports (float16 with
-float32 inputs and outputs, QDQ int8; bert, gpt2, vit, resnet18 and convnext from TorchScript, llama, t5's encoder
-and whisper's from dynamo; default, --target ort, --target-opset 23, and through Q/DQ with --fuse-through-qdq):
-None where the case runs at that precision, else why it does not. The rules of test_through_qdq's families fire
-through Q/DQ there; here they meet the perturbations.
+float32 inputs and outputs, QDQ int8, of the 56 architectures' exports from both exporters; default, --target ort
+and --target-opset 23: ``benchmarks/precision_variants.py rules`` lists them against this table): None where the
+case runs at that precision, a Case where the variants' spelling needs one of its own (the rotary rules' caches
+computed at run time), else why it does not. The rules of test_through_qdq's families fire through Q/DQ there;
+here they meet the perturbations.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import importlib
 
 import pytest
 
-from tests.passes.fuse import test_through_qdq
+from tests.passes.fuse import test_rotary, test_through_qdq
 from tests.passes.fuse.table import Case, NamesType, precision_tests, same_weights
 
 # The families of the rules named below (each family's test file holds its CASES).
@@ -62,7 +63,7 @@ FUSED_MATMUL = (
 )
 PROJECTION = NamesType("not a float32 MatMul (measured on float32 only)")
 DYNAMIC_INT8 = "n/a: DynamicQuantizeLinear takes float32 only: the case made float16 is no valid model"
-FLOAT16: dict[str, str | NamesType | None] = {
+FLOAT16: dict[str, str | NamesType | Case | None] = {
     **dict.fromkeys(BOTH),
     **dict.fromkeys(
         (
@@ -76,20 +77,40 @@ FLOAT16: dict[str, str | NamesType | None] = {
             "logsoftmax-float32",
             "ort-gelu-float32",
             "ort-fastgelu-float32",
+            "ort-rmsnorm-float32",
         ),
         "n/a: its case is a float16 model already",
     ),
+    **dict.fromkeys(
+        ("float32-island", "float32-island-moved"),
+        "n/a: its case is a float16 model already (a Cast to float16 and back)",
+    ),
+    "add-constant-row": None,
+    "attention-kv-cache": None,
+    "attention-merged-heads": None,
     "conv-mul": None,
     "div-mul-constants": None,
     "layernorm-residual-sum": None,
     "gather-consecutive-rows": None,
+    "groupnorm-no-bias": None,
     "layout-chain-static": None,
+    "mul-conv": None,
+    "ort-group-query-attention": None,
+    "ort-multihead-attention-merged": None,
     "ort-rotary-embedding": None,
     "ort-rotary-embedding-3d": None,
+    "ort-rotary-embedding-interleaved-partial": None,
+    "ort-rotary-embedding-partial": None,
+    "pad-into-consumer": None,
     "reshape-chain": None,
+    "reshape-transpose": None,
     # its case's Reshapes are matmul-add-gemm-projection's (gpt2's float16 Gemm carries them on the variant)
     "reshape-through-elementwise": NamesType("not a float32 MatMul", family="matmul"),
     "rotary-embedding": None,
+    "rotary-embedding-interleaved-partial": None,
+    "rotary-embedding-partial": None,
+    "slice-slice": None,
+    "transpose-transpose": None,
     "unsqueeze-unsqueeze": None,
     # Rules no float16 variant fires: each refuses its case made float16 and says the type.
     **dict.fromkeys(("ort-fusedconv", "ort-fusedconv-sum", "ort-fusedgemm"), FUSED_KERNELS),
@@ -100,12 +121,22 @@ FLOAT16: dict[str, str | NamesType | None] = {
     "ort-embedlayernorm": NamesType("not float32 constants"),
     "ort-skiprmsnorm": NamesType("float16 SkipSimplifiedLayerNormalization rounds more"),
 }
-QDQ: dict[str, str | NamesType | None] = {
+QDQ: dict[str, str | NamesType | Case | None] = {
     **dict.fromkeys(BOTH),
+    "gather-consecutive-rows": "fires after qdq-gather-table-uint8 moved the Gather before the table's "
+    "DequantizeLinear, a Q/DQ node of its own: test_gather.py's test_a_quantized_position_table_... runs its case "
+    "and perturbations quantized",
+    "qdq-gather-table-uint8": "n/a: its case is a quantized model already",
     "layernorm-residual-sum": "n/a: a Sum for an Add is no fused op, so it does not see through the pair between the "
     "Add and its norm (test_through_qdq.py shows the pair kept)",
     "layout-chain-static": NO_PAIR_INSIDE,
+    "groupnorm-plain": None,
+    "ort-rotary-embedding-3d": None,
+    "ort-rotary-embedding-interleaved-partial": None,
     "ort-skiprmsnorm-decomposed": None,
+    "rotary-embedding-interleaved-partial": None,
+    "slice-slice": None,
+    **test_rotary.RUNTIME_CACHES,
     "qdq-dequantize-after-move": "n/a: its case is a quantized model already",
     "qdq-requantize-same": "n/a: its case is a quantized model already",
     "unsqueeze-unsqueeze": NO_PAIR_INSIDE,
@@ -114,7 +145,7 @@ QDQ: dict[str, str | NamesType | None] = {
 REASONS: dict[tuple[str, str, str], str | None] = {
     # An interior value made a graph output keeps its pair whole (the output reads the float value): the pattern
     # does not see through it, so nothing matches and no near miss is said.
-    **{("qdq", name, "output"): None for name, why in QDQ.items() if why is None},
+    **{("qdq", name, "output"): None for name, why in QDQ.items() if why is None or isinstance(why, Case)},
 }
 
 

@@ -209,6 +209,27 @@ CASES: dict[str, Case] = {
     ),
 }
 
+# The rotary rules on quantized models: the llama exports compute cos / sin at run time from the position ids,
+# which quantize_static quantizes as activations (pairs the rules see through); the table's cases read constant
+# tables, which stay quantized (a DequantizeLinear of a matrix, tests/passes/fuse/test_through_qdq.py).
+RUNTIME_CACHES: dict[str, Case] = {
+    name: Case(
+        (lambda: at_opset(18)(_rope_q(cos="runtime")())) if ort else _rope_q(cos="runtime"),
+        {"RotaryEmbedding": 1},
+        "q_neg",
+        Perturb(
+            lambda p, ort=ort: (at_opset(18) if ort else copied)(_rope_q(cos="runtime", swapped=True)()),
+            "not the two halves",
+            note="the Slices' bounds swapped",
+        ),
+        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the rotated size is not static"),
+        NO_GATE if ort else below(23),
+        {"target": "ort"} if ort else {},
+        passes="shape-infer,fuse,dce",
+    )
+    for name, ort in (("rotary-embedding", False), ("ort-rotary-embedding", True))
+}
+
 EXPORTED: dict[str, Exported | str] = {
     "rotary-embedding-float32": "its case is what rotary-embedding writes on a float16 export; test_float32.py runs "
     "the whole pipeline on the float16 Llama export (tests/fixtures/exports/llama_fp16_dynamo.onnx)",

@@ -116,7 +116,6 @@ from tools import GRAPHOPT, PORTABLE_PEERS, run_tool
 from graphopt.ir import DataType
 from graphopt.numerics.inputs import read_spec
 from graphopt.numerics.noise import Perturbation
-from graphopt.numerics.paths import lowest
 from graphopt.numerics.reference import float_reference, holds_bfloat16
 from graphopt.passes.rewrite.signatures import untaken
 from tests.precision_tools import STATIC_KINDS, Calibration, bfloat16_of_float16, static_options
@@ -296,8 +295,8 @@ class Reference:
 
     def __init__(self, entry: dict[str, Any], variant: Path, draws: int) -> None:
         self.entry, self.draws, self.skipped = entry, draws, 0
-        # The precision the check's own-rounding draws move the original by (numerics/judging.py).
-        rounding = Perturbation(lowest(path.precision for path in read_spec(variant).paths.values()) or "float32")
+        # The precision the check's own-rounding draws move the original by (ModelSpec.compute_precision).
+        rounding = Perturbation(read_spec(variant).compute_precision())
         rng = np.random.default_rng(0)
         self.rounds = draws > 1  # only the pooled verdict reads them
         self.runs: list[list[tuple[dict[str, np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray]]]] = []

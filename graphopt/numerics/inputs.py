@@ -53,7 +53,7 @@ from graphopt.errors import InputError
 from graphopt.io.sources import input_file
 from graphopt.numerics.dims import GraphFacts, Role, graph_facts, held_tensor, unnamed_key
 from graphopt.numerics.feeds import Feed, exotic
-from graphopt.numerics.paths import OutputPath, has_opaque_ops, output_paths
+from graphopt.numerics.paths import OutputPath, has_opaque_ops, lowest, output_paths
 
 __all__ = [
     "NPZ_BYTE_LIMIT",
@@ -168,6 +168,11 @@ class ModelSpec:
 
     def signature(self) -> dict[str, str]:
         return {spec.name: spec.type_text for spec in self.inputs}
+
+    def compute_precision(self) -> str:
+        """The least precise float type any output is computed in ("float32" where none is known): the rounding
+        the check's own-rounding draws move the original's float data by."""
+        return lowest(path.precision for path in self.paths.values()) or "float32"
 
 
 @dataclass

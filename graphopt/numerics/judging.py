@@ -30,7 +30,6 @@ from graphopt.numerics.compare import (
 from graphopt.numerics.feeds import Feed, relaid
 from graphopt.numerics.inputs import Binding, ModelSpec
 from graphopt.numerics.noise import DRAWS, Perturbation, self_noise
-from graphopt.numerics.paths import lowest
 from graphopt.numerics.reference import float_reference
 from graphopt.numerics.sessions import OrtError, Output, open_session, session_options
 
@@ -90,7 +89,7 @@ def judge_by_own_rounding(
     retried = {number: outputs for number, outputs in retried.items() if outputs}
     if not retried:
         return
-    precision = lowest(path.precision for path in spec.paths.values()) or "float32"
+    precision = spec.compute_precision()
     perturbation: Perturbation | None = None  # read from the original where a draw is not in the memo
     draws: dict[int, list[list[Output]]] = {number: [] for number in retried}
     for draw in range(DRAWS):

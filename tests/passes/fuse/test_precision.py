@@ -123,6 +123,10 @@ FLOAT16: dict[str, str | NamesType | Case | None] = {
 }
 QDQ: dict[str, str | NamesType | Case | None] = {
     **dict.fromkeys(BOTH),
+    "attention-merged-heads": None,
+    "ort-multihead-attention-merged": None,
+    "ort-rotary-embedding-partial": None,
+    "rotary-embedding-partial": None,
     "gather-consecutive-rows": "fires after qdq-gather-table-uint8 moved the Gather before the table's "
     "DequantizeLinear, a Q/DQ node of its own: test_gather.py's test_a_quantized_position_table_... runs its case "
     "and perturbations quantized",

@@ -331,8 +331,9 @@ def _merge(declared: Type | None, inferred: Type | None, *, user_facing: bool) -
         # A graph's own value gives its placeholder up to whatever was found; a graph output keeps it but for a
         # proven size, a value no user reads by that name either (a converter's shape inference writes unk__N on
         # every output, and a rule proving the last Reshape's heads needs them).
-        replaceable = _placeholder(mine) and (not user_facing or isinstance(theirs, int))
-        if theirs is None or (mine is not None and not replaceable):
+        if theirs is None or (
+            mine is not None and not (_placeholder(mine) and (not user_facing or isinstance(theirs, int)))
+        ):
             return mine
         return theirs
 

@@ -402,16 +402,24 @@ def _loads_at_full_level(path: Path) -> bool | str:
     return True
 
 
+def graphopt_report(src: Path, out: Path, flags: list[str]) -> tuple[int, dict[str, Any] | str]:
+    """graphopt's exit code on ``src`` (writing ``out``) and its JSON report, or the last line it wrote on stderr
+    where it wrote no report."""
+    cmd = [str(GRAPHOPT_CLI), "run", str(src), "-o", str(out), "--json", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    try:
+        return done.returncode, json.loads(done.stdout)
+    except json.JSONDecodeError:
+        return done.returncode, (done.stderr.strip().splitlines() or [""])[-1]
+
+
 def run_graphopt(src: Path, out: Path, flags: list[str]) -> dict[str, Any]:
     """graphopt's exit code, its check's verdict and criterion, its seconds and the fusions through Q/DQ it
     withdrew on ``src``."""
-    cmd = [str(GRAPHOPT_CLI), "run", str(src), "-o", str(out), "--json", *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    found: dict[str, Any] = {"exit": done.returncode}
-    try:
-        report = json.loads(done.stdout)
-    except json.JSONDecodeError:
-        found["error"] = (done.stderr.strip().splitlines() or [""])[-1]
+    code, report = graphopt_report(src, out, flags)
+    found: dict[str, Any] = {"exit": code}
+    if isinstance(report, str):
+        found["error"] = report
         return found
     numerics = report.get("numerics") or {}
     found["seconds"] = (report.get("seconds") or {}).get("total")
@@ -581,34 +589,35 @@ def node_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# The precisions of the fuse rules' table (tests/passes/fuse/test_precision.py) by variant kind.
-TABLE_PRECISIONS = {"fp16": "float16", "qdq": "qdq"}
+# The precisions of the fuse rules' table (tests/passes/fuse/test_precision.py) by variant kind (the table makes its
+# float16 cases with float16 inputs and outputs, as fp16io is built).
+TABLE_PRECISIONS = {"fp16": "float16", "fp16io": "float16", "qdq": "qdq"}
 
 
 def rules_fired(variants: Path, only: list[str], jobs: int) -> list[dict[str, Any]]:
-    """A row per float16 and QDQ variant: the fuse rules graphopt applied on it at each target, with no check
-    (the check only withdraws rules, so this is every rule that can fire there)."""
+    """A row per float16 (fp16, fp16io) and QDQ variant: the fuse rules graphopt applied on it at each target, with
+    no check (the check only withdraws rules, so this is every rule that can fire there)."""
     chosen = [(entry, src) for entry, src in selected(variants, only) if entry["variant"] in TABLE_PRECISIONS]
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_rules_of_variant, *zip(*chosen, strict=True))) if chosen else []
 
 
 def _rules_of_variant(entry: dict[str, Any], src: Path) -> dict[str, Any]:
-    row: dict[str, Any] = {"model": src.stem, "variant": entry["variant"]}
+    """The rules graphopt applied on ``src`` by target, how often each (graphopt's error where a run wrote no
+    report, under "errors")."""
+    row: dict[str, Any] = {"model": src.stem, "variant": entry["variant"], "errors": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for target, flags in TARGETS.items():
-            cmd = [str(GRAPHOPT_CLI), "run", str(src), "-o", f"{tmp}/out.onnx", "--no-check", "--json", *flags]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-            try:
-                report = json.loads(done.stdout)
-            except json.JSONDecodeError:
-                row[target] = {"error": (done.stderr.strip().splitlines() or [""])[-1]}
-                continue
+            _, report = graphopt_report(src, Path(tmp) / "out.onnx", ["--no-check", *flags])
             applied: collections.Counter[str] = collections.Counter()
-            for ran in report["passes"]:
-                applied.update((ran.get("details") or {}).get("applied") or {})
+            if isinstance(report, str):
+                row["errors"][target] = report
+            else:
+                for ran in report["passes"]:
+                    applied.update((ran.get("details") or {}).get("applied") or {})
             row[target] = dict(applied)
-    print(f"{row['model']}: {sum(sum(c.values()) for t, c in row.items() if t in TARGETS)} rewrites", flush=True)
+    rewrites = sum(sum(row[target].values()) for target in TARGETS)
+    print(f"{row['model']}: {rewrites} rewrites" + (f", failed: {row['errors']}" if row["errors"] else ""), flush=True)
     return row
 
 
@@ -622,6 +631,8 @@ def rules_table(rows: list[dict[str, Any]]) -> str:
     fuse_rules = {rule.name for rule in registered_rules()}
     lines: list[str] = []
     for kind, precision in TABLE_PRECISIONS.items():
+        if not any(row["variant"] == kind for row in rows):
+            continue
         fired: dict[str, set[str]] = collections.defaultdict(set)
         for row in rows:
             if row["variant"] == kind:
@@ -637,6 +648,8 @@ def rules_table(rows: list[dict[str, Any]]) -> str:
             f"{len(cells)} rules fire on the {kind} variants; without a case at {precision}: "
             + (", ".join(missing) if missing else "none")
         )
+    failed = [f"{row['model']} ({target}): {error}" for row in rows for target, error in row["errors"].items()]
+    lines.append("\ngraphopt wrote no report (its rules unknown) on: " + ("; ".join(failed) if failed else "none"))
     return "\n".join(lines)
 
 

@@ -86,15 +86,17 @@ def _listing(folder: Path) -> str:
 
 
 def _no_model(folder: Path, skipped: Sequence[dict[str, str]]) -> str:
-    """The refusal of ``folder`` without a model; where it holds models that were skipped (a
-    folder of links to models elsewhere), why, and how to run them."""
-    links = [s["path"] for s in skipped if s["reason"] == OUTSIDE]
+    """The refusal of ``folder`` without a model; where its files were skipped as links that lead
+    outside it (a folder of links to models elsewhere), that, and how to run them."""
+    links = [Path(s["path"]).relative_to(folder) for s in skipped if s["reason"] == OUTSIDE]
     if not links:
         return f"no model in {folder}: found {_listing(folder)} (looked for *.onnx and graphopt's *.json graphs)"
     count = f"{len(links)} symbolic link{'s' if len(links) > 1 else ''} that lead{'s' if len(links) == 1 else ''}"
+    # A shell's glob names the links of the folder itself; one further down is named as it is.
+    example = folder / "*.onnx" if all(link.parent == Path() for link in links) else folder / links[0]
     return (
-        f"no model in {folder}: skipped {count} outside it "
-        f"({_shown([Path(link).name for link in links], 'link')}); name the models to run them, e.g. {folder}/*.onnx"
+        f"no model in {folder}: skipped {count} outside it ({_shown([str(link) for link in links], 'link')}); "
+        f"name them on the command line to run them, e.g. {example}"
     )
 
 

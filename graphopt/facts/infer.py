@@ -328,9 +328,10 @@ def _merge(declared: Type | None, inferred: Type | None, *, user_facing: bool) -
         return declared
 
     def pick(mine: Dim, theirs: Dim) -> Dim:
-        # A graph's own value gives its placeholder up to whatever was found; a graph output keeps it but for a
-        # proven size, a value no user reads by that name either (a converter's shape inference writes unk__N on
-        # every output, and a rule proving the last Reshape's heads needs them).
+        # An interior value's placeholder gives way to any dim found. A graph output's gives way to a proven size
+        # only, never to a name (its declared names are the user's): converters that run onnx's shape inference
+        # write unk__N on every output, and a rule proving a head count at the Reshape that writes the output
+        # needs the size.
         if theirs is None or (
             mine is not None and not (_placeholder(mine) and (not user_facing or isinstance(theirs, int)))
         ):

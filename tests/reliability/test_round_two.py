@@ -231,12 +231,23 @@ def test_a_folder_of_links_to_models_elsewhere_says_they_were_skipped(tmp_path: 
     line = assert_one_line_error(invoke("run", selection, "-o", f"{tmp_path / 'out'}/", "--no-check"))
     assert line == (
         f"graphopt: error: no model in {selection}: skipped 5 symbolic links that lead outside it "
-        f"(a.onnx, b.onnx, c.onnx and 2 other links); name the models to run them, e.g. {selection}/*.onnx"
+        f"(a.onnx, b.onnx, c.onnx and 2 other links); name them on the command line to run them, "
+        f"e.g. {selection}/*.onnx"
     )
     assert not (tmp_path / "out").exists()
     named = invoke("run", *sorted(selection.glob("*.onnx")), "-o", f"{tmp_path / 'out'}/", "--no-check")
     assert named.exit_code == 0, named.output
     assert len(list((tmp_path / "out").glob("*.onnx"))) == 5
+
+    # A link further down is named by its path: the folder's own glob would not reach it.
+    (selection / "onnx").mkdir()
+    for link in selection.glob("*.onnx"):
+        link.rename(selection / "onnx" / link.name)
+    line = assert_one_line_error(invoke("run", selection, "-o", f"{tmp_path / 'nested'}/", "--no-check"))
+    assert line.endswith(
+        f"(onnx/a.onnx, onnx/b.onnx, onnx/c.onnx and 2 other links); name them on the command line "
+        f"to run them, e.g. {selection}/onnx/a.onnx"
+    ), line
 
 
 # -- 7. --in-place does not write through a link into a read-only cache -------------------------

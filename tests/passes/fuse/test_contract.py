@@ -118,9 +118,9 @@ def precision_cell(name: str, precision: str) -> str:
         extra = ["quantized reader"] if isinstance(interior, tuple) else []
     if isinstance(why, NamesType):
         return f"refused, the type named ({why.reason})"
-    own = isinstance(why, Case)
+    own = False
     if isinstance(why, Case):  # a case of its own at this precision (the variants' spelling)
-        case, why = why, None
+        case, why, own = why, None, True
     if why not in (None, ""):
         return str(why)
     kinds = extra + [kind for kind in KINDS if why is None and isinstance(perturbation(case, kind), Perturb)]

@@ -127,9 +127,10 @@ QDQ: dict[str, str | NamesType | Case | None] = {
     "ort-multihead-attention-merged": None,
     "ort-rotary-embedding-partial": None,
     "rotary-embedding-partial": None,
-    "gather-consecutive-rows": "fires after qdq-gather-table-uint8 moved the Gather before the table's "
-    "DequantizeLinear, a Q/DQ node of its own: test_gather.py's test_a_quantized_position_table_... runs its case "
-    "and perturbations quantized",
+    "gather-consecutive-rows": "in a test of its own: on the variants it fires after qdq-gather-table-uint8 moved "
+    "the Gather before the table's DequantizeLinear, a new Q/DQ node, which this table's check forbids; "
+    "test_gather.py's test_a_quantized_position_table_gives_its_consecutive_rows_by_a_slice fires it on its case "
+    "quantized and refuses each perturbation",
     "qdq-gather-table-uint8": "n/a: its case is a quantized model already",
     "layernorm-residual-sum": "n/a: a Sum for an Add is no fused op, so it does not see through the pair between the "
     "Add and its norm (test_through_qdq.py shows the pair kept)",

@@ -82,6 +82,24 @@ def _rope_variant_cases(ort: bool) -> dict[str, Case]:
     return cases
 
 
+def _rotate_half(ort: bool, cos: str = "gathered") -> Case:
+    """The rotate-half RoPE of q (rope_model, its cos / sin as ``cos`` says): the standard op at opset 23, or
+    onnxruntime's at opset 18."""
+    at = at_opset(18) if ort else copied
+    return Case(
+        lambda: at(_rope_q(cos=cos)()),
+        {"RotaryEmbedding": 1},
+        "q_neg",
+        Perturb(
+            lambda p: at(_rope_q(cos=cos, swapped=True)()), "not the two halves", note="the Slices' bounds swapped"
+        ),
+        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the rotated size is not static"),
+        NO_GATE if ort else below(23),
+        {"target": "ort"} if ort else {},
+        passes="shape-infer,fuse,dce",
+    )
+
+
 def _halves_swapped(found: Found) -> Change:
     """The rotation's two Slices read each other's bounds: x1 the second half, x2 the first."""
 
@@ -168,15 +186,7 @@ def _rotary_feeds() -> dict[str, np.ndarray]:
 CASES: dict[str, Case] = {
     **_rope_variant_cases(ort=False),
     **_rope_variant_cases(ort=True),
-    "rotary-embedding": Case(
-        _rope_q(),
-        {"RotaryEmbedding": 1},
-        "q_neg",
-        Perturb(lambda p: _rope_q(swapped=True)(), "not the two halves", note="the Slices' bounds swapped"),
-        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the rotated size is not static"),
-        below(23),
-        passes="shape-infer,fuse,dce",
-    ),
+    "rotary-embedding": _rotate_half(ort=False),
     "ort-rotary-embedding-3d": Case(
         _rotary_between_split_and_merge,
         {"RotaryEmbedding": 1},
@@ -188,18 +198,7 @@ CASES: dict[str, Case] = {
         _rotary_feeds,
         passes="shape-infer,fuse,dce",
     ),
-    "ort-rotary-embedding": Case(
-        lambda: at_opset(18)(_rope_q()()),
-        {"RotaryEmbedding": 1},
-        "q_neg",
-        Perturb(
-            lambda p: at_opset(18)(_rope_q(swapped=True)()), "not the two halves", note="the Slices' bounds swapped"
-        ),
-        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the rotated size is not static"),
-        NO_GATE,
-        {"target": "ort"},
-        passes="shape-infer,fuse,dce",
-    ),
+    "ort-rotary-embedding": _rotate_half(ort=True),
     "rotary-embedding-float32": float32_case(
         _float16_rotary,
         "RotaryEmbedding",
@@ -213,21 +212,8 @@ CASES: dict[str, Case] = {
 # which quantize_static quantizes as activations (pairs the rules see through); the table's cases read constant
 # tables, which stay quantized (a DequantizeLinear of a matrix, tests/passes/fuse/test_through_qdq.py).
 RUNTIME_CACHES: dict[str, Case] = {
-    name: Case(
-        (lambda: at_opset(18)(_rope_q(cos="runtime")())) if ort else _rope_q(cos="runtime"),
-        {"RotaryEmbedding": 1},
-        "q_neg",
-        Perturb(
-            lambda p, ort=ort: (at_opset(18) if ort else copied)(_rope_q(cos="runtime", swapped=True)()),
-            "not the two halves",
-            note="the Slices' bounds swapped",
-        ),
-        Perturb(set_shape("q", ["b", 2, "s", "d"]), "the rotated size is not static"),
-        NO_GATE if ort else below(23),
-        {"target": "ort"} if ort else {},
-        passes="shape-infer,fuse,dce",
-    )
-    for name, ort in (("rotary-embedding", False), ("ort-rotary-embedding", True))
+    "rotary-embedding": _rotate_half(ort=False, cos="runtime"),
+    "ort-rotary-embedding": _rotate_half(ort=True, cos="runtime"),
 }
 
 EXPORTED: dict[str, Exported | str] = {

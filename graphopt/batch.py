@@ -92,8 +92,10 @@ def _no_model(folder: Path, skipped: Sequence[dict[str, str]]) -> str:
     if not links:
         return f"no model in {folder}: found {_listing(folder)} (looked for *.onnx and graphopt's *.json graphs)"
     count = f"{len(links)} symbolic link{'s' if len(links) > 1 else ''} that lead{'s' if len(links) == 1 else ''}"
-    # A shell's glob names the links of the folder itself; one further down is named as it is.
-    example = folder / "*.onnx" if all(link.parent == Path() for link in links) else folder / links[0]
+    # A shell's glob names the linked models of the folder itself; a linked folder, or a link further down, is
+    # named as it is.
+    linked_models = all(link.parent == Path() and link.suffix.lower() == ".onnx" for link in links)
+    example = folder / "*.onnx" if linked_models else folder / links[0]
     return (
         f"no model in {folder}: skipped {count} outside it ({_shown([str(link) for link in links], 'link')}); "
         f"name them on the command line to run them, e.g. {example}"
@@ -134,12 +136,18 @@ def collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = 
         models_before, skipped_before = len(found.sources), len(found.skipped)
         for path in sorted(source.rglob("*")):
             relative = path.relative_to(source)
-            if path.suffix.lower() not in (".onnx", ".json") or not path.is_file() or ".opt." in path.name:
+            # rglob does not enter a linked folder: one that leads outside is skipped as a linked model is.
+            linked_folder = path.is_symlink() and path.is_dir()
+            if not linked_folder and (
+                path.suffix.lower() not in (".onnx", ".json") or not path.is_file() or ".opt." in path.name
+            ):
                 continue
             if any(part.startswith(".") for part in relative.parts):  # hidden, graphopt's staging folders too
                 continue
             if excluded is not None and path.resolve().is_relative_to(excluded):
                 continue
+            if linked_folder and path.resolve().is_relative_to(source.resolve()):
+                continue  # its models are found where it leads
             if not path.resolve().is_relative_to(source.resolve()):
                 if strict:
                     raise InputError(f"{path}: {OUTSIDE} ({path.resolve()}); name it to run it (--strict)")

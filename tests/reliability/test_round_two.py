@@ -249,6 +249,19 @@ def test_a_folder_of_links_to_models_elsewhere_says_they_were_skipped(tmp_path: 
         f"to run them, e.g. {selection}/onnx/a.onnx"
     ), line
 
+    # A link to a model folder elsewhere: rglob does not enter it, and the refusal said "found no file".
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "bert").symlink_to(store, target_is_directory=True)
+    line = assert_one_line_error(invoke("run", models, "-o", f"{tmp_path / 'linked'}/", "--no-check"))
+    assert line.endswith(
+        f"skipped 1 symbolic link that leads outside it (bert); name them on the command line to run them, "
+        f"e.g. {models}/bert"
+    ), line
+    linked = invoke("run", models / "bert", "-o", f"{tmp_path / 'linked'}/", "--no-check")
+    assert linked.exit_code == 0, linked.output
+    assert len(list((tmp_path / "linked").glob("*.onnx"))) == 5
+
 
 # -- 7. --in-place does not write through a link into a read-only cache -------------------------
 

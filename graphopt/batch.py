@@ -130,8 +130,9 @@ def collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = 
         # An output folder inside this one holds the results of a run, not inputs (a folder
         # written onto itself is left to the overwrite check; a folder inside the output
         # folder is read as any other).
+        root = source.resolve()
         excluded = output_folder.resolve() if output_folder is not None else None
-        if excluded is not None and (excluded == source.resolve() or not excluded.is_relative_to(source.resolve())):
+        if excluded is not None and (excluded == root or not excluded.is_relative_to(root)):
             excluded = None
         models_before, skipped_before = len(found.sources), len(found.skipped)
         for path in sorted(source.rglob("*")):
@@ -146,9 +147,10 @@ def collect(sources: Sequence[Path], output_folder: Path | None, strict: bool = 
                 continue
             if excluded is not None and path.resolve().is_relative_to(excluded):
                 continue
-            if linked_folder and path.resolve().is_relative_to(source.resolve()):
+            inside = path.resolve().is_relative_to(root)
+            if linked_folder and inside:
                 continue  # its models are found where it leads
-            if not path.resolve().is_relative_to(source.resolve()):
+            if not inside:
                 if strict:
                     raise InputError(f"{path}: {OUTSIDE} ({path.resolve()}); name it to run it (--strict)")
                 found.skipped.append({"path": str(path), "reason": OUTSIDE})

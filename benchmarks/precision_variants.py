@@ -81,10 +81,10 @@ noise (export_fusions.py's rule), against the variant and against onnxruntime's 
 against one that onnxruntime runs as the very same graph (``measure.session_graph``: the line names
 those), where the difference is where the sessions landed in memory.
 
-``rules`` runs graphopt without its check on the float16 and QDQ variants at the three targets and lists, per
-precision, every fuse rule that fired and what the fuse rules' table runs of it at that precision (its float16 and
-QDQ columns, ``python -m tests.passes.fuse.test_contract``): a rule that fires on a variant owes the table its case
-at that precision, fired and perturbed, or the reason it has none.
+``rules`` runs graphopt without its check on the float16, QDQ, dynamic int8 and int4 variants at the three targets
+and lists, per precision, every fuse rule that fired and what the fuse rules' table runs of it at that precision (its
+columns of that name, ``python -m tests.passes.fuse.test_contract``): a rule that fires on a variant owes the table
+its case at that precision, fired and perturbed, or the reason it has none.
 """
 
 from __future__ import annotations
@@ -591,12 +591,13 @@ def node_table(rows: list[dict[str, Any]]) -> str:
 
 # The precisions of the fuse rules' table (tests/passes/fuse/test_precision.py) by variant kind (the table makes its
 # float16 cases with float16 inputs and outputs, as fp16io is built).
-TABLE_PRECISIONS = {"fp16": "float16", "fp16io": "float16", "qdq": "qdq"}
+TABLE_PRECISIONS = {"fp16": "float16", "fp16io": "float16", "qdq": "qdq", "dyn8": "dyn8", "int4": "int4"}
 
 
 def rules_fired(variants: Path, only: list[str], jobs: int) -> list[dict[str, Any]]:
-    """A row per float16 (fp16, fp16io) and QDQ variant: the fuse rules graphopt applied on it at each target, with
-    no check (the check only withdraws rules, so this is every rule that can fire there)."""
+    """A row per variant of a precision of the fuse rules' table (fp16, fp16io, qdq, dyn8, int4): the fuse rules
+    graphopt applied on it at each target, with no check (the check only withdraws rules, so this is every rule that
+    can fire there)."""
     chosen = [(entry, src) for entry, src in selected(variants, only) if entry["variant"] in TABLE_PRECISIONS]
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_rules_of_variant, *zip(*chosen, strict=True))) if chosen else []

@@ -57,6 +57,7 @@ from tests.passes.fuse_exported import (
 )
 from tests.passes.fuse_fixtures import FIXTURES
 from tests.passes.fuse_helpers import fires, fuse, info, init, lowering_misses, node, ops
+from tests.precision_models import VARIANTS
 from tests.precision_tools import Calibration, quantized_through_files, static_options
 
 RNG = np.random.default_rng(2)
@@ -527,6 +528,15 @@ FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorPr
 # float16 keeps 11 bits: a fused op that sums in another order moves an output of a few units by some ulps.
 FLOAT16_TOLERANCE = 1e-2
 THROUGH_QDQ: dict[str, Any] = {"fuse_through_qdq": True}
+PRECISIONS = ("float16", "qdq", "dyn8", "int4")
+# The precisions whose tool quantizes the weights only (the activations stay float, or are quantized at run time).
+WEIGHT_QUANTIZERS: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {
+    "dyn8": VARIANTS["dynamic int8"],
+    "int4": VARIANTS["int4"],
+}
+# A rule's declaration at dyn8 or int4 where the quantizer takes none of its case's weights (quantize_dynamic takes a
+# MatMul's, a Conv's or a Gather's constant; the int4 quantizer a MatMul's 2-D one): its float32 case is its case there.
+QUANTIZER_LEAVES_IT = "n/a: the quantizer takes none of its case's weights: its float32 case is its case here"
 
 
 def same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -684,49 +694,65 @@ def interior_quantized(case: Case) -> tuple[onnx.ModelProto, onnx.NodeProto] | s
     return (qdq, q) if q is not None else f"the quantizer leaves {case.interior!r} unquantized"
 
 
-def _fires_in_float16(case: Case, name: str) -> None:
-    """The rule fires on the case's model in float16: the ops it fuses into are there, the outputs the same within
-    float16's rounding."""
+def convert(precision: str, proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` at ``precision``, other than "qdq" (whose calibration needs the case's draws): float16, every value
+    (onnxruntime's converter); "dyn8", quantize_dynamic's integer MatMuls; "int4", 4-bit MatMulNBits weights."""
+    return as_float16(proto) if precision == "float16" else WEIGHT_QUANTIZERS[precision](copied(proto))
+
+
+def _assert_outputs_kept(
+    precision: str, float_model: onnx.ModelProto, proto: onnx.ModelProto, out: onnx.ModelProto, feeds: Any
+) -> None:
+    """A float16 model's outputs the same within float16's rounding; a quantized one's no further from the float
+    model's than before."""
+    if precision == "float16":
+        assert_same_outputs(proto, out, typed(proto, feeds), rtol=FLOAT16_TOLERANCE, atol=FLOAT16_TOLERANCE)
+    else:
+        assert_no_further(float_model, proto, out, feeds)
+
+
+def _fires_converted(case: Case, name: str, precision: str) -> None:
+    """The rule fires on the case's model made float16, or with its weights quantized (dyn8, int4; the quantizer
+    takes one of the case's weights, else the float32 case stands for it): the ops it fuses into are there, the
+    outputs kept (``_assert_outputs_kept``)."""
     base = case.build()
-    proto = as_float16(base)
+    proto = convert(precision, base)
+    before = ops(proto)
+    if precision in WEIGHT_QUANTIZERS:
+        assert before != ops(base), f"the quantizer leaves the case as it is: declare {QUANTIZER_LEAVES_IT!r}"
     out, details = _run(case, proto, Perturb(copied, None))
     assert details["applied"].get(name, 0) >= 1, details
-    before, after = ops(proto), ops(out)
-    made = {op: count for op, count in case.expected.items() if op not in before}
+    after = ops(out)
+    # The ops the rule makes: in neither model before it ran (the quantizers rewrite the case's MatMuls).
+    made = {op: count for op, count in case.expected.items() if op not in before and op not in ops(base)}
     assert {op: after[op] for op in made} == made, after
     assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
-    feeds = typed(proto, draws(case, base)(0))
-    assert_same_outputs(proto, out, feeds, rtol=FLOAT16_TOLERANCE, atol=FLOAT16_TOLERANCE)
+    _assert_outputs_kept(precision, base, proto, out, draws(case, base)(0))
 
 
 def _refuses_at(name: str, case: Case, kind: str, precision: str, reason: str | None) -> None:
     """The rule does not apply to ``case``'s model perturbed ``kind`` (in float32, as the table has it) and then made
-    float16 or quantized: the outputs as close as the precision keeps them, the near miss ``reason`` said, and a
+    ``precision``: the outputs as close as the precision keeps them, the near miss ``reason`` said, and a statically
     quantized model keeps its scales and zero points."""
     base = case.build()
     perturb = perturbation(case, kind)
     assert isinstance(perturb, Perturb) and perturb.stops is None
     perturbed = perturb.change(base)
     feeds = perturb.feeds(perturbed) if perturb.feeds is not None else draws(case, base)(0)
-    if precision == "float16":
-        proto = as_float16(perturbed)
-        out, details = _run(case, proto, perturb)
-        tolerance = FLOAT16_TOLERANCE
-        assert_same_outputs(proto, out, typed(proto, feeds), rtol=tolerance, atol=tolerance)
-    else:
+    if precision == "qdq":
         proto = quantized(perturbed, lambda seed: feeds)
         out, details = _run(case, proto, Perturb(copied, None, settings={**(perturb.settings or {}), **THROUGH_QDQ}))
         assert_quantization_kept(proto, out)
-        assert_no_further(perturbed, proto, out, feeds)
+    else:
+        proto = convert(precision, perturbed)
+        out, details = _run(case, proto, perturb)
+    _assert_outputs_kept(precision, perturbed, proto, out, feeds)
     assert name not in details["applied"], details
     assert [o.name for o in out.graph.output] == [o.name for o in proto.graph.output]
     family = next(r.family for r in registered_rules() if r.name == name)
     if reason is not None:
         found = details["near_misses"].get(family, [])
         assert any(reason in m for m in found), found
-
-
-PRECISIONS = ("float16", "qdq")
 
 
 @dataclass(frozen=True)
@@ -772,14 +798,26 @@ def precision_tests(
     Case: the case runs at that precision: the rule fires (through Q/DQ: where ``fired_through_qdq``, whose rules
     another test fires so, does not name it), and each perturbation refuses it, naming the case's reason or the one
     ``reasons`` has for (precision, rule, kind). NamesType: the rule refuses the case made float16, naming the type.
-    A string: why the case does not run at that precision. A test with nothing to run is left out."""
+    QUANTIZER_LEAVES_IT (dyn8, int4): the quantizer leaves the case as it is (checked). Another string: why the case
+    does not run at that precision. A test with nothing to run is left out."""
 
     def runs(why: object) -> bool:
         return why is None or isinstance(why, Case)
 
-    float16 = [name for name, why in declared["float16"].items() if runs(why)]
+    converted = [
+        pytest.param(name, precision, id=f"{name}-{precision}")
+        for precision in ("float16", *WEIGHT_QUANTIZERS)
+        for name, why in declared[precision].items()
+        if runs(why)
+    ]
     qdq = [name for name, why in declared["qdq"].items() if runs(why) and name not in fired_through_qdq]
     typed_refusals = {name: why for name, why in declared["float16"].items() if isinstance(why, NamesType)}
+    left_as_they_are = [
+        pytest.param(name, precision, id=f"{name}-{precision}")
+        for precision in WEIGHT_QUANTIZERS
+        for name, why in declared[precision].items()
+        if why == QUANTIZER_LEAVES_IT
+    ]
     refusals = [
         pytest.param(name, kind, precision, id=f"{name}-{precision}-{kind}")
         for precision in PRECISIONS
@@ -790,13 +828,18 @@ def precision_tests(
         and found.stops is None
     ]
 
-    @pytest.mark.parametrize("name", float16)
-    def test_the_rule_fires_in_float16(name: str) -> None:
-        _fires_in_float16(case_at(cases, declared["float16"], name), name)
+    @pytest.mark.parametrize(("name", "precision"), converted)
+    def test_the_rule_fires_at_the_precision(name: str, precision: str) -> None:
+        _fires_converted(case_at(cases, declared[precision], name), name, precision)
 
     @pytest.mark.parametrize("name", list(typed_refusals))
     def test_the_rule_refuses_float16_naming_the_type(name: str) -> None:
         _refuses_float16(cases[name], name, typed_refusals[name])
+
+    @pytest.mark.parametrize(("name", "precision"), left_as_they_are)
+    def test_the_quantizer_takes_none_of_the_cases_weights(name: str, precision: str) -> None:
+        base = cases[name].build()
+        assert ops(convert(precision, base)) == ops(base)
 
     @pytest.mark.parametrize("name", qdq)
     def test_the_rule_fires_through_qdq(name: str) -> None:
@@ -810,10 +853,14 @@ def precision_tests(
         _refuses_at(name, case, kind, precision, reasons.get((precision, name, kind), perturb.reason))
 
     tests = {
-        "test_the_rule_fires_in_float16": (test_the_rule_fires_in_float16, float16),
+        "test_the_rule_fires_at_the_precision": (test_the_rule_fires_at_the_precision, converted),
         "test_the_rule_refuses_float16_naming_the_type": (
             test_the_rule_refuses_float16_naming_the_type,
             typed_refusals,
+        ),
+        "test_the_quantizer_takes_none_of_the_cases_weights": (
+            test_the_quantizer_takes_none_of_the_cases_weights,
+            left_as_they_are,
         ),
         "test_the_rule_fires_through_qdq": (test_the_rule_fires_through_qdq, qdq),
         "test_the_rule_refuses_the_perturbed_model_at_the_precision": (

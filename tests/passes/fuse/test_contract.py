@@ -90,7 +90,8 @@ def test_every_newer_rule_has_an_exporter_case() -> None:
 
 def test_every_rule_a_precision_names_has_a_case() -> None:
     """test_precision's declarations name registered rules (a renamed rule keeps its precision cases)."""
-    named = {*test_precision.FLOAT16, *test_precision.QDQ, *(name for _, name, _ in test_precision.REASONS)}
+    named = {*(name for declared in test_precision.DECLARED.values() for name in declared)}
+    named |= {name for _, name, _ in test_precision.REASONS}
     assert named <= set(CASES), named - set(CASES)
 
 
@@ -106,8 +107,8 @@ def precision_cell(name: str, precision: str) -> str:
     """What the table runs of rule ``name`` at ``precision``: that it fires, and the perturbations that refuse it
     there (test_precision.py; through Q/DQ also test_through_qdq.py), or why not; "-" where no variant fires it."""
     case = CASES[name]
-    if precision == "float16":
-        why, extra = test_precision.FLOAT16.get(name, "-"), []
+    if precision != "qdq":
+        why, extra = test_precision.DECLARED[precision].get(name, "-"), []
     else:
         why = test_precision.QDQ.get(name, test_through_qdq.NOT_THROUGH_QDQ.get(name, "-"))
         interior = interior_quantized(case) if name in test_precision.THROUGH_QDQ else None

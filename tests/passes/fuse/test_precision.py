@@ -1,16 +1,18 @@
-"""The table's cases at the precisions deployed models have: every rule that fires on a float16 or a statically
-quantized (QDQ) copy of a real export also fires on its case made float16 (onnxruntime's converter, every float
-value float16) or quantized (onnxruntime's quantize_static), and each of the case's perturbations, made in float32
-and then converted, refuses it there too, naming the same reason (or the one REASONS has where Q/DQ changes it). A
-float16 model's outputs keep their values within float16's rounding (FLOAT16_TOLERANCE); a refused quantized model
-keeps every scale and zero point, and its outputs are no further from the float model than the quantized one's.
+"""The table's cases at the precisions deployed models have: every rule that fires on a float16, a statically
+quantized (QDQ), a dynamically quantized (int8) or an int4-weight copy of a real export also fires on its case made
+so (onnxruntime's float16 converter, every float value float16; quantize_static; quantize_dynamic; MatMulNBits
+weights), and each of the case's perturbations, made in float32 and then converted, refuses it there too, naming the
+same reason (or the one REASONS has where Q/DQ changes it). A float16 model's outputs keep their values within
+float16's rounding (FLOAT16_TOLERANCE); a refused statically quantized model keeps every scale and zero point; a
+quantized model's outputs are no further from the float model than before.
 
-FLOAT16 and QDQ list the rules that fire on the reduced-precision variants of the real exports (float16 with
-float32 inputs and outputs, QDQ int8, of the 56 architectures' exports from both exporters; default, --target ort
-and --target-opset 23: ``benchmarks/precision_variants.py rules`` lists them against this table): None where the
-case runs at that precision, a Case where the variants' spelling needs one of its own (the rotary rules' caches
-computed at run time), else why it does not. The rules of test_through_qdq's families fire through Q/DQ there;
-here they meet the perturbations.
+FLOAT16, QDQ, DYN8 and INT4 list the rules that fire on the variants of the real exports at those precisions (float16
+with float32 inputs and outputs, QDQ int8, quantize_dynamic's int8, MatMulNBits' int4, of the 56 architectures'
+exports from both exporters; default, --target ort and --target-opset 23: ``benchmarks/precision_variants.py rules``
+lists them against this table): None where the case runs at that precision, a Case where the variants' spelling
+needs one of its own (the rotary rules' caches computed at run time), QUANTIZER_LEAVES_IT where the weight quantizer
+leaves the case as it is (checked), else why it does not. The rules of test_through_qdq's families fire through Q/DQ
+there; here they meet the perturbations.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import importlib
 import pytest
 
 from tests.passes.fuse import test_rotary, test_through_qdq
-from tests.passes.fuse.table import Case, NamesType, precision_tests, same_weights
+from tests.passes.fuse.table import QUANTIZER_LEAVES_IT, Case, NamesType, precision_tests, same_weights
 
 # The families of the rules named below (each family's test file holds its CASES).
 FAMILIES = ("activation", "arith", "attention", "conv", "embed", "gather", "matmul", "norm", "qdq", "rotary", "shape")
@@ -146,6 +148,73 @@ QDQ: dict[str, str | NamesType | Case | None] = {
     "qdq-requantize-same": "n/a: its case is a quantized model already",
     "unsqueeze-unsqueeze": NO_PAIR_INSIDE,
 }
+# The rules that fire on the dynamic int8 or int4 variants and whose cases hold no weight those quantizers take.
+WEIGHTS_ELSEWHERE = (
+    "attention-4d",
+    "attention-heads-3d",
+    "div-mul-constants",
+    "gelu-none",
+    "gelu-tanh",
+    "layout-chain-static",
+    "ort-fastgelu",
+    "ort-gelu",
+    "ort-multihead-attention",
+    "ort-quickgelu",
+    "ort-rmsnorm",
+    "ort-rotary-embedding-3d",
+    "reshape-chain",
+    "reshape-transpose",
+    "rmsnorm",
+    "unsqueeze-unsqueeze",
+)
+# The rules whose cases hold a MatMul by a constant weight, which both quantizers take: the case runs at both.
+MATMUL_WEIGHTS = ("layernorm-residual-sum", "ort-group-query-attention", "ort-skiprmsnorm-decomposed")
+FLOAT_GEMM = (
+    "n/a: it moves Reshapes so that a float Gemm reads 2-D; the variants fire it on gpt2's Conv1D Gemms, which neither "
+    "quantizer takes, and its case's MatMuls become integer MatMuls or MatMulNBits, which read 3-D and no rule "
+    "makes Gemm"
+)
+DYN8: dict[str, str | NamesType | Case | None] = {
+    **dict.fromkeys(WEIGHTS_ELSEWHERE, QUANTIZER_LEAVES_IT),
+    **dict.fromkeys(MATMUL_WEIGHTS),
+    "gather-consecutive-rows": None,  # quantize_dynamic quantizes the position table's Gather
+    **dict.fromkeys(
+        ("ort-dynamic-quantize-matmul", "ort-dynamic-quantize-matmul-bias"),
+        "n/a: its case is a dynamically quantized model already",
+    ),
+    "attention-kv-cache": "n/a: its case holds an opset-23 Attention already, which quantize_dynamic takes for "
+    "com.microsoft's Attention and writes as a QAttention; in the variants graphopt makes the Attention after the "
+    "quantizer ran",
+    **dict.fromkeys(
+        ("rotary-embedding", "ort-rotary-embedding"),
+        "n/a: the variants compute cos and sin at run time (test_rotary.RUNTIME_CACHES, which quantize_dynamic leaves "
+        "float, as it leaves the float32 table's runs); its case gathers them from constant tables, which "
+        "quantize_dynamic quantizes, and then the halves of cos are not proved equal: no variant has such tables",
+    ),
+    "reshape-through-elementwise": FLOAT_GEMM,
+}
+INT4: dict[str, str | NamesType | Case | None] = {
+    **dict.fromkeys(
+        (
+            *WEIGHTS_ELSEWHERE,
+            "attention-kv-cache",
+            "conv-mul",
+            "gather-consecutive-rows",
+            "ort-biasgelu",
+            "ort-fusedconv",
+            "ort-fusedconv-sum",
+            "ort-rotary-embedding",
+            "ort-transpose-into-matmul-b",
+            "rotary-embedding",
+            "tied-weight-gemm",
+        ),
+        QUANTIZER_LEAVES_IT,
+    ),
+    **dict.fromkeys(MATMUL_WEIGHTS),
+    "reshape-through-elementwise": FLOAT_GEMM,
+}
+# Each precision's declarations, by the name the table gives the precision.
+DECLARED = {"float16": FLOAT16, "qdq": QDQ, "dyn8": DYN8, "int4": INT4}
 # Where a perturbation refuses a rule through Q/DQ for another reason than in float32, by (precision, rule, kind).
 REASONS: dict[tuple[str, str, str], str | None] = {
     # An interior value made a graph output keeps its pair whole (the output reads the float value): the pattern
@@ -159,4 +228,4 @@ def _same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     same_weights(monkeypatch)
 
 
-globals().update(precision_tests(CASES, {"float16": FLOAT16, "qdq": QDQ}, THROUGH_QDQ, REASONS))
+globals().update(precision_tests(CASES, DECLARED, THROUGH_QDQ, REASONS))

@@ -152,19 +152,29 @@ QDQ: dict[str, str | NamesType | Case | None] = {
 WEIGHTS_ELSEWHERE = (
     "attention-4d",
     "attention-heads-3d",
+    "attention-merged-heads",
     "div-mul-constants",
     "gelu-none",
     "gelu-tanh",
+    "groupnorm-no-bias",
     "layout-chain-static",
     "ort-fastgelu",
+    "ort-fusedmatmul-mul",
     "ort-gelu",
     "ort-multihead-attention",
+    "ort-multihead-attention-merged",
     "ort-quickgelu",
     "ort-rmsnorm",
     "ort-rotary-embedding-3d",
+    "ort-rotary-embedding-interleaved-partial",
+    "ort-rotary-embedding-partial",
     "reshape-chain",
     "reshape-transpose",
     "rmsnorm",
+    "rotary-embedding-interleaved-partial",
+    "rotary-embedding-partial",
+    "slice-slice",
+    "transpose-transpose",
     "unsqueeze-unsqueeze",
 )
 # The rules whose cases hold a MatMul by a constant weight, which both quantizers take: the case runs at both.
@@ -175,7 +185,7 @@ FLOAT_GEMM = (
     "makes Gemm"
 )
 DYN8: dict[str, str | NamesType | Case | None] = {
-    **dict.fromkeys(WEIGHTS_ELSEWHERE, QUANTIZER_LEAVES_IT),
+    **dict.fromkeys((*WEIGHTS_ELSEWHERE, "ort-biasgelu"), QUANTIZER_LEAVES_IT),
     **dict.fromkeys(MATMUL_WEIGHTS),
     "gather-consecutive-rows": None,  # quantize_dynamic quantizes the position table's Gather
     **dict.fromkeys(
@@ -197,14 +207,18 @@ INT4: dict[str, str | NamesType | Case | None] = {
     **dict.fromkeys(
         (
             *WEIGHTS_ELSEWHERE,
+            "add-constant-row",
             "attention-kv-cache",
             "conv-mul",
             "gather-consecutive-rows",
+            "mul-conv",
             "ort-biasgelu",
             "ort-fusedconv",
             "ort-fusedconv-sum",
             "ort-rotary-embedding",
             "ort-transpose-into-matmul-b",
+            "pad-into-consumer",
+            "reshape-one-unknown",
             "rotary-embedding",
             "tied-weight-gemm",
         ),

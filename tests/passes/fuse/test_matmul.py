@@ -29,6 +29,7 @@ from tests.passes.fuse.table import (
     Perturb,
     at_opset,
     attr_at,
+    constant_at,
     exported_mlp,
     set_attr,
     set_const,
@@ -119,6 +120,22 @@ def _transposed_matmul(which: str) -> onnx.ModelProto:
     return model(nodes, [info("q", [4, 4, 4]), info("k", [4, 4, 4])], ["y"])
 
 
+def _scaled_operands() -> onnx.ModelProto:
+    """Attention scores as both exporters write them below opset 23: sqrt(scale) on Q (a scalar) and on K^T (a
+    one-element vector)."""
+    root = float(np.sqrt(0.125))
+    return model(
+        [
+            node("Mul", ["q", "s"], "q_scaled"),
+            node("Mul", ["t", "kt"], "kt_scaled"),
+            node("MatMul", ["q_scaled", "kt_scaled"], "scores"),
+        ],
+        [info("q", ["batch", 2, "seq", 8]), info("kt", ["batch", 2, 8, "total"])],
+        ["scores"],
+        [init("s", root), init("t", [root])],
+    )
+
+
 CASES: dict[str, Case] = {
     "matmul-add-gemm": Case(
         lambda: matmul_add(["n", 3]),
@@ -203,6 +220,15 @@ CASES: dict[str, Case] = {
         Perturb(lambda p: set_shape("x", None)(set_shape("ids", None)(p)), "rank is not provable"),
         Perturb(at_opset(14), "needs opset 15", note="dynamic dims need Shape(end), opset 15"),
     ),
+    "matmul-scales-joined": Case(
+        _scaled_operands,
+        {"MatMul": 1, "Mul": 1},
+        "kt_scaled",
+        Perturb(set_const("t", weights(8, 1)), "a scale is not a scalar constant", note="one per row of K^T"),
+        Perturb(set_shape("kt", None), "could widen its operand's rank", note="K^T's rank unknown"),
+        NO_GATE,
+        LATE,
+    ),
     "matmul-add-gemm-projection": Case(
         lambda: exported_mlp("linear_4"),
         {"Reshape": 2, "Gemm": 1},
@@ -235,6 +261,19 @@ EXPORTED: dict[str, Exported | str] = {
     # Late rules fire on static dims only, which no fixture has (their batch and sequence are dynamic): their CASES
     # are the bert_dynamo fixture's MLP as exported, its sequence fixed as a ViT's or a Whisper encoder's is.
     "matmul-add-gemm-projection": "n/a: its CASES entry is the exported bert_dynamo MLP at a static sequence",
+    "matmul-scales-joined": Exported(
+        ("llama_dynamo", "llama_fp16_dynamo"),
+        {"Mul": 8},  # the cut's 9, one scale gone
+        constant_at(
+            "t",
+            lambda scale: scale * np.linspace(1, 2, 4, dtype=scale.dtype).reshape(1, 4, 1, 1),
+            "not a scalar constant",
+            "one per head (the four heads of Q and of the repeated K^T)",
+        ),
+        "n/a: the exporters' scales are 0-d, which widen no rank (the case built here has a 1-D one)",
+        NO_GATE,
+        {"fuse_late": True},
+    ),
     "matmul-add-gemm-projection-reshaped": Exported(
         ("bert_dynamo",),
         {"Gemm": 1},

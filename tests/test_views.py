@@ -256,13 +256,8 @@ def test_a_real_export_chains_its_rows_to_the_summary(tmp_path: Path) -> None:
     counts = [_counts(row[1]) for row in rows]
     assert counts[0][0] == report["summary"]["before"]["nodes"] and counts[-1][1] == report["summary"]["after"]["nodes"]
     assert all(a[1] == b[0] for a, b in itertools.pairwise(counts))
-    # consecutive passes that changed nothing share a row (the settle group's late fusions changed its Muls)
-    idle = [row[0] for row in rows if row[4].startswith("no change")]
-    assert idle == [
-        "settle/fold, settle/unwind, settle/const-cache",
-        "settle/noop, settle/dce",
-        "settle/shape-infer x2",
-    ]
+    idle = [row for row in rows if row[4].startswith("no change")]
+    assert len(idle) == 1 and idle[0][0] == "settle"
     assert (
         "not fused: Attention x2, GELU x2: need opset 23 / 20 (try --target-opset 23 or --target ort)" in result.stderr
     )

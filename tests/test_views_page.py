@@ -171,7 +171,7 @@ def test_a_model_summary_has_every_section(single: Path) -> None:
     for section in (
         "## `",
         "### Pipeline",
-        "| settle/fuse x2 | 103 → 101 |",
+        "| settle | 103 |",
         "### Ops before → after",
         "| `Constant` | 107 | 0 | -107 |",
         "### Fused",

@@ -23,12 +23,15 @@ with batch and sequence both dynamic, and the projections of one ``x`` share its
 (onnxsim writes them so; qwen2_kv_dynamo: 8 nodes fewer, no slower at either optimization level).
 
 ``matmul-scales-joined`` (late, so that the attention fusions take the scales first where the target has
-an attention op): ``MatMul(x * s, y * t)`` for scalar constants ``s`` and ``t`` -> ``MatMul(x * (s*t), y)``.
-Both PyTorch exporters write scaled dot-product attention with sqrt(scale) on Q and on K^T; below opset 23
-that stays a MatMul of two scaled operands, and the Mul of K^T runs over the whole key cache at every
-decode step. onnxruntime fuses such scales into FusedMatMul on float32 only: in a float16 model its
-inserted Casts stand between the scale and the MatMul (llama_kv_dynamo_fp16: 0.960 of the variant's time
-with both Muls, 0.927 with the scale on Q alone, its own extended output 0.930).
+an attention op): ``MatMul(x * s, y * t)`` for float16 or bfloat16 ``x`` and ``y`` and scalar constants ``s``
+and ``t`` -> ``MatMul(x * (s*t), y)``. Both PyTorch exporters write scaled dot-product attention with
+sqrt(scale) on Q and on K^T; below opset 23 that stays a MatMul of two scaled operands, and the Mul of K^T
+runs over the whole key cache at every decode step. onnxruntime fuses both scales into FusedMatMul at
+load in a float32 model, not in a float16 one, where the Casts its CPU provider inserts stand between
+the scales and the MatMul (llama_kv_ts_fp16 at its largest binding: 0.864 of the variant's time with
+both Muls, 0.832 with the joined scale on Q). On float32 activations (a float32 model, or a dynamically
+quantized or int4 one) the rule measured slower where onnxruntime fused the scales either way
+(vit_ts_dyn8: 0.967 -> 0.991 of the variant's time), so it leaves them.
 
 ``--target ort`` (com.microsoft ops onnxruntime's CPU provider runs):
 
@@ -242,6 +245,8 @@ def _plan_scaled_matmul(m: Match, site: Site) -> float | Refuse:
     return _matmul_ranks(m, site) or _scale(m, site)
 
 
+# The types whose scaled MatMuls onnxruntime's CPU provider leaves as they are (its Casts to float32 stand between).
+_HALF = (DataType.FLOAT16, DataType.BFLOAT16)
 # MatMul(x * s, y * t): each operand scaled by a constant.
 _SCALED_OPERANDS = op.MatMul(
     op.Mul(var("x"), const(name="s"), name="x_scaled", commute=True),
@@ -252,8 +257,8 @@ _SCALED_OPERANDS = op.MatMul(
 def _plan_joined_scales(m: Match, site: Site) -> float | Refuse:
     """The product of the two scales, or why they do not join."""
     x, y = m.value("x"), m.value("y")
-    if not (is_float(x) and site.dtype(y) == site.dtype(x)):
-        return Refuse("not a float MatMul")
+    if site.dtype(x) not in _HALF or site.dtype(y) != site.dtype(x):
+        return Refuse("not a float16 or bfloat16 MatMul (onnxruntime fuses a float32 one's scales into FusedMatMul)")
     factors = [scalar_factor(m.value(scale), divides=False) for scale in ("s", "t")]
     if factors[0] is None or factors[1] is None:
         return Refuse("a scale is not a scalar constant")
@@ -313,8 +318,8 @@ RULES: tuple[Rule[Any], ...] = (
         build=_build_joined_scales,
         kind="late",
         label="MatMul of scaled operands",
-        doc="MatMul(x * s, y * t) -> MatMul(x * (s*t), y) for scalar constants s and t (late; attention's "
-        "sqrt(scale) on Q and K^T below opset 23)",
+        doc="MatMul(x * s, y * t) -> MatMul(x * (s*t), y) for float16 x and y and scalar constants s and t (late; "
+        "attention's sqrt(scale) on Q and K^T below opset 23)",
     ),
     *(
         _rule(

@@ -228,6 +228,8 @@ Type = TensorType | SparseTensorType | SequenceType | MapType | OptionalType | O
 # The float element types graphopt computes with, and their numpy dtypes: bfloat16's (ml_dtypes) is
 # a "V" kind to numpy, so a test of ``dtype.kind == "f"`` would miss it.
 FLOAT_TYPES = frozenset({DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT, DataType.DOUBLE})
+# The 16-bit float types, which onnxruntime's CPU provider computes in float32 behind Casts it inserts.
+HALF_FLOAT_TYPES = frozenset({DataType.FLOAT16, DataType.BFLOAT16})
 FLOAT_ARRAYS = frozenset(_NUMPY[t] for t in FLOAT_TYPES)
 
 

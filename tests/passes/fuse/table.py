@@ -778,7 +778,8 @@ def _refuses_float16(case: Case, name: str, refusal: NamesType) -> None:
 
 # What a rule's declaration at a precision says: None, its case runs there; a Case, this case runs there in its place
 # (the spelling the variants have, where quantizing the table's case keeps the rule from matching); NamesType, the
-# rule refuses its case made float16 and names the type; a string, why no case runs there.
+# rule refuses its case made float16 and names the type; QUANTIZER_LEAVES_IT (dyn8, int4), the quantizer leaves its case
+# as it is (checked); another string, why no case runs there.
 Declared = Mapping[str, str | NamesType | Case | None]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto
+from onnx import TensorProto, helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
 from graphopt.api import optimize
@@ -124,19 +124,19 @@ def _transposed_matmul(which: str) -> onnx.ModelProto:
 F16 = TensorProto.FLOAT16
 
 
-def _scaled_operands() -> onnx.ModelProto:
-    """Float16 attention scores as both exporters write them below opset 23: sqrt(scale) on Q (a scalar) and on
-    K^T (a one-element vector)."""
-    root = np.float16(np.sqrt(0.125))
+def _scaled_operands(elem_type: int = F16, scale: float = float(np.sqrt(0.125))) -> onnx.ModelProto:
+    """Attention scores as both exporters write them below opset 23, float16 by default: sqrt(scale) on Q and on K^T
+    (here a scalar and a one-element vector)."""
+    root = np.asarray(scale, helper.tensor_dtype_to_np_dtype(elem_type))
     return model(
         [
             node("Mul", ["q", "s"], "q_scaled"),
             node("Mul", ["t", "kt"], "kt_scaled"),
             node("MatMul", ["q_scaled", "kt_scaled"], "scores"),
         ],
-        [info("q", ["batch", 2, "seq", 8], F16), info("kt", ["batch", 2, 8, "total"], F16)],
-        [info("scores", None, F16)],
-        [init("s", np.array(root)), init("t", np.array([root]))],
+        [info("q", ["batch", 2, "seq", 8], elem_type), info("kt", ["batch", 2, 8, "total"], elem_type)],
+        [info("scores", None, elem_type)],
+        [init("s", root), init("t", root.reshape(1))],
     )
 
 
@@ -280,7 +280,8 @@ EXPORTED: dict[str, Exported | str] = {
             "not a scalar constant",
             "one per head (the four heads of Q and of the repeated K^T)",
         ),
-        "n/a: the exporters' scales are 0-d, which widen no rank (the case built here has a 1-D one)",
+        "n/a: the exporters' scales are 0-d, which widen no rank whatever the operands' (the case built here has a "
+        "1-D one)",
         NO_GATE,
         {"fuse_late": True},
     ),
@@ -317,6 +318,24 @@ globals().update(table_tests(CASES, EXPORTED))
 
 
 # -- the tied-weight rule: MatMul(x, Transpose(W)) reads W transposed through Gemm, no copy ---------------------
+
+
+@pytest.mark.parametrize(
+    ("elem_type", "scale", "reason"),
+    [
+        (TensorProto.FLOAT, 0.35, "not a float16 or bfloat16 MatMul"),
+        (F16, 300.0, "the joined scale overflows or underflows the type"),
+        (F16, 1e-4, "the joined scale overflows or underflows the type"),
+    ],
+    ids=["float32", "float16-overflow", "float16-underflow"],
+)
+def test_the_scales_stay_on_both_operands_where_joining_them_is_no_gain_or_leaves_the_type(
+    elem_type: int, scale: float, reason: str
+) -> None:
+    """onnxruntime fuses a float32 MatMul's scales into FusedMatMul itself; two float16 scales whose product float16
+    cannot hold (300 x 300, 1e-4 x 1e-4) stay where they are."""
+    details = refused(_scaled_operands(elem_type, scale), "matmul-scales-joined", fuse_late=True)
+    assert any(reason in miss for miss in details["near_misses"]["matmul"]), details["near_misses"]
 
 
 def test_a_tied_weight_is_read_transposed_by_gemm_with_dynamic_leading_dims() -> None:

@@ -49,6 +49,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
+from graphopt.ir.types import HALF_FLOAT_TYPES
 from graphopt.passes.fuse.rules._helpers import (
     attrs_of,
     is_float,
@@ -245,8 +246,6 @@ def _plan_scaled_matmul(m: Match, site: Site) -> float | Refuse:
     return _matmul_ranks(m, site) or _scale(m, site)
 
 
-# The types whose scaled MatMuls onnxruntime's CPU provider leaves as they are (its Casts to float32 stand between).
-_HALF = (DataType.FLOAT16, DataType.BFLOAT16)
 # MatMul(x * s, y * t): each operand scaled by a constant.
 _SCALED_OPERANDS = op.MatMul(
     op.Mul(var("x"), const(name="s"), name="x_scaled", commute=True),
@@ -257,16 +256,21 @@ _SCALED_OPERANDS = op.MatMul(
 def _plan_joined_scales(m: Match, site: Site) -> float | Refuse:
     """The product of the two scales, or why they do not join."""
     x, y = m.value("x"), m.value("y")
-    if site.dtype(x) not in _HALF or site.dtype(y) != site.dtype(x):
+    dtype = site.dtype(x)
+    if dtype not in HALF_FLOAT_TYPES or site.dtype(y) != dtype:
         return Refuse("not a float16 or bfloat16 MatMul (onnxruntime fuses a float32 one's scales into FusedMatMul)")
     factors = [scalar_factor(m.value(scale), divides=False) for scale in ("s", "t")]
     if factors[0] is None or factors[1] is None:
         return Refuse("a scale is not a scalar constant")
     for operand, scale in ((x, "s"), (y, "t")):
-        rank = site.rank(operand)
-        if rank is None or (site.rank(m.value(scale)) or 0) > rank:
+        scale_rank, rank = site.rank(m.value(scale)) or 0, site.rank(operand)
+        if scale_rank and (rank is None or scale_rank > rank):  # a 0-d scale widens nothing
             return Refuse("a scale could widen its operand's rank")
-    return factors[0] * factors[1]
+    # The two scales each fit the type; their product, stored in it, may not (two 300s, two 1e-4s in float16).
+    joined = float(np.asarray(factors[0] * factors[1]).astype(dtype.numpy()))
+    if not np.isfinite(joined) or joined == 0:
+        return Refuse("the joined scale overflows or underflows the type")
+    return joined
 
 
 def _build_joined_scales(b: Builder, m: Match, factor: float) -> Value:
@@ -318,8 +322,8 @@ RULES: tuple[Rule[Any], ...] = (
         build=_build_joined_scales,
         kind="late",
         label="MatMul of scaled operands",
-        doc="MatMul(x * s, y * t) -> MatMul(x * (s*t), y) for float16 x and y and scalar constants s and t (late; "
-        "attention's sqrt(scale) on Q and K^T below opset 23)",
+        doc="MatMul(x * s, y * t) -> MatMul(x * (s*t), y) for float16 or bfloat16 x and y and scalar constants s and t "
+        "(late; attention's sqrt(scale) on Q and K^T below opset 23)",
     ),
     *(
         _rule(

@@ -57,6 +57,7 @@ import numpy as np
 
 from graphopt.ir import DataType, Node, Value
 from graphopt.ir.rewrite import Builder
+from graphopt.ir.types import HALF_FLOAT_TYPES
 from graphopt.passes.fuse.rules._float32 import in_float32
 from graphopt.passes.fuse.rules._helpers import axes_of, float_array, is_float, new_const, trailing_axes
 from graphopt.passes.fuse.rules._ort import MS, cpu_float
@@ -191,12 +192,9 @@ def _layer_norm(b: Builder, m: Match, facts: _NormFacts) -> Value:
     return b.op("LayerNormalization", x, scale, bias, axis=axis, epsilon=eps)
 
 
-_NARROW_FLOATS = (DataType.FLOAT16, DataType.BFLOAT16)
-
-
 def _round_trip_facts(m: Match, site: Site) -> _NormFacts | Refuse:
     x = m.value("x")
-    if site.dtype(x) not in _NARROW_FLOATS:
+    if site.dtype(x) not in HALF_FLOAT_TYPES:
         return Refuse("x is not float16 or bfloat16 (a float32 x has no round trip to fold)")
     if site.int_attr(m.node("up"), "to", 0) != DataType.FLOAT or site.int_attr(m.node("down"), "to", 0) != site.dtype(
         x

@@ -267,7 +267,8 @@ def _plan_joined_scales(m: Match, site: Site) -> float | Refuse:
         if scale_rank and (rank is None or scale_rank > rank):  # a 0-d scale widens nothing
             return Refuse("a scale could widen its operand's rank")
     # The two scales each fit the type; their product, stored in it, may not (two 300s, two 1e-4s in float16).
-    joined = float(np.asarray(factors[0] * factors[1]).astype(dtype.numpy()))
+    with np.errstate(over="ignore"):  # an overflow is refused below, not warned of
+        joined = float(np.asarray(factors[0] * factors[1]).astype(dtype.numpy()))
     if not np.isfinite(joined) or joined == 0:
         return Refuse("the joined scale overflows or underflows the type")
     return joined

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import settings
 
@@ -22,6 +26,21 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 CORPUS_MODELS = list(corpus.MODELS)
+
+
+@pytest.fixture(autouse=True)
+def _rngs_seeded_by_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test module's shared ``RNG`` starts afresh for each test, from a seed of the test's own id.
+
+    One generator shared by a worker's tests drew what the tests before it in that worker left, and pytest-xdist
+    hands tests out by load: a case was another model from run to run, and a bound that held for most draws failed
+    one run in many (FastGelu's bias, a float16 norm's gamma, rmsnorm's quantized case). Now a test draws the same
+    values whatever ran before it, on every run."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    for name, module in list(sys.modules.items()):
+        if name.startswith("tests.") and isinstance(getattr(module, "RNG", None), np.random.Generator):
+            monkeypatch.setattr(module, "RNG", np.random.default_rng(seed))
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,6 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 from graphopt.errors import InputError
 from graphopt.passes.fuse import registered_rules
 from tests.numerics import assert_same_outputs, make_feeds, run_ort
-from tests.passes import fuse_models
 from tests.passes.fuse_exported import (
     Change,
     Found,
@@ -537,14 +536,6 @@ WEIGHT_QUANTIZERS: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {
 # A rule's declaration at dyn8 or int4 where the quantizer takes none of its case's weights (quantize_dynamic takes a
 # MatMul's, a Conv's or a Gather's constant; the int4 quantizer a MatMul's 2-D one): its float32 case is its case there.
 QUANTIZER_LEAVES_IT = "n/a: the quantizer takes none of its case's weights: its float32 case is its case here"
-
-
-def same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Draw each case's weights afresh from one seed: a bound on a quantized model's outputs holds for a draw, and a
-    draw that depended on which tests ran before in the worker was another model each run (rmsnorm's quantized case
-    moved 1.11x as far as its original on 3 of 40 draws)."""
-    monkeypatch.setattr(fuse_models, "RNG", np.random.default_rng(0))
-    monkeypatch.setattr(f"{__name__}.RNG", np.random.default_rng(0))
 
 
 def draws(case: Case, proto: onnx.ModelProto) -> Draws:

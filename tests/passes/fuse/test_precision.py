@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import importlib
 
-import pytest
-
 from tests.passes.fuse import test_rotary, test_through_qdq
-from tests.passes.fuse.table import QUANTIZER_LEAVES_IT, Case, NamesType, precision_tests, same_weights
+from tests.passes.fuse.table import QUANTIZER_LEAVES_IT, Case, NamesType, precision_tests
 
 # The families of the rules named below (each family's test file holds its CASES).
 FAMILIES = ("activation", "arith", "attention", "conv", "embed", "gather", "matmul", "norm", "qdq", "rotary", "shape")
@@ -236,11 +234,6 @@ REASONS: dict[tuple[str, str, str], str | None] = {
     # does not see through it, so nothing matches and no near miss is said.
     **{("qdq", name, "output"): None for name, why in QDQ.items() if why is None or isinstance(why, Case)},
 }
-
-
-@pytest.fixture(autouse=True)
-def _same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    same_weights(monkeypatch)
 
 
 globals().update(precision_tests(CASES, DECLARED, THROUGH_QDQ, REASONS))

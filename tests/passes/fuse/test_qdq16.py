@@ -17,7 +17,7 @@ from onnx import helper, numpy_helper
 from tests.cli_helpers import invoke
 from tests.numerics import make_feeds, run_ort
 from tests.passes.fuse import test_activation, test_attention, test_norm, test_qdq, test_rotary
-from tests.passes.fuse.table import LATE, QDQ, draws, fires_through_qdq, quantized, same_weights
+from tests.passes.fuse.table import LATE, QDQ, draws, fires_through_qdq, quantized
 from tests.passes.fuse_helpers import fuse
 
 pytest.importorskip("onnxruntime.quantization")
@@ -32,11 +32,6 @@ CASES = {
     "ort-multihead-attention": test_attention.CASES["ort-multihead-attention"],
     "rotary-embedding-interleaved": test_rotary.CASES["rotary-embedding-interleaved"],
 }
-
-
-@pytest.fixture(autouse=True)
-def _same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    same_weights(monkeypatch)
 
 
 def _contrib_qdq(proto: onnx.ModelProto) -> Counter[str]:

@@ -39,16 +39,9 @@ from tests.passes.fuse.table import (
     original_sources,
     producers_of,
     quantized,
-    same_weights,
 )
 from tests.passes.fuse_helpers import fuse, ops
 from tests.passes.fuse_models import layer_norm, ort_attention, skip_norm
-
-
-@pytest.fixture(autouse=True)
-def _same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    same_weights(monkeypatch)
-
 
 pytest.importorskip("onnxruntime.quantization")
 

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.errors import InputError
 from graphopt.numerics import CheckResult, check_models
-from graphopt.numerics.compare import Criterion, compare_output
+from graphopt.numerics.compare import Criterion, compare_output, projection_spread, relative_l2
 from graphopt.numerics.inputs import read_spec
 from graphopt.schemas import schema
 
@@ -578,3 +578,47 @@ def test_cli_check_tolerance_follows_precision(tmp_path: Path) -> None:
     off = _save(tmp_path, "off", _typed_linear(_weight(0, (64, 32)) * np.float32(1.001), FLOAT))
     result = invoke("check", single, off)
     assert result.exit_code == 1 and "numerics failed" in result.stderr
+
+
+def _relative_l2_in_float64(a: np.ndarray, b: np.ndarray) -> float:
+    x, y = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    finite = np.isfinite(x) & np.isfinite(y)
+    x, y = x[finite], y[finite]
+    return float(np.linalg.norm(x - y) / np.linalg.norm(x))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "magnitude"),
+    [(np.float32, 1e-30), (np.float32, 1.0), (np.float32, 1e30)] + [(np.float16, m) for m in (1e-3, 1.0, 1e3)],
+)
+def test_relative_l2_is_the_float64_distance(dtype: type, magnitude: float) -> None:
+    rng = np.random.default_rng(5)
+    a = (magnitude * rng.standard_normal(4096)).astype(dtype)
+    b = (a * (1 + 1e-3 * rng.standard_normal(4096))).astype(dtype)
+    assert relative_l2(a, b) == pytest.approx(_relative_l2_in_float64(a, b), rel=1e-6)
+
+
+def test_relative_l2_leaves_out_what_is_not_finite_and_a_difference_beyond_float32() -> None:
+    a = np.array([1.0, np.nan, 2.0, np.inf, 3.0], np.float32)
+    b = np.array([1.5, np.nan, 2.0, 1.0, 3.0], np.float32)
+    assert relative_l2(a, b) == pytest.approx(_relative_l2_in_float64(a, b), rel=1e-12)
+    huge = np.array([3e38, -3e38, 1.0], np.float32)
+    assert relative_l2(huge, -huge) == pytest.approx(2.0, rel=1e-12)
+    assert relative_l2(np.zeros(3, np.float32), np.zeros(3, np.float32)) == 0.0
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1.0, 1e30])
+def test_projection_spread_is_the_float64_figure(magnitude: float) -> None:
+    rng = np.random.default_rng(6)
+    truth = (magnitude * rng.standard_normal(4096)).astype(np.float32)
+    before = (truth * (1 + 1e-2 * rng.standard_normal(4096))).astype(np.float32)
+    after = (before * (1 + 1e-3 * rng.standard_normal(4096))).astype(np.float32)
+    t, a, b = (x.astype(np.float64) / magnitude for x in (truth, before, after))
+    expected = np.linalg.norm((a - t) * (b - a)) / (np.linalg.norm(a - t) * np.linalg.norm(t))
+    assert projection_spread(truth, before, after) == pytest.approx(expected, rel=1e-5)
+    with_nan = truth.copy()
+    with_nan[0] = np.nan
+    keep = slice(1, None)
+    assert projection_spread(with_nan, before, after) == pytest.approx(
+        projection_spread(truth[keep], before[keep], after[keep]), rel=1e-6
+    )

@@ -311,6 +311,9 @@ def compare_output(
 def relative_l2(a: np.ndarray, b: np.ndarray) -> float:
     """The relative L2 distance of b from a over the positions where both are finite (as _metrics has it,
     without the figures it does not need: the second and third criteria take dozens on large outputs)."""
+    direct = _relative_l2_in_float32(a, b)
+    if direct is not None:
+        return direct
     x, y = _as_float64(a), _as_float64(b)
     finite = np.isfinite(x) & np.isfinite(y)
     scaled = _scaled(x[finite], y[finite])
@@ -318,6 +321,42 @@ def relative_l2(a: np.ndarray, b: np.ndarray) -> float:
         return 0.0
     xs, ys = scaled
     return _rel_l2(xs, ys, math.sqrt(_dot(xs, xs)))
+
+
+_DIRECT = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def _in_float32(*arrays: np.ndarray) -> list[np.ndarray] | None:
+    """The arrays raveled as float32 where all are float32, or all float16, of one shape (None: not so).
+
+    relative_l2 and projection_spread take their differences in float32 then, each element's exact to 6e-8 of
+    itself, and sum their squares in float64 (_squares), where no float32 square, nor a product of two, can
+    overflow: no float64 copies, no scaling, no mask. On a 20M-element float32 output relative_l2 took 0.09 s
+    against 1.4 s through float64, and the check of a QDQ decoder's retry calls it 42 times. A sum that comes
+    out not finite is a NaN or an Inf in an array (or a difference beyond float32), which the float64 path,
+    which leaves those positions out, then handles."""
+    first = arrays[0]
+    if first.dtype not in _DIRECT or any(x.dtype != first.dtype or x.shape != first.shape for x in arrays):
+        return None
+    return [x.astype(np.float32, copy=False).ravel() for x in arrays]
+
+
+def _squares(x: np.ndarray) -> float:
+    return float(np.einsum("i,i->", x, x, dtype=np.float64))
+
+
+def _relative_l2_in_float32(a: np.ndarray, b: np.ndarray) -> float | None:
+    """relative_l2 where _in_float32 takes both, every element is finite and ``a`` is not all zero; else None."""
+    direct = _in_float32(a, b)
+    if direct is None:
+        return None
+    x, y = direct
+    with np.errstate(over="ignore", invalid="ignore"):
+        difference = x - y
+    moved, norm = _squares(difference), _squares(x)
+    if not (math.isfinite(moved) and math.isfinite(norm)) or norm == 0.0:
+        return None
+    return math.sqrt(moved / norm)
 
 
 def second_chance(result: OutputComparison) -> bool:
@@ -424,6 +463,9 @@ def projection_spread(truth: np.ndarray, before: np.ndarray, after: np.ndarray) 
     """The spread, relative to ``truth``'s norm, of the projection of the move ``after - before`` on the error
     ``before - truth`` were each element's move as likely up as down: sqrt(sum e_i^2 d_i^2) / (||e|| ||t||), over
     the positions where all three are finite (0 where the error or the reference is nought)."""
+    direct = _projection_spread_in_float32(truth, before, after)
+    if direct is not None:
+        return direct
     t, a, b = (_as_float64(x).ravel() for x in (truth, before, after))
     if not (t.shape == a.shape == b.shape):
         return 0.0
@@ -437,6 +479,21 @@ def projection_spread(truth: np.ndarray, before: np.ndarray, after: np.ndarray) 
         return 0.0
     weighted = error * move
     return math.sqrt(_dot(weighted, weighted)) / norms
+
+
+def _projection_spread_in_float32(truth: np.ndarray, before: np.ndarray, after: np.ndarray) -> float | None:
+    """projection_spread where _in_float32 takes the three and every element is finite; else None."""
+    direct = _in_float32(truth, before, after)
+    if direct is None:
+        return None
+    t, a, b = direct
+    with np.errstate(over="ignore", invalid="ignore"):
+        error, move = a - t, b - a
+    weighted, errors, reference = _squares(error.astype(np.float64) * move), _squares(error), _squares(t)
+    if not all(math.isfinite(v) for v in (weighted, errors, reference)):
+        return None
+    norms = math.sqrt(errors) * math.sqrt(reference)
+    return 0.0 if norms == 0.0 else math.sqrt(weighted) / norms
 
 
 def _end_to_end(sequence: list[np.ndarray]) -> np.ndarray:

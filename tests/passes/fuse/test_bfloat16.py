@@ -15,7 +15,7 @@ import pytest
 
 from graphopt.numerics.reference import float_reference
 from tests.numerics import assert_same_outputs
-from tests.passes.fuse.table import Case, Perturb, copied, draws, same_weights
+from tests.passes.fuse.table import Case, Perturb, copied, draws
 from tests.passes.fuse.table import _run as run_case
 from tests.passes.fuse.test_precision import CASES
 from tests.passes.fuse_fixtures import FIXTURES, fixture_feeds
@@ -43,11 +43,6 @@ CPU_KERNELS = (
 )
 # bfloat16 relative rounding, twice: the float16 converter rounds first, then bfloat16 does.
 BFLOAT16_TOLERANCE = 2 * 2.0**-8
-
-
-@pytest.fixture(autouse=True)
-def _same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    same_weights(monkeypatch)
 
 
 def as_bfloat16(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -622,3 +622,16 @@ def test_projection_spread_is_the_float64_figure(magnitude: float) -> None:
     assert projection_spread(with_nan, before, after) == pytest.approx(
         projection_spread(truth[keep], before[keep], after[keep]), rel=1e-6
     )
+
+
+def test_a_float32_output_is_judged_by_the_figures_of_its_float64_values() -> None:
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((6, 500)).astype(np.float32)
+    a[0, :3] = 0.0  # max_rel is as large as the type holds there, on both paths
+    b = (a + 3e-4 * rng.standard_normal(a.shape)).astype(np.float32)
+    fast = compare_output("y", a, b, Criterion(), "float32")
+    general = compare_output("y", a.astype(np.float64), b.astype(np.float64), Criterion(), "float32")
+    for figure in ("rel_l2", "cosine", "max_abs", "p99_abs"):
+        assert getattr(fast, figure) == pytest.approx(getattr(general, figure), rel=1e-6), figure
+    assert fast.max_rel > 1e30 and general.max_rel > 1e30
+    assert fast.passed is general.passed is False and fast.reason == general.reason

@@ -148,6 +148,7 @@ __all__ = [
 ]
 
 _TINY = float(np.finfo(np.float64).tiny)
+_TINY_FLOAT32 = np.float32(np.finfo(np.float32).tiny)
 # The absolute floor, in machine epsilons of the output's precision at the output's scale.
 FLOOR_EPSILONS = 4
 # The second criterion: relative L2 <= min(NOISE_FACTOR x the original's self-noise, NOISE_CEILING).
@@ -293,11 +294,16 @@ def compare_output(
         result.passed = differ == 0
         result.reason = None if differ == 0 else f"values differ at {differ} of {x.size} positions"
         return result
-    x, y = _as_float64(a), _as_float64(b)
-    reason = _nonfinite_reason(x, y)
-    finite = np.isfinite(x) & np.isfinite(y)
-    x, y = x[finite], y[finite]
-    result = _metrics(name, x, y)
+    direct = None if criterion.elementwise else _in_float32(a, b)
+    fast = None if direct is None else _metrics_in_float32(name, *direct)
+    if direct is not None and fast is not None:
+        (x, y), result, reason = direct, fast, None
+    else:
+        x, y = _as_float64(a), _as_float64(b)
+        reason = _nonfinite_reason(x, y)
+        finite = np.isfinite(x) & np.isfinite(y)
+        x, y = x[finite], y[finite]
+        result = _metrics(name, x, y)
     result.precision = lowest([precision, _precision_of(a.dtype)])
     if reason is None:
         reason = _judge(result, x, y, criterion)
@@ -550,6 +556,28 @@ def _metrics(name: str, x: np.ndarray, y: np.ndarray) -> OutputComparison:
     denominator = norm_x * norm_y
     cosine = 0.0 if denominator == 0.0 else min(1.0, max(-1.0, _dot(xs, ys) / denominator))
     return OutputComparison(name, max_abs, max_rel, rel_l2, cosine, True, p99_abs=p99_abs)
+
+
+def _metrics_in_float32(name: str, x: np.ndarray, y: np.ndarray) -> OutputComparison | None:
+    """_metrics of two float32 arrays (_in_float32), in float32 with float64 sums, where every element is finite
+    and neither is all zero; else None. A 20M-element output took 2.9 s through float64 copies. ``max_rel`` where
+    ``x`` is 0 is the difference over float32's smallest normal number (float64's on the general path): either
+    way, as large as the type holds, or inf."""
+    if x.size == 0:
+        return None
+    norm_x, norm_y = _squares(x), _squares(y)
+    if not (math.isfinite(norm_x) and math.isfinite(norm_y)) or norm_x == 0.0 or norm_y == 0.0:
+        return None
+    with np.errstate(over="ignore"):
+        diff = np.abs(x - y)
+        max_abs = float(diff.max())
+        max_rel = float((diff / np.maximum(np.abs(x), _TINY_FLOAT32)).max())
+    if not math.isfinite(max_abs):
+        return None  # a difference beyond float32
+    rel_l2 = math.sqrt(_squares(diff) / norm_x)
+    cosine = float(np.einsum("i,i->", x, y, dtype=np.float64)) / math.sqrt(norm_x * norm_y)
+    p99_abs = float(np.percentile(diff, 99))
+    return OutputComparison(name, max_abs, max_rel, rel_l2, min(1.0, max(-1.0, cosine)), True, p99_abs=p99_abs)
 
 
 def _scaled(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

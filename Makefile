@@ -43,8 +43,12 @@ lint: $(STAMP)
 ci:
 	bash .ci/run
 
+# The bytecode first: pip compiles an installed package's, as the peers' were, but not an editable install's, and
+# where PYTHONDONTWRITEBYTECODE is set every timed run compiled graphopt's lazily imported modules again (bert_small:
+# 0.34 s file to file, 0.32 s compiled).
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m compileall -q graphopt
 	$(PY) benchmarks/bench.py
 
 clean:

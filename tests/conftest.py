@@ -30,16 +30,18 @@ CORPUS_MODELS = list(corpus.MODELS)
 
 @pytest.fixture(autouse=True)
 def _rngs_seeded_by_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every test module's shared ``RNG`` starts afresh for each test, from a seed of the test's own id.
+    """Every test module's shared ``RNG`` starts afresh for each test, from a seed of the test's own id and the
+    module's name (two modules' streams differ: a weight and an input drawn from two of them are not equal).
 
     One generator shared by a worker's tests drew what the tests before it in that worker left, and pytest-xdist
     hands tests out by load: a case was another model from run to run, and a bound that held for most draws failed
-    one run in many (FastGelu's bias, a float16 norm's gamma, rmsnorm's quantized case). Now a test draws the same
-    values whatever ran before it, on every run."""
+    one run in many (FastGelu's bias, a float16 norm's gamma, rmsnorm's quantized case). Now what a test draws as
+    it runs is the same whatever ran before it; a renamed test draws anew. Draws at import (a table's perturbation
+    constants) follow the order the modules are collected in, which a given command repeats."""
     seed = zlib.crc32(request.node.nodeid.encode())
     for name, module in list(sys.modules.items()):
         if name.startswith("tests.") and isinstance(getattr(module, "RNG", None), np.random.Generator):
-            monkeypatch.setattr(module, "RNG", np.random.default_rng(seed))
+            monkeypatch.setattr(module, "RNG", np.random.default_rng([seed, zlib.crc32(name.encode())]))
     yield
 
 

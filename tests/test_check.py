@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.errors import InputError
 from graphopt.numerics import CheckResult, check_models
+from graphopt.numerics import compare as comparing
 from graphopt.numerics.compare import Criterion, compare_output, projection_spread, relative_l2
 from graphopt.numerics.inputs import read_spec
 from graphopt.schemas import schema
@@ -595,6 +596,7 @@ def test_relative_l2_is_the_float64_distance(dtype: type, magnitude: float) -> N
     rng = np.random.default_rng(5)
     a = (magnitude * rng.standard_normal(4096)).astype(dtype)
     b = (a * (1 + 1e-3 * rng.standard_normal(4096))).astype(dtype)
+    assert comparing._relative_l2_in_float32(a, b) is not None  # the float32 path, not the float64 one
     assert relative_l2(a, b) == pytest.approx(_relative_l2_in_float64(a, b), rel=1e-6)
 
 
@@ -615,6 +617,7 @@ def test_projection_spread_is_the_float64_figure(magnitude: float) -> None:
     after = (before * (1 + 1e-3 * rng.standard_normal(4096))).astype(np.float32)
     t, a, b = (x.astype(np.float64) / magnitude for x in (truth, before, after))
     expected = np.linalg.norm((a - t) * (b - a)) / (np.linalg.norm(a - t) * np.linalg.norm(t))
+    assert comparing._projection_spread_in_float32(truth, before, after) is not None
     assert projection_spread(truth, before, after) == pytest.approx(expected, rel=1e-5)
     with_nan = truth.copy()
     with_nan[0] = np.nan
@@ -635,3 +638,24 @@ def test_a_float32_output_is_judged_by_the_figures_of_its_float64_values() -> No
         assert getattr(fast, figure) == pytest.approx(getattr(general, figure), rel=1e-6), figure
     assert fast.max_rel > 1e30 and general.max_rel > 1e30
     assert fast.passed is general.passed is False and fast.reason == general.reason
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ([1.0, 2.0, 3.0], [0.0, 0.0, 0.0]),  # an all-zero output: the float64 path
+        ([1.0, 2.0, 3.0], [1.0, np.nan, 3.0]),  # a new NaN
+        ([1.0, 2.0, 3.0], [1.0, 2.0, np.inf]),  # a new Inf
+        ([3e38, 1.0, 1.0], [-3e38, 1.0, 1.0]),  # a difference beyond float32
+        ([2.0**-22 + 2.0**-45, 1e-9], [-(2.0**-22), 1e-9]),  # max abs above the floor by less than float32 rounds
+    ],
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_float_output_gets_the_float64_paths_verdict(a: list[float], b: list[float], dtype: type) -> None:
+    with np.errstate(over="ignore"):
+        x, y = np.array(a, dtype), np.array(b, dtype)
+    precision = np.dtype(dtype).name  # the limits the float16 output gets, given to its float64 copy too
+    fast = compare_output("y", x, y, Criterion(), precision)
+    general = compare_output("y", x.astype(np.float64), y.astype(np.float64), Criterion(), precision)
+    assert (fast.passed, fast.reason) == (general.passed, general.reason)
+    assert fast.max_abs == general.max_abs

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 
 from graphopt.ir.types import DataType
 
 __all__ = ["ArraySource", "ExternalSource", "SparseTensor", "Tensor", "TensorSource"]
+
+T = TypeVar("T")
 
 
 class TensorSource(Protocol):
@@ -98,17 +100,22 @@ class Tensor:
 
         With ``probe``, only three slices of a large tensor's bytes are hashed: enough to
         tell most same-shaped weights apart without reading them whole. Both digests are
-        kept while the tensor keeps its source, so passes that run again and again (cse,
-        const-cache in a fixpoint group) read a weight once.
+        :meth:`remembered`.
         """
-        memo: dict[bool, tuple[TensorSource, DataType, tuple[int, ...], bytes | None]]
-        memo = self.__dict__.setdefault("_digests", {})
-        found = memo.get(probe)
+        return self.remembered(("digest", probe), lambda: _digest(self, probe))
+
+    def remembered(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, a fact of this tensor's values, kept under ``key`` while the tensor keeps
+        its source, type and shape: passes that run again and again (cse, const-cache in a
+        fixpoint group, a fuse rule's test of a weight at every round) read a weight once."""
+        memo: dict[Hashable, tuple[TensorSource, DataType, tuple[int, ...], Any]]
+        memo = self.__dict__.setdefault("_remembered", {})
+        found = memo.get(key)
         if found is not None and found[0] is self.source and found[1:3] == (self.dtype, self.shape):
-            return found[3]
-        digest = _digest(self, probe)
-        memo[probe] = (self.source, self.dtype, self.shape, digest)
-        return digest
+            return cast("T", found[3])
+        value = compute()
+        memo[key] = (self.source, self.dtype, self.shape, value)
+        return value
 
     def numpy(self) -> np.ndarray:
         """The values, read-only: rollback snapshots share tensors, so a write would corrupt them."""

@@ -26,7 +26,6 @@ every MatMul at every fuse round: 93 of the 129 s of its default run.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -184,27 +183,20 @@ def _weight(node: Node) -> np.ndarray | None:
     return None if weight is None else np.asarray(weight)  # a plain array indexes faster than a memory map
 
 
-# What _may_factor found of each weight, by the object that holds its values (sources are never written to; a
-# rewrite that changes a weight makes a new one): the engine asks it of every MatMul at every fuse round, and the
-# sampled minors read the weight; bert_small's 16 weights were screened 192 times, a quarter of its run.
-_SCREENED: dict[int, tuple[weakref.ref[object], bool]] = {}
-
-
 def _may_factor(node: Node) -> bool:
     """The pattern's test: some split of the constant weight passes the sampled minors (a
-    weight without the structure fails them at once, and is no near miss)."""
+    weight without the structure fails them at once, and is no near miss). The engine asks it of
+    every MatMul at every fuse round, and the minors read the weight: the answer is remembered
+    with the weight's values (bert_small's 16 weights were screened 192 times, a quarter of its run)."""
     tensor = constant_tensor(node.input(1))
     if tensor is None or tensor.size > MAX_ELEMENTS:
         return False
-    source: object = tensor.source
-    key = id(source)
-    kept = _SCREENED.get(key)
-    if kept is not None and kept[0]() is source:
-        return kept[1]
+    return tensor.remembered(FAMILY, lambda: _screened(node))
+
+
+def _screened(node: Node) -> bool:
     weight = _weight(node)
-    found = weight is not None and next(_sampled_splits(weight), None) is not None
-    _SCREENED[key] = (weakref.ref(source, lambda _: _SCREENED.pop(key, None)), found)
-    return found
+    return weight is not None and next(_sampled_splits(weight), None) is not None
 
 
 def _plan(m: Match, site: Site) -> tuple[Factors, int] | Refuse:

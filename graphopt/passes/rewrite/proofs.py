@@ -402,6 +402,12 @@ def projection_bias(
     broadcasts to [M, N] from a rank of 2 at most); or why the projection is not one."""
     if site.dtype(x) != DataType.FLOAT:
         return Refuse("not a float32 MatMul (measured on float32 only)")
+    folded = _folded_into_matmul(x, site)
+    if folded is not None:
+        return Refuse(
+            f"x is {folded}, which onnxruntime folds into the MatMul as a FusedMatMul (the Reshape to rows would "
+            "stand between them)"
+        )
     shape, bias_shape = site.shape(product), site.shape(bias)
     if shape is None or len(shape) < 3:
         return Refuse("the product's rank is unknown or below 3 (matmul-add-gemm takes 2-D)")
@@ -416,6 +422,47 @@ def projection_bias(
         return shape, None
     found = Site.array(bias)
     return Refuse("the bias is not readable") if found is None else (shape, np.ascontiguousarray(found.reshape(-1)))
+
+
+def _folded_into_matmul(x: Value, site: Site) -> str | None:
+    """What onnxruntime folds into a float32 MatMul reading ``x`` when loading it (its MatMul transpose and scale
+    fusions, which write FusedMatMul): ``x``'s Transpose of the last two dims, or its Mul or Div by a scalar
+    constant; None where it folds neither."""
+    node = x.producer
+    if node is None or not node.in_standard_domain:
+        return None
+    if node.op_type == "Transpose" and not x.is_graph_output:
+        rank, perm = site.rank(x), node.attr("perm")
+        swap = None if rank is None else [*range(rank - 2), rank - 1, rank - 2]
+        return "a Transpose of its last two dims" if perm is not None and list(perm) == swap else None
+    scales = {"Mul": (0, 1), "Div": (1,)}.get(node.op_type, ())
+    for side in scales:
+        scale, other = Site.array(node.inputs[side]), node.inputs[1 - side]
+        rank = site.rank(other)
+        # onnxruntime's Gelu fusion takes an erf GELU's closing half first (a tanh GELU it leaves)
+        if (
+            scale is not None
+            and scale.size == 1
+            and rank
+            and scale.ndim <= rank
+            and other is not None
+            and not awaits_a_gelu_half(other, ("Erf",))
+        ):
+            return f"a {node.op_type} by a scalar constant"
+    return None
+
+
+def awaits_a_gelu_half(x: Value, functions: Collection[str] = ("Erf", "Tanh")) -> bool:
+    """Whether ``x`` is ``a * (1 + f(..))`` for f in ``functions``: a GELU whose 0.5 comes last."""
+    node = x.producer
+    if node is None or node.op_type != "Mul":
+        return False
+    adds = [v.producer for v in node.inputs if v is not None and v.producer is not None]
+    return any(
+        add.op_type == "Add"
+        and any(v is not None and v.producer is not None and v.producer.op_type in functions for v in add.inputs)
+        for add in adds
+    )
 
 
 def projection_target(

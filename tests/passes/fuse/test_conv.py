@@ -34,7 +34,7 @@ from tests.passes.fuse.table import (
     untyped_at,
     weights,
 )
-from tests.passes.fuse_helpers import fires, fires_ort, info, init, model, node, ops, refused
+from tests.passes.fuse_helpers import fires, fires_ort, fuse, info, init, model, node, ops, refused
 from tests.passes.fuse_models import (
     conv_act,
     conv_bn,
@@ -369,3 +369,24 @@ def test_gemm_bn_refusals() -> None:
     details = refused(gemm_bn("MatMul", shape=["n", 4, 3]), "gemm-bn")
     assert "not 2-D" in " ".join(details["near_misses"]["conv"])
     refused(gemm_bn(extra="output"), "gemm-bn")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_conv_bn_weight_is_the_float64_product_rounded_once_into_its_type(dtype: type) -> None:
+    """The folded weight is W * gamma / sqrt(var + eps) computed in float64 and rounded once into
+    W's type (the rule scales the stored weight without a float64 copy of it)."""
+    proto = conv_bn()
+    for tensor in proto.graph.initializer:
+        tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor).astype(dtype), tensor.name))
+    for value in [*proto.graph.input, *proto.graph.output]:
+        value.type.tensor_type.elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    stored = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    out, details = fuse(proto)
+    assert details["applied"].get("conv-bn") == 1
+    conv = next(n for n in out.graph.node if n.op_type == "Conv")
+    folded = next(onnx.numpy_helper.to_array(t) for t in out.graph.initializer if t.name == conv.input[1])
+    params = {k: stored[k].astype(np.float64) for k in ("gamma", "var")}
+    scale = params["gamma"] / np.sqrt(params["var"] + np.float32(1e-3).astype(np.float64))
+    expected = (stored["w"].astype(np.float64) * scale.reshape(-1, 1, 1, 1)).astype(dtype)
+    assert folded.dtype == dtype
+    assert folded.tobytes() == expected.tobytes()

@@ -4,6 +4,7 @@ rule newer than the exporter fixtures has its case on an export too, and the fam
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -465,6 +466,89 @@ def test_a_projection_takes_its_bias_as_gemms_in_any_rank(bias: tuple[int, ...])
         ],
     )
     fires(proto, "matmul-add-gemm-projection", {"Reshape": 2, "Gemm": 1}, fuse_late=True)
+
+
+def _projection_of(fed: list[onnx.NodeProto], inits: list[onnx.TensorProto] = ()) -> onnx.ModelProto:
+    """MatMul(x_fed, W) + b over a (2, 6, 6) input, ``fed`` making x_fed from x."""
+    nodes = [*fed, node("MatMul", ["x_fed", "w"], "p"), node("Add", ["p", "b"], "y")]
+    params = [init("w", rand_weight(6, 4)), init("b", rand_weight(4)), *inits]
+    return model(nodes, [info("x", [2, 6, 6])], ["y"], params)
+
+
+@pytest.mark.parametrize(
+    ("fed", "folded"),
+    [
+        # MLP-Mixer's token mixing: the MatMul reads a Transpose of the last two dims
+        ([node("Transpose", ["x"], "x_fed", perm=[0, 2, 1])], "a Transpose of its last two dims"),
+        # a GELU's closing half, as SigLIP's TorchScript export writes it before fc2
+        ([node("Mul", ["half", "x"], "x_fed")], "a Mul by a scalar constant"),
+        ([node("Div", ["x", "two"], "x_fed")], "a Div by a scalar constant"),
+    ],
+)
+def test_a_projection_leaves_onnxruntime_the_transpose_or_scale_it_folds_into_fusedmatmul(
+    fed: list[onnx.NodeProto], folded: str
+) -> None:
+    proto = _projection_of(fed, [init("half", np.float32(0.5)), init("two", np.float32(2.0))])
+    details = refused(proto, "matmul-add-gemm-projection", fuse_late=True)
+    assert any(folded in miss and "FusedMatMul" in miss for miss in details["near_misses"]["matmul"]), details
+
+
+def test_a_projection_of_a_transpose_onnxruntime_does_not_fold_becomes_a_gemm() -> None:
+    # batch and sequence swapped: onnxruntime folds only a swap of the last two dims
+    proto = _projection_of([node("Transpose", ["x"], "x_fed", perm=[1, 0, 2])])
+    fires(proto, "matmul-add-gemm-projection", {"Transpose": 1, "Reshape": 2, "Gemm": 1}, fuse_late=True)
+
+
+def _erf_gelu(x: str, y: str) -> list[onnx.NodeProto]:
+    """y = x * (1 + erf(x / sqrt 2)) * 0.5, its half last (onnxruntime's Gelu fusion takes it whole)."""
+    return [
+        node("Div", [x, "sqrt2"], f"{y}_d"),
+        node("Erf", [f"{y}_d"], f"{y}_e"),
+        node("Add", [f"{y}_e", "one"], f"{y}_e1"),
+        node("Mul", [x, f"{y}_e1"], f"{y}_g"),
+        node("Mul", [f"{y}_g", "half"], y),
+    ]
+
+
+_GELU_CONSTANTS = [init("sqrt2", np.float32(np.sqrt(2))), init("one", np.float32(1)), init("half", np.float32(0.5))]
+
+
+def test_a_projection_after_an_erf_gelus_half_becomes_a_gemm() -> None:
+    # onnxruntime fuses the GELU with its half, so no scale is left for its MatMul to fold
+    proto = _projection_of(_erf_gelu("x", "x_fed"), _GELU_CONSTANTS)
+    fires(
+        proto,
+        "matmul-add-gemm-projection",
+        {"Div": 1, "Erf": 1, "Add": 1, "Mul": 2, "Reshape": 2, "Gemm": 1},
+        fuse_late=True,
+    )
+
+
+def test_the_runtime_guard_keeps_a_token_mixing_mlp_at_once(tmp_path: Path) -> None:
+    """MLP-Mixer's token mixing over a dynamic batch, where onnxruntime folds the Transpose into its first
+    MatMul: that projection stays a MatMul and the second becomes a Gemm, so the runtime guard has nothing
+    to undo and runs the pipeline once (it undid the projection rule after 3 reruns)."""
+    nodes = [
+        node("Transpose", ["x"], "t", perm=[0, 2, 1]),
+        node("MatMul", ["t", "w"], "p"),
+        node("Add", ["p", "b"], "h"),
+    ]
+    nodes += [*_erf_gelu("h", "g"), node("MatMul", ["g", "w2"], "q"), node("Add", ["q", "b2"], "y")]
+    params = [
+        init("w", rand_weight(6, 6)),
+        init("b", rand_weight(6)),
+        init("w2", rand_weight(6, 4)),
+        init("b2", rand_weight(4)),
+    ]
+    proto = model(nodes, [info("x", ["batch", 6, 6])], ["y"], [*params, *_GELU_CONSTANTS])
+    source, out, report = tmp_path / "m.onnx", tmp_path / "out.onnx", tmp_path / "r.json"
+    onnx.save(proto, source)
+    result = invoke("run", source, "-o", out, "--report", report)
+    assert result.exit_code == 0, result.stderr
+    guard = json.loads(report.read_text())["runtime_guard"]
+    assert (guard["status"], guard["reruns"]) == ("kept", 0), guard
+    expected = {"Transpose": 1, "MatMul": 1, "Add": 2, "Div": 1, "Erf": 1, "Mul": 2, "Reshape": 2, "Gemm": 1}
+    assert ops(onnx.load(out)) == Counter(expected)
 
 
 def test_a_projection_split_to_heads_takes_no_reshape_back_and_shares_its_rows() -> None:

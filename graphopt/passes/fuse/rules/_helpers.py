@@ -51,10 +51,24 @@ def scalar_factor(value: Value | None, divides: bool) -> float | None:
 
 def float_array(value: Value | None) -> np.ndarray | None:
     """A float constant's values as float64 (None: not a float constant)."""
+    array = stored_float_array(value)
+    return None if array is None else array.astype(np.float64)
+
+
+def stored_float_array(value: Value | None) -> np.ndarray | None:
+    """A float constant's values in its own type, read-only (None: not a float constant): a large
+    weight a rule only scales, read without a float64 copy of it."""
     array = Site.array(value)
-    if array is None or array.dtype not in FLOAT_ARRAYS:
-        return None
-    return array.astype(np.float64)
+    return array if array is not None and array.dtype in FLOAT_ARRAYS else None
+
+
+def scaled_into(array: np.ndarray, factor: np.ndarray, like: Value | None) -> np.ndarray:
+    """``array * factor`` (broadcast) computed in float64 and rounded once into ``like``'s element
+    type, as ``float_array``'s product would be, without a float64 copy of the whole product."""
+    dtype = Site.dtype(like)
+    out = np.empty(np.broadcast_shapes(array.shape, factor.shape), dtype.numpy() if dtype is not None else np.float64)
+    np.multiply(array, factor, out=out, dtype=np.float64, casting="unsafe")
+    return out
 
 
 def static_shape(value: Value | None) -> tuple[int, ...] | None:
@@ -86,7 +100,8 @@ def new_const(b: Builder, array: np.ndarray, like: Value | None, name: str) -> V
     """A constant with ``array``'s values in ``like``'s element type."""
     dtype = Site.dtype(like)
     target: Any = dtype.numpy() if dtype is not None else array.dtype
-    return b.constant(np.ascontiguousarray(array.astype(target)), name)
+    # no copy of an array already in that type: constants' arrays are read-only (Tensor.numpy)
+    return b.constant(array.astype(target, order="C", copy=False), name)
 
 
 def named_after(source: Value | None, role: str) -> str:

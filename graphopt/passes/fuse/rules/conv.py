@@ -49,10 +49,19 @@ import numpy as np
 
 from graphopt.ir import Node, Value
 from graphopt.ir.rewrite import Builder
-from graphopt.passes.fuse.rules._helpers import attrs_of, float_array, is_float, named_after, new_const
+from graphopt.passes.fuse.rules._helpers import (
+    attrs_of,
+    float_array,
+    is_float,
+    named_after,
+    new_const,
+    scaled_into,
+    stored_float_array,
+)
 from graphopt.passes.fuse.rules._ort import MS, activated, check_activation, fused_activation
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
+from graphopt.passes.rewrite.proofs import awaits_a_gelu_half
 
 FAMILY = "conv"
 
@@ -81,7 +90,8 @@ _CONV = op.any_of(("Conv", "ConvTranspose"), var("x"), var("w"), optional(var("b
 
 
 def _conv_weights(m: Match) -> tuple[np.ndarray, np.ndarray | None] | None:
-    w = float_array(m.value("w"))
+    """The Conv's weight in its own type (read at every round's match, scaled once) and its bias in float64."""
+    w = stored_float_array(m.value("w"))
     bias = m.optional("b")
     b = None if bias is None else float_array(bias)
     if w is None or w.ndim < 3 or (bias is not None and b is None):
@@ -91,7 +101,8 @@ def _conv_weights(m: Match) -> tuple[np.ndarray, np.ndarray | None] | None:
 
 @dataclass
 class _ChannelPlan:
-    """The Conv's weight and bias (float64) and what its output channels are scaled and shifted by."""
+    """The Conv's weight (in its own type) and bias (float64), and what its output channels are scaled and
+    shifted by."""
 
     w: np.ndarray
     bias: np.ndarray | None
@@ -105,12 +116,12 @@ def _scaled_conv(b: Builder, m: Match, plan: _ChannelPlan) -> Value:
     w, bias, scale, shift = plan.w, plan.bias, plan.scale, plan.shift
     channels = _channels(conv, w)
     if conv.op_type == "Conv":
-        w = w * scale.reshape((-1,) + (1,) * (w.ndim - 1))
+        w = scaled_into(w, scale.reshape((-1,) + (1,) * (w.ndim - 1)), m.value("w"))
     else:  # ConvTranspose: W is (C_in, C_out / group, k...); output channel = g * C_out/group + j
         group = Site.int_attr(conv, "group", 1)
         per = w.shape[1]
         grouped = w.reshape((group, -1, per, *w.shape[2:]))
-        w = (grouped * scale.reshape((group, 1, per) + (1,) * (w.ndim - 2))).reshape(w.shape)
+        w = scaled_into(grouped, scale.reshape((group, 1, per) + (1,) * (w.ndim - 2)), m.value("w")).reshape(w.shape)
     new_bias = (bias if bias is not None else np.zeros(channels)) * scale + shift
     node = b.node(
         conv.op_type,
@@ -217,19 +228,6 @@ def _unpadded(conv: Node) -> bool:
     return auto_pad in ("NOTSET", "VALID") and not any(conv.attr("pads", []) or [])
 
 
-def _closes_a_gelu(x: Value) -> bool:
-    """Whether ``x`` is ``a * (1 + erf(..))`` or ``a * (1 + tanh(..))``: a GELU whose 0.5 comes last."""
-    node = x.producer
-    if node is None or node.op_type != "Mul":
-        return False
-    adds = [v.producer for v in node.inputs if v is not None and v.producer is not None]
-    return any(
-        add.op_type == "Add"
-        and any(v is not None and v.producer is not None and v.producer.op_type in ("Erf", "Tanh") for v in add.inputs)
-        for add in adds
-    )
-
-
 def _plan_input_affine(m: Match, site: Site) -> _InputAffinePlan | Refuse:
     conv = m.node("conv")
     w = float_array(m.value("w"))
@@ -240,7 +238,7 @@ def _plan_input_affine(m: Match, site: Site) -> _InputAffinePlan | Refuse:
     shape = site.shape(m.value("x"))
     if shape is None:
         return Refuse("the input's rank is unknown")
-    if _closes_a_gelu(m.value("x")):
+    if awaits_a_gelu_half(m.value("x")):
         # onnxruntime's Gelu fusion reads the closing 0.5: without it the GELU runs decomposed
         # (convnext_atto_ts measured slower than the original at ORT_ENABLE_ALL)
         return Refuse("the scale is a decomposed GELU's closing 0.5")

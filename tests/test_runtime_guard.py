@@ -152,7 +152,7 @@ def test_the_actual_mul_conv_rule_without_its_gelu_check_is_undone(
 ) -> None:
     """mul-conv before 1750151 folded the closing 0.5 into the Conv (convnext measured slower):
     the guard finds it with no code about GELU."""
-    monkeypatch.setattr(conv_rules, "_closes_a_gelu", lambda value: False)
+    monkeypatch.setattr(conv_rules, "awaits_a_gelu_half", lambda value: False)
     source = gelu_before_conv(tmp_path / "m.onnx", channels=8)
     unguarded = graphopt.optimize(source, runtime_guard=False)
     assert unguarded.model.graph.nodes and sum(n.op_type == "Mul" for n in unguarded.model.graph.nodes) == 1

@@ -584,3 +584,43 @@ def test_a_rule_failing_in_every_round_of_the_default_pipeline_is_reported_once(
     proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "y")], [info("x", [2])], ["y"])
     failures = graphopt.optimize(from_proto(proto), check=False).report["failures"]
     assert [f["rule"] for f in failures] == ["test-broken"], failures
+
+
+def test_the_round_the_late_rules_join_tries_only_them_on_the_graph_the_others_left(user_rule: list[str]) -> None:
+    """The late rules join after a round that changed nothing: the others, which found nothing in that very
+    graph, are not tried in it again (only once a rewrite changed it)."""
+    refused: list[str] = []
+
+    def refuse(m: Match, site: Site) -> Refuse:
+        refused.append(m.root.name)
+        return Refuse("never")
+
+    add_rule(
+        Rule(
+            name="test-refuser",
+            family="test",
+            pattern=op.Neg(op.Neg(var("x"))),
+            plan=refuse,
+            build=lambda b, m, p: m.value("x"),
+        )
+    )
+    late = Rule(
+        name="test-late-neg-neg",
+        family="test",
+        pattern=op.Neg(op.Neg(var("x"))),
+        build=lambda b, m, p: m.value("x"),
+        kind="late",
+    )
+    add_rule(late)
+    user_rule += ["test-refuser", "test-late-neg-neg"]
+    proto = model(
+        [node("Neg", ["x"], "a", name="inner"), node("Neg", ["a"], "b", name="outer"), node("Relu", ["b"], "y")],
+        [info("x", [2])],
+        ["y"],
+    )
+    steps = [{"pass": "fuse", "options": {"late": True}}]
+    result = graphopt.optimize(from_proto(proto), pipeline_from_config(steps), check=False)
+    fused = next(r for r in result.report["passes"] if r["pass"] == "fuse")
+    assert fused["details"]["applied"] == {"test-late-neg-neg": 1}
+    assert refused == ["outer"]
+    assert [n.op_type for n in result.model.graph] == ["Relu"]

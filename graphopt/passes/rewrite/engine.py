@@ -317,6 +317,13 @@ class RuleSet:
         chosen = {id(r) for r in through}
         return RuleSet(through), RuleSet(r for r in self.rules if id(r) not in chosen)
 
+    def within(self, only: RuleSet | None) -> RuleSet:
+        """These rules that ``only`` holds too, in this set's priority order (all of them for None)."""
+        if only is None:
+            return self
+        kept = {id(r) for r in only}
+        return RuleSet(r for r in self.rules if id(r) in kept)
+
     def rooted_at(self, op_type: str) -> list[tuple[int, Rule[Any]]]:
         """(priority, rule) for the rules whose pattern may be rooted at ``op_type``."""
         return self._by_op.get(op_type, [])
@@ -660,13 +667,15 @@ def run_round(
     *,
     through_qdq: bool = True,
     withheld: frozenset[str] = frozenset(),
+    only: RuleSet | None = None,
 ) -> int:
     """One round of ``rules`` over every graph of ``model``; the number of rewrites.
 
     In a graph with Q/DQ pairs the rules marked ``through_qdq`` (but those of the ``withheld``
     families) go first, with the pairs hidden (:mod:`graphopt.passes.rewrite.qdq`), then the
     others on the graph as it is; elsewhere, or when ``through_qdq`` is off, all together, as
-    one rule set."""
+    one rule set. ``only``: the rules of ``rules`` with anything to find, the round before having
+    changed nothing (the others go again in a graph's second phase once its first changed it)."""
     applied = 0
     through, others = rules.through_qdq(withheld) if through_qdq else (RuleSet(), rules)
     for graph in list(model.all_graphs()):
@@ -676,10 +685,11 @@ def run_round(
             with hidden(model, graph, site.ctx) as quantized:
                 if quantized:
                     before = stats.applied.copy()
-                    applied += _apply_round(graph, through, site, stats)
+                    changed = _apply_round(graph, through.within(only), site, stats)
                     stats.through_qdq.update(stats.applied - before)
-                    remaining = others
-        applied += _apply_round(graph, remaining, site, stats)
+                    applied += changed
+                    remaining, only = others, None if changed else only
+        applied += _apply_round(graph, remaining.within(only), site, stats)
     return applied
 
 

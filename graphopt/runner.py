@@ -365,7 +365,7 @@ def _optimize_file(
                 attempt_seconds += last.run.seconds.get("total", 0.0) + last.run.seconds.get("check", 0.0)
                 which = "fusing" if families is None else f"the {', '.join(sorted(families))} fusions"
                 tell(f"check failed: optimize again without {which} through Q/DQ")
-                reloaded = options.load(source)
+                reloaded = options.load(source, opaque_ops="quiet")  # its warnings were given
                 keep_qdq_pairs(reloaded, None if families is None else sorted(families))
                 outcome = optimized_and_checked(reloaded)
                 last = outcome[0]

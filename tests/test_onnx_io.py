@@ -394,3 +394,33 @@ def test_a_custom_domain_used_without_an_import_is_imported_as_onnxruntime_reads
     written = onnx.load(tmp_path / "out.onnx")
     assert {o.domain: o.version for o in written.opset_import}["com.microsoft"] == 1
     assert invoke("validate", source).exit_code == 2  # strict: the import is missing
+
+
+@pytest.mark.parametrize("scale", [np.inf, np.nan, 0.0, 0.05])
+def test_a_quantization_scale_that_loses_every_value_is_warned_of(tmp_path: Path, scale: float) -> None:
+    """quantize_static calibrated on an attention mask's -inf writes an infinite scale: the model
+    then computes NaN where its float program does not, which the user is told once, by name."""
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+        helper.make_node("Relu", ["d"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(scale, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "z"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        inits,
+    )
+    source = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
+    result = invoke("run", source, "-o", tmp_path / "out.onnx")
+    assert result.exit_code == 0, result.stderr
+    warned = (
+        "1 QuantizeLinear and 1 DequantizeLinear have a scale that is infinite, NaN or zero (the first quantizes 'x')"
+    )
+    assert result.stderr.count(warned) == (0 if scale == 0.05 else 1), result.stderr

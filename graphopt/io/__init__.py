@@ -25,8 +25,8 @@ def load(
     """Load a model, choosing the format by extension (.json, else ONNX).
 
     An op without a schema at the model's opset is kept opaque (see :mod:`graphopt.io.sanity`)
-    and logged as a warning; ``opaque_ops`` "quiet" (a file loaded again) says nothing,
-    "error" (``graphopt validate``) refuses it.
+    and logged as a warning, as the sanity checks' other warnings are; ``opaque_ops`` "quiet" (a
+    file loaded again) says none of them, "error" (``graphopt validate``) refuses the op.
     """
     if Path(path).suffix.lower() == ".json":
         from graphopt.io import json_io

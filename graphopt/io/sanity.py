@@ -16,6 +16,10 @@ ONNX domain the model does not import, a tensor no machine could hold.
   write such ops): the passes keep it untouched too. Function bodies are checked against
   their own imports.
 - No node reads its own output.
+- A QuantizeLinear or DequantizeLinear whose constant scale is infinite, NaN or zero is accepted
+  with a warning: it loses every value it quantizes or dequantizes (quantize_static
+  calibrated on an attention mask's -inf writes such a scale), so the model's outputs there are
+  not what its float program computes, and no optimization brings them back.
 - A declared tensor type (graph input or output, annotated value, initializer) must take
   fewer than 2**63 bytes, the int64 limit of ONNX dims and of every runtime's byte counts.
   Anything smaller is valid; whether the numerics check can afford to feed it is the
@@ -28,11 +32,13 @@ import math
 from collections import Counter
 from collections.abc import Iterator
 
+import numpy as np
 import onnx.defs
 from onnx.onnx_cpp2py_export.defs import schema_version_map
 
 from graphopt.errors import InputError
 from graphopt.ir import Graph, Model, Node, TensorType
+from graphopt.ir.constness import constant_array
 
 __all__ = ["check_model"]
 
@@ -53,7 +59,34 @@ def check_model(model: Model, *, strict: bool = False) -> list[str]:
     warnings = _check_opsets(model, strict)
     _check_sizes(model)
     _check_self_reads(model)
-    return warnings
+    return warnings + _check_scales(model)
+
+
+_QDQ = frozenset({"QuantizeLinear", "DequantizeLinear"})
+
+
+def _check_scales(model: Model) -> list[str]:
+    """One warning naming the Q/DQ nodes whose constant scale is infinite, NaN or zero (none: no warning)."""
+    broken: Counter[str] = Counter()
+    first: str | None = None
+    for graph in model.all_graphs():
+        for node in graph:
+            if node.op_type not in _QDQ or len(node.inputs) < 2:
+                continue
+            scale = constant_array(node.inputs[1])
+            if scale is not None and scale.size and not bool(np.all(np.isfinite(scale) & (scale != 0))):
+                broken[node.op_type] += 1
+                first = first or (node.inputs[0].name if node.inputs[0] is not None else _label(node))
+    if not broken:
+        return []
+    counted = " and ".join(f"{count} {op}" for op, count in sorted(broken.items(), reverse=True))
+    return [
+        f"{counted} have a scale that is infinite, NaN or zero (the first quantizes {first!r}): they lose every "
+        "value they quantize or dequantize (to NaN, infinity, a bound or zero), so the model's outputs there are not "
+        "what its float program computes (a calibration that read an attention mask's -inf writes such a scale); "
+        "quantizing again without those tensors (quantize_static's nodes_to_exclude) mends the model, no "
+        "optimization does"
+    ]
 
 
 def _check_self_reads(model: Model) -> None:

@@ -31,7 +31,7 @@ from graphopt.passes.fuse import (
 )
 from graphopt.passes.fuse.fuse_pass import select_rules
 from graphopt.passes.pipeline import pipeline_from_config
-from graphopt.passes.rewrite.patterns import Pattern, chain, match
+from graphopt.passes.rewrite.patterns import Pattern, chain, match, optional, required_ops
 from graphopt.schemas import schema
 from tests.cli_helpers import invoke, one_line_error
 from tests.numerics import assert_same_outputs
@@ -624,3 +624,42 @@ def test_the_round_the_late_rules_join_tries_only_them_on_the_graph_the_others_l
     assert fused["details"]["applied"] == {"test-late-neg-neg": 1}
     assert refused == ["outer"]
     assert [n.op_type for n in result.model.graph] == ["Relu"]
+
+
+def test_a_rule_whose_pattern_needs_an_op_the_graph_lacks_is_not_tried(user_rule: list[str]) -> None:
+    """MatMul(x, Softmax(y)) in a graph without a Softmax: no node of it is looked at."""
+    looked_at: list[str] = []
+
+    def test_root(node: Node) -> bool:
+        looked_at.append(node.name)
+        return True
+
+    pattern = op.MatMul(var("x"), op.Softmax(var("y")), where=test_root)
+    add_rule(Rule(name="test-needs-softmax", family="test", pattern=pattern, build=lambda b, m, p: m.value("x")))
+    user_rule.append("test-needs-softmax")
+    with_softmax = model(
+        [node("Softmax", ["y"], "s"), node("MatMul", ["x", "s"], "z", name="product")],
+        [info("x", [2, 2]), info("y", [2, 2])],
+        ["z"],
+    )
+    fuse(with_softmax, "fuse")
+    assert looked_at == ["product"]
+    looked_at.clear()
+    without = model(
+        [node("Relu", ["y"], "s"), node("MatMul", ["x", "s"], "z", name="product")],
+        [info("x", [2, 2]), info("y", [2, 2])],
+        ["z"],
+    )
+    fuse(without, "fuse")
+    assert looked_at == []
+
+
+def test_what_a_pattern_needs_is_what_every_match_has() -> None:
+    softmax = op.Softmax(var("y"))
+    assert required_ops(op.MatMul(var("x"), softmax)) == {frozenset({"MatMul"}), frozenset({"Softmax"})}
+    # an optional input, a leaf or a run of no nodes needs nothing; alternatives need what they share
+    assert required_ops(op.Add(var("x"), optional(softmax))) == {frozenset({"Add"})}
+    assert required_ops(op.Add(chain(("Cast",), softmax), const())) == {frozenset({"Add"}), frozenset({"Softmax"})}
+    assert required_ops(chain(("Cast",), softmax, least=1)) == {frozenset({"Cast"}), frozenset({"Softmax"})}
+    shared = either(op.Mul(softmax, var("a")), op.any_of(("Div", "Mul"), softmax, var("b")))
+    assert required_ops(shared) == {frozenset({"Softmax"})}

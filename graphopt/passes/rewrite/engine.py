@@ -54,7 +54,16 @@ from graphopt.ir import AttrKind, DataType, Graph, Model, Node, Value, tensor_dt
 from graphopt.ir.constness import constant_array
 from graphopt.ir.rewrite import Builder, replace_nodes
 from graphopt.passes.base import Failure, PassContext
-from graphopt.passes.rewrite.patterns import Bindings, OpPattern, Pattern, PredicateFailed, entries, match, root_ops
+from graphopt.passes.rewrite.patterns import (
+    Bindings,
+    OpPattern,
+    Pattern,
+    PredicateFailed,
+    entries,
+    match,
+    required_ops,
+    root_ops,
+)
 from graphopt.passes.rewrite.qdq import hidden, quantized
 from graphopt.passes.rewrite.signatures import untaken_type
 
@@ -262,6 +271,8 @@ class Rule(Generic[P]):
 
     # The names the pattern binds (what ``m.value`` / ``m.node`` may ask for).
     names: frozenset[str] = field(init=False, repr=False)
+    # What a graph needs for the pattern to match in it (patterns.required_ops).
+    requires: frozenset[frozenset[str]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.name or not self.family:
@@ -270,6 +281,7 @@ class Rule(Generic[P]):
             raise ValueError(f"rule {self.name!r}: the pattern's root must be an op (op.X(...))")
         bound = frozenset(e.key for e in entries(self.pattern) if isinstance(e.key, str))
         object.__setattr__(self, "names", bound)
+        object.__setattr__(self, "requires", required_ops(self.pattern))
 
     @property
     def what(self) -> str:
@@ -503,12 +515,17 @@ def find_matches(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> l
     covered: set[int] = set()
     chosen: list[Match] = []
     misses: list[tuple[Node, Rule[Any], str, str, frozenset[str]]] = []
-    for node in reversed(graph.topological()):
+    order = graph.topological()
+    present = {node.op_type for node in order}
+    # A rule whose pattern needs an op type the graph lacks has no match in it (attention rules once the
+    # attention is fused, in a CNN): it is not tried at each node its root op type has.
+    possible = {id(rule) for rule in rules if all(clause & present for clause in rule.requires)}
+    for node in reversed(order):
         if id(node) in covered:
             continue
         best: tuple[int, int, Match] | None = None
         for index, rule in rules.rooted_at(node.op_type):
-            if rule.retired(site) or stats.failed_at(rule, node):
+            if id(rule) not in possible or rule.retired(site) or stats.failed_at(rule, node):
                 continue
             refusal: str | None = None
             gated: frozenset[str] = frozenset()  # the first refused match's nodes, if the opset refused it

@@ -491,6 +491,19 @@ def entries(pattern: Pattern) -> Iterator[Pattern]:
             pending.append(current.of)
 
 
+def required_ops(pattern: Pattern) -> frozenset[frozenset[str]]:
+    """What every match of ``pattern`` needs among its graph's nodes: clauses, each the op types of which
+    one at least must be there. A graph that lacks a clause has no match (its rule need not be tried)."""
+    if isinstance(pattern, OpPattern):
+        return frozenset({frozenset(pattern.op_types)}).union(*(required_ops(p) for p in pattern.inputs))
+    if isinstance(pattern, Chain):
+        own = frozenset({frozenset(pattern.op_types)}) if pattern.least > 0 else frozenset()
+        return own | required_ops(pattern.of)
+    if isinstance(pattern, Either):  # what every alternative needs
+        return frozenset.intersection(*(required_ops(p) for p in pattern.alternatives))
+    return frozenset()  # a leaf, an optional input, or a polynomial (which may be its variable alone)
+
+
 def root_ops(pattern: Pattern) -> frozenset[str] | None:
     """The op types a root node may have (None: any node, for an Either of leaves)."""
     if isinstance(pattern, OpPattern):

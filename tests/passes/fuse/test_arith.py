@@ -115,3 +115,18 @@ def test_constant_chains_combine_for_floats_only() -> None:
 
     fires(chain(TensorProto.FLOAT, np.float32), "mul-div-constants", {"Mul": 1})
     refused(chain(TensorProto.INT64, np.int64), "mul-div-constants")
+
+
+def test_scalar_constants_of_a_scalar_combine_into_a_scalar() -> None:
+    """The combined constant keeps the constants' rank: a 0-d x scaled twice stays 0-d (a 1-D constant
+    would widen the output, and the rewrite was refused for it)."""
+    proto = model(
+        [node("Mul", ["x", "two"], "a"), node("Mul", ["a", "three"], "y")],
+        [info("x", [])],
+        ["y"],
+        [init("two", np.float32(2.0)), init("three", np.float32(3.0))],
+    )
+    out = fires(proto, "mul-mul-constants", {"Mul": 1})
+    (mul,) = out.graph.node
+    merged = next(t for t in out.graph.initializer if t.name in mul.input)
+    assert list(merged.dims) == []

@@ -97,7 +97,7 @@ def trailing_axes(axes: list[int] | None, rank: int | None) -> int | None:
 
 
 def new_const(b: Builder, array: np.ndarray, like: Value | None, name: str) -> Value:
-    """A constant with ``array``'s values in ``like``'s element type."""
+    """A constant with ``array``'s values and shape (a 0-d array stays 0-d) in ``like``'s element type."""
     dtype = Site.dtype(like)
     target: Any = dtype.numpy() if dtype is not None else array.dtype
     # no copy of an array already in that type: constants' arrays are read-only (Tensor.numpy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -595,23 +596,8 @@ def test_the_round_the_late_rules_join_tries_only_them_on_the_graph_the_others_l
         refused.append(m.root.name)
         return Refuse("never")
 
-    add_rule(
-        Rule(
-            name="test-refuser",
-            family="test",
-            pattern=op.Neg(op.Neg(var("x"))),
-            plan=refuse,
-            build=lambda b, m, p: m.value("x"),
-        )
-    )
-    late = Rule(
-        name="test-late-neg-neg",
-        family="test",
-        pattern=op.Neg(op.Neg(var("x"))),
-        build=lambda b, m, p: m.value("x"),
-        kind="late",
-    )
-    add_rule(late)
+    add_rule(dataclasses.replace(_neg_neg(), name="test-refuser", plan=refuse))
+    add_rule(dataclasses.replace(_neg_neg(), name="test-late-neg-neg", kind="late"))
     user_rule += ["test-refuser", "test-late-neg-neg"]
     proto = model(
         [node("Neg", ["x"], "a", name="inner"), node("Neg", ["a"], "b", name="outer"), node("Relu", ["b"], "y")],

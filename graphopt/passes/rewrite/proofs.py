@@ -5,8 +5,9 @@ batch and heads merged to one dim and split again, the merge back to (batch, seq
 that keeps its input's dims (static, symbolic, or read back from the exporters' Shape / Gather plumbing), a
 constant target with its copied dims spelled out, a Reshape back to its source's shape (a group norm's merge); a
 scalar of a rank; K and V as attention reads them (K from K^T, K and V without grouped-query attention's head
-repeat); and a projection ``MatMul(x, W) + bias`` that matmul-add-gemm-projection writes as one Gemm (which the GELU
-rules leave its bias to).
+repeat); a projection ``MatMul(x, W) + bias`` that matmul-add-gemm-projection writes as one Gemm (which the GELU
+rules leave its bias to) unless onnxruntime folds x's Transpose or scalar scale into the MatMul; and a GELU whose
+closing half is still to come.
 
 Each proof answers None (or False, or a reason) where the facts do not prove it, and a rule refuses then. The
 attention rules (rules/attention/), the shape rules (rules/shape.py), the group norm (rules/norm/), the matmul

@@ -421,6 +421,7 @@ def test_a_quantization_scale_that_loses_every_value_is_warned_of(tmp_path: Path
     result = invoke("run", source, "-o", tmp_path / "out.onnx")
     assert result.exit_code == 0, result.stderr
     warned = (
-        "1 QuantizeLinear and 1 DequantizeLinear have a scale that is infinite, NaN or zero (the first quantizes 'x')"
+        "1 QuantizeLinear and 1 DequantizeLinear have a scale that is infinite, NaN or zero "
+        "(the first: the QuantizeLinear of 'x')"
     )
     assert result.stderr.count(warned) == (0 if scale == 0.05 else 1), result.stderr

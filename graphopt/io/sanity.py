@@ -76,12 +76,13 @@ def _check_scales(model: Model) -> list[str]:
             scale = constant_array(node.inputs[1])
             if scale is not None and scale.size and not bool(np.all(np.isfinite(scale) & (scale != 0))):
                 broken[node.op_type] += 1
-                first = first or (node.inputs[0].name if node.inputs[0] is not None else _label(node))
+                read = node.inputs[0]
+                first = first or (_label(node) if node.name or read is None else f"the {node.op_type} of {read.name!r}")
     if not broken:
         return []
     counted = " and ".join(f"{count} {op}" for op, count in sorted(broken.items(), reverse=True))
     return [
-        f"{counted} have a scale that is infinite, NaN or zero (the first quantizes {first!r}): they lose every "
+        f"{counted} have a scale that is infinite, NaN or zero (the first: {first}): they lose every "
         "value they quantize or dequantize (to NaN, infinity, a bound or zero), so the model's outputs there are not "
         "what its float program computes (a calibration that read an attention mask's -inf writes such a scale); "
         "quantizing again without those tensors (quantize_static's nodes_to_exclude) mends the model, no "

@@ -649,3 +649,21 @@ def test_what_a_pattern_needs_is_what_every_match_has() -> None:
     assert required_ops(chain(("Cast",), softmax, least=1)) == {frozenset({"Cast"}), frozenset({"Softmax"})}
     shared = either(op.Mul(softmax, var("a")), op.any_of(("Div", "Mul"), softmax, var("b")))
     assert required_ops(shared) == {frozenset({"Softmax"})}
+
+
+def test_a_match_another_rule_chose_keeps_its_nodes_from_the_late_rules(user_rule: list[str]) -> None:
+    """A rule whose match is chosen but whose build is refused (it would change the output's type) changes
+    nothing, yet its match still covers its nodes when the late rules join: they do not take them."""
+    add_rule(
+        dataclasses.replace(
+            _neg_neg(), name="test-type-change", build=lambda b, m, p: b.op("Identity", m.root.inputs[0])
+        )
+    )
+    add_rule(dataclasses.replace(_neg_neg(), name="test-late-neg-neg", kind="late"))
+    user_rule += ["test-type-change", "test-late-neg-neg"]
+    proto = model([node("Neg", ["x"], "a"), node("Neg", ["a"], "b"), node("Relu", ["b"], "y")], [info("x", [2])], ["y"])
+    steps = [{"pass": "fuse", "options": {"late": True}}]
+    result = graphopt.optimize(from_proto(proto), pipeline_from_config(steps), check=False)
+    fused = next(r for r in result.report["passes"] if r["pass"] == "fuse")
+    assert fused["details"]["applied"] == {}
+    assert [n.op_type for n in result.model.graph] == ["Neg", "Neg", "Relu"]

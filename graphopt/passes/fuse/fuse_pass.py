@@ -155,11 +155,12 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
 
         rounds = 0
         pending, late_ran = bool(late), not late
-        # The rules that joined after a round that changed nothing: on that same graph the others find
-        # nothing again, so the round after it tries only these (the others again where they change it).
+        # The rules that joined after a round that chose no match: on that same graph the others choose
+        # none again, so the round after it tries only these (the others again where they change it).
         joined: RuleSet | None = None
         for _ in range(options.max_rounds):
             rounds += 1
+            chosen = stats.chosen
             changed = 0 if joined is not None else run_round(model, shatter, site_for, stats)
             changed += run_round(model, fuse, site_for, stats, through_qdq=through_qdq, withheld=withheld, only=joined)
             late_ran = late_ran or not pending
@@ -168,7 +169,8 @@ class Fuse(Pass, name="fuse", options=FuseOptions):
                 if not pending:
                     break
                 # The late rules join once the others change nothing (they would take their nodes).
-                fuse, pending, joined = fuse + late, False, RuleSet(late)
+                fuse, pending = fuse + late, False
+                joined = RuleSet(late) if stats.chosen == chosen else None
         if not late_ran:  # no round was left for them: one more, after the others
             rounds += 1
             run_round(model, RuleSet(late), site_for, stats, through_qdq=through_qdq, withheld=withheld)

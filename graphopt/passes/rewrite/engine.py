@@ -357,6 +357,9 @@ class RunStats:
     # Rewrites applied with a QDQ model's pairs hidden (qdq.py), per rule: what the run
     # withdraws when the check refuses the fusions through Q/DQ.
     through_qdq: Counter[str] = field(default_factory=Counter)
+    # How many matches the rounds chose, applied or not (a build may refuse one): a round that chose
+    # none leaves the same choice to the next round on the same graph.
+    chosen: int = 0
     # (rule, id of root) -> root for each failure: the rule is not tried there again this run
     # (the root is kept so that its id is not reused by a new node).
     _failed_at: dict[tuple[str, int], Node] = field(default_factory=dict)
@@ -692,12 +695,12 @@ def run_round(
     families) go first, with the pairs hidden (:mod:`graphopt.passes.rewrite.qdq`), then the
     others on the graph as it is; elsewhere, or when ``through_qdq`` is off, all together, as
     one rule set. ``only``: the rules of ``rules`` with anything to find, the round before having
-    changed nothing (the others go again in a graph's second phase once its first changed it)."""
+    chosen no match (the others go again in a graph's second phase once its first changed it)."""
     applied = 0
     through, others = rules.through_qdq(withheld) if through_qdq else (RuleSet(), rules)
     for graph in list(model.all_graphs()):
         site = site_for(graph)
-        remaining = rules
+        remaining, tried = rules, only
         if through:
             with hidden(model, graph, site.ctx) as quantized:
                 if quantized:
@@ -705,14 +708,16 @@ def run_round(
                     changed = _apply_round(graph, through.within(only), site, stats)
                     stats.through_qdq.update(stats.applied - before)
                     applied += changed
-                    remaining, only = others, None if changed else only
-        applied += _apply_round(graph, remaining.within(only), site, stats)
+                    remaining, tried = others, None if changed else only
+        applied += _apply_round(graph, remaining.within(tried), site, stats)
     return applied
 
 
 def _apply_round(graph: Graph, rules: RuleSet, site: Site, stats: RunStats) -> int:
     applied = 0
-    for m in find_matches(graph, rules, site, stats):
+    matches = find_matches(graph, rules, site, stats)
+    stats.chosen += len(matches)
+    for m in matches:
         if apply_match(m, site, stats):
             stats.applied[m.rule.name] += 1
             applied += 1

@@ -433,9 +433,9 @@ def _folded_into_matmul(x: Value, site: Site) -> str | None:
     if node is None or not node.in_standard_domain:
         return None
     if node.op_type == "Transpose" and not x.is_graph_output:
-        rank, perm = site.rank(x), node.attr("perm")
-        swap = None if rank is None else [*range(rank - 2), rank - 1, rank - 2]
-        return "a Transpose of its last two dims" if perm is not None and list(perm) == swap else None
+        perm = list(node.attr("perm") or [])
+        swap = [*range(len(perm) - 2), len(perm) - 1, len(perm) - 2]
+        return "a Transpose of its last two dims" if len(perm) >= 2 and perm == swap else None
     scales = {"Mul": (0, 1), "Div": (1,)}.get(node.op_type, ())
     for side in scales:
         scale, other = Site.array(node.inputs[side]), node.inputs[1 - side]

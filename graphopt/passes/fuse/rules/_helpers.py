@@ -100,7 +100,8 @@ def new_const(b: Builder, array: np.ndarray, like: Value | None, name: str) -> V
     """A constant with ``array``'s values and shape (a 0-d array stays 0-d) in ``like``'s element type."""
     dtype = Site.dtype(like)
     target: Any = dtype.numpy() if dtype is not None else array.dtype
-    # no copy of an array already in that type: constants' arrays are read-only (Tensor.numpy)
+    # no copy of an array already in that type: the constant takes it over (Tensor.from_array), and every
+    # caller passes an array it computed and leaves alone
     return b.constant(array.astype(target, order="C", copy=False), name)
 
 

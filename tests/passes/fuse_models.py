@@ -379,20 +379,24 @@ def matmul_add(a_shape: list[Any], extra_reader: bool = False) -> onnx.ModelProt
     return model(nodes, [info("a", a_shape)], outputs, [init("w", rand_weight(3, 4)), init("b", rand_weight(4))])
 
 
+def erf_gelu_nodes(x: str, y: str, tag: str = "") -> list[onnx.NodeProto]:
+    """y = x * (1 + erf(x / sqrt 2)) * 0.5, its half last (onnxruntime's Gelu fusion takes it whole); the inner
+    values named with ``tag``, the constants :func:`gelu_constants`."""
+    return [
+        node("Div", [x, "sqrt2"], f"{tag}d"),
+        node("Erf", [f"{tag}d"], f"{tag}e"),
+        node("Add", [f"{tag}e", "one"], f"{tag}p"),
+        node("Mul", [x, f"{tag}p"], f"{tag}m"),
+        node("Mul", [f"{tag}m", "half"], y),
+    ]
+
+
+def gelu_constants() -> list[onnx.TensorProto]:
+    return [init("sqrt2", math.sqrt(2)), init("one", 1.0), init("half", 0.5)]
+
+
 def erf_gelu(opset: int) -> onnx.ModelProto:
-    return model(
-        [
-            node("Div", ["x", "sqrt2"], "d"),
-            node("Erf", ["d"], "e"),
-            node("Add", ["e", "one"], "p"),
-            node("Mul", ["x", "p"], "m"),
-            node("Mul", ["m", "half"], "y"),
-        ],
-        [info("x", [2, 5])],
-        ["y"],
-        [init("sqrt2", math.sqrt(2)), init("one", 1.0), init("half", 0.5)],
-        opset=opset,
-    )
+    return model(erf_gelu_nodes("x", "y"), [info("x", [2, 5])], ["y"], gelu_constants(), opset=opset)
 
 
 def tanh_gelu(opset: int) -> onnx.ModelProto:

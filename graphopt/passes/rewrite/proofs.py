@@ -17,7 +17,7 @@ tests/passes/test_proofs.py holds their own tests.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -433,9 +433,8 @@ def _folded_into_matmul(x: Value, site: Site) -> str | None:
     if node is None or not node.in_standard_domain:
         return None
     if node.op_type == "Transpose" and not x.is_graph_output:
-        perm = list(node.attr("perm") or [])
-        swap = [*range(len(perm) - 2), len(perm) - 1, len(perm) - 2]
-        return "a Transpose of its last two dims" if len(perm) >= 2 and perm == swap else None
+        perm = node.attr("perm")
+        return "a Transpose of its last two dims" if perm is not None and swaps_last_two(perm) else None
     scales = {"Mul": (0, 1), "Div": (1,)}.get(node.op_type, ())
     for side in scales:
         scale, other = Site.array(node.inputs[side]), node.inputs[1 - side]
@@ -451,6 +450,12 @@ def _folded_into_matmul(x: Value, site: Site) -> str | None:
         ):
             return f"a {node.op_type} by a scalar constant"
     return None
+
+
+def swaps_last_two(perm: Sequence[int]) -> bool:
+    """Whether a Transpose's ``perm`` swaps the last two dims and keeps the others."""
+    rank = len(perm)
+    return rank >= 2 and list(perm) == [*range(rank - 2), rank - 1, rank - 2]
 
 
 def awaits_a_gelu_half(x: Value, functions: Collection[str] = ("Erf", "Tanh")) -> bool:

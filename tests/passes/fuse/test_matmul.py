@@ -43,6 +43,8 @@ from tests.passes.fuse.table import (
 from tests.passes.fuse_fixtures import FIXTURES
 from tests.passes.fuse_helpers import fires, fires_ort, fuse, info, init, model, node, ops, refused
 from tests.passes.fuse_models import (
+    erf_gelu_nodes,
+    gelu_constants,
     matmul_add,
     rand_weight,
     scaled_matmul,
@@ -499,23 +501,9 @@ def test_a_projection_of_a_transpose_onnxruntime_does_not_fold_becomes_a_gemm() 
     fires(proto, "matmul-add-gemm-projection", {"Transpose": 1, "Reshape": 2, "Gemm": 1}, fuse_late=True)
 
 
-def _erf_gelu(x: str, y: str) -> list[onnx.NodeProto]:
-    """y = x * (1 + erf(x / sqrt 2)) * 0.5, its half last (onnxruntime's Gelu fusion takes it whole)."""
-    return [
-        node("Div", [x, "sqrt2"], f"{y}_d"),
-        node("Erf", [f"{y}_d"], f"{y}_e"),
-        node("Add", [f"{y}_e", "one"], f"{y}_e1"),
-        node("Mul", [x, f"{y}_e1"], f"{y}_g"),
-        node("Mul", [f"{y}_g", "half"], y),
-    ]
-
-
-_GELU_CONSTANTS = [init("sqrt2", np.float32(np.sqrt(2))), init("one", np.float32(1)), init("half", np.float32(0.5))]
-
-
 def test_a_projection_after_an_erf_gelus_half_becomes_a_gemm() -> None:
     # onnxruntime fuses the GELU with its half, so no scale is left for its MatMul to fold
-    proto = _projection_of(_erf_gelu("x", "x_fed"), _GELU_CONSTANTS)
+    proto = _projection_of(erf_gelu_nodes("x", "x_fed", "gelu_"), gelu_constants())
     fires(
         proto,
         "matmul-add-gemm-projection",
@@ -533,14 +521,14 @@ def test_the_runtime_guard_keeps_a_token_mixing_mlp_at_once(tmp_path: Path) -> N
         node("MatMul", ["t", "w"], "p"),
         node("Add", ["p", "b"], "h"),
     ]
-    nodes += [*_erf_gelu("h", "g"), node("MatMul", ["g", "w2"], "q"), node("Add", ["q", "b2"], "y")]
+    nodes += [*erf_gelu_nodes("h", "g", "gelu_"), node("MatMul", ["g", "w2"], "q"), node("Add", ["q", "b2"], "y")]
     params = [
         init("w", rand_weight(6, 6)),
         init("b", rand_weight(6)),
         init("w2", rand_weight(6, 4)),
         init("b2", rand_weight(4)),
     ]
-    proto = model(nodes, [info("x", ["batch", 6, 6])], ["y"], [*params, *_GELU_CONSTANTS])
+    proto = model(nodes, [info("x", ["batch", 6, 6])], ["y"], [*params, *gelu_constants()])
     source, out, report = tmp_path / "m.onnx", tmp_path / "out.onnx", tmp_path / "r.json"
     onnx.save(proto, source)
     result = invoke("run", source, "-o", out, "--report", report)

@@ -65,7 +65,7 @@ from graphopt.passes.fuse.rules._helpers import (
 from graphopt.passes.fuse.rules._ort import MS, activated, activation_params, check_activation
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
 from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
-from graphopt.passes.rewrite.proofs import PROJECTION, projection_bias, projection_target
+from graphopt.passes.rewrite.proofs import PROJECTION, projection_bias, projection_target, swaps_last_two
 
 FAMILY = "matmul"
 # Every rule of the family, with the family given once.
@@ -222,7 +222,7 @@ def _swaps_last_two(node: Node, site: Site) -> bool:
     perm = node.attr("perm")
     if rank is None or rank < 2 or perm is None:
         return rank == 2
-    return list(perm) == [*range(rank - 2), rank - 1, rank - 2]
+    return len(perm) == rank and swaps_last_two(perm)
 
 
 def _build_transposed_matmul(which: str, b: Builder, m: Match, plan: None) -> Value:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from graphopt.api import Result, as_onnx, input_layouts, resolve_pipeline, resolve_settings, run_pipeline
 from graphopt.errors import GraphoptError, InputError
 from graphopt.files import commit, file_digest, folder_lock, is_staging, staging_folder
-from graphopt.io import data_files, load, save
+from graphopt.io import data_files, load_noting, save
 from graphopt.io.json_io import is_sidecar_of
 from graphopt.io.onnx_write import is_data_file_of
 from graphopt.ir import Model
@@ -107,7 +107,11 @@ class RunOptions:
 
     def load(self, source: Path, **options: Any) -> Model:
         """Load ``source`` as the run's settings ask (independent dims), with io's ``options``."""
-        return load(source, independent_dims=self.settings.independent_dims, **options)
+        return self.load_noting(source, **options)[0]
+
+    def load_noting(self, source: Path, **options: Any) -> tuple[Model, list[str]]:
+        """:meth:`load`, and the warnings loading gave."""
+        return load_noting(source, independent_dims=self.settings.independent_dims, **options)
 
 
 def default_output(path: Path) -> Path:
@@ -197,7 +201,7 @@ def optimize_file(
             return _restore(source, output, stored, _reads(source, data, options), options, tell, cache_key)
     tell(f"load {source}")
     load_start = time.perf_counter()
-    model = options.load(source)
+    model, warnings = options.load_noting(source)
     load_seconds = time.perf_counter() - load_start
     data = data_files(model)
     # The input's digest is read beside the real work: hashing releases the GIL.
@@ -210,7 +214,7 @@ def optimize_file(
             kept, what = output.parent / kept_name, f"the weights of {output} (--external-data-name)"
             refuse_reserved([kept], {output.resolve(): f"the output model {output}", **_reserved(options)}, what)
             refuse_read_by_others([kept], what, ignoring=[output])
-        loaded = (model, load_seconds, kept_name)
+        loaded = (model, load_seconds, kept_name, warnings)
         return _optimize_file(source, output, loaded, reads, options, tell, input_entry, cache_key)
 
 
@@ -273,7 +277,7 @@ def _read_only(path: Path) -> bool:
 def _optimize_file(
     source: Path,
     output: Path,
-    loaded: tuple[Model, float, str | None],
+    loaded: tuple[Model, float, str | None, list[str]],
     reads: dict[Path, str],
     options: RunOptions,
     tell: Callable[[str], None],
@@ -281,7 +285,7 @@ def _optimize_file(
     cache_key: str | None,
 ) -> tuple[dict[str, Any], int]:
     started = time.perf_counter()
-    model, load_seconds, data_name = loaded
+    model, load_seconds, data_name, load_warnings = loaded
 
     def produce(workdir: Path, staged: Path) -> tuple[ModelReport, dict[str, str], int]:
         """Optimize the model, save it into ``staged`` and check it; the report, the digests
@@ -317,7 +321,7 @@ def _optimize_file(
             nonlocal save_seconds, memo
             save_seconds = 0.0
             result = _optimize_with(model, options, tell, source=source, save_output=save_output)
-            report = ModelReport(result.pipeline_report)
+            report = ModelReport(result.pipeline_report, warnings=load_warnings)
             seconds = report.run.seconds
             seconds["save"] = round(save_seconds, 6)
             seconds["load"] = round(load_seconds, 6)

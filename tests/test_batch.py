@@ -41,7 +41,7 @@ def test_a_folder_run_resolves_the_pipeline_once_and_loads_each_model_once(
         return counted
 
     monkeypatch.setattr(graphopt.api, "pipeline_from_names", counting("resolve", graphopt.api.pipeline_from_names))
-    monkeypatch.setattr(graphopt.runner, "load", counting("load", graphopt.runner.load))
+    monkeypatch.setattr(graphopt.runner, "load_noting", counting("load", graphopt.runner.load_noting))
     folder = _model_folder(tmp_path / "models")
     result = invoke("run", folder, "-o", tmp_path / "out/", "--passes", "shape-infer,cleanup", "--no-check")
     assert result.exit_code == 0, result.stderr

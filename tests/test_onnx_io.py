@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 from pathlib import Path
 from typing import Any
 
@@ -418,10 +419,17 @@ def test_a_quantization_scale_that_loses_every_value_is_warned_of(tmp_path: Path
     )
     source = tmp_path / "m.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source)
-    result = invoke("run", source, "-o", tmp_path / "out.onnx")
+    summary = tmp_path / "summary.md"
+    result = invoke(
+        "run", source, "-o", tmp_path / "out.onnx", "--report", tmp_path / "report.json", "--markdown", summary
+    )
     assert result.exit_code == 0, result.stderr
     warned = (
         "1 QuantizeLinear and 1 DequantizeLinear have a scale that is infinite, NaN or zero "
         "(the first: the QuantizeLinear of 'x')"
     )
     assert result.stderr.count(warned) == (0 if scale == 0.05 else 1), result.stderr
+    # the report says it too, for a CI job that reads the report and not the log
+    listed = json.loads((tmp_path / "report.json").read_text())["warnings"]
+    assert [warning.startswith(warned) for warning in listed] == ([] if scale == 0.05 else [True])
+    assert summary.read_text().count(warned) == len(listed)

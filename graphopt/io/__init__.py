@@ -28,6 +28,16 @@ def load(
     and logged as a warning, as the sanity checks' other warnings are; ``opaque_ops`` "quiet" (a
     file loaded again) says none of them, "error" (``graphopt validate``) refuses the op.
     """
+    return load_noting(path, independent_dims=independent_dims, opaque_ops=opaque_ops)[0]
+
+
+def load_noting(
+    path: str | os.PathLike[str],
+    *,
+    independent_dims: bool = False,
+    opaque_ops: Literal["warn", "quiet", "error"] = "warn",
+) -> tuple[Model, list[str]]:
+    """:func:`load`, and the warnings the sanity checks gave (the run's report lists them)."""
     if Path(path).suffix.lower() == ".json":
         from graphopt.io import json_io
 
@@ -59,10 +69,10 @@ def from_onnx(
         model = from_proto(proto, independent_dims=independent_dims, base_dir=folder)
     except (InputError, GraphError) as err:
         raise InputError(f"{where}: {err}") from None
-    return _checked(model, where, "warn")
+    return _checked(model, where, "warn")[0]
 
 
-def _checked(model: Model, where: str, opaque_ops: Literal["warn", "quiet", "error"]) -> Model:
+def _checked(model: Model, where: str, opaque_ops: Literal["warn", "quiet", "error"]) -> tuple[Model, list[str]]:
     from graphopt.io.sanity import check_model
 
     try:
@@ -71,7 +81,7 @@ def _checked(model: Model, where: str, opaque_ops: Literal["warn", "quiet", "err
         raise InputError(f"{where}: {err}") from None
     for warning in warnings if opaque_ops == "warn" else ():
         logger.warning("%s: %s", where, warning)
-    return model
+    return model, warnings
 
 
 def data_files(model: Model) -> list[Path]:

@@ -78,6 +78,7 @@ def _model(report: Json, heading: str) -> str:
     if written:
         facts.append(f"file {_arrow((file_bytes(source), file_bytes(written)), size)}")
     parts = [f"{heading} `{_text(source['path'])}`\n", ", ".join(facts) + "\n"]
+    parts += [f"⚠️ {_text(warning)}\n" for warning in report.get("warnings", ())]  # what loading warned of
     sub = heading + "#"
     body = [
         [row.label, _arrow(row.nodes), _arrow(row.initializers), f"{row.seconds * 1000:.0f} ms", row.outcome]

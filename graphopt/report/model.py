@@ -57,6 +57,8 @@ class ModelReport:
     blame of a failed check, and the outcome. ``seconds`` gains load, save, check, total."""
 
     run: PipelineReport
+    # What loading the input warned about (also on stderr): ops kept opaque, Q/DQ scales that lose their values.
+    warnings: list[str] = field(default_factory=list)
     input: Json | None = None
     numerics: Json | None = None
     blame: Json | None = None
@@ -73,11 +75,12 @@ class ModelReport:
     def from_json(cls, found: Json) -> ModelReport:
         """The report :meth:`to_json` gave (a stored result's, --cache)."""
         run = PipelineReport(**{name: found[name] for name in ("pipeline", "passes", "failures", "summary", "seconds")})
-        kept = ("input", "numerics", "blame", "through_qdq", "cache", "output", "status", "exit_code")
+        kept = ("warnings", "input", "numerics", "blame", "through_qdq", "cache", "output", "status", "exit_code")
         return cls(run, **{name: found[name] for name in kept if name in found})
 
     def to_json(self) -> Json:
-        found: Json = {"graphopt_version": __version__, "input": self.input, **self.run.to_json()}
+        found: Json = {"graphopt_version": __version__, "input": self.input, "warnings": self.warnings}
+        found |= self.run.to_json()
         found["numerics"] = self.numerics
         if self.through_qdq is not None:
             found["through_qdq"] = self.through_qdq

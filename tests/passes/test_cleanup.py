@@ -211,6 +211,61 @@ NOOP_CASES: dict[str, tuple[list[onnx.NodeProto], list[onnx.TensorProto], str | 
         [tensor("r", [1, 2, 1], np.int64)],
         None,
     ),
+    "resize-by-ones": (
+        [helper.make_node("Resize", ["x", "", "s"], ["t"]), helper.make_node("Relu", ["t"], ["y"])],
+        [tensor("s", [1.0, 1.0, 1.0])],
+        "resize-to-own-size",
+    ),
+    "resize-to-own-sizes": (  # only the axes given; the symbolic batch is not resized
+        [helper.make_node("Resize", ["x", "", "", "n"], ["t"], axes=[-1, 1]), helper.make_node("Relu", ["t"], ["y"])],
+        [tensor("n", [5, 4], np.int64)],
+        "resize-to-own-size",
+    ),
+    "resize-to-other-sizes": (
+        [helper.make_node("Resize", ["x", "", "", "n"], ["t"], axes=[1, 2]), helper.make_node("Relu", ["t"], ["y"])],
+        [tensor("n", [4, 6], np.int64)],
+        None,
+    ),
+    "resize-by-two": (
+        [helper.make_node("Resize", ["x", "", "s"], ["t"]), helper.make_node("Relu", ["t"], ["y"])],
+        [tensor("s", [1.0, 2.0, 1.0])],
+        None,
+    ),
+    "resize-shifting-half-a-pixel": (  # the spec's tf_half_pixel_for_nn reads index x + 0.5, rounded up here
+        [
+            helper.make_node(
+                "Resize",
+                ["x", "", "s"],
+                ["t"],
+                coordinate_transformation_mode="tf_half_pixel_for_nn",
+                nearest_mode="round_prefer_ceil",
+            ),
+            helper.make_node("Relu", ["t"], ["y"]),
+        ],
+        [tensor("s", [1.0, 1.0, 1.0])],
+        None,
+    ),
+    "resize-linear-of-an-input": (  # its neighbours weigh 0: onnx's reference clips an infinite input there
+        [helper.make_node("Resize", ["x", "", "s"], ["t"], mode="linear"), helper.make_node("Relu", ["t"], ["y"])],
+        [tensor("s", [1.0, 1.0, 1.0])],
+        None,
+    ),
+    "resize-linear-of-a-constant": (  # BEiT's relative position bias, interpolated to its own size
+        [
+            helper.make_node("Resize", ["c", "", "", "n"], ["t"], mode="linear"),
+            helper.make_node("Add", ["x", "t"], ["y"]),
+        ],
+        [tensor("c", np.arange(20).reshape(1, 4, 5)), tensor("n", [1, 4, 5], np.int64)],
+        "resize-to-own-size",
+    ),
+    "resize-linear-of-an-infinite-constant": (
+        [
+            helper.make_node("Resize", ["c", "", "", "n"], ["t"], mode="linear"),
+            helper.make_node("Add", ["x", "t"], ["y"]),
+        ],
+        [tensor("c", np.full((1, 4, 5), np.inf)), tensor("n", [1, 4, 5], np.int64)],
+        None,
+    ),
     "concat-single": (
         [helper.make_node("Concat", ["x"], ["t"], axis=1), helper.make_node("Relu", ["t"], ["y"])],
         [],

@@ -230,6 +230,46 @@ def tile_once(node: Node, opset: int) -> Value | None:
     return node.inputs[0] if repeats is not None and all(r == 1 for r in repeats) else None
 
 
+def _text(node: Node, attr: str, default: str) -> str:
+    found = node.attr(attr, default)
+    return found.decode() if isinstance(found, bytes) else str(found)
+
+
+# The coordinate transformations that map every output index to itself when the size stays: by the spec's
+# formulas tf_half_pixel_for_nn reads half a pixel further, tf_crop_and_resize reads its roi.
+_RESIZE_IDENTICAL_AT_SCALE_ONE = frozenset(
+    {"half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric"}
+)
+
+
+@_removable("it may resample")
+def resize_to_own_size(node: Node, opset: int) -> Value | None:
+    # Resize(x: [1, 4, 27, 27], sizes=[1, 4, 27, 27]) -> x   (every output index reads its own input index)
+    x, shape = node.inputs[0], tensor_shape(node.inputs[0])
+    if x is None or shape is None:
+        return None
+    if (
+        opset >= 11
+        and _text(node, "coordinate_transformation_mode", "half_pixel") not in _RESIZE_IDENTICAL_AT_SCALE_ONE
+    ):
+        return None
+    if _text(node, "mode", "nearest") != "nearest":
+        # a linear or cubic sample at an input index still weighs its neighbours by 0: onnx's reference evaluator
+        # turns an infinite value into the type's largest there (onnxruntime copies the input at scale 1)
+        data = constant_array(x)
+        if data is None or data.dtype.kind != "f" or not np.all(np.isfinite(data)):
+            return None
+    axes = [int(axis) % len(shape) for axis in node.attr("axes") or range(len(shape))]
+    scales_at, sizes_at = (1, len(node.inputs)) if opset < 11 else (2, 3)  # opset 10: (x, scales)
+    scales = constant_array(node.inputs[scales_at]) if scales_at < len(node.inputs) else None
+    if scales is not None and scales.size:
+        return x if scales.size == len(axes) and np.all(scales == 1) else None
+    sizes = _input_ints(node, sizes_at) if sizes_at < len(node.inputs) else None
+    if sizes is None or len(sizes) != len(axes):
+        return None
+    return x if all(shape[axis] == size for axis, size in zip(axes, sizes, strict=True)) else None
+
+
 @_removable("more than one input")
 def single_input(node: Node, opset: int) -> Value | None:
     # Concat(x) -> x,  Sum(x) -> x,  Max(x) -> x, ...
@@ -316,6 +356,13 @@ RULES: tuple[Rule[Any], ...] = (
     ),
     _noop("expand-to-own-shape", ("Expand",), 2, expand_to_own_shape, "Expand(x: [b, 3], shape=[1, 3]) -> x"),
     _noop("tile-once", ("Tile",), 2, tile_once, "Tile(x, repeats=[1, ..., 1]) -> x"),
+    _noop(
+        "resize-to-own-size",
+        ("Resize",),
+        4,
+        resize_to_own_size,
+        "Resize(x: [1, 4, 27, 27], sizes=[1, 4, 27, 27]) -> x   (a linear or cubic one of a finite constant only)",
+    ),
     _noop(
         "single-input",
         ("Concat", "Sum", "Max", "Min", "Mean"),

@@ -341,6 +341,33 @@ def test_the_scales_stay_on_both_operands_where_joining_them_is_no_gain_or_leave
     assert any(reason in miss for miss in details["near_misses"]["matmul"]), details["near_misses"]
 
 
+def test_the_scales_join_through_the_transposes_that_split_the_heads() -> None:
+    """BEiT's TorchScript export in float16: once the unwind pass moved the head Transposes of Q and K past their
+    sqrt(scale) (the relative position bias's Resize no longer pinning them), the rule saw Transpose(k * t) and left
+    both Muls (beit_ts_fp16: 4 Muls more than before)."""
+    root = np.asarray(np.sqrt(0.125), np.float16)
+    proto = model(
+        [
+            node("Mul", ["q", "s"], "q_scaled"),
+            node("Transpose", ["q_scaled"], "q_heads", perm=[0, 2, 1, 3]),
+            node("Mul", ["t", "k"], "k_scaled"),
+            node("Transpose", ["k_scaled"], "kt_heads", perm=[0, 2, 3, 1]),
+            node("MatMul", ["q_heads", "kt_heads"], "scores"),
+        ],
+        [info("q", ["batch", "seq", 2, 8], F16), info("k", ["batch", "total", 2, 8], F16)],
+        [info("scores", None, F16)],
+        [init("s", root), init("t", root)],
+    )
+    out, details = fuse(proto, fuse_late=True)
+    assert details["applied"]["matmul-scales-joined"] == 1
+    assert (ops(out)["Mul"], ops(out)["Transpose"]) == (1, 2)
+    feeds = {
+        name: (0.05 * np.random.default_rng(seed).standard_normal((2, 3, 2, 8))).astype(np.float16)
+        for seed, name in enumerate(("q", "k"))
+    }
+    assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4, feeds=feeds)
+
+
 def test_a_tied_weight_is_read_transposed_by_gemm_with_dynamic_leading_dims() -> None:
     proto = tied(["batch", "seq", 6])
     out, details = fuse(proto)

@@ -64,7 +64,7 @@ from graphopt.passes.fuse.rules._helpers import (
 )
 from graphopt.passes.fuse.rules._ort import MS, activated, activation_params, check_activation
 from graphopt.passes.rewrite.engine import Match, Refuse, Rule, Site
-from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, op, optional, var
+from graphopt.passes.rewrite.patterns import ANY_DOMAIN, Pattern, const, either, op, optional, var
 from graphopt.passes.rewrite.proofs import PROJECTION, projection_bias, projection_target, swaps_last_two
 
 FAMILY = "matmul"
@@ -250,11 +250,15 @@ def _plan_scaled_matmul(m: Match, site: Site) -> float | Refuse:
     return _matmul_ranks(m, site) or _scale(m, site)
 
 
-# MatMul(x * s, y * t): each operand scaled by a constant.
-_SCALED_OPERANDS = op.MatMul(
-    op.Mul(var("x"), const(name="s"), name="x_scaled", commute=True),
-    op.Mul(var("y"), const(name="t"), name="y_scaled", commute=True),
-)
+def _scaled_operand(operand: str, scale: str) -> Pattern:
+    """``operand * scale``, or that Transposed (a scalar commutes with the Transpose: the exporters scale K^T, and
+    the unwind pass may move K's Transpose past its scale)."""
+    scaled = op.Mul(var(operand), const(name=scale), name=f"{operand}_scaled", commute=True)
+    return either(scaled, op.Transpose(scaled, name=f"{operand}_transposed"))
+
+
+# MatMul(x * s, y * t): each operand scaled by a constant, maybe then Transposed.
+_SCALED_OPERANDS = op.MatMul(_scaled_operand("x", "s"), _scaled_operand("y", "t"))
 
 
 def _plan_joined_scales(m: Match, site: Site) -> float | Refuse:
@@ -281,7 +285,11 @@ def _plan_joined_scales(m: Match, site: Site) -> float | Refuse:
 def _build_joined_scales(b: Builder, m: Match, factor: float) -> Value:
     x = m.value("x")
     joined = new_const(b, np.array(factor), x, named_after(m.value("s"), "joined"))
-    return b.op("MatMul", b.op("Mul", x, joined), m.value("y"))
+    operands = [b.op("Mul", x, joined), m.value("y")]
+    for index, transposed in enumerate(("x_transposed", "y_transposed")):
+        if transposed in m:
+            operands[index] = b.op("Transpose", operands[index], **attrs_of(m.node(transposed)))
+    return b.op("MatMul", *operands)
 
 
 _GEMM = op.Gemm(var("a"), var("b"), optional(var("c")), name="gemm")
@@ -327,8 +335,8 @@ RULES: tuple[Rule[Any], ...] = (
         build=_build_joined_scales,
         kind="late",
         label="MatMul of scaled operands",
-        doc="MatMul(x * s, y * t) -> MatMul(x * (s*t), y) for float16 or bfloat16 x and y and scalar constants s and t "
-        "(late; attention's sqrt(scale) on Q and K^T below opset 23)",
+        doc="MatMul(x * s, y * t) -> MatMul(x * (s*t), y) for float16 or bfloat16 x and y and scalar constants s "
+        "and t, either product maybe Transposed (late; attention's sqrt(scale) on Q and K^T below opset 23)",
     ),
     *(
         _rule(

@@ -143,6 +143,20 @@ def _scaled_operands(elem_type: int = F16, scale: float = float(np.sqrt(0.125)))
     )
 
 
+def _scale_under_transpose(elem_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """Attention's scores once the unwind pass sank Q's head Transpose below its sqrt(scale) (a one-element vector)."""
+    return model(
+        [
+            node("Mul", ["q", "s"], "q_scaled"),
+            node("Transpose", ["q_scaled"], "q_heads", perm=[0, 2, 1, 3]),
+            node("MatMul", ["q_heads", "kt"], "scores"),
+        ],
+        [info("q", ["batch", "seq", 2, 8], elem_type), info("kt", ["batch", 2, 8, "total"], elem_type)],
+        [info("scores", None, elem_type)],
+        [init("s", np.asarray([np.sqrt(0.125)], helper.tensor_dtype_to_np_dtype(elem_type)))],
+    )
+
+
 CASES: dict[str, Case] = {
     "matmul-add-gemm": Case(
         lambda: matmul_add(["n", 3]),
@@ -242,6 +256,15 @@ CASES: dict[str, Case] = {
             "kt": (0.05 * np.random.default_rng(1).standard_normal((2, 2, 8, 5))).astype(np.float16),
         },
     ),
+    "matmul-scale-over-transpose": Case(
+        _scale_under_transpose,
+        {"Transpose": 1, "Mul": 1, "MatMul": 1},
+        "q_scaled",
+        NO_ATTR,
+        Perturb(set_shape("q", None), "could widen its operand's rank", note="Q's rank unknown, the scale 1-D"),
+        NO_GATE,
+        LATE,
+    ),
     "matmul-add-gemm-projection": Case(
         lambda: exported_mlp("linear_4"),
         {"Reshape": 2, "Gemm": 1},
@@ -288,6 +311,8 @@ EXPORTED: dict[str, Exported | str] = {
         NO_GATE,
         {"fuse_late": True},
     ),
+    "matmul-scale-over-transpose": "n/a: no exporter writes a scale under the Transpose; the unwind pass sinks Q's "
+    "and K's there (test_the_scales_stay_next_to_the_product_after_the_unwind_pass)",
     "matmul-add-gemm-projection-reshaped": Exported(
         ("bert_dynamo",),
         {"Gemm": 1},
@@ -366,6 +391,34 @@ def test_the_scales_join_through_the_transposes_that_split_the_heads() -> None:
         for seed, name in enumerate(("q", "k"))
     }
     assert_same_outputs(proto, out, rtol=1e-4, atol=1e-4, feeds=feeds)
+
+
+def test_the_scales_stay_next_to_the_product_after_the_unwind_pass(tmp_path: Path) -> None:
+    """The unwind pass writes a Transpose it keeps just before the MatMul that reads it, under Q's scale, where
+    onnxruntime no longer folds the scale into FusedMatMul: the runtime guard then undid the whole pass (2 reruns,
+    its two Transposes around the Relu kept). The scale goes back next to the product."""
+    proto = model(
+        [
+            node("Transpose", ["x"], "xt", perm=[0, 2, 1]),
+            node("Relu", ["xt"], "r"),
+            node("Transpose", ["r"], "y", perm=[0, 2, 1]),
+            node("Transpose", ["q"], "q_heads", perm=[0, 2, 1, 3]),
+            node("Mul", ["q_heads", "s"], "q_scaled"),
+            node("MatMul", ["q_scaled", "kt"], "scores"),
+        ],
+        [info("x", [2, 3, 4]), info("q", [2, 5, 2, 8]), info("kt", [2, 2, 8, 5])],
+        [info("y", None), info("scores", None)],
+        [init("s", np.asarray(np.sqrt(0.125), np.float32))],
+    )
+    source, out = tmp_path / "scores.onnx", tmp_path / "out.onnx"
+    onnx.save(proto, source)
+    result = invoke("run", source, "-o", out, "--report", tmp_path / "report.json")
+    assert result.exit_code == 0, result.stderr
+    guard = json.loads((tmp_path / "report.json").read_text())["runtime_guard"]
+    assert (guard["undone"], guard["reruns"]) == ([], 0)
+    written = onnx.load(out)
+    assert [n.op_type for n in written.graph.node] == ["Relu", "Transpose", "Mul", "MatMul"]
+    assert_same_outputs(proto, written)
 
 
 def test_a_tied_weight_is_read_transposed_by_gemm_with_dynamic_leading_dims() -> None:

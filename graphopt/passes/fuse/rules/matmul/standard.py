@@ -292,6 +292,33 @@ def _build_joined_scales(b: Builder, m: Match, factor: float) -> Value:
     return b.op("MatMul", *operands)
 
 
+# A product with input A or B a Transpose ("t") of "inner" scaled by a constant "s" (Mul or Div: "scale").
+_SCALED = either(
+    op.Mul(var("inner"), const(name="s"), name="scale", commute=True),
+    op.Div(var("inner"), const(name="s"), name="scale"),
+)
+_SCALE_UNDER_TRANSPOSE = either(
+    op.MatMul(op.Transpose(_SCALED, name="t"), var("other"), name="mm"),
+    op.MatMul(var("other"), op.Transpose(_SCALED, name="t"), name="mm"),
+)
+
+
+def _plan_scale_under_transpose(m: Match, site: Site) -> Refuse | None:
+    if scalar_factor(m.value("s"), divides=m.node("scale").op_type == "Div") is None:
+        return Refuse("the scale is not a scalar constant")
+    scale_rank, rank = site.rank(m.value("s")) or 0, site.rank(m.value("inner"))
+    if scale_rank and (rank is None or scale_rank > rank):
+        return Refuse("the scale could widen its operand's rank")
+    return None
+
+
+def _build_scale_under_transpose(b: Builder, m: Match, plan: None) -> Value:
+    transposed = b.op("Transpose", m.value("inner"), **attrs_of(m.node("t")))
+    scaled = b.op(m.node("scale").op_type, transposed, m.value("s"))
+    first = m.node("mm").inputs[0] is m.node("t").outputs[0]
+    return b.op("MatMul", *((scaled, m.value("other")) if first else (m.value("other"), scaled)))
+
+
 _GEMM = op.Gemm(var("a"), var("b"), optional(var("c")), name="gemm")
 
 # Which input a Transpose folds into; which scalar op scales a product.
@@ -337,6 +364,17 @@ RULES: tuple[Rule[Any], ...] = (
         label="MatMul of scaled operands",
         doc="MatMul(x * s, y * t) -> MatMul(x * (s*t), y) for float16 or bfloat16 x and y and scalar constants s "
         "and t, either product maybe Transposed (late; attention's sqrt(scale) on Q and K^T below opset 23)",
+    ),
+    _rule(
+        name="matmul-scale-over-transpose",
+        pattern=_SCALE_UNDER_TRANSPOSE,
+        plan=_plan_scale_under_transpose,
+        build=_build_scale_under_transpose,
+        kind="late",
+        label="scale under a Transpose into MatMul",
+        doc="MatMul(Transpose(x * s), y) -> MatMul(Transpose(x) * s, y), either input, a Mul or Div by a scalar "
+        "constant (late; onnxruntime fuses a scale next to a MatMul into FusedMatMul, after the unwind pass sank "
+        "the Transposes of attention's Q and K^T below their sqrt(scale))",
     ),
     *(
         _rule(

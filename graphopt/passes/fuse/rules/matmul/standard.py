@@ -261,6 +261,13 @@ def _scaled_operand(operand: str, scale: str) -> Pattern:
 _SCALED_OPERANDS = op.MatMul(_scaled_operand("x", "s"), _scaled_operand("y", "t"))
 
 
+def _could_widen(site: Site, scale: Value, operand: Value) -> bool:
+    """Whether multiplying ``operand`` by ``scale`` may give more dims than ``operand`` has (a 0-d scale widens
+    nothing)."""
+    scale_rank, rank = site.rank(scale) or 0, site.rank(operand)
+    return bool(scale_rank) and (rank is None or scale_rank > rank)
+
+
 def _plan_joined_scales(m: Match, site: Site) -> float | Refuse:
     """The product of the two scales, or why they do not join."""
     x, y = m.value("x"), m.value("y")
@@ -271,8 +278,7 @@ def _plan_joined_scales(m: Match, site: Site) -> float | Refuse:
     if factors[0] is None or factors[1] is None:
         return Refuse("a scale is not a scalar constant")
     for operand, scale in ((x, "s"), (y, "t")):
-        scale_rank, rank = site.rank(m.value(scale)) or 0, site.rank(operand)
-        if scale_rank and (rank is None or scale_rank > rank):  # a 0-d scale widens nothing
+        if _could_widen(site, m.value(scale), operand):
             return Refuse("a scale could widen its operand's rank")
     # The two scales each fit the type; their product, stored in it, may not (two 300s, two 1e-4s in float16).
     with np.errstate(over="ignore"):  # an overflow is refused below, not warned of
@@ -306,8 +312,7 @@ _SCALE_UNDER_TRANSPOSE = either(
 def _plan_scale_under_transpose(m: Match, site: Site) -> Refuse | None:
     if scalar_factor(m.value("s"), divides=m.node("scale").op_type == "Div") is None:
         return Refuse("the scale is not a scalar constant")
-    scale_rank, rank = site.rank(m.value("s")) or 0, site.rank(m.value("inner"))
-    if scale_rank and (rank is None or scale_rank > rank):
+    if _could_widen(site, m.value("s"), m.value("inner")):
         return Refuse("the scale could widen its operand's rank")
     return None
 

@@ -277,6 +277,41 @@ def test_mul_conv_keeps_a_shift_the_padding_would_miss() -> None:
     assert "would reach the padded zeros" in details["near_misses"]["conv"][0]
 
 
+def test_mul_conv_scales_a_large_weight_in_its_own_type_without_a_float64_copy() -> None:
+    """The scaled weight is W * c computed in float64 and rounded once into W's type, and the bias takes
+    W's kernel sums times the shift; the plan, which runs at every round's match, no longer copies the
+    weight to float64 (a float64 product peaked at five times the weight's size)."""
+    weight = np.random.default_rng(0).standard_normal((6, 2, 300, 300)).astype(np.float16)  # 2.2 MB
+    scale, shift = rand_weight(4, 1, 1), rand_weight(4, 1, 1)
+    proto = conv_input_scale(scale, shift=shift, pad=0)
+    next(t for t in proto.graph.initializer if t.name == "w").CopyFrom(onnx.numpy_helper.from_array(weight, "w"))
+    proto.graph.input[0].type.tensor_type.shape.dim[2].dim_value = 304
+    proto.graph.input[0].type.tensor_type.shape.dim[3].dim_value = 304
+    model_ir = from_proto(proto)
+    steps = pipeline_from_config([{"pass": "shape-infer"}, {"pass": "fuse"}])
+    tracemalloc.start()
+    try:
+        result = optimize(model_ir, steps, check=False, fuse_late=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.report["passes"][-1]["details"]["applied"] == {"mul-conv": 1}
+    assert peak < 4 * weight.nbytes, peak
+    out = to_proto(result.model)
+    conv = next(n for n in out.graph.node if n.op_type == "Conv")
+    folded = {t.name: onnx.numpy_helper.to_array(t) for t in out.graph.initializer}
+    channel = (np.arange(6) // 3)[:, None] * 2 + np.arange(2)[None, :]  # input channel of W[m, j], 2 groups
+    wide = weight.astype(np.float64)
+    expected_w = (wide * scale.astype(np.float64).reshape(-1)[channel][:, :, None, None]).astype(np.float16)
+    assert folded[conv.input[1]].dtype == np.float16
+    assert folded[conv.input[1]].tobytes() == expected_w.tobytes()
+    bias = next(onnx.numpy_helper.to_array(t) for t in proto.graph.initializer if t.name == "b")
+    expected_b = bias.astype(np.float64) + (wide * shift.astype(np.float64).reshape(-1)[channel][:, :, None, None]).sum(
+        axis=(1, 2, 3)
+    )
+    np.testing.assert_allclose(folded[conv.input[2]].astype(np.float64), expected_b, rtol=2e-3)
+
+
 @pytest.mark.parametrize(
     ("act", "attrs"),
     [("Relu", {}), ("Sigmoid", {}), ("Tanh", {}), ("LeakyRelu", {"alpha": 0.2}), ("Clip", {}), ("HardSigmoid", {})],

@@ -201,9 +201,11 @@ _CONV_MAYBE_T = either(_CONV, op.Transpose(_CONV, name="t"))
 
 @dataclass
 class _InputAffinePlan:
-    """The Conv's weight and bias once its input's per-channel scale and shift are taken in."""
+    """The Conv's weight (in its own type), what scales each of its input channels' entries (float64, of the
+    weight's rank) and its bias (float64) once the input's per-channel shift is taken in."""
 
     w: np.ndarray
+    scale: np.ndarray
     bias: np.ndarray | None
 
 
@@ -230,7 +232,7 @@ def _unpadded(conv: Node) -> bool:
 
 def _plan_input_affine(m: Match, site: Site) -> _InputAffinePlan | Refuse:
     conv = m.node("conv")
-    w = float_array(m.value("w"))
+    w = stored_float_array(m.value("w"))
     bias = m.optional("b")
     b = None if bias is None else float_array(bias)
     if not is_float(conv.outputs[0]) or w is None or w.ndim < 3 or (bias is not None and b is None):
@@ -256,14 +258,17 @@ def _plan_input_affine(m: Match, site: Site) -> _InputAffinePlan | Refuse:
         # the shift reaches the bias only where no padded zero is summed with it
         if not _unpadded(conv):
             return Refuse("the Conv pads its input, and the shift would reach the padded zeros")
-        shifted = (w * shift[index].reshape(index.shape + spread)).reshape(w.shape[0], -1).sum(axis=1)
+        # summed over the kernel first, in float64 without a float64 copy of the weight
+        kernel_sums = w.sum(axis=tuple(range(2, w.ndim)), dtype=np.float64)
+        shifted = (kernel_sums * shift[index]).sum(axis=1)
         b = shifted if b is None else b + shifted
-    return _InputAffinePlan(w * scale[index].reshape(index.shape + spread), b)
+    return _InputAffinePlan(w, scale[index].reshape(index.shape + spread), b)
 
 
 def _build_input_affine(b: Builder, m: Match, plan: _InputAffinePlan) -> Value:
     conv, like = m.node("conv"), m.value("w")
-    inputs: list[Value | None] = [m.value("x"), new_const(b, plan.w, like, "scaled_weight"), *conv.inputs[2:]]
+    scaled = scaled_into(plan.w, plan.scale, like)
+    inputs: list[Value | None] = [m.value("x"), new_const(b, scaled, like, "scaled_weight"), *conv.inputs[2:]]
     if plan.bias is not None:
         inputs[2:3] = [new_const(b, plan.bias, like, "shifted_bias")]
     return b.op(conv.op_type, *inputs, domain=conv.domain, **attrs_of(conv))

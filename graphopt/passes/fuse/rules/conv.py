@@ -201,12 +201,14 @@ _CONV_MAYBE_T = either(_CONV, op.Transpose(_CONV, name="t"))
 
 @dataclass
 class _InputAffinePlan:
-    """The Conv's weight (in its own type), what scales each of its input channels' entries (float64, of the
-    weight's rank) and its bias (float64) once the input's per-channel shift is taken in."""
+    """The Conv's weight (in its own type), what scales each of its entries (float64, of the weight's rank), its
+    bias (float64) and what shifts each input channel of each output channel (float64, (M, C/group); None: no
+    shift)."""
 
     w: np.ndarray
     scale: np.ndarray
     bias: np.ndarray | None
+    shift: np.ndarray | None
 
 
 def _per_input_channel(m: Match, name: str, shape: tuple[object, ...], channels: int) -> np.ndarray | Refuse:
@@ -250,27 +252,31 @@ def _plan_input_affine(m: Match, site: Site) -> _InputAffinePlan | Refuse:
         return scale
     # W[m, j] reads input channel g(m) * C/group + j
     index = (np.arange(w.shape[0]) // (w.shape[0] // group))[:, None] * w.shape[1] + np.arange(w.shape[1])[None, :]
-    spread = (1,) * (w.ndim - 2)
+    shift: np.ndarray | None = None
     if "d" in m.bindings:
-        shift = _per_input_channel(m, "d", shape, w.shape[1] * group)
-        if isinstance(shift, Refuse):
-            return shift
+        found = _per_input_channel(m, "d", shape, w.shape[1] * group)
+        if isinstance(found, Refuse):
+            return found
+        shift = found
         # the shift reaches the bias only where no padded zero is summed with it
         if not _unpadded(conv):
             return Refuse("the Conv pads its input, and the shift would reach the padded zeros")
-        # summed over the kernel first, in float64 without a float64 copy of the weight
-        kernel_sums = w.sum(axis=tuple(range(2, w.ndim)), dtype=np.float64)
-        shifted = (kernel_sums * shift[index]).sum(axis=1)
-        b = shifted if b is None else b + shifted
-    return _InputAffinePlan(w, scale[index].reshape(index.shape + spread), b)
+    spread = (1,) * (w.ndim - 2)
+    return _InputAffinePlan(w, scale[index].reshape(index.shape + spread), b, None if shift is None else shift[index])
 
 
 def _build_input_affine(b: Builder, m: Match, plan: _InputAffinePlan) -> Value:
     conv, like = m.node("conv"), m.value("w")
     scaled = scaled_into(plan.w, plan.scale, like)
+    bias = plan.bias
+    if plan.shift is not None:
+        # summed over the kernel first, in float64 without a float64 copy of the weight
+        kernel_sums = plan.w.sum(axis=tuple(range(2, plan.w.ndim)), dtype=np.float64)
+        shifted = (kernel_sums * plan.shift).sum(axis=1)
+        bias = shifted if bias is None else bias + shifted
     inputs: list[Value | None] = [m.value("x"), new_const(b, scaled, like, "scaled_weight"), *conv.inputs[2:]]
-    if plan.bias is not None:
-        inputs[2:3] = [new_const(b, plan.bias, like, "shifted_bias")]
+    if bias is not None:
+        inputs[2:3] = [new_const(b, bias, like, "shifted_bias")]
     return b.op(conv.op_type, *inputs, domain=conv.domain, **attrs_of(conv))
 
 

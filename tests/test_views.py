@@ -4,6 +4,7 @@ sizes, and what was not fused for the opset alone with the hint that fits the ta
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
 import re
@@ -18,6 +19,7 @@ from rich.console import Console
 from graphopt.report.console import render_report
 from graphopt.report.views import not_fused
 from tests.cli_helpers import diagnostics, invoke, mlp, one_line_error
+from tests.passes.fuse.table import as_float16, exported_mlp
 from tests.passes.fuse_models import erf_gelu, hardswish
 
 EXPORTS = Path(__file__).parent / "fixtures" / "exports"
@@ -157,6 +159,30 @@ def test_the_run_says_what_it_left_unfolded_for_size_and_the_options_that_fold_i
     )
     assert folded.exit_code == 0 and "not folded for size" not in folded.stderr
     assert "Cast" not in {n.op_type for n in onnx.load(grown).graph.node}
+
+
+def test_the_run_names_the_rule_that_wrote_more_nodes_and_why(tmp_path: Path) -> None:
+    """Latency beats node count: a float16 Gelu is written in float32 between two Casts (onnxruntime's CPU provider
+    has no float16 Gelu kernel), so the output has two nodes more than the fused op alone; the console, the Markdown
+    summary and the JSON report say which rule wrote them, why, and the option that leaves them out."""
+    source = _save(as_float16(exported_mlp()), tmp_path / "mlp16.onnx")
+    summary, page, report = tmp_path / "summary.md", tmp_path / "report.html", tmp_path / "report.json"
+    views = ("--markdown", summary, "--html", page, "--report", report)
+    result = invoke("run", source, "-o", tmp_path / "out.onnx", *views)
+    assert result.exit_code == 0, result.stderr
+    line = next(line for line in diagnostics(result) if line.startswith("more nodes"))
+    assert line.startswith(
+        "more nodes: gelu-float32 x1 wrote 2 more than it removed: Gelu on float16 -> Cast to float32, Gelu, Cast to "
+        "float16: onnxruntime's CPU provider has no float16 Gelu kernel"
+    )
+    assert line.endswith("(--fuse-disable gelu-float32 leaves them out)")
+    assert line in summary.read_text() and html.escape(line) in page.read_text()
+    fuse_runs = [entry["details"] for entry in json.loads(report.read_text())["passes"] if entry["pass"] == "fuse"]
+    assert [details["more_nodes"] for details in fuse_runs if "more_nodes" in details] == [{"gelu-float32": 2}]
+    # what the line says works
+    kept = invoke("run", source, "-o", tmp_path / "kept.onnx", "--fuse-disable", "gelu-float32")
+    assert kept.exit_code == 0 and "more nodes" not in kept.stderr
+    assert len(onnx.load(tmp_path / "kept.onnx").graph.node) == len(onnx.load(tmp_path / "out.onnx").graph.node) - 2
 
 
 def test_the_hint_names_target_ort_only_where_onnxruntime_fuses_the_op(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from graphopt.errors import bounded, one_line
 from graphopt.passes.pipeline import DEFAULT_MAX_STEPS
-from graphopt.report.views import left_undone, op_rows, rows
+from graphopt.report.views import left_undone, more_nodes, op_rows, rows
 
 __all__ = [
     "dims_text",
@@ -96,7 +96,7 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         f" weights {size(before['initializer_bytes'])} -> {size(after['initializer_bytes'])}"
     )
     render_ops(console, before["ops"], after["ops"])
-    for line in left_undone(report, size):
+    for line in [*(grown.line() for grown in more_nodes(report)), *left_undone(report, size)]:
         console.print(escape(line))
     for line in guard_lines(report.get("runtime_guard")) + tune_lines(report.get("tune")):
         console.print(escape(one_line(line)))

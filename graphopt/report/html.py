@@ -19,6 +19,7 @@ from graphopt.report.views import (
     criterion,
     fused_ops,
     left_undone,
+    more_nodes,
     near_misses,
     op_rows,
     rows,
@@ -216,6 +217,7 @@ def _fused(report: Json) -> str:
         )
     if grown:
         parts.append("<p>ops added: " + ", ".join(f"{escape(r.name)} +{r.change}" for r in grown) + "</p>")
+    parts += [f"<p>{escape(more.line())}</p>" for more in more_nodes(report)]
     return "".join(parts) or '<p class="muted">nothing fused</p>'
 
 

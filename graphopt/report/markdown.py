@@ -13,7 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 from graphopt.report.console import dims_text, figure, file_bytes, size, totals_line
-from graphopt.report.views import criterion, fused_ops, left_undone, near_misses, op_rows, rows, verdict
+from graphopt.report.views import (
+    criterion,
+    fused_ops,
+    left_undone,
+    more_nodes,
+    near_misses,
+    op_rows,
+    rows,
+    verdict,
+)
 
 __all__ = ["MARKDOWN_MARK", "SUMMARY_LIMIT", "render_markdown"]
 
@@ -99,6 +108,7 @@ def _model(report: Json, heading: str) -> str:
     applied = fused_ops(report)
     if applied:
         parts += [f"{sub} Fused\n", ", ".join(f"`{rule}` x{n}" for rule, n in applied.items()) + "\n"]
+        parts += [f"{grown.line()}\n" for grown in more_nodes(report)]
     parts += _not_fused(report, sub)
     parts += _numerics(report.get("numerics") or {}, sub)
     if report.get("failures"):

@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "KeptSmall",
+    "MoreNodes",
     "NearMiss",
     "NotFused",
     "Counted",
@@ -24,6 +25,7 @@ __all__ = [
     "fused_ops",
     "kept_small",
     "left_undone",
+    "more_nodes",
     "near_misses",
     "not_fused",
     "op_rows",
@@ -237,6 +239,41 @@ def fused_ops(report: Json) -> dict[str, int]:
     for details in _fuse_details(report):
         applied.update(details.get("applied", {}))
     return dict(sorted(applied.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+@dataclass(frozen=True)
+class MoreNodes:
+    """A fuse rule that wrote more nodes than it removed over the run (``nodes`` more, in ``times`` rewrites), with
+    its description, which says what it writes and why (``gelu-float32``: a float16 Gelu computed in float32 between
+    two Casts, as onnxruntime's CPU provider has no float16 Gelu kernel)."""
+
+    rule: str
+    times: int
+    nodes: int
+    why: str
+
+    def line(self) -> str:
+        return (
+            f"more nodes: {self.rule} x{self.times} wrote {self.nodes} more than it removed: {self.why} "
+            f"(--fuse-disable {self.rule} leaves them out)"
+        )
+
+
+def more_nodes(report: Json) -> list[MoreNodes]:
+    """The fuse rules that added nodes over the whole run (their rewrites' nodes less the ones they replaced, summed
+    over the fuse executions), the most first: where the output has more nodes than it could, the report says which
+    rule wrote them and why (latency beats node count)."""
+    from graphopt.passes.fuse import registered_rules
+
+    added: Counter[str] = Counter()
+    for details in _fuse_details(report):
+        added.update(details.get("more_nodes", {}))
+    if not added:
+        return []
+    docs = {rule.name: rule.doc for rule in registered_rules()}
+    applied = fused_ops(report)
+    ranked = sorted(added.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [MoreNodes(rule, applied.get(rule, 0), nodes, docs.get(rule, "")) for rule, nodes in ranked]
 
 
 @dataclass(frozen=True)

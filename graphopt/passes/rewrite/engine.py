@@ -360,6 +360,10 @@ class RunStats:
     # How many matches the rounds chose, applied or not (a build may refuse one): a round that chose
     # none leaves the same choice to the next round on the same graph.
     chosen: int = 0
+    # Per rule, the nodes its rewrites added less those they removed: a rule that writes more
+    # than it removes (a float16 op computed in float32 between Casts) is named in the report,
+    # with its reason, where the node count grew for it.
+    node_delta: Counter[str] = field(default_factory=Counter)
     # (rule, id of root) -> root for each failure: the rule is not tried there again this run
     # (the root is kept so that its id is not reused by a new node).
     _failed_at: dict[tuple[str, int], Node] = field(default_factory=dict)
@@ -395,6 +399,7 @@ class RunStats:
                 for what, (opset, places) in sorted(self.below_opset.items())
             },
             **({"through_qdq": dict(sorted(self.through_qdq.items()))} if self.through_qdq else {}),
+            **({"more_nodes": grown} if (grown := {r: n for r, n in sorted(self.node_delta.items()) if n > 0}) else {}),
         }
 
 
@@ -568,6 +573,7 @@ def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
     """Rewrite one match; False when it was refused after the build, or its rule failed there
     (the build's nodes and constants go again: nothing changed)."""
     ctx, model = site.ctx, site.model
+    nodes_before = len(site.graph)
     if _read_since_found(m):
         return False  # the next round's finder sees the new reader (a near miss if it stands)
     if _entry_gone(m):
@@ -589,6 +595,7 @@ def apply_match(m: Match, site: Site, stats: RunStats) -> bool:
         if after.type is None:
             after.type = before.type
     replace_nodes([*m.feeders, *m.nodes], found, ctx.names(model))
+    stats.node_delta[m.rule.name] += len(site.graph) - nodes_before
     return True
 
 
